@@ -1,0 +1,163 @@
+//! Timing harness: CUDA-event timing after warm-up, median and spread over repeats, bandwidth
+//! against the device's copy bandwidth measured in the same run, a printed table and JSON.
+
+use cudarc::driver::sys::CUevent_flags;
+use serde_json::json;
+use std::sync::Arc;
+use te_runtime::Device;
+
+/// Median, min and max of one measurement, in microseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct Stats {
+    pub median_us: f64,
+    pub min_us: f64,
+    pub max_us: f64,
+}
+
+impl Stats {
+    pub fn from_samples(mut us: Vec<f64>) -> Stats {
+        us.sort_by(|a, b| a.total_cmp(b));
+        Stats { median_us: us[us.len() / 2], min_us: us[0], max_us: us[us.len() - 1] }
+    }
+}
+
+/// One result row.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub name: String,
+    pub shape: String,
+    pub stats: Stats,
+    /// Bytes read + written (memory-bound rows).
+    pub bytes: Option<u64>,
+    /// Target as a fraction of copy bandwidth (bandwidth rows) or a time in µs (time rows).
+    pub target: Option<Target>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum Target {
+    /// Achieved bandwidth ≥ this fraction of the copy bandwidth.
+    CopyFraction(f64),
+    /// Median time ≤ this many µs.
+    MaxMicros(f64),
+}
+
+pub struct Bench {
+    pub dev: Option<Arc<Device>>,
+    pub copy_gbps: f64,
+    pub rows: Vec<Row>,
+    filter: Option<String>,
+}
+
+impl Bench {
+    pub fn new(dev: Option<Arc<Device>>, filter: Option<String>) -> Bench {
+        Bench { dev, copy_gbps: 0.0, rows: Vec::new(), filter }
+    }
+
+    /// Whether benchmarks named `name` were asked for.
+    pub fn enabled(&self, name: &str) -> bool {
+        self.filter.as_deref().is_none_or(|f| name.contains(f))
+    }
+
+    pub fn dev(&self) -> &Arc<Device> {
+        self.dev.as_ref().expect("GPU benches run only with a device")
+    }
+
+    /// Times `launch(i)` (`i` = iteration, for rotating buffers) with CUDA events around each
+    /// call, after `warmup` untimed calls.
+    pub fn time(&self, warmup: usize, iters: usize, mut launch: impl FnMut(usize)) -> Stats {
+        let dev = self.dev();
+        let s = dev.stream();
+        for i in 0..warmup {
+            launch(i);
+        }
+        s.synchronize().expect("warm-up failed");
+        let mut events = Vec::with_capacity(iters);
+        for i in 0..iters {
+            let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+            launch(warmup + i);
+            let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+            events.push((a, b));
+        }
+        s.synchronize().expect("timed launches failed");
+        Stats::from_samples(events.iter().map(|(a, b)| a.elapsed_ms(b).expect("elapsed") as f64 * 1e3).collect())
+    }
+
+    /// Measures device-to-device copy bandwidth (bytes read + written) on a 1 GiB buffer.
+    pub fn measure_copy_bandwidth(&mut self) {
+        let dev = self.dev().clone();
+        let n = 1usize << 30;
+        let src = dev.stream().alloc_zeros::<u8>(n).expect("alloc");
+        let mut dst = dev.stream().alloc_zeros::<u8>(n).expect("alloc");
+        let st = self.time(3, 20, |_| dev.stream().memcpy_dtod(&src, &mut dst).expect("copy"));
+        self.copy_gbps = 2.0 * n as f64 / (st.median_us * 1e-6) / 1e9;
+        self.rows.push(Row { name: "device copy (memcpy DtoD)".into(), shape: "1 GiB".into(), stats: st, bytes: Some(2 * n as u64), target: None });
+    }
+
+    pub fn record(&mut self, name: &str, shape: &str, stats: Stats, bytes: Option<u64>, target: Option<Target>) {
+        self.rows.push(Row { name: name.into(), shape: shape.into(), stats, bytes, target });
+    }
+
+    fn gbps(r: &Row) -> Option<f64> {
+        r.bytes.map(|b| b as f64 / (r.stats.median_us * 1e-6) / 1e9)
+    }
+
+    fn verdict(&self, r: &Row) -> String {
+        match r.target {
+            Some(Target::CopyFraction(t)) => {
+                let f = Self::gbps(r).unwrap_or(0.0) / self.copy_gbps;
+                format!("{} (≥ {t:.2})", if f >= t { "MET" } else { "MISSED" })
+            }
+            Some(Target::MaxMicros(t)) => format!("{} (≤ {t} µs)", if r.stats.median_us <= t { "MET" } else { "MISSED" }),
+            None => String::new(),
+        }
+    }
+
+    pub fn print_table(&self) {
+        println!("\n{:<48} {:>18} {:>10} {:>10} {:>10} {:>9} {:>7}  target", "benchmark", "shape", "median µs", "min µs", "max µs", "GB/s", "÷copy");
+        for r in &self.rows {
+            let (gb, frac) = match Self::gbps(r) {
+                Some(g) if self.copy_gbps > 0.0 => (format!("{g:.0}"), format!("{:.3}", g / self.copy_gbps)),
+                _ => (String::new(), String::new()),
+            };
+            println!(
+                "{:<48} {:>18} {:>10.2} {:>10.2} {:>10.2} {:>9} {:>7}  {}",
+                r.name, r.shape, r.stats.median_us, r.stats.min_us, r.stats.max_us, gb, frac, self.verdict(r)
+            );
+        }
+    }
+
+    pub fn write_json(&self, path: &std::path::Path) {
+        let date = std::process::Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+        let (device, driver) = match &self.dev {
+            Some(d) => (d.name().to_string(), d.driver_version().map(|(a, b)| format!("CUDA {a}.{b}")).unwrap_or_default()),
+            None => ("none (CPU only)".to_string(), String::new()),
+        };
+        let rows: Vec<_> = self
+            .rows
+            .iter()
+            .map(|r| {
+                json!({
+                    "name": r.name, "shape": r.shape,
+                    "median_us": r.stats.median_us, "min_us": r.stats.min_us, "max_us": r.stats.max_us,
+                    "bytes": r.bytes, "gbps": Self::gbps(r),
+                    "fraction_of_copy": Self::gbps(r).map(|g| g / self.copy_gbps),
+                    "target": self.verdict(r),
+                })
+            })
+            .collect();
+        let doc = json!({ "device": device, "driver": driver, "date": date, "copy_gbps": self.copy_gbps, "rows": rows });
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap()).expect("write bench JSON");
+        println!("\nJSON written to {}", path.display());
+    }
+}
+
+/// Host bytes of `n` random values in `dtype` (fixed seed), for bench inputs.
+pub fn random_bytes(dtype: te_runtime::DType, n: usize, seed: u64) -> Vec<u8> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let v: Vec<f32> = (0..n).map(|_| rng.random::<f32>() * 4.0 - 2.0).collect();
+    te_runtime::reference::numerics::encode(dtype, &v)
+}

@@ -1,0 +1,43 @@
+//! Kernel benchmarks: memory-bound kernels against the copy bandwidth measured in the same run,
+//! the bulk scale update, and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//!
+//! `cargo bench --bench kernels [-- FILTER]`, or on the GPU machine `.gpu/bin/kernels-bench
+//! --bench [FILTER]`. Without a GPU only the JIT benchmarks run. JSON goes to
+//! `$OUT/bench-kernels.json` (or `target/bench-kernels.json`).
+
+mod harness;
+
+mod activation;
+mod cast;
+mod cast_transpose;
+mod jit;
+mod norm;
+mod scaling;
+mod softmax;
+
+use harness::Bench;
+
+fn main() {
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let dev = if te_runtime::device::gpu_available() {
+        Some(te_runtime::Device::new(0).unwrap_or_else(|e| panic!("cannot open the GPU: {e}")))
+    } else {
+        println!("no GPU: running only the JIT benchmarks");
+        None
+    };
+    let mut b = Bench::new(dev, filter);
+    if b.dev.is_some() {
+        println!("device: {}", b.dev().name());
+        b.measure_copy_bandwidth();
+        cast::run(&mut b);
+        cast_transpose::run(&mut b);
+        activation::run(&mut b);
+        norm::run(&mut b);
+        softmax::run(&mut b);
+        scaling::run(&mut b);
+    }
+    jit::run(&mut b);
+    b.print_table();
+    let out = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(|| "target".into());
+    b.write_json(&out.join("bench-kernels.json"));
+}

@@ -1,0 +1,11 @@
+# Sourced by the project's scripts: makes NVRTC 13.0 (from PyPI) loadable, installing it into
+# .tools/nvrtc on first use. A system CUDA 13 toolkit on the loader path works as well.
+_te_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_te_nvrtc="$_te_root/.tools/nvrtc"
+if [ ! -e "$_te_nvrtc/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+  echo "installing NVRTC 13.0 (nvidia-cuda-nvrtc==13.0.88) into $_te_nvrtc" >&2
+  python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$_te_nvrtc" \
+    nvidia-cuda-nvrtc==13.0.88 >&2
+fi
+export LD_LIBRARY_PATH="$_te_nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+unset _te_root _te_nvrtc

@@ -1,0 +1,81 @@
+//! Kernel code generation for the Transformer Engine for Rust.
+//!
+//! The pipeline is pure up to the GPU: a typed [`KernelSpec`] is rendered from a Tera template
+//! under `templates/` ([`render`]), compiled by NVRTC to a CUBIN for the target [`Arch`]
+//! ([`nvrtc`]), and stored in a checksummed on-disk cache ([`cache`]). [`KernelCompiler`] ties
+//! them together; [`prewarm`] compiles the kernel set of a model configuration ahead of time,
+//! on a machine without a GPU. Loading and launching lives in `te-runtime`.
+
+pub mod arch;
+pub mod cache;
+pub mod compiler;
+pub mod dtype;
+pub mod nvrtc;
+pub mod prewarm;
+pub mod render;
+pub mod spec;
+
+pub use arch::Arch;
+pub use cache::DiskCache;
+pub use compiler::{CompileOutcome, KernelCompiler};
+pub use dtype::DType;
+pub use nvrtc::{Binary, BinaryKind, Nvrtc};
+pub use spec::KernelSpec;
+
+use std::path::PathBuf;
+
+/// Errors of spec validation, rendering, compilation and the cache.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A spec the templates do not support.
+    #[error("invalid kernel spec {kernel}: {reason}")]
+    InvalidSpec {
+        /// Kernel name.
+        kernel: String,
+        /// What is wrong and what to change.
+        reason: String,
+    },
+    /// Tera failed to render a template (an undefined variable, a syntax error).
+    #[error("rendering {template} for kernel {kernel} failed: {message}")]
+    Render {
+        /// Kernel name.
+        kernel: String,
+        /// Template file.
+        template: String,
+        /// Tera's error with its causes.
+        message: String,
+    },
+    /// libnvrtc could not be loaded.
+    #[error(
+        "NVRTC (libnvrtc.so.13) was not found. Install it with `pip install nvidia-cuda-nvrtc==13.0.88` \
+         and put its `nvidia/cu13/lib` folder on LD_LIBRARY_PATH (the README's test command does both), \
+         or install the CUDA 13 toolkit"
+    )]
+    NvrtcMissing,
+    /// NVRTC rejected a rendered kernel.
+    #[error("NVRTC failed to compile kernel {kernel} with options {options:?}; rendered source written to {}\n{log}", source_path.display())]
+    Compile {
+        /// Kernel name.
+        kernel: String,
+        /// The NVRTC options used.
+        options: Vec<String>,
+        /// NVRTC's log.
+        log: String,
+        /// Where the rendered source was written for inspection.
+        source_path: PathBuf,
+    },
+    /// An NVRTC API call failed outside compilation proper.
+    #[error("NVRTC call failed: {0:?}")]
+    Nvrtc(#[from] cudarc::nvrtc::result::NvrtcError),
+    /// A model configuration file could not be read or parsed.
+    #[error("model configuration {path}: {message}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

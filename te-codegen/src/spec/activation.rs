@@ -1,0 +1,162 @@
+//! Family 4: bias + activation (+ FP8 cast with amax) forward and the activation backward.
+
+use super::cast::{check_pow2, check_threads};
+use super::{vector_width, Direction, Family};
+use crate::{Arch, DType};
+use serde::{Deserialize, Serialize};
+
+/// Activation functions, with TE's definitions (`common/util/math.h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// GELU, tanh approximation: `0.5 x (1 + tanh(0.79788456 (x + 0.044715 x³)))`.
+    Gelu,
+    /// `max(x, 0)`.
+    Relu,
+    /// SwiGLU on `[a | b]` (each `cols` wide): `silu(a) * b`, `silu(a) = a / (1 + e^-a)`.
+    Swiglu,
+    /// GeGLU on `[a | b]`: `gelu(a) * b` with the tanh GELU.
+    Geglu,
+}
+
+impl Activation {
+    /// Every activation.
+    pub const ALL: [Activation; 4] = [Activation::Gelu, Activation::Relu, Activation::Swiglu, Activation::Geglu];
+
+    /// Gated (GLU) variants read an input twice as wide as their output.
+    pub const fn is_gated(self) -> bool {
+        matches!(self, Activation::Swiglu | Activation::Geglu)
+    }
+
+    /// Lowercase name (`gelu`, `relu`, `swiglu`, `geglu`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Activation::Gelu => "gelu",
+            Activation::Relu => "relu",
+            Activation::Swiglu => "swiglu",
+            Activation::Geglu => "geglu",
+        }
+    }
+}
+
+impl std::fmt::Display for Activation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Activation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Activation::ALL
+            .into_iter()
+            .find(|a| a.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| format!("unknown activation `{s}`: expected gelu, relu, swiglu or geglu"))
+    }
+}
+
+/// Row-wise activation over `[rows, cols]` outputs (`rows` is a run-time argument).
+///
+/// Forward: `y = act(x + bias)` with `x: [rows, in_cols]`, `bias: [in_cols]` (when `bias`),
+/// `y: [rows, cols]`, where `in_cols = 2 * cols` for gated activations and `cols` otherwise.
+/// With an FP8 `output` the kernel quantizes with `scale`, maxes `|y|` into `amax` and writes
+/// `scale_inv`. Backward: `dx = dact(x) * dy` with `dy: [rows, cols]`, `x` and `dx` `[rows,
+/// in_cols]`; an FP8 `output` quantizes `dx` the same way. `bias` is forward-only.
+///
+/// Kernel arguments, forward: `(x, [bias], y, [scale, amax, scale_inv], rows)`; backward:
+/// `(dy, x, dx, [scale, amax, scale_inv], rows)`; bracketed ones only when enabled; `rows` u64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ActivationSpec {
+    /// The activation.
+    pub act: Activation,
+    /// Forward or backward.
+    pub direction: Direction,
+    /// Type of `x` (and `dy`): f32, bf16 or f16.
+    pub input: DType,
+    /// Type of `y` (forward) or `dx` (backward): high precision or FP8.
+    pub output: DType,
+    /// Output feature size (`cols`), specialized.
+    pub cols: usize,
+    /// Forward only: add a `[in_cols]` bias before the activation.
+    pub bias: bool,
+    /// Output elements per thread per vector access.
+    pub vec: usize,
+    /// Threads per block.
+    pub threads: usize,
+    /// Target architecture.
+    pub arch: Arch,
+}
+
+impl ActivationSpec {
+    /// A spec with the default tuning.
+    pub fn new(act: Activation, direction: Direction, input: DType, output: DType, cols: usize, bias: bool, arch: Arch) -> Self {
+        let vec = vector_width(cols, input.size_bytes(), 16);
+        Self { act, direction, input, output, cols, bias, vec, threads: 256, arch }
+    }
+
+    /// Width of the input rows: `2 * cols` for gated activations.
+    pub const fn in_cols(&self) -> usize {
+        if self.act.is_gated() {
+            2 * self.cols
+        } else {
+            self.cols
+        }
+    }
+}
+
+impl Family for ActivationSpec {
+    fn family(&self) -> &'static str {
+        "act"
+    }
+    fn template(&self) -> &'static str {
+        "activation.cu.tera"
+    }
+    fn name_parts(&self) -> String {
+        format!(
+            "{}_{}_{}_{}_c{}{}_v{}_t{}",
+            self.act,
+            self.direction.name(),
+            self.input,
+            self.output,
+            self.cols,
+            if self.bias { "_bias" } else { "" },
+            self.vec,
+            self.threads
+        )
+    }
+    fn arch(&self) -> Arch {
+        self.arch
+    }
+    fn context(&self, ctx: &mut tera::Context) {
+        ctx.insert("act", self.act.name());
+        ctx.insert("gated", &self.act.is_gated());
+        ctx.insert("direction", self.direction.name());
+        ctx.insert("in_t", self.input.type_tag());
+        ctx.insert("out_t", self.output.type_tag());
+        ctx.insert("out_fp8", &self.output.is_fp8());
+        ctx.insert("cols", &self.cols);
+        ctx.insert("in_cols", &self.in_cols());
+        ctx.insert("bias", &self.bias);
+        ctx.insert("vec", &self.vec);
+        ctx.insert("threads", &self.threads);
+    }
+    fn validate(&self) -> Result<(), String> {
+        if !self.input.is_high_precision() {
+            return Err(format!("activation input must be f32, bf16 or f16, not {}", self.input));
+        }
+        if self.cols == 0 {
+            return Err("cols must be at least 1".into());
+        }
+        if self.output.is_fp8() && self.cols % 16 != 0 {
+            return Err(format!("FP8 output needs cols % 16 == 0; cols = {} (pad to {})", self.cols, self.cols.div_ceil(16) * 16));
+        }
+        if self.bias && self.direction == Direction::Bwd {
+            return Err("bias is fused in the forward only; the backward takes x + bias as its input".into());
+        }
+        if self.cols % self.vec != 0 {
+            return Err(format!("vec = {} must divide cols = {}", self.vec, self.cols));
+        }
+        check_pow2("vec", self.vec, 1, 16)?;
+        check_threads(self.threads)
+    }
+}

@@ -1,0 +1,166 @@
+//! Typed kernel specifications: one struct per fused-kernel family.
+//!
+//! A [`KernelSpec`] names everything a kernel is specialized on (dtypes, the feature dimension,
+//! tile/vector/thread shape, fused epilogues, target arch). It renders to exactly one CUDA source
+//! (see [`crate::render`]), has a deterministic [`KernelSpec::name`] and a content
+//! [`KernelSpec::hash`]. Specs are plain data: building and hashing them needs no GPU.
+
+mod activation;
+mod cast;
+mod cast_transpose;
+mod norm;
+mod scaling;
+mod softmax;
+
+pub use activation::{Activation, ActivationSpec};
+pub use cast::{CastKind, CastSpec};
+pub use cast_transpose::CastTransposeSpec;
+pub use norm::{NormKind, NormSpec};
+pub use scaling::{AmaxComputeAlgo, ScalingKind, ScalingSpec};
+pub use softmax::{MaskKind, SoftmaxSpec};
+
+use crate::{Arch, Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// Version of the spec → source mapping; part of every hash and cache key. Bump it when a
+/// change to the Rust side changes what a spec means without changing its fields.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Forward or backward pass of a kernel family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Direction {
+    /// The forward pass.
+    Fwd,
+    /// The backward pass (gradients).
+    Bwd,
+}
+
+impl Direction {
+    /// `fwd` or `bwd`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Direction::Fwd => "fwd",
+            Direction::Bwd => "bwd",
+        }
+    }
+}
+
+/// What every family's spec provides to the renderer.
+pub trait Family: std::fmt::Debug {
+    /// The family's name in kernel names (`cast`, `cast_transpose`, `layernorm`, ...).
+    fn family(&self) -> &'static str;
+    /// Template file under `templates/` that renders this spec.
+    fn template(&self) -> &'static str;
+    /// The parameters that make this kernel distinct, as a name fragment (`bf16_e4m3_c4096`).
+    fn name_parts(&self) -> String;
+    /// The target architecture.
+    fn arch(&self) -> Arch;
+    /// Template variables (besides `name` and `arch`, which the renderer sets).
+    fn context(&self, ctx: &mut tera::Context);
+    /// Suffixes appended to [`KernelSpec::name`] for each `extern "C"` entry point the module
+    /// defines. Most families define one kernel (`[""]`).
+    fn entry_suffixes(&self) -> &'static [&'static str] {
+        &[""]
+    }
+    /// Checks that the combination is one the template supports; the error says what to change.
+    fn validate(&self) -> std::result::Result<(), String>;
+}
+
+/// One specialized kernel module of any family.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum KernelSpec {
+    /// Family 1: quantize to FP8 with amax, dequantize, amax only.
+    Cast(CastSpec),
+    /// Families 2, 3 and the dact backward of 4: cast + transpose (+ dbias) (+ dact).
+    CastTranspose(CastTransposeSpec),
+    /// Family 4: bias + activation (+ FP8 cast) forward, activation backward.
+    Activation(ActivationSpec),
+    /// Family 5: LayerNorm / RMSNorm forward and backward.
+    Norm(NormSpec),
+    /// Family 6: scaled (masked) softmax forward and backward.
+    Softmax(SoftmaxSpec),
+    /// Family 7: delayed-scaling update and current-scaling scale computation.
+    Scaling(ScalingSpec),
+}
+
+impl KernelSpec {
+    /// The family's spec as a trait object.
+    pub fn family(&self) -> &dyn Family {
+        match self {
+            KernelSpec::Cast(s) => s,
+            KernelSpec::CastTranspose(s) => s,
+            KernelSpec::Activation(s) => s,
+            KernelSpec::Norm(s) => s,
+            KernelSpec::Softmax(s) => s,
+            KernelSpec::Scaling(s) => s,
+        }
+    }
+
+    /// Deterministic kernel name: `te_<family>_<parameters>_<arch>`, a valid C identifier.
+    pub fn name(&self) -> String {
+        let f = self.family();
+        format!("te_{}_{}_{}", f.family(), f.name_parts(), f.arch().name())
+    }
+
+    /// The `extern "C"` entry points of the rendered module, in the family's order.
+    pub fn entry_points(&self) -> Vec<String> {
+        let name = self.name();
+        self.family()
+            .entry_suffixes()
+            .iter()
+            .map(|s| format!("{name}{s}"))
+            .collect()
+    }
+
+    /// The target architecture.
+    pub fn arch(&self) -> Arch {
+        self.family().arch()
+    }
+
+    /// Content hash of the spec (BLAKE3 over the schema version and every field), hex encoded.
+    /// The disk cache keys on the rendered source instead, so template edits invalidate it too.
+    pub fn hash(&self) -> String {
+        let mut h = blake3::Hasher::new();
+        h.update(&SCHEMA_VERSION.to_le_bytes());
+        h.update(format!("{self:?}").as_bytes());
+        h.finalize().to_hex().to_string()
+    }
+
+    /// Checks that the template supports this combination.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSpec`] naming the kernel and what to change.
+    pub fn validate(&self) -> Result<()> {
+        self.family().validate().map_err(|reason| Error::InvalidSpec {
+            kernel: self.name(),
+            reason,
+        })
+    }
+}
+
+macro_rules! impl_from_spec {
+    ($($variant:ident($ty:ty)),* $(,)?) => {
+        $(impl From<$ty> for KernelSpec {
+            fn from(s: $ty) -> Self {
+                KernelSpec::$variant(s)
+            }
+        })*
+    };
+}
+impl_from_spec!(
+    Cast(CastSpec),
+    CastTranspose(CastTransposeSpec),
+    Activation(ActivationSpec),
+    Norm(NormSpec),
+    Softmax(SoftmaxSpec),
+    Scaling(ScalingSpec),
+);
+
+/// Largest vector width (elements) ≤ `max_bytes / elem_bytes` that divides `n`.
+pub(crate) fn vector_width(n: usize, elem_bytes: usize, max_bytes: usize) -> usize {
+    let mut v = (max_bytes / elem_bytes).max(1);
+    while v > 1 && n % v != 0 {
+        v /= 2;
+    }
+    v
+}

@@ -1,0 +1,147 @@
+//! Family 5: LayerNorm and RMSNorm forward (optionally writing FP8 with amax) and backward.
+
+use super::cast::check_threads;
+use super::{Direction, Family};
+use crate::{Arch, DType};
+use serde::{Deserialize, Serialize};
+
+/// Which normalization.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormKind {
+    /// `y = (x - mu) * rsigma * g + beta`, `rsigma = 1/sqrt(var + eps)` (biased variance).
+    LayerNorm,
+    /// `y = x * rsigma * g`, `rsigma = 1/sqrt(mean(x²) + eps)`.
+    RmsNorm,
+}
+
+impl NormKind {
+    /// `layernorm` or `rmsnorm`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            NormKind::LayerNorm => "layernorm",
+            NormKind::RmsNorm => "rmsnorm",
+        }
+    }
+}
+
+impl std::str::FromStr for NormKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "layernorm" => Ok(NormKind::LayerNorm),
+            "rmsnorm" => Ok(NormKind::RmsNorm),
+            _ => Err(format!("unknown normalization `{s}`: expected layernorm or rmsnorm")),
+        }
+    }
+}
+
+/// Row-wise normalization of `x: [rows, hidden]` (`rows` and `eps` are run-time arguments).
+///
+/// `g = zero_centered_gamma ? 1 + gamma : gamma` (TE's `zero_centered_gamma`). Forward saves
+/// `mu: [rows]` (LayerNorm) and `rsigma: [rows]` in f32; an FP8 `output` is quantized with
+/// `scale`, maxes `|y|` into `amax` and writes `scale_inv`. Backward (TE
+/// `common/normalization/layernorm/ln_bwd_kernels.cuh`): with `xhat = (x - mu) * rsigma` and
+/// `dyg = dy * g`, LayerNorm `dx = rsigma * (dyg - mean(dyg) - xhat * mean(dyg * xhat))`,
+/// RMSNorm `dx = rsigma * (dyg - xhat * mean(dyg * xhat))`; `dgamma = Σ_rows dy * xhat`,
+/// `dbeta = Σ_rows dy`, reduced deterministically (per-block f32 partials, then a fixed-order
+/// second kernel).
+///
+/// Entry points, forward: `<name>(x, gamma, [beta], y, [mu], rsigma, [scale, amax, scale_inv],
+/// eps, rows)`; backward: `<name>(dy, x, [mu], rsigma, gamma, dx, dgamma_partial,
+/// [dbeta_partial], rows)` and `<name>_reduce(dgamma_partial, [dbeta_partial], dgamma, [dbeta],
+/// parts)`. `eps` is f32, `rows`/`parts` u64; partials are f32 `[parts, hidden]` with
+/// `parts = ceil(rows / rows_per_block)` from [`NormSpec::bwd_rows_per_block`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct NormSpec {
+    /// LayerNorm or RMSNorm.
+    pub kind: NormKind,
+    /// Forward or backward.
+    pub direction: Direction,
+    /// Type of `x` (and `dy`).
+    pub input: DType,
+    /// Type of `y` (forward; may be FP8) or `dx` (backward; high precision).
+    pub output: DType,
+    /// Type of `gamma`/`beta` and of `dgamma`/`dbeta`.
+    pub weight: DType,
+    /// Feature size, specialized.
+    pub hidden: usize,
+    /// Gamma is stored as `gamma - 1`.
+    pub zero_centered_gamma: bool,
+    /// Threads per block (one row per block in the forward).
+    pub threads: usize,
+    /// Target architecture.
+    pub arch: Arch,
+}
+
+impl NormSpec {
+    /// A spec with the default tuning.
+    pub fn new(kind: NormKind, direction: Direction, input: DType, output: DType, weight: DType, hidden: usize, zero_centered_gamma: bool, arch: Arch) -> Self {
+        let threads = (hidden / 32).clamp(32, 512).next_power_of_two().min(512);
+        Self { kind, direction, input, output, weight, hidden, zero_centered_gamma, threads, arch }
+    }
+
+    /// Rows each backward block handles (so `parts = ceil(rows / this)`).
+    pub const fn bwd_rows_per_block(&self) -> usize {
+        32
+    }
+}
+
+impl Family for NormSpec {
+    fn family(&self) -> &'static str {
+        self.kind.name()
+    }
+    fn template(&self) -> &'static str {
+        match self.direction {
+            Direction::Fwd => "norm_fwd.cu.tera",
+            Direction::Bwd => "norm_bwd.cu.tera",
+        }
+    }
+    fn name_parts(&self) -> String {
+        format!(
+            "{}_{}_{}_w{}_h{}{}_t{}",
+            self.direction.name(),
+            self.input,
+            self.output,
+            self.weight,
+            self.hidden,
+            if self.zero_centered_gamma { "_zc" } else { "" },
+            self.threads
+        )
+    }
+    fn arch(&self) -> Arch {
+        self.arch
+    }
+    fn context(&self, ctx: &mut tera::Context) {
+        ctx.insert("rmsnorm", &(self.kind == NormKind::RmsNorm));
+        ctx.insert("in_t", self.input.type_tag());
+        ctx.insert("out_t", self.output.type_tag());
+        ctx.insert("out_fp8", &self.output.is_fp8());
+        ctx.insert("w_t", self.weight.type_tag());
+        ctx.insert("hidden", &self.hidden);
+        ctx.insert("zero_centered_gamma", &self.zero_centered_gamma);
+        ctx.insert("threads", &self.threads);
+        ctx.insert("rows_per_block", &self.bwd_rows_per_block());
+    }
+    fn entry_suffixes(&self) -> &'static [&'static str] {
+        match self.direction {
+            Direction::Fwd => &[""],
+            Direction::Bwd => &["", "_reduce"],
+        }
+    }
+    fn validate(&self) -> Result<(), String> {
+        if !self.input.is_high_precision() || !self.weight.is_high_precision() {
+            return Err(format!("norm input and weights must be f32, bf16 or f16 (input {}, weight {})", self.input, self.weight));
+        }
+        if self.direction == Direction::Bwd && self.output.is_fp8() {
+            return Err("the norm backward writes dx in f32, bf16 or f16, not FP8".into());
+        }
+        if self.hidden == 0 {
+            return Err("hidden must be at least 1".into());
+        }
+        if self.output.is_fp8() && self.hidden % 16 != 0 {
+            return Err(format!("FP8 output needs hidden % 16 == 0; hidden = {} (pad to {})", self.hidden, self.hidden.div_ceil(16) * 16));
+        }
+        check_threads(self.threads)
+    }
+}

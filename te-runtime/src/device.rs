@@ -1,0 +1,127 @@
+//! The CUDA device: context, stream, arch and the kernels loaded on it.
+
+use crate::kernels::KernelCache;
+use crate::{Error, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use std::sync::Arc;
+use te_codegen::{Arch, KernelCompiler, KernelSpec};
+
+/// True when libcuda loads and reports at least one device. Never panics.
+pub fn gpu_available() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return false;
+    }
+    CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+}
+
+/// One GPU: a context, the stream all work is issued on, and its JIT-loaded kernels.
+#[derive(Debug)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    name: String,
+    compute_capability: (i32, i32),
+    sm_count: usize,
+    kernels: KernelCache,
+}
+
+impl Device {
+    /// Opens device `ordinal` with the disk cache the environment asks for.
+    ///
+    /// # Errors
+    /// [`Error::DriverMissing`], [`Error::NoDevice`], [`Error::UnsupportedArch`] (no FP8), or
+    /// [`te_codegen::Error::NvrtcMissing`] wrapped in [`Error::Codegen`].
+    pub fn new(ordinal: usize) -> Result<Arc<Device>> {
+        Self::with_compiler(ordinal, KernelCompiler::from_env()?)
+    }
+
+    /// Opens device `ordinal`, compiling kernels with `compiler`.
+    ///
+    /// # Errors
+    /// As [`Device::new`].
+    pub fn with_compiler(ordinal: usize, compiler: KernelCompiler) -> Result<Arc<Device>> {
+        // SAFETY: only tries to dlopen the driver library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::DriverMissing);
+        }
+        let count = CudaContext::device_count()? as usize;
+        if ordinal >= count {
+            return Err(Error::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let name = ctx.name()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = Arch::from_compute_capability(major, minor).ok_or_else(|| Error::UnsupportedArch { device: name.clone(), major, minor })?;
+        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        // All work goes to one stream, so cudarc's per-buffer event tracking is pure overhead.
+        // SAFETY: no buffer has been allocated on this context yet.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        Ok(Arc::new(Device { ctx, stream, arch, name, compute_capability: (major, minor), sm_count, kernels: KernelCache::new(compiler) }))
+    }
+
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every op of this crate runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The compile target of this GPU.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// The GPU's name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Compute capability `(major, minor)`.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
+    }
+
+    /// The driver's CUDA version `(major, minor)`, e.g. `(13, 0)`.
+    ///
+    /// # Errors
+    /// Driver failures.
+    pub fn driver_version(&self) -> Result<(i32, i32)> {
+        let mut v = 0;
+        // SAFETY: the driver is loaded (a context exists); `v` is a valid out-pointer.
+        unsafe { sys::cuDriverGetVersion(&mut v) }.result()?;
+        Ok((v / 1000, (v % 1000) / 10))
+    }
+
+    /// Number of streaming multiprocessors.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// The kernels loaded on this device.
+    pub fn kernels(&self) -> &KernelCache {
+        &self.kernels
+    }
+
+    /// Entry point `entry` (index into [`KernelSpec::entry_points`]) of `spec`, compiled and
+    /// loaded on first use.
+    ///
+    /// # Errors
+    /// Compile and load failures.
+    pub fn function(&self, spec: &KernelSpec, entry: usize) -> Result<CudaFunction> {
+        self.kernels.function(&self.ctx, spec, entry)
+    }
+
+    /// Waits for all work on the stream.
+    ///
+    /// # Errors
+    /// A failed kernel surfaces here.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}

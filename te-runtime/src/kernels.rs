@@ -1,0 +1,65 @@
+//! In-process kernel cache: spec → loaded module, compiled once even when many threads ask at
+//! once (a per-spec lock), through the disk cache of [`te_codegen::KernelCompiler`].
+
+use crate::Result;
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use te_codegen::{BinaryKind, KernelCompiler, KernelSpec};
+
+type Slot = Arc<Mutex<Option<Arc<Vec<CudaFunction>>>>>;
+
+/// Loaded kernel modules of one device.
+#[derive(Debug)]
+pub struct KernelCache {
+    compiler: KernelCompiler,
+    modules: Mutex<HashMap<KernelSpec, Slot>>,
+}
+
+impl KernelCache {
+    /// An empty cache compiling through `compiler`.
+    pub fn new(compiler: KernelCompiler) -> Self {
+        Self { compiler, modules: Mutex::new(HashMap::new()) }
+    }
+
+    /// The compiler (and through it the disk cache).
+    pub fn compiler(&self) -> &KernelCompiler {
+        &self.compiler
+    }
+
+    /// Number of modules loaded.
+    pub fn len(&self) -> usize {
+        self.modules.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// True when nothing is loaded yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Entry point `entry` of `spec`, compiling (or reading the disk cache) and loading it into
+    /// `ctx` on first use. Failures are not cached: a later call tries again.
+    ///
+    /// # Errors
+    /// Compile and module-load failures.
+    pub fn function(&self, ctx: &Arc<CudaContext>, spec: &KernelSpec, entry: usize) -> Result<CudaFunction> {
+        let slot = {
+            let mut map = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            map.entry(spec.clone()).or_default().clone()
+        };
+        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            let (bin, _) = self.compiler.compile(spec)?;
+            let image = match bin.kind {
+                BinaryKind::Cubin => Ptx::from_binary(bin.bytes),
+                BinaryKind::Ptx => Ptx::from_src(String::from_utf8_lossy(&bin.bytes).trim_end_matches('\0').to_string()),
+            };
+            let module = ctx.load_module(image)?;
+            let funcs = spec.entry_points().iter().map(|e| module.load_function(e)).collect::<Result<Vec<_>, _>>()?;
+            *guard = Some(Arc::new(funcs));
+        }
+        let funcs = guard.as_ref().expect("loaded above");
+        Ok(funcs.get(entry).unwrap_or_else(|| panic!("{} has {} entry points, asked for #{entry}", spec.name(), funcs.len())).clone())
+    }
+}

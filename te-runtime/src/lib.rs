@@ -1,0 +1,71 @@
+//! Runtime of the Transformer Engine for Rust: the device, JIT-loaded kernels, device tensors,
+//! the fused FP8 ops, and a CPU reference of every op (the oracle of the GPU tests and the path
+//! CI checks numerics on).
+//!
+//! Every GPU entry point returns a typed [`Error`] instead of panicking: a missing driver or
+//! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
+
+pub mod device;
+pub mod kernels;
+pub mod ops;
+pub mod reference;
+pub mod tensor;
+
+pub use device::Device;
+pub use te_codegen::{Arch, DType};
+pub use tensor::Tensor;
+
+/// Errors of the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// libcuda could not be loaded.
+    #[error("the CUDA driver (libcuda.so) was not found: install an NVIDIA driver, or put the folder holding libcuda.so on LD_LIBRARY_PATH")]
+    DriverMissing,
+    /// The driver loaded but reports no device (or not the one asked for).
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver sees.
+        count: usize,
+    },
+    /// The GPU has no FP8 support (pre-Ada) or is not a target yet.
+    #[error("{device} has compute capability {major}.{minor}; the FP8 kernels target Ada (8.9) and Hopper (9.0)")]
+    UnsupportedArch {
+        /// Device name.
+        device: String,
+        /// Compute capability major.
+        major: i32,
+        /// Compute capability minor.
+        minor: i32,
+    },
+    /// Rendering or compiling a kernel failed (or NVRTC is missing).
+    #[error(transparent)]
+    Codegen(#[from] te_codegen::Error),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// A shape an op cannot take; the message says what to change.
+    #[error("{op}: {message}")]
+    Shape {
+        /// The op.
+        op: &'static str,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// An argument of the wrong element type.
+    #[error("{op}: `{arg}` must be {expected}, got {got}")]
+    DType {
+        /// The op.
+        op: &'static str,
+        /// The argument.
+        arg: &'static str,
+        /// What is accepted.
+        expected: String,
+        /// What was passed.
+        got: te_codegen::DType,
+    },
+}
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

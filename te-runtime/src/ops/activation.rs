@@ -1,0 +1,1 @@
+//! Launchers of the activation kernels (being written).

@@ -1,0 +1,1 @@
+//! Launchers of the cast_transpose kernels (being written).

@@ -1,0 +1,1 @@
+//! Launchers of the norm kernels (being written).

@@ -1,0 +1,1 @@
+//! Launchers of the scaling kernels (being written).

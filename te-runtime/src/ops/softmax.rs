@@ -1,0 +1,1 @@
+//! Launchers of the softmax kernels (being written).

@@ -1,0 +1,1 @@
+//! CPU reference of the activation kernels (being written).

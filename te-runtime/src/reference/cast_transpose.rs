@@ -1,0 +1,1 @@
+//! CPU reference of the cast_transpose kernels (being written).

@@ -1,0 +1,11 @@
+//! CPU reference of every kernel family: the oracle of the GPU tests and the path CI checks
+//! numerics on. Each function mirrors its kernel's arithmetic (f32 math in the same order where
+//! it decides rounding), so FP8 casts match bit for bit and reductions within float rounding.
+
+pub mod activation;
+pub mod cast;
+pub mod cast_transpose;
+pub mod norm;
+pub mod numerics;
+pub mod scaling;
+pub mod softmax;

@@ -1,0 +1,1 @@
+//! CPU reference of the norm kernels (being written).

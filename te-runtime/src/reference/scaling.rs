@@ -1,0 +1,1 @@
+//! CPU reference of the scaling kernels (being written).

@@ -1,0 +1,1 @@
+//! CPU reference of the softmax kernels (being written).

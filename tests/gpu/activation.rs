@@ -1,0 +1,1 @@
+//! GPU tests of the activation kernels (being written).

@@ -1,0 +1,1 @@
+//! GPU tests of the cast_transpose kernels (being written).

@@ -1,0 +1,64 @@
+//! Shared helpers of the GPU tests.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::{Arc, OnceLock};
+use te_runtime::device::gpu_available;
+use te_runtime::Device;
+
+/// The GPU, or `None` (test skips) when there is none and `TE_REQUIRE_GPU` is not `1`.
+///
+/// # Panics
+/// When `TE_REQUIRE_GPU=1` and no GPU can be opened: a GPU test must never pass without running.
+pub fn device() -> Option<Arc<Device>> {
+    static DEV: OnceLock<Option<Arc<Device>>> = OnceLock::new();
+    DEV.get_or_init(|| {
+        let required = std::env::var("TE_REQUIRE_GPU").is_ok_and(|v| v == "1");
+        if !gpu_available() {
+            assert!(!required, "TE_REQUIRE_GPU=1 but no CUDA GPU is available");
+            eprintln!("no GPU: skipping GPU test");
+            return None;
+        }
+        match Device::new(0) {
+            Ok(d) => Some(d),
+            Err(e) => panic!("a GPU is present but could not be opened: {e}"),
+        }
+    })
+    .clone()
+}
+
+/// `n` values `~ N(0, std)` (Box-Muller) from a fixed seed.
+pub fn randn(seed: u64, n: usize, std: f32) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let u1: f32 = rng.random::<f32>().max(1e-7);
+            let u2: f32 = rng.random::<f32>();
+            std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+        })
+        .collect()
+}
+
+/// Asserts `|got - want| <= atol + rtol * |want|` elementwise (NaN only matches NaN).
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut bad = 0;
+    let mut first = None;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_nan() { g.is_nan() } else { (g - w).abs() <= atol + rtol * w.abs() };
+        if !ok {
+            bad += 1;
+            first.get_or_insert((i, g, w));
+        }
+    }
+    assert!(bad == 0, "{what}: {bad}/{} elements differ; first at {:?} (index, got, want); rtol {rtol} atol {atol}", got.len(), first.unwrap());
+}
+
+/// Asserts two byte buffers are identical, reporting the first difference.
+pub fn assert_bits_eq(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        let bad = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        panic!("{what}: {bad}/{} bytes differ; first at {i}: got {:#04x}, want {:#04x}", got.len(), got[i], want[i]);
+    }
+}

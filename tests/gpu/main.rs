@@ -1,0 +1,12 @@
+//! GPU tests: every kernel family against the CPU reference on random inputs with fixed seeds,
+//! at shapes that are and are not tile multiples. Without a GPU each test skips, unless
+//! `TE_REQUIRE_GPU=1` (set by `.gpu/run-tests`), where a missing GPU fails.
+
+mod common;
+
+mod activation;
+mod cast;
+mod cast_transpose;
+mod norm;
+mod scaling;
+mod softmax;

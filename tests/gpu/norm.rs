@@ -1,0 +1,1 @@
+//! GPU tests of the norm kernels (being written).

@@ -1,0 +1,1 @@
+//! GPU tests of the softmax kernels (being written).
