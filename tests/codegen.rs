@@ -6,7 +6,8 @@ use te_codegen::spec::{CastSpec, KernelSpec};
 use te_codegen::{Arch, BinaryKind, CompileOutcome, DType, DiskCache, KernelCompiler};
 
 fn compiler(cache: DiskCache) -> KernelCompiler {
-    KernelCompiler::new(cache).expect("NVRTC must be loadable in CI: run the tests through scripts/test, which installs it")
+    KernelCompiler::new(cache)
+        .expect("NVRTC must be loadable in CI: run the tests through scripts/test, which installs it")
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -95,7 +96,9 @@ fn invalid_specs_are_typed_errors() {
 fn compile_errors_name_kernel_options_log_and_source() {
     let nvrtc = te_codegen::Nvrtc::load().unwrap();
     let (opts, kind) = nvrtc.options(Arch::Sm90a);
-    let err = nvrtc.compile("te_broken", "extern \"C\" __global__ void te_broken() { undefined_thing; }", &opts, kind).unwrap_err();
+    let err = nvrtc
+        .compile("te_broken", "extern \"C\" __global__ void te_broken() { undefined_thing; }", &opts, kind)
+        .unwrap_err();
     let te_codegen::Error::Compile { kernel, options, log, source_path } = &err else { panic!("{err}") };
     assert_eq!(kernel, "te_broken");
     assert_eq!(options, &opts);

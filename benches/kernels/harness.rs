@@ -90,7 +90,13 @@ impl Bench {
         let mut dst = dev.stream().alloc_zeros::<u8>(n).expect("alloc");
         let st = self.time(3, 20, |_| dev.stream().memcpy_dtod(&src, &mut dst).expect("copy"));
         self.copy_gbps = 2.0 * n as f64 / (st.median_us * 1e-6) / 1e9;
-        self.rows.push(Row { name: "device copy (memcpy DtoD)".into(), shape: "1 GiB".into(), stats: st, bytes: Some(2 * n as u64), target: None });
+        self.rows.push(Row {
+            name: "device copy (memcpy DtoD)".into(),
+            shape: "1 GiB".into(),
+            stats: st,
+            bytes: Some(2 * n as u64),
+            target: None,
+        });
     }
 
     pub fn record(&mut self, name: &str, shape: &str, stats: Stats, bytes: Option<u64>, target: Option<Target>) {
@@ -107,13 +113,18 @@ impl Bench {
                 let f = Self::gbps(r).unwrap_or(0.0) / self.copy_gbps;
                 format!("{} (≥ {t:.2})", if f >= t { "MET" } else { "MISSED" })
             }
-            Some(Target::MaxMicros(t)) => format!("{} (≤ {t} µs)", if r.stats.median_us <= t { "MET" } else { "MISSED" }),
+            Some(Target::MaxMicros(t)) => {
+                format!("{} (≤ {t} µs)", if r.stats.median_us <= t { "MET" } else { "MISSED" })
+            }
             None => String::new(),
         }
     }
 
     pub fn print_table(&self) {
-        println!("\n{:<48} {:>18} {:>10} {:>10} {:>10} {:>9} {:>7}  target", "benchmark", "shape", "median µs", "min µs", "max µs", "GB/s", "÷copy");
+        println!(
+            "\n{:<48} {:>18} {:>10} {:>10} {:>10} {:>9} {:>7}  target",
+            "benchmark", "shape", "median µs", "min µs", "max µs", "GB/s", "÷copy"
+        );
         for r in &self.rows {
             let (gb, frac) = match Self::gbps(r) {
                 Some(g) if self.copy_gbps > 0.0 => (format!("{g:.0}"), format!("{:.3}", g / self.copy_gbps)),
@@ -121,15 +132,28 @@ impl Bench {
             };
             println!(
                 "{:<48} {:>18} {:>10.2} {:>10.2} {:>10.2} {:>9} {:>7}  {}",
-                r.name, r.shape, r.stats.median_us, r.stats.min_us, r.stats.max_us, gb, frac, self.verdict(r)
+                r.name,
+                r.shape,
+                r.stats.median_us,
+                r.stats.min_us,
+                r.stats.max_us,
+                gb,
+                frac,
+                self.verdict(r)
             );
         }
     }
 
     pub fn write_json(&self, path: &std::path::Path) {
-        let date = std::process::Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+        let date = std::process::Command::new("date")
+            .args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default();
         let (device, driver) = match &self.dev {
-            Some(d) => (d.name().to_string(), d.driver_version().map(|(a, b)| format!("CUDA {a}.{b}")).unwrap_or_default()),
+            Some(d) => {
+                (d.name().to_string(), d.driver_version().map(|(a, b)| format!("CUDA {a}.{b}")).unwrap_or_default())
+            }
             None => ("none (CPU only)".to_string(), String::new()),
         };
         let rows: Vec<_> = self
@@ -145,7 +169,8 @@ impl Bench {
                 })
             })
             .collect();
-        let doc = json!({ "device": device, "driver": driver, "date": date, "copy_gbps": self.copy_gbps, "rows": rows });
+        let doc =
+            json!({ "device": device, "driver": driver, "date": date, "copy_gbps": self.copy_gbps, "rows": rows });
         if let Some(dir) = path.parent() {
             let _ = std::fs::create_dir_all(dir);
         }

@@ -25,7 +25,13 @@ pub fn run(b: &mut Bench) {
             t.elapsed().as_secs_f64() * 1e6
         })
         .collect();
-    b.record("jit: NVRTC compile per kernel", &format!("{} kernels", specs.len()), Stats::from_samples(compile_ms), None, Some(Target::MaxMicros(60_000.0)));
+    b.record(
+        "jit: NVRTC compile per kernel",
+        &format!("{} kernels", specs.len()),
+        Stats::from_samples(compile_ms),
+        None,
+        Some(Target::MaxMicros(60_000.0)),
+    );
 
     // Prewarm with 2 workers into an empty cache.
     let cached = KernelCompiler::new(DiskCache::at(dir.path())).expect("NVRTC");
@@ -33,7 +39,13 @@ pub fn run(b: &mut Bench) {
     let report = prewarm(&cached, &specs, 2, |_, _| {}).expect("prewarm");
     let us = t.elapsed().as_secs_f64() * 1e6;
     assert_eq!(report.compiled, specs.len());
-    b.record("jit: te prewarm h4096/ffn16384, 2 workers", &format!("{} kernels", specs.len()), Stats { median_us: us, min_us: us, max_us: us }, None, Some(Target::MaxMicros(10_000_000.0)));
+    b.record(
+        "jit: te prewarm h4096/ffn16384, 2 workers",
+        &format!("{} kernels", specs.len()),
+        Stats { median_us: us, min_us: us, max_us: us },
+        None,
+        Some(Target::MaxMicros(10_000_000.0)),
+    );
 
     // Warm disk cache: a fresh compiler (empty in-process state) per load.
     let load_us: Vec<f64> = specs
@@ -50,6 +62,16 @@ pub fn run(b: &mut Bench) {
             t.elapsed().as_secs_f64() * 1e6
         })
         .collect();
-    let what = if b.dev.is_some() { "jit: warm disk cache → loaded module" } else { "jit: warm disk cache → binary (no GPU)" };
-    b.record(what, &format!("{} kernels", specs.len()), Stats::from_samples(load_us), None, Some(Target::MaxMicros(2_000.0)));
+    let what = if b.dev.is_some() {
+        "jit: warm disk cache → loaded module"
+    } else {
+        "jit: warm disk cache → binary (no GPU)"
+    };
+    b.record(
+        what,
+        &format!("{} kernels", specs.len()),
+        Stats::from_samples(load_us),
+        None,
+        Some(Target::MaxMicros(2_000.0)),
+    );
 }

@@ -83,7 +83,11 @@ impl Nvrtc {
         } else {
             (arch.virtual_name(), BinaryKind::Ptx)
         };
-        let opts = vec![format!("--gpu-architecture={target}"), "--std=c++17".to_string(), "--extra-device-vectorization".to_string()];
+        let opts = vec![
+            format!("--gpu-architecture={target}"),
+            "--std=c++17".to_string(),
+            "--extra-device-vectorization".to_string(),
+        ];
         (opts, kind)
     }
 
@@ -92,7 +96,8 @@ impl Nvrtc {
     /// # Errors
     /// [`Error::Compile`] with NVRTC's log and the path where the source was written.
     pub fn compile(&self, name: &str, source: &str, options: &[String], kind: BinaryKind) -> Result<Binary> {
-        let src = CString::new(source).map_err(|_| compile_error(name, source, options, "source contains a NUL byte".into()))?;
+        let src = CString::new(source)
+            .map_err(|_| compile_error(name, source, options, "source contains a NUL byte".into()))?;
         let cname = CString::new(format!("{name}.cu")).expect("kernel names are C identifiers");
         let prog = Program(result::create_program(&src, Some(&cname))?);
         // SAFETY: `prog` is a live program; `src` and `cname` outlive it (dropped after `prog`).

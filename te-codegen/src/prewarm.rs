@@ -143,8 +143,10 @@ impl ModelConfig {
     /// # Errors
     /// [`Error::Config`] naming the file and what is wrong.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Config { path: path.into(), message: e.to_string() })?;
-        let cfg: Self = toml::from_str(&text).map_err(|e| Error::Config { path: path.into(), message: e.to_string() })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::Config { path: path.into(), message: e.to_string() })?;
+        let cfg: Self =
+            toml::from_str(&text).map_err(|e| Error::Config { path: path.into(), message: e.to_string() })?;
         cfg.check().map_err(|message| Error::Config { path: path.into(), message })?;
         Ok(cfg)
     }
@@ -164,7 +166,10 @@ impl ModelConfig {
         }
         for (name, v) in [("hidden_size", self.hidden_size), ("ffn_hidden_size", self.ffn_hidden_size)] {
             if v == 0 || v % 16 != 0 {
-                return Err(format!("{name} = {v} must be a multiple of 16 for FP8 GEMMs (pad to {})", v.div_ceil(16).max(1) * 16));
+                return Err(format!(
+                    "{name} = {v} must be a multiple of 16 for FP8 GEMMs (pad to {})",
+                    v.div_ceil(16).max(1) * 16
+                ));
             }
         }
         if self.params_dtype.is_fp8() {
@@ -196,7 +201,10 @@ impl ModelConfig {
 
         // Norms: FP8 output feeding LayerNormLinear's GEMM, plain output, backward.
         for out in [fwd8, dt] {
-            v.push(NormSpec::new(self.normalization, Direction::Fwd, dt, out, dt, h, self.zero_centered_gamma, arch).into());
+            v.push(
+                NormSpec::new(self.normalization, Direction::Fwd, dt, out, dt, h, self.zero_centered_gamma, arch)
+                    .into(),
+            );
         }
         v.push(NormSpec::new(self.normalization, Direction::Bwd, dt, dt, dt, h, self.zero_centered_gamma, arch).into());
 
@@ -385,7 +393,8 @@ mod tests {
         assert!(cfg.check().unwrap_err().contains("must divide"));
         cfg = ModelConfig::new(4104, 16384, 8);
         assert!(cfg.check().unwrap_err().contains("pad to 4112"));
-        let bad: std::result::Result<ModelConfig, _> = toml::from_str("hidden_size = 64\nffn_hidden_size = 256\nnum_attention_heads = 4\nhiden = 3");
+        let bad: std::result::Result<ModelConfig, _> =
+            toml::from_str("hidden_size = 64\nffn_hidden_size = 256\nnum_attention_heads = 4\nhiden = 3");
         assert!(bad.unwrap_err().to_string().contains("hiden"));
     }
 }

@@ -49,11 +49,8 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 pub fn render(spec: &KernelSpec) -> Result<String> {
     spec.validate()?;
     let fam = spec.family();
-    let render_err = |message: String| Error::Render {
-        kernel: spec.name(),
-        template: fam.template().to_string(),
-        message,
-    };
+    let render_err =
+        |message: String| Error::Render { kernel: spec.name(), template: fam.template().to_string(), message };
     let tera = engine().as_ref().map_err(|m| render_err(m.clone()))?;
     let mut ctx = tera::Context::new();
     ctx.insert("name", &spec.name());

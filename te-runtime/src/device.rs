@@ -53,13 +53,25 @@ impl Device {
         let ctx = CudaContext::new(ordinal)?;
         let name = ctx.name()?;
         let (major, minor) = ctx.compute_capability()?;
-        let arch = Arch::from_compute_capability(major, minor).ok_or_else(|| Error::UnsupportedArch { device: name.clone(), major, minor })?;
+        let arch = Arch::from_compute_capability(major, minor).ok_or_else(|| Error::UnsupportedArch {
+            device: name.clone(),
+            major,
+            minor,
+        })?;
         let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         // All work goes to one stream, so cudarc's per-buffer event tracking is pure overhead.
         // SAFETY: no buffer has been allocated on this context yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        Ok(Arc::new(Device { ctx, stream, arch, name, compute_capability: (major, minor), sm_count, kernels: KernelCache::new(compiler) }))
+        Ok(Arc::new(Device {
+            ctx,
+            stream,
+            arch,
+            name,
+            compute_capability: (major, minor),
+            sm_count,
+            kernels: KernelCache::new(compiler),
+        }))
     }
 
     /// The CUDA context.

@@ -53,13 +53,18 @@ impl KernelCache {
             let (bin, _) = self.compiler.compile(spec)?;
             let image = match bin.kind {
                 BinaryKind::Cubin => Ptx::from_binary(bin.bytes),
-                BinaryKind::Ptx => Ptx::from_src(String::from_utf8_lossy(&bin.bytes).trim_end_matches('\0').to_string()),
+                BinaryKind::Ptx => {
+                    Ptx::from_src(String::from_utf8_lossy(&bin.bytes).trim_end_matches('\0').to_string())
+                }
             };
             let module = ctx.load_module(image)?;
             let funcs = spec.entry_points().iter().map(|e| module.load_function(e)).collect::<Result<Vec<_>, _>>()?;
             *guard = Some(Arc::new(funcs));
         }
         let funcs = guard.as_ref().expect("loaded above");
-        Ok(funcs.get(entry).unwrap_or_else(|| panic!("{} has {} entry points, asked for #{entry}", spec.name(), funcs.len())).clone())
+        Ok(funcs
+            .get(entry)
+            .unwrap_or_else(|| panic!("{} has {} entry points, asked for #{entry}", spec.name(), funcs.len()))
+            .clone())
     }
 }

@@ -36,9 +36,13 @@ impl Tensor {
     pub fn from_bytes(dev: &Device, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
         let want = numel(shape) * dtype.size_bytes();
         if bytes.len() != want {
-            return Err(Error::Shape { op: "Tensor::from_bytes", message: format!("{shape:?} {dtype} needs {want} bytes, got {}", bytes.len()) });
+            return Err(Error::Shape {
+                op: "Tensor::from_bytes",
+                message: format!("{shape:?} {dtype} needs {want} bytes, got {}", bytes.len()),
+            });
         }
-        let data = if bytes.is_empty() { dev.stream().alloc_zeros::<u8>(1)? } else { dev.stream().clone_htod(bytes)? };
+        let data =
+            if bytes.is_empty() { dev.stream().alloc_zeros::<u8>(1)? } else { dev.stream().clone_htod(bytes)? };
         Ok(Self { data, dtype, shape: shape.to_vec() })
     }
 
@@ -105,7 +109,9 @@ impl Tensor {
     pub fn as_2d(&self, op: &'static str) -> Result<(usize, usize)> {
         match self.shape.split_last() {
             Some((&cols, lead)) => Ok((lead.iter().product(), cols)),
-            None => Err(Error::Shape { op, message: "expected a tensor with at least one dimension, got a scalar".into() }),
+            None => {
+                Err(Error::Shape { op, message: "expected a tensor with at least one dimension, got a scalar".into() })
+            }
         }
     }
 }

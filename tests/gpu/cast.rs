@@ -7,7 +7,8 @@ use te_runtime::{DType, Error, Tensor};
 
 /// Values that probe rounding, saturation, subnormals and NaN/inf.
 fn specials() -> Vec<f32> {
-    let mut v = vec![0.0, -0.0, 1.0, -1.0, 1.0625, 1.1875, 448.0, 449.0, 464.0, 480.0, 1e6, -1e6, 57344.0, 61440.0, 1e9];
+    let mut v =
+        vec![0.0, -0.0, 1.0, -1.0, 1.0625, 1.1875, 448.0, 449.0, 464.0, 480.0, 1e6, -1e6, 57344.0, 61440.0, 1e9];
     v.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::MIN_POSITIVE, 1e-40]);
     for e in -20..-5 {
         v.push(2f32.powi(e));
@@ -71,7 +72,8 @@ fn dequantize_matches_reference() {
         for out in [DType::F32, DType::BF16, DType::F16] {
             let mut y = Tensor::zeros(&dev, out, &[codes.len()]).unwrap();
             cast::dequantize(&dev, &q, &scale_inv.as_view(), &mut y).unwrap();
-            let want: Vec<f32> = ref_cast::dequantize(&codes, input, 0.37).into_iter().map(|v| numerics::round_to(out, v)).collect();
+            let want: Vec<f32> =
+                ref_cast::dequantize(&codes, input, 0.37).into_iter().map(|v| numerics::round_to(out, v)).collect();
             assert_close(&format!("dequantize {input}->{out}"), &y.to_f32(&dev).unwrap(), &want, 0.0, 0.0);
         }
     }

@@ -51,7 +51,12 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32)
             first.get_or_insert((i, g, w));
         }
     }
-    assert!(bad == 0, "{what}: {bad}/{} elements differ; first at {:?} (index, got, want); rtol {rtol} atol {atol}", got.len(), first.unwrap());
+    assert!(
+        bad == 0,
+        "{what}: {bad}/{} elements differ; first at {:?} (index, got, want); rtol {rtol} atol {atol}",
+        got.len(),
+        first.unwrap()
+    );
 }
 
 /// Asserts two byte buffers are identical, reporting the first difference.

@@ -89,7 +89,15 @@ pub struct ActivationSpec {
 
 impl ActivationSpec {
     /// A spec with the default tuning.
-    pub fn new(act: Activation, direction: Direction, input: DType, output: DType, cols: usize, bias: bool, arch: Arch) -> Self {
+    pub fn new(
+        act: Activation,
+        direction: Direction,
+        input: DType,
+        output: DType,
+        cols: usize,
+        bias: bool,
+        arch: Arch,
+    ) -> Self {
         let vec = vector_width(cols, input.size_bytes(), 16);
         Self { act, direction, input, output, cols, bias, vec, threads: 256, arch }
     }
@@ -148,7 +156,11 @@ impl Family for ActivationSpec {
             return Err("cols must be at least 1".into());
         }
         if self.output.is_fp8() && self.cols % 16 != 0 {
-            return Err(format!("FP8 output needs cols % 16 == 0; cols = {} (pad to {})", self.cols, self.cols.div_ceil(16) * 16));
+            return Err(format!(
+                "FP8 output needs cols % 16 == 0; cols = {} (pad to {})",
+                self.cols,
+                self.cols.div_ceil(16) * 16
+            ));
         }
         if self.bias && self.direction == Direction::Bwd {
             return Err("bias is fused in the forward only; the backward takes x + bias as its input".into());

@@ -84,13 +84,22 @@ impl Family for CastSpec {
     fn validate(&self) -> Result<(), String> {
         match self.kind {
             CastKind::Quantize if !(self.input.is_high_precision() && self.output.is_fp8()) => {
-                return Err(format!("quantize goes from f32/bf16/f16 to e4m3/e5m2, not {} → {}", self.input, self.output))
+                return Err(format!(
+                    "quantize goes from f32/bf16/f16 to e4m3/e5m2, not {} → {}",
+                    self.input, self.output
+                ))
             }
             CastKind::Dequantize if !(self.input.is_fp8() && self.output.is_high_precision()) => {
-                return Err(format!("dequantize goes from e4m3/e5m2 to f32/bf16/f16, not {} → {}", self.input, self.output))
+                return Err(format!(
+                    "dequantize goes from e4m3/e5m2 to f32/bf16/f16, not {} → {}",
+                    self.input, self.output
+                ))
             }
             CastKind::Amax if !self.input.is_high_precision() || self.output != self.input => {
-                return Err(format!("amax takes an f32/bf16/f16 input (output = input), not {} → {}", self.input, self.output))
+                return Err(format!(
+                    "amax takes an f32/bf16/f16 input (output = input), not {} → {}",
+                    self.input, self.output
+                ))
             }
             _ => {}
         }

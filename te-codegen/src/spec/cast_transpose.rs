@@ -88,14 +88,23 @@ impl Family for CastTransposeSpec {
     }
     fn validate(&self) -> Result<(), String> {
         if !self.input.is_high_precision() || !self.output.is_fp8() {
-            return Err(format!("cast_transpose goes from f32/bf16/f16 to e4m3/e5m2, not {} → {}", self.input, self.output));
+            return Err(format!(
+                "cast_transpose goes from f32/bf16/f16 to e4m3/e5m2, not {} → {}",
+                self.input, self.output
+            ));
         }
         if self.cols == 0 || self.cols % 16 != 0 {
-            return Err(format!("FP8 cast_transpose needs cols % 16 == 0; cols = {} (pad to {})", self.cols, self.cols.div_ceil(16).max(1) * 16));
+            return Err(format!(
+                "FP8 cast_transpose needs cols % 16 == 0; cols = {} (pad to {})",
+                self.cols,
+                self.cols.div_ceil(16).max(1) * 16
+            ));
         }
         if let Some(a) = self.dact {
             if a.is_gated() {
-                return Err(format!("fused dact supports gelu and relu; {a} is gated: run the activation backward, then cast_transpose"));
+                return Err(format!(
+                    "fused dact supports gelu and relu; {a} is gated: run the activation backward, then cast_transpose"
+                ));
             }
         }
         check_pow2("tile_rows", self.tile_rows, 16, 128)?;

@@ -105,11 +105,7 @@ impl KernelSpec {
     /// The `extern "C"` entry points of the rendered module, in the family's order.
     pub fn entry_points(&self) -> Vec<String> {
         let name = self.name();
-        self.family()
-            .entry_suffixes()
-            .iter()
-            .map(|s| format!("{name}{s}"))
-            .collect()
+        self.family().entry_suffixes().iter().map(|s| format!("{name}{s}")).collect()
     }
 
     /// The target architecture.
@@ -131,10 +127,7 @@ impl KernelSpec {
     /// # Errors
     /// [`Error::InvalidSpec`] naming the kernel and what to change.
     pub fn validate(&self) -> Result<()> {
-        self.family().validate().map_err(|reason| Error::InvalidSpec {
-            kernel: self.name(),
-            reason,
-        })
+        self.family().validate().map_err(|reason| Error::InvalidSpec { kernel: self.name(), reason })
     }
 }
 

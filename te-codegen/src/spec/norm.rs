@@ -76,7 +76,16 @@ pub struct NormSpec {
 
 impl NormSpec {
     /// A spec with the default tuning.
-    pub fn new(kind: NormKind, direction: Direction, input: DType, output: DType, weight: DType, hidden: usize, zero_centered_gamma: bool, arch: Arch) -> Self {
+    pub fn new(
+        kind: NormKind,
+        direction: Direction,
+        input: DType,
+        output: DType,
+        weight: DType,
+        hidden: usize,
+        zero_centered_gamma: bool,
+        arch: Arch,
+    ) -> Self {
         let threads = (hidden / 32).clamp(32, 512).next_power_of_two().min(512);
         Self { kind, direction, input, output, weight, hidden, zero_centered_gamma, threads, arch }
     }
@@ -131,7 +140,10 @@ impl Family for NormSpec {
     }
     fn validate(&self) -> Result<(), String> {
         if !self.input.is_high_precision() || !self.weight.is_high_precision() {
-            return Err(format!("norm input and weights must be f32, bf16 or f16 (input {}, weight {})", self.input, self.weight));
+            return Err(format!(
+                "norm input and weights must be f32, bf16 or f16 (input {}, weight {})",
+                self.input, self.weight
+            ));
         }
         if self.direction == Direction::Bwd && self.output.is_fp8() {
             return Err("the norm backward writes dx in f32, bf16 or f16, not FP8".into());
@@ -140,7 +152,11 @@ impl Family for NormSpec {
             return Err("hidden must be at least 1".into());
         }
         if self.output.is_fp8() && self.hidden % 16 != 0 {
-            return Err(format!("FP8 output needs hidden % 16 == 0; hidden = {} (pad to {})", self.hidden, self.hidden.div_ceil(16) * 16));
+            return Err(format!(
+                "FP8 output needs hidden % 16 == 0; hidden = {} (pad to {})",
+                self.hidden,
+                self.hidden.div_ceil(16) * 16
+            ));
         }
         check_threads(self.threads)
     }

@@ -72,7 +72,15 @@ impl Family for SoftmaxSpec {
         "softmax.cu.tera"
     }
     fn name_parts(&self) -> String {
-        format!("{}_{}_{}_k{}_g{}_t{}", self.direction.name(), self.mask.name(), self.dtype, self.sk, self.threads_per_row, self.threads)
+        format!(
+            "{}_{}_{}_k{}_g{}_t{}",
+            self.direction.name(),
+            self.mask.name(),
+            self.dtype,
+            self.sk,
+            self.threads_per_row,
+            self.threads
+        )
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -95,8 +103,14 @@ impl Family for SoftmaxSpec {
         if self.direction == Direction::Bwd && self.mask != MaskKind::None {
             return Err("the softmax backward takes no mask (masked probabilities are 0)".into());
         }
-        if !self.threads_per_row.is_power_of_two() || !(32..=1024).contains(&self.threads_per_row) || self.threads % self.threads_per_row != 0 {
-            return Err(format!("threads_per_row = {} must be a power of two in [32, 1024] dividing threads = {}", self.threads_per_row, self.threads));
+        if !self.threads_per_row.is_power_of_two()
+            || !(32..=1024).contains(&self.threads_per_row)
+            || self.threads % self.threads_per_row != 0
+        {
+            return Err(format!(
+                "threads_per_row = {} must be a power of two in [32, 1024] dividing threads = {}",
+                self.threads_per_row, self.threads
+            ));
         }
         check_threads(self.threads)
     }

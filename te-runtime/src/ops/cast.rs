@@ -34,7 +34,12 @@ pub fn quantize(dev: &Device, x: &Tensor, out: &mut Tensor, s: &mut Fp8Scaling<'
 ///
 /// # Errors
 /// Dtype or shape mismatches, empty tensors, compile/launch failures.
-pub fn dequantize(dev: &Device, q: &Tensor, scale_inv: &cudarc::driver::CudaView<'_, f32>, y: &mut Tensor) -> Result<()> {
+pub fn dequantize(
+    dev: &Device,
+    q: &Tensor,
+    scale_inv: &cudarc::driver::CudaView<'_, f32>,
+    y: &mut Tensor,
+) -> Result<()> {
     const OP: &str = "dequantize";
     check_dtype(OP, "q", q, DType::is_fp8, "e4m3 or e5m2")?;
     check_dtype(OP, "y", y, DType::is_high_precision, "f32, bf16 or f16")?;

@@ -48,7 +48,11 @@ impl Fp8Meta {
 
     /// Views for an op.
     pub fn scaling(&mut self) -> Fp8Scaling<'_> {
-        Fp8Scaling { scale: self.scale.as_view(), amax: self.amax.as_view_mut(), scale_inv: self.scale_inv.as_view_mut() }
+        Fp8Scaling {
+            scale: self.scale.as_view(),
+            amax: self.amax.as_view_mut(),
+            scale_inv: self.scale_inv.as_view_mut(),
+        }
     }
 
     /// `(scale, amax, scale_inv)` copied to the host.
@@ -62,7 +66,13 @@ impl Fp8Meta {
 }
 
 /// Fails unless `t` has a dtype accepted by `ok`.
-pub(crate) fn check_dtype(op: &'static str, arg: &'static str, t: &Tensor, ok: impl Fn(DType) -> bool, expected: &str) -> Result<()> {
+pub(crate) fn check_dtype(
+    op: &'static str,
+    arg: &'static str,
+    t: &Tensor,
+    ok: impl Fn(DType) -> bool,
+    expected: &str,
+) -> Result<()> {
     if ok(t.dtype()) {
         Ok(())
     } else {
@@ -93,7 +103,10 @@ pub(crate) fn check_fp8_cols(op: &'static str, dim: &str, cols: usize) -> Result
     if cols % 16 == 0 {
         Ok(())
     } else {
-        Err(Error::Shape { op, message: format!("{dim} = {cols} must be a multiple of 16 for FP8; pad it to {}", cols.div_ceil(16) * 16) })
+        Err(Error::Shape {
+            op,
+            message: format!("{dim} = {cols} must be a multiple of 16 for FP8; pad it to {}", cols.div_ceil(16) * 16),
+        })
     }
 }
 
