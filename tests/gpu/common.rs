@@ -45,7 +45,7 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32)
     let mut bad = 0;
     let mut first = None;
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = if w.is_nan() { g.is_nan() } else { (g - w).abs() <= atol + rtol * w.abs() };
+        let ok = if w.is_nan() { g.is_nan() } else { g == w || (g - w).abs() <= atol + rtol * w.abs() };
         if !ok {
             bad += 1;
             first.get_or_insert((i, g, w));

@@ -1,8 +1,10 @@
 //! Element conversions shared by the CPU reference and host-side tensor I/O.
 //!
 //! FP8 rounding is the GPU's `cvt.rn.satfinite`: round to nearest even, saturate to ±max, NaN
-//! kept. The `float8` crate implements exactly this (it ports `cuda_fp8.hpp`'s saturating
-//! conversion); the GPU tests prove the match bit for bit.
+//! kept. The `float8` crate implements this (it ports `cuda_fp8.hpp`'s saturating conversion)
+//! except for NaN: it keeps the sign (and for E5M2 payload bits) where the GPU always writes
+//! the canonical NaN `0x7f` (seen on an H200, 2026-11-22). [`quantize`] canonicalizes NaN; the
+//! GPU tests prove the match bit for bit, special values included.
 
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
@@ -13,6 +15,10 @@ use te_codegen::DType;
 /// # Panics
 /// If `dtype` is not an FP8 type (a caller bug).
 pub fn quantize(dtype: DType, x: f32) -> u8 {
+    const CANONICAL_NAN: u8 = 0x7f;
+    if x.is_nan() && dtype.is_fp8() {
+        return CANONICAL_NAN;
+    }
     match dtype {
         DType::E4M3 => F8E4M3::from_f32(x).to_bits(),
         DType::E5M2 => F8E5M2::from_f32(x).to_bits(),
@@ -73,6 +79,8 @@ mod tests {
         assert_eq!(dequantize(DType::E4M3, quantize(DType::E4M3, f32::INFINITY)), 448.0);
         assert_eq!(dequantize(DType::E5M2, quantize(DType::E5M2, 1e9)), 57344.0);
         assert!(dequantize(DType::E4M3, quantize(DType::E4M3, f32::NAN)).is_nan());
+        assert_eq!(quantize(DType::E4M3, -f32::NAN), 0x7f, "NaN is canonical, as on the GPU");
+        assert_eq!(quantize(DType::E5M2, -f32::NAN), 0x7f);
         assert!(dequantize(DType::E5M2, quantize(DType::E5M2, f32::NAN)).is_nan());
         // 1.0625 lies halfway between 1.0 and 1.125 in E4M3: ties go to the even mantissa (1.0).
         assert_eq!(dequantize(DType::E4M3, quantize(DType::E4M3, 1.0625)), 1.0);
