@@ -1,7 +1,7 @@
 //! Family 5: LayerNorm and RMSNorm forward (optionally writing FP8 with amax) and backward.
 
 use super::cast::check_threads;
-use super::{Direction, Family};
+use super::{vector_width, Direction, Family};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -40,10 +40,11 @@ impl std::str::FromStr for NormKind {
 ///
 /// `g = zero_centered_gamma ? 1 + gamma : gamma` (TE's `zero_centered_gamma`). Forward saves
 /// `mu: [rows]` (LayerNorm) and `rsigma: [rows]` in f32; an FP8 `output` is quantized with
-/// `scale`, maxes `|y|` into `amax` and writes `scale_inv`. Backward (TE
-/// `common/normalization/layernorm/ln_bwd_kernels.cuh`): with `xhat = (x - mu) * rsigma` and
-/// `dyg = dy * g`, LayerNorm `dx = rsigma * (dyg - mean(dyg) - xhat * mean(dyg * xhat))`,
-/// RMSNorm `dx = rsigma * (dyg - xhat * mean(dyg * xhat))`; `dgamma = Σ_rows dy * xhat`,
+/// `scale`, maxes `|y|` (f32, before scaling, as TE) into `amax` and writes `scale_inv`.
+/// Backward (TE `common/normalization/layernorm/ln_bwd_kernels.cuh`): with
+/// `xhat = (x - mu) * rsigma` (RMSNorm: `x * rsigma`) and `dyg = dy * g`, LayerNorm
+/// `dx = rsigma * (dyg - mean(dyg) - xhat * mean(dyg * xhat))`, RMSNorm
+/// `dx = rsigma * (dyg - xhat * mean(dyg * xhat))`; `dgamma = Σ_rows dy * xhat`,
 /// `dbeta = Σ_rows dy`, reduced deterministically (per-block f32 partials, then a fixed-order
 /// second kernel).
 ///
@@ -52,6 +53,18 @@ impl std::str::FromStr for NormKind {
 /// [dbeta_partial], rows)` and `<name>_reduce(dgamma_partial, [dbeta_partial], dgamma, [dbeta],
 /// parts)`. `eps` is f32, `rows`/`parts` u64; partials are f32 `[parts, hidden]` with
 /// `parts = ceil(rows / rows_per_block)` from [`NormSpec::bwd_rows_per_block`].
+///
+/// Launch shapes: forward and backward use blocks of [`NormSpec::threads`] threads (forward: a
+/// grid-stride loop over rows, one row per block at a time; backward: `parts` blocks);
+/// `_reduce` uses blocks of [`NormSpec::REDUCE_THREADS`] threads, one block per
+/// [`NormSpec::REDUCE_COLS`] columns.
+///
+/// Arithmetic (fixed so the CPU reference in `te_runtime::reference::norm` can mirror it bit
+/// for bit): each thread owns the vectors `i * threads + t` of [`NormSpec::vec`] elements and
+/// accumulates them in order; block sums are a butterfly `warp_sum` per warp, then a butterfly
+/// over the warp sums; LayerNorm statistics are two-pass from registers (`mu = Σx / hidden`,
+/// `var = Σ(x - mu)² / hidden`), RMSNorm uses `Σx² / hidden`; `rsigma = 1 / sqrt(var + eps)`
+/// rounded correctly (TE uses the approximate `rsqrtf`, within 2 ulp).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct NormSpec {
     /// LayerNorm or RMSNorm.
@@ -76,6 +89,8 @@ pub struct NormSpec {
 
 impl NormSpec {
     /// A spec with the default tuning.
+    // Every argument is a spec field a caller must choose; a builder would only hide that.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         kind: NormKind,
         direction: Direction,
@@ -86,13 +101,40 @@ impl NormSpec {
         zero_centered_gamma: bool,
         arch: Arch,
     ) -> Self {
-        let threads = (hidden / 32).clamp(32, 512).next_power_of_two().min(512);
-        Self { kind, direction, input, output, weight, hidden, zero_centered_gamma, threads, arch }
+        // About four 16-byte vectors per thread per row (TE's tuned LayerNorm for hidden 4096
+        // bf16 uses 4 warps × 16-byte loads, i.e. the same 128 threads), 32..=512 threads.
+        let mut s = Self { kind, direction, input, output, weight, hidden, zero_centered_gamma, threads: 32, arch };
+        s.threads = (hidden / s.vec()).div_ceil(4).next_power_of_two().clamp(32, 512);
+        s
     }
+
+    /// Threads of a `_reduce` block: [`Self::REDUCE_COLS`] columns × [`Self::REDUCE_GROUPS`]
+    /// groups of partial rows.
+    pub const REDUCE_THREADS: usize = Self::REDUCE_COLS * Self::REDUCE_GROUPS;
+    /// Columns of `dgamma`/`dbeta` each `_reduce` block writes (one warp wide).
+    pub const REDUCE_COLS: usize = 32;
+    /// Groups a `_reduce` block splits the partials into: group `j` sums partial rows
+    /// `j, j + G, j + 2G, ...` in order, then the group sums are added in order `0..G`.
+    pub const REDUCE_GROUPS: usize = 8;
+
+    /// Most row elements one thread may hold in registers (see [`Self::iters`]).
+    pub const MAX_ELEMS_PER_THREAD: usize = 128;
 
     /// Rows each backward block handles (so `parts = ceil(rows / this)`).
     pub const fn bwd_rows_per_block(&self) -> usize {
         32
+    }
+
+    /// Elements per vector access: the largest power of two dividing `hidden` with at most 16
+    /// bytes per access of `x`, `gamma` and (high-precision) `y`/`dx`.
+    pub fn vec(&self) -> usize {
+        let widest = self.input.size_bytes().max(self.weight.size_bytes()).max(self.output.size_bytes());
+        vector_width(self.hidden, widest, 16)
+    }
+
+    /// Vector accesses per thread per row: `ceil(hidden / vec / threads)`.
+    pub fn iters(&self) -> usize {
+        (self.hidden / self.vec()).div_ceil(self.threads)
     }
 }
 
@@ -130,7 +172,11 @@ impl Family for NormSpec {
         ctx.insert("hidden", &self.hidden);
         ctx.insert("zero_centered_gamma", &self.zero_centered_gamma);
         ctx.insert("threads", &self.threads);
+        ctx.insert("vec", &self.vec());
+        ctx.insert("iters", &self.iters());
         ctx.insert("rows_per_block", &self.bwd_rows_per_block());
+        ctx.insert("reduce_cols", &Self::REDUCE_COLS);
+        ctx.insert("reduce_groups", &Self::REDUCE_GROUPS);
     }
     fn entry_suffixes(&self) -> &'static [&'static str] {
         match self.direction {
@@ -158,6 +204,18 @@ impl Family for NormSpec {
                 self.hidden.div_ceil(16) * 16
             ));
         }
-        check_threads(self.threads)
+        check_threads(self.threads)?;
+        // Each thread keeps its share of a row in registers; beyond this it would spill.
+        let per_thread = self.iters() * self.vec();
+        if per_thread > Self::MAX_ELEMS_PER_THREAD {
+            return Err(format!(
+                "hidden = {} with threads = {} keeps {per_thread} elements per thread in registers \
+                 (at most {}): raise threads",
+                self.hidden,
+                self.threads,
+                Self::MAX_ELEMS_PER_THREAD
+            ));
+        }
+        Ok(())
     }
 }

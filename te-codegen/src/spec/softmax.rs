@@ -1,7 +1,7 @@
 //! Family 6: scaled softmax with no mask, a causal mask or a padding mask, and its backward.
 
 use super::cast::check_threads;
-use super::{Direction, Family};
+use super::{vector_width, Direction, Family};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -35,8 +35,21 @@ impl MaskKind {
 /// and a row whose keys are all masked gives all zeros (not NaN). Computed in f32.
 /// Backward: `dx = scale * y * (dy - Σ_j dy_j y_j)`.
 ///
+/// Backward follows TE's form `dx = scale * (dy*y - y * Σ_j dy_j y_j)` (rounded per operation,
+/// no fused multiply-add, so the CPU reference mirrors it).
+///
 /// Arguments, forward: `(x, [mask], y, scale, sq, heads, rows)` with `rows = batch*heads*sq`;
-/// backward: `(dy, y, dx, scale, rows)`. `scale` is f32, the sizes u64.
+/// backward: `(dy, y, dx, scale, rows)`. `scale` is f32, the sizes u64. Row `r` belongs to batch
+/// `r / (heads*sq)` and query `r % sq`; the padding mask is `[batch, sq, sk]` u8 (shared by the
+/// heads) and its rows must start 16-byte aligned: pass a whole allocation.
+///
+/// Layout: `threads_per_row` threads own one row (a warp for up to 1024 keys, a wider group
+/// beyond, reducing through shared memory); each thread holds its keys in registers as
+/// 16-byte vectors (`sk` elements split in vectors of the widest power-of-two width dividing
+/// `sk`), at most [`SoftmaxSpec::MAX_ELEMS_PER_THREAD`] elements. Blocks stride over groups of
+/// `threads / threads_per_row` rows. Causal rows skip loading keys past the query.
+/// Sources followed: TE `common/fused_softmax/scaled_masked_softmax.cu`,
+/// `scaled_upper_triang_masked_softmax.cu` (except that fully masked rows give zeros).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct SoftmaxSpec {
     /// Mask type (forward; the backward needs none).
@@ -56,11 +69,30 @@ pub struct SoftmaxSpec {
 }
 
 impl SoftmaxSpec {
-    /// A spec with the default tuning: one warp per row up to 1024 keys, a wider group beyond.
+    /// Most keys one thread holds in registers (per tensor; the backward holds two tensors).
+    pub const MAX_ELEMS_PER_THREAD: usize = 64;
+
+    /// A spec with the default tuning: one warp per row up to 1024 keys, a wider group beyond
+    /// (about 32 keys per thread, 512 threads per row at 16384 keys).
     pub fn new(mask: MaskKind, direction: Direction, dtype: DType, sk: usize, arch: Arch) -> Self {
         let mask = if direction == Direction::Bwd { MaskKind::None } else { mask };
         let threads_per_row = (sk.div_ceil(32)).next_power_of_two().clamp(32, 512);
         Self { mask, direction, dtype, sk, threads_per_row, threads: threads_per_row.max(128), arch }
+    }
+
+    /// Elements per vector access: the widest power of two ≤ 16 bytes dividing `sk`.
+    pub fn vec(&self) -> usize {
+        vector_width(self.sk, self.dtype.size_bytes(), 16)
+    }
+
+    /// Keys each thread holds: whole vectors, `ceil((sk / vec) / threads_per_row) * vec`.
+    pub fn elems_per_thread(&self) -> usize {
+        (self.sk / self.vec()).div_ceil(self.threads_per_row) * self.vec()
+    }
+
+    /// Rows one block handles per step.
+    pub const fn rows_per_block(&self) -> usize {
+        self.threads / self.threads_per_row
     }
 }
 
@@ -90,6 +122,7 @@ impl Family for SoftmaxSpec {
         ctx.insert("mask", self.mask.name());
         ctx.insert("t", self.dtype.type_tag());
         ctx.insert("sk", &self.sk);
+        ctx.insert("vec", &self.vec());
         ctx.insert("threads_per_row", &self.threads_per_row);
         ctx.insert("threads", &self.threads);
     }
@@ -110,6 +143,15 @@ impl Family for SoftmaxSpec {
             return Err(format!(
                 "threads_per_row = {} must be a power of two in [32, 1024] dividing threads = {}",
                 self.threads_per_row, self.threads
+            ));
+        }
+        let per_thread = self.elems_per_thread();
+        if per_thread > Self::MAX_ELEMS_PER_THREAD {
+            return Err(format!(
+                "sk = {} over threads_per_row = {} leaves {per_thread} keys per thread (at most {}): raise threads_per_row",
+                self.sk,
+                self.threads_per_row,
+                Self::MAX_ELEMS_PER_THREAD
             ));
         }
         check_threads(self.threads)
