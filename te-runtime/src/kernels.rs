@@ -5,6 +5,7 @@ use crate::Result;
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use te_codegen::{BinaryKind, KernelCompiler, KernelSpec};
 
@@ -15,12 +16,13 @@ type Slot = Arc<Mutex<Option<Arc<Vec<CudaFunction>>>>>;
 pub struct KernelCache {
     compiler: KernelCompiler,
     modules: Mutex<HashMap<KernelSpec, Slot>>,
+    loads: AtomicUsize,
 }
 
 impl KernelCache {
     /// An empty cache compiling through `compiler`.
     pub fn new(compiler: KernelCompiler) -> Self {
-        Self { compiler, modules: Mutex::new(HashMap::new()) }
+        Self { compiler, modules: Mutex::new(HashMap::new()), loads: AtomicUsize::new(0) }
     }
 
     /// The compiler (and through it the disk cache).
@@ -31,6 +33,11 @@ impl KernelCache {
     /// Number of modules loaded.
     pub fn len(&self) -> usize {
         self.modules.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// How many modules were compiled-or-read and loaded so far (each spec counts once).
+    pub fn loads(&self) -> usize {
+        self.loads.load(Ordering::Relaxed)
     }
 
     /// True when nothing is loaded yet.
@@ -60,6 +67,7 @@ impl KernelCache {
             let module = ctx.load_module(image)?;
             let funcs = spec.entry_points().iter().map(|e| module.load_function(e)).collect::<Result<Vec<_>, _>>()?;
             *guard = Some(Arc::new(funcs));
+            self.loads.fetch_add(1, Ordering::Relaxed);
         }
         let funcs = guard.as_ref().expect("loaded above");
         Ok(funcs
