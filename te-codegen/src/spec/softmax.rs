@@ -47,7 +47,10 @@ impl MaskKind {
 /// beyond, reducing through shared memory); each thread holds its keys in registers as
 /// 16-byte vectors (`sk` elements split in vectors of the widest power-of-two width dividing
 /// `sk`), at most [`SoftmaxSpec::MAX_ELEMS_PER_THREAD`] elements. Blocks stride over groups of
-/// `threads / threads_per_row` rows. Causal rows skip loading keys past the query.
+/// `threads / threads_per_row` rows. Causal rows skip loading keys past the query (and their
+/// exponentials). Each thread issues all its loads before using any; per key the forward does
+/// one `ex2.approx` of `(x*scale - max)*log2(e)` and a multiply by the row's reciprocal sum
+/// (corrected to the rounded quotient for f32), with no per-key branch.
 /// Sources followed: TE `common/fused_softmax/scaled_masked_softmax.cu`,
 /// `scaled_upper_triang_masked_softmax.cu` (except that fully masked rows give zeros).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
