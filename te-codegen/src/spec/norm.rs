@@ -55,18 +55,15 @@ impl std::str::FromStr for NormKind {
 /// `parts = ceil(rows / rows_per_block)` from [`NormSpec::bwd_rows_per_block`].
 ///
 /// Launch shapes: forward and backward use blocks of [`NormSpec::threads`] threads (forward: a
-/// grid-stride loop over rows, one row per block at a time, gamma/beta re-read per row; backward: `parts` blocks);
+/// grid-stride loop over rows, one row per block at a time; backward: `parts` blocks);
 /// `_reduce` uses blocks of [`NormSpec::REDUCE_THREADS`] threads, one block per
 /// [`NormSpec::REDUCE_COLS`] columns.
 ///
 /// Arithmetic (fixed so the CPU reference in `te_runtime::reference::norm` can mirror it bit
 /// for bit): each thread owns the vectors `i * threads + t` of [`NormSpec::vec`] elements and
 /// accumulates them in order; block sums are a butterfly `warp_sum` per warp, then a butterfly
-/// over the warp sums. The LayerNorm forward takes one merge round: each thread sums its
-/// elements in order, takes `mean = sum / count` and `M2 = Σ(x - mean)²` (fma, in order), and the
-/// `(count, mean, M2)` triples are merged with Chan's pairwise formula (a butterfly per warp, then
-/// a pairwise tree over the warps), giving `mu = mean`, `var = M2 / hidden`; the backward's
-/// LayerNorm and every RMSNorm use plain block sums (RMSNorm `Σx² / hidden`); `rsigma = 1 / sqrt(var + eps)`
+/// over the warp sums; LayerNorm statistics are two-pass from registers (`mu = Σx / hidden`,
+/// `var = Σ(x - mu)² / hidden`), RMSNorm uses `Σx² / hidden`; `rsigma = 1 / sqrt(var + eps)`
 /// rounded correctly (TE uses the approximate `rsqrtf`, within 2 ulp).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct NormSpec {

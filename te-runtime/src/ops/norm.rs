@@ -155,8 +155,8 @@ pub fn norm_fwd(dev: &Device, args: &NormFwdArgs<'_>, out: NormFwdOut<'_, '_>) -
         dev.arch(),
     );
     let f = dev.function(&KernelSpec::Norm(spec), 0)?;
-    // Persistent grid (as TE's tuned kernels): as many blocks as can be resident (the kernel's
-    // launch bounds ask for 1024+ threads per SM), each looping over rows.
+    // Persistent grid (as TE's tuned kernels): as many blocks as can be resident, each looping
+    // over rows with gamma/beta kept in registers.
     let resident = f.occupancy_max_active_blocks_per_multiprocessor(spec.threads as u32, 0, None)?.max(1) as usize;
     let cfg = launch_1d(rows.min(dev.sm_count() * resident), spec.threads, 0);
     let rows_arg = rows as u64;

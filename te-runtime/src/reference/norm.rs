@@ -4,8 +4,7 @@
 //! The kernels fix every rounding step (explicit `_rn` intrinsics, no FMA contraction) and every
 //! summation order (thread `t` owns the `vec`-element vectors `t, t + threads, ...` of a row and
 //! adds its elements in that order; block sums are a butterfly per warp, then a butterfly over
-//! the warp sums; the LayerNorm forward instead merges per-thread `(count, mean, M2)` with
-//! Chan's formula: a butterfly per warp, then a pairwise tree over the warps). Given the same [`NormSpec`] (threads and vector width decide the order),
+//! the warp sums). Given the same [`NormSpec`] (threads and vector width decide the order),
 //! these functions reproduce mu, rsigma, FP8 codes and amax bit for bit; the GPU tests still
 //! compare high-precision outputs with TE's tolerances.
 
@@ -67,78 +66,6 @@ fn block_sum(per_thread: &[f32]) -> f32 {
     warp_sum(lanes)
 }
 
-/// Row statistics `(count, mean, M2 = Σ(x - mean)²)` as the forward kernel's `Stat`.
-#[derive(Debug, Clone, Copy, Default)]
-struct Stat {
-    n: f32,
-    m: f32,
-    big_m: f32,
-}
-
-/// The kernel's `chan` merge (symmetric bit for bit; equal counts take the division-free form).
-fn chan(a: Stat, b: Stat) -> Stat {
-    if b.n == 0.0 {
-        return a;
-    }
-    if a.n == 0.0 {
-        return b;
-    }
-    let d = a.m - b.m;
-    let dd = d * d;
-    let mm = a.big_m + b.big_m;
-    if a.n == b.n {
-        return Stat { n: a.n + b.n, m: (a.m + b.m) * 0.5, big_m: mm + dd * (a.n * 0.5) };
-    }
-    let n = a.n + b.n;
-    Stat { n, m: (a.n * a.m + b.n * b.m) / n, big_m: mm + dd * ((a.n * b.n) / n) }
-}
-
-/// The kernel's `block_stat`: butterfly of `chan` within each warp (lanes past the last thread
-/// never exist: threads are a multiple of 32), then a pairwise tree over the warp results.
-fn block_stat(per_thread: &[Stat]) -> Stat {
-    let mut warps: Vec<Stat> = per_thread
-        .chunks(32)
-        .map(|c| {
-            let mut v = c.to_vec();
-            for o in [16, 8, 4, 2, 1] {
-                let p = v.clone();
-                for (i, x) in v.iter_mut().enumerate() {
-                    *x = chan(p[i], p[i ^ o]);
-                }
-            }
-            v[0]
-        })
-        .collect();
-    while warps.len() > 1 {
-        let w = warps.len();
-        let mut next: Vec<Stat> = (0..w / 2).map(|j| chan(warps[2 * j], warps[2 * j + 1])).collect();
-        if w % 2 == 1 {
-            next.push(warps[w - 1]);
-        }
-        warps = next;
-    }
-    warps[0]
-}
-
-/// LayerNorm `(mu, var)` of one row as the kernel computes them: per thread the in-order sum of
-/// its elements, mean = sum / count, `M2 = Σ fma(x - mean, x - mean)` in order, merged once.
-fn row_stat(spec: &NormSpec, row: &[f32]) -> (f32, f32) {
-    let per_thread: Vec<Stat> = (0..spec.threads)
-        .map(|t| {
-            let (cnt, sum) = owned(spec, t).fold((0usize, 0.0f32), |(n, s), c| (n + 1, s + row[c]));
-            let n = cnt as f32;
-            let m = if cnt > 0 { sum / n } else { 0.0 };
-            let big_m = owned(spec, t).fold(0.0f32, |a, c| {
-                let d = row[c] - m;
-                d.mul_add(d, a)
-            });
-            Stat { n, m, big_m }
-        })
-        .collect();
-    let s = block_stat(&per_thread);
-    (s.m, s.big_m / spec.hidden as f32)
-}
-
 /// Column indices thread `t` owns, in the order it visits them.
 fn owned(spec: &NormSpec, t: usize) -> impl Iterator<Item = usize> {
     let (vec, threads, nvec) = (spec.vec(), spec.threads, spec.hidden / spec.vec());
@@ -176,7 +103,11 @@ pub fn forward(spec: &NormSpec, x: &[f32], gamma: &[f32], beta: Option<&[f32]>, 
     for row in x.chunks_exact(h) {
         let (mu, rs) = match spec.kind {
             NormKind::LayerNorm => {
-                let (mu, var) = row_stat(spec, row);
+                let mu = row_sum(spec, |a, c| a + row[c]) / hf;
+                let var = row_sum(spec, |a, c| {
+                    let d = row[c] - mu;
+                    d.mul_add(d, a)
+                }) / hf;
                 out.mu.push(mu);
                 (mu, 1.0 / (var + eps).sqrt())
             }
