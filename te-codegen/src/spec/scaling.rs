@@ -18,14 +18,19 @@ pub enum AmaxComputeAlgo {
 /// Which scale computation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum ScalingKind {
-    /// Bulk delayed-scaling update over `n` tensors in one launch (one block per tensor).
+    /// Bulk delayed-scaling update of `n` tensor slots in one launch (one block per slot); the
+    /// slots may live in any number of buffers (one group per module and direction in TE).
     ///
-    /// Per tensor with `history: [len]` (tensor-major buffer `[n, len]`): `amax = max(history)`
-    /// or `history[0]`; `scale = scaled_max / amax` only if amax is finite and > 0, otherwise
-    /// the old scale; an infinite scale becomes `FLT_MAX`; `scale_inv = 1 / scale`; then the
-    /// history rolls by one (`new[i] = old[i+1]`, `new[len-1] = old[0]`, `new[0] = 0`), except
-    /// when `history[0]` is 0, where it is left as it is. `scaled_max = fp8_max / 2^margin`.
-    /// Arguments: `(amax_history, scale, scale_inv, len, scaled_max)`, grid = `n` blocks.
+    /// Per slot with `history: [len]` (`history[0]` newest): `amax = max(history)` or
+    /// `history[0]`; `scale = scaled_max / amax` only if amax is finite and > 0, otherwise the
+    /// old scale; an infinite scale becomes `FLT_MAX`; `scale_inv = 1 / scale`; then the history
+    /// rolls by one (`new[i] = old[i+1]`, `new[len-1] = old[0]`, `new[0] = 0`), except when
+    /// `history[0]` is 0, where it is left as it is. `scaled_max = fp8_max / 2^margin`.
+    ///
+    /// Arguments: `(slots)`, a device array of `n` 40-byte entries, one per slot, C layout
+    /// `{ float* history; float* scale; float* scale_inv; u64 len; float scaled_max; u32 pad; }`
+    /// (`history` points at `len` floats, `scale`/`scale_inv` at one float each, no two slots
+    /// share any of them); grid = `n` blocks, block `b` updates `slots[b]`.
     DelayedUpdate {
         /// Max over the history or most recent.
         algo: AmaxComputeAlgo,

@@ -3,37 +3,48 @@
 
 use te_codegen::spec::AmaxComputeAlgo;
 
-/// Delayed-scaling update of `n` tensors in place.
-///
-/// `amax_history`: `[n, len]` tensor-major (`history[0]` newest); `scale`, `scale_inv`: `[n]`.
-/// `scaled_max = fp8_max / 2^margin`. See [`te_codegen::spec::ScalingKind::DelayedUpdate`].
-pub fn delayed_update(
-    amax_history: &mut [f32],
-    scale: &mut [f32],
-    scale_inv: &mut [f32],
-    len: usize,
-    algo: AmaxComputeAlgo,
-    scaled_max: f32,
-) {
-    for (t, h) in amax_history.chunks_exact_mut(len).enumerate() {
-        let last = h[0];
-        let amax = match algo {
-            AmaxComputeAlgo::MostRecent => last,
-            AmaxComputeAlgo::Max => h.iter().fold(0.0f32, |a, &v| a.max(v)),
-        };
-        if last != 0.0 {
-            h.rotate_left(1);
-            h[0] = 0.0;
+/// The host twin of [`crate::ops::scaling::ScalingGroup`]: `n` slots sharing a format and margin.
+#[derive(Debug)]
+pub struct HostScalingGroup<'a> {
+    /// `[n, history_len]` tensor-major, `[t][0]` the newest amax.
+    pub amax_history: &'a mut [f32],
+    /// `[n]`.
+    pub scale: &'a mut [f32],
+    /// `[n]`.
+    pub scale_inv: &'a mut [f32],
+    /// Entries per history row.
+    pub history_len: usize,
+    /// Largest finite value of the group's FP8 format.
+    pub fp8_max: f32,
+    /// Scales are divided by `2^margin`.
+    pub margin: f32,
+}
+
+/// Delayed-scaling update of every slot of every group, in place, with the rules of
+/// [`te_codegen::spec::ScalingKind::DelayedUpdate`] and `scaled_max = `[`scaled_max`]`(fp8_max,
+/// margin)` per group. No validation: sizes must agree (`[n, history_len]`, `[n]`, `[n]`).
+pub fn delayed_update(groups: &mut [HostScalingGroup<'_>], algo: AmaxComputeAlgo) {
+    for g in groups.iter_mut() {
+        let scaled_max = scaled_max(g.fp8_max, g.margin);
+        let rows = g.amax_history.chunks_exact_mut(g.history_len);
+        for ((h, scale), scale_inv) in rows.zip(g.scale.iter_mut()).zip(g.scale_inv.iter_mut()) {
+            let last = h[0];
+            let amax = match algo {
+                AmaxComputeAlgo::MostRecent => last,
+                AmaxComputeAlgo::Max => h.iter().fold(0.0f32, |a, &v| a.max(v)),
+            };
+            if last != 0.0 {
+                h.rotate_left(1);
+                h[0] = 0.0;
+            }
+            if amax.is_finite() && amax > 0.0 {
+                *scale = scaled_max / amax;
+            }
+            if scale.is_infinite() {
+                *scale = f32::MAX;
+            }
+            *scale_inv = 1.0 / *scale;
         }
-        let mut s = scale[t];
-        if amax.is_finite() && amax > 0.0 {
-            s = scaled_max / amax;
-        }
-        if s.is_infinite() {
-            s = f32::MAX;
-        }
-        scale[t] = s;
-        scale_inv[t] = 1.0 / s;
     }
 }
 
@@ -65,7 +76,15 @@ mod tests {
     fn run(hist: &[f32], old_scale: f32, algo: AmaxComputeAlgo) -> (Vec<f32>, f32, f32) {
         let mut h = hist.to_vec();
         let (mut s, mut si) = ([old_scale], [0.0]);
-        delayed_update(&mut h, &mut s, &mut si, hist.len(), algo, 448.0);
+        let g = HostScalingGroup {
+            amax_history: &mut h,
+            scale: &mut s,
+            scale_inv: &mut si,
+            history_len: hist.len(),
+            fp8_max: 448.0,
+            margin: 0.0,
+        };
+        delayed_update(&mut [g], algo);
         (h, s[0], si[0])
     }
 
@@ -88,6 +107,34 @@ mod tests {
         assert_eq!(s, f32::MAX);
         assert!(si > 0.0 && si.is_finite());
         assert_eq!(scaled_max(448.0, 2.0), 112.0);
+    }
+
+    #[test]
+    fn groups_use_their_own_length_format_and_margin() {
+        // Group 0: 2 slots × len 3, E4M3, margin 1; group 1: 1 slot × len 2, E5M2, margin 0.
+        let (mut h0, mut s0, mut si0) = (vec![1.0, 2.0, 4.0, 0.0, 0.0, 0.0], vec![1.0; 2], vec![0.0; 2]);
+        let (mut h1, mut s1, mut si1) = (vec![8.0, 2.0], vec![5.0], vec![0.0]);
+        let mut groups = [
+            HostScalingGroup {
+                amax_history: &mut h0,
+                scale: &mut s0,
+                scale_inv: &mut si0,
+                history_len: 3,
+                fp8_max: 448.0,
+                margin: 1.0,
+            },
+            HostScalingGroup {
+                amax_history: &mut h1,
+                scale: &mut s1,
+                scale_inv: &mut si1,
+                history_len: 2,
+                fp8_max: 57344.0,
+                margin: 0.0,
+            },
+        ];
+        delayed_update(&mut groups, AmaxComputeAlgo::Max);
+        assert_eq!((h0, s0, si0), (vec![0.0, 4.0, 1.0, 0.0, 0.0, 0.0], vec![56.0, 1.0], vec![1.0 / 56.0, 1.0]));
+        assert_eq!((h1, s1, si1), (vec![0.0, 8.0], vec![7168.0], vec![1.0 / 7168.0]));
     }
 
     #[test]
