@@ -10,6 +10,7 @@ mod harness;
 mod activation;
 mod cast;
 mod cast_transpose;
+mod elementwise;
 mod jit;
 mod norm;
 mod scaling;
@@ -35,6 +36,7 @@ fn main() {
         norm::run(&mut b);
         softmax::run(&mut b);
         scaling::run(&mut b);
+        elementwise::run(&mut b);
     }
     jit::run(&mut b);
     b.print_table();

@@ -235,6 +235,11 @@ impl ModelConfig {
             v.push(CastTransposeSpec::new(dt, bwd8, f, true, Some(act), arch).into());
         }
 
+        // Residual adds; gradient accumulation into an f32 main_grad and into bias gradients.
+        v.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
+        v.push(ElementwiseSpec::add_assign(DType::F32, dt, arch).into());
+        v.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
+
         // Attention softmax.
         v.push(SoftmaxSpec::new(self.attn_mask_type, Direction::Fwd, dt, self.seq_length, arch).into());
         v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, self.seq_length, arch).into());
@@ -297,6 +302,17 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
         }
         for sk in [77, 1024, 4096] {
             v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, i, sk, arch).into());
+        }
+        for &j in &hp {
+            v.push(ElementwiseSpec::add_assign(i, j, arch).into());
+            for &o in &hp {
+                v.push(ElementwiseSpec::add(i, j, o, arch).into());
+            }
+        }
+    }
+    for &q in &fp8 {
+        for cols in [784, 4096] {
+            v.push(CastTransposeSpec::transpose(q, cols, arch).into());
         }
     }
     for algo in [AmaxComputeAlgo::Max, AmaxComputeAlgo::MostRecent] {

@@ -17,6 +17,8 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("norm_bwd.cu.tera", include_str!("../../templates/norm_bwd.cu.tera")),
     ("softmax.cu.tera", include_str!("../../templates/softmax.cu.tera")),
     ("scaling.cu.tera", include_str!("../../templates/scaling.cu.tera")),
+    ("elementwise.cu.tera", include_str!("../../templates/elementwise.cu.tera")),
+    ("transpose.cu.tera", include_str!("../../templates/transpose.cu.tera")),
 ];
 
 fn engine() -> &'static std::result::Result<tera::Tera, String> {

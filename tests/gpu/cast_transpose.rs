@@ -1,13 +1,18 @@
 //! Families 2, 3 and the fused dact of 4 on the GPU: cast + transpose (+ dbias) (+ dact) against
 //! the CPU reference. FP8 codes of both copies, amax and scale_inv bit-exact (a fused GELU may
 //! move a rare code by one step: the GPU's `tanhf` differs from the CPU's by ulps), dbias within
-//! bf16 tolerance and bit-identical run to run.
+//! bf16 tolerance and bit-identical run to run. The FP8 byte transpose bit-exact against a CPU
+//! transpose.
 
 use crate::common::{assert_bits_eq, assert_close, device, randn};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use te_codegen::spec::{Activation, CastTransposeSpec};
-use te_runtime::ops::cast_transpose::{cast_transpose, cast_transpose_dact, dbias_workspace_len, DbiasOut};
+use te_runtime::ops::cast_transpose::{
+    cast_transpose, cast_transpose_dact, dbias_workspace_len, transpose_fp8, DbiasOut,
+};
 use te_runtime::ops::Fp8Meta;
-use te_runtime::reference::cast_transpose::{cast_transpose as reference, CastTransposeRef};
+use te_runtime::reference::cast_transpose::{cast_transpose as reference, transpose, CastTransposeRef};
 use te_runtime::reference::numerics;
 use te_runtime::{Arch, DType, Device, Error, Tensor};
 
@@ -258,4 +263,75 @@ fn bad_inputs_are_typed_errors() {
     let mut q0_t = Tensor::zeros(&dev, DType::E4M3, &[32, 0]).unwrap();
     let e = cast_transpose(&dev, &empty, &mut q0, &mut q0_t, &mut meta.scaling(), None).unwrap_err();
     assert!(e.to_string().contains("no elements"), "{e}");
+}
+
+/// Random FP8 codes (every byte value, NaN codes included: the transpose only moves bytes).
+fn random_codes(seed: u64, n: usize) -> Vec<u8> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random::<u8>()).collect()
+}
+
+#[test]
+fn transpose_fp8_is_a_bit_exact_byte_transpose() {
+    let Some(dev) = device() else { return };
+    // One tile; cols a tile multiple + 16; rows and cols not multiples of the 128 x 128 tile
+    // (rows % 16 != 0: the byte path); a few rows; tile multiples; one row past a tile.
+    let shapes: [&[usize]; 7] =
+        [&[16, 16], &[48, 4112], &[1000, 784], &[3, 4096], &[256, 4096], &[129, 48], &[2, 500, 784]];
+    for (i, &shape) in shapes.iter().enumerate() {
+        let cols = shape[shape.len() - 1];
+        let rows = shape.iter().product::<usize>() / cols;
+        for dtype in [DType::E4M3, DType::E5M2] {
+            let codes = random_codes(700 + i as u64, rows * cols);
+            let x = Tensor::from_bytes(&dev, dtype, shape, &codes).unwrap();
+            let mut out_t = Tensor::zeros(&dev, dtype, &[cols, rows]).unwrap();
+            transpose_fp8(&dev, &x, &mut out_t).unwrap();
+            let what = format!("transpose_fp8 {dtype} {shape:?}");
+            assert_bits_eq(&what, &out_t.to_bytes(&dev).unwrap(), &transpose(&codes, rows, cols));
+        }
+    }
+}
+
+#[test]
+fn transpose_fp8_of_cast_transpose_output_is_its_out_t() {
+    let Some(dev) = device() else { return };
+    let (rows, cols) = (1000, 784);
+    let x = inputs(800, rows * cols, 3.0, DType::BF16);
+    let got = run(&dev, DType::BF16, DType::E4M3, rows, cols, &x, None, false, 7.5);
+    let q = Tensor::from_bytes(&dev, DType::E4M3, &[rows, cols], &got.q).unwrap();
+    let mut q_t = Tensor::zeros(&dev, DType::E4M3, &[cols, rows]).unwrap();
+    transpose_fp8(&dev, &q, &mut q_t).unwrap();
+    assert_bits_eq("transpose_fp8(out) vs out_t", &q_t.to_bytes(&dev).unwrap(), &got.q_t);
+}
+
+#[test]
+fn transpose_fp8_bad_inputs_are_typed_errors() {
+    let Some(dev) = device() else { return };
+    let x = Tensor::zeros(&dev, DType::E4M3, &[4, 32]).unwrap();
+    let mut wrong_t = Tensor::zeros(&dev, DType::E4M3, &[4, 32]).unwrap();
+    let e = transpose_fp8(&dev, &x, &mut wrong_t).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("`out_t` must have shape [32, 4]"), "{e}");
+
+    let mut other_format = Tensor::zeros(&dev, DType::E5M2, &[32, 4]).unwrap();
+    let e = transpose_fp8(&dev, &x, &mut other_format).unwrap_err();
+    assert!(matches!(e, Error::DType { arg: "out_t", .. }), "{e}");
+
+    let hp = Tensor::zeros(&dev, DType::BF16, &[4, 32]).unwrap();
+    let mut hp_t = Tensor::zeros(&dev, DType::BF16, &[32, 4]).unwrap();
+    let e = transpose_fp8(&dev, &hp, &mut hp_t).unwrap_err();
+    assert!(matches!(e, Error::DType { arg: "x", .. }) && e.to_string().contains("cast_transpose"), "{e}");
+
+    let odd = Tensor::zeros(&dev, DType::E4M3, &[4, 1000]).unwrap();
+    let mut odd_t = Tensor::zeros(&dev, DType::E4M3, &[1000, 4]).unwrap();
+    let e = transpose_fp8(&dev, &odd, &mut odd_t).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("pad it to 1008"), "{e}");
+
+    let empty = Tensor::zeros(&dev, DType::E4M3, &[0, 32]).unwrap();
+    let mut empty_t = Tensor::zeros(&dev, DType::E4M3, &[32, 0]).unwrap();
+    let e = transpose_fp8(&dev, &empty, &mut empty_t).unwrap_err();
+    assert!(e.to_string().contains("no elements"), "{e}");
+
+    let scalar = Tensor::zeros(&dev, DType::E4M3, &[]).unwrap();
+    let e = transpose_fp8(&dev, &scalar, &mut empty_t).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "{e}");
 }

@@ -7,6 +7,7 @@ mod common;
 mod activation;
 mod cast;
 mod cast_transpose;
+mod elementwise;
 mod jit;
 mod norm;
 mod scaling;

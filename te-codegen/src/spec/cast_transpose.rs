@@ -1,6 +1,7 @@
 //! Families 2, 3 and the fused dact backward of 4: one read of a `[rows, cols]` input gives a
 //! row-wise FP8 copy `[rows, cols]`, a column-wise (transposed) FP8 copy `[cols, rows]` and the
-//! amax, optionally the bias gradient (column sums) and a fused activation backward first.
+//! amax, optionally the bias gradient (column sums) and a fused activation backward first. In
+//! transpose mode (FP8 input of the output's format) it only transposes the FP8 codes.
 
 use super::cast::{check_pow2, check_threads};
 use super::{Activation, Family};
@@ -27,6 +28,13 @@ use serde::{Deserialize, Serialize};
 /// Tiling: a thread owns micro-tiles of 4 rows × 8 columns (16-byte loads, one 8-byte row-wise
 /// store per row); the FP8 codes are staged transposed in `tile_rows * tile_cols` bytes of shared
 /// memory and written to `q_t` 16 bytes per thread and step.
+///
+/// Transpose mode ([`CastTransposeSpec::is_transpose`]: `input` is FP8 and equal to `output`, no
+/// dbias, no dact; template `transpose.cu.tera`): `q_t = xᵀ`, the codes copied byte for byte with
+/// no scale, amax or scale_inv (TE `Float8Tensor.transpose_2d`). Entry point `<name>` with
+/// arguments `(x, q_t, rows)`: `x` `[rows, cols]` and `q_t` `[cols, rows]` FP8 codes, `rows` a
+/// `u64`; launch as above, one block of `threads` per tile. A thread owns micro-tiles of 4 rows ×
+/// 16 columns (one 16-byte load per row), staged in shared memory the same way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct CastTransposeSpec {
     /// Type of `x` (or `dy`): f32, bf16 or f16.
@@ -63,6 +71,12 @@ impl CastTransposeSpec {
     pub const DBIAS_SLICES: usize = 8;
     /// Threads per block of the `<name>_dbias` kernel.
     pub const DBIAS_THREADS: usize = Self::DBIAS_COLS * Self::DBIAS_SLICES;
+    /// Default rows per tile in transpose mode: `q_t` rows are written in 128-byte segments.
+    pub const TRANSPOSE_TILE_ROWS: usize = 128;
+    /// Default columns per tile in transpose mode: `x` rows are read in 128-byte segments.
+    pub const TRANSPOSE_TILE_COLS: usize = 128;
+    /// Default threads per block in transpose mode: one 4 × 16 micro-tile per thread.
+    pub const TRANSPOSE_THREADS: usize = 256;
 
     /// A spec with the default tuning.
     pub fn new(input: DType, output: DType, cols: usize, dbias: bool, dact: Option<Activation>, arch: Arch) -> Self {
@@ -79,6 +93,36 @@ impl CastTransposeSpec {
         }
     }
 
+    /// Transpose mode for FP8 codes of `dtype` (E4M3 or E5M2) with the default tuning.
+    pub fn transpose(dtype: DType, cols: usize, arch: Arch) -> Self {
+        Self {
+            input: dtype,
+            output: dtype,
+            cols,
+            dbias: false,
+            dact: None,
+            tile_rows: Self::TRANSPOSE_TILE_ROWS,
+            tile_cols: Self::TRANSPOSE_TILE_COLS,
+            threads: Self::TRANSPOSE_THREADS,
+            arch,
+        }
+    }
+
+    /// True in transpose mode: the input holds FP8 codes (only valid with `output == input`).
+    pub const fn is_transpose(&self) -> bool {
+        self.input.is_fp8()
+    }
+
+    /// Columns of a thread's micro-tile: 8 when casting (one 8-byte row-wise FP8 store), 16 in
+    /// transpose mode (one 16-byte load of codes).
+    const fn micro_tile_cols(&self) -> usize {
+        if self.is_transpose() {
+            16
+        } else {
+            8
+        }
+    }
+
     /// Row tiles of a `[rows, cols]` input: rows of the dbias workspace.
     pub fn row_tiles(&self, rows: usize) -> usize {
         rows.div_ceil(self.tile_rows)
@@ -88,20 +132,56 @@ impl CastTransposeSpec {
     pub fn blocks(&self, rows: usize) -> usize {
         self.row_tiles(rows) * self.cols.div_ceil(self.tile_cols)
     }
+
+    /// Transpose mode copies codes: the same FP8 format out, nothing computed from values.
+    fn validate_transpose_mode(&self) -> Result<(), String> {
+        let fp8 = self.input;
+        if self.output != fp8 {
+            return Err(format!(
+                "transposing {fp8} codes copies them as they are, so the output must be {fp8}, not {}: \
+                 to change the format, dequantize and cast_transpose the high-precision tensor",
+                self.output
+            ));
+        }
+        if self.dbias {
+            return Err(format!(
+                "dbias sums high-precision values, not {fp8} codes: run cast_transpose with dbias on the \
+                 f32/bf16/f16 gradient instead of transposing its FP8 copy"
+            ));
+        }
+        if let Some(a) = self.dact {
+            return Err(format!(
+                "a fused d{a} needs the high-precision dy and activation input, not {fp8} codes: run \
+                 cast_transpose_dact on them instead of transposing an FP8 copy"
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Family for CastTransposeSpec {
     fn family(&self) -> &'static str {
-        "cast_transpose"
+        if self.is_transpose() {
+            "transpose"
+        } else {
+            "cast_transpose"
+        }
     }
     fn template(&self) -> &'static str {
-        "cast_transpose.cu.tera"
+        if self.is_transpose() {
+            "transpose.cu.tera"
+        } else {
+            "cast_transpose.cu.tera"
+        }
     }
     fn name_parts(&self) -> String {
+        let types = if self.is_transpose() && self.output == self.input {
+            self.input.to_string()
+        } else {
+            format!("{}_{}", self.input, self.output)
+        };
         format!(
-            "{}_{}_c{}{}{}_r{}x{}_t{}",
-            self.input,
-            self.output,
+            "{types}_c{}{}{}_r{}x{}_t{}",
             self.cols,
             if self.dbias { "_dbias" } else { "" },
             self.dact.map(|a| format!("_d{a}")).unwrap_or_default(),
@@ -133,15 +213,19 @@ impl Family for CastTransposeSpec {
         }
     }
     fn validate(&self) -> Result<(), String> {
-        if !self.input.is_high_precision() || !self.output.is_fp8() {
+        if self.is_transpose() {
+            self.validate_transpose_mode()?;
+        } else if !self.output.is_fp8() {
             return Err(format!(
-                "cast_transpose goes from f32/bf16/f16 to e4m3/e5m2, not {} → {}",
+                "cast_transpose goes from f32/bf16/f16 to e4m3/e5m2 (or transposes e4m3/e5m2 codes as they are), \
+                 not {} → {}",
                 self.input, self.output
             ));
         }
         if self.cols == 0 || self.cols % 16 != 0 {
             return Err(format!(
-                "FP8 cast_transpose needs cols % 16 == 0; cols = {} (pad to {})",
+                "FP8 {} needs cols % 16 == 0; cols = {} (pad to {})",
+                self.family(),
                 self.cols,
                 self.cols.div_ceil(16).max(1) * 16
             ));
@@ -156,10 +240,11 @@ impl Family for CastTransposeSpec {
         check_pow2("tile_rows", self.tile_rows, 16, 128)?;
         check_pow2("tile_cols", self.tile_cols, 16, 256)?;
         check_threads(self.threads)?;
-        let micro_tiles = (self.tile_rows / 4) * (self.tile_cols / 8);
+        let nc = self.micro_tile_cols();
+        let micro_tiles = (self.tile_rows / 4) * (self.tile_cols / nc);
         if self.threads > micro_tiles {
             return Err(format!(
-                "threads = {} exceeds the {micro_tiles} micro-tiles (4 rows × 8 columns) of a {}×{} tile: \
+                "threads = {} exceeds the {micro_tiles} micro-tiles (4 rows × {nc} columns) of a {}×{} tile: \
                  lower threads or enlarge the tile",
                 self.threads, self.tile_rows, self.tile_cols
             ));
@@ -170,6 +255,7 @@ impl Family for CastTransposeSpec {
 
 #[cfg(test)]
 mod tests {
+    use super::super::KernelSpec;
     use super::*;
 
     #[test]
@@ -183,5 +269,31 @@ mod tests {
         assert!(e.contains("micro-tiles"), "{e}");
         let e = CastTransposeSpec { dact: Some(Activation::Swiglu), ..s }.validate().unwrap_err();
         assert!(e.contains("gated"), "{e}");
+        let e = CastTransposeSpec::new(DType::BF16, DType::F16, 784, false, None, Arch::Sm90a).validate();
+        assert!(e.unwrap_err().contains("f32/bf16/f16 to e4m3/e5m2"));
+    }
+
+    #[test]
+    fn transpose_mode_copies_codes_and_rejects_value_fusions() {
+        let t = CastTransposeSpec::transpose(DType::E5M2, 4112, Arch::Sm90a);
+        t.validate().unwrap();
+        assert!(t.is_transpose());
+        assert_eq!(KernelSpec::from(t).name(), "te_transpose_e5m2_c4112_r128x128_t256_sm_90a");
+        assert_eq!(KernelSpec::from(t).entry_points().len(), 1);
+        assert_eq!(t.blocks(48), 33);
+        let e = CastTransposeSpec { output: DType::E4M3, ..t }.validate().unwrap_err();
+        assert!(e.contains("output must be e5m2") && e.contains("dequantize"), "{e}");
+        let e = CastTransposeSpec { output: DType::BF16, ..t }.validate().unwrap_err();
+        assert!(e.contains("output must be e5m2"), "{e}");
+        let e = CastTransposeSpec { dbias: true, ..t }.validate().unwrap_err();
+        assert!(e.contains("run cast_transpose with dbias"), "{e}");
+        let e = CastTransposeSpec { dact: Some(Activation::Gelu), ..t }.validate().unwrap_err();
+        assert!(e.contains("cast_transpose_dact"), "{e}");
+        let e = CastTransposeSpec::transpose(DType::E4M3, 1000, Arch::Sm90a).validate().unwrap_err();
+        assert!(e.contains("FP8 transpose needs cols % 16 == 0") && e.contains("pad to 1008"), "{e}");
+        // 4 × 16 micro-tiles: a 64 × 128 tile has 128 of them.
+        let e = CastTransposeSpec { tile_rows: 64, ..t }.validate().unwrap_err();
+        assert!(e.contains("128 micro-tiles (4 rows × 16 columns)"), "{e}");
+        CastTransposeSpec { tile_rows: 64, threads: 128, ..t }.validate().unwrap();
     }
 }

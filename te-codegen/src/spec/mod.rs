@@ -8,6 +8,7 @@
 mod activation;
 mod cast;
 mod cast_transpose;
+mod elementwise;
 mod norm;
 mod scaling;
 mod softmax;
@@ -15,6 +16,7 @@ mod softmax;
 pub use activation::{Activation, ActivationSpec};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
+pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use norm::{NormKind, NormSpec};
 pub use scaling::{AmaxComputeAlgo, ScalingKind, ScalingSpec};
 pub use softmax::{MaskKind, SoftmaxSpec};
@@ -71,7 +73,8 @@ pub trait Family: std::fmt::Debug {
 pub enum KernelSpec {
     /// Family 1: quantize to FP8 with amax, dequantize, amax only.
     Cast(CastSpec),
-    /// Families 2, 3 and the dact backward of 4: cast + transpose (+ dbias) (+ dact).
+    /// Families 2, 3 and the dact backward of 4: cast + transpose (+ dbias) (+ dact), and the
+    /// byte transpose of FP8 codes.
     CastTranspose(CastTransposeSpec),
     /// Family 4: bias + activation (+ FP8 cast) forward, activation backward.
     Activation(ActivationSpec),
@@ -81,6 +84,8 @@ pub enum KernelSpec {
     Softmax(SoftmaxSpec),
     /// Family 7: delayed-scaling update and current-scaling scale computation.
     Scaling(ScalingSpec),
+    /// Family 8: element-wise add and in-place add of high-precision tensors.
+    Elementwise(ElementwiseSpec),
 }
 
 impl KernelSpec {
@@ -93,6 +98,7 @@ impl KernelSpec {
             KernelSpec::Norm(s) => s,
             KernelSpec::Softmax(s) => s,
             KernelSpec::Scaling(s) => s,
+            KernelSpec::Elementwise(s) => s,
         }
     }
 
@@ -147,6 +153,7 @@ impl_from_spec!(
     Norm(NormSpec),
     Softmax(SoftmaxSpec),
     Scaling(ScalingSpec),
+    Elementwise(ElementwiseSpec),
 );
 
 /// Largest vector width (elements) ≤ `max_bytes / elem_bytes` that divides `n`.

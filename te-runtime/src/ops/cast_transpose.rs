@@ -6,6 +6,8 @@
 //! the bias gradient `dbias = Σ_rows g` and a fused activation backward `g = dy * act'(act_in)`.
 //! Follows TE `common/transpose/cast_transpose.cu` and `cast_transpose_fusion.cu`
 //! (`nvte_cast_transpose`, `nvte_cast_transpose_dbias`, `nvte_cast_transpose_dbias_dgelu`).
+//! [`transpose_fp8`] builds the column-wise copy of data that is already FP8 (TE
+//! `Float8Tensor.transpose_2d`, `nvte_transpose`).
 
 use super::{check_dtype, check_fp8_cols, check_nonempty, check_shape, launch_1d, Fp8Scaling};
 use crate::{Device, Error, Result, Tensor};
@@ -83,6 +85,50 @@ pub fn cast_transpose_dact(
     launch(dev, OP, dy, Some((act, act_in)), out, out_t, scaling, dbias)
 }
 
+/// `out_t = xᵀ` for FP8 codes: the bytes of `x` transposed, not rescaled, so `out_t` shares
+/// `x`'s `scale_inv` (the lazy transposed copy of an FP8 weight, TE `Float8Tensor._transpose`).
+///
+/// `x`: `[..., cols]` E4M3 or E5M2, all leading dims folded into `rows` (≥ 1); `cols` a multiple
+/// of 16. `out_t`: `[cols, rows]`, the dtype of `x`.
+///
+/// # Errors
+/// [`Error::DType`] when `x` is not FP8 (cast a high-precision tensor with [`cast_transpose`]) or
+/// `out_t` has another dtype; [`Error::Shape`] for `out_t` not `[cols, rows]`, cols not a
+/// multiple of 16 (says what to pad to), empty tensors, or more rows than one grid holds;
+/// compile and launch failures.
+pub fn transpose_fp8(dev: &Device, x: &Tensor, out_t: &mut Tensor) -> Result<()> {
+    const OP: &str = "transpose_fp8";
+    check_dtype(OP, "x", x, DType::is_fp8, "e4m3 or e5m2 (use cast_transpose for f32/bf16/f16)")?;
+    check_dtype(OP, "out_t", out_t, |d| d == x.dtype(), &format!("{} (the dtype of `x`)", x.dtype()))?;
+    check_nonempty(OP, "x", x)?;
+    let (rows, cols) = x.as_2d(OP)?;
+    check_fp8_cols(OP, "cols (the last dim of `x`)", cols)?;
+    check_shape(OP, "out_t", out_t, &[cols, rows])?;
+    let spec = CastTransposeSpec::transpose(x.dtype(), cols, dev.arch());
+    let blocks = check_grid(OP, &spec, rows)?;
+    let f = dev.function(&KernelSpec::CastTranspose(spec), 0)?;
+    let rows_u64 = rows as u64;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.data()).arg(out_t.data_mut()).arg(&rows_u64);
+    // SAFETY: arguments match the transpose-mode signature documented on `CastTransposeSpec`:
+    // `x` holds `rows * cols` and `out_t` `cols * rows` codes (checked above) in distinct
+    // allocations (`&` vs `&mut`); one block per tile as the spec requires.
+    unsafe { b.launch(launch_1d(blocks, spec.threads, 0)) }?;
+    Ok(())
+}
+
+/// The main kernel's block count for `rows` rows, or an error when one grid cannot hold it.
+fn check_grid(op: &'static str, spec: &CastTransposeSpec, rows: usize) -> Result<usize> {
+    let blocks = spec.blocks(rows);
+    if blocks > i32::MAX as usize {
+        return Err(Error::Shape {
+            op,
+            message: format!("rows = {rows} needs {blocks} blocks, more than a grid holds: split the input along rows"),
+        });
+    }
+    Ok(blocks)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn launch(
     dev: &Device,
@@ -95,7 +141,7 @@ fn launch(
     dbias: Option<DbiasOut<'_>>,
 ) -> Result<()> {
     let x_arg = if dact.is_some() { "dy" } else { "x" };
-    check_dtype(op, x_arg, x, DType::is_high_precision, "f32, bf16 or f16")?;
+    check_dtype(op, x_arg, x, DType::is_high_precision, "f32, bf16 or f16 (use transpose_fp8 for FP8 codes)")?;
     check_dtype(op, "out", out, DType::is_fp8, "e4m3 or e5m2")?;
     check_dtype(op, "out_t", out_t, |d| d == out.dtype(), &format!("{} (the dtype of `out`)", out.dtype()))?;
     check_nonempty(op, x_arg, x)?;
@@ -114,13 +160,7 @@ fn launch(
     }
     check_shape(op, "out_t", out_t, &[cols, rows])?;
     let spec = CastTransposeSpec::new(x.dtype(), out.dtype(), cols, dbias.is_some(), dact.map(|d| d.0), dev.arch());
-    let blocks = spec.blocks(rows);
-    if blocks > i32::MAX as usize {
-        return Err(Error::Shape {
-            op,
-            message: format!("rows = {rows} needs {blocks} blocks, more than a grid holds: split the input along rows"),
-        });
-    }
+    let blocks = check_grid(op, &spec, rows)?;
     let mut dbias = dbias;
     if let Some(d) = &dbias {
         check_dtype(op, "dbias", d.dbias, |t| t == x.dtype(), &format!("{} (the dtype of `{x_arg}`)", x.dtype()))?;

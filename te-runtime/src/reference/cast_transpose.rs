@@ -4,7 +4,8 @@
 //! multiply, codes are `fp8(g * scale)`, and the dbias sums run in the kernel's order (see
 //! [`cast_transpose`]), so without a fused GELU every output matches bit for bit. With GELU the
 //! GPU's `tanhf` (and FMA contraction inside `act'`) can differ from the CPU's by an ulp, which
-//! moves the odd code by one step and the sums by float rounding.
+//! moves the odd code by one step and the sums by float rounding. [`transpose`] is the oracle of
+//! the FP8 byte transpose (`ops::cast_transpose::transpose_fp8`).
 
 use super::activation::elementwise;
 use super::cast::amax as amax_of;
@@ -57,16 +58,20 @@ pub fn cast_transpose(
         _ => panic!("act_in must be given exactly when spec.dact is set"),
     };
     let q: Vec<u8> = g.iter().map(|&v| quantize(spec.output, v * scale)).collect();
-    let mut q_t = vec![0u8; q.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            q_t[c * rows + r] = q[r * cols + c];
-        }
-    }
+    let q_t = transpose(&q, rows, cols);
     let dbias = spec.dbias.then(|| {
         dbias_partials(spec, &g, rows).iter().map(|p| round_to(spec.input, reduce_partials(p))).collect::<Vec<f32>>()
     });
     CastTransposeRef { q, q_t, amax: amax_of(&g), scale_inv: 1.0 / scale, dbias }
+}
+
+/// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix.
+///
+/// # Panics
+/// When `x` does not hold `rows * cols` elements (a caller bug).
+pub fn transpose<T: Copy>(x: &[T], rows: usize, cols: usize) -> Vec<T> {
+    assert_eq!(x.len(), rows * cols, "x must hold rows * cols elements");
+    (0..cols).flat_map(|c| (0..rows).map(move |r| x[r * cols + c])).collect()
 }
 
 /// Per column, the f32 partial sum of each row tile, in the kernel's order.
@@ -137,6 +142,14 @@ mod tests {
             let saturated = x.iter().any(|v| v.abs() * 500.0 > 448.0);
             assert_eq!(r.q.iter().any(|&q| dequantize(DType::E4M3, q).abs() == 448.0), saturated);
         }
+    }
+
+    #[test]
+    fn transpose_moves_element_r_c_to_c_r() {
+        let x: Vec<u8> = (0..6).collect(); // [[0, 1, 2], [3, 4, 5]]
+        assert_eq!(transpose(&x, 2, 3), [0, 3, 1, 4, 2, 5]);
+        assert_eq!(transpose(&transpose(&x, 2, 3), 3, 2), x);
+        assert_eq!(transpose(&[7u8], 1, 1), [7]);
     }
 
     #[test]
