@@ -1,5 +1,6 @@
 //! Kernel benchmarks: memory-bound kernels against the copy bandwidth measured in the same run,
-//! the bulk scale update, and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//! the bulk scale update, cuBLASLt GEMMs in TFLOP/s (FP8 against a bf16 GEMM of the same run),
+//! and the JIT costs (NVRTC compile, warm disk cache, prewarm).
 //!
 //! `cargo bench --bench kernels [-- FILTER]`, or on the GPU machine `.gpu/bin/kernels-bench
 //! --bench [FILTER]`. Without a GPU only the JIT benchmarks run. JSON goes to
@@ -10,6 +11,7 @@ mod harness;
 mod activation;
 mod cast;
 mod cast_transpose;
+mod gemm;
 mod jit;
 mod norm;
 mod scaling;
@@ -35,6 +37,7 @@ fn main() {
         norm::run(&mut b);
         softmax::run(&mut b);
         scaling::run(&mut b);
+        gemm::run(&mut b);
     }
     jit::run(&mut b);
     b.print_table();

@@ -5,6 +5,7 @@
 pub mod activation;
 pub mod cast;
 pub mod cast_transpose;
+pub mod gemm;
 pub mod norm;
 pub mod numerics;
 pub mod scaling;
