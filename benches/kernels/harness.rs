@@ -1,5 +1,6 @@
 //! Timing harness: CUDA-event timing after warm-up, median and spread over repeats, bandwidth
-//! against the device's copy bandwidth measured in the same run, a printed table and JSON.
+//! against the device's copy bandwidth measured in the same run (or TFLOP/s for compute-bound
+//! rows), a printed table and JSON.
 
 use cudarc::driver::sys::CUevent_flags;
 use serde_json::json;
@@ -29,6 +30,8 @@ pub struct Row {
     pub stats: Stats,
     /// Bytes read + written (memory-bound rows).
     pub bytes: Option<u64>,
+    /// Floating-point operations (compute-bound rows, e.g. `2·m·n·k` for a GEMM).
+    pub flops: Option<u64>,
     /// Target as a fraction of copy bandwidth (bandwidth rows) or a time in µs (time rows).
     pub target: Option<Target>,
 }
@@ -95,16 +98,33 @@ impl Bench {
             shape: "1 GiB".into(),
             stats: st,
             bytes: Some(2 * n as u64),
+            flops: None,
             target: None,
         });
     }
 
     pub fn record(&mut self, name: &str, shape: &str, stats: Stats, bytes: Option<u64>, target: Option<Target>) {
-        self.rows.push(Row { name: name.into(), shape: shape.into(), stats, bytes, target });
+        self.rows.push(Row { name: name.into(), shape: shape.into(), stats, bytes, flops: None, target });
+    }
+
+    /// Records a compute-bound row of `flops` floating-point operations (printed as TFLOP/s).
+    pub fn record_flops(&mut self, name: &str, shape: &str, stats: Stats, flops: u64) {
+        self.rows.push(Row {
+            name: name.into(),
+            shape: shape.into(),
+            stats,
+            bytes: None,
+            flops: Some(flops),
+            target: None,
+        });
     }
 
     fn gbps(r: &Row) -> Option<f64> {
         r.bytes.map(|b| b as f64 / (r.stats.median_us * 1e-6) / 1e9)
+    }
+
+    fn tflops(r: &Row) -> Option<f64> {
+        r.flops.map(|f| f as f64 / (r.stats.median_us * 1e-6) / 1e12)
     }
 
     fn verdict(&self, r: &Row) -> String {
@@ -122,16 +142,17 @@ impl Bench {
 
     pub fn print_table(&self) {
         println!(
-            "\n{:<48} {:>18} {:>10} {:>10} {:>10} {:>9} {:>7}  target",
-            "benchmark", "shape", "median µs", "min µs", "max µs", "GB/s", "÷copy"
+            "\n{:<48} {:>18} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8}  target",
+            "benchmark", "shape", "median µs", "min µs", "max µs", "GB/s", "÷copy", "TFLOP/s"
         );
         for r in &self.rows {
             let (gb, frac) = match Self::gbps(r) {
                 Some(g) if self.copy_gbps > 0.0 => (format!("{g:.0}"), format!("{:.3}", g / self.copy_gbps)),
                 _ => (String::new(), String::new()),
             };
+            let tflops = Self::tflops(r).map(|t| format!("{t:.0}")).unwrap_or_default();
             println!(
-                "{:<48} {:>18} {:>10.2} {:>10.2} {:>10.2} {:>9} {:>7}  {}",
+                "{:<48} {:>18} {:>10.2} {:>10.2} {:>10.2} {:>9} {:>7} {:>8}  {}",
                 r.name,
                 r.shape,
                 r.stats.median_us,
@@ -139,6 +160,7 @@ impl Bench {
                 r.stats.max_us,
                 gb,
                 frac,
+                tflops,
                 self.verdict(r)
             );
         }
@@ -164,6 +186,7 @@ impl Bench {
                     "name": r.name, "shape": r.shape,
                     "median_us": r.stats.median_us, "min_us": r.stats.min_us, "max_us": r.stats.max_us,
                     "bytes": r.bytes, "gbps": Self::gbps(r),
+                    "flops": r.flops, "tflops": Self::tflops(r),
                     "fraction_of_copy": Self::gbps(r).map(|g| g / self.copy_gbps),
                     "target": self.verdict(r),
                 })

@@ -1,5 +1,6 @@
 //! Kernel benchmarks: memory-bound kernels against the copy bandwidth measured in the same run,
-//! the bulk scale update, and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//! the bulk scale update, cuBLASLt GEMMs in TFLOP/s (FP8 against a bf16 GEMM of the same run),
+//! and the JIT costs (NVRTC compile, warm disk cache, prewarm).
 //!
 //! `cargo bench --bench kernels [-- FILTER]`, or on the GPU machine `.gpu/bin/kernels-bench
 //! --bench [FILTER]`. Without a GPU only the JIT benchmarks run. JSON goes to
@@ -11,6 +12,7 @@ mod activation;
 mod cast;
 mod cast_transpose;
 mod elementwise;
+mod gemm;
 mod jit;
 mod norm;
 mod scaling;
@@ -37,6 +39,7 @@ fn main() {
         softmax::run(&mut b);
         scaling::run(&mut b);
         elementwise::run(&mut b);
+        gemm::run(&mut b);
     }
     jit::run(&mut b);
     b.print_table();

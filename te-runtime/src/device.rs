@@ -1,9 +1,10 @@
 //! The CUDA device: context, stream, arch and the kernels loaded on it.
 
+use crate::gemm::Engine;
 use crate::kernels::KernelCache;
 use crate::{Error, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use te_codegen::{Arch, KernelCompiler, KernelSpec};
 
 /// True when libcuda loads and reports at least one device. Never panics.
@@ -25,6 +26,8 @@ pub struct Device {
     compute_capability: (i32, i32),
     sm_count: usize,
     kernels: KernelCache,
+    /// cuBLASLt state, created by the first GEMM (`None` until then, and after a failed try).
+    gemm: Mutex<Option<Arc<Engine>>>,
 }
 
 impl Device {
@@ -71,6 +74,7 @@ impl Device {
             compute_capability: (major, minor),
             sm_count,
             kernels: KernelCache::new(compiler),
+            gemm: Mutex::new(None),
         }))
     }
 
@@ -127,6 +131,20 @@ impl Device {
     /// Compile and load failures.
     pub fn function(&self, spec: &KernelSpec, entry: usize) -> Result<CudaFunction> {
         self.kernels.function(&self.ctx, spec, entry)
+    }
+
+    /// The cuBLASLt handle, workspace and algorithm cache of this device, created on first use.
+    ///
+    /// # Errors
+    /// [`Error::CublasLtMissing`], cuBLASLt and allocation failures; a later call tries again.
+    pub(crate) fn gemm_engine(&self) -> Result<Arc<Engine>> {
+        let mut slot = self.gemm.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(engine) = slot.as_ref() {
+            return Ok(engine.clone());
+        }
+        let engine = Arc::new(Engine::new(self)?);
+        *slot = Some(engine.clone());
+        Ok(engine)
     }
 
     /// Waits for all work on the stream.

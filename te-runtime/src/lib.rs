@@ -6,6 +6,7 @@
 //! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
 
 pub mod device;
+pub mod gemm;
 pub mod kernels;
 pub mod ops;
 pub mod reference;
@@ -45,6 +46,20 @@ pub enum Error {
     /// A CUDA driver call failed.
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// libcublasLt could not be loaded (the GEMMs need it).
+    #[error("cuBLASLt (libcublasLt.so.13) was not found: `pip install nvidia-cublas` (CUDA 13) and put its `nvidia/cu13/lib` folder on LD_LIBRARY_PATH, or put the lib folder of a CUDA 13 toolkit on LD_LIBRARY_PATH")]
+    CublasLtMissing,
+    /// A cuBLASLt call failed.
+    #[error("cuBLASLt call failed: {0}")]
+    Cublas(#[from] cudarc::cublaslt::result::CublasError),
+    /// A GEMM cuBLASLt cannot run (no algorithm for these shapes, dtypes and epilogue) or
+    /// arguments that do not fit together (an FP8 operand without its scale_inv, ...); the
+    /// message names the problem.
+    #[error("gemm: {message}")]
+    Gemm {
+        /// The problem and what cuBLASLt answered.
+        message: String,
+    },
     /// A shape an op cannot take; the message says what to change.
     #[error("{op}: {message}")]
     Shape {

@@ -8,6 +8,7 @@ mod activation;
 mod cast;
 mod cast_transpose;
 mod elementwise;
+mod gemm;
 mod jit;
 mod norm;
 mod scaling;

@@ -6,6 +6,7 @@ pub mod activation;
 pub mod cast;
 pub mod cast_transpose;
 pub mod elementwise;
+pub mod gemm;
 pub mod norm;
 pub mod numerics;
 pub mod scaling;

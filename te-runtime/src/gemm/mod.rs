@@ -1,0 +1,447 @@
+//! GEMMs on cuBLASLt: FP8 with per-tensor scales and bf16/f16/f32, with TE's fused epilogues
+//! (TE `common/gemm/cublaslt_gemm.cu`; cuBLAS docs, `cublasLtMatmul`).
+//!
+//! The API is row-major: `D[m, n] = alpha · A[m, k] · B[n, k]ᵀ (+ D)`, then the epilogue, both
+//! operands k-contiguous ("TN", the only layout Hopper FP8 GEMMs take). In a Linear: fprop
+//! `Y = X · Wᵀ` is `gemm(X, W)`, dgrad `dX = dY · W` is `gemm(dY, Wᵀ)`, wgrad `dW = dYᵀ · X` is
+//! `gemm(dYᵀ, Xᵀ)`, the transposes being the copies cast-transpose writes.
+//!
+//! cuBLASLt is column-major, where the row-major `D[m, n]` is the `n × m` matrix `B · Aᵀ`. So
+//! cuBLASLt's A is our `b` (`TRANSA = T`, `lda = k`), its B is our `a` (`TRANSB = N`,
+//! `ldb = k`), its `m, n` are our `n, m`, and `ldc = ldd = n`. Compute type
+//! `CUBLAS_COMPUTE_32F` (f32 GEMMs are pure f32, no TF32), scale type f32.
+//!
+//! Descriptors and layouts are created for every call (host microseconds, small next to any GEMM
+//! worth running on a GPU); the algorithm the heuristic picks is cached per device, keyed by
+//! everything that can change its answer: shape, dtypes, epilogue, accumulation mode and pointer
+//! alignments. Work is issued on [`Device::stream`].
+
+mod engine;
+mod lt;
+mod rules;
+
+pub(crate) use engine::Engine;
+
+use crate::ops::{check_nonempty, check_shape};
+use crate::{Device, Error, Result, Tensor};
+use cudarc::cublaslt::result;
+use cudarc::cublaslt::sys::{self, cublasLtMatmulDescAttributes_t as Attr};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use engine::{alignment, unsupported};
+use lt::{Layout, MatmulDesc};
+use rules::{cuda_type, Types};
+use std::ffi::c_void;
+
+const OP: &str = "gemm";
+
+/// `cublasOperation_t` values (`cublas_api.h`), which cudarc's cuBLASLt bindings do not export.
+const CUBLAS_OP_N: i32 = 0;
+const CUBLAS_OP_T: i32 = 1;
+
+/// One operand of [`gemm`].
+#[derive(Debug)]
+pub struct Operand<'a> {
+    /// Row-major `[.., k]` (leading dims folded into rows, see [`Tensor::as_2d`]): e4m3 or e5m2
+    /// codes, or bf16, f16, f32.
+    pub tensor: &'a Tensor,
+    /// For FP8 tensors (required): `1 / scale` of the cast that wrote the codes, one f32 on the
+    /// device, which cuBLASLt multiplies the product by (`A_SCALE_POINTER`/`B_SCALE_POINTER`).
+    /// Must be `None` for other dtypes.
+    pub scale_inv: Option<CudaView<'a, f32>>,
+}
+
+impl<'a> Operand<'a> {
+    /// A bf16, f16 or f32 operand.
+    pub fn new(tensor: &'a Tensor) -> Self {
+        Self { tensor, scale_inv: None }
+    }
+
+    /// An FP8 operand and its `scale_inv`.
+    pub fn fp8(tensor: &'a Tensor, scale_inv: CudaView<'a, f32>) -> Self {
+        Self { tensor, scale_inv: Some(scale_inv) }
+    }
+}
+
+/// The output of [`gemm`].
+#[derive(Debug)]
+pub struct Output<'a> {
+    /// Row-major `[m, n]` (leading dims folded): bf16, f16, f32, or e4m3/e5m2 codes.
+    pub tensor: &'a mut Tensor,
+    /// For FP8 outputs (required): their scaling. Must be `None` for other dtypes.
+    pub fp8: Option<Fp8Output<'a>>,
+}
+
+impl<'a> Output<'a> {
+    /// A bf16, f16 or f32 output.
+    pub fn new(tensor: &'a mut Tensor) -> Self {
+        Self { tensor, fp8: None }
+    }
+
+    /// An FP8 output with its scaling.
+    pub fn fp8(tensor: &'a mut Tensor, scale: CudaView<'a, f32>, amax: CudaViewMut<'a, f32>) -> Self {
+        Self { tensor, fp8: Some(Fp8Output { scale, amax }) }
+    }
+}
+
+/// Scaling of an FP8 output (each one f32 on the device).
+#[derive(Debug)]
+pub struct Fp8Output<'a> {
+    /// Read: the quantization scale, `d = fp8(result * scale)` (`D_SCALE_POINTER`).
+    pub scale: CudaView<'a, f32>,
+    /// Written: `max |result|` over D before scaling (`AMAX_D_POINTER`). cuBLASLt **overwrites**
+    /// it ("set to the maximum of absolute values in the output matrix", cuBLAS docs), unlike
+    /// the cast kernels of [`crate::ops`], which max into their amax.
+    pub amax: CudaViewMut<'a, f32>,
+}
+
+/// Options of [`gemm`]; [`GemmConfig::default`] is `alpha = 1`, no accumulation, split
+/// accumulator, no epilogue.
+#[derive(Debug)]
+pub struct GemmConfig<'a> {
+    /// Multiplies `A · Bᵀ` (on top of the FP8 scale_invs).
+    pub alpha: f32,
+    /// Adds the previous content of D (`beta = 1` with C = D), e.g. wgrad into an f32
+    /// `main_grad`. Not for FP8 outputs (as in TE). An epilogue applies to the sum.
+    pub accumulate: bool,
+    /// FP8 only (ignored otherwise): accumulate in the tensor cores' faster, less precise
+    /// accumulator (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`). TE turns it on in fprop and uses the split
+    /// (precise) accumulator in dgrad and wgrad.
+    pub fast_accum: bool,
+    /// What is fused after the product.
+    pub epilogue: Epilogue<'a>,
+}
+
+impl Default for GemmConfig<'_> {
+    fn default() -> Self {
+        Self { alpha: 1.0, accumulate: false, fast_accum: false, epilogue: Epilogue::None }
+    }
+}
+
+/// What cuBLASLt fuses after the product `P = alpha · A · Bᵀ (+ D)`: TE's four epilogues.
+///
+/// Vectors (`bias`, `bgrad`) take the bias type of the dtype combination: D's type for
+/// bf16/f16/f32 operands; for FP8 operands bf16 (f16 for an f16 output, bf16 or f16 for an FP8
+/// output). `pre_gelu` takes C's type: D's type, or the bias type for an FP8 output; never FP8.
+#[derive(Debug)]
+pub enum Epilogue<'a> {
+    /// `D = P`.
+    None,
+    /// `D = P + bias`, `bias: [n]` added to every row (`CUBLASLT_EPILOGUE_BIAS`; fprop).
+    Bias(&'a Tensor),
+    /// `pre_gelu = P + bias`, `D = gelu(pre_gelu)` (tanh approximation), with `bias: [n]` and
+    /// `pre_gelu: [m, n]` written (`GELU_AUX_BIAS`; fprop of an MLP's first Linear, which keeps
+    /// `pre_gelu` for backward).
+    GeluAuxBias {
+        /// `[n]`, read.
+        bias: &'a Tensor,
+        /// `[m, n]`, written.
+        pre_gelu: &'a mut Tensor,
+    },
+    /// `D = P * gelu'(pre_gelu)` and `bgrad[n] = Σ_m D` (column sums of D), with `pre_gelu:
+    /// [m, n]` from the forward (`DGELU_BGRAD`; dgrad of an MLP's second Linear: D is the
+    /// gradient of the first Linear's output and `bgrad` the first Linear's bias gradient).
+    DGeluBgrad {
+        /// `[m, n]`, read.
+        pre_gelu: &'a Tensor,
+        /// `[n]`, written.
+        bgrad: &'a mut Tensor,
+    },
+    /// `D = P` and `bgrad[m] = Σ_k a[m, k]` (row sums of `a`, the operand cuBLASLt sees as B:
+    /// `BGRADB`, "bias gradient of B, reduced over k"). Useful in wgrad `dW = dYᵀ · X`, where
+    /// `a = dYᵀ: [out_features, tokens]` and so `bgrad = Σ_tokens dY = dbias`. TE issues it for
+    /// high-precision wgrad; with FP8 it takes dbias from the unquantized `dY` in its
+    /// cast-transpose-dbias kernel instead.
+    BgradB {
+        /// `[m]`, written.
+        bgrad: &'a mut Tensor,
+    },
+}
+
+/// [`Epilogue`] without its tensors: what the algorithm depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum EpilogueKind {
+    None,
+    Bias,
+    GeluAuxBias,
+    DGeluBgrad,
+    BgradB,
+}
+
+impl EpilogueKind {
+    fn cublaslt(self) -> sys::cublasLtEpilogue_t {
+        use sys::cublasLtEpilogue_t::*;
+        match self {
+            EpilogueKind::None => CUBLASLT_EPILOGUE_DEFAULT,
+            EpilogueKind::Bias => CUBLASLT_EPILOGUE_BIAS,
+            EpilogueKind::GeluAuxBias => CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            EpilogueKind::DGeluBgrad => CUBLASLT_EPILOGUE_DGELU_BGRAD,
+            EpilogueKind::BgradB => CUBLASLT_EPILOGUE_BGRADB,
+        }
+    }
+}
+
+/// An epilogue tensor and its argument name.
+type Named<'t> = Option<(&'static str, &'t Tensor)>;
+
+impl Epilogue<'_> {
+    fn kind(&self) -> EpilogueKind {
+        match self {
+            Epilogue::None => EpilogueKind::None,
+            Epilogue::Bias(_) => EpilogueKind::Bias,
+            Epilogue::GeluAuxBias { .. } => EpilogueKind::GeluAuxBias,
+            Epilogue::DGeluBgrad { .. } => EpilogueKind::DGeluBgrad,
+            Epilogue::BgradB { .. } => EpilogueKind::BgradB,
+        }
+    }
+
+    /// The vector (`bias` or `bgrad`) and the aux matrix (`pre_gelu`), where present.
+    fn tensors(&self) -> (Named<'_>, Named<'_>) {
+        match self {
+            Epilogue::None => (None, None),
+            Epilogue::Bias(bias) => (Some(("bias", bias)), None),
+            Epilogue::GeluAuxBias { bias, pre_gelu } => (Some(("bias", bias)), Some(("pre_gelu", pre_gelu))),
+            Epilogue::DGeluBgrad { pre_gelu, bgrad } => (Some(("bgrad", bgrad)), Some(("pre_gelu", pre_gelu))),
+            Epilogue::BgradB { bgrad } => (Some(("bgrad", bgrad)), None),
+        }
+    }
+}
+
+/// A validated GEMM in row-major terms.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Problem {
+    m: usize,
+    n: usize,
+    k: usize,
+    types: Types,
+    epilogue: EpilogueKind,
+    fast_accum: bool,
+    accumulate: bool,
+}
+
+impl Problem {
+    /// E.g. `D[200, 336] bf16 = A[200, 208] e4m3 · B[336, 208]ᵀ e5m2, epilogue Bias (bf16)`.
+    fn describe(&self) -> String {
+        let Problem { m, n, k, types: t, epilogue, fast_accum, accumulate } = self;
+        let mut s = format!("D[{m}, {n}] {} = A[{m}, {k}] {} · B[{n}, {k}]ᵀ {}", t.d, t.a, t.b);
+        match epilogue {
+            EpilogueKind::None => {}
+            EpilogueKind::Bias | EpilogueKind::BgradB => s += &format!(", epilogue {epilogue:?} ({})", t.bias),
+            _ => s += &format!(", epilogue {epilogue:?} (vector {}, pre_gelu {})", t.bias, t.aux),
+        }
+        if t.fp8() {
+            s += if *fast_accum { ", fast accumulation" } else { ", split accumulation" };
+        }
+        if *accumulate {
+            s += ", accumulating into D";
+        }
+        s
+    }
+}
+
+/// The algorithm cache key of [`Engine`]: the problem and the pointer alignments, `[A, B, C, D]`
+/// in cuBLASLt's operand order.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct AlgoKey {
+    problem: Problem,
+    alignments: [u32; 4],
+}
+
+fn gemm_error(message: String) -> Error {
+    Error::Gemm { message }
+}
+
+/// Fails unless `t` folds to `[rows, cols]`.
+fn check_2d(arg: &str, t: &Tensor, rows: usize, cols: usize) -> Result<()> {
+    if t.as_2d(OP)? == (rows, cols) {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op: OP,
+            message: format!("`{arg}` must be [m, n] = [{rows}, {cols}] (leading dims folded), got {:?}", t.shape()),
+        })
+    }
+}
+
+/// Fails unless a device scalar holds at least one f32.
+fn check_scalar(arg: &str, len: usize) -> Result<()> {
+    if len >= 1 {
+        Ok(())
+    } else {
+        Err(Error::Shape { op: OP, message: format!("`{arg}` must hold one f32, got an empty view") })
+    }
+}
+
+/// Every host-side check of [`gemm`]; nothing touches the device.
+fn check(a: &Operand<'_>, b: &Operand<'_>, d: &Output<'_>, cfg: &GemmConfig<'_>) -> Result<Problem> {
+    check_nonempty(OP, "a", a.tensor)?;
+    check_nonempty(OP, "b", b.tensor)?;
+    check_nonempty(OP, "d", d.tensor)?;
+    let (m, k) = a.tensor.as_2d(OP)?;
+    let (n, kb) = b.tensor.as_2d(OP)?;
+    if kb != k {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "`a` {:?} and `b` {:?} must share their last dim k (D = A · Bᵀ contracts it); got {k} and {kb}",
+                a.tensor.shape(),
+                b.tensor.shape()
+            ),
+        });
+    }
+    check_2d("d", d.tensor, m, n)?;
+    let (vector, aux) = cfg.epilogue.tensors();
+    let dtype_of = |t: Named<'_>| t.map(|(arg, t)| (arg, t.dtype()));
+    let types = rules::resolve(a.tensor.dtype(), b.tensor.dtype(), d.tensor.dtype(), dtype_of(vector), dtype_of(aux))?;
+    rules::check_fp8_alignment(&types, n, k)?;
+    for (arg, op) in [("a", a), ("b", b)] {
+        let dtype = op.tensor.dtype();
+        match &op.scale_inv {
+            None if dtype.is_fp8() => {
+                return Err(gemm_error(format!("`{arg}` is {dtype}: pass its scale_inv (`Operand::fp8`)")))
+            }
+            Some(_) if !dtype.is_fp8() => {
+                return Err(gemm_error(format!("`{arg}` is {dtype}: a scale_inv applies only to FP8 operands")))
+            }
+            Some(v) => check_scalar("scale_inv", v.len())?,
+            None => {}
+        }
+    }
+    match &d.fp8 {
+        None if types.d.is_fp8() => {
+            return Err(gemm_error(format!("`d` is {}: pass its scale and amax (`Output::fp8`)", types.d)))
+        }
+        Some(_) if !types.d.is_fp8() => {
+            return Err(gemm_error(format!("`d` is {}: FP8 scaling applies only to e4m3/e5m2 outputs", types.d)))
+        }
+        Some(f) => {
+            check_scalar("scale", f.scale.len())?;
+            check_scalar("amax", f.amax.len())?;
+        }
+        None => {}
+    }
+    if cfg.accumulate && types.d.is_fp8() {
+        return Err(gemm_error(format!(
+            "an FP8 output ({}) cannot accumulate (cuBLASLt reads C in {}); accumulate into a bf16 or f32 output",
+            types.d, types.c
+        )));
+    }
+    let epilogue = cfg.epilogue.kind();
+    if let Some((arg, t)) = vector {
+        check_shape(OP, arg, t, &[if epilogue == EpilogueKind::BgradB { m } else { n }])?;
+    }
+    if let Some((arg, t)) = aux {
+        check_2d(arg, t, m, n)?;
+    }
+    Ok(Problem { m, n, k, types, epilogue, fast_accum: cfg.fast_accum, accumulate: cfg.accumulate })
+}
+
+/// `D[m, n] = alpha · A[m, k] · B[n, k]ᵀ (+ D if accumulating)`, then the epilogue, on cuBLASLt
+/// (see the [module docs](self) for the layout and [`Epilogue`] for the fusions).
+///
+/// `a: [.., k]` and `b: [.., k]` (leading dims folded into `m` and `n` rows), both FP8 with
+/// their scale_inv (e4m3 × e4m3, e4m3 × e5m2, e5m2 × e4m3), or both bf16, f16 or f32. `d:
+/// [m, n]` (leading dims folded): bf16, f16, f32 or, after FP8 operands, e4m3/e5m2 with a
+/// scale and amax; after bf16/f16 operands their type or f32, after f32 operands f32.
+/// FP8 GEMMs need `k % 16 == 0` and 16-byte aligned rows of D (`n % 8` for a 16-bit output,
+/// `n % 16` for an FP8 one, `n % 4` for f32); `m` is free.
+///
+/// The first call on a device loads cuBLASLt and allocates its 32 MiB workspace; the first
+/// call for each problem asks the heuristic for an algorithm.
+///
+/// # Errors
+/// - [`Error::Shape`]: empty tensors, `k` differing between `a` and `b`, `d` or epilogue tensors
+///   of the wrong shape, FP8 dimensions that are not multiples of 16 (the message says what to
+///   pad to).
+/// - [`Error::DType`]: a dtype combination cuBLASLt does not take (e5m2 × e5m2, FP8 × bf16, an
+///   f16 output of bf16 operands, a bias of the wrong type, ...), naming the argument.
+/// - [`Error::Gemm`]: a missing or superfluous `scale_inv` or FP8 output scaling, accumulation
+///   into an FP8 output, or no cuBLASLt algorithm for the problem (the message describes it).
+/// - [`Error::CublasLtMissing`], [`Error::Cublas`], [`Error::Driver`]: cuBLASLt cannot be loaded
+///   or a call fails.
+pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &GemmConfig<'_>) -> Result<()> {
+    let problem = check(&a, &b, &d, cfg)?;
+    let engine = dev.gemm_engine()?;
+    dev.context().bind_to_thread()?;
+    let s = dev.stream();
+    let Problem { m, n, k, types, epilogue, .. } = problem;
+    let Output { tensor: d_tensor, fp8: mut d_fp8 } = d;
+
+    // Device pointers. The guards order other streams after this call when cudarc tracks
+    // events; this crate's devices run everything on one stream with tracking off.
+    let (a_ptr, _a) = a.tensor.data().device_ptr(s);
+    let (b_ptr, _b) = b.tensor.data().device_ptr(s);
+    let (d_ptr, _d) = d_tensor.data_mut().device_ptr_mut(s);
+    let scale_invs = a.scale_inv.as_ref().zip(b.scale_inv.as_ref()).map(|(x, y)| (x.device_ptr(s), y.device_ptr(s)));
+    let d_scaling = d_fp8.as_mut().map(|f| (f.scale.device_ptr(s), f.amax.device_ptr_mut(s)));
+    let (vector, aux) = cfg.epilogue.tensors();
+    // `bgrad` and `pre_gelu` (in `GeluAuxBias`) are written through these pointers: the
+    // `&mut Tensor` in the epilogue guarantees nothing else uses them meanwhile.
+    let vector_ptr = vector.map(|(_, t)| t.data().device_ptr(s));
+    let aux_ptr = aux.map(|(_, t)| t.data().device_ptr(s));
+    // FP8 outputs never accumulate, so C is never read there; TE passes null as well.
+    let c_ptr = if types.d.is_fp8() { 0 } else { d_ptr };
+
+    let mut desc = MatmulDesc::new(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
+    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T)?;
+    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N)?;
+    if let Some(((a_scale_inv, _), (b_scale_inv, _))) = &scale_invs {
+        // cuBLASLt's A is our `b` and its B our `a`.
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, *b_scale_inv)?;
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, *a_scale_inv)?;
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, cfg.fast_accum as i8)?;
+    }
+    if let Some(((scale, _), (amax, _))) = &d_scaling {
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, *scale)?;
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, *amax)?;
+    }
+    desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue.cublaslt())?;
+    if let Some((ptr, _)) = &vector_ptr {
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, *ptr)?;
+        if types.fp8() {
+            desc.set(Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, cuda_type(types.bias))?;
+        }
+    }
+    if let Some((ptr, _)) = &aux_ptr {
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, *ptr)?;
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, n as i64)?;
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, cuda_type(types.aux))?;
+    }
+    // Column-major layouts: cuBLASLt's A is `b` stored k × n, its B is `a` stored k × m.
+    let layout_a = Layout::new(cuda_type(types.b), k, n, k)?;
+    let layout_b = Layout::new(cuda_type(types.a), k, m, k)?;
+    let layout_c = Layout::new(cuda_type(types.c), n, m, n)?;
+    let layout_d = Layout::new(cuda_type(types.d), n, m, n)?;
+
+    let key = AlgoKey { problem, alignments: [alignment(b_ptr), alignment(a_ptr), alignment(c_ptr), alignment(d_ptr)] };
+    let describe = || key.problem.describe();
+    let algo = engine.algo(&key, &desc, [&layout_a, &layout_b, &layout_c, &layout_d], describe)?;
+    let alpha = cfg.alpha;
+    let beta: f32 = if cfg.accumulate { 1.0 } else { 0.0 };
+    let (workspace, workspace_bytes) = engine.workspace();
+    // SAFETY: the handle, descriptor and layouts are live; the layouts match the buffers `check`
+    // validated (`a`: m·k, `b`: n·k, `d` and aux: m·n, vectors: n or m elements of the checked
+    // dtypes); scale pointers hold one f32 each; alpha and beta are host f32 (default pointer
+    // mode) alive across the call; the workspace holds `workspace_bytes` and is only used by work
+    // on this stream; the algorithm came from the heuristic for this descriptor and these layouts.
+    unsafe {
+        result::matmul(
+            engine.handle().raw(),
+            desc.raw(),
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            b_ptr as *const c_void,
+            layout_a.raw(),
+            a_ptr as *const c_void,
+            layout_b.raw(),
+            c_ptr as *const c_void,
+            layout_c.raw(),
+            d_ptr as *mut c_void,
+            layout_d.raw(),
+            &algo,
+            workspace as *mut c_void,
+            workspace_bytes,
+            s.cu_stream() as sys::cudaStream_t,
+        )
+    }
+    .map_err(|e| unsupported(e, describe))
+}
