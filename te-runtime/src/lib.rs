@@ -6,8 +6,10 @@
 //! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
 
 pub mod device;
+pub mod fp8;
 pub mod gemm;
 pub mod kernels;
+pub mod modules;
 pub mod ops;
 pub mod reference;
 pub mod tensor;
@@ -79,6 +81,35 @@ pub enum Error {
         expected: String,
         /// What was passed.
         got: te_codegen::DType,
+    },
+    /// An FP8 recipe with a field out of range, or used where it cannot work.
+    #[error("FP8 recipe: {message}")]
+    Recipe {
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// A module configuration that cannot work; the message says what to change.
+    #[error("{module}: {message}")]
+    Config {
+        /// The module.
+        module: &'static str,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// `fp8_autocast` scopes used out of order.
+    #[error("fp8_autocast: {message}")]
+    Autocast {
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// A backward called with a context it cannot use: made by another module, or by a forward
+    /// whose weights have changed since.
+    #[error("{module} backward: {message}")]
+    Context {
+        /// The module.
+        module: &'static str,
+        /// What is wrong and how to fix it.
+        message: String,
     },
 }
 

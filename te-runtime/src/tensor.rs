@@ -1,15 +1,20 @@
-//! A minimal device tensor: contiguous bytes of one dtype and a shape, on the device's stream.
+//! A device tensor: contiguous bytes of one dtype and a shape, on the device's stream.
 
 use crate::reference::numerics;
 use crate::{Device, Error, Result};
 use cudarc::driver::CudaSlice;
+use std::sync::Arc;
 use te_codegen::DType;
 
 /// A contiguous row-major device tensor. FP8 tensors hold their codes; their scales travel
-/// separately (see [`crate::ops::Fp8Scaling`]).
-#[derive(Debug)]
+/// separately (see [`crate::ops::Fp8Scaling`] and [`crate::fp8::Float8Tensor`]).
+///
+/// Cloning is cheap and shares the storage, as a `torch.Tensor` reference does (a module keeps
+/// its input for backward this way without a copy). Writing through [`Tensor::data_mut`] copies
+/// the storage first when it is shared (copy-on-write), so a clone never sees later writes.
+#[derive(Debug, Clone)]
 pub struct Tensor {
-    data: CudaSlice<u8>,
+    data: Arc<CudaSlice<u8>>,
     dtype: DType,
     shape: Vec<usize>,
 }
@@ -26,7 +31,7 @@ impl Tensor {
     pub fn zeros(dev: &Device, dtype: DType, shape: &[usize]) -> Result<Self> {
         let bytes = numel(shape) * dtype.size_bytes();
         let data = dev.stream().alloc_zeros::<u8>(bytes.max(1))?;
-        Ok(Self { data, dtype, shape: shape.to_vec() })
+        Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
     }
 
     /// A tensor holding `bytes` (the dtype's little-endian encoding, e.g. bf16 bits).
@@ -43,7 +48,7 @@ impl Tensor {
         }
         let data =
             if bytes.is_empty() { dev.stream().alloc_zeros::<u8>(1)? } else { dev.stream().clone_htod(bytes)? };
-        Ok(Self { data, dtype, shape: shape.to_vec() })
+        Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
     }
 
     /// A tensor of `values` rounded to `dtype` (FP8 values are cast with scale 1).
@@ -59,7 +64,7 @@ impl Tensor {
     /// # Errors
     /// Driver failures, including a failed earlier kernel.
     pub fn to_bytes(&self, dev: &Device) -> Result<Vec<u8>> {
-        let mut v = dev.stream().clone_dtoh(&self.data)?;
+        let mut v = dev.stream().clone_dtoh(self.data.as_ref())?;
         v.truncate(self.num_bytes());
         Ok(v)
     }
@@ -97,9 +102,38 @@ impl Tensor {
         &self.data
     }
 
-    /// The device buffer, mutably.
-    pub fn data_mut(&mut self) -> &mut CudaSlice<u8> {
-        &mut self.data
+    /// The device buffer, mutably: copied first when a clone shares it.
+    ///
+    /// # Errors
+    /// Allocation or copy failures of that copy.
+    pub fn data_mut(&mut self) -> Result<&mut CudaSlice<u8>> {
+        if Arc::get_mut(&mut self.data).is_none() {
+            let stream = self.data.stream().clone();
+            let mut copy = stream.alloc_zeros::<u8>(self.data.len())?;
+            stream.memcpy_dtod(self.data.as_ref(), &mut copy)?;
+            self.data = Arc::new(copy);
+        }
+        Ok(Arc::get_mut(&mut self.data).expect("storage is unique after the copy"))
+    }
+
+    /// Whether another clone shares this tensor's storage.
+    pub fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.data) > 1
+    }
+
+    /// The same storage under another shape with as many elements (a view, as `torch.reshape`
+    /// of a contiguous tensor).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the element counts differ.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        if numel(shape) != self.numel() {
+            return Err(Error::Shape {
+                op: "Tensor::reshape",
+                message: format!("cannot view {:?} ({} elements) as {shape:?}", self.shape, self.numel()),
+            });
+        }
+        Ok(Tensor { data: self.data.clone(), dtype: self.dtype, shape: shape.to_vec() })
     }
 
     /// The shape as `[rows, cols]`: all leading dims folded into rows.

@@ -10,6 +10,7 @@ mod cast_transpose;
 mod elementwise;
 mod gemm;
 mod jit;
+mod linear;
 mod norm;
 mod scaling;
 mod softmax;

@@ -4,7 +4,9 @@
 //! The API is row-major: `D[m, n] = alpha · A[m, k] · B[n, k]ᵀ (+ D)`, then the epilogue, both
 //! operands k-contiguous ("TN", the only layout Hopper FP8 GEMMs take). In a Linear: fprop
 //! `Y = X · Wᵀ` is `gemm(X, W)`, dgrad `dX = dY · W` is `gemm(dY, Wᵀ)`, wgrad `dW = dYᵀ · X` is
-//! `gemm(dYᵀ, Xᵀ)`, the transposes being the copies cast-transpose writes.
+//! `gemm(dYᵀ, Xᵀ)`, the transposes being the copies cast-transpose writes. bf16/f16/f32 operands
+//! may instead be given as stored transposed ([`Operand::transposed`]): the high-precision
+//! backward needs no transposed copies.
 //!
 //! cuBLASLt is column-major, where the row-major `D[m, n]` is the `n × m` matrix `B · Aᵀ`. So
 //! cuBLASLt's A is our `b` (`TRANSA = T`, `lda = k`), its B is our `a` (`TRANSB = N`,
@@ -42,8 +44,11 @@ const CUBLAS_OP_T: i32 = 1;
 #[derive(Debug)]
 pub struct Operand<'a> {
     /// Row-major `[.., k]` (leading dims folded into rows, see [`Tensor::as_2d`]): e4m3 or e5m2
-    /// codes, or bf16, f16, f32.
+    /// codes, or bf16, f16, f32. With `transposed`, stored as `[k, rows]` instead.
     pub tensor: &'a Tensor,
+    /// The tensor holds the operand's transpose, `[k, rows]` (bf16/f16/f32 only: Hopper's FP8
+    /// GEMMs take only k-contiguous operands, so FP8 needs the transposed copy).
+    pub transposed: bool,
     /// For FP8 tensors (required): `1 / scale` of the cast that wrote the codes, one f32 on the
     /// device, which cuBLASLt multiplies the product by (`A_SCALE_POINTER`/`B_SCALE_POINTER`).
     /// Must be `None` for other dtypes.
@@ -53,12 +58,17 @@ pub struct Operand<'a> {
 impl<'a> Operand<'a> {
     /// A bf16, f16 or f32 operand.
     pub fn new(tensor: &'a Tensor) -> Self {
-        Self { tensor, scale_inv: None }
+        Self { tensor, transposed: false, scale_inv: None }
+    }
+
+    /// The same operand, read from a tensor that stores its transpose `[k, rows]`.
+    pub fn transposed(self) -> Self {
+        Self { transposed: true, ..self }
     }
 
     /// An FP8 operand and its `scale_inv`.
     pub fn fp8(tensor: &'a Tensor, scale_inv: CudaView<'a, f32>) -> Self {
-        Self { tensor, scale_inv: Some(scale_inv) }
+        Self { tensor, transposed: false, scale_inv: Some(scale_inv) }
     }
 }
 
@@ -216,13 +226,18 @@ struct Problem {
     epilogue: EpilogueKind,
     fast_accum: bool,
     accumulate: bool,
+    /// `a` and `b` stored transposed.
+    transposed: (bool, bool),
 }
 
 impl Problem {
     /// E.g. `D[200, 336] bf16 = A[200, 208] e4m3 · B[336, 208]ᵀ e5m2, epilogue Bias (bf16)`.
     fn describe(&self) -> String {
-        let Problem { m, n, k, types: t, epilogue, fast_accum, accumulate } = self;
+        let Problem { m, n, k, types: t, epilogue, fast_accum, accumulate, transposed } = self;
         let mut s = format!("D[{m}, {n}] {} = A[{m}, {k}] {} · B[{n}, {k}]ᵀ {}", t.d, t.a, t.b);
+        if transposed.0 || transposed.1 {
+            s += &format!(" (stored transposed: a {}, b {})", transposed.0, transposed.1);
+        }
         match epilogue {
             EpilogueKind::None => {}
             EpilogueKind::Bias | EpilogueKind::BgradB => s += &format!(", epilogue {epilogue:?} ({})", t.bias),
@@ -276,13 +291,27 @@ fn check(a: &Operand<'_>, b: &Operand<'_>, d: &Output<'_>, cfg: &GemmConfig<'_>)
     check_nonempty(OP, "a", a.tensor)?;
     check_nonempty(OP, "b", b.tensor)?;
     check_nonempty(OP, "d", d.tensor)?;
-    let (m, k) = a.tensor.as_2d(OP)?;
-    let (n, kb) = b.tensor.as_2d(OP)?;
+    for (arg, op) in [("a", a), ("b", b)] {
+        if op.transposed && op.tensor.dtype().is_fp8() {
+            return Err(gemm_error(format!(
+                "`{arg}` is {} and marked transposed: FP8 GEMMs take only k-contiguous operands (TN); pass the \
+                 transposed FP8 copy (cast_transpose's `out_t`) untransposed",
+                op.tensor.dtype()
+            )));
+        }
+    }
+    let logical = |op: &Operand<'_>| -> Result<(usize, usize)> {
+        let (r, c) = op.tensor.as_2d(OP)?;
+        Ok(if op.transposed { (c, r) } else { (r, c) })
+    };
+    let (m, k) = logical(a)?;
+    let (n, kb) = logical(b)?;
     if kb != k {
         return Err(Error::Shape {
             op: OP,
             message: format!(
-                "`a` {:?} and `b` {:?} must share their last dim k (D = A · Bᵀ contracts it); got {k} and {kb}",
+                "`a` {:?} and `b` {:?} must share k (their last dim, or first when stored transposed; D = A · Bᵀ \
+                 contracts it); got {k} and {kb}",
                 a.tensor.shape(),
                 b.tensor.shape()
             ),
@@ -332,7 +361,16 @@ fn check(a: &Operand<'_>, b: &Operand<'_>, d: &Output<'_>, cfg: &GemmConfig<'_>)
     if let Some((arg, t)) = aux {
         check_2d(arg, t, m, n)?;
     }
-    Ok(Problem { m, n, k, types, epilogue, fast_accum: cfg.fast_accum, accumulate: cfg.accumulate })
+    Ok(Problem {
+        m,
+        n,
+        k,
+        types,
+        epilogue,
+        fast_accum: cfg.fast_accum,
+        accumulate: cfg.accumulate,
+        transposed: (a.transposed, b.transposed),
+    })
 }
 
 /// `D[m, n] = alpha · A[m, k] · B[n, k]ᵀ (+ D if accumulating)`, then the epilogue, on cuBLASLt
@@ -370,7 +408,7 @@ pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &G
     // events; this crate's devices run everything on one stream with tracking off.
     let (a_ptr, _a) = a.tensor.data().device_ptr(s);
     let (b_ptr, _b) = b.tensor.data().device_ptr(s);
-    let (d_ptr, _d) = d_tensor.data_mut().device_ptr_mut(s);
+    let (d_ptr, _d) = d_tensor.data_mut()?.device_ptr_mut(s);
     let scale_invs = a.scale_inv.as_ref().zip(b.scale_inv.as_ref()).map(|(x, y)| (x.device_ptr(s), y.device_ptr(s)));
     let d_scaling = d_fp8.as_mut().map(|f| (f.scale.device_ptr(s), f.amax.device_ptr_mut(s)));
     let (vector, aux) = cfg.epilogue.tensors();
@@ -382,8 +420,10 @@ pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &G
     let c_ptr = if types.d.is_fp8() { 0 } else { d_ptr };
 
     let mut desc = MatmulDesc::new(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
-    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T)?;
-    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N)?;
+    // cuBLASLt's A is `b`: k-contiguous (`[n, k]` row-major = k × n column-major) needs TRANSA = T;
+    // stored transposed (`[k, n]` = n × k) it is used as is. Its B is `a`, the other way round.
+    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSA, if b.transposed { CUBLAS_OP_N } else { CUBLAS_OP_T })?;
+    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSB, if a.transposed { CUBLAS_OP_T } else { CUBLAS_OP_N })?;
     if let Some(((a_scale_inv, _), (b_scale_inv, _))) = &scale_invs {
         // cuBLASLt's A is our `b` and its B our `a`.
         desc.set(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, *b_scale_inv)?;
@@ -406,9 +446,18 @@ pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &G
         desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, n as i64)?;
         desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, cuda_type(types.aux))?;
     }
-    // Column-major layouts: cuBLASLt's A is `b` stored k × n, its B is `a` stored k × m.
-    let layout_a = Layout::new(cuda_type(types.b), k, n, k)?;
-    let layout_b = Layout::new(cuda_type(types.a), k, m, k)?;
+    // Column-major layouts: cuBLASLt's A is `b` stored k × n (n × k when transposed), its B is
+    // `a` stored k × m (m × k when transposed).
+    let layout_a = if b.transposed {
+        Layout::new(cuda_type(types.b), n, k, n)?
+    } else {
+        Layout::new(cuda_type(types.b), k, n, k)?
+    };
+    let layout_b = if a.transposed {
+        Layout::new(cuda_type(types.a), m, k, m)?
+    } else {
+        Layout::new(cuda_type(types.a), k, m, k)?
+    };
     let layout_c = Layout::new(cuda_type(types.c), n, m, n)?;
     let layout_d = Layout::new(cuda_type(types.d), n, m, n)?;
 

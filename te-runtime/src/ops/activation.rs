@@ -51,7 +51,7 @@ pub fn forward(
     if let Some(bias) = bias {
         b.arg(bias.data());
     }
-    b.arg(y.data_mut());
+    b.arg(y.data_mut()?);
     if let Some(s) = fp8 {
         b.arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
     }
@@ -96,7 +96,7 @@ pub fn backward(
     let rows_arg = rows as u64;
     let cfg = launch_config(dev, &spec, rows);
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(dy.data()).arg(x.data()).arg(dx.data_mut());
+    b.arg(dy.data()).arg(x.data()).arg(dx.data_mut()?);
     if let Some(s) = fp8 {
         b.arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
     }

@@ -23,7 +23,7 @@ pub fn quantize(dev: &Device, x: &Tensor, out: &mut Tensor, s: &mut Fp8Scaling<'
     let n = x.numel() as u64;
     let cfg = launch_1d(grid_stride_blocks(dev, x.numel() / spec.vec, spec.threads), spec.threads, 0);
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data()).arg(out.data_mut()).arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv).arg(&n);
+    b.arg(x.data()).arg(out.data_mut()?).arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv).arg(&n);
     // SAFETY: arguments match the quantize signature documented on `CastSpec`; `x` and `out`
     // hold `n` elements of the spec's dtypes, the scaling views one f32 each.
     unsafe { b.launch(cfg) }?;
@@ -50,7 +50,7 @@ pub fn dequantize(
     let n = q.numel() as u64;
     let cfg = launch_1d(grid_stride_blocks(dev, q.numel() / spec.vec, spec.threads), spec.threads, 0);
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(q.data()).arg(y.data_mut()).arg(scale_inv).arg(&n);
+    b.arg(q.data()).arg(y.data_mut()?).arg(scale_inv).arg(&n);
     // SAFETY: arguments match the dequantize signature documented on `CastSpec`.
     unsafe { b.launch(cfg) }?;
     Ok(())

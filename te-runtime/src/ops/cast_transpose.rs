@@ -109,7 +109,7 @@ pub fn transpose_fp8(dev: &Device, x: &Tensor, out_t: &mut Tensor) -> Result<()>
     let f = dev.function(&KernelSpec::CastTranspose(spec), 0)?;
     let rows_u64 = rows as u64;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data()).arg(out_t.data_mut()).arg(&rows_u64);
+    b.arg(x.data()).arg(out_t.data_mut()?).arg(&rows_u64);
     // SAFETY: arguments match the transpose-mode signature documented on `CastTransposeSpec`:
     // `x` holds `rows * cols` and `out_t` `cols * rows` codes (checked above) in distinct
     // allocations (`&` vs `&mut`); one block per tile as the spec requires.
@@ -184,7 +184,7 @@ fn launch(
     if let Some((_, act_in)) = &dact {
         b.arg(act_in.data());
     }
-    b.arg(out.data_mut()).arg(out_t.data_mut()).arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
+    b.arg(out.data_mut()?).arg(out_t.data_mut()?).arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
     if let Some(d) = &mut dbias {
         b.arg(&mut d.workspace);
     }
@@ -198,7 +198,7 @@ fn launch(
         let g = dev.function(&kspec, 1)?;
         let row_tiles = spec.row_tiles(rows) as u64;
         let mut b = dev.stream().launch_builder(&g);
-        b.arg(&mut d.workspace).arg(d.dbias.data_mut()).arg(&row_tiles);
+        b.arg(&mut d.workspace).arg(d.dbias.data_mut()?).arg(&row_tiles);
         let cfg = launch_1d(cols.div_ceil(CastTransposeSpec::DBIAS_COLS), CastTransposeSpec::DBIAS_THREADS, 0);
         // SAFETY: arguments match the `<name>_dbias` signature documented on `CastTransposeSpec`;
         // the workspace rows `0..row_tiles` were written by the launch above on the same stream,

@@ -31,7 +31,7 @@ pub fn add(dev: &Device, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()>
     let f = dev.function(&KernelSpec::Elementwise(spec), 0)?;
     let n = a.numel() as u64;
     let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(a.data()).arg(b.data()).arg(out.data_mut()).arg(&n);
+    builder.arg(a.data()).arg(b.data()).arg(out.data_mut()?).arg(&n);
     // SAFETY: the arguments follow the add signature documented on `ElementwiseSpec`: `a`, `b`
     // and `out` hold `n` elements of the spec's dtypes (checked above); `out` is a distinct
     // allocation from `a` and `b` (`&mut` vs `&`), which the kernel's `__restrict__` requires.
@@ -59,7 +59,7 @@ pub fn add_assign(dev: &Device, dst: &mut Tensor, src: &Tensor) -> Result<()> {
     let numel = dst.numel();
     let n = numel as u64;
     let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(dst.data_mut()).arg(src.data()).arg(&n);
+    builder.arg(dst.data_mut()?).arg(src.data()).arg(&n);
     // SAFETY: the arguments follow the add_assign signature documented on `ElementwiseSpec`:
     // `dst` and `src` hold `n` elements of the spec's dtypes (checked above) and are distinct
     // allocations (`&mut` vs `&`), as the kernel's `__restrict__` requires.

@@ -165,7 +165,7 @@ pub fn norm_fwd(dev: &Device, args: &NormFwdArgs<'_>, out: NormFwdOut<'_, '_>) -
     if let Some(beta) = beta {
         b.arg(beta.data());
     }
-    b.arg(y.data_mut());
+    b.arg(y.data_mut()?);
     if let Some(mu) = mu {
         b.arg(mu);
     }
@@ -246,7 +246,7 @@ pub fn norm_bwd(dev: &Device, args: &NormBwdArgs<'_>, out: NormBwdOut<'_>) -> Re
     if let Some(mu) = mu {
         b.arg(mu);
     }
-    b.arg(rsigma).arg(gamma.data()).arg(dx.data_mut()).arg(&mut dg_part);
+    b.arg(rsigma).arg(gamma.data()).arg(dx.data_mut()?).arg(&mut dg_part);
     if ln {
         b.arg(&mut db_part);
     }
@@ -261,9 +261,9 @@ pub fn norm_bwd(dev: &Device, args: &NormBwdArgs<'_>, out: NormBwdOut<'_>) -> Re
     if ln {
         b.arg(&db_part);
     }
-    b.arg(dgamma.data_mut());
+    b.arg(dgamma.data_mut()?);
     if let Some(db) = dbeta {
-        b.arg(db.data_mut());
+        b.arg(db.data_mut()?);
     }
     b.arg(&parts_arg);
     let cfg = launch_1d(hidden.div_ceil(NormSpec::REDUCE_COLS), NormSpec::REDUCE_THREADS, 0);

@@ -81,7 +81,7 @@ pub fn forward(dev: &Device, x: &Tensor, mask: Mask<'_>, scale: f32, y: &mut Ten
     if let Mask::Padding(m) = mask {
         b.arg(m);
     }
-    b.arg(y.data_mut()).arg(&scale).arg(&sq_arg).arg(&heads_arg).arg(&rows_arg);
+    b.arg(y.data_mut()?).arg(&scale).arg(&sq_arg).arg(&heads_arg).arg(&rows_arg);
     // SAFETY: the arguments follow the forward signature documented on `SoftmaxSpec`, the mask
     // present exactly for `MaskKind::Padding`; `x` and `y` hold `rows * sk` elements of the
     // spec's dtype and the mask `batch * sq * sk` bytes (checked above).
@@ -114,7 +114,7 @@ pub fn backward(dev: &Device, dy: &Tensor, y: &Tensor, scale: f32, dx: &mut Tens
     let rows_arg = rows as u64;
     let cfg = launch_config(dev, &spec, rows);
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(dy.data()).arg(y.data()).arg(dx.data_mut()).arg(&scale).arg(&rows_arg);
+    b.arg(dy.data()).arg(y.data()).arg(dx.data_mut()?).arg(&scale).arg(&rows_arg);
     // SAFETY: the arguments follow the backward signature documented on `SoftmaxSpec`; `dy`, `y`
     // and `dx` hold `rows * sk` elements of the spec's dtype (checked above).
     unsafe { b.launch(cfg) }?;

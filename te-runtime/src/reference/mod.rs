@@ -7,6 +7,7 @@ pub mod cast;
 pub mod cast_transpose;
 pub mod elementwise;
 pub mod gemm;
+pub mod linear;
 pub mod norm;
 pub mod numerics;
 pub mod scaling;

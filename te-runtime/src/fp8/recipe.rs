@@ -1,0 +1,162 @@
+//! FP8 recipes: how tensors are scaled before their FP8 cast (TE `common/recipe/__init__.py`).
+
+use te_codegen::spec::AmaxComputeAlgo;
+use te_codegen::DType;
+
+/// Which FP8 formats a recipe uses (TE `Format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Format {
+    /// E4M3 for every tensor.
+    E4M3,
+    /// E4M3 in the forward pass (inputs, weights, outputs), E5M2 for gradients. TE's default.
+    #[default]
+    Hybrid,
+}
+
+impl Format {
+    /// The FP8 dtype of forward tensors (inputs, weights, outputs): always E4M3.
+    pub fn forward_dtype(self) -> DType {
+        DType::E4M3
+    }
+
+    /// The FP8 dtype of gradients: E4M3, or E5M2 under [`Format::Hybrid`].
+    pub fn backward_dtype(self) -> DType {
+        match self {
+            Format::E4M3 => DType::E4M3,
+            Format::Hybrid => DType::E5M2,
+        }
+    }
+}
+
+/// Delayed scaling (TE `DelayedScaling`): each tensor slot is cast with a scale derived from the
+/// amax history of earlier iterations, so the cast needs no extra pass over the data.
+///
+/// After each forward scope and each backward: `amax = max(history)` (or the newest entry),
+/// `scale = (fp8_max / amax) / 2^margin` when amax is finite and positive (else the old scale),
+/// then the history rolls. Initial scale 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DelayedScaling {
+    /// Headroom: the scale is divided by `2^margin`. TE default 0.
+    pub margin: f32,
+    /// FP8 formats. TE default [`Format::Hybrid`].
+    pub fp8_format: Format,
+    /// Entries of each slot's amax history. TE default 1024.
+    pub amax_history_len: usize,
+    /// How the history becomes an amax. TE default [`AmaxComputeAlgo::Max`].
+    pub amax_compute_algo: AmaxComputeAlgo,
+    /// All-reduce amaxes across ranks (TE default true). This library runs on one GPU, where the
+    /// reduction is the identity; the field exists so recipes read as in TE.
+    pub reduce_amax: bool,
+}
+
+impl Default for DelayedScaling {
+    fn default() -> Self {
+        Self {
+            margin: 0.0,
+            fp8_format: Format::Hybrid,
+            amax_history_len: 1024,
+            amax_compute_algo: AmaxComputeAlgo::Max,
+            reduce_amax: true,
+        }
+    }
+}
+
+/// Current (just-in-time) scaling (TE `Float8CurrentScaling`): each tensor's amax is computed
+/// right before its cast, `scale = fp8_max / max(amax, amax_epsilon)` (1 when the amax is 0, inf
+/// or NaN). Costs one extra read of every tensor; keeps no state.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Float8CurrentScaling {
+    /// FP8 formats. TE default [`Format::Hybrid`].
+    pub fp8_format: Format,
+    /// Round every scale down to a power of two (exact rescaling). TE default false.
+    pub power_2_scale: bool,
+    /// Lower bound of the amax, guarding tiny tensors. TE default 0.
+    pub amax_epsilon: f32,
+}
+
+/// An FP8 recipe.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Recipe {
+    /// Scales from amax histories.
+    Delayed(DelayedScaling),
+    /// Scales from each tensor's own amax.
+    Current(Float8CurrentScaling),
+}
+
+impl Default for Recipe {
+    /// TE's default recipe: `DelayedScaling()`.
+    fn default() -> Self {
+        Recipe::Delayed(DelayedScaling::default())
+    }
+}
+
+impl From<DelayedScaling> for Recipe {
+    fn from(r: DelayedScaling) -> Self {
+        Recipe::Delayed(r)
+    }
+}
+
+impl From<Float8CurrentScaling> for Recipe {
+    fn from(r: Float8CurrentScaling) -> Self {
+        Recipe::Current(r)
+    }
+}
+
+impl Recipe {
+    /// The recipe's formats.
+    pub fn format(&self) -> Format {
+        match self {
+            Recipe::Delayed(r) => r.fp8_format,
+            Recipe::Current(r) => r.fp8_format,
+        }
+    }
+
+    /// Checks the fields a user can get wrong.
+    ///
+    /// # Errors
+    /// [`crate::Error::Recipe`] for a zero history length, a negative or non-finite margin, or a
+    /// negative or non-finite amax epsilon.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |message: String| Err(crate::Error::Recipe { message });
+        match self {
+            Recipe::Delayed(r) if r.amax_history_len == 0 => {
+                bad("DelayedScaling::amax_history_len must be at least 1 (TE default 1024)".into())
+            }
+            Recipe::Delayed(r) if !(r.margin.is_finite() && r.margin >= 0.0) => {
+                bad(format!("DelayedScaling::margin must be a finite value ≥ 0, got {}", r.margin))
+            }
+            Recipe::Current(r) if !(r.amax_epsilon.is_finite() && r.amax_epsilon >= 0.0) => {
+                bad(format!("Float8CurrentScaling::amax_epsilon must be finite and ≥ 0, got {}", r.amax_epsilon))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_te() {
+        let d = DelayedScaling::default();
+        assert_eq!((d.margin, d.amax_history_len, d.fp8_format), (0.0, 1024, Format::Hybrid));
+        assert_eq!(d.amax_compute_algo, AmaxComputeAlgo::Max);
+        let c = Float8CurrentScaling::default();
+        assert_eq!((c.fp8_format, c.power_2_scale, c.amax_epsilon), (Format::Hybrid, false, 0.0));
+        assert_eq!(Recipe::default(), Recipe::Delayed(d));
+        assert_eq!(Format::Hybrid.backward_dtype(), DType::E5M2);
+        assert_eq!(Format::E4M3.backward_dtype(), DType::E4M3);
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let r = Recipe::from(DelayedScaling { amax_history_len: 0, ..Default::default() });
+        assert!(r.validate().unwrap_err().to_string().contains("amax_history_len"));
+        let r = Recipe::from(DelayedScaling { margin: f32::NAN, ..Default::default() });
+        assert!(r.validate().unwrap_err().to_string().contains("margin"));
+        let r = Recipe::from(Float8CurrentScaling { amax_epsilon: -1.0, ..Default::default() });
+        assert!(r.validate().unwrap_err().to_string().contains("amax_epsilon"));
+        assert!(Recipe::default().validate().is_ok());
+    }
+}

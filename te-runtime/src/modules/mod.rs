@@ -1,0 +1,49 @@
+//! TE's modules with explicit autograd: `forward` returns the output and a saved context,
+//! `backward` consumes the context, returns the input gradient and accumulates the parameter
+//! gradients (TE's `torch.autograd.Function`s, made explicit).
+
+mod init;
+pub mod linear;
+
+pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCtx};
+
+use crate::fp8::Float8Tensor;
+use crate::{Device, Result, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use te_codegen::DType;
+
+/// A module output: high precision, or FP8 when the next op asked for it (TE `fp8_output`).
+#[derive(Debug, Clone)]
+pub enum Output {
+    /// In the input's dtype.
+    High(Tensor),
+    /// E4M3, cast with the module's output scale.
+    Fp8(Float8Tensor),
+}
+
+impl Output {
+    /// The high-precision tensor, dequantizing an FP8 output to `dtype`.
+    ///
+    /// # Errors
+    /// Dequantize failures.
+    pub fn into_high(self, dev: &Device, dtype: DType) -> Result<Tensor> {
+        match self {
+            Output::High(t) => Ok(t),
+            Output::Fp8(f) => f.dequantize(dev, dtype),
+        }
+    }
+
+    /// Shape of the output.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Output::High(t) => t.shape(),
+            Output::Fp8(f) => f.shape(),
+        }
+    }
+}
+
+/// A process-unique module id (contexts record it so a backward can refuse another module's).
+fn next_module_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
