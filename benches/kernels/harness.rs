@@ -44,16 +44,26 @@ pub enum Target {
     MaxMicros(f64),
 }
 
+/// A derived figure (a speedup, a memory ratio) and its bound.
+#[derive(Debug, Clone)]
+pub struct Ratio {
+    pub name: String,
+    pub value: f64,
+    /// `(at_least, bound)`: the target is `value ≥ bound` or `value ≤ bound`.
+    pub target: Option<(bool, f64)>,
+}
+
 pub struct Bench {
     pub dev: Option<Arc<Device>>,
     pub copy_gbps: f64,
     pub rows: Vec<Row>,
+    pub ratios: Vec<Ratio>,
     filter: Option<String>,
 }
 
 impl Bench {
     pub fn new(dev: Option<Arc<Device>>, filter: Option<String>) -> Bench {
-        Bench { dev, copy_gbps: 0.0, rows: Vec::new(), filter }
+        Bench { dev, copy_gbps: 0.0, rows: Vec::new(), ratios: Vec::new(), filter }
     }
 
     /// Whether benchmarks named `name` were asked for.
@@ -140,6 +150,19 @@ impl Bench {
         }
     }
 
+    /// Records a derived figure with an optional target (`at_least`: `value ≥ bound`, else `≤`).
+    pub fn record_ratio(&mut self, name: &str, value: f64, target: Option<(bool, f64)>) {
+        self.ratios.push(Ratio { name: name.into(), value, target });
+    }
+
+    fn ratio_verdict(r: &Ratio) -> String {
+        match r.target {
+            Some((true, t)) => format!("≥ {t}: {}", if r.value >= t { "MET" } else { "MISSED" }),
+            Some((false, t)) => format!("≤ {t}: {}", if r.value <= t { "MET" } else { "MISSED" }),
+            None => String::new(),
+        }
+    }
+
     pub fn print_table(&self) {
         println!(
             "\n{:<48} {:>18} {:>10} {:>10} {:>10} {:>9} {:>7} {:>8}  target",
@@ -163,6 +186,9 @@ impl Bench {
                 tflops,
                 self.verdict(r)
             );
+        }
+        for r in &self.ratios {
+            println!("{:<80} {:>10.3}  {}", r.name, r.value, Self::ratio_verdict(r));
         }
     }
 
@@ -192,8 +218,15 @@ impl Bench {
                 })
             })
             .collect();
-        let doc =
-            json!({ "device": device, "driver": driver, "date": date, "copy_gbps": self.copy_gbps, "rows": rows });
+        let ratios: Vec<_> = self
+            .ratios
+            .iter()
+            .map(|r| json!({ "name": r.name, "value": r.value, "target": Self::ratio_verdict(r) }))
+            .collect();
+        let doc = json!({
+            "device": device, "driver": driver, "date": date, "copy_gbps": self.copy_gbps,
+            "rows": rows, "ratios": ratios,
+        });
         if let Some(dir) = path.parent() {
             let _ = std::fs::create_dir_all(dir);
         }

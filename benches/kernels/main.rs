@@ -1,6 +1,7 @@
 //! Kernel benchmarks: memory-bound kernels against the copy bandwidth measured in the same run,
 //! the bulk scale update, cuBLASLt GEMMs in TFLOP/s (FP8 against a bf16 GEMM of the same run),
-//! and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//! the Linear module fwd+bwd in FP8 against its BF16 path, and the JIT costs (NVRTC compile, warm
+//! disk cache, prewarm).
 //!
 //! `cargo bench --bench kernels [-- FILTER]`, or on the GPU machine `.gpu/bin/kernels-bench
 //! --bench [FILTER]`. Without a GPU only the JIT benchmarks run. JSON goes to
@@ -14,6 +15,7 @@ mod cast_transpose;
 mod elementwise;
 mod gemm;
 mod jit;
+mod linear;
 mod norm;
 mod scaling;
 mod softmax;
@@ -40,6 +42,7 @@ fn main() {
         scaling::run(&mut b);
         elementwise::run(&mut b);
         gemm::run(&mut b);
+        linear::run(&mut b);
     }
     jit::run(&mut b);
     b.print_table();

@@ -34,6 +34,19 @@ impl Tensor {
         Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
     }
 
+    /// A tensor whose contents are unspecified until written (`torch.empty`): for outputs an op
+    /// overwrites in full, without the memset of [`Tensor::zeros`].
+    ///
+    /// # Errors
+    /// Allocation failures.
+    pub fn empty(dev: &Device, dtype: DType, shape: &[usize]) -> Result<Self> {
+        let bytes = numel(shape) * dtype.size_bytes();
+        // SAFETY: `u8` has no invalid bit patterns, and device bytes are only read by kernels
+        // and by copies into host `u8`s: unspecified contents are never undefined behaviour.
+        let data = unsafe { dev.stream().alloc::<u8>(bytes.max(1)) }?;
+        Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
+    }
+
     /// A tensor holding `bytes` (the dtype's little-endian encoding, e.g. bf16 bits).
     ///
     /// # Errors

@@ -198,10 +198,15 @@ fn check_fp8_output(dev: &Device, ta: DType, tb: DType, out: DType, scale_of_ama
         (got_amax - want_amax).abs() <= 4e-3 * want_amax,
         "{what}: amax {got_amax}, want {want_amax} (1e9 before the call: it must be overwritten)"
     );
+    // The tensor cores' f32 accumulation errs by a small fraction of the output's magnitude:
+    // near zero that can move a code by more than one step, so codes match within one step or
+    // within 1e-3 of the scaled amax.
+    let atol = 1e-3 * scale * want_amax;
     let got_q = d.to_bytes(dev).unwrap();
     for (i, (&g, &w)) in got_q.iter().zip(&want_q).enumerate() {
-        let finite = numerics::dequantize(out, g).is_finite();
-        assert!(finite && (code_rank(g) - code_rank(w)).abs() <= 1, "{what}: code {g:#04x} at {i}, want {w:#04x}");
+        let (gv, wv) = (numerics::dequantize(out, g), numerics::dequantize(out, w));
+        let near = (code_rank(g) - code_rank(w)).abs() <= 1 || (gv - wv).abs() <= atol;
+        assert!(gv.is_finite() && near, "{what}: code {g:#04x} at {i}, want {w:#04x}");
     }
     Some(())
 }
@@ -360,7 +365,7 @@ fn bad_inputs_are_typed_errors() {
     let (a5, b5) = (zeros(DType::BF16, &[32, 64]), zeros(DType::BF16, &[64, 48]));
     let mut d5 = zeros(DType::BF16, &[32, 64]);
     let e = gemm(&dev, Operand::new(&a5), Operand::new(&b5), Output::new(&mut d5), &cfg).unwrap_err();
-    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("last dim k"), "{e}");
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("must share k"), "{e}");
     let b6 = zeros(DType::BF16, &[64, 64]);
     let mut d6 = zeros(DType::BF16, &[64, 32]);
     let e = gemm(&dev, Operand::new(&a5), Operand::new(&b6), Output::new(&mut d6), &cfg).unwrap_err();

@@ -325,3 +325,20 @@ fn errors_are_typed_and_say_what_to_do() {
     let e = fp8_model_init(true, || Linear::new(&dev, LinearConfig::new(24, 16))).unwrap_err();
     assert!(e.to_string().contains("pad it to 32"), "{e}");
 }
+
+#[test]
+fn calibration_runs_high_precision_and_records_amax() {
+    let Some(dev) = device() else { return };
+    let (mut lin, d) = layer(&dev, LinearConfig::new(IN, OUT), 110);
+    let x = upload(&dev, &d.x, &[T, IN]);
+    let high = lin.infer(&x).unwrap().to_f32(&dev).unwrap();
+    let calib = Fp8Autocast::calibrating(DelayedScaling::default());
+    let y = calib.run(|| lin.infer(&x)).unwrap().to_f32(&dev).unwrap();
+    assert_eq!(y, high, "calibration computes in high precision");
+    let s = lin.fp8_forward_state().unwrap().snapshot().unwrap();
+    assert_eq!((s.scale[0], s.scale[1]), (448.0 / amax(&d.x), 448.0 / amax(&d.w)), "scales from the recorded amaxes");
+    // The calibrated scales serve the FP8 inference that follows.
+    let y8 = fp8_autocast(true, DelayedScaling::default(), || lin.infer(&x)).unwrap().to_f32(&dev).unwrap();
+    let st = Fp8Step { input: s.scale[0], weight: s.scale[1], grad_output: 1.0, grad_dtype: DType::E5M2 };
+    check("y after calibration", &y8, &reference::forward(&d.x, &d.w, Some(&d.b), T, Some(&st)));
+}

@@ -181,7 +181,11 @@ fn mismatched_buffers_are_shape_errors() {
         },
     ];
     let e = scaling::delayed_scaling_update(&dev, &mut groups, AmaxComputeAlgo::Max).unwrap_err();
-    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("group 1: amax_history must be [3, 4]"), "{e}");
+    assert!(
+        matches!(e, Error::Shape { .. })
+            && e.to_string().contains("group 1: amax_history must be [n, history_len] = [3, 4]"),
+        "{e}"
+    );
     let e = scaling::delayed_scaling_update(&dev, &mut [], AmaxComputeAlgo::Max).unwrap_err();
     assert!(matches!(e, Error::Shape { .. }), "{e}");
 }

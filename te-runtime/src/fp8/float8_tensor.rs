@@ -60,10 +60,10 @@ impl Float8Tensor {
     /// driver failures.
     pub fn quantize(dev: &Device, x: &Tensor, dtype: DType, scale: f32, with_transpose: bool) -> Result<Self> {
         let mut meta = Fp8Meta::new(dev, scale)?;
-        let mut data = Tensor::zeros(dev, dtype, x.shape())?;
+        let mut data = Tensor::empty(dev, dtype, x.shape())?;
         let transpose = if with_transpose {
             let (rows, cols) = x.as_2d("Float8Tensor::quantize")?;
-            let mut t = Tensor::zeros(dev, dtype, &[cols, rows])?;
+            let mut t = Tensor::empty(dev, dtype, &[cols, rows])?;
             ops::cast_transpose::cast_transpose(dev, x, &mut data, &mut t, &mut meta.scaling(), None)?;
             Some(t)
         } else {
@@ -122,7 +122,7 @@ impl Float8Tensor {
             Some(t) => t,
             None => {
                 let (rows, cols) = self.data.as_2d("Float8Tensor::ensure_transpose")?;
-                let mut t = Tensor::zeros(dev, self.dtype(), &[cols, rows])?;
+                let mut t = Tensor::empty(dev, self.dtype(), &[cols, rows])?;
                 ops::cast_transpose::transpose_fp8(dev, &self.data, &mut t)?;
                 t
             }
@@ -148,7 +148,7 @@ impl Float8Tensor {
     /// # Errors
     /// A non-high-precision `dtype`; launch failures.
     pub fn dequantize(&self, dev: &Device, dtype: DType) -> Result<Tensor> {
-        let mut y = Tensor::zeros(dev, dtype, self.shape())?;
+        let mut y = Tensor::empty(dev, dtype, self.shape())?;
         ops::cast::dequantize(dev, &self.data, &self.scale_inv.as_view(), &mut y)?;
         Ok(y)
     }

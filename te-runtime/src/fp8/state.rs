@@ -247,10 +247,10 @@ fn cast(
     with_transpose: bool,
     dbias: Option<DbiasOut<'_>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let mut data = Tensor::zeros(dev, dtype, x.shape())?;
+    let mut data = Tensor::empty(dev, dtype, x.shape())?;
     if with_transpose || dbias.is_some() {
         let (rows, cols) = x.as_2d("fp8 cast")?;
-        let mut t = Tensor::zeros(dev, dtype, &[cols, rows])?;
+        let mut t = Tensor::empty(dev, dtype, &[cols, rows])?;
         ops::cast_transpose::cast_transpose(dev, x, &mut data, &mut t, scaling, dbias)?;
         Ok((data, Some(t)))
     } else {

@@ -160,7 +160,9 @@ pub enum Epilogue<'a> {
     /// `BGRADB`, "bias gradient of B, reduced over k"). Useful in wgrad `dW = dYᵀ · X`, where
     /// `a = dYᵀ: [out_features, tokens]` and so `bgrad = Σ_tokens dY = dbias`. TE issues it for
     /// high-precision wgrad; with FP8 it takes dbias from the unquantized `dY` in its
-    /// cast-transpose-dbias kernel instead.
+    /// cast-transpose-dbias kernel instead. cuBLASLt 13 runs it only with `a` stored transposed
+    /// (`dY` itself, [`Operand::transposed`], TE's NT wgrad layout): measured on an H200, the
+    /// k-contiguous `a` is rejected for bf16, f16 and FP8 alike (an [`Error::Gemm`]).
     BgradB {
         /// `[m]`, written.
         bgrad: &'a mut Tensor,

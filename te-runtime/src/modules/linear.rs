@@ -433,7 +433,7 @@ impl Linear {
     fn forward_high(&mut self, x: &Tensor, grad: bool) -> Result<(Output, Option<Saved>)> {
         let w = self.weight_high()?;
         let w = if w.dtype() == x.dtype() { w } else { cast_high(&self.dev, &w, x.dtype())? };
-        let mut y = Tensor::zeros(&self.dev, x.dtype(), &out_shape(x.shape(), self.cfg.out_features))?;
+        let mut y = Tensor::empty(&self.dev, x.dtype(), &out_shape(x.shape(), self.cfg.out_features))?;
         let bias = self.added_bias(x.dtype())?;
         let cfg = GemmConfig { epilogue: bias.as_ref().map_or(Epilogue::None, Epilogue::Bias), ..Default::default() };
         gemm(&self.dev, Operand::new(x), Operand::new(&w), GemmOut::new(&mut y), &cfg)?;
@@ -484,12 +484,12 @@ impl Linear {
             (Operand::fp8(x8.data(), x8.scale_inv().as_view()), Operand::fp8(w8.data(), w8.scale_inv().as_view()));
         let out = match (opts.fp8_output, &fwd, recipe) {
             (false, ..) => {
-                let mut y = Tensor::zeros(&dev, x.dtype(), &shape)?;
+                let mut y = Tensor::empty(&dev, x.dtype(), &shape)?;
                 gemm(&dev, a, b, GemmOut::new(&mut y), &cfg)?;
                 Output::High(y)
             }
             (true, Some(s), _) => {
-                let mut y = Tensor::zeros(&dev, DType::E4M3, &shape)?;
+                let mut y = Tensor::empty(&dev, DType::E4M3, &shape)?;
                 let ((), scale_inv) = s.with_output_scaling(FWD_OUTPUT, |scale, amax| {
                     let d = GemmOut { tensor: &mut y, fp8: Some(Fp8Output { scale, amax }) };
                     gemm(&dev, a, b, d, &cfg)
@@ -499,7 +499,7 @@ impl Linear {
             (true, None, Recipe::Current(c)) => {
                 // Current scaling needs the output's amax before its cast: GEMM to high precision
                 // first (as TE's current-scaling quantizer does).
-                let mut y = Tensor::zeros(&dev, x.dtype(), &shape)?;
+                let mut y = Tensor::empty(&dev, x.dtype(), &shape)?;
                 gemm(&dev, a, b, GemmOut::new(&mut y), &cfg)?;
                 Output::Fp8(quantize_current(&dev, &y, DType::E4M3, &c, false, None)?)
             }
@@ -623,11 +623,13 @@ impl Linear {
         let dev = self.dev.clone();
         let (tokens, n_out) = dy.as_2d(MODULE)?;
         let mut dbias = match (&self.bias, self.cfg.return_bias) {
-            (Some(_), false) => Some(Tensor::zeros(&dev, dy.dtype(), &[n_out])?),
+            (Some(_), false) => Some(Tensor::empty(&dev, dy.dtype(), &[n_out])?),
             _ => None,
         };
         let mut workspace = match dbias {
-            Some(_) => Some(dev.stream().alloc_zeros::<f32>(dbias_workspace_len(tokens, n_out))?),
+            // SAFETY: f32 has no invalid bit patterns; the workspace is scratch the kernel writes
+            // before it reads it (`DbiasOut::workspace`).
+            Some(_) => Some(unsafe { dev.stream().alloc::<f32>(dbias_workspace_len(tokens, n_out)) }?),
             None => None,
         };
         let dbias_out = match (&mut dbias, &mut workspace) {
@@ -641,7 +643,7 @@ impl Linear {
         let dy8_t = dy8.transpose().ok_or_else(|| err("internal: the grad_output cast made no transpose".into()))?;
         let dx = if opts.input_grad {
             let w_t = weight.transpose().ok_or_else(|| err("internal: the saved weight has no transpose".into()))?;
-            let mut dx = Tensor::zeros(&dev, dy.dtype(), input_shape)?;
+            let mut dx = Tensor::empty(&dev, dy.dtype(), input_shape)?;
             let (a, b) =
                 (Operand::fp8(dy8.data(), dy8.scale_inv().as_view()), Operand::fp8(w_t, weight.scale_inv().as_view()));
             gemm(&dev, a, b, GemmOut::new(&mut dx), &GemmConfig::default())?;
@@ -663,7 +665,7 @@ impl Linear {
         let dy = if dy.dtype() == x.dtype() { dy.clone() } else { cast_high(&dev, dy, x.dtype())? };
         let dx = if opts.input_grad {
             // dx [t, in] = dy [t, out] · W [out, in]: B = Wᵀ as stored transposed.
-            let mut dx = Tensor::zeros(&dev, x.dtype(), x.shape())?;
+            let mut dx = Tensor::empty(&dev, x.dtype(), x.shape())?;
             gemm(&dev, Operand::new(&dy), Operand::new(w).transposed(), GemmOut::new(&mut dx), &GemmConfig::default())?;
             Some(dx)
         } else {
@@ -673,7 +675,7 @@ impl Linear {
         // GEMM's BGRADB epilogue (TE's non-FP8 wgrad with `grad = true`).
         let (_, n_out) = dy.as_2d(MODULE)?;
         let mut dbias = match (&self.bias, self.cfg.return_bias) {
-            (Some(_), false) => Some(Tensor::zeros(&dev, x.dtype(), &[n_out])?),
+            (Some(_), false) => Some(Tensor::empty(&dev, x.dtype(), &[n_out])?),
             _ => None,
         };
         let a = Operand::new(&dy).transposed();
@@ -702,7 +704,7 @@ impl Linear {
             let dt = self.cfg.params_dtype;
             let g = match &mut self.weight_grad {
                 Some(g) => g,
-                None => self.weight_grad.insert(Tensor::zeros(&dev, dt, &shape)?),
+                None => self.weight_grad.insert(Tensor::empty(&dev, dt, &shape)?),
             };
             (g, exists)
         };
