@@ -140,6 +140,21 @@ impl LinearCtx {
 ///
 /// Inside [`crate::fp8::fp8_autocast`] its GEMMs run in FP8 with the scope's recipe; outside
 /// in `params_dtype`. See the module docs for the FP8 dataflow.
+///
+/// ```no_run
+/// # fn main() -> te_runtime::Result<()> {
+/// use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+/// use te_runtime::modules::{Linear, LinearConfig};
+/// use te_runtime::{DType, Device, Tensor};
+///
+/// let dev = Device::new(0)?;
+/// let mut fc = Linear::new(&dev, LinearConfig::new(4096, 16384))?;
+/// let x = Tensor::zeros(&dev, DType::BF16, &[8192, 4096])?;
+/// let (y, ctx) = fp8_autocast(true, DelayedScaling::default(), || fc.forward(&x))?;
+/// let dy = Tensor::zeros(&dev, DType::BF16, y.shape())?;
+/// let dx = fc.backward(ctx, &dy)?; // [8192, 4096]; weight_grad() and bias_grad() accumulate
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Linear {
     dev: Arc<Device>,
