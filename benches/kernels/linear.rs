@@ -60,12 +60,12 @@ pub fn run(b: &mut Bench) {
     let x =
         Tensor::from_bytes(&dev, DType::BF16, &[TOKENS, n_in], &random_bytes(DType::BF16, TOKENS * n_in, 3)).unwrap();
     fp8_autocast(true, DelayedScaling::default(), || fp8_layer.infer(&x)).unwrap();
-    let ratio = fp8_layer.parameter_bytes() as f64 / bf16_layer.parameter_bytes() as f64;
+    let ratio = fp8_layer.params().parameter_bytes() as f64 / bf16_layer.params().parameter_bytes() as f64;
     b.record_ratio(&format!("linear {n_in}→{n_out} fp8 inference weight bytes ÷ bf16"), ratio, Some((false, 0.52)));
     println!(
         "device memory: bf16 layer {} MiB, fp8 layer params {} MiB (driver free-memory delta for bf16: {} MiB)",
-        bf16_layer.parameter_bytes() >> 20,
-        fp8_layer.parameter_bytes() >> 20,
+        bf16_layer.params().parameter_bytes() >> 20,
+        fp8_layer.params().parameter_bytes() >> 20,
         before.saturating_sub(mid) >> 20
     );
 }

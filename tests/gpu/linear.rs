@@ -36,10 +36,10 @@ struct Data {
 /// A layer with a random bias and bf16-rounded host copies of its parameters and data.
 fn layer(dev: &std::sync::Arc<Device>, cfg: LinearConfig, seed: u64) -> (Linear, Data) {
     let mut lin = Linear::new(dev, cfg.clone()).unwrap();
-    let w = lin.weight().unwrap().to_f32(dev).unwrap();
+    let w = lin.params().weight().unwrap().to_f32(dev).unwrap();
     let b = bf16(&randn(seed + 3, cfg.out_features, 0.5));
     if cfg.bias {
-        lin.set_bias(Tensor::from_f32(dev, DType::BF16, &[cfg.out_features], &b).unwrap()).unwrap();
+        lin.params_mut().set_bias(Tensor::from_f32(dev, DType::BF16, &[cfg.out_features], &b).unwrap()).unwrap();
     }
     let x = bf16(&randn(seed + 1, T * cfg.in_features, 1.0));
     let dy = bf16(&randn(seed + 2, T * cfg.out_features, 1e-2));
@@ -83,15 +83,15 @@ fn fp8_delayed_scaling_matches_reference_and_updates_scales() {
     assert_eq!(fwd.scale[2], 1.0, "output slot unused: scale kept");
     assert_eq!(bwd.scale[0], 57344.0 / amax(&d.dy), "grad_output scale (E5M2 under HYBRID)");
     assert_eq!(fwd.amax_history[15], amax(&d.x), "history rolled: the amax moved to the back");
-    lin.zero_grad();
+    lin.params_mut().zero_grad();
     // Step 2 casts with those scales: compare with the reference at the same scales.
     let (y, dx) = fp8_autocast(true, recipe, || Ok(step(&dev, &mut lin, &d))).unwrap();
     let s = Fp8Step { input: fwd.scale[0], weight: fwd.scale[1], grad_output: bwd.scale[0], grad_dtype: DType::E5M2 };
     check("y", &y, &reference::forward(&d.x, &d.w, Some(&d.b), T, Some(&s)));
     let g = reference::backward(&d.dy, &d.x, &d.w, T, Some(&s));
     check("dx", &dx, &g.dx);
-    check("dw", &lin.weight_grad().unwrap().to_f32(&dev).unwrap(), &g.dw);
-    assert_close("dbias", &lin.bias_grad().unwrap().to_f32(&dev).unwrap(), &g.dbias, 1.6e-2, 1e-5);
+    check("dw", &lin.params().weight_grad().unwrap().to_f32(&dev).unwrap(), &g.dw);
+    assert_close("dbias", &lin.params().bias_grad().unwrap().to_f32(&dev).unwrap(), &g.dbias, 1.6e-2, 1e-5);
 }
 
 #[test]
@@ -112,7 +112,7 @@ fn fp8_current_scaling_matches_reference() {
         check("y", &y, &reference::forward(&d.x, &d.w, Some(&d.b), T, Some(&s)));
         let g = reference::backward(&d.dy, &d.x, &d.w, T, Some(&s));
         check("dx", &dx, &g.dx);
-        check("dw", &lin.weight_grad().unwrap().to_f32(&dev).unwrap(), &g.dw);
+        check("dw", &lin.params().weight_grad().unwrap().to_f32(&dev).unwrap(), &g.dw);
         assert!(lin.fp8_forward_state().is_none(), "current scaling keeps no state");
     }
 }
@@ -126,13 +126,13 @@ fn high_precision_path_matches_reference() {
     assert_close("y", &y, &want, 1.6e-2, 1e-2 * amax(&want));
     let g = reference::backward(&d.dy, &d.x, &d.w, T, None);
     assert_close("dx", &dx, &g.dx, 1.6e-2, 1e-2 * amax(&g.dx));
-    let dw = lin.weight_grad().unwrap().to_f32(&dev).unwrap();
+    let dw = lin.params().weight_grad().unwrap().to_f32(&dev).unwrap();
     assert_close("dw", &dw, &g.dw, 1.6e-2, 1e-2 * amax(&g.dw));
-    let db = lin.bias_grad().unwrap().to_f32(&dev).unwrap();
+    let db = lin.params().bias_grad().unwrap().to_f32(&dev).unwrap();
     assert_close("dbias", &db, &g.dbias, 1.6e-2, 1e-2 * amax(&g.dbias));
     // A second backward accumulates.
     step(&dev, &mut lin, &d);
-    let dw2 = lin.weight_grad().unwrap().to_f32(&dev).unwrap();
+    let dw2 = lin.params().weight_grad().unwrap().to_f32(&dev).unwrap();
     let twice: Vec<f32> = g.dw.iter().map(|v| 2.0 * v).collect();
     assert_close("dw accumulated", &dw2, &twice, 3.2e-2, 2e-2 * amax(&twice));
 }
@@ -146,12 +146,12 @@ fn fused_wgrad_accumulates_into_main_grad() {
     let (_, ctx) = lin.forward(&x).unwrap();
     assert!(matches!(lin.backward(ctx, &dy), Err(Error::Config { .. })), "no main_grad handed in");
     let init = randn(41, OUT * IN, 1e-3);
-    lin.set_main_grad(Tensor::from_f32(&dev, DType::F32, &[OUT, IN], &init).unwrap()).unwrap();
+    lin.params_mut().set_main_grad(Tensor::from_f32(&dev, DType::F32, &[OUT, IN], &init).unwrap()).unwrap();
     let recipe = Float8CurrentScaling::default();
     for _ in 0..2 {
         fp8_autocast(true, recipe, || Ok(step(&dev, &mut lin, &d))).unwrap();
     }
-    assert!(lin.weight_grad().is_none(), "wgrad went to main_grad");
+    assert!(lin.params().weight_grad().is_none(), "wgrad went to main_grad");
     let s = |v: &[f32], dt: DType| current_scale(amax(v), dt.fp8_max().unwrap(), 0.0, false).0;
     let st = Fp8Step {
         input: s(&d.x, DType::E4M3),
@@ -161,7 +161,7 @@ fn fused_wgrad_accumulates_into_main_grad() {
     };
     let dw = reference::backward(&d.dy, &d.x, &d.w, T, Some(&st)).dw;
     let want: Vec<f32> = init.iter().zip(&dw).map(|(i, g)| i + 2.0 * g).collect();
-    let got = lin.take_main_grad().unwrap().to_f32(&dev).unwrap();
+    let got = lin.params_mut().take_main_grad().unwrap().to_f32(&dev).unwrap();
     assert!(rel_frobenius(&got, &want) < 1e-2, "main_grad error {}", rel_frobenius(&got, &want));
 }
 
@@ -179,15 +179,15 @@ fn microbatch_cache_reuses_the_fp8_weight() {
         })
         .unwrap()
     };
-    let bf16_bytes = lin.parameter_bytes();
+    let bf16_bytes = lin.params().parameter_bytes();
     let y1 = run(&mut lin, Some(true));
-    assert!(lin.parameter_bytes() > bf16_bytes, "the FP8 weight is cached");
+    assert!(lin.params().parameter_bytes() > bf16_bytes, "the FP8 weight is cached");
     // Changing the weight in place of the cache is ignored until the next first micro-batch.
     let w2 = Tensor::from_f32(&dev, DType::BF16, &[OUT, IN], &randn(51, OUT * IN, 0.05)).unwrap();
     let cached = run(&mut lin, Some(false));
     assert_eq!(y1, cached, "Some(false) reuses the cached cast");
-    lin.set_weight(w2).unwrap();
-    assert_eq!(lin.parameter_bytes(), bf16_bytes, "set_weight drops the cache");
+    lin.params_mut().set_weight(w2).unwrap();
+    assert_eq!(lin.params().parameter_bytes(), bf16_bytes, "set_weight drops the cache");
     let y3 = run(&mut lin, Some(false));
     assert_ne!(y1, y3, "a stale cache is never used");
 }
@@ -229,16 +229,16 @@ fn fp8_model_init_weights_take_one_byte_per_parameter() {
     let cfg = LinearConfig::new(n_in, n_out);
     let bf16_layer = Linear::new(&dev, cfg.clone()).unwrap();
     let mut fp8_layer = fp8_model_init(true, || Linear::new(&dev, cfg.clone())).unwrap();
-    assert!(fp8_layer.weight().is_none() && fp8_layer.fp8_weight().is_some());
+    assert!(fp8_layer.params().weight().is_none() && fp8_layer.params().fp8_weight().is_some());
     let x = Tensor::from_f32(&dev, DType::BF16, &[100, n_in], &bf16(&randn(70, 100 * n_in, 1.0))).unwrap();
     let y = fp8_autocast(true, DelayedScaling::default(), || fp8_layer.infer(&x)).unwrap();
     assert_eq!(y.shape(), &[100, n_out], "inference takes any token count");
-    assert!(fp8_layer.fp8_weight().unwrap().transpose().is_none(), "inference builds no transpose");
-    let ratio = fp8_layer.parameter_bytes() as f64 / bf16_layer.parameter_bytes() as f64;
+    assert!(fp8_layer.params().fp8_weight().unwrap().transpose().is_none(), "inference builds no transpose");
+    let ratio = fp8_layer.params().parameter_bytes() as f64 / bf16_layer.params().parameter_bytes() as f64;
     assert!(ratio <= 0.52, "FP8 inference weights take {ratio:.3} of BF16");
     // Same init seed: the FP8 weight is the BF16 weight cast with its own amax.
-    let w = bf16_layer.weight().unwrap().to_f32(&dev).unwrap();
-    let w8 = fp8_layer.fp8_weight().unwrap().to_f32(&dev).unwrap();
+    let w = bf16_layer.params().weight().unwrap().to_f32(&dev).unwrap();
+    let w8 = fp8_layer.params().fp8_weight().unwrap().to_f32(&dev).unwrap();
     assert_close("fp8 weight", &w8, &w, 0.125, 0.0675 * amax(&w));
 }
 
@@ -314,8 +314,8 @@ fn errors_are_typed_and_say_what_to_do() {
     let (_, ctx) = lin.forward(&x).unwrap();
     assert!(matches!(other.backward(ctx, &dy), Err(Error::Context { .. })));
     let (_, ctx) = lin.forward(&x).unwrap();
-    let w = lin.weight().unwrap().clone();
-    lin.set_weight(w).unwrap();
+    let w = lin.params().weight().unwrap().clone();
+    lin.params_mut().set_weight(w).unwrap();
     let e = lin.backward(ctx, &dy).unwrap_err();
     assert!(matches!(e, Error::Context { .. }) && e.to_string().contains("stale"), "{e}");
     // Bad configurations.

@@ -186,6 +186,19 @@ impl ScalingState {
         Float8Tensor::from_parts(data, transpose, Arc::new(scale_inv))
     }
 
+    /// Runs a fused kernel that casts into this slot: `f` gets the slot's scale and newest amax
+    /// and a fresh `scale_inv` (returned) that the kernel writes.
+    pub(crate) fn cast_with<R>(
+        &self,
+        slot: usize,
+        f: impl FnOnce(&mut Fp8Scaling<'_>) -> Result<R>,
+    ) -> Result<(R, Arc<CudaSlice<f32>>)> {
+        let mut b = self.lock();
+        let mut scale_inv = self.dev.stream().alloc_zeros::<f32>(1)?;
+        let r = f(&mut b.scaling(slot, &mut scale_inv))?;
+        Ok((r, Arc::new(scale_inv)))
+    }
+
     /// Maxes `|x|` into the slot's newest amax without casting (calibration).
     pub(crate) fn record_amax(&self, x: &Tensor, slot: usize) -> Result<()> {
         let mut b = self.lock();

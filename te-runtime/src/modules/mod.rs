@@ -3,9 +3,18 @@
 //! gradients (TE's `torch.autograd.Function`s, made explicit).
 
 mod init;
+pub mod layernorm_linear;
+pub mod layernorm_mlp;
 pub mod linear;
+pub mod norm;
+mod params;
 
+pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
+pub use layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
 pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCtx};
+pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
+pub use params::LinearParams;
+pub use te_codegen::spec::Activation;
 
 use crate::fp8::Float8Tensor;
 use crate::{Device, Result, Tensor};

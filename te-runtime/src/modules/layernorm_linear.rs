@@ -1,0 +1,270 @@
+//! `LayerNormLinear`: a LayerNorm or RMSNorm fused in front of a `Linear` (TE
+//! `pytorch/module/layernorm_linear.py`). Under FP8 with delayed scaling the norm kernel writes
+//! the GEMM input in FP8 directly (cast and amax fused), and a byte transpose of those codes is
+//! saved for wgrad: no extra pass over the high-precision activation.
+
+use super::linear::{check_ctx, check_input, LinearCore, LinearInput, Saved, FWD_INPUT};
+use super::norm::{NormConfig, NormKind, NormParams, NormStats};
+use super::params::{LinearParams, ParamsInit};
+use super::{next_module_id, ForwardOptions, Output};
+use crate::fp8::{fp8_mode, Fp8Mode, Recipe, ScalingState};
+use crate::{Device, Result, Tensor};
+use std::sync::Arc;
+use te_codegen::DType;
+
+const MODULE: &str = "LayerNormLinear";
+
+/// Arguments of [`LayerNormLinear::new`] (TE `te.LayerNormLinear(in_features, out_features, ...)`).
+#[derive(Debug, Clone)]
+pub struct LayerNormLinearConfig {
+    /// Size of each input row (the normalized dimension).
+    pub in_features: usize,
+    /// Size of each output row.
+    pub out_features: usize,
+    /// Norm epsilon. TE default 1e-5.
+    pub eps: f32,
+    /// LayerNorm (TE default) or RMSNorm.
+    pub normalization: NormKind,
+    /// TE `zero_centered_gamma`. Default false.
+    pub zero_centered_gamma: bool,
+    /// Learn an additive bias. TE default true.
+    pub bias: bool,
+    /// Do not add the bias; the caller adds `params().bias()` (TE `return_bias`).
+    pub return_bias: bool,
+    /// Also return the norm's output (TE `return_layernorm_output`, e.g. for a residual taken
+    /// after the norm); it is then computed in high precision and cast separately.
+    pub return_layernorm_output: bool,
+    /// Dtype of all parameters and gradients. Default BF16.
+    pub params_dtype: DType,
+    /// wgrad accumulates into the caller's f32 `main_grad`.
+    pub fuse_wgrad_accumulation: bool,
+    /// Std of the normal weight init (TE `init_method_normal(0.023)`).
+    pub init_std: f32,
+    /// Seed of the weight init.
+    pub seed: u64,
+}
+
+impl LayerNormLinearConfig {
+    /// TE's defaults.
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        Self {
+            in_features,
+            out_features,
+            eps: 1e-5,
+            normalization: NormKind::LayerNorm,
+            zero_centered_gamma: false,
+            bias: true,
+            return_bias: false,
+            return_layernorm_output: false,
+            params_dtype: DType::BF16,
+            fuse_wgrad_accumulation: false,
+            init_std: 0.023,
+            seed: 0,
+        }
+    }
+}
+
+/// Forward results: the output and, with `return_layernorm_output`, the norm's output.
+#[derive(Debug)]
+pub struct LayerNormLinearOutput {
+    /// `[..., out_features]` (FP8 with `fp8_output`).
+    pub out: Output,
+    /// `[..., in_features]` in the input's dtype.
+    pub ln_out: Option<Tensor>,
+}
+
+/// What [`LayerNormLinear::forward`] saves for backward.
+#[derive(Debug)]
+pub struct LayerNormLinearCtx {
+    module_id: u64,
+    version: u64,
+    x: Tensor,
+    stats: NormStats,
+    saved: Saved,
+}
+
+impl LayerNormLinearCtx {
+    /// Device bytes held only for backward: the norm statistics and the FP8 input transpose.
+    pub fn saved_bytes(&self) -> usize {
+        self.stats.bytes() + self.saved.bytes()
+    }
+}
+
+/// `y = norm(x) · Wᵀ + b` for `x: [..., in_features]` (f32/bf16/f16); `y: [..., out_features]`
+/// in `x`'s dtype.
+#[derive(Debug)]
+pub struct LayerNormLinear {
+    dev: Arc<Device>,
+    id: u64,
+    cfg: LayerNormLinearConfig,
+    norm: NormParams,
+    core: LinearCore,
+}
+
+/// Combined version of the norm and GEMM parameters (a write to either makes contexts stale).
+fn version(norm: &NormParams, params: &LinearParams) -> u64 {
+    norm.version().wrapping_mul(1 << 32).wrapping_add(params.version())
+}
+
+impl LayerNormLinear {
+    /// A layer initialized as TE does (gamma 1, beta 0, weight `N(0, init_std)`, bias 0).
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] as for `Linear` and `LayerNorm`; allocation failures.
+    pub fn new(dev: &Arc<Device>, cfg: LayerNormLinearConfig) -> Result<Self> {
+        let norm_cfg = NormConfig {
+            hidden_size: cfg.in_features,
+            eps: cfg.eps,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+            params_dtype: cfg.params_dtype,
+        };
+        let norm = NormParams::new(dev, MODULE, cfg.normalization, norm_cfg)?;
+        let params = LinearParams::new(
+            dev,
+            MODULE,
+            ParamsInit {
+                in_features: cfg.in_features,
+                out_features: cfg.out_features,
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                fuse_wgrad_accumulation: cfg.fuse_wgrad_accumulation,
+                init_std: cfg.init_std,
+                seed: cfg.seed,
+            },
+        )?;
+        let core = LinearCore::new(params, MODULE, !cfg.return_bias, !cfg.return_bias);
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, norm, core })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LayerNormLinearConfig {
+        &self.cfg
+    }
+
+    /// The norm's gamma/beta (TE `layer_norm_weight`, `layer_norm_bias`) and gradients.
+    pub fn norm_params(&self) -> &NormParams {
+        &self.norm
+    }
+
+    /// The norm's parameters, mutably.
+    pub fn norm_params_mut(&mut self) -> &mut NormParams {
+        &mut self.norm
+    }
+
+    /// The GEMM's weight and bias and their gradients.
+    pub fn params(&self) -> &LinearParams {
+        &self.core.params
+    }
+
+    /// The GEMM's parameters, mutably.
+    pub fn params_mut(&mut self) -> &mut LinearParams {
+        &mut self.core.params
+    }
+
+    /// The forward delayed-scaling state of the GEMM (input, weight, output).
+    pub fn fp8_forward_state(&self) -> Option<&Arc<ScalingState>> {
+        self.core.fwd_state_opt()
+    }
+
+    /// Forward for training: the output and the context.
+    ///
+    /// # Errors
+    /// As [`LayerNormLinear::forward_with`].
+    pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, LayerNormLinearCtx)> {
+        let (out, ctx) = self.forward_with(x, ForwardOptions::default())?;
+        Ok((out.out.into_high(&self.dev, x.dtype())?, ctx))
+    }
+
+    /// Forward for training with options.
+    ///
+    /// # Errors
+    /// Shape and dtype errors of the input (last dim must be `in_features`); under FP8, dims
+    /// that are not multiples of 16 (named, with what to pad to); kernel and GEMM failures.
+    pub fn forward_with(
+        &mut self,
+        x: &Tensor,
+        opts: ForwardOptions,
+    ) -> Result<(LayerNormLinearOutput, LayerNormLinearCtx)> {
+        let (out, stats, saved) = self.run(x, opts, true)?;
+        let saved = saved.ok_or_else(|| crate::Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
+        let ctx = LayerNormLinearCtx {
+            module_id: self.id,
+            version: version(&self.norm, &self.core.params),
+            x: x.clone(),
+            stats,
+            saved,
+        };
+        Ok((out, ctx))
+    }
+
+    /// Forward for inference: no context, no transposes.
+    ///
+    /// # Errors
+    /// As [`LayerNormLinear::forward_with`], except that the token count may be any size.
+    pub fn infer(&mut self, x: &Tensor) -> Result<Tensor> {
+        let (out, _, _) = self.run(x, ForwardOptions::default(), false)?;
+        out.out.into_high(&self.dev, x.dtype())
+    }
+
+    fn run(
+        &mut self,
+        x: &Tensor,
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(LayerNormLinearOutput, NormStats, Option<Saved>)> {
+        check_input(MODULE, x, self.cfg.in_features)?;
+        let mode = fp8_mode();
+        let (input, stats, ln_out) = match mode {
+            Fp8Mode::Fp8(Recipe::Delayed(r)) if !self.cfg.return_layernorm_output => {
+                let (tokens, _) = x.as_2d(MODULE)?;
+                self.core.check_fp8_dims(tokens, grad)?;
+                let state = self.core.fwd_state(&r)?;
+                let (mut ln8, stats) = self.norm.forward_fp8(x, &state, FWD_INPUT)?;
+                if grad {
+                    ln8.ensure_transpose(&self.dev)?;
+                }
+                (LinearInput::Fp8(ln8), stats, None)
+            }
+            _ => {
+                let (ln, stats) = self.norm.forward(x, x.dtype())?;
+                let ret = self.cfg.return_layernorm_output.then(|| ln.clone());
+                (LinearInput::High(ln), stats, ret)
+            }
+        };
+        let (out, saved) = self.core.forward(input, x.shape(), x.dtype(), mode, opts, grad)?;
+        Ok((LayerNormLinearOutput { out, ln_out }, stats, saved))
+    }
+
+    /// Backward: `dx` for `grad_output`; the GEMM's and the norm's parameter gradients
+    /// accumulate.
+    ///
+    /// # Errors
+    /// As [`LayerNormLinear::backward_with`].
+    pub fn backward(&mut self, ctx: LayerNormLinearCtx, grad_output: &Tensor) -> Result<Tensor> {
+        self.backward_with(ctx, grad_output, None)
+    }
+
+    /// Backward with the gradient of the returned norm output (`return_layernorm_output`),
+    /// which adds to the gradient flowing back from the GEMM.
+    ///
+    /// # Errors
+    /// [`crate::Error::Context`] for another module's or a stale context; shape and dtype
+    /// errors of `grad_output` / `grad_ln_out`; kernel and GEMM failures.
+    pub fn backward_with(
+        &mut self,
+        ctx: LayerNormLinearCtx,
+        grad_output: &Tensor,
+        grad_ln_out: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        check_ctx(MODULE, (ctx.module_id, ctx.version), self.id, version(&self.norm, &self.core.params))?;
+        let mut d_ln = self
+            .core
+            .backward(ctx.saved, grad_output, ctx.x.shape(), true)?
+            .ok_or_else(|| crate::Error::Shape { op: MODULE, message: "internal: no dgrad".into() })?;
+        if let Some(g) = grad_ln_out {
+            crate::ops::check_shape(MODULE, "grad_ln_out", g, ctx.x.shape())?;
+            crate::ops::elementwise::add_assign(&self.dev, &mut d_ln, g)?;
+        }
+        self.norm.backward(&d_ln, &ctx.x, &ctx.stats)
+    }
+}
