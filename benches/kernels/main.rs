@@ -16,6 +16,7 @@ mod elementwise;
 mod gemm;
 mod jit;
 mod linear;
+mod modules;
 mod norm;
 mod scaling;
 mod softmax;
@@ -43,6 +44,7 @@ fn main() {
         elementwise::run(&mut b);
         gemm::run(&mut b);
         linear::run(&mut b);
+        modules::run(&mut b);
     }
     jit::run(&mut b);
     b.print_table();

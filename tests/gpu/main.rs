@@ -11,6 +11,7 @@ mod elementwise;
 mod gemm;
 mod jit;
 mod linear;
+mod modules;
 mod norm;
 mod scaling;
 mod softmax;

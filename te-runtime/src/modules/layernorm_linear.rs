@@ -186,7 +186,8 @@ impl LayerNormLinear {
         opts: ForwardOptions,
     ) -> Result<(LayerNormLinearOutput, LayerNormLinearCtx)> {
         let (out, stats, saved) = self.run(x, opts, true)?;
-        let saved = saved.ok_or_else(|| crate::Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
+        let saved =
+            saved.ok_or_else(|| crate::Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
         let ctx = LayerNormLinearCtx {
             module_id: self.id,
             version: version(&self.norm, &self.core.params),

@@ -302,7 +302,8 @@ impl LinearCore {
         if !grad {
             return Ok((out, None));
         }
-        let input_t = x8.into_transposed().ok_or_else(|| self.err("internal: the FP8 input has no transpose".into()))?;
+        let input_t =
+            x8.into_transposed().ok_or_else(|| self.err("internal: the FP8 input has no transpose".into()))?;
         let ticket = match recipe {
             Recipe::Delayed(r) => Some(backward_ticket(&self.bwd_state(&r)?)),
             Recipe::Current(_) => None,
@@ -389,7 +390,8 @@ impl LinearCore {
     ) -> Result<Option<Tensor>> {
         let dev = self.dev();
         let dx = fp8_dgrad(&dev, dy8, weight, input_shape, dtype, input_grad)?;
-        let dy8_t = dy8.transpose().ok_or_else(|| self.err("internal: the grad_output cast made no transpose".into()))?;
+        let dy8_t =
+            dy8.transpose().ok_or_else(|| self.err("internal: the grad_output cast made no transpose".into()))?;
         let a = Operand::fp8(dy8_t, dy8.scale_inv().as_view());
         let b = Operand::fp8(input_t.data(), input_t.scale_inv().as_view());
         self.params.accumulate_wgrad(a, b, None)?;

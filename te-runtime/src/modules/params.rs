@@ -302,7 +302,10 @@ impl LinearParams {
             (Some((s, slot)), _) => s.quantize(&w, slot, grad, None)?,
             (None, Recipe::Current(c)) => quantize_current(&dev, &w, DType::E4M3, &c, grad, None)?,
             (None, Recipe::Delayed(_)) => {
-                return Err(Error::Config { module: self.module, message: "internal: delayed scaling without state".into() })
+                return Err(Error::Config {
+                    module: self.module,
+                    message: "internal: delayed scaling without state".into(),
+                })
             }
         };
         self.cache = is_first_microbatch.is_some().then(|| (w8.clone(), self.version));
@@ -320,7 +323,12 @@ impl LinearParams {
     /// wgrad `dW (+)= A · Bᵀ` into `main_grad` (f32, always accumulating) or the weight gradient
     /// (`params_dtype`, accumulating when one exists); with `bgrad`, the GEMM's BGRADB epilogue
     /// writes the bias gradient too (`a` then must be `dY` stored transposed).
-    pub(crate) fn accumulate_wgrad(&mut self, a: Operand<'_>, b: Operand<'_>, bgrad: Option<&mut Tensor>) -> Result<()> {
+    pub(crate) fn accumulate_wgrad(
+        &mut self,
+        a: Operand<'_>,
+        b: Operand<'_>,
+        bgrad: Option<&mut Tensor>,
+    ) -> Result<()> {
         let dev = self.dev.clone();
         let epilogue = bgrad.map_or(Epilogue::None, |bgrad| Epilogue::BgradB { bgrad });
         let shape = [self.out_features, self.in_features];

@@ -8,6 +8,7 @@ pub mod cast_transpose;
 pub mod elementwise;
 pub mod gemm;
 pub mod linear;
+pub mod modules;
 pub mod norm;
 pub mod numerics;
 pub mod scaling;

@@ -1,0 +1,273 @@
+//! `LayerNorm`/`RMSNorm`, `LayerNormLinear` and `LayerNormMLP` on the GPU against the exact CPU
+//! reference (`te_runtime::reference::modules`): BF16 at TE's bf16 tolerances; FP8 with delayed
+//! (second step, scales from the first) and current scaling within bounds of the FP8 rounding.
+
+use crate::common::{assert_close, device, randn};
+use std::sync::Arc;
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Recipe};
+use te_runtime::modules::{
+    Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, LinearParams, Norm,
+    NormConfig, NormKind, NormParams,
+};
+use te_runtime::reference::linear::rel_frobenius;
+use te_runtime::reference::modules::{self as reference, DenseRef, NormRef};
+use te_runtime::reference::numerics::round_to;
+use te_runtime::{DType, Device, Error, Tensor};
+
+const T: usize = 112;
+const H: usize = 80;
+const F: usize = 144;
+
+fn bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| round_to(DType::BF16, x)).collect()
+}
+
+fn upload(dev: &Device, v: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_f32(dev, DType::BF16, shape, v).unwrap()
+}
+
+fn host(dev: &Device, t: Option<&Tensor>) -> Vec<f32> {
+    t.unwrap().to_f32(dev).unwrap()
+}
+
+fn amax(v: &[f32]) -> f32 {
+    v.iter().fold(0.0f32, |a, x| a.max(x.abs()))
+}
+
+/// How a step runs: high precision or FP8 with a recipe.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    Bf16,
+    Fp8(Recipe),
+}
+
+impl Mode {
+    fn all() -> [Mode; 3] {
+        [
+            Mode::Bf16,
+            Mode::Fp8(DelayedScaling { amax_history_len: 4, ..Default::default() }.into()),
+            Mode::Fp8(Float8CurrentScaling::default().into()),
+        ]
+    }
+
+    fn run<T>(self, f: impl FnOnce() -> te_runtime::Result<T>) -> T {
+        match self {
+            Mode::Bf16 => f().unwrap(),
+            Mode::Fp8(r) => fp8_autocast(true, r, f).unwrap(),
+        }
+    }
+
+    /// `(forward bound, gradient bound)` on the relative Frobenius error vs exact math: bf16
+    /// rounding, or E4M3 operands forward and E5M2 gradients (2 and 3 mantissa bits) backward.
+    fn bounds(self) -> (f64, f64) {
+        match self {
+            Mode::Bf16 => (1e-2, 2e-2),
+            Mode::Fp8(_) => (0.06, 0.15),
+        }
+    }
+}
+
+fn check(mode: Mode, what: &str, got: &[f32], want: &[f32], grad: bool) {
+    check_frobenius(mode, what, got, want, grad);
+    match mode {
+        Mode::Bf16 => assert_close(what, got, want, 1.6e-2, 2e-2 * amax(want)),
+        Mode::Fp8(_) => assert_close(what, got, want, 0.25, 0.125 * amax(want)),
+    }
+}
+
+/// The relative Frobenius bound alone: for gradients through ReLU, whose derivative jumps at 0,
+/// where a pre-activation that rounds across 0 flips single elements.
+fn check_frobenius(mode: Mode, what: &str, got: &[f32], want: &[f32], grad: bool) {
+    let (fwd, bwd) = mode.bounds();
+    let bound = if grad { bwd } else { fwd };
+    let e = rel_frobenius(got, want);
+    assert!(e < bound, "{mode:?} {what}: relative Frobenius error {e} (bound {bound})");
+}
+
+/// Random gamma (around 1) and beta on a norm; returns their host values.
+fn randomize_norm(dev: &Device, p: &mut NormParams, seed: u64) -> (Vec<f32>, Option<Vec<f32>>) {
+    let h = p.config().hidden_size;
+    let g = bf16(&randn(seed, h, 0.1).iter().map(|v| v + 1.0).collect::<Vec<_>>());
+    p.set_weight(upload(dev, &g, &[h])).unwrap();
+    let b = p.bias().is_some().then(|| bf16(&randn(seed + 1, h, 0.1)));
+    if let Some(b) = &b {
+        p.set_bias(upload(dev, b, &[h])).unwrap();
+    }
+    (g, b)
+}
+
+/// Random bias on a GEMM layer; returns host weight and bias.
+fn randomize_dense(dev: &Device, p: &mut LinearParams, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let b = bf16(&randn(seed, p.out_features(), 0.1));
+    p.set_bias(upload(dev, &b, &[p.out_features()])).unwrap();
+    (host(dev, p.weight()), b)
+}
+
+#[test]
+fn norms_match_reference() {
+    let Some(dev) = device() else { return };
+    for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+        for zcg in [false, true] {
+            let cfg = NormConfig { zero_centered_gamma: zcg, ..NormConfig::new(H) };
+            let mut norm = Norm::new(&dev, kind, cfg).unwrap();
+            let (g, b) = randomize_norm(&dev, norm.params_mut(), 1);
+            let x = bf16(&randn(2, T * H, 2.0));
+            let dy = bf16(&randn(3, T * H, 1.0));
+            let (y, ctx) = norm.forward(&upload(&dev, &x, &[T, H])).unwrap();
+            let dx = norm.backward(ctx, &upload(&dev, &dy, &[T, H])).unwrap();
+            let r = NormRef { kind, gamma: &g, beta: b.as_deref(), eps: 1e-5, zero_centered_gamma: zcg };
+            let what = format!("{kind:?} zero_centered_gamma={zcg}");
+            check(Mode::Bf16, &format!("{what} y"), &y.to_f32(&dev).unwrap(), &r.forward(&x), false);
+            let (rdx, rdg, rdb) = r.backward(&dy, &x);
+            check(Mode::Bf16, &format!("{what} dx"), &dx.to_f32(&dev).unwrap(), &rdx, true);
+            check(Mode::Bf16, &format!("{what} dgamma"), &host(&dev, norm.params().weight_grad()), &rdg, true);
+            if kind == NormKind::LayerNorm {
+                check(Mode::Bf16, &format!("{what} dbeta"), &host(&dev, norm.params().bias_grad()), &rdb, true);
+            }
+        }
+    }
+}
+
+#[test]
+fn layernorm_linear_matches_reference() {
+    let Some(dev) = device() else { return };
+    for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+        for mode in Mode::all() {
+            let cfg = LayerNormLinearConfig { normalization: kind, ..LayerNormLinearConfig::new(H, F) };
+            let mut m = LayerNormLinear::new(&dev, cfg).unwrap();
+            let (g, b) = randomize_norm(&dev, m.norm_params_mut(), 10);
+            let (w, bias) = randomize_dense(&dev, m.params_mut(), 12);
+            let x = bf16(&randn(13, T * H, 1.0));
+            let dy = bf16(&randn(14, T * F, 1e-2));
+            let (xt, dyt) = (upload(&dev, &x, &[T, H]), upload(&dev, &dy, &[T, F]));
+            let step = |m: &mut LayerNormLinear| {
+                m.norm_params_mut().zero_grad();
+                m.params_mut().zero_grad();
+                mode.run(|| {
+                    let (y, ctx) = m.forward(&xt)?;
+                    Ok((y.to_f32(&dev)?, m.backward(ctx, &dyt)?.to_f32(&dev)?))
+                })
+            };
+            step(&mut m); // delayed scaling: the second step runs with scales from the first
+            let (y, dx) = step(&mut m);
+            let norm = NormRef { kind, gamma: &g, beta: b.as_deref(), eps: 1e-5, zero_centered_gamma: false };
+            let fc = DenseRef { w: &w, b: Some(&bias) };
+            let what = format!("LayerNormLinear {kind:?}");
+            check(mode, &format!("{what} y"), &y, &reference::layernorm_linear_forward(&norm, &fc, &x, T).0, false);
+            let r = reference::layernorm_linear_backward(&norm, &fc, &dy, &x, T);
+            check(mode, &format!("{what} dx"), &dx, &r.dx, true);
+            check(mode, &format!("{what} dgamma"), &host(&dev, m.norm_params().weight_grad()), &r.dgamma, true);
+            if kind == NormKind::LayerNorm {
+                check(mode, &format!("{what} dbeta"), &host(&dev, m.norm_params().bias_grad()), &r.dbeta, true);
+            }
+            check(mode, &format!("{what} dw"), &host(&dev, m.params().weight_grad()), &r.dw1, true);
+            check(mode, &format!("{what} dbias"), &host(&dev, m.params().bias_grad()), &r.db1, true);
+        }
+    }
+}
+
+#[test]
+fn layernorm_linear_returns_the_norm_output() {
+    let Some(dev) = device() else { return };
+    let cfg = LayerNormLinearConfig { return_layernorm_output: true, ..LayerNormLinearConfig::new(H, F) };
+    let mut m = LayerNormLinear::new(&dev, cfg).unwrap();
+    let (g, b) = randomize_norm(&dev, m.norm_params_mut(), 20);
+    let x = bf16(&randn(21, T * H, 1.0));
+    let out = fp8_autocast(true, DelayedScaling::default(), || {
+        let (out, _ctx) = m.forward_with(&upload(&dev, &x, &[T, H]), Default::default())?;
+        Ok(out)
+    })
+    .unwrap();
+    let norm =
+        NormRef { kind: NormKind::LayerNorm, gamma: &g, beta: b.as_deref(), eps: 1e-5, zero_centered_gamma: false };
+    check(Mode::Bf16, "ln_out", &out.ln_out.unwrap().to_f32(&dev).unwrap(), &norm.forward(&x), false);
+}
+
+#[test]
+fn layernorm_mlp_matches_reference() {
+    let Some(dev) = device() else { return };
+    for act in [Activation::Gelu, Activation::Relu, Activation::Swiglu, Activation::Geglu] {
+        for mode in Mode::all() {
+            let cfg = LayerNormMLPConfig { activation: act, ..LayerNormMLPConfig::new(H, F) };
+            let mut m = LayerNormMLP::new(&dev, cfg).unwrap();
+            let (g, b) = randomize_norm(&dev, m.norm_params_mut(), 30);
+            let (w1, b1) = randomize_dense(&dev, m.fc1_mut(), 32);
+            let (w2, b2) = randomize_dense(&dev, m.fc2_mut(), 33);
+            let x = bf16(&randn(34, T * H, 1.0));
+            let dy = bf16(&randn(35, T * H, 1e-2));
+            let (xt, dyt) = (upload(&dev, &x, &[T, H]), upload(&dev, &dy, &[T, H]));
+            let step = |m: &mut LayerNormMLP| {
+                m.norm_params_mut().zero_grad();
+                m.fc1_mut().zero_grad();
+                m.fc2_mut().zero_grad();
+                mode.run(|| {
+                    let (y, ctx) = m.forward(&xt)?;
+                    Ok((y.to_f32(&dev)?, m.backward(ctx, &dyt)?.to_f32(&dev)?))
+                })
+            };
+            step(&mut m);
+            let (y, dx) = step(&mut m);
+            let norm = NormRef {
+                kind: NormKind::LayerNorm,
+                gamma: &g,
+                beta: b.as_deref(),
+                eps: 1e-5,
+                zero_centered_gamma: false,
+            };
+            let (fc1, fc2) = (DenseRef { w: &w1, b: Some(&b1) }, DenseRef { w: &w2, b: Some(&b2) });
+            let what = format!("LayerNormMLP {act:?}");
+            let want = reference::layernorm_mlp_forward(&norm, &fc1, act, &fc2, &x, T);
+            check(mode, &format!("{what} y"), &y, &want, false);
+            let r = reference::layernorm_mlp_backward(&norm, &fc1, act, &fc2, &dy, &x, T);
+            let check = |mode, what: &str, got: &[f32], want: &[f32], grad| match act {
+                Activation::Relu => check_frobenius(mode, what, got, want, grad),
+                _ => check(mode, what, got, want, grad),
+            };
+            check(mode, &format!("{what} dx"), &dx, &r.dx, true);
+            check(mode, &format!("{what} dgamma"), &host(&dev, m.norm_params().weight_grad()), &r.dgamma, true);
+            check(mode, &format!("{what} dbeta"), &host(&dev, m.norm_params().bias_grad()), &r.dbeta, true);
+            check(mode, &format!("{what} dw1"), &host(&dev, m.fc1().weight_grad()), &r.dw1, true);
+            check(mode, &format!("{what} db1"), &host(&dev, m.fc1().bias_grad()), &r.db1, true);
+            check(mode, &format!("{what} dw2"), &host(&dev, m.fc2().weight_grad()), &r.dw2, true);
+            check(mode, &format!("{what} db2"), &host(&dev, m.fc2().bias_grad()), &r.db2, true);
+        }
+    }
+}
+
+#[test]
+fn fp8_layernorm_mlp_saves_less_for_backward() {
+    let Some(dev) = device() else { return };
+    let mut m = LayerNormMLP::new(&dev, LayerNormMLPConfig::new(256, 1024)).unwrap();
+    let x = upload(&dev, &bf16(&randn(40, 512 * 256, 1.0)), &[512, 256]);
+    let (_, bf16_ctx) = m.forward(&x).unwrap();
+    let (_, fp8_ctx) = fp8_autocast(true, DelayedScaling::default(), || m.forward(&x)).unwrap();
+    let ratio = fp8_ctx.saved_bytes() as f64 / bf16_ctx.saved_bytes() as f64;
+    eprintln!(
+        "LayerNormMLP saved for backward: fp8 {} B, bf16 {} B, ratio {ratio:.3}",
+        fp8_ctx.saved_bytes(),
+        bf16_ctx.saved_bytes()
+    );
+    assert!(ratio < 0.8, "FP8 saves its GEMM inputs in 1 byte per element (ratio {ratio:.3})");
+}
+
+#[test]
+fn module_errors_are_typed() {
+    let Some(dev) = device() else { return };
+    let dev: Arc<Device> = dev;
+    let recipe = DelayedScaling::default();
+    let mut m = LayerNormMLP::new(&dev, LayerNormMLPConfig::new(H, 100)).unwrap();
+    let x = upload(&dev, &vec![0.5; T * H], &[T, H]);
+    let e = fp8_autocast(true, recipe, || m.forward(&x).map(|_| ())).unwrap_err();
+    assert!(e.to_string().contains("100") && e.to_string().contains("pad it to 112"), "{e}");
+    let wrong = upload(&dev, &vec![0.5; T * 96], &[T, 96]);
+    assert!(matches!(m.forward(&wrong), Err(Error::Shape { .. })));
+    let mut a = LayerNormLinear::new(&dev, LayerNormLinearConfig::new(H, F)).unwrap();
+    let mut b = LayerNormLinear::new(&dev, LayerNormLinearConfig::new(H, F)).unwrap();
+    let (y, ctx) = a.forward(&x).unwrap();
+    assert!(matches!(b.backward(ctx, &y), Err(Error::Context { .. })));
+    let (_, ctx) = a.forward(&x).unwrap();
+    a.norm_params_mut().set_weight(upload(&dev, &vec![1.0; H], &[H])).unwrap();
+    assert!(matches!(a.backward(ctx, &y), Err(Error::Context { .. })), "stale after a norm update");
+    let mut rms = Norm::rms_norm(&dev, NormConfig::new(H)).unwrap();
+    assert!(matches!(rms.params_mut().set_bias(upload(&dev, &vec![0.0; H], &[H])), Err(Error::Config { .. })));
+}
