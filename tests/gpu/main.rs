@@ -7,6 +7,7 @@ mod common;
 mod activation;
 mod cast;
 mod cast_transpose;
+mod copy;
 mod elementwise;
 mod gemm;
 mod jit;

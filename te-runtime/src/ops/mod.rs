@@ -5,6 +5,7 @@
 pub mod activation;
 pub mod cast;
 pub mod cast_transpose;
+pub mod copy;
 pub mod elementwise;
 pub mod norm;
 pub mod scaling;
