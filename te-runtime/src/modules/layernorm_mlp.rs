@@ -40,6 +40,9 @@ pub struct LayerNormMLPConfig {
     pub activation: Activation,
     /// fc1 and fc2 have biases. TE default true.
     pub bias: bool,
+    /// Also return the norm's output (TE `return_layernorm_output`: a BERT-style block takes its
+    /// residual after the norm); it is then computed in high precision and cast separately.
+    pub return_layernorm_output: bool,
     /// Dtype of all parameters and gradients. Default BF16.
     pub params_dtype: DType,
     /// wgrads accumulate into the caller's f32 `main_grad`s.
@@ -61,6 +64,7 @@ impl LayerNormMLPConfig {
             zero_centered_gamma: false,
             activation: Activation::Gelu,
             bias: true,
+            return_layernorm_output: false,
             params_dtype: DType::BF16,
             fuse_wgrad_accumulation: false,
             init_std: 0.023,
@@ -188,9 +192,24 @@ impl LayerNormMLP {
     /// Shape and dtype errors of the input (last dim `hidden_size`); under FP8, dims that are not
     /// multiples of 16 (named, with what to pad to); kernel and GEMM failures.
     pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, LayerNormMLPCtx)> {
-        let (y, ctx) = self.run(x, ForwardOptions::default(), true)?;
+        let (y, _, ctx) = self.run(x, ForwardOptions::default(), true)?;
         let ctx = ctx.ok_or_else(|| Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
         Ok((y, ctx))
+    }
+
+    /// Forward for training that also returns the norm's output (`return_layernorm_output`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] without `return_layernorm_output`; as [`LayerNormMLP::forward`].
+    pub fn forward_ln(&mut self, x: &Tensor) -> Result<(Tensor, Tensor, LayerNormMLPCtx)> {
+        let (y, ln, ctx) = self.run(x, ForwardOptions::default(), true)?;
+        match (ln, ctx) {
+            (Some(ln), Some(ctx)) => Ok((y, ln, ctx)),
+            _ => Err(Error::Config {
+                module: MODULE,
+                message: "forward_ln needs return_layernorm_output = true in the configuration".into(),
+            }),
+        }
     }
 
     /// Forward for training with options (`is_first_microbatch` applies to both weights).
@@ -198,7 +217,7 @@ impl LayerNormMLP {
     /// # Errors
     /// As [`LayerNormMLP::forward`].
     pub fn forward_with(&mut self, x: &Tensor, opts: ForwardOptions) -> Result<(Tensor, LayerNormMLPCtx)> {
-        let (y, ctx) = self.run(x, opts, true)?;
+        let (y, _, ctx) = self.run(x, opts, true)?;
         let ctx = ctx.ok_or_else(|| Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
         Ok((y, ctx))
     }
@@ -211,7 +230,13 @@ impl LayerNormMLP {
         Ok(self.run(x, ForwardOptions::default(), false)?.0)
     }
 
-    fn run(&mut self, x: &Tensor, opts: ForwardOptions, grad: bool) -> Result<(Tensor, Option<LayerNormMLPCtx>)> {
+    #[allow(clippy::type_complexity)]
+    fn run(
+        &mut self,
+        x: &Tensor,
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(Tensor, Option<Tensor>, Option<LayerNormMLPCtx>)> {
         check_input(MODULE, x, self.cfg.hidden_size)?;
         let mode = fp8_mode();
         let dt = x.dtype();
@@ -225,8 +250,9 @@ impl LayerNormMLP {
             _ => None,
         };
         // Norm → fc1 input (FP8 from the kernel under delayed scaling).
+        let mut ln_out = None;
         let (fc1_in, stats) = match &delayed {
-            Some(r) => {
+            Some(r) if !self.cfg.return_layernorm_output => {
                 let state = self.fc1.fwd_state(r)?;
                 let (mut ln8, stats) = self.norm.forward_fp8(x, &state, FWD_INPUT)?;
                 if grad {
@@ -234,8 +260,9 @@ impl LayerNormMLP {
                 }
                 (LinearInput::Fp8(ln8), stats)
             }
-            None => {
+            _ => {
                 let (ln, stats) = self.norm.forward(x, dt)?;
+                ln_out = self.cfg.return_layernorm_output.then(|| ln.clone());
                 (LinearInput::High(ln), stats)
             }
         };
@@ -279,7 +306,7 @@ impl LayerNormMLP {
             }),
             _ => None,
         };
-        Ok((y, ctx))
+        Ok((y, ln_out, ctx))
     }
 
     /// Backward: `dx` for `grad_output`; every parameter gradient accumulates.
@@ -288,6 +315,20 @@ impl LayerNormMLP {
     /// [`Error::Context`] for another module's or a stale context; shape and dtype errors of
     /// `grad_output`; [`Error::Config`] for a missing `main_grad`; kernel and GEMM failures.
     pub fn backward(&mut self, ctx: LayerNormMLPCtx, grad_output: &Tensor) -> Result<Tensor> {
+        self.backward_with(ctx, grad_output, None)
+    }
+
+    /// Backward with the gradient of the returned norm output ([`LayerNormMLP::forward_ln`]),
+    /// added to the gradient flowing back from fc1.
+    ///
+    /// # Errors
+    /// As [`LayerNormMLP::backward`]; a `grad_ln_out` of another shape than the input.
+    pub fn backward_with(
+        &mut self,
+        ctx: LayerNormMLPCtx,
+        grad_output: &Tensor,
+        grad_ln_out: Option<&Tensor>,
+    ) -> Result<Tensor> {
         check_ctx(MODULE, (ctx.module_id, ctx.version), self.id, self.version())?;
         let act_shape = out_shape(ctx.x.shape(), self.cfg.ffn_hidden_size);
         let internal = |m: &str| Error::Shape { op: MODULE, message: format!("internal: {m}") };
@@ -321,6 +362,11 @@ impl LayerNormMLP {
             }
         }
         .ok_or_else(|| internal("no fc1 dgrad"))?;
+        let mut d_ln = d_ln;
+        if let Some(g) = grad_ln_out {
+            ops::check_shape(MODULE, "grad_ln_out", g, ctx.x.shape())?;
+            ops::elementwise::add_assign(&self.dev, &mut d_ln, g)?;
+        }
         self.norm.backward(&d_ln, &ctx.x, &ctx.stats)
     }
 

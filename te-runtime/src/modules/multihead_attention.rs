@@ -1,0 +1,333 @@
+//! `MultiheadAttention` (TE `pytorch/attention/multi_head_attention.py`): fused QKV projection
+//! (behind the input norm when `input_layernorm`), rotary embedding of q and k, dot-product
+//! attention, output projection.
+//!
+//! The QKV weight is `[(h + 2g) · d, hidden]` with rows `[q heads | k heads | v heads]`; its
+//! output is split into q, k and v by column-block copies, and their gradients concatenated the
+//! same way.
+
+use super::attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
+use super::linear::{Linear, LinearConfig, LinearCtx};
+use super::norm::NormKind;
+use super::{next_module_id, LinearParams, NormParams};
+use crate::ops::copy::copy_columns;
+use crate::ops::rope::{self, RopeFormat};
+use crate::{Device, Error, Result, Tensor};
+use std::sync::Arc;
+use te_codegen::DType;
+
+const MODULE: &str = "MultiheadAttention";
+
+/// Arguments of [`MultiheadAttention::new`] (TE `MultiheadAttention(hidden_size,
+/// num_attention_heads, ...)`).
+#[derive(Debug, Clone)]
+pub struct MultiheadAttentionConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Channels per head; `None` = `hidden_size / num_attention_heads` (which must divide).
+    pub kv_channels: Option<usize>,
+    /// Key/value heads (GQA; 1 = MQA); `None` = `num_attention_heads`.
+    pub num_gqa_groups: Option<usize>,
+    /// The QKV projection has the input norm fused (TE `input_layernorm`; default false, the
+    /// `TransformerLayer` sets it).
+    pub input_layernorm: bool,
+    /// LayerNorm or RMSNorm for the input norm.
+    pub normalization: NormKind,
+    /// Norm epsilon.
+    pub layernorm_epsilon: f32,
+    /// TE `zero_centered_gamma`.
+    pub zero_centered_gamma: bool,
+    /// The mask. TE's default: causal.
+    pub attn_mask_type: AttnMaskType,
+    /// Dropout on the attention probabilities (must be 0 for now, see `DotProductAttention`).
+    pub attention_dropout: f32,
+    /// Layout of the hidden states: `[s, b, hidden]` (sbhd, TE's default) or `[b, s, hidden]`.
+    pub qkv_format: QkvFormat,
+    /// QKV and output projections have biases.
+    pub bias: bool,
+    /// Parameter dtype.
+    pub params_dtype: DType,
+    /// Weight-init seed (the projections use `seed` and `seed + 1`).
+    pub seed: u64,
+}
+
+impl MultiheadAttentionConfig {
+    /// TE's defaults (except `attention_dropout`, 0 here).
+    pub fn new(hidden_size: usize, num_attention_heads: usize) -> Self {
+        Self {
+            hidden_size,
+            num_attention_heads,
+            kv_channels: None,
+            num_gqa_groups: None,
+            input_layernorm: false,
+            normalization: NormKind::LayerNorm,
+            layernorm_epsilon: 1e-5,
+            zero_centered_gamma: false,
+            attn_mask_type: AttnMaskType::Causal,
+            attention_dropout: 0.0,
+            qkv_format: QkvFormat::Sbhd,
+            bias: true,
+            params_dtype: DType::BF16,
+            seed: 0,
+        }
+    }
+}
+
+/// Per-call inputs beyond the hidden states.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttentionInputs<'a> {
+    /// Valid length of each sequence, for padding masks.
+    pub seq_lens: Option<&'a [usize]>,
+    /// Rotary angles, f32 `[s, d2]` (or `[s, 1, 1, d2]`), applied to q and k (TE
+    /// `rotary_pos_emb`); `None` for none.
+    pub rotary_pos_emb: Option<&'a Tensor>,
+}
+
+#[derive(Debug)]
+enum QkvProj {
+    Norm(LayerNormLinear),
+    Plain(Linear),
+}
+
+#[derive(Debug)]
+enum QkvCtx {
+    Norm(LayerNormLinearCtx),
+    Plain(LinearCtx),
+}
+
+/// What [`MultiheadAttention::forward`] saves for backward.
+#[derive(Debug)]
+pub struct MultiheadAttentionCtx {
+    module_id: u64,
+    qkv: QkvCtx,
+    attn: AttentionCtx,
+    proj: LinearCtx,
+    rotary: Option<Tensor>,
+    shape: Vec<usize>,
+}
+
+/// Self-attention over hidden states `[s, b, hidden]` (or `[b, s, hidden]`), output of the same
+/// shape and dtype.
+#[derive(Debug)]
+pub struct MultiheadAttention {
+    dev: Arc<Device>,
+    id: u64,
+    cfg: MultiheadAttentionConfig,
+    heads: (usize, usize, usize),
+    qkv: QkvProj,
+    attention: DotProductAttention,
+    proj: Linear,
+}
+
+impl MultiheadAttention {
+    /// A block initialized as TE does.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the heads do not divide the hidden size (without `kv_channels`) or
+    /// the groups do not divide the heads, and the errors of the projections and attention.
+    pub fn new(dev: &Arc<Device>, cfg: MultiheadAttentionConfig) -> Result<Self> {
+        let config = |message: String| Error::Config { module: MODULE, message };
+        let h = cfg.num_attention_heads;
+        if h == 0 {
+            return Err(config("num_attention_heads must be ≥ 1".into()));
+        }
+        let d = match cfg.kv_channels {
+            Some(d) => d,
+            None if cfg.hidden_size % h == 0 => cfg.hidden_size / h,
+            None => {
+                return Err(config(format!(
+                    "hidden_size = {} is not divisible by num_attention_heads = {h}; choose a head count that divides \
+                     it or set kv_channels",
+                    cfg.hidden_size
+                )))
+            }
+        };
+        let g = cfg.num_gqa_groups.unwrap_or(h);
+        if g == 0 || h % g != 0 {
+            return Err(config(format!("num_gqa_groups = {g} must divide num_attention_heads = {h}")));
+        }
+        let qkv_out = (h + 2 * g) * d;
+        let qkv = if cfg.input_layernorm {
+            QkvProj::Norm(LayerNormLinear::new(
+                dev,
+                LayerNormLinearConfig {
+                    eps: cfg.layernorm_epsilon,
+                    normalization: cfg.normalization,
+                    zero_centered_gamma: cfg.zero_centered_gamma,
+                    bias: cfg.bias,
+                    params_dtype: cfg.params_dtype,
+                    seed: cfg.seed,
+                    ..LayerNormLinearConfig::new(cfg.hidden_size, qkv_out)
+                },
+            )?)
+        } else {
+            QkvProj::Plain(Linear::new(
+                dev,
+                LinearConfig {
+                    bias: cfg.bias,
+                    params_dtype: cfg.params_dtype,
+                    seed: cfg.seed,
+                    ..LinearConfig::new(cfg.hidden_size, qkv_out)
+                },
+            )?)
+        };
+        let attention = DotProductAttention::new(
+            dev,
+            DotProductAttentionConfig {
+                num_gqa_groups: Some(g),
+                attention_dropout: cfg.attention_dropout,
+                qkv_format: cfg.qkv_format,
+                attn_mask_type: cfg.attn_mask_type,
+                ..DotProductAttentionConfig::new(h, d)
+            },
+        )?;
+        let proj = Linear::new(
+            dev,
+            LinearConfig {
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed + 1,
+                ..LinearConfig::new(h * d, cfg.hidden_size)
+            },
+        )?;
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, heads: (h, g, d), qkv, attention, proj })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MultiheadAttentionConfig {
+        &self.cfg
+    }
+
+    /// The QKV projection's weight `[(h + 2g)·d, hidden]` and bias.
+    pub fn qkv_params(&self) -> &LinearParams {
+        match &self.qkv {
+            QkvProj::Norm(m) => m.params(),
+            QkvProj::Plain(m) => m.params(),
+        }
+    }
+
+    /// The QKV projection's parameters, mutably.
+    pub fn qkv_params_mut(&mut self) -> &mut LinearParams {
+        match &mut self.qkv {
+            QkvProj::Norm(m) => m.params_mut(),
+            QkvProj::Plain(m) => m.params_mut(),
+        }
+    }
+
+    /// The input norm's parameters (with `input_layernorm`).
+    pub fn norm_params(&self) -> Option<&NormParams> {
+        match &self.qkv {
+            QkvProj::Norm(m) => Some(m.norm_params()),
+            QkvProj::Plain(_) => None,
+        }
+    }
+
+    /// The input norm's parameters, mutably.
+    pub fn norm_params_mut(&mut self) -> Option<&mut NormParams> {
+        match &mut self.qkv {
+            QkvProj::Norm(m) => Some(m.norm_params_mut()),
+            QkvProj::Plain(_) => None,
+        }
+    }
+
+    /// The output projection `[hidden, h·d]`.
+    pub fn proj_params(&self) -> &LinearParams {
+        self.proj.params()
+    }
+
+    /// The output projection, mutably.
+    pub fn proj_params_mut(&mut self) -> &mut LinearParams {
+        self.proj.params_mut()
+    }
+
+    fn rope_format(&self) -> RopeFormat {
+        match self.cfg.qkv_format {
+            QkvFormat::Sbhd => RopeFormat::Sbhd,
+            QkvFormat::Bshd => RopeFormat::Bshd,
+        }
+    }
+
+    /// Self-attention of `x` with no padding and no rotary embedding.
+    ///
+    /// # Errors
+    /// As [`MultiheadAttention::forward_with`].
+    pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, MultiheadAttentionCtx)> {
+        self.forward_with(x, AttentionInputs::default())
+    }
+
+    /// Self-attention of `x: [s, b, hidden]` (sbhd) or `[b, s, hidden]` (bshd).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x` is not 3-D with last dim `hidden_size`; the errors of the
+    /// projections (FP8 dims), of the attention (mask and `seq_lens`) and of RoPE (`freqs`).
+    pub fn forward_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<(Tensor, MultiheadAttentionCtx)> {
+        let &[a, b, _] = x.shape() else {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("hidden states must be 3-D [s, b, hidden] or [b, s, hidden], got {:?}", x.shape()),
+            });
+        };
+        let (h, g, d) = self.heads;
+        let (qkv, qkv_ctx) = match &mut self.qkv {
+            QkvProj::Norm(m) => m.forward(x).map(|(y, c)| (y, QkvCtx::Norm(c)))?,
+            QkvProj::Plain(m) => m.forward(x).map(|(y, c)| (y, QkvCtx::Plain(c)))?,
+        };
+        let split = |col: usize, heads: usize| -> Result<Tensor> {
+            let mut t = Tensor::empty(&self.dev, qkv.dtype(), &[a * b, heads * d])?;
+            copy_columns(&self.dev, &qkv, col * d, &mut t, 0, heads * d)?;
+            t.reshape(&[a, b, heads, d])
+        };
+        let (mut q, mut k, v) = (split(0, h)?, split(h, g)?, split(h + g, g)?);
+        if let Some(freqs) = inputs.rotary_pos_emb {
+            for t in [&mut q, &mut k] {
+                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
+                rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
+                *t = out;
+            }
+        }
+        let (ctx_out, attn) = self.attention.forward(&q, &k, &v, inputs.seq_lens)?;
+        let (y, proj) = self.proj.forward(&ctx_out)?;
+        let ctx = MultiheadAttentionCtx {
+            module_id: self.id,
+            qkv: qkv_ctx,
+            attn,
+            proj,
+            rotary: inputs.rotary_pos_emb.cloned(),
+            shape: x.shape().to_vec(),
+        };
+        Ok((y, ctx))
+    }
+
+    /// Backward: `dx` for `d_out`; every parameter gradient accumulates.
+    ///
+    /// # Errors
+    /// [`Error::Context`] for another module's or a stale context; the errors of the parts.
+    pub fn backward(&mut self, ctx: MultiheadAttentionCtx, d_out: &Tensor) -> Result<Tensor> {
+        if ctx.module_id != self.id {
+            return Err(Error::Context { module: MODULE, message: "the context was made by another module".into() });
+        }
+        let (h, g, d) = self.heads;
+        let d_ctx = self.proj.backward(ctx.proj, d_out)?;
+        let (mut dq, mut dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
+        if let Some(freqs) = &ctx.rotary {
+            for t in [&mut dq, &mut dk] {
+                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
+                rope::backward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
+                *t = out;
+            }
+        }
+        let rows = ctx.shape[0] * ctx.shape[1];
+        let mut d_qkv = Tensor::empty(&self.dev, dq.dtype(), &[ctx.shape[0], ctx.shape[1], (h + 2 * g) * d])?;
+        for (t, col, heads) in [(&dq, 0, h), (&dk, h, g), (&dv, h + g, g)] {
+            copy_columns(&self.dev, &t.reshape(&[rows, heads * d])?, 0, &mut d_qkv, col * d, heads * d)?;
+        }
+        match (&mut self.qkv, ctx.qkv) {
+            (QkvProj::Norm(m), QkvCtx::Norm(c)) => m.backward(c, &d_qkv),
+            (QkvProj::Plain(m), QkvCtx::Plain(c)) => m.backward(c, &d_qkv),
+            _ => Err(Error::Context { module: MODULE, message: "internal: QKV context of another kind".into() }),
+        }
+    }
+}

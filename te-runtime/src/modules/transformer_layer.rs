@@ -1,0 +1,287 @@
+//! `TransformerLayer` (TE `pytorch/transformer.py`): self-attention and MLP, each followed by
+//! dropout and a residual add (Megatron's fused `bias_dropout_add`).
+//!
+//! GPT-style pre-LN by default: `h = x + drop(attn(ln1(x)))`, `y = h + drop(mlp(ln2(h)))`, the
+//! norms fused into the QKV projection and `LayerNormMLP`. BERT-style post-LN with
+//! `output_layernorm` and `apply_residual_connection_post_layernorm` (as TE's BERT recipe):
+//! `a = x + drop(attn(x))`, `h = ln2(a)`, `y = ln3(h + drop(mlp(h)))`.
+
+use super::attention::{AttnMaskType, QkvFormat};
+use super::layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
+use super::multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
+use super::norm::{Norm, NormConfig, NormCtx, NormKind};
+use super::{next_module_id, Activation};
+use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
+use crate::ops::elementwise::add_assign;
+use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+use te_codegen::DType;
+
+const MODULE: &str = "TransformerLayer";
+
+/// Arguments of [`TransformerLayer::new`] (TE `TransformerLayer(hidden_size, ffn_hidden_size,
+/// num_attention_heads, ...)`).
+#[derive(Debug, Clone)]
+pub struct TransformerLayerConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub ffn_hidden_size: usize,
+    /// Query heads (must divide `hidden_size`).
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA); `None` = `num_attention_heads`.
+    pub num_gqa_groups: Option<usize>,
+    /// Norm epsilon. TE default 1e-5.
+    pub layernorm_epsilon: f32,
+    /// Dropout after the attention and MLP blocks. TE default 0.1.
+    pub hidden_dropout: f32,
+    /// Dropout on attention probabilities (must be 0 for now).
+    pub attention_dropout: f32,
+    /// TE `self_attn_mask_type`. Default causal.
+    pub self_attn_mask_type: AttnMaskType,
+    /// LayerNorm or RMSNorm.
+    pub normalization: NormKind,
+    /// MLP activation. Default GELU.
+    pub activation: Activation,
+    /// Take residuals after the norms (TE `apply_residual_connection_post_layernorm`); supported
+    /// with `output_layernorm` (BERT).
+    pub apply_residual_connection_post_layernorm: bool,
+    /// Post-LN: no norm in front of the attention, a norm on the output (TE `output_layernorm`).
+    pub output_layernorm: bool,
+    /// TE `zero_centered_gamma`.
+    pub zero_centered_gamma: bool,
+    /// Layout of the hidden states. Default `[s, b, hidden]`.
+    pub qkv_format: QkvFormat,
+    /// Projections have biases.
+    pub bias: bool,
+    /// Parameter dtype.
+    pub params_dtype: DType,
+    /// Weight-init seed; also the dropout seed.
+    pub seed: u64,
+}
+
+impl TransformerLayerConfig {
+    /// TE's defaults (except `attention_dropout`, 0 here).
+    pub fn new(hidden_size: usize, ffn_hidden_size: usize, num_attention_heads: usize) -> Self {
+        Self {
+            hidden_size,
+            ffn_hidden_size,
+            num_attention_heads,
+            num_gqa_groups: None,
+            layernorm_epsilon: 1e-5,
+            hidden_dropout: 0.1,
+            attention_dropout: 0.0,
+            self_attn_mask_type: AttnMaskType::Causal,
+            normalization: NormKind::LayerNorm,
+            activation: Activation::Gelu,
+            apply_residual_connection_post_layernorm: false,
+            output_layernorm: false,
+            zero_centered_gamma: false,
+            qkv_format: QkvFormat::Sbhd,
+            bias: true,
+            params_dtype: DType::BF16,
+            seed: 0,
+        }
+    }
+}
+
+/// What [`TransformerLayer::forward`] saves for backward.
+#[derive(Debug)]
+pub struct TransformerLayerCtx {
+    module_id: u64,
+    attn: MultiheadAttentionCtx,
+    mask1: CudaSlice<u8>,
+    mlp: LayerNormMLPCtx,
+    mask2: CudaSlice<u8>,
+    out_norm: Option<NormCtx>,
+}
+
+/// One transformer block over hidden states `[s, b, hidden]` (or `[b, s, hidden]`).
+#[derive(Debug)]
+pub struct TransformerLayer {
+    dev: Arc<Device>,
+    id: u64,
+    cfg: TransformerLayerConfig,
+    attention: MultiheadAttention,
+    mlp: LayerNormMLP,
+    out_norm: Option<Norm>,
+    /// Dropout stream counter: each call draws fresh masks.
+    calls: u64,
+}
+
+impl TransformerLayer {
+    /// A layer initialized as TE does.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for heads that do not divide the hidden size, a dropout outside `[0, 1]`,
+    /// `apply_residual_connection_post_layernorm` without `output_layernorm`; the errors of the
+    /// parts.
+    pub fn new(dev: &Arc<Device>, cfg: TransformerLayerConfig) -> Result<Self> {
+        let config = |message: String| Error::Config { module: MODULE, message };
+        if !(0.0..=1.0).contains(&cfg.hidden_dropout) {
+            return Err(config(format!("hidden_dropout must be in [0, 1], got {}", cfg.hidden_dropout)));
+        }
+        if cfg.apply_residual_connection_post_layernorm && !cfg.output_layernorm {
+            return Err(config(
+                "apply_residual_connection_post_layernorm is supported with output_layernorm (BERT-style); for a \
+                 pre-LN block leave it false"
+                    .into(),
+            ));
+        }
+        let attention = MultiheadAttention::new(
+            dev,
+            MultiheadAttentionConfig {
+                num_gqa_groups: cfg.num_gqa_groups,
+                input_layernorm: !cfg.output_layernorm,
+                normalization: cfg.normalization,
+                layernorm_epsilon: cfg.layernorm_epsilon,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                attn_mask_type: cfg.self_attn_mask_type,
+                attention_dropout: cfg.attention_dropout,
+                qkv_format: cfg.qkv_format,
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed,
+                ..MultiheadAttentionConfig::new(cfg.hidden_size, cfg.num_attention_heads)
+            },
+        )?;
+        let mlp = LayerNormMLP::new(
+            dev,
+            LayerNormMLPConfig {
+                eps: cfg.layernorm_epsilon,
+                normalization: cfg.normalization,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                activation: cfg.activation,
+                bias: cfg.bias,
+                return_layernorm_output: cfg.apply_residual_connection_post_layernorm,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed + 2,
+                ..LayerNormMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size)
+            },
+        )?;
+        let out_norm = if cfg.output_layernorm {
+            let norm_cfg = NormConfig {
+                eps: cfg.layernorm_epsilon,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                params_dtype: cfg.params_dtype,
+                ..NormConfig::new(cfg.hidden_size)
+            };
+            Some(Norm::new(dev, cfg.normalization, norm_cfg)?)
+        } else {
+            None
+        };
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0 })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TransformerLayerConfig {
+        &self.cfg
+    }
+
+    /// The self-attention block.
+    pub fn self_attention(&self) -> &MultiheadAttention {
+        &self.attention
+    }
+
+    /// The self-attention block, mutably.
+    pub fn self_attention_mut(&mut self) -> &mut MultiheadAttention {
+        &mut self.attention
+    }
+
+    /// The MLP block (with its norm).
+    pub fn layernorm_mlp(&self) -> &LayerNormMLP {
+        &self.mlp
+    }
+
+    /// The MLP block, mutably.
+    pub fn layernorm_mlp_mut(&mut self) -> &mut LayerNormMLP {
+        &mut self.mlp
+    }
+
+    /// The output norm (post-LN).
+    pub fn output_norm(&self) -> Option<&Norm> {
+        self.out_norm.as_ref()
+    }
+
+    /// The output norm, mutably.
+    pub fn output_norm_mut(&mut self) -> Option<&mut Norm> {
+        self.out_norm.as_mut()
+    }
+
+    /// `out = residual + dropout(x)` with a fresh mask.
+    fn residual_dropout(&mut self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, CudaSlice<u8>)> {
+        self.calls += 1;
+        let params = DropoutParams { p: self.cfg.hidden_dropout, seed: self.cfg.seed, offset: self.calls };
+        let mut out = Tensor::empty(&self.dev, residual.dtype(), residual.shape())?;
+        // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
+        let mut mask = unsafe { self.dev.stream().alloc::<u8>(mask_bytes(x.numel()).max(1)) }?;
+        bias_dropout_add(&self.dev, x, None, residual, params, &mut out, &mut mask)?;
+        Ok((out, mask))
+    }
+
+    /// The layer on `x` with no padding and no rotary embedding.
+    ///
+    /// # Errors
+    /// As [`TransformerLayer::forward_with`].
+    pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, TransformerLayerCtx)> {
+        self.forward_with(x, AttentionInputs::default())
+    }
+
+    /// The layer on `x: [s, b, hidden]` (or `[b, s, hidden]`) with padding lengths and rotary
+    /// angles for the attention.
+    ///
+    /// # Errors
+    /// The errors of the parts (shapes, FP8 dims, masks).
+    pub fn forward_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<(Tensor, TransformerLayerCtx)> {
+        let (a, attn) = self.attention.forward_with(x, inputs)?;
+        let (h1, mask1) = self.residual_dropout(&a, x)?;
+        let (y, mlp, mask2) = if self.cfg.apply_residual_connection_post_layernorm {
+            let (m, ln, ctx) = self.mlp.forward_ln(&h1)?;
+            let (y, mask) = self.residual_dropout(&m, &ln)?;
+            (y, ctx, mask)
+        } else {
+            let (m, ctx) = self.mlp.forward(&h1)?;
+            let (y, mask) = self.residual_dropout(&m, &h1)?;
+            (y, ctx, mask)
+        };
+        let (y, out_norm) = match &mut self.out_norm {
+            Some(n) => {
+                let (y, c) = n.forward(&y)?;
+                (y, Some(c))
+            }
+            None => (y, None),
+        };
+        Ok((y, TransformerLayerCtx { module_id: self.id, attn, mask1, mlp, mask2, out_norm }))
+    }
+
+    /// Backward: `dx` for `d_out`; every parameter gradient accumulates.
+    ///
+    /// # Errors
+    /// [`Error::Context`] for another module's context; the errors of the parts.
+    pub fn backward(&mut self, ctx: TransformerLayerCtx, d_out: &Tensor) -> Result<Tensor> {
+        if ctx.module_id != self.id {
+            return Err(Error::Context { module: MODULE, message: "the context was made by another layer".into() });
+        }
+        let p = self.cfg.hidden_dropout;
+        let d_y = match (&mut self.out_norm, ctx.out_norm) {
+            (Some(n), Some(c)) => n.backward(c, d_out)?,
+            _ => d_out.clone(),
+        };
+        // y = residual + drop(mlp): the residual takes d_y as is.
+        let mut d_m = Tensor::empty(&self.dev, d_y.dtype(), d_y.shape())?;
+        dropout_backward(&self.dev, &d_y, &ctx.mask2, p, &mut d_m)?;
+        let mut d_h1 = if self.cfg.apply_residual_connection_post_layernorm {
+            self.mlp.backward_with(ctx.mlp, &d_m, Some(&d_y))?
+        } else {
+            let mut d = self.mlp.backward(ctx.mlp, &d_m)?;
+            add_assign(&self.dev, &mut d, &d_y)?;
+            d
+        };
+        let mut d_a = Tensor::empty(&self.dev, d_h1.dtype(), d_h1.shape())?;
+        dropout_backward(&self.dev, &d_h1, &ctx.mask1, p, &mut d_a)?;
+        let d_x = self.attention.backward(ctx.attn, &d_a)?;
+        add_assign(&self.dev, &mut d_h1, &d_x)?;
+        Ok(d_h1)
+    }
+}
