@@ -271,3 +271,121 @@ fn module_errors_are_typed() {
     let mut rms = Norm::rms_norm(&dev, NormConfig::new(H)).unwrap();
     assert!(matches!(rms.params_mut().set_bias(upload(&dev, &vec![0.0; H], &[H])), Err(Error::Config { .. })));
 }
+
+mod transformer {
+    use super::*;
+    use te_runtime::modules::{AttnMaskType, QkvFormat, TransformerLayer, TransformerLayerConfig};
+    use te_runtime::reference::attention::AttentionCase;
+    use te_runtime::reference::transformer::{LayerRef, MhaRef};
+
+    const S: usize = 48;
+    const B: usize = 2;
+    const HID: usize = 64;
+    const HEADS: usize = 4;
+    const FFN: usize = 128;
+
+    fn config(groups: usize) -> TransformerLayerConfig {
+        TransformerLayerConfig {
+            num_gqa_groups: Some(groups),
+            hidden_dropout: 0.0,
+            ..TransformerLayerConfig::new(HID, FFN, HEADS)
+        }
+    }
+
+    #[test]
+    fn transformer_layer_matches_reference() {
+        let Some(dev) = device() else { return };
+        for groups in [HEADS, 2] {
+            for mode in Mode::all() {
+                let mut layer = TransformerLayer::new(&dev, config(groups)).unwrap();
+                let attn = layer.self_attention_mut();
+                let (g1, b1) = randomize_norm(&dev, attn.norm_params_mut().unwrap(), 50);
+                let (wqkv, bqkv) = randomize_dense(&dev, attn.qkv_params_mut(), 52);
+                let (wp, bp) = randomize_dense(&dev, attn.proj_params_mut(), 53);
+                let mlp = layer.layernorm_mlp_mut();
+                let (g2, b2) = randomize_norm(&dev, mlp.norm_params_mut(), 54);
+                let (w1, bb1) = randomize_dense(&dev, mlp.fc1_mut(), 56);
+                let (w2, bb2) = randomize_dense(&dev, mlp.fc2_mut(), 57);
+                let x = bf16(&randn(58, S * B * HID, 1.0));
+                let dy = bf16(&randn(59, S * B * HID, 1e-2));
+                let (xt, dyt) = (upload(&dev, &x, &[S, B, HID]), upload(&dev, &dy, &[S, B, HID]));
+                let step = |l: &mut TransformerLayer| {
+                    l.self_attention_mut().qkv_params_mut().zero_grad();
+                    l.layernorm_mlp_mut().fc1_mut().zero_grad();
+                    mode.run(|| {
+                        let (y, ctx) = l.forward(&xt)?;
+                        Ok((y.to_f32(&dev)?, l.backward(ctx, &dyt)?.to_f32(&dev)?))
+                    })
+                };
+                step(&mut layer);
+                let (y, dx) = step(&mut layer);
+                let case = AttentionCase {
+                    format: QkvFormat::Sbhd,
+                    batch: B,
+                    sq: S,
+                    sk: S,
+                    heads: HEADS,
+                    groups,
+                    head_dim: HID / HEADS,
+                    mask: AttnMaskType::Causal,
+                    seq_lens: None,
+                    scale: 1.0 / ((HID / HEADS) as f32).sqrt(),
+                };
+                let norm = |g: &[f32], b: &Option<Vec<f32>>| NormRef {
+                    kind: NormKind::LayerNorm,
+                    gamma: g,
+                    beta: b.as_deref(),
+                    eps: 1e-5,
+                    zero_centered_gamma: false,
+                };
+                let r = LayerRef {
+                    mha: MhaRef {
+                        norm: norm(&g1, &b1),
+                        qkv: DenseRef { w: &wqkv, b: Some(&bqkv) },
+                        proj: DenseRef { w: &wp, b: Some(&bp) },
+                        case,
+                    },
+                    norm2: norm(&g2, &b2),
+                    fc1: DenseRef { w: &w1, b: Some(&bb1) },
+                    fc2: DenseRef { w: &w2, b: Some(&bb2) },
+                    activation: Activation::Gelu,
+                };
+                let what = format!("TransformerLayer groups={groups}");
+                check(mode, &format!("{what} y"), &y, &r.forward(&x), false);
+                let g = r.backward(&dy, &x);
+                check(mode, &format!("{what} dx"), &dx, &g.dx, true);
+                let attn = layer.self_attention();
+                check(mode, &format!("{what} d qkv"), &host(&dev, attn.qkv_params().weight_grad()), &g.mha.qkv.dw1, true);
+                check(mode, &format!("{what} d proj"), &host(&dev, attn.proj_params().weight_grad()), &g.mha.dw_proj, true);
+                check(mode, &format!("{what} d fc1"), &host(&dev, layer.layernorm_mlp().fc1().weight_grad()), &g.mlp.dw1, true);
+            }
+        }
+    }
+
+    /// With every hidden activation dropped (p = 1) the layer is the identity: the dropout masks
+    /// and residual paths are wired right, forward and backward.
+    #[test]
+    fn full_hidden_dropout_leaves_the_residual_stream() {
+        let Some(dev) = device() else { return };
+        let cfg = TransformerLayerConfig { hidden_dropout: 1.0, ..config(HEADS) };
+        let mut layer = TransformerLayer::new(&dev, cfg).unwrap();
+        let x = bf16(&randn(60, S * B * HID, 1.0));
+        let dy = bf16(&randn(61, S * B * HID, 1.0));
+        let (y, ctx) = layer.forward(&upload(&dev, &x, &[S, B, HID])).unwrap();
+        assert_eq!(y.to_f32(&dev).unwrap(), x);
+        let dx = layer.backward(ctx, &upload(&dev, &dy, &[S, B, HID])).unwrap();
+        assert_eq!(dx.to_f32(&dev).unwrap(), dy);
+    }
+
+    #[test]
+    fn layer_errors_are_typed() {
+        let Some(dev) = device() else { return };
+        let e = TransformerLayer::new(&dev, TransformerLayerConfig::new(100, 256, 3)).unwrap_err();
+        assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("num_attention_heads"), "{e}");
+        let e = TransformerLayer::new(&dev, TransformerLayerConfig { num_gqa_groups: Some(3), ..config(HEADS) });
+        assert!(matches!(e, Err(Error::Config { .. })));
+        let mut layer = TransformerLayer::new(&dev, config(HEADS)).unwrap();
+        let flat = upload(&dev, &vec![0.0; S * HID], &[S, HID]);
+        assert!(matches!(layer.forward(&flat), Err(Error::Shape { .. })));
+    }
+}
