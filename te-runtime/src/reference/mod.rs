@@ -5,10 +5,13 @@
 pub mod activation;
 pub mod cast;
 pub mod cast_transpose;
+pub mod dropout;
 pub mod elementwise;
 pub mod gemm;
 pub mod linear;
 pub mod norm;
 pub mod numerics;
+pub mod philox;
+pub mod rope;
 pub mod scaling;
 pub mod softmax;
