@@ -12,12 +12,14 @@ mod harness;
 mod activation;
 mod cast;
 mod cast_transpose;
+mod dropout;
 mod elementwise;
 mod gemm;
 mod jit;
 mod linear;
 mod modules;
 mod norm;
+mod rope;
 mod scaling;
 mod softmax;
 
@@ -42,6 +44,8 @@ fn main() {
         softmax::run(&mut b);
         scaling::run(&mut b);
         elementwise::run(&mut b);
+        rope::run(&mut b);
+        dropout::run(&mut b);
         gemm::run(&mut b);
         linear::run(&mut b);
         modules::run(&mut b);

@@ -34,6 +34,18 @@ pub enum Fp8Format {
     Hybrid,
 }
 
+/// How a model encodes positions (Megatron's `position_embedding_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PositionEmbedding {
+    /// Rotary embedding of queries and keys over the whole head dimension (RoPE kernels).
+    Rope,
+    /// A learned table added to the token embeddings (no per-layer kernel).
+    LearnedAbsolute,
+    /// No position information.
+    None,
+}
+
 fn default_dtype() -> DType {
     DType::BF16
 }
@@ -58,6 +70,9 @@ fn default_mask() -> MaskKind {
 fn default_algo() -> AmaxComputeAlgo {
     AmaxComputeAlgo::Max
 }
+fn default_position_embedding() -> PositionEmbedding {
+    PositionEmbedding::Rope
+}
 
 /// Geometry and precision of a transformer model, as `te prewarm --config FILE` reads it (TOML).
 ///
@@ -76,6 +91,7 @@ fn default_algo() -> AmaxComputeAlgo {
 /// normalization = "layernorm"  # or "rmsnorm"
 /// zero_centered_gamma = false
 /// attn_mask_type = "causal"    # or "none", "padding"
+/// position_embedding_type = "rope"  # or "learned_absolute", "none"
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -116,6 +132,9 @@ pub struct ModelConfig {
     /// Self-attention mask.
     #[serde(default = "default_mask")]
     pub attn_mask_type: MaskKind,
+    /// Position embedding: RoPE adds its kernels for `head_dim = hidden / heads`.
+    #[serde(default = "default_position_embedding")]
+    pub position_embedding_type: PositionEmbedding,
 }
 
 impl ModelConfig {
@@ -135,6 +154,7 @@ impl ModelConfig {
             normalization: default_norm(),
             zero_centered_gamma: false,
             attn_mask_type: default_mask(),
+            position_embedding_type: default_position_embedding(),
         }
     }
 
@@ -175,6 +195,13 @@ impl ModelConfig {
         if self.params_dtype.is_fp8() {
             return Err(format!("params_dtype must be f32, bf16 or f16, not {}", self.params_dtype));
         }
+        let d = self.hidden_size / heads;
+        if self.position_embedding_type == PositionEmbedding::Rope && (d % 2 != 0 || d > RopeSpec::MAX_D) {
+            return Err(format!(
+                "RoPE needs an even head dimension of at most {}: hidden_size / num_attention_heads = {d}",
+                RopeSpec::MAX_D
+            ));
+        }
         if self.seq_length == 0 || self.seq_length > 16384 {
             return Err(format!("seq_length = {} must be in [1, 16384]", self.seq_length));
         }
@@ -183,8 +210,12 @@ impl ModelConfig {
 
     /// Width of the fused QKV projection's output: `hidden + 2 * kv_channels * gqa_groups`.
     pub fn qkv_size(&self) -> usize {
-        let head_dim = self.hidden_size / self.num_attention_heads;
-        self.hidden_size + 2 * head_dim * self.num_gqa_groups.unwrap_or(self.num_attention_heads)
+        self.hidden_size + 2 * self.head_dim() * self.num_gqa_groups.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Channels per attention head: `hidden / heads`.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
     }
 
     /// Every kernel a transformer layer of this config uses on `arch`, deduplicated and sorted.
@@ -240,9 +271,22 @@ impl ModelConfig {
         v.push(ElementwiseSpec::add_assign(DType::F32, dt, arch).into());
         v.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
 
-        // Attention softmax.
+        // Attention softmax, dropout of the probabilities and its backward.
         v.push(SoftmaxSpec::new(self.attn_mask_type, Direction::Fwd, dt, self.seq_length, arch).into());
         v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, self.seq_length, arch).into());
+        v.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
+        v.push(DropoutSpec::backward(dt, dt, arch).into());
+
+        // Hidden dropout after proj and fc2: residual + dropout(x + bias).
+        v.push(DropoutSpec::forward(dt, dt, true, true, arch).into());
+
+        // Rotary embedding of queries and keys ([s, b, h, d], Megatron's layout).
+        if self.position_embedding_type == PositionEmbedding::Rope {
+            let d = self.head_dim();
+            for dir in [Direction::Fwd, Direction::Bwd] {
+                v.push(RopeSpec::new(dir, RopeFormat::Sbhd, dt, d, d, arch).into());
+            }
+        }
 
         // Scaling updates.
         v.push(match self.recipe {
@@ -308,6 +352,24 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             for &o in &hp {
                 v.push(ElementwiseSpec::add(i, j, o, arch).into());
             }
+        }
+    }
+    for &i in &hp {
+        for dir in [Direction::Fwd, Direction::Bwd] {
+            for format in [RopeFormat::Sbhd, RopeFormat::Bshd] {
+                // Full rotation, partial rotation (copy jobs), an odd half (scalar accesses).
+                for (d, d2) in [(128, 128), (128, 64), (80, 30)] {
+                    v.push(RopeSpec::new(dir, format, i, d, d2, arch).into());
+                }
+            }
+        }
+        for &o in &hp {
+            for bias in [false, true] {
+                for residual in [false, true] {
+                    v.push(DropoutSpec::forward(i, o, bias, residual, arch).into());
+                }
+            }
+            v.push(DropoutSpec::backward(i, o, arch).into());
         }
     }
     for &q in &fp8 {
@@ -412,5 +474,27 @@ mod tests {
         let bad: std::result::Result<ModelConfig, _> =
             toml::from_str("hidden_size = 64\nffn_hidden_size = 256\nnum_attention_heads = 4\nhiden = 3");
         assert!(bad.unwrap_err().to_string().contains("hiden"));
+        cfg = ModelConfig::new(48, 64, 16);
+        assert!(cfg.check().unwrap_err().contains("even head dimension"), "head_dim = 3");
+        cfg.position_embedding_type = PositionEmbedding::LearnedAbsolute;
+        cfg.check().unwrap();
+    }
+
+    #[test]
+    fn rope_kernels_follow_the_position_embedding() {
+        let mut cfg = ModelConfig::new(4096, 16384, 32);
+        let rope = |cfg: &ModelConfig| {
+            cfg.kernel_specs(Arch::Sm90a).into_iter().filter(|s| matches!(s, KernelSpec::Rope(_))).collect::<Vec<_>>()
+        };
+        let specs = rope(&cfg);
+        assert_eq!(specs.len(), 2, "forward and backward");
+        assert!(specs.iter().all(|s| matches!(s, KernelSpec::Rope(r) if r.d == 128 && r.d2 == 128)));
+        let parsed: ModelConfig = toml::from_str(
+            "hidden_size = 4096\nffn_hidden_size = 16384\nnum_attention_heads = 32\nposition_embedding_type = \"learned_absolute\"",
+        )
+        .unwrap();
+        cfg.position_embedding_type = PositionEmbedding::LearnedAbsolute;
+        assert_eq!(parsed, cfg);
+        assert!(rope(&cfg).is_empty());
     }
 }

@@ -19,6 +19,9 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("scaling.cu.tera", include_str!("../../templates/scaling.cu.tera")),
     ("elementwise.cu.tera", include_str!("../../templates/elementwise.cu.tera")),
     ("transpose.cu.tera", include_str!("../../templates/transpose.cu.tera")),
+    ("rope.cu.tera", include_str!("../../templates/rope.cu.tera")),
+    ("philox.cuh.tera", include_str!("../../templates/philox.cuh.tera")),
+    ("dropout.cu.tera", include_str!("../../templates/dropout.cu.tera")),
 ];
 
 fn engine() -> &'static std::result::Result<tera::Tera, String> {

@@ -70,6 +70,15 @@ pub enum Error {
         /// What is wrong and how to fix it.
         message: String,
     },
+    /// A scalar argument out of its range (a dropout probability outside `[0, 1]`, ...); the
+    /// message says what is accepted.
+    #[error("{op}: {message}")]
+    Argument {
+        /// The op.
+        op: &'static str,
+        /// The value and the accepted range.
+        message: String,
+    },
     /// An argument of the wrong element type.
     #[error("{op}: `{arg}` must be {expected}, got {got}")]
     DType {

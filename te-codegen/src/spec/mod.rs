@@ -8,16 +8,20 @@
 mod activation;
 mod cast;
 mod cast_transpose;
+mod dropout;
 mod elementwise;
 mod norm;
+mod rope;
 mod scaling;
 mod softmax;
 
 pub use activation::{Activation, ActivationSpec};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
+pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use norm::{NormKind, NormSpec};
+pub use rope::{RopeFormat, RopeSpec};
 pub use scaling::{AmaxComputeAlgo, ScalingKind, ScalingSpec};
 pub use softmax::{MaskKind, SoftmaxSpec};
 
@@ -86,6 +90,10 @@ pub enum KernelSpec {
     Scaling(ScalingSpec),
     /// Family 8: element-wise add and in-place add of high-precision tensors.
     Elementwise(ElementwiseSpec),
+    /// Family 9: rotary position embedding forward and backward.
+    Rope(RopeSpec),
+    /// Family 10: dropout (fused bias + dropout + residual add) with Philox, and its backward.
+    Dropout(DropoutSpec),
 }
 
 impl KernelSpec {
@@ -99,6 +107,8 @@ impl KernelSpec {
             KernelSpec::Softmax(s) => s,
             KernelSpec::Scaling(s) => s,
             KernelSpec::Elementwise(s) => s,
+            KernelSpec::Rope(s) => s,
+            KernelSpec::Dropout(s) => s,
         }
     }
 
@@ -154,6 +164,8 @@ impl_from_spec!(
     Softmax(SoftmaxSpec),
     Scaling(ScalingSpec),
     Elementwise(ElementwiseSpec),
+    Rope(RopeSpec),
+    Dropout(DropoutSpec),
 );
 
 /// Largest vector width (elements) ≤ `max_bytes / elem_bytes` that divides `n`.

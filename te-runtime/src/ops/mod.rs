@@ -6,8 +6,10 @@ pub mod activation;
 pub mod cast;
 pub mod cast_transpose;
 pub mod copy;
+pub mod dropout;
 pub mod elementwise;
 pub mod norm;
+pub mod rope;
 pub mod scaling;
 pub mod softmax;
 

@@ -5,11 +5,14 @@
 pub mod activation;
 pub mod cast;
 pub mod cast_transpose;
+pub mod dropout;
 pub mod elementwise;
 pub mod gemm;
 pub mod linear;
 pub mod modules;
 pub mod norm;
 pub mod numerics;
+pub mod philox;
+pub mod rope;
 pub mod scaling;
 pub mod softmax;
