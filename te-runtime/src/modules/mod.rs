@@ -1,10 +1,12 @@
 //! TE's modules with explicit autograd: `forward` returns the output and a saved context,
-//! `backward` consumes the context, returns the input gradient and accumulates the parameter
+//! `backward` consumes the context, returns the input gradients and accumulates the parameter
 //! gradients (TE's `torch.autograd.Function`s, made explicit).
 
+pub mod attention;
 mod init;
 pub mod linear;
 
+pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCtx};
 
 use crate::fp8::Float8Tensor;
