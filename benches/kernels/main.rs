@@ -1,7 +1,7 @@
 //! Kernel benchmarks: memory-bound kernels against the copy bandwidth measured in the same run,
 //! the bulk scale update, cuBLASLt GEMMs in TFLOP/s (FP8 against a bf16 GEMM of the same run),
-//! the Linear module fwd+bwd in FP8 against its BF16 path, and the JIT costs (NVRTC compile, warm
-//! disk cache, prewarm).
+//! the Linear module fwd+bwd in FP8 against its BF16 path, DotProductAttention fwd+bwd (unfused,
+//! TFLOP/s), and the JIT costs (NVRTC compile, warm disk cache, prewarm).
 //!
 //! `cargo bench --bench kernels [-- FILTER]`, or on the GPU machine `.gpu/bin/kernels-bench
 //! --bench [FILTER]`. Without a GPU only the JIT benchmarks run. JSON goes to
@@ -10,6 +10,7 @@
 mod harness;
 
 mod activation;
+mod attention;
 mod cast;
 mod cast_transpose;
 mod dropout;
@@ -48,6 +49,7 @@ fn main() {
         dropout::run(&mut b);
         gemm::run(&mut b);
         linear::run(&mut b);
+        attention::run(&mut b);
         modules::run(&mut b);
     }
     jit::run(&mut b);

@@ -37,7 +37,11 @@ fn time_recipes(
     b.record_flops(&format!("{name} fwd+bwd fp8 delayed scaling"), shape, delayed, flops);
     let current = b.time(3, 20, |_| step(Some(Float8CurrentScaling::default().into())));
     b.record_flops(&format!("{name} fwd+bwd fp8 current scaling"), shape, current, flops);
-    b.record_ratio(&format!("{name} fwd+bwd: fp8 delayed speedup over our bf16"), bf16.median_us / delayed.median_us, None);
+    b.record_ratio(
+        &format!("{name} fwd+bwd: fp8 delayed speedup over our bf16"),
+        bf16.median_us / delayed.median_us,
+        None,
+    );
     (bf16, delayed)
 }
 

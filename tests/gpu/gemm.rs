@@ -11,13 +11,17 @@
 //! every FP8 GEMM (the FP8 accumulator is not f32-exact). FP8 outputs: codes within one FP8
 //! step of the reference's quantization of the f32 result, amax within 4e-3 (bf16 rounding).
 //!
+//! Strided batched GEMMs address matrices inside larger tensors (offsets, row strides above the
+//! row length, side-by-side and stacked batches, an element offset that leaves pointers 2-byte
+//! aligned) and must leave the rest of the output untouched.
+//!
 //! Epilogues cuBLASLt may not offer for a dtype combination are run anyway: either the result
 //! matches the reference or the call fails with `Error::Gemm`; run with `--nocapture` to see
 //! which were rejected.
 
 use crate::common::{device, randn};
 use cudarc::driver::CudaSlice;
-use te_runtime::gemm::{gemm, Epilogue, GemmConfig, Operand, Output};
+use te_runtime::gemm::{gemm, gemm_strided_batched, Epilogue, GemmConfig, MatrixView, Operand, Output, StridedBatch};
 use te_runtime::reference::{cast as ref_cast, gemm as ref_gemm, numerics};
 use te_runtime::{DType, Device, Error, Tensor};
 
@@ -386,4 +390,70 @@ fn bad_inputs_are_typed_errors() {
     let mut d8 = zeros(DType::BF16, &[0, 64]);
     let e = gemm(&dev, Operand::new(&empty), Operand::new(&b6), Output::new(&mut d8), &cfg).unwrap_err();
     assert!(e.to_string().contains("no elements"), "{e}");
+}
+
+/// `count` GEMMs on views of larger tensors: `a` side by side in the rows of its tensor from an
+/// odd offset, `b` stacked with gaps, `d` stacked with padded rows from an odd offset.
+fn strided(count: usize, (m, n, k): (usize, usize, usize), (ta, tb): (bool, bool)) -> (StridedBatch, [usize; 3]) {
+    let (ar, ac) = if ta { (k, m) } else { (m, k) };
+    let a = MatrixView { offset: 1, rows: ar, cols: ac, row_stride: count * ac + 3, batch_stride: ac };
+    let (br, bc) = if tb { (k, n) } else { (n, k) };
+    let b = MatrixView { offset: 0, rows: br, cols: bc, row_stride: bc + 2, batch_stride: br * (bc + 2) + 7 };
+    let d = MatrixView { offset: 3, rows: m, cols: n, row_stride: n + 5, batch_stride: m * (n + 5) };
+    let lens = [1 + ar * a.row_stride, count * b.batch_stride, 3 + count * d.batch_stride];
+    (StridedBatch { count, a, a_transposed: ta, b, b_transposed: tb, d }, lens)
+}
+
+#[test]
+fn strided_batched_matches_reference_and_keeps_the_rest_of_d() {
+    let Some(dev) = device() else { return };
+    let (count, m, n, k) = (5, 37, 45, 53);
+    let pairs =
+        [(DType::BF16, DType::BF16), (DType::BF16, DType::F32), (DType::F16, DType::F16), (DType::F32, DType::F32)];
+    for (i, (dtype, out)) in pairs.into_iter().enumerate() {
+        for transposed in [(false, false), (false, true), (true, false), (true, true)] {
+            let (batch, [a_len, b_len, d_len]) = strided(count, (m, n, k), transposed);
+            let a = Input::new(&dev, dtype, &[a_len], 80 + i as u64, 1.0);
+            let b = Input::new(&dev, dtype, &[b_len], 90 + i as u64, 1.0);
+            let inside: Vec<usize> = (0..count)
+                .flat_map(|j| (0..m).flat_map(move |r| (0..n).map(move |c| (j, r, c))))
+                .map(|(j, r, c)| batch.d.offset + j * batch.d.batch_stride + r * batch.d.row_stride + c)
+                .collect();
+            for accumulate in [false, true] {
+                let init: Vec<f32> = randn(100, d_len, 2.0).into_iter().map(|v| numerics::round_to(out, v)).collect();
+                let mut d = Tensor::from_f32(&dev, out, &[d_len], &init).unwrap();
+                let cfg = GemmConfig { alpha: 0.5, accumulate, ..Default::default() };
+                gemm_strided_batched(&dev, &a.tensor, &b.tensor, &mut d, &batch, &cfg).unwrap();
+                let got = d.to_f32(&dev).unwrap();
+                let mut want = init.clone();
+                ref_gemm::gemm_strided_batched(&a.values, &b.values, &mut want, &batch, 0.5, accumulate);
+                let what = format!("{dtype} → {out}, transposed {transposed:?}, accumulate {accumulate}");
+                let pick = |v: &[f32]| -> Vec<f32> { inside.iter().map(|&i| v[i]).collect() };
+                assert_gemm_close(&what, &pick(&got), &pick(&want), rtol(dtype, out));
+                let mut outside = got.clone();
+                inside.iter().for_each(|&i| outside[i] = init[i]);
+                assert_eq!(outside, init, "{what}: elements outside the views changed");
+            }
+        }
+    }
+}
+
+#[test]
+fn strided_batched_bad_inputs_are_typed_errors() {
+    let Some(dev) = device() else { return };
+    let (batch, [a_len, b_len, d_len]) = strided(3, (16, 24, 32), (false, false));
+    let zeros = |dtype, len| Tensor::zeros(&dev, dtype, &[len]).unwrap();
+    let (a, b, mut d) = (zeros(DType::BF16, a_len), zeros(DType::BF16, b_len), zeros(DType::BF16, d_len));
+    gemm_strided_batched(&dev, &a, &b, &mut d, &batch, &GemmConfig::default()).unwrap();
+    // A view past its tensor, an epilogue, FP8.
+    let mut short = zeros(DType::BF16, d_len - 1);
+    let e = gemm_strided_batched(&dev, &a, &b, &mut short, &batch, &GemmConfig::default()).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("`d` view"), "{e}");
+    let bias = zeros(DType::BF16, 24);
+    let cfg = GemmConfig { epilogue: Epilogue::Bias(&bias), ..Default::default() };
+    let e = gemm_strided_batched(&dev, &a, &b, &mut d, &batch, &cfg).unwrap_err();
+    assert!(matches!(e, Error::Gemm { .. }) && e.to_string().contains("no epilogue"), "{e}");
+    let a8 = zeros(DType::E4M3, a_len);
+    let e = gemm_strided_batched(&dev, &a8, &b, &mut d, &batch, &GemmConfig::default()).unwrap_err();
+    assert!(matches!(e, Error::DType { arg: "a", .. }), "{e}");
 }

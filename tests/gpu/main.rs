@@ -5,6 +5,7 @@
 mod common;
 
 mod activation;
+mod attention;
 mod cast;
 mod cast_transpose;
 mod copy;

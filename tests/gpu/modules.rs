@@ -284,6 +284,10 @@ mod transformer {
     const HEADS: usize = 4;
     const FFN: usize = 128;
 
+    fn ln_ref<'a>(gamma: &'a [f32], beta: &'a Option<Vec<f32>>) -> NormRef<'a> {
+        NormRef { kind: NormKind::LayerNorm, gamma, beta: beta.as_deref(), eps: 1e-5, zero_centered_gamma: false }
+    }
+
     fn config(groups: usize) -> TransformerLayerConfig {
         TransformerLayerConfig {
             num_gqa_groups: Some(groups),
@@ -331,21 +335,14 @@ mod transformer {
                     seq_lens: None,
                     scale: 1.0 / ((HID / HEADS) as f32).sqrt(),
                 };
-                let norm = |g: &[f32], b: &Option<Vec<f32>>| NormRef {
-                    kind: NormKind::LayerNorm,
-                    gamma: g,
-                    beta: b.as_deref(),
-                    eps: 1e-5,
-                    zero_centered_gamma: false,
-                };
                 let r = LayerRef {
                     mha: MhaRef {
-                        norm: norm(&g1, &b1),
+                        norm: ln_ref(&g1, &b1),
                         qkv: DenseRef { w: &wqkv, b: Some(&bqkv) },
                         proj: DenseRef { w: &wp, b: Some(&bp) },
                         case,
                     },
-                    norm2: norm(&g2, &b2),
+                    norm2: ln_ref(&g2, &b2),
                     fc1: DenseRef { w: &w1, b: Some(&bb1) },
                     fc2: DenseRef { w: &w2, b: Some(&bb2) },
                     activation: Activation::Gelu,
@@ -355,9 +352,27 @@ mod transformer {
                 let g = r.backward(&dy, &x);
                 check(mode, &format!("{what} dx"), &dx, &g.dx, true);
                 let attn = layer.self_attention();
-                check(mode, &format!("{what} d qkv"), &host(&dev, attn.qkv_params().weight_grad()), &g.mha.qkv.dw1, true);
-                check(mode, &format!("{what} d proj"), &host(&dev, attn.proj_params().weight_grad()), &g.mha.dw_proj, true);
-                check(mode, &format!("{what} d fc1"), &host(&dev, layer.layernorm_mlp().fc1().weight_grad()), &g.mlp.dw1, true);
+                check(
+                    mode,
+                    &format!("{what} d qkv"),
+                    &host(&dev, attn.qkv_params().weight_grad()),
+                    &g.mha.qkv.dw1,
+                    true,
+                );
+                check(
+                    mode,
+                    &format!("{what} d proj"),
+                    &host(&dev, attn.proj_params().weight_grad()),
+                    &g.mha.dw_proj,
+                    true,
+                );
+                check(
+                    mode,
+                    &format!("{what} d fc1"),
+                    &host(&dev, layer.layernorm_mlp().fc1().weight_grad()),
+                    &g.mlp.dw1,
+                    true,
+                );
             }
         }
     }

@@ -85,7 +85,8 @@ impl Drop for MatmulDesc {
 }
 
 /// A column-major matrix layout (`cublasLtMatrixLayout_t`): element type, rows, columns and
-/// leading dimension (elements between the starts of two columns).
+/// leading dimension (elements between the starts of two columns), and for batched GEMMs the
+/// matrix count and the stride between matrices.
 #[derive(Debug)]
 pub(crate) struct Layout(sys::cublasLtMatrixLayout_t);
 
@@ -93,6 +94,23 @@ impl Layout {
     /// A `rows × cols` column-major layout of `dtype` elements with leading dimension `ld`.
     pub(crate) fn new(dtype: sys::cudaDataType, rows: usize, cols: usize, ld: usize) -> Result<Self, CublasError> {
         Ok(Self(result::create_matrix_layout(dtype, rows as u64, cols as u64, ld as i64)?))
+    }
+
+    /// Makes the layout describe `count` matrices, each `stride` elements after the previous
+    /// (`CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT`, an `i32`, and `_STRIDED_BATCH_OFFSET`, an `i64`).
+    /// The caller has checked that both fit their types.
+    pub(crate) fn set_batch(&mut self, count: usize, stride: usize) -> Result<(), CublasError> {
+        use sys::cublasLtMatrixLayoutAttribute_t as Attr;
+        let (count, stride) = (count as i32, stride as i64);
+        for (attr, (buf, size)) in [
+            (Attr::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, attr_buf(&count)),
+            (Attr::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, attr_buf(&stride)),
+        ] {
+            // SAFETY: the layout is live (owned by `self`); `buf` points to `size` readable bytes
+            // (`count` or `stride`, alive for the loop) that cuBLASLt copies before returning.
+            unsafe { result::set_matrix_layout_attribute(self.0, attr, buf, size) }?;
+        }
+        Ok(())
     }
 
     /// The raw layout, valid while `self` lives.

@@ -13,26 +13,34 @@
 //! `ldb = k`), its `m, n` are our `n, m`, and `ldc = ldd = n`. Compute type
 //! `CUBLAS_COMPUTE_32F` (f32 GEMMs are pure f32, no TF32), scale type f32.
 //!
+//! [`gemm_strided_batched`] runs `count` such GEMMs in one call on matrices addressed inside
+//! larger tensors ([`MatrixView`]: offset, row stride, stride between matrices), e.g. the heads
+//! of attention's `[batch, seq, heads, head_dim]` tensors without copies.
+//!
 //! Descriptors and layouts are created for every call (host microseconds, small next to any GEMM
 //! worth running on a GPU); the algorithm the heuristic picks is cached per device, keyed by
-//! everything that can change its answer: shape, dtypes, epilogue, accumulation mode and pointer
-//! alignments. Work is issued on [`Device::stream`].
+//! everything that can change its answer: shape, dtypes, epilogue, accumulation mode, leading
+//! dimensions, batch count and strides, and pointer alignments. Work is issued on
+//! [`Device::stream`].
 
 mod engine;
 mod lt;
 mod rules;
+mod strided;
 
 pub(crate) use engine::Engine;
+pub use strided::{gemm_strided_batched, MatrixView, StridedBatch};
 
 use crate::ops::{check_nonempty, check_shape};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::cublaslt::result;
 use cudarc::cublaslt::sys::{self, cublasLtMatmulDescAttributes_t as Attr};
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use engine::{alignment, unsupported};
 use lt::{Layout, MatmulDesc};
 use rules::{cuda_type, Types};
 use std::ffi::c_void;
+use te_codegen::DType;
 
 const OP: &str = "gemm";
 
@@ -218,6 +226,24 @@ impl Epilogue<'_> {
     }
 }
 
+/// Where the matrices of a GEMM sit, in elements: the row strides (leading dimensions) of `a`
+/// and `b` as stored and of `d`, the number of matrices, and the strides between consecutive
+/// matrices of `a`, `b` and `d` (all 0 for a single GEMM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Geometry {
+    ld: [usize; 3],
+    batch: usize,
+    batch_stride: [usize; 3],
+}
+
+impl Geometry {
+    /// One GEMM on whole tensors: rows of `k` elements, or of `m` / `n` when stored transposed.
+    fn dense(m: usize, n: usize, k: usize, transposed: (bool, bool)) -> Self {
+        let ld = [if transposed.0 { m } else { k }, if transposed.1 { n } else { k }, n];
+        Self { ld, batch: 1, batch_stride: [0; 3] }
+    }
+}
+
 /// A validated GEMM in row-major terms.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Problem {
@@ -230,15 +256,25 @@ struct Problem {
     accumulate: bool,
     /// `a` and `b` stored transposed.
     transposed: (bool, bool),
+    geometry: Geometry,
 }
 
 impl Problem {
     /// E.g. `D[200, 336] bf16 = A[200, 208] e4m3 · B[336, 208]ᵀ e5m2, epilogue Bias (bf16)`.
     fn describe(&self) -> String {
-        let Problem { m, n, k, types: t, epilogue, fast_accum, accumulate, transposed } = self;
+        let Problem { m, n, k, types: t, epilogue, fast_accum, accumulate, transposed, geometry: g } = self;
         let mut s = format!("D[{m}, {n}] {} = A[{m}, {k}] {} · B[{n}, {k}]ᵀ {}", t.d, t.a, t.b);
         if transposed.0 || transposed.1 {
             s += &format!(" (stored transposed: a {}, b {})", transposed.0, transposed.1);
+        }
+        if *g != Geometry::dense(*m, *n, *k, *transposed) {
+            let ([la, lb, ld], [sa, sb, sd]) = (g.ld, g.batch_stride);
+            s += &format!(
+                ", {} matri{} with row strides (a {la}, b {lb}, d {ld}) and strides between matrices (a {sa}, b {sb}, \
+                 d {sd})",
+                g.batch,
+                if g.batch == 1 { "x" } else { "ces" }
+            );
         }
         match epilogue {
             EpilogueKind::None => {}
@@ -372,6 +408,7 @@ fn check(a: &Operand<'_>, b: &Operand<'_>, d: &Output<'_>, cfg: &GemmConfig<'_>)
         fast_accum: cfg.fast_accum,
         accumulate: cfg.accumulate,
         transposed: (a.transposed, b.transposed),
+        geometry: Geometry::dense(m, n, k, (a.transposed, b.transposed)),
     })
 }
 
@@ -403,7 +440,7 @@ pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &G
     let engine = dev.gemm_engine()?;
     dev.context().bind_to_thread()?;
     let s = dev.stream();
-    let Problem { m, n, k, types, epilogue, .. } = problem;
+    let (n, types, epilogue) = (problem.n, problem.types, problem.epilogue);
     let Output { tensor: d_tensor, fp8: mut d_fp8 } = d;
 
     // Device pointers. The guards order other streams after this call when cudarc tracks
@@ -421,11 +458,7 @@ pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &G
     // FP8 outputs never accumulate, so C is never read there; TE passes null as well.
     let c_ptr = if types.d.is_fp8() { 0 } else { d_ptr };
 
-    let mut desc = MatmulDesc::new(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
-    // cuBLASLt's A is `b`: k-contiguous (`[n, k]` row-major = k × n column-major) needs TRANSA = T;
-    // stored transposed (`[k, n]` = n × k) it is used as is. Its B is `a`, the other way round.
-    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSA, if b.transposed { CUBLAS_OP_N } else { CUBLAS_OP_T })?;
-    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSB, if a.transposed { CUBLAS_OP_T } else { CUBLAS_OP_N })?;
+    let mut desc = matmul_desc(problem.transposed)?;
     if let Some(((a_scale_inv, _), (b_scale_inv, _))) = &scale_invs {
         // cuBLASLt's A is our `b` and its B our `a`.
         desc.set(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, *b_scale_inv)?;
@@ -448,50 +481,113 @@ pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &G
         desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, n as i64)?;
         desc.set(Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, cuda_type(types.aux))?;
     }
+    let ptrs = Pointers { a: a_ptr, b: b_ptr, c: c_ptr, d: d_ptr };
+    // SAFETY: `check` validated the buffers against the problem's dense geometry (`a`: m·k, `b`:
+    // n·k, `d` and aux: m·n elements, vectors: n or m elements of the checked dtypes); the scale
+    // pointers in `desc` hold one f32 each; every buffer is borrowed (the guards above) until
+    // the call is enqueued, and `d`, `bgrad` and `pre_gelu` exclusively.
+    unsafe { run(&engine, s, &desc, problem, ptrs, cfg.alpha) }
+}
+
+/// A matmul descriptor computing in f32 (`CUBLAS_COMPUTE_32F`, f32 alpha and beta) with the
+/// transposes of operands stored as `transposed` (`a`, `b`).
+fn matmul_desc(transposed: (bool, bool)) -> Result<MatmulDesc> {
+    let mut desc = MatmulDesc::new(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
+    // cuBLASLt's A is `b`: k-contiguous (`[n, k]` row-major = k × n column-major) needs TRANSA = T;
+    // stored transposed (`[k, n]` = n × k) it is used as is. Its B is `a`, the other way round.
+    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSA, if transposed.1 { CUBLAS_OP_N } else { CUBLAS_OP_T })?;
+    desc.set(Attr::CUBLASLT_MATMUL_DESC_TRANSB, if transposed.0 { CUBLAS_OP_T } else { CUBLAS_OP_N })?;
+    Ok(desc)
+}
+
+/// Device addresses of one call in row-major terms, each at the first element its GEMM reads
+/// or writes; `c` is `d`, or null for an FP8 output (never read).
+struct Pointers {
+    a: u64,
+    b: u64,
+    c: u64,
+    d: u64,
+}
+
+/// What [`gemm`] and [`gemm_strided_batched`] end in: the layouts of the problem's geometry, the
+/// algorithm for it (cached), and the matmul enqueued on `stream`.
+///
+/// Pointer alignments are taken from the pointers themselves and, for batched GEMMs, the byte
+/// strides between matrices (every matrix's start must have the alignment the algorithm
+/// assumes).
+///
+/// # Safety
+/// Every pointer must address a device buffer that holds all the elements the problem's
+/// geometry reaches (`batch` matrices of `rows × cols` at the given row and batch strides) in
+/// the problem's dtypes, stay alive until the call is enqueued, and `d` must not be written by
+/// anyone else meanwhile; `desc` must come from [`matmul_desc`] for the problem's transposes and
+/// carry only attributes whose device pointers are valid likewise.
+unsafe fn run(
+    engine: &Engine,
+    stream: &CudaStream,
+    desc: &MatmulDesc,
+    problem: Problem,
+    ptrs: Pointers,
+    alpha: f32,
+) -> Result<()> {
+    let Problem { m, n, k, types, transposed, geometry: g, .. } = problem;
+    let [ld_a, ld_b, ld_d] = g.ld;
     // Column-major layouts: cuBLASLt's A is `b` stored k × n (n × k when transposed), its B is
     // `a` stored k × m (m × k when transposed).
-    let layout_a = if b.transposed {
-        Layout::new(cuda_type(types.b), n, k, n)?
+    let mut layout_a = if transposed.1 {
+        Layout::new(cuda_type(types.b), n, k, ld_b)?
     } else {
-        Layout::new(cuda_type(types.b), k, n, k)?
+        Layout::new(cuda_type(types.b), k, n, ld_b)?
     };
-    let layout_b = if a.transposed {
-        Layout::new(cuda_type(types.a), m, k, m)?
+    let mut layout_b = if transposed.0 {
+        Layout::new(cuda_type(types.a), m, k, ld_a)?
     } else {
-        Layout::new(cuda_type(types.a), k, m, k)?
+        Layout::new(cuda_type(types.a), k, m, ld_a)?
     };
-    let layout_c = Layout::new(cuda_type(types.c), n, m, n)?;
-    let layout_d = Layout::new(cuda_type(types.d), n, m, n)?;
-
-    let key = AlgoKey { problem, alignments: [alignment(b_ptr), alignment(a_ptr), alignment(c_ptr), alignment(d_ptr)] };
+    let mut layout_c = Layout::new(cuda_type(types.c), n, m, ld_d)?;
+    let mut layout_d = Layout::new(cuda_type(types.d), n, m, ld_d)?;
+    let [stride_a, stride_b, stride_d] = g.batch_stride;
+    if g.batch > 1 {
+        layout_a.set_batch(g.batch, stride_b)?;
+        layout_b.set_batch(g.batch, stride_a)?;
+        layout_c.set_batch(g.batch, stride_d)?;
+        layout_d.set_batch(g.batch, stride_d)?;
+    }
+    let align = |ptr: u64, stride: usize, dtype: DType| alignment(ptr | (stride * dtype.size_bytes()) as u64);
+    let alignments = [
+        align(ptrs.b, stride_b, types.b),
+        align(ptrs.a, stride_a, types.a),
+        align(ptrs.c, stride_d, types.c),
+        align(ptrs.d, stride_d, types.d),
+    ];
+    let key = AlgoKey { problem, alignments };
     let describe = || key.problem.describe();
-    let algo = engine.algo(&key, &desc, [&layout_a, &layout_b, &layout_c, &layout_d], describe)?;
-    let alpha = cfg.alpha;
-    let beta: f32 = if cfg.accumulate { 1.0 } else { 0.0 };
+    let algo = engine.algo(&key, desc, [&layout_a, &layout_b, &layout_c, &layout_d], describe)?;
+    let beta: f32 = if key.problem.accumulate { 1.0 } else { 0.0 };
     let (workspace, workspace_bytes) = engine.workspace();
-    // SAFETY: the handle, descriptor and layouts are live; the layouts match the buffers `check`
-    // validated (`a`: m·k, `b`: n·k, `d` and aux: m·n, vectors: n or m elements of the checked
-    // dtypes); scale pointers hold one f32 each; alpha and beta are host f32 (default pointer
-    // mode) alive across the call; the workspace holds `workspace_bytes` and is only used by work
-    // on this stream; the algorithm came from the heuristic for this descriptor and these layouts.
+    // SAFETY: the handle, descriptor and layouts are live; the layouts describe the geometry the
+    // caller guarantees the buffers hold (see `# Safety`); alpha and beta are host f32 (default
+    // pointer mode) alive across the call; the workspace holds `workspace_bytes` and is only used
+    // by work on this stream; the algorithm came from the heuristic for this descriptor, these
+    // layouts and these alignments.
     unsafe {
         result::matmul(
             engine.handle().raw(),
             desc.raw(),
             &alpha as *const f32 as *const c_void,
             &beta as *const f32 as *const c_void,
-            b_ptr as *const c_void,
+            ptrs.b as *const c_void,
             layout_a.raw(),
-            a_ptr as *const c_void,
+            ptrs.a as *const c_void,
             layout_b.raw(),
-            c_ptr as *const c_void,
+            ptrs.c as *const c_void,
             layout_c.raw(),
-            d_ptr as *mut c_void,
+            ptrs.d as *mut c_void,
             layout_d.raw(),
             &algo,
             workspace as *mut c_void,
             workspace_bytes,
-            s.cu_stream() as sys::cudaStream_t,
+            stream.cu_stream() as sys::cudaStream_t,
         )
     }
     .map_err(|e| unsupported(e, describe))

@@ -1,20 +1,26 @@
 //! TE's modules with explicit autograd: `forward` returns the output and a saved context,
-//! `backward` consumes the context, returns the input gradient and accumulates the parameter
+//! `backward` consumes the context, returns the input gradients and accumulates the parameter
 //! gradients (TE's `torch.autograd.Function`s, made explicit).
 
+pub mod attention;
 mod init;
 pub mod layernorm_linear;
 pub mod layernorm_mlp;
 pub mod linear;
+pub mod multihead_attention;
 pub mod norm;
 mod params;
+pub mod transformer_layer;
 
+pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
 pub use layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
 pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCtx};
+pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
 pub use te_codegen::spec::Activation;
+pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
 
 use crate::fp8::Float8Tensor;
 use crate::{Device, Result, Tensor};

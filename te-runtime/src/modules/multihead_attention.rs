@@ -88,8 +88,8 @@ pub struct AttentionInputs<'a> {
 
 #[derive(Debug)]
 enum QkvProj {
-    Norm(LayerNormLinear),
-    Plain(Linear),
+    Norm(Box<LayerNormLinear>),
+    Plain(Box<Linear>),
 }
 
 #[derive(Debug)]
@@ -151,7 +151,7 @@ impl MultiheadAttention {
         }
         let qkv_out = (h + 2 * g) * d;
         let qkv = if cfg.input_layernorm {
-            QkvProj::Norm(LayerNormLinear::new(
+            QkvProj::Norm(Box::new(LayerNormLinear::new(
                 dev,
                 LayerNormLinearConfig {
                     eps: cfg.layernorm_epsilon,
@@ -162,9 +162,9 @@ impl MultiheadAttention {
                     seed: cfg.seed,
                     ..LayerNormLinearConfig::new(cfg.hidden_size, qkv_out)
                 },
-            )?)
+            )?))
         } else {
-            QkvProj::Plain(Linear::new(
+            QkvProj::Plain(Box::new(Linear::new(
                 dev,
                 LinearConfig {
                     bias: cfg.bias,
@@ -172,7 +172,7 @@ impl MultiheadAttention {
                     seed: cfg.seed,
                     ..LinearConfig::new(cfg.hidden_size, qkv_out)
                 },
-            )?)
+            )?))
         };
         let attention = DotProductAttention::new(
             dev,

@@ -8,7 +8,9 @@
 
 use super::attention::{AttnMaskType, QkvFormat};
 use super::layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
-use super::multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
+use super::multihead_attention::{
+    AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
+};
 use super::norm::{Norm, NormConfig, NormCtx, NormKind};
 use super::{next_module_id, Activation};
 use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};

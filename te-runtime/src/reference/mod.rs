@@ -3,6 +3,7 @@
 //! it decides rounding), so FP8 casts match bit for bit and reductions within float rounding.
 
 pub mod activation;
+pub mod attention;
 pub mod cast;
 pub mod cast_transpose;
 pub mod dropout;
@@ -16,3 +17,4 @@ pub mod philox;
 pub mod rope;
 pub mod scaling;
 pub mod softmax;
+pub mod transformer;

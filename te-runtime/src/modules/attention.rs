@@ -1,0 +1,389 @@
+//! `DotProductAttention`: `softmax(scale · Q · Kᵀ, masked) · V` for every (batch, head), and its
+//! backward (TE `pytorch/attention/dot_product_attention/dot_product_attention.py`).
+//!
+//! This first version is TE's unfused backend (`UnfusedDotProductAttention` in `backends.py`),
+//! in the inputs' precision, under `fp8_autocast` too (TE's FP8 attention needs a fused kernel):
+//! - forward: `S = Q · Kᵀ` (strided batched cuBLASLt GEMMs straight on the `bshd`/`sbhd` tensors,
+//!   [`crate::gemm::gemm_strided_batched`], no copies), `P = softmax(scale · S)` with the mask (the
+//!   fused softmax kernel, [`crate::ops::softmax`], which applies the scale), `O = P · V`;
+//! - backward: `dV = Pᵀ · dO`, `dP = dO · Vᵀ`, `dS = scale · P ⊙ (dP − rowsum(dP ⊙ P))` (the
+//!   softmax backward kernel), `dQ = dS · K`, `dK = dSᵀ · Q`. With GQA/MQA the key and value
+//!   gradients sum over the heads sharing a group, in f32 for bf16/f16 inputs (rounded once,
+//!   as TE's `repeat_interleave` backward does).
+//!
+//! `S`, `P`, `dP` and `dS` are `[batch, heads, sq, sk]` in the inputs' dtype; the context keeps `P`
+//! for backward (`2 · batch · heads · sq · sk` bytes in bf16), as TE's unfused backend does. A
+//! fused flash-attention backend, which keeps no `P`, would slot in next to the unfused one behind
+//! the same API.
+
+mod mask;
+mod plan;
+mod unfused;
+
+use super::next_module_id;
+use crate::ops::softmax::MAX_SK;
+use crate::ops::{check_dtype, check_shape};
+use crate::{Device, Error, Result, Tensor};
+use mask::MaskCache;
+use plan::Dims;
+use std::sync::Arc;
+use te_codegen::DType;
+
+const MODULE: &str = "DotProductAttention";
+
+/// Memory layout of q, k, v and the output (TE `qkv_format`; `thd` is not supported yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QkvFormat {
+    /// `[batch, seq, heads, head_dim]`.
+    Bshd,
+    /// `[seq, batch, heads, head_dim]` (TE's default, Megatron's layout).
+    Sbhd,
+}
+
+impl QkvFormat {
+    /// The shape of a q, k or v tensor of `heads` heads of `head_dim` over `seq` positions.
+    pub fn shape(self, batch: usize, seq: usize, heads: usize, head_dim: usize) -> [usize; 4] {
+        match self {
+            QkvFormat::Bshd => [batch, seq, heads, head_dim],
+            QkvFormat::Sbhd => [seq, batch, heads, head_dim],
+        }
+    }
+
+    /// `(batch, seq)` of a shape [`QkvFormat::shape`] made.
+    fn batch_seq(self, shape: [usize; 4]) -> (usize, usize) {
+        match self {
+            QkvFormat::Bshd => (shape[0], shape[1]),
+            QkvFormat::Sbhd => (shape[1], shape[0]),
+        }
+    }
+
+    /// The layout in words, for errors.
+    fn describe(self) -> &'static str {
+        match self {
+            QkvFormat::Bshd => "[batch, seq, heads, head_dim] (bshd)",
+            QkvFormat::Sbhd => "[seq, batch, heads, head_dim] (sbhd)",
+        }
+    }
+}
+
+/// The attention mask (TE `attn_mask_type`). Masked-out keys get probability 0; a query whose
+/// keys are all masked gets a zero output (TE's convention: `true` = masked out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttnMaskType {
+    /// Every query attends every key (`no_mask`).
+    NoMask,
+    /// Query `i` attends keys `j <= i`, top-left aligned (`causal`, as TE's softmax kernels).
+    Causal,
+    /// Sequence `b` has `seq_lens[b]` valid positions: keys `j >= seq_lens[b]` are masked out
+    /// and queries `i >= seq_lens[b]` give zeros (`padding`).
+    Padding,
+    /// Both (`padding_causal`).
+    PaddingCausal,
+}
+
+impl AttnMaskType {
+    /// Whether the mask needs the sequence lengths.
+    pub fn is_padding(self) -> bool {
+        matches!(self, AttnMaskType::Padding | AttnMaskType::PaddingCausal)
+    }
+
+    /// Whether the mask is causal.
+    pub fn is_causal(self) -> bool {
+        matches!(self, AttnMaskType::Causal | AttnMaskType::PaddingCausal)
+    }
+
+    /// TE's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnMaskType::NoMask => "no_mask",
+            AttnMaskType::Causal => "causal",
+            AttnMaskType::Padding => "padding",
+            AttnMaskType::PaddingCausal => "padding_causal",
+        }
+    }
+}
+
+/// Arguments of [`DotProductAttention::new`] (TE `DotProductAttention(num_attention_heads,
+/// kv_channels, num_gqa_groups, attention_dropout, qkv_format, attn_mask_type, softmax_scale)`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DotProductAttentionConfig {
+    /// Query heads `h`.
+    pub num_attention_heads: usize,
+    /// Channels per head `d` (head_dim) of q, k and v.
+    pub kv_channels: usize,
+    /// Key/value heads `g` (GQA; 1 = MQA); `None` = `num_attention_heads`. Must divide
+    /// `num_attention_heads`: query head `i` reads key/value head `i / (h / g)`.
+    pub num_gqa_groups: Option<usize>,
+    /// Dropout probability on the attention probabilities; must be 0 for now.
+    pub attention_dropout: f32,
+    /// Layout of q, k, v and the output. TE's default: [`QkvFormat::Sbhd`].
+    pub qkv_format: QkvFormat,
+    /// The mask. TE's default: [`AttnMaskType::Causal`].
+    pub attn_mask_type: AttnMaskType,
+    /// Multiplies `Q · Kᵀ` before the softmax; `None` = `1 / sqrt(kv_channels)`.
+    pub softmax_scale: Option<f32>,
+}
+
+impl DotProductAttentionConfig {
+    /// TE's defaults for `num_attention_heads` heads of `kv_channels`: no GQA, no dropout,
+    /// `sbhd`, causal, scale `1 / sqrt(kv_channels)`.
+    pub fn new(num_attention_heads: usize, kv_channels: usize) -> Self {
+        Self {
+            num_attention_heads,
+            kv_channels,
+            num_gqa_groups: None,
+            attention_dropout: 0.0,
+            qkv_format: QkvFormat::Sbhd,
+            attn_mask_type: AttnMaskType::Causal,
+            softmax_scale: None,
+        }
+    }
+
+    /// Key/value heads.
+    fn groups(&self) -> usize {
+        self.num_gqa_groups.unwrap_or(self.num_attention_heads)
+    }
+
+    /// The softmax scale.
+    fn scale(&self) -> f32 {
+        self.softmax_scale.unwrap_or(1.0 / (self.kv_channels as f32).sqrt())
+    }
+
+    /// Fails for a configuration the module cannot run.
+    fn validate(&self) -> Result<()> {
+        let config = |message: String| Err(Error::Config { module: MODULE, message });
+        let (h, d) = (self.num_attention_heads, self.kv_channels);
+        if h == 0 || d == 0 {
+            return config(format!("num_attention_heads and kv_channels must be ≥ 1, got {h} and {d}"));
+        }
+        let g = self.groups();
+        if g == 0 || h % g != 0 {
+            return config(format!(
+                "num_gqa_groups = {g} must divide num_attention_heads = {h} (each key/value head serves h / g query \
+                 heads); use a divisor of {h}, or None for one key/value head per query head"
+            ));
+        }
+        if self.attention_dropout != 0.0 {
+            return config(format!(
+                "attention_dropout = {}: dropout in attention is not implemented yet; pass attention_dropout = 0",
+                self.attention_dropout
+            ));
+        }
+        if let Some(s) = self.softmax_scale {
+            if !(s.is_finite() && s > 0.0) {
+                return config(format!("softmax_scale must be finite and > 0, got {s}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The context a [`DotProductAttention::forward`] saves for its backward: q, k, v (shared with
+/// the caller's tensors, not copied) and the probabilities `P` `[batch, heads, sq, sk]`.
+#[derive(Debug)]
+pub struct AttentionCtx {
+    module_id: u64,
+    dims: Dims,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
+}
+
+/// Scaled dot-product attention over heads, `O = softmax(scale · Q · Kᵀ, masked) · V`, with
+/// GQA/MQA (TE `DotProductAttention`); see the module docs for the math.
+///
+/// Shapes (`bshd`; `sbhd` swaps the first two dims): q `[batch, sq, h, d]`, k and v `[batch, sk,
+/// g, d]`, output `[batch, sq, h · d]` (TE returns the hidden size as the last dim), all bf16,
+/// f16 or f32.
+///
+/// ```no_run
+/// # fn main() -> te_runtime::Result<()> {
+/// use te_runtime::modules::{DotProductAttention, DotProductAttentionConfig};
+/// use te_runtime::{DType, Device, Tensor};
+///
+/// let dev = Device::new(0)?;
+/// let mut attn = DotProductAttention::new(&dev, DotProductAttentionConfig::new(32, 128))?; // sbhd, causal
+/// let q = Tensor::zeros(&dev, DType::BF16, &[2048, 4, 32, 128])?;
+/// let (out, ctx) = attn.forward(&q, &q, &q, None)?; // [2048, 4, 4096]
+/// let d_out = Tensor::zeros(&dev, DType::BF16, out.shape())?;
+/// let (dq, dk, dv) = attn.backward(ctx, &d_out)?; // each [2048, 4, 32, 128]
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct DotProductAttention {
+    dev: Arc<Device>,
+    cfg: DotProductAttentionConfig,
+    id: u64,
+    masks: MaskCache,
+}
+
+impl DotProductAttention {
+    /// A module on `dev` (it has no parameters).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for zero heads or channels, `num_gqa_groups` not dividing
+    /// `num_attention_heads`, `attention_dropout` other than 0 (not implemented yet), or a
+    /// `softmax_scale` that is not finite and positive.
+    pub fn new(dev: &Arc<Device>, cfg: DotProductAttentionConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), masks: MaskCache::default() })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DotProductAttentionConfig {
+        &self.cfg
+    }
+
+    /// Attention of `q` over `k`, `v`; returns the output and the context for
+    /// [`DotProductAttention::backward`].
+    ///
+    /// - `q`: `[batch, sq, h, d]` (bshd) or `[sq, batch, h, d]` (sbhd), bf16, f16 or f32, with `h
+    ///   = num_attention_heads`, `d = kv_channels`.
+    /// - `k`, `v`: `[batch, sk, g, d]` / `[sk, batch, g, d]` of q's dtype, `g = num_gqa_groups`,
+    ///   `1 <= sk <= 16384`.
+    /// - `seq_lens`: for padding masks (required there, refused otherwise), the valid length of
+    ///   each of the `batch` sequences, at most `max(sq, sk)`: keys `j >= seq_lens[b]` are masked
+    ///   out and queries `i >= seq_lens[b]` give zeros. The `[batch, sq, sk]` byte mask is built on
+    ///   the host and kept for the next call with the same lengths and sizes.
+    ///
+    /// Output: `[batch, sq, h · d]` (bshd) or `[sq, batch, h · d]` (sbhd), q's dtype.
+    ///
+    /// # Errors
+    /// - [`Error::DType`]: q not bf16/f16/f32, or k, v of another dtype than q.
+    /// - [`Error::Shape`]: tensors not 4-D in the format, head counts or head_dim other than the
+    ///   configuration's, k and v differing, batch or lengths of zero, `sk` above 16384,
+    ///   `seq_lens` of another length than the batch or with a length above `max(sq, sk)`.
+    /// - [`Error::Config`]: `seq_lens` missing for a padding mask or given for another.
+    /// - GEMM and kernel failures.
+    pub fn forward(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seq_lens: Option<&[usize]>,
+    ) -> Result<(Tensor, AttentionCtx)> {
+        let dims = self.dims(q, k, v)?;
+        let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, seq_lens, &dims)?;
+        let (out, probs) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale())?;
+        let ctx = AttentionCtx { module_id: self.id, dims, q: q.clone(), k: k.clone(), v: v.clone(), probs };
+        Ok((out, ctx))
+    }
+
+    /// Backward of [`DotProductAttention::forward`]: `(dq, dk, dv)` in the shapes and dtype of
+    /// q, k and v, for `d_out` the gradient of the output (its shape and dtype).
+    ///
+    /// # Errors
+    /// [`Error::Context`] for a context made by another module; [`Error::Shape`] /
+    /// [`Error::DType`] when `d_out` does not have the output's shape and dtype; GEMM and kernel
+    /// failures.
+    pub fn backward(&mut self, ctx: AttentionCtx, d_out: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        if ctx.module_id != self.id {
+            return Err(Error::Context {
+                module: MODULE,
+                message: "the context was made by another DotProductAttention's forward".into(),
+            });
+        }
+        let dtype = ctx.q.dtype();
+        check_dtype(MODULE, "d_out", d_out, |d| d == dtype, &format!("{dtype} (the dtype of the forward's q)"))?;
+        check_shape(MODULE, "d_out", d_out, &ctx.dims.out_shape())?;
+        unfused::backward(&self.dev, &ctx.dims, [&ctx.q, &ctx.k, &ctx.v], &ctx.probs, d_out, self.cfg.scale())
+    }
+
+    /// Checks q, k, v against the configuration and each other; their dimensions.
+    fn dims(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+        check_dtype(MODULE, "q", q, DType::is_high_precision, "f32, bf16 or f16")?;
+        let same = format!("{} (the dtype of `q`)", q.dtype());
+        check_dtype(MODULE, "k", k, |d| d == q.dtype(), &same)?;
+        check_dtype(MODULE, "v", v, |d| d == q.dtype(), &same)?;
+        let format = self.cfg.qkv_format;
+        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
+        let shape_error = |message: String| Err(Error::Shape { op: MODULE, message });
+        let four_d = |arg: &str, t: &Tensor| -> Result<[usize; 4]> {
+            t.shape().try_into().map_err(|_| Error::Shape {
+                op: MODULE,
+                message: format!("`{arg}` must be 4-D {}, got {:?}", format.describe(), t.shape()),
+            })
+        };
+        let q_shape = four_d("q", q)?;
+        let (batch, sq) = format.batch_seq(q_shape);
+        if q_shape != format.shape(batch, sq, h, d) {
+            return shape_error(format!(
+                "`q` {q_shape:?} must hold num_attention_heads = {h} heads of kv_channels = {d} in {}",
+                format.describe()
+            ));
+        }
+        let k_shape = four_d("k", k)?;
+        let sk = format.batch_seq(k_shape).1;
+        let want = format.shape(batch, sk, g, d);
+        if k_shape != want {
+            return shape_error(format!(
+                "`k` must be {want:?}: q's batch of {batch}, num_gqa_groups = {g} heads of kv_channels = {d} in {}, \
+                 got {k_shape:?}",
+                format.describe()
+            ));
+        }
+        check_shape(MODULE, "v", v, k.shape())?;
+        if batch == 0 || sq == 0 || sk == 0 {
+            return shape_error(format!("batch, sq and sk must be ≥ 1, got {batch}, {sq} and {sk}"));
+        }
+        if sk > MAX_SK {
+            return shape_error(format!(
+                "sk = {sk} keys exceed the softmax kernel's limit of {MAX_SK} (TE's unfused limit too): shorten the \
+                 key sequence"
+            ));
+        }
+        Ok(Dims { format, batch, sq, sk, heads: h, groups: g, head_dim: d })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_error(cfg: DotProductAttentionConfig) -> String {
+        match cfg.validate() {
+            Err(Error::Config { module: MODULE, message }) => message,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_follow_te() {
+        let cfg = DotProductAttentionConfig::new(32, 128);
+        assert_eq!((cfg.qkv_format, cfg.attn_mask_type), (QkvFormat::Sbhd, AttnMaskType::Causal));
+        assert_eq!((cfg.groups(), cfg.scale()), (32, 1.0 / 128f32.sqrt()));
+        cfg.validate().unwrap();
+        let gqa = DotProductAttentionConfig { num_gqa_groups: Some(8), softmax_scale: Some(0.5), ..cfg };
+        gqa.validate().unwrap();
+        assert_eq!((gqa.groups(), gqa.scale()), (8, 0.5));
+    }
+
+    #[test]
+    fn bad_configs_say_what_to_change() {
+        let cfg = DotProductAttentionConfig::new(8, 64);
+        let e = config_error(DotProductAttentionConfig { num_gqa_groups: Some(3), ..cfg.clone() });
+        assert!(e.contains("num_gqa_groups = 3 must divide num_attention_heads = 8"), "{e}");
+        let e = config_error(DotProductAttentionConfig { num_gqa_groups: Some(0), ..cfg.clone() });
+        assert!(e.contains("num_gqa_groups = 0"), "{e}");
+        let e = config_error(DotProductAttentionConfig { attention_dropout: 0.1, ..cfg.clone() });
+        assert!(e.contains("dropout in attention is not implemented yet; pass attention_dropout = 0"), "{e}");
+        let e = config_error(DotProductAttentionConfig { attention_dropout: f32::NAN, ..cfg.clone() });
+        assert!(e.contains("not implemented yet"), "{e}");
+        let e = config_error(DotProductAttentionConfig { softmax_scale: Some(f32::INFINITY), ..cfg.clone() });
+        assert!(e.contains("softmax_scale"), "{e}");
+        let e = config_error(DotProductAttentionConfig::new(0, 64));
+        assert!(e.contains("≥ 1"), "{e}");
+    }
+
+    #[test]
+    fn formats_place_batch_and_seq() {
+        assert_eq!(QkvFormat::Bshd.shape(2, 7, 4, 8), [2, 7, 4, 8]);
+        assert_eq!(QkvFormat::Sbhd.shape(2, 7, 4, 8), [7, 2, 4, 8]);
+        for f in [QkvFormat::Bshd, QkvFormat::Sbhd] {
+            assert_eq!(f.batch_seq(f.shape(2, 7, 4, 8)), (2, 7));
+        }
+        assert!(AttnMaskType::PaddingCausal.is_padding() && AttnMaskType::PaddingCausal.is_causal());
+        assert!(!AttnMaskType::Causal.is_padding() && !AttnMaskType::Padding.is_causal());
+    }
+}
