@@ -219,8 +219,14 @@ fn layernorm_mlp_matches_reference() {
             let want = reference::layernorm_mlp_forward(&norm, &fc1, act, &fc2, &x, T);
             check(mode, &format!("{what} y"), &y, &want, false);
             let r = reference::layernorm_mlp_backward(&norm, &fc1, act, &fc2, &dy, &x, T);
-            let check = |mode, what: &str, got: &[f32], want: &[f32], grad| match act {
-                Activation::Relu => check_frobenius(mode, what, got, want, grad),
+            // ReLU's derivative jumps at 0: pre-activations that round across 0 flip single
+            // elements, so ReLU gradients get the Frobenius bound only, widened under FP8.
+            let check = |mode: Mode, what: &str, got: &[f32], want: &[f32], grad| match (act, mode) {
+                (Activation::Relu, Mode::Fp8(_)) if grad => {
+                    let e = rel_frobenius(got, want);
+                    assert!(e < 0.25, "{mode:?} {what}: relative Frobenius error {e} (bound 0.25 for ReLU)");
+                }
+                (Activation::Relu, _) => check_frobenius(mode, what, got, want, grad),
                 _ => check(mode, what, got, want, grad),
             };
             check(mode, &format!("{what} dx"), &dx, &r.dx, true);
@@ -315,6 +321,7 @@ mod transformer {
                 let (xt, dyt) = (upload(&dev, &x, &[S, B, HID]), upload(&dev, &dy, &[S, B, HID]));
                 let step = |l: &mut TransformerLayer| {
                     l.self_attention_mut().qkv_params_mut().zero_grad();
+                    l.self_attention_mut().proj_params_mut().zero_grad();
                     l.layernorm_mlp_mut().fc1_mut().zero_grad();
                     mode.run(|| {
                         let (y, ctx) = l.forward(&xt)?;
