@@ -252,6 +252,11 @@ impl ModelConfig {
         for cols in [h, f] {
             v.push(CastTransposeSpec::new(dt, fwd8, cols, false, None, arch).into());
         }
+        // Byte transposes of the FP8 codes fused producers write: the norm output feeding the QKV
+        // projection and fc1, and the activation output feeding fc2.
+        for cols in [h, f] {
+            v.push(CastTransposeSpec::transpose(fwd8, cols, arch).into());
+        }
         // Gradients: cast + transpose + dbias of dY for proj/fc2 (hidden), qkv, fc1.
         for cols in [h, self.qkv_size(), fc1_out] {
             v.push(CastTransposeSpec::new(dt, bwd8, cols, true, None, arch).into());
