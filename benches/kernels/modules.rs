@@ -106,6 +106,20 @@ fn layernorm_mlp(b: &mut Bench) {
         bf16.median_us / delayed.median_us,
         None,
     );
+    let mut recompute = LayerNormMLP::new(
+        &dev,
+        LayerNormMLPConfig { recompute_activation: true, ..LayerNormMLPConfig::new(HIDDEN, FFN) },
+    )
+    .unwrap();
+    let st = b.time(3, 20, |_| {
+        fp8_autocast(true, DelayedScaling::default(), || {
+            let (_, ctx) = recompute.forward(&x)?;
+            recompute.backward(ctx, &dy)
+        })
+        .unwrap();
+    });
+    b.record_flops("layernorm_mlp fwd+bwd fp8 delayed, recompute_activation", &shape, st, flops);
+    let (_, rc_ctx) = fp8_autocast(true, DelayedScaling::default(), || recompute.forward(&x)).unwrap();
     let (_, bf16_ctx) = mlp.forward(&x).unwrap();
     let (_, fp8_ctx) = fp8_autocast(true, DelayedScaling::default(), || mlp.forward(&x)).unwrap();
     println!(
@@ -116,6 +130,11 @@ fn layernorm_mlp(b: &mut Bench) {
     b.record_ratio(
         "layernorm_mlp bytes saved for backward: fp8 ÷ bf16",
         fp8_ctx.saved_bytes() as f64 / bf16_ctx.saved_bytes() as f64,
+        Some((false, 0.6)),
+    );
+    b.record_ratio(
+        "layernorm_mlp bytes saved for backward: fp8 recompute_activation ÷ bf16",
+        rc_ctx.saved_bytes() as f64 / bf16_ctx.saved_bytes() as f64,
         Some((false, 0.6)),
     );
 }

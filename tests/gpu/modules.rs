@@ -256,6 +256,39 @@ fn fp8_layernorm_mlp_saves_less_for_backward() {
     assert!(ratio < 0.8, "FP8 saves its GEMM inputs in 1 byte per element (ratio {ratio:.3})");
 }
 
+/// Recomputing fc2's FP8 input in backward gives the same gradients bit for bit as keeping it,
+/// and keeps fewer bytes.
+#[test]
+fn recomputed_activation_matches_the_saved_one() {
+    let Some(dev) = device() else { return };
+    let x = upload(&dev, &bf16(&randn(70, T * H, 1.0)), &[T, H]);
+    let dy = upload(&dev, &bf16(&randn(71, T * H, 1e-2)), &[T, H]);
+    for recipe in [Recipe::from(DelayedScaling::default()), Float8CurrentScaling::default().into()] {
+        let mut results = Vec::new();
+        for recompute in [false, true] {
+            let cfg = LayerNormMLPConfig { recompute_activation: recompute, ..LayerNormMLPConfig::new(H, F) };
+            let mut m = LayerNormMLP::new(&dev, cfg).unwrap();
+            let mut last = None;
+            for _ in 0..2 {
+                m.fc2_mut().zero_grad();
+                last = Some(
+                    fp8_autocast(true, recipe, || {
+                        let (_, ctx) = m.forward(&x)?;
+                        let bytes = ctx.saved_bytes();
+                        Ok((m.backward(ctx, &dy)?.to_f32(&dev)?, bytes))
+                    })
+                    .unwrap(),
+                );
+            }
+            let (dx, bytes) = last.unwrap();
+            results.push((dx, host(&dev, m.fc2().weight_grad()), bytes));
+        }
+        assert_eq!(results[0].0, results[1].0, "{recipe:?}: dx");
+        assert_eq!(results[0].1, results[1].1, "{recipe:?}: fc2 wgrad");
+        assert!(results[1].2 + T * F <= results[0].2, "{recipe:?}: one byte per ffn activation fewer");
+    }
+}
+
 #[test]
 fn module_errors_are_typed() {
     let Some(dev) = device() else { return };

@@ -199,6 +199,16 @@ impl ScalingState {
         Ok((r, Arc::new(scale_inv)))
     }
 
+    /// A device copy of the slot's current scale (kept by a module that recomputes a cast in
+    /// backward, after the scope's update may have changed the slot).
+    pub(crate) fn scale_copy(&self, slot: usize) -> Result<CudaSlice<f32>> {
+        let b = self.lock();
+        let s = self.dev.stream();
+        let mut out = s.alloc_zeros::<f32>(1)?;
+        s.memcpy_dtod(&b.scale.slice(slot..slot + 1), &mut out)?;
+        Ok(out)
+    }
+
     /// Maxes `|x|` into the slot's newest amax without casting (calibration).
     pub(crate) fn record_amax(&self, x: &Tensor, slot: usize) -> Result<()> {
         let mut b = self.lock();

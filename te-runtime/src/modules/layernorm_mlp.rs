@@ -40,6 +40,11 @@ pub struct LayerNormMLPConfig {
     pub activation: Activation,
     /// fc1 and fc2 have biases. TE default true.
     pub bias: bool,
+    /// FP8 only: do not keep fc2's FP8 input for its wgrad; recompute it in backward from the
+    /// saved fc1 output (activation + cast with the forward's scale, then the byte transpose), as
+    /// torch.compile's partitioner does. Saves 1 byte per ffn activation for one more activation
+    /// pass in backward. Default false (TE keeps it).
+    pub recompute_activation: bool,
     /// Also return the norm's output (TE `return_layernorm_output`: a BERT-style block takes its
     /// residual after the norm); it is then computed in high precision and cast separately.
     pub return_layernorm_output: bool,
@@ -64,6 +69,7 @@ impl LayerNormMLPConfig {
             zero_centered_gamma: false,
             activation: Activation::Gelu,
             bias: true,
+            recompute_activation: false,
             return_layernorm_output: false,
             params_dtype: DType::BF16,
             fuse_wgrad_accumulation: false,
@@ -84,6 +90,8 @@ pub struct LayerNormMLPCtx {
     /// fc1's output including its bias: the activation's input `[tokens, fc1_out]`.
     pre_act: Tensor,
     fc2: Saved,
+    /// With `recompute_activation` under delayed scaling: the scale fc2's input was cast with.
+    act_scale: Option<CudaSlice<f32>>,
 }
 
 impl LayerNormMLPCtx {
@@ -135,14 +143,17 @@ impl LayerNormMLP {
         };
         let fc1_out = if cfg.activation.is_gated() { 2 * f } else { f };
         let fc1 = LinearParams::new(dev, MODULE, init(h, fc1_out, cfg.seed))?;
-        let fc2 = LinearParams::new(dev, MODULE, init(f, h, cfg.seed + 1))?;
+        let mut fc2 = LinearCore::new(LinearParams::new(dev, MODULE, init(f, h, cfg.seed + 1))?, MODULE, true, true);
+        if cfg.recompute_activation {
+            fc2.recompute_input();
+        }
         Ok(Self {
             dev: dev.clone(),
             id: next_module_id(),
             cfg,
             norm,
             fc1: LinearCore::new(fc1, MODULE, true, true),
-            fc2: LinearCore::new(fc2, MODULE, true, true),
+            fc2,
         })
     }
 
@@ -273,6 +284,8 @@ impl LayerNormMLP {
         };
         // Activation → fc2 input (FP8 from the kernel under delayed scaling).
         let act_shape = out_shape(x.shape(), self.cfg.ffn_hidden_size);
+        let recompute = self.cfg.recompute_activation && grad;
+        let mut act_scale = None;
         let fc2_in = match &delayed {
             Some(r) => {
                 let state = self.fc2.fwd_state(r)?;
@@ -281,7 +294,9 @@ impl LayerNormMLP {
                     activation::forward(&self.dev, self.cfg.activation, &pre_act, None, &mut y, Some(fp8))
                 })?;
                 let mut act8 = Float8Tensor::from_parts(y, None, scale_inv)?;
-                if grad {
+                if recompute {
+                    act_scale = Some(state.scale_copy(FWD_INPUT)?);
+                } else if grad {
                     act8.ensure_transpose(&self.dev)?;
                 }
                 LinearInput::Fp8(act8)
@@ -303,6 +318,7 @@ impl LayerNormMLP {
                 fc1,
                 pre_act,
                 fc2,
+                act_scale,
             }),
             _ => None,
         };
@@ -332,13 +348,18 @@ impl LayerNormMLP {
         check_ctx(MODULE, (ctx.module_id, ctx.version), self.id, self.version())?;
         let act_shape = out_shape(ctx.x.shape(), self.cfg.ffn_hidden_size);
         let internal = |m: &str| Error::Shape { op: MODULE, message: format!("internal: {m}") };
+        let mut fc2_saved = ctx.fc2;
+        if let Saved::Fp8 { input_t: None, recipe, .. } = &fc2_saved {
+            let act_t = self.recompute_act_t(&ctx.pre_act, *recipe, ctx.act_scale.as_ref())?;
+            fc2_saved.restore_input(act_t);
+        }
         let d_act =
-            self.fc2.backward(ctx.fc2, grad_output, &act_shape, true)?.ok_or_else(|| internal("no fc2 dgrad"))?;
+            self.fc2.backward(fc2_saved, grad_output, &act_shape, true)?.ok_or_else(|| internal("no fc2 dgrad"))?;
         let fc1_shape = ctx.pre_act.shape().to_vec();
         let act = self.cfg.activation;
         let d_ln = match ctx.fc1 {
             // GELU/ReLU under FP8: dact + cast + transpose + dbias in one kernel.
-            Saved::Fp8 { input_t, weight, recipe, ticket } if !act.is_gated() => {
+            Saved::Fp8 { input_t: Some(input_t), weight, recipe, ticket } if !act.is_gated() => {
                 let (d8, dbias) = self.dact_cast(act, &d_act, &ctx.pre_act, recipe)?;
                 let dx = self.fc1.backward_fp8_quantized(
                     &d8,
@@ -368,6 +389,44 @@ impl LayerNormMLP {
             ops::elementwise::add_assign(&self.dev, &mut d_ln, g)?;
         }
         self.norm.backward(&d_ln, &ctx.x, &ctx.stats)
+    }
+
+    /// fc2's FP8 input transpose, recomputed from fc1's output as the forward made it: with the
+    /// forward's scale (delayed) or the same amax (current).
+    fn recompute_act_t(
+        &self,
+        pre_act: &Tensor,
+        recipe: Recipe,
+        scale: Option<&CudaSlice<f32>>,
+    ) -> Result<Float8Tensor> {
+        let dev = &self.dev;
+        let act = self.cfg.activation;
+        let shape = out_shape(pre_act.shape(), self.cfg.ffn_hidden_size);
+        let act8 = match (recipe, scale) {
+            (Recipe::Delayed(_), Some(scale)) => {
+                let mut y = Tensor::empty(dev, DType::E4M3, &shape)?;
+                let (mut amax, mut scale_inv) =
+                    (dev.stream().alloc_zeros::<f32>(1)?, dev.stream().alloc_zeros::<f32>(1)?);
+                let mut fp8 = ops::Fp8Scaling {
+                    scale: scale.as_view(),
+                    amax: amax.as_view_mut(),
+                    scale_inv: scale_inv.as_view_mut(),
+                };
+                activation::forward(dev, act, pre_act, None, &mut y, Some(&mut fp8))?;
+                let mut f = Float8Tensor::from_parts(y, None, Arc::new(scale_inv))?;
+                f.ensure_transpose(dev)?;
+                f
+            }
+            (Recipe::Current(c), _) => {
+                let mut y = Tensor::empty(dev, pre_act.dtype(), &shape)?;
+                activation::forward(dev, act, pre_act, None, &mut y, None)?;
+                quantize_current(dev, &y, DType::E4M3, &c, true, None)?
+            }
+            (Recipe::Delayed(_), None) => {
+                return Err(Error::Shape { op: MODULE, message: "internal: no saved activation scale".into() })
+            }
+        };
+        act8.into_transposed().ok_or_else(|| Error::Shape { op: MODULE, message: "internal: no transpose".into() })
     }
 
     /// `d_pre = d_act · act'(pre_act)` cast to fc1's gradient format with its transpose and the

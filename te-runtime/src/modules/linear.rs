@@ -111,8 +111,9 @@ pub(crate) enum LinearInput {
 /// What a GEMM layer's forward saved for backward.
 #[derive(Debug)]
 pub(crate) enum Saved {
-    /// FP8 GEMMs: `x8ᵀ [in, tokens]`, `W8` with its transpose, and the forward's recipe.
-    Fp8 { input_t: Float8Tensor, weight: Float8Tensor, recipe: Recipe, ticket: Option<BackwardTicket> },
+    /// FP8 GEMMs: `x8ᵀ [in, tokens]` (`None` when the owner recomputes it before backward, see
+    /// [`LinearCore::recompute_input`]), `W8` with its transpose, and the forward's recipe.
+    Fp8 { input_t: Option<Float8Tensor>, weight: Float8Tensor, recipe: Recipe, ticket: Option<BackwardTicket> },
     /// High-precision GEMMs: the input and weight (shared, not copied).
     High { input: Tensor, weight: Tensor },
 }
@@ -122,8 +123,15 @@ impl Saved {
     /// shared with the caller and the parameters).
     pub(crate) fn bytes(&self) -> usize {
         match self {
-            Saved::Fp8 { input_t, .. } => input_t.num_bytes(),
+            Saved::Fp8 { input_t, .. } => input_t.as_ref().map_or(0, Float8Tensor::num_bytes),
             Saved::High { .. } => 0,
+        }
+    }
+
+    /// Puts back the FP8 input transpose a forward without it left out.
+    pub(crate) fn restore_input(&mut self, t: Float8Tensor) {
+        if let Saved::Fp8 { input_t, .. } = self {
+            *input_t = Some(t);
         }
     }
 }
@@ -138,13 +146,21 @@ pub(crate) struct LinearCore {
     bias_fwd: bool,
     /// Backward computes the bias gradient (false for `return_bias`).
     bias_bwd: bool,
+    /// FP8 forward saves the input transpose (false: the owner recomputes it before backward).
+    save_input: bool,
     fwd_state: Option<Arc<ScalingState>>,
     bwd_state: Option<Arc<ScalingState>>,
 }
 
 impl LinearCore {
     pub(crate) fn new(params: LinearParams, module: &'static str, bias_fwd: bool, bias_bwd: bool) -> Self {
-        Self { params, module, bias_fwd, bias_bwd, fwd_state: None, bwd_state: None }
+        Self { params, module, bias_fwd, bias_bwd, save_input: true, fwd_state: None, bwd_state: None }
+    }
+
+    /// FP8 forwards stop saving the input transpose; the owner recomputes it and hands it back
+    /// with [`Saved::restore_input`] before backward (activation recomputation).
+    pub(crate) fn recompute_input(&mut self) {
+        self.save_input = false;
     }
 
     fn err(&self, message: String) -> Error {
@@ -253,9 +269,9 @@ impl LinearCore {
         };
         let x8 = match (x, &fwd, recipe) {
             (LinearInput::Fp8(f), ..) => f,
-            (LinearInput::High(x), Some(s), _) => s.quantize(&x, FWD_INPUT, grad, None)?,
+            (LinearInput::High(x), Some(s), _) => s.quantize(&x, FWD_INPUT, grad && self.save_input, None)?,
             (LinearInput::High(x), None, Recipe::Current(c)) => {
-                quantize_current(&dev, &x, DType::E4M3, &c, grad, None)?
+                quantize_current(&dev, &x, DType::E4M3, &c, grad && self.save_input, None)?
             }
             (LinearInput::High(_), None, Recipe::Delayed(_)) => {
                 return Err(self.err("internal: delayed recipe without state".into()))
@@ -302,8 +318,12 @@ impl LinearCore {
         if !grad {
             return Ok((out, None));
         }
-        let input_t =
-            x8.into_transposed().ok_or_else(|| self.err("internal: the FP8 input has no transpose".into()))?;
+        let input_t = match self.save_input {
+            true => {
+                Some(x8.into_transposed().ok_or_else(|| self.err("internal: the FP8 input has no transpose".into()))?)
+            }
+            false => None,
+        };
         let ticket = match recipe {
             Recipe::Delayed(r) => Some(backward_ticket(&self.bwd_state(&r)?)),
             Recipe::Current(_) => None,
@@ -325,6 +345,7 @@ impl LinearCore {
         self.params.check_main_grad()?;
         match saved {
             Saved::Fp8 { input_t, weight, recipe, ticket } => {
+                let input_t = input_t.ok_or_else(|| self.err("internal: the FP8 input was not restored".into()))?;
                 let dx = self.backward_fp8(dy, &input_t, &weight, recipe, input_shape, input_grad)?;
                 if let Some(t) = ticket {
                     t.finish()?;
