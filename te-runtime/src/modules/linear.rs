@@ -45,14 +45,14 @@ pub struct LinearConfig {
     pub out_features: usize,
     /// Learn an additive bias (TE default true).
     pub bias: bool,
-    /// Do not add the bias in forward; the caller adds [`Linear::bias`] (fused into its next op,
+    /// Do not add the bias in forward; the caller adds [`LinearParams::bias`] (fused into its next op,
     /// TE `return_bias`), and backward computes no bias gradient. Default false.
     pub return_bias: bool,
     /// Dtype of the weight, bias and their gradients: F32, BF16 or F16. Default BF16 (TE
     /// defaults to the torch default dtype; BF16 is what FP8 training runs with).
     pub params_dtype: DType,
     /// Wgrad GEMM accumulates into the caller's f32 `main_grad` (see
-    /// [`Linear::set_main_grad`]) instead of the weight gradient. Default false.
+    /// [`LinearParams::set_main_grad`]) instead of the weight gradient. Default false.
     pub fuse_wgrad_accumulation: bool,
     /// Std of the normal weight init (TE `init_method_normal(0.023)`); the bias starts at 0.
     pub init_std: f32,
