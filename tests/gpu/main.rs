@@ -18,3 +18,4 @@ mod norm;
 mod rope;
 mod scaling;
 mod softmax;
+mod visit;

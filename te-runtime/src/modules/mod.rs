@@ -8,6 +8,7 @@ pub mod layernorm_mlp;
 pub mod linear;
 pub mod norm;
 mod params;
+pub mod visit;
 
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
 pub use layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
@@ -15,6 +16,10 @@ pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCt
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
 pub use te_codegen::spec::Activation;
+pub use visit::{
+    join_path, visit_linear_params, visit_linear_params_mut, visit_norm_params, visit_norm_params_mut, Module,
+    ModuleVisitor, ModuleVisitorMut, NamedParameter, Param, ParamKind, ParamMut,
+};
 
 use crate::fp8::Float8Tensor;
 use crate::{Device, Result, Tensor};
