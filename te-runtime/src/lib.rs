@@ -15,7 +15,10 @@ pub mod reference;
 pub mod tensor;
 
 pub use device::Device;
+pub use modules::Module;
 pub use te_codegen::{Arch, DType};
+/// `#[derive(Module)]`: the path-keyed traversal of a model struct (see [`modules::Module`]).
+pub use te_macros::Module;
 pub use tensor::Tensor;
 
 /// Errors of the runtime.

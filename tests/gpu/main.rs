@@ -19,3 +19,4 @@ mod norm;
 mod rope;
 mod scaling;
 mod softmax;
+mod visit;

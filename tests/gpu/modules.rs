@@ -432,6 +432,39 @@ mod transformer {
         assert_eq!(dx.to_f32(&dev).unwrap(), dy);
     }
 
+    /// TE's state-dict names through the derive's traversal, pre-LN and post-LN.
+    #[test]
+    fn layer_parameters_have_te_names() {
+        use te_runtime::Module;
+        let Some(dev) = device() else { return };
+        let layer = TransformerLayer::new(&dev, config(2)).unwrap();
+        let names: Vec<String> = layer.named_parameters().into_iter().map(|p| p.path).collect();
+        for want in [
+            "self_attention.layernorm_qkv.layer_norm_weight",
+            "self_attention.layernorm_qkv.weight",
+            "self_attention.proj.bias",
+            "layernorm_mlp.layer_norm_bias",
+            "layernorm_mlp.fc1_weight",
+            "layernorm_mlp.fc2_bias",
+        ] {
+            assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
+        }
+        let (h, g, d) = (HID, 2, HID / HEADS);
+        let want =
+            4 * h + ((HEADS + 2 * g) * d * h + (HEADS + 2 * g) * d) + (h * h + h) + (FFN * h + FFN + h * FFN + h);
+        assert_eq!(layer.num_parameters(), want);
+        let post = TransformerLayerConfig {
+            output_layernorm: true,
+            apply_residual_connection_post_layernorm: true,
+            ..config(HEADS)
+        };
+        let bert = TransformerLayer::new(&dev, post).unwrap();
+        let names: Vec<String> = bert.named_parameters().into_iter().map(|p| p.path).collect();
+        assert!(
+            names.iter().any(|n| n == "self_attention.qkv.weight") && names.iter().any(|n| n == "layernorm.weight")
+        );
+    }
+
     #[test]
     fn layer_errors_are_typed() {
         let Some(dev) = device() else { return };

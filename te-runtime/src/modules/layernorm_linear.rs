@@ -166,6 +166,11 @@ impl LayerNormLinear {
         self.core.fwd_state_opt()
     }
 
+    /// The backward delayed-scaling state of the GEMM (grad_output, grad_input).
+    pub fn fp8_backward_state(&self) -> Option<&Arc<ScalingState>> {
+        self.core.bwd_state_opt()
+    }
+
     /// Forward for training: the output and the context.
     ///
     /// # Errors

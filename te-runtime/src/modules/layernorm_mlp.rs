@@ -12,7 +12,7 @@ use super::linear::{check_ctx, check_input, out_shape, LinearCore, LinearInput, 
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{LinearParams, ParamsInit};
 use super::{next_module_id, ForwardOptions, Output};
-use crate::fp8::{fp8_mode, quantize_current, Float8Tensor, Fp8Mode, Recipe};
+use crate::fp8::{fp8_mode, quantize_current, Float8Tensor, Fp8Mode, Recipe, ScalingState};
 use crate::ops::cast_transpose::{cast_transpose_dact, dbias_workspace_len, DbiasOut};
 use crate::ops::{self, activation};
 use crate::{Device, Error, Result, Tensor};
@@ -190,6 +190,18 @@ impl LayerNormMLP {
     /// fc2, mutably.
     pub fn fc2_mut(&mut self) -> &mut LinearParams {
         &mut self.fc2.params
+    }
+
+    /// The delayed-scaling states of the two GEMMs, named as checkpoints store them
+    /// (`fc1_fp8_fwd`, `fc1_fp8_bwd`, `fc2_fp8_fwd`, `fc2_fp8_bwd`); `None` before the first FP8
+    /// forward with delayed scaling.
+    pub fn fp8_states(&self) -> [(&'static str, Option<&Arc<ScalingState>>); 4] {
+        [
+            ("fc1_fp8_fwd", self.fc1.fwd_state_opt()),
+            ("fc1_fp8_bwd", self.fc1.bwd_state_opt()),
+            ("fc2_fp8_fwd", self.fc2.fwd_state_opt()),
+            ("fc2_fp8_bwd", self.fc2.bwd_state_opt()),
+        ]
     }
 
     fn version(&self) -> u64 {

@@ -11,6 +11,7 @@ pub mod multihead_attention;
 pub mod norm;
 mod params;
 pub mod transformer_layer;
+pub mod visit;
 
 pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
@@ -21,6 +22,10 @@ pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNo
 pub use params::LinearParams;
 pub use te_codegen::spec::Activation;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
+pub use visit::{
+    join_path, visit_linear_params, visit_linear_params_mut, visit_norm_params, visit_norm_params_mut, Module,
+    ModuleVisitor, ModuleVisitorMut, NamedParameter, Param, ParamKind, ParamMut,
+};
 
 use crate::fp8::Float8Tensor;
 use crate::{Device, Result, Tensor};

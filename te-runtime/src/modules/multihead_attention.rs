@@ -10,6 +10,7 @@ use super::attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProdu
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
 use super::linear::{Linear, LinearConfig, LinearCtx};
 use super::norm::NormKind;
+use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, LinearParams, NormParams};
 use crate::ops::copy::copy_columns;
 use crate::ops::rope::{self, RopeFormat};
@@ -329,5 +330,24 @@ impl MultiheadAttention {
             (QkvProj::Plain(m), QkvCtx::Plain(c)) => m.backward(c, &d_qkv),
             _ => Err(Error::Context { module: MODULE, message: "internal: QKV context of another kind".into() }),
         }
+    }
+}
+
+impl Module for MultiheadAttention {
+    /// TE's names: `layernorm_qkv.*` (with `input_layernorm`) or `qkv.*`, then `proj.*`.
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        match &self.qkv {
+            QkvProj::Norm(m) => m.visit(&join_path(prefix, "layernorm_qkv"), visitor)?,
+            QkvProj::Plain(m) => m.visit(&join_path(prefix, "qkv"), visitor)?,
+        }
+        self.proj.visit(&join_path(prefix, "proj"), visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        match &mut self.qkv {
+            QkvProj::Norm(m) => m.visit_mut(&join_path(prefix, "layernorm_qkv"), visitor)?,
+            QkvProj::Plain(m) => m.visit_mut(&join_path(prefix, "qkv"), visitor)?,
+        }
+        self.proj.visit_mut(&join_path(prefix, "proj"), visitor)
     }
 }

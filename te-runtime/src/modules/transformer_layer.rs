@@ -12,6 +12,7 @@ use super::multihead_attention::{
     AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
 };
 use super::norm::{Norm, NormConfig, NormCtx, NormKind};
+use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, Activation};
 use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
 use crate::ops::elementwise::add_assign;
@@ -285,5 +286,20 @@ impl TransformerLayer {
         let d_x = self.attention.backward(ctx.attn, &d_a)?;
         add_assign(&self.dev, &mut d_h1, &d_x)?;
         Ok(d_h1)
+    }
+}
+
+impl Module for TransformerLayer {
+    /// TE's names: `self_attention.*`, `layernorm_mlp.*`, and `layernorm.*` (post-LN).
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        self.attention.visit(&join_path(prefix, "self_attention"), visitor)?;
+        self.mlp.visit(&join_path(prefix, "layernorm_mlp"), visitor)?;
+        self.out_norm.visit(&join_path(prefix, "layernorm"), visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        self.attention.visit_mut(&join_path(prefix, "self_attention"), visitor)?;
+        self.mlp.visit_mut(&join_path(prefix, "layernorm_mlp"), visitor)?;
+        self.out_norm.visit_mut(&join_path(prefix, "layernorm"), visitor)
     }
 }

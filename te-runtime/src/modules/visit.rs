@@ -1,0 +1,622 @@
+//! Path-keyed traversal of a model: every parameter (`"layers.3.mlp.fc1_weight"`) and every FP8
+//! scaling state (`"layers.3.proj.fp8_fwd"`), in a fixed order, read-only ([`Module::visit`]) or
+//! writable ([`Module::visit_mut`]). `#[derive(Module)]` generates the traversal of a model
+//! struct; checkpoints, parameter counts, optimizers and `zero_grad` are visitors on top of it.
+
+use super::{LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm, NormParams};
+use crate::fp8::{Float8Tensor, ScalingState};
+use crate::{Result, Tensor};
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use te_codegen::DType;
+
+/// What a parameter is to the layer that owns it (an optimizer skips weight decay on biases and
+/// norms by it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ParamKind {
+    /// A GEMM weight `[out, in]` (TE `weight`, `fc1_weight`, ...).
+    Weight,
+    /// A GEMM bias `[out]` (TE `bias`, `fc1_bias`, ...).
+    Bias,
+    /// A norm's gamma `[hidden]` (TE `LayerNorm.weight`, `layer_norm_weight`).
+    NormWeight,
+    /// A LayerNorm's beta `[hidden]` (TE `LayerNorm.bias`, `layer_norm_bias`).
+    NormBias,
+}
+
+/// One parameter as a visitor reads it. The library implements it for the tensors of its
+/// modules; a hand-written leaf module implements it for its own storage.
+pub trait Param {
+    /// Shape as stored.
+    fn shape(&self) -> &[usize];
+
+    /// Element type as stored: the layer's `params_dtype`, or E4M3 for an FP8-only weight.
+    fn dtype(&self) -> DType;
+
+    /// The high-precision tensor; `None` for an FP8-only weight (see [`Param::fp8_tensor`]).
+    fn tensor(&self) -> Option<&Tensor>;
+
+    /// The FP8-only weight of a layer made under [`crate::fp8::fp8_model_init`].
+    fn fp8_tensor(&self) -> Option<&Float8Tensor> {
+        None
+    }
+
+    /// The gradient accumulated since the last `zero_grad` (`params_dtype`); `None` before the
+    /// first backward, or when wgrad accumulates into [`Param::main_grad`] instead.
+    fn grad(&self) -> Option<&Tensor>;
+
+    /// The f32 `main_grad` a GEMM weight's wgrad accumulates into with
+    /// `fuse_wgrad_accumulation` (Megatron's `weight.main_grad`).
+    fn main_grad(&self) -> Option<&Tensor> {
+        None
+    }
+
+    /// Number of elements.
+    fn numel(&self) -> usize {
+        self.shape().iter().product()
+    }
+}
+
+/// One parameter as a visitor writes it (a checkpoint load, an optimizer step).
+pub trait ParamMut: Param {
+    /// Replaces the tensor (of the stored shape, in `params_dtype`); bumps the layer's version,
+    /// so contexts saved before are refused and a cached FP8 weight is cast anew. An FP8-only
+    /// weight becomes high precision.
+    ///
+    /// # Errors
+    /// [`crate::Error::Shape`] / [`crate::Error::DType`] when `value` does not fit.
+    fn set(&mut self, value: Tensor) -> Result<()>;
+
+    /// Drops the accumulated gradient. TE's layers keep weight and bias gradients together: this
+    /// drops both (the caller's `main_grad` is kept).
+    fn zero_grad(&mut self);
+}
+
+/// What a read-only traversal ([`Module::visit`]) calls for each thing it reaches. A closure
+/// `FnMut(&str, ParamKind, &dyn Param) -> Result<()>` is a visitor of parameters.
+pub trait ModuleVisitor {
+    /// The parameter at `path`.
+    ///
+    /// # Errors
+    /// The visitor's own; the traversal stops and returns it.
+    fn param(&mut self, path: &str, kind: ParamKind, param: &dyn Param) -> Result<()>;
+
+    /// The FP8 scaling state at `path` (`….fp8_fwd`, `….fp8_bwd`), present once an FP8 forward
+    /// (or backward) ran with delayed scaling. Ignored unless overridden.
+    ///
+    /// # Errors
+    /// The visitor's own; the traversal stops and returns it.
+    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> Result<()> {
+        let _ = (path, state);
+        Ok(())
+    }
+}
+
+/// What a writable traversal ([`Module::visit_mut`]) calls for each thing it reaches. A closure
+/// `FnMut(&str, ParamKind, &mut dyn ParamMut) -> Result<()>` is a visitor of parameters.
+pub trait ModuleVisitorMut {
+    /// The parameter at `path`.
+    ///
+    /// # Errors
+    /// The visitor's own; the traversal stops and returns it.
+    fn param(&mut self, path: &str, kind: ParamKind, param: &mut dyn ParamMut) -> Result<()>;
+
+    /// The FP8 scaling state at `path` ([`ScalingState::restore`] writes it through a shared
+    /// reference). Ignored unless overridden.
+    ///
+    /// # Errors
+    /// The visitor's own; the traversal stops and returns it.
+    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> Result<()> {
+        let _ = (path, state);
+        Ok(())
+    }
+}
+
+impl<F: FnMut(&str, ParamKind, &dyn Param) -> Result<()>> ModuleVisitor for F {
+    fn param(&mut self, path: &str, kind: ParamKind, param: &dyn Param) -> Result<()> {
+        self(path, kind, param)
+    }
+}
+
+impl<F: FnMut(&str, ParamKind, &mut dyn ParamMut) -> Result<()>> ModuleVisitorMut for F {
+    fn param(&mut self, path: &str, kind: ParamKind, param: &mut dyn ParamMut) -> Result<()> {
+        self(path, kind, param)
+    }
+}
+
+/// A parameter's path, kind, shape and dtype (as stored), from [`Module::named_parameters`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedParameter {
+    /// Dotted path from the root (`"layers.0.fc1_weight"`).
+    pub path: String,
+    /// Weight, bias, norm weight or norm bias.
+    pub kind: ParamKind,
+    /// Shape as stored.
+    pub shape: Vec<usize>,
+    /// Element type as stored.
+    pub dtype: DType,
+}
+
+/// A model, or a part of one: it hands each of its parameters and FP8 scaling states to a
+/// visitor under a dotted path, in a fixed order. `#[derive(Module)]` implements it for structs
+/// of modules; `Vec`s and arrays add index segments (`layers.3`), an `Option` that is `None` adds
+/// nothing.
+///
+/// An implementation fails only with its visitor's error, and visits the same paths in the same
+/// order in [`Module::visit`] and [`Module::visit_mut`].
+///
+/// ```no_run
+/// use te_runtime::modules::{LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, Norm, NormConfig};
+/// use te_runtime::{Device, Module};
+///
+/// #[derive(Module)]
+/// struct Model {
+///     layers: Vec<LayerNormMLP>,
+///     final_norm: Option<Norm>,
+///     head: Linear,
+///     #[module(skip)]
+///     name: String,
+/// }
+///
+/// # fn main() -> te_runtime::Result<()> {
+/// let dev = Device::new(0)?;
+/// let mlp = || LayerNormMLP::new(&dev, LayerNormMLPConfig::new(1024, 4096));
+/// let mut model = Model {
+///     layers: vec![mlp()?, mlp()?],
+///     final_norm: Some(Norm::layer_norm(&dev, NormConfig::new(1024))?),
+///     head: Linear::new(&dev, LinearConfig::new(1024, 32000))?,
+///     name: "tiny".into(),
+/// };
+/// for p in model.named_parameters() {
+///     println!("{} {:?} {}", p.path, p.shape, p.dtype); // layers.0.layer_norm_weight [1024] bf16, ...
+/// }
+/// println!("{} parameters", model.num_parameters());
+/// model.zero_grad();
+/// # Ok(()) }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a Module",
+    note = "a field of a `#[derive(Module)]` struct must be a module: a TE layer, a derived struct, or a Vec, Option, \
+            array or Box of them; mark a field that holds no parameters `#[module(skip)]`"
+)]
+pub trait Module {
+    /// Hands every parameter and FP8 scaling state to `visitor`, each under `prefix` joined with
+    /// its own path ([`join_path`]); `prefix` is `""` at the root.
+    ///
+    /// # Errors
+    /// The visitor's first error (the traversal stops there).
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()>;
+
+    /// As [`Module::visit`], with the parameters writable.
+    ///
+    /// # Errors
+    /// The visitor's first error (the traversal stops there).
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()>;
+
+    /// Number of parameter elements (an FP8-only weight counts its elements, not its bytes).
+    fn num_parameters(&self) -> usize {
+        let mut n = 0;
+        // The counter never fails, and a traversal fails only with its visitor's error.
+        let _ = self.visit("", &mut |_: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            n += p.numel();
+            Ok(())
+        });
+        n
+    }
+
+    /// Every parameter's path, kind, shape and dtype, in traversal order.
+    fn named_parameters(&self) -> Vec<NamedParameter> {
+        let mut out = Vec::new();
+        // The collector never fails, and a traversal fails only with its visitor's error.
+        let _ = self.visit("", &mut |path: &str, kind: ParamKind, p: &dyn Param| -> Result<()> {
+            out.push(NamedParameter { path: path.to_owned(), kind, shape: p.shape().to_vec(), dtype: p.dtype() });
+            Ok(())
+        });
+        out
+    }
+
+    /// Drops every accumulated gradient (PyTorch `zero_grad(set_to_none=True)`); `main_grad`s
+    /// are the caller's and are kept.
+    fn zero_grad(&mut self) {
+        // The visitor never fails, and a traversal fails only with its visitor's error.
+        let _ = self.visit_mut("", &mut |_: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
+            p.zero_grad();
+            Ok(())
+        });
+    }
+}
+
+/// `prefix.name`, or `name` at the root (`prefix` empty): how a traversal names what it reaches.
+pub fn join_path(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+impl<T: Module> Module for [T] {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        for (i, m) in self.iter().enumerate() {
+            m.visit(&join_path(prefix, &i.to_string()), visitor)?;
+        }
+        Ok(())
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        for (i, m) in self.iter_mut().enumerate() {
+            m.visit_mut(&join_path(prefix, &i.to_string()), visitor)?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: Module> Module for Vec<T> {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        self.as_slice().visit(prefix, visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        self.as_mut_slice().visit_mut(prefix, visitor)
+    }
+}
+
+impl<T: Module, const N: usize> Module for [T; N] {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        self.as_slice().visit(prefix, visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        self.as_mut_slice().visit_mut(prefix, visitor)
+    }
+}
+
+impl<T: Module> Module for Option<T> {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        self.as_ref().map_or(Ok(()), |m| m.visit(prefix, visitor))
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        self.as_mut().map_or(Ok(()), |m| m.visit_mut(prefix, visitor))
+    }
+}
+
+impl<T: Module + ?Sized> Module for Box<T> {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        (**self).visit(prefix, visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        (**self).visit_mut(prefix, visitor)
+    }
+}
+
+/// TE's names of a GEMM's or a `LayerNorm`'s own tensors.
+const WEIGHT_BIAS: [&str; 2] = ["weight", "bias"];
+/// TE's names of the norm fused in front of a GEMM.
+const LAYER_NORM: [&str; 2] = ["layer_norm_weight", "layer_norm_bias"];
+
+impl Module for Linear {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        visit_linear_params(self.params(), prefix, WEIGHT_BIAS, visitor)?;
+        let states = [("fp8_fwd", self.fp8_forward_state()), ("fp8_bwd", self.fp8_backward_state())];
+        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        visit_linear_params_mut(self.params_mut(), prefix, WEIGHT_BIAS, visitor)?;
+        let states = [("fp8_fwd", self.fp8_forward_state()), ("fp8_bwd", self.fp8_backward_state())];
+        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+    }
+}
+
+impl Module for Norm {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        visit_norm_params(self.params(), prefix, WEIGHT_BIAS, visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        visit_norm_params_mut(self.params_mut(), prefix, WEIGHT_BIAS, visitor)
+    }
+}
+
+impl Module for LayerNormLinear {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        visit_norm_params(self.norm_params(), prefix, LAYER_NORM, visitor)?;
+        visit_linear_params(self.params(), prefix, WEIGHT_BIAS, visitor)?;
+        let states = [("fp8_fwd", self.fp8_forward_state()), ("fp8_bwd", self.fp8_backward_state())];
+        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        visit_norm_params_mut(self.norm_params_mut(), prefix, LAYER_NORM, visitor)?;
+        visit_linear_params_mut(self.params_mut(), prefix, WEIGHT_BIAS, visitor)?;
+        let states = [("fp8_fwd", self.fp8_forward_state()), ("fp8_bwd", self.fp8_backward_state())];
+        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+    }
+}
+
+impl Module for LayerNormMLP {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        visit_norm_params(self.norm_params(), prefix, LAYER_NORM, visitor)?;
+        visit_linear_params(self.fc1(), prefix, ["fc1_weight", "fc1_bias"], visitor)?;
+        visit_linear_params(self.fc2(), prefix, ["fc2_weight", "fc2_bias"], visitor)?;
+        visit_states(prefix, &self.fp8_states(), |path, s| visitor.fp8_state(path, s))
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        visit_norm_params_mut(self.norm_params_mut(), prefix, LAYER_NORM, visitor)?;
+        visit_linear_params_mut(self.fc1_mut(), prefix, ["fc1_weight", "fc1_bias"], visitor)?;
+        visit_linear_params_mut(self.fc2_mut(), prefix, ["fc2_weight", "fc2_bias"], visitor)?;
+        let states = self.fp8_states().map(|(n, s)| (n, s.cloned()));
+        let states: Vec<_> = states.iter().map(|(n, s)| (*n, s.as_ref())).collect();
+        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+    }
+}
+
+/// Hands a GEMM's weight and (when it has one) bias to `visitor` as `prefix.names[0]` and
+/// `prefix.names[1]` (TE's state-dict names: `["weight", "bias"]`, `["fc1_weight", "fc1_bias"]`):
+/// the building block of a hand-written [`Module`] impl.
+///
+/// # Errors
+/// The visitor's first error.
+pub fn visit_linear_params(
+    params: &LinearParams,
+    prefix: &str,
+    names: [&str; 2],
+    visitor: &mut dyn ModuleVisitor,
+) -> Result<()> {
+    visit_group(params, prefix, names, visitor)
+}
+
+/// As [`visit_linear_params`], writable.
+///
+/// # Errors
+/// The visitor's first error.
+pub fn visit_linear_params_mut(
+    params: &mut LinearParams,
+    prefix: &str,
+    names: [&str; 2],
+    visitor: &mut dyn ModuleVisitorMut,
+) -> Result<()> {
+    visit_group_mut(params, prefix, names, visitor)
+}
+
+/// Hands a norm's gamma and (LayerNorm) beta to `visitor` as `prefix.names[0]` and
+/// `prefix.names[1]` (TE: `["weight", "bias"]` for a `LayerNorm`, `["layer_norm_weight",
+/// "layer_norm_bias"]` for the norm fused into a GEMM layer).
+///
+/// # Errors
+/// The visitor's first error.
+pub fn visit_norm_params(
+    params: &NormParams,
+    prefix: &str,
+    names: [&str; 2],
+    visitor: &mut dyn ModuleVisitor,
+) -> Result<()> {
+    visit_group(params, prefix, names, visitor)
+}
+
+/// As [`visit_norm_params`], writable.
+///
+/// # Errors
+/// The visitor's first error.
+pub fn visit_norm_params_mut(
+    params: &mut NormParams,
+    prefix: &str,
+    names: [&str; 2],
+    visitor: &mut dyn ModuleVisitorMut,
+) -> Result<()> {
+    visit_group_mut(params, prefix, names, visitor)
+}
+
+/// Calls `f` with `prefix.name` and the state of each `(name, state)` whose state exists.
+fn visit_states(
+    prefix: &str,
+    states: &[(&str, Option<&Arc<ScalingState>>)],
+    mut f: impl FnMut(&str, &Arc<ScalingState>) -> Result<()>,
+) -> Result<()> {
+    for (name, state) in states {
+        if let Some(s) = state {
+            f(&join_path(prefix, name), s)?;
+        }
+    }
+    Ok(())
+}
+
+/// The weight or the bias of a [`Group`].
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Weight,
+    Bias,
+}
+
+/// A weight and an optional bias with their gradients, as TE's layers keep them
+/// ([`LinearParams`], [`NormParams`]).
+trait Group {
+    /// Kinds of the weight and the bias.
+    const KINDS: [ParamKind; 2];
+    /// The high-precision tensor of `slot`.
+    fn slot_tensor(&self, slot: Slot) -> Option<&Tensor>;
+    /// The FP8-only tensor of `slot`.
+    fn slot_fp8(&self, slot: Slot) -> Option<&Float8Tensor>;
+    /// The accumulated gradient of `slot`.
+    fn slot_grad(&self, slot: Slot) -> Option<&Tensor>;
+    /// The caller's `main_grad` of `slot`.
+    fn slot_main_grad(&self, slot: Slot) -> Option<&Tensor>;
+    /// The dtype the layer keeps its parameters in.
+    fn params_dtype(&self) -> DType;
+    /// Replaces the tensor of `slot`.
+    fn set_slot(&mut self, slot: Slot, value: Tensor) -> Result<()>;
+    /// Drops the weight and bias gradients.
+    fn clear_grads(&mut self);
+}
+
+impl Group for LinearParams {
+    const KINDS: [ParamKind; 2] = [ParamKind::Weight, ParamKind::Bias];
+
+    fn slot_tensor(&self, slot: Slot) -> Option<&Tensor> {
+        match slot {
+            Slot::Weight => self.weight(),
+            Slot::Bias => self.bias(),
+        }
+    }
+
+    fn slot_fp8(&self, slot: Slot) -> Option<&Float8Tensor> {
+        match slot {
+            Slot::Weight => self.fp8_weight(),
+            Slot::Bias => None,
+        }
+    }
+
+    fn slot_grad(&self, slot: Slot) -> Option<&Tensor> {
+        match slot {
+            Slot::Weight => self.weight_grad(),
+            Slot::Bias => self.bias_grad(),
+        }
+    }
+
+    fn slot_main_grad(&self, slot: Slot) -> Option<&Tensor> {
+        match slot {
+            Slot::Weight => self.main_grad(),
+            Slot::Bias => None,
+        }
+    }
+
+    fn params_dtype(&self) -> DType {
+        LinearParams::params_dtype(self)
+    }
+
+    fn set_slot(&mut self, slot: Slot, value: Tensor) -> Result<()> {
+        match slot {
+            Slot::Weight => self.set_weight(value),
+            Slot::Bias => self.set_bias(value),
+        }
+    }
+
+    fn clear_grads(&mut self) {
+        self.zero_grad();
+    }
+}
+
+impl Group for NormParams {
+    const KINDS: [ParamKind; 2] = [ParamKind::NormWeight, ParamKind::NormBias];
+
+    fn slot_tensor(&self, slot: Slot) -> Option<&Tensor> {
+        match slot {
+            Slot::Weight => Some(self.weight()),
+            Slot::Bias => self.bias(),
+        }
+    }
+
+    fn slot_fp8(&self, _: Slot) -> Option<&Float8Tensor> {
+        None
+    }
+
+    fn slot_grad(&self, slot: Slot) -> Option<&Tensor> {
+        match slot {
+            Slot::Weight => self.weight_grad(),
+            Slot::Bias => self.bias_grad(),
+        }
+    }
+
+    fn slot_main_grad(&self, _: Slot) -> Option<&Tensor> {
+        None
+    }
+
+    fn params_dtype(&self) -> DType {
+        self.config().params_dtype
+    }
+
+    fn set_slot(&mut self, slot: Slot, value: Tensor) -> Result<()> {
+        match slot {
+            Slot::Weight => self.set_weight(value),
+            Slot::Bias => self.set_bias(value),
+        }
+    }
+
+    fn clear_grads(&mut self) {
+        self.zero_grad();
+    }
+}
+
+/// One tensor of a group as a [`Param`]: `R` is `&G` (read) or `&mut G` (write).
+struct View<R> {
+    group: R,
+    slot: Slot,
+}
+
+impl<R: Deref<Target: Group>> Param for View<R> {
+    fn shape(&self) -> &[usize] {
+        match (self.tensor(), self.fp8_tensor()) {
+            (Some(t), _) => t.shape(),
+            (None, Some(f)) => f.shape(),
+            (None, None) => &[],
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match (self.tensor(), self.fp8_tensor()) {
+            (Some(t), _) => t.dtype(),
+            (None, Some(f)) => f.dtype(),
+            (None, None) => self.group.params_dtype(),
+        }
+    }
+
+    fn tensor(&self) -> Option<&Tensor> {
+        self.group.slot_tensor(self.slot)
+    }
+
+    fn fp8_tensor(&self) -> Option<&Float8Tensor> {
+        self.group.slot_fp8(self.slot)
+    }
+
+    fn grad(&self) -> Option<&Tensor> {
+        self.group.slot_grad(self.slot)
+    }
+
+    fn main_grad(&self) -> Option<&Tensor> {
+        self.group.slot_main_grad(self.slot)
+    }
+}
+
+impl<R: DerefMut<Target: Group>> ParamMut for View<R> {
+    fn set(&mut self, value: Tensor) -> Result<()> {
+        self.group.set_slot(self.slot, value)
+    }
+
+    fn zero_grad(&mut self) {
+        self.group.clear_grads();
+    }
+}
+
+/// The weight and bias slots of `group` with their names and kinds, less those without a tensor
+/// (a layer made without bias).
+fn slots<'n, G: Group>(group: &G, names: [&'n str; 2]) -> Vec<(Slot, &'n str, ParamKind)> {
+    [Slot::Weight, Slot::Bias]
+        .into_iter()
+        .zip(names)
+        .zip(G::KINDS)
+        .map(|((slot, name), kind)| (slot, name, kind))
+        .filter(|&(slot, ..)| group.slot_tensor(slot).is_some() || group.slot_fp8(slot).is_some())
+        .collect()
+}
+
+fn visit_group<G: Group>(group: &G, prefix: &str, names: [&str; 2], visitor: &mut dyn ModuleVisitor) -> Result<()> {
+    for (slot, name, kind) in slots(group, names) {
+        visitor.param(&join_path(prefix, name), kind, &View { group, slot })?;
+    }
+    Ok(())
+}
+
+fn visit_group_mut<G: Group>(
+    group: &mut G,
+    prefix: &str,
+    names: [&str; 2],
+    visitor: &mut dyn ModuleVisitorMut,
+) -> Result<()> {
+    for (slot, name, kind) in slots(group, names) {
+        visitor.param(&join_path(prefix, name), kind, &mut View { group: &mut *group, slot })?;
+    }
+    Ok(())
+}
