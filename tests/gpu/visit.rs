@@ -140,7 +140,7 @@ fn visit_mut_writes_every_parameter() {
         p.set(Tensor::from_f32(&dev, p.dtype(), &shape, &vec![0.5; n])?)
     })
     .unwrap();
-    assert_eq!(m.layers[1].mlp.fc2().version(), v0 + 1);
+    assert_eq!(m.layers[1].mlp.fc2().version(), v0 + 2, "weight and bias each bump the version");
     m.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
         let host = p.tensor().unwrap().to_f32(&dev)?;
         assert!(host.iter().all(|&x| x == 0.5), "{path}");
