@@ -20,6 +20,7 @@ mod jit;
 mod linear;
 mod modules;
 mod norm;
+mod optimizer;
 mod rope;
 mod scaling;
 mod softmax;
@@ -45,6 +46,7 @@ fn main() {
         softmax::run(&mut b);
         scaling::run(&mut b);
         elementwise::run(&mut b);
+        optimizer::run(&mut b);
         rope::run(&mut b);
         dropout::run(&mut b);
         gemm::run(&mut b);

@@ -293,6 +293,10 @@ impl ModelConfig {
             }
         }
 
+        // The optimizer step: gradient norm (clipping) and AdamW.
+        v.push(OptimizerSpec::grad_norm(arch).into());
+        v.push(OptimizerSpec::adamw(arch).into());
+
         // Scaling updates.
         v.push(match self.recipe {
             RecipeKind::Delayed => ScalingSpec::delayed(self.amax_compute_algo, arch).into(),
@@ -388,6 +392,8 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
     for p2 in [false, true] {
         v.push(ScalingSpec::current(p2, arch).into());
     }
+    v.push(OptimizerSpec::grad_norm(arch).into());
+    v.push(OptimizerSpec::adamw(arch).into());
     v.sort();
     v.dedup();
     v

@@ -22,6 +22,7 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("rope.cu.tera", include_str!("../../templates/rope.cu.tera")),
     ("philox.cuh.tera", include_str!("../../templates/philox.cuh.tera")),
     ("dropout.cu.tera", include_str!("../../templates/dropout.cu.tera")),
+    ("optimizer.cu.tera", include_str!("../../templates/optimizer.cu.tera")),
 ];
 
 fn engine() -> &'static std::result::Result<tera::Tera, String> {

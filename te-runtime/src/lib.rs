@@ -11,6 +11,7 @@ pub mod gemm;
 pub mod kernels;
 pub mod modules;
 pub mod ops;
+pub mod optim;
 pub mod reference;
 pub mod tensor;
 

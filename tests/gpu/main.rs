@@ -16,6 +16,7 @@ mod jit;
 mod linear;
 mod modules;
 mod norm;
+mod optimizer;
 mod rope;
 mod scaling;
 mod softmax;

@@ -11,6 +11,7 @@ mod cast_transpose;
 mod dropout;
 mod elementwise;
 mod norm;
+mod optimizer;
 mod rope;
 mod scaling;
 mod softmax;
@@ -21,6 +22,7 @@ pub use cast_transpose::CastTransposeSpec;
 pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use norm::{NormKind, NormSpec};
+pub use optimizer::{OptimizerKind, OptimizerSpec};
 pub use rope::{RopeFormat, RopeSpec};
 pub use scaling::{AmaxComputeAlgo, ScalingKind, ScalingSpec};
 pub use softmax::{MaskKind, SoftmaxSpec};
@@ -94,6 +96,8 @@ pub enum KernelSpec {
     Rope(RopeSpec),
     /// Family 10: dropout (fused bias + dropout + residual add) with Philox, and its backward.
     Dropout(DropoutSpec),
+    /// Family 11: multi-tensor gradient norm and fused AdamW step.
+    Optimizer(OptimizerSpec),
 }
 
 impl KernelSpec {
@@ -109,6 +113,7 @@ impl KernelSpec {
             KernelSpec::Elementwise(s) => s,
             KernelSpec::Rope(s) => s,
             KernelSpec::Dropout(s) => s,
+            KernelSpec::Optimizer(s) => s,
         }
     }
 
@@ -166,6 +171,7 @@ impl_from_spec!(
     Elementwise(ElementwiseSpec),
     Rope(RopeSpec),
     Dropout(DropoutSpec),
+    Optimizer(OptimizerSpec),
 );
 
 /// Largest vector width (elements) ≤ `max_bytes / elem_bytes` that divides `n`.

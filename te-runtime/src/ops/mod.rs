@@ -9,6 +9,7 @@ pub mod copy;
 pub mod dropout;
 pub mod elementwise;
 pub mod norm;
+pub mod optimizer;
 pub mod rope;
 pub mod scaling;
 pub mod softmax;

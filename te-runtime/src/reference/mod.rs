@@ -13,6 +13,7 @@ pub mod linear;
 pub mod modules;
 pub mod norm;
 pub mod numerics;
+pub mod optimizer;
 pub mod philox;
 pub mod rope;
 pub mod scaling;

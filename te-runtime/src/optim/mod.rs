@@ -1,0 +1,9 @@
+//! Optimizers of the training job: [`AdamW`] with FP32 master weights, global-norm gradient
+//! clipping and an [`LrSchedule`], stepping every parameter of a [`crate::Module`] with one fused
+//! multi-tensor kernel ([`crate::ops::optimizer`]).
+
+mod adamw;
+mod schedule;
+
+pub use adamw::{AdamW, AdamWConfig, ParamState, StepStats};
+pub use schedule::LrSchedule;
