@@ -22,6 +22,8 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("rope.cu.tera", include_str!("../../templates/rope.cu.tera")),
     ("philox.cuh.tera", include_str!("../../templates/philox.cuh.tera")),
     ("dropout.cu.tera", include_str!("../../templates/dropout.cu.tera")),
+    ("embedding.cu.tera", include_str!("../../templates/embedding.cu.tera")),
+    ("cross_entropy.cu.tera", include_str!("../../templates/cross_entropy.cu.tera")),
 ];
 
 fn engine() -> &'static std::result::Result<tera::Tera, String> {

@@ -8,8 +8,10 @@
 mod activation;
 mod cast;
 mod cast_transpose;
+mod cross_entropy;
 mod dropout;
 mod elementwise;
+mod embedding;
 mod norm;
 mod rope;
 mod scaling;
@@ -18,8 +20,10 @@ mod softmax;
 pub use activation::{Activation, ActivationSpec};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
+pub use cross_entropy::CrossEntropySpec;
 pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
+pub use embedding::EmbeddingSpec;
 pub use norm::{NormKind, NormSpec};
 pub use rope::{RopeFormat, RopeSpec};
 pub use scaling::{AmaxComputeAlgo, ScalingKind, ScalingSpec};
@@ -94,6 +98,10 @@ pub enum KernelSpec {
     Rope(RopeSpec),
     /// Family 10: dropout (fused bias + dropout + residual add) with Philox, and its backward.
     Dropout(DropoutSpec),
+    /// Family 11: embedding lookup and its deterministic scatter-add backward.
+    Embedding(EmbeddingSpec),
+    /// Family 12: fused softmax cross-entropy loss and gradient.
+    CrossEntropy(CrossEntropySpec),
 }
 
 impl KernelSpec {
@@ -109,6 +117,8 @@ impl KernelSpec {
             KernelSpec::Elementwise(s) => s,
             KernelSpec::Rope(s) => s,
             KernelSpec::Dropout(s) => s,
+            KernelSpec::Embedding(s) => s,
+            KernelSpec::CrossEntropy(s) => s,
         }
     }
 
@@ -166,6 +176,8 @@ impl_from_spec!(
     Elementwise(ElementwiseSpec),
     Rope(RopeSpec),
     Dropout(DropoutSpec),
+    Embedding(EmbeddingSpec),
+    CrossEntropy(CrossEntropySpec),
 );
 
 /// Largest vector width (elements) ≤ `max_bytes / elem_bytes` that divides `n`.
