@@ -356,7 +356,12 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
         for sk in [77, 1024, 4096] {
             v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, i, sk, arch).into());
         }
+        v.push(EmbeddingSpec::forward(i, arch).into());
+        for grad in [false, true] {
+            v.push(CrossEntropySpec::new(i, grad, arch).into());
+        }
         for &j in &hp {
+            v.push(EmbeddingSpec::backward(i, j, arch).into());
             v.push(ElementwiseSpec::add_assign(i, j, arch).into());
             for &o in &hp {
                 v.push(ElementwiseSpec::add(i, j, o, arch).into());

@@ -23,6 +23,8 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("philox.cuh.tera", include_str!("../../templates/philox.cuh.tera")),
     ("dropout.cu.tera", include_str!("../../templates/dropout.cu.tera")),
     ("optimizer.cu.tera", include_str!("../../templates/optimizer.cu.tera")),
+    ("embedding.cu.tera", include_str!("../../templates/embedding.cu.tera")),
+    ("cross_entropy.cu.tera", include_str!("../../templates/cross_entropy.cu.tera")),
 ];
 
 fn engine() -> &'static std::result::Result<tera::Tera, String> {

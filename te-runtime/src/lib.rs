@@ -9,11 +9,15 @@ pub mod device;
 pub mod fp8;
 pub mod gemm;
 pub mod kernels;
+pub mod models;
 pub mod modules;
 pub mod ops;
 pub mod optim;
 pub mod reference;
 pub mod tensor;
+
+// `#[derive(Module)]` names `::te_runtime`; this lets the crate's own models use it.
+extern crate self as te_runtime;
 
 pub use device::Device;
 pub use modules::Module;

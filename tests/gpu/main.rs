@@ -12,6 +12,7 @@ mod copy;
 mod dropout;
 mod elementwise;
 mod gemm;
+mod gpt;
 mod jit;
 mod linear;
 mod modules;

@@ -8,8 +8,10 @@
 mod activation;
 mod cast;
 mod cast_transpose;
+mod cross_entropy;
 mod dropout;
 mod elementwise;
+mod embedding;
 mod norm;
 mod optimizer;
 mod rope;
@@ -19,8 +21,10 @@ mod softmax;
 pub use activation::{Activation, ActivationSpec};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
+pub use cross_entropy::CrossEntropySpec;
 pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
+pub use embedding::EmbeddingSpec;
 pub use norm::{NormKind, NormSpec};
 pub use optimizer::{OptimizerKind, OptimizerSpec};
 pub use rope::{RopeFormat, RopeSpec};
@@ -98,6 +102,10 @@ pub enum KernelSpec {
     Dropout(DropoutSpec),
     /// Family 11: multi-tensor gradient norm and fused AdamW step.
     Optimizer(OptimizerSpec),
+    /// Family 12: embedding lookup and its deterministic scatter-add backward.
+    Embedding(EmbeddingSpec),
+    /// Family 13: fused softmax cross-entropy loss and gradient.
+    CrossEntropy(CrossEntropySpec),
 }
 
 impl KernelSpec {
@@ -114,6 +122,8 @@ impl KernelSpec {
             KernelSpec::Rope(s) => s,
             KernelSpec::Dropout(s) => s,
             KernelSpec::Optimizer(s) => s,
+            KernelSpec::Embedding(s) => s,
+            KernelSpec::CrossEntropy(s) => s,
         }
     }
 
@@ -172,6 +182,8 @@ impl_from_spec!(
     Rope(RopeSpec),
     Dropout(DropoutSpec),
     Optimizer(OptimizerSpec),
+    Embedding(EmbeddingSpec),
+    CrossEntropy(CrossEntropySpec),
 );
 
 /// Largest vector width (elements) ≤ `max_bytes / elem_bytes` that divides `n`.

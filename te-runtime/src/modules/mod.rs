@@ -3,6 +3,7 @@
 //! gradients (TE's `torch.autograd.Function`s, made explicit).
 
 pub mod attention;
+pub mod embedding;
 mod init;
 pub mod layernorm_linear;
 pub mod layernorm_mlp;
@@ -10,10 +11,12 @@ pub mod linear;
 pub mod multihead_attention;
 pub mod norm;
 mod params;
+pub mod token_ids;
 pub mod transformer_layer;
 pub mod visit;
 
 pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
 pub use layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
 pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCtx};
@@ -21,6 +24,7 @@ pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAtte
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
 pub use te_codegen::spec::Activation;
+pub use token_ids::TokenIds;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
 pub use visit::{
     join_path, visit_linear_params, visit_linear_params_mut, visit_norm_params, visit_norm_params_mut, Module,

@@ -22,6 +22,8 @@ pub enum ParamKind {
     NormWeight,
     /// A LayerNorm's beta `[hidden]` (TE `LayerNorm.bias`, `layer_norm_bias`).
     NormBias,
+    /// An embedding table `[vocab, hidden]` (`Embedding.weight`).
+    Embedding,
 }
 
 /// One parameter as a visitor reads it. The library implements it for the tensors of its

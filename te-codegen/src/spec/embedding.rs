@@ -1,0 +1,123 @@
+//! Family 11: token embedding lookup `out[t, :] = table[ids[t], :]` and its backward, the
+//! deterministic scatter-add `dtable[ids[t], :] += dout[t, :]`.
+
+use super::cast::check_threads;
+use super::{Direction, Family};
+use crate::{Arch, DType};
+use serde::{Deserialize, Serialize};
+
+/// Embedding lookup over a table `[vocab, hidden]` with `i32` ids `[tokens]` (`vocab`, `hidden`
+/// and `tokens` are run-time arguments).
+///
+/// Forward: `out[t, c] = table[ids[t], c]`, a copy in the table's dtype; an id outside
+/// `[0, vocab)` (e.g. a padding `-1`) gives a zero row. Arguments `(table, ids, out, tokens,
+/// vocab, hidden)`; the pointers are device pointers, `ids` is `i32`, the sizes `u64`. Launch:
+/// blocks stride over the tokens, a block's threads over the row's columns.
+///
+/// Backward: `dtable[v, c] = round(f32(dtable[v, c]) + Σ_{t: ids[t] = v} f32(dout[t, c]))`: the
+/// sum over tokens in f32, in token order, added once to the gradient (which keeps its dtype, so
+/// repeated backwards accumulate like `add_assign`); ids outside `[0, vocab)` are skipped.
+/// Deterministic, without atomics or sorting: blocks stride over the vocabulary rows, and the
+/// block owning row `v` scans all ids (staged through shared memory `threads` at a time), each
+/// thread accumulating [`EmbeddingSpec::COLS_PER_THREAD`] columns in registers. Cost: every block
+/// reads the whole id list once per `threads * COLS_PER_THREAD` columns, `O(vocab * tokens)` id
+/// reads (from L2), which is small for a byte-level vocabulary and acceptable at 50k. Arguments
+/// `(dout, ids, dtable, tokens, vocab, hidden)`.
+///
+/// Sources followed: PyTorch `embedding_dense_backward` (sum per row of the table, no
+/// `padding_idx` here: out-of-range ids are skipped instead); Megatron's `VocabParallelEmbedding`
+/// zeroes rows of out-of-range ids the same way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EmbeddingSpec {
+    /// Lookup (forward) or gradient scatter-add (backward).
+    pub direction: Direction,
+    /// Forward: dtype of the table and the output. Backward: dtype of `dout`. f32, bf16 or f16.
+    pub dtype: DType,
+    /// Backward: dtype of `dtable` (f32, bf16 or f16). Forward: equal to `dtype`.
+    pub grad: DType,
+    /// Threads per block.
+    pub threads: usize,
+    /// Target architecture.
+    pub arch: Arch,
+}
+
+impl EmbeddingSpec {
+    /// Columns each backward thread accumulates in registers per scan of the ids.
+    pub const COLS_PER_THREAD: usize = 4;
+
+    /// The lookup of a `dtype` table, 256 threads per block.
+    pub fn forward(dtype: DType, arch: Arch) -> Self {
+        Self { direction: Direction::Fwd, dtype, grad: dtype, threads: 256, arch }
+    }
+
+    /// The scatter-add of a `dout` gradient into a `grad` table gradient, 256 threads per block.
+    pub fn backward(dout: DType, grad: DType, arch: Arch) -> Self {
+        Self { direction: Direction::Bwd, dtype: dout, grad, threads: 256, arch }
+    }
+}
+
+impl Family for EmbeddingSpec {
+    fn family(&self) -> &'static str {
+        "embedding"
+    }
+    fn template(&self) -> &'static str {
+        "embedding.cu.tera"
+    }
+    fn name_parts(&self) -> String {
+        match self.direction {
+            Direction::Fwd => format!("fwd_{}_t{}", self.dtype, self.threads),
+            Direction::Bwd => format!("bwd_{}_{}_t{}", self.dtype, self.grad, self.threads),
+        }
+    }
+    fn arch(&self) -> Arch {
+        self.arch
+    }
+    fn context(&self, ctx: &mut tera::Context) {
+        ctx.insert("direction", self.direction.name());
+        ctx.insert("t", self.dtype.type_tag());
+        ctx.insert("g", self.grad.type_tag());
+        ctx.insert("cols", &Self::COLS_PER_THREAD);
+        ctx.insert("threads", &self.threads);
+    }
+    fn validate(&self) -> Result<(), String> {
+        for (arg, dt) in [("dtype", self.dtype), ("grad", self.grad)] {
+            if !dt.is_high_precision() {
+                return Err(format!("embedding takes f32, bf16 or f16; `{arg}` is {dt}"));
+            }
+        }
+        if self.direction == Direction::Fwd && self.grad != self.dtype {
+            return Err(format!(
+                "the embedding forward copies rows: grad = {} must equal dtype = {}",
+                self.grad, self.dtype
+            ));
+        }
+        check_threads(self.threads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::KernelSpec;
+
+    #[test]
+    fn names_say_direction_and_dtypes() {
+        let f = EmbeddingSpec::forward(DType::BF16, Arch::Sm90a);
+        f.validate().unwrap();
+        assert_eq!(KernelSpec::from(f).name(), "te_embedding_fwd_bf16_t256_sm_90a");
+        let b = EmbeddingSpec::backward(DType::BF16, DType::F32, Arch::Sm89);
+        b.validate().unwrap();
+        assert_eq!(KernelSpec::from(b).name(), "te_embedding_bwd_bf16_f32_t256_sm_89");
+    }
+
+    #[test]
+    fn bad_specs_say_what_to_change() {
+        let e = EmbeddingSpec::forward(DType::E4M3, Arch::Sm90a).validate().unwrap_err();
+        assert!(e.contains("`dtype` is e4m3"), "{e}");
+        let f = EmbeddingSpec::forward(DType::BF16, Arch::Sm90a);
+        let e = EmbeddingSpec { grad: DType::F32, ..f }.validate().unwrap_err();
+        assert!(e.contains("must equal"), "{e}");
+        let e = EmbeddingSpec::backward(DType::BF16, DType::E5M2, Arch::Sm90a).validate().unwrap_err();
+        assert!(e.contains("`grad` is e5m2"), "{e}");
+    }
+}

@@ -1,0 +1,286 @@
+//! A GPT (GPT-2's architecture, TE's building blocks): token embedding plus a learned absolute
+//! position embedding, `num_layers` pre-LN [`TransformerLayer`]s (causal self-attention, GELU
+//! MLP, biases), a final LayerNorm, an LM head without bias (not tied to the embedding) and the
+//! fused cross-entropy. Byte-level vocabulary (256) by default.
+//!
+//! Positions: learned absolute (`position_embedding.weight`, `[seq_length, hidden]`, GPT-2's
+//! `wpe`), added to the token embeddings; the alternative, RoPE through
+//! [`crate::modules::AttentionInputs::rotary_pos_emb`], is not used here. FP8: wrap
+//! [`Gpt::forward_loss`] and [`Gpt::backward`] in [`crate::fp8::fp8_autocast`]; the GEMMs of the
+//! layers and the LM head then run in FP8 (every GEMM dim, `tokens = s * b` included, must be a
+//! multiple of 16; the byte vocabulary, 256, is). Embeddings, norms, softmax and the loss stay
+//! in high precision, as in TE.
+//!
+//! Sources followed: GPT-2 (Radford et al. 2019; `openai/gpt-2` `model.py`), Megatron-LM's
+//! `GPTModel` (`[s, b, h]` layout, `ignore_index`-style loss mask), nanoGPT's presets.
+
+use crate::modules::{
+    Embedding, EmbeddingConfig, EmbeddingCtx, Linear, LinearConfig, LinearCtx, Norm, NormConfig, NormCtx, TokenIds,
+    TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
+};
+use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
+use crate::ops::elementwise::add;
+use crate::{Device, Error, Result, Tensor};
+use std::sync::Arc;
+use te_codegen::spec::CrossEntropySpec;
+use te_codegen::DType;
+
+const MODEL: &str = "Gpt";
+
+/// A target with this value is left out of the loss (and its gradient): padding.
+pub const IGNORE_INDEX: i32 = -1;
+
+/// Geometry and training knobs of a [`Gpt`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptConfig {
+    /// Vocabulary: 256 for bytes. At most 65536 (the cross-entropy kernel's limit).
+    pub vocab_size: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Attention heads (divide `hidden_size`).
+    pub num_attention_heads: usize,
+    /// MLP width (4 × hidden in GPT-2).
+    pub ffn_hidden_size: usize,
+    /// Longest sequence (rows of the position embedding).
+    pub seq_length: usize,
+    /// Dropout after the attention and MLP blocks (GPT-2: 0.1).
+    pub hidden_dropout: f32,
+    /// Dtype of parameters, activations and gradients (BF16 for training, F32 for checks).
+    pub params_dtype: DType,
+    /// Init seed (each part derives its own from it) and dropout seed.
+    pub seed: u64,
+}
+
+impl GptConfig {
+    /// A model for tests and CPU runs: 2 layers, hidden 128, 4 heads, ffn 512, seq 128 (about
+    /// 0.5 M parameters).
+    pub fn tiny() -> Self {
+        Self::preset(2, 128, 4, 512, 128)
+    }
+
+    /// GPT-2 small: 12 layers, hidden 768, 12 heads, ffn 3072, seq 1024 (86 M parameters with
+    /// the byte vocabulary).
+    pub fn small() -> Self {
+        Self::preset(12, 768, 12, 3072, 1024)
+    }
+
+    /// A 1.2 B-parameter model: 24 layers, hidden 2048, 16 heads, ffn 8192, seq 2048.
+    pub fn large() -> Self {
+        Self::preset(24, 2048, 16, 8192, 2048)
+    }
+
+    fn preset(num_layers: usize, hidden: usize, heads: usize, ffn: usize, seq: usize) -> Self {
+        Self {
+            vocab_size: 256,
+            hidden_size: hidden,
+            num_layers,
+            num_attention_heads: heads,
+            ffn_hidden_size: ffn,
+            seq_length: seq,
+            hidden_dropout: 0.1,
+            params_dtype: DType::BF16,
+            seed: 0,
+        }
+    }
+
+    /// Parameter count of the model this config builds (what [`crate::Module::num_parameters`]
+    /// reports): embeddings `(vocab + seq) · h`, per layer `12h² + 13h` for `ffn = 4h` (QKV
+    /// `3h² + 3h`, projection `h² + h`, MLP `2·h·ffn + ffn + h`, two LayerNorms `4h`), the final
+    /// LayerNorm `2h` and the LM head `vocab · h`.
+    pub fn num_parameters(&self) -> usize {
+        let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.vocab_size);
+        let layer = (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h) + 4 * h;
+        (v + self.seq_length) * h + self.num_layers * layer + 2 * h + v * h
+    }
+
+    fn check(&self) -> Result<()> {
+        let config = |message: String| Error::Config { module: MODEL, message };
+        if self.vocab_size == 0 || self.vocab_size > CrossEntropySpec::MAX_VOCAB {
+            return Err(config(format!(
+                "vocab_size = {} must be in [1, {}]",
+                self.vocab_size,
+                CrossEntropySpec::MAX_VOCAB
+            )));
+        }
+        if self.num_layers == 0 || self.seq_length == 0 {
+            return Err(config("num_layers and seq_length must be ≥ 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// What [`Gpt::forward_loss`] saves for [`Gpt::backward`]: every part's context and the loss
+/// gradient of the logits.
+#[derive(Debug)]
+pub struct GptCtx {
+    tokens: EmbeddingCtx,
+    positions: EmbeddingCtx,
+    layers: Vec<TransformerLayerCtx>,
+    final_norm: NormCtx,
+    lm_head: LinearCtx,
+    dlogits: Tensor,
+    shape: [usize; 3],
+}
+
+/// The GPT: hidden states `[s, b, hidden]` (Megatron's layout), parameters named
+/// `embedding.weight`, `position_embedding.weight`, `layers.N.*` (TE's names), `final_norm.*`,
+/// `lm_head.weight`.
+#[derive(Debug, crate::Module)]
+pub struct Gpt {
+    embedding: Embedding,
+    position_embedding: Embedding,
+    layers: Vec<TransformerLayer>,
+    final_norm: Norm,
+    lm_head: Linear,
+    #[module(skip)]
+    cfg: GptConfig,
+    #[module(skip)]
+    dev: Arc<Device>,
+}
+
+impl Gpt {
+    /// A freshly initialized model (GPT-2's init: embeddings `N(0, 0.02)` and `N(0, 0.01)`, TE's
+    /// layer init, LM head `N(0, 0.023)`).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a vocabulary outside `[1, 65536]`, no layers or positions, and the
+    /// errors of the parts (heads that do not divide the hidden size, a dropout outside
+    /// `[0, 1]`, a non-high-precision dtype).
+    pub fn new(dev: &Arc<Device>, cfg: GptConfig) -> Result<Self> {
+        cfg.check()?;
+        let (h, dt, seed) = (cfg.hidden_size, cfg.params_dtype, cfg.seed);
+        let embedding =
+            Embedding::new(dev, EmbeddingConfig { params_dtype: dt, seed, ..EmbeddingConfig::new(cfg.vocab_size, h) })?;
+        let position_embedding = Embedding::new(
+            dev,
+            EmbeddingConfig {
+                params_dtype: dt,
+                init_std: 0.01,
+                seed: seed + 1,
+                ..EmbeddingConfig::new(cfg.seq_length, h)
+            },
+        )?;
+        let layers = (0..cfg.num_layers)
+            .map(|i| {
+                let layer_cfg = TransformerLayerConfig {
+                    hidden_dropout: cfg.hidden_dropout,
+                    params_dtype: dt,
+                    seed: seed + 16 * (i as u64 + 1),
+                    ..TransformerLayerConfig::new(h, cfg.ffn_hidden_size, cfg.num_attention_heads)
+                };
+                TransformerLayer::new(dev, layer_cfg)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = Norm::layer_norm(dev, NormConfig { params_dtype: dt, ..NormConfig::new(h) })?;
+        let lm_head = Linear::new(
+            dev,
+            LinearConfig { bias: false, params_dtype: dt, seed: seed + 2, ..LinearConfig::new(h, cfg.vocab_size) },
+        )?;
+        Ok(Self { embedding, position_embedding, layers, final_norm, lm_head, cfg, dev: dev.clone() })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// The mean cross-entropy of next-token prediction over the targets that are not
+    /// [`IGNORE_INDEX`] (0 when all are), and the context for [`Gpt::backward`].
+    ///
+    /// `ids`, `targets`: `[s, b]` with `s ≤ seq_length` (targets are usually the ids shifted by
+    /// one position). The loss is copied to the host (one stream synchronization).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for ids that are not `[s, b]`, `s > seq_length`, or targets of another
+    /// shape; the errors of the parts (FP8: `s * b` not a multiple of 16).
+    pub fn forward_loss(&mut self, ids: &TokenIds, targets: &TokenIds) -> Result<(f32, GptCtx)> {
+        let shape = |message: String| Error::Shape { op: MODEL, message };
+        let [s, b] = *ids.shape() else {
+            return Err(shape(format!("ids must be [s, b], got {:?}", ids.shape())));
+        };
+        if s > self.cfg.seq_length {
+            return Err(shape(format!("sequence length {s} exceeds seq_length = {}", self.cfg.seq_length)));
+        }
+        if targets.shape() != ids.shape() {
+            return Err(shape(format!(
+                "targets must have the ids' shape {:?}, got {:?}",
+                ids.shape(),
+                targets.shape()
+            )));
+        }
+        let h = self.cfg.hidden_size;
+        // Position of row-major [s, b] element i is i / b.
+        let pos: Vec<i32> = (0..s * b).map(|i| (i / b) as i32).collect();
+        let pos = TokenIds::from_host(&self.dev, &[s, b], &pos)?;
+        let (tok, tokens) = self.embedding.forward(ids)?;
+        let (wpe, positions) = self.position_embedding.forward(&pos)?;
+        let mut x = Tensor::empty(&self.dev, self.cfg.params_dtype, &[s, b, h])?;
+        add(&self.dev, &tok, &wpe, &mut x)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &mut self.layers {
+            let (y, c) = layer.forward(&x)?;
+            layers.push(c);
+            x = y;
+        }
+        let (y, final_norm) = self.final_norm.forward(&x)?;
+        let (logits, lm_head) = self.lm_head.forward(&y.reshape(&[s * b, h])?)?;
+        let counted = targets.host().iter().filter(|&&t| t != IGNORE_INDEX).count();
+        let grad_scale = if counted == 0 { 0.0 } else { 1.0 / counted as f32 };
+        let mut dlogits = Tensor::empty(&self.dev, logits.dtype(), logits.shape())?;
+        // SAFETY: f32 has no invalid bit patterns; the kernel writes every token's loss.
+        let mut loss = unsafe { self.dev.stream().alloc::<f32>(s * b) }?;
+        let grad = CrossEntropyGrad { dlogits: &mut dlogits, grad_scale };
+        cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
+        let loss = self.dev.stream().clone_dtoh(&loss)?;
+        let mean =
+            if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
+        let ctx = GptCtx { tokens, positions, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
+        Ok((mean, ctx))
+    }
+
+    /// Backward of the mean loss: every parameter gradient accumulates (call
+    /// [`crate::Module::zero_grad`] between steps).
+    ///
+    /// # Errors
+    /// [`Error::Context`] for a context of another model or one made before a weight update;
+    /// the errors of the parts.
+    pub fn backward(&mut self, ctx: GptCtx) -> Result<()> {
+        let d = self.lm_head.backward(ctx.lm_head, &ctx.dlogits)?;
+        let mut d = self.final_norm.backward(ctx.final_norm, &d.reshape(&ctx.shape)?)?;
+        for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
+            d = layer.backward(c, &d)?;
+        }
+        self.embedding.backward(ctx.tokens, &d)?;
+        self.position_embedding.backward(ctx.positions, &d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_the_documented_sizes() {
+        assert_eq!(GptConfig::tiny().num_parameters(), 2 * (12 * 128 * 128 + 13 * 128) + (256 + 128 + 256) * 128 + 256);
+        let small = GptConfig::small().num_parameters();
+        assert!((85_000_000..87_000_000).contains(&small), "{small}");
+        let large = GptConfig::large().num_parameters();
+        assert!(large >= 1_000_000_000, "large has {large} parameters");
+        assert!(GptConfig::large().hidden_size >= 2048);
+        for c in [GptConfig::tiny(), GptConfig::small(), GptConfig::large()] {
+            c.check().unwrap();
+            assert_eq!(c.vocab_size, 256);
+            assert_eq!(c.hidden_size % c.num_attention_heads, 0);
+        }
+    }
+
+    #[test]
+    fn bad_configs_are_refused_before_any_allocation() {
+        let e = GptConfig { vocab_size: 70_000, ..GptConfig::tiny() }.check().unwrap_err();
+        assert!(e.to_string().contains("vocab_size = 70000"), "{e}");
+        let e = GptConfig { num_layers: 0, ..GptConfig::tiny() }.check().unwrap_err();
+        assert!(e.to_string().contains("num_layers"), "{e}");
+    }
+}

@@ -1,0 +1,5 @@
+//! Whole models built from the modules: the GPT of the training job.
+
+pub mod gpt;
+
+pub use gpt::{Gpt, GptConfig, GptCtx, IGNORE_INDEX};

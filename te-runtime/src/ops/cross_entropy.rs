@@ -1,0 +1,81 @@
+//! Family 12 launcher: fused softmax cross-entropy loss per token and its gradient.
+
+use super::{check_dtype, grid_stride_blocks, launch_1d};
+use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use te_codegen::spec::CrossEntropySpec;
+use te_codegen::{DType, KernelSpec};
+
+/// The gradient [`cross_entropy`] writes next to the loss.
+#[derive(Debug)]
+pub struct CrossEntropyGrad<'a> {
+    /// Written: `[tokens, vocab]` in the logits' dtype, `(softmax - onehot) * grad_scale`.
+    pub dlogits: &'a mut Tensor,
+    /// Multiplies the gradient: `1 / counted tokens` for a mean loss, `1` for a sum.
+    pub grad_scale: f32,
+}
+
+/// Per-token `loss[t] = logsumexp(logits[t]) - logits[t, targets[t]]` (f32), and with `grad`
+/// `dlogits = (softmax(logits) - onehot(targets)) * grad_scale` in the same kernel.
+///
+/// `logits`: `[tokens, vocab]` (any leading shape, folded into tokens), f32/bf16/f16, `vocab` ≤
+/// [`CrossEntropySpec::MAX_VOCAB`]; `targets`: `[tokens]` i32; `loss`: `[tokens]` f32. A target
+/// equal to `ignore_index` gives loss 0 and a zero gradient row; any other target outside
+/// `[0, vocab)` gives a NaN loss and a zero row. The reduction (mean over the counted tokens)
+/// is the caller's: pass `grad_scale = 1 / counted`.
+///
+/// # Errors
+/// [`Error::DType`] for FP8 logits or a `dlogits` of another dtype, [`Error::Shape`] for a vocab
+/// of 0 or above the limit, targets or loss of another length than the token count, no tokens,
+/// or a `dlogits` of another shape; compile and launch failures.
+pub fn cross_entropy(
+    dev: &Device,
+    logits: &Tensor,
+    targets: &CudaSlice<i32>,
+    ignore_index: i32,
+    loss: &mut CudaSlice<f32>,
+    grad: Option<CrossEntropyGrad<'_>>,
+) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let shape = |message: String| Error::Shape { op: OP, message };
+    check_dtype(OP, "logits", logits, DType::is_high_precision, "f32, bf16 or f16")?;
+    let (tokens, vocab) = logits.as_2d(OP)?;
+    if vocab == 0 || vocab > CrossEntropySpec::MAX_VOCAB {
+        return Err(shape(format!("vocab = {vocab} must be in [1, {}]", CrossEntropySpec::MAX_VOCAB)));
+    }
+    if tokens == 0 {
+        return Err(shape(format!("`logits` has shape {:?}, which holds no tokens", logits.shape())));
+    }
+    for (arg, len) in [("targets", targets.len()), ("loss", loss.len())] {
+        if len != tokens {
+            return Err(shape(format!("`{arg}` must hold one value per token ({tokens}), got {len}")));
+        }
+    }
+    let dt = logits.dtype();
+    let mut grad = match grad {
+        Some(g) => {
+            check_dtype(OP, "dlogits", g.dlogits, |d| d == dt, &format!("{dt} (the logits' dtype)"))?;
+            super::check_shape(OP, "dlogits", g.dlogits, logits.shape())?;
+            Some((g.dlogits.data_mut()?, g.grad_scale))
+        }
+        None => None,
+    };
+    let spec = CrossEntropySpec::new(dt, grad.is_some(), dev.arch());
+    let f = dev.function(&KernelSpec::CrossEntropy(spec), 0)?;
+    let (t, v) = (tokens as u64, vocab as u64);
+    let mut builder = dev.stream().launch_builder(&f);
+    builder.arg(logits.data()).arg(targets).arg(loss);
+    if let Some((dlogits, grad_scale)) = &mut grad {
+        builder.arg(&mut **dlogits).arg(&*grad_scale);
+    }
+    builder.arg(&t).arg(&v).arg(&ignore_index);
+    // SAFETY: the arguments follow the signature documented on `CrossEntropySpec` (with the
+    // `dlogits, grad_scale` pair exactly when the spec has `grad`): `logits` and `dlogits` hold
+    // `tokens * vocab` elements of the logits' dtype, `targets` and `loss` `tokens` values
+    // (checked above); the kernel reads logits columns `< vocab` and the target column only for
+    // targets in `[0, vocab)`.
+    unsafe {
+        builder.launch(launch_1d(grid_stride_blocks(dev, tokens * spec.threads, spec.threads), spec.threads, 0))
+    }?;
+    Ok(())
+}
