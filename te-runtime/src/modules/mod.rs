@@ -10,6 +10,7 @@ pub mod linear;
 pub mod multihead_attention;
 pub mod norm;
 mod params;
+pub mod state_slot;
 pub mod transformer_layer;
 pub mod visit;
 
@@ -20,6 +21,7 @@ pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCt
 pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
+pub use state_slot::{Fp8Direction, Fp8StateSlot};
 pub use te_codegen::spec::Activation;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
 pub use visit::{
