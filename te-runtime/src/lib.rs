@@ -5,6 +5,7 @@
 //! Every GPU entry point returns a typed [`Error`] instead of panicking: a missing driver or
 //! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
 
+pub mod checkpoint;
 pub mod device;
 pub mod fp8;
 pub mod gemm;
@@ -117,6 +118,14 @@ pub enum Error {
     #[error("fp8_autocast: {message}")]
     Autocast {
         /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// A checkpoint that cannot be written or read: an I/O failure, a truncated or corrupt
+    /// file, or tensors that do not match the model (the message lists every missing,
+    /// unexpected and mismatched name).
+    #[error("checkpoint: {message}")]
+    Checkpoint {
+        /// What is wrong, naming the file and the tensors.
         message: String,
     },
     /// A backward called with a context it cannot use: made by another module, or by a forward

@@ -2,7 +2,7 @@
 
 use crate::reference::numerics;
 use crate::{Device, Error, Result};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 use te_codegen::DType;
 
@@ -52,6 +52,11 @@ impl Tensor {
     /// # Errors
     /// [`Error::Shape`] when the byte count does not match `shape`; allocation failures.
     pub fn from_bytes(dev: &Device, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
+        Self::from_bytes_on(dev.stream(), dtype, shape, bytes)
+    }
+
+    /// As [`Tensor::from_bytes`], on `stream` (the stream of a tensor this one replaces).
+    pub(crate) fn from_bytes_on(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
         let want = numel(shape) * dtype.size_bytes();
         if bytes.len() != want {
             return Err(Error::Shape {
@@ -59,8 +64,7 @@ impl Tensor {
                 message: format!("{shape:?} {dtype} needs {want} bytes, got {}", bytes.len()),
             });
         }
-        let data =
-            if bytes.is_empty() { dev.stream().alloc_zeros::<u8>(1)? } else { dev.stream().clone_htod(bytes)? };
+        let data = if bytes.is_empty() { stream.alloc_zeros::<u8>(1)? } else { stream.clone_htod(bytes)? };
         Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
     }
 

@@ -8,6 +8,7 @@ mod activation;
 mod attention;
 mod cast;
 mod cast_transpose;
+mod checkpoint;
 mod copy;
 mod dropout;
 mod elementwise;

@@ -99,6 +99,12 @@ impl ScalingState {
         self.slots
     }
 
+    /// Entries per slot history (the recipe's `amax_history_len` of the last FP8 pass, or a
+    /// restored checkpoint's).
+    pub fn history_len(&self) -> usize {
+        self.lock().history_len
+    }
+
     /// The FP8 format of the slots.
     pub fn dtype(&self) -> DType {
         self.lock().dtype

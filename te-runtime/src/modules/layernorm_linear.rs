@@ -6,6 +6,7 @@
 use super::linear::{check_ctx, check_input, LinearCore, LinearInput, Saved, FWD_INPUT};
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{LinearParams, ParamsInit};
+use super::state_slot::Fp8StateSlot;
 use super::{next_module_id, ForwardOptions, Output};
 use crate::fp8::{fp8_mode, Fp8Mode, Recipe, ScalingState};
 use crate::{Device, Result, Tensor};
@@ -169,6 +170,11 @@ impl LayerNormLinear {
     /// The backward delayed-scaling state of the GEMM (grad_output, grad_input).
     pub fn fp8_backward_state(&self) -> Option<&Arc<ScalingState>> {
         self.core.bwd_state_opt()
+    }
+
+    /// The forward and backward state slots of the GEMM, for a writable traversal.
+    pub(crate) fn fp8_state_slots(&mut self) -> [Fp8StateSlot<'_>; 2] {
+        self.core.state_slots()
     }
 
     /// Forward for training: the output and the context.

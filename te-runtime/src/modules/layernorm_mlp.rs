@@ -11,6 +11,7 @@
 use super::linear::{check_ctx, check_input, out_shape, LinearCore, LinearInput, Saved, BWD_GRAD_OUTPUT, FWD_INPUT};
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{LinearParams, ParamsInit};
+use super::state_slot::Fp8StateSlot;
 use super::{next_module_id, ForwardOptions, Output};
 use crate::fp8::{fp8_mode, quantize_current, Float8Tensor, Fp8Mode, Recipe, ScalingState};
 use crate::ops::cast_transpose::{cast_transpose_dact, dbias_workspace_len, DbiasOut};
@@ -202,6 +203,14 @@ impl LayerNormMLP {
             ("fc2_fp8_fwd", self.fc2.fwd_state_opt()),
             ("fc2_fp8_bwd", self.fc2.bwd_state_opt()),
         ]
+    }
+
+    /// The state slots of the two GEMMs under the names of [`LayerNormMLP::fp8_states`], for a
+    /// writable traversal.
+    pub(crate) fn fp8_state_slots(&mut self) -> [(&'static str, Fp8StateSlot<'_>); 4] {
+        let [fc1_fwd, fc1_bwd] = self.fc1.state_slots();
+        let [fc2_fwd, fc2_bwd] = self.fc2.state_slots();
+        [("fc1_fp8_fwd", fc1_fwd), ("fc1_fp8_bwd", fc1_bwd), ("fc2_fp8_fwd", fc2_fwd), ("fc2_fp8_bwd", fc2_bwd)]
     }
 
     fn version(&self) -> u64 {

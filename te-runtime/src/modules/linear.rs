@@ -14,6 +14,7 @@
 //! Without FP8 the same GEMMs run in the parameters' precision on the saved high-precision input.
 
 use super::params::{fp8_dim, LinearParams, ParamsInit};
+use super::state_slot::{Fp8Direction, Fp8StateSlot};
 use super::{next_module_id, Output};
 use crate::fp8::autocast::{backward_ticket, register_forward, BackwardTicket};
 use crate::fp8::{fp8_mode, quantize_current, DelayedScaling, Float8Tensor, Fp8Mode, Recipe, ScalingState};
@@ -185,6 +186,15 @@ impl LinearCore {
 
     pub(crate) fn bwd_state_opt(&self) -> Option<&Arc<ScalingState>> {
         self.bwd_state.as_ref()
+    }
+
+    /// The forward and backward state slots, for a writable traversal.
+    pub(crate) fn state_slots(&mut self) -> [Fp8StateSlot<'_>; 2] {
+        let dev = self.params.device();
+        [
+            Fp8StateSlot::new(&mut self.fwd_state, dev, FWD_SLOTS, Fp8Direction::Forward),
+            Fp8StateSlot::new(&mut self.bwd_state, dev, BWD_SLOTS, Fp8Direction::Backward),
+        ]
     }
 
     fn dev(&self) -> Arc<Device> {
@@ -580,6 +590,11 @@ impl Linear {
     /// The backward scaling state (grad_output, grad_input slots).
     pub fn fp8_backward_state(&self) -> Option<&Arc<ScalingState>> {
         self.core.bwd_state_opt()
+    }
+
+    /// The forward and backward state slots, for a writable traversal.
+    pub(crate) fn fp8_state_slots(&mut self) -> [Fp8StateSlot<'_>; 2] {
+        self.core.state_slots()
     }
 
     /// `y = x · Wᵀ + b` for training: returns `y` (input dtype, `[..., out]`) and the context

@@ -11,6 +11,7 @@ pub mod linear;
 pub mod multihead_attention;
 pub mod norm;
 mod params;
+pub mod state_slot;
 pub mod token_ids;
 pub mod transformer_layer;
 pub mod visit;
@@ -23,6 +24,7 @@ pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCt
 pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
+pub use state_slot::{Fp8Direction, Fp8StateSlot};
 pub use te_codegen::spec::Activation;
 pub use token_ids::TokenIds;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};

@@ -185,6 +185,27 @@ impl LinearParams {
         Ok(())
     }
 
+    /// Replaces an FP8-only weight by `w` (E4M3 codes `[out, in]` with their `scale_inv`, a
+    /// checkpoint's); invalidates saved contexts as [`LinearParams::set_weight`] does.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the weight is high precision (write it with
+    /// [`LinearParams::set_weight`]); [`Error::Shape`] / [`Error::DType`] unless `w` is
+    /// `[out, in]` E4M3.
+    pub(crate) fn set_fp8_weight(&mut self, w: Float8Tensor) -> Result<()> {
+        if matches!(self.weight, Weight::High(_)) {
+            return Err(Error::Config {
+                module: self.module,
+                message: "the weight is high precision, not FP8-only (made outside fp8_model_init)".into(),
+            });
+        }
+        ops::check_shape(self.module, "weight", w.data(), &[self.out_features, self.in_features])?;
+        ops::check_dtype(self.module, "weight", w.data(), |d| d == DType::E4M3, "e4m3")?;
+        self.weight = Weight::Fp8(w);
+        self.touch();
+        Ok(())
+    }
+
     fn touch(&mut self) {
         self.version += 1;
         self.cache = None;

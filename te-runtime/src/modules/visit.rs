@@ -3,7 +3,7 @@
 //! writable ([`Module::visit_mut`]). `#[derive(Module)]` generates the traversal of a model
 //! struct; checkpoints, parameter counts, optimizers and `zero_grad` are visitors on top of it.
 
-use super::{LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm, NormParams};
+use super::{Fp8StateSlot, LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm, NormParams};
 use crate::fp8::{Float8Tensor, ScalingState};
 use crate::{Result, Tensor};
 use std::ops::{Deref, DerefMut};
@@ -69,6 +69,21 @@ pub trait ParamMut: Param {
     /// [`crate::Error::Shape`] / [`crate::Error::DType`] when `value` does not fit.
     fn set(&mut self, value: Tensor) -> Result<()>;
 
+    /// Replaces an FP8-only weight (see [`Param::fp8_tensor`]) by `value`: E4M3 codes of the
+    /// stored shape with their `scale_inv` (a checkpoint's); bumps the version as
+    /// [`ParamMut::set`] does. The default refuses: only FP8-only weights take FP8 values.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] when the parameter is not an FP8-only weight;
+    /// [`crate::Error::Shape`] / [`crate::Error::DType`] when `value` does not fit.
+    fn set_fp8(&mut self, value: Float8Tensor) -> Result<()> {
+        let _ = value;
+        Err(crate::Error::Config {
+            module: "ParamMut::set_fp8",
+            message: "this parameter is not an FP8-only weight".into(),
+        })
+    }
+
     /// Drops the accumulated gradient. TE's layers keep weight and bias gradients together: this
     /// drops both (the caller's `main_grad` is kept).
     fn zero_grad(&mut self);
@@ -111,6 +126,20 @@ pub trait ModuleVisitorMut {
     fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> Result<()> {
         let _ = (path, state);
         Ok(())
+    }
+
+    /// The place at `path` where a module keeps a scaling state, empty before the module's
+    /// first FP8 pass: a visitor that must reach states a fresh model does not have yet (a
+    /// checkpoint load) overrides it and fills the slot with [`Fp8StateSlot::get_or_create`].
+    /// By default, calls [`ModuleVisitorMut::fp8_state`] when the slot holds a state.
+    ///
+    /// # Errors
+    /// The visitor's own; the traversal stops and returns it.
+    fn fp8_state_slot(&mut self, path: &str, slot: &mut Fp8StateSlot<'_>) -> Result<()> {
+        match slot.state().cloned() {
+            Some(state) => self.fp8_state(path, &state),
+            None => Ok(()),
+        }
     }
 }
 
@@ -307,8 +336,8 @@ impl Module for Linear {
 
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         visit_linear_params_mut(self.params_mut(), prefix, WEIGHT_BIAS, visitor)?;
-        let states = [("fp8_fwd", self.fp8_forward_state()), ("fp8_bwd", self.fp8_backward_state())];
-        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+        let [fwd, bwd] = self.fp8_state_slots();
+        visit_slots(prefix, [("fp8_fwd", fwd), ("fp8_bwd", bwd)], visitor)
     }
 }
 
@@ -333,8 +362,8 @@ impl Module for LayerNormLinear {
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         visit_norm_params_mut(self.norm_params_mut(), prefix, LAYER_NORM, visitor)?;
         visit_linear_params_mut(self.params_mut(), prefix, WEIGHT_BIAS, visitor)?;
-        let states = [("fp8_fwd", self.fp8_forward_state()), ("fp8_bwd", self.fp8_backward_state())];
-        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+        let [fwd, bwd] = self.fp8_state_slots();
+        visit_slots(prefix, [("fp8_fwd", fwd), ("fp8_bwd", bwd)], visitor)
     }
 }
 
@@ -350,9 +379,7 @@ impl Module for LayerNormMLP {
         visit_norm_params_mut(self.norm_params_mut(), prefix, LAYER_NORM, visitor)?;
         visit_linear_params_mut(self.fc1_mut(), prefix, ["fc1_weight", "fc1_bias"], visitor)?;
         visit_linear_params_mut(self.fc2_mut(), prefix, ["fc2_weight", "fc2_bias"], visitor)?;
-        let states = self.fp8_states().map(|(n, s)| (n, s.cloned()));
-        let states: Vec<_> = states.iter().map(|(n, s)| (*n, s.as_ref())).collect();
-        visit_states(prefix, &states, |path, s| visitor.fp8_state(path, s))
+        visit_slots(prefix, self.fp8_state_slots(), visitor)
     }
 }
 
@@ -426,6 +453,18 @@ fn visit_states(
     Ok(())
 }
 
+/// Hands each `(name, slot)` to `visitor` as `prefix.name`.
+fn visit_slots<const N: usize>(
+    prefix: &str,
+    slots: [(&str, Fp8StateSlot<'_>); N],
+    visitor: &mut dyn ModuleVisitorMut,
+) -> Result<()> {
+    for (name, mut slot) in slots {
+        visitor.fp8_state_slot(&join_path(prefix, name), &mut slot)?;
+    }
+    Ok(())
+}
+
 /// The weight or the bias of a [`Group`].
 #[derive(Debug, Clone, Copy)]
 enum Slot {
@@ -450,6 +489,8 @@ trait Group {
     fn params_dtype(&self) -> DType;
     /// Replaces the tensor of `slot`.
     fn set_slot(&mut self, slot: Slot, value: Tensor) -> Result<()>;
+    /// Replaces the FP8-only tensor of `slot`.
+    fn set_slot_fp8(&mut self, slot: Slot, value: Float8Tensor) -> Result<()>;
     /// Drops the weight and bias gradients.
     fn clear_grads(&mut self);
 }
@@ -496,9 +537,21 @@ impl Group for LinearParams {
         }
     }
 
+    fn set_slot_fp8(&mut self, slot: Slot, value: Float8Tensor) -> Result<()> {
+        match slot {
+            Slot::Weight => self.set_fp8_weight(value),
+            Slot::Bias => Err(not_fp8("a bias")),
+        }
+    }
+
     fn clear_grads(&mut self) {
         self.zero_grad();
     }
+}
+
+/// The error of an FP8 write to `what`, which is never FP8-only.
+fn not_fp8(what: &str) -> crate::Error {
+    crate::Error::Config { module: "ParamMut::set_fp8", message: format!("{what} is never an FP8-only weight") }
 }
 
 impl Group for NormParams {
@@ -535,6 +588,10 @@ impl Group for NormParams {
             Slot::Weight => self.set_weight(value),
             Slot::Bias => self.set_bias(value),
         }
+    }
+
+    fn set_slot_fp8(&mut self, _: Slot, _: Float8Tensor) -> Result<()> {
+        Err(not_fp8("a norm parameter"))
     }
 
     fn clear_grads(&mut self) {
@@ -585,6 +642,10 @@ impl<R: Deref<Target: Group>> Param for View<R> {
 impl<R: DerefMut<Target: Group>> ParamMut for View<R> {
     fn set(&mut self, value: Tensor) -> Result<()> {
         self.group.set_slot(self.slot, value)
+    }
+
+    fn set_fp8(&mut self, value: Float8Tensor) -> Result<()> {
+        self.group.set_slot_fp8(self.slot, value)
     }
 
     fn zero_grad(&mut self) {
