@@ -255,9 +255,9 @@ fn errors_are_typed_and_say_what_to_do() {
     let e = DotProductAttention::new(&dev, DotProductAttentionConfig { num_gqa_groups: Some(3), ..base.clone() })
         .unwrap_err();
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("must divide num_attention_heads"), "{e}");
-    let e = DotProductAttention::new(&dev, DotProductAttentionConfig { attention_dropout: 0.1, ..base.clone() })
+    let e = DotProductAttention::new(&dev, DotProductAttentionConfig { attention_dropout: 1.5, ..base.clone() })
         .unwrap_err();
-    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("pass attention_dropout = 0"), "{e}");
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("attention_dropout must be in [0, 1]"), "{e}");
 
     let mut attn = DotProductAttention::new(&dev, base.clone()).unwrap();
     let t = |dtype, shape: &[usize]| Tensor::zeros(&dev, dtype, shape).unwrap();
@@ -312,4 +312,37 @@ fn errors_are_typed_and_say_what_to_do() {
     assert!(matches!(e, Error::DType { arg: "d_out", .. }), "{e}");
     let (_, ctx) = attn.forward(&q, &kv, &kv, None).unwrap();
     attn.backward(ctx, &d_out).unwrap();
+}
+
+/// Attention dropout: p = 1 drops every probability (output and every gradient exactly 0);
+/// p = 0.5 keeps about half, so the output moves away from the undropped one, and backward uses
+/// the same mask (dv = 0 where every probability of a key was dropped is not required, only
+/// finiteness and a change).
+#[test]
+fn attention_dropout_is_wired_forward_and_backward() {
+    let Some(dev) = device() else { return };
+    let (b, s, h, d) = (2, 48, 4, 64);
+    let shape = [s, b, h, d];
+    let n = s * b * h * d;
+    let t = |seed| {
+        let v: Vec<f32> = randn(seed, n, 1.0).iter().map(|&x| round_to(DType::BF16, x)).collect();
+        Tensor::from_f32(&dev, DType::BF16, &shape, &v).unwrap()
+    };
+    let (q, k, v, dout) = (t(1), t(2), t(3), t(4));
+    let dout = dout.reshape(&[s, b, h * d]).unwrap();
+    let run = |p: f32| {
+        let cfg = DotProductAttentionConfig { attention_dropout: p, ..DotProductAttentionConfig::new(h, d) };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        let (out, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+        let (dq, dk, dv) = attn.backward(ctx, &dout).unwrap();
+        [out, dq, dk, dv].map(|x| x.to_f32(&dev).unwrap())
+    };
+    for (i, x) in run(1.0).iter().enumerate() {
+        assert!(x.iter().all(|&v| v == 0.0), "p = 1: tensor {i} must be all zeros");
+    }
+    let (none, half) = (run(0.0), run(0.5));
+    for (i, (a, b)) in none.iter().zip(&half).enumerate() {
+        assert!(b.iter().all(|v| v.is_finite()), "p = 0.5: tensor {i} finite");
+        assert!(a != b, "p = 0.5 changes tensor {i}");
+    }
 }

@@ -21,6 +21,7 @@ mod plan;
 mod unfused;
 
 use super::next_module_id;
+use crate::ops::dropout::DropoutParams;
 use crate::ops::softmax::MAX_SK;
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
@@ -114,7 +115,8 @@ pub struct DotProductAttentionConfig {
     /// Key/value heads `g` (GQA; 1 = MQA); `None` = `num_attention_heads`. Must divide
     /// `num_attention_heads`: query head `i` reads key/value head `i / (h / g)`.
     pub num_gqa_groups: Option<usize>,
-    /// Dropout probability on the attention probabilities; must be 0 for now.
+    /// Dropout probability on the attention probabilities, in `[0, 1]` (Philox keep mask kept
+    /// for backward; TE `attention_dropout`).
     pub attention_dropout: f32,
     /// Layout of q, k, v and the output. TE's default: [`QkvFormat::Sbhd`].
     pub qkv_format: QkvFormat,
@@ -163,11 +165,8 @@ impl DotProductAttentionConfig {
                  heads); use a divisor of {h}, or None for one key/value head per query head"
             ));
         }
-        if self.attention_dropout != 0.0 {
-            return config(format!(
-                "attention_dropout = {}: dropout in attention is not implemented yet; pass attention_dropout = 0",
-                self.attention_dropout
-            ));
+        if !(0.0..=1.0).contains(&self.attention_dropout) {
+            return config(format!("attention_dropout must be in [0, 1], got {}", self.attention_dropout));
         }
         if let Some(s) = self.softmax_scale {
             if !(s.is_finite() && s > 0.0) {
@@ -188,6 +187,7 @@ pub struct AttentionCtx {
     k: Tensor,
     v: Tensor,
     probs: Tensor,
+    dropout: Option<unfused::ProbsDropout>,
 }
 
 /// Scaled dot-product attention over heads, `O = softmax(scale · Q · Kᵀ, masked) · V`, with
@@ -216,6 +216,8 @@ pub struct DotProductAttention {
     cfg: DotProductAttentionConfig,
     id: u64,
     masks: MaskCache,
+    /// Forward calls: the dropout stream offset (each call draws a fresh mask).
+    calls: u64,
 }
 
 impl DotProductAttention {
@@ -223,11 +225,11 @@ impl DotProductAttention {
     ///
     /// # Errors
     /// [`Error::Config`] for zero heads or channels, `num_gqa_groups` not dividing
-    /// `num_attention_heads`, `attention_dropout` other than 0 (not implemented yet), or a
+    /// `num_attention_heads`, `attention_dropout` outside `[0, 1]`, or a
     /// `softmax_scale` that is not finite and positive.
     pub fn new(dev: &Arc<Device>, cfg: DotProductAttentionConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), masks: MaskCache::default() })
+        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), masks: MaskCache::default(), calls: 0 })
     }
 
     /// The configuration.
@@ -265,8 +267,10 @@ impl DotProductAttention {
     ) -> Result<(Tensor, AttentionCtx)> {
         let dims = self.dims(q, k, v)?;
         let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, seq_lens, &dims)?;
-        let (out, probs) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale())?;
-        let ctx = AttentionCtx { module_id: self.id, dims, q: q.clone(), k: k.clone(), v: v.clone(), probs };
+        self.calls += 1;
+        let drop = DropoutParams { p: self.cfg.attention_dropout, seed: self.id, offset: self.calls };
+        let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale(), drop)?;
+        let ctx = AttentionCtx { module_id: self.id, dims, q: q.clone(), k: k.clone(), v: v.clone(), probs, dropout };
         Ok((out, ctx))
     }
 
@@ -287,7 +291,8 @@ impl DotProductAttention {
         let dtype = ctx.q.dtype();
         check_dtype(MODULE, "d_out", d_out, |d| d == dtype, &format!("{dtype} (the dtype of the forward's q)"))?;
         check_shape(MODULE, "d_out", d_out, &ctx.dims.out_shape())?;
-        unfused::backward(&self.dev, &ctx.dims, [&ctx.q, &ctx.k, &ctx.v], &ctx.probs, d_out, self.cfg.scale())
+        let drop = ctx.dropout.as_ref();
+        unfused::backward(&self.dev, &ctx.dims, [&ctx.q, &ctx.k, &ctx.v], &ctx.probs, drop, d_out, self.cfg.scale())
     }
 
     /// Checks q, k, v against the configuration and each other; their dimensions.
@@ -366,10 +371,10 @@ mod tests {
         assert!(e.contains("num_gqa_groups = 3 must divide num_attention_heads = 8"), "{e}");
         let e = config_error(DotProductAttentionConfig { num_gqa_groups: Some(0), ..cfg.clone() });
         assert!(e.contains("num_gqa_groups = 0"), "{e}");
-        let e = config_error(DotProductAttentionConfig { attention_dropout: 0.1, ..cfg.clone() });
-        assert!(e.contains("dropout in attention is not implemented yet; pass attention_dropout = 0"), "{e}");
+        let e = config_error(DotProductAttentionConfig { attention_dropout: 1.5, ..cfg.clone() });
+        assert!(e.contains("attention_dropout must be in [0, 1], got 1.5"), "{e}");
         let e = config_error(DotProductAttentionConfig { attention_dropout: f32::NAN, ..cfg.clone() });
-        assert!(e.contains("not implemented yet"), "{e}");
+        assert!(e.contains("attention_dropout"), "{e}");
         let e = config_error(DotProductAttentionConfig { softmax_scale: Some(f32::INFINITY), ..cfg.clone() });
         assert!(e.contains("softmax_scale"), "{e}");
         let e = config_error(DotProductAttentionConfig::new(0, 64));

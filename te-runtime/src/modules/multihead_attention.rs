@@ -43,7 +43,7 @@ pub struct MultiheadAttentionConfig {
     pub zero_centered_gamma: bool,
     /// The mask. TE's default: causal.
     pub attn_mask_type: AttnMaskType,
-    /// Dropout on the attention probabilities (must be 0 for now, see `DotProductAttention`).
+    /// Dropout on the attention probabilities (see `DotProductAttention`).
     pub attention_dropout: f32,
     /// Layout of the hidden states: `[s, b, hidden]` (sbhd, TE's default) or `[b, s, hidden]`.
     pub qkv_format: QkvFormat,

@@ -5,29 +5,48 @@
 
 use super::plan::{Dims, Product};
 use crate::gemm::{gemm_strided_batched, GemmConfig};
+use crate::ops::dropout::{dropout, dropout_backward, mask_bytes, DropoutParams};
 use crate::ops::elementwise;
 use crate::ops::softmax::{self, Mask};
 use crate::{Device, Result, Tensor};
+use cudarc::driver::CudaSlice;
 use te_codegen::DType;
 
-/// `out = softmax(scale · Q · Kᵀ, mask) · V` per head; returns `(out, P)`: the output in
-/// [`Dims::out_shape`] and the probabilities `[batch, heads, sq, sk]`, both in q's dtype.
+/// The keep mask of the attention dropout and its parameters (TE `attention_dropout`).
+#[derive(Debug)]
+pub(super) struct ProbsDropout {
+    params: DropoutParams,
+    mask: CudaSlice<u8>,
+}
+
+/// `out = dropout(softmax(scale · Q · Kᵀ, mask)) · V` per head; returns `(out, P, dropout)`: the
+/// output in [`Dims::out_shape`], the probabilities `[batch, heads, sq, sk]` before dropout (q's
+/// dtype), and the dropout mask when `drop.p > 0`.
 pub(super) fn forward(
     dev: &Device,
     dims: &Dims,
     [q, k, v]: [&Tensor; 3],
     mask: Mask<'_>,
     scale: f32,
-) -> Result<(Tensor, Tensor)> {
+    drop: DropoutParams,
+) -> Result<(Tensor, Tensor, Option<ProbsDropout>)> {
     let dtype = q.dtype();
     let mut scores = Tensor::empty(dev, dtype, &dims.scores_shape())?;
     products(dev, dims, Product::QueryKeyT, q, k, &mut scores)?;
     let mut probs = Tensor::empty(dev, dtype, &dims.scores_shape())?;
     softmax::forward(dev, &scores, mask, scale, &mut probs)?;
-    drop(scores);
     let mut out = Tensor::empty(dev, dtype, &dims.out_shape())?;
-    products(dev, dims, Product::ScoresKey, &probs, v, &mut out)?;
-    Ok((out, probs))
+    if drop.p == 0.0 {
+        std::mem::drop(scores);
+        products(dev, dims, Product::ScoresKey, &probs, v, &mut out)?;
+        return Ok((out, probs, None));
+    }
+    // The scores buffer takes the dropped probabilities.
+    // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
+    let mut keep = unsafe { dev.stream().alloc::<u8>(mask_bytes(probs.numel())) }?;
+    dropout(dev, &probs, drop, &mut scores, &mut keep)?;
+    products(dev, dims, Product::ScoresKey, &scores, v, &mut out)?;
+    Ok((out, probs, Some(ProbsDropout { params: drop, mask: keep })))
 }
 
 /// `(dq, dk, dv)` from the forward's q, k, v, probabilities `probs` and the output gradient
@@ -37,16 +56,29 @@ pub(super) fn backward(
     dims: &Dims,
     [q, k, v]: [&Tensor; 3],
     probs: &Tensor,
+    drop: Option<&ProbsDropout>,
     d_out: &Tensor,
     scale: f32,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dtype = q.dtype();
-    let dv = key_grad(dev, dims, probs, d_out, dtype)?;
     let mut dp = Tensor::empty(dev, dtype, &dims.scores_shape())?;
+    let dv = match drop {
+        None => key_grad(dev, dims, probs, d_out, dtype)?,
+        Some(d) => {
+            // The dropped probabilities the forward used, rebuilt from P and the mask.
+            dropout_backward(dev, probs, &d.mask, d.params.p, &mut dp)?;
+            key_grad(dev, dims, &dp, d_out, dtype)?
+        }
+    };
     products(dev, dims, Product::QueryKeyT, d_out, v, &mut dp)?;
+    if let Some(d) = drop {
+        let mut kept = Tensor::empty(dev, dtype, &dims.scores_shape())?;
+        dropout_backward(dev, &dp, &d.mask, d.params.p, &mut kept)?;
+        dp = kept;
+    }
     let mut ds = Tensor::empty(dev, dtype, &dims.scores_shape())?;
     softmax::backward(dev, &dp, probs, scale, &mut ds)?;
-    drop(dp);
+    std::mem::drop(dp);
     let mut dq = Tensor::empty(dev, dtype, q.shape())?;
     products(dev, dims, Product::ScoresKey, &ds, k, &mut dq)?;
     let dk = key_grad(dev, dims, &ds, q, dtype)?;
