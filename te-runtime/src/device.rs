@@ -147,6 +147,57 @@ impl Device {
         Ok(engine)
     }
 
+    /// The most device memory the stream's allocations held at once (bytes) since the device
+    /// was created or since [`Device::reset_peak_memory`]: the default memory pool's
+    /// `CU_MEMPOOL_ATTR_USED_MEM_HIGH`, which counts every tensor, workspace and optimizer
+    /// state allocated through the stream (PyTorch's `torch.cuda.max_memory_allocated`).
+    /// Memory the driver or cuBLASLt holds outside the pool is not counted.
+    ///
+    /// # Errors
+    /// Driver failures.
+    pub fn peak_memory(&self) -> Result<u64> {
+        let mut high = 0u64;
+        // SAFETY: the pool is the device's default pool (it lives as long as the context);
+        // USED_MEM_HIGH is read into a u64 (cuuint64_t), as the driver API specifies.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                self.default_mem_pool()?,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut high as *mut u64).cast(),
+            )
+        }
+        .result()?;
+        Ok(high)
+    }
+
+    /// Restarts [`Device::peak_memory`] from the memory in use now.
+    ///
+    /// # Errors
+    /// Driver failures.
+    pub fn reset_peak_memory(&self) -> Result<()> {
+        let mut zero = 0u64;
+        // SAFETY: as in `peak_memory`; the driver only accepts 0 for USED_MEM_HIGH, which
+        // resets it to the current usage.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                self.default_mem_pool()?,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        }
+        .result()?;
+        Ok(())
+    }
+
+    /// The default memory pool of the device, which the stream's asynchronous allocations use.
+    fn default_mem_pool(&self) -> Result<sys::CUmemoryPool> {
+        self.ctx.bind_to_thread()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer; the device ordinal is this context's device.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result()?;
+        Ok(pool)
+    }
+
     /// Waits for all work on the stream.
     ///
     /// # Errors

@@ -22,4 +22,5 @@ mod optimizer;
 mod rope;
 mod scaling;
 mod softmax;
+mod train;
 mod visit;

@@ -15,8 +15,8 @@
 //! `GPTModel` (`[s, b, h]` layout, `ignore_index`-style loss mask), nanoGPT's presets.
 
 use crate::modules::{
-    Embedding, EmbeddingConfig, EmbeddingCtx, Linear, LinearConfig, LinearCtx, Norm, NormConfig, NormCtx, TokenIds,
-    TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
+    AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, Linear, LinearConfig, LinearCtx, Norm,
+    NormConfig, NormCtx, TokenIds, TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
 };
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
@@ -111,6 +111,26 @@ impl GptConfig {
     }
 }
 
+/// How [`Gpt::forward_loss_with`] treats one micro-batch of an optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MicroBatch {
+    /// Goes to every GEMM (TE's argument): `Some(true)` on a step's first micro-batch casts each
+    /// FP8 weight once and caches it, `Some(false)` on the others reuses the cache (the weights
+    /// do not change within a step), `None` (the default) casts every call.
+    pub is_first_microbatch: Option<bool>,
+    /// Weight of this micro-batch's mean loss in the step's objective: the gradient backward
+    /// accumulates is `grad_scale ×` the gradient of the micro-batch's mean loss. `1 / n` for
+    /// `n` micro-batches of equal size makes the step's gradient that of the mean loss over all
+    /// of them (Megatron divides the loss by the number of micro-batches the same way). Default 1.
+    pub grad_scale: f32,
+}
+
+impl Default for MicroBatch {
+    fn default() -> Self {
+        Self { is_first_microbatch: None, grad_scale: 1.0 }
+    }
+}
+
 /// What [`Gpt::forward_loss`] saves for [`Gpt::backward`]: every part's context and the loss
 /// gradient of the logits.
 #[derive(Debug)]
@@ -186,6 +206,29 @@ impl Gpt {
         &self.cfg
     }
 
+    /// Training mode (the default: dropout applies) or evaluation mode (no dropout, the dropout
+    /// streams do not advance: evaluating between steps leaves the training run unchanged);
+    /// PyTorch's `model.train(mode)` / `model.eval()`.
+    pub fn set_training(&mut self, training: bool) {
+        for layer in &mut self.layers {
+            layer.set_training(training);
+        }
+    }
+
+    /// The dropout stream position (training-mode forwards so far times the masks each draws;
+    /// the same in every layer, each of which has its own seed). A training checkpoint stores
+    /// it; [`Gpt::set_dropout_offset`] restores it.
+    pub fn dropout_offset(&self) -> u64 {
+        self.layers.first().map_or(0, TransformerLayer::dropout_offset)
+    }
+
+    /// Moves every layer's dropout stream to `offset` (see [`Gpt::dropout_offset`]).
+    pub fn set_dropout_offset(&mut self, offset: u64) {
+        for layer in &mut self.layers {
+            layer.set_dropout_offset(offset);
+        }
+    }
+
     /// The mean cross-entropy of next-token prediction over the targets that are not
     /// [`IGNORE_INDEX`] (0 when all are), and the context for [`Gpt::backward`].
     ///
@@ -196,6 +239,21 @@ impl Gpt {
     /// [`Error::Shape`] for ids that are not `[s, b]`, `s > seq_length`, or targets of another
     /// shape; the errors of the parts (FP8: `s * b` not a multiple of 16).
     pub fn forward_loss(&mut self, ids: &TokenIds, targets: &TokenIds) -> Result<(f32, GptCtx)> {
+        self.forward_loss_with(ids, targets, MicroBatch::default())
+    }
+
+    /// [`Gpt::forward_loss`] for one micro-batch of a step (gradient accumulation): see
+    /// [`MicroBatch`]. The returned loss is the micro-batch's own mean, unscaled.
+    ///
+    /// # Errors
+    /// As [`Gpt::forward_loss`].
+    pub fn forward_loss_with(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        micro: MicroBatch,
+    ) -> Result<(f32, GptCtx)> {
+        let MicroBatch { is_first_microbatch, grad_scale: loss_weight } = micro;
         let shape = |message: String| Error::Shape { op: MODEL, message };
         let [s, b] = *ids.shape() else {
             return Err(shape(format!("ids must be [s, b], got {:?}", ids.shape())));
@@ -220,14 +278,16 @@ impl Gpt {
         add(&self.dev, &tok, &wpe, &mut x)?;
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
-            let (y, c) = layer.forward(&x)?;
+            let (y, c) = layer.forward_with(&x, AttentionInputs { is_first_microbatch, ..Default::default() })?;
             layers.push(c);
             x = y;
         }
         let (y, final_norm) = self.final_norm.forward(&x)?;
-        let (logits, lm_head) = self.lm_head.forward(&y.reshape(&[s * b, h])?)?;
+        let opts = ForwardOptions { is_first_microbatch, fp8_output: false };
+        let (logits, lm_head) = self.lm_head.forward_with(&y.reshape(&[s * b, h])?, opts)?;
+        let logits = logits.into_high(&self.dev, y.dtype())?;
         let counted = targets.host().iter().filter(|&&t| t != IGNORE_INDEX).count();
-        let grad_scale = if counted == 0 { 0.0 } else { 1.0 / counted as f32 };
+        let grad_scale = if counted == 0 { 0.0 } else { loss_weight / counted as f32 };
         let mut dlogits = Tensor::empty(&self.dev, logits.dtype(), logits.shape())?;
         // SAFETY: f32 has no invalid bit patterns; the kernel writes every token's loss.
         let mut loss = unsafe { self.dev.stream().alloc::<f32>(s * b) }?;

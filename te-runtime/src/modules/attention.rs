@@ -216,8 +216,10 @@ pub struct DotProductAttention {
     cfg: DotProductAttentionConfig,
     id: u64,
     masks: MaskCache,
-    /// Forward calls: the dropout stream offset (each call draws a fresh mask).
+    /// Forward calls in training mode: the dropout stream offset (each call draws a fresh mask).
     calls: u64,
+    /// Training mode (dropout on), PyTorch's `module.training`.
+    training: bool,
 }
 
 impl DotProductAttention {
@@ -229,12 +231,18 @@ impl DotProductAttention {
     /// `softmax_scale` that is not finite and positive.
     pub fn new(dev: &Arc<Device>, cfg: DotProductAttentionConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), masks: MaskCache::default(), calls: 0 })
+        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), masks: MaskCache::default(), calls: 0, training: true })
     }
 
     /// The configuration.
     pub fn config(&self) -> &DotProductAttentionConfig {
         &self.cfg
+    }
+
+    /// Training mode (the default: attention dropout applies) or evaluation mode (no dropout,
+    /// the dropout stream does not advance); PyTorch's `module.train(mode)`.
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
     }
 
     /// Attention of `q` over `k`, `v`; returns the output and the context for
@@ -267,8 +275,9 @@ impl DotProductAttention {
     ) -> Result<(Tensor, AttentionCtx)> {
         let dims = self.dims(q, k, v)?;
         let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, seq_lens, &dims)?;
-        self.calls += 1;
-        let drop = DropoutParams { p: self.cfg.attention_dropout, seed: self.id, offset: self.calls };
+        let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
+        self.calls += u64::from(p > 0.0);
+        let drop = DropoutParams { p, seed: self.id, offset: self.calls };
         let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale(), drop)?;
         let ctx = AttentionCtx { module_id: self.id, dims, q: q.clone(), k: k.clone(), v: v.clone(), probs, dropout };
         Ok((out, ctx))

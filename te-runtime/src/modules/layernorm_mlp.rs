@@ -234,7 +234,15 @@ impl LayerNormMLP {
     /// # Errors
     /// [`Error::Config`] without `return_layernorm_output`; as [`LayerNormMLP::forward`].
     pub fn forward_ln(&mut self, x: &Tensor) -> Result<(Tensor, Tensor, LayerNormMLPCtx)> {
-        let (y, ln, ctx) = self.run(x, ForwardOptions::default(), true)?;
+        self.forward_ln_with(x, ForwardOptions::default())
+    }
+
+    /// [`LayerNormMLP::forward_ln`] with options.
+    ///
+    /// # Errors
+    /// As [`LayerNormMLP::forward_ln`].
+    pub fn forward_ln_with(&mut self, x: &Tensor, opts: ForwardOptions) -> Result<(Tensor, Tensor, LayerNormMLPCtx)> {
+        let (y, ln, ctx) = self.run(x, opts, true)?;
         match (ln, ctx) {
             (Some(ln), Some(ctx)) => Ok((y, ln, ctx)),
             _ => Err(Error::Config {

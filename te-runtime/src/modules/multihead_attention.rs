@@ -11,7 +11,7 @@ use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormL
 use super::linear::{Linear, LinearConfig, LinearCtx};
 use super::norm::NormKind;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
-use super::{next_module_id, LinearParams, NormParams};
+use super::{next_module_id, ForwardOptions, LinearParams, NormParams};
 use crate::ops::copy::copy_columns;
 use crate::ops::rope::{self, RopeFormat};
 use crate::{Device, Error, Result, Tensor};
@@ -85,6 +85,10 @@ pub struct AttentionInputs<'a> {
     /// Rotary angles, f32 `[s, d2]` (or `[s, 1, 1, d2]`), applied to q and k (TE
     /// `rotary_pos_emb`); `None` for none.
     pub rotary_pos_emb: Option<&'a Tensor>,
+    /// Gradient accumulation: passed to every projection (and, in a `TransformerLayer`, to the
+    /// MLP) as [`ForwardOptions::is_first_microbatch`] — `Some(true)` casts the FP8 weights and
+    /// caches them, `Some(false)` reuses the cache (TE's `is_first_microbatch`).
+    pub is_first_microbatch: Option<bool>,
 }
 
 #[derive(Debug)]
@@ -202,6 +206,12 @@ impl MultiheadAttention {
         &self.cfg
     }
 
+    /// Training mode (the default) or evaluation mode (no attention dropout); see
+    /// [`DotProductAttention::set_training`].
+    pub fn set_training(&mut self, training: bool) {
+        self.attention.set_training(training);
+    }
+
     /// The QKV projection's weight `[(h + 2g)·d, hidden]` and bias.
     pub fn qkv_params(&self) -> &LinearParams {
         match &self.qkv {
@@ -272,9 +282,16 @@ impl MultiheadAttention {
             });
         };
         let (h, g, d) = self.heads;
+        let opts = ForwardOptions { is_first_microbatch: inputs.is_first_microbatch, fp8_output: false };
         let (qkv, qkv_ctx) = match &mut self.qkv {
-            QkvProj::Norm(m) => m.forward(x).map(|(y, c)| (y, QkvCtx::Norm(c)))?,
-            QkvProj::Plain(m) => m.forward(x).map(|(y, c)| (y, QkvCtx::Plain(c)))?,
+            QkvProj::Norm(m) => {
+                let (y, c) = m.forward_with(x, opts)?;
+                (y.out.into_high(&self.dev, x.dtype())?, QkvCtx::Norm(c))
+            }
+            QkvProj::Plain(m) => {
+                let (y, c) = m.forward_with(x, opts)?;
+                (y.into_high(&self.dev, x.dtype())?, QkvCtx::Plain(c))
+            }
         };
         let split = |col: usize, heads: usize| -> Result<Tensor> {
             let mut t = Tensor::empty(&self.dev, qkv.dtype(), &[a * b, heads * d])?;
@@ -290,7 +307,8 @@ impl MultiheadAttention {
             }
         }
         let (ctx_out, attn) = self.attention.forward(&q, &k, &v, inputs.seq_lens)?;
-        let (y, proj) = self.proj.forward(&ctx_out)?;
+        let (y, proj) = self.proj.forward_with(&ctx_out, opts)?;
+        let y = y.into_high(&self.dev, x.dtype())?;
         let ctx = MultiheadAttentionCtx {
             module_id: self.id,
             qkv: qkv_ctx,

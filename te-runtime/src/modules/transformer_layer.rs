@@ -13,7 +13,7 @@ use super::multihead_attention::{
 };
 use super::norm::{Norm, NormConfig, NormCtx, NormKind};
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
-use super::{next_module_id, Activation};
+use super::{next_module_id, Activation, ForwardOptions};
 use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
 use crate::ops::elementwise::add_assign;
 use crate::{Device, Error, Result, Tensor};
@@ -98,6 +98,8 @@ pub struct TransformerLayerCtx {
     mlp: LayerNormMLPCtx,
     mask2: CudaSlice<u8>,
     out_norm: Option<NormCtx>,
+    /// The hidden dropout probability the forward applied (0 in evaluation mode).
+    p: f32,
 }
 
 /// One transformer block over hidden states `[s, b, hidden]` (or `[b, s, hidden]`).
@@ -109,8 +111,10 @@ pub struct TransformerLayer {
     attention: MultiheadAttention,
     mlp: LayerNormMLP,
     out_norm: Option<Norm>,
-    /// Dropout stream counter: each call draws fresh masks.
+    /// Dropout stream counter: each training-mode call draws fresh masks.
     calls: u64,
+    /// Training mode (dropout on), PyTorch's `module.training`.
+    training: bool,
 }
 
 impl TransformerLayer {
@@ -174,12 +178,31 @@ impl TransformerLayer {
         } else {
             None
         };
-        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0 })
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0, training: true })
     }
 
     /// The configuration.
     pub fn config(&self) -> &TransformerLayerConfig {
         &self.cfg
+    }
+
+    /// Training mode (the default: hidden and attention dropout apply) or evaluation mode (no
+    /// dropout, the dropout streams do not advance); PyTorch's `module.train(mode)`.
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+        self.attention.set_training(training);
+    }
+
+    /// Hidden-dropout masks drawn so far: the Philox offset of the next forward (the layer's
+    /// seed is `config().seed`). Saved with a training checkpoint, so a resumed run draws the
+    /// masks it would have drawn.
+    pub fn dropout_offset(&self) -> u64 {
+        self.calls
+    }
+
+    /// Sets the offset [`TransformerLayer::dropout_offset`] reports (a resumed run).
+    pub fn set_dropout_offset(&mut self, offset: u64) {
+        self.calls = offset;
     }
 
     /// The self-attention block.
@@ -212,10 +235,20 @@ impl TransformerLayer {
         self.out_norm.as_mut()
     }
 
+    /// The hidden dropout probability of a forward in the current mode.
+    fn hidden_dropout(&self) -> f32 {
+        if self.training {
+            self.cfg.hidden_dropout
+        } else {
+            0.0
+        }
+    }
+
     /// `out = residual + dropout(x)` with a fresh mask.
     fn residual_dropout(&mut self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, CudaSlice<u8>)> {
-        self.calls += 1;
-        let params = DropoutParams { p: self.cfg.hidden_dropout, seed: self.cfg.seed, offset: self.calls };
+        let p = self.hidden_dropout();
+        self.calls += u64::from(p > 0.0);
+        let params = DropoutParams { p, seed: self.cfg.seed, offset: self.calls };
         let mut out = Tensor::empty(&self.dev, residual.dtype(), residual.shape())?;
         // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
         let mut mask = unsafe { self.dev.stream().alloc::<u8>(mask_bytes(x.numel()).max(1)) }?;
@@ -237,14 +270,15 @@ impl TransformerLayer {
     /// # Errors
     /// The errors of the parts (shapes, FP8 dims, masks).
     pub fn forward_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<(Tensor, TransformerLayerCtx)> {
+        let opts = ForwardOptions { is_first_microbatch: inputs.is_first_microbatch, fp8_output: false };
         let (a, attn) = self.attention.forward_with(x, inputs)?;
         let (h1, mask1) = self.residual_dropout(&a, x)?;
         let (y, mlp, mask2) = if self.cfg.apply_residual_connection_post_layernorm {
-            let (m, ln, ctx) = self.mlp.forward_ln(&h1)?;
+            let (m, ln, ctx) = self.mlp.forward_ln_with(&h1, opts)?;
             let (y, mask) = self.residual_dropout(&m, &ln)?;
             (y, ctx, mask)
         } else {
-            let (m, ctx) = self.mlp.forward(&h1)?;
+            let (m, ctx) = self.mlp.forward_with(&h1, opts)?;
             let (y, mask) = self.residual_dropout(&m, &h1)?;
             (y, ctx, mask)
         };
@@ -255,7 +289,8 @@ impl TransformerLayer {
             }
             None => (y, None),
         };
-        Ok((y, TransformerLayerCtx { module_id: self.id, attn, mask1, mlp, mask2, out_norm }))
+        let p = self.hidden_dropout();
+        Ok((y, TransformerLayerCtx { module_id: self.id, attn, mask1, mlp, mask2, out_norm, p }))
     }
 
     /// Backward: `dx` for `d_out`; every parameter gradient accumulates.
@@ -266,7 +301,7 @@ impl TransformerLayer {
         if ctx.module_id != self.id {
             return Err(Error::Context { module: MODULE, message: "the context was made by another layer".into() });
         }
-        let p = self.cfg.hidden_dropout;
+        let p = ctx.p;
         let d_y = match (&mut self.out_norm, ctx.out_norm) {
             (Some(n), Some(c)) => n.backward(c, d_out)?,
             _ => d_out.clone(),

@@ -138,10 +138,10 @@ pub struct ParamState {
 /// ```
 #[derive(Debug)]
 pub struct AdamW {
-    dev: Arc<Device>,
+    pub(super) dev: Arc<Device>,
     config: AdamWConfig,
-    step: u64,
-    params: Vec<ParamState>,
+    pub(super) step: u64,
+    pub(super) params: Vec<ParamState>,
     /// `[grad_norm, clip_coef]` of the last step, on the device.
     norm_out: CudaSlice<f32>,
 }

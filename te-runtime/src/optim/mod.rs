@@ -4,6 +4,7 @@
 
 mod adamw;
 mod schedule;
+mod state_file;
 
 pub use adamw::{AdamW, AdamWConfig, ParamState, StepStats};
 pub use schedule::LrSchedule;

@@ -1,0 +1,102 @@
+//! The training job on the GPU (`te::train`): a run resumed from a checkpoint continues bit for
+//! bit as if it had never stopped (weights, FP8 state, optimizer state, dropout stream and data
+//! order all restored), in FP8 and BF16, with gradient accumulation through
+//! `is_first_microbatch`; a checkpoint made with other settings is refused; evaluation does not
+//! move the training run; the peak memory is counted per run.
+
+use crate::common::device;
+use te::data::Corpus;
+use te::train::{train, CheckpointOptions, Precision, Record, TrainConfig, TrainError};
+use te_runtime::models::GptConfig;
+
+/// Deterministic text of a few hundred kilobytes with some structure to learn.
+fn corpus() -> Corpus {
+    let words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "mind"];
+    let mut x = 12345u64;
+    let mut text = Vec::new();
+    while text.len() < 200_000 {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        text.extend_from_slice(words[(x >> 33) as usize % words.len()].as_bytes());
+        text.push(if (x >> 20) % 9 == 0 { b'\n' } else { b' ' });
+    }
+    Corpus::split(text, 0.1)
+}
+
+fn config(steps: u64) -> TrainConfig {
+    TrainConfig {
+        model: GptConfig { seq_length: 64, ..GptConfig::tiny() },
+        steps,
+        batch: 4,
+        grad_accum: 2,
+        lr: 1e-3,
+        warmup_steps: 2,
+        max_grad_norm: 1.0,
+        eval_interval: 3,
+        eval_batches: 2,
+        data_seed: 7,
+    }
+}
+
+fn losses(records: &[Record]) -> Vec<(u64, u32, Option<u32>)> {
+    records.iter().map(|r| (r.step, r.train_loss.to_bits(), r.val_loss.map(f32::to_bits))).collect()
+}
+
+#[test]
+fn resume_is_bit_exact_with_never_stopping() {
+    let Some(dev) = device() else { return };
+    let corpus = corpus();
+    let cfg = config(6);
+    for precision in [Precision::Fp8, Precision::Bf16] {
+        let dir = tempfile::tempdir().unwrap();
+        let straight_dir = dir.path().join("straight");
+        let ckpt = CheckpointOptions { dir: Some(straight_dir.clone()), interval: 3, resume: false };
+        let straight = train(&dev, &corpus, &cfg, precision, &ckpt, |_, _| {}).unwrap();
+        assert_eq!(straight.records.len(), 6);
+        assert!(straight.records.iter().all(|r| r.train_loss.is_finite()));
+        assert!(straight.peak_memory > 0, "peak memory is counted");
+        // The step-3 checkpoint (the one before the newest is kept) as a stopped run's.
+        let run = precision.name();
+        let stopped = dir.path().join("stopped");
+        std::fs::create_dir_all(stopped.join(run)).unwrap();
+        let src = straight_dir.join(run).join("step-0000003");
+        let dst = stopped.join(run).join("step-0000003");
+        std::fs::create_dir_all(&dst).unwrap();
+        for f in ["model.safetensors", "optimizer.safetensors", "history.csv", "trainer.toml"] {
+            std::fs::copy(src.join(f), dst.join(f)).unwrap();
+        }
+        let latest = std::fs::read_to_string(straight_dir.join(run).join("latest.toml")).unwrap();
+        assert!(latest.contains("step-0000006"), "{latest}");
+        std::fs::copy(dst.join("trainer.toml"), stopped.join(run).join("latest.toml")).unwrap();
+        let ckpt = CheckpointOptions { dir: Some(stopped.clone()), interval: 3, resume: true };
+        let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, |_, _| {}).unwrap();
+        assert_eq!(losses(&resumed.records), losses(&straight.records), "{run}: resumed run differs");
+
+        // Other settings are refused, naming them.
+        let other = TrainConfig { batch: 8, ..cfg.clone() };
+        let e = train(&dev, &corpus, &other, precision, &ckpt, |_, _| {}).unwrap_err();
+        assert!(matches!(e, TrainError::Resume { .. }) && e.to_string().contains("batch 4 (checkpoint) vs 8"), "{e}");
+    }
+}
+
+#[test]
+fn gradient_accumulation_matches_one_big_batch() {
+    let Some(dev) = device() else { return };
+    let corpus = corpus();
+    let none = CheckpointOptions::default();
+    // f32 parameters and no dropout: 2 micro-batches of 4 sequences are the same data as one
+    // batch of 8 (the batcher draws the same windows in the same order), so the runs agree up
+    // to float rounding. In FP8 the weights are cast once per step (is_first_microbatch) and the
+    // runs agree up to FP8 rounding.
+    let model = GptConfig { params_dtype: te_runtime::DType::F32, hidden_dropout: 0.0, ..config(4).model };
+    let accum = TrainConfig { model: model.clone(), ..config(4) };
+    let big = TrainConfig { model, batch: 8, grad_accum: 1, ..config(4) };
+    for (precision, tol) in [(Precision::Bf16, 1e-4), (Precision::Fp8, 2e-2)] {
+        let a = train(&dev, &corpus, &accum, precision, &none, |_, _| {}).unwrap();
+        let b = train(&dev, &corpus, &big, precision, &none, |_, _| {}).unwrap();
+        for (x, y) in a.records.iter().zip(&b.records) {
+            let rel = ((x.train_loss - y.train_loss) / y.train_loss).abs();
+            assert!(rel < tol, "{precision:?} step {}: {} (2 × 4) vs {} (1 × 8)", x.step, x.train_loss, y.train_loss);
+        }
+        assert!(a.records[3].train_loss < a.records[0].train_loss, "{:?}", a.records);
+    }
+}
