@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use te_codegen::prewarm::{prewarm, Fp8Format, ModelConfig, RecipeKind};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler};
+use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling};
 use te_runtime::models::gpt::GptConfig;
 
 #[derive(Parser)]
@@ -241,6 +242,15 @@ struct TrainArgs {
     /// Run on the CPU reference path even when a GPU is present (tiny only).
     #[arg(long)]
     cpu: bool,
+    /// FP8 runs: length of the amax history of DelayedScaling (TE's default 1024).
+    #[arg(long, default_value_t = 1024)]
+    amax_history_len: usize,
+    /// FP8 runs: scale from the max of the amax history, or its most recent entry.
+    #[arg(long, default_value = "max", value_parser = ["max", "most_recent"])]
+    amax_compute_algo: String,
+    /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does).
+    #[arg(long)]
+    fp8_lm_head: bool,
 }
 
 /// The preset `a.preset` names on this machine, and whether it runs on the GPU.
@@ -279,6 +289,7 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     let corpus = Corpus::split(text, 0.05);
     model.seed = a.seed;
+    model.fp8_lm_head = a.fp8_lm_head;
     if let Some(s) = a.seq_length {
         model.seq_length = s;
     }
@@ -295,6 +306,11 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
         eval_interval: a.eval_interval.unwrap_or((steps / 20).max(1)),
         eval_batches: if on_gpu { 8 } else { 2 },
         data_seed: a.seed,
+        recipe: DelayedScaling {
+            amax_history_len: a.amax_history_len,
+            amax_compute_algo: if a.amax_compute_algo == "max" { AmaxComputeAlgo::Max } else { AmaxComputeAlgo::MostRecent },
+            ..DelayedScaling::default()
+        },
     };
     let precisions = match a.precision.as_str() {
         "fp8" => vec![Precision::Fp8],

@@ -97,6 +97,9 @@ pub struct TrainConfig {
     pub eval_batches: usize,
     /// Seed of the data order (the model seed is in `model`).
     pub data_seed: u64,
+    /// The FP8 recipe of [`Precision::Fp8`] runs (TE's default `DelayedScaling`: HYBRID,
+    /// amax history 1024, max).
+    pub recipe: DelayedScaling,
 }
 
 /// Checkpointing of a run.
@@ -191,7 +194,7 @@ pub fn train(
             start_step = done + 1;
         }
     }
-    let recipe = DelayedScaling::default();
+    let recipe = cfg.recipe;
     let mut times = Vec::new();
     for step in start_step..=cfg.steps {
         let start = Instant::now();

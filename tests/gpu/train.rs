@@ -7,6 +7,7 @@
 use crate::common::device;
 use te::data::Corpus;
 use te::train::{train, CheckpointOptions, Precision, Record, TrainConfig, TrainError};
+use te_runtime::fp8::DelayedScaling;
 use te_runtime::models::GptConfig;
 
 /// Deterministic text of a few hundred kilobytes with some structure to learn.
@@ -34,6 +35,7 @@ fn config(steps: u64) -> TrainConfig {
         eval_interval: 3,
         eval_batches: 2,
         data_seed: 7,
+        recipe: DelayedScaling::default(),
     }
 }
 

@@ -7,9 +7,9 @@
 //! `wpe`), added to the token embeddings; the alternative, RoPE through
 //! [`crate::modules::AttentionInputs::rotary_pos_emb`], is not used here. FP8: wrap
 //! [`Gpt::forward_loss`] and [`Gpt::backward`] in [`crate::fp8::fp8_autocast`]; the GEMMs of the
-//! layers and the LM head then run in FP8 (every GEMM dim, `tokens = s * b` included, must be a
-//! multiple of 16; the byte vocabulary, 256, is). Embeddings, norms, softmax and the loss stay
-//! in high precision, as in TE.
+//! layers (and the LM head with [`GptConfig::fp8_lm_head`]) then run in FP8 (every GEMM dim,
+//! `tokens = s * b` included, must be a multiple of 16; the byte vocabulary, 256, is).
+//! Embeddings, norms, softmax and the loss stay in high precision, as in TE.
 //!
 //! Sources followed: GPT-2 (Radford et al. 2019; `openai/gpt-2` `model.py`), Megatron-LM's
 //! `GPTModel` (`[s, b, h]` layout, `ignore_index`-style loss mask), nanoGPT's presets.
@@ -18,6 +18,7 @@ use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, Linear, LinearConfig, LinearCtx, Norm,
     NormConfig, NormCtx, TokenIds, TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
 };
+use crate::fp8::{fp8_autocast, Recipe};
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
 use crate::{Device, Error, Result, Tensor};
@@ -51,6 +52,11 @@ pub struct GptConfig {
     pub params_dtype: DType,
     /// Init seed (each part derives its own from it) and dropout seed.
     pub seed: u64,
+    /// Run the LM head's GEMMs in FP8 too under `fp8_autocast`. Off by default: like
+    /// Megatron-LM with TE (its output layer is not a TE module) and torchao's usual filter, the
+    /// LM head stays in high precision, where FP8 logits cost accuracy for little speed (its
+    /// GEMMs are `vocab / (24·hidden)` of a layer's).
+    pub fp8_lm_head: bool,
 }
 
 impl GptConfig {
@@ -82,6 +88,7 @@ impl GptConfig {
             hidden_dropout: 0.1,
             params_dtype: DType::BF16,
             seed: 0,
+            fp8_lm_head: false,
         }
     }
 
@@ -284,7 +291,14 @@ impl Gpt {
         }
         let (y, final_norm) = self.final_norm.forward(&x)?;
         let opts = ForwardOptions { is_first_microbatch, fp8_output: false };
-        let (logits, lm_head) = self.lm_head.forward_with(&y.reshape(&[s * b, h])?, opts)?;
+        let y = y.reshape(&[s * b, h])?;
+        let lm_head = &mut self.lm_head;
+        let (logits, lm_head) = if self.cfg.fp8_lm_head {
+            lm_head.forward_with(&y, opts)?
+        } else {
+            // A disabled scope inside the caller's: high precision here, and so in backward.
+            fp8_autocast(false, Recipe::default(), || lm_head.forward_with(&y, opts))?
+        };
         let logits = logits.into_high(&self.dev, y.dtype())?;
         let counted = targets.host().iter().filter(|&&t| t != IGNORE_INDEX).count();
         let grad_scale = if counted == 0 { 0.0 } else { loss_weight / counted as f32 };

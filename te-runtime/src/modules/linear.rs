@@ -293,7 +293,8 @@ impl LinearCore {
             opts.is_first_microbatch,
             grad,
         )?;
-        let bias = self.added_bias(dtype)?;
+        // cuBLASLt's FP8 GEMMs take a bf16 bias for an f32 output (the output dtype otherwise).
+        let bias = self.added_bias(if dtype == DType::F32 { DType::BF16 } else { dtype })?;
         let cfg = GemmConfig {
             fast_accum: true,
             epilogue: bias.as_ref().map_or(Epilogue::None, Epilogue::Bias),
