@@ -1,11 +1,12 @@
-//! Kernel benchmarks: memory-bound kernels against the copy bandwidth measured in the same run,
-//! the bulk scale update, cuBLASLt GEMMs in TFLOP/s (FP8 against a bf16 GEMM of the same run),
-//! the Linear module fwd+bwd in FP8 against its BF16 path, DotProductAttention fwd+bwd (unfused,
-//! TFLOP/s), and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//! Benchmarks: memory-bound kernels against the copy bandwidth measured in the same run, the bulk
+//! scale update, cuBLASLt GEMMs in TFLOP/s (FP8 beside BF16), the TE modules forward / backward /
+//! both in BF16 and FP8 (both recipes), DotProductAttention fwd+bwd (unfused, TFLOP/s), one GPT
+//! training step per preset, and the JIT costs (NVRTC compile, warm disk cache, prewarm).
 //!
-//! `cargo bench --bench kernels [-- FILTER]`, or on the GPU machine `.gpu/bin/kernels-bench
-//! --bench [FILTER]`. Without a GPU only the JIT benchmarks run. JSON goes to
-//! `$OUT/bench-kernels.json` (or `target/bench-kernels.json`).
+//! `cargo bench --bench kernels [-- FILTER...]`, or on the GPU machine `.gpu/bin/kernels-bench
+//! --bench [FILTER...]` (benchmarks whose name contains one of the filters; all without).
+//! Without a GPU only the JIT benchmarks run. JSON goes to `$OUT/bench-kernels.json` (or
+//! `target/bench-kernels.json`); `scripts/bench` runs it beside the PyTorch anchors.
 
 mod harness;
 
@@ -16,6 +17,7 @@ mod cast_transpose;
 mod dropout;
 mod elementwise;
 mod gemm;
+mod gpt;
 mod jit;
 mod linear;
 mod modules;
@@ -28,14 +30,14 @@ mod softmax;
 use harness::Bench;
 
 fn main() {
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let dev = if te_runtime::device::gpu_available() {
         Some(te_runtime::Device::new(0).unwrap_or_else(|e| panic!("cannot open the GPU: {e}")))
     } else {
         println!("no GPU: running only the JIT benchmarks");
         None
     };
-    let mut b = Bench::new(dev, filter);
+    let mut b = Bench::new(dev, filters);
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
@@ -53,6 +55,7 @@ fn main() {
         linear::run(&mut b);
         attention::run(&mut b);
         modules::run(&mut b);
+        gpt::run(&mut b);
     }
     jit::run(&mut b);
     b.print_table();
