@@ -26,6 +26,7 @@ pub fn run(b: &mut Bench) {
         work: "gemm".into(),
         pass: "gemm",
         variant: variant.into(),
+        precision: if flops_fp8 > 0 { "fp8" } else { "bf16" },
         flops_fp8,
         tokens: None,
     };

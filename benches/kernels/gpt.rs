@@ -87,6 +87,7 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
                 work: work.into(),
                 pass,
                 variant: variant.into(),
+                precision: if fp8 { "fp8" } else { "bf16" },
                 flops_fp8,
                 tokens: Some(tokens as u64),
             };

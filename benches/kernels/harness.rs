@@ -52,6 +52,8 @@ pub struct Work {
     pub pass: &'static str,
     /// Which implementation: `ours bf16`, `ours fp8 delayed`, `ours fp8 current`, ...
     pub variant: String,
+    /// `fp8` when the GEMMs run in FP8, else `bf16`.
+    pub precision: &'static str,
     /// FLOPs of the row that run at the FP8 GEMM rate; the rest of `Row::flops` runs at the
     /// BF16 rate (compare.py's roofline floor).
     pub flops_fp8: u64,
@@ -313,7 +315,7 @@ impl Bench {
                     "fraction_of_copy": Self::gbps(r).map(|g| g / self.copy_gbps),
                     "target": self.verdict(r),
                     "section": w.map(|w| w.section), "work": w.map(|w| &w.work), "pass": w.map(|w| w.pass),
-                    "variant": w.map(|w| &w.variant), "flops_fp8": w.map(|w| w.flops_fp8),
+                    "variant": w.map(|w| &w.variant), "precision": w.map(|w| w.precision), "flops_fp8": w.map(|w| w.flops_fp8),
                     "tokens": w.and_then(|w| w.tokens),
                 })
             })

@@ -121,6 +121,7 @@ fn time_passes(
                 work: work.into(),
                 pass,
                 variant: variant.into(),
+                precision: if recipe.is_some() { "fp8" } else { "bf16" },
                 flops_fp8: times * fp8,
                 tokens: None,
             };
