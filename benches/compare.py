@@ -216,10 +216,10 @@ def main(argv):
                    f"{doc.get('date', '')}, warm-up {doc.get('warmup')}, timed {doc.get('iters')}.")
     out += [f"GEMM peaks of this run (roofline rates): FP8 {fmt(peaks.get('fp8'))} TFLOP/s, "
             f"BF16 {fmt(peaks.get('bf16'))} TFLOP/s.", ""]
-    for section in SECTIONS:
-        out += section_table(section, ours, anchors, peaks, copy_gbps, problems)
     if ours:
         out += kernel_table(ours, peaks, copy_gbps)
+    for section in SECTIONS:
+        out += section_table(section, ours, anchors, peaks, copy_gbps, problems)
     if problems.items:
         out += ["### problems", ""] + [f"- {p}" for p in problems.items] + [""]
     text = "\n".join(out)

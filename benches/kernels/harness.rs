@@ -290,6 +290,8 @@ impl Bench {
         }
     }
 
+    /// Writes every row so far to `path` (main calls it after each family, so a run cut short
+    /// keeps what it measured).
     pub fn write_json(&self, path: &std::path::Path) {
         let date = std::process::Command::new("date")
             .args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])
@@ -333,7 +335,6 @@ impl Bench {
             let _ = std::fs::create_dir_all(dir);
         }
         std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap()).expect("write bench JSON");
-        println!("\nJSON written to {}", path.display());
     }
 }
 

@@ -38,27 +38,35 @@ fn main() {
         None
     };
     let mut b = Bench::new(dev, filters);
+    let path = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(|| "target".into());
+    let path = path.join("bench-kernels.json");
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        cast::run(&mut b);
-        cast_transpose::run(&mut b);
-        activation::run(&mut b);
-        norm::run(&mut b);
-        softmax::run(&mut b);
-        scaling::run(&mut b);
-        elementwise::run(&mut b);
-        optimizer::run(&mut b);
-        rope::run(&mut b);
-        dropout::run(&mut b);
-        gemm::run(&mut b);
-        linear::run(&mut b);
-        attention::run(&mut b);
-        modules::run(&mut b);
-        gpt::run(&mut b);
+        let families: [fn(&mut Bench); 15] = [
+            cast::run,
+            cast_transpose::run,
+            activation::run,
+            norm::run,
+            softmax::run,
+            scaling::run,
+            elementwise::run,
+            optimizer::run,
+            rope::run,
+            dropout::run,
+            gemm::run,
+            linear::run,
+            attention::run,
+            modules::run,
+            gpt::run,
+        ];
+        for run in families {
+            run(&mut b);
+            b.write_json(&path);
+        }
     }
     jit::run(&mut b);
+    b.write_json(&path);
     b.print_table();
-    let out = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(|| "target".into());
-    b.write_json(&out.join("bench-kernels.json"));
+    println!("\nJSON written to {}", path.display());
 }
