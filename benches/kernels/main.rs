@@ -12,6 +12,7 @@ mod harness;
 
 mod activation;
 mod attention;
+mod breakdown;
 mod cast;
 mod cast_transpose;
 mod dropout;
@@ -40,10 +41,11 @@ fn main() {
     let mut b = Bench::new(dev, filters);
     let path = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(|| "target".into());
     let path = path.join("bench-kernels.json");
+    let mut failed = 0;
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 15] = [
+        let families: [fn(&mut Bench); 16] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -59,9 +61,14 @@ fn main() {
             attention::run,
             modules::run,
             gpt::run,
+            breakdown::run,
         ];
         for run in families {
-            run(&mut b);
+            // A family that panics (a failed launch, out of memory) is reported and the
+            // others still run; the exit status is then 1.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&mut b))).is_err() {
+                failed += 1;
+            }
             b.write_json(&path);
         }
     }
@@ -69,4 +76,8 @@ fn main() {
     b.write_json(&path);
     b.print_table();
     println!("\nJSON written to {}", path.display());
+    if failed > 0 {
+        eprintln!("ERROR: {failed} benchmark families panicked (messages above); their rows are missing");
+        std::process::exit(1);
+    }
 }
