@@ -42,15 +42,9 @@ TOKENS, HIDDEN, FFN = 8192, 4096, 16384
 SEQ, BATCH, HEADS = 2048, 4, 32
 LN_EPS = 1e-5
 DTYPE = torch.bfloat16
-# (work, shape as modules.rs spells it, builder, input shape, dy shape, forward FLOPs, of which GEMMs)
+# In order of interest (a run cut short loses the last): (work, shape as modules.rs spells it,
+# builder, input shape, dy shape, forward FLOPs, of which GEMMs)
 WORKS = [
-    ("linear", f"{TOKENS}x4096->16384", lambda: nn.Linear(4096, 16384), (TOKENS, 4096), (TOKENS, 16384),
-     2 * TOKENS * 4096 * 16384, 2 * TOKENS * 4096 * 16384),
-    ("linear", f"{TOKENS}x16384->4096", lambda: nn.Linear(16384, 4096), (TOKENS, 16384), (TOKENS, 4096),
-     2 * TOKENS * 4096 * 16384, 2 * TOKENS * 4096 * 16384),
-    ("layernorm_linear", f"{TOKENS}x{HIDDEN}->{3 * HIDDEN}",
-     lambda: nn.Sequential(nn.LayerNorm(HIDDEN, eps=LN_EPS), nn.Linear(HIDDEN, 3 * HIDDEN)),
-     (TOKENS, HIDDEN), (TOKENS, 3 * HIDDEN), 2 * TOKENS * HIDDEN * 3 * HIDDEN, 2 * TOKENS * HIDDEN * 3 * HIDDEN),
     ("layernorm_mlp", f"{TOKENS}x{HIDDEN} ffn{FFN}",
      lambda: nn.Sequential(nn.LayerNorm(HIDDEN, eps=LN_EPS), nn.Linear(HIDDEN, FFN), nn.GELU(approximate="tanh"),
                            nn.Linear(FFN, HIDDEN)),
@@ -59,7 +53,15 @@ WORKS = [
      (SEQ, BATCH, HIDDEN), (SEQ, BATCH, HIDDEN),
      2 * SEQ * BATCH * HIDDEN * (4 * HIDDEN + 2 * FFN) + 2 * BATCH * SEQ * SEQ * HIDDEN,
      2 * SEQ * BATCH * HIDDEN * (4 * HIDDEN + 2 * FFN)),
+    ("layernorm_linear", f"{TOKENS}x{HIDDEN}->{3 * HIDDEN}",
+     lambda: nn.Sequential(nn.LayerNorm(HIDDEN, eps=LN_EPS), nn.Linear(HIDDEN, 3 * HIDDEN)),
+     (TOKENS, HIDDEN), (TOKENS, 3 * HIDDEN), 2 * TOKENS * HIDDEN * 3 * HIDDEN, 2 * TOKENS * HIDDEN * 3 * HIDDEN),
+    ("linear", f"{TOKENS}x4096->16384", lambda: nn.Linear(4096, 16384), (TOKENS, 4096), (TOKENS, 16384),
+     2 * TOKENS * 4096 * 16384, 2 * TOKENS * 4096 * 16384),
+    ("linear", f"{TOKENS}x16384->4096", lambda: nn.Linear(16384, 4096), (TOKENS, 16384), (TOKENS, 4096),
+     2 * TOKENS * 4096 * 16384, 2 * TOKENS * 4096 * 16384),
 ]
+
 # variant -> (torchao recipe or None, compiled); torchao variants run their GEMMs in FP8
 VARIANTS = {
     "torch eager bf16": (None, False),

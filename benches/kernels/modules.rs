@@ -162,7 +162,16 @@ fn layernorm_mlp(b: &mut Bench, x: &Tensor, dy: &Tensor) {
         let (_, ctx) = autocast(Some(DelayedScaling::default().into()), || recompute.forward(x));
         recompute.backward(ctx, dy).unwrap();
     });
-    b.record_flops("layernorm_mlp fwd+bwd fp8 delayed, recompute_activation", &shape, st, 3 * gemm);
+    let w = Work {
+        section: "modules",
+        work: "layernorm_mlp".into(),
+        pass: "fwd+bwd",
+        variant: "ours fp8 delayed recompute_activation".into(),
+        precision: "fp8",
+        flops_fp8: 3 * gemm,
+        tokens: None,
+    };
+    b.record_work(&shape, st, 3 * gemm, None, w);
     let (_, rc_ctx) = fp8_autocast(true, DelayedScaling::default(), || recompute.forward(x)).unwrap();
     let (_, bf16_ctx) = mlp.forward(x).unwrap();
     let (_, fp8_ctx) = fp8_autocast(true, DelayedScaling::default(), || mlp.forward(x)).unwrap();
