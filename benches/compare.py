@@ -17,7 +17,8 @@ without a section (kernels, attention) count their FLOPs at the BF16 rate. "% ro
 floor ÷ median; "÷ X" is our median ÷ anchor X's median for the same work, shape and pass (< 1:
 we are faster). A BF16 row of ours is not compared with FP8 anchors.
 
-Writes DIR/compare.md (what it prints). Exit status 1, after printing all it can, when an input
+Last comes a summary, one line per work and shape: our fastest variant ÷ the fastest anchor for
+the whole step. Writes DIR/compare.md (what it prints). Exit status 1, after printing all it can, when an input
 is missing or unreadable, an anchor row failed, or an anchor row has no row of ours to compare.
 Standard library only.
 """
@@ -153,6 +154,23 @@ def section_table(section, ours, anchors, peaks, copy_gbps, problems):
     return [f"### {section}", ""] + md_table(header, lines) + [""]
 
 
+def summary(ours, anchors):
+    """One line per work and shape: our fastest variant ÷ the fastest anchor, for the whole
+    step (gemm, fwd+bwd, GPT step)."""
+    lines = []
+    whole = {"gemm", "fwd+bwd", "step"}
+    for k in dict.fromkeys(key(r) for r in ours if r.get("section") and r["pass"] in whole):
+        mine = min((r for r in ours if r.get("section") and key(r) == k), key=lambda r: r["median_us"])
+        theirs = [r for r in anchors if key(r) == k]
+        if not theirs:
+            continue
+        best = min(theirs, key=lambda r: r["median_us"])
+        lines.append([*k, mine["variant"], fmt(mine["median_us"], 1), best["variant"], fmt(best["median_us"], 1),
+                      ratio(mine["median_us"] / best["median_us"])])
+    header = ["work", "shape", "pass", "our fastest", "µs", "fastest anchor", "µs", "ours ÷ anchor"]
+    return ["### summary: fastest against fastest", ""] + md_table(header, lines) + [""]
+
+
 def kernel_table(ours, peaks, copy_gbps):
     """Our rows without an anchor: bandwidth against the copy, or TFLOP/s, and the floor."""
     lines = []
@@ -220,6 +238,7 @@ def main(argv):
         out += kernel_table(ours, peaks, copy_gbps)
     for section in SECTIONS:
         out += section_table(section, ours, anchors, peaks, copy_gbps, problems)
+    out += summary(ours, anchors)
     if problems.items:
         out += ["### problems", ""] + [f"- {p}" for p in problems.items] + [""]
     text = "\n".join(out)

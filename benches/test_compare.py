@@ -80,6 +80,8 @@ def main():
         c = cells(out, "| device copy (memcpy DtoD) |")
         assert c[5] == "1.00" and c[8] == "100%", c
         assert os.path.exists(os.path.join(d, "compare.md"))
+        c = cells(out.split("### summary")[1], "| gemm | 8192x8192x8192 | gemm |")
+        assert c[3:] == ["ours fp8", "700.0", "torch._scaled_mm", "800.0", "0.88"], c
 
         write(d, "anchor-gpt.json", [
             {"section": "gpt", "work": "gpt small", "shape": "b8 s1024", "pass": None,
