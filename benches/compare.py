@@ -236,6 +236,9 @@ def main(argv):
             f"BF16 {fmt(peaks.get('bf16'))} TFLOP/s.", ""]
     if ours:
         out += kernel_table(ours, peaks, copy_gbps)
+    if our_doc and our_doc.get("ratios"):
+        lines = [[r["name"], f"{r['value']:.3f}", r.get("target", "")] for r in our_doc["ratios"]]
+        out += ["### ours: derived figures", ""] + md_table(["figure", "value", "target"], lines) + [""]
     for section in SECTIONS:
         out += section_table(section, ours, anchors, peaks, copy_gbps, problems)
     out += summary(ours, anchors)
