@@ -102,7 +102,8 @@ def run(preset, variant, args, res):
     c = PRESETS[preset]
     recipe, compiled = VARIANTS[variant]
     torch.manual_seed(0)
-    model = GPT(c).cuda().train()
+    with torch.device("cuda"):  # initialized on the GPU: seconds less for 1.2 B parameters
+        model = GPT(c).train()
     params = sum(p.numel() for p in model.parameters())
     if params != num_parameters(c):
         raise RuntimeError(f"the model has {params} parameters, GptConfig's formula {num_parameters(c)}")

@@ -97,7 +97,8 @@ class TransformerLayer(nn.Module):
 
 def build(builder, recipe, compiled):
     torch.manual_seed(0)
-    model = builder().to("cuda", DTYPE).train()
+    with torch.device("cuda"):
+        model = builder().to(DTYPE).train()
     if recipe is not None:
         from torchao.float8 import convert_to_float8_training
 
