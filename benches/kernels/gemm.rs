@@ -1,12 +1,15 @@
-//! cuBLASLt GEMMs in TFLOP/s (`2·m·n·k / time`): FP8 E4M3 × E4M3 → bf16 with fast accumulation
-//! (TE's fprop) at Linear shapes `tokens × out_features × in_features`, and a bf16 GEMM as the
-//! device's reference. `benches/anchors/scaled_mm.py` times `torch._scaled_mm` on the same shapes.
+//! cuBLASLt GEMMs in TFLOP/s (`2·m·n·k / time`) at Linear shapes `tokens × out_features ×
+//! in_features`: FP8 E4M3 × E4M3 → bf16 with fast accumulation (TE's fprop) beside a bf16 GEMM
+//! of the same shape. The best rate of each precision is the GEMM peak of compare.py's roofline.
+//! `benches/anchors/gemm.py` times `torch._scaled_mm` and a bf16 `torch.matmul` on the same
+//! shapes.
 
-use crate::harness::{random_bytes, Bench};
+use crate::harness::{random_bytes, Bench, Work};
 use te_runtime::gemm::{gemm, GemmConfig, Operand, Output};
 use te_runtime::{DType, Tensor};
 
-const FP8_SHAPES: [(usize, usize, usize); 4] =
+/// `(m, n, k)`; `benches/anchors/gemm.py` has the same list.
+const SHAPES: [(usize, usize, usize); 4] =
     [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 8192), (8192, 4096, 16384)];
 
 pub fn run(b: &mut Bench) {
@@ -18,23 +21,31 @@ pub fn run(b: &mut Bench) {
         Tensor::from_bytes(&dev, dtype, &[rows, cols], &random_bytes(dtype, rows * cols, seed)).unwrap()
     };
     let scale_inv = dev.stream().clone_htod(&[0.5f32]).unwrap();
-    for (m, n, k) in FP8_SHAPES {
+    let work = |variant: &str, flops_fp8| Work {
+        section: "gemm",
+        work: "gemm".into(),
+        pass: "gemm",
+        variant: variant.into(),
+        precision: if flops_fp8 > 0 { "fp8" } else { "bf16" },
+        flops_fp8,
+        tokens: None,
+    };
+    for (m, n, k) in SHAPES {
+        let (shape, flops) = (format!("{m}x{n}x{k}"), (2 * m * n * k) as u64);
         let x = random(DType::E4M3, m, k, 1);
         let w = random(DType::E4M3, n, k, 2);
-        let mut y = Tensor::zeros(&dev, DType::BF16, &[m, n]).unwrap();
+        let mut y = Tensor::empty(&dev, DType::BF16, &[m, n]).unwrap();
         let cfg = GemmConfig { fast_accum: true, ..Default::default() };
         let st = b.time(10, 50, |_| {
             let (x, w) = (Operand::fp8(&x, scale_inv.as_view()), Operand::fp8(&w, scale_inv.as_view()));
             gemm(&dev, x, w, Output::new(&mut y), &cfg).unwrap()
         });
-        b.record_flops("gemm e4m3×e4m3→bf16 fast accum", &format!("{m}x{n}x{k}"), st, (2 * m * n * k) as u64);
+        b.record_work(&shape, st, flops, None, work("ours fp8", flops));
+        let x = random(DType::BF16, m, k, 3);
+        let w = random(DType::BF16, n, k, 4);
+        let st = b.time(10, 50, |_| {
+            gemm(&dev, Operand::new(&x), Operand::new(&w), Output::new(&mut y), &GemmConfig::default()).unwrap()
+        });
+        b.record_work(&shape, st, flops, None, work("ours bf16", 0));
     }
-    let s = 8192;
-    let x = random(DType::BF16, s, s, 3);
-    let w = random(DType::BF16, s, s, 4);
-    let mut y = Tensor::zeros(&dev, DType::BF16, &[s, s]).unwrap();
-    let st = b.time(10, 50, |_| {
-        gemm(&dev, Operand::new(&x), Operand::new(&w), Output::new(&mut y), &GemmConfig::default()).unwrap()
-    });
-    b.record_flops("gemm bf16×bf16→bf16 (device reference)", &format!("{s}x{s}x{s}"), st, (2 * s * s * s) as u64);
 }

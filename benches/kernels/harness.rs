@@ -1,8 +1,10 @@
 //! Timing harness: CUDA-event timing after warm-up, median and spread over repeats, bandwidth
 //! against the device's copy bandwidth measured in the same run (or TFLOP/s for compute-bound
-//! rows), a printed table and JSON.
+//! rows), a printed table and JSON. Rows with a [`Work`] also carry the keys on which
+//! `benches/compare.py` joins them with the PyTorch anchors' rows.
 
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaStream};
 use serde_json::json;
 use std::sync::Arc;
 use te_runtime::Device;
@@ -34,6 +36,49 @@ pub struct Row {
     pub flops: Option<u64>,
     /// Target as a fraction of copy bandwidth (bandwidth rows) or a time in µs (time rows).
     pub target: Option<Target>,
+    /// The comparison keys (rows that have a PyTorch anchor).
+    pub work: Option<Work>,
+}
+
+/// A row that `benches/compare.py` compares with the anchors' rows of the same `work`, `shape`
+/// and `pass`. The anchors write the same fields (`benches/anchors/common.py`).
+#[derive(Debug, Clone)]
+pub struct Work {
+    /// `gemm`, `modules` or `gpt`: the table the row goes to.
+    pub section: &'static str,
+    /// What runs: `linear`, `layernorm_mlp`, `gpt small`, `gemm`, ...
+    pub work: String,
+    /// `fwd`, `bwd`, `fwd+bwd`, `optimizer`, `step` or `gemm`.
+    pub pass: &'static str,
+    /// Which implementation: `ours bf16`, `ours fp8 delayed`, `ours fp8 current`, ...
+    pub variant: String,
+    /// `fp8` when the GEMMs run in FP8, else `bf16`.
+    pub precision: &'static str,
+    /// FLOPs of the row that run at the FP8 GEMM rate; the rest of `Row::flops` runs at the
+    /// BF16 rate (compare.py's roofline floor).
+    pub flops_fp8: u64,
+    /// Tokens processed (GPT steps: tokens/s).
+    pub tokens: Option<u64>,
+}
+
+/// Events recorded between the phases of one timed step (see [`Bench::time_phases`]).
+pub struct Marks<'a> {
+    stream: &'a Arc<CudaStream>,
+    events: Vec<CudaEvent>,
+}
+
+impl Marks<'_> {
+    /// Ends the current phase (call it after each phase, the last one included).
+    pub fn mark(&mut self) {
+        self.events.push(self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event"));
+    }
+}
+
+/// Per-phase and whole-step statistics of [`Bench::time_phases`].
+#[derive(Debug, Clone)]
+pub struct PhaseStats {
+    pub phases: Vec<Stats>,
+    pub total: Stats,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -58,17 +103,18 @@ pub struct Bench {
     pub copy_gbps: f64,
     pub rows: Vec<Row>,
     pub ratios: Vec<Ratio>,
-    filter: Option<String>,
+    filters: Vec<String>,
 }
 
 impl Bench {
-    pub fn new(dev: Option<Arc<Device>>, filter: Option<String>) -> Bench {
-        Bench { dev, copy_gbps: 0.0, rows: Vec::new(), ratios: Vec::new(), filter }
+    /// A bench running the benchmarks whose names contain one of `filters` (all when empty).
+    pub fn new(dev: Option<Arc<Device>>, filters: Vec<String>) -> Bench {
+        Bench { dev, copy_gbps: 0.0, rows: Vec::new(), ratios: Vec::new(), filters }
     }
 
     /// Whether benchmarks named `name` were asked for.
     pub fn enabled(&self, name: &str) -> bool {
-        self.filter.as_deref().is_none_or(|f| name.contains(f))
+        self.filters.is_empty() || self.filters.iter().any(|f| name.contains(f.as_str()))
     }
 
     pub fn dev(&self) -> &Arc<Device> {
@@ -95,6 +141,42 @@ impl Bench {
         Stats::from_samples(events.iter().map(|(a, b)| a.elapsed_ms(b).expect("elapsed") as f64 * 1e3).collect())
     }
 
+    /// Times a step of `phases` consecutive phases (e.g. forward, backward) with one CUDA event
+    /// before the step and one after each phase: `step` calls [`Marks::mark`] once after each
+    /// phase. `warmup` untimed steps first (their marks are recorded and ignored).
+    ///
+    /// # Panics
+    /// When `step` marks a number of phases other than `phases`.
+    pub fn time_phases(
+        &self,
+        warmup: usize,
+        iters: usize,
+        phases: usize,
+        mut step: impl FnMut(&mut Marks),
+    ) -> PhaseStats {
+        let stream = self.dev().stream();
+        let mut run = || {
+            let mut m = Marks { stream, events: Vec::with_capacity(phases + 1) };
+            m.mark();
+            step(&mut m);
+            assert_eq!(m.events.len(), phases + 1, "the step marked {} phases, expected {phases}", m.events.len() - 1);
+            m.events
+        };
+        for _ in 0..warmup {
+            run();
+        }
+        stream.synchronize().expect("warm-up failed");
+        let steps: Vec<Vec<CudaEvent>> = (0..iters).map(|_| run()).collect();
+        stream.synchronize().expect("timed steps failed");
+        let us = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).expect("elapsed") as f64 * 1e3;
+        PhaseStats {
+            phases: (0..phases)
+                .map(|p| Stats::from_samples(steps.iter().map(|e| us(&e[p], &e[p + 1])).collect()))
+                .collect(),
+            total: Stats::from_samples(steps.iter().map(|e| us(&e[0], &e[phases])).collect()),
+        }
+    }
+
     /// Measures device-to-device copy bandwidth (bytes read + written) on a 1 GiB buffer.
     pub fn measure_copy_bandwidth(&mut self) {
         let dev = self.dev().clone();
@@ -110,11 +192,26 @@ impl Bench {
             bytes: Some(2 * n as u64),
             flops: None,
             target: None,
+            work: None,
         });
     }
 
     pub fn record(&mut self, name: &str, shape: &str, stats: Stats, bytes: Option<u64>, target: Option<Target>) {
-        self.rows.push(Row { name: name.into(), shape: shape.into(), stats, bytes, flops: None, target });
+        self.rows.push(Row { name: name.into(), shape: shape.into(), stats, bytes, flops: None, target, work: None });
+    }
+
+    /// Records a row that has anchors: named `work pass variant`, with its `flops` (of which
+    /// `work.flops_fp8` at the FP8 rate) and the `bytes` that bound it when it has no FLOPs.
+    pub fn record_work(&mut self, shape: &str, stats: Stats, flops: u64, bytes: Option<u64>, work: Work) {
+        self.rows.push(Row {
+            name: format!("{} {} {}", work.work, work.pass, work.variant),
+            shape: shape.into(),
+            stats,
+            bytes,
+            flops: (flops > 0).then_some(flops),
+            target: None,
+            work: Some(work),
+        });
     }
 
     /// Records a compute-bound row of `flops` floating-point operations (printed as TFLOP/s).
@@ -126,6 +223,7 @@ impl Bench {
             bytes: None,
             flops: Some(flops),
             target: None,
+            work: None,
         });
     }
 
@@ -192,6 +290,8 @@ impl Bench {
         }
     }
 
+    /// Writes every row so far to `path` (main calls it after each family, so a run cut short
+    /// keeps what it measured).
     pub fn write_json(&self, path: &std::path::Path) {
         let date = std::process::Command::new("date")
             .args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])
@@ -208,6 +308,7 @@ impl Bench {
             .rows
             .iter()
             .map(|r| {
+                let w = r.work.as_ref();
                 json!({
                     "name": r.name, "shape": r.shape,
                     "median_us": r.stats.median_us, "min_us": r.stats.min_us, "max_us": r.stats.max_us,
@@ -215,6 +316,9 @@ impl Bench {
                     "flops": r.flops, "tflops": Self::tflops(r),
                     "fraction_of_copy": Self::gbps(r).map(|g| g / self.copy_gbps),
                     "target": self.verdict(r),
+                    "section": w.map(|w| w.section), "work": w.map(|w| &w.work), "pass": w.map(|w| w.pass),
+                    "variant": w.map(|w| &w.variant), "precision": w.map(|w| w.precision), "flops_fp8": w.map(|w| w.flops_fp8),
+                    "tokens": w.and_then(|w| w.tokens),
                 })
             })
             .collect();
@@ -224,14 +328,13 @@ impl Bench {
             .map(|r| json!({ "name": r.name, "value": r.value, "target": Self::ratio_verdict(r) }))
             .collect();
         let doc = json!({
-            "device": device, "driver": driver, "date": date, "copy_gbps": self.copy_gbps,
+            "side": "ours", "device": device, "driver": driver, "date": date, "copy_gbps": self.copy_gbps,
             "rows": rows, "ratios": ratios,
         });
         if let Some(dir) = path.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
         std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap()).expect("write bench JSON");
-        println!("\nJSON written to {}", path.display());
     }
 }
 

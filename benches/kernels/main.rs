@@ -1,21 +1,24 @@
-//! Kernel benchmarks: memory-bound kernels against the copy bandwidth measured in the same run,
-//! the bulk scale update, cuBLASLt GEMMs in TFLOP/s (FP8 against a bf16 GEMM of the same run),
-//! the Linear module fwd+bwd in FP8 against its BF16 path, DotProductAttention fwd+bwd (unfused,
-//! TFLOP/s), and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//! Benchmarks: memory-bound kernels against the copy bandwidth measured in the same run, the bulk
+//! scale update, cuBLASLt GEMMs in TFLOP/s (FP8 beside BF16), the TE modules forward / backward /
+//! both in BF16 and FP8 (both recipes), DotProductAttention fwd+bwd (unfused, TFLOP/s), one GPT
+//! training step per preset, and the JIT costs (NVRTC compile, warm disk cache, prewarm).
 //!
-//! `cargo bench --bench kernels [-- FILTER]`, or on the GPU machine `.gpu/bin/kernels-bench
-//! --bench [FILTER]`. Without a GPU only the JIT benchmarks run. JSON goes to
-//! `$OUT/bench-kernels.json` (or `target/bench-kernels.json`).
+//! `cargo bench --bench kernels [-- FILTER...]`, or on the GPU machine `.gpu/bin/kernels-bench
+//! --bench [FILTER...]` (benchmarks whose name contains one of the filters; all without).
+//! Without a GPU only the JIT benchmarks run. JSON goes to `$OUT/bench-kernels.json` (or
+//! `target/bench-kernels.json`); `scripts/bench` runs it beside the PyTorch anchors.
 
 mod harness;
 
 mod activation;
 mod attention;
+mod breakdown;
 mod cast;
 mod cast_transpose;
 mod dropout;
 mod elementwise;
 mod gemm;
+mod gpt;
 mod jit;
 mod linear;
 mod modules;
@@ -28,34 +31,53 @@ mod softmax;
 use harness::Bench;
 
 fn main() {
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let dev = if te_runtime::device::gpu_available() {
         Some(te_runtime::Device::new(0).unwrap_or_else(|e| panic!("cannot open the GPU: {e}")))
     } else {
         println!("no GPU: running only the JIT benchmarks");
         None
     };
-    let mut b = Bench::new(dev, filter);
+    let mut b = Bench::new(dev, filters);
+    let path = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(|| "target".into());
+    let path = path.join("bench-kernels.json");
+    let mut failed = 0;
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        cast::run(&mut b);
-        cast_transpose::run(&mut b);
-        activation::run(&mut b);
-        norm::run(&mut b);
-        softmax::run(&mut b);
-        scaling::run(&mut b);
-        elementwise::run(&mut b);
-        optimizer::run(&mut b);
-        rope::run(&mut b);
-        dropout::run(&mut b);
-        gemm::run(&mut b);
-        linear::run(&mut b);
-        attention::run(&mut b);
-        modules::run(&mut b);
+        let families: [fn(&mut Bench); 16] = [
+            cast::run,
+            cast_transpose::run,
+            activation::run,
+            norm::run,
+            softmax::run,
+            scaling::run,
+            elementwise::run,
+            optimizer::run,
+            rope::run,
+            dropout::run,
+            gemm::run,
+            linear::run,
+            attention::run,
+            modules::run,
+            gpt::run,
+            breakdown::run,
+        ];
+        for run in families {
+            // A family that panics (a failed launch, out of memory) is reported and the
+            // others still run; the exit status is then 1.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&mut b))).is_err() {
+                failed += 1;
+            }
+            b.write_json(&path);
+        }
     }
     jit::run(&mut b);
+    b.write_json(&path);
     b.print_table();
-    let out = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(|| "target".into());
-    b.write_json(&out.join("bench-kernels.json"));
+    println!("\nJSON written to {}", path.display());
+    if failed > 0 {
+        eprintln!("ERROR: {failed} benchmark families panicked (messages above); their rows are missing");
+        std::process::exit(1);
+    }
 }

@@ -1,0 +1,98 @@
+//! One training step of the GPT presets (`te_runtime::models::gpt`), as `te train` does it:
+//! `forward_loss`, `backward`, `AdamW::step` (FP32 masters, global-norm clipping at 1.0) and
+//! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults), timed per phase with CUDA
+//! events; tokens/s from the whole step. `small`: batch 8 × seq 1024; `large` (1.2 B
+//! parameters): batch 2 × seq 2048. One model per preset serves both precisions (its weights
+//! keep training from one timed step to the next; the host-side init of `large` takes seconds).
+//! `benches/anchors/gpt.py` times the same step of a GPT-2-style `nn.Module` in PyTorch.
+//!
+//! FLOPs: forward `2·tokens·(layers·(4h² + 2h·ffn) + h·vocab)` for the GEMMs (FP8 under FP8)
+//! plus `2·b·s²·h` per layer for causal attention (BF16); backward twice that. The optimizer
+//! moves at least 30 bytes per parameter (bf16 gradient read for the norm and for the update,
+//! fp32 master and both moments read and written, the bf16 parameter written).
+
+use crate::harness::{Bench, Work};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+use te_runtime::models::gpt::{Gpt, GptConfig};
+use te_runtime::modules::TokenIds;
+use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
+use te_runtime::Module;
+
+/// Optimizer bytes per parameter (see the module doc).
+pub const OPTIMIZER_BYTES_PER_PARAM: u64 = 30;
+
+pub fn run(b: &mut Bench) {
+    // (preset name, config, batch, warm-up steps, timed steps)
+    let presets = [("small", GptConfig::small(), 8, 3, 10), ("large", GptConfig::large(), 2, 2, 8)];
+    for (preset, cfg, batch, warmup, iters) in presets {
+        let work = format!("gpt {preset}");
+        if b.enabled(&work) {
+            step(b, &work, cfg, batch, warmup, iters);
+        }
+    }
+}
+
+fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, iters: usize) {
+    let dev = b.dev().clone();
+    let (s, h, f, v, layers) = (cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers);
+    let tokens = s * batch;
+    let gemm = (2 * tokens * (layers * (4 * h * h + 2 * h * f) + h * v)) as u64;
+    let attention = (2 * layers * batch * s * s * h) as u64;
+    println!("{work}: building {} parameters", cfg.num_parameters());
+    let mut model = Gpt::new(&dev, cfg).unwrap();
+    let params = model.num_parameters() as u64;
+    let opt_cfg = AdamWConfig {
+        max_grad_norm: Some(1.0),
+        weight_decay: 0.1,
+        betas: (0.9, 0.95),
+        decay_biases_and_norms: false,
+        ..AdamWConfig::new(LrSchedule::Constant(1e-4))
+    };
+    let mut opt = AdamW::new(&dev, &model, opt_cfg).unwrap();
+    // Random tokens; the targets are the ids shifted by one position, as in training.
+    let mut rng = StdRng::seed_from_u64(7);
+    let ids: Vec<i32> = (0..tokens + batch).map(|_| rng.random_range(0..v as i32)).collect();
+    let ids_t = TokenIds::from_host(&dev, &[s, batch], &ids[..tokens]).unwrap();
+    let targets = TokenIds::from_host(&dev, &[s, batch], &ids[batch..]).unwrap();
+    let shape = format!("b{batch} s{s}");
+    for (variant, fp8) in [("ours bf16", false), ("ours fp8 delayed", true)] {
+        let st = b.time_phases(warmup, iters, 3, |m| {
+            let (_, ctx) = if fp8 {
+                fp8_autocast(true, DelayedScaling::default(), || model.forward_loss(&ids_t, &targets))
+            } else {
+                model.forward_loss(&ids_t, &targets)
+            }
+            .unwrap();
+            m.mark();
+            model.backward(ctx).unwrap();
+            m.mark();
+            opt.step(&mut model).unwrap();
+            model.zero_grad();
+            m.mark();
+        });
+        let fp8_flops = if fp8 { gemm } else { 0 };
+        let fwd = gemm + attention;
+        let opt_bytes = OPTIMIZER_BYTES_PER_PARAM * params;
+        let rows = [
+            ("fwd", st.phases[0], fwd, fp8_flops, None),
+            ("bwd", st.phases[1], 2 * fwd, 2 * fp8_flops, None),
+            ("optimizer", st.phases[2], 0, 0, Some(opt_bytes)),
+            ("step", st.total, 3 * fwd, 3 * fp8_flops, Some(opt_bytes)),
+        ];
+        for (pass, stats, flops, flops_fp8, bytes) in rows {
+            let w = Work {
+                section: "gpt",
+                work: work.into(),
+                pass,
+                variant: variant.into(),
+                precision: if fp8 { "fp8" } else { "bf16" },
+                flops_fp8,
+                tokens: Some(tokens as u64),
+            };
+            b.record_work(&shape, stats, flops, bytes, w);
+        }
+        println!("{work} {variant}: {:.0} tokens/s", tokens as f64 / (st.total.median_us * 1e-6));
+    }
+}
