@@ -3,3 +3,4 @@
 
 pub mod data;
 pub mod train;
+pub mod train_cpu;

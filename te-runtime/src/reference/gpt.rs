@@ -25,13 +25,10 @@
 //! that ran the same number of forwards drop the same elements. [`GptRef::loss`] (evaluation)
 //! runs without dropout.
 
-use super::activation::{dgelu, gelu};
 use super::cross_entropy::cross_entropy;
 use super::dropout::{keep_mask, kept};
 use super::embedding;
-use super::linear::fake_quantize;
 use super::modules::NormRef;
-use super::numerics::round_to;
 use super::optimizer::{adamw_step, clip_coef, global_norm, AdamWHyper, AdamWScalars};
 use super::scaling::{delayed_update, HostScalingGroup};
 use crate::fp8::DelayedScaling;
@@ -39,6 +36,7 @@ use crate::models::gpt::{GptConfig, IGNORE_INDEX};
 use crate::modules::{NormKind, ParamKind};
 use crate::ops::dropout::{keep_scale, DropoutParams};
 use crate::{Error, Result};
+use half::bf16;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use rayon::prelude::*;
@@ -47,8 +45,6 @@ use te_codegen::DType;
 const MODEL: &str = "GptRef";
 /// Parameters per layer, in [`GptRef::params`] order.
 const PER_LAYER: usize = 12;
-/// Elements per rayon task of the elementwise passes.
-const CHUNK: usize = 1 << 14;
 
 /// How the GEMM inputs are rounded before each f32 GEMM.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -139,8 +135,52 @@ enum Cast {
 fn cast(x: &[f32], c: Cast) -> Vec<f32> {
     match c {
         Cast::Exact => x.to_vec(),
-        Cast::Bf16 => x.par_iter().map(|&v| round_to(DType::BF16, v)).collect(),
-        Cast::Fp8(dtype, scale) => x.par_chunks(CHUNK).flat_map_iter(|c| fake_quantize(c, dtype, scale)).collect(),
+        Cast::Bf16 => x.par_iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+        Cast::Fp8(dtype, scale) => {
+            let (grid, scale_inv) = (Fp8Grid::new(dtype), 1.0 / scale);
+            x.par_iter().map(|&v| grid.round(v * scale) * scale_inv).collect()
+        }
+    }
+}
+
+/// The rounding grid of an FP8 format, for [`Fp8Grid::round`].
+#[derive(Debug, Clone, Copy)]
+struct Fp8Grid {
+    /// Smallest normal value.
+    min_normal: f32,
+    /// Smallest subnormal (the spacing below `min_normal`).
+    step: f32,
+    /// Dropped f32 mantissa bits.
+    shift: u32,
+    /// Largest finite value.
+    max: f32,
+}
+
+impl Fp8Grid {
+    fn new(dtype: DType) -> Self {
+        // Mantissa bits, smallest normal exponent, largest finite value.
+        let (mant, min_exp, max) = if dtype == DType::E5M2 { (2, -14, 57344.0) } else { (3, -6, 448.0) };
+        Self { min_normal: 2f32.powi(min_exp), step: 2f32.powi(min_exp - mant), shift: 23 - mant as u32, max }
+    }
+
+    /// [`super::numerics::round_to`]`(dtype, x)` for the FP8 `dtype` (the GPU's
+    /// `cvt.rn.satfinite`: nearest even, saturating to ±max, NaN kept) in a few float
+    /// operations instead of a table conversion; the tests check it against `round_to` bit
+    /// for bit.
+    fn round(&self, x: f32) -> f32 {
+        if x.is_nan() {
+            return x;
+        }
+        let a = x.abs();
+        let r = if a < self.min_normal {
+            // Subnormals: multiples of a power of two (exact steps).
+            (a / self.step).round_ties_even() * self.step
+        } else {
+            let bits = a.to_bits();
+            let bits = bits + ((1 << (self.shift - 1)) - 1) + ((bits >> self.shift) & 1);
+            f32::from_bits(bits & !((1 << self.shift) - 1))
+        };
+        r.min(self.max).copysign(x)
     }
 }
 
@@ -237,6 +277,21 @@ fn column_sums(x: &[f32], cols: usize) -> Vec<f32> {
     s.into_iter().map(|v| v as f32).collect()
 }
 
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// The `tanh` of TE's tanh-approximated GELU, `gelu(x) = x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`
+/// ([`super::activation::gelu`]), through `exp` (`1 − 2/(e^{2u} + 1)`, exact to f32 rounding
+/// in absolute terms, which is what the GELU needs) and shared with the backward.
+fn gelu_tanh(x: f32) -> f32 {
+    let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+    1.0 - 2.0 / ((2.0 * u).exp() + 1.0)
+}
+
+/// [`super::activation::dgelu`] at `x` from `t = gelu_tanh(x)`.
+fn dgelu(x: f32, t: f32) -> f32 {
+    0.5 * x * ((1.0 - t * t) * (SQRT_2_OVER_PI + 3.0 * 0.044715 * SQRT_2_OVER_PI * x * x)) + 0.5 * (1.0 + t)
+}
+
 /// `n` values `~ N(0, std)` from `seed`, the GPU modules' init.
 fn normal(n: usize, std: f32, seed: u64) -> Vec<f32> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -256,6 +311,8 @@ struct LayerCtx {
     probs: Vec<Vec<f32>>,
     h1: Vec<f32>,
     pre: Vec<f32>,
+    /// The GELU's `tanh` of each pre-activation.
+    tanh: Vec<f32>,
     masks: [Option<Vec<u8>>; 2],
     /// `(input, weight)` of qkv, proj, fc1, fc2.
     gemms: [(Vec<f32>, Vec<f32>); 4],
@@ -394,7 +451,12 @@ impl GptRef {
                 return bad(format!("parameter `{name}` given twice"));
             }
             if value.len() != p.value.len() {
-                return bad(format!("`{name}` must hold {} values ({:?}), got {}", p.value.len(), p.shape, value.len()));
+                return bad(format!(
+                    "`{name}` must hold {} values ({:?}), got {}",
+                    p.value.len(),
+                    p.shape,
+                    value.len()
+                ));
             }
             p.value = value;
         }
@@ -483,7 +545,12 @@ impl GptRef {
     }
 
     /// `residual + dropout(x)` with the Philox mask of `(seed, offset)`, or without dropout.
-    fn residual_dropout(&self, x: &[f32], residual: &[f32], dropout: Option<DropoutParams>) -> (Vec<f32>, Option<Vec<u8>>) {
+    fn residual_dropout(
+        &self,
+        x: &[f32],
+        residual: &[f32],
+        dropout: Option<DropoutParams>,
+    ) -> (Vec<f32>, Option<Vec<u8>>) {
         match dropout {
             Some(params) => {
                 let mask = keep_mask(x.len(), params);
@@ -501,21 +568,35 @@ impl GptRef {
             return shape(format!("need 1 ≤ s ≤ seq_length = {} and b ≥ 1, got s = {s}, b = {b}", self.cfg.seq_length));
         }
         if ids.len() != s * b || targets.len() != s * b {
-            return shape(format!("ids and targets must be [s, b] = [{s}, {b}], got {} and {} values", ids.len(), targets.len()));
+            return shape(format!(
+                "ids and targets must be [s, b] = [{s}, {b}], got {} and {} values",
+                ids.len(),
+                targets.len()
+            ));
         }
         let v = self.cfg.vocab_size as i32;
         if let Some(t) = ids.iter().find(|&&t| !(0..v).contains(&t)) {
             return Err(Error::Argument { op: MODEL, message: format!("token id {t} outside [0, {v})") });
         }
         if let Some(t) = targets.iter().find(|&&t| t != IGNORE_INDEX && !(0..v).contains(&t)) {
-            return Err(Error::Argument { op: MODEL, message: format!("target {t} outside [0, {v}) and not {IGNORE_INDEX}") });
+            return Err(Error::Argument {
+                op: MODEL,
+                message: format!("target {t} outside [0, {v}) and not {IGNORE_INDEX}"),
+            });
         }
         Ok(())
     }
 
     /// The forward: mean loss and context; `dropout_offset` is the offset of the first dropout
     /// call (`None`: no dropout).
-    fn run(&self, ids: &[i32], targets: &[i32], s: usize, b: usize, dropout_offset: Option<u64>) -> Result<(f32, GptRefCtx)> {
+    fn run(
+        &self,
+        ids: &[i32],
+        targets: &[i32],
+        s: usize,
+        b: usize,
+        dropout_offset: Option<u64>,
+    ) -> Result<(f32, GptRefCtx)> {
         self.check_batch(ids, targets, s, b)?;
         let cfg = &self.cfg;
         let (h, f, v, t) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, s * b);
@@ -543,7 +624,8 @@ impl GptRef {
             let ln2 = self.norm(self.lp(l, 6), self.lp(l, 7)).forward(&h1);
             let fc1_ops = self.gemm_operands(4 * l + 2, &ln2, self.lp(l, 8), &mut amaxes);
             let pre = linear(&fc1_ops.0, &fc1_ops.1, Some(self.lp(l, 9)), t, f, h);
-            let act: Vec<f32> = pre.par_iter().map(|&v| gelu(v)).collect();
+            let tanh: Vec<f32> = pre.par_iter().map(|&v| gelu_tanh(v)).collect();
+            let act: Vec<f32> = pre.par_iter().zip(&tanh).map(|(&x, &t)| 0.5 * x * (1.0 + t)).collect();
             let fc2_ops = self.gemm_operands(4 * l + 3, &act, self.lp(l, 10), &mut amaxes);
             let m = linear(&fc2_ops.0, &fc2_ops.1, Some(self.lp(l, 11)), t, h, f);
             let (y, mask2) = self.residual_dropout(&m, &h1, dropout(1));
@@ -554,6 +636,7 @@ impl GptRef {
                 probs,
                 h1,
                 pre,
+                tanh,
                 masks: [mask1, mask2],
                 gemms: [qkv_ops, proj_ops, fc1_ops, fc2_ops],
             });
@@ -564,7 +647,8 @@ impl GptRef {
         let counted = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
         let grad_scale = if counted == 0 { 0.0 } else { 1.0 / counted as f32 };
         let (loss, dlogits) = cross_entropy(&logits, v, targets, IGNORE_INDEX, grad_scale);
-        let mean = if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
+        let mean =
+            if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
         let ctx = GptRefCtx { ids: ids.to_vec(), shape: [s, b], layers, last: x, head, dlogits, amaxes };
         Ok((mean, ctx))
     }
@@ -611,7 +695,10 @@ impl GptRef {
         let [s, b] = ctx.shape;
         let (h, f, v, t) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, s * b);
         if ctx.layers.len() != cfg.num_layers || ctx.dlogits.len() != t * v || ctx.last.len() != t * h {
-            return Err(Error::Context { module: MODEL, message: "the context was made by a model of another geometry".into() });
+            return Err(Error::Context {
+                module: MODEL,
+                message: "the context was made by a model of another geometry".into(),
+            });
         }
         let heads = cfg.num_attention_heads;
         let mut grads: Vec<Vec<f32>> = self.params.iter().map(|p| vec![0.0; p.value.len()]).collect();
@@ -633,7 +720,8 @@ impl GptRef {
             let dm = drop(&dx, &c.masks[1]);
             let (fc2_in, fc2_w) = &c.gemms[3];
             let (dact, dw2, db2) = self.linear_backward(4 * l + 3, &dm, fc2_in, fc2_w, [t, h, f], &mut amaxes);
-            let dpre: Vec<f32> = dact.par_iter().zip(&c.pre).map(|(&g, &p)| g * dgelu(p)).collect();
+            let dpre: Vec<f32> =
+                (dact.par_iter().zip(&c.pre).zip(&c.tanh)).map(|((&g, &x), &t)| g * dgelu(x, t)).collect();
             let (fc1_in, fc1_w) = &c.gemms[2];
             let (dln2, dw1, db1) = self.linear_backward(4 * l + 2, &dpre, fc1_in, fc1_w, [t, f, h], &mut amaxes);
             let (dn2, dg2, dbe2) = self.norm(self.lp(l, 6), self.lp(l, 7)).backward(&dln2, &c.h1);
@@ -705,7 +793,15 @@ fn attention_forward(qkv: &[f32], s: usize, b: usize, heads: usize, d: usize) ->
             let (j, hh) = (task / heads, task % heads);
             let col = |part: usize| &qkv[j * w + part * hd + hh * d..];
             let mut p = vec![0.0; s * s];
-            gemm(s, d, s, View { data: col(0), rs: b * w, cs: 1 }, View { data: col(1), rs: 1, cs: b * w }, 0.0, &mut p);
+            gemm(
+                s,
+                d,
+                s,
+                View { data: col(0), rs: b * w, cs: 1 },
+                View { data: col(1), rs: 1, cs: b * w },
+                0.0,
+                &mut p,
+            );
             for (i, row) in p.chunks_exact_mut(s).enumerate() {
                 let m = row[..=i].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
                 let mut sum = 0.0f32;
@@ -736,7 +832,15 @@ fn attention_forward(qkv: &[f32], s: usize, b: usize, heads: usize, d: usize) ->
 
 /// The gradient `[s·b, 3·heads·d]` of `qkv` for `d_o: [s·b, heads·d]`, from the forward's
 /// probabilities.
-fn attention_backward(qkv: &[f32], probs: &[Vec<f32>], d_o: &[f32], s: usize, b: usize, heads: usize, d: usize) -> Vec<f32> {
+fn attention_backward(
+    qkv: &[f32],
+    probs: &[Vec<f32>],
+    d_o: &[f32],
+    s: usize,
+    b: usize,
+    heads: usize,
+    d: usize,
+) -> Vec<f32> {
     let (hd, w) = (heads * d, 3 * heads * d);
     let scale = 1.0 / (d as f32).sqrt();
     let blocks: Vec<[Vec<f32>; 3]> = (0..b * heads)
@@ -829,9 +933,12 @@ impl GptAdamW {
     pub fn step(&mut self, model: &mut GptRef, grads: &[(String, Vec<f32>)], lr: f32) -> Result<GptStepStats> {
         let matches = grads.len() == model.params.len()
             && self.exp_avg.len() == model.params.len()
-            && model.params.iter().zip(grads).zip(&self.exp_avg).all(|((p, (name, g)), m)| {
-                *name == p.name && g.len() == p.value.len() && m.len() == p.value.len()
-            });
+            && model
+                .params
+                .iter()
+                .zip(grads)
+                .zip(&self.exp_avg)
+                .all(|((p, (name, g)), m)| *name == p.name && g.len() == p.value.len() && m.len() == p.value.len());
         if !matches {
             return Err(Error::Config {
                 module: "GptAdamW",
@@ -843,7 +950,8 @@ impl GptAdamW {
         let clip = self.cfg.max_grad_norm.map_or(1.0, |m| clip_coef(grad_norm, m));
         self.step += 1;
         let (beta1, beta2) = self.cfg.betas;
-        for (((p, (_, g)), m), v) in model.params.iter_mut().zip(grads).zip(&mut self.exp_avg).zip(&mut self.exp_avg_sq) {
+        for (((p, (_, g)), m), v) in model.params.iter_mut().zip(grads).zip(&mut self.exp_avg).zip(&mut self.exp_avg_sq)
+        {
             let weight_decay = if p.kind == ParamKind::Weight { self.cfg.weight_decay } else { 0.0 };
             let hyper = AdamWHyper { lr, beta1, beta2, eps: self.cfg.eps, weight_decay, step: self.step };
             adamw_step(&AdamWScalars::new(&hyper), clip, g, &mut p.value, m, v, DType::F32);
@@ -854,6 +962,7 @@ impl GptAdamW {
 
 #[cfg(test)]
 mod tests {
+    use super::super::numerics::round_to;
     use super::*;
 
     fn micro() -> GptConfig {
@@ -876,6 +985,23 @@ mod tests {
         let ids = (0..s * b).map(|t| tok(t / b, t % b)).collect();
         let targets = (0..s * b).map(|t| tok(t / b + 1, t % b)).collect();
         (ids, targets)
+    }
+
+    #[test]
+    fn fast_casts_match_the_reference_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let specials = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, 448.0, 464.0, 480.0, 57344.0, 61440.0, 1e-9];
+        let random = (0..200_000).map(|_| f32::from_bits(rand::Rng::random::<u32>(&mut rng)));
+        for x in specials.into_iter().chain(random).filter(|x| !x.is_nan()) {
+            for dtype in [DType::E4M3, DType::E5M2] {
+                assert_eq!(Fp8Grid::new(dtype).round(x).to_bits(), round_to(dtype, x).to_bits(), "{dtype} {x:e}");
+            }
+        }
+        assert!(Fp8Grid::new(DType::E4M3).round(f32::NAN).is_nan());
+        for x in [0.0f32, 0.3, -1.7, 2.5, 8.0, -30.0] {
+            assert!((0.5 * x * (1.0 + gelu_tanh(x)) - super::super::activation::gelu(x)).abs() < 1e-6);
+            assert!((dgelu(x, gelu_tanh(x)) - super::super::activation::dgelu(x)).abs() < 1e-6);
+        }
     }
 
     #[test]
@@ -910,7 +1036,11 @@ mod tests {
                 };
                 let x0 = model.params[pi].value[i];
                 let fd = ((at(x0 + eps) - at(x0 - eps)) / (2.0 * f64::from(eps))) as f32;
-                assert!((fd - g[i]).abs() <= 0.03 * g[i].abs() + 2e-4, "{name}[{i}]: backward {}, finite difference {fd}", g[i]);
+                assert!(
+                    (fd - g[i]).abs() <= 0.03 * g[i].abs() + 2e-4,
+                    "{name}[{i}]: backward {}, finite difference {fd}",
+                    g[i]
+                );
             }
         }
     }
@@ -961,7 +1091,10 @@ mod tests {
         let other = GptRef::new(&GptConfig { num_layers: 2, ..micro() }).unwrap();
         let (_, ctx) = m.forward_loss(&ids, &targets, 8, 2).unwrap();
         let grads = m.clone().backward(ctx).unwrap();
-        let mut opt = GptAdamW::new(&other, GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0, max_grad_norm: None });
+        let mut opt = GptAdamW::new(
+            &other,
+            GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0, max_grad_norm: None },
+        );
         assert!(matches!(opt.step(&mut m, &grads, 1e-3), Err(Error::Config { .. })));
     }
 }
