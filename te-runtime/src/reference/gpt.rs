@@ -208,7 +208,7 @@ impl<'a> View<'a> {
     }
 
     /// Rows from `r` on.
-    fn from_row(self, r: usize) -> Self {
+    fn skip_rows(self, r: usize) -> Self {
         Self { data: &self.data[r * self.rs..], ..self }
     }
 
@@ -234,8 +234,8 @@ fn gemm(m: usize, k: usize, n: usize, a: View<'_>, b: View<'_>, beta: f32, c: &m
     let threads = rayon::current_num_threads();
     let rows = if m * n * k >= 1 << 18 && threads > 1 { m.div_ceil(threads) } else { m };
     c.par_chunks_mut(rows * n).enumerate().for_each(|(i, c)| {
-        let (a, mi) = (a.from_row(i * rows), c.len() / n);
-        // SAFETY: the views hold every element the product reads (checked above; `from_row`
+        let (a, mi) = (a.skip_rows(i * rows), c.len() / n);
+        // SAFETY: the views hold every element the product reads (checked above; `skip_rows`
         // only drops rows before this chunk's), and `c` is this chunk's `[mi, n]` block.
         unsafe {
             matrixmultiply::sgemm(
