@@ -131,14 +131,24 @@ enum Cast {
     Fp8(DType, f32),
 }
 
+/// `[f(0), …, f(n - 1)]`, computed in parallel chunks.
+fn par_fill(n: usize, f: impl Fn(usize) -> f32 + Sync) -> Vec<f32> {
+    const CHUNK: usize = 1 << 14;
+    let mut out = vec![0.0; n];
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+        o.iter_mut().enumerate().for_each(|(i, o)| *o = f(c * CHUNK + i));
+    });
+    out
+}
+
 /// The operand `x` as the GEMM reads it.
 fn cast(x: &[f32], c: Cast) -> Vec<f32> {
     match c {
         Cast::Exact => x.to_vec(),
-        Cast::Bf16 => x.par_iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+        Cast::Bf16 => par_fill(x.len(), |i| bf16::from_f32(x[i]).to_f32()),
         Cast::Fp8(dtype, scale) => {
             let (grid, scale_inv) = (Fp8Grid::new(dtype), 1.0 / scale);
-            x.par_iter().map(|&v| grid.round(v * scale) * scale_inv).collect()
+            par_fill(x.len(), |i| grid.round(x[i] * scale) * scale_inv)
         }
     }
 }
@@ -185,7 +195,7 @@ impl Fp8Grid {
 }
 
 fn amax(x: &[f32]) -> f32 {
-    x.par_iter().fold(|| 0.0f32, |a, v| a.max(v.abs())).reduce(|| 0.0, f32::max)
+    x.par_chunks(1 << 14).map(|c| c.iter().fold(0.0f32, |a, v| a.max(v.abs()))).reduce(|| 0.0, f32::max)
 }
 
 /// A strided view of a matrix: element `(r, c)` at `data[r * rs + c * cs]`.
@@ -331,6 +341,8 @@ pub struct GptRefCtx {
     dlogits: Vec<f32>,
     /// The FP8 forward amaxes of every GEMM (`[input, weight]`), recorded by `forward_loss`.
     amaxes: Vec<[f32; 2]>,
+    /// The configuration of the model that made it.
+    cfg: GptConfig,
 }
 
 /// The CPU GPT (see the module docs): parameters in the GPU model's order and names.
@@ -624,8 +636,8 @@ impl GptRef {
             let ln2 = self.norm(self.lp(l, 6), self.lp(l, 7)).forward(&h1);
             let fc1_ops = self.gemm_operands(4 * l + 2, &ln2, self.lp(l, 8), &mut amaxes);
             let pre = linear(&fc1_ops.0, &fc1_ops.1, Some(self.lp(l, 9)), t, f, h);
-            let tanh: Vec<f32> = pre.par_iter().map(|&v| gelu_tanh(v)).collect();
-            let act: Vec<f32> = pre.par_iter().zip(&tanh).map(|(&x, &t)| 0.5 * x * (1.0 + t)).collect();
+            let tanh = par_fill(pre.len(), |i| gelu_tanh(pre[i]));
+            let act = par_fill(pre.len(), |i| 0.5 * pre[i] * (1.0 + tanh[i]));
             let fc2_ops = self.gemm_operands(4 * l + 3, &act, self.lp(l, 10), &mut amaxes);
             let m = linear(&fc2_ops.0, &fc2_ops.1, Some(self.lp(l, 11)), t, h, f);
             let (y, mask2) = self.residual_dropout(&m, &h1, dropout(1));
@@ -649,7 +661,8 @@ impl GptRef {
         let (loss, dlogits) = cross_entropy(&logits, v, targets, IGNORE_INDEX, grad_scale);
         let mean =
             if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
-        let ctx = GptRefCtx { ids: ids.to_vec(), shape: [s, b], layers, last: x, head, dlogits, amaxes };
+        let ctx =
+            GptRefCtx { ids: ids.to_vec(), shape: [s, b], layers, last: x, head, dlogits, amaxes, cfg: cfg.clone() };
         Ok((mean, ctx))
     }
 
@@ -689,15 +702,15 @@ impl GptRef {
     /// the backward scales are updated afterwards.
     ///
     /// # Errors
-    /// [`Error::Context`] for a context of another geometry (another model's).
+    /// [`Error::Context`] for a context made by a model of another configuration.
     pub fn backward(&mut self, ctx: GptRefCtx) -> Result<Vec<(String, Vec<f32>)>> {
         let cfg = &self.cfg;
         let [s, b] = ctx.shape;
         let (h, f, v, t) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, s * b);
-        if ctx.layers.len() != cfg.num_layers || ctx.dlogits.len() != t * v || ctx.last.len() != t * h {
+        if ctx.cfg != *cfg {
             return Err(Error::Context {
                 module: MODEL,
-                message: "the context was made by a model of another geometry".into(),
+                message: "the context was made by a model of another configuration".into(),
             });
         }
         let heads = cfg.num_attention_heads;
@@ -720,8 +733,7 @@ impl GptRef {
             let dm = drop(&dx, &c.masks[1]);
             let (fc2_in, fc2_w) = &c.gemms[3];
             let (dact, dw2, db2) = self.linear_backward(4 * l + 3, &dm, fc2_in, fc2_w, [t, h, f], &mut amaxes);
-            let dpre: Vec<f32> =
-                (dact.par_iter().zip(&c.pre).zip(&c.tanh)).map(|((&g, &x), &t)| g * dgelu(x, t)).collect();
+            let dpre = par_fill(dact.len(), |i| dact[i] * dgelu(c.pre[i], c.tanh[i]));
             let (fc1_in, fc1_w) = &c.gemms[2];
             let (dln2, dw1, db1) = self.linear_backward(4 * l + 2, &dpre, fc1_in, fc1_w, [t, f, h], &mut amaxes);
             let (dn2, dg2, dbe2) = self.norm(self.lp(l, 6), self.lp(l, 7)).backward(&dln2, &c.h1);
@@ -1074,6 +1086,24 @@ mod tests {
     }
 
     #[test]
+    fn bf16_and_fp8_gemms_perturb_the_loss_slightly() {
+        let (s, b) = (8, 2);
+        let (ids, targets) = pattern(s, b, 16);
+        let mut m = GptRef::new(&micro()).unwrap();
+        let exact = m.loss(&ids, &targets, s, b).unwrap();
+        m.set_precision(GemmPrecision::Bf16).unwrap();
+        let bf16 = m.loss(&ids, &targets, s, b).unwrap();
+        m.set_precision(GemmPrecision::Fp8(DelayedScaling::default())).unwrap();
+        // The first forward casts with scale 1 and records the amaxes; the second uses scales
+        // fitted to them.
+        m.forward_loss(&ids, &targets, s, b).unwrap();
+        let fp8 = m.loss(&ids, &targets, s, b).unwrap();
+        let (d_bf16, d_fp8) = ((bf16 - exact).abs(), (fp8 - exact).abs());
+        assert!(d_bf16 > 0.0 && d_bf16 < 1e-2 * exact, "bf16 {bf16} vs exact {exact}");
+        assert!(d_fp8 > d_bf16 && d_fp8 < 5e-2 * exact, "fp8 {fp8} vs exact {exact} (bf16 {bf16})");
+    }
+
+    #[test]
     fn bad_inputs_are_errors() {
         let mut m = GptRef::new(&micro()).unwrap();
         let (ids, targets) = pattern(8, 2, 16);
@@ -1088,7 +1118,9 @@ mod tests {
         assert_eq!(GptRef::from_named(&micro(), named.clone()).unwrap().params(), m.params());
         let e = GptRef::from_named(&micro(), named[1..].to_vec()).unwrap_err();
         assert!(e.to_string().contains("missing parameters: embedding.weight"), "{e}");
-        let other = GptRef::new(&GptConfig { num_layers: 2, ..micro() }).unwrap();
+        let mut other = GptRef::new(&GptConfig { num_layers: 2, ..micro() }).unwrap();
+        let (_, ctx) = m.forward_loss(&ids, &targets, 8, 2).unwrap();
+        assert!(matches!(other.backward(ctx), Err(Error::Context { .. })));
         let (_, ctx) = m.forward_loss(&ids, &targets, 8, 2).unwrap();
         let grads = m.clone().backward(ctx).unwrap();
         let mut opt = GptAdamW::new(
