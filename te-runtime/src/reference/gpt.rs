@@ -12,13 +12,18 @@
 //! cross-entropy over the targets that are not [`IGNORE_INDEX`].
 //!
 //! Arithmetic: GEMMs in f32 (`matrixmultiply`, rows split over the rayon pool; the GPU
-//! accumulates in f32 too), norms and the loss through the f64 references
-//! ([`super::modules::NormRef`], [`super::cross_entropy`]). [`GemmPrecision`] emulates the
+//! accumulates in f32 too) rather than the f64 [`super::gemm::gemm_tn`], and attention with the
+//! forward's probabilities kept rather than [`super::transformer::MhaRef`]'s recompute: the
+//! speed a CPU training run needs. Norms, embeddings, dropout masks, the loss, the scaling
+//! update and the AdamW arithmetic are the references' ([`super::modules::NormRef`],
+//! [`super::embedding`], [`super::dropout`], [`super::cross_entropy`], [`super::scaling`],
+//! [`super::optimizer`]). [`GemmPrecision`] emulates the
 //! GPU's GEMM numerics on the GEMM *inputs*: rounded to BF16, or fake-quantized to FP8 with
 //! delayed scaling per operand as TE's `DelayedScaling` does (E4M3 inputs and weights, E5M2
 //! output gradients under HYBRID; amax history, `max` or newest, margin; initial scale 1;
 //! forward scales updated after each [`GptRef::forward_loss`], gradient scales after each
-//! [`GptRef::backward`]). Everything else stays f32 (the GPU keeps activations in BF16).
+//! [`GptRef::backward`]; the casts equal [`super::numerics::round_to`] bit for bit).
+//! Everything else stays f32 (the GPU keeps activations in BF16).
 //!
 //! Hidden dropout: the GPU's Philox masks (seed of layer `l` = `seed + 16·(l + 1)`, offsets
 //! `2n + 1` and `2n + 2` for the `n`-th [`GptRef::forward_loss`]), so a GPU model and its twin
