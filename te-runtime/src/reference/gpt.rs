@@ -344,8 +344,6 @@ pub struct GptRefCtx {
     /// `(input, weight)` of the LM head.
     head: (Vec<f32>, Vec<f32>),
     dlogits: Vec<f32>,
-    /// The FP8 forward amaxes of every GEMM (`[input, weight]`), recorded by `forward_loss`.
-    amaxes: Vec<[f32; 2]>,
     /// The configuration of the model that made it.
     cfg: GptConfig,
 }
@@ -604,8 +602,8 @@ impl GptRef {
         Ok(())
     }
 
-    /// The forward: mean loss and context; `dropout_offset` is the offset of the first dropout
-    /// call (`None`: no dropout).
+    /// The forward: mean loss, context and the FP8 amaxes of every GEMM's `[input, weight]`;
+    /// `dropout_offset` is the offset of the first dropout call (`None`: no dropout).
     fn run(
         &self,
         ids: &[i32],
@@ -613,7 +611,7 @@ impl GptRef {
         s: usize,
         b: usize,
         dropout_offset: Option<u64>,
-    ) -> Result<(f32, GptRefCtx)> {
+    ) -> Result<(f32, GptRefCtx, Vec<[f32; 2]>)> {
         self.check_batch(ids, targets, s, b)?;
         let cfg = &self.cfg;
         let (h, f, v, t) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, s * b);
@@ -666,9 +664,8 @@ impl GptRef {
         let (loss, dlogits) = cross_entropy(&logits, v, targets, IGNORE_INDEX, grad_scale);
         let mean =
             if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
-        let ctx =
-            GptRefCtx { ids: ids.to_vec(), shape: [s, b], layers, last: x, head, dlogits, amaxes, cfg: cfg.clone() };
-        Ok((mean, ctx))
+        let ctx = GptRefCtx { ids: ids.to_vec(), shape: [s, b], layers, last: x, head, dlogits, cfg: cfg.clone() };
+        Ok((mean, ctx, amaxes))
     }
 
     /// The mean cross-entropy over the targets that are not [`IGNORE_INDEX`] (0 when all are)
@@ -682,15 +679,15 @@ impl GptRef {
     /// long; [`Error::Argument`] for an id outside `[0, vocab)` or a target outside it that is
     /// not [`IGNORE_INDEX`].
     pub fn forward_loss(&mut self, ids: &[i32], targets: &[i32], s: usize, b: usize) -> Result<(f32, GptRefCtx)> {
-        let out = self.run(ids, targets, s, b, Some(2 * self.forwards + 1))?;
+        let (loss, ctx, amaxes) = self.run(ids, targets, s, b, Some(2 * self.forwards + 1))?;
         self.forwards += 1;
         if let GemmPrecision::Fp8(recipe) = self.precision {
-            for (g, a) in self.fp8.iter_mut().zip(&out.1.amaxes) {
+            for (g, a) in self.fp8.iter_mut().zip(&amaxes) {
                 g.fwd.record(a, recipe.amax_history_len);
                 g.fwd.update(&recipe);
             }
         }
-        Ok(out)
+        Ok((loss, ctx))
     }
 
     /// The mean loss as [`GptRef::forward_loss`] computes it, for evaluation: no dropout, FP8
