@@ -2,7 +2,8 @@
 //! ([`GptRef`], the CPU twin of the GPU model), data order, AdamW settings, LR schedule,
 //! clipping and evaluation as [`crate::train::train`], with the GPU's GEMM numerics emulated on
 //! the GEMM inputs (FP8 with TE's default `DelayedScaling`, or BF16; everything else in f32).
-//! Meant for the `tiny` preset: a few hundred steps take about a minute on two cores.
+//! Meant for the `tiny` preset: 200 steps of 4 × 128 tokens (with evaluations) take 15–20 s
+//! per run on two cores.
 
 use crate::data::{Batcher, Corpus};
 use crate::train::{Precision, Record, RunSummary, TrainConfig, TrainError};
