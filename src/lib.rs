@@ -4,3 +4,4 @@
 pub mod data;
 pub mod plot;
 pub mod train;
+pub mod train_cpu;

@@ -14,6 +14,7 @@ mod dropout;
 mod elementwise;
 mod gemm;
 mod gpt;
+mod gpt_reference;
 mod jit;
 mod linear;
 mod modules;

@@ -11,6 +11,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod gpt;
 pub mod linear;
 pub mod modules;
 pub mod norm;

@@ -1,0 +1,156 @@
+//! The training job of `te train` on the CPU, for machines without a GPU: the same GPT
+//! ([`GptRef`], the CPU twin of the GPU model), data order, AdamW settings, LR schedule,
+//! clipping and evaluation as [`crate::train::train`], with the GPU's GEMM numerics emulated on
+//! the GEMM inputs (FP8 with TE's default `DelayedScaling`, or BF16; everything else in f32).
+//! Meant for the `tiny` preset: 200 steps of 4 × 128 tokens (with evaluations) take 15–20 s
+//! per run on two cores.
+
+use crate::data::{Batcher, Corpus};
+use crate::train::{Precision, Record, RunSummary, TrainConfig, TrainError};
+use std::time::Instant;
+use te_runtime::fp8::DelayedScaling;
+use te_runtime::optim::LrSchedule;
+use te_runtime::reference::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
+
+/// Trains `cfg.model` on `corpus` on the CPU in `precision` (emulated, see the module docs),
+/// calling `progress(step, loss)` after each step. Validation runs without dropout (the GPU
+/// job's evaluation keeps it). [`RunSummary::peak_memory`] is the process's peak resident set
+/// size (Linux `VmHWM`; 0 where it cannot be read), not device memory.
+///
+/// # Errors
+/// [`TrainError::Data`] when a split is shorter than one window; [`TrainError::Runtime`] for a
+/// model configuration the CPU model refuses (heads that do not divide the hidden size, ...),
+/// an invalid LR schedule, or `batch` or `seq_length` of 0.
+pub fn train_cpu(
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    precision: Precision,
+    mut progress: impl FnMut(u64, f32),
+) -> Result<RunSummary, TrainError> {
+    let mut model = GptRef::new(&cfg.model)?;
+    model.set_precision(match precision {
+        Precision::Fp8 => GemmPrecision::Fp8(DelayedScaling::default()),
+        Precision::Bf16 => GemmPrecision::Bf16,
+    })?;
+    let schedule = LrSchedule::WarmupCosine {
+        peak: cfg.lr,
+        warmup_steps: cfg.warmup_steps,
+        total_steps: cfg.steps,
+        min_lr: cfg.lr / 10.0,
+    };
+    schedule.validate()?;
+    let opt_cfg =
+        GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, max_grad_norm: Some(cfg.max_grad_norm) };
+    let mut opt = GptAdamW::new(&model, opt_cfg);
+    let (seq, batch) = (cfg.model.seq_length, cfg.batch);
+    let mut train_batches = Batcher::new(cfg.data_seed, seq, batch);
+    let mut records = Vec::new();
+    for step in 1..=cfg.steps {
+        let start = Instant::now();
+        let mut loss_sum = 0.0f32;
+        let mut grads: Vec<(String, Vec<f32>)> = Vec::new();
+        for _ in 0..cfg.grad_accum {
+            let b = train_batches.next(&corpus.train, "train")?;
+            let (loss, ctx) = model.forward_loss(&b.ids, &b.targets, seq, batch)?;
+            let g = model.backward(ctx)?;
+            if grads.is_empty() {
+                grads = g;
+            } else {
+                // Gradients accumulate over micro-batches, as on the GPU.
+                for ((_, acc), (_, g)) in grads.iter_mut().zip(g) {
+                    acc.iter_mut().zip(g).for_each(|(a, g)| *a += g);
+                }
+            }
+            loss_sum += loss;
+        }
+        opt.step(&mut model, &grads, schedule.lr(step))?;
+        let step_ms = start.elapsed().as_secs_f64() * 1e3;
+        let train_loss = loss_sum / cfg.grad_accum as f32;
+        let val_loss = if step % cfg.eval_interval.max(1) == 0 || step == cfg.steps {
+            Some(evaluate(&model, corpus, cfg)?)
+        } else {
+            None
+        };
+        records.push(Record { step, train_loss, val_loss, step_ms });
+        progress(step, train_loss);
+    }
+    let mut times: Vec<f64> = records.iter().skip(1).map(|r| r.step_ms).collect();
+    times.sort_by(f64::total_cmp);
+    let median_ms = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+    let tokens = (seq * batch * cfg.grad_accum) as f64;
+    Ok(RunSummary {
+        precision,
+        records,
+        tokens_per_s: tokens / (median_ms / 1e3),
+        peak_memory: peak_rss(),
+        parameters: model.num_parameters(),
+    })
+}
+
+/// Mean validation loss over `cfg.eval_batches` fixed batches (those of the GPU job).
+fn evaluate(model: &GptRef, corpus: &Corpus, cfg: &TrainConfig) -> Result<f32, TrainError> {
+    let (seq, batch) = (cfg.model.seq_length, cfg.batch);
+    let mut batches = Batcher::new(cfg.data_seed ^ 0x5eed, seq, batch);
+    let mut sum = 0.0f32;
+    for _ in 0..cfg.eval_batches {
+        let b = batches.next(&corpus.val, "validation")?;
+        sum += model.loss(&b.ids, &b.targets, seq, batch)?;
+    }
+    Ok(sum / cfg.eval_batches.max(1) as f32)
+}
+
+/// Peak resident set size of this process in bytes (`VmHWM` of `/proc/self/status`), 0 where
+/// it cannot be read.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb =
+        status.lines().find_map(|l| l.strip_prefix("VmHWM:")?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok());
+    kb.unwrap_or(0) * 1024
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_runtime::models::gpt::GptConfig;
+    use te_runtime::DType;
+
+    #[test]
+    fn a_few_steps_on_a_small_text_lower_the_loss() {
+        let text = b"to be or not to be, that is the question. ".repeat(40);
+        let corpus = Corpus::split(text, 0.2);
+        let model = GptConfig {
+            num_layers: 1,
+            hidden_size: 32,
+            num_attention_heads: 2,
+            ffn_hidden_size: 64,
+            seq_length: 16,
+            params_dtype: DType::F32,
+            ..GptConfig::tiny()
+        };
+        let cfg = TrainConfig {
+            model,
+            steps: 12,
+            batch: 4,
+            grad_accum: 2,
+            lr: 1e-2,
+            warmup_steps: 2,
+            max_grad_norm: 1.0,
+            eval_interval: 6,
+            eval_batches: 2,
+            data_seed: 7,
+        };
+        for precision in [Precision::Fp8, Precision::Bf16] {
+            let mut seen = 0;
+            let run = train_cpu(&corpus, &cfg, precision, |_, _| seen += 1).unwrap();
+            assert_eq!((run.precision, seen, run.records.len()), (precision, 12, 12));
+            let losses: Vec<f32> = run.records.iter().map(|r| r.train_loss).collect();
+            assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+            let (first, last) = (losses[..3].iter().sum::<f32>(), losses[9..].iter().sum::<f32>());
+            assert!(last < 0.8 * first, "{precision:?}: {losses:?}");
+            let vals: Vec<f32> = run.records.iter().filter_map(|r| r.val_loss).collect();
+            assert_eq!(vals.len(), 2);
+            assert!(vals[1] < vals[0], "{vals:?}");
+            assert!(run.tokens_per_s > 0.0 && run.parameters == cfg.model.num_parameters());
+        }
+    }
+}
