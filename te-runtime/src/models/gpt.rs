@@ -14,11 +14,11 @@
 //! Sources followed: GPT-2 (Radford et al. 2019; `openai/gpt-2` `model.py`), Megatron-LM's
 //! `GPTModel` (`[s, b, h]` layout, `ignore_index`-style loss mask), nanoGPT's presets.
 
+use crate::fp8::{fp8_autocast, Recipe};
 use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, Linear, LinearConfig, LinearCtx, Norm,
     NormConfig, NormCtx, TokenIds, TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
 };
-use crate::fp8::{fp8_autocast, Recipe};
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
 use crate::{Device, Error, Result, Tensor};
