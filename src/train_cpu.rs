@@ -1,14 +1,14 @@
 //! The training job of `te train` on the CPU, for machines without a GPU: the same GPT
 //! ([`GptRef`], the CPU twin of the GPU model), data order, AdamW settings, LR schedule,
 //! clipping and evaluation as [`crate::train::train`], with the GPU's GEMM numerics emulated on
-//! the GEMM inputs (FP8 with TE's default `DelayedScaling`, or BF16; everything else in f32).
+//! the GEMM inputs (FP8 with `cfg.recipe`, the LM head in BF16 unless `fp8_lm_head`, or BF16;
+//! everything else in f32).
 //! Meant for the `tiny` preset: 200 steps of 4 × 128 tokens (with evaluations) take 15–20 s
 //! per run on two cores.
 
 use crate::data::{Batcher, Corpus};
 use crate::train::{Precision, Record, RunSummary, TrainConfig, TrainError};
 use std::time::Instant;
-use te_runtime::fp8::DelayedScaling;
 use te_runtime::optim::LrSchedule;
 use te_runtime::reference::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
 
@@ -29,7 +29,7 @@ pub fn train_cpu(
 ) -> Result<RunSummary, TrainError> {
     let mut model = GptRef::new(&cfg.model)?;
     model.set_precision(match precision {
-        Precision::Fp8 => GemmPrecision::Fp8(DelayedScaling::default()),
+        Precision::Fp8 => GemmPrecision::Fp8(cfg.recipe),
         Precision::Bf16 => GemmPrecision::Bf16,
     })?;
     let schedule = LrSchedule::WarmupCosine {
@@ -111,6 +111,7 @@ fn peak_rss() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use te_runtime::fp8::DelayedScaling;
     use te_runtime::models::gpt::GptConfig;
     use te_runtime::DType;
 
@@ -138,6 +139,7 @@ mod tests {
             eval_interval: 6,
             eval_batches: 2,
             data_seed: 7,
+            recipe: DelayedScaling::default(),
         };
         for precision in [Precision::Fp8, Precision::Bf16] {
             let mut seen = 0;

@@ -516,7 +516,8 @@ impl GptRef {
                     fwd: Scaling::new(2, recipe.fp8_format.forward_dtype(), recipe),
                     bwd: Scaling::new(1, recipe.fp8_format.backward_dtype(), recipe),
                 };
-                vec![gemm; 4 * self.cfg.num_layers + 1]
+                // The LM head has FP8 state only when it runs in FP8 (`fp8_lm_head`).
+                vec![gemm; 4 * self.cfg.num_layers + usize::from(self.cfg.fp8_lm_head)]
             }
             _ => Vec::new(),
         };
@@ -538,11 +539,18 @@ impl GptRef {
         NormRef { kind: NormKind::LayerNorm, gamma, beta: Some(beta), eps: 1e-5, zero_centered_gamma: false }
     }
 
+    /// Whether GEMM `g` runs in FP8: under FP8, every layer GEMM, and the LM head (the last)
+    /// only with `fp8_lm_head` (else in BF16, as on the GPU).
+    fn fp8_gemm(&self, g: usize) -> bool {
+        matches!(self.precision, GemmPrecision::Fp8(_)) && g < self.fp8.len()
+    }
+
     /// The casts of GEMM `g`'s forward operands (input, weight).
     fn forward_casts(&self, g: usize) -> [Cast; 2] {
         match self.precision {
             GemmPrecision::F32 => [Cast::Exact; 2],
             GemmPrecision::Bf16 => [Cast::Bf16; 2],
+            GemmPrecision::Fp8(_) if !self.fp8_gemm(g) => [Cast::Bf16; 2],
             GemmPrecision::Fp8(_) => {
                 let s = &self.fp8[g].fwd;
                 [Cast::Fp8(s.dtype, s.scale[0]), Cast::Fp8(s.dtype, s.scale[1])]
@@ -552,7 +560,7 @@ impl GptRef {
 
     /// GEMM `g`'s input and weight as it reads them, their amaxes added to `amaxes` under FP8.
     fn gemm_operands(&self, g: usize, x: &[f32], w: &[f32], amaxes: &mut Vec<[f32; 2]>) -> (Vec<f32>, Vec<f32>) {
-        if matches!(self.precision, GemmPrecision::Fp8(_)) {
+        if self.fp8_gemm(g) {
             amaxes.push([amax(x), amax(w)]);
         }
         let [cx, cw] = self.forward_casts(g);
@@ -757,7 +765,7 @@ impl GptRef {
         embedding::backward(&dx, &ctx.ids, &mut grads[0], DType::F32, h);
         embedding::backward(&dx, &pos, &mut grads[1], DType::F32, h);
         if let GemmPrecision::Fp8(recipe) = self.precision {
-            // `amaxes` runs from the LM head down to layer 0's qkv.
+            // `amaxes` runs from the last FP8 GEMM down to layer 0's qkv.
             for (g, a) in self.fp8.iter_mut().rev().zip(&amaxes) {
                 g.bwd.record(&[*a], recipe.amax_history_len);
                 g.bwd.update(&recipe);
@@ -781,6 +789,7 @@ impl GptRef {
         let c = match self.precision {
             GemmPrecision::F32 => Cast::Exact,
             GemmPrecision::Bf16 => Cast::Bf16,
+            GemmPrecision::Fp8(_) if !self.fp8_gemm(g) => Cast::Bf16,
             GemmPrecision::Fp8(_) => {
                 amaxes.push(amax(dy));
                 let s = &self.fp8[g].bwd;
@@ -990,6 +999,7 @@ mod tests {
             hidden_dropout: 0.0,
             params_dtype: DType::F32,
             seed: 3,
+            fp8_lm_head: true,
         }
     }
 
