@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use te_runtime::checkpoint::{self, write_atomic, LoadOptions, SaveOptions};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling};
-use te_runtime::models::gpt::{Gpt, GptConfig, MicroBatch};
+use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
 use te_runtime::modules::TokenIds;
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
 use te_runtime::{Device, Module};
@@ -198,7 +198,7 @@ pub fn train(
     let mut times = Vec::new();
     for step in start_step..=cfg.steps {
         let start = Instant::now();
-        let mut loss_sum = 0.0f32;
+        let mut losses = Vec::with_capacity(cfg.grad_accum);
         for micro in 0..cfg.grad_accum {
             let batch = train_batches.next(&corpus.train, "train")?;
             let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
@@ -212,9 +212,11 @@ pub fn train(
                 Precision::Bf16 => model.forward_loss_with(&ids, &targets, mb)?,
             };
             model.backward(ctx)?;
-            loss_sum += loss;
+            losses.push(loss);
         }
         opt.step(&mut model)?;
+        // Read after the step was issued: the host never waited for the device mid-step.
+        let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
         model.zero_grad();
         dev.synchronize()?;
         let step_ms = start.elapsed().as_secs_f64() * 1e3;

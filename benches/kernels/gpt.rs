@@ -1,5 +1,5 @@
 //! One training step of the GPT presets (`te_runtime::models::gpt`), as `te train` does it:
-//! `forward_loss`, `backward`, `AdamW::step` (FP32 masters, global-norm clipping at 1.0) and
+//! `forward_loss_with` (the loss stays on the device), `backward`, `AdamW::step` (FP32 masters, global-norm clipping at 1.0) and
 //! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults), timed per phase with CUDA
 //! events; tokens/s from the whole step. `small`: batch 8 × seq 1024; `large` (1.2 B
 //! parameters): batch 2 × seq 2048. One model per preset serves both precisions (its weights
@@ -15,7 +15,7 @@ use crate::harness::{Bench, Work};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling};
-use te_runtime::models::gpt::{Gpt, GptConfig};
+use te_runtime::models::gpt::{Gpt, GptConfig, MicroBatch};
 use te_runtime::modules::TokenIds;
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
 use te_runtime::Module;
@@ -60,9 +60,11 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
     for (variant, fp8) in [("ours bf16", false), ("ours fp8 delayed", true)] {
         let st = b.time_phases(warmup, iters, 3, |m| {
             let (_, ctx) = if fp8 {
-                fp8_autocast(true, DelayedScaling::default(), || model.forward_loss(&ids_t, &targets))
+                fp8_autocast(true, DelayedScaling::default(), || {
+                    model.forward_loss_with(&ids_t, &targets, MicroBatch::default())
+                })
             } else {
-                model.forward_loss(&ids_t, &targets)
+                model.forward_loss_with(&ids_t, &targets, MicroBatch::default())
             }
             .unwrap();
             m.mark();

@@ -22,6 +22,7 @@ use crate::modules::{
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
 use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::spec::CrossEntropySpec;
 use te_codegen::DType;
@@ -138,6 +139,30 @@ impl Default for MicroBatch {
     }
 }
 
+/// The mean loss of [`Gpt::forward_loss_with`], still on the device: per-token losses
+/// `[s · b]` (f32, 0 for ignored targets) and how many targets counted.
+#[derive(Debug)]
+pub struct GptLoss {
+    per_token: CudaSlice<f32>,
+    counted: usize,
+    dev: Arc<Device>,
+}
+
+impl GptLoss {
+    /// The mean over the counted targets (0 when none counted); copies `s · b` floats to the
+    /// host, waiting for the work issued before on the stream.
+    ///
+    /// # Errors
+    /// Copy failures (and a failed kernel surfacing there).
+    pub fn value(&self) -> Result<f32> {
+        if self.counted == 0 {
+            return Ok(0.0);
+        }
+        let loss = self.dev.stream().clone_dtoh(&self.per_token)?;
+        Ok((loss.iter().map(|&l| f64::from(l)).sum::<f64>() / self.counted as f64) as f32)
+    }
+}
+
 /// What [`Gpt::forward_loss`] saves for [`Gpt::backward`]: every part's context and the loss
 /// gradient of the logits.
 #[derive(Debug)]
@@ -246,11 +271,14 @@ impl Gpt {
     /// [`Error::Shape`] for ids that are not `[s, b]`, `s > seq_length`, or targets of another
     /// shape; the errors of the parts (FP8: `s * b` not a multiple of 16).
     pub fn forward_loss(&mut self, ids: &TokenIds, targets: &TokenIds) -> Result<(f32, GptCtx)> {
-        self.forward_loss_with(ids, targets, MicroBatch::default())
+        let (loss, ctx) = self.forward_loss_with(ids, targets, MicroBatch::default())?;
+        Ok((loss.value()?, ctx))
     }
 
-    /// [`Gpt::forward_loss`] for one micro-batch of a step (gradient accumulation): see
-    /// [`MicroBatch`]. The returned loss is the micro-batch's own mean, unscaled.
+    /// [`Gpt::forward_loss`] for one micro-batch of a step (gradient accumulation, see
+    /// [`MicroBatch`]) that does not wait for the device: the loss stays there until
+    /// [`GptLoss::value`] reads it (after the backward and the optimizer step, so the host keeps
+    /// issuing work). The loss is the micro-batch's own mean, unscaled.
     ///
     /// # Errors
     /// As [`Gpt::forward_loss`].
@@ -259,7 +287,7 @@ impl Gpt {
         ids: &TokenIds,
         targets: &TokenIds,
         micro: MicroBatch,
-    ) -> Result<(f32, GptCtx)> {
+    ) -> Result<(GptLoss, GptCtx)> {
         let MicroBatch { is_first_microbatch, grad_scale: loss_weight } = micro;
         let shape = |message: String| Error::Shape { op: MODEL, message };
         let [s, b] = *ids.shape() else {
@@ -307,11 +335,8 @@ impl Gpt {
         let mut loss = unsafe { self.dev.stream().alloc::<f32>(s * b) }?;
         let grad = CrossEntropyGrad { dlogits: &mut dlogits, grad_scale };
         cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
-        let loss = self.dev.stream().clone_dtoh(&loss)?;
-        let mean =
-            if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
         let ctx = GptCtx { tokens, positions, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
-        Ok((mean, ctx))
+        Ok((GptLoss { per_token: loss, counted, dev: self.dev.clone() }, ctx))
     }
 
     /// Backward of the mean loss: every parameter gradient accumulates (call

@@ -2,4 +2,4 @@
 
 pub mod gpt;
 
-pub use gpt::{Gpt, GptConfig, GptCtx, MicroBatch, IGNORE_INDEX};
+pub use gpt::{Gpt, GptConfig, GptCtx, GptLoss, MicroBatch, IGNORE_INDEX};
