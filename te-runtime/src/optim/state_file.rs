@@ -26,18 +26,30 @@ fn checkpoint_error(path: &Path, message: impl std::fmt::Display) -> Error {
 
 impl AdamW {
     /// Writes the optimizer's state to `path` (atomically: an existing file stays intact until
-    /// the new one is complete). The device→host copies are synchronous (one wait per tensor):
-    /// call it at a checkpoint, not every step.
+    /// the new one is complete). Every device→host copy is issued on the stream into a pinned
+    /// buffer, then the stream is waited for once.
     ///
     /// # Errors
     /// [`Error::Checkpoint`] for an I/O failure; driver failures of the copies.
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let stream = self.dev.stream();
+        let mut pinned = Vec::with_capacity(3 * self.params.len());
+        for s in &self.params {
+            for slice in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
+                // SAFETY: the buffer is uninitialized until the copy issued next fills all of it;
+                // it is read only after the stream has been synchronized below.
+                let mut host = unsafe { stream.context().alloc_pinned::<f32>(slice.len()) }?;
+                stream.memcpy_dtoh(slice, &mut host)?;
+                pinned.push(host);
+            }
+        }
+        stream.synchronize()?;
+        let mut copies = pinned.iter();
         let mut host: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::with_capacity(4 * self.params.len());
         for s in &self.params {
-            for (suffix, slice) in [("master", &s.master), ("exp_avg", &s.exp_avg), ("exp_avg_sq", &s.exp_avg_sq)] {
-                let values = stream.clone_dtoh(slice)?;
+            for suffix in ["master", "exp_avg", "exp_avg_sq"] {
+                let values = copies.next().map(|p| p.as_slice()).transpose()?.unwrap_or_default();
                 let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
                 host.push((format!("{}.{suffix}", s.path), s.shape.clone(), Dtype::F32, bytes));
             }
