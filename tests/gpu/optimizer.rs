@@ -242,3 +242,44 @@ fn a_different_model_is_refused() {
     let e = opt.step(&mut other).unwrap_err();
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("changed"), "{e}");
 }
+
+#[test]
+fn optimizer_state_files_round_trip_and_bad_files_are_refused() {
+    let Some(dev) = device() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("optimizer.safetensors");
+    let mut model = mlp(&dev);
+    let config = AdamWConfig::new(LrSchedule::Constant(1e-2));
+    let mut opt = AdamW::new(&dev, &model, config).unwrap();
+    for _ in 0..2 {
+        backward(&dev, &mut model);
+        opt.step(&mut model).unwrap();
+        model.zero_grad();
+    }
+    opt.save_state(&path).unwrap();
+    let mut fresh = AdamW::new(&dev, &mlp(&dev), config).unwrap();
+    fresh.load_state(&path).unwrap();
+    assert_eq!(fresh.step_count(), 2);
+    for (a, b) in opt.states().iter().zip(fresh.states()) {
+        assert_eq!((a.path.as_str(), a.step), (b.path.as_str(), b.step));
+        for (x, y) in [(&a.master, &b.master), (&a.exp_avg, &b.exp_avg), (&a.exp_avg_sq, &b.exp_avg_sq)] {
+            assert_eq!(bits(&dev.stream().clone_dtoh(x).unwrap()), bits(&dev.stream().clone_dtoh(y).unwrap()));
+        }
+    }
+    // Another model's optimizer: every tensor that does not fit is named, nothing changes.
+    let other = Mlp {
+        fc1: Linear::new(&dev, LinearConfig::new(H, F)).unwrap(),
+        fc2: Linear::new(&dev, LinearConfig { bias: false, ..LinearConfig::new(F, 2 * H) }).unwrap(),
+    };
+    let mut wrong = AdamW::new(&dev, &other, config).unwrap();
+    let e = wrong.load_state(&path).unwrap_err().to_string();
+    assert!(e.contains("fc2.weight.master is F32 [64, 96], expected F32 [128, 96]"), "{e}");
+    assert_eq!(wrong.step_count(), 0);
+    // A truncated file and a missing one are errors, never panics.
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let e = fresh.load_state(&path).unwrap_err();
+    assert!(matches!(e, Error::Checkpoint { .. }), "{e}");
+    let e = fresh.load_state(dir.path().join("missing.safetensors")).unwrap_err();
+    assert!(e.to_string().contains("cannot read"), "{e}");
+}
