@@ -276,6 +276,9 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
     let gpu = te_runtime::device::gpu_available();
     let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
     let on_gpu = gpu && !a.cpu;
+    if a.resume && !on_gpu {
+        return Err("--resume continues GPU runs; the CPU reference path of `tiny` saves no checkpoints".into());
+    }
     if a.cpu && preset != "tiny" {
         return Err(format!("--cpu runs the tiny preset only (the CPU reference path is slow), not `{preset}`"));
     }

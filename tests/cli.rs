@@ -82,3 +82,39 @@ fn info_reports_nvrtc_and_cache() {
     let t = text(&o);
     assert!(t.contains("nvrtc:") && t.contains(&dir.path().display().to_string()), "{t}");
 }
+
+#[test]
+fn train_tiny_runs_on_the_cpu_and_writes_its_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus: String = (0..400).map(|i| format!("line {i}: to be or not to be, that is the question.\n")).collect();
+    std::fs::write(dir.path().join("text.txt"), corpus).unwrap();
+    let out = dir.path().join("out");
+    let o = te()
+        .args(["train", "--cpu", "--preset", "tiny", "--steps", "3", "--batch", "2", "--seq-length", "32"])
+        .args(["--eval-interval", "3", "--data"])
+        .arg(dir.path().join("text.txt"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("CPU reference path"), "says where it runs: {}", text(&o));
+    for f in ["loss.csv", "loss.png", "summary.md"] {
+        assert!(out.join(f).exists(), "{f} written: {}", text(&o));
+    }
+    let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 1 + 2 * 3, "a header and 3 steps per precision: {csv}");
+}
+
+#[test]
+fn train_refuses_what_it_cannot_run() {
+    let run = |args: &[&str]| te().arg("train").args(args).output().unwrap();
+    let o = run(&["--cpu", "--preset", "small"]);
+    assert!(!o.status.success() && text(&o).contains("--cpu runs the tiny preset only"), "{}", text(&o));
+    let o = run(&["--cpu", "--resume"]);
+    assert!(!o.status.success() && text(&o).contains("--resume continues GPU runs"), "{}", text(&o));
+    if !te_runtime::device::gpu_available() {
+        let o = run(&["--preset", "large"]);
+        assert!(!o.status.success() && text(&o).contains("needs a CUDA GPU"), "{}", text(&o));
+    }
+}
