@@ -274,13 +274,13 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
     use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig};
     use te::train_cpu::train_cpu;
     let gpu = te_runtime::device::gpu_available();
+    if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
+        return Err(format!("--cpu runs the tiny preset only (the CPU reference path is slow), not `{}`", a.preset));
+    }
     let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
     let on_gpu = gpu && !a.cpu;
     if a.resume && !on_gpu {
         return Err("--resume continues GPU runs; the CPU reference path of `tiny` saves no checkpoints".into());
-    }
-    if a.cpu && preset != "tiny" {
-        return Err(format!("--cpu runs the tiny preset only (the CPU reference path is slow), not `{preset}`"));
     }
     let dev = if on_gpu { Some(te_runtime::Device::new(0).map_err(|e| e.to_string())?) } else { None };
     let text = match &a.data {
