@@ -87,7 +87,7 @@ fn default_position_embedding() -> PositionEmbedding {
 /// recipe = "delayed"           # or "current"
 /// fp8_format = "hybrid"        # or "e4m3"
 /// amax_compute_algo = "max"    # or "most_recent"
-/// activation = "gelu"          # relu, swiglu, geglu
+/// activation = "gelu"          # gelu_erf, relu, swiglu, geglu
 /// normalization = "layernorm"  # or "rmsnorm"
 /// zero_centered_gamma = false
 /// attn_mask_type = "causal"    # or "none", "padding"
@@ -324,7 +324,7 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                 v.push(CastTransposeSpec::new(i, q, cols, false, None, arch).into());
                 v.push(CastTransposeSpec::new(i, q, cols, true, None, arch).into());
             }
-            for act in [Activation::Gelu, Activation::Relu] {
+            for act in [Activation::Gelu, Activation::GeluErf, Activation::Relu] {
                 v.push(CastTransposeSpec::new(i, q, 784, true, Some(act), arch).into());
                 v.push(CastTransposeSpec::new(i, q, 784, false, Some(act), arch).into());
             }
