@@ -357,6 +357,7 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, i, sk, arch).into());
         }
         v.push(EmbeddingSpec::forward(i, arch).into());
+        v.push(EmbeddingSpec::forward_fp8(DType::E4M3, i, arch).into());
         for grad in [false, true] {
             v.push(CrossEntropySpec::new(i, grad, arch).into());
         }

@@ -25,16 +25,20 @@
 //! Precision: activations are BF16. [`WeightPrecision::Bf16`] keeps BF16 weights;
 //! [`WeightPrecision::Fp8`] builds the layers under [`fp8_model_init`] (E4M3 codes, 1 byte per
 //! parameter, no transpose, each weight scaled by its own amax) and runs their GEMMs in FP8 with
-//! the activation scales of [`ActivationScaling`]. Embeddings, norms, softmax and the pooling stay
-//! in high precision, as in TE.
+//! the activation scales of [`ActivationScaling`]; it also stores the word-embedding table (half
+//! of MiniLM's parameters) as E4M3 codes with a per-tensor scale, dequantized by the lookup
+//! kernel ([`Bert::new_with`] keeps it BF16). Position table, norms, softmax, residuals and the
+//! pooling stay in high precision, as in TE.
 
-use crate::fp8::{fp8_autocast, fp8_model_init, DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
+use crate::fp8::{
+    fp8_autocast, fp8_model_init, DelayedScaling, Float8CurrentScaling, Float8Tensor, Fp8Autocast, Recipe,
+};
 use crate::modules::{
     Activation, AttentionInputs, AttnMaskType, Norm, NormConfig, NormKind, QkvFormat, TokenIds, TransformerLayer,
     TransformerLayerConfig,
 };
 use crate::ops::elementwise::add;
-use crate::ops::embedding::embedding_forward;
+use crate::ops::embedding::{embedding_forward, embedding_forward_fp8};
 use crate::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -389,6 +393,14 @@ pub enum ActivationScaling {
     Calibrated,
 }
 
+/// The word-embedding table: BF16, or E4M3 codes with a per-tensor scale (1 byte per entry; the
+/// lookup dequantizes to BF16).
+#[derive(Debug)]
+enum WordTable {
+    High(Tensor),
+    Fp8(Float8Tensor),
+}
+
 /// A BERT encoder on the device for inference.
 #[derive(Debug)]
 pub struct Bert {
@@ -397,7 +409,7 @@ pub struct Bert {
     precision: WeightPrecision,
     scaling: ActivationScaling,
     calibrated: bool,
-    word: Tensor,
+    word: WordTable,
     pos: Tensor,
     emb_norm: Norm,
     layers: Vec<TransformerLayer>,
@@ -409,7 +421,8 @@ fn upload(dev: &Arc<Device>, shape: &[usize], values: &[f32]) -> BertResult<Tens
 
 impl Bert {
     /// The model with `weights` on `dev`; FP8 layers are made under `fp8_model_init` and start
-    /// with [`ActivationScaling::Current`].
+    /// with [`ActivationScaling::Current`]. With [`WeightPrecision::Fp8`] the word-embedding
+    /// table is FP8 too (see [`Bert::new_with`]).
     ///
     /// # Errors
     /// [`BertError::Tensor`] for missing or mismatched tensors; device and module failures.
@@ -419,9 +432,31 @@ impl Bert {
         weights: &BertWeights,
         precision: WeightPrecision,
     ) -> BertResult<Self> {
+        Self::new_with(dev, cfg, weights, precision, precision == WeightPrecision::Fp8)
+    }
+
+    /// As [`Bert::new`], choosing the word-embedding table's storage: `fp8_word_embeddings`
+    /// keeps it as E4M3 codes with one per-tensor scale (its own amax; 1 byte per entry, the
+    /// lookup dequantizes to BF16), otherwise BF16. The table is about half of MiniLM's
+    /// parameters, so FP8 weight memory is about half of BF16's only with it.
+    ///
+    /// # Errors
+    /// As [`Bert::new`].
+    pub fn new_with(
+        dev: &Arc<Device>,
+        cfg: &BertConfig,
+        weights: &BertWeights,
+        precision: WeightPrecision,
+        fp8_word_embeddings: bool,
+    ) -> BertResult<Self> {
         weights.validate(cfg)?;
         let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
         let word = upload(dev, &[cfg.vocab_size, h], weights.get("embeddings.word_embeddings.weight", &[cfg.vocab_size, h])?)?;
+        let word = if fp8_word_embeddings {
+            WordTable::Fp8(quantize_e4m3(dev, &word)?)
+        } else {
+            WordTable::High(word)
+        };
         let pos = upload(dev, &[cfg.max_position_embeddings, h], &weights.position_table(cfg)?)?;
         let norm_cfg = NormConfig { eps: cfg.layer_norm_eps, params_dtype: DType::BF16, ..NormConfig::new(h) };
         let mut emb_norm = Norm::new(dev, NormKind::LayerNorm, norm_cfg)?;
@@ -507,7 +542,11 @@ impl Bert {
     /// Bytes of the embedding tables and the embedding norm.
     pub fn embedding_bytes(&self) -> usize {
         let n = self.emb_norm.params();
-        self.word.num_bytes() + self.pos.num_bytes() + n.weight().num_bytes() + n.bias().map_or(0, Tensor::num_bytes)
+        let word = match &self.word {
+            WordTable::High(t) => t.num_bytes(),
+            WordTable::Fp8(t) => t.num_bytes(),
+        };
+        word + self.pos.num_bytes() + n.weight().num_bytes() + n.bias().map_or(0, Tensor::num_bytes)
     }
 
     /// Bytes of the transformer layers' parameters (GEMM weights, biases, norms).
@@ -593,7 +632,10 @@ impl Bert {
         let positions: Vec<i32> = (0..batch).flat_map(|_| 0..seq as i32).collect();
         let positions = TokenIds::from_host(&self.dev, &[batch * seq], &positions)?;
         let mut w = Tensor::empty(&self.dev, DType::BF16, &[batch, seq, h])?;
-        embedding_forward(&self.dev, &self.word, tokens.data(), &mut w)?;
+        match &self.word {
+            WordTable::High(t) => embedding_forward(&self.dev, t, tokens.data(), &mut w)?,
+            WordTable::Fp8(t) => embedding_forward_fp8(&self.dev, t, tokens.data(), &mut w)?,
+        }
         let mut p = Tensor::empty(&self.dev, DType::BF16, &[batch, seq, h])?;
         embedding_forward(&self.dev, &self.pos, positions.data(), &mut p)?;
         let mut sum = Tensor::empty(&self.dev, DType::BF16, &[batch, seq, h])?;
@@ -660,20 +702,17 @@ fn set_linear(
 ) -> BertResult<()> {
     let wt = upload(dev, &shape, w)?;
     if fp8 {
-        let q = crate::fp8::quantize_current(
-            dev,
-            &wt,
-            DType::E4M3,
-            &Float8CurrentScaling::default(),
-            false,
-            None,
-        )?;
-        params.set_fp8_weight(q)?;
+        params.set_fp8_weight(quantize_e4m3(dev, &wt)?)?;
     } else {
         params.set_weight(wt)?;
     }
     params.set_bias(upload(dev, &[shape[0]], b)?)?;
     Ok(())
+}
+
+/// E4M3 codes of `t` scaled by its own amax (current scaling), no transpose.
+fn quantize_e4m3(dev: &Arc<Device>, t: &Tensor) -> BertResult<Float8Tensor> {
+    Ok(crate::fp8::quantize_current(dev, t, DType::E4M3, &Float8CurrentScaling::default(), false, None)?)
 }
 
 /// Pads token-id sequences into one `[b, s]` batch: `s` is the longest length rounded up to a
