@@ -213,6 +213,31 @@ impl BertTokenizer {
         self.max_length
     }
 
+    /// [`BertTokenizer::encode`] of every text, in parallel (the `tokenizers` crate's
+    /// `encode_batch`), in order.
+    ///
+    /// # Errors
+    /// [`HfError::Tokenizer`] when the tokenizer fails.
+    pub fn encode_batch(&self, texts: &[String]) -> Result<Vec<Encoded>, HfError> {
+        let inputs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let encs = self
+            .tok
+            .encode_batch(inputs, true)
+            .map_err(|e| HfError::Tokenizer { path: self.path.clone(), message: e.to_string() })?;
+        Ok(encs.iter().map(|e| self.truncate(e.get_ids().to_vec())).collect())
+    }
+
+    fn truncate(&self, mut ids: Vec<u32>) -> Encoded {
+        let dropped = ids.len().saturating_sub(self.max_length);
+        if dropped > 0 {
+            ids.truncate(self.max_length);
+            if let Some(last) = ids.last_mut() {
+                *last = self.sep;
+            }
+        }
+        Encoded { ids, dropped }
+    }
+
     /// Token ids of `text` (`[CLS] ... [SEP]`), truncated to `max_length`.
     ///
     /// # Errors
@@ -222,15 +247,7 @@ impl BertTokenizer {
             .tok
             .encode(text, true)
             .map_err(|e| HfError::Tokenizer { path: self.path.clone(), message: e.to_string() })?;
-        let mut ids = enc.get_ids().to_vec();
-        let dropped = ids.len().saturating_sub(self.max_length);
-        if dropped > 0 {
-            ids.truncate(self.max_length);
-            if let Some(last) = ids.last_mut() {
-                *last = self.sep;
-            }
-        }
-        Ok(Encoded { ids, dropped })
+        Ok(self.truncate(enc.get_ids().to_vec()))
     }
 }
 

@@ -100,6 +100,13 @@ fn minilm_bf16_and_fp8_match_the_f32_reference() {
     println!("bf16 weights: cosine vs f32 reference min {min:.6} mean {mean:.6}");
     assert!(min >= 0.999, "BF16 min cosine {min}");
 
+    // Pooling on the device (a masked-sum GEMM) and on the host agree.
+    let on_device = embed(&mut bf16, &ids, 16);
+    bf16.set_host_pooling(true);
+    let (pmin, _) = stats(&embed(&mut bf16, &ids, 16), &on_device);
+    bf16.set_host_pooling(false);
+    assert!(pmin >= 0.99999, "device vs host pooling: min cosine {pmin}");
+
     let mut fp8 = Bert::new(&dev, &cfg, &weights, WeightPrecision::Fp8).unwrap();
     fp8.set_scaling(ActivationScaling::Current);
     let (min, mean) = stats(&embed(&mut fp8, &ids, 16), &want);

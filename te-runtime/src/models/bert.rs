@@ -409,6 +409,7 @@ pub struct Bert {
     precision: WeightPrecision,
     scaling: ActivationScaling,
     calibrated: bool,
+    host_pooling: bool,
     word: WordTable,
     pos: Tensor,
     emb_norm: Norm,
@@ -505,6 +506,7 @@ impl Bert {
             precision,
             scaling: ActivationScaling::Current,
             calibrated: false,
+            host_pooling: false,
             word,
             pos,
             emb_norm,
@@ -653,8 +655,46 @@ impl Bert {
     pub fn embed(&mut self, seqs: &[Vec<u32>]) -> BertResult<Vec<Vec<f32>>> {
         let (ids, batch, seq, lens) = pad_batch(seqs, self.cfg.max_position_embeddings)?;
         let hidden = self.hidden_states(&ids, batch, seq, &lens)?;
+        let h = self.cfg.hidden_size;
+        if !self.host_pooling {
+            match self.pool_on_device(&hidden, batch, seq, &lens) {
+                Ok(sums) => return Ok(sums.chunks_exact(h).map(l2_normalize).collect()),
+                Err(e) => {
+                    tracing::warn!("pooling on the device failed ({e}); pooling on the host from now on");
+                    self.host_pooling = true;
+                }
+            }
+        }
         let host = hidden.to_f32(&self.dev)?;
-        Ok(mean_pool_normalize(&host, seq, self.cfg.hidden_size, &lens))
+        Ok(mean_pool_normalize(&host, seq, h, &lens))
+    }
+
+    /// Per-sequence sums of the real tokens' hidden states, `[b, hidden]` f32 on the host: one
+    /// strided batched GEMM `sum_i[1, hidden] = m_i[1, s] · H_i[s, hidden]` with `m_i` the 0/1
+    /// mask of real tokens (the mean's `1 / len` cancels in the L2 normalisation), so only
+    /// `b · hidden` floats cross to the host.
+    fn pool_on_device(&self, hidden: &Tensor, batch: usize, seq: usize, lens: &[usize]) -> BertResult<Vec<f32>> {
+        use crate::gemm::{gemm_strided_batched, GemmConfig, MatrixView, StridedBatch};
+        let h = self.cfg.hidden_size;
+        let mask: Vec<f32> = lens.iter().flat_map(|&l| (0..seq).map(move |t| if t < l { 1.0 } else { 0.0 })).collect();
+        let mask = Tensor::from_f32(&self.dev, hidden.dtype(), &[batch, seq], &mask)?;
+        let mut sums = Tensor::empty(&self.dev, DType::F32, &[batch, h])?;
+        let geometry = StridedBatch {
+            count: batch,
+            a: MatrixView { offset: 0, rows: 1, cols: seq, row_stride: seq, batch_stride: seq },
+            a_transposed: false,
+            b: MatrixView::contiguous(seq, h),
+            b_transposed: true,
+            d: MatrixView { offset: 0, rows: 1, cols: h, row_stride: h, batch_stride: h },
+        };
+        gemm_strided_batched(&self.dev, &mask, hidden, &mut sums, &geometry, &GemmConfig::default())?;
+        Ok(sums.to_f32(&self.dev)?)
+    }
+
+    /// Pools on the host instead of the device (a debugging switch; the device path falls back
+    /// to it by itself when its GEMM fails).
+    pub fn set_host_pooling(&mut self, host: bool) {
+        self.host_pooling = host;
     }
 
     /// Runs the batches in `fp8_autocast(calibrating = true)` with a delayed-scaling recipe:
@@ -762,6 +802,12 @@ pub fn mean_pool_normalize(hidden: &[f32], seq: usize, width: usize, lens: &[usi
             v.iter().map(|x| (x / n / norm) as f32).collect()
         })
         .collect()
+}
+
+/// `v / max(‖v‖, 1e-12)` in f64, rounded to f32.
+pub fn l2_normalize(v: &[f32]) -> Vec<f32> {
+    let norm = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>().sqrt().max(1e-12);
+    v.iter().map(|&x| (f64::from(x) / norm) as f32).collect()
 }
 
 /// Cosine similarity of two vectors (0 when either is zero).
