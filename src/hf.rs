@@ -296,7 +296,8 @@ pub fn read_npy(path: &Path) -> Result<(Vec<Vec<f32>>, usize), HfError> {
     if !header.contains("'<f4'") || header.contains("'fortran_order': True") {
         return Err(io(format!("only little-endian f32 C-order arrays are read, header {header}")));
     }
-    let shape = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).ok_or_else(|| io("no shape".into()))?;
+    let shape =
+        header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).ok_or_else(|| io("no shape".into()))?;
     let dims: Vec<usize> = shape.split(',').filter_map(|s| s.trim().parse().ok()).collect();
     let [n, w] = dims[..] else { return Err(io(format!("expected a 2-D array, shape ({shape})"))) };
     let data = &bytes[10 + hlen..];

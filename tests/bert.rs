@@ -79,7 +79,12 @@ fn embed_command_on_the_cpu_writes_json_lines_and_npy() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"Hello world\n\nA sentence that is longer than eight tokens for sure.\n").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello world\n\nA sentence that is longer than eight tokens for sure.\n")
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -112,7 +117,9 @@ fn embed_command_errors_name_the_problem() {
     let e = run(&["embed", "--precision", "cpu", "--model", bad.to_str().unwrap()]);
     assert!(e.contains("hidden_act") && e.contains("swish"), "{e}");
     // Mismatched tensor shapes (hidden_size changed in config.json) name the tensor.
-    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"intermediate_size\": 1536", "\"intermediate_size\": 1024");
+    let cfg = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("\"intermediate_size\": 1536", "\"intermediate_size\": 1024");
     std::fs::write(bad.join("config.json"), cfg).unwrap();
     std::fs::copy(dir.join("tokenizer.json"), bad.join("tokenizer.json")).unwrap();
     std::fs::copy(dir.join("model.safetensors"), bad.join("model.safetensors")).unwrap();

@@ -13,8 +13,8 @@ use crate::common::device;
 use std::path::{Path, PathBuf};
 use te::embed::{buckets, speeches};
 use te::hf::{self, BertTokenizer};
-use te_runtime::models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertWeights, WeightPrecision};
 use te_runtime::fp8::Float8Tensor;
+use te_runtime::models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertWeights, WeightPrecision};
 use te_runtime::modules::TokenIds;
 use te_runtime::ops::embedding::embedding_forward_fp8;
 use te_runtime::reference::bert as reference;
@@ -102,6 +102,7 @@ fn minilm_bf16_and_fp8_match_the_f32_reference() {
 
     // Pooling on the device (a masked-sum GEMM) and on the host agree.
     let on_device = embed(&mut bf16, &ids, 16);
+    assert!(bf16.pools_on_device(), "the pooling GEMM failed (see the warning); the host fallback ran");
     bf16.set_host_pooling(true);
     let (pmin, _) = stats(&embed(&mut bf16, &ids, 16), &on_device);
     bf16.set_host_pooling(false);
@@ -181,5 +182,6 @@ fn fp8_embedding_lookup_dequantizes_rows() {
             assert!(row.iter().all(|&v| v == 0.0), "id {id} must give a zero row");
         }
     }
-    assert!(embedding_forward_fp8(&dev, &q, tok.data(), &mut Tensor::empty(&dev, DType::BF16, &[2, hidden]).unwrap()).is_err());
+    assert!(embedding_forward_fp8(&dev, &q, tok.data(), &mut Tensor::empty(&dev, DType::BF16, &[2, hidden]).unwrap())
+        .is_err());
 }

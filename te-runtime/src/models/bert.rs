@@ -49,7 +49,9 @@ use te_codegen::DType;
 #[derive(Debug, thiserror::Error)]
 pub enum BertError {
     /// A file of the checkpoint is missing.
-    #[error("{path} is missing: a Hugging Face BERT directory holds config.json, model.safetensors and tokenizer.json")]
+    #[error(
+        "{path} is missing: a Hugging Face BERT directory holds config.json, model.safetensors and tokenizer.json"
+    )]
     MissingFile {
         /// The file looked for.
         path: PathBuf,
@@ -166,7 +168,10 @@ impl BertConfig {
         for field in ["is_decoder", "add_cross_attention"] {
             if v.get(field).and_then(|x| x.as_bool()) == Some(true) {
                 let field = if field == "is_decoder" { "is_decoder" } else { "add_cross_attention" };
-                return Err(unsupported(field, "true; only encoders (self-attention, no decoder) are supported".into()));
+                return Err(unsupported(
+                    field,
+                    "true; only encoders (self-attention, no decoder) are supported".into(),
+                ));
             }
         }
         if let Some(p) = str_field("position_embedding_type") {
@@ -452,12 +457,9 @@ impl Bert {
     ) -> BertResult<Self> {
         weights.validate(cfg)?;
         let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
-        let word = upload(dev, &[cfg.vocab_size, h], weights.get("embeddings.word_embeddings.weight", &[cfg.vocab_size, h])?)?;
-        let word = if fp8_word_embeddings {
-            WordTable::Fp8(quantize_e4m3(dev, &word)?)
-        } else {
-            WordTable::High(word)
-        };
+        let word =
+            upload(dev, &[cfg.vocab_size, h], weights.get("embeddings.word_embeddings.weight", &[cfg.vocab_size, h])?)?;
+        let word = if fp8_word_embeddings { WordTable::Fp8(quantize_e4m3(dev, &word)?) } else { WordTable::High(word) };
         let pos = upload(dev, &[cfg.max_position_embeddings, h], &weights.position_table(cfg)?)?;
         let norm_cfg = NormConfig { eps: cfg.layer_norm_eps, params_dtype: DType::BF16, ..NormConfig::new(h) };
         let mut emb_norm = Norm::new(dev, NormKind::LayerNorm, norm_cfg)?;
@@ -487,7 +489,12 @@ impl Bert {
             };
             let attn = layer.self_attention_mut();
             set(attn.qkv_params_mut(), &qkv_w, &qkv_b, [3 * h, h])?;
-            set(attn.proj_params_mut(), g("attention.output.dense.weight", &[h, h])?, g("attention.output.dense.bias", &[h])?, [h, h])?;
+            set(
+                attn.proj_params_mut(),
+                g("attention.output.dense.weight", &[h, h])?,
+                g("attention.output.dense.bias", &[h])?,
+                [h, h],
+            )?;
             let mlp = layer.layernorm_mlp_mut();
             mlp.norm_params_mut().set_weight(upload(dev, &[h], g("attention.output.LayerNorm.weight", &[h])?)?)?;
             mlp.norm_params_mut().set_bias(upload(dev, &[h], g("attention.output.LayerNorm.bias", &[h])?)?)?;
@@ -691,6 +698,12 @@ impl Bert {
         Ok(sums.to_f32(&self.dev)?)
     }
 
+    /// Whether [`Bert::embed`] pools on the device (false after [`Bert::set_host_pooling`] or a
+    /// failed device pooling).
+    pub fn pools_on_device(&self) -> bool {
+        !self.host_pooling
+    }
+
     /// Pools on the host instead of the device (a debugging switch; the device path falls back
     /// to it by itself when its GEMM fails).
     pub fn set_host_pooling(&mut self, host: bool) {
@@ -840,7 +853,8 @@ mod tests {
         assert!(matches!(e, BertError::Unsupported { field: "hidden_act", .. }), "{e}");
         let e = BertConfig::from_json(&text.replace("absolute", "relative_key")).unwrap_err();
         assert!(e.to_string().contains("position_embedding_type"), "{e}");
-        let e = BertConfig::from_json(&text.replace("\"num_attention_heads\":12", "\"num_attention_heads\":7")).unwrap_err();
+        let e = BertConfig::from_json(&text.replace("\"num_attention_heads\":12", "\"num_attention_heads\":7"))
+            .unwrap_err();
         assert!(e.to_string().contains("num_attention_heads"), "{e}");
         let e = BertConfig::from_json(&text.replace("\"hidden_size\":384,", "")).unwrap_err();
         assert!(e.to_string().contains("hidden_size"), "{e}");

@@ -72,7 +72,12 @@ pub fn hidden_states(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResu
         let (wr, pr) = (&word[id * h..(id + 1) * h], &pos[p * h..(p + 1) * h]);
         x.extend(wr.iter().zip(pr).zip(tt).map(|((a, b), c)| a + b + c));
     }
-    layer_norm(&mut x, w.get("embeddings.LayerNorm.weight", &[h])?, w.get("embeddings.LayerNorm.bias", &[h])?, cfg.layer_norm_eps);
+    layer_norm(
+        &mut x,
+        w.get("embeddings.LayerNorm.weight", &[h])?,
+        w.get("embeddings.LayerNorm.bias", &[h])?,
+        cfg.layer_norm_eps,
+    );
     let (heads, d) = (cfg.num_attention_heads, cfg.head_dim());
     let scale = 1.0 / (d as f32).sqrt();
     let (act, _) = elementwise(cfg.activation);
@@ -107,7 +112,12 @@ pub fn hidden_states(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResu
         }
         let a = dense(&ctx, g("attention.output.dense.weight", &[h, h])?, g("attention.output.dense.bias", &[h])?, h);
         let mut h1: Vec<f32> = x.iter().zip(&a).map(|(x, a)| x + a).collect();
-        layer_norm(&mut h1, g("attention.output.LayerNorm.weight", &[h])?, g("attention.output.LayerNorm.bias", &[h])?, cfg.layer_norm_eps);
+        layer_norm(
+            &mut h1,
+            g("attention.output.LayerNorm.weight", &[h])?,
+            g("attention.output.LayerNorm.bias", &[h])?,
+            cfg.layer_norm_eps,
+        );
         let mut m = dense(&h1, g("intermediate.dense.weight", &[f, h])?, g("intermediate.dense.bias", &[f])?, h);
         m.iter_mut().for_each(|v| *v = act(*v));
         let o = dense(&m, g("output.dense.weight", &[h, f])?, g("output.dense.bias", &[h])?, f);
