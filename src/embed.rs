@@ -280,12 +280,17 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
         dropped.push(e.dropped);
         if e.dropped > 0 {
             report.truncated += 1;
-            eprintln!(
-                "warning: sentence {i} has {} tokens, more than --max-length {max_len}: truncated",
-                e.ids.len() + e.dropped
-            );
+            if report.truncated <= 5 {
+                eprintln!(
+                    "warning: sentence {i} has {} tokens, more than --max-length {max_len}: truncated",
+                    e.ids.len() + e.dropped
+                );
+            }
         }
         ids.push(e.ids);
+    }
+    if report.truncated > 5 {
+        eprintln!("warning: {} sentences in all were truncated to {max_len} tokens", report.truncated);
     }
     let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
     let batches = buckets(&lengths, a.batch_size);
