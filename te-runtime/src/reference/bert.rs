@@ -9,6 +9,28 @@
 
 use crate::models::bert::{mean_pool_normalize, BertConfig, BertError, BertResult, BertWeights};
 use crate::reference::activation::elementwise;
+use crate::reference::numerics::round_to;
+use te_codegen::DType;
+
+/// `x` through E4M3 with a per-tensor scale from its own amax (`448 / amax`, TE's current
+/// scaling with margin 0): `round_e4m3(x · s) / s`.
+fn fake_e4m3(x: &[f32]) -> Vec<f32> {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 || !amax.is_finite() {
+        return x.to_vec();
+    }
+    let s = 448.0 / amax;
+    x.iter().map(|&v| round_to(DType::E4M3, v * s) / s).collect()
+}
+
+/// `x` through [`fake_e4m3`] when `fp8`, else as is.
+fn maybe_e4m3(x: &[f32], fp8: bool) -> std::borrow::Cow<'_, [f32]> {
+    if fp8 {
+        std::borrow::Cow::Owned(fake_e4m3(x))
+    } else {
+        std::borrow::Cow::Borrowed(x)
+    }
+}
 
 /// `y[t, o] = Σ_i x[t, i] w[o, i] + b[o]` for `x: [rows, n_in]`, `w: [n_out, n_in]`.
 fn dense(x: &[f32], w: &[f32], b: &[f32], n_in: usize) -> Vec<f32> {
@@ -54,13 +76,28 @@ fn layer_norm(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
 /// [`BertError::Input`] for an empty sequence, one over `max_position_embeddings` or an id
 /// outside the vocabulary; [`BertError::Tensor`] for missing or mismatched weights.
 pub fn hidden_states(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResult<Vec<f32>> {
+    hidden_states_with(cfg, w, ids, false)
+}
+
+/// [`hidden_states`], with `fp8` simulating FP8 inference on the CPU: every GEMM weight, every
+/// GEMM input (per sequence) and the word table pass through E4M3 with a per-tensor scale from
+/// their own amax (current scaling); products and everything else stay f32. An estimate of
+/// what FP8 costs in accuracy, not a bit-exact model of the device.
+///
+/// # Errors
+/// As [`hidden_states`].
+pub fn hidden_states_with(cfg: &BertConfig, w: &BertWeights, ids: &[u32], fp8: bool) -> BertResult<Vec<f32>> {
     let (h, f, n) = (cfg.hidden_size, cfg.intermediate_size, ids.len());
+    let dense =
+        |x: &[f32], wt: &[f32], b: &[f32], n_in: usize| dense(&maybe_e4m3(x, fp8), &maybe_e4m3(wt, fp8), b, n_in);
     if n == 0 || n > cfg.max_position_embeddings {
         return Err(BertError::Input {
             message: format!("{n} tokens; the reference takes 1..={}", cfg.max_position_embeddings),
         });
     }
     let word = w.get("embeddings.word_embeddings.weight", &[cfg.vocab_size, h])?;
+    // The table's per-tensor E4M3 scale, applied to the rows looked up.
+    let word_scale = fp8.then(|| 448.0 / word.iter().fold(0f32, |m, v| m.max(v.abs()))).filter(|s| s.is_finite());
     let pos = w.get("embeddings.position_embeddings.weight", &[cfg.max_position_embeddings, h])?;
     let tt = &w.get("embeddings.token_type_embeddings.weight", &[cfg.type_vocab_size, h])?[..h];
     let mut x = Vec::with_capacity(n * h);
@@ -70,7 +107,8 @@ pub fn hidden_states(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResu
             return Err(BertError::Input { message: format!("token id {id} outside the vocabulary") });
         }
         let (wr, pr) = (&word[id * h..(id + 1) * h], &pos[p * h..(p + 1) * h]);
-        x.extend(wr.iter().zip(pr).zip(tt).map(|((a, b), c)| a + b + c));
+        let deq = |a: f32| word_scale.map_or(a, |s| round_to(DType::E4M3, a * s) / s);
+        x.extend(wr.iter().zip(pr).zip(tt).map(|((&a, b), c)| deq(a) + b + c));
     }
     layer_norm(
         &mut x,
@@ -132,7 +170,15 @@ pub fn hidden_states(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResu
 /// # Errors
 /// As [`hidden_states`].
 pub fn embed(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResult<Vec<f32>> {
-    let x = hidden_states(cfg, w, ids)?;
+    embed_with(cfg, w, ids, false)
+}
+
+/// [`embed`] with the FP8 simulation of [`hidden_states_with`].
+///
+/// # Errors
+/// As [`hidden_states`].
+pub fn embed_with(cfg: &BertConfig, w: &BertWeights, ids: &[u32], fp8: bool) -> BertResult<Vec<f32>> {
+    let x = hidden_states_with(cfg, w, ids, fp8)?;
     Ok(mean_pool_normalize(&x, ids.len(), cfg.hidden_size, &[ids.len()]).remove(0))
 }
 
@@ -141,12 +187,26 @@ pub fn embed(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResult<Vec<f
 /// # Errors
 /// The first sequence's error, as [`hidden_states`].
 pub fn embed_many(cfg: &BertConfig, w: &BertWeights, seqs: &[Vec<u32>], threads: usize) -> BertResult<Vec<Vec<f32>>> {
+    embed_many_with(cfg, w, seqs, threads, false)
+}
+
+/// [`embed_many`] with the FP8 simulation of [`hidden_states_with`].
+///
+/// # Errors
+/// The first sequence's error, as [`hidden_states`].
+pub fn embed_many_with(
+    cfg: &BertConfig,
+    w: &BertWeights,
+    seqs: &[Vec<u32>],
+    threads: usize,
+    fp8: bool,
+) -> BertResult<Vec<Vec<f32>>> {
     let threads = threads.clamp(1, seqs.len().max(1));
     let chunk = seqs.len().div_ceil(threads).max(1);
     let parts: Vec<BertResult<Vec<Vec<f32>>>> = std::thread::scope(|s| {
         let handles: Vec<_> = seqs
             .chunks(chunk)
-            .map(|c| s.spawn(move || c.iter().map(|ids| embed(cfg, w, ids)).collect::<BertResult<Vec<_>>>()))
+            .map(|c| s.spawn(move || c.iter().map(|ids| embed_with(cfg, w, ids, fp8)).collect::<BertResult<Vec<_>>>()))
             .collect();
         handles
             .into_iter()
