@@ -240,12 +240,17 @@ fn threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Embeds `ids` in `batches` (indices into `ids`), results in input order.
+/// Embeds `ids` in `batches` (indices into `ids`), results in input order; on the device all
+/// batches are enqueued before the first result is copied back.
 fn embed_all(engine: &mut Engine, ids: &[Vec<u32>], batches: &[Vec<usize>]) -> Result<Vec<Vec<f32>>, EmbedError> {
+    let seqs: Vec<Vec<Vec<u32>>> = batches.iter().map(|b| b.iter().map(|&i| ids[i].clone()).collect()).collect();
+    let results: Vec<Vec<Vec<f32>>> = match engine {
+        Engine::Device(m) => m.embed_batches(&seqs)?,
+        Engine::Cpu(_) => seqs.iter().map(|s| engine.embed(s)).collect::<Result<_, _>>()?,
+    };
     let mut out = vec![Vec::new(); ids.len()];
-    for b in batches {
-        let seqs: Vec<Vec<u32>> = b.iter().map(|&i| ids[i].clone()).collect();
-        for (&i, e) in b.iter().zip(engine.embed(&seqs)?) {
+    for (b, r) in batches.iter().zip(results) {
+        for (&i, e) in b.iter().zip(r) {
             out[i] = e;
         }
     }

@@ -406,6 +406,12 @@ enum WordTable {
     Fp8(Float8Tensor),
 }
 
+/// A batch's pooled output: sums still on the device, or embeddings pooled on the host.
+enum Pooled {
+    Device(Tensor),
+    Host(Vec<Vec<f32>>),
+}
+
 /// A BERT encoder on the device for inference.
 #[derive(Debug)]
 pub struct Bert {
@@ -660,27 +666,50 @@ impl Bert {
     /// [`BertError::Input`] for an empty sequence or one longer than `max_position_embeddings`
     /// (truncate before); as [`Bert::hidden_states`].
     pub fn embed(&mut self, seqs: &[Vec<u32>]) -> BertResult<Vec<Vec<f32>>> {
-        let (ids, batch, seq, lens) = pad_batch(seqs, self.cfg.max_position_embeddings)?;
-        let hidden = self.hidden_states(&ids, batch, seq, &lens)?;
-        let h = self.cfg.hidden_size;
-        if !self.host_pooling {
-            match self.pool_on_device(&hidden, batch, seq, &lens) {
-                Ok(sums) => return Ok(sums.chunks_exact(h).map(l2_normalize).collect()),
-                Err(e) => {
-                    tracing::warn!("pooling on the device failed ({e}); pooling on the host from now on");
-                    self.host_pooling = true;
-                }
-            }
-        }
-        let host = hidden.to_f32(&self.dev)?;
-        Ok(mean_pool_normalize(&host, seq, h, &lens))
+        Ok(self.embed_batches(std::slice::from_ref(&seqs.to_vec()))?.remove(0))
     }
 
-    /// Per-sequence sums of the real tokens' hidden states, `[b, hidden]` f32 on the host: one
+    /// [`Bert::embed`] of several batches with one host synchronisation: every batch is
+    /// enqueued (embeddings, layers, pooling GEMM) before the first pooled sums are copied back,
+    /// so the device never waits for the host between batches. Results per batch, in order.
+    ///
+    /// # Errors
+    /// As [`Bert::embed`], for the first failing batch.
+    pub fn embed_batches(&mut self, batches: &[Vec<Vec<u32>>]) -> BertResult<Vec<Vec<Vec<f32>>>> {
+        let h = self.cfg.hidden_size;
+        let mut pending = Vec::with_capacity(batches.len());
+        for seqs in batches {
+            let (ids, batch, seq, lens) = pad_batch(seqs, self.cfg.max_position_embeddings)?;
+            let hidden = self.hidden_states(&ids, batch, seq, &lens)?;
+            if !self.host_pooling {
+                match self.pool_on_device(&hidden, batch, seq, &lens) {
+                    Ok(sums) => {
+                        pending.push(Pooled::Device(sums));
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!("pooling on the device failed ({e}); pooling on the host from now on");
+                        self.host_pooling = true;
+                    }
+                }
+            }
+            let host = hidden.to_f32(&self.dev)?;
+            pending.push(Pooled::Host(mean_pool_normalize(&host, seq, h, &lens)));
+        }
+        pending
+            .into_iter()
+            .map(|p| match p {
+                Pooled::Device(sums) => Ok(sums.to_f32(&self.dev)?.chunks_exact(h).map(l2_normalize).collect()),
+                Pooled::Host(v) => Ok(v),
+            })
+            .collect()
+    }
+
+    /// Per-sequence sums of the real tokens' hidden states, `[b, hidden]` f32 on the device: one
     /// strided batched GEMM `sum_i[1, hidden] = m_i[1, s] · H_i[s, hidden]` with `m_i` the 0/1
     /// mask of real tokens (the mean's `1 / len` cancels in the L2 normalisation), so only
-    /// `b · hidden` floats cross to the host.
-    fn pool_on_device(&self, hidden: &Tensor, batch: usize, seq: usize, lens: &[usize]) -> BertResult<Vec<f32>> {
+    /// `b · hidden` floats cross to the host, later.
+    fn pool_on_device(&self, hidden: &Tensor, batch: usize, seq: usize, lens: &[usize]) -> BertResult<Tensor> {
         use crate::gemm::{gemm_strided_batched, GemmConfig, MatrixView, StridedBatch};
         let h = self.cfg.hidden_size;
         let mask: Vec<f32> = lens.iter().flat_map(|&l| (0..seq).map(move |t| if t < l { 1.0 } else { 0.0 })).collect();
@@ -695,7 +724,7 @@ impl Bert {
             d: MatrixView { offset: 0, rows: 1, cols: h, row_stride: h, batch_stride: h },
         };
         gemm_strided_batched(&self.dev, &mask, hidden, &mut sums, &geometry, &GemmConfig::default())?;
-        Ok(sums.to_f32(&self.dev)?)
+        Ok(sums)
     }
 
     /// Whether [`Bert::embed`] pools on the device (false after [`Bert::set_host_pooling`] or a
