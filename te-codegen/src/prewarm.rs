@@ -514,4 +514,23 @@ mod tests {
         assert_eq!(parsed, cfg);
         assert!(rope(&cfg).is_empty());
     }
+
+    /// BERT's exact GELU: `activation = "gelu_erf"` in a config, its kernels in the model's set,
+    /// names distinct from the tanh GELU's.
+    #[test]
+    fn gelu_erf_parses_and_has_its_own_kernels() {
+        let parsed: ModelConfig = toml::from_str(
+            "hidden_size = 384\nffn_hidden_size = 1536\nnum_attention_heads = 12\nactivation = \"gelu_erf\"",
+        )
+        .unwrap();
+        assert_eq!(parsed.activation, Activation::GeluErf);
+        assert_eq!("gelu_erf".parse::<Activation>(), Ok(Activation::GeluErf));
+        assert_eq!("GELU".parse::<Activation>(), Ok(Activation::Gelu));
+        for a in Activation::ALL {
+            assert_eq!(a.name().parse::<Activation>(), Ok(a));
+        }
+        let names: Vec<String> = parsed.kernel_specs(Arch::Sm90a).iter().map(KernelSpec::name).collect();
+        assert!(names.iter().any(|n| n.contains("act_gelu_erf_fwd")), "{names:?}");
+        assert!(!names.iter().any(|n| n.contains("act_gelu_fwd")), "{names:?}");
+    }
 }
