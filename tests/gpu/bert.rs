@@ -186,3 +186,40 @@ fn fp8_embedding_lookup_dequantizes_rows() {
     assert!(embedding_forward_fp8(&dev, &q, tok.data(), &mut Tensor::empty(&dev, DType::BF16, &[2, hidden]).unwrap())
         .is_err());
 }
+
+/// `TransformerLayer::infer_with` (the inference path `Bert` runs) gives what the training
+/// forward gives with dropout off, post-LN (BERT) and pre-LN, in BF16 and under FP8 current
+/// scaling, with a padding mask.
+#[test]
+fn transformer_layer_infer_matches_forward() {
+    use te_runtime::fp8::{fp8_autocast, Float8CurrentScaling};
+    use te_runtime::modules::{
+        Activation, AttentionInputs, AttnMaskType, QkvFormat, TransformerLayer, TransformerLayerConfig,
+    };
+    let Some(dev) = device() else { return };
+    let (b, s, h) = (2, 32, 64);
+    let x = Tensor::from_f32(&dev, DType::BF16, &[b, s, h], &crate::common::randn(11, b * s * h, 1.0)).unwrap();
+    let lens = [32, 19];
+    let inputs = AttentionInputs { seq_lens: Some(&lens), rotary_pos_emb: None };
+    for post_ln in [true, false] {
+        for fp8 in [false, true] {
+            let cfg = TransformerLayerConfig {
+                hidden_dropout: 0.0,
+                self_attn_mask_type: AttnMaskType::Padding,
+                activation: Activation::GeluErf,
+                output_layernorm: post_ln,
+                apply_residual_connection_post_layernorm: post_ln,
+                qkv_format: QkvFormat::Bshd,
+                layernorm_epsilon: 1e-12,
+                seed: 5,
+                ..TransformerLayerConfig::new(h, 4 * h, 4)
+            };
+            let mut layer = TransformerLayer::new(&dev, cfg).unwrap();
+            let recipe = Float8CurrentScaling::default();
+            let (y, _) = fp8_autocast(fp8, recipe, || layer.forward_with(&x, inputs)).unwrap();
+            let z = fp8_autocast(fp8, recipe, || layer.infer_with(&x, inputs)).unwrap();
+            let what = format!("post_ln {post_ln} fp8 {fp8}");
+            crate::common::assert_close(&what, &z.to_f32(&dev).unwrap(), &y.to_f32(&dev).unwrap(), 1.6e-2, 1e-2);
+        }
+    }
+}
