@@ -19,6 +19,9 @@
 //! calibration, robust to a batch unlike the calibration text). `--precision bf16`: BF16
 //! weights and GEMMs. `--precision cpu`: the f32 CPU reference (no GPU).
 //!
+//! `--fp8-gemms all|mlp|attention|none` picks which GEMMs run in FP8 (default all; the others
+//! run in BF16 on their FP8 weights dequantized per call, keeping 1 byte per parameter).
+//!
 //! `--bench N` times N more passes over the input after a warm-up pass (each from the text:
 //! tokenize, bucket, embed, pool, as sentence-transformers' `encode`) and prints sentences/s;
 //! `--compare-reference` compares every embedding with the f32 CPU reference (cosine min/mean);
@@ -28,7 +31,9 @@ use crate::hf::{self, BertTokenizer, HfError};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use te_runtime::models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertError, BertWeights, WeightPrecision};
+use te_runtime::models::bert::{
+    cosine, ActivationScaling, Bert, BertConfig, BertError, BertWeights, Fp8Gemms, WeightPrecision,
+};
 
 /// Errors of `te embed`.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +82,30 @@ pub enum Fp8Scaling {
     Current,
 }
 
+/// Which GEMMs of each layer run in FP8 with `--precision fp8`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fp8GemmChoice {
+    /// QKV, output projection, fc1 and fc2.
+    All,
+    /// fc1 and fc2 only (attention projections in BF16 on dequantized weights).
+    Mlp,
+    /// QKV and output projection only (the MLP in BF16 on dequantized weights).
+    Attention,
+    /// None: FP8 storage only, every GEMM in BF16 on dequantized weights.
+    None,
+}
+
+impl Fp8GemmChoice {
+    fn gemms(self) -> Fp8Gemms {
+        match self {
+            Fp8GemmChoice::All => Fp8Gemms::ALL,
+            Fp8GemmChoice::Mlp => Fp8Gemms { attention: false, mlp: true },
+            Fp8GemmChoice::Attention => Fp8Gemms { attention: true, mlp: false },
+            Fp8GemmChoice::None => Fp8Gemms { attention: false, mlp: false },
+        }
+    }
+}
+
 /// Arguments of `te embed`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct EmbedArgs {
@@ -100,6 +129,9 @@ pub struct EmbedArgs {
     /// FP8 activation scaling.
     #[arg(long, value_enum, default_value = "calibrated")]
     pub fp8_scaling: Fp8Scaling,
+    /// Which GEMMs run in FP8 with --precision fp8 (the others in BF16 on dequantized weights).
+    #[arg(long, value_enum, default_value = "all")]
+    pub fp8_gemms: Fp8GemmChoice,
     /// Calibration sentences (one per line); default: the first --calibration-sentences inputs.
     #[arg(long)]
     pub calibration_file: Option<PathBuf>,
@@ -138,6 +170,8 @@ pub struct EmbedReport {
     pub precision: String,
     /// FP8 scaling used, if FP8.
     pub scaling: Option<String>,
+    /// Which GEMMs ran in FP8, if FP8.
+    pub fp8_gemms: Option<String>,
     /// Device bytes of the parameters (0 on the CPU).
     pub weight_bytes: usize,
     /// Device bytes of the transformer layers' parameters.
@@ -160,6 +194,7 @@ impl EmbedReport {
         m.insert("padded_tokens".into(), self.padded_tokens.into());
         m.insert("precision".into(), self.precision.clone().into());
         m.insert("scaling".into(), self.scaling.clone().into());
+        m.insert("fp8_gemms".into(), self.fp8_gemms.clone().into());
         m.insert("weight_bytes".into(), self.weight_bytes.into());
         m.insert("layer_weight_bytes".into(), self.layer_weight_bytes.into());
         m.insert("sentences_per_s".into(), self.sentences_per_s.into());
@@ -315,6 +350,8 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
             let mut model = Bert::new(&dev, &cfg, &weights, precision)?;
             report.precision = if precision == WeightPrecision::Fp8 { "fp8" } else { "bf16" }.into();
             if precision == WeightPrecision::Fp8 {
+                model.set_fp8_gemms(a.fp8_gemms.gemms());
+                report.fp8_gemms = Some(format!("{:?}", a.fp8_gemms).to_lowercase());
                 match a.fp8_scaling {
                     Fp8Scaling::Current => {
                         model.set_scaling(ActivationScaling::Current);

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use te::embed::{buckets, speeches};
 use te::hf::{self, BertTokenizer};
 use te_runtime::fp8::Float8Tensor;
-use te_runtime::models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertWeights, WeightPrecision};
+use te_runtime::models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertWeights, Fp8Gemms, WeightPrecision};
 use te_runtime::modules::TokenIds;
 use te_runtime::ops::embedding::embedding_forward_fp8;
 use te_runtime::reference::bert as reference;
@@ -120,6 +120,17 @@ fn minilm_bf16_and_fp8_match_the_f32_reference() {
     let (min, mean) = stats(&embed(&mut fp8, &ids, 16), &want);
     println!("fp8 weights, calibrated delayed scaling: cosine min {min:.6} mean {mean:.6}");
     assert!(min >= 0.99, "FP8 (calibrated) min cosine {min}");
+
+    // FP8 GEMMs in the MLP only, then none (FP8 storage, BF16 GEMMs on dequantized weights).
+    for (label, gemms) in
+        [("mlp only", Fp8Gemms { attention: false, mlp: true }), ("none", Fp8Gemms { attention: false, mlp: false })]
+    {
+        fp8.set_fp8_gemms(gemms);
+        let (min, mean) = stats(&embed(&mut fp8, &ids, 16), &want);
+        println!("fp8 weights, FP8 GEMMs {label}: cosine min {min:.6} mean {mean:.6}");
+        assert!(min >= 0.99, "FP8 GEMMs {label}: min cosine {min}");
+    }
+    fp8.set_fp8_gemms(Fp8Gemms::ALL);
 
     let mut fp8_bf16_table = Bert::new_with(&dev, &cfg, &weights, WeightPrecision::Fp8, false).unwrap();
     let (min, mean) = stats(&embed(&mut fp8_bf16_table, &ids, 16), &want);

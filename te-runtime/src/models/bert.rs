@@ -406,6 +406,54 @@ enum WordTable {
     Fp8(Float8Tensor),
 }
 
+/// Which GEMMs of each layer run in FP8 under [`WeightPrecision::Fp8`]: the attention block's
+/// (QKV and output projection) and the MLP's (fc1, fc2). A block left out runs its GEMMs in BF16
+/// inside a disabled `fp8_autocast` scope, on its FP8 weights dequantized at each call: for GEMMs
+/// too small for FP8 to pay for its input casts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Gemms {
+    /// QKV and output projection in FP8.
+    pub attention: bool,
+    /// fc1 and fc2 in FP8.
+    pub mlp: bool,
+}
+
+impl Fp8Gemms {
+    /// Every GEMM in FP8 (the default).
+    pub const ALL: Fp8Gemms = Fp8Gemms { attention: true, mlp: true };
+}
+
+/// [`TransformerLayer::infer_with`] of a post-LN or pre-LN layer block by block, each block's
+/// GEMMs in FP8 or (inside a disabled scope) BF16 as `gemms` says.
+fn layer_infer_split(
+    dev: &Arc<Device>,
+    layer: &mut TransformerLayer,
+    x: &Tensor,
+    inputs: AttentionInputs<'_>,
+    gemms: Fp8Gemms,
+    recipe: Recipe,
+) -> crate::Result<Tensor> {
+    let a = fp8_autocast(gemms.attention, recipe, || layer.self_attention_mut().infer_with(x, inputs))?;
+    let mut h1 = Tensor::empty(dev, x.dtype(), x.shape())?;
+    add(dev, &a, x, &mut h1)?;
+    let post = layer.config().apply_residual_connection_post_layernorm;
+    let y = fp8_autocast(gemms.mlp, recipe, || {
+        if post {
+            let (mut m, ln) = layer.layernorm_mlp_mut().infer_ln(&h1)?;
+            crate::ops::elementwise::add_assign(dev, &mut m, &ln)?;
+            Ok(m)
+        } else {
+            let mut m = layer.layernorm_mlp_mut().infer(&h1)?;
+            crate::ops::elementwise::add_assign(dev, &mut m, &h1)?;
+            Ok(m)
+        }
+    })?;
+    match layer.output_norm() {
+        Some(n) => n.infer(&y),
+        None => Ok(y),
+    }
+}
+
 /// A batch's pooled output: sums still on the device, or embeddings pooled on the host.
 enum Pooled {
     Device(Tensor),
@@ -421,6 +469,7 @@ pub struct Bert {
     scaling: ActivationScaling,
     calibrated: bool,
     host_pooling: bool,
+    fp8_gemms: Fp8Gemms,
     word: WordTable,
     pos: Tensor,
     emb_norm: Norm,
@@ -520,6 +569,7 @@ impl Bert {
             scaling: ActivationScaling::Current,
             calibrated: false,
             host_pooling: false,
+            fp8_gemms: Fp8Gemms::ALL,
             word,
             pos,
             emb_norm,
@@ -605,16 +655,33 @@ impl Bert {
         }
         let x = self.embed_tokens(ids, batch, seq)?;
         let recipe = self.recipe();
+        let gemms = self.fp8_gemms;
+        let dev = self.dev.clone();
         let layers = &mut self.layers;
         let inputs = AttentionInputs { seq_lens: Some(lens), rotary_pos_emb: None };
         let y = fp8_autocast(fp8, recipe, || {
             let mut x = x;
             for layer in layers.iter_mut() {
-                x = layer.infer_with(&x, inputs)?;
+                x = if !fp8 || gemms == Fp8Gemms::ALL {
+                    layer.infer_with(&x, inputs)?
+                } else {
+                    layer_infer_split(&dev, layer, &x, inputs, gemms, recipe)?
+                };
             }
             Ok(x)
         })?;
         Ok(y)
+    }
+
+    /// Which blocks' GEMMs run in FP8 with [`WeightPrecision::Fp8`] (default: all).
+    pub fn fp8_gemms(&self) -> Fp8Gemms {
+        self.fp8_gemms
+    }
+
+    /// Chooses which blocks' GEMMs run in FP8; the others run in BF16 on their FP8 weights
+    /// dequantized at each call (weights stay 1 byte per parameter).
+    pub fn set_fp8_gemms(&mut self, gemms: Fp8Gemms) {
+        self.fp8_gemms = gemms;
     }
 
     fn check_input(&self, ids: &[i32], batch: usize, seq: usize, lens: &[usize]) -> BertResult<()> {
