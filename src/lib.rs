@@ -1,7 +1,10 @@
-//! Application code of the `te` command-line tool: the training job's data pipeline and loop
-//! (the model, kernels and FP8 machinery are in `te-runtime` and `te-codegen`).
+//! Application code of the `te` command-line tool: the training job's data pipeline and loop,
+//! and `te embed` (BERT sentence embeddings: model fetching, tokenizer, CLI) (the models,
+//! kernels and FP8 machinery are in `te-runtime` and `te-codegen`).
 
 pub mod data;
+pub mod embed;
+pub mod hf;
 pub mod plot;
 pub mod train;
 pub mod train_cpu;

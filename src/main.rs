@@ -30,6 +30,8 @@ enum Command {
     Info,
     /// Train a byte-level GPT on Shakespeare (or your text) in FP8 and in BF16 and compare them.
     Train(TrainArgs),
+    /// Sentence embeddings with a BERT model (all-MiniLM-L6-v2 by default) in FP8, BF16 or on the CPU.
+    Embed(te::embed::EmbedArgs),
 }
 
 #[derive(Args)]
@@ -434,6 +436,7 @@ fn main() -> ExitCode {
         Command::Prewarm(a) => run_prewarm(a),
         Command::Info => run_info(),
         Command::Train(a) => run_train(a),
+        Command::Embed(a) => te::embed::run(a).map(|r| eprintln!("embed: {}", r.to_json())).map_err(|e| e.to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -87,7 +87,7 @@ fn default_position_embedding() -> PositionEmbedding {
 /// recipe = "delayed"           # or "current"
 /// fp8_format = "hybrid"        # or "e4m3"
 /// amax_compute_algo = "max"    # or "most_recent"
-/// activation = "gelu"          # relu, swiglu, geglu
+/// activation = "gelu"          # gelu_erf, relu, swiglu, geglu
 /// normalization = "layernorm"  # or "rmsnorm"
 /// zero_centered_gamma = false
 /// attn_mask_type = "causal"    # or "none", "padding"
@@ -324,7 +324,7 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                 v.push(CastTransposeSpec::new(i, q, cols, false, None, arch).into());
                 v.push(CastTransposeSpec::new(i, q, cols, true, None, arch).into());
             }
-            for act in [Activation::Gelu, Activation::Relu] {
+            for act in [Activation::Gelu, Activation::GeluErf, Activation::Relu] {
                 v.push(CastTransposeSpec::new(i, q, 784, true, Some(act), arch).into());
                 v.push(CastTransposeSpec::new(i, q, 784, false, Some(act), arch).into());
             }
@@ -357,6 +357,7 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, i, sk, arch).into());
         }
         v.push(EmbeddingSpec::forward(i, arch).into());
+        v.push(EmbeddingSpec::forward_fp8(DType::E4M3, i, arch).into());
         for grad in [false, true] {
             v.push(CrossEntropySpec::new(i, grad, arch).into());
         }
@@ -512,5 +513,24 @@ mod tests {
         cfg.position_embedding_type = PositionEmbedding::LearnedAbsolute;
         assert_eq!(parsed, cfg);
         assert!(rope(&cfg).is_empty());
+    }
+
+    /// BERT's exact GELU: `activation = "gelu_erf"` in a config, its kernels in the model's set,
+    /// names distinct from the tanh GELU's.
+    #[test]
+    fn gelu_erf_parses_and_has_its_own_kernels() {
+        let parsed: ModelConfig = toml::from_str(
+            "hidden_size = 384\nffn_hidden_size = 1536\nnum_attention_heads = 12\nactivation = \"gelu_erf\"",
+        )
+        .unwrap();
+        assert_eq!(parsed.activation, Activation::GeluErf);
+        assert_eq!("gelu_erf".parse::<Activation>(), Ok(Activation::GeluErf));
+        assert_eq!("GELU".parse::<Activation>(), Ok(Activation::Gelu));
+        for a in Activation::ALL {
+            assert_eq!(a.name().parse::<Activation>(), Ok(a));
+        }
+        let names: Vec<String> = parsed.kernel_specs(Arch::Sm90a).iter().map(KernelSpec::name).collect();
+        assert!(names.iter().any(|n| n.contains("act_gelu_erf_fwd")), "{names:?}");
+        assert!(!names.iter().any(|n| n.contains("act_gelu_fwd")), "{names:?}");
     }
 }

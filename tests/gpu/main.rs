@@ -6,6 +6,7 @@ mod common;
 
 mod activation;
 mod attention;
+mod bert;
 mod cast;
 mod cast_transpose;
 mod checkpoint;

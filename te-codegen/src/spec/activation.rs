@@ -9,8 +9,14 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Activation {
-    /// GELU, tanh approximation: `0.5 x (1 + tanh(0.79788456 (x + 0.044715 x³)))`.
+    /// GELU, tanh approximation: `0.5 x (1 + tanh(0.79788456 (x + 0.044715 x³)))` (TE's
+    /// default, PyTorch `gelu(approximate="tanh")`).
     Gelu,
+    /// GELU, exact erf form: `0.5 x (1 + erf(x / √2))` (PyTorch's default `gelu`, Hugging Face
+    /// BERT's `hidden_act = "gelu"`). Never run through cuBLASLt's GELU epilogues, which are the
+    /// tanh form.
+    #[serde(rename = "gelu_erf")]
+    GeluErf,
     /// `max(x, 0)`.
     Relu,
     /// SwiGLU on `[a | b]` (each `cols` wide): `silu(a) * b`, `silu(a) = a / (1 + e^-a)`.
@@ -21,17 +27,19 @@ pub enum Activation {
 
 impl Activation {
     /// Every activation.
-    pub const ALL: [Activation; 4] = [Activation::Gelu, Activation::Relu, Activation::Swiglu, Activation::Geglu];
+    pub const ALL: [Activation; 5] =
+        [Activation::Gelu, Activation::GeluErf, Activation::Relu, Activation::Swiglu, Activation::Geglu];
 
     /// Gated (GLU) variants read an input twice as wide as their output.
     pub const fn is_gated(self) -> bool {
         matches!(self, Activation::Swiglu | Activation::Geglu)
     }
 
-    /// Lowercase name (`gelu`, `relu`, `swiglu`, `geglu`).
+    /// Lowercase name (`gelu`, `gelu_erf`, `relu`, `swiglu`, `geglu`).
     pub const fn name(self) -> &'static str {
         match self {
             Activation::Gelu => "gelu",
+            Activation::GeluErf => "gelu_erf",
             Activation::Relu => "relu",
             Activation::Swiglu => "swiglu",
             Activation::Geglu => "geglu",
@@ -51,7 +59,7 @@ impl std::str::FromStr for Activation {
         Activation::ALL
             .into_iter()
             .find(|a| a.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown activation `{s}`: expected gelu, relu, swiglu or geglu"))
+            .ok_or_else(|| format!("unknown activation `{s}`: expected gelu, gelu_erf, relu, swiglu or geglu"))
     }
 }
 
@@ -154,6 +162,7 @@ impl Family for ActivationSpec {
         // The element-wise function: GeGLU gates with GELU, SwiGLU with SiLU.
         let elementwise = match self.act {
             Activation::Gelu | Activation::Geglu => "gelu",
+            Activation::GeluErf => "gelu_erf",
             Activation::Relu => "relu",
             Activation::Swiglu => "silu",
         };

@@ -233,7 +233,7 @@ impl Family for CastTransposeSpec {
         if let Some(a) = self.dact {
             if a.is_gated() {
                 return Err(format!(
-                    "fused dact supports gelu and relu; {a} is gated: run the activation backward, then cast_transpose"
+                    "fused dact supports gelu, gelu_erf and relu; {a} is gated: run the activation backward, then cast_transpose"
                 ));
             }
         }

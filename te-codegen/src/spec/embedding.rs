@@ -14,6 +14,11 @@ use serde::{Deserialize, Serialize};
 /// vocab, hidden)`; the pointers are device pointers, `ids` is `i32`, the sizes `u64`. Launch:
 /// blocks stride over the tokens, a block's threads over the row's columns.
 ///
+/// FP8 forward ([`EmbeddingSpec::forward_fp8`]): an E4M3/E5M2 table (1 byte per element, one
+/// per-tensor `scale_inv`) dequantized row by row, `out[t, c] = f32(table[ids[t], c]) *
+/// scale_inv` rounded to the output dtype (f32, bf16 or f16). Arguments `(table, ids, out,
+/// scale_inv, tokens, vocab, hidden)`, `scale_inv` a device pointer to one f32.
+///
 /// Backward: `dtable[v, c] = round(f32(dtable[v, c]) + Σ_{t: ids[t] = v} f32(dout[t, c]))`: the
 /// sum over tokens in f32, in token order, added once to the gradient (which keeps its dtype, so
 /// repeated backwards accumulate like `add_assign`); ids outside `[0, vocab)` are skipped.
@@ -31,9 +36,11 @@ use serde::{Deserialize, Serialize};
 pub struct EmbeddingSpec {
     /// Lookup (forward) or gradient scatter-add (backward).
     pub direction: Direction,
-    /// Forward: dtype of the table and the output. Backward: dtype of `dout`. f32, bf16 or f16.
+    /// Forward: dtype of the table (f32, bf16, f16, or E4M3/E5M2 for the FP8 lookup). Backward:
+    /// dtype of `dout` (f32, bf16 or f16).
     pub dtype: DType,
-    /// Backward: dtype of `dtable` (f32, bf16 or f16). Forward: equal to `dtype`.
+    /// Backward: dtype of `dtable` (f32, bf16 or f16). Forward: the output's dtype, equal to
+    /// `dtype` except for an FP8 table (then f32, bf16 or f16).
     pub grad: DType,
     /// Threads per block.
     pub threads: usize,
@@ -48,6 +55,17 @@ impl EmbeddingSpec {
     /// The lookup of a `dtype` table, 256 threads per block.
     pub fn forward(dtype: DType, arch: Arch) -> Self {
         Self { direction: Direction::Fwd, dtype, grad: dtype, threads: 256, arch }
+    }
+
+    /// The lookup of an FP8 `table` (E4M3 or E5M2, per-tensor `scale_inv`) dequantized into
+    /// `out` (f32, bf16 or f16), 256 threads per block.
+    pub fn forward_fp8(table: DType, out: DType, arch: Arch) -> Self {
+        Self { direction: Direction::Fwd, dtype: table, grad: out, threads: 256, arch }
+    }
+
+    /// Whether this is the FP8 (dequantizing) lookup.
+    pub const fn is_fp8_lookup(&self) -> bool {
+        matches!(self.direction, Direction::Fwd) && self.dtype.is_fp8() && self.grad.is_high_precision()
     }
 
     /// The scatter-add of a `dout` gradient into a `grad` table gradient, 256 threads per block.
@@ -65,6 +83,7 @@ impl Family for EmbeddingSpec {
     }
     fn name_parts(&self) -> String {
         match self.direction {
+            Direction::Fwd if self.is_fp8_lookup() => format!("fwd_{}_{}_t{}", self.dtype, self.grad, self.threads),
             Direction::Fwd => format!("fwd_{}_t{}", self.dtype, self.threads),
             Direction::Bwd => format!("bwd_{}_{}_t{}", self.dtype, self.grad, self.threads),
         }
@@ -77,9 +96,13 @@ impl Family for EmbeddingSpec {
         ctx.insert("t", self.dtype.type_tag());
         ctx.insert("g", self.grad.type_tag());
         ctx.insert("cols", &Self::COLS_PER_THREAD);
+        ctx.insert("fp8_table", &self.is_fp8_lookup());
         ctx.insert("threads", &self.threads);
     }
     fn validate(&self) -> Result<(), String> {
+        if self.is_fp8_lookup() {
+            return check_threads(self.threads);
+        }
         for (arg, dt) in [("dtype", self.dtype), ("grad", self.grad)] {
             if !dt.is_high_precision() {
                 return Err(format!("embedding takes f32, bf16 or f16; `{arg}` is {dt}"));
@@ -117,6 +140,9 @@ mod tests {
         let f = EmbeddingSpec::forward(DType::BF16, Arch::Sm90a);
         let e = EmbeddingSpec { grad: DType::F32, ..f }.validate().unwrap_err();
         assert!(e.contains("must equal"), "{e}");
+        let f8 = EmbeddingSpec::forward_fp8(DType::E4M3, DType::BF16, Arch::Sm90a);
+        f8.validate().unwrap();
+        assert_eq!(KernelSpec::from(f8).name(), "te_embedding_fwd_e4m3_bf16_t256_sm_90a");
         let e = EmbeddingSpec::backward(DType::BF16, DType::E5M2, Arch::Sm90a).validate().unwrap_err();
         assert!(e.contains("`grad` is e5m2"), "{e}");
     }

@@ -270,6 +270,21 @@ impl LayerNormMLP {
         Ok(self.run(x, ForwardOptions::default(), false)?.0)
     }
 
+    /// Forward for inference that also returns the norm's output (`return_layernorm_output`;
+    /// post-LN blocks take their residual from it): `(y, ln(x))`, no context, no transposes.
+    ///
+    /// # Errors
+    /// [`Error::Config`] without `return_layernorm_output`; as [`LayerNormMLP::infer`].
+    pub fn infer_ln(&mut self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        match self.run(x, ForwardOptions::default(), false)? {
+            (y, Some(ln), _) => Ok((y, ln)),
+            _ => Err(Error::Config {
+                module: MODULE,
+                message: "infer_ln needs return_layernorm_output = true in the configuration".into(),
+            }),
+        }
+    }
+
     #[allow(clippy::type_complexity)]
     fn run(
         &mut self,

@@ -320,6 +320,41 @@ impl MultiheadAttention {
         Ok((y, ctx))
     }
 
+    /// Self-attention for inference (TE under `torch.no_grad()`): the projections run through
+    /// their `infer` paths (no transposes, FP8-only weights allowed), nothing is kept for
+    /// backward. Same shapes as [`MultiheadAttention::forward_with`].
+    ///
+    /// # Errors
+    /// As [`MultiheadAttention::forward_with`].
+    pub fn infer_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<Tensor> {
+        let &[a, b, _] = x.shape() else {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("hidden states must be 3-D [s, b, hidden] or [b, s, hidden], got {:?}", x.shape()),
+            });
+        };
+        let (h, g, d) = self.heads;
+        let qkv = match &mut self.qkv {
+            QkvProj::Norm(m) => m.infer(x)?,
+            QkvProj::Plain(m) => m.infer(x)?,
+        };
+        let split = |col: usize, heads: usize| -> Result<Tensor> {
+            let mut t = Tensor::empty(&self.dev, qkv.dtype(), &[a * b, heads * d])?;
+            copy_columns(&self.dev, &qkv, col * d, &mut t, 0, heads * d)?;
+            t.reshape(&[a, b, heads, d])
+        };
+        let (mut q, mut k, v) = (split(0, h)?, split(h, g)?, split(h + g, g)?);
+        if let Some(freqs) = inputs.rotary_pos_emb {
+            for t in [&mut q, &mut k] {
+                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
+                rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
+                *t = out;
+            }
+        }
+        let (ctx_out, _) = self.attention.forward(&q, &k, &v, inputs.seq_lens)?;
+        self.proj.infer(&ctx_out)
+    }
+
     /// Backward: `dx` for `d_out`; every parameter gradient accumulates.
     ///
     /// # Errors

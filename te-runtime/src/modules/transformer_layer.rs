@@ -15,7 +15,7 @@ use super::norm::{Norm, NormConfig, NormCtx, NormKind};
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, Activation, ForwardOptions};
 use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
-use crate::ops::elementwise::add_assign;
+use crate::ops::elementwise::{add, add_assign};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
@@ -291,6 +291,32 @@ impl TransformerLayer {
         };
         let p = self.hidden_dropout();
         Ok((y, TransformerLayerCtx { module_id: self.id, attn, mask1, mlp, mask2, out_norm, p }))
+    }
+
+    /// The layer for inference (TE under `torch.no_grad()`, dropout off): every GEMM through its
+    /// `infer` path (no transposes, FP8-only weights from `fp8_model_init` allowed), residual
+    /// adds without dropout, nothing kept for backward. `x: [s, b, hidden]` (or `[b, s,
+    /// hidden]`), output of the same shape and dtype.
+    ///
+    /// # Errors
+    /// The errors of the parts (shapes, FP8 dims, masks).
+    pub fn infer_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<Tensor> {
+        let a = self.attention.infer_with(x, inputs)?;
+        let mut h1 = Tensor::empty(&self.dev, x.dtype(), x.shape())?;
+        add(&self.dev, &a, x, &mut h1)?;
+        let y = if self.cfg.apply_residual_connection_post_layernorm {
+            let (mut m, ln) = self.mlp.infer_ln(&h1)?;
+            add_assign(&self.dev, &mut m, &ln)?;
+            m
+        } else {
+            let mut m = self.mlp.infer(&h1)?;
+            add_assign(&self.dev, &mut m, &h1)?;
+            m
+        };
+        match &self.out_norm {
+            Some(n) => n.infer(&y),
+            None => Ok(y),
+        }
     }
 
     /// Backward: `dx` for `d_out`; every parameter gradient accumulates.

@@ -60,7 +60,7 @@ pub fn cast_transpose(
 /// then `out = fp8(g * scale)`, `out_t = outᵀ`, `amax = max(amax, max|g|)`, `scale_inv = 1/scale`
 /// and with `dbias`, `dbias[c] = Σ_r g[r, c]` (TE `nvte_cast_transpose_dbias_dgelu`).
 ///
-/// `act`: [`Activation::Gelu`] or [`Activation::Relu`] (gated activations have their own
+/// `act`: [`Activation::Gelu`], [`Activation::GeluErf`] or [`Activation::Relu`] (gated activations have their own
 /// backward kernel). `dy` and `act_in` (the forward activation's input): same shape and dtype,
 /// f32/bf16/f16. Other arguments as in [`cast_transpose`], with `dy` in place of `x`.
 ///

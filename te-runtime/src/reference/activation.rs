@@ -15,6 +15,20 @@ pub fn dgelu(x: f32) -> f32 {
     0.5 * x * ((1.0 - t * t) * (SQRT_2_OVER_PI + 3.0 * 0.044715 * SQRT_2_OVER_PI * x * x)) + 0.5 * (1.0 + t)
 }
 
+/// Exact GELU (erf form): `0.5 x (1 + erf(x / √2))`, evaluated in f64 and rounded.
+pub fn gelu_erf(x: f32) -> f32 {
+    let x = f64::from(x);
+    (0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2))) as f32
+}
+
+/// Derivative of [`gelu_erf`]: `Φ(x) + x φ(x)`.
+pub fn dgelu_erf(x: f32) -> f32 {
+    let x = f64::from(x);
+    let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
+    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    (cdf + x * pdf) as f32
+}
+
 /// `max(x, 0)`.
 pub fn relu(x: f32) -> f32 {
     if x > 0.0 {
@@ -51,6 +65,7 @@ pub type ScalarFn = fn(f32) -> f32;
 pub fn elementwise(act: Activation) -> (ScalarFn, ScalarFn) {
     match act {
         Activation::Gelu | Activation::Geglu => (gelu, dgelu),
+        Activation::GeluErf => (gelu_erf, dgelu_erf),
         Activation::Relu => (relu, drelu),
         Activation::Swiglu => (silu, dsilu),
     }
@@ -127,7 +142,7 @@ mod tests {
 
     #[test]
     fn derivatives_match_finite_differences() {
-        for (f, df) in [(gelu as ScalarFn, dgelu as ScalarFn), (silu, dsilu)] {
+        for (f, df) in [(gelu as ScalarFn, dgelu as ScalarFn), (gelu_erf, dgelu_erf), (silu, dsilu)] {
             for i in -40..=40 {
                 let x = i as f64 * 0.1 + 0.03;
                 let h = 1e-3;
@@ -136,6 +151,16 @@ mod tests {
             }
         }
         assert_eq!((relu(-1.0), relu(2.0), drelu(-1.0), drelu(2.0)), (0.0, 2.0, 0.0, 1.0));
+    }
+
+    #[test]
+    fn gelu_erf_known_values() {
+        // PyTorch `gelu(x)` (erf form) in f64: 1 → 0.8413447460685429, -1 → -0.15865525393145707.
+        assert!((f64::from(gelu_erf(1.0)) - 0.841_344_746_068_542_9).abs() < 1e-7);
+        assert!((f64::from(gelu_erf(-1.0)) + 0.158_655_253_931_457_07).abs() < 1e-7);
+        assert!((f64::from(gelu_erf(3.0)) - 2.995_950_2).abs() < 1e-6);
+        // The tanh form differs from it by ~1e-4 around |x| ≈ 2.
+        assert!((gelu(2.0) - gelu_erf(2.0)).abs() > 1e-5);
     }
 
     #[test]

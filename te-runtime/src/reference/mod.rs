@@ -4,6 +4,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod bert;
 pub mod cast;
 pub mod cast_transpose;
 pub mod cross_entropy;
