@@ -356,8 +356,9 @@ impl KernelTarget {
 
     /// A norm, fc1, the activation and fc2 (TE `LayerNormMLP`): fc1 as
     /// [`KernelTarget::layernorm_linear`] (`2 · ffn` outputs when gated), the activation forward
-    /// into FP8 (bias fused or not), its backward (gated) or the fused dact + cast + transpose +
-    /// dbias of fc1's `dY`, and fc2 as [`KernelTarget::linear`].
+    /// into FP8 (bias fused or not) and in high precision (no FP8, current scaling), its
+    /// backward, the fused dact + cast + transpose + dbias of fc1's `dY` (GELU, ReLU), and fc2 as
+    /// [`KernelTarget::linear`].
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm_mlp(
         &self,
@@ -377,9 +378,9 @@ impl KernelTarget {
                 ActivationSpec::new(act, Direction::Fwd, dt, self.fwd_fp8(), ffn_hidden, fused_bias, arch).into(),
             );
         }
-        if act.is_gated() {
-            specs.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, ffn_hidden, false, arch).into());
-        } else {
+        specs.push(ActivationSpec::new(act, Direction::Fwd, dt, dt, ffn_hidden, false, arch).into());
+        specs.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, ffn_hidden, false, arch).into());
+        if !act.is_gated() {
             specs.push(CastTransposeSpec::new(dt, self.bwd_fp8(), ffn_hidden, bias, Some(act), arch).into());
         }
         self.linear(ffn_hidden, hidden, bias, specs);
@@ -796,10 +797,14 @@ mod tests {
             ..base.clone()
         });
         for cfg in configs {
-            // The one addition: the residual `x + dropout(y)` without a bias, which the layer
-            // runs (the old list had only the bias-fused form).
-            let mut want = old_kernel_specs(&cfg, Arch::Sm90a);
-            want.push(DropoutSpec::forward(cfg.params_dtype, cfg.params_dtype, false, true, Arch::Sm90a).into());
+            // The additions, kernels the layer runs that the old list lacked: the residual
+            // `x + dropout(y)` without a bias (the old list had only the bias-fused form), and
+            // the activation in high precision (no FP8, current scaling) forward and backward.
+            let (dt, ffn, act, arch) = (cfg.params_dtype, cfg.ffn_hidden_size, cfg.activation, Arch::Sm90a);
+            let mut want = old_kernel_specs(&cfg, arch);
+            want.push(DropoutSpec::forward(dt, dt, false, true, arch).into());
+            want.push(ActivationSpec::new(act, Direction::Fwd, dt, dt, ffn, false, arch).into());
+            want.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, ffn, false, arch).into());
             assert_eq!(cfg.kernel_specs(Arch::Sm90a), sorted(want), "{cfg:?}");
         }
     }
