@@ -16,6 +16,7 @@ mod gemm;
 mod gpt;
 mod gpt_reference;
 mod jit;
+mod kernel_specs;
 mod linear;
 mod modules;
 mod norm;
