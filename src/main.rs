@@ -1,7 +1,8 @@
 //! `te`: the Transformer Engine for Rust command-line tool.
 //!
-//! - `te prewarm`: compile every kernel of a model configuration into the disk cache, on any
-//!   machine (no GPU needed), so the first training step does not wait for NVRTC.
+//! - `te prewarm`: compile every kernel of a model configuration (or of a `te train` preset's
+//!   job) into the disk cache, on any machine (no GPU needed), so the first training step does
+//!   not wait for NVRTC.
 //! - `te info`: the device, its arch, the driver and NVRTC versions, and the kernel cache.
 //! - `te train`: a byte-level GPT trained on Shakespeare in FP8 and in BF16, compared.
 
@@ -9,11 +10,12 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use te_codegen::prewarm::{prewarm, Fp8Format, ModelConfig, RecipeKind};
+use te_codegen::prewarm::{prewarm, sorted, Fp8Format, KernelTarget, ModelConfig, RecipeKind};
 use te_codegen::spec::{Activation, NormKind};
-use te_codegen::{Arch, DType, DiskCache, KernelCompiler};
+use te_codegen::{Arch, DType, DiskCache, KernelCompiler, KernelSpec};
 use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling};
 use te_runtime::models::gpt::GptConfig;
+use te_runtime::optim::AdamW;
 
 #[derive(Parser)]
 #[command(name = "te", version, about = "Transformer Engine for Rust: FP8 kernels, JIT-compiled and cached")]
@@ -36,6 +38,12 @@ enum Command {
 
 #[derive(Args)]
 struct PrewarmArgs {
+    /// Every kernel of `te train --preset NAME` (the GPT in FP8 and BF16, AdamW) instead of a
+    /// layer configuration; --seq-length, --params-dtype, --recipe and --fp8-format apply.
+    #[arg(long, value_parser = ["tiny", "small", "large"],
+          conflicts_with_all = ["config", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_gqa_groups",
+                                "activation", "normalization"])]
+    preset: Option<String>,
     /// TOML model configuration (see `ModelConfig`); flags below override its fields.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -124,8 +132,35 @@ fn model_config(a: &PrewarmArgs) -> Result<ModelConfig, String> {
     Ok(cfg)
 }
 
+/// Every kernel `te train --preset preset` runs: the GPT (forward, backward, loss) and AdamW, for
+/// the preset's sequence length and dtype unless `a` overrides them.
+fn preset_kernel_specs(a: &PrewarmArgs, preset: &str) -> Result<Vec<KernelSpec>, String> {
+    let mut model = match preset {
+        "tiny" => GptConfig::tiny(),
+        "small" => GptConfig::small(),
+        "large" => GptConfig::large(),
+        p => return Err(format!("unknown preset `{p}`: expected tiny, small or large")),
+    };
+    model.seq_length = a.seq_length.unwrap_or(model.seq_length);
+    model.params_dtype = a.params_dtype.unwrap_or(model.params_dtype);
+    if model.params_dtype.is_fp8() {
+        return Err(format!("params_dtype must be f32, bf16 or f16, not {}", model.params_dtype));
+    }
+    let target = KernelTarget {
+        recipe: a.recipe.unwrap_or(RecipeKind::Delayed),
+        fp8_format: a.fp8_format.unwrap_or(Fp8Format::Hybrid),
+        ..KernelTarget::new(model.seq_length, a.arch)
+    };
+    let mut specs = model.kernel_specs(&target);
+    AdamW::kernel_specs(&target, &mut specs);
+    Ok(sorted(specs))
+}
+
 fn run_prewarm(a: &PrewarmArgs) -> Result<(), String> {
-    let cfg = model_config(a)?;
+    let specs = match &a.preset {
+        Some(preset) => preset_kernel_specs(a, preset)?,
+        None => model_config(a)?.kernel_specs(a.arch),
+    };
     let cache = match &a.cache_dir {
         Some(d) => DiskCache::at(d),
         None => DiskCache::from_env(),
@@ -134,7 +169,6 @@ fn run_prewarm(a: &PrewarmArgs) -> Result<(), String> {
         return Err("the kernel cache is disabled (TE_KERNEL_CACHE_DISABLE is set): nothing to prewarm into".into());
     };
     let compiler = KernelCompiler::new(cache).map_err(|e| e.to_string())?;
-    let specs = cfg.kernel_specs(a.arch);
     let jobs = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let bar = ProgressBar::new(specs.len() as u64);
     bar.set_style(

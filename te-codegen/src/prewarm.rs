@@ -1,7 +1,9 @@
 //! The kernel set of a model configuration, and compiling it ahead of time.
 //!
-//! [`ModelConfig::kernel_specs`] is the one list of kernels a TE-style transformer layer of a
-//! given geometry needs; `te prewarm` and (later) the model derive macro both call it.
+//! [`KernelTarget`]'s building blocks add the kernels of one kind of module (a linear layer, a
+//! norm, attention, ...) for the target's precision and recipe; `te_runtime::Module::kernel_specs`
+//! (which `#[derive(Module)]` generates) and [`ModelConfig::kernel_specs`], the list of one
+//! TE-style transformer layer of a given geometry that `te prewarm` warms, are built on them.
 //! [`spec_catalog`] spans every discrete choice the templates offer, so CI can prove that every
 //! kind of kernel the project can produce renders and compiles.
 
@@ -218,95 +220,271 @@ impl ModelConfig {
         self.hidden_size / self.num_attention_heads
     }
 
-    /// Every kernel a transformer layer of this config uses on `arch`, deduplicated and sorted.
+    /// The target of this config's precision, recipe and sequence length on `arch`.
+    pub fn target(&self, arch: Arch) -> KernelTarget {
+        KernelTarget {
+            params_dtype: self.params_dtype,
+            recipe: self.recipe,
+            fp8_format: self.fp8_format,
+            amax_compute_algo: self.amax_compute_algo,
+            seq_length: self.seq_length,
+            rotary: self.position_embedding_type == PositionEmbedding::Rope,
+            arch,
+        }
+    }
+
+    /// Every kernel a transformer layer of this config and its optimizer step use on `arch`,
+    /// deduplicated and sorted ([`KernelTarget::transformer_layer`], [`KernelTarget::optimizer`]).
     pub fn kernel_specs(&self, arch: Arch) -> Vec<KernelSpec> {
-        let dt = self.params_dtype;
-        let fwd8 = DType::E4M3;
-        let bwd8 = match self.fp8_format {
+        let target = self.target(arch);
+        let mut specs = Vec::new();
+        target.transformer_layer(self, &mut specs);
+        target.optimizer(&mut specs);
+        sorted(specs)
+    }
+}
+
+/// What kernels are specialized for besides a module's own sizes: the precision of the run, its
+/// FP8 recipe, the attention key length and the GPU. Modules add their kernels for a target
+/// (`te_runtime::Module::kernel_specs`); the building blocks here are what they add.
+///
+/// Every block adds the kernels of both the FP8 path and (where it differs) the
+/// high-precision one, forward and backward: a superset of what one step loads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelTarget {
+    /// Type of parameters, activations and gradients (a module's own `params_dtype` overrides it
+    /// for that module's kernels).
+    pub params_dtype: DType,
+    /// FP8 recipe family.
+    pub recipe: RecipeKind,
+    /// FP8 format: E4M3 forward, and E5M2 (hybrid) or E4M3 gradients.
+    pub fp8_format: Fp8Format,
+    /// Delayed scaling: how the amax history is reduced.
+    pub amax_compute_algo: AmaxComputeAlgo,
+    /// Attention key length of the batches (the softmax kernels specialize it).
+    pub seq_length: usize,
+    /// Whether attention forwards get rotary angles (RoPE kernels of the head dimension).
+    pub rotary: bool,
+    /// GPU architecture.
+    pub arch: Arch,
+}
+
+impl KernelTarget {
+    /// A BF16 target with TE's default recipe (delayed scaling, hybrid format, max of the amax
+    /// history), no RoPE, for keys of `seq_length` on `arch`.
+    pub fn new(seq_length: usize, arch: Arch) -> Self {
+        Self {
+            params_dtype: default_dtype(),
+            recipe: default_recipe(),
+            fp8_format: default_format(),
+            amax_compute_algo: default_algo(),
+            seq_length,
+            rotary: false,
+            arch,
+        }
+    }
+
+    /// This target with another `params_dtype` (a module's own).
+    pub fn with_dtype(self, params_dtype: DType) -> Self {
+        Self { params_dtype, ..self }
+    }
+
+    /// FP8 type of forward tensors (inputs, weights): E4M3.
+    pub fn fwd_fp8(&self) -> DType {
+        DType::E4M3
+    }
+
+    /// FP8 type of gradients: E5M2 with the hybrid format, else E4M3.
+    pub fn bwd_fp8(&self) -> DType {
+        match self.fp8_format {
             Fp8Format::E4m3 => DType::E4M3,
             Fp8Format::Hybrid => DType::E5M2,
-        };
-        let (h, f, act) = (self.hidden_size, self.ffn_hidden_size, self.activation);
-        let fc1_out = if act.is_gated() { 2 * f } else { f };
-        let mut v: Vec<KernelSpec> = Vec::new();
-
-        // Norms: FP8 output feeding LayerNormLinear's GEMM, plain output, backward.
-        for out in [fwd8, dt] {
-            v.push(
-                NormSpec::new(self.normalization, Direction::Fwd, dt, out, dt, h, self.zero_centered_gamma, arch)
-                    .into(),
-            );
         }
-        v.push(NormSpec::new(self.normalization, Direction::Bwd, dt, dt, dt, h, self.zero_centered_gamma, arch).into());
+    }
 
-        // Element-wise casts: weights and inputs forward, gradients backward, and dequantize.
-        for q in [fwd8, bwd8] {
-            v.push(CastSpec::quantize(dt, q, arch).into());
-            v.push(CastSpec::dequantize(q, dt, arch).into());
+    /// What every FP8 module needs: casts of weights and inputs forward and of gradients
+    /// backward, their dequantize, the amax of current scaling, and the scaling update.
+    pub fn fp8_common(&self, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (self.params_dtype, self.arch);
+        for q in [self.fwd_fp8(), self.bwd_fp8()] {
+            specs.push(CastSpec::quantize(dt, q, arch).into());
+            specs.push(CastSpec::dequantize(q, dt, arch).into());
         }
         if self.recipe == RecipeKind::Current {
-            v.push(CastSpec::amax(dt, arch).into());
+            specs.push(CastSpec::amax(dt, arch).into());
         }
-
-        // Cast + transpose of GEMM inputs saved for wgrad (proj and fc2 inputs).
-        for cols in [h, f] {
-            v.push(CastTransposeSpec::new(dt, fwd8, cols, false, None, arch).into());
-        }
-        // Byte transposes of the FP8 codes fused producers write: the norm output feeding the QKV
-        // projection and fc1, and the activation output feeding fc2.
-        for cols in [h, f] {
-            v.push(CastTransposeSpec::transpose(fwd8, cols, arch).into());
-        }
-        // Gradients: cast + transpose + dbias of dY for proj/fc2 (hidden), qkv, fc1.
-        for cols in [h, self.qkv_size(), fc1_out] {
-            v.push(CastTransposeSpec::new(dt, bwd8, cols, true, None, arch).into());
-        }
-        // MLP activation: forward to FP8 (bias fused or not) and backward.
-        for bias in [false, true] {
-            v.push(ActivationSpec::new(act, Direction::Fwd, dt, fwd8, f, bias, arch).into());
-        }
-        if act.is_gated() {
-            v.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, f, false, arch).into());
-        } else {
-            v.push(CastTransposeSpec::new(dt, bwd8, f, true, Some(act), arch).into());
-        }
-
-        // Residual adds; gradient accumulation into an f32 main_grad and into bias gradients.
-        v.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
-        v.push(ElementwiseSpec::add_assign(DType::F32, dt, arch).into());
-        v.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
-
-        // Attention softmax, dropout of the probabilities and its backward.
-        v.push(SoftmaxSpec::new(self.attn_mask_type, Direction::Fwd, dt, self.seq_length, arch).into());
-        v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, self.seq_length, arch).into());
-        v.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
-        v.push(DropoutSpec::backward(dt, dt, arch).into());
-
-        // Hidden dropout after proj and fc2: residual + dropout(x + bias).
-        v.push(DropoutSpec::forward(dt, dt, true, true, arch).into());
-
-        // Rotary embedding of queries and keys ([s, b, h, d], Megatron's layout).
-        if self.position_embedding_type == PositionEmbedding::Rope {
-            let d = self.head_dim();
-            for dir in [Direction::Fwd, Direction::Bwd] {
-                v.push(RopeSpec::new(dir, RopeFormat::Sbhd, dt, d, d, arch).into());
-            }
-        }
-
-        // The optimizer step: gradient norm (clipping) and AdamW.
-        v.push(OptimizerSpec::grad_norm(arch).into());
-        v.push(OptimizerSpec::adamw(arch).into());
-
-        // Scaling updates.
-        v.push(match self.recipe {
+        specs.push(match self.recipe {
             RecipeKind::Delayed => ScalingSpec::delayed(self.amax_compute_algo, arch).into(),
             RecipeKind::Current => ScalingSpec::current(false, arch).into(),
         });
-
-        v.sort();
-        v.dedup();
-        v
     }
+
+    /// A LayerNorm or RMSNorm over `hidden`: forward with an FP8 output (feeding a GEMM) and a
+    /// plain one, and backward.
+    pub fn norm(&self, kind: NormKind, hidden: usize, zero_centered_gamma: bool, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (self.params_dtype, self.arch);
+        for out in [self.fwd_fp8(), dt] {
+            specs.push(NormSpec::new(kind, Direction::Fwd, dt, out, dt, hidden, zero_centered_gamma, arch).into());
+        }
+        specs.push(NormSpec::new(kind, Direction::Bwd, dt, dt, dt, hidden, zero_centered_gamma, arch).into());
+    }
+
+    /// A GEMM layer `[in] → [out]` (TE `Linear`): [`KernelTarget::fp8_common`], the cast +
+    /// transpose of the input (and weight) saved for wgrad, the byte transpose of an FP8 input
+    /// or cached weight, the cast + transpose (+ dbias with `bias`) of `dY`, and gradient
+    /// accumulation (into the `params_dtype` gradients and an f32 `main_grad`).
+    pub fn linear(&self, in_features: usize, out_features: usize, bias: bool, specs: &mut Vec<KernelSpec>) {
+        self.fp8_common(specs);
+        self.gemm_input(in_features, specs);
+        self.gemm_grad(out_features, bias, specs);
+    }
+
+    /// A norm followed by a GEMM (TE `LayerNormLinear`): [`KernelTarget::norm`] and
+    /// [`KernelTarget::linear`].
+    pub fn layernorm_linear(
+        &self,
+        kind: NormKind,
+        zero_centered_gamma: bool,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        specs: &mut Vec<KernelSpec>,
+    ) {
+        self.norm(kind, in_features, zero_centered_gamma, specs);
+        self.linear(in_features, out_features, bias, specs);
+    }
+
+    /// A norm, fc1, the activation and fc2 (TE `LayerNormMLP`): fc1 as
+    /// [`KernelTarget::layernorm_linear`] (`2 · ffn` outputs when gated), the activation forward
+    /// into FP8 (bias fused or not) and in high precision (no FP8, current scaling), its
+    /// backward, the fused dact + cast + transpose + dbias of fc1's `dY` (GELU, ReLU), and fc2 as
+    /// [`KernelTarget::linear`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_mlp(
+        &self,
+        kind: NormKind,
+        zero_centered_gamma: bool,
+        hidden: usize,
+        ffn_hidden: usize,
+        act: Activation,
+        bias: bool,
+        specs: &mut Vec<KernelSpec>,
+    ) {
+        let (dt, arch) = (self.params_dtype, self.arch);
+        let fc1_out = if act.is_gated() { 2 * ffn_hidden } else { ffn_hidden };
+        self.layernorm_linear(kind, zero_centered_gamma, hidden, fc1_out, bias, specs);
+        for fused_bias in [false, true] {
+            specs.push(
+                ActivationSpec::new(act, Direction::Fwd, dt, self.fwd_fp8(), ffn_hidden, fused_bias, arch).into(),
+            );
+        }
+        specs.push(ActivationSpec::new(act, Direction::Fwd, dt, dt, ffn_hidden, false, arch).into());
+        specs.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, ffn_hidden, false, arch).into());
+        if !act.is_gated() {
+            specs.push(CastTransposeSpec::new(dt, self.bwd_fp8(), ffn_hidden, bias, Some(act), arch).into());
+        }
+        self.linear(ffn_hidden, hidden, bias, specs);
+    }
+
+    /// Unfused dot-product attention with `heads` query heads in `gqa_groups` key/value groups:
+    /// the softmax forward for `mask` and its backward at [`KernelTarget::seq_length`] keys,
+    /// dropout of the probabilities and its backward, and (GQA) the f32 sum of the key/value
+    /// gradients over the heads of a group.
+    pub fn attention(&self, mask: MaskKind, heads: usize, gqa_groups: usize, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch, sk) = (self.params_dtype, self.arch, self.seq_length);
+        specs.push(SoftmaxSpec::new(mask, Direction::Fwd, dt, sk, arch).into());
+        specs.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, sk, arch).into());
+        specs.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
+        specs.push(DropoutSpec::backward(dt, dt, arch).into());
+        if gqa_groups < heads {
+            specs.push(ElementwiseSpec::add_assign(dt, DType::F32, arch).into());
+        }
+    }
+
+    /// Rotary embedding of queries and keys over the whole head dimension `head_dim`, forward
+    /// and backward.
+    pub fn rope(&self, format: RopeFormat, head_dim: usize, specs: &mut Vec<KernelSpec>) {
+        for dir in [Direction::Fwd, Direction::Bwd] {
+            specs.push(RopeSpec::new(dir, format, self.params_dtype, head_dim, head_dim, self.arch).into());
+        }
+    }
+
+    /// The residual connections of a transformer layer: `residual + dropout(x)` (with and
+    /// without a fused bias), its backward, the add of two branches and the accumulation of the
+    /// residual gradient.
+    pub fn residual(&self, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (self.params_dtype, self.arch);
+        for bias in [false, true] {
+            specs.push(DropoutSpec::forward(dt, dt, bias, true, arch).into());
+        }
+        specs.push(DropoutSpec::backward(dt, dt, arch).into());
+        specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
+        specs.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
+    }
+
+    /// A transformer layer of `cfg`'s geometry (TE `TransformerLayer`, pre-LN, self-attention
+    /// with a fused QKV projection, causal or `cfg`'s mask): [`KernelTarget::layernorm_linear`]
+    /// (QKV), [`KernelTarget::attention`], [`KernelTarget::rope`] with RoPE, the projection
+    /// ([`KernelTarget::linear`]), [`KernelTarget::layernorm_mlp`] and
+    /// [`KernelTarget::residual`]. `cfg`'s precision fields are ignored: the target's apply.
+    pub fn transformer_layer(&self, cfg: &ModelConfig, specs: &mut Vec<KernelSpec>) {
+        let (h, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+        let (kind, zc) = (cfg.normalization, cfg.zero_centered_gamma);
+        self.layernorm_linear(kind, zc, h, cfg.qkv_size(), true, specs);
+        self.attention(cfg.attn_mask_type, heads, cfg.num_gqa_groups.unwrap_or(heads), specs);
+        if cfg.position_embedding_type == PositionEmbedding::Rope {
+            self.rope(RopeFormat::Sbhd, cfg.head_dim(), specs);
+        }
+        self.linear(h, h, true, specs);
+        self.layernorm_mlp(kind, zc, h, cfg.ffn_hidden_size, cfg.activation, true, specs);
+        self.residual(specs);
+    }
+
+    /// A token or position embedding table: the gather forward and the scatter-add backward
+    /// into a `params_dtype` gradient.
+    pub fn embedding(&self, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (self.params_dtype, self.arch);
+        specs.push(EmbeddingSpec::forward(dt, arch).into());
+        specs.push(EmbeddingSpec::backward(dt, dt, arch).into());
+    }
+
+    /// The fused cross-entropy of the logits, with and without their gradient (training and
+    /// evaluation).
+    pub fn cross_entropy(&self, specs: &mut Vec<KernelSpec>) {
+        for grad in [false, true] {
+            specs.push(CrossEntropySpec::new(self.params_dtype, grad, self.arch).into());
+        }
+    }
+
+    /// The optimizer step: the gradient norm (clipping) and AdamW.
+    pub fn optimizer(&self, specs: &mut Vec<KernelSpec>) {
+        specs.push(OptimizerSpec::grad_norm(self.arch).into());
+        specs.push(OptimizerSpec::adamw(self.arch).into());
+    }
+
+    /// Gradient casts, cast + transpose of a GEMM input of `cols` features (and of a weight with
+    /// `cols` inputs), and the byte transpose of its FP8 codes.
+    fn gemm_input(&self, cols: usize, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (self.params_dtype, self.arch);
+        specs.push(CastTransposeSpec::new(dt, self.fwd_fp8(), cols, false, None, arch).into());
+        specs.push(CastTransposeSpec::transpose(self.fwd_fp8(), cols, arch).into());
+    }
+
+    /// Cast + transpose (+ dbias) of a GEMM's `dY` of `cols` outputs, and the accumulation of
+    /// its weight gradient (`params_dtype`, f32 `main_grad`) and bias gradient.
+    fn gemm_grad(&self, cols: usize, bias: bool, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (self.params_dtype, self.arch);
+        specs.push(CastTransposeSpec::new(dt, self.bwd_fp8(), cols, bias, None, arch).into());
+        specs.push(ElementwiseSpec::add_assign(DType::F32, dt, arch).into());
+        specs.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
+    }
+}
+
+/// Sorts and deduplicates `specs`: the form every kernel list of this crate is returned in.
+pub fn sorted(mut specs: Vec<KernelSpec>) -> Vec<KernelSpec> {
+    specs.sort();
+    specs.dedup();
+    specs
 }
 
 /// Specs covering every discrete option of every template on `arch` (all dtype pairs, fusions,
@@ -532,5 +710,155 @@ mod tests {
         let names: Vec<String> = parsed.kernel_specs(Arch::Sm90a).iter().map(KernelSpec::name).collect();
         assert!(names.iter().any(|n| n.contains("act_gelu_erf_fwd")), "{names:?}");
         assert!(!names.iter().any(|n| n.contains("act_gelu_fwd")), "{names:?}");
+    }
+
+    /// The list `ModelConfig::kernel_specs` returned before the building blocks, verbatim.
+    fn old_kernel_specs(cfg: &ModelConfig, arch: Arch) -> Vec<KernelSpec> {
+        let this = cfg;
+        let dt = this.params_dtype;
+        let fwd8 = DType::E4M3;
+        let bwd8 = match this.fp8_format {
+            Fp8Format::E4m3 => DType::E4M3,
+            Fp8Format::Hybrid => DType::E5M2,
+        };
+        let (h, f, act) = (this.hidden_size, this.ffn_hidden_size, this.activation);
+        let fc1_out = if act.is_gated() { 2 * f } else { f };
+        let mut v: Vec<KernelSpec> = Vec::new();
+
+        // Norms: FP8 output feeding LayerNormLinear's GEMM, plain output, backward.
+        for out in [fwd8, dt] {
+            v.push(
+                NormSpec::new(this.normalization, Direction::Fwd, dt, out, dt, h, this.zero_centered_gamma, arch)
+                    .into(),
+            );
+        }
+        v.push(NormSpec::new(this.normalization, Direction::Bwd, dt, dt, dt, h, this.zero_centered_gamma, arch).into());
+
+        // Element-wise casts: weights and inputs forward, gradients backward, and dequantize.
+        for q in [fwd8, bwd8] {
+            v.push(CastSpec::quantize(dt, q, arch).into());
+            v.push(CastSpec::dequantize(q, dt, arch).into());
+        }
+        if this.recipe == RecipeKind::Current {
+            v.push(CastSpec::amax(dt, arch).into());
+        }
+
+        // Cast + transpose of GEMM inputs saved for wgrad (proj and fc2 inputs).
+        for cols in [h, f] {
+            v.push(CastTransposeSpec::new(dt, fwd8, cols, false, None, arch).into());
+        }
+        // Byte transposes of the FP8 codes fused producers write: the norm output feeding the QKV
+        // projection and fc1, and the activation output feeding fc2.
+        for cols in [h, f] {
+            v.push(CastTransposeSpec::transpose(fwd8, cols, arch).into());
+        }
+        // Gradients: cast + transpose + dbias of dY for proj/fc2 (hidden), qkv, fc1.
+        for cols in [h, this.qkv_size(), fc1_out] {
+            v.push(CastTransposeSpec::new(dt, bwd8, cols, true, None, arch).into());
+        }
+        // MLP activation: forward to FP8 (bias fused or not) and backward.
+        for bias in [false, true] {
+            v.push(ActivationSpec::new(act, Direction::Fwd, dt, fwd8, f, bias, arch).into());
+        }
+        if act.is_gated() {
+            v.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, f, false, arch).into());
+        } else {
+            v.push(CastTransposeSpec::new(dt, bwd8, f, true, Some(act), arch).into());
+        }
+
+        // Residual adds; gradient accumulation into an f32 main_grad and into bias gradients.
+        v.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
+        v.push(ElementwiseSpec::add_assign(DType::F32, dt, arch).into());
+        v.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
+
+        // Attention softmax, dropout of the probabilities and its backward.
+        v.push(SoftmaxSpec::new(this.attn_mask_type, Direction::Fwd, dt, this.seq_length, arch).into());
+        v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, this.seq_length, arch).into());
+        v.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
+        v.push(DropoutSpec::backward(dt, dt, arch).into());
+
+        // Hidden dropout after proj and fc2: residual + dropout(x + bias).
+        v.push(DropoutSpec::forward(dt, dt, true, true, arch).into());
+
+        // Rotary embedding of queries and keys ([s, b, h, d], Megatron's layout).
+        if this.position_embedding_type == PositionEmbedding::Rope {
+            let d = this.head_dim();
+            for dir in [Direction::Fwd, Direction::Bwd] {
+                v.push(RopeSpec::new(dir, RopeFormat::Sbhd, dt, d, d, arch).into());
+            }
+        }
+
+        // The optimizer step: gradient norm (clipping) and AdamW.
+        v.push(OptimizerSpec::grad_norm(arch).into());
+        v.push(OptimizerSpec::adamw(arch).into());
+
+        // Scaling updates.
+        v.push(match this.recipe {
+            RecipeKind::Delayed => ScalingSpec::delayed(this.amax_compute_algo, arch).into(),
+            RecipeKind::Current => ScalingSpec::current(false, arch).into(),
+        });
+
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    #[test]
+    fn building_blocks_keep_the_model_config_list() {
+        let mut configs = vec![ModelConfig::new(4096, 16384, 32), ModelConfig::new(768, 3072, 12)];
+        let base = ModelConfig::new(1024, 2816, 16);
+        configs.push(ModelConfig { activation: Activation::Swiglu, normalization: NormKind::RmsNorm, ..base.clone() });
+        configs.push(ModelConfig { zero_centered_gamma: true, attn_mask_type: MaskKind::Padding, ..base.clone() });
+        configs.push(ModelConfig { recipe: RecipeKind::Current, fp8_format: Fp8Format::E4m3, ..base.clone() });
+        configs.push(ModelConfig {
+            params_dtype: DType::F32,
+            amax_compute_algo: AmaxComputeAlgo::MostRecent,
+            position_embedding_type: PositionEmbedding::LearnedAbsolute,
+            seq_length: 77,
+            ..base.clone()
+        });
+        for cfg in configs {
+            // The additions, kernels the layer runs that the old list lacked: the residual
+            // `x + dropout(y)` without a bias (the old list had only the bias-fused form), and
+            // the activation in high precision (no FP8, current scaling) forward and backward.
+            let (dt, ffn, act, arch) = (cfg.params_dtype, cfg.ffn_hidden_size, cfg.activation, Arch::Sm90a);
+            let mut want = old_kernel_specs(&cfg, arch);
+            want.push(DropoutSpec::forward(dt, dt, false, true, arch).into());
+            want.push(ActivationSpec::new(act, Direction::Fwd, dt, dt, ffn, false, arch).into());
+            want.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, ffn, false, arch).into());
+            assert_eq!(cfg.kernel_specs(Arch::Sm90a), sorted(want), "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn gqa_adds_the_f32_key_gradient_sum() {
+        let cfg = ModelConfig { num_gqa_groups: Some(8), ..ModelConfig::new(4096, 16384, 32) };
+        let sum: KernelSpec = ElementwiseSpec::add_assign(DType::BF16, DType::F32, Arch::Sm90a).into();
+        assert!(cfg.kernel_specs(Arch::Sm90a).contains(&sum));
+        assert!(!ModelConfig::new(4096, 16384, 32).kernel_specs(Arch::Sm90a).contains(&sum));
+    }
+
+    #[test]
+    fn blocks_follow_the_target() {
+        let t = KernelTarget::new(1024, Arch::Sm90a);
+        let mut specs = Vec::new();
+        t.linear(768, 256, false, &mut specs);
+        let dy: KernelSpec = CastTransposeSpec::new(DType::BF16, DType::E5M2, 256, false, None, Arch::Sm90a).into();
+        assert!(specs.contains(&dy), "no dbias without a bias");
+        let e4m3 =
+            KernelTarget { fp8_format: Fp8Format::E4m3, recipe: RecipeKind::Current, ..t.with_dtype(DType::F16) };
+        specs.clear();
+        e4m3.fp8_common(&mut specs);
+        assert!(specs.iter().all(|s| !matches!(s, KernelSpec::Cast(c) if c.output == DType::E5M2)));
+        assert!(specs.contains(&CastSpec::amax(DType::F16, Arch::Sm90a).into()));
+        specs.clear();
+        t.attention(MaskKind::Causal, 12, 12, &mut specs);
+        t.embedding(&mut specs);
+        t.cross_entropy(&mut specs);
+        assert!(
+            specs.contains(&SoftmaxSpec::new(MaskKind::Causal, Direction::Fwd, DType::BF16, 1024, Arch::Sm90a).into())
+        );
+        assert!(specs.contains(&EmbeddingSpec::backward(DType::BF16, DType::BF16, Arch::Sm90a).into()));
+        assert!(specs.contains(&CrossEntropySpec::new(DType::BF16, true, Arch::Sm90a).into()));
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! `#[derive(Module)]` implements `te_runtime::modules::Module` for a model struct: one
 //! path-keyed traversal of its parameters and FP8 scaling states that checkpoints, parameter
-//! counts, optimizers and `zero_grad` are built on. Use it through `te_runtime::Module`, which
+//! counts, optimizers and `zero_grad` are built on, and the list of kernels the model runs (for
+//! `te prewarm`). Use it through `te_runtime::Module`, which
 //! re-exports both the trait and this derive.
 
 use proc_macro::TokenStream;
@@ -17,7 +18,7 @@ use syn::{parse_macro_input, Attribute, Data, DeriveInput, Error, Index, Member}
 ///
 /// Each field is visited in declaration order under its name (`prefix.field`; a tuple struct's
 /// fields under their index); `#[module(skip)]` leaves out a field that holds no parameters
-/// (a config, a count, a name). Generic structs get a `Field: Module` bound per visited field.
+/// (a config, a count, a name). `kernel_specs` adds the kernels of every visited field. Generic structs get a `Field: Module` bound per visited field.
 /// Enums and unions are refused at compile time.
 #[proc_macro_derive(Module, attributes(module))]
 pub fn derive_module(input: TokenStream) -> TokenStream {
@@ -59,6 +60,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
     let ident = &input.ident;
     let unused = visited.is_empty().then(|| quote!(let _ = (prefix, visitor);));
+    let unused_specs = visited.is_empty().then(|| quote!(let _ = (target, specs);));
     // Spanned at the field's type, so a field that is not a Module is reported there.
     let visit = visited.iter().map(|(member, name, ty)| {
         quote_spanned! {ty.span()=>
@@ -70,6 +72,11 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
         quote_spanned! {ty.span()=>
             ::te_runtime::modules::Module::visit_mut(
                 &mut self.#member, &::te_runtime::modules::join_path(prefix, #name), visitor)?;
+        }
+    });
+    let kernel_specs = visited.iter().map(|(member, _, ty)| {
+        quote_spanned! {ty.span()=>
+            ::te_runtime::modules::Module::kernel_specs(&self.#member, target, specs);
         }
     });
     Ok(quote! {
@@ -93,6 +100,15 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
                 #unused
                 #(#visit_mut)*
                 ::core::result::Result::Ok(())
+            }
+
+            fn kernel_specs(
+                &self,
+                target: &#krate::KernelTarget,
+                specs: &mut ::std::vec::Vec<#krate::KernelSpec>,
+            ) {
+                #unused_specs
+                #(#kernel_specs)*
             }
         }
     })

@@ -40,6 +40,19 @@ impl KernelCache {
         self.loads.load(Ordering::Relaxed)
     }
 
+    /// The specs loaded so far, sorted: what a run used (a prediction such as
+    /// [`crate::Module::kernel_specs_for`] must contain them all).
+    pub fn loaded_specs(&self) -> Vec<KernelSpec> {
+        let map = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        let mut specs: Vec<KernelSpec> = map
+            .iter()
+            .filter(|(_, slot)| slot.lock().map(|s| s.is_some()).unwrap_or(false))
+            .map(|(spec, _)| spec.clone())
+            .collect();
+        specs.sort();
+        specs
+    }
+
     /// True when nothing is loaded yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -1,9 +1,13 @@
 //! `#[derive(Module)]` on model structs of host-side mock leaves (no GPU): paths, `Vec` and
 //! array indices, `None` skipped, `#[module(skip)]`, tuple and generic structs, counts,
-//! `zero_grad` through `visit_mut`, and a visitor's error stopping the traversal.
+//! `zero_grad` through `visit_mut`, a visitor's error stopping the traversal, and the kernel list
+//! (`kernel_specs`) as the union of the visited fields' lists.
 
-use te_runtime::modules::{join_path, ModuleVisitor, ModuleVisitorMut, NamedParameter, Param, ParamKind, ParamMut};
-use te_runtime::{DType, Error, Module, Result, Tensor};
+use te_runtime::modules::{
+    join_path, KernelSpec, KernelTarget, ModuleVisitor, ModuleVisitorMut, NamedParameter, NormKind, Param, ParamKind,
+    ParamMut,
+};
+use te_runtime::{Arch, DType, Error, Module, Result, Tensor};
 
 /// A parameter held on the host: a shape and whether a gradient has accumulated.
 #[derive(Debug)]
@@ -94,6 +98,15 @@ impl Module for Leaf {
         }
         Ok(())
     }
+
+    /// A hand-written leaf's own kernels, from `KernelTarget`'s building blocks.
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        match self.weight.shape[..] {
+            [hidden] => target.norm(NormKind::LayerNorm, hidden, false, specs),
+            [n_out, n_in] => target.linear(n_in, n_out, self.bias.is_some(), specs),
+            _ => unreachable!("leaves are 1-d norms or 2-d linears"),
+        }
+    }
 }
 
 #[derive(Module)]
@@ -137,6 +150,13 @@ struct Stack<T> {
 
 #[derive(Module)]
 struct Nothing;
+
+#[derive(Module)]
+struct Frozen {
+    used: Leaf,
+    #[module(skip)]
+    frozen: Leaf,
+}
 
 const H: usize = 8;
 const F: usize = 32;
@@ -285,4 +305,51 @@ fn boxed_trait_objects_are_modules() {
     let p = paths(&layers);
     assert_eq!(p.first().map(String::as_str), Some("0.norm.weight"));
     assert_eq!(&p[p.len() - 2..], ["1.weight", "1.bias"]);
+}
+
+/// The sorted, deduplicated union of the kernel lists of `leaves`.
+fn union(leaves: &[&Leaf], target: &KernelTarget) -> Vec<KernelSpec> {
+    let mut specs: Vec<KernelSpec> = leaves.iter().flat_map(|l| l.kernel_specs_for(target)).collect();
+    specs.sort();
+    specs.dedup();
+    specs
+}
+
+#[test]
+fn kernel_specs_are_the_union_of_the_visited_fields() {
+    let target = KernelTarget::new(128, Arch::Sm90a);
+    let mlp = Mlp { fc1: Leaf::linear(H, F, true), fc2: Leaf::linear(F, H, false) };
+    let specs = mlp.kernel_specs_for(&target);
+    assert_eq!(specs, union(&[&mlp.fc1, &mlp.fc2], &target));
+    assert!(specs.len() > mlp.fc1.kernel_specs_for(&target).len(), "fc2 adds its own sizes");
+
+    // Vec, Option, arrays, Box and raw identifiers recurse; `None` adds nothing.
+    let m = model(true);
+    let mut leaves = vec![&m.embed, &m.heads[0], &m.heads[1], &*m.extra, &m.r#type];
+    for b in &m.layers {
+        leaves.extend([&b.norm, &b.mlp.fc1, &b.mlp.fc2]);
+    }
+    assert_eq!(model(false).kernel_specs_for(&target), union(&leaves, &target));
+    assert!(None::<Leaf>.kernel_specs_for(&target).is_empty());
+    assert!(Nothing.kernel_specs_for(&target).is_empty());
+
+    // Sorted and deduplicated.
+    let mut raw = Vec::new();
+    m.kernel_specs(&target, &mut raw);
+    let n = m.kernel_specs_for(&target).len();
+    assert!(raw.len() > n, "{} raw, {n} unique", raw.len());
+}
+
+#[test]
+fn skipped_fields_add_no_kernels() {
+    let target = KernelTarget::new(128, Arch::Sm90a);
+    let m = Frozen { used: Leaf::linear(H, F, true), frozen: Leaf::linear(3 * F, 5 * F, true) };
+    assert_eq!(m.kernel_specs_for(&target), m.used.kernel_specs_for(&target));
+    let frozen_only = m.frozen.kernel_specs_for(&target);
+    let transposes = |specs: &[KernelSpec]| specs.iter().filter(|s| matches!(s, KernelSpec::CastTranspose(_))).count();
+    assert!(transposes(&frozen_only) > 0);
+    assert!(!m
+        .kernel_specs_for(&target)
+        .iter()
+        .any(|s| frozen_only.contains(s) && matches!(s, KernelSpec::CastTranspose(_))));
 }

@@ -17,6 +17,7 @@ mod gemm;
 mod gpt;
 mod gpt_reference;
 mod jit;
+mod kernel_specs;
 mod linear;
 mod modules;
 mod norm;

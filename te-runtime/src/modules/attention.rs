@@ -20,7 +20,8 @@ mod mask;
 mod plan;
 mod unfused;
 
-use super::next_module_id;
+use super::visit::{Module, ModuleVisitor, ModuleVisitorMut};
+use super::{next_module_id, KernelSpec, KernelTarget};
 use crate::ops::dropout::DropoutParams;
 use crate::ops::softmax::MAX_SK;
 use crate::ops::{check_dtype, check_shape};
@@ -28,6 +29,7 @@ use crate::{Device, Error, Result, Tensor};
 use mask::MaskCache;
 use plan::Dims;
 use std::sync::Arc;
+use te_codegen::spec::MaskKind;
 use te_codegen::DType;
 
 const MODULE: &str = "DotProductAttention";
@@ -86,6 +88,15 @@ impl AttnMaskType {
     /// Whether the mask needs the sequence lengths.
     pub fn is_padding(self) -> bool {
         matches!(self, AttnMaskType::Padding | AttnMaskType::PaddingCausal)
+    }
+
+    /// The mask of the softmax kernel: a padding mask is a byte mask (causal included).
+    pub fn kernel_mask(self) -> MaskKind {
+        match self {
+            AttnMaskType::NoMask => MaskKind::None,
+            AttnMaskType::Causal => MaskKind::Causal,
+            AttnMaskType::Padding | AttnMaskType::PaddingCausal => MaskKind::Padding,
+        }
     }
 
     /// Whether the mask is causal.
@@ -348,6 +359,25 @@ impl DotProductAttention {
             ));
         }
         Ok(Dims { format, batch, sq, sk, heads: h, groups: g, head_dim: d })
+    }
+}
+
+impl Module for DotProductAttention {
+    /// Nothing: attention has no parameters.
+    fn visit(&self, _: &str, _: &mut dyn ModuleVisitor) -> Result<()> {
+        Ok(())
+    }
+
+    fn visit_mut(&mut self, _: &str, _: &mut dyn ModuleVisitorMut) -> Result<()> {
+        Ok(())
+    }
+
+    /// The softmax for the mask at [`KernelTarget::seq_length`] keys, dropout, and the GQA sum
+    /// ([`KernelTarget::attention`]), in the target's dtype (that of q, k, v).
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let c = &self.cfg;
+        let heads = c.num_attention_heads;
+        target.attention(c.attn_mask_type.kernel_mask(), heads, c.num_gqa_groups.unwrap_or(heads), specs);
     }
 }
 

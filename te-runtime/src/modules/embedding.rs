@@ -4,9 +4,9 @@
 
 use super::init::normal;
 use super::linear::check_ctx;
-use super::next_module_id;
 use super::token_ids::TokenIds;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut, Param, ParamKind, ParamMut};
+use super::{next_module_id, KernelSpec, KernelTarget};
 use crate::ops::embedding::{embedding_backward, embedding_forward};
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
@@ -187,5 +187,9 @@ impl Module for Embedding {
 
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         visitor.param(&join_path(prefix, "weight"), ParamKind::Embedding, &mut Weight(self))
+    }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        target.with_dtype(self.cfg.params_dtype).embedding(specs);
     }
 }

@@ -25,7 +25,9 @@ pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAtte
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
 pub use state_slot::{Fp8Direction, Fp8StateSlot};
+pub use te_codegen::prewarm::KernelTarget;
 pub use te_codegen::spec::Activation;
+pub use te_codegen::KernelSpec;
 pub use token_ids::TokenIds;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
 pub use visit::{

@@ -12,6 +12,7 @@ use super::linear::{Linear, LinearConfig, LinearCtx};
 use super::norm::NormKind;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, ForwardOptions, LinearParams, NormParams};
+use super::{KernelSpec, KernelTarget};
 use crate::ops::copy::copy_columns;
 use crate::ops::rope::{self, RopeFormat};
 use crate::{Device, Error, Result, Tensor};
@@ -402,5 +403,20 @@ impl Module for MultiheadAttention {
             QkvProj::Plain(m) => m.visit_mut(&join_path(prefix, "qkv"), visitor)?,
         }
         self.proj.visit_mut(&join_path(prefix, "proj"), visitor)
+    }
+
+    /// Those of the QKV projection, the attention, RoPE (with [`KernelTarget::rotary`]) and the
+    /// output projection.
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        match &self.qkv {
+            QkvProj::Norm(m) => m.kernel_specs(target, specs),
+            QkvProj::Plain(m) => m.kernel_specs(target, specs),
+        }
+        let target = target.with_dtype(self.cfg.params_dtype);
+        self.attention.kernel_specs(&target, specs);
+        if target.rotary {
+            target.rope(self.rope_format(), self.attention.config().kv_channels, specs);
+        }
+        self.proj.kernel_specs(&target, specs);
     }
 }

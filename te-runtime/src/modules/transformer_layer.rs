@@ -13,7 +13,7 @@ use super::multihead_attention::{
 };
 use super::norm::{Norm, NormConfig, NormCtx, NormKind};
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
-use super::{next_module_id, Activation, ForwardOptions};
+use super::{next_module_id, Activation, ForwardOptions, KernelSpec, KernelTarget};
 use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
 use crate::ops::elementwise::{add, add_assign};
 use crate::{Device, Error, Result, Tensor};
@@ -362,5 +362,13 @@ impl Module for TransformerLayer {
         self.attention.visit_mut(&join_path(prefix, "self_attention"), visitor)?;
         self.mlp.visit_mut(&join_path(prefix, "layernorm_mlp"), visitor)?;
         self.out_norm.visit_mut(&join_path(prefix, "layernorm"), visitor)
+    }
+
+    /// Those of the attention block, the MLP, the output norm and the residual connections.
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        self.attention.kernel_specs(target, specs);
+        self.mlp.kernel_specs(target, specs);
+        self.out_norm.kernel_specs(target, specs);
+        target.with_dtype(self.cfg.params_dtype).residual(specs);
     }
 }

@@ -2,8 +2,12 @@
 //! scaling state (`"layers.3.proj.fp8_fwd"`), in a fixed order, read-only ([`Module::visit`]) or
 //! writable ([`Module::visit_mut`]). `#[derive(Module)]` generates the traversal of a model
 //! struct; checkpoints, parameter counts, optimizers and `zero_grad` are visitors on top of it.
+//! The same recursion collects the kernels a model runs ([`Module::kernel_specs`]), which
+//! `te prewarm` compiles ahead of time.
 
-use super::{Fp8StateSlot, LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm, NormParams};
+use super::{
+    Fp8StateSlot, KernelSpec, KernelTarget, LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm, NormParams,
+};
 use crate::fp8::{Float8Tensor, ScalingState};
 use crate::{Result, Tensor};
 use std::ops::{Deref, DerefMut};
@@ -224,6 +228,24 @@ pub trait Module {
     /// The visitor's first error (the traversal stops there).
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()>;
 
+    /// Adds the kernels this module runs for `target` (forward, backward, its FP8 casts and
+    /// scaling updates) to `specs`, in any order, repeats allowed. `#[derive(Module)]` adds those
+    /// of every visited field, containers those of their elements, TE's layers their own (from
+    /// their config: sizes, bias, activation, norm, mask; their `params_dtype` overrides the
+    /// target's). The default adds nothing: a hand-written leaf module that launches kernels of
+    /// its own overrides it, with [`KernelTarget`]'s building blocks.
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let _ = (target, specs);
+    }
+
+    /// [`Module::kernel_specs`], sorted and deduplicated: the list to compile ahead of time
+    /// (`te_codegen::prewarm::prewarm`).
+    fn kernel_specs_for(&self, target: &KernelTarget) -> Vec<KernelSpec> {
+        let mut specs = Vec::new();
+        self.kernel_specs(target, &mut specs);
+        te_codegen::prewarm::sorted(specs)
+    }
+
     /// Number of parameter elements (an FP8-only weight counts its elements, not its bytes).
     fn num_parameters(&self) -> usize {
         let mut n = 0;
@@ -280,6 +302,12 @@ impl<T: Module> Module for [T] {
         }
         Ok(())
     }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        for m in self {
+            m.kernel_specs(target, specs);
+        }
+    }
 }
 
 impl<T: Module> Module for Vec<T> {
@@ -289,6 +317,10 @@ impl<T: Module> Module for Vec<T> {
 
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         self.as_mut_slice().visit_mut(prefix, visitor)
+    }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        self.as_slice().kernel_specs(target, specs);
     }
 }
 
@@ -300,6 +332,10 @@ impl<T: Module, const N: usize> Module for [T; N] {
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         self.as_mut_slice().visit_mut(prefix, visitor)
     }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        self.as_slice().kernel_specs(target, specs);
+    }
 }
 
 impl<T: Module> Module for Option<T> {
@@ -310,6 +346,12 @@ impl<T: Module> Module for Option<T> {
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         self.as_mut().map_or(Ok(()), |m| m.visit_mut(prefix, visitor))
     }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        if let Some(m) = self {
+            m.kernel_specs(target, specs);
+        }
+    }
 }
 
 impl<T: Module + ?Sized> Module for Box<T> {
@@ -319,6 +361,10 @@ impl<T: Module + ?Sized> Module for Box<T> {
 
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         (**self).visit_mut(prefix, visitor)
+    }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        (**self).kernel_specs(target, specs);
     }
 }
 
@@ -339,6 +385,11 @@ impl Module for Linear {
         let [fwd, bwd] = self.fp8_state_slots();
         visit_slots(prefix, [("fp8_fwd", fwd), ("fp8_bwd", bwd)], visitor)
     }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let c = self.config();
+        target.with_dtype(c.params_dtype).linear(c.in_features, c.out_features, c.bias, specs);
+    }
 }
 
 impl Module for Norm {
@@ -348,6 +399,11 @@ impl Module for Norm {
 
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         visit_norm_params_mut(self.params_mut(), prefix, WEIGHT_BIAS, visitor)
+    }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let (kind, c) = (self.params().kind(), self.params().config());
+        target.with_dtype(c.params_dtype).norm(kind, c.hidden_size, c.zero_centered_gamma, specs);
     }
 }
 
@@ -365,6 +421,18 @@ impl Module for LayerNormLinear {
         let [fwd, bwd] = self.fp8_state_slots();
         visit_slots(prefix, [("fp8_fwd", fwd), ("fp8_bwd", bwd)], visitor)
     }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let c = self.config();
+        target.with_dtype(c.params_dtype).layernorm_linear(
+            c.normalization,
+            c.zero_centered_gamma,
+            c.in_features,
+            c.out_features,
+            c.bias,
+            specs,
+        );
+    }
 }
 
 impl Module for LayerNormMLP {
@@ -380,6 +448,19 @@ impl Module for LayerNormMLP {
         visit_linear_params_mut(self.fc1_mut(), prefix, ["fc1_weight", "fc1_bias"], visitor)?;
         visit_linear_params_mut(self.fc2_mut(), prefix, ["fc2_weight", "fc2_bias"], visitor)?;
         visit_slots(prefix, self.fp8_state_slots(), visitor)
+    }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let c = self.config();
+        target.with_dtype(c.params_dtype).layernorm_mlp(
+            c.normalization,
+            c.zero_centered_gamma,
+            c.hidden_size,
+            c.ffn_hidden_size,
+            c.activation,
+            c.bias,
+            specs,
+        );
     }
 }
 

@@ -1,0 +1,59 @@
+//! Predicted kernel lists against the kernels a run loads: every kernel a GPT's FP8 and BF16
+//! training steps with AdamW load is in `Gpt::all_kernel_specs` plus `AdamW::kernel_specs`
+//! (what `te prewarm --preset` compiles), and the device-free `GptConfig::kernel_specs` agrees.
+
+use crate::common::device;
+use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+use te_runtime::models::gpt::{Gpt, GptConfig};
+use te_runtime::modules::{KernelTarget, TokenIds};
+use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
+use te_runtime::{Device, Module, Result};
+
+#[test]
+fn a_gpt_training_step_loads_only_predicted_kernels() {
+    if device().is_none() {
+        return;
+    }
+    // A device of its own: its kernel cache holds what this test loads, nothing of the others.
+    let dev = Device::new(0).unwrap();
+    let cfg = GptConfig {
+        hidden_size: 64,
+        num_layers: 2,
+        num_attention_heads: 4,
+        ffn_hidden_size: 256,
+        seq_length: 32,
+        ..GptConfig::tiny()
+    };
+    let (s, b) = (cfg.seq_length, 2);
+    let ids: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 7) % 256) as i32).collect();
+    let targets: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 38) % 256) as i32).collect();
+    let ids = TokenIds::from_host(&dev, &[s, b], &ids).unwrap();
+    let targets = TokenIds::from_host(&dev, &[s, b], &targets).unwrap();
+    let mut gpt = Gpt::new(&dev, cfg.clone()).unwrap();
+    let opt_cfg = AdamWConfig { max_grad_norm: Some(1.0), ..AdamWConfig::new(LrSchedule::Constant(1e-3)) };
+    let mut opt = AdamW::new(&dev, &gpt, opt_cfg).unwrap();
+    // Two FP8 steps (the second with scales from the first's amaxes), then one in BF16.
+    for fp8 in [true, true, false] {
+        let mut fwd_bwd = || -> Result<()> {
+            let (_, ctx) = gpt.forward_loss(&ids, &targets)?;
+            gpt.backward(ctx)
+        };
+        if fp8 {
+            fp8_autocast(true, DelayedScaling::default(), fwd_bwd).unwrap();
+        } else {
+            fwd_bwd().unwrap();
+        }
+        opt.step(&mut gpt).unwrap();
+        gpt.zero_grad();
+    }
+    dev.synchronize().unwrap();
+
+    let target = KernelTarget::new(s, dev.arch());
+    let mut predicted = gpt.all_kernel_specs(&target);
+    AdamW::kernel_specs(&target, &mut predicted);
+    let used = dev.kernels().loaded_specs();
+    assert!(used.len() >= 20, "only {} kernels loaded", used.len());
+    let missing: Vec<String> = used.iter().filter(|s| !predicted.contains(s)).map(|s| s.name()).collect();
+    assert!(missing.is_empty(), "loaded but not predicted: {missing:?}");
+    assert_eq!(gpt.all_kernel_specs(&target), cfg.kernel_specs(&target), "the device-free list agrees");
+}
