@@ -178,6 +178,11 @@ pub struct EmbedReport {
     pub layer_weight_bytes: usize,
     /// Sentences per second over the timed passes.
     pub sentences_per_s: Option<f64>,
+    /// Of one timed pass, seconds spent tokenizing (the rest is bucketing, the device's work
+    /// and copying the embeddings back).
+    pub tokenize_s: Option<f64>,
+    /// Seconds of one timed pass.
+    pub pass_s: Option<f64>,
     /// Cosine with the f32 reference: (min, mean).
     pub cosine: Option<(f64, f64)>,
     /// Device name.
@@ -198,6 +203,8 @@ impl EmbedReport {
         m.insert("weight_bytes".into(), self.weight_bytes.into());
         m.insert("layer_weight_bytes".into(), self.layer_weight_bytes.into());
         m.insert("sentences_per_s".into(), self.sentences_per_s.into());
+        m.insert("tokenize_s".into(), self.tokenize_s.into());
+        m.insert("pass_s".into(), self.pass_s.into());
         m.insert("cosine_min".into(), self.cosine.map(|c| c.0).into());
         m.insert("cosine_mean".into(), self.cosine.map(|c| c.1).into());
         m.insert("device".into(), self.device.clone().into());
@@ -389,8 +396,11 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
         // Each timed pass starts from the text, as sentence-transformers' `encode` does:
         // tokenize (in parallel), bucket, embed, pool.
         let t = Instant::now();
+        let mut tokenize = 0.0;
         for _ in 0..n {
+            let t_tok = Instant::now();
             let ids: Vec<Vec<u32>> = tok.encode_batch(&sentences)?.into_iter().map(|e| e.ids).collect();
+            tokenize += t_tok.elapsed().as_secs_f64();
             let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
             embed_all(&mut engine, &ids, &buckets(&lengths, a.batch_size))?;
         }
@@ -399,6 +409,8 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
         }
         let s = t.elapsed().as_secs_f64();
         report.sentences_per_s = Some((n * ids.len()) as f64 / s.max(1e-9));
+        report.tokenize_s = Some(tokenize / n.max(1) as f64);
+        report.pass_s = Some(s / n.max(1) as f64);
     }
     if a.compare_reference {
         let reference = te_runtime::reference::bert::embed_many(&cfg, &weights, &ids, threads())?;
