@@ -66,7 +66,7 @@ impl Device {
         // SAFETY: no buffer has been allocated on this context yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        Ok(Arc::new(Device {
+        let dev = Device {
             ctx,
             stream,
             arch,
@@ -75,7 +75,29 @@ impl Device {
             sm_count,
             kernels: KernelCache::new(compiler),
             gemm: Mutex::new(None),
-        }))
+        };
+        dev.keep_freed_memory()?;
+        Ok(Arc::new(dev))
+    }
+
+    /// Makes the stream's memory pool keep what is freed instead of handing it back to the
+    /// driver at every synchronization (its default release threshold is 0): a training step
+    /// frees and allocates its activations again each step, and re-mapping gigabytes per step
+    /// costs milliseconds (PyTorch's caching allocator keeps freed blocks the same way). The
+    /// pool still grows only to the peak in use ([`Device::peak_memory`]).
+    fn keep_freed_memory(&self) -> Result<()> {
+        let mut threshold = u64::MAX;
+        // SAFETY: the pool is the device's default pool; RELEASE_THRESHOLD takes a u64
+        // (cuuint64_t) value, as the driver API specifies.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                self.default_mem_pool()?,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+        }
+        .result()?;
+        Ok(())
     }
 
     /// The CUDA context.

@@ -15,16 +15,17 @@ pub fn dgelu(x: f32) -> f32 {
     0.5 * x * ((1.0 - t * t) * (SQRT_2_OVER_PI + 3.0 * 0.044715 * SQRT_2_OVER_PI * x * x)) + 0.5 * (1.0 + t)
 }
 
-/// Exact GELU (erf form): `0.5 x (1 + erf(x / √2))`, evaluated in f64 and rounded.
+/// Exact GELU (erf form): `0.5 x (1 + erf(x / √2))`, evaluated in f64 as `0.5 x erfc(-x / √2)`
+/// (no cancellation for negative x) and rounded.
 pub fn gelu_erf(x: f32) -> f32 {
     let x = f64::from(x);
-    (0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2))) as f32
+    (0.5 * x * libm::erfc(-x * std::f64::consts::FRAC_1_SQRT_2)) as f32
 }
 
 /// Derivative of [`gelu_erf`]: `Φ(x) + x φ(x)`.
 pub fn dgelu_erf(x: f32) -> f32 {
     let x = f64::from(x);
-    let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
+    let cdf = 0.5 * libm::erfc(-x * std::f64::consts::FRAC_1_SQRT_2);
     let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
     (cdf + x * pdf) as f32
 }
