@@ -3,7 +3,7 @@
 use crate::gemm::Engine;
 use crate::kernels::KernelCache;
 use crate::{Error, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex, PoisonError};
 use te_codegen::{Arch, KernelCompiler, KernelSpec};
 
@@ -28,7 +28,12 @@ pub struct Device {
     kernels: KernelCache,
     /// cuBLASLt state, created by the first GEMM (`None` until then, and after a failed try).
     gemm: Mutex<Option<Arc<Engine>>>,
+    /// The last host-built constant uploaded by [`Device::upload_cached`], with its key.
+    last_upload: Mutex<Option<KeyedUpload>>,
 }
+
+/// An uploaded constant and the key it was built for.
+type KeyedUpload = (Vec<u64>, Arc<CudaSlice<u8>>);
 
 impl Device {
     /// Opens device `ordinal` with the disk cache the environment asks for.
@@ -75,6 +80,7 @@ impl Device {
             sm_count,
             kernels: KernelCache::new(compiler),
             gemm: Mutex::new(None),
+            last_upload: Mutex::new(None),
         };
         dev.keep_freed_memory()?;
         Ok(Arc::new(dev))
@@ -218,6 +224,24 @@ impl Device {
         // SAFETY: `pool` is a valid out-pointer; the device ordinal is this context's device.
         unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result()?;
         Ok(pool)
+    }
+
+    /// The bytes `build` makes, uploaded once for consecutive calls with the same `key`: the
+    /// padding mask of an attention batch, which every layer of the batch reads (one host build
+    /// and one upload per batch instead of one per layer).
+    ///
+    /// # Errors
+    /// Upload failures.
+    pub(crate) fn upload_cached(&self, key: &[u64], build: impl FnOnce() -> Vec<u8>) -> Result<Arc<CudaSlice<u8>>> {
+        let mut slot = self.last_upload.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((k, bytes)) = slot.as_ref() {
+            if k == key {
+                return Ok(bytes.clone());
+            }
+        }
+        let bytes = Arc::new(self.stream.clone_htod(&build())?);
+        *slot = Some((key.to_vec(), bytes.clone()));
+        Ok(bytes)
     }
 
     /// Waits for all work on the stream.

@@ -1,12 +1,14 @@
 //! The softmax mask of one attention call: none, the kernel's causal mask, or for padding masks a
 //! `[batch, sq, sk]` byte mask built on the host (nonzero = masked out, TE's convention),
-//! uploaded, and kept for the next call with the same lengths and sizes.
+//! uploaded, and kept for the next call with the same lengths and sizes (by this module, and by
+//! the device for the other layers of the same batch).
 
 use super::plan::Dims;
 use super::{AttnMaskType, MODULE};
 use crate::ops::softmax::Mask;
 use crate::{Device, Error, Result};
 use cudarc::driver::CudaSlice;
+use std::sync::Arc;
 
 /// What an uploaded byte mask was built from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,16 +22,18 @@ struct MaskKey {
 /// The last padding mask uploaded.
 #[derive(Debug, Default)]
 pub(super) struct MaskCache {
-    entry: Option<(MaskKey, CudaSlice<u8>)>,
+    entry: Option<(MaskKey, Arc<CudaSlice<u8>>)>,
 }
 
 /// `[seq_lens.len(), sq, sk]` bytes, 1 where query `i` of sequence `b` must not see key `j`: `i`
 /// or `j` at or past `seq_lens[b]`, or with `causal`, `j > i`.
 pub(super) fn padding_mask(seq_lens: &[usize], sq: usize, sk: usize, causal: bool) -> Vec<u8> {
-    let mut mask = Vec::with_capacity(seq_lens.len() * sq * sk);
-    for &len in seq_lens {
-        for i in 0..sq {
-            mask.extend((0..sk).map(|j| u8::from(i >= len || j >= len || (causal && j > i))));
+    let mut mask = vec![1u8; seq_lens.len() * sq * sk];
+    for (b, &len) in seq_lens.iter().enumerate() {
+        // Query i < len sees keys j < len (and j ≤ i when causal): a prefix of its row.
+        for i in 0..sq.min(len) {
+            let visible = if causal { len.min(i + 1) } else { len }.min(sk);
+            mask[(b * sq + i) * sk..][..visible].fill(0);
         }
     }
     mask
@@ -85,8 +89,10 @@ impl MaskCache {
         let entry = match self.entry.take() {
             Some((cached, mask)) if cached == key => (cached, mask),
             _ => {
-                let bytes = padding_mask(seq_lens, sq, sk, key.causal);
-                (key, dev.stream().clone_htod(&bytes)?)
+                let mut id: Vec<u64> = [sq, sk, usize::from(key.causal)].iter().map(|&v| v as u64).collect();
+                id.extend(seq_lens.iter().map(|&l| l as u64));
+                let mask = dev.upload_cached(&id, || padding_mask(seq_lens, sq, sk, key.causal))?;
+                (key, mask)
             }
         };
         Ok(Mask::Padding(&self.entry.insert(entry).1))
