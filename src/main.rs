@@ -289,7 +289,8 @@ struct TrainArgs {
     fp8_lm_head: bool,
 }
 
-/// The preset `a.preset` names on this machine, and whether it runs on the GPU.
+/// The preset `preset` names on this machine (`auto`: small with a GPU, tiny without) and its
+/// model config; an error for a GPU preset without a GPU.
 fn pick_preset(preset: &str, gpu: bool) -> Result<(&'static str, GptConfig), String> {
     match (preset, gpu) {
         ("tiny", _) => Ok(("tiny", GptConfig::tiny())),

@@ -282,7 +282,6 @@ impl MultiheadAttention {
                 message: format!("hidden states must be 3-D [s, b, hidden] or [b, s, hidden], got {:?}", x.shape()),
             });
         };
-        let (h, g, d) = self.heads;
         let opts = ForwardOptions { is_first_microbatch: inputs.is_first_microbatch, fp8_output: false };
         let (qkv, qkv_ctx) = match &mut self.qkv {
             QkvProj::Norm(m) => {
@@ -294,19 +293,7 @@ impl MultiheadAttention {
                 (y.into_high(&self.dev, x.dtype())?, QkvCtx::Plain(c))
             }
         };
-        let split = |col: usize, heads: usize| -> Result<Tensor> {
-            let mut t = Tensor::empty(&self.dev, qkv.dtype(), &[a * b, heads * d])?;
-            copy_columns(&self.dev, &qkv, col * d, &mut t, 0, heads * d)?;
-            t.reshape(&[a, b, heads, d])
-        };
-        let (mut q, mut k, v) = (split(0, h)?, split(h, g)?, split(h + g, g)?);
-        if let Some(freqs) = inputs.rotary_pos_emb {
-            for t in [&mut q, &mut k] {
-                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
-                rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
-                *t = out;
-            }
-        }
+        let [q, k, v] = self.split_qkv(&qkv, [a, b], inputs.rotary_pos_emb)?;
         let (ctx_out, attn) = self.attention.forward(&q, &k, &v, inputs.seq_lens)?;
         let (y, proj) = self.proj.forward_with(&ctx_out, opts)?;
         let y = y.into_high(&self.dev, x.dtype())?;
@@ -319,6 +306,26 @@ impl MultiheadAttention {
             shape: x.shape().to_vec(),
         };
         Ok((y, ctx))
+    }
+
+    /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused projection's output
+    /// `[a·b, (h + 2g)·d]`, with the rotary embedding applied to q and k when given.
+    fn split_qkv(&self, qkv: &Tensor, [a, b]: [usize; 2], rotary: Option<&Tensor>) -> Result<[Tensor; 3]> {
+        let (h, g, d) = self.heads;
+        let split = |col: usize, heads: usize| -> Result<Tensor> {
+            let mut t = Tensor::empty(&self.dev, qkv.dtype(), &[a * b, heads * d])?;
+            copy_columns(&self.dev, qkv, col * d, &mut t, 0, heads * d)?;
+            t.reshape(&[a, b, heads, d])
+        };
+        let (mut q, mut k, v) = (split(0, h)?, split(h, g)?, split(h + g, g)?);
+        if let Some(freqs) = rotary {
+            for t in [&mut q, &mut k] {
+                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
+                rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
+                *t = out;
+            }
+        }
+        Ok([q, k, v])
     }
 
     /// Self-attention for inference (TE under `torch.no_grad()`): the projections run through
@@ -334,24 +341,11 @@ impl MultiheadAttention {
                 message: format!("hidden states must be 3-D [s, b, hidden] or [b, s, hidden], got {:?}", x.shape()),
             });
         };
-        let (h, g, d) = self.heads;
         let qkv = match &mut self.qkv {
             QkvProj::Norm(m) => m.infer(x)?,
             QkvProj::Plain(m) => m.infer(x)?,
         };
-        let split = |col: usize, heads: usize| -> Result<Tensor> {
-            let mut t = Tensor::empty(&self.dev, qkv.dtype(), &[a * b, heads * d])?;
-            copy_columns(&self.dev, &qkv, col * d, &mut t, 0, heads * d)?;
-            t.reshape(&[a, b, heads, d])
-        };
-        let (mut q, mut k, v) = (split(0, h)?, split(h, g)?, split(h + g, g)?);
-        if let Some(freqs) = inputs.rotary_pos_emb {
-            for t in [&mut q, &mut k] {
-                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
-                rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
-                *t = out;
-            }
-        }
+        let [q, k, v] = self.split_qkv(&qkv, [a, b], inputs.rotary_pos_emb)?;
         let (ctx_out, _) = self.attention.forward(&q, &k, &v, inputs.seq_lens)?;
         self.proj.infer(&ctx_out)
     }
