@@ -271,6 +271,12 @@ pub fn adamw_config(cfg: &TrainConfig) -> AdamWConfig {
     }
 }
 
+/// The validation batches of every evaluation: the same fixed windows each time, on the GPU
+/// and on the CPU path.
+pub fn eval_batcher(cfg: &TrainConfig) -> Batcher {
+    Batcher::new(cfg.data_seed ^ 0x5eed, cfg.model.seq_length, cfg.batch)
+}
+
 /// Mean validation loss over `cfg.eval_batches` fixed batches (the same for every evaluation),
 /// in evaluation mode (no dropout; the training run's dropout stream does not move).
 fn evaluate(
@@ -281,7 +287,7 @@ fn evaluate(
     precision: Precision,
 ) -> Result<f32, TrainError> {
     let seq = cfg.model.seq_length;
-    let mut batches = Batcher::new(cfg.data_seed ^ 0x5eed, seq, cfg.batch);
+    let mut batches = eval_batcher(cfg);
     model.set_training(false);
     let mut run = || -> Result<f32, TrainError> {
         let mut sum = 0.0f32;
@@ -337,9 +343,7 @@ fn save(
         toml::to_string(&latest).map_err(|e| TrainError::Resume { path: path.clone(), message: e.to_string() })?;
     // The step's own copy (to resume from it by copying it over latest.toml), then the pointer.
     for file in [dir.join("trainer.toml"), path] {
-        write_atomic(&file, |tmp| {
-            std::fs::write(tmp, &text).map_err(|e| te_runtime::Error::Checkpoint { message: format!("{e}") })
-        })?;
+        write_text(&file, &text)?;
     }
     // Keep the newest and the one before it; older ones are no longer needed.
     let entries = std::fs::read_dir(run_dir).map_err(|source| TrainError::Output { path: run_dir.into(), source })?;
@@ -416,8 +420,14 @@ fn write_history(path: &Path, records: &[Record]) -> Result<(), TrainError> {
         let val = r.val_loss.map(|v| v.to_string()).unwrap_or_default();
         text.push_str(&format!("{},{},{val},{}\n", r.step, r.train_loss, r.step_ms));
     }
+    write_text(path, &text)
+}
+
+/// Writes `text` to `path` atomically (a crash leaves the old file or the new one).
+fn write_text(path: &Path, text: &str) -> Result<(), TrainError> {
     write_atomic(path, |tmp| {
-        std::fs::write(tmp, &text).map_err(|e| te_runtime::Error::Checkpoint { message: format!("{e}") })
+        std::fs::write(tmp, text)
+            .map_err(|e| te_runtime::Error::Checkpoint { message: format!("{}: {e}", tmp.display()) })
     })?;
     Ok(())
 }

@@ -7,9 +7,8 @@
 //! per run on two cores.
 
 use crate::data::{Batcher, Corpus};
-use crate::train::{Precision, Record, RunSummary, TrainConfig, TrainError};
+use crate::train::{adamw_config, eval_batcher, median, Precision, Record, RunSummary, TrainConfig, TrainError};
 use std::time::Instant;
-use te_runtime::optim::LrSchedule;
 use te_runtime::reference::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
 
 /// Trains `cfg.model` on `corpus` on the CPU in `precision` (emulated, see the module docs),
@@ -32,15 +31,16 @@ pub fn train_cpu(
         Precision::Fp8 => GemmPrecision::Fp8(cfg.recipe),
         Precision::Bf16 => GemmPrecision::Bf16,
     })?;
-    let schedule = LrSchedule::WarmupCosine {
-        peak: cfg.lr,
-        warmup_steps: cfg.warmup_steps,
-        total_steps: cfg.steps,
-        min_lr: cfg.lr / 10.0,
-    };
+    // The GPU job's AdamW settings and schedule.
+    let gpu = adamw_config(cfg);
+    let schedule = gpu.lr;
     schedule.validate()?;
-    let opt_cfg =
-        GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, max_grad_norm: Some(cfg.max_grad_norm) };
+    let opt_cfg = GptAdamWConfig {
+        betas: gpu.betas,
+        eps: gpu.eps,
+        weight_decay: gpu.weight_decay,
+        max_grad_norm: gpu.max_grad_norm,
+    };
     let mut opt = GptAdamW::new(&model, opt_cfg);
     let (seq, batch) = (cfg.model.seq_length, cfg.batch);
     let mut train_batches = Batcher::new(cfg.data_seed, seq, batch);
@@ -74,9 +74,7 @@ pub fn train_cpu(
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
     }
-    let mut times: Vec<f64> = records.iter().skip(1).map(|r| r.step_ms).collect();
-    times.sort_by(f64::total_cmp);
-    let median_ms = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+    let median_ms = median(&mut records.iter().skip(1).map(|r| r.step_ms).collect::<Vec<_>>());
     let tokens = (seq * batch * cfg.grad_accum) as f64;
     Ok(RunSummary {
         precision,
@@ -90,7 +88,7 @@ pub fn train_cpu(
 /// Mean validation loss over `cfg.eval_batches` fixed batches (those of the GPU job).
 fn evaluate(model: &GptRef, corpus: &Corpus, cfg: &TrainConfig) -> Result<f32, TrainError> {
     let (seq, batch) = (cfg.model.seq_length, cfg.batch);
-    let mut batches = Batcher::new(cfg.data_seed ^ 0x5eed, seq, batch);
+    let mut batches = eval_batcher(cfg);
     let mut sum = 0.0f32;
     for _ in 0..cfg.eval_batches {
         let b = batches.next(&corpus.val, "validation")?;

@@ -92,18 +92,7 @@ impl Device {
     /// costs milliseconds (PyTorch's caching allocator keeps freed blocks the same way). The
     /// pool still grows only to the peak in use ([`Device::peak_memory`]).
     fn keep_freed_memory(&self) -> Result<()> {
-        let mut threshold = u64::MAX;
-        // SAFETY: the pool is the device's default pool; RELEASE_THRESHOLD takes a u64
-        // (cuuint64_t) value, as the driver API specifies.
-        unsafe {
-            sys::cuMemPoolSetAttribute(
-                self.default_mem_pool()?,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            )
-        }
-        .result()?;
-        Ok(())
+        self.set_pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX)
     }
 
     /// The CUDA context.
@@ -198,22 +187,22 @@ impl Device {
         Ok(high)
     }
 
-    /// Restarts [`Device::peak_memory`] from the memory in use now.
+    /// Restarts [`Device::peak_memory`] from the memory in use now (the driver takes only 0
+    /// for USED_MEM_HIGH, which resets it to the current usage).
     ///
     /// # Errors
     /// Driver failures.
     pub fn reset_peak_memory(&self) -> Result<()> {
-        let mut zero = 0u64;
-        // SAFETY: as in `peak_memory`; the driver only accepts 0 for USED_MEM_HIGH, which
-        // resets it to the current usage.
-        unsafe {
-            sys::cuMemPoolSetAttribute(
-                self.default_mem_pool()?,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut zero as *mut u64).cast(),
-            )
-        }
-        .result()?;
+        self.set_pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
+    }
+
+    /// Sets a u64-valued attribute (release threshold, high-water marks) of the default pool.
+    fn set_pool_attribute(&self, attr: sys::CUmemPool_attribute, value: u64) -> Result<()> {
+        let mut value = value;
+        // SAFETY: the pool is the device's default pool (it lives as long as the context); the
+        // attributes passed here take a u64 (cuuint64_t) value, as the driver API specifies.
+        unsafe { sys::cuMemPoolSetAttribute(self.default_mem_pool()?, attr, (&mut value as *mut u64).cast()) }
+            .result()?;
         Ok(())
     }
 
