@@ -53,12 +53,14 @@ pub fn train_cpu(
             let b = train_batches.next(&corpus.train, "train")?;
             let (loss, ctx) = model.forward_loss(&b.ids, &b.targets, seq, batch)?;
             let g = model.backward(ctx)?;
+            // The step's gradient is that of the mean loss over its micro-batches: each
+            // micro-batch's weighs 1 / grad_accum, as `MicroBatch::grad_scale` on the GPU.
+            let w = 1.0 / cfg.grad_accum as f32;
             if grads.is_empty() {
-                grads = g;
+                grads = g.into_iter().map(|(n, v)| (n, v.into_iter().map(|x| x * w).collect())).collect();
             } else {
-                // Gradients accumulate over micro-batches, as on the GPU.
                 for ((_, acc), (_, g)) in grads.iter_mut().zip(g) {
-                    acc.iter_mut().zip(g).for_each(|(a, g)| *a += g);
+                    acc.iter_mut().zip(g).for_each(|(a, g)| *a += g * w);
                 }
             }
             loss_sum += loss;
