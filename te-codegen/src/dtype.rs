@@ -59,7 +59,7 @@ impl DType {
         }
     }
 
-    /// Name of the C++ type tag in `templates/common.cuh.tera` (`F32`, `BF16`, `E4M3`, ...).
+    /// Name of the C++ type tag in `te-codegen/templates/common.cuh.tera` (`F32`, `BF16`, `E4M3`, ...).
     pub const fn type_tag(self) -> &'static str {
         match self {
             DType::F32 => "F32",

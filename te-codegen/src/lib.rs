@@ -1,7 +1,7 @@
 //! Kernel code generation for the Transformer Engine for Rust.
 //!
 //! The pipeline is pure up to the GPU: a typed [`KernelSpec`] is rendered from a Tera template
-//! under `templates/` ([`render`]), compiled by NVRTC to a CUBIN for the target [`Arch`]
+//! under `te-codegen/templates/` ([`render`]), compiled by NVRTC to a CUBIN for the target [`Arch`]
 //! ([`nvrtc`]), and stored in a checksummed on-disk cache ([`cache`]). [`KernelCompiler`] ties
 //! them together; [`prewarm`] compiles the kernel set of a model configuration ahead of time,
 //! on a machine without a GPU. Loading and launching lives in `te-runtime`.
@@ -67,6 +67,15 @@ pub enum Error {
     /// An NVRTC API call failed outside compilation proper.
     #[error("NVRTC call failed: {0:?}")]
     Nvrtc(#[from] cudarc::nvrtc::result::NvrtcError),
+    /// A broken invariant of this crate (a bug, never the caller's input): the message names
+    /// what did not hold.
+    #[error("internal error in {op}: {message} (a bug in te-codegen; please report it)")]
+    Internal {
+        /// Where it was found.
+        op: &'static str,
+        /// What did not hold.
+        message: String,
+    },
     /// A model configuration file could not be read or parsed.
     #[error("model configuration {path}: {message}")]
     Config {

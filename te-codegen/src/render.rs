@@ -7,24 +7,24 @@ use crate::spec::KernelSpec;
 use crate::{Error, Result};
 use std::sync::OnceLock;
 
-/// Every template, by file name under `templates/`.
+/// Every template, by file name under `te-codegen/templates/`.
 pub const TEMPLATES: &[(&str, &str)] = &[
-    ("common.cuh.tera", include_str!("../../templates/common.cuh.tera")),
-    ("cast.cu.tera", include_str!("../../templates/cast.cu.tera")),
-    ("cast_transpose.cu.tera", include_str!("../../templates/cast_transpose.cu.tera")),
-    ("activation.cu.tera", include_str!("../../templates/activation.cu.tera")),
-    ("norm_fwd.cu.tera", include_str!("../../templates/norm_fwd.cu.tera")),
-    ("norm_bwd.cu.tera", include_str!("../../templates/norm_bwd.cu.tera")),
-    ("softmax.cu.tera", include_str!("../../templates/softmax.cu.tera")),
-    ("scaling.cu.tera", include_str!("../../templates/scaling.cu.tera")),
-    ("elementwise.cu.tera", include_str!("../../templates/elementwise.cu.tera")),
-    ("transpose.cu.tera", include_str!("../../templates/transpose.cu.tera")),
-    ("rope.cu.tera", include_str!("../../templates/rope.cu.tera")),
-    ("philox.cuh.tera", include_str!("../../templates/philox.cuh.tera")),
-    ("dropout.cu.tera", include_str!("../../templates/dropout.cu.tera")),
-    ("optimizer.cu.tera", include_str!("../../templates/optimizer.cu.tera")),
-    ("embedding.cu.tera", include_str!("../../templates/embedding.cu.tera")),
-    ("cross_entropy.cu.tera", include_str!("../../templates/cross_entropy.cu.tera")),
+    ("common.cuh.tera", include_str!("../templates/common.cuh.tera")),
+    ("cast.cu.tera", include_str!("../templates/cast.cu.tera")),
+    ("cast_transpose.cu.tera", include_str!("../templates/cast_transpose.cu.tera")),
+    ("activation.cu.tera", include_str!("../templates/activation.cu.tera")),
+    ("norm_fwd.cu.tera", include_str!("../templates/norm_fwd.cu.tera")),
+    ("norm_bwd.cu.tera", include_str!("../templates/norm_bwd.cu.tera")),
+    ("softmax.cu.tera", include_str!("../templates/softmax.cu.tera")),
+    ("scaling.cu.tera", include_str!("../templates/scaling.cu.tera")),
+    ("elementwise.cu.tera", include_str!("../templates/elementwise.cu.tera")),
+    ("transpose.cu.tera", include_str!("../templates/transpose.cu.tera")),
+    ("rope.cu.tera", include_str!("../templates/rope.cu.tera")),
+    ("philox.cuh.tera", include_str!("../templates/philox.cuh.tera")),
+    ("dropout.cu.tera", include_str!("../templates/dropout.cu.tera")),
+    ("optimizer.cu.tera", include_str!("../templates/optimizer.cu.tera")),
+    ("embedding.cu.tera", include_str!("../templates/embedding.cu.tera")),
+    ("cross_entropy.cu.tera", include_str!("../templates/cross_entropy.cu.tera")),
 ];
 
 fn engine() -> &'static std::result::Result<tera::Tera, String> {

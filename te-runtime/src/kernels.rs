@@ -1,7 +1,7 @@
 //! In-process kernel cache: spec → loaded module, compiled once even when many threads ask at
 //! once (a per-spec lock), through the disk cache of [`te_codegen::KernelCompiler`].
 
-use crate::Result;
+use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -82,10 +82,13 @@ impl KernelCache {
             *guard = Some(Arc::new(funcs));
             self.loads.fetch_add(1, Ordering::Relaxed);
         }
-        let funcs = guard.as_ref().expect("loaded above");
-        Ok(funcs
-            .get(entry)
-            .unwrap_or_else(|| panic!("{} has {} entry points, asked for #{entry}", spec.name(), funcs.len()))
-            .clone())
+        let funcs =
+            guard.as_ref().ok_or_else(|| Error::internal("KernelCache::function", "a slot empty after load"))?;
+        funcs.get(entry).cloned().ok_or_else(|| {
+            Error::internal(
+                "KernelCache::function",
+                format!("{} has {} entry points, asked for #{entry}", spec.name(), funcs.len()),
+            )
+        })
     }
 }

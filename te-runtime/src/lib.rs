@@ -128,6 +128,15 @@ pub enum Error {
         /// What is wrong, naming the file and the tensors.
         message: String,
     },
+    /// A broken invariant of this library (a bug, never the caller's input): the message names
+    /// what did not hold. Please report it.
+    #[error("internal error in {op}: {message} (a bug in te-runtime; please report it)")]
+    Internal {
+        /// Where it was found.
+        op: &'static str,
+        /// What did not hold.
+        message: String,
+    },
     /// A backward called with a context it cannot use: made by another module, or by a forward
     /// whose weights have changed since.
     #[error("{module} backward: {message}")]
@@ -141,3 +150,10 @@ pub enum Error {
 
 /// Result with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// An [`Error::Internal`]: `op` found that `message` did not hold.
+    pub(crate) fn internal(op: &'static str, message: impl Into<String>) -> Self {
+        Error::Internal { op, message: message.into() }
+    }
+}

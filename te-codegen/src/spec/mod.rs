@@ -61,7 +61,7 @@ impl Direction {
 pub trait Family: std::fmt::Debug {
     /// The family's name in kernel names (`cast`, `cast_transpose`, `layernorm`, ...).
     fn family(&self) -> &'static str;
-    /// Template file under `templates/` that renders this spec.
+    /// Template file under `te-codegen/templates/` that renders this spec.
     fn template(&self) -> &'static str;
     /// The parameters that make this kernel distinct, as a name fragment (`bf16_e4m3_c4096`).
     fn name_parts(&self) -> String;

@@ -1,6 +1,6 @@
 //! Families 2, 3 and the fused dact of 4: cast + transpose (+ dbias) (+ dact).
 //!
-//! Mirrors `templates/cast_transpose.cu.tera`: `g = dy * act'(act_in)` is one rounded f32
+//! Mirrors `te-codegen/templates/cast_transpose.cu.tera`: `g = dy * act'(act_in)` is one rounded f32
 //! multiply, codes are `fp8(g * scale)`, and the dbias sums run in the kernel's order (see
 //! [`cast_transpose`]), so without a fused GELU every output matches bit for bit. With GELU the
 //! GPU's `tanhf` (and FMA contraction inside `act'`) can differ from the CPU's by an ulp, which

@@ -1,6 +1,6 @@
 //! Family 12 reference: softmax cross-entropy with integer targets and an ignore index.
 //!
-//! Mirrors `templates/cross_entropy.cu.tera` in f64 (the kernel sums exponentials in f32 in a
+//! Mirrors `te-codegen/templates/cross_entropy.cu.tera` in f64 (the kernel sums exponentials in f32 in a
 //! thread-dependent order, so the GPU matches within float rounding, not bit for bit):
 //! `loss[t] = logsumexp(x[t]) - x[t, target]`, `dlogits = (softmax - onehot) * grad_scale`
 //! (unrounded; the kernel rounds it to the logits' dtype). An ignored target gives loss 0 and a

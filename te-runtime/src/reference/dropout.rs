@@ -1,4 +1,4 @@
-//! Family 10 reference: dropout with Philox4x32-10, mirroring `templates/dropout.cu.tera` bit
+//! Family 10 reference: dropout with Philox4x32-10, mirroring `te-codegen/templates/dropout.cu.tera` bit
 //! for bit: the same random words and keep rule, and the same f32 operations in the same order
 //! (no fused multiply-add), each rounded, the result rounded once to the output type. Masks
 //! always match; outputs match except that the GPU writes the canonical NaN where the CPU may

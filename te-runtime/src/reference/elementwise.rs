@@ -1,6 +1,6 @@
 //! Family 8 reference: element-wise add and in-place add.
 //!
-//! Mirrors `templates/elementwise.cu.tera`: both operands (already values of their dtypes) are
+//! Mirrors `te-codegen/templates/elementwise.cu.tera`: both operands (already values of their dtypes) are
 //! added in f32 and the sum is rounded once, to nearest even, to the output type. Finite and
 //! infinite results match the kernel bit for bit; a NaN result is NaN on both sides, but the GPU
 //! writes the canonical NaN where the CPU may keep an input's sign and payload.

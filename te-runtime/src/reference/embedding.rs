@@ -1,6 +1,6 @@
 //! Family 11 reference: embedding lookup and its scatter-add backward.
 //!
-//! Mirrors `templates/embedding.cu.tera`: the forward copies rows (bit-exact), an id outside
+//! Mirrors `te-codegen/templates/embedding.cu.tera`: the forward copies rows (bit-exact), an id outside
 //! `[0, vocab)` gives a zero row; the backward sums each table row's gradients over the tokens in
 //! token order in f32 and adds the sum once to the gradient, rounded to its dtype (bit-exact
 //! too: the kernel adds in the same order).

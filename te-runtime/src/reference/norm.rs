@@ -1,5 +1,5 @@
 //! Family 5 reference: LayerNorm / RMSNorm forward and backward, mirroring the kernels of
-//! `templates/norm_fwd.cu.tera` and `templates/norm_bwd.cu.tera` operation for operation.
+//! `te-codegen/templates/norm_fwd.cu.tera` and `te-codegen/templates/norm_bwd.cu.tera` operation for operation.
 //!
 //! The kernels fix every rounding step (explicit `_rn` intrinsics, no FMA contraction) and every
 //! summation order (thread `t` owns the `vec`-element vectors `t, t + threads, ...` of a row and

@@ -2,7 +2,7 @@
 //! with FP32 master weights (Loshchilov & Hutter 2019; PyTorch `torch.optim.AdamW`,
 //! `torch.nn.utils.clip_grad_norm_`).
 //!
-//! Mirrors `templates/optimizer.cu.tera`: the per-step scalars come from [`AdamWScalars::new`],
+//! Mirrors `te-codegen/templates/optimizer.cu.tera`: the per-step scalars come from [`AdamWScalars::new`],
 //! which the runtime also uses to fill the kernel's arguments, and each element's update is the
 //! same sequence of f32 operations, each rounded once (the kernel uses `__f*_rn`, no
 //! contraction), so masters, moments and parameters match the kernel bit for bit. The norm is

@@ -1,4 +1,4 @@
-//! Family 9 reference: RoPE forward and backward, mirroring `templates/rope.cu.tera` operation
+//! Family 9 reference: RoPE forward and backward, mirroring `te-codegen/templates/rope.cu.tera` operation
 //! for operation: `fma(a, cos, round(rot · sin))` in f32, rounded once to the output dtype;
 //! channels past `d2` copied. The sines and cosines come from the host's `sin_cos` where the
 //! kernel uses CUDA's `sincosf` (within 2 ulps), so outputs agree within a few f32 ulps of the
