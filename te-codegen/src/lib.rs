@@ -86,5 +86,24 @@ pub enum Error {
     },
 }
 
+/// What FP8 GEMMs (16-byte aligned leading dimensions of 1-byte operands) and the FP8 kernels'
+/// vector layouts need every dimension they cast or transpose to be a multiple of.
+pub const FP8_ALIGN: usize = 16;
+
+/// Checks that the FP8 dimension `dim` (named in the message, e.g. `in_features`) is a positive
+/// multiple of [`FP8_ALIGN`]. The one home of this rule: specs, launchers, modules and configs
+/// all call it.
+///
+/// # Errors
+/// `"<dim> = <value> must be a multiple of 16 for FP8; pad it to <next multiple>"`.
+pub fn check_fp8_dim(dim: &str, value: usize) -> std::result::Result<(), String> {
+    if value > 0 && value % FP8_ALIGN == 0 {
+        Ok(())
+    } else {
+        let padded = value.div_ceil(FP8_ALIGN).max(1) * FP8_ALIGN;
+        Err(format!("{dim} = {value} must be a multiple of {FP8_ALIGN} for FP8; pad it to {padded}"))
+    }
+}
+
 /// Result with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
