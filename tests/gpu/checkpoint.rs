@@ -175,7 +175,7 @@ fn file_holds_weights_and_fp8_state_as_named_tensors() {
     assert_eq!((t.dtype(), t.shape()), (safetensors::Dtype::BF16, &[F, H][..]));
     let t = st.tensor("head.fp8_fwd.amax_history").unwrap();
     assert_eq!((t.dtype(), t.shape()), (safetensors::Dtype::F32, &[3, 4][..]));
-    assert_eq!(st.tensor("head.fp8_bwd.scale").unwrap().shape(), [2]);
+    assert_eq!(st.tensor("head.fp8_bwd.scale").unwrap().shape(), [1]);
     assert_eq!(st.tensor("layers.0.qkv.fp8_fwd.scale_inv").unwrap().shape(), [3]);
     let snap = &states(&a).into_iter().find(|(p, _)| p == "head.fp8_fwd").unwrap().1;
     let scale: Vec<f32> = st
@@ -188,8 +188,48 @@ fn file_holds_weights_and_fp8_state_as_named_tensors() {
     assert_eq!(scale, snap.scale);
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let meta = meta.metadata().clone().unwrap();
-    assert_eq!(meta["te_format_version"], "1");
+    assert_eq!(meta["te_format_version"], "2");
     assert_eq!(meta["step"], "1");
+}
+
+/// A file of format version 1, whose backward states held a second, never-written `grad_input`
+/// slot, loads: the states are the file's first slots, and training continues as from the
+/// version-2 file of the same model.
+#[test]
+fn a_format_1_checkpoint_loads_without_its_unused_grad_input_slot() {
+    let Some(dev) = device() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (v2, v1) = (dir.path().join("v2.safetensors"), dir.path().join("v1.safetensors"));
+    let mut a = model(&dev, 1, F, 0);
+    train_fp8(&dev, &mut a, 1, 2);
+    save(&a, &v2, &SaveOptions::default()).unwrap();
+
+    // The same checkpoint as format 1 wrote it: each `*fp8_bwd.*` gains the second slot (a zero
+    // history row, scale and scale_inv 1).
+    let bytes = std::fs::read(&v2).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in st.tensors() {
+        let (mut shape, mut data) = (t.shape().to_vec(), t.data().to_vec());
+        if name.contains("fp8_bwd.") {
+            let pad: f32 = if name.ends_with(".amax_history") { 0.0 } else { 1.0 };
+            let row = shape.get(1).copied().unwrap_or(1);
+            data.extend(std::iter::repeat_n(pad.to_le_bytes(), row).flatten());
+            shape[0] = 2;
+        }
+        tensors.push((name, t.dtype(), shape, data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let meta = std::collections::HashMap::from([("te_format_version".to_string(), "1".to_string())]);
+    std::fs::write(&v1, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+
+    let mut b = model(&dev, 1, F, 1000);
+    assert_eq!(load(&mut b, &v1, &LoadOptions::default()).unwrap(), LoadReport::default());
+    assert_eq!(states(&b), states(&a));
+    assert_traces_eq(&train_fp8(&dev, &mut b, 3, 2), &train_fp8(&dev, &mut a, 3, 2));
 }
 
 #[test]

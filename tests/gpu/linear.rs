@@ -262,7 +262,7 @@ fn bulk_update_covers_every_module_of_the_scope() {
     let g = upload(&dev, &vec![1e-3; T * IN], &[T, IN]);
     let dh = b.backward(ctx_b, &g).unwrap();
     assert_eq!(a.fp8_backward_state().unwrap().snapshot().unwrap().scale[0], 1.0, "a's context is pending");
-    a.backward_with(ctx_a, &dh, BackwardOptions { input_grad: false }).unwrap();
+    a.backward_with(ctx_a, &dh, BackwardOptions { input_grad: false, ..Default::default() }).unwrap();
     for (name, l) in [("a", &a), ("b", &b)] {
         let s = l.fp8_backward_state().unwrap().snapshot().unwrap();
         assert_ne!(s.scale[0], 1.0, "{name}: backward scale updated after the group's last backward");

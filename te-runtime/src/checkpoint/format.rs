@@ -14,7 +14,13 @@ pub const FORMAT_NAME: &str = "te-rs-checkpoint";
 /// `__metadata__` key of the format version (value [`FORMAT_VERSION`]).
 pub const FORMAT_VERSION_KEY: &str = "te_format_version";
 /// Version of the format written; a file of a newer version is refused.
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// - 2: backward scaling states (`*.fp8_bwd`) hold one slot, the output gradient's.
+/// - 1: backward scaling states held a second slot (TE's `grad_input`) that nothing wrote; a
+///   version-1 file loads into version 2 by dropping it.
+pub const FORMAT_VERSION: u32 = 2;
+/// Slots of a backward scaling state in a format-1 file (grad_output and an unused grad_input).
+pub(crate) const V1_BWD_SLOTS: usize = 2;
 /// `__metadata__` key of the version of the library that wrote the file.
 pub const LIBRARY_VERSION_KEY: &str = "te_version";
 
@@ -73,15 +79,15 @@ pub fn build_metadata(user: &BTreeMap<String, String>) -> Result<HashMap<String,
     Ok(meta)
 }
 
-/// Accepts a file's `__metadata__`: absent or foreign (a checkpoint from elsewhere) or of a
-/// format version up to [`FORMAT_VERSION`].
+/// Accepts a file's `__metadata__`: absent or foreign (a checkpoint from elsewhere: `None`) or
+/// of a format version up to [`FORMAT_VERSION`] (returned).
 ///
 /// # Errors
 /// [`Error::Checkpoint`] for a newer or unreadable format version.
-pub fn check_metadata(meta: Option<&HashMap<String, String>>, path: &Path) -> Result<()> {
-    let Some(v) = meta.and_then(|m| m.get(FORMAT_VERSION_KEY)) else { return Ok(()) };
+pub fn check_metadata(meta: Option<&HashMap<String, String>>, path: &Path) -> Result<Option<u32>> {
+    let Some(v) = meta.and_then(|m| m.get(FORMAT_VERSION_KEY)) else { return Ok(None) };
     match v.parse::<u32>() {
-        Ok(v) if v <= FORMAT_VERSION => Ok(()),
+        Ok(v) if v <= FORMAT_VERSION => Ok(Some(v)),
         _ => Err(Error::Checkpoint {
             message: format!(
                 "{}: checkpoint format version `{v}`; this library reads versions up to {FORMAT_VERSION}",
@@ -150,12 +156,13 @@ mod tests {
     #[test]
     fn metadata_versions_accepted_and_refused() {
         let p = Path::new("x.safetensors");
-        assert!(check_metadata(None, p).is_ok());
+        assert_eq!(check_metadata(None, p).unwrap(), None);
         let foreign = HashMap::from([("format".to_string(), "pt".to_string())]);
-        assert!(check_metadata(Some(&foreign), p).is_ok());
+        assert_eq!(check_metadata(Some(&foreign), p).unwrap(), None);
         let v = |s: &str| HashMap::from([(FORMAT_VERSION_KEY.to_string(), s.to_string())]);
-        assert!(check_metadata(Some(&v("1")), p).is_ok());
-        for bad in ["2", "x", ""] {
+        assert_eq!(check_metadata(Some(&v("1")), p).unwrap(), Some(1));
+        assert_eq!(check_metadata(Some(&v("2")), p).unwrap(), Some(2));
+        for bad in ["3", "x", ""] {
             let e = check_metadata(Some(&v(bad)), p).unwrap_err();
             assert!(matches!(&e, Error::Checkpoint { message } if message.contains("x.safetensors")), "{e}");
         }

@@ -3,10 +3,10 @@
 //! loads change nothing when anything does not match.
 
 use super::atomic::io_error;
-use super::format::{check_metadata, fp8_scale_inv_name, parse, state_tensor_names, to_safetensors};
+use super::format::{check_metadata, fp8_scale_inv_name, parse, state_tensor_names, to_safetensors, V1_BWD_SLOTS};
 use super::{LoadOptions, LoadReport};
 use crate::fp8::{DelayedScaling, Float8Tensor, ScalingSnapshot, ScalingState};
-use crate::modules::{Fp8StateSlot, ModuleVisitorMut, ParamKind, ParamMut};
+use crate::modules::{Fp8Direction, Fp8StateSlot, ModuleVisitorMut, ParamKind, ParamMut};
 use crate::{Error, Module, Result, Tensor};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -40,13 +40,13 @@ pub fn load<M: Module + ?Sized>(model: &mut M, path: impl AsRef<Path>, options: 
     let file = parse(&bytes, path)?;
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| Error::Checkpoint { message: format!("{}: {e}", path.display()) })?;
-    check_metadata(header.metadata().as_ref(), path)?;
+    let version = check_metadata(header.metadata().as_ref(), path)?;
 
     let mut entries = Entries::default();
     model.visit_mut("", &mut entries)?;
     let infos: BTreeMap<String, (Dtype, Vec<usize>)> =
         file.iter().map(|(name, t)| (name.to_owned(), (t.dtype(), t.shape().to_vec()))).collect();
-    let plan = check(&entries.0, &infos);
+    let plan = check(&entries.0, &infos, version);
     if options.strict && !plan.report.is_clean() {
         return Err(Error::Checkpoint {
             message: format!("{}: does not match the model: {}", path.display(), plan.report),
@@ -63,7 +63,7 @@ pub(crate) enum Entry {
     /// A parameter: stored dtype and shape; `fp8` for an FP8-only weight.
     Param { path: String, dtype: DType, shape: Vec<usize>, fp8: bool },
     /// A scaling-state slot of `slots` FP8 tensor slots.
-    State { path: String, slots: usize },
+    State { path: String, slots: usize, direction: Fp8Direction },
 }
 
 /// The visitor that lists the model's entries (it writes nothing).
@@ -78,7 +78,7 @@ impl ModuleVisitorMut for Entries {
     }
 
     fn fp8_state_slot(&mut self, path: &str, slot: &mut Fp8StateSlot<'_>) -> Result<()> {
-        self.0.push(Entry::State { path: path.to_owned(), slots: slot.slots() });
+        self.0.push(Entry::State { path: path.to_owned(), slots: slot.slots(), direction: slot.direction() });
         Ok(())
     }
 }
@@ -94,8 +94,9 @@ pub(crate) struct Plan {
     pub report: LoadReport,
 }
 
-/// Checks the model's `entries` against the file's tensors (`name → (dtype, shape)`).
-pub(crate) fn check(entries: &[Entry], file: &BTreeMap<String, (Dtype, Vec<usize>)>) -> Plan {
+/// Checks the model's `entries` against the file's tensors (`name → (dtype, shape)`) of a file
+/// of format `version` (`None`: written elsewhere).
+pub(crate) fn check(entries: &[Entry], file: &BTreeMap<String, (Dtype, Vec<usize>)>, version: Option<u32>) -> Plan {
     let mut plan = Plan::default();
     let mut used = BTreeSet::new();
     let describe = |(d, s): &(Dtype, Vec<usize>)| format!("{d} {s:?}");
@@ -110,21 +111,28 @@ pub(crate) fn check(entries: &[Entry], file: &BTreeMap<String, (Dtype, Vec<usize
                     plan.load.insert(path.clone());
                 }
             }
-            Entry::State { path, slots } => {
+            Entry::State { path, slots, direction } => {
                 let names = state_tensor_names(path);
                 if names.iter().all(|n| !file.contains_key(n)) {
                     plan.fresh.insert(path.clone());
                     continue;
                 }
-                let len = file.get(&names[0]).and_then(|(_, s)| match s.as_slice() {
-                    [_, len] if *len > 0 => Some(*len),
+                let history = file.get(&names[0]).map(|(_, s)| s.as_slice());
+                let len = match history {
+                    Some([_, len]) if *len > 0 => Some(*len),
                     _ => None,
-                });
+                };
+                // Format 1 kept an unused second slot in backward states: it loads, and
+                // `Apply` keeps the model's slots (the first ones).
+                let v1_bwd = version == Some(1)
+                    && *direction == Fp8Direction::Backward
+                    && matches!(history, Some([n, _]) if *n == V1_BWD_SLOTS);
+                let stored = if v1_bwd { V1_BWD_SLOTS } else { *slots };
                 let [a, s, si] = names;
                 let want = [
-                    (a, (Dtype::F32, vec![*slots, len.unwrap_or(1)])),
-                    (s, (Dtype::F32, vec![*slots])),
-                    (si, (Dtype::F32, vec![*slots])),
+                    (a, (Dtype::F32, vec![stored, len.unwrap_or(1)])),
+                    (s, (Dtype::F32, vec![stored])),
+                    (si, (Dtype::F32, vec![stored])),
                 ];
                 if expect(&want, file, &mut used, &mut plan.report, describe) {
                     plan.load.insert(path.clone());
@@ -172,7 +180,7 @@ struct Apply<'p, 'f> {
 
 impl Apply<'_, '_> {
     fn tensor(&self, name: &str) -> Result<&TensorView<'_>> {
-        self.tensors.get(name).ok_or_else(|| Error::Checkpoint { message: format!("internal: `{name}` vanished") })
+        self.tensors.get(name).ok_or_else(|| Error::internal("checkpoint::load", format!("`{name}` vanished")))
     }
 
     fn f32s(&self, name: &str) -> Result<Vec<f32>> {
@@ -211,10 +219,17 @@ impl ModuleVisitorMut for Apply<'_, '_> {
         }
         let [a, s, si] = state_tensor_names(path);
         let history_len = self.tensor(&a)?.shape().get(1).copied().unwrap_or(0);
+        // The model's slots are the file's first ones (all of them but in a format-1 backward
+        // state; see `check`).
+        let n = slot.slots();
+        let first = |mut v: Vec<f32>, len: usize| {
+            v.truncate(n * len);
+            v
+        };
         let snap = ScalingSnapshot {
-            amax_history: self.f32s(&a)?,
-            scale: self.f32s(&s)?,
-            scale_inv: self.f32s(&si)?,
+            amax_history: first(self.f32s(&a)?, history_len),
+            scale: first(self.f32s(&s)?, 1),
+            scale_inv: first(self.f32s(&si)?, 1),
             history_len,
         };
         let state = slot.get_or_create(&DelayedScaling { amax_history_len: history_len, ..Default::default() })?;
@@ -242,7 +257,8 @@ mod tests {
     }
 
     fn state(path: &str, slots: usize) -> Entry {
-        Entry::State { path: path.into(), slots }
+        let direction = if path.ends_with("bwd") { Fp8Direction::Backward } else { Fp8Direction::Forward };
+        Entry::State { path: path.into(), slots, direction }
     }
 
     fn file(tensors: &[(&str, Dtype, &[usize])]) -> BTreeMap<String, (Dtype, Vec<usize>)> {
@@ -254,7 +270,7 @@ mod tests {
             param("fc.weight", DType::BF16, &[32, 16], false),
             param("fc.bias", DType::BF16, &[32], false),
             state("fc.fp8_fwd", 3),
-            state("fc.fp8_bwd", 2),
+            state("fc.fp8_bwd", 1),
         ]
     }
 
@@ -265,15 +281,15 @@ mod tests {
             ("fc.fp8_fwd.amax_history", Dtype::F32, &[3, 16]),
             ("fc.fp8_fwd.scale", Dtype::F32, &[3]),
             ("fc.fp8_fwd.scale_inv", Dtype::F32, &[3]),
-            ("fc.fp8_bwd.amax_history", Dtype::F32, &[2, 16]),
-            ("fc.fp8_bwd.scale", Dtype::F32, &[2]),
-            ("fc.fp8_bwd.scale_inv", Dtype::F32, &[2]),
+            ("fc.fp8_bwd.amax_history", Dtype::F32, &[1, 16]),
+            ("fc.fp8_bwd.scale", Dtype::F32, &[1]),
+            ("fc.fp8_bwd.scale_inv", Dtype::F32, &[1]),
         ])
     }
 
     #[test]
     fn a_matching_file_loads_everything() {
-        let plan = check(&model(), &full_file());
+        let plan = check(&model(), &full_file(), Some(2));
         assert!(plan.report.is_clean(), "{}", plan.report);
         assert_eq!(plan.load.len(), 4);
         assert!(plan.fresh.is_empty());
@@ -282,7 +298,7 @@ mod tests {
     #[test]
     fn fp8_state_is_optional() {
         let f = file(&[("fc.weight", Dtype::BF16, &[32, 16]), ("fc.bias", Dtype::BF16, &[32])]);
-        let plan = check(&model(), &f);
+        let plan = check(&model(), &f, Some(2));
         assert!(plan.report.is_clean(), "{}", plan.report);
         assert_eq!(plan.fresh, BTreeSet::from(["fc.fp8_fwd".to_string(), "fc.fp8_bwd".to_string()]));
         assert_eq!(plan.load, BTreeSet::from(["fc.weight".to_string(), "fc.bias".to_string()]));
@@ -296,7 +312,7 @@ mod tests {
         f.insert("fc.weight".into(), (Dtype::BF16, vec![16, 32]));
         f.insert("fc.fp8_fwd.scale".into(), (Dtype::F16, vec![3]));
         f.insert("other.weight".into(), (Dtype::F32, vec![4]));
-        let plan = check(&model(), &f);
+        let plan = check(&model(), &f, Some(2));
         let r = &plan.report;
         assert_eq!(r.missing, ["fc.bias", "fc.fp8_bwd.scale"]);
         assert_eq!(r.unexpected, ["other.weight"]);
@@ -317,7 +333,7 @@ mod tests {
         let mut f = full_file();
         f.insert("fc.fp8_fwd.amax_history".into(), (Dtype::F32, vec![2, 16]));
         f.insert("fc.fp8_bwd.amax_history".into(), (Dtype::F32, vec![32]));
-        let plan = check(&model(), &f);
+        let plan = check(&model(), &f, Some(2));
         assert_eq!(plan.report.mismatched.len(), 2, "{}", plan.report);
         assert!(plan.report.missing.is_empty() && plan.report.unexpected.is_empty());
         assert_eq!(plan.load, BTreeSet::from(["fc.weight".to_string(), "fc.bias".to_string()]));
@@ -327,17 +343,37 @@ mod tests {
     fn an_fp8_only_weight_needs_its_codes_and_scale_inv() {
         let m = [param("w", DType::E4M3, &[16, 16], true)];
         let ok = file(&[("w", Dtype::F8_E4M3, &[16, 16]), ("w.scale_inv", Dtype::F32, &[1])]);
-        assert!(check(&m, &ok).report.is_clean());
-        let plan = check(&m, &file(&[("w", Dtype::F8_E4M3, &[16, 16])]));
+        assert!(check(&m, &ok, Some(2)).report.is_clean());
+        let plan = check(&m, &file(&[("w", Dtype::F8_E4M3, &[16, 16])]), Some(2));
         assert_eq!(plan.report.missing, ["w.scale_inv"]);
-        let plan = check(&m, &file(&[("w", Dtype::BF16, &[16, 16]), ("w.scale_inv", Dtype::F32, &[1])]));
+        let plan = check(&m, &file(&[("w", Dtype::BF16, &[16, 16]), ("w.scale_inv", Dtype::F32, &[1])]), Some(2));
         assert_eq!(plan.report.mismatched, ["w (file BF16 [16, 16], model F8_E4M3 [16, 16])"]);
+    }
+
+    /// Format 1 kept an unused `grad_input` slot in each backward state: such a file loads (the
+    /// model's slot is the first), a format-2 or foreign file of that shape mismatches.
+    #[test]
+    fn a_format_1_backward_state_with_its_unused_slot_loads() {
+        let mut f = full_file();
+        f.insert("fc.fp8_bwd.amax_history".into(), (Dtype::F32, vec![2, 16]));
+        f.insert("fc.fp8_bwd.scale".into(), (Dtype::F32, vec![2]));
+        f.insert("fc.fp8_bwd.scale_inv".into(), (Dtype::F32, vec![2]));
+        let plan = check(&model(), &f, Some(1));
+        assert!(plan.report.is_clean(), "{}", plan.report);
+        assert_eq!(plan.load.len(), 4);
+        for version in [Some(2), None] {
+            let plan = check(&model(), &f, version);
+            assert_eq!(plan.report.mismatched.len(), 3, "{}", plan.report);
+        }
+        // A forward state keeps its slot count in every version.
+        f.insert("fc.fp8_fwd.amax_history".into(), (Dtype::F32, vec![2, 16]));
+        assert_eq!(check(&model(), &f, Some(1)).report.mismatched.len(), 1);
     }
 
     #[test]
     fn a_state_file_entry_without_a_model_slot_is_unexpected() {
         let f = full_file();
-        let plan = check(&model()[..2], &f);
+        let plan = check(&model()[..2], &f, Some(2));
         assert_eq!(plan.report.unexpected.len(), 6, "{}", plan.report);
     }
 }

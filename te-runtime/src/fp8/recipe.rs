@@ -44,8 +44,12 @@ pub struct DelayedScaling {
     pub amax_history_len: usize,
     /// How the history becomes an amax. TE default [`AmaxComputeAlgo::Max`].
     pub amax_compute_algo: AmaxComputeAlgo,
-    /// All-reduce amaxes across ranks (TE default true). This library runs on one GPU, where the
-    /// reduction is the identity; the field exists so recipes read as in TE.
+    /// All-reduce amaxes across the data-parallel ranks before the scale update, so every rank
+    /// casts with the same scales (TE default true).
+    ///
+    /// **Not implemented yet: it has no effect.** This library runs on one GPU, where the
+    /// reduction would be the identity; the multi-GPU work gives it meaning. The field exists so
+    /// recipes read as in TE.
     pub reduce_amax: bool,
 }
 

@@ -1,11 +1,10 @@
-//! Per-module delayed-scaling state (TE `fp8_meta["scaling_fwd"]` / `["scaling_bwd"]`) and the
-//! casts that read it.
+//! Per-module delayed-scaling state (TE `fp8_meta["scaling_fwd"]` / `["scaling_bwd"]`); the casts
+//! that read it are [`super::DelayedScalingQuantizer`]'s.
 
-use super::{DelayedScaling, Float8CurrentScaling, Float8Tensor};
-use crate::ops::cast_transpose::DbiasOut;
-use crate::ops::{self, Fp8Scaling};
-use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use super::DelayedScaling;
+use crate::ops::Fp8Scaling;
+use crate::{Device, Error, Result};
+use cudarc::driver::CudaSlice;
 use std::sync::{Arc, Mutex, MutexGuard};
 use te_codegen::spec::AmaxComputeAlgo;
 use te_codegen::DType;
@@ -32,7 +31,7 @@ pub(crate) struct ScalingBuffers {
 impl ScalingBuffers {
     /// Scaling views of `slot`: its scale and newest amax entry, and the `scale_inv` the cast
     /// writes (`out_scale_inv`, the FP8 tensor's own copy).
-    fn scaling<'a>(&'a mut self, slot: usize, out_scale_inv: &'a mut CudaSlice<f32>) -> Fp8Scaling<'a> {
+    pub(crate) fn scaling<'a>(&'a mut self, slot: usize, out_scale_inv: &'a mut CudaSlice<f32>) -> Fp8Scaling<'a> {
         let h = slot * self.history_len;
         Fp8Scaling {
             scale: self.scale.slice(slot..slot + 1),
@@ -56,7 +55,7 @@ pub struct ScalingSnapshot {
 }
 
 /// The delayed-scaling state of one direction of one module: `n` slots (a Linear has 3 forward
-/// slots — input, weight, output — and 2 backward slots — grad_output, grad_input), each with
+/// slots — input, weight, output — and 1 backward slot — grad_output), each with
 /// an amax history, a scale and a scale_inv. Initial scale 1, history zero.
 ///
 /// Shared (`Arc`) between the module and the autocast scope that updates it.
@@ -173,117 +172,5 @@ impl ScalingState {
         b.scale_inv = s.clone_htod(&snap.scale_inv)?;
         b.history_len = snap.history_len;
         Ok(())
-    }
-
-    /// Casts `x` to the slot's format with the slot's scale, maxing `|x|` into the slot's newest
-    /// amax; `with_transpose` also writes the transposed copy, and `dbias` the column sums.
-    pub(crate) fn quantize(
-        &self,
-        x: &Tensor,
-        slot: usize,
-        with_transpose: bool,
-        dbias: Option<DbiasOut<'_>>,
-    ) -> Result<Float8Tensor> {
-        let mut b = self.lock();
-        let dtype = b.dtype;
-        let mut scale_inv = self.dev.stream().alloc_zeros::<f32>(1)?;
-        let mut scaling = b.scaling(slot, &mut scale_inv);
-        let (data, transpose) = cast(&self.dev, x, dtype, &mut scaling, with_transpose, dbias)?;
-        Float8Tensor::from_parts(data, transpose, Arc::new(scale_inv))
-    }
-
-    /// Runs a fused kernel that casts into this slot: `f` gets the slot's scale and newest amax
-    /// and a fresh `scale_inv` (returned) that the kernel writes.
-    pub(crate) fn cast_with<R>(
-        &self,
-        slot: usize,
-        f: impl FnOnce(&mut Fp8Scaling<'_>) -> Result<R>,
-    ) -> Result<(R, Arc<CudaSlice<f32>>)> {
-        let mut b = self.lock();
-        let mut scale_inv = self.dev.stream().alloc_zeros::<f32>(1)?;
-        let r = f(&mut b.scaling(slot, &mut scale_inv))?;
-        Ok((r, Arc::new(scale_inv)))
-    }
-
-    /// A device copy of the slot's current scale (kept by a module that recomputes a cast in
-    /// backward, after the scope's update may have changed the slot).
-    pub(crate) fn scale_copy(&self, slot: usize) -> Result<CudaSlice<f32>> {
-        let b = self.lock();
-        let s = self.dev.stream();
-        let mut out = s.alloc_zeros::<f32>(1)?;
-        s.memcpy_dtod(&b.scale.slice(slot..slot + 1), &mut out)?;
-        Ok(out)
-    }
-
-    /// Maxes `|x|` into the slot's newest amax without casting (calibration).
-    pub(crate) fn record_amax(&self, x: &Tensor, slot: usize) -> Result<()> {
-        let mut b = self.lock();
-        let h = slot * b.history_len;
-        ops::cast::amax(&self.dev, x, &mut b.amax_history.slice_mut(h..h + 1))
-    }
-
-    /// Runs `f` with the slot's scale and newest-amax views (for a GEMM writing FP8 output with
-    /// `D_SCALE` and `AMAX_D`), plus a fresh `scale_inv` buffer filled with the slot's current
-    /// `scale_inv` for the output tensor.
-    pub(crate) fn with_output_scaling<R>(
-        &self,
-        slot: usize,
-        f: impl FnOnce(CudaView<'_, f32>, CudaViewMut<'_, f32>) -> Result<R>,
-    ) -> Result<(R, Arc<CudaSlice<f32>>)> {
-        let mut b = self.lock();
-        let s = self.dev.stream();
-        let mut scale_inv = s.alloc_zeros::<f32>(1)?;
-        s.memcpy_dtod(&b.scale_inv.slice(slot..slot + 1), &mut scale_inv)?;
-        let h = slot * b.history_len;
-        let b = &mut *b;
-        let r = f(b.scale.slice(slot..slot + 1), b.amax_history.slice_mut(h..h + 1))?;
-        Ok((r, Arc::new(scale_inv)))
-    }
-}
-
-/// Current scaling (TE `Float8CurrentScalingQuantizer`): the amax of `x` itself, then the scale,
-/// then the cast — three launches, no state.
-pub(crate) fn quantize_current(
-    dev: &Device,
-    x: &Tensor,
-    dtype: DType,
-    recipe: &Float8CurrentScaling,
-    with_transpose: bool,
-    dbias: Option<DbiasOut<'_>>,
-) -> Result<Float8Tensor> {
-    let mut meta = ops::Fp8Meta::new(dev, 1.0)?;
-    ops::cast::amax(dev, x, &mut meta.amax.as_view_mut())?;
-    let fp8_max = dtype.fp8_max().unwrap_or(1.0);
-    ops::scaling::current_scaling(
-        dev,
-        &meta.amax,
-        &mut meta.scale,
-        &mut meta.scale_inv,
-        fp8_max,
-        recipe.amax_epsilon,
-        recipe.power_2_scale,
-    )?;
-    let (data, transpose) = cast(dev, x, dtype, &mut meta.scaling(), with_transpose, dbias)?;
-    Float8Tensor::from_parts(data, transpose, Arc::new(meta.scale_inv))
-}
-
-/// The cast itself: quantize, or cast_transpose (with dbias) when a transpose is asked for.
-fn cast(
-    dev: &Device,
-    x: &Tensor,
-    dtype: DType,
-    scaling: &mut Fp8Scaling<'_>,
-    with_transpose: bool,
-    dbias: Option<DbiasOut<'_>>,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let mut data = Tensor::empty(dev, dtype, x.shape())?;
-    if with_transpose || dbias.is_some() {
-        let (rows, cols) = x.as_2d("fp8 cast")?;
-        let mut t = Tensor::empty(dev, dtype, &[cols, rows])?;
-        ops::cast_transpose::cast_transpose(dev, x, &mut data, &mut t, scaling, dbias)?;
-        Ok((data, Some(t)))
-    } else {
-        ops::cast::quantize(dev, x, &mut data, scaling)?;
-        Ok((data, None))
     }
 }

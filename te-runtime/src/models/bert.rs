@@ -31,7 +31,8 @@
 //! pooling stay in high precision, as in TE.
 
 use crate::fp8::{
-    fp8_autocast, fp8_model_init, DelayedScaling, Float8CurrentScaling, Float8Tensor, Fp8Autocast, Recipe,
+    fp8_autocast, fp8_model_init, DelayedScaling, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Tensor,
+    Fp8Autocast, Quantizer, Recipe,
 };
 use crate::modules::{
     Activation, AttentionInputs, AttnMaskType, Norm, NormConfig, NormKind, QkvFormat, TokenIds, TransformerLayer,
@@ -436,17 +437,12 @@ fn layer_infer_split(
     let a = fp8_autocast(gemms.attention, recipe, || layer.self_attention_mut().infer_with(x, inputs))?;
     let mut h1 = Tensor::empty(dev, x.dtype(), x.shape())?;
     add(dev, &a, x, &mut h1)?;
-    let post = layer.config().apply_residual_connection_post_layernorm;
     let y = fp8_autocast(gemms.mlp, recipe, || {
-        if post {
-            let (mut m, ln) = layer.layernorm_mlp_mut().infer_ln(&h1)?;
-            crate::ops::elementwise::add_assign(dev, &mut m, &ln)?;
-            Ok(m)
-        } else {
-            let mut m = layer.layernorm_mlp_mut().infer(&h1)?;
-            crate::ops::elementwise::add_assign(dev, &mut m, &h1)?;
-            Ok(m)
-        }
+        // The MLP returns its norm's output exactly when the residual is taken after it.
+        let m = layer.layernorm_mlp_mut().infer_with(&h1, Default::default())?;
+        let mut y = m.out.into_high(dev, h1.dtype())?;
+        crate::ops::elementwise::add_assign(dev, &mut y, m.ln_out.as_ref().unwrap_or(&h1))?;
+        Ok(y)
     })?;
     match layer.output_norm() {
         Some(n) => n.infer(&y),
@@ -861,7 +857,8 @@ fn set_linear(
 
 /// E4M3 codes of `t` scaled by its own amax (current scaling), no transpose.
 fn quantize_e4m3(dev: &Arc<Device>, t: &Tensor) -> BertResult<Float8Tensor> {
-    Ok(crate::fp8::quantize_current(dev, t, DType::E4M3, &Float8CurrentScaling::default(), false, None)?)
+    let q = Float8CurrentScalingQuantizer::new(dev, DType::E4M3, Float8CurrentScaling::default())?;
+    Ok(q.quantize(t, false, None)?)
 }
 
 /// Pads token-id sequences into one `[b, s]` batch: `s` is the longest length rounded up to a

@@ -3,10 +3,9 @@
 //! accumulated by the deterministic scatter-add of [`crate::ops::embedding`].
 
 use super::init::normal;
-use super::linear::check_ctx;
 use super::token_ids::TokenIds;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut, Param, ParamKind, ParamMut};
-use super::{next_module_id, KernelSpec, KernelTarget};
+use super::{next_module_id, KernelSpec, KernelTarget, Stamp};
 use crate::ops::embedding::{embedding_backward, embedding_forward};
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
@@ -41,8 +40,7 @@ impl EmbeddingConfig {
 /// What [`Embedding::forward`] saves for [`Embedding::backward`]: the ids (shared).
 #[derive(Debug)]
 pub struct EmbeddingCtx {
-    module_id: u64,
-    version: u64,
+    stamp: Stamp<1>,
     ids: TokenIds,
 }
 
@@ -126,7 +124,7 @@ impl Embedding {
         shape.push(self.cfg.embedding_dim);
         let mut out = Tensor::empty(&self.dev, self.cfg.params_dtype, &shape)?;
         embedding_forward(&self.dev, &self.weight, ids.data(), &mut out)?;
-        Ok((out, EmbeddingCtx { module_id: self.id, version: self.version, ids: ids.clone() }))
+        Ok((out, EmbeddingCtx { stamp: Stamp::new(self.id, [self.version]), ids: ids.clone() }))
     }
 
     /// Accumulates `weight.grad[ids[t]] += grad_output[t]` (no input gradient: ids are discrete).
@@ -136,7 +134,7 @@ impl Embedding {
     /// [`Error::DType`] unless `grad_output` is `ids.shape() + [embedding_dim]`, f32/bf16/f16;
     /// kernel failures.
     pub fn backward(&mut self, ctx: EmbeddingCtx, grad_output: &Tensor) -> Result<()> {
-        check_ctx(MODULE, (ctx.module_id, ctx.version), self.id, self.version)?;
+        ctx.stamp.check(MODULE, Stamp::new(self.id, [self.version]))?;
         let mut shape = ctx.ids.shape().to_vec();
         shape.push(self.cfg.embedding_dim);
         check_shape(MODULE, "grad_output", grad_output, &shape)?;

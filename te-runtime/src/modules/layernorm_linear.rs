@@ -1,15 +1,16 @@
 //! `LayerNormLinear`: a LayerNorm or RMSNorm fused in front of a `Linear` (TE
-//! `pytorch/module/layernorm_linear.py`). Under FP8 with delayed scaling the norm kernel writes
-//! the GEMM input in FP8 directly (cast and amax fused), and a byte transpose of those codes is
-//! saved for wgrad: no extra pass over the high-precision activation.
+//! `pytorch/module/layernorm_linear.py`). Under FP8 the norm's output goes through the GEMM's
+//! input quantizer: with delayed scaling the norm kernel writes the GEMM input in FP8 directly
+//! (cast and amax fused) and a byte transpose of those codes is saved for wgrad, no extra pass
+//! over the high-precision activation; with current scaling it is cast after the norm.
 
-use super::linear::{check_ctx, check_input, LinearCore, LinearInput, Saved, FWD_INPUT};
+use super::linear::check_input;
+use super::linear::gemm_core::{LinearCore, LinearInput, Saved};
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{LinearParams, ParamsInit};
-use super::state_slot::Fp8StateSlot;
-use super::{next_module_id, ForwardOptions, Output};
-use crate::fp8::{fp8_mode, Fp8Mode, Recipe, ScalingState};
-use crate::{Device, Result, Tensor};
+use super::{next_module_id, BackwardOptions, ForwardOptions, Output, Stamp};
+use crate::fp8::{fp8_mode, Fp8StateSlot, ScalingState};
+use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
 use te_codegen::DType;
 
@@ -66,7 +67,7 @@ impl LayerNormLinearConfig {
 }
 
 /// Forward results: the output and, with `return_layernorm_output`, the norm's output.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct LayerNormLinearOutput {
     /// `[..., out_features]` (FP8 with `fp8_output`).
     pub out: Output,
@@ -77,8 +78,7 @@ pub struct LayerNormLinearOutput {
 /// What [`LayerNormLinear::forward`] saves for backward.
 #[derive(Debug)]
 pub struct LayerNormLinearCtx {
-    module_id: u64,
-    version: u64,
+    stamp: Stamp<2>,
     x: Tensor,
     stats: NormStats,
     saved: Saved,
@@ -100,11 +100,6 @@ pub struct LayerNormLinear {
     cfg: LayerNormLinearConfig,
     norm: NormParams,
     core: LinearCore,
-}
-
-/// Combined version of the norm and GEMM parameters (a write to either makes contexts stale).
-fn version(norm: &NormParams, params: &LinearParams) -> u64 {
-    norm.version().wrapping_mul(1 << 32).wrapping_add(params.version())
 }
 
 impl LayerNormLinear {
@@ -164,17 +159,21 @@ impl LayerNormLinear {
 
     /// The forward delayed-scaling state of the GEMM (input, weight, output).
     pub fn fp8_forward_state(&self) -> Option<&Arc<ScalingState>> {
-        self.core.fwd_state_opt()
+        self.core.fwd_state()
     }
 
-    /// The backward delayed-scaling state of the GEMM (grad_output, grad_input).
+    /// The backward delayed-scaling state of the GEMM (the output gradient's slot).
     pub fn fp8_backward_state(&self) -> Option<&Arc<ScalingState>> {
-        self.core.bwd_state_opt()
+        self.core.bwd_state()
     }
 
     /// The forward and backward state slots of the GEMM, for a writable traversal.
     pub(crate) fn fp8_state_slots(&mut self) -> [Fp8StateSlot<'_>; 2] {
         self.core.state_slots()
+    }
+
+    fn stamp(&self) -> Stamp<2> {
+        Stamp::new(self.id, [self.norm.version(), self.core.params.version()])
     }
 
     /// Forward for training: the output and the context.
@@ -186,7 +185,8 @@ impl LayerNormLinear {
         Ok((out.out.into_high(&self.dev, x.dtype())?, ctx))
     }
 
-    /// Forward for training with options.
+    /// Forward for training with options: the output (FP8 with `fp8_output`), the norm's output
+    /// with `return_layernorm_output`, and the context.
     ///
     /// # Errors
     /// Shape and dtype errors of the input (last dim must be `in_features`); under FP8, dims
@@ -197,16 +197,8 @@ impl LayerNormLinear {
         opts: ForwardOptions,
     ) -> Result<(LayerNormLinearOutput, LayerNormLinearCtx)> {
         let (out, stats, saved) = self.run(x, opts, true)?;
-        let saved =
-            saved.ok_or_else(|| crate::Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
-        let ctx = LayerNormLinearCtx {
-            module_id: self.id,
-            version: version(&self.norm, &self.core.params),
-            x: x.clone(),
-            stats,
-            saved,
-        };
-        Ok((out, ctx))
+        let saved = saved.ok_or_else(|| Error::internal(MODULE, "a training forward saved nothing"))?;
+        Ok((out, LayerNormLinearCtx { stamp: self.stamp(), x: x.clone(), stats, saved }))
     }
 
     /// Forward for inference: no context, no transposes.
@@ -214,8 +206,16 @@ impl LayerNormLinear {
     /// # Errors
     /// As [`LayerNormLinear::forward_with`], except that the token count may be any size.
     pub fn infer(&mut self, x: &Tensor) -> Result<Tensor> {
-        let (out, _, _) = self.run(x, ForwardOptions::default(), false)?;
-        out.out.into_high(&self.dev, x.dtype())
+        self.infer_with(x, ForwardOptions::default())?.out.into_high(&self.dev, x.dtype())
+    }
+
+    /// Forward for inference with options (and the norm's output with
+    /// `return_layernorm_output`).
+    ///
+    /// # Errors
+    /// As [`LayerNormLinear::infer`].
+    pub fn infer_with(&mut self, x: &Tensor, opts: ForwardOptions) -> Result<LayerNormLinearOutput> {
+        Ok(self.run(x, opts, false)?.0)
     }
 
     fn run(
@@ -225,16 +225,12 @@ impl LayerNormLinear {
         grad: bool,
     ) -> Result<(LayerNormLinearOutput, NormStats, Option<Saved>)> {
         check_input(MODULE, x, self.cfg.in_features)?;
-        let mode = fp8_mode();
-        let (input, stats, ln_out) = match mode {
-            Fp8Mode::Fp8(Recipe::Delayed(r)) if !self.cfg.return_layernorm_output => {
+        let pass = self.core.pass(fp8_mode())?;
+        let (input, stats, ln_out) = match pass.fp8_input() {
+            Some(q) if !self.cfg.return_layernorm_output => {
                 let (tokens, _) = x.as_2d(MODULE)?;
                 self.core.check_fp8_dims(tokens, grad)?;
-                let state = self.core.fwd_state(&r)?;
-                let (mut ln8, stats) = self.norm.forward_fp8(x, &state, FWD_INPUT)?;
-                if grad {
-                    ln8.ensure_transpose(&self.dev)?;
-                }
+                let (ln8, stats) = self.norm.forward_fp8(x, q, grad)?;
                 (LinearInput::Fp8(ln8), stats, None)
             }
             _ => {
@@ -243,7 +239,7 @@ impl LayerNormLinear {
                 (LinearInput::High(ln), stats, ret)
             }
         };
-        let (out, saved) = self.core.forward(input, x.shape(), x.dtype(), mode, opts, grad)?;
+        let (out, saved) = self.core.forward(input, x.shape(), x.dtype(), &pass, opts, grad)?;
         Ok((LayerNormLinearOutput { out, ln_out }, stats, saved))
     }
 
@@ -253,11 +249,12 @@ impl LayerNormLinear {
     /// # Errors
     /// As [`LayerNormLinear::backward_with`].
     pub fn backward(&mut self, ctx: LayerNormLinearCtx, grad_output: &Tensor) -> Result<Tensor> {
-        self.backward_with(ctx, grad_output, None)
+        self.backward_with(ctx, grad_output, BackwardOptions::default())?
+            .ok_or_else(|| Error::internal(MODULE, "no input gradient with input_grad = true"))
     }
 
-    /// Backward with the gradient of the returned norm output (`return_layernorm_output`),
-    /// which adds to the gradient flowing back from the GEMM.
+    /// Backward with options: `grad_ln_out` (with `return_layernorm_output`) adds to the gradient
+    /// flowing back from the GEMM into the norm; `None` when `input_grad` is false.
     ///
     /// # Errors
     /// [`crate::Error::Context`] for another module's or a stale context; shape and dtype
@@ -266,17 +263,14 @@ impl LayerNormLinear {
         &mut self,
         ctx: LayerNormLinearCtx,
         grad_output: &Tensor,
-        grad_ln_out: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        check_ctx(MODULE, (ctx.module_id, ctx.version), self.id, version(&self.norm, &self.core.params))?;
-        let mut d_ln = self
+        opts: BackwardOptions<'_>,
+    ) -> Result<Option<Tensor>> {
+        ctx.stamp.check(MODULE, self.stamp())?;
+        let d_ln = self
             .core
             .backward(ctx.saved, grad_output, ctx.x.shape(), true)?
-            .ok_or_else(|| crate::Error::Shape { op: MODULE, message: "internal: no dgrad".into() })?;
-        if let Some(g) = grad_ln_out {
-            crate::ops::check_shape(MODULE, "grad_ln_out", g, ctx.x.shape())?;
-            crate::ops::elementwise::add_assign(&self.dev, &mut d_ln, g)?;
-        }
-        self.norm.backward(&d_ln, &ctx.x, &ctx.stats)
+            .ok_or_else(|| Error::internal(MODULE, "no dgrad with input_grad = true"))?;
+        let dx = self.norm.backward_sum(d_ln, opts.grad_ln_out, &ctx.x, &ctx.stats)?;
+        Ok(opts.input_grad.then_some(dx))
     }
 }

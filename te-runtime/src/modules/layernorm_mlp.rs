@@ -1,23 +1,25 @@
 //! `LayerNormMLP`: norm → fc1 (+bias) → activation → fc2 (+bias) (TE
 //! `pytorch/module/layernorm_mlp.py`).
 //!
-//! FP8 forward with delayed scaling: the norm kernel writes fc1's FP8 input (cast + amax fused),
-//! fc1 adds its bias in the cuBLASLt epilogue, the activation kernel writes fc2's FP8 input
-//! (activation + cast + amax fused), and byte transposes of the two FP8 inputs are saved for the
-//! wgrads. Backward: fc2's dgrad gives the activation gradient; for GELU/ReLU one kernel applies
-//! the activation derivative, casts to FP8, transposes and reduces fc1's bias gradient (TE
-//! `cast_transpose_dbias_dgelu`); gated activations run their backward kernel first.
+//! FP8: the norm's and the activation's outputs go through fc1's and fc2's input quantizers.
+//! With delayed scaling the norm kernel writes fc1's FP8 input (cast + amax fused), fc1 adds its
+//! bias in the cuBLASLt epilogue, the activation kernel writes fc2's FP8 input (activation, cast
+//! and amax fused), and byte transposes of the two FP8 inputs are saved for the wgrads (with current
+//! scaling each is cast after its producer). Backward: fc2's dgrad gives the activation gradient;
+//! for GELU/ReLU one kernel applies the activation derivative, casts to FP8, transposes and
+//! reduces fc1's bias gradient (TE `cast_transpose_dbias_dgelu`; with current scaling the
+//! derivative is cast after); gated activations run their backward kernel first.
 
-use super::linear::{check_ctx, check_input, out_shape, LinearCore, LinearInput, Saved, BWD_GRAD_OUTPUT, FWD_INPUT};
+use super::linear::check_input;
+use super::linear::gemm_core::{out_shape, DbiasBuffers, LinearCore, LinearInput, Saved};
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
-use super::params::{LinearParams, ParamsInit};
-use super::state_slot::Fp8StateSlot;
-use super::{next_module_id, ForwardOptions, Output};
-use crate::fp8::{fp8_mode, quantize_current, Float8Tensor, Fp8Mode, Recipe, ScalingState};
-use crate::ops::cast_transpose::{cast_transpose_dact, dbias_workspace_len, DbiasOut};
-use crate::ops::{self, activation};
+use super::params::{convert, LinearParams, ParamsInit};
+use super::{next_module_id, BackwardOptions, ForwardOptions, Output, Stamp};
+use crate::fp8::quantizer::produce_fp8;
+use crate::fp8::{fp8_mode, Float8Tensor, Fp8StateSlot, Quantizer, ScalingState};
+use crate::ops::activation;
+use crate::ops::cast_transpose::cast_transpose_dact;
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::spec::Activation;
 use te_codegen::DType;
@@ -80,19 +82,28 @@ impl LayerNormMLPConfig {
     }
 }
 
+/// Forward results: the output and, with `return_layernorm_output`, the norm's output (a
+/// post-LN block takes its residual from it).
+#[derive(Debug, Clone)]
+pub struct LayerNormMLPOutput {
+    /// `[..., hidden]` (FP8 with `fp8_output`).
+    pub out: Output,
+    /// `[..., hidden]` in the input's dtype.
+    pub ln_out: Option<Tensor>,
+}
+
 /// What [`LayerNormMLP::forward`] saves for backward.
 #[derive(Debug)]
 pub struct LayerNormMLPCtx {
-    module_id: u64,
-    version: u64,
+    stamp: Stamp<3>,
     x: Tensor,
     stats: NormStats,
     fc1: Saved,
     /// fc1's output including its bias: the activation's input `[tokens, fc1_out]`.
     pre_act: Tensor,
     fc2: Saved,
-    /// With `recompute_activation` under delayed scaling: the scale fc2's input was cast with.
-    act_scale: Option<CudaSlice<f32>>,
+    /// With `recompute_activation` under FP8: how fc2's input was cast, to cast it again.
+    act_quantizer: Option<Box<dyn Quantizer>>,
 }
 
 impl LayerNormMLPCtx {
@@ -102,7 +113,7 @@ impl LayerNormMLPCtx {
     pub fn saved_bytes(&self) -> usize {
         let high = |s: &Saved| match s {
             Saved::High { input, .. } => input.num_bytes(),
-            Saved::Fp8 { .. } => s.bytes(),
+            Saved::Fp8(_) => s.bytes(),
         };
         self.stats.bytes() + high(&self.fc1) + self.pre_act.num_bytes() + high(&self.fc2)
     }
@@ -198,10 +209,10 @@ impl LayerNormMLP {
     /// forward with delayed scaling.
     pub fn fp8_states(&self) -> [(&'static str, Option<&Arc<ScalingState>>); 4] {
         [
-            ("fc1_fp8_fwd", self.fc1.fwd_state_opt()),
-            ("fc1_fp8_bwd", self.fc1.bwd_state_opt()),
-            ("fc2_fp8_fwd", self.fc2.fwd_state_opt()),
-            ("fc2_fp8_bwd", self.fc2.bwd_state_opt()),
+            ("fc1_fp8_fwd", self.fc1.fwd_state()),
+            ("fc1_fp8_bwd", self.fc1.bwd_state()),
+            ("fc2_fp8_fwd", self.fc2.fwd_state()),
+            ("fc2_fp8_bwd", self.fc2.bwd_state()),
         ]
     }
 
@@ -213,106 +224,69 @@ impl LayerNormMLP {
         [("fc1_fp8_fwd", fc1_fwd), ("fc1_fp8_bwd", fc1_bwd), ("fc2_fp8_fwd", fc2_fwd), ("fc2_fp8_bwd", fc2_bwd)]
     }
 
-    fn version(&self) -> u64 {
-        let (a, b, c) = (self.norm.version(), self.fc1.params.version(), self.fc2.params.version());
-        a.wrapping_mul(1 << 42).wrapping_add(b.wrapping_mul(1 << 21)).wrapping_add(c)
+    fn stamp(&self) -> Stamp<3> {
+        Stamp::new(self.id, [self.norm.version(), self.fc1.params.version(), self.fc2.params.version()])
     }
 
-    /// Forward for training: `y` and the context.
+    /// Forward for training: `y` (the input's dtype) and the context.
+    ///
+    /// # Errors
+    /// As [`LayerNormMLP::forward_with`].
+    pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, LayerNormMLPCtx)> {
+        let (out, ctx) = self.forward_with(x, ForwardOptions::default())?;
+        Ok((out.out.into_high(&self.dev, x.dtype())?, ctx))
+    }
+
+    /// Forward for training with options (`is_first_microbatch` applies to both weights,
+    /// `fp8_output` to fc2's output): the output, the norm's output with
+    /// `return_layernorm_output`, and the context.
     ///
     /// # Errors
     /// Shape and dtype errors of the input (last dim `hidden_size`); under FP8, dims that are not
     /// multiples of 16 (named, with what to pad to); kernel and GEMM failures.
-    pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, LayerNormMLPCtx)> {
-        let (y, _, ctx) = self.run(x, ForwardOptions::default(), true)?;
-        let ctx = ctx.ok_or_else(|| Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
-        Ok((y, ctx))
-    }
-
-    /// Forward for training that also returns the norm's output (`return_layernorm_output`).
-    ///
-    /// # Errors
-    /// [`Error::Config`] without `return_layernorm_output`; as [`LayerNormMLP::forward`].
-    pub fn forward_ln(&mut self, x: &Tensor) -> Result<(Tensor, Tensor, LayerNormMLPCtx)> {
-        self.forward_ln_with(x, ForwardOptions::default())
-    }
-
-    /// [`LayerNormMLP::forward_ln`] with options.
-    ///
-    /// # Errors
-    /// As [`LayerNormMLP::forward_ln`].
-    pub fn forward_ln_with(&mut self, x: &Tensor, opts: ForwardOptions) -> Result<(Tensor, Tensor, LayerNormMLPCtx)> {
-        let (y, ln, ctx) = self.run(x, opts, true)?;
-        match (ln, ctx) {
-            (Some(ln), Some(ctx)) => Ok((y, ln, ctx)),
-            _ => Err(Error::Config {
-                module: MODULE,
-                message: "forward_ln needs return_layernorm_output = true in the configuration".into(),
-            }),
-        }
-    }
-
-    /// Forward for training with options (`is_first_microbatch` applies to both weights).
-    ///
-    /// # Errors
-    /// As [`LayerNormMLP::forward`].
-    pub fn forward_with(&mut self, x: &Tensor, opts: ForwardOptions) -> Result<(Tensor, LayerNormMLPCtx)> {
-        let (y, _, ctx) = self.run(x, opts, true)?;
-        let ctx = ctx.ok_or_else(|| Error::Shape { op: MODULE, message: "internal: nothing saved".into() })?;
-        Ok((y, ctx))
+    pub fn forward_with(&mut self, x: &Tensor, opts: ForwardOptions) -> Result<(LayerNormMLPOutput, LayerNormMLPCtx)> {
+        let (out, ctx) = self.run(x, opts, true)?;
+        let ctx = ctx.ok_or_else(|| Error::internal(MODULE, "a training forward saved nothing"))?;
+        Ok((out, ctx))
     }
 
     /// Forward for inference: no context, no transposes.
     ///
     /// # Errors
-    /// As [`LayerNormMLP::forward`], except that the token count may be any size.
+    /// As [`LayerNormMLP::forward_with`], except that the token count may be any size.
     pub fn infer(&mut self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.run(x, ForwardOptions::default(), false)?.0)
+        self.infer_with(x, ForwardOptions::default())?.out.into_high(&self.dev, x.dtype())
     }
 
-    /// Forward for inference that also returns the norm's output (`return_layernorm_output`;
-    /// post-LN blocks take their residual from it): `(y, ln(x))`, no context, no transposes.
+    /// Forward for inference with options (and the norm's output with
+    /// `return_layernorm_output`).
     ///
     /// # Errors
-    /// [`Error::Config`] without `return_layernorm_output`; as [`LayerNormMLP::infer`].
-    pub fn infer_ln(&mut self, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        match self.run(x, ForwardOptions::default(), false)? {
-            (y, Some(ln), _) => Ok((y, ln)),
-            _ => Err(Error::Config {
-                module: MODULE,
-                message: "infer_ln needs return_layernorm_output = true in the configuration".into(),
-            }),
-        }
+    /// As [`LayerNormMLP::infer`].
+    pub fn infer_with(&mut self, x: &Tensor, opts: ForwardOptions) -> Result<LayerNormMLPOutput> {
+        Ok(self.run(x, opts, false)?.0)
     }
 
-    #[allow(clippy::type_complexity)]
     fn run(
         &mut self,
         x: &Tensor,
         opts: ForwardOptions,
         grad: bool,
-    ) -> Result<(Tensor, Option<Tensor>, Option<LayerNormMLPCtx>)> {
+    ) -> Result<(LayerNormMLPOutput, Option<LayerNormMLPCtx>)> {
         check_input(MODULE, x, self.cfg.hidden_size)?;
         let mode = fp8_mode();
         let dt = x.dtype();
-        let (tokens, _) = x.as_2d(MODULE)?;
-        let delayed = match mode {
-            Fp8Mode::Fp8(Recipe::Delayed(r)) => {
-                self.fc1.check_fp8_dims(tokens, grad)?;
-                self.fc2.check_fp8_dims(tokens, grad)?;
-                Some(r)
-            }
-            _ => None,
-        };
-        // Norm → fc1 input (FP8 from the kernel under delayed scaling).
+        let (pass1, pass2) = (self.fc1.pass(mode)?, self.fc2.pass(mode)?);
+        if pass1.fp8_input().is_some() {
+            let (tokens, _) = x.as_2d(MODULE)?;
+            self.fc1.check_fp8_dims(tokens, grad)?;
+            self.fc2.check_fp8_dims(tokens, grad)?;
+        }
+        // Norm → fc1 input (through fc1's input quantizer under FP8).
         let mut ln_out = None;
-        let (fc1_in, stats) = match &delayed {
-            Some(r) if !self.cfg.return_layernorm_output => {
-                let state = self.fc1.fwd_state(r)?;
-                let (mut ln8, stats) = self.norm.forward_fp8(x, &state, FWD_INPUT)?;
-                if grad {
-                    ln8.ensure_transpose(&self.dev)?;
-                }
+        let (fc1_in, stats) = match pass1.fp8_input() {
+            Some(q) if !self.cfg.return_layernorm_output => {
+                let (ln8, stats) = self.norm.forward_fp8(x, q, grad)?;
                 (LinearInput::Fp8(ln8), stats)
             }
             _ => {
@@ -322,202 +296,137 @@ impl LayerNormMLP {
             }
         };
         let fc1_opts = ForwardOptions { fp8_output: false, ..opts };
-        let (pre_act, fc1_saved) = self.fc1.forward(fc1_in, x.shape(), dt, mode, fc1_opts, grad)?;
+        let (pre_act, fc1_saved) = self.fc1.forward(fc1_in, x.shape(), dt, &pass1, fc1_opts, grad)?;
         let Output::High(pre_act) = pre_act else {
-            return Err(Error::Shape { op: MODULE, message: "internal: fc1 gave an FP8 output".into() });
+            return Err(Error::internal(MODULE, "fc1 gave an FP8 output without fp8_output"));
         };
-        // Activation → fc2 input (FP8 from the kernel under delayed scaling).
+        // Activation → fc2 input (through fc2's input quantizer under FP8).
         let act_shape = out_shape(x.shape(), self.cfg.ffn_hidden_size);
         let recompute = self.cfg.recompute_activation && grad;
-        let mut act_scale = None;
-        let fc2_in = match &delayed {
-            Some(r) => {
-                let state = self.fc2.fwd_state(r)?;
-                let mut y = Tensor::empty(&self.dev, state.dtype(), &act_shape)?;
-                let ((), scale_inv) = state.cast_with(FWD_INPUT, |fp8| {
-                    activation::forward(&self.dev, self.cfg.activation, &pre_act, None, &mut y, Some(fp8))
+        let (dev, act) = (self.dev.clone(), self.cfg.activation);
+        let mut act_quantizer = None;
+        let fc2_in = match pass2.fp8_input() {
+            Some(q) => {
+                let act8 = produce_fp8(q, &dev, &act_shape, dt, grad && !recompute, &mut |y, fp8| {
+                    activation::forward(&dev, act, &pre_act, None, y, fp8)
                 })?;
-                let mut act8 = Float8Tensor::from_parts(y, None, scale_inv)?;
                 if recompute {
-                    act_scale = Some(state.scale_copy(FWD_INPUT)?);
-                } else if grad {
-                    act8.ensure_transpose(&self.dev)?;
+                    act_quantizer = Some(q.frozen()?);
                 }
                 LinearInput::Fp8(act8)
             }
             None => {
-                let mut y = Tensor::empty(&self.dev, dt, &act_shape)?;
-                activation::forward(&self.dev, self.cfg.activation, &pre_act, None, &mut y, None)?;
+                let mut y = Tensor::empty(&dev, dt, &act_shape)?;
+                activation::forward(&dev, act, &pre_act, None, &mut y, None)?;
                 LinearInput::High(y)
             }
         };
-        let (out, fc2_saved) = self.fc2.forward(fc2_in, &act_shape, dt, mode, opts, grad)?;
-        let y = out.into_high(&self.dev, dt)?;
+        let (out, fc2_saved) = self.fc2.forward(fc2_in, &act_shape, dt, &pass2, opts, grad)?;
         let ctx = match (fc1_saved, fc2_saved) {
-            (Some(fc1), Some(fc2)) => Some(LayerNormMLPCtx {
-                module_id: self.id,
-                version: self.version(),
-                x: x.clone(),
-                stats,
-                fc1,
-                pre_act,
-                fc2,
-                act_scale,
-            }),
+            (Some(fc1), Some(fc2)) => {
+                Some(LayerNormMLPCtx { stamp: self.stamp(), x: x.clone(), stats, fc1, pre_act, fc2, act_quantizer })
+            }
             _ => None,
         };
-        Ok((y, ln_out, ctx))
+        Ok((LayerNormMLPOutput { out, ln_out }, ctx))
     }
 
     /// Backward: `dx` for `grad_output`; every parameter gradient accumulates.
     ///
     /// # Errors
-    /// [`Error::Context`] for another module's or a stale context; shape and dtype errors of
-    /// `grad_output`; [`Error::Config`] for a missing `main_grad`; kernel and GEMM failures.
+    /// As [`LayerNormMLP::backward_with`].
     pub fn backward(&mut self, ctx: LayerNormMLPCtx, grad_output: &Tensor) -> Result<Tensor> {
-        self.backward_with(ctx, grad_output, None)
+        self.backward_with(ctx, grad_output, BackwardOptions::default())?
+            .ok_or_else(|| Error::internal(MODULE, "no input gradient with input_grad = true"))
     }
 
-    /// Backward with the gradient of the returned norm output ([`LayerNormMLP::forward_ln`]),
-    /// added to the gradient flowing back from fc1.
+    /// Backward with options: `grad_ln_out` (with `return_layernorm_output`) adds to the gradient
+    /// flowing back from fc1 into the norm; `None` when `input_grad` is false.
     ///
     /// # Errors
-    /// As [`LayerNormMLP::backward`]; a `grad_ln_out` of another shape than the input.
+    /// [`Error::Context`] for another module's or a stale context; shape and dtype errors of
+    /// `grad_output` / `grad_ln_out`; [`Error::Config`] for a missing `main_grad`; kernel and
+    /// GEMM failures.
     pub fn backward_with(
         &mut self,
         ctx: LayerNormMLPCtx,
         grad_output: &Tensor,
-        grad_ln_out: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        check_ctx(MODULE, (ctx.module_id, ctx.version), self.id, self.version())?;
+        opts: BackwardOptions<'_>,
+    ) -> Result<Option<Tensor>> {
+        ctx.stamp.check(MODULE, self.stamp())?;
         let act_shape = out_shape(ctx.x.shape(), self.cfg.ffn_hidden_size);
-        let internal = |m: &str| Error::Shape { op: MODULE, message: format!("internal: {m}") };
+        let no_grad = |what: &str| Error::internal(MODULE, format!("no {what} dgrad with input_grad = true"));
         let mut fc2_saved = ctx.fc2;
-        if let Saved::Fp8 { input_t: None, recipe, .. } = &fc2_saved {
-            let act_t = self.recompute_act_t(&ctx.pre_act, *recipe, ctx.act_scale.as_ref())?;
-            fc2_saved.restore_input(act_t);
+        if let Saved::Fp8(s) = &mut fc2_saved {
+            if s.input_t.is_none() {
+                let q = ctx.act_quantizer.as_deref().ok_or_else(|| {
+                    Error::internal(MODULE, "recompute_activation without the quantizer of fc2's input")
+                })?;
+                s.input_t = Some(self.recompute_act_t(&ctx.pre_act, q)?);
+            }
         }
-        let d_act =
-            self.fc2.backward(fc2_saved, grad_output, &act_shape, true)?.ok_or_else(|| internal("no fc2 dgrad"))?;
-        let fc1_shape = ctx.pre_act.shape().to_vec();
+        let d_act = self.fc2.backward(fc2_saved, grad_output, &act_shape, true)?.ok_or_else(|| no_grad("fc2"))?;
         let act = self.cfg.activation;
         let d_ln = match ctx.fc1 {
             // GELU/ReLU under FP8: dact + cast + transpose + dbias in one kernel.
-            Saved::Fp8 { input_t: Some(input_t), weight, recipe, ticket } if !act.is_gated() => {
-                let (d8, dbias) = self.dact_cast(act, &d_act, &ctx.pre_act, recipe)?;
-                let dx = self.fc1.backward_fp8_quantized(
-                    &d8,
-                    dbias,
-                    &input_t,
-                    &weight,
-                    ctx.x.shape(),
-                    grad_output.dtype(),
-                    true,
-                )?;
-                if let Some(t) = ticket {
-                    t.finish()?;
-                }
-                dx
+            Saved::Fp8(s) if !act.is_gated() => {
+                let q = self.fc1.grad_quantizer(&s.grad)?;
+                let (d8, dbias) = self.dact_cast(act, &d_act, &ctx.pre_act, &*q)?;
+                self.fc1.backward_fp8(&d8, dbias, s, ctx.x.shape(), grad_output.dtype(), true)?
             }
             saved => {
-                let mut d_pre = Tensor::empty(&self.dev, ctx.pre_act.dtype(), &fc1_shape)?;
-                let d_act = super::params::convert(&self.dev, d_act, ctx.pre_act.dtype())?;
+                let mut d_pre = Tensor::empty(&self.dev, ctx.pre_act.dtype(), ctx.pre_act.shape())?;
+                let d_act = convert(&self.dev, d_act, ctx.pre_act.dtype())?;
                 activation::backward(&self.dev, act, &d_act, &ctx.pre_act, &mut d_pre, None)?;
                 self.fc1.backward(saved, &d_pre, ctx.x.shape(), true)?
             }
         }
-        .ok_or_else(|| internal("no fc1 dgrad"))?;
-        let mut d_ln = d_ln;
-        if let Some(g) = grad_ln_out {
-            ops::check_shape(MODULE, "grad_ln_out", g, ctx.x.shape())?;
-            ops::elementwise::add_assign(&self.dev, &mut d_ln, g)?;
-        }
-        self.norm.backward(&d_ln, &ctx.x, &ctx.stats)
+        .ok_or_else(|| no_grad("fc1"))?;
+        let dx = self.norm.backward_sum(d_ln, opts.grad_ln_out, &ctx.x, &ctx.stats)?;
+        Ok(opts.input_grad.then_some(dx))
     }
 
-    /// fc2's FP8 input transpose, recomputed from fc1's output as the forward made it: with the
-    /// forward's scale (delayed) or the same amax (current).
-    fn recompute_act_t(
-        &self,
-        pre_act: &Tensor,
-        recipe: Recipe,
-        scale: Option<&CudaSlice<f32>>,
-    ) -> Result<Float8Tensor> {
-        let dev = &self.dev;
-        let act = self.cfg.activation;
+    /// fc2's FP8 input transpose, recomputed from fc1's output as the forward made it: `q` is the
+    /// forward's input quantizer, frozen (the same scale, or the same amax).
+    fn recompute_act_t(&self, pre_act: &Tensor, q: &dyn Quantizer) -> Result<Float8Tensor> {
+        let (dev, act) = (&self.dev, self.cfg.activation);
         let shape = out_shape(pre_act.shape(), self.cfg.ffn_hidden_size);
-        let act8 = match (recipe, scale) {
-            (Recipe::Delayed(_), Some(scale)) => {
-                let mut y = Tensor::empty(dev, DType::E4M3, &shape)?;
-                let (mut amax, mut scale_inv) =
-                    (dev.stream().alloc_zeros::<f32>(1)?, dev.stream().alloc_zeros::<f32>(1)?);
-                let mut fp8 = ops::Fp8Scaling {
-                    scale: scale.as_view(),
-                    amax: amax.as_view_mut(),
-                    scale_inv: scale_inv.as_view_mut(),
-                };
-                activation::forward(dev, act, pre_act, None, &mut y, Some(&mut fp8))?;
-                let mut f = Float8Tensor::from_parts(y, None, Arc::new(scale_inv))?;
-                f.ensure_transpose(dev)?;
-                f
-            }
-            (Recipe::Current(c), _) => {
-                let mut y = Tensor::empty(dev, pre_act.dtype(), &shape)?;
-                activation::forward(dev, act, pre_act, None, &mut y, None)?;
-                quantize_current(dev, &y, DType::E4M3, &c, true, None)?
-            }
-            (Recipe::Delayed(_), None) => {
-                return Err(Error::Shape { op: MODULE, message: "internal: no saved activation scale".into() })
-            }
-        };
-        act8.into_transposed().ok_or_else(|| Error::Shape { op: MODULE, message: "internal: no transpose".into() })
+        let act8 = produce_fp8(q, dev, &shape, pre_act.dtype(), true, &mut |y, fp8| {
+            activation::forward(dev, act, pre_act, None, y, fp8)
+        })?;
+        act8.into_transposed().ok_or_else(|| Error::internal(MODULE, "the recomputed activation has no transpose"))
     }
 
-    /// `d_pre = d_act · act'(pre_act)` cast to fc1's gradient format with its transpose and the
-    /// bias gradient, in one kernel.
+    /// `d_pre = d_act · act'(pre_act)` cast by `q` (fc1's gradient quantizer) with its transpose
+    /// and the bias gradient: one kernel when `q` fuses its cast, else the derivative in high
+    /// precision first (current scaling needs its amax), then the cast.
     fn dact_cast(
         &mut self,
         act: Activation,
         d_act: &Tensor,
         pre_act: &Tensor,
-        recipe: Recipe,
+        q: &dyn Quantizer,
     ) -> Result<(Float8Tensor, Option<Tensor>)> {
         let dev = self.dev.clone();
-        let d_act = super::params::convert(&dev, d_act.clone(), pre_act.dtype())?;
+        let d_act = convert(&dev, d_act.clone(), pre_act.dtype())?;
         let (tokens, cols) = pre_act.as_2d(MODULE)?;
         let mut dbias = match self.fc1.params.bias() {
-            Some(_) => Some(Tensor::empty(&dev, pre_act.dtype(), &[cols])?),
+            Some(_) => Some(DbiasBuffers::new(&dev, pre_act.dtype(), tokens, cols)?),
             None => None,
         };
-        // SAFETY: f32 has no invalid bit patterns; the kernel writes the scratch before reading.
-        let mut ws = unsafe { dev.stream().alloc::<f32>(dbias_workspace_len(tokens, cols).max(1)) }?;
-        let ((out, out_t), scale_inv) = match recipe {
-            Recipe::Delayed(r) => {
-                let state = self.fc1.bwd_state(&r)?;
-                let dtype = state.dtype();
-                state.cast_with(BWD_GRAD_OUTPUT, |fp8: &mut ops::Fp8Scaling<'_>| {
-                    let mut out = Tensor::empty(&dev, dtype, pre_act.shape())?;
-                    let mut out_t = Tensor::empty(&dev, dtype, &[cols, tokens])?;
-                    let db = dbias_out(&mut dbias, &mut ws);
-                    cast_transpose_dact(&dev, act, &d_act, pre_act, &mut out, &mut out_t, fp8, db)?;
-                    Ok((out, out_t))
-                })?
-            }
-            Recipe::Current(c) => {
-                // Current scaling needs the amax of the derivative before the cast: compute it
-                // in high precision first, then cast as a plain gradient.
-                let mut d_pre = Tensor::empty(&dev, pre_act.dtype(), pre_act.shape())?;
-                activation::backward(&dev, act, &d_act, pre_act, &mut d_pre, None)?;
-                let dtype = c.fp8_format.backward_dtype();
-                let d8 = quantize_current(&dev, &d_pre, dtype, &c, true, dbias_out(&mut dbias, &mut ws))?;
-                return Ok((d8, dbias));
-            }
+        let d8 = if q.fuses_cast() {
+            let mut out = Tensor::empty(&dev, q.dtype(), pre_act.shape())?;
+            let mut out_t = Tensor::empty(&dev, q.dtype(), &[cols, tokens])?;
+            let scale_inv = q.fused_cast(&mut |fp8| {
+                let db = dbias.as_mut().map(DbiasBuffers::out);
+                cast_transpose_dact(&dev, act, &d_act, pre_act, &mut out, &mut out_t, fp8, db)
+            })?;
+            Float8Tensor::from_parts(out, Some(out_t), scale_inv)?
+        } else {
+            let mut d_pre = Tensor::empty(&dev, pre_act.dtype(), pre_act.shape())?;
+            activation::backward(&dev, act, &d_act, pre_act, &mut d_pre, None)?;
+            q.quantize(&d_pre, true, dbias.as_mut().map(DbiasBuffers::out))?
         };
-        Ok((Float8Tensor::from_parts(out, Some(out_t), scale_inv)?, dbias))
+        Ok((d8, dbias.map(DbiasBuffers::into_dbias)))
     }
-}
-
-/// The dbias outputs of a cast, when there is a bias gradient.
-fn dbias_out<'a>(dbias: &'a mut Option<Tensor>, ws: &'a mut CudaSlice<f32>) -> Option<DbiasOut<'a>> {
-    dbias.as_mut().map(|d| DbiasOut { dbias: d, workspace: ws.as_view_mut() })
 }

@@ -11,11 +11,11 @@ pub mod linear;
 pub mod multihead_attention;
 pub mod norm;
 mod params;
-pub mod state_slot;
 pub mod token_ids;
 pub mod transformer_layer;
 pub mod visit;
 
+pub use crate::fp8::{Fp8Direction, Fp8StateSlot};
 pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
@@ -24,7 +24,6 @@ pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCt
 pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
-pub use state_slot::{Fp8Direction, Fp8StateSlot};
 pub use te_codegen::prewarm::KernelTarget;
 pub use te_codegen::spec::Activation;
 pub use te_codegen::KernelSpec;
@@ -74,4 +73,39 @@ impl Output {
 fn next_module_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Which module made a forward context, and the write counts ("versions") of its `N` parameter
+/// groups then: a backward refuses a context of another module, or one made before its
+/// parameters changed (the forward's saved tensors would not match the weights any more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stamp<const N: usize> {
+    module_id: u64,
+    versions: [u64; N],
+}
+
+impl<const N: usize> Stamp<N> {
+    /// The stamp of module `module_id` with parameter versions `versions`.
+    pub(crate) fn new(module_id: u64, versions: [u64; N]) -> Self {
+        Self { module_id, versions }
+    }
+
+    /// Fails unless this context stamp matches the module's stamp `now`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Context`] naming `module` and what is wrong.
+    pub(crate) fn check(&self, module: &'static str, now: Stamp<N>) -> Result<()> {
+        let context = |message: String| crate::Error::Context { module, message };
+        if self.module_id != now.module_id {
+            return Err(context(format!("the context was made by another {module}'s forward")));
+        }
+        if self.versions != now.versions {
+            return Err(context(
+                "the parameters changed after the forward that made this context (stale context); run forward \
+                 again after updating the weights"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
 }

@@ -376,7 +376,7 @@ impl MultiheadAttention {
         match (&mut self.qkv, ctx.qkv) {
             (QkvProj::Norm(m), QkvCtx::Norm(c)) => m.backward(c, &d_qkv),
             (QkvProj::Plain(m), QkvCtx::Plain(c)) => m.backward(c, &d_qkv),
-            _ => Err(Error::Context { module: MODULE, message: "internal: QKV context of another kind".into() }),
+            _ => Err(Error::internal(MODULE, "a QKV context of the other projection kind")),
         }
     }
 }

@@ -1,12 +1,12 @@
 //! `LayerNorm` and `RMSNorm` (TE `pytorch/module/layernorm.py`, `rmsnorm.py`), and the norm
 //! parameters `LayerNormLinear` and `LayerNormMLP` fuse in front of their first GEMM.
 
-use super::linear::check_ctx;
-use super::next_module_id;
 use super::params::accumulate;
-use crate::fp8::{Float8Tensor, ScalingState};
+use super::{next_module_id, Stamp};
+use crate::fp8::quantizer::produce_fp8;
+use crate::fp8::{Float8Tensor, Quantizer};
+use crate::ops;
 use crate::ops::norm::{norm_bwd, norm_fwd, NormBwdArgs, NormBwdOut, NormFwdArgs, NormFwdOut};
-use crate::ops::{self, Fp8Scaling};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
@@ -190,22 +190,39 @@ impl NormParams {
         Ok((y, stats))
     }
 
-    /// `y = norm(x)` cast to FP8 by the kernel with `slot` of `state` (TE's LayerNorm writing the
-    /// GEMM input of `LayerNormLinear` directly), row-wise codes only.
+    /// `y = norm(x)` in FP8 through `q` (TE's LayerNorm writing the GEMM input of
+    /// `LayerNormLinear` directly): the kernel casts its output when `q` allows it, else it
+    /// writes `x`'s dtype and `q` casts. With `columnwise`, the transposed codes too.
     pub(crate) fn forward_fp8(
         &self,
         x: &Tensor,
-        state: &ScalingState,
-        slot: usize,
+        q: &dyn Quantizer,
+        columnwise: bool,
     ) -> Result<(Float8Tensor, NormStats)> {
         let (rows, _) = x.as_2d(self.module)?;
         let mut stats = self.stats(rows)?;
-        let mut y = Tensor::empty(&self.dev, state.dtype(), x.shape())?;
-        let ((), scale_inv) = state.cast_with(slot, |fp8: &mut Fp8Scaling<'_>| {
-            let out = NormFwdOut { y: &mut y, mu: stats.mu.as_mut(), rsigma: &mut stats.rsigma, fp8: Some(fp8) };
+        let y = produce_fp8(q, &self.dev, x.shape(), x.dtype(), columnwise, &mut |y, fp8| {
+            let out = NormFwdOut { y, mu: stats.mu.as_mut(), rsigma: &mut stats.rsigma, fp8 };
             norm_fwd(&self.dev, &self.args(x), out)
         })?;
-        Ok((Float8Tensor::from_parts(y, None, scale_inv)?, stats))
+        Ok((y, stats))
+    }
+
+    /// The backward of a norm whose output fed a GEMM: `d_ln` (the GEMM's input gradient) plus
+    /// `grad_ln_out`, the gradient of the norm output when the module also returned it
+    /// (`return_layernorm_output`), then [`NormParams::backward`].
+    pub(crate) fn backward_sum(
+        &mut self,
+        mut d_ln: Tensor,
+        grad_ln_out: Option<&Tensor>,
+        x: &Tensor,
+        stats: &NormStats,
+    ) -> Result<Tensor> {
+        if let Some(g) = grad_ln_out {
+            ops::check_shape(self.module, "grad_ln_out", g, x.shape())?;
+            ops::elementwise::add_assign(&self.dev, &mut d_ln, g)?;
+        }
+        self.backward(&d_ln, x, stats)
     }
 
     /// `dx` for `dy` (converted to `x`'s dtype); dgamma and dbeta accumulate.
@@ -241,8 +258,7 @@ impl NormParams {
 /// row statistics.
 #[derive(Debug)]
 pub struct NormCtx {
-    module_id: u64,
-    version: u64,
+    stamp: Stamp<1>,
     x: Tensor,
     stats: NormStats,
 }
@@ -292,6 +308,10 @@ impl Norm {
         Self::new(dev, NormKind::RmsNorm, cfg)
     }
 
+    fn stamp(&self) -> Stamp<1> {
+        Stamp::new(self.id, [self.params.version])
+    }
+
     /// Gamma, beta and their gradients.
     pub fn params(&self) -> &NormParams {
         &self.params
@@ -309,7 +329,7 @@ impl Norm {
     /// empty; kernel failures.
     pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, NormCtx)> {
         let (y, stats) = self.params.forward(x, x.dtype())?;
-        Ok((y, NormCtx { module_id: self.id, version: self.params.version, x: x.clone(), stats }))
+        Ok((y, NormCtx { stamp: self.stamp(), x: x.clone(), stats }))
     }
 
     /// `y = norm(x)` without a context.
@@ -325,7 +345,7 @@ impl Norm {
     /// # Errors
     /// [`Error::Context`] for another module's or a stale context; shape and dtype errors.
     pub fn backward(&mut self, ctx: NormCtx, dy: &Tensor) -> Result<Tensor> {
-        check_ctx(self.params.module, (ctx.module_id, ctx.version), self.id, self.params.version)?;
+        ctx.stamp.check(self.params.module, self.stamp())?;
         ops::check_shape(self.params.module, "grad_output", dy, ctx.x.shape())?;
         self.params.backward(dy, &ctx.x, &ctx.stats)
     }

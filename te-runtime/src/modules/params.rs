@@ -2,7 +2,7 @@
 //! the cached FP8 weight — shared by `Linear`, `LayerNormLinear` and `LayerNormMLP`.
 
 use super::init;
-use crate::fp8::{is_fp8_model_init, quantize_current, Float8CurrentScaling, Float8Tensor, Recipe, ScalingState};
+use crate::fp8::{is_fp8_model_init, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Tensor, Quantizer};
 use crate::gemm::{gemm, Epilogue, GemmConfig, Operand, Output as GemmOut};
 use crate::ops;
 use crate::{Device, Error, Result, Tensor};
@@ -16,19 +16,10 @@ enum Weight {
     Fp8(Float8Tensor),
 }
 
-/// Fails unless an FP8 GEMM dimension is a multiple of 16, naming it and what to pad to.
+/// Fails unless an FP8 GEMM dimension is a multiple of 16, naming it and what to pad to
+/// ([`te_codegen::check_fp8_dim`]).
 pub(crate) fn fp8_dim(module: &'static str, dim: &str, value: usize) -> Result<()> {
-    if value % 16 == 0 {
-        Ok(())
-    } else {
-        Err(Error::Shape {
-            op: module,
-            message: format!(
-                "{dim} = {value} must be a multiple of 16 for FP8 GEMMs; pad it to {}",
-                value.div_ceil(16) * 16
-            ),
-        })
-    }
+    te_codegen::check_fp8_dim(dim, value).map_err(|message| Error::Shape { op: module, message })
 }
 
 /// Weight `[out, in]` and optional bias `[out]` of a GEMM layer, with gradients accumulated
@@ -86,7 +77,8 @@ impl LinearParams {
             fp8_dim(module, "in_features", n_in)
                 .and(fp8_dim(module, "out_features", n_out))
                 .map_err(|e| config(e.to_string()))?;
-            Weight::Fp8(quantize_current(dev, &w, DType::E4M3, &Float8CurrentScaling::default(), false, None)?)
+            let q = Float8CurrentScalingQuantizer::new(dev, DType::E4M3, Float8CurrentScaling::default())?;
+            Weight::Fp8(q.quantize(&w, false, None)?)
         } else {
             Weight::High(w)
         };
@@ -290,12 +282,10 @@ impl LinearParams {
     }
 
     /// The FP8 weight for this call: the FP8-only weight, the micro-batch cache, or a fresh cast
-    /// into `slot` of `fwd` (delayed) or by its own amax (current), with its transpose when
-    /// backward will need it.
+    /// by `q`, with its transpose when backward will need it (`grad`).
     pub(crate) fn fp8_weight_for(
         &mut self,
-        recipe: Recipe,
-        fwd: Option<(&ScalingState, usize)>,
+        q: &dyn Quantizer,
         is_first_microbatch: Option<bool>,
         grad: bool,
     ) -> Result<Float8Tensor> {
@@ -319,24 +309,15 @@ impl LinearParams {
                 }
             }
         }
-        let w8 = match (fwd, recipe) {
-            (Some((s, slot)), _) => s.quantize(&w, slot, grad, None)?,
-            (None, Recipe::Current(c)) => quantize_current(&dev, &w, DType::E4M3, &c, grad, None)?,
-            (None, Recipe::Delayed(_)) => {
-                return Err(Error::Config {
-                    module: self.module,
-                    message: "internal: delayed scaling without state".into(),
-                })
-            }
-        };
+        let w8 = q.quantize(&w, grad, None)?;
         self.cache = is_first_microbatch.is_some().then(|| (w8.clone(), self.version));
         Ok(w8)
     }
 
-    /// Records the weight's amax into `slot` (calibration).
-    pub(crate) fn record_weight_amax(&self, state: &ScalingState, slot: usize) -> Result<()> {
+    /// Records the weight's amax with `q` (calibration).
+    pub(crate) fn calibrate_weight(&self, q: &dyn Quantizer) -> Result<()> {
         match &self.weight {
-            Weight::High(w) => state.record_amax(w, slot),
+            Weight::High(w) => q.calibrate(w),
             Weight::Fp8(_) => Ok(()),
         }
     }
@@ -356,7 +337,7 @@ impl LinearParams {
         self.check_main_grad()?;
         let (target, accumulate) = match (self.fuse_wgrad_accumulation, &mut self.main_grad, &mut self.weight_grad) {
             (true, Some(m), _) => (m, true),
-            (true, None, _) => return Err(Error::Config { module: self.module, message: "no main_grad".into() }),
+            (true, None, _) => return Err(Error::internal(self.module, "no main_grad after check_main_grad")),
             (false, _, Some(g)) => (g, true),
             (false, _, g @ None) => (g.insert(Tensor::empty(&dev, self.params_dtype, &shape)?), false),
         };

@@ -13,7 +13,7 @@ use super::multihead_attention::{
 };
 use super::norm::{Norm, NormConfig, NormCtx, NormKind};
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
-use super::{next_module_id, Activation, ForwardOptions, KernelSpec, KernelTarget};
+use super::{next_module_id, Activation, BackwardOptions, ForwardOptions, KernelSpec, KernelTarget};
 use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
 use crate::ops::elementwise::{add, add_assign};
 use crate::{Device, Error, Result, Tensor};
@@ -273,15 +273,10 @@ impl TransformerLayer {
         let opts = ForwardOptions { is_first_microbatch: inputs.is_first_microbatch, fp8_output: false };
         let (a, attn) = self.attention.forward_with(x, inputs)?;
         let (h1, mask1) = self.residual_dropout(&a, x)?;
-        let (y, mlp, mask2) = if self.cfg.apply_residual_connection_post_layernorm {
-            let (m, ln, ctx) = self.mlp.forward_ln_with(&h1, opts)?;
-            let (y, mask) = self.residual_dropout(&m, &ln)?;
-            (y, ctx, mask)
-        } else {
-            let (m, ctx) = self.mlp.forward_with(&h1, opts)?;
-            let (y, mask) = self.residual_dropout(&m, &h1)?;
-            (y, ctx, mask)
-        };
+        // The MLP returns its norm's output exactly when the residual is taken after it (post-LN).
+        let (m, mlp) = self.mlp.forward_with(&h1, opts)?;
+        let m_out = m.out.into_high(&self.dev, x.dtype())?;
+        let (y, mask2) = self.residual_dropout(&m_out, m.ln_out.as_ref().unwrap_or(&h1))?;
         let (y, out_norm) = match &mut self.out_norm {
             Some(n) => {
                 let (y, c) = n.forward(&y)?;
@@ -304,15 +299,9 @@ impl TransformerLayer {
         let a = self.attention.infer_with(x, inputs)?;
         let mut h1 = Tensor::empty(&self.dev, x.dtype(), x.shape())?;
         add(&self.dev, &a, x, &mut h1)?;
-        let y = if self.cfg.apply_residual_connection_post_layernorm {
-            let (mut m, ln) = self.mlp.infer_ln(&h1)?;
-            add_assign(&self.dev, &mut m, &ln)?;
-            m
-        } else {
-            let mut m = self.mlp.infer(&h1)?;
-            add_assign(&self.dev, &mut m, &h1)?;
-            m
-        };
+        let m = self.mlp.infer_with(&h1, ForwardOptions::default())?;
+        let mut y = m.out.into_high(&self.dev, x.dtype())?;
+        add_assign(&self.dev, &mut y, m.ln_out.as_ref().unwrap_or(&h1))?;
         match &self.out_norm {
             Some(n) => n.infer(&y),
             None => Ok(y),
@@ -335,13 +324,16 @@ impl TransformerLayer {
         // y = residual + drop(mlp): the residual takes d_y as is.
         let mut d_m = Tensor::empty(&self.dev, d_y.dtype(), d_y.shape())?;
         dropout_backward(&self.dev, &d_y, &ctx.mask2, p, &mut d_m)?;
-        let mut d_h1 = if self.cfg.apply_residual_connection_post_layernorm {
-            self.mlp.backward_with(ctx.mlp, &d_m, Some(&d_y))?
-        } else {
-            let mut d = self.mlp.backward(ctx.mlp, &d_m)?;
-            add_assign(&self.dev, &mut d, &d_y)?;
-            d
-        };
+        // The residual took the MLP's norm output (post-LN) or its input (pre-LN).
+        let post = self.cfg.apply_residual_connection_post_layernorm;
+        let opts = BackwardOptions { grad_ln_out: post.then_some(&d_y), ..Default::default() };
+        let mut d_h1 = self
+            .mlp
+            .backward_with(ctx.mlp, &d_m, opts)?
+            .ok_or_else(|| Error::internal(MODULE, "no MLP input gradient with input_grad = true"))?;
+        if !post {
+            add_assign(&self.dev, &mut d_h1, &d_y)?;
+        }
         let mut d_a = Tensor::empty(&self.dev, d_h1.dtype(), d_h1.shape())?;
         dropout_backward(&self.dev, &d_h1, &ctx.mask1, p, &mut d_a)?;
         let d_x = self.attention.backward(ctx.attn, &d_a)?;

@@ -2,7 +2,7 @@
 //! forward (or backward) made it, and the means to make it before that (a checkpoint load into a
 //! fresh model).
 
-use crate::fp8::{DelayedScaling, ScalingState};
+use super::{DelayedScaling, ScalingState};
 use crate::{Device, Result};
 use std::sync::Arc;
 
@@ -11,12 +11,12 @@ use std::sync::Arc;
 pub enum Fp8Direction {
     /// Forward: input, weight and output slots (the recipe's forward format, E4M3).
     Forward,
-    /// Backward: grad_output and grad_input slots (E5M2 under HYBRID).
+    /// Backward: the grad_output slot (E5M2 under HYBRID).
     Backward,
 }
 
 /// The place where a module keeps one delayed-scaling state (`….fp8_fwd`, `….fp8_bwd`), handed
-/// to [`super::ModuleVisitorMut::fp8_state_slot`]: empty until the module's first FP8 forward
+/// to [`crate::modules::ModuleVisitorMut::fp8_state_slot`]: empty until the module's first FP8 forward
 /// (or backward) with delayed scaling, or until a visitor fills it with
 /// [`Fp8StateSlot::get_or_create`].
 #[derive(Debug)]
@@ -43,7 +43,7 @@ impl<'a> Fp8StateSlot<'a> {
         self.state.as_ref()
     }
 
-    /// Number of FP8 tensor slots the module's state has (3 forward, 2 backward for a GEMM).
+    /// Number of FP8 tensor slots the module's state has (3 forward, 1 backward for a GEMM).
     pub fn slots(&self) -> usize {
         self.slots
     }
