@@ -31,15 +31,22 @@ pub(crate) enum Pass {
     High,
     /// High-precision GEMMs; the input's and weight's amaxes are recorded.
     Calibrating(ForwardQuantizers),
-    /// FP8 GEMMs with these quantizers, under `recipe` (which backward reuses).
-    Fp8 { q: ForwardQuantizers, recipe: Recipe },
+    /// FP8 GEMMs.
+    Fp8(Fp8Pass),
+}
+
+/// An FP8 forward: its quantizers and the recipe they came from (which backward reuses).
+#[derive(Debug)]
+pub(crate) struct Fp8Pass {
+    q: ForwardQuantizers,
+    recipe: Recipe,
 }
 
 impl Pass {
     /// The quantizer of the GEMM input in an FP8 pass.
     pub(crate) fn fp8_input(&self) -> Option<&dyn Quantizer> {
         match self {
-            Pass::Fp8 { q, .. } => Some(&*q.input),
+            Pass::Fp8(p) => Some(&*p.q.input),
             _ => None,
         }
     }
@@ -145,7 +152,7 @@ impl LinearCore {
         Ok(match mode {
             Fp8Mode::HighPrecision => Pass::High,
             Fp8Mode::Calibrating(r) => Pass::Calibrating(self.scaling.forward(&r)?),
-            Fp8Mode::Fp8(recipe) => Pass::Fp8 { q: self.scaling.forward(&recipe)?, recipe },
+            Fp8Mode::Fp8(recipe) => Pass::Fp8(Fp8Pass { q: self.scaling.forward(&recipe)?, recipe }),
         })
     }
 
@@ -185,10 +192,10 @@ impl LinearCore {
         grad: bool,
     ) -> Result<(Output, Option<Saved>)> {
         match (pass, x) {
-            (Pass::Fp8 { q, recipe }, x) => {
+            (Pass::Fp8(p), x) => {
                 let tokens = shape.split_last().map_or(0, |(_, lead)| lead.iter().product());
                 self.check_fp8_dims(tokens, grad)?;
-                self.forward_fp8(x, shape, dtype, q, recipe, opts, grad)
+                self.forward_fp8(x, shape, dtype, p, opts, grad)
             }
             (Pass::Calibrating(q), LinearInput::High(x)) => {
                 q.input.calibrate(&x)?;
@@ -220,20 +227,16 @@ impl LinearCore {
         }
     }
 
-    // The GEMM's operands, its pass and the call's options: one argument each (the forward of
-    // TE's `_Linear.forward` takes more).
-    #[allow(clippy::too_many_arguments)]
     fn forward_fp8(
         &mut self,
         x: LinearInput,
         shape: &[usize],
         dtype: DType,
-        q: &ForwardQuantizers,
-        recipe: &Recipe,
+        pass: &Fp8Pass,
         opts: ForwardOptions,
         grad: bool,
     ) -> Result<(Output, Option<Saved>)> {
-        let dev = self.dev();
+        let (dev, q) = (self.dev(), &pass.q);
         let x8 = match x {
             LinearInput::Fp8(f) => f,
             LinearInput::High(x) => q.input.quantize(&x, grad && self.save_input, None)?,
@@ -277,7 +280,7 @@ impl LinearCore {
             true => Some(x8.into_transposed().ok_or_else(|| self.internal("the FP8 input has no transpose"))?),
             false => None,
         };
-        let grad = self.scaling.grad(recipe)?;
+        let grad = self.scaling.grad(&pass.recipe)?;
         Ok((out, Some(Saved::Fp8(Fp8Saved { input_t, weight: w8, grad }))))
     }
 
