@@ -1,0 +1,158 @@
+//! [`BertConfig`]: the fields of a Hugging Face `config.json` the model uses, and its parsing.
+
+use super::{read_file, BertError, BertResult};
+use crate::modules::Activation;
+use std::path::{Path, PathBuf};
+
+/// The fields of a Hugging Face `BertConfig` the model uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BertConfig {
+    /// `vocab_size`.
+    pub vocab_size: usize,
+    /// `hidden_size`.
+    pub hidden_size: usize,
+    /// `num_hidden_layers`.
+    pub num_hidden_layers: usize,
+    /// `num_attention_heads` (divides `hidden_size`).
+    pub num_attention_heads: usize,
+    /// `intermediate_size` (the MLP width).
+    pub intermediate_size: usize,
+    /// `max_position_embeddings` (rows of the position table; the longest sequence).
+    pub max_position_embeddings: usize,
+    /// `type_vocab_size` (≥ 1; only token type 0 is used).
+    pub type_vocab_size: usize,
+    /// `layer_norm_eps`.
+    pub layer_norm_eps: f32,
+    /// `hidden_act`: `gelu` → [`Activation::GeluErf`]; `gelu_new`, `gelu_pytorch_tanh` →
+    /// [`Activation::Gelu`] (tanh); `relu` → [`Activation::Relu`].
+    pub activation: Activation,
+}
+
+impl BertConfig {
+    /// all-MiniLM-L6-v2's configuration.
+    pub fn minilm_l6() -> Self {
+        Self {
+            vocab_size: 30522,
+            hidden_size: 384,
+            num_hidden_layers: 6,
+            num_attention_heads: 12,
+            intermediate_size: 1536,
+            max_position_embeddings: 512,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+            activation: Activation::GeluErf,
+        }
+    }
+
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    /// Parses a Hugging Face `config.json` text.
+    ///
+    /// # Errors
+    /// [`BertError::Unsupported`] naming the field: `model_type` other than `bert`, `hidden_act`
+    /// other than gelu / gelu_new / gelu_pytorch_tanh / relu, `position_embedding_type` other
+    /// than `absolute`, a missing or non-positive size, heads that do not divide the hidden
+    /// size, `is_decoder`/`add_cross_attention` set; [`BertError::Json`] for invalid JSON.
+    pub fn from_json(text: &str) -> BertResult<Self> {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| BertError::Json { path: PathBuf::from("config.json"), message: e.to_string() })?;
+        let unsupported = |field: &'static str, message: String| BertError::Unsupported { field, message };
+        let str_field = |field: &'static str| v.get(field).and_then(|x| x.as_str());
+        if let Some(t) = str_field("model_type") {
+            if t != "bert" {
+                return Err(unsupported("model_type", format!("`{t}`; only `bert` is supported")));
+            }
+        }
+        for field in ["is_decoder", "add_cross_attention"] {
+            if v.get(field).and_then(|x| x.as_bool()) == Some(true) {
+                let field = if field == "is_decoder" { "is_decoder" } else { "add_cross_attention" };
+                return Err(unsupported(
+                    field,
+                    "true; only encoders (self-attention, no decoder) are supported".into(),
+                ));
+            }
+        }
+        if let Some(p) = str_field("position_embedding_type") {
+            if p != "absolute" {
+                return Err(unsupported("position_embedding_type", format!("`{p}`; only `absolute` is supported")));
+            }
+        }
+        let activation = match str_field("hidden_act").unwrap_or("gelu") {
+            "gelu" => Activation::GeluErf,
+            "gelu_new" | "gelu_pytorch_tanh" => Activation::Gelu,
+            "relu" => Activation::Relu,
+            other => {
+                return Err(unsupported(
+                    "hidden_act",
+                    format!("`{other}`; supported: gelu (erf), gelu_new / gelu_pytorch_tanh (tanh), relu"),
+                ))
+            }
+        };
+        let size = |field: &'static str| -> BertResult<usize> {
+            match v.get(field).and_then(|x| x.as_u64()) {
+                Some(n) if n > 0 => Ok(n as usize),
+                Some(n) => Err(unsupported(field, format!("{n}; must be ≥ 1"))),
+                None => Err(unsupported(field, "missing or not a positive integer".into())),
+            }
+        };
+        let cfg = Self {
+            vocab_size: size("vocab_size")?,
+            hidden_size: size("hidden_size")?,
+            num_hidden_layers: size("num_hidden_layers")?,
+            num_attention_heads: size("num_attention_heads")?,
+            intermediate_size: size("intermediate_size")?,
+            max_position_embeddings: size("max_position_embeddings")?,
+            type_vocab_size: v.get("type_vocab_size").and_then(|x| x.as_u64()).unwrap_or(2).max(1) as usize,
+            layer_norm_eps: v.get("layer_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-12) as f32,
+            activation,
+        };
+        if cfg.hidden_size % cfg.num_attention_heads != 0 {
+            return Err(unsupported(
+                "num_attention_heads",
+                format!("{} does not divide hidden_size = {}", cfg.num_attention_heads, cfg.hidden_size),
+            ));
+        }
+        Ok(cfg)
+    }
+
+    /// Reads and parses `path` (a `config.json`).
+    ///
+    /// # Errors
+    /// [`BertError::MissingFile`] / [`BertError::Io`]; as [`BertConfig::from_json`].
+    pub fn load(path: &Path) -> BertResult<Self> {
+        let text = read_file(path)?;
+        let text = String::from_utf8(text)
+            .map_err(|e| BertError::Json { path: path.to_path_buf(), message: e.to_string() })?;
+        Self::from_json(&text).map_err(|e| match e {
+            BertError::Json { message, .. } => BertError::Json { path: path.to_path_buf(), message },
+            e => e,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_parses_minilm_and_names_unsupported_fields() {
+        let text = r#"{"architectures":["BertModel"],"hidden_act":"gelu","hidden_size":384,"intermediate_size":1536,
+            "layer_norm_eps":1e-12,"max_position_embeddings":512,"model_type":"bert","num_attention_heads":12,
+            "num_hidden_layers":6,"position_embedding_type":"absolute","type_vocab_size":2,"vocab_size":30522}"#;
+        assert_eq!(BertConfig::from_json(text).unwrap(), BertConfig::minilm_l6());
+        let e = BertConfig::from_json(&text.replace("\"gelu\"", "\"silu\"")).unwrap_err();
+        assert!(matches!(e, BertError::Unsupported { field: "hidden_act", .. }), "{e}");
+        let e = BertConfig::from_json(&text.replace("absolute", "relative_key")).unwrap_err();
+        assert!(e.to_string().contains("position_embedding_type"), "{e}");
+        let e = BertConfig::from_json(&text.replace("\"num_attention_heads\":12", "\"num_attention_heads\":7"))
+            .unwrap_err();
+        assert!(e.to_string().contains("num_attention_heads"), "{e}");
+        let e = BertConfig::from_json(&text.replace("\"hidden_size\":384,", "")).unwrap_err();
+        assert!(e.to_string().contains("hidden_size"), "{e}");
+        let tanh = BertConfig::from_json(&text.replace("\"gelu\"", "\"gelu_new\"")).unwrap();
+        assert_eq!(tanh.activation, Activation::Gelu);
+    }
+}
