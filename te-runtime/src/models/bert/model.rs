@@ -191,8 +191,8 @@ impl Bert {
             mlp.norm_params_mut().set_bias(upload(dev, &[h], g("attention.output.LayerNorm.bias", &[h])?)?)?;
             set(mlp.fc1_mut(), g("intermediate.dense.weight", &[f, h])?, g("intermediate.dense.bias", &[f])?, [f, h])?;
             set(mlp.fc2_mut(), g("output.dense.weight", &[h, f])?, g("output.dense.bias", &[h])?, [h, f])?;
-            let out = layer.output_norm_mut().ok_or_else(|| BertError::Input {
-                message: "internal: a post-LN layer without its output norm".into(),
+            let out = layer.output_norm_mut().ok_or_else(|| {
+                crate::Error::internal("Bert::new", "a layer built with output_layernorm has no output norm")
             })?;
             out.params_mut().set_weight(upload(dev, &[h], g("output.LayerNorm.weight", &[h])?)?)?;
             out.params_mut().set_bias(upload(dev, &[h], g("output.LayerNorm.bias", &[h])?)?)?;
