@@ -10,12 +10,13 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use te_codegen::prewarm::{prewarm, sorted, Fp8Format, KernelTarget, ModelConfig, RecipeKind};
+use te_codegen::prewarm::{prewarm, sorted};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler, KernelSpec};
-use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling};
+use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling, Format, Recipe};
 use te_runtime::models::gpt::GptConfig;
 use te_runtime::optim::AdamW;
+use te_runtime::prewarm::{override_recipe, parse_fp8_format, KernelTarget, ModelConfig};
 
 #[derive(Parser)]
 #[command(name = "te", version, about = "Transformer Engine for Rust: FP8 kernels, JIT-compiled and cached")]
@@ -67,10 +68,10 @@ struct PrewarmArgs {
     params_dtype: Option<DType>,
     /// FP8 recipe: delayed or current.
     #[arg(long, value_parser = parse_recipe)]
-    recipe: Option<RecipeKind>,
+    recipe: Option<String>,
     /// FP8 format: hybrid or e4m3.
     #[arg(long, value_parser = parse_format)]
-    fp8_format: Option<Fp8Format>,
+    fp8_format: Option<Format>,
     /// MLP activation: gelu, relu, swiglu, geglu.
     #[arg(long)]
     activation: Option<Activation>,
@@ -88,20 +89,19 @@ struct PrewarmArgs {
     cache_dir: Option<PathBuf>,
 }
 
-fn parse_recipe(s: &str) -> Result<RecipeKind, String> {
-    match s {
-        "delayed" => Ok(RecipeKind::Delayed),
-        "current" => Ok(RecipeKind::Current),
-        _ => Err(format!("unknown recipe `{s}`: expected delayed or current")),
-    }
+/// A recipe family `override_recipe` knows (`delayed`, `current`), kept as its name.
+fn parse_recipe(s: &str) -> Result<String, String> {
+    override_recipe(Recipe::default(), Some(s), None).map(|_| s.to_owned())
 }
 
-fn parse_format(s: &str) -> Result<Fp8Format, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "hybrid" => Ok(Fp8Format::Hybrid),
-        "e4m3" => Ok(Fp8Format::E4m3),
-        _ => Err(format!("unknown FP8 format `{s}`: expected hybrid or e4m3")),
-    }
+/// An FP8 format name (`parse_fp8_format`), in any case.
+fn parse_format(s: &str) -> Result<Format, String> {
+    parse_fp8_format(&s.to_ascii_lowercase())
+}
+
+/// `recipe` with the `--recipe` and `--fp8-format` of `a` applied.
+fn recipe_flags(a: &PrewarmArgs, recipe: Recipe) -> Result<Recipe, String> {
+    override_recipe(recipe, a.recipe.as_deref(), a.fp8_format)
 }
 
 fn model_config(a: &PrewarmArgs) -> Result<ModelConfig, String> {
@@ -112,22 +112,16 @@ fn model_config(a: &PrewarmArgs) -> Result<ModelConfig, String> {
             _ => return Err("give --config FILE, or --hidden-size, --ffn-hidden-size and --num-attention-heads".into()),
         },
     };
-    if let Some(v) = a.hidden_size {
-        cfg.hidden_size = v;
-    }
-    if let Some(v) = a.ffn_hidden_size {
-        cfg.ffn_hidden_size = v;
-    }
-    if let Some(v) = a.num_attention_heads {
-        cfg.num_attention_heads = v;
-    }
-    cfg.num_gqa_groups = a.num_gqa_groups.or(cfg.num_gqa_groups);
+    let layer = &mut cfg.layer;
+    layer.hidden_size = a.hidden_size.unwrap_or(layer.hidden_size);
+    layer.ffn_hidden_size = a.ffn_hidden_size.unwrap_or(layer.ffn_hidden_size);
+    layer.num_attention_heads = a.num_attention_heads.unwrap_or(layer.num_attention_heads);
+    layer.num_gqa_groups = a.num_gqa_groups.or(layer.num_gqa_groups);
+    layer.params_dtype = a.params_dtype.unwrap_or(layer.params_dtype);
+    layer.activation = a.activation.unwrap_or(layer.activation);
+    layer.normalization = a.normalization.unwrap_or(layer.normalization);
     cfg.seq_length = a.seq_length.unwrap_or(cfg.seq_length);
-    cfg.params_dtype = a.params_dtype.unwrap_or(cfg.params_dtype);
-    cfg.recipe = a.recipe.unwrap_or(cfg.recipe);
-    cfg.fp8_format = a.fp8_format.unwrap_or(cfg.fp8_format);
-    cfg.activation = a.activation.unwrap_or(cfg.activation);
-    cfg.normalization = a.normalization.unwrap_or(cfg.normalization);
+    cfg.recipe = recipe_flags(a, cfg.recipe)?;
     cfg.check()?;
     Ok(cfg)
 }
@@ -146,11 +140,8 @@ fn preset_kernel_specs(a: &PrewarmArgs, preset: &str) -> Result<Vec<KernelSpec>,
     if model.params_dtype.is_fp8() {
         return Err(format!("params_dtype must be f32, bf16 or f16, not {}", model.params_dtype));
     }
-    let target = KernelTarget {
-        recipe: a.recipe.unwrap_or(RecipeKind::Delayed),
-        fp8_format: a.fp8_format.unwrap_or(Fp8Format::Hybrid),
-        ..KernelTarget::new(model.seq_length, a.arch)
-    };
+    let target = KernelTarget::new(model.seq_length, a.arch);
+    let target = KernelTarget { recipe: recipe_flags(a, target.recipe)?, ..target };
     let mut specs = model.kernel_specs(&target);
     AdamW::kernel_specs(&target, &mut specs);
     Ok(sorted(specs))
@@ -173,7 +164,7 @@ fn run_prewarm(a: &PrewarmArgs) -> Result<(), String> {
     let bar = ProgressBar::new(specs.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}")
-            .expect("valid template")
+            .map_err(|e| format!("progress bar template: {e}"))?
             .progress_chars("=> "),
     );
     let report = prewarm(&compiler, &specs, jobs, |spec, _| {

@@ -66,7 +66,7 @@ fn bad_configs_fail_with_a_message() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(text(&o).contains("pad to 1008"), "{}", text(&o));
+    assert!(text(&o).contains("pad it to 1008"), "{}", text(&o));
     let cfg = dir.path().join("bad.toml");
     std::fs::write(&cfg, "hidden_size = 256\n").unwrap();
     let o = te().args(["prewarm", "--config", cfg.to_str().unwrap()]).output().unwrap();

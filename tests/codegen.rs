@@ -1,9 +1,11 @@
 //! Every kernel the project can produce renders and compiles with NVRTC to an sm_90a (and
 //! sm_89) CUBIN, with no GPU. NVRTC missing is a failure here, not a skip.
 
-use te_codegen::prewarm::{prewarm, spec_catalog, ModelConfig};
+use te_codegen::catalog::spec_catalog;
+use te_codegen::prewarm::prewarm;
 use te_codegen::spec::{CastSpec, KernelSpec};
 use te_codegen::{Arch, BinaryKind, CompileOutcome, DType, DiskCache, KernelCompiler};
+use te_runtime::prewarm::ModelConfig;
 
 fn compiler(cache: DiskCache) -> KernelCompiler {
     KernelCompiler::new(cache)

@@ -3,11 +3,13 @@
 //! The pipeline is pure up to the GPU: a typed [`KernelSpec`] is rendered from a Tera template
 //! under `te-codegen/templates/` ([`render`]), compiled by NVRTC to a CUBIN for the target [`Arch`]
 //! ([`nvrtc`]), and stored in a checksummed on-disk cache ([`cache`]). [`KernelCompiler`] ties
-//! them together; [`prewarm`] compiles the kernel set of a model configuration ahead of time,
-//! on a machine without a GPU. Loading and launching lives in `te-runtime`.
+//! them together; [`prewarm`] compiles a kernel list ahead of time, on a machine without a GPU,
+//! and [`catalog`] spans every kernel the templates can produce. Which kernels a module or model
+//! runs, loading and launching live in `te-runtime`.
 
 pub mod arch;
 pub mod cache;
+pub mod catalog;
 pub mod compiler;
 pub mod dtype;
 pub mod nvrtc;
@@ -74,14 +76,6 @@ pub enum Error {
         /// Where it was found.
         op: &'static str,
         /// What did not hold.
-        message: String,
-    },
-    /// A model configuration file could not be read or parsed.
-    #[error("model configuration {path}: {message}")]
-    Config {
-        /// The file.
-        path: PathBuf,
-        /// What was wrong.
         message: String,
     },
 }

@@ -14,6 +14,7 @@ pub mod models;
 pub mod modules;
 pub mod ops;
 pub mod optim;
+pub mod prewarm;
 pub mod reference;
 pub mod tensor;
 

@@ -4,8 +4,8 @@
 //! (`kernel_specs`) as the union of the visited fields' lists.
 
 use te_runtime::modules::{
-    join_path, KernelSpec, KernelTarget, ModuleVisitor, ModuleVisitorMut, NamedParameter, NormKind, Param, ParamKind,
-    ParamMut,
+    join_path, KernelSpec, KernelTarget, LinearConfig, ModuleVisitor, ModuleVisitorMut, NamedParameter, NormConfig,
+    NormKind, Param, ParamKind, ParamMut,
 };
 use te_runtime::{Arch, DType, Error, Module, Result, Tensor};
 
@@ -99,11 +99,15 @@ impl Module for Leaf {
         Ok(())
     }
 
-    /// A hand-written leaf's own kernels, from `KernelTarget`'s building blocks.
+    /// A hand-written leaf's own kernels, from the module configs' lists.
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let params_dtype = target.params_dtype;
         match self.weight.shape[..] {
-            [hidden] => target.norm(NormKind::LayerNorm, hidden, false, specs),
-            [n_out, n_in] => target.linear(n_in, n_out, self.bias.is_some(), specs),
+            [hidden] => {
+                NormConfig { params_dtype, ..NormConfig::new(hidden) }.kernel_specs(NormKind::LayerNorm, target, specs)
+            }
+            [n_out, n_in] => LinearConfig { bias: self.bias.is_some(), params_dtype, ..LinearConfig::new(n_in, n_out) }
+                .kernel_specs(target, specs),
             _ => unreachable!("leaves are 1-d norms or 2-d linears"),
         }
     }

@@ -17,16 +17,16 @@
 use crate::fp8::{fp8_autocast, Recipe};
 use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
-    LinearConfig, LinearCtx, Module, Norm, NormConfig, NormCtx, NormKind, TokenIds, TransformerLayer,
-    TransformerLayerConfig, TransformerLayerCtx,
+    LinearConfig, LinearCtx, Module, Norm, NormConfig, NormCtx, TokenIds, TransformerLayer, TransformerLayerConfig,
+    TransformerLayerCtx,
 };
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
-use te_codegen::prewarm::{sorted, ModelConfig, PositionEmbedding};
-use te_codegen::spec::{CrossEntropySpec, ElementwiseSpec};
+use te_codegen::prewarm::sorted;
+use te_codegen::spec::CrossEntropySpec;
 use te_codegen::DType;
 
 const MODEL: &str = "Gpt";
@@ -103,26 +103,6 @@ impl GptConfig {
         let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.vocab_size);
         let layer = (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h) + 4 * h;
         (v + self.seq_length) * h + self.num_layers * layer + 2 * h + v * h
-    }
-
-    /// Every kernel [`Gpt::forward_loss`] and [`Gpt::backward`] of this config run for `target`
-    /// (the model's `params_dtype` applies), sorted and deduplicated, with no device: what
-    /// [`Gpt::all_kernel_specs`] returns for a model of this config. Add the optimizer's
-    /// ([`crate::optim::AdamW::kernel_specs`]) for a training job.
-    pub fn kernel_specs(&self, target: &KernelTarget) -> Vec<KernelSpec> {
-        let (h, t) = (self.hidden_size, target.with_dtype(self.params_dtype));
-        // GPT-2's layer: pre-LN, causal, GELU, biases; positions come from the embedding.
-        let layer = ModelConfig {
-            position_embedding_type: PositionEmbedding::LearnedAbsolute,
-            ..ModelConfig::new(h, self.ffn_hidden_size, self.num_attention_heads)
-        };
-        let mut specs = Vec::new();
-        t.embedding(&mut specs);
-        t.transformer_layer(&layer, &mut specs);
-        t.norm(NormKind::LayerNorm, h, false, &mut specs);
-        t.linear(h, self.vocab_size, false, &mut specs);
-        Gpt::loss_kernel_specs(&t, &mut specs);
-        sorted(specs)
     }
 
     fn check(&self) -> Result<()> {
@@ -260,22 +240,17 @@ impl Gpt {
         &self.cfg
     }
 
-    /// Every kernel [`Gpt::forward_loss`] and [`Gpt::backward`] run for `target`, sorted and
-    /// deduplicated: those of the parameterized parts ([`Module::kernel_specs_for`]) and those
-    /// the model runs itself, the sum of the token and position embeddings and the
-    /// cross-entropy. [`GptConfig::kernel_specs`] gives the same list without a device.
+    /// Every kernel [`Gpt::forward_loss`] and [`Gpt::backward`] run for `target` (the layers get
+    /// no rotary angles: positions come from the embedding), sorted and deduplicated: those of
+    /// the parameterized parts ([`Module::kernel_specs_for`]) and those the model runs itself,
+    /// the sum of the token and position embeddings and the cross-entropy.
+    /// [`GptConfig::kernel_specs`] gives the same list without a device.
     pub fn all_kernel_specs(&self, target: &KernelTarget) -> Vec<KernelSpec> {
+        let target = KernelTarget { rotary: false, ..*target };
         let mut specs = Vec::new();
-        self.kernel_specs(target, &mut specs);
-        Self::loss_kernel_specs(&target.with_dtype(self.cfg.params_dtype), &mut specs);
+        self.kernel_specs(&target, &mut specs);
+        self.cfg.loss_kernel_specs(&target.with_dtype(self.cfg.params_dtype), &mut specs);
         sorted(specs)
-    }
-
-    /// The kernels the model runs outside its parts: the embedding sum and the cross-entropy.
-    fn loss_kernel_specs(target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        let dt = target.params_dtype;
-        specs.push(ElementwiseSpec::add(dt, dt, dt, target.arch).into());
-        target.cross_entropy(specs);
     }
 
     /// Training mode (the default: dropout applies) or evaluation mode (no dropout, the dropout
@@ -417,7 +392,7 @@ mod tests {
 
     #[test]
     fn preset_kernels_include_the_embedding_and_the_loss() {
-        use te_codegen::spec::{EmbeddingSpec, SoftmaxSpec};
+        use te_codegen::spec::{ElementwiseSpec, EmbeddingSpec, SoftmaxSpec};
         let cfg = GptConfig::small();
         let target = KernelTarget::new(cfg.seq_length, crate::Arch::Sm90a);
         let specs = cfg.kernel_specs(&target);

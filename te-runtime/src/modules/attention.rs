@@ -372,12 +372,9 @@ impl Module for DotProductAttention {
         Ok(())
     }
 
-    /// The softmax for the mask at [`KernelTarget::seq_length`] keys, dropout, and the GQA sum
-    /// ([`KernelTarget::attention`]), in the target's dtype (that of q, k, v).
+    /// [`DotProductAttentionConfig::kernel_specs`] of its config.
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        let c = &self.cfg;
-        let heads = c.num_attention_heads;
-        target.attention(c.attn_mask_type.kernel_mask(), heads, c.num_gqa_groups.unwrap_or(heads), specs);
+        self.cfg.kernel_specs(target, specs);
     }
 }
 

@@ -188,6 +188,6 @@ impl Module for Embedding {
     }
 
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        target.with_dtype(self.cfg.params_dtype).embedding(specs);
+        self.cfg.kernel_specs(target, specs);
     }
 }

@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod embedding;
 mod init;
+mod kernel_specs;
 pub mod layernorm_linear;
 pub mod layernorm_mlp;
 pub mod linear;
@@ -16,6 +17,7 @@ pub mod transformer_layer;
 pub mod visit;
 
 pub use crate::fp8::{Fp8Direction, Fp8StateSlot};
+pub use crate::prewarm::KernelTarget;
 pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
@@ -24,7 +26,6 @@ pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCt
 pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
-pub use te_codegen::prewarm::KernelTarget;
 pub use te_codegen::spec::Activation;
 pub use te_codegen::KernelSpec;
 pub use token_ids::TokenIds;

@@ -76,6 +76,100 @@ impl MultiheadAttentionConfig {
             seed: 0,
         }
     }
+
+    /// The configurations of the parts a [`MultiheadAttention`] of this config is built from:
+    /// the one derivation [`MultiheadAttention::new`] builds them by and
+    /// [`MultiheadAttentionConfig::kernel_specs`] lists their kernels by.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the heads do not divide the hidden size (without `kv_channels`) or
+    /// the groups do not divide the heads.
+    pub(crate) fn parts(&self) -> Result<MultiheadAttentionParts> {
+        let cfg = self;
+        let config = |message: String| Error::Config { module: MODULE, message };
+        let h = cfg.num_attention_heads;
+        if h == 0 {
+            return Err(config("num_attention_heads must be ≥ 1".into()));
+        }
+        let d = match cfg.kv_channels {
+            Some(d) => d,
+            None if cfg.hidden_size % h == 0 => cfg.hidden_size / h,
+            None => {
+                return Err(config(format!(
+                    "hidden_size = {} is not divisible by num_attention_heads = {h}; choose a head count that divides \
+                     it or set kv_channels",
+                    cfg.hidden_size
+                )))
+            }
+        };
+        let g = cfg.num_gqa_groups.unwrap_or(h);
+        if g == 0 || h % g != 0 {
+            return Err(config(format!("num_gqa_groups = {g} must divide num_attention_heads = {h}")));
+        }
+        let qkv_out = (h + 2 * g) * d;
+        let qkv = if cfg.input_layernorm {
+            QkvProjConfig::Norm(LayerNormLinearConfig {
+                eps: cfg.layernorm_epsilon,
+                normalization: cfg.normalization,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed,
+                ..LayerNormLinearConfig::new(cfg.hidden_size, qkv_out)
+            })
+        } else {
+            QkvProjConfig::Plain(LinearConfig {
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed,
+                ..LinearConfig::new(cfg.hidden_size, qkv_out)
+            })
+        };
+        let attention = DotProductAttentionConfig {
+            num_gqa_groups: Some(g),
+            attention_dropout: cfg.attention_dropout,
+            qkv_format: cfg.qkv_format,
+            attn_mask_type: cfg.attn_mask_type,
+            ..DotProductAttentionConfig::new(h, d)
+        };
+        let proj = LinearConfig {
+            bias: cfg.bias,
+            params_dtype: cfg.params_dtype,
+            seed: cfg.seed + 1,
+            ..LinearConfig::new(h * d, cfg.hidden_size)
+        };
+        Ok(MultiheadAttentionParts { heads: (h, g, d), qkv, attention, proj })
+    }
+
+    /// The RoPE kernels' layout of q and k: that of the hidden states.
+    pub(crate) fn rope_format(&self) -> RopeFormat {
+        match self.qkv_format {
+            QkvFormat::Sbhd => RopeFormat::Sbhd,
+            QkvFormat::Bshd => RopeFormat::Bshd,
+        }
+    }
+}
+
+/// The configurations of a [`MultiheadAttention`]'s parts ([`MultiheadAttentionConfig::parts`]).
+#[derive(Debug, Clone)]
+pub(crate) struct MultiheadAttentionParts {
+    /// `(heads h, key/value groups g, channels per head d)`.
+    pub(crate) heads: (usize, usize, usize),
+    /// The QKV projection `hidden → (h + 2g)·d`.
+    pub(crate) qkv: QkvProjConfig,
+    /// The dot-product attention.
+    pub(crate) attention: DotProductAttentionConfig,
+    /// The output projection `h·d → hidden`.
+    pub(crate) proj: LinearConfig,
+}
+
+/// The QKV projection's configuration: behind the input norm (`input_layernorm`) or plain.
+#[derive(Debug, Clone)]
+pub(crate) enum QkvProjConfig {
+    /// A `LayerNormLinear`.
+    Norm(LayerNormLinearConfig),
+    /// A `Linear`.
+    Plain(LinearConfig),
 }
 
 /// Per-call inputs beyond the hidden states.
@@ -135,71 +229,14 @@ impl MultiheadAttention {
     /// [`Error::Config`] when the heads do not divide the hidden size (without `kv_channels`) or
     /// the groups do not divide the heads, and the errors of the projections and attention.
     pub fn new(dev: &Arc<Device>, cfg: MultiheadAttentionConfig) -> Result<Self> {
-        let config = |message: String| Error::Config { module: MODULE, message };
-        let h = cfg.num_attention_heads;
-        if h == 0 {
-            return Err(config("num_attention_heads must be ≥ 1".into()));
-        }
-        let d = match cfg.kv_channels {
-            Some(d) => d,
-            None if cfg.hidden_size % h == 0 => cfg.hidden_size / h,
-            None => {
-                return Err(config(format!(
-                    "hidden_size = {} is not divisible by num_attention_heads = {h}; choose a head count that divides \
-                     it or set kv_channels",
-                    cfg.hidden_size
-                )))
-            }
+        let parts = cfg.parts()?;
+        let qkv = match parts.qkv {
+            QkvProjConfig::Norm(c) => QkvProj::Norm(Box::new(LayerNormLinear::new(dev, c)?)),
+            QkvProjConfig::Plain(c) => QkvProj::Plain(Box::new(Linear::new(dev, c)?)),
         };
-        let g = cfg.num_gqa_groups.unwrap_or(h);
-        if g == 0 || h % g != 0 {
-            return Err(config(format!("num_gqa_groups = {g} must divide num_attention_heads = {h}")));
-        }
-        let qkv_out = (h + 2 * g) * d;
-        let qkv = if cfg.input_layernorm {
-            QkvProj::Norm(Box::new(LayerNormLinear::new(
-                dev,
-                LayerNormLinearConfig {
-                    eps: cfg.layernorm_epsilon,
-                    normalization: cfg.normalization,
-                    zero_centered_gamma: cfg.zero_centered_gamma,
-                    bias: cfg.bias,
-                    params_dtype: cfg.params_dtype,
-                    seed: cfg.seed,
-                    ..LayerNormLinearConfig::new(cfg.hidden_size, qkv_out)
-                },
-            )?))
-        } else {
-            QkvProj::Plain(Box::new(Linear::new(
-                dev,
-                LinearConfig {
-                    bias: cfg.bias,
-                    params_dtype: cfg.params_dtype,
-                    seed: cfg.seed,
-                    ..LinearConfig::new(cfg.hidden_size, qkv_out)
-                },
-            )?))
-        };
-        let attention = DotProductAttention::new(
-            dev,
-            DotProductAttentionConfig {
-                num_gqa_groups: Some(g),
-                attention_dropout: cfg.attention_dropout,
-                qkv_format: cfg.qkv_format,
-                attn_mask_type: cfg.attn_mask_type,
-                ..DotProductAttentionConfig::new(h, d)
-            },
-        )?;
-        let proj = Linear::new(
-            dev,
-            LinearConfig {
-                bias: cfg.bias,
-                params_dtype: cfg.params_dtype,
-                seed: cfg.seed + 1,
-                ..LinearConfig::new(h * d, cfg.hidden_size)
-            },
-        )?;
-        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, heads: (h, g, d), qkv, attention, proj })
+        let attention = DotProductAttention::new(dev, parts.attention)?;
+        let proj = Linear::new(dev, parts.proj)?;
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, heads: parts.heads, qkv, attention, proj })
     }
 
     /// The configuration.
@@ -256,10 +293,7 @@ impl MultiheadAttention {
     }
 
     fn rope_format(&self) -> RopeFormat {
-        match self.cfg.qkv_format {
-            QkvFormat::Sbhd => RopeFormat::Sbhd,
-            QkvFormat::Bshd => RopeFormat::Bshd,
-        }
+        self.cfg.rope_format()
     }
 
     /// Self-attention of `x` with no padding and no rotary embedding.
@@ -399,18 +433,8 @@ impl Module for MultiheadAttention {
         self.proj.visit_mut(&join_path(prefix, "proj"), visitor)
     }
 
-    /// Those of the QKV projection, the attention, RoPE (with [`KernelTarget::rotary`]) and the
-    /// output projection.
+    /// [`MultiheadAttentionConfig::kernel_specs`] of its config.
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        match &self.qkv {
-            QkvProj::Norm(m) => m.kernel_specs(target, specs),
-            QkvProj::Plain(m) => m.kernel_specs(target, specs),
-        }
-        let target = target.with_dtype(self.cfg.params_dtype);
-        self.attention.kernel_specs(&target, specs);
-        if target.rotary {
-            target.rope(self.rope_format(), self.attention.config().kv_channels, specs);
-        }
-        self.proj.kernel_specs(&target, specs);
+        self.cfg.kernel_specs(target, specs);
     }
 }

@@ -87,6 +87,59 @@ impl TransformerLayerConfig {
             seed: 0,
         }
     }
+
+    /// The configurations of the parts a [`TransformerLayer`] of this config is built from: the
+    /// one derivation [`TransformerLayer::new`] builds them by and
+    /// [`TransformerLayerConfig::kernel_specs`] lists their kernels by.
+    pub(crate) fn parts(&self) -> TransformerLayerParts {
+        let cfg = self;
+        let attention = MultiheadAttentionConfig {
+            num_gqa_groups: cfg.num_gqa_groups,
+            input_layernorm: !cfg.output_layernorm,
+            normalization: cfg.normalization,
+            layernorm_epsilon: cfg.layernorm_epsilon,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+            attn_mask_type: cfg.self_attn_mask_type,
+            attention_dropout: cfg.attention_dropout,
+            qkv_format: cfg.qkv_format,
+            bias: cfg.bias,
+            params_dtype: cfg.params_dtype,
+            seed: cfg.seed,
+            ..MultiheadAttentionConfig::new(cfg.hidden_size, cfg.num_attention_heads)
+        };
+        let mlp = LayerNormMLPConfig {
+            eps: cfg.layernorm_epsilon,
+            normalization: cfg.normalization,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+            activation: cfg.activation,
+            bias: cfg.bias,
+            return_layernorm_output: cfg.apply_residual_connection_post_layernorm,
+            params_dtype: cfg.params_dtype,
+            seed: cfg.seed + 2,
+            ..LayerNormMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size)
+        };
+        let output_norm = cfg.output_layernorm.then(|| {
+            let norm_cfg = NormConfig {
+                eps: cfg.layernorm_epsilon,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                params_dtype: cfg.params_dtype,
+                ..NormConfig::new(cfg.hidden_size)
+            };
+            (cfg.normalization, norm_cfg)
+        });
+        TransformerLayerParts { attention, mlp, output_norm }
+    }
+}
+
+/// The configurations of a [`TransformerLayer`]'s parts ([`TransformerLayerConfig::parts`]).
+#[derive(Debug, Clone)]
+pub(crate) struct TransformerLayerParts {
+    /// The self-attention block (its input norm fused in pre-LN).
+    pub(crate) attention: MultiheadAttentionConfig,
+    /// The MLP with its norm.
+    pub(crate) mlp: LayerNormMLPConfig,
+    /// The output norm's kind and config (post-LN, `output_layernorm`).
+    pub(crate) output_norm: Option<(NormKind, NormConfig)>,
 }
 
 /// What [`TransformerLayer::forward`] saves for backward.
@@ -136,48 +189,10 @@ impl TransformerLayer {
                     .into(),
             ));
         }
-        let attention = MultiheadAttention::new(
-            dev,
-            MultiheadAttentionConfig {
-                num_gqa_groups: cfg.num_gqa_groups,
-                input_layernorm: !cfg.output_layernorm,
-                normalization: cfg.normalization,
-                layernorm_epsilon: cfg.layernorm_epsilon,
-                zero_centered_gamma: cfg.zero_centered_gamma,
-                attn_mask_type: cfg.self_attn_mask_type,
-                attention_dropout: cfg.attention_dropout,
-                qkv_format: cfg.qkv_format,
-                bias: cfg.bias,
-                params_dtype: cfg.params_dtype,
-                seed: cfg.seed,
-                ..MultiheadAttentionConfig::new(cfg.hidden_size, cfg.num_attention_heads)
-            },
-        )?;
-        let mlp = LayerNormMLP::new(
-            dev,
-            LayerNormMLPConfig {
-                eps: cfg.layernorm_epsilon,
-                normalization: cfg.normalization,
-                zero_centered_gamma: cfg.zero_centered_gamma,
-                activation: cfg.activation,
-                bias: cfg.bias,
-                return_layernorm_output: cfg.apply_residual_connection_post_layernorm,
-                params_dtype: cfg.params_dtype,
-                seed: cfg.seed + 2,
-                ..LayerNormMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size)
-            },
-        )?;
-        let out_norm = if cfg.output_layernorm {
-            let norm_cfg = NormConfig {
-                eps: cfg.layernorm_epsilon,
-                zero_centered_gamma: cfg.zero_centered_gamma,
-                params_dtype: cfg.params_dtype,
-                ..NormConfig::new(cfg.hidden_size)
-            };
-            Some(Norm::new(dev, cfg.normalization, norm_cfg)?)
-        } else {
-            None
-        };
+        let parts = cfg.parts();
+        let attention = MultiheadAttention::new(dev, parts.attention)?;
+        let mlp = LayerNormMLP::new(dev, parts.mlp)?;
+        let out_norm = parts.output_norm.map(|(kind, c)| Norm::new(dev, kind, c)).transpose()?;
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0, training: true })
     }
 
@@ -356,11 +371,8 @@ impl Module for TransformerLayer {
         self.out_norm.visit_mut(&join_path(prefix, "layernorm"), visitor)
     }
 
-    /// Those of the attention block, the MLP, the output norm and the residual connections.
+    /// [`TransformerLayerConfig::kernel_specs`] of its config.
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        self.attention.kernel_specs(target, specs);
-        self.mlp.kernel_specs(target, specs);
-        self.out_norm.kernel_specs(target, specs);
-        target.with_dtype(self.cfg.params_dtype).residual(specs);
+        self.cfg.kernel_specs(target, specs);
     }
 }

@@ -233,7 +233,8 @@ pub trait Module {
     /// of every visited field, containers those of their elements, TE's layers their own (from
     /// their config: sizes, bias, activation, norm, mask; their `params_dtype` overrides the
     /// target's). The default adds nothing: a hand-written leaf module that launches kernels of
-    /// its own overrides it, with [`KernelTarget`]'s building blocks.
+    /// its own overrides it, from the module configs' lists (`LinearConfig::kernel_specs`, ...)
+    /// and [`KernelTarget::fp8_common`].
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         let _ = (target, specs);
     }
@@ -387,8 +388,7 @@ impl Module for Linear {
     }
 
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        let c = self.config();
-        target.with_dtype(c.params_dtype).linear(c.in_features, c.out_features, c.bias, specs);
+        self.config().kernel_specs(target, specs);
     }
 }
 
@@ -402,8 +402,7 @@ impl Module for Norm {
     }
 
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        let (kind, c) = (self.params().kind(), self.params().config());
-        target.with_dtype(c.params_dtype).norm(kind, c.hidden_size, c.zero_centered_gamma, specs);
+        self.params().config().kernel_specs(self.params().kind(), target, specs);
     }
 }
 
@@ -423,15 +422,7 @@ impl Module for LayerNormLinear {
     }
 
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        let c = self.config();
-        target.with_dtype(c.params_dtype).layernorm_linear(
-            c.normalization,
-            c.zero_centered_gamma,
-            c.in_features,
-            c.out_features,
-            c.bias,
-            specs,
-        );
+        self.config().kernel_specs(target, specs);
     }
 }
 
@@ -451,16 +442,7 @@ impl Module for LayerNormMLP {
     }
 
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        let c = self.config();
-        target.with_dtype(c.params_dtype).layernorm_mlp(
-            c.normalization,
-            c.zero_centered_gamma,
-            c.hidden_size,
-            c.ffn_hidden_size,
-            c.activation,
-            c.bias,
-            specs,
-        );
+        self.config().kernel_specs(target, specs);
     }
 }
 

@@ -2,7 +2,7 @@
 //! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
 
 use super::LrSchedule;
-use crate::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
+use crate::modules::{Module, Param, ParamKind, ParamMut};
 use crate::ops::optimizer::{adamw_step, AdamWArgs, AdamWTensor};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
@@ -147,12 +147,6 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// Adds the kernels a step runs (the gradient norm for clipping, AdamW) for `target` to
-    /// `specs`: a training job prewarms them with its model's ([`Module::kernel_specs_for`]).
-    pub fn kernel_specs(target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        target.optimizer(specs);
-    }
-
     /// Allocates the state of every parameter of `model`, in traversal order: the f32 master
     /// copied from the parameter (a host round trip, once) and zeroed moments (3 × 4 bytes per
     /// parameter element). The masters are the source of truth afterwards: a parameter changed

@@ -1,0 +1,99 @@
+//! [`spec_catalog`]: specs spanning every discrete choice the templates offer, so CI can prove
+//! that every kind of kernel the project can produce renders and compiles.
+
+use crate::spec::*;
+use crate::{Arch, DType};
+
+/// Specs covering every discrete option of every template on `arch` (all dtype pairs, fusions,
+/// activations, masks, directions), at feature sizes that are and are not tile multiples.
+pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
+    let hp = [DType::F32, DType::BF16, DType::F16];
+    let fp8 = [DType::E4M3, DType::E5M2];
+    let mut v: Vec<KernelSpec> = Vec::new();
+    for &i in &hp {
+        v.push(CastSpec::amax(i, arch).into());
+        for &q in &fp8 {
+            v.push(CastSpec::quantize(i, q, arch).into());
+            v.push(CastSpec::dequantize(q, i, arch).into());
+            for cols in [784, 4096] {
+                v.push(CastTransposeSpec::new(i, q, cols, false, None, arch).into());
+                v.push(CastTransposeSpec::new(i, q, cols, true, None, arch).into());
+            }
+            for act in [Activation::Gelu, Activation::GeluErf, Activation::Relu] {
+                v.push(CastTransposeSpec::new(i, q, 784, true, Some(act), arch).into());
+                v.push(CastTransposeSpec::new(i, q, 784, false, Some(act), arch).into());
+            }
+        }
+        for act in Activation::ALL {
+            for out in [i, DType::E4M3, DType::E5M2] {
+                for bias in [false, true] {
+                    v.push(ActivationSpec::new(act, Direction::Fwd, i, out, 784, bias, arch).into());
+                }
+                v.push(ActivationSpec::new(act, Direction::Bwd, i, out, 784, false, arch).into());
+            }
+        }
+        for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
+            for zc in [false, true] {
+                for hidden in [784, 4096] {
+                    for out in [i, DType::E4M3, DType::E5M2] {
+                        v.push(NormSpec::new(kind, Direction::Fwd, i, out, i, hidden, zc, arch).into());
+                    }
+                    v.push(NormSpec::new(kind, Direction::Bwd, i, i, i, hidden, zc, arch).into());
+                }
+                v.push(NormSpec::new(kind, Direction::Fwd, i, i, i, 1000, zc, arch).into());
+            }
+        }
+        for mask in [MaskKind::None, MaskKind::Causal, MaskKind::Padding] {
+            for sk in [77, 1024, 4096] {
+                v.push(SoftmaxSpec::new(mask, Direction::Fwd, i, sk, arch).into());
+            }
+        }
+        for sk in [77, 1024, 4096] {
+            v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, i, sk, arch).into());
+        }
+        v.push(EmbeddingSpec::forward(i, arch).into());
+        v.push(EmbeddingSpec::forward_fp8(DType::E4M3, i, arch).into());
+        for grad in [false, true] {
+            v.push(CrossEntropySpec::new(i, grad, arch).into());
+        }
+        for &j in &hp {
+            v.push(EmbeddingSpec::backward(i, j, arch).into());
+            v.push(ElementwiseSpec::add_assign(i, j, arch).into());
+            for &o in &hp {
+                v.push(ElementwiseSpec::add(i, j, o, arch).into());
+            }
+        }
+    }
+    for &i in &hp {
+        for dir in [Direction::Fwd, Direction::Bwd] {
+            for format in [RopeFormat::Sbhd, RopeFormat::Bshd] {
+                // Full rotation, partial rotation (copy jobs), an odd half (scalar accesses).
+                for (d, d2) in [(128, 128), (128, 64), (80, 30)] {
+                    v.push(RopeSpec::new(dir, format, i, d, d2, arch).into());
+                }
+            }
+        }
+        for &o in &hp {
+            for bias in [false, true] {
+                for residual in [false, true] {
+                    v.push(DropoutSpec::forward(i, o, bias, residual, arch).into());
+                }
+            }
+            v.push(DropoutSpec::backward(i, o, arch).into());
+        }
+    }
+    for &q in &fp8 {
+        for cols in [784, 4096] {
+            v.push(CastTransposeSpec::transpose(q, cols, arch).into());
+        }
+    }
+    for algo in [AmaxComputeAlgo::Max, AmaxComputeAlgo::MostRecent] {
+        v.push(ScalingSpec::delayed(algo, arch).into());
+    }
+    for p2 in [false, true] {
+        v.push(ScalingSpec::current(p2, arch).into());
+    }
+    v.push(OptimizerSpec::grad_norm(arch).into());
+    v.push(OptimizerSpec::adamw(arch).into());
+    crate::prewarm::sorted(v)
+}

@@ -1,0 +1,274 @@
+//! The kernels each module runs: the device-free lists of the module configs, the one home of
+//! the per-module kernel lists. A built module's [`Module::kernel_specs`](super::Module) is its
+//! config's list; `te prewarm` compiles them ahead of time ([`crate::prewarm::ModelConfig`],
+//! `te_codegen::prewarm::prewarm`).
+//!
+//! Every list is for a [`KernelTarget`] (precision, FP8 recipe, key length, RoPE, GPU), with the
+//! config's own `params_dtype` overriding the target's where the config has one, and holds the
+//! kernels of both the FP8 path and (where it differs) the high-precision one, forward and
+//! backward: a superset of what one step loads. Lists may repeat kernels;
+//! `te_codegen::prewarm::sorted` deduplicates.
+
+use super::multihead_attention::QkvProjConfig;
+use super::{
+    DotProductAttentionConfig, EmbeddingConfig, KernelSpec, KernelTarget, LayerNormLinearConfig, LayerNormMLPConfig,
+    LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
+};
+use crate::models::gpt::GptConfig;
+use crate::optim::AdamW;
+use te_codegen::prewarm::sorted;
+use te_codegen::spec::{
+    ActivationSpec, CastTransposeSpec, CrossEntropySpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec,
+    MaskKind, NormSpec, OptimizerSpec, RopeSpec, SoftmaxSpec,
+};
+use te_codegen::DType;
+
+/// A LayerNorm or RMSNorm over `hidden` features in `t`'s dtype: forward with an FP8 output
+/// (feeding a GEMM) and a plain one, and backward.
+fn norm(t: &KernelTarget, kind: NormKind, hidden: usize, zero_centered_gamma: bool, specs: &mut Vec<KernelSpec>) {
+    let (dt, arch) = (t.params_dtype, t.arch);
+    for out in [t.fwd_fp8(), dt] {
+        specs.push(NormSpec::new(kind, Direction::Fwd, dt, out, dt, hidden, zero_centered_gamma, arch).into());
+    }
+    specs.push(NormSpec::new(kind, Direction::Bwd, dt, dt, dt, hidden, zero_centered_gamma, arch).into());
+}
+
+/// A GEMM layer `[tokens, in_features] → [tokens, out_features]` in `t`'s dtype:
+/// [`KernelTarget::fp8_common`]; the cast + transpose of the input (and of a weight with
+/// `in_features` inputs) saved for wgrad and the byte transpose of its FP8 codes (an FP8 input or
+/// cached weight); the cast + transpose (+ dbias with `bias`) of `dY`, and the accumulation of
+/// the weight gradient (into `params_dtype` gradients and an f32 `main_grad`) and bias gradient.
+fn linear(t: &KernelTarget, in_features: usize, out_features: usize, bias: bool, specs: &mut Vec<KernelSpec>) {
+    let (dt, arch) = (t.params_dtype, t.arch);
+    t.fp8_common(specs);
+    specs.push(CastTransposeSpec::new(dt, t.fwd_fp8(), in_features, false, None, arch).into());
+    specs.push(CastTransposeSpec::transpose(t.fwd_fp8(), in_features, arch).into());
+    specs.push(CastTransposeSpec::new(dt, t.bwd_fp8(), out_features, bias, None, arch).into());
+    specs.push(ElementwiseSpec::add_assign(DType::F32, dt, arch).into());
+    specs.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
+}
+
+impl LinearConfig {
+    /// The kernels a `Linear` of this config runs for `target` (this config's `params_dtype`
+    /// applies): [`KernelTarget::fp8_common`], the cast + transpose of the input
+    /// `[tokens, in_features]` (and of the weight) saved for wgrad, the byte transpose of an FP8
+    /// input or cached weight, the cast + transpose (+ dbias with `bias`) of
+    /// `dY: [tokens, out_features]`, and gradient accumulation (into the `params_dtype`
+    /// gradients and an f32 `main_grad`).
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        linear(&target.with_dtype(self.params_dtype), self.in_features, self.out_features, self.bias, specs);
+    }
+}
+
+impl NormConfig {
+    /// The kernels a norm of `kind` (the `Norm` constructor's argument, beside this config)
+    /// over `hidden_size` features runs for `target` (this config's `params_dtype` applies):
+    /// forward with an FP8 output (feeding a GEMM) and a plain one, and backward.
+    pub fn kernel_specs(&self, kind: NormKind, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        norm(&target.with_dtype(self.params_dtype), kind, self.hidden_size, self.zero_centered_gamma, specs);
+    }
+}
+
+impl LayerNormLinearConfig {
+    /// The kernels a `LayerNormLinear` of this config runs for `target` (this config's
+    /// `params_dtype` applies): the norm's over `in_features` ([`NormConfig::kernel_specs`]) and
+    /// the GEMM's ([`LinearConfig::kernel_specs`]).
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let t = target.with_dtype(self.params_dtype);
+        norm(&t, self.normalization, self.in_features, self.zero_centered_gamma, specs);
+        linear(&t, self.in_features, self.out_features, self.bias, specs);
+    }
+}
+
+impl LayerNormMLPConfig {
+    /// The kernels a `LayerNormMLP` of this config runs for `target` (this config's
+    /// `params_dtype` applies): the norm and fc1 `hidden → ffn` (`2 · ffn` outputs when gated) as
+    /// [`LayerNormLinearConfig::kernel_specs`]; the activation forward into FP8 (bias fused or
+    /// not) and in high precision (no FP8, current scaling), and its backward; the fused
+    /// dact + cast + transpose (+ dbias) of fc1's `dY` (GELU, ReLU); fc2 `ffn → hidden` as
+    /// [`LinearConfig::kernel_specs`].
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let t = target.with_dtype(self.params_dtype);
+        let (dt, arch, act, ffn) = (t.params_dtype, t.arch, self.activation, self.ffn_hidden_size);
+        let fc1_out = if act.is_gated() { 2 * ffn } else { ffn };
+        norm(&t, self.normalization, self.hidden_size, self.zero_centered_gamma, specs);
+        linear(&t, self.hidden_size, fc1_out, self.bias, specs);
+        for fused_bias in [false, true] {
+            specs.push(ActivationSpec::new(act, Direction::Fwd, dt, t.fwd_fp8(), ffn, fused_bias, arch).into());
+        }
+        specs.push(ActivationSpec::new(act, Direction::Fwd, dt, dt, ffn, false, arch).into());
+        specs.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, ffn, false, arch).into());
+        if !act.is_gated() {
+            specs.push(CastTransposeSpec::new(dt, t.bwd_fp8(), ffn, self.bias, Some(act), arch).into());
+        }
+        linear(&t, ffn, self.hidden_size, self.bias, specs);
+    }
+}
+
+impl DotProductAttentionConfig {
+    /// The kernels an unfused `DotProductAttention` of this config runs for `target`, in the
+    /// target's dtype (that of q, k, v): the softmax forward for the mask and its backward at
+    /// [`KernelTarget::seq_length`] keys, dropout of the probabilities and its backward, and
+    /// (GQA, fewer key/value groups than heads) the f32 sum of the key/value gradients over the
+    /// heads of a group.
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch, sk) = (target.params_dtype, target.arch, target.seq_length);
+        let heads = self.num_attention_heads;
+        specs.push(SoftmaxSpec::new(self.attn_mask_type.kernel_mask(), Direction::Fwd, dt, sk, arch).into());
+        specs.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, sk, arch).into());
+        specs.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
+        specs.push(DropoutSpec::backward(dt, dt, arch).into());
+        if self.num_gqa_groups.unwrap_or(heads) < heads {
+            specs.push(ElementwiseSpec::add_assign(dt, DType::F32, arch).into());
+        }
+    }
+}
+
+impl MultiheadAttentionConfig {
+    /// The kernels a `MultiheadAttention` of this config runs for `target` (this config's
+    /// `params_dtype` applies): those of its QKV projection (behind the input norm with
+    /// `input_layernorm`), its attention, RoPE of q and k over the head dimension (forward and
+    /// backward, with [`KernelTarget::rotary`]) and its output projection. A config
+    /// `MultiheadAttention::new` rejects (heads or groups that do not divide) adds nothing: no
+    /// such module runs.
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let Ok(parts) = self.parts() else { return };
+        match &parts.qkv {
+            QkvProjConfig::Norm(c) => c.kernel_specs(target, specs),
+            QkvProjConfig::Plain(c) => c.kernel_specs(target, specs),
+        }
+        let t = target.with_dtype(self.params_dtype);
+        parts.attention.kernel_specs(&t, specs);
+        if t.rotary {
+            let d = parts.attention.kv_channels;
+            for dir in [Direction::Fwd, Direction::Bwd] {
+                specs.push(RopeSpec::new(dir, self.rope_format(), t.params_dtype, d, d, t.arch).into());
+            }
+        }
+        parts.proj.kernel_specs(&t, specs);
+    }
+}
+
+impl TransformerLayerConfig {
+    /// The kernels a `TransformerLayer` of this config runs for `target` (this config's
+    /// `params_dtype` applies): those of its self-attention
+    /// ([`MultiheadAttentionConfig::kernel_specs`]), its MLP
+    /// ([`LayerNormMLPConfig::kernel_specs`]) and, post-LN, its output norm, from the part
+    /// configs `TransformerLayer::new` builds; and the residual connections:
+    /// `residual + dropout(x)` (with and without a fused bias), its backward, the add of two
+    /// branches and the accumulation of the residual gradient.
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let parts = self.parts();
+        parts.attention.kernel_specs(target, specs);
+        parts.mlp.kernel_specs(target, specs);
+        if let Some((kind, c)) = &parts.output_norm {
+            c.kernel_specs(*kind, target, specs);
+        }
+        let (dt, arch) = (self.params_dtype, target.arch);
+        for bias in [false, true] {
+            specs.push(DropoutSpec::forward(dt, dt, bias, true, arch).into());
+        }
+        specs.push(DropoutSpec::backward(dt, dt, arch).into());
+        specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
+        specs.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
+    }
+}
+
+impl EmbeddingConfig {
+    /// The kernels an `Embedding` of this config runs for `target` (this config's
+    /// `params_dtype` applies): the gather forward and the scatter-add backward into a
+    /// `params_dtype` gradient.
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (self.params_dtype, target.arch);
+        specs.push(EmbeddingSpec::forward(dt, arch).into());
+        specs.push(EmbeddingSpec::backward(dt, dt, arch).into());
+    }
+}
+
+impl GptConfig {
+    /// Every kernel `Gpt::forward_loss` and `Gpt::backward` of this config run for `target`
+    /// (the model's `params_dtype` applies; its layers get no rotary angles, positions come
+    /// from the embedding), sorted and deduplicated, with no device: what `Gpt::all_kernel_specs`
+    /// returns for a model of this config. The parts are those `Gpt::new` builds: the token and
+    /// position embeddings, the layers (GPT-2's: pre-LN, causal, GELU, biases), the final
+    /// LayerNorm and the LM head (no bias). Add the optimizer's ([`AdamW::kernel_specs`]) for a
+    /// training job.
+    pub fn kernel_specs(&self, target: &KernelTarget) -> Vec<KernelSpec> {
+        let (h, dt) = (self.hidden_size, self.params_dtype);
+        let t = KernelTarget { rotary: false, ..target.with_dtype(dt) };
+        let mut specs = Vec::new();
+        // The token and the position table run the same kernels.
+        EmbeddingConfig { params_dtype: dt, ..EmbeddingConfig::new(self.vocab_size, h) }.kernel_specs(&t, &mut specs);
+        let layer = TransformerLayerConfig {
+            hidden_dropout: self.hidden_dropout,
+            params_dtype: dt,
+            ..TransformerLayerConfig::new(h, self.ffn_hidden_size, self.num_attention_heads)
+        };
+        layer.kernel_specs(&t, &mut specs);
+        NormConfig { params_dtype: dt, ..NormConfig::new(h) }.kernel_specs(NormKind::LayerNorm, &t, &mut specs);
+        let lm_head = LinearConfig { bias: false, params_dtype: dt, ..LinearConfig::new(h, self.vocab_size) };
+        lm_head.kernel_specs(&t, &mut specs);
+        self.loss_kernel_specs(&t, &mut specs);
+        sorted(specs)
+    }
+
+    /// The kernels the GPT runs outside its parts, in `target`'s dtype: the sum of the token and
+    /// position embeddings, and the fused cross-entropy of the logits with and without their
+    /// gradient (training and evaluation).
+    pub(crate) fn loss_kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (target.params_dtype, target.arch);
+        specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
+        for grad in [false, true] {
+            specs.push(CrossEntropySpec::new(dt, grad, arch).into());
+        }
+    }
+}
+
+impl AdamW {
+    /// Adds the kernels a step runs (the gradient norm for clipping, AdamW) for `target` to
+    /// `specs`: a training job prewarms them with its model's
+    /// ([`Module::kernel_specs_for`](super::Module::kernel_specs_for)).
+    pub fn kernel_specs(target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        specs.push(OptimizerSpec::grad_norm(target.arch).into());
+        specs.push(OptimizerSpec::adamw(target.arch).into());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fp8::{Float8CurrentScaling, Format};
+    use crate::modules::AttnMaskType;
+    use te_codegen::spec::CastSpec;
+    use te_codegen::Arch;
+
+    #[test]
+    fn lists_follow_the_target() {
+        let t = KernelTarget::new(1024, Arch::Sm90a);
+        let mut specs = Vec::new();
+        LinearConfig { bias: false, ..LinearConfig::new(768, 256) }.kernel_specs(&t, &mut specs);
+        let dy: KernelSpec = CastTransposeSpec::new(DType::BF16, DType::E5M2, 256, false, None, Arch::Sm90a).into();
+        assert!(specs.contains(&dy), "no dbias without a bias");
+        let e4m3 = KernelTarget {
+            recipe: Float8CurrentScaling { fp8_format: Format::E4M3, ..Default::default() }.into(),
+            ..t.with_dtype(DType::F16)
+        };
+        specs.clear();
+        e4m3.fp8_common(&mut specs);
+        assert!(specs.iter().all(|s| !matches!(s, KernelSpec::Cast(c) if c.output == DType::E5M2)));
+        assert!(specs.contains(&CastSpec::amax(DType::F16, Arch::Sm90a).into()));
+        specs.clear();
+        let attention = DotProductAttentionConfig {
+            attn_mask_type: AttnMaskType::Causal,
+            ..DotProductAttentionConfig::new(12, 64)
+        };
+        attention.kernel_specs(&t, &mut specs);
+        EmbeddingConfig::new(256, 768).kernel_specs(&t, &mut specs);
+        GptConfig::tiny().loss_kernel_specs(&t, &mut specs);
+        assert!(
+            specs.contains(&SoftmaxSpec::new(MaskKind::Causal, Direction::Fwd, DType::BF16, 1024, Arch::Sm90a).into())
+        );
+        assert!(specs.contains(&EmbeddingSpec::backward(DType::BF16, DType::BF16, Arch::Sm90a).into()));
+        assert!(specs.contains(&CrossEntropySpec::new(DType::BF16, true, Arch::Sm90a).into()));
+    }
+}
