@@ -4,6 +4,9 @@
 //! `te embed` command's CPU path and its errors. Without the model (no network) the model tests
 //! skip with a message.
 
+// Test code: a panic (unwrap, expect) is how a test reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};

@@ -1,5 +1,8 @@
 //! The `te` tool: concurrent prewarm processes sharing one cache, counts, errors, `te info`.
 
+// Test code: a panic (unwrap, expect) is how a test reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

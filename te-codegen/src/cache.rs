@@ -145,7 +145,9 @@ impl DiskCache {
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().expect("cache entries live in a directory");
+    let dir = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other(format!("cache entry {} has no directory", path.display())))?;
     std::fs::create_dir_all(dir)?;
     let mut tmp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(dir)?;
     tmp.write_all(bytes)?;

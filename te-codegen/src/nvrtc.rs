@@ -98,7 +98,8 @@ impl Nvrtc {
     pub fn compile(&self, name: &str, source: &str, options: &[String], kind: BinaryKind) -> Result<Binary> {
         let src = CString::new(source)
             .map_err(|_| compile_error(name, source, options, "source contains a NUL byte".into()))?;
-        let cname = CString::new(format!("{name}.cu")).expect("kernel names are C identifiers");
+        let cname = CString::new(format!("{name}.cu"))
+            .map_err(|_| compile_error(name, source, options, "kernel name contains a NUL byte".into()))?;
         let prog = Program(result::create_program(&src, Some(&cname))?);
         // SAFETY: `prog` is a live program; `src` and `cname` outlive it (dropped after `prog`).
         let compiled = unsafe { result::compile_program(prog.0, options) };

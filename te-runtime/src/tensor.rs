@@ -130,7 +130,8 @@ impl Tensor {
             stream.memcpy_dtod(self.data.as_ref(), &mut copy)?;
             self.data = Arc::new(copy);
         }
-        Ok(Arc::get_mut(&mut self.data).expect("storage is unique after the copy"))
+        Arc::get_mut(&mut self.data)
+            .ok_or_else(|| Error::internal("Tensor::data_mut", "storage is shared after the copy"))
     }
 
     /// Whether another clone shares this tensor's storage.

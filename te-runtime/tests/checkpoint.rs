@@ -2,6 +2,9 @@
 //! unexpected and mismatched tensor, the non-strict report, truncated and corrupt files, newer
 //! format versions, and a failed save leaving the previous file intact.
 
+// Test code: a panic (unwrap, expect) is how a test reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use std::collections::HashMap;

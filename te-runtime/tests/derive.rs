@@ -3,6 +3,9 @@
 //! `zero_grad` through `visit_mut`, a visitor's error stopping the traversal, and the kernel list
 //! (`kernel_specs`) as the union of the visited fields' lists.
 
+// Test code: a panic (unwrap, expect) is how a test reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use te_runtime::modules::{
     join_path, KernelSpec, KernelTarget, LinearConfig, ModuleVisitor, ModuleVisitorMut, NamedParameter, NormConfig,
     NormKind, Param, ParamKind, ParamMut,

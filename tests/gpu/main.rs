@@ -2,6 +2,9 @@
 //! at shapes that are and are not tile multiples. Without a GPU each test skips, unless
 //! `TE_REQUIRE_GPU=1` (set by `.gpu/run-tests`), where a missing GPU fails.
 
+// Test code: a panic (unwrap, expect) is how a test reports a failure.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 mod activation;
