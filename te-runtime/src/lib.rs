@@ -12,6 +12,7 @@ pub mod gemm;
 pub mod kernels;
 pub mod models;
 pub mod modules;
+pub mod numerics;
 pub mod ops;
 pub mod optim;
 pub mod reference;

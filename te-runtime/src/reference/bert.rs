@@ -8,8 +8,8 @@
 //! PyTorch on the CPU), norm statistics in f64.
 
 use crate::models::bert::{mean_pool_normalize, BertConfig, BertError, BertResult, BertWeights};
+use crate::numerics::round_to;
 use crate::reference::activation::elementwise;
-use crate::reference::numerics::round_to;
 use te_codegen::DType;
 
 /// `x` through E4M3 with a per-tensor scale from its own amax (`448 / amax`, TE's current

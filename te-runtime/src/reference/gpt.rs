@@ -22,7 +22,7 @@
 //! delayed scaling per operand as TE's `DelayedScaling` does (E4M3 inputs and weights, E5M2
 //! output gradients under HYBRID; amax history, `max` or newest, margin; initial scale 1;
 //! forward scales updated after each [`GptRef::forward_loss`], gradient scales after each
-//! [`GptRef::backward`]; the casts equal [`super::numerics::round_to`] bit for bit).
+//! [`GptRef::backward`]; the casts equal [`crate::numerics::round_to`] bit for bit).
 //! Everything else stays f32 (the GPU keeps activations in BF16).
 //!
 //! Hidden dropout: the GPU's Philox masks (seed of layer `l` = `seed + 16·(l + 1)`, offsets
@@ -178,7 +178,7 @@ impl Fp8Grid {
         Self { min_normal: 2f32.powi(min_exp), step: 2f32.powi(min_exp - mant), shift: 23 - mant as u32, max }
     }
 
-    /// [`super::numerics::round_to`]`(dtype, x)` for the FP8 `dtype` (the GPU's
+    /// [`crate::numerics::round_to`]`(dtype, x)` for the FP8 `dtype` (the GPU's
     /// `cvt.rn.satfinite`: nearest even, saturating to ±max, NaN kept) in a few float
     /// operations instead of a table conversion; the tests check it against `round_to` bit
     /// for bit.
@@ -985,8 +985,8 @@ impl GptAdamW {
 
 #[cfg(test)]
 mod tests {
-    use super::super::numerics::round_to;
     use super::*;
+    use crate::numerics::round_to;
 
     fn micro() -> GptConfig {
         GptConfig {

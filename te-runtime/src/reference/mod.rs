@@ -16,7 +16,6 @@ pub mod gpt;
 pub mod linear;
 pub mod modules;
 pub mod norm;
-pub mod numerics;
 pub mod optimizer;
 pub mod philox;
 pub mod rope;

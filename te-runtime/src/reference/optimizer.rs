@@ -8,7 +8,7 @@
 //! contraction), so masters, moments and parameters match the kernel bit for bit. The norm is
 //! summed here in f64; the kernel's f32 partial sums agree within f32 rounding.
 
-use super::numerics::round_to;
+use crate::numerics::round_to;
 use te_codegen::DType;
 
 /// PyTorch's `clip_grad_norm_` guard against a zero norm.
