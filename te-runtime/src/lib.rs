@@ -6,6 +6,7 @@
 //! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
 
 pub mod checkpoint;
+pub mod cpu;
 pub mod device;
 pub mod fp8;
 pub mod gemm;

@@ -4,7 +4,6 @@
 
 pub mod activation;
 pub mod attention;
-pub mod bert;
 pub mod cast;
 pub mod cast_transpose;
 pub mod cross_entropy;
@@ -12,7 +11,6 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
-pub mod gpt;
 pub mod linear;
 pub mod modules;
 pub mod norm;
