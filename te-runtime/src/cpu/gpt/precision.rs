@@ -151,7 +151,7 @@ impl GptRef {
     /// empty histories), as a new GPU model has.
     ///
     /// # Errors
-    /// [`Error::Recipe`] for an invalid FP8 recipe (history length 0, a margin that is not
+    /// [`crate::Error::Recipe`] for an invalid FP8 recipe (history length 0, a margin that is not
     /// finite).
     pub fn set_precision(&mut self, precision: GemmPrecision) -> Result<()> {
         self.fp8 = match &precision {
