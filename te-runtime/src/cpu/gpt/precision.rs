@@ -137,6 +137,7 @@ impl Fp8Grid {
     }
 }
 
+/// The largest `|x|` (0 for an empty slice), reduced over the rayon pool.
 fn amax(x: &[f32]) -> f32 {
     x.par_chunks(1 << 14).map(|c| c.iter().fold(0.0f32, |a, v| a.max(v.abs()))).reduce(|| 0.0, f32::max)
 }
