@@ -9,7 +9,7 @@
 use crate::data::{Batcher, Corpus};
 use crate::train::{adamw_config, eval_batcher, median, Precision, Record, RunSummary, TrainConfig, TrainError};
 use std::time::Instant;
-use te_runtime::reference::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
+use te_runtime::cpu::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
 
 /// Trains `cfg.model` on `corpus` on the CPU in `precision` (emulated, see the module docs),
 /// calling `progress(step, loss)` after each step. Validation runs without dropout (the GPU

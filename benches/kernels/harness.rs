@@ -343,5 +343,5 @@ pub fn random_bytes(dtype: te_runtime::DType, n: usize, seed: u64) -> Vec<u8> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let v: Vec<f32> = (0..n).map(|_| rng.random::<f32>() * 4.0 - 2.0).collect();
-    te_runtime::reference::numerics::encode(dtype, &v)
+    te_runtime::numerics::encode(dtype, &v)
 }

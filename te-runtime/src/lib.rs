@@ -1,17 +1,20 @@
 //! Runtime of the Transformer Engine for Rust: the device, JIT-loaded kernels, device tensors,
-//! the fused FP8 ops, and a CPU reference of every op (the oracle of the GPU tests and the path
-//! CI checks numerics on).
+//! the fused FP8 ops, a CPU reference of every op ([`mod@reference`]: the oracle of the GPU tests and
+//! the path CI checks numerics on), and CPU models built on it ([`cpu`]: the GPT of
+//! `te train --preset tiny` without a GPU, the f32 BERT embedder).
 //!
 //! Every GPU entry point returns a typed [`Error`] instead of panicking: a missing driver or
 //! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
 
 pub mod checkpoint;
+pub mod cpu;
 pub mod device;
 pub mod fp8;
 pub mod gemm;
 pub mod kernels;
 pub mod models;
 pub mod modules;
+pub mod numerics;
 pub mod ops;
 pub mod optim;
 pub mod prewarm;

@@ -1,6 +1,6 @@
 //! A device tensor: contiguous bytes of one dtype and a shape, on the device's stream.
 
-use crate::reference::numerics;
+use crate::numerics;
 use crate::{Device, Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;

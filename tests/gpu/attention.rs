@@ -15,8 +15,8 @@
 
 use crate::common::{device, randn};
 use te_runtime::modules::{AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_runtime::numerics::round_to;
 use te_runtime::reference::attention::{self as reference, AttentionCase};
-use te_runtime::reference::numerics::round_to;
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// `(frobenius, rtol, atol as a fraction of max |want|)`; see the module docs.

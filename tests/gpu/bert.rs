@@ -13,11 +13,11 @@ use crate::common::device;
 use std::path::{Path, PathBuf};
 use te::embed::{buckets, speeches};
 use te::hf::{self, BertTokenizer};
+use te_runtime::cpu::bert as reference;
 use te_runtime::fp8::Float8Tensor;
 use te_runtime::models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertWeights, Fp8Gemms, WeightPrecision};
 use te_runtime::modules::TokenIds;
 use te_runtime::ops::embedding::embedding_forward_fp8;
-use te_runtime::reference::bert as reference;
 use te_runtime::{DType, Tensor};
 
 fn required() -> bool {

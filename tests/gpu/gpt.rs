@@ -10,11 +10,11 @@ use rand::{Rng, SeedableRng};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling};
 use te_runtime::models::{Gpt, GptConfig, IGNORE_INDEX};
 use te_runtime::modules::{Embedding, EmbeddingConfig, Param, ParamKind, ParamMut, TokenIds};
+use te_runtime::numerics::{encode, round_to};
 use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use te_runtime::ops::embedding::{embedding_backward, embedding_forward};
 use te_runtime::reference::cross_entropy as ce_ref;
 use te_runtime::reference::embedding as emb_ref;
-use te_runtime::reference::numerics::{encode, round_to};
 use te_runtime::{DType, Device, Error, Module, Result, Tensor};
 
 const HIGH_PRECISION: [DType; 3] = [DType::F32, DType::BF16, DType::F16];

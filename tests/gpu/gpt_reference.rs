@@ -4,9 +4,9 @@
 //! Philox masks and so the same loss.
 
 use crate::common::device;
+use te_runtime::cpu::gpt::GptRef;
 use te_runtime::models::{Gpt, GptConfig, IGNORE_INDEX};
 use te_runtime::modules::{Param, ParamKind, TokenIds};
-use te_runtime::reference::gpt::GptRef;
 use te_runtime::reference::linear::rel_frobenius;
 use te_runtime::{DType, Device, Module, Result};
 

@@ -8,8 +8,8 @@ use te_runtime::fp8::{
     fp8_autocast, fp8_model_init, DelayedScaling, Float8CurrentScaling, Format, Fp8Autocast, Recipe,
 };
 use te_runtime::modules::{BackwardOptions, ForwardOptions, Linear, LinearConfig, Output};
+use te_runtime::numerics::round_to;
 use te_runtime::reference::linear::{self as reference, rel_frobenius, Fp8Step};
-use te_runtime::reference::numerics::round_to;
 use te_runtime::reference::scaling::current_scale;
 use te_runtime::{DType, Device, Error, Tensor};
 

@@ -9,9 +9,9 @@ use te_runtime::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, LinearParams, Norm,
     NormConfig, NormKind, NormParams,
 };
+use te_runtime::numerics::round_to;
 use te_runtime::reference::linear::rel_frobenius;
 use te_runtime::reference::modules::{self as reference, DenseRef, NormRef};
-use te_runtime::reference::numerics::round_to;
 use te_runtime::{DType, Device, Error, Tensor};
 
 const T: usize = 112;

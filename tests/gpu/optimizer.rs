@@ -7,10 +7,11 @@
 use crate::common::{device, randn};
 use std::sync::Arc;
 use te_runtime::modules::{Linear, LinearConfig};
+use te_runtime::numerics;
 use te_runtime::ops::optimizer::{adamw_step, AdamWArgs, AdamWTensor, CHUNK};
+use te_runtime::optim::scalars::{AdamWHyper, AdamWScalars};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
-use te_runtime::reference::numerics;
-use te_runtime::reference::optimizer::{self as reference, AdamWHyper, AdamWScalars};
+use te_runtime::reference::optimizer as reference;
 use te_runtime::{DType, Device, Error, Module, Tensor};
 
 /// `(elements, grad dtype, param dtype, weight decay, the tensor's first step)`.

@@ -6,6 +6,7 @@
 //! [`KernelSpec::hash`]. Specs are plain data: building and hashing them needs no GPU.
 
 mod activation;
+mod attention;
 mod cast;
 mod cast_transpose;
 mod cross_entropy;
@@ -19,6 +20,7 @@ mod scaling;
 mod softmax;
 
 pub use activation::{Activation, ActivationSpec};
+pub use attention::{AttnMaskType, QkvFormat};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
 pub use cross_entropy::CrossEntropySpec;

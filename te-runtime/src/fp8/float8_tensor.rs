@@ -1,8 +1,8 @@
 //! `Float8Tensor`: FP8 codes with the `scale_inv` they were cast with and, when a TN GEMM needs
 //! it, the transposed copy (TE `pytorch/tensor/float8_tensor.py`).
 
+use crate::numerics;
 use crate::ops::{self, Fp8Meta};
-use crate::reference::numerics;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! [`CHUNK`] elements of one tensor).
 
 use super::launch_1d;
-use crate::reference::optimizer::{AdamWHyper, AdamWScalars};
+use crate::optim::scalars::{AdamWHyper, AdamWScalars};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg};
 use te_codegen::spec::OptimizerSpec;

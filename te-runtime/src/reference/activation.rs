@@ -84,7 +84,7 @@ fn in_cols(act: Activation, cols: usize) -> usize {
 /// The forward kernel's f32 result `act(x + bias)` for `x: [rows, in_cols]` (row-major,
 /// `in_cols = 2 * cols` when gated, `[a | b]` → `act(a + bias_a) * (b + bias_b)`) and `bias:
 /// [in_cols]`; returns `y: [rows, cols]`. Round to the output type with
-/// [`super::numerics::round_to`], or quantize with [`super::cast::quantize`] (which also gives
+/// [`crate::numerics::round_to`], or quantize with [`super::cast::quantize`] (which also gives
 /// the amax of `y` and `scale_inv`, as the FP8 kernel does).
 ///
 /// # Panics

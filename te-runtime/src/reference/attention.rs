@@ -3,7 +3,7 @@
 //! formats, GQA/MQA and every mask type. A query whose keys are all masked gets zeros (as the
 //! softmax kernel gives); query head `j` reads key/value head `j / (heads / groups)`.
 
-use crate::modules::{AttnMaskType, QkvFormat};
+use te_codegen::spec::{AttnMaskType, QkvFormat};
 
 /// The sizes, mask and scale of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq)]

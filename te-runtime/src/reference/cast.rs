@@ -1,6 +1,6 @@
 //! Family 1 reference: quantize with amax, dequantize, amax.
 
-use super::numerics::{dequantize as deq, quantize as q8};
+use crate::numerics::{dequantize as deq, quantize as q8};
 use te_codegen::DType;
 
 /// TE's amax of `x`: `max |x_i|` with NaN skipped (`fmaxf`), 0 for an empty input.
@@ -15,7 +15,7 @@ pub fn quantize(x: &[f32], out: DType, scale: f32) -> (Vec<u8>, f32, f32) {
     (q, amax(x), 1.0 / scale)
 }
 
-/// `q * scale_inv` in f32 (round the result to the output type with [`super::numerics::round_to`]).
+/// `q * scale_inv` in f32 (round the result to the output type with [`crate::numerics::round_to`]).
 pub fn dequantize(q: &[u8], input: DType, scale_inv: f32) -> Vec<f32> {
     q.iter().map(|&c| deq(input, c) * scale_inv).collect()
 }

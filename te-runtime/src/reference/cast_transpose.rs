@@ -9,7 +9,7 @@
 
 use super::activation::elementwise;
 use super::cast::amax as amax_of;
-use super::numerics::{quantize, round_to};
+use crate::numerics::{quantize, round_to};
 use te_codegen::spec::CastTransposeSpec;
 
 /// Outputs of [`cast_transpose`].
@@ -101,8 +101,8 @@ fn reduce_partials(partials: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::numerics::dequantize;
     use crate::reference::activation::{dgelu, drelu};
-    use crate::reference::numerics::dequantize;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use te_codegen::spec::Activation;

@@ -4,8 +4,8 @@
 //! always match; outputs match except that the GPU writes the canonical NaN where the CPU may
 //! keep an input NaN's sign and payload.
 
-use super::numerics::round_to;
 use super::philox;
+use crate::numerics::round_to;
 use crate::ops::dropout::{keep_scale, keep_threshold, mask_bytes, DropoutParams};
 use te_codegen::DType;
 

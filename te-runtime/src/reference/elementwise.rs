@@ -5,7 +5,7 @@
 //! infinite results match the kernel bit for bit; a NaN result is NaN on both sides, but the GPU
 //! writes the canonical NaN where the CPU may keep an input's sign and payload.
 
-use super::numerics::round_to;
+use crate::numerics::round_to;
 use te_codegen::DType;
 
 /// `a[i] + b[i]` in f32, rounded to `out` (returned widened to f32).

@@ -5,7 +5,7 @@
 //! token order in f32 and adds the sum once to the gradient, rounded to its dtype (bit-exact
 //! too: the kernel adds in the same order).
 
-use super::numerics::round_to;
+use crate::numerics::round_to;
 use te_codegen::DType;
 
 /// Whether `id` indexes a row of a `vocab`-row table.

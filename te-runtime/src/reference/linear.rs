@@ -4,7 +4,7 @@
 //! of the two). CI checks the FP8 numerics on this path; the GPU tests check the GPU against it.
 
 use super::gemm::gemm_tn;
-use super::numerics;
+use crate::numerics;
 use te_codegen::DType;
 
 /// Scales of one FP8 Linear step (forward: input, weight; backward: grad_output) and formats.

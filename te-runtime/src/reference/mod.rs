@@ -1,10 +1,14 @@
 //! CPU reference of every kernel family: the oracle of the GPU tests and the path CI checks
 //! numerics on. Each function mirrors its kernel's arithmetic (f32 math in the same order where
 //! it decides rounding), so FP8 casts match bit for bit and reductions within float rounding.
+//!
+//! The oracle mirrors kernels, not the library: it uses `te_codegen`'s specs, [`crate::numerics`]
+//! and op-level vocabulary (dropout parameters, GEMM matrix views, the AdamW kernel's scalars in
+//! [`crate::optim::scalars`]), never models, modules, FP8 state or checkpoints
+//! (`scripts/check-layers` checks it). Whole CPU models built from it live in [`crate::cpu`].
 
 pub mod activation;
 pub mod attention;
-pub mod bert;
 pub mod cast;
 pub mod cast_transpose;
 pub mod cross_entropy;
@@ -12,11 +16,9 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
-pub mod gpt;
 pub mod linear;
 pub mod modules;
 pub mod norm;
-pub mod numerics;
 pub mod optimizer;
 pub mod philox;
 pub mod rope;

@@ -8,7 +8,7 @@
 //! these functions reproduce mu, rsigma, FP8 codes and amax bit for bit; the GPU tests still
 //! compare high-precision outputs with TE's tolerances.
 
-use super::numerics::{encode, quantize, round_to};
+use crate::numerics::{encode, quantize, round_to};
 use te_codegen::spec::{NormKind, NormSpec};
 
 /// What the forward writes.
@@ -188,7 +188,7 @@ pub fn backward(spec: &NormSpec, dy: &[f32], x: &[f32], mu: Option<&[f32]>, rsig
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reference::numerics::decode;
+    use crate::numerics::decode;
     use te_codegen::spec::Direction;
     use te_codegen::{Arch, DType};
 

@@ -2,13 +2,14 @@
 //! with FP32 master weights (Loshchilov & Hutter 2019; PyTorch `torch.optim.AdamW`,
 //! `torch.nn.utils.clip_grad_norm_`).
 //!
-//! Mirrors `te-codegen/templates/optimizer.cu.tera`: the per-step scalars come from [`AdamWScalars::new`],
-//! which the runtime also uses to fill the kernel's arguments, and each element's update is the
+//! Mirrors `te-codegen/templates/optimizer.cu.tera`: the per-step scalars come from the library's
+//! [`AdamWScalars::new`], the same values the runtime fills the kernel's arguments with, and each element's update is the
 //! same sequence of f32 operations, each rounded once (the kernel uses `__f*_rn`, no
 //! contraction), so masters, moments and parameters match the kernel bit for bit. The norm is
 //! summed here in f64; the kernel's f32 partial sums agree within f32 rounding.
 
-use super::numerics::round_to;
+use crate::numerics::round_to;
+use crate::optim::scalars::AdamWScalars;
 use te_codegen::DType;
 
 /// PyTorch's `clip_grad_norm_` guard against a zero norm.
@@ -30,63 +31,6 @@ pub fn clip_coef(norm: f32, max_norm: f32) -> f32 {
         1.0
     } else {
         c
-    }
-}
-
-/// AdamW hyper-parameters of one step of one parameter.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWHyper {
-    /// Learning rate of this step.
-    pub lr: f32,
-    /// Decay of the first moment.
-    pub beta1: f32,
-    /// Decay of the second moment.
-    pub beta2: f32,
-    /// Added to the bias-corrected `sqrt(v)`.
-    pub eps: f32,
-    /// Decoupled weight decay (0 for a parameter excluded from decay).
-    pub weight_decay: f32,
-    /// This parameter's step number, 1 for its first update (bias correction).
-    pub step: u64,
-}
-
-/// The per-step scalars of PyTorch's single-tensor AdamW, each computed as PyTorch does on the
-/// host (Python floats are f64) and rounded to f32 once.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWScalars {
-    /// `1 - lr * weight_decay` (PyTorch `param.mul_(1 - lr * weight_decay)`).
-    pub decay: f32,
-    /// `beta1`.
-    pub beta1: f32,
-    /// `1 - beta1` (the `lerp_` weight).
-    pub one_minus_beta1: f32,
-    /// `beta2`.
-    pub beta2: f32,
-    /// `1 - beta2` (the `addcmul_` value).
-    pub one_minus_beta2: f32,
-    /// `eps`.
-    pub eps: f32,
-    /// `lr / (1 - beta1^step)`.
-    pub step_size: f32,
-    /// `sqrt(1 - beta2^step)`.
-    pub bc2_sqrt: f32,
-}
-
-impl AdamWScalars {
-    /// The scalars of `h` (`step ≥ 1`; step 0 is treated as 1).
-    pub fn new(h: &AdamWHyper) -> Self {
-        let step = h.step.max(1).min(i32::MAX as u64) as i32;
-        let (lr, b1, b2) = (f64::from(h.lr), f64::from(h.beta1), f64::from(h.beta2));
-        Self {
-            decay: (1.0 - lr * f64::from(h.weight_decay)) as f32,
-            beta1: h.beta1,
-            one_minus_beta1: (1.0 - b1) as f32,
-            beta2: h.beta2,
-            one_minus_beta2: (1.0 - b2) as f32,
-            eps: h.eps,
-            step_size: (lr / (1.0 - b1.powi(step))) as f32,
-            bc2_sqrt: (1.0 - b2.powi(step)).sqrt() as f32,
-        }
     }
 }
 
@@ -125,6 +69,7 @@ pub fn adamw_step(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::scalars::AdamWHyper;
 
     fn hyper(step: u64, weight_decay: f32) -> AdamWHyper {
         AdamWHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay, step }

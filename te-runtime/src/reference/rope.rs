@@ -4,7 +4,7 @@
 //! kernel uses CUDA's `sincosf` (within 2 ulps), so outputs agree within a few f32 ulps of the
 //! terms before the final rounding (see `tests/gpu/rope.rs` for the tolerance).
 
-use super::numerics::round_to;
+use crate::numerics::round_to;
 use te_codegen::spec::{Direction, RopeFormat};
 use te_codegen::DType;
 

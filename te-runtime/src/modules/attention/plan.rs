@@ -138,9 +138,10 @@ mod tests {
     use super::super::AttnMaskType;
     use super::*;
     use crate::modules::init::normal;
+    use crate::numerics;
     use crate::reference::attention::{self as reference, AttentionCase};
     use crate::reference::gemm::gemm_strided_batched;
-    use crate::reference::{numerics, softmax};
+    use crate::reference::softmax;
     use te_codegen::spec::MaskKind;
     use te_codegen::DType;
 

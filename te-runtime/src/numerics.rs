@@ -1,4 +1,5 @@
-//! Element conversions shared by the CPU reference and host-side tensor I/O.
+//! Element conversions (FP8/BF16/F16 encode, decode, round) of host-side tensor I/O, FP8 tensors
+//! and the CPU reference.
 //!
 //! FP8 rounding is the GPU's `cvt.rn.satfinite`: round to nearest even, saturate to ±max, NaN
 //! kept. The `float8` crate implements this (it ports `cuda_fp8.hpp`'s saturating conversion)

@@ -1,15 +1,16 @@
-//! CPU f32 reference of a Hugging Face `BertModel` forward and the sentence-transformers pooling
-//! (mean over tokens, L2 normalisation): the fp32 model the device's BF16 and FP8 embeddings
-//! are compared against. One sequence at a time, no padding (so no mask), written from the
-//! Hugging Face definition rather than from this crate's modules:
+//! CPU f32 BERT embedder: a Hugging Face `BertModel` forward and the sentence-transformers
+//! pooling (mean over tokens, L2 normalisation), the engine of `te embed --precision cpu` and
+//! the fp32 model the device's BF16 and FP8 embeddings are compared against. One sequence at a
+//! time, no padding (so no mask), written from the Hugging Face definition rather than from this
+//! crate's modules:
 //!
 //! `x = LN(word[ids] + pos[0..n] + type[0])`; per layer `h = LN1(x + Wo·attn(Wq x, Wk x, Wv x))`,
 //! `y = LN2(h + W2·gelu(W1 h))`; `softmax(q·kᵀ/√d)` per head. Products and sums in f32 (as
 //! PyTorch on the CPU), norm statistics in f64.
 
 use crate::models::bert::{mean_pool_normalize, BertConfig, BertError, BertResult, BertWeights};
+use crate::numerics::round_to;
 use crate::reference::activation::elementwise;
-use crate::reference::numerics::round_to;
 use te_codegen::DType;
 
 /// `x` through E4M3 with a per-tensor scale from its own amax (`448 / amax`, TE's current

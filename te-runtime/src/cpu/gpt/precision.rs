@@ -1,0 +1,265 @@
+//! GEMM-input emulation of [`GptRef`]: each GEMM reads its operands rounded to BF16, or
+//! fake-quantized to FP8 with delayed scaling per operand as TE's `DelayedScaling` does (amax
+//! history, `max` or newest, margin; initial scale 1; the update of
+//! [`crate::reference::scaling::delayed_update`]). The casts equal [`crate::numerics::round_to`]
+//! bit for bit; the GEMMs themselves stay f32.
+
+use super::math::par_fill;
+use super::GptRef;
+use crate::fp8::DelayedScaling;
+use crate::reference::scaling::{delayed_update, HostScalingGroup};
+use crate::Result;
+use half::bf16;
+use rayon::prelude::*;
+use te_codegen::DType;
+
+/// How the GEMM inputs are rounded before each f32 GEMM.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GemmPrecision {
+    /// Exact f32 inputs (the check against a GPU model built with `params_dtype: F32`).
+    F32,
+    /// Inputs rounded to BF16 (round to nearest even), as a BF16 model's GEMMs read them.
+    Bf16,
+    /// Inputs fake-quantized to FP8 with delayed scaling per operand, as under
+    /// [`crate::fp8::fp8_autocast`] with this recipe.
+    Fp8(DelayedScaling),
+}
+
+/// Delayed scaling of `n` operands sharing a format: TE's amax history and scales.
+#[derive(Debug, Clone)]
+struct Scaling {
+    /// `[n, history_len]`, `[slot][0]` the amax being recorded.
+    history: Vec<f32>,
+    scale: Vec<f32>,
+    scale_inv: Vec<f32>,
+    fp8_max: f32,
+    dtype: DType,
+}
+
+impl Scaling {
+    fn new(n: usize, dtype: DType, recipe: &DelayedScaling) -> Self {
+        Self {
+            history: vec![0.0; n * recipe.amax_history_len],
+            scale: vec![1.0; n],
+            scale_inv: vec![1.0; n],
+            fp8_max: dtype.fp8_max().unwrap_or(448.0),
+            dtype,
+        }
+    }
+
+    /// Folds this use's amaxes into the newest history entries.
+    fn record(&mut self, amax: &[f32], len: usize) {
+        for (slot, &a) in amax.iter().enumerate() {
+            let h = &mut self.history[slot * len];
+            *h = h.max(a);
+        }
+    }
+
+    /// TE's update: scales from the histories, then the histories roll.
+    fn update(&mut self, recipe: &DelayedScaling) {
+        let group = HostScalingGroup {
+            amax_history: &mut self.history,
+            scale: &mut self.scale,
+            scale_inv: &mut self.scale_inv,
+            history_len: recipe.amax_history_len,
+            fp8_max: self.fp8_max,
+            margin: recipe.margin,
+        };
+        delayed_update(&mut [group], recipe.amax_compute_algo);
+    }
+}
+
+/// The FP8 state of one GEMM: input and weight (forward), output gradient (backward).
+#[derive(Debug, Clone)]
+pub(super) struct GemmScaling {
+    fwd: Scaling,
+    bwd: Scaling,
+}
+
+/// How one GEMM operand is cast.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Cast {
+    Exact,
+    Bf16,
+    Fp8(DType, f32),
+}
+
+/// The operand `x` as the GEMM reads it.
+pub(super) fn cast(x: &[f32], c: Cast) -> Vec<f32> {
+    match c {
+        Cast::Exact => x.to_vec(),
+        Cast::Bf16 => par_fill(x.len(), |i| bf16::from_f32(x[i]).to_f32()),
+        Cast::Fp8(dtype, scale) => {
+            let (grid, scale_inv) = (Fp8Grid::new(dtype), 1.0 / scale);
+            par_fill(x.len(), |i| grid.round(x[i] * scale) * scale_inv)
+        }
+    }
+}
+
+/// The rounding grid of an FP8 format, for [`Fp8Grid::round`].
+#[derive(Debug, Clone, Copy)]
+struct Fp8Grid {
+    /// Smallest normal value.
+    min_normal: f32,
+    /// Smallest subnormal (the spacing below `min_normal`).
+    step: f32,
+    /// Dropped f32 mantissa bits.
+    shift: u32,
+    /// Largest finite value.
+    max: f32,
+}
+
+impl Fp8Grid {
+    fn new(dtype: DType) -> Self {
+        // Mantissa bits, smallest normal exponent, largest finite value.
+        let (mant, min_exp, max) = if dtype == DType::E5M2 { (2, -14, 57344.0) } else { (3, -6, 448.0) };
+        Self { min_normal: 2f32.powi(min_exp), step: 2f32.powi(min_exp - mant), shift: 23 - mant as u32, max }
+    }
+
+    /// [`crate::numerics::round_to`]`(dtype, x)` for the FP8 `dtype` (the GPU's
+    /// `cvt.rn.satfinite`: nearest even, saturating to ±max, NaN kept) in a few float
+    /// operations instead of a table conversion; the tests check it against `round_to` bit
+    /// for bit.
+    fn round(&self, x: f32) -> f32 {
+        if x.is_nan() {
+            return x;
+        }
+        let a = x.abs();
+        let r = if a < self.min_normal {
+            // Subnormals: multiples of a power of two (exact steps).
+            (a / self.step).round_ties_even() * self.step
+        } else {
+            let bits = a.to_bits();
+            let bits = bits + ((1 << (self.shift - 1)) - 1) + ((bits >> self.shift) & 1);
+            f32::from_bits(bits & !((1 << self.shift) - 1))
+        };
+        r.min(self.max).copysign(x)
+    }
+}
+
+/// The largest `|x|` (0 for an empty slice), reduced over the rayon pool.
+fn amax(x: &[f32]) -> f32 {
+    x.par_chunks(1 << 14).map(|c| c.iter().fold(0.0f32, |a, v| a.max(v.abs()))).reduce(|| 0.0, f32::max)
+}
+
+impl GptRef {
+    /// The GEMM input precision.
+    pub fn precision(&self) -> GemmPrecision {
+        self.precision
+    }
+
+    /// Sets the GEMM input precision; for FP8, starts fresh delayed-scaling state (scales 1,
+    /// empty histories), as a new GPU model has.
+    ///
+    /// # Errors
+    /// [`crate::Error::Recipe`] for an invalid FP8 recipe (history length 0, a margin that is not
+    /// finite).
+    pub fn set_precision(&mut self, precision: GemmPrecision) -> Result<()> {
+        self.fp8 = match &precision {
+            GemmPrecision::Fp8(recipe) => {
+                crate::fp8::Recipe::Delayed(*recipe).validate()?;
+                let gemm = GemmScaling {
+                    fwd: Scaling::new(2, recipe.fp8_format.forward_dtype(), recipe),
+                    bwd: Scaling::new(1, recipe.fp8_format.backward_dtype(), recipe),
+                };
+                // The LM head has FP8 state only when it runs in FP8 (`fp8_lm_head`).
+                vec![gemm; 4 * self.cfg.num_layers + usize::from(self.cfg.fp8_lm_head)]
+            }
+            _ => Vec::new(),
+        };
+        self.precision = precision;
+        Ok(())
+    }
+
+    /// Whether GEMM `g` runs in FP8: under FP8, every layer GEMM, and the LM head (the last)
+    /// only with `fp8_lm_head` (else in BF16, as on the GPU).
+    pub(super) fn fp8_gemm(&self, g: usize) -> bool {
+        matches!(self.precision, GemmPrecision::Fp8(_)) && g < self.fp8.len()
+    }
+
+    /// The casts of GEMM `g`'s forward operands (input, weight).
+    pub(super) fn forward_casts(&self, g: usize) -> [Cast; 2] {
+        match self.precision {
+            GemmPrecision::F32 => [Cast::Exact; 2],
+            GemmPrecision::Bf16 => [Cast::Bf16; 2],
+            GemmPrecision::Fp8(_) if !self.fp8_gemm(g) => [Cast::Bf16; 2],
+            GemmPrecision::Fp8(_) => {
+                let s = &self.fp8[g].fwd;
+                [Cast::Fp8(s.dtype, s.scale[0]), Cast::Fp8(s.dtype, s.scale[1])]
+            }
+        }
+    }
+
+    /// GEMM `g`'s input and weight as it reads them, their amaxes added to `amaxes` under FP8.
+    pub(super) fn gemm_operands(
+        &self,
+        g: usize,
+        x: &[f32],
+        w: &[f32],
+        amaxes: &mut Vec<[f32; 2]>,
+    ) -> (Vec<f32>, Vec<f32>) {
+        if self.fp8_gemm(g) {
+            amaxes.push([amax(x), amax(w)]);
+        }
+        let [cx, cw] = self.forward_casts(g);
+        (cast(x, cx), cast(w, cw))
+    }
+
+    /// How GEMM `g`'s backward reads the output gradient `dy`, its amax added to `amaxes` under
+    /// FP8.
+    pub(super) fn grad_cast(&self, g: usize, dy: &[f32], amaxes: &mut Vec<f32>) -> Cast {
+        match self.precision {
+            GemmPrecision::F32 => Cast::Exact,
+            GemmPrecision::Bf16 => Cast::Bf16,
+            GemmPrecision::Fp8(_) if !self.fp8_gemm(g) => Cast::Bf16,
+            GemmPrecision::Fp8(_) => {
+                amaxes.push(amax(dy));
+                let s = &self.fp8[g].bwd;
+                Cast::Fp8(s.dtype, s.scale[0])
+            }
+        }
+    }
+
+    /// Under FP8, folds a forward's `[input, weight]` amaxes of every FP8 GEMM into the
+    /// histories and updates the forward scales.
+    pub(super) fn update_forward_scaling(&mut self, amaxes: &[[f32; 2]]) {
+        if let GemmPrecision::Fp8(recipe) = self.precision {
+            for (g, a) in self.fp8.iter_mut().zip(amaxes) {
+                g.fwd.record(a, recipe.amax_history_len);
+                g.fwd.update(&recipe);
+            }
+        }
+    }
+
+    /// Under FP8, folds a backward's output-gradient amaxes into the histories and updates the
+    /// backward scales.
+    pub(super) fn update_backward_scaling(&mut self, amaxes: &[f32]) {
+        if let GemmPrecision::Fp8(recipe) = self.precision {
+            // `amaxes` runs from the last FP8 GEMM down to layer 0's qkv.
+            for (g, a) in self.fp8.iter_mut().rev().zip(amaxes) {
+                g.bwd.record(&[*a], recipe.amax_history_len);
+                g.bwd.update(&recipe);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::numerics::round_to;
+    use rand::SeedableRng;
+
+    #[test]
+    fn fast_casts_match_the_reference_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let specials = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, 448.0, 464.0, 480.0, 57344.0, 61440.0, 1e-9];
+        let random = (0..200_000).map(|_| f32::from_bits(rand::Rng::random::<u32>(&mut rng)));
+        for x in specials.into_iter().chain(random).filter(|x| !x.is_nan()) {
+            for dtype in [DType::E4M3, DType::E5M2] {
+                assert_eq!(Fp8Grid::new(dtype).round(x).to_bits(), round_to(dtype, x).to_bits(), "{dtype} {x:e}");
+            }
+        }
+        assert!(Fp8Grid::new(DType::E4M3).round(f32::NAN).is_nan());
+    }
+}
