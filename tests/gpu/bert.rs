@@ -183,7 +183,7 @@ fn fp8_embedding_lookup_dequantizes_rows() {
     let ids = [5, 0, 99, -1, 100, 7];
     let tok = TokenIds::from_host(&dev, &[ids.len()], &ids).unwrap();
     let mut out = Tensor::empty(&dev, DType::BF16, &[ids.len(), hidden]).unwrap();
-    embedding_forward_fp8(&dev, &q, tok.data(), &mut out).unwrap();
+    embedding_forward_fp8(&dev, q.data(), q.scale_inv(), tok.data(), &mut out).unwrap();
     let got = out.to_f32(&dev).unwrap();
     for (r, &id) in ids.iter().enumerate() {
         let row = &got[r * hidden..(r + 1) * hidden];
@@ -194,8 +194,14 @@ fn fp8_embedding_lookup_dequantizes_rows() {
             assert!(row.iter().all(|&v| v == 0.0), "id {id} must give a zero row");
         }
     }
-    assert!(embedding_forward_fp8(&dev, &q, tok.data(), &mut Tensor::empty(&dev, DType::BF16, &[2, hidden]).unwrap())
-        .is_err());
+    assert!(embedding_forward_fp8(
+        &dev,
+        q.data(),
+        q.scale_inv(),
+        tok.data(),
+        &mut Tensor::empty(&dev, DType::BF16, &[2, hidden]).unwrap()
+    )
+    .is_err());
 }
 
 /// `TransformerLayer::infer_with` (the inference path `Bert` runs) gives what the training

@@ -71,9 +71,10 @@ pub fn embedding_forward(dev: &Device, table: &Tensor, ids: &CudaSlice<i32>, out
     Ok(())
 }
 
-/// `out[t, :] = dequantize(table[ids[t], :])`: the lookup of an FP8 table (E4M3 or E5M2 codes
-/// `[vocab, hidden]` with one per-tensor `scale_inv`, e.g. from `fp8_model_init`-style
-/// inference weights), `out[t, c] = f32(code) * scale_inv` rounded to `out`'s dtype.
+/// `out[t, :] = dequantize(table[ids[t], :])`: the lookup of an FP8 table (`codes`: E4M3 or E5M2
+/// `[vocab, hidden]`, with one per-tensor `scale_inv` (`[1]` f32 on the device), e.g. the
+/// `data()` and `scale_inv()` of a `Float8Tensor` of inference weights),
+/// `out[t, c] = f32(code) * scale_inv` rounded to `out`'s dtype.
 ///
 /// `out`: f32/bf16/f16, any shape with last dim `hidden` and `tokens * hidden` elements. Ids
 /// outside `[0, vocab)` give zero rows.
@@ -84,15 +85,21 @@ pub fn embedding_forward(dev: &Device, table: &Tensor, ids: &CudaSlice<i32>, out
 /// failures.
 pub fn embedding_forward_fp8(
     dev: &Device,
-    table: &crate::fp8::Float8Tensor,
+    codes: &Tensor,
+    scale_inv: &CudaSlice<f32>,
     ids: &CudaSlice<i32>,
     out: &mut Tensor,
 ) -> Result<()> {
     const OP: &str = "embedding_forward_fp8";
-    let codes = table.data();
     check_dtype(OP, "table", codes, DType::is_fp8, "e4m3 or e5m2")?;
     check_dtype(OP, "out", out, DType::is_high_precision, HIGH_PRECISION)?;
     let (vocab, hidden) = table_dims(OP, "table", codes)?;
+    if scale_inv.len() != 1 {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!("scale_inv has {} elements; a per-tensor table has one", scale_inv.len()),
+        });
+    }
     let tokens = ids.len();
     check_rows(OP, "out", out, tokens, hidden)?;
     check_nonempty(OP, "out", out)?;
@@ -100,7 +107,7 @@ pub fn embedding_forward_fp8(
     let f = dev.function(&KernelSpec::Embedding(spec), 0)?;
     let (t, v, h) = (tokens as u64, vocab as u64, hidden as u64);
     let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(codes.data()).arg(ids).arg(out.data_mut()?).arg(table.scale_inv()).arg(&t).arg(&v).arg(&h);
+    builder.arg(codes.data()).arg(ids).arg(out.data_mut()?).arg(scale_inv).arg(&t).arg(&v).arg(&h);
     // SAFETY: the arguments follow the FP8 forward signature documented on `EmbeddingSpec`:
     // `table` holds `vocab * hidden` one-byte codes, `scale_inv` one f32, `ids` `tokens` i32,
     // `out` `tokens * hidden` elements of its dtype (checked above); the kernel reads table rows

@@ -352,7 +352,7 @@ impl Bert {
         let mut w = Tensor::empty(&self.dev, DType::BF16, &[batch, seq, h])?;
         match &self.word {
             WordTable::High(t) => embedding_forward(&self.dev, t, tokens.data(), &mut w)?,
-            WordTable::Fp8(t) => embedding_forward_fp8(&self.dev, t, tokens.data(), &mut w)?,
+            WordTable::Fp8(t) => embedding_forward_fp8(&self.dev, t.data(), t.scale_inv(), tokens.data(), &mut w)?,
         }
         let mut p = Tensor::empty(&self.dev, DType::BF16, &[batch, seq, h])?;
         embedding_forward(&self.dev, &self.pos, positions.data(), &mut p)?;
