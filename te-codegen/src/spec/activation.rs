@@ -2,7 +2,7 @@
 
 use super::cast::{check_pow2, check_threads};
 use super::{vector_width, Direction, Family};
-use crate::{Arch, DType};
+use crate::{check_fp8_dim, Arch, DType};
 use serde::{Deserialize, Serialize};
 
 /// Activation functions, with TE's definitions (`common/util/math.h`).
@@ -186,12 +186,8 @@ impl Family for ActivationSpec {
         if self.cols == 0 {
             return Err("cols must be at least 1".into());
         }
-        if self.output.is_fp8() && self.cols % 16 != 0 {
-            return Err(format!(
-                "FP8 output needs cols % 16 == 0; cols = {} (pad to {})",
-                self.cols,
-                self.cols.div_ceil(16) * 16
-            ));
+        if self.output.is_fp8() {
+            check_fp8_dim("cols", self.cols).map_err(|e| format!("FP8 output: {e}"))?;
         }
         if self.bias && self.direction == Direction::Bwd {
             return Err("bias is fused in the forward only; the backward takes x + bias as its input".into());

@@ -5,7 +5,7 @@
 
 use super::cast::{check_pow2, check_threads};
 use super::{Activation, Family};
-use crate::{Arch, DType};
+use crate::{check_fp8_dim, Arch, DType};
 use serde::{Deserialize, Serialize};
 
 /// Cast + transpose (+ dbias) (+ dact) of `[rows, cols]` (`rows` is a run-time argument).
@@ -222,14 +222,7 @@ impl Family for CastTransposeSpec {
                 self.input, self.output
             ));
         }
-        if self.cols == 0 || self.cols % 16 != 0 {
-            return Err(format!(
-                "FP8 {} needs cols % 16 == 0; cols = {} (pad to {})",
-                self.family(),
-                self.cols,
-                self.cols.div_ceil(16).max(1) * 16
-            ));
-        }
+        check_fp8_dim("cols", self.cols).map_err(|e| format!("FP8 {}: {e}", self.family()))?;
         if let Some(a) = self.dact {
             if a.is_gated() {
                 return Err(format!(
@@ -264,7 +257,7 @@ mod tests {
         s.validate().unwrap();
         assert_eq!((s.row_tiles(1000), s.blocks(1000)), (16, 16 * 7));
         let e = CastTransposeSpec::new(DType::BF16, DType::E4M3, 1000, false, None, Arch::Sm90a).validate();
-        assert!(e.unwrap_err().contains("pad to 1008"));
+        assert!(e.unwrap_err().contains("pad it to 1008"));
         let e = CastTransposeSpec { tile_rows: 16, tile_cols: 64, ..s }.validate().unwrap_err();
         assert!(e.contains("micro-tiles"), "{e}");
         let e = CastTransposeSpec { dact: Some(Activation::Swiglu), ..s }.validate().unwrap_err();
@@ -290,7 +283,10 @@ mod tests {
         let e = CastTransposeSpec { dact: Some(Activation::Gelu), ..t }.validate().unwrap_err();
         assert!(e.contains("cast_transpose_dact"), "{e}");
         let e = CastTransposeSpec::transpose(DType::E4M3, 1000, Arch::Sm90a).validate().unwrap_err();
-        assert!(e.contains("FP8 transpose needs cols % 16 == 0") && e.contains("pad to 1008"), "{e}");
+        assert!(
+            e.contains("FP8 transpose: cols = 1000 must be a multiple of 16") && e.contains("pad it to 1008"),
+            "{e}"
+        );
         // 4 × 16 micro-tiles: a 64 × 128 tile has 128 of them.
         let e = CastTransposeSpec { tile_rows: 64, ..t }.validate().unwrap_err();
         assert!(e.contains("128 micro-tiles (4 rows × 16 columns)"), "{e}");

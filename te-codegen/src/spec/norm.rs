@@ -2,7 +2,7 @@
 
 use super::cast::check_threads;
 use super::{vector_width, Direction, Family};
-use crate::{Arch, DType};
+use crate::{check_fp8_dim, Arch, DType};
 use serde::{Deserialize, Serialize};
 
 /// Which normalization.
@@ -197,12 +197,8 @@ impl Family for NormSpec {
         if self.hidden == 0 {
             return Err("hidden must be at least 1".into());
         }
-        if self.output.is_fp8() && self.hidden % 16 != 0 {
-            return Err(format!(
-                "FP8 output needs hidden % 16 == 0; hidden = {} (pad to {})",
-                self.hidden,
-                self.hidden.div_ceil(16) * 16
-            ));
+        if self.output.is_fp8() {
+            check_fp8_dim("hidden", self.hidden).map_err(|e| format!("FP8 output: {e}"))?;
         }
         check_threads(self.threads)?;
         // Each thread keeps its share of a row in registers; beyond this it would spill.

@@ -105,16 +105,10 @@ pub(crate) fn check_nonempty(op: &'static str, arg: &str, t: &Tensor) -> Result<
     }
 }
 
-/// Fails unless the feature dimension `cols` is a multiple of 16 (FP8 GEMM layouts need it).
+/// Fails unless the feature dimension `cols` is a multiple of 16 (FP8 GEMM layouts need it;
+/// [`te_codegen::check_fp8_dim`]).
 pub(crate) fn check_fp8_cols(op: &'static str, dim: &str, cols: usize) -> Result<()> {
-    if cols % 16 == 0 {
-        Ok(())
-    } else {
-        Err(Error::Shape {
-            op,
-            message: format!("{dim} = {cols} must be a multiple of 16 for FP8; pad it to {}", cols.div_ceil(16) * 16),
-        })
-    }
+    te_codegen::check_fp8_dim(dim, cols).map_err(|message| Error::Shape { op, message })
 }
 
 /// A 1-D launch of `blocks` blocks of `threads` threads.
