@@ -7,32 +7,25 @@ use crate::spec::KernelSpec;
 use crate::{Error, Result};
 use std::sync::OnceLock;
 
-/// Every template, by file name under `te-codegen/templates/`.
-pub const TEMPLATES: &[(&str, &str)] = &[
+/// The templates every family includes (`{% include %}`), by file name under
+/// `te-codegen/templates/`.
+pub const INCLUDES: &[(&str, &str)] = &[
     ("common.cuh.tera", include_str!("../templates/common.cuh.tera")),
-    ("cast.cu.tera", include_str!("../templates/cast.cu.tera")),
-    ("cast_transpose.cu.tera", include_str!("../templates/cast_transpose.cu.tera")),
-    ("activation.cu.tera", include_str!("../templates/activation.cu.tera")),
-    ("norm_fwd.cu.tera", include_str!("../templates/norm_fwd.cu.tera")),
-    ("norm_bwd.cu.tera", include_str!("../templates/norm_bwd.cu.tera")),
-    ("softmax.cu.tera", include_str!("../templates/softmax.cu.tera")),
-    ("scaling.cu.tera", include_str!("../templates/scaling.cu.tera")),
-    ("elementwise.cu.tera", include_str!("../templates/elementwise.cu.tera")),
-    ("transpose.cu.tera", include_str!("../templates/transpose.cu.tera")),
-    ("rope.cu.tera", include_str!("../templates/rope.cu.tera")),
     ("philox.cuh.tera", include_str!("../templates/philox.cuh.tera")),
-    ("dropout.cu.tera", include_str!("../templates/dropout.cu.tera")),
-    ("optimizer.cu.tera", include_str!("../templates/optimizer.cu.tera")),
-    ("embedding.cu.tera", include_str!("../templates/embedding.cu.tera")),
-    ("cross_entropy.cu.tera", include_str!("../templates/cross_entropy.cu.tera")),
 ];
+
+/// Every template, by file name under `te-codegen/templates/`: [`INCLUDES`] and those of each
+/// kernel family (the family list in `spec/mod.rs`).
+pub fn templates() -> impl Iterator<Item = (&'static str, &'static str)> {
+    INCLUDES.iter().chain(crate::spec::FAMILY_TEMPLATES).copied()
+}
 
 fn engine() -> &'static std::result::Result<tera::Tera, String> {
     static ENGINE: OnceLock<std::result::Result<tera::Tera, String>> = OnceLock::new();
     ENGINE.get_or_init(|| {
         let mut t = tera::Tera::default();
         t.autoescape_on(vec![]);
-        t.add_raw_templates(TEMPLATES.iter().copied()).map_err(|e| error_chain(&e))?;
+        t.add_raw_templates(templates()).map_err(|e| error_chain(&e))?;
         Ok(t)
     })
 }
@@ -65,5 +58,10 @@ pub fn render(spec: &KernelSpec) -> Result<String> {
     ctx.insert("arch", &fam.arch().sm_number());
     ctx.insert("spec_hash", &spec.hash());
     fam.context(&mut ctx);
+    // The `extern "C"` parameter list of each entry point, from the family's declaration.
+    let params: Vec<String> = (0..fam.entry_suffixes().len())
+        .map(|e| fam.params(e).iter().map(|a| a.declaration()).collect::<Vec<_>>().join(", "))
+        .collect();
+    ctx.insert("params", &params);
     tera.render(fam.template(), &ctx).map_err(|e| render_err(error_chain(&e)))
 }

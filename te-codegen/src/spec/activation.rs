@@ -1,7 +1,7 @@
 //! Family 4: bias + activation (+ FP8 cast with amax) forward and the activation backward.
 
 use super::cast::{check_pow2, check_threads};
-use super::{vector_width, Direction, Family};
+use super::{vector_width, ArgCond, Direction, Family, KernelArg};
 use crate::{check_fp8_dim, Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -71,9 +71,7 @@ impl std::str::FromStr for Activation {
 /// `scale_inv`. Backward: `dx = dact(x) * dy` with `dy: [rows, cols]`, `x` and `dx` `[rows,
 /// in_cols]`; an FP8 `output` quantizes `dx` the same way. `bias` is forward-only.
 ///
-/// Kernel arguments, forward: `(x, [bias], y, [scale, amax, scale_inv], rows)`; backward:
-/// `(dy, x, dx, [scale, amax, scale_inv], rows)`; bracketed ones only when enabled; `rows` u64.
-/// `bias` has the input dtype; `scale`, `amax`, `scale_inv` point at one f32 each.
+/// Kernel arguments: [`ActivationSpec::FWD_ARGS`], [`ActivationSpec::BWD_ARGS`].
 ///
 /// The kernel is a grid-stride loop over the `rows * cols / vec` output vectors: each thread
 /// issues the loads for `unroll` of them (1 to 3 input vectors each: `x`, `b` when gated, `dy`
@@ -133,7 +131,59 @@ impl ActivationSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl ActivationSpec {
+    /// Arguments of the `fwd` entry point.
+    pub const FWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "x",
+            "const void* __restrict__",
+            "`[rows, cols]` input (`2 * cols` wide for a gated activation)",
+        ),
+        KernelArg::read(
+            "bias",
+            "const void* __restrict__",
+            "`[cols]` bias added before the activation (`2 * cols` when gated)",
+        )
+        .when(ArgCond::Bias),
+        KernelArg::write("y", "void* __restrict__", "`[rows, cols]` output"),
+        KernelArg::read("scale_ptr", "const float* __restrict__", "`[1]` scale of the FP8 output")
+            .when(ArgCond::Fp8Out),
+        KernelArg::read_write("amax_ptr", "float* __restrict__", "`[1]` amax of the output, maxed")
+            .when(ArgCond::Fp8Out),
+        KernelArg::write("scale_inv_ptr", "float* __restrict__", "`[1]` `1 / scale`").when(ArgCond::Fp8Out),
+        KernelArg::scalar("rows", "u64", "rows"),
+    ];
+
+    /// Arguments of the `bwd` entry point.
+    pub const BWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("dy", "const void* __restrict__", "`[rows, cols]` output gradient"),
+        KernelArg::read("x", "const void* __restrict__", "`[rows, cols]` forward input (`2 * cols` wide when gated)"),
+        KernelArg::write("dx", "void* __restrict__", "`[rows, cols]` input gradient (`2 * cols` when gated)"),
+        KernelArg::read("scale_ptr", "const float* __restrict__", "`[1]` scale of the FP8 input gradient")
+            .when(ArgCond::Fp8Out),
+        KernelArg::read_write("amax_ptr", "float* __restrict__", "`[1]` amax of the input gradient, maxed")
+            .when(ArgCond::Fp8Out),
+        KernelArg::write("scale_inv_ptr", "float* __restrict__", "`[1]` `1 / scale`").when(ArgCond::Fp8Out),
+        KernelArg::scalar("rows", "u64", "rows"),
+    ];
+}
+
 impl Family for ActivationSpec {
+    fn args(&self, _: usize) -> &'static [KernelArg] {
+        match self.direction {
+            Direction::Fwd => Self::FWD_ARGS,
+            Direction::Bwd => Self::BWD_ARGS,
+        }
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        match cond {
+            ArgCond::Bias => self.bias,
+            ArgCond::Fp8Out => self.output.is_fp8(),
+            _ => false,
+        }
+    }
     fn family(&self) -> &'static str {
         "act"
     }

@@ -1,6 +1,6 @@
 //! Family 1: element-wise FP8 quantize (with amax and scale_inv), dequantize, and amax alone.
 
-use super::Family;
+use super::{Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -18,9 +18,7 @@ pub enum CastKind {
 
 /// Element-wise cast over a flat tensor of `n` elements (`n` is a run-time argument).
 ///
-/// Kernel arguments (in order): Quantize `(x, q, scale, amax, scale_inv, n)`;
-/// Dequantize `(q, y, scale_inv, n)`; Amax `(x, amax, n)`. All pointers are device pointers,
-/// `scale`/`amax`/`scale_inv` point at one `f32` each, `n` is a `u64`.
+/// Kernel arguments: [`CastSpec::QUANTIZE_ARGS`], [`CastSpec::DEQUANTIZE_ARGS`], [`CastSpec::AMAX_ARGS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct CastSpec {
     /// Which cast.
@@ -38,6 +36,31 @@ pub struct CastSpec {
 }
 
 impl CastSpec {
+    /// Arguments of [`CastKind::Quantize`].
+    pub const QUANTIZE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[n]` input, f32/bf16/f16"),
+        KernelArg::write("q", "void* __restrict__", "`[n]` FP8 codes"),
+        KernelArg::read("scale_ptr", "const float* __restrict__", "`[1]` scale"),
+        KernelArg::read_write("amax_ptr", "float* __restrict__", "`[1]` amax, maxed with `max |x|`"),
+        KernelArg::write("scale_inv_ptr", "float* __restrict__", "`[1]` `1 / scale`"),
+        KernelArg::scalar("n", "u64", "elements"),
+    ];
+
+    /// Arguments of [`CastKind::Dequantize`].
+    pub const DEQUANTIZE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("q", "const void* __restrict__", "`[n]` FP8 codes"),
+        KernelArg::write("y", "void* __restrict__", "`[n]` output, f32/bf16/f16"),
+        KernelArg::read("scale_inv_ptr", "const float* __restrict__", "`[1]` scale_inv"),
+        KernelArg::scalar("n", "u64", "elements"),
+    ];
+
+    /// Arguments of [`CastKind::Amax`].
+    pub const AMAX_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[n]` input, f32/bf16/f16"),
+        KernelArg::read_write("amax_ptr", "float* __restrict__", "`[1]` amax, maxed with `max |x|` (NaN skipped)"),
+        KernelArg::scalar("n", "u64", "elements"),
+    ];
+
     /// Quantize `input` (f32/bf16/f16) to `output` (E4M3/E5M2) with the default tuning.
     pub fn quantize(input: DType, output: DType, arch: Arch) -> Self {
         Self { kind: CastKind::Quantize, input, output, vec: 16 / input.size_bytes(), threads: 256, arch }
@@ -73,6 +96,13 @@ impl Family for CastSpec {
     }
     fn arch(&self) -> Arch {
         self.arch
+    }
+    fn args(&self, _: usize) -> &'static [KernelArg] {
+        match self.kind {
+            CastKind::Quantize => Self::QUANTIZE_ARGS,
+            CastKind::Dequantize => Self::DEQUANTIZE_ARGS,
+            CastKind::Amax => Self::AMAX_ARGS,
+        }
     }
     fn context(&self, ctx: &mut tera::Context) {
         ctx.insert("kind", self.family());

@@ -4,7 +4,7 @@
 //! transpose mode (FP8 input of the output's format) it only transposes the FP8 codes.
 
 use super::cast::{check_pow2, check_threads};
-use super::{Activation, Family};
+use super::{Activation, ArgCond, Family, KernelArg};
 use crate::{check_fp8_dim, Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -16,12 +16,8 @@ use serde::{Deserialize, Serialize};
 /// `dbias[c] = Σ_r g[r, c]` accumulated in f32 per row tile, then reduced in a fixed order by a
 /// second kernel (same bits run to run), written in the input type.
 ///
-/// Entry points: `<name>` with arguments `(x, [act_in], q, q_t, scale, amax, scale_inv,
-/// [dbias_partial], rows)` and, with `dbias`, `<name>_dbias` with `(dbias_partial, dbias,
-/// row_tiles)`. `x`/`act_in` are `[rows, cols]` in `input`, `q` `[rows, cols]` and `q_t`
-/// `[cols, rows]` in `output`, `scale`/`amax`/`scale_inv` one f32 each, `dbias_partial` an f32
-/// workspace `[ceil(rows / tile_rows), cols]`, `dbias` `[cols]` in `input`; `rows` and
-/// `row_tiles` are `u64`. Launch: `<name>` with one block of `threads` per tile, i.e.
+/// Entry points: `<name>` ([`CastTransposeSpec::ARGS`]) and, with `dbias`, `<name>_dbias`
+/// ([`CastTransposeSpec::DBIAS_ARGS`]); `dbias_partial` has `ceil(rows / tile_rows)` rows. Launch: `<name>` with one block of `threads` per tile, i.e.
 /// `ceil(rows / tile_rows) * ceil(cols / tile_cols)` blocks (row-tile major); `<name>_dbias`
 /// with [`CastTransposeSpec::DBIAS_THREADS`] threads and `ceil(cols / DBIAS_COLS)` blocks.
 ///
@@ -31,9 +27,8 @@ use serde::{Deserialize, Serialize};
 ///
 /// Transpose mode ([`CastTransposeSpec::is_transpose`]: `input` is FP8 and equal to `output`, no
 /// dbias, no dact; template `transpose.cu.tera`): `q_t = xᵀ`, the codes copied byte for byte with
-/// no scale, amax or scale_inv (TE `Float8Tensor.transpose_2d`). Entry point `<name>` with
-/// arguments `(x, q_t, rows)`: `x` `[rows, cols]` and `q_t` `[cols, rows]` FP8 codes, `rows` a
-/// `u64`; launch as above, one block of `threads` per tile. A thread owns micro-tiles of 4 rows ×
+/// no scale, amax or scale_inv (TE `Float8Tensor.transpose_2d`). Entry point `<name>`
+/// ([`CastTransposeSpec::TRANSPOSE_ARGS`]); launch as above, one block of `threads` per tile. A thread owns micro-tiles of 4 rows ×
 /// 16 columns (one 16-byte load per row), staged in shared memory the same way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct CastTransposeSpec {
@@ -159,7 +154,58 @@ impl CastTransposeSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl CastTransposeSpec {
+    /// Arguments of the entry point.
+    pub const ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[rows, cols]` input (the output gradient with dact)"),
+        KernelArg::read("act_in", "const void* __restrict__", "`[rows, cols]` forward input of the activation")
+            .when(ArgCond::Dact),
+        KernelArg::write("q", "void* __restrict__", "`[rows, cols]` FP8 codes"),
+        KernelArg::write("q_t", "void* __restrict__", "`[cols, rows]` FP8 codes, transposed"),
+        KernelArg::read("scale_ptr", "const float* __restrict__", "`[1]` scale"),
+        KernelArg::read_write("amax_ptr", "float* __restrict__", "`[1]` amax, maxed"),
+        KernelArg::write("scale_inv_ptr", "float* __restrict__", "`[1]` `1 / scale`"),
+        KernelArg::write("dbias_partial", "float* __restrict__", "`[row_tiles, cols]` f32 column sums per row tile")
+            .when(ArgCond::Dbias),
+        KernelArg::scalar("rows", "u64", "rows"),
+    ];
+
+    /// Arguments of the `dbias` entry point.
+    pub const DBIAS_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "dbias_partial",
+            "const float* __restrict__",
+            "`[row_tiles, cols]` f32 column sums per row tile",
+        ),
+        KernelArg::write("dbias", "void* __restrict__", "`[cols]` bias gradient, the input dtype"),
+        KernelArg::scalar("row_tiles", "u64", "row tiles of the cast + transpose"),
+    ];
+
+    /// Arguments of the `transpose` entry point.
+    pub const TRANSPOSE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[rows, cols]` FP8 codes"),
+        KernelArg::write("out_t", "void* __restrict__", "`[cols, rows]` FP8 codes, transposed"),
+        KernelArg::scalar("rows", "u64", "rows"),
+    ];
+}
+
 impl Family for CastTransposeSpec {
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        match (self.is_transpose(), entry) {
+            (true, _) => Self::TRANSPOSE_ARGS,
+            (false, 0) => Self::ARGS,
+            (false, _) => Self::DBIAS_ARGS,
+        }
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        match cond {
+            ArgCond::Dact => self.dact.is_some(),
+            ArgCond::Dbias => self.dbias,
+            _ => false,
+        }
+    }
     fn family(&self) -> &'static str {
         if self.is_transpose() {
             "transpose"

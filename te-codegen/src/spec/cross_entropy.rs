@@ -2,7 +2,7 @@
 //! the per-token loss and, in the same kernel, `dlogits = (softmax - onehot) * grad_scale`.
 
 use super::cast::check_threads;
-use super::Family;
+use super::{ArgCond, Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -17,9 +17,7 @@ use serde::{Deserialize, Serialize};
 /// `ignore_index` gives loss 0 and a zero gradient row; any other target outside `[0, vocab)`
 /// gives a NaN loss (a data bug made visible) and a zero gradient row.
 ///
-/// Entry point `<name>` with arguments `(logits, targets, loss, [dlogits, grad_scale], tokens,
-/// vocab, ignore_index)`: `loss` is f32 `[tokens]`, `grad_scale` f32, `tokens` and `vocab` `u64`,
-/// `ignore_index` `i32`. `dlogits` may be `logits` itself (each element is read, then written,
+/// Entry point `<name>` ([`CrossEntropySpec::ARGS`]). `dlogits` may be `logits` itself (each element is read, then written,
 /// by one thread; the pointers are not `__restrict__`). Launch: blocks stride over the rows;
 /// each row is read twice (max/sum, then the gradient), the second time from L2.
 ///
@@ -49,7 +47,39 @@ impl CrossEntropySpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl CrossEntropySpec {
+    /// Arguments of the entry point.
+    pub const ARGS: &'static [KernelArg] = &[
+        KernelArg::read("logits", "const void*", "`[tokens, vocab]` logits (may be the same buffer as `dlogits`)"),
+        KernelArg::read(
+            "targets",
+            "const int* __restrict__",
+            "`[tokens]` i32 target ids (the ignore index skips a token)",
+        ),
+        KernelArg::write("loss", "float* __restrict__", "`[tokens]` f32 per-token loss"),
+        KernelArg::write("dlogits", "void*", "`[tokens, vocab]` gradient of the logits (may overwrite them)")
+            .when(ArgCond::Grad),
+        KernelArg::scalar("grad_scale", "float", "multiplies the gradient (1 / counted tokens for a mean)")
+            .when(ArgCond::Grad),
+        KernelArg::scalar("tokens", "u64", "tokens"),
+        KernelArg::scalar("vocab", "u64", "vocabulary size"),
+        KernelArg::scalar("ignore_index", "int", "target id whose token counts no loss and gets a zero gradient"),
+    ];
+}
+
 impl Family for CrossEntropySpec {
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        let _ = entry;
+        Self::ARGS
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        match cond {
+            ArgCond::Grad => self.grad,
+            _ => false,
+        }
+    }
     fn family(&self) -> &'static str {
         "cross_entropy"
     }

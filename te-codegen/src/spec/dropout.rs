@@ -4,7 +4,7 @@
 //! backward from the saved keep mask (TE `common/dropout/dropout.cu`).
 
 use super::cast::{check_pow2, check_threads};
-use super::{Direction, Family};
+use super::{ArgCond, Direction, Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -23,12 +23,9 @@ use serde::{Deserialize, Serialize};
 /// Backward: `dx = kept ? dout · scale : 0`, rounded to `output`. `scale` is the f32
 /// `1 / (1 - p)` (0 for `p = 1`), computed by the caller.
 ///
-/// Entry points, forward: `<name>(x, [bias], [residual], out, mask, n, [cols], seed, offset,
-/// keep_threshold, scale)` with `bias` (`cols` elements of `input`) and `cols` present iff
-/// [`DropoutSpec::bias`], `residual` (`n` elements of `output`) iff [`DropoutSpec::residual`];
-/// backward: `<name>(dout, mask, dx, n, scale)`. Pointers are device pointers (`x`/`dout` of
-/// `input`, `out`/`dx` of `output`, `mask` of `ceil(n / 8)` bytes), `out` overlaps no input;
-/// `n`, `cols`, `seed`, `offset`, `keep_threshold` are `u64`, `scale` f32. Launch: a grid-stride
+/// Entry points: [`DropoutSpec::FWD_ARGS`] (`bias` and `cols` iff [`DropoutSpec::bias`],
+/// `residual` iff [`DropoutSpec::residual`]), [`DropoutSpec::BWD_ARGS`]; `x`/`dout` are of
+/// `input`, `out`/`dx` of `output`, and `out` overlaps no input. Launch: a grid-stride
 /// loop over the `n / 8` whole chunks (each thread loads `unroll` chunks before computing them,
 /// any block count); the `n % 8` tail elements go to thread 0 of block 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -63,7 +60,54 @@ impl DropoutSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl DropoutSpec {
+    /// Arguments of the `fwd` entry point.
+    pub const FWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[n]` input"),
+        KernelArg::read("bias", "const void* __restrict__", "`[cols]` bias added before the dropout")
+            .when(ArgCond::Bias),
+        KernelArg::read("residual", "const void* __restrict__", "`[n]` residual added after the dropout")
+            .when(ArgCond::Residual),
+        KernelArg::write("out", "void* __restrict__", "`[n]` output"),
+        KernelArg::write("mask", "u8* __restrict__", "`[ceil(n / 8)]` bit-packed keep mask"),
+        KernelArg::scalar("n", "u64", "elements"),
+        KernelArg::scalar("cols", "u64", "columns (the bias length)").when(ArgCond::Bias),
+        KernelArg::scalar("seed", "u64", "Philox key"),
+        KernelArg::scalar("offset", "u64", "Philox counter offset"),
+        KernelArg::scalar(
+            "threshold",
+            "u64",
+            "keep an element when its 32-bit Philox draw is below it: `min(2^32, ceil((1 - p) · 2^32))`",
+        ),
+        KernelArg::scalar("scale", "float", "`1 / (1 - p)`"),
+    ];
+
+    /// Arguments of the `bwd` entry point.
+    pub const BWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("dout", "const void* __restrict__", "`[n]` output gradient"),
+        KernelArg::read("mask", "const u8* __restrict__", "`[ceil(n / 8)]` bit-packed keep mask of the forward"),
+        KernelArg::write("dx", "void* __restrict__", "`[n]` input gradient"),
+        KernelArg::scalar("n", "u64", "elements"),
+        KernelArg::scalar("scale", "float", "`1 / (1 - p)`"),
+    ];
+}
+
 impl Family for DropoutSpec {
+    fn args(&self, _: usize) -> &'static [KernelArg] {
+        match self.direction {
+            Direction::Fwd => Self::FWD_ARGS,
+            Direction::Bwd => Self::BWD_ARGS,
+        }
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        match cond {
+            ArgCond::Bias => self.bias,
+            ArgCond::Residual => self.residual,
+            _ => false,
+        }
+    }
     fn family(&self) -> &'static str {
         "dropout"
     }

@@ -2,7 +2,7 @@
 //! the in-place `dst += src` (gradient accumulation, e.g. an f32 `main_grad` += a bf16 wgrad).
 
 use super::cast::{check_pow2, check_threads};
-use super::Family;
+use super::{Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -30,9 +30,9 @@ impl ElementwiseOp {
 /// Math: both operands widened to f32, one f32 add, rounded once (nearest even) to the output
 /// type: what PyTorch computes for `a + b` and `main_grad.add_(grad)` (f32 "opmath").
 ///
-/// Entry point `<name>` with arguments: [`ElementwiseOp::Add`] `(a, b, out, n)`;
-/// [`ElementwiseOp::AddAssign`] `(dst, src, n)`. All pointers are device pointers to `n`
-/// elements of their dtype, `n` is a `u64`. `a` and `b` may be the same buffer; `out` must not
+/// Entry point `<name>`: [`ElementwiseSpec::ADD_ARGS`] ([`ElementwiseOp::Add`]),
+/// [`ElementwiseSpec::ADD_ASSIGN_ARGS`] ([`ElementwiseOp::AddAssign`]). `a` and `b` may be the
+/// same buffer; `out` must not
 /// overlap `a` or `b` (all three are `__restrict__`): the in-place form has its own entry point,
 /// which reads and writes `dst` through one pointer. Launch: a grid-stride loop over the
 /// `n / vec` vectors (each thread loads `unroll` vectors of both operands before computing them,
@@ -76,7 +76,32 @@ impl ElementwiseSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl ElementwiseSpec {
+    /// Arguments of the `add` entry point.
+    pub const ADD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("a", "const void* __restrict__", "`[n]` first operand"),
+        KernelArg::read("b", "const void* __restrict__", "`[n]` second operand"),
+        KernelArg::write("out", "void* __restrict__", "`[n]` `a + b`"),
+        KernelArg::scalar("n", "u64", "elements"),
+    ];
+
+    /// Arguments of the `add_assign` entry point.
+    pub const ADD_ASSIGN_ARGS: &'static [KernelArg] = &[
+        KernelArg::read_write("dst", "void* __restrict__", "`[n]` updated in place: `dst += src`"),
+        KernelArg::read("src", "const void* __restrict__", "`[n]` added"),
+        KernelArg::scalar("n", "u64", "elements"),
+    ];
+}
+
 impl Family for ElementwiseSpec {
+    fn args(&self, _: usize) -> &'static [KernelArg] {
+        match self.op {
+            ElementwiseOp::Add => Self::ADD_ARGS,
+            ElementwiseOp::AddAssign => Self::ADD_ASSIGN_ARGS,
+        }
+    }
     fn family(&self) -> &'static str {
         self.op.name()
     }

@@ -2,7 +2,7 @@
 //! deterministic scatter-add `dtable[ids[t], :] += dout[t, :]`.
 
 use super::cast::check_threads;
-use super::{Direction, Family};
+use super::{Direction, Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -10,14 +10,12 @@ use serde::{Deserialize, Serialize};
 /// and `tokens` are run-time arguments).
 ///
 /// Forward: `out[t, c] = table[ids[t], c]`, a copy in the table's dtype; an id outside
-/// `[0, vocab)` (e.g. a padding `-1`) gives a zero row. Arguments `(table, ids, out, tokens,
-/// vocab, hidden)`; the pointers are device pointers, `ids` is `i32`, the sizes `u64`. Launch:
+/// `[0, vocab)` (e.g. a padding `-1`) gives a zero row. Arguments: [`EmbeddingSpec::FWD_ARGS`]. Launch:
 /// blocks stride over the tokens, a block's threads over the row's columns.
 ///
 /// FP8 forward ([`EmbeddingSpec::forward_fp8`]): an E4M3/E5M2 table (1 byte per element, one
 /// per-tensor `scale_inv`) dequantized row by row, `out[t, c] = f32(table[ids[t], c]) *
-/// scale_inv` rounded to the output dtype (f32, bf16 or f16). Arguments `(table, ids, out,
-/// scale_inv, tokens, vocab, hidden)`, `scale_inv` a device pointer to one f32.
+/// scale_inv` rounded to the output dtype (f32, bf16 or f16). Arguments: [`EmbeddingSpec::FWD_FP8_ARGS`].
 ///
 /// Backward: `dtable[v, c] = round(f32(dtable[v, c]) + Σ_{t: ids[t] = v} f32(dout[t, c]))`: the
 /// sum over tokens in f32, in token order, added once to the gradient (which keeps its dtype, so
@@ -26,8 +24,8 @@ use serde::{Deserialize, Serialize};
 /// block owning row `v` scans all ids (staged through shared memory `threads` at a time), each
 /// thread accumulating [`EmbeddingSpec::COLS_PER_THREAD`] columns in registers. Cost: every block
 /// reads the whole id list once per `threads * COLS_PER_THREAD` columns, `O(vocab * tokens)` id
-/// reads (from L2), which is small for a byte-level vocabulary and acceptable at 50k. Arguments
-/// `(dout, ids, dtable, tokens, vocab, hidden)`.
+/// reads (from L2), which is small for a byte-level vocabulary and acceptable at 50k. Arguments:
+/// [`EmbeddingSpec::BWD_ARGS`].
 ///
 /// Sources followed: PyTorch `embedding_dense_backward` (sum per row of the table, no
 /// `padding_idx` here: out-of-range ids are skipped instead); Megatron's `VocabParallelEmbedding`
@@ -74,7 +72,49 @@ impl EmbeddingSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl EmbeddingSpec {
+    /// Arguments of the `fwd_fp8` entry point.
+    pub const FWD_FP8_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("table", "const void* __restrict__", "`[vocab, hidden]` FP8 codes"),
+        KernelArg::read("ids", "const int* __restrict__", "`[tokens]` i32 ids (outside `[0, vocab)`: a zero row)"),
+        KernelArg::write("out", "void* __restrict__", "`[tokens, hidden]` rows"),
+        KernelArg::read("scale_inv_ptr", "const float* __restrict__", "`[1]` scale_inv of the table"),
+        KernelArg::scalar("tokens", "u64", "tokens"),
+        KernelArg::scalar("vocab", "u64", "table rows"),
+        KernelArg::scalar("hidden", "u64", "row width"),
+    ];
+
+    /// Arguments of the `fwd` entry point.
+    pub const FWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("table", "const void* __restrict__", "`[vocab, hidden]` table"),
+        KernelArg::read("ids", "const int* __restrict__", "`[tokens]` i32 ids (outside `[0, vocab)`: a zero row)"),
+        KernelArg::write("out", "void* __restrict__", "`[tokens, hidden]` rows"),
+        KernelArg::scalar("tokens", "u64", "tokens"),
+        KernelArg::scalar("vocab", "u64", "table rows"),
+        KernelArg::scalar("hidden", "u64", "row width"),
+    ];
+
+    /// Arguments of the `bwd` entry point.
+    pub const BWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("dout", "const void* __restrict__", "`[tokens, hidden]` output gradient"),
+        KernelArg::read("ids", "const int* __restrict__", "`[tokens]` i32 ids"),
+        KernelArg::read_write("dtable", "void* __restrict__", "`[vocab, hidden]` table gradient, accumulated into"),
+        KernelArg::scalar("tokens", "u64", "tokens"),
+        KernelArg::scalar("vocab", "u64", "table rows"),
+        KernelArg::scalar("hidden", "u64", "row width"),
+    ];
+}
+
 impl Family for EmbeddingSpec {
+    fn args(&self, _: usize) -> &'static [KernelArg] {
+        match (self.direction, self.is_fp8_lookup()) {
+            (Direction::Fwd, true) => Self::FWD_FP8_ARGS,
+            (Direction::Fwd, false) => Self::FWD_ARGS,
+            (Direction::Bwd, _) => Self::BWD_ARGS,
+        }
+    }
     fn family(&self) -> &'static str {
         "embedding"
     }

@@ -4,8 +4,27 @@
 //! tile/vector/thread shape, fused epilogues, target arch). It renders to exactly one CUDA source
 //! (see [`crate::render`]), has a deterministic [`KernelSpec::name`] and a content
 //! [`KernelSpec::hash`]. Specs are plain data: building and hashing them needs no GPU.
+//!
+//! # Adding a family
+//! 1. A file here with the spec struct, its constructors and its [`Family`] impl: name parts,
+//!    template context, validation (FP8 feature sizes through [`crate::check_fp8_dim`]).
+//! 2. Its arguments, declared once: one `pub const XXX_ARGS: &'static [KernelArg]` per
+//!    entry-point signature on the spec (see [`CastSpec::QUANTIZE_ARGS`]), each [`KernelArg`]
+//!    with its name, C type, role ([`KernelArg::read`], [`KernelArg::write`],
+//!    [`KernelArg::read_write`], [`KernelArg::scalar`]) and doc, and `.when(ArgCond::X)` for an
+//!    optional one. [`Family::args`] returns the list of an entry point, [`Family::has`] says which
+//!    [`ArgCond`]s the spec has (add a variant when a new option gates an argument).
+//! 3. One line in the `kernel_families!` list below (variant, spec type, templates).
+//! 4. The template writes `{{ name }}({{ params.0 }})` (and `{{ name }}_suffix({{ params.1 }})`
+//!    for a second entry point): the renderer fills the parameter lists from the declaration.
+//! 5. The launcher in `te-runtime/src/ops/` pushes by name, in the declared order
+//!    (`Launch::new(op, stream, &f, &spec, entry)`, then `.ptr("x", ..)` / `.scalar("n", &n)`):
+//!    a wrong name, order or count is an internal error before anything launches.
+//! 6. Specs spanning its options in [`crate::catalog::spec_catalog`]: CI compiles them all and
+//!    checks their rendered signatures against the declarations.
 
 mod activation;
+mod args;
 mod attention;
 mod cast;
 mod cast_transpose;
@@ -20,6 +39,7 @@ mod scaling;
 mod softmax;
 
 pub use activation::{Activation, ActivationSpec};
+pub use args::{ArgCond, ArgRole, KernelArg};
 pub use attention::{AttnMaskType, QkvFormat};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
@@ -78,57 +98,85 @@ pub trait Family: std::fmt::Debug {
     }
     /// Checks that the combination is one the template supports; the error says what to change.
     fn validate(&self) -> std::result::Result<(), String>;
+    /// The declared arguments of entry point `entry` (in [`Family::entry_suffixes`] order),
+    /// optional ones included: the one list the template's signature is rendered from and the
+    /// launcher pushes against.
+    fn args(&self, entry: usize) -> &'static [KernelArg];
+    /// Whether this spec has `cond`, the option an optional argument depends on.
+    fn has(&self, cond: ArgCond) -> bool {
+        let _ = cond;
+        false
+    }
+    /// The arguments of entry point `entry` this spec passes: [`Family::args`] less the optional
+    /// ones whose option it does not have.
+    fn params(&self, entry: usize) -> Vec<&'static KernelArg> {
+        self.args(entry).iter().filter(|a| a.when.is_none_or(|c| self.has(c))).collect()
+    }
 }
 
-/// One specialized kernel module of any family.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum KernelSpec {
+/// The kernel families: each line gives the [`KernelSpec`] variant (with its doc), the spec type,
+/// and the templates under `te-codegen/templates/` that render it. It generates the enum,
+/// [`KernelSpec::family`], the `From<Spec>` impls and the template list of the renderer
+/// ([`crate::render::templates`]): a new family is one line here (see `docs/architecture.md`).
+macro_rules! kernel_families {
+    ($($(#[doc = $doc:literal])* $variant:ident($ty:ty) => [$($template:literal),+ $(,)?],)*) => {
+        /// One specialized kernel module of any family.
+        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub enum KernelSpec {
+            $($(#[doc = $doc])* $variant($ty),)*
+        }
+
+        impl KernelSpec {
+            /// The family's spec as a trait object.
+            pub fn family(&self) -> &dyn Family {
+                match self {
+                    $(KernelSpec::$variant(s) => s,)*
+                }
+            }
+        }
+
+        $(impl From<$ty> for KernelSpec {
+            fn from(s: $ty) -> Self {
+                KernelSpec::$variant(s)
+            }
+        })*
+
+        /// The families' templates, by file name under `te-codegen/templates/`.
+        pub(crate) const FAMILY_TEMPLATES: &[(&str, &str)] = &[
+            $($(($template, include_str!(concat!("../../templates/", $template))),)+)*
+        ];
+    };
+}
+
+kernel_families! {
     /// Family 1: quantize to FP8 with amax, dequantize, amax only.
-    Cast(CastSpec),
+    Cast(CastSpec) => ["cast.cu.tera"],
     /// Families 2, 3 and the dact backward of 4: cast + transpose (+ dbias) (+ dact), and the
     /// byte transpose of FP8 codes.
-    CastTranspose(CastTransposeSpec),
+    CastTranspose(CastTransposeSpec) => ["cast_transpose.cu.tera", "transpose.cu.tera"],
     /// Family 4: bias + activation (+ FP8 cast) forward, activation backward.
-    Activation(ActivationSpec),
+    Activation(ActivationSpec) => ["activation.cu.tera"],
     /// Family 5: LayerNorm / RMSNorm forward and backward.
-    Norm(NormSpec),
+    Norm(NormSpec) => ["norm_fwd.cu.tera", "norm_bwd.cu.tera"],
     /// Family 6: scaled (masked) softmax forward and backward.
-    Softmax(SoftmaxSpec),
+    Softmax(SoftmaxSpec) => ["softmax.cu.tera"],
     /// Family 7: delayed-scaling update and current-scaling scale computation.
-    Scaling(ScalingSpec),
+    Scaling(ScalingSpec) => ["scaling.cu.tera"],
     /// Family 8: element-wise add and in-place add of high-precision tensors.
-    Elementwise(ElementwiseSpec),
+    Elementwise(ElementwiseSpec) => ["elementwise.cu.tera"],
     /// Family 9: rotary position embedding forward and backward.
-    Rope(RopeSpec),
+    Rope(RopeSpec) => ["rope.cu.tera"],
     /// Family 10: dropout (fused bias + dropout + residual add) with Philox, and its backward.
-    Dropout(DropoutSpec),
+    Dropout(DropoutSpec) => ["dropout.cu.tera"],
     /// Family 11: multi-tensor gradient norm and fused AdamW step.
-    Optimizer(OptimizerSpec),
+    Optimizer(OptimizerSpec) => ["optimizer.cu.tera"],
     /// Family 12: embedding lookup and its deterministic scatter-add backward.
-    Embedding(EmbeddingSpec),
+    Embedding(EmbeddingSpec) => ["embedding.cu.tera"],
     /// Family 13: fused softmax cross-entropy loss and gradient.
-    CrossEntropy(CrossEntropySpec),
+    CrossEntropy(CrossEntropySpec) => ["cross_entropy.cu.tera"],
 }
 
 impl KernelSpec {
-    /// The family's spec as a trait object.
-    pub fn family(&self) -> &dyn Family {
-        match self {
-            KernelSpec::Cast(s) => s,
-            KernelSpec::CastTranspose(s) => s,
-            KernelSpec::Activation(s) => s,
-            KernelSpec::Norm(s) => s,
-            KernelSpec::Softmax(s) => s,
-            KernelSpec::Scaling(s) => s,
-            KernelSpec::Elementwise(s) => s,
-            KernelSpec::Rope(s) => s,
-            KernelSpec::Dropout(s) => s,
-            KernelSpec::Optimizer(s) => s,
-            KernelSpec::Embedding(s) => s,
-            KernelSpec::CrossEntropy(s) => s,
-        }
-    }
-
     /// Deterministic kernel name: `te_<family>_<parameters>_<arch>`, a valid C identifier.
     pub fn name(&self) -> String {
         let f = self.family();
@@ -163,30 +211,6 @@ impl KernelSpec {
         self.family().validate().map_err(|reason| Error::InvalidSpec { kernel: self.name(), reason })
     }
 }
-
-macro_rules! impl_from_spec {
-    ($($variant:ident($ty:ty)),* $(,)?) => {
-        $(impl From<$ty> for KernelSpec {
-            fn from(s: $ty) -> Self {
-                KernelSpec::$variant(s)
-            }
-        })*
-    };
-}
-impl_from_spec!(
-    Cast(CastSpec),
-    CastTranspose(CastTransposeSpec),
-    Activation(ActivationSpec),
-    Norm(NormSpec),
-    Softmax(SoftmaxSpec),
-    Scaling(ScalingSpec),
-    Elementwise(ElementwiseSpec),
-    Rope(RopeSpec),
-    Dropout(DropoutSpec),
-    Optimizer(OptimizerSpec),
-    Embedding(EmbeddingSpec),
-    CrossEntropy(CrossEntropySpec),
-);
 
 /// Largest vector width (elements) ≤ `max_bytes / elem_bytes` that divides `n`.
 pub(crate) fn vector_width(n: usize, elem_bytes: usize, max_bytes: usize) -> usize {

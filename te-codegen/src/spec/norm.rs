@@ -1,7 +1,7 @@
 //! Family 5: LayerNorm and RMSNorm forward (optionally writing FP8 with amax) and backward.
 
 use super::cast::check_threads;
-use super::{vector_width, Direction, Family};
+use super::{vector_width, ArgCond, Direction, Family, KernelArg};
 use crate::{check_fp8_dim, Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -48,10 +48,8 @@ impl std::str::FromStr for NormKind {
 /// `dbeta = Σ_rows dy`, reduced deterministically (per-block f32 partials, then a fixed-order
 /// second kernel).
 ///
-/// Entry points, forward: `<name>(x, gamma, [beta], y, [mu], rsigma, [scale, amax, scale_inv],
-/// eps, rows)`; backward: `<name>(dy, x, [mu], rsigma, gamma, dx, dgamma_partial,
-/// [dbeta_partial], rows)` and `<name>_reduce(dgamma_partial, [dbeta_partial], dgamma, [dbeta],
-/// parts)`. `eps` is f32, `rows`/`parts` u64; partials are f32 `[parts, hidden]` with
+/// Entry points, forward: `<name>` ([`NormSpec::FWD_ARGS`]); backward: `<name>`
+/// ([`NormSpec::BWD_ARGS`]) and `<name>_reduce` ([`NormSpec::REDUCE_ARGS`]), with
 /// `parts = ceil(rows / rows_per_block)` from [`NormSpec::bwd_rows_per_block`].
 ///
 /// Launch shapes: forward and backward use blocks of [`NormSpec::threads`] threads (forward: a
@@ -138,7 +136,67 @@ impl NormSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl NormSpec {
+    /// Arguments of the `fwd` entry point.
+    pub const FWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[rows, hidden]` input"),
+        KernelArg::read("gamma", "const void* __restrict__", "`[hidden]` weight"),
+        KernelArg::read("beta", "const void* __restrict__", "`[hidden]` bias").when(ArgCond::LayerNorm),
+        KernelArg::write("y", "void* __restrict__", "`[rows, hidden]` output"),
+        KernelArg::write("mu_out", "float* __restrict__", "`[rows]` f32 mean").when(ArgCond::LayerNorm),
+        KernelArg::write("rsigma_out", "float* __restrict__", "`[rows]` f32 `1 / sqrt(var + eps)`"),
+        KernelArg::read("scale_ptr", "const float* __restrict__", "`[1]` scale of the FP8 output")
+            .when(ArgCond::Fp8Out),
+        KernelArg::read_write("amax_ptr", "float* __restrict__", "`[1]` amax of the output, maxed")
+            .when(ArgCond::Fp8Out),
+        KernelArg::write("scale_inv_ptr", "float* __restrict__", "`[1]` `1 / scale`").when(ArgCond::Fp8Out),
+        KernelArg::scalar("eps", "float", "added to the variance"),
+        KernelArg::scalar("rows", "u64", "rows"),
+    ];
+
+    /// Arguments of the `bwd` entry point.
+    pub const BWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("dy", "const void* __restrict__", "`[rows, hidden]` output gradient"),
+        KernelArg::read("x", "const void* __restrict__", "`[rows, hidden]` forward input"),
+        KernelArg::read("mu_in", "const float* __restrict__", "`[rows]` f32 mean of the forward")
+            .when(ArgCond::LayerNorm),
+        KernelArg::read("rsigma_in", "const float* __restrict__", "`[rows]` f32 rsigma of the forward"),
+        KernelArg::read("gamma", "const void* __restrict__", "`[hidden]` weight"),
+        KernelArg::write("dx", "void* __restrict__", "`[rows, hidden]` input gradient"),
+        KernelArg::write("dgamma_part", "float* __restrict__", "`[parts, hidden]` f32 partial sums of dgamma"),
+        KernelArg::write("dbeta_part", "float* __restrict__", "`[parts, hidden]` f32 partial sums of dbeta")
+            .when(ArgCond::LayerNorm),
+        KernelArg::scalar("rows", "u64", "rows"),
+    ];
+
+    /// Arguments of the `reduce` entry point.
+    pub const REDUCE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("dgamma_part", "const float* __restrict__", "`[parts, hidden]` f32 partial sums of dgamma"),
+        KernelArg::read("dbeta_part", "const float* __restrict__", "`[parts, hidden]` f32 partial sums of dbeta")
+            .when(ArgCond::LayerNorm),
+        KernelArg::write("dgamma", "void* __restrict__", "`[hidden]` weight gradient"),
+        KernelArg::write("dbeta", "void* __restrict__", "`[hidden]` bias gradient").when(ArgCond::LayerNorm),
+        KernelArg::scalar("parts", "u64", "partial-sum rows"),
+    ];
+}
+
 impl Family for NormSpec {
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        match (self.direction, entry) {
+            (Direction::Fwd, _) => Self::FWD_ARGS,
+            (Direction::Bwd, 0) => Self::BWD_ARGS,
+            (Direction::Bwd, _) => Self::REDUCE_ARGS,
+        }
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        match cond {
+            ArgCond::LayerNorm => self.kind == NormKind::LayerNorm,
+            ArgCond::Fp8Out => self.output.is_fp8(),
+            _ => false,
+        }
+    }
     fn family(&self) -> &'static str {
         self.kind.name()
     }

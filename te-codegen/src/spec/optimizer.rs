@@ -5,7 +5,7 @@
 //! `csrc/multi_tensor_adam.cu` / `multi_tensor_l2norm_kernel.cu`).
 
 use super::cast::{check_pow2, check_threads};
-use super::Family;
+use super::{Family, KernelArg};
 use crate::Arch;
 use serde::{Deserialize, Serialize};
 
@@ -25,15 +25,14 @@ pub enum OptimizerKind {
     /// Global gradient norm in two entry points, deterministic run to run (a fixed reduction
     /// tree, no atomics).
     ///
-    /// `<name>(chunks, partials)`: block `b` writes `partials[b] = Σ f32(grad)²` over chunk `b`
+    /// `<name>` ([`OptimizerSpec::GRAD_NORM_ARGS`]): block `b` writes `partials[b] = Σ f32(grad)²` over chunk `b`
     /// (f32 sums: per thread in element order, then a fixed shuffle tree over the block).
-    /// `<name>_finalize(partials, u64 n_partials, out, float max_norm)`: one block sums the
+    /// `<name>_finalize` ([`OptimizerSpec::FINALIZE_ARGS`]): one block sums the
     /// partials (thread `t` takes `t, t + threads, ...` in order, then the same tree) and writes
     /// `out[0] = sqrt(sum)` (the norm) and `out[1] = clip_coef = min(1, max_norm / (norm +
     /// 1e-6))` (PyTorch `clip_grad_norm_`; NaN when the norm is NaN, 1 for `max_norm = inf`).
     GradNorm,
-    /// `<name>(chunks, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
-    /// float eps, const float* clip_coef)`: per element, in f32 with IEEE round-to-nearest and no
+    /// `<name>` ([`OptimizerSpec::ADAMW_ARGS`]): per element, in f32 with IEEE round-to-nearest and no
     /// contraction, `g = f32(grad) * *clip_coef`; `p = master * decay`; `m = m + (g - m) *
     /// (1 - beta1)`; `v = v * beta2 + (g * g) * (1 - beta2)`; `denom = sqrt(v) / bc2_sqrt +
     /// eps`; `p = p - step_size * (m / denom)`; writes master `p`, `m`, `v` and the parameter
@@ -67,7 +66,55 @@ impl OptimizerSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl OptimizerSpec {
+    /// Arguments of the `grad_norm` entry point.
+    pub const GRAD_NORM_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "chunks",
+            "const Chunk* __restrict__",
+            "`[blocks]` chunk table (tensor pointer, offset, length), built on the host",
+        ),
+        KernelArg::write("partials", "float* __restrict__", "`[blocks]` f32 partial sums of squares"),
+    ];
+
+    /// Arguments of the `finalize` entry point.
+    pub const FINALIZE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("partials", "const float* __restrict__", "`[n_partials]` f32 partial sums of squares"),
+        KernelArg::scalar("n_partials", "u64", "partial sums"),
+        KernelArg::write("out", "float* __restrict__", "`[2]` f32: the global norm and the clip coefficient"),
+        KernelArg::scalar("max_norm", "float", "clip threshold (≤ 0: no clipping)"),
+    ];
+
+    /// Arguments of the `adamw` entry point.
+    pub const ADAMW_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "chunks",
+            "const Chunk* __restrict__",
+            "`[blocks]` chunk table (param, grad, m, v pointers, offset, length, lr, weight decay), built on the host",
+        ),
+        KernelArg::scalar("beta1", "float", "first-moment decay"),
+        KernelArg::scalar("one_minus_beta1", "float", "`1 - beta1`"),
+        KernelArg::scalar("beta2", "float", "second-moment decay"),
+        KernelArg::scalar("one_minus_beta2", "float", "`1 - beta2`"),
+        KernelArg::scalar("eps", "float", "denominator epsilon"),
+        KernelArg::read(
+            "clip_coef",
+            "const float* __restrict__",
+            "`[1]` gradient clip coefficient (from the grad-norm kernel)",
+        ),
+    ];
+}
+
 impl Family for OptimizerSpec {
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        match (self.kind, entry) {
+            (OptimizerKind::GradNorm, 0) => Self::GRAD_NORM_ARGS,
+            (OptimizerKind::GradNorm, _) => Self::FINALIZE_ARGS,
+            (OptimizerKind::AdamW, _) => Self::ADAMW_ARGS,
+        }
+    }
     fn family(&self) -> &'static str {
         "optimizer"
     }

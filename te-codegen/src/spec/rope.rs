@@ -1,7 +1,7 @@
 //! Family 9: rotary position embedding (RoPE), forward and backward, non-interleaved ("rotate
 //! half"), as TE's fused `apply_rotary_pos_emb` (`common/fused_rope/fused_rope.cu`).
 
-use super::{vector_width, Direction, Family};
+use super::{vector_width, Direction, Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -48,9 +48,8 @@ impl std::fmt::Display for RopeFormat {
 /// contraction), then rounded once to the dtype: the CPU reference mirrors it exactly, so the
 /// two differ only by the `sincosf` vs host `sin_cos` rounding (≤ a few f32 ulps of the terms).
 ///
-/// Entry point `<name>(src, freqs, dst, s, b, h)`: `src` and `dst` are device pointers to
-/// `s·b·h·d` elements of `dtype` (distinct, `__restrict__`), `freqs` to `s_f·d2` f32, the sizes
-/// `u64`. Launch: `jobs · rows_per_step` threads per block ([`RopeSpec::threads`]); a job is
+/// Entry point `<name>` ([`RopeSpec::ARGS`]): `src` and `dst` hold `s·b·h·d` elements of `dtype`
+/// (distinct), `freqs` `s_f·d2` f32. Launch: `jobs · rows_per_step` threads per block ([`RopeSpec::threads`]); a job is
 /// `vec` channels of a row (a pair job owns `[c, c+vec)` and its partner `[c+half, c+half+vec)`,
 /// a copy job `vec` channels past `d2`). A block work item is one position and
 /// `rows_per_step · unroll` of its `b·h` rows ([`RopeSpec::rows_per_item`]); blocks stride over
@@ -121,7 +120,25 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl RopeSpec {
+    /// Arguments of the entry point.
+    pub const ARGS: &'static [KernelArg] = &[
+        KernelArg::read("src", "const void* __restrict__", "`[s, b, h, d]` (sbhd) or `[b, s, h, d]` (bshd) input"),
+        KernelArg::read("freqs", "const float* __restrict__", "`[s, rot]` f32 angles"),
+        KernelArg::write("dst", "void* __restrict__", "output, the shape of `src`"),
+        KernelArg::scalar("s", "u64", "sequence length"),
+        KernelArg::scalar("b", "u64", "batch"),
+        KernelArg::scalar("h", "u64", "heads"),
+    ];
+}
+
 impl Family for RopeSpec {
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        let _ = entry;
+        Self::ARGS
+    }
     fn family(&self) -> &'static str {
         "rope"
     }

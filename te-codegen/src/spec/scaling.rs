@@ -1,7 +1,7 @@
 //! Family 7: FP8 scaling-factor updates (TE `common/recipe/delayed_scaling.cu`,
 //! `common/recipe/current_scaling.cu`).
 
-use super::Family;
+use super::{Family, KernelArg};
 use crate::Arch;
 use serde::{Deserialize, Serialize};
 
@@ -27,7 +27,7 @@ pub enum ScalingKind {
     /// rolls by one (`new[i] = old[i+1]`, `new[len-1] = old[0]`, `new[0] = 0`), except when
     /// `history[0]` is 0, where it is left as it is. `scaled_max = fp8_max / 2^margin`.
     ///
-    /// Arguments: `(slots)`, a device array of `n` 40-byte entries, one per slot, C layout
+    /// Arguments: [`ScalingSpec::DELAYED_ARGS`], `slots` a device array of `n` 40-byte entries, one per slot, C layout
     /// `{ float* history; float* scale; float* scale_inv; u64 len; float scaled_max; u32 pad; }`
     /// (`history` points at `len` floats, `scale`/`scale_inv` at one float each, no two slots
     /// share any of them); grid = `n` blocks, block `b` updates `slots[b]`.
@@ -38,7 +38,7 @@ pub enum ScalingKind {
     /// Current scaling for `n` tensors: `a = max(amax, amax_epsilon)`; `scale = 1` if `a` is 0,
     /// inf or NaN, else `fp8_max / a` (inf → `FLT_MAX`), rounded down to a power of two when
     /// `power_2_scale`; `scale_inv = 1 / scale`.
-    /// Arguments: `(amax, scale, scale_inv, n, fp8_max, amax_epsilon)`.
+    /// Arguments: [`ScalingSpec::CURRENT_ARGS`].
     CurrentScale {
         /// Keep only the exponent of the scale.
         power_2_scale: bool,
@@ -68,7 +68,35 @@ impl ScalingSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl ScalingSpec {
+    /// Arguments of the `delayed` entry point.
+    pub const DELAYED_ARGS: &'static [KernelArg] = &[KernelArg::read(
+        "slots",
+        "const ScalingSlot* __restrict__",
+        "`[slots]` table of (history, scale, scale_inv pointers, length, fp8 max, margin), built on the host",
+    )];
+
+    /// Arguments of the `current` entry point.
+    pub const CURRENT_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("amax", "const float* __restrict__", "`[n]` f32 amaxes"),
+        KernelArg::write("scale", "float* __restrict__", "`[n]` f32 scales"),
+        KernelArg::write("scale_inv", "float* __restrict__", "`[n]` f32 `1 / scale`"),
+        KernelArg::scalar("n", "u64", "tensors"),
+        KernelArg::scalar("fp8_max", "float", "largest FP8 value of the format"),
+        KernelArg::scalar("amax_epsilon", "float", "floor of the amax"),
+    ];
+}
+
 impl Family for ScalingSpec {
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        let _ = entry;
+        match self.kind {
+            ScalingKind::DelayedUpdate { .. } => Self::DELAYED_ARGS,
+            ScalingKind::CurrentScale { .. } => Self::CURRENT_ARGS,
+        }
+    }
     fn family(&self) -> &'static str {
         "scaling"
     }

@@ -1,7 +1,7 @@
 //! Family 6: scaled softmax with no mask, a causal mask or a padding mask, and its backward.
 
 use super::cast::check_threads;
-use super::{vector_width, Direction, Family};
+use super::{vector_width, ArgCond, Direction, Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -38,8 +38,7 @@ impl MaskKind {
 /// Backward follows TE's form `dx = scale * (dy*y - y * Σ_j dy_j y_j)` (rounded per operation,
 /// no fused multiply-add, so the CPU reference mirrors it).
 ///
-/// Arguments, forward: `(x, [mask], y, scale, sq, heads, rows)` with `rows = batch*heads*sq`;
-/// backward: `(dy, y, dx, scale, rows)`. `scale` is f32, the sizes u64. Row `r` belongs to batch
+/// Arguments: [`SoftmaxSpec::FWD_ARGS`], [`SoftmaxSpec::BWD_ARGS`]. Row `r` belongs to batch
 /// `r / (heads*sq)` and query `r % sq`; the padding mask is `[batch, sq, sk]` u8 (shared by the
 /// heads) and its rows must start 16-byte aligned: pass a whole allocation.
 ///
@@ -99,7 +98,44 @@ impl SoftmaxSpec {
     }
 }
 
+/// The kernel arguments of each entry point (see [`KernelArg`]): the template's signatures are
+/// rendered from these lists and the launchers push against them.
+impl SoftmaxSpec {
+    /// Arguments of the `fwd` entry point.
+    pub const FWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[batch, heads, sq, sk]` scores"),
+        KernelArg::read("mask", "const u8* __restrict__", "`[batch, sq, sk]` bytes, nonzero = masked out")
+            .when(ArgCond::Padding),
+        KernelArg::write("y", "void* __restrict__", "`[batch, heads, sq, sk]` probabilities"),
+        KernelArg::scalar("scale", "float", "multiplies the scores"),
+        KernelArg::scalar("sq", "u64", "query length (rows per head)"),
+        KernelArg::scalar("heads", "u64", "heads"),
+        KernelArg::scalar("rows", "u64", "`batch * heads * sq`"),
+    ];
+
+    /// Arguments of the `bwd` entry point.
+    pub const BWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("dy", "const void* __restrict__", "`[rows, sk]` gradient of the probabilities"),
+        KernelArg::read("y", "const void* __restrict__", "`[rows, sk]` probabilities"),
+        KernelArg::write("dx", "void* __restrict__", "`[rows, sk]` gradient of the scores"),
+        KernelArg::scalar("scale", "float", "the forward scale"),
+        KernelArg::scalar("rows", "u64", "rows"),
+    ];
+}
+
 impl Family for SoftmaxSpec {
+    fn args(&self, _: usize) -> &'static [KernelArg] {
+        match self.direction {
+            Direction::Fwd => Self::FWD_ARGS,
+            Direction::Bwd => Self::BWD_ARGS,
+        }
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        match cond {
+            ArgCond::Padding => self.mask == MaskKind::Padding,
+            _ => false,
+        }
+    }
     fn family(&self) -> &'static str {
         "softmax"
     }

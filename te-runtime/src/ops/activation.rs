@@ -3,9 +3,9 @@
 //! GeGLU. Follows TE's `nvte_gelu` / `nvte_dgelu` / `nvte_swiglu` / `nvte_dswiglu` family
 //! (`common/activation/`), with the bias add fused into the forward.
 
+use super::launch::Launch;
 use super::{check_dtype, check_fp8_cols, check_nonempty, check_shape, grid_stride_blocks, launch_1d, Fp8Scaling};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::PushKernelArg;
 use te_codegen::spec::{Activation, ActivationSpec, Direction};
 use te_codegen::{DType, KernelSpec};
 
@@ -46,16 +46,16 @@ pub fn forward(
     let f = dev.function(&KernelSpec::Activation(spec), 0)?;
     let rows_arg = rows as u64;
     let cfg = launch_config(dev, &spec, rows);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data());
+    let mut b = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    b.ptr("x", x.data());
     if let Some(bias) = bias {
-        b.arg(bias.data());
+        b.ptr("bias", bias.data());
     }
-    b.arg(y.data_mut()?);
+    b.ptr("y", y.data_mut()?);
     if let Some(s) = fp8 {
-        b.arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
+        b.ptr("scale_ptr", &s.scale).ptr("amax_ptr", &mut s.amax).ptr("scale_inv_ptr", &mut s.scale_inv);
     }
-    b.arg(&rows_arg);
+    b.scalar("rows", &rows_arg);
     // SAFETY: the arguments follow the forward signature documented on `ActivationSpec`, with
     // `bias` and the scaling views present exactly when the spec enables them; `x` holds
     // `rows * in_cols` and `y` `rows * cols` elements of the spec's dtypes (checked above),
@@ -95,12 +95,12 @@ pub fn backward(
     let f = dev.function(&KernelSpec::Activation(spec), 0)?;
     let rows_arg = rows as u64;
     let cfg = launch_config(dev, &spec, rows);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(dy.data()).arg(x.data()).arg(dx.data_mut()?);
+    let mut b = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    b.ptr("dy", dy.data()).ptr("x", x.data()).ptr("dx", dx.data_mut()?);
     if let Some(s) = fp8 {
-        b.arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
+        b.ptr("scale_ptr", &s.scale).ptr("amax_ptr", &mut s.amax).ptr("scale_inv_ptr", &mut s.scale_inv);
     }
-    b.arg(&rows_arg);
+    b.scalar("rows", &rows_arg);
     // SAFETY: the arguments follow the backward signature documented on `ActivationSpec`, with
     // the scaling views present exactly when the output is FP8; `dy` holds `rows * cols`, `x`
     // and `dx` `rows * in_cols` elements of the spec's dtypes (checked above).

@@ -1,8 +1,8 @@
 //! Family 1 launchers: quantize (with amax and scale_inv), dequantize, amax.
 
+use super::launch::Launch;
 use super::{check_dtype, check_nonempty, check_shape, grid_stride_blocks, launch_1d, Fp8Scaling};
 use crate::{Device, Result, Tensor};
-use cudarc::driver::PushKernelArg;
 use te_codegen::spec::CastSpec;
 use te_codegen::{DType, KernelSpec};
 
@@ -22,11 +22,12 @@ pub fn quantize(dev: &Device, x: &Tensor, out: &mut Tensor, s: &mut Fp8Scaling<'
     let f = dev.function(&KernelSpec::Cast(spec), 0)?;
     let n = x.numel() as u64;
     let cfg = launch_1d(grid_stride_blocks(dev, x.numel() / spec.vec, spec.threads), spec.threads, 0);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data()).arg(out.data_mut()?).arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv).arg(&n);
-    // SAFETY: arguments match the quantize signature documented on `CastSpec`; `x` and `out`
-    // hold `n` elements of the spec's dtypes, the scaling views one f32 each.
-    unsafe { b.launch(cfg) }?;
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    l.ptr("x", x.data()).ptr("q", out.data_mut()?).ptr("scale_ptr", &s.scale);
+    l.ptr("amax_ptr", &mut s.amax).ptr("scale_inv_ptr", &mut s.scale_inv).scalar("n", &n);
+    // SAFETY: `x` and `out` hold `n` elements of the spec's dtypes, the scaling views one f32
+    // each; `out` is a distinct allocation (`&mut`).
+    unsafe { l.launch(cfg) }?;
     Ok(())
 }
 
@@ -49,10 +50,10 @@ pub fn dequantize(
     let f = dev.function(&KernelSpec::Cast(spec), 0)?;
     let n = q.numel() as u64;
     let cfg = launch_1d(grid_stride_blocks(dev, q.numel() / spec.vec, spec.threads), spec.threads, 0);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(q.data()).arg(y.data_mut()?).arg(scale_inv).arg(&n);
-    // SAFETY: arguments match the dequantize signature documented on `CastSpec`.
-    unsafe { b.launch(cfg) }?;
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    l.ptr("q", q.data()).ptr("y", y.data_mut()?).ptr("scale_inv_ptr", scale_inv).scalar("n", &n);
+    // SAFETY: `q` and `y` hold `n` elements of the spec's dtypes, `scale_inv` one f32.
+    unsafe { l.launch(cfg) }?;
     Ok(())
 }
 
@@ -68,9 +69,9 @@ pub fn amax(dev: &Device, x: &Tensor, amax: &mut cudarc::driver::CudaViewMut<'_,
     let f = dev.function(&KernelSpec::Cast(spec), 0)?;
     let n = x.numel() as u64;
     let cfg = launch_1d(grid_stride_blocks(dev, x.numel() / spec.vec, spec.threads), spec.threads, 0);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data()).arg(amax).arg(&n);
-    // SAFETY: arguments match the amax signature documented on `CastSpec`.
-    unsafe { b.launch(cfg) }?;
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    l.ptr("x", x.data()).ptr("amax_ptr", amax).scalar("n", &n);
+    // SAFETY: `x` holds `n` elements of the spec's dtype, `amax` one f32.
+    unsafe { l.launch(cfg) }?;
     Ok(())
 }

@@ -9,9 +9,10 @@
 //! [`transpose_fp8`] builds the column-wise copy of data that is already FP8 (TE
 //! `Float8Tensor.transpose_2d`, `nvte_transpose`).
 
+use super::launch::Launch;
 use super::{check_dtype, check_fp8_cols, check_nonempty, check_shape, launch_1d, Fp8Scaling};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaViewMut, PushKernelArg};
+use cudarc::driver::CudaViewMut;
 use te_codegen::spec::{Activation, CastTransposeSpec};
 use te_codegen::{DType, KernelSpec};
 
@@ -108,8 +109,8 @@ pub fn transpose_fp8(dev: &Device, x: &Tensor, out_t: &mut Tensor) -> Result<()>
     let blocks = check_grid(OP, &spec, rows)?;
     let f = dev.function(&KernelSpec::CastTranspose(spec), 0)?;
     let rows_u64 = rows as u64;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data()).arg(out_t.data_mut()?).arg(&rows_u64);
+    let mut b = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    b.ptr("x", x.data()).ptr("out_t", out_t.data_mut()?).scalar("rows", &rows_u64);
     // SAFETY: arguments match the transpose-mode signature documented on `CastTransposeSpec`:
     // `x` holds `rows * cols` and `out_t` `cols * rows` codes (checked above) in distinct
     // allocations (`&` vs `&mut`); one block per tile as the spec requires.
@@ -179,16 +180,20 @@ fn launch(
     let kspec = KernelSpec::CastTranspose(spec);
     let f = dev.function(&kspec, 0)?;
     let rows_u64 = rows as u64;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data());
+    let mut b = Launch::new(op, dev.stream(), &f, &spec, 0);
+    b.ptr("x", x.data());
     if let Some((_, act_in)) = &dact {
-        b.arg(act_in.data());
+        b.ptr("act_in", act_in.data());
     }
-    b.arg(out.data_mut()?).arg(out_t.data_mut()?).arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
+    b.ptr("q", out.data_mut()?)
+        .ptr("q_t", out_t.data_mut()?)
+        .ptr("scale_ptr", &s.scale)
+        .ptr("amax_ptr", &mut s.amax)
+        .ptr("scale_inv_ptr", &mut s.scale_inv);
     if let Some(d) = &mut dbias {
-        b.arg(&mut d.workspace);
+        b.ptr("dbias_partial", &mut d.workspace);
     }
-    b.arg(&rows_u64);
+    b.scalar("rows", &rows_u64);
     // SAFETY: arguments match the `<name>` signature documented on `CastTransposeSpec`: `x` (and
     // `act_in`) hold `rows * cols` elements of the spec's input dtype, `out` `rows * cols` and
     // `out_t` `cols * rows` FP8 codes, the scaling views one f32 each, the workspace at least
@@ -197,8 +202,8 @@ fn launch(
     if let Some(mut d) = dbias {
         let g = dev.function(&kspec, 1)?;
         let row_tiles = spec.row_tiles(rows) as u64;
-        let mut b = dev.stream().launch_builder(&g);
-        b.arg(&mut d.workspace).arg(d.dbias.data_mut()?).arg(&row_tiles);
+        let mut b = Launch::new(op, dev.stream(), &g, &spec, 1);
+        b.ptr("dbias_partial", &mut d.workspace).ptr("dbias", d.dbias.data_mut()?).scalar("row_tiles", &row_tiles);
         let cfg = launch_1d(cols.div_ceil(CastTransposeSpec::DBIAS_COLS), CastTransposeSpec::DBIAS_THREADS, 0);
         // SAFETY: arguments match the `<name>_dbias` signature documented on `CastTransposeSpec`;
         // the workspace rows `0..row_tiles` were written by the launch above on the same stream,

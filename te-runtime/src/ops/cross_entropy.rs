@@ -1,8 +1,9 @@
 //! Family 12 launcher: fused softmax cross-entropy loss per token and its gradient.
 
+use super::launch::Launch;
 use super::{check_dtype, grid_stride_blocks, launch_1d};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use te_codegen::spec::CrossEntropySpec;
 use te_codegen::{DType, KernelSpec};
 
@@ -63,12 +64,12 @@ pub fn cross_entropy(
     let spec = CrossEntropySpec::new(dt, grad.is_some(), dev.arch());
     let f = dev.function(&KernelSpec::CrossEntropy(spec), 0)?;
     let (t, v) = (tokens as u64, vocab as u64);
-    let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(logits.data()).arg(targets).arg(loss);
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder.ptr("logits", logits.data()).ptr("targets", targets).ptr("loss", loss);
     if let Some((dlogits, grad_scale)) = &mut grad {
-        builder.arg(&mut **dlogits).arg(&*grad_scale);
+        builder.ptr("dlogits", &mut **dlogits).scalar("grad_scale", &*grad_scale);
     }
-    builder.arg(&t).arg(&v).arg(&ignore_index);
+    builder.scalar("tokens", &t).scalar("vocab", &v).scalar("ignore_index", &ignore_index);
     // SAFETY: the arguments follow the signature documented on `CrossEntropySpec` (with the
     // `dlogits, grad_scale` pair exactly when the spec has `grad`): `logits` and `dlogits` hold
     // `tokens * vocab` elements of the logits' dtype, `targets` and `loss` `tokens` values

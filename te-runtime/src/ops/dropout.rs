@@ -9,9 +9,10 @@
 //! of Philox block `i / 4` is below [`keep_threshold`]`(p)`, whatever the launch shape; the CPU
 //! reference (`reference::dropout`) computes the same bits.
 
+use super::launch::Launch;
 use super::{check_dtype, check_nonempty, check_shape, grid_stride_blocks, launch_1d};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use te_codegen::spec::DropoutSpec;
 use te_codegen::{DType, KernelSpec};
 
@@ -126,8 +127,8 @@ pub fn dropout_backward(dev: &Device, dout: &Tensor, mask: &CudaSlice<u8>, p: f3
     let f = dev.function(&KernelSpec::Dropout(spec), 0)?;
     let (n, scale) = (dout.numel() as u64, keep_scale(p));
     let cfg = launch_config(dev, &spec, dout.numel());
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(dout.data()).arg(mask).arg(dx.data_mut()?).arg(&n).arg(&scale);
+    let mut b = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    b.ptr("dout", dout.data()).ptr("mask", mask).ptr("dx", dx.data_mut()?).scalar("n", &n).scalar("scale", &scale);
     // SAFETY: the arguments follow the backward signature documented on `DropoutSpec`: `dout`
     // and `dx` hold `n` elements of the spec's dtypes, `mask` `ceil(n / 8)` bytes (checked
     // above); `dx` is a distinct allocation (`&mut` vs `&`), as `__restrict__` requires.
@@ -166,19 +167,22 @@ fn forward(
     let n = x.numel() as u64;
     let (threshold, scale) = (keep_threshold(params.p), keep_scale(params.p));
     let cfg = launch_config(dev, &spec, x.numel());
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data());
+    let mut b = Launch::new(op, dev.stream(), &f, &spec, 0);
+    b.ptr("x", x.data());
     if let Some(bias) = bias {
-        b.arg(bias.data());
+        b.ptr("bias", bias.data());
     }
     if let Some(r) = residual {
-        b.arg(r.data());
+        b.ptr("residual", r.data());
     }
-    b.arg(out.data_mut()?).arg(mask).arg(&n);
+    b.ptr("out", out.data_mut()?).ptr("mask", mask).scalar("n", &n);
     if bias.is_some() {
-        b.arg(&cols);
+        b.scalar("cols", &cols);
     }
-    b.arg(&params.seed).arg(&params.offset).arg(&threshold).arg(&scale);
+    b.scalar("seed", &params.seed)
+        .scalar("offset", &params.offset)
+        .scalar("threshold", &threshold)
+        .scalar("scale", &scale);
     // SAFETY: the arguments follow the forward signature documented on `DropoutSpec`, `bias`
     // and `cols` present exactly when the spec has a bias and `residual` when it has one: `x`,
     // `residual` and `out` hold `n` elements of their dtypes, `bias` `cols`, `mask`

@@ -2,9 +2,10 @@
 //! accumulation: an f32 `main_grad += ` a bf16 wgrad, a bf16 bias grad `+=` a new one). Any mix
 //! of f32, bf16 and f16; the math is one f32 add, rounded once to the output type.
 
+use super::launch::Launch;
 use super::{check_dtype, check_nonempty, check_shape, grid_stride_blocks, launch_1d};
 use crate::{Device, Result, Tensor};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use te_codegen::spec::ElementwiseSpec;
 use te_codegen::{DType, KernelSpec};
 
@@ -30,8 +31,8 @@ pub fn add(dev: &Device, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()>
     let spec = ElementwiseSpec::add(a.dtype(), b.dtype(), out.dtype(), dev.arch());
     let f = dev.function(&KernelSpec::Elementwise(spec), 0)?;
     let n = a.numel() as u64;
-    let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(a.data()).arg(b.data()).arg(out.data_mut()?).arg(&n);
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder.ptr("a", a.data()).ptr("b", b.data()).ptr("out", out.data_mut()?).scalar("n", &n);
     // SAFETY: the arguments follow the add signature documented on `ElementwiseSpec`: `a`, `b`
     // and `out` hold `n` elements of the spec's dtypes (checked above); `out` is a distinct
     // allocation from `a` and `b` (`&mut` vs `&`), which the kernel's `__restrict__` requires.
@@ -58,8 +59,8 @@ pub fn add_assign(dev: &Device, dst: &mut Tensor, src: &Tensor) -> Result<()> {
     let f = dev.function(&KernelSpec::Elementwise(spec), 0)?;
     let numel = dst.numel();
     let n = numel as u64;
-    let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(dst.data_mut()?).arg(src.data()).arg(&n);
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder.ptr("dst", dst.data_mut()?).ptr("src", src.data()).scalar("n", &n);
     // SAFETY: the arguments follow the add_assign signature documented on `ElementwiseSpec`:
     // `dst` and `src` hold `n` elements of the spec's dtypes (checked above) and are distinct
     // allocations (`&mut` vs `&`), as the kernel's `__restrict__` requires.

@@ -3,9 +3,10 @@
 //! Ids are `i32` device slices (the [`Tensor`] type holds floating-point data only): an id
 //! outside `[0, vocab)` (a padding `-1`) reads as a zero row and receives no gradient.
 
+use super::launch::Launch;
 use super::{check_dtype, check_nonempty, grid_stride_blocks, launch_1d};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use te_codegen::spec::EmbeddingSpec;
 use te_codegen::{DType, KernelSpec};
 
@@ -59,8 +60,14 @@ pub fn embedding_forward(dev: &Device, table: &Tensor, ids: &CudaSlice<i32>, out
     let spec = EmbeddingSpec::forward(dt, dev.arch());
     let f = dev.function(&KernelSpec::Embedding(spec), 0)?;
     let (t, v, h) = (tokens as u64, vocab as u64, hidden as u64);
-    let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(table.data()).arg(ids).arg(out.data_mut()?).arg(&t).arg(&v).arg(&h);
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder
+        .ptr("table", table.data())
+        .ptr("ids", ids)
+        .ptr("out", out.data_mut()?)
+        .scalar("tokens", &t)
+        .scalar("vocab", &v)
+        .scalar("hidden", &h);
     // SAFETY: the arguments follow the forward signature documented on `EmbeddingSpec`: `table`
     // holds `vocab * hidden` elements, `ids` `tokens` i32, `out` `tokens * hidden` elements of
     // the table's dtype (checked above); the kernel reads table rows only for ids in
@@ -106,8 +113,15 @@ pub fn embedding_forward_fp8(
     let spec = EmbeddingSpec::forward_fp8(codes.dtype(), out.dtype(), dev.arch());
     let f = dev.function(&KernelSpec::Embedding(spec), 0)?;
     let (t, v, h) = (tokens as u64, vocab as u64, hidden as u64);
-    let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(codes.data()).arg(ids).arg(out.data_mut()?).arg(scale_inv).arg(&t).arg(&v).arg(&h);
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder
+        .ptr("table", codes.data())
+        .ptr("ids", ids)
+        .ptr("out", out.data_mut()?)
+        .ptr("scale_inv_ptr", scale_inv)
+        .scalar("tokens", &t)
+        .scalar("vocab", &v)
+        .scalar("hidden", &h);
     // SAFETY: the arguments follow the FP8 forward signature documented on `EmbeddingSpec`:
     // `table` holds `vocab * hidden` one-byte codes, `scale_inv` one f32, `ids` `tokens` i32,
     // `out` `tokens * hidden` elements of its dtype (checked above); the kernel reads table rows
@@ -138,8 +152,14 @@ pub fn embedding_backward(dev: &Device, dout: &Tensor, ids: &CudaSlice<i32>, dta
     let spec = EmbeddingSpec::backward(dout.dtype(), dtable.dtype(), dev.arch());
     let f = dev.function(&KernelSpec::Embedding(spec), 0)?;
     let (t, v, h) = (tokens as u64, vocab as u64, hidden as u64);
-    let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(dout.data()).arg(ids).arg(dtable.data_mut()?).arg(&t).arg(&v).arg(&h);
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder
+        .ptr("dout", dout.data())
+        .ptr("ids", ids)
+        .ptr("dtable", dtable.data_mut()?)
+        .scalar("tokens", &t)
+        .scalar("vocab", &v)
+        .scalar("hidden", &h);
     // SAFETY: the arguments follow the backward signature documented on `EmbeddingSpec`: `dout`
     // holds `tokens * hidden` elements, `ids` `tokens` i32, `dtable` `vocab * hidden` elements
     // of their dtypes (checked above); the kernel writes `dtable` rows `< vocab` only, and

@@ -3,9 +3,10 @@
 //! Semantics follow TE's `nvte_layernorm_fwd/bwd` and `nvte_rmsnorm_fwd/bwd`
 //! (`common/normalization/`); the math is documented on [`NormSpec`].
 
+use super::launch::Launch;
 use super::{check_dtype, check_fp8_cols, check_nonempty, check_shape, launch_1d, Fp8Scaling};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use te_codegen::spec::{Direction, NormKind, NormSpec};
 use te_codegen::{DType, KernelSpec};
 
@@ -160,20 +161,20 @@ pub fn norm_fwd(dev: &Device, args: &NormFwdArgs<'_>, out: NormFwdOut<'_, '_>) -
     let resident = f.occupancy_max_active_blocks_per_multiprocessor(spec.threads as u32, 0, None)?.max(1) as usize;
     let cfg = launch_1d(rows.min(dev.sm_count() * resident), spec.threads, 0);
     let rows_arg = rows as u64;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data()).arg(gamma.data());
+    let mut b = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    b.ptr("x", x.data()).ptr("gamma", gamma.data());
     if let Some(beta) = beta {
-        b.arg(beta.data());
+        b.ptr("beta", beta.data());
     }
-    b.arg(y.data_mut()?);
+    b.ptr("y", y.data_mut()?);
     if let Some(mu) = mu {
-        b.arg(mu);
+        b.ptr("mu_out", mu);
     }
-    b.arg(rsigma);
+    b.ptr("rsigma_out", rsigma);
     if let Some(s) = fp8 {
-        b.arg(&s.scale).arg(&mut s.amax).arg(&mut s.scale_inv);
+        b.ptr("scale_ptr", &s.scale).ptr("amax_ptr", &mut s.amax).ptr("scale_inv_ptr", &mut s.scale_inv);
     }
-    b.arg(&eps).arg(&rows_arg);
+    b.scalar("eps", &eps).scalar("rows", &rows_arg);
     // SAFETY: arguments match the forward signature documented on `NormSpec` for this kind and
     // output (beta/mu only for LayerNorm, scaling only for FP8 `y`): `x`/`y` hold rows × hidden
     // elements of the spec's dtypes, `gamma`/`beta` hidden, `mu`/`rsigma` rows f32 (all checked).
@@ -241,31 +242,31 @@ pub fn norm_bwd(dev: &Device, args: &NormBwdArgs<'_>, out: NormBwdOut<'_>) -> Re
     let ln = dbeta.is_some();
     let (rows_arg, parts_arg) = (rows as u64, parts as u64);
 
-    let mut b = stream.launch_builder(&main);
-    b.arg(dy.data()).arg(x.data());
+    let mut b = Launch::new(OP, stream, &main, &spec, 0);
+    b.ptr("dy", dy.data()).ptr("x", x.data());
     if let Some(mu) = mu {
-        b.arg(mu);
+        b.ptr("mu_in", mu);
     }
-    b.arg(rsigma).arg(gamma.data()).arg(dx.data_mut()?).arg(&mut dg_part);
+    b.ptr("rsigma_in", rsigma).ptr("gamma", gamma.data()).ptr("dx", dx.data_mut()?).ptr("dgamma_part", &mut dg_part);
     if ln {
-        b.arg(&mut db_part);
+        b.ptr("dbeta_part", &mut db_part);
     }
-    b.arg(&rows_arg);
+    b.scalar("rows", &rows_arg);
     // SAFETY: arguments match the backward signature documented on `NormSpec` (mu and
     // dbeta_partial only for LayerNorm); `dy`/`x`/`dx` hold rows × hidden elements, `gamma`
     // hidden, `mu`/`rsigma` rows f32, the partials parts × hidden f32 (all checked above).
     unsafe { b.launch(launch_1d(parts, spec.threads, 0)) }?;
 
-    let mut b = stream.launch_builder(&reduce);
-    b.arg(&dg_part);
+    let mut b = Launch::new(OP, stream, &reduce, &spec, 1);
+    b.ptr("dgamma_part", &dg_part);
     if ln {
-        b.arg(&db_part);
+        b.ptr("dbeta_part", &db_part);
     }
-    b.arg(dgamma.data_mut()?);
+    b.ptr("dgamma", dgamma.data_mut()?);
     if let Some(db) = dbeta {
-        b.arg(db.data_mut()?);
+        b.ptr("dbeta", db.data_mut()?);
     }
-    b.arg(&parts_arg);
+    b.scalar("parts", &parts_arg);
     let cfg = launch_1d(hidden.div_ceil(NormSpec::REDUCE_COLS), NormSpec::REDUCE_THREADS, 0);
     // SAFETY: arguments match the `_reduce` signature documented on `NormSpec`: partials of
     // parts × hidden f32, `dgamma`/`dbeta` hidden elements of the weight dtype.

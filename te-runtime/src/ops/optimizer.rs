@@ -3,10 +3,11 @@
 //! one launch over a device table of chunks (apex `multi_tensor_apply`: a block per chunk of
 //! [`CHUNK`] elements of one tensor).
 
+use super::launch::Launch;
 use super::launch_1d;
 use crate::optim::scalars::{AdamWHyper, AdamWScalars};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use te_codegen::spec::OptimizerSpec;
 use te_codegen::{DType, KernelSpec};
 
@@ -194,8 +195,8 @@ pub fn adamw_step(
 
     let norm_spec = OptimizerSpec::grad_norm(dev.arch());
     let norm = dev.function(&KernelSpec::Optimizer(norm_spec), 0)?;
-    let mut b = stream.launch_builder(&norm);
-    b.arg(&chunks).arg(&mut partials);
+    let mut b = Launch::new("adamw_step", stream, &norm, &norm_spec, 0);
+    b.ptr("chunks", &chunks).ptr("partials", &mut partials);
     // SAFETY: the arguments follow the GradNorm signature documented on `OptimizerKind`: one
     // entry per block, each pointing at `n` elements of its grad type inside a tensor checked
     // above and borrowed for this call; `partials` holds one float per block.
@@ -203,8 +204,11 @@ pub fn adamw_step(
 
     let finalize = dev.function(&KernelSpec::Optimizer(norm_spec), 1)?;
     let n_partials = entries.len() as u64;
-    let mut b = stream.launch_builder(&finalize);
-    b.arg(&partials).arg(&n_partials).arg(&mut *norm_out).arg(&args.max_grad_norm);
+    let mut b = Launch::new("adamw_step", stream, &finalize, &norm_spec, 1);
+    b.ptr("partials", &partials)
+        .scalar("n_partials", &n_partials)
+        .ptr("out", &mut *norm_out)
+        .scalar("max_norm", &args.max_grad_norm);
     // SAFETY: the finalize signature documented on `OptimizerKind`: `partials` holds
     // `n_partials` floats, `norm_out` 2 (checked above); one block.
     unsafe { b.launch(launch_1d(1, norm_spec.threads, 0)) }?;
@@ -212,8 +216,14 @@ pub fn adamw_step(
     let adam_spec = OptimizerSpec::adamw(dev.arch());
     let adam = dev.function(&KernelSpec::Optimizer(adam_spec), 0)?;
     let clip = norm_out.slice(1..2);
-    let mut b = stream.launch_builder(&adam);
-    b.arg(&chunks).arg(&s.beta1).arg(&s.one_minus_beta1).arg(&s.beta2).arg(&s.one_minus_beta2).arg(&s.eps).arg(&clip);
+    let mut b = Launch::new("adamw_step", stream, &adam, &adam_spec, 0);
+    b.ptr("chunks", &chunks)
+        .scalar("beta1", &s.beta1)
+        .scalar("one_minus_beta1", &s.one_minus_beta1)
+        .scalar("beta2", &s.beta2)
+        .scalar("one_minus_beta2", &s.one_minus_beta2)
+        .scalar("eps", &s.eps)
+        .ptr("clip_coef", &clip);
     // SAFETY: the AdamW signature documented on `OptimizerKind`: each entry points at `n`
     // elements of its grad and param types and `n` floats of master and moments, all inside
     // buffers checked above and borrowed (the writable ones mutably) for this call, so no two

@@ -3,9 +3,9 @@
 //! fused=True)` (`common/fused_rope/fused_rope.cu`) for the `sbhd` and `bshd` formats, without
 //! context parallelism or per-sequence start positions.
 
+use super::launch::Launch;
 use super::{check_dtype, check_nonempty, check_shape, grid_stride_blocks, launch_1d};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::PushKernelArg;
 use te_codegen::spec::{Direction, RopeSpec};
 use te_codegen::{DType, KernelSpec};
 
@@ -90,8 +90,14 @@ fn launch(
     let items = s * (b * h).div_ceil(spec.rows_per_item());
     let cfg = launch_1d(grid_stride_blocks(dev, items * spec.threads(), spec.threads()), spec.threads(), 0);
     let (s_arg, b_arg, h_arg) = (s as u64, b as u64, h as u64);
-    let mut builder = dev.stream().launch_builder(&f);
-    builder.arg(src.data()).arg(freqs.data()).arg(dst.data_mut()?).arg(&s_arg).arg(&b_arg).arg(&h_arg);
+    let mut builder = Launch::new(op, dev.stream(), &f, &spec, 0);
+    builder
+        .ptr("src", src.data())
+        .ptr("freqs", freqs.data())
+        .ptr("dst", dst.data_mut()?)
+        .scalar("s", &s_arg)
+        .scalar("b", &b_arg)
+        .scalar("h", &h_arg);
     // SAFETY: the arguments follow the signature documented on `RopeSpec`: `src` and `dst` hold
     // `s * b * h * d` elements of the spec's dtype in the spec's format, `freqs` at least
     // `s * d2` f32 (checked above); `dst` is a distinct allocation (`&mut` vs `&`), as the

@@ -1,8 +1,9 @@
 //! Family 7 launchers: the bulk delayed-scaling update and current-scaling scales.
 
+use super::launch::Launch;
 use super::launch_1d;
 use crate::{Device, Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, PushKernelArg, SyncOnDrop};
+use cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use te_codegen::spec::{AmaxComputeAlgo, ScalingSpec};
 use te_codegen::KernelSpec;
 
@@ -128,8 +129,8 @@ impl<'a> DelayedScalingTable<'a> {
     pub fn launch(&mut self, algo: AmaxComputeAlgo) -> Result<()> {
         let spec = ScalingSpec::delayed(algo, self.dev.arch());
         let f = self.dev.function(&KernelSpec::Scaling(spec), 0)?;
-        let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(&self.slots);
+        let mut b = Launch::new("delayed_scaling_update", self.dev.stream(), &f, &spec, 0);
+        b.ptr("slots", &self.slots);
         // SAFETY: the argument matches the delayed-update signature documented on
         // `ScalingKind::DelayedUpdate`: one entry per block; each entry points at a history row
         // of `len` floats and one scale and scale_inv float inside buffers that `new` checked
@@ -224,8 +225,13 @@ pub fn current_scaling(
     let spec = ScalingSpec::current(power_2_scale, dev.arch());
     let f = dev.function(&KernelSpec::Scaling(spec), 0)?;
     let n64 = n as u64;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(amax).arg(scale).arg(scale_inv).arg(&n64).arg(&fp8_max).arg(&amax_epsilon);
+    let mut b = Launch::new("current_scaling", dev.stream(), &f, &spec, 0);
+    b.ptr("amax", amax)
+        .ptr("scale", scale)
+        .ptr("scale_inv", scale_inv)
+        .scalar("n", &n64)
+        .scalar("fp8_max", &fp8_max)
+        .scalar("amax_epsilon", &amax_epsilon);
     // SAFETY: arguments match the current-scale signature documented on `ScalingKind`; every
     // buffer holds n floats (checked above).
     unsafe { b.launch(launch_1d(n.div_ceil(spec.threads).min(1024), spec.threads, 0)) }?;

@@ -4,9 +4,10 @@
 //! (`common/fused_softmax/`), except that a fully masked row gives zeros instead of a uniform
 //! distribution.
 
+use super::launch::Launch;
 use super::{check_dtype, check_nonempty, check_shape, grid_stride_blocks, launch_1d};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use te_codegen::spec::{Direction, MaskKind, SoftmaxSpec};
 use te_codegen::{DType, KernelSpec};
 
@@ -76,12 +77,16 @@ pub fn forward(dev: &Device, x: &Tensor, mask: Mask<'_>, scale: f32, y: &mut Ten
     let rows = batch * heads * sq;
     let (sq_arg, heads_arg, rows_arg) = (sq as u64, heads as u64, rows as u64);
     let cfg = launch_config(dev, &spec, rows);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.data());
+    let mut b = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    b.ptr("x", x.data());
     if let Mask::Padding(m) = mask {
-        b.arg(m);
+        b.ptr("mask", m);
     }
-    b.arg(y.data_mut()?).arg(&scale).arg(&sq_arg).arg(&heads_arg).arg(&rows_arg);
+    b.ptr("y", y.data_mut()?)
+        .scalar("scale", &scale)
+        .scalar("sq", &sq_arg)
+        .scalar("heads", &heads_arg)
+        .scalar("rows", &rows_arg);
     // SAFETY: the arguments follow the forward signature documented on `SoftmaxSpec`, the mask
     // present exactly for `MaskKind::Padding`; `x` and `y` hold `rows * sk` elements of the
     // spec's dtype and the mask `batch * sq * sk` bytes (checked above).
@@ -113,8 +118,12 @@ pub fn backward(dev: &Device, dy: &Tensor, y: &Tensor, scale: f32, dx: &mut Tens
     let f = dev.function(&KernelSpec::Softmax(spec), 0)?;
     let rows_arg = rows as u64;
     let cfg = launch_config(dev, &spec, rows);
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(dy.data()).arg(y.data()).arg(dx.data_mut()?).arg(&scale).arg(&rows_arg);
+    let mut b = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    b.ptr("dy", dy.data())
+        .ptr("y", y.data())
+        .ptr("dx", dx.data_mut()?)
+        .scalar("scale", &scale)
+        .scalar("rows", &rows_arg);
     // SAFETY: the arguments follow the backward signature documented on `SoftmaxSpec`; `dy`, `y`
     // and `dx` hold `rows * sk` elements of the spec's dtype (checked above).
     unsafe { b.launch(cfg) }?;
