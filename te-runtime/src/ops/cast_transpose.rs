@@ -69,6 +69,8 @@ pub fn cast_transpose(
 /// As [`cast_transpose`]; a gated `act` is an [`Error::Codegen`]
 /// ([`te_codegen::Error::InvalidSpec`]) saying what to run instead; `act_in` of another shape or
 /// dtype than `dy` is an [`Error::Shape`] / [`Error::DType`].
+// TE's argument list (nvte_cast_transpose_dbias_dgelu): inputs, both outputs, their scaling and
+// the optional dbias; grouping them would only rename TE's arguments.
 #[allow(clippy::too_many_arguments)]
 pub fn cast_transpose_dact(
     dev: &Device,
@@ -130,6 +132,7 @@ fn check_grid(op: &'static str, spec: &CastTransposeSpec, rows: usize) -> Result
     Ok(blocks)
 }
 
+// The union of the public cast_transpose entry points' arguments (and the op name for errors).
 #[allow(clippy::too_many_arguments)]
 fn launch(
     dev: &Device,

@@ -201,6 +201,7 @@ pub fn delayed_scaling_update(dev: &Device, groups: &mut [ScalingGroup<'_>], alg
 ///
 /// # Errors
 /// [`Error::Shape`] when the sizes disagree or are empty; launch failures.
+// The kernel's buffers and TE's recipe knobs (amax_epsilon, power_2_scale), one argument each.
 #[allow(clippy::too_many_arguments)]
 pub fn current_scaling(
     dev: &Device,
