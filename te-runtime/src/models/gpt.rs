@@ -17,8 +17,8 @@
 use crate::fp8::{fp8_autocast, Recipe};
 use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
-    LinearConfig, LinearCtx, Module, Norm, NormConfig, NormCtx, TokenIds, TransformerLayer, TransformerLayerConfig,
-    TransformerLayerCtx,
+    LinearConfig, LinearCtx, Module, Norm, NormConfig, NormCtx, NormKind, TokenIds, TransformerLayer,
+    TransformerLayerConfig, TransformerLayerCtx,
 };
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
@@ -26,7 +26,7 @@ use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::prewarm::sorted;
-use te_codegen::spec::CrossEntropySpec;
+use te_codegen::spec::{CrossEntropySpec, ElementwiseSpec};
 use te_codegen::DType;
 
 const MODEL: &str = "Gpt";
@@ -118,6 +118,45 @@ impl GptConfig {
             return Err(config("num_layers and seq_length must be ≥ 1".into()));
         }
         Ok(())
+    }
+}
+
+impl GptConfig {
+    /// Every kernel `Gpt::forward_loss` and `Gpt::backward` of this config run for `target`
+    /// (the model's `params_dtype` applies; its layers get no rotary angles, positions come
+    /// from the embedding), sorted and deduplicated, with no device: what `Gpt::all_kernel_specs`
+    /// returns for a model of this config. The parts are those `Gpt::new` builds: the token and
+    /// position embeddings, the layers (GPT-2's: pre-LN, causal, GELU, biases), the final
+    /// LayerNorm and the LM head (no bias). Add the optimizer's ([`crate::optim::AdamW::kernel_specs`]) for a
+    /// training job.
+    pub fn kernel_specs(&self, target: &KernelTarget) -> Vec<KernelSpec> {
+        let (h, dt) = (self.hidden_size, self.params_dtype);
+        let t = KernelTarget { rotary: false, ..target.with_dtype(dt) };
+        let mut specs = Vec::new();
+        // The token and the position table run the same kernels.
+        EmbeddingConfig { params_dtype: dt, ..EmbeddingConfig::new(self.vocab_size, h) }.kernel_specs(&t, &mut specs);
+        let layer = TransformerLayerConfig {
+            hidden_dropout: self.hidden_dropout,
+            params_dtype: dt,
+            ..TransformerLayerConfig::new(h, self.ffn_hidden_size, self.num_attention_heads)
+        };
+        layer.kernel_specs(&t, &mut specs);
+        NormConfig { params_dtype: dt, ..NormConfig::new(h) }.kernel_specs(NormKind::LayerNorm, &t, &mut specs);
+        let lm_head = LinearConfig { bias: false, params_dtype: dt, ..LinearConfig::new(h, self.vocab_size) };
+        lm_head.kernel_specs(&t, &mut specs);
+        self.loss_kernel_specs(&t, &mut specs);
+        sorted(specs)
+    }
+
+    /// The kernels the GPT runs outside its parts, in `target`'s dtype: the sum of the token and
+    /// position embeddings, and the fused cross-entropy of the logits with and without their
+    /// gradient (training and evaluation).
+    pub(crate) fn loss_kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let (dt, arch) = (target.params_dtype, target.arch);
+        specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
+        for grad in [false, true] {
+            specs.push(CrossEntropySpec::new(dt, grad, arch).into());
+        }
     }
 }
 
@@ -424,5 +463,15 @@ mod tests {
         assert!(e.to_string().contains("vocab_size = 70000"), "{e}");
         let e = GptConfig { num_layers: 0, ..GptConfig::tiny() }.check().unwrap_err();
         assert!(e.to_string().contains("num_layers"), "{e}");
+    }
+
+    #[test]
+    fn the_list_holds_the_loss_and_the_parts_kernels() {
+        use te_codegen::Arch;
+        let t = KernelTarget::new(128, Arch::Sm90a);
+        let specs = GptConfig::tiny().kernel_specs(&t);
+        assert!(specs.contains(&CrossEntropySpec::new(DType::BF16, true, Arch::Sm90a).into()));
+        assert!(specs.contains(&ElementwiseSpec::add(DType::BF16, DType::BF16, DType::BF16, Arch::Sm90a).into()));
+        assert!(specs.windows(2).all(|w| w[0] < w[1]), "sorted and deduplicated");
     }
 }

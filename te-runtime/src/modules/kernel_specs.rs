@@ -14,12 +14,9 @@ use super::{
     DotProductAttentionConfig, EmbeddingConfig, KernelSpec, KernelTarget, LayerNormLinearConfig, LayerNormMLPConfig,
     LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
 };
-use crate::models::gpt::GptConfig;
-use crate::optim::AdamW;
-use te_codegen::prewarm::sorted;
 use te_codegen::spec::{
-    ActivationSpec, CastTransposeSpec, CrossEntropySpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec,
-    MaskKind, NormSpec, OptimizerSpec, RopeSpec, SoftmaxSpec,
+    ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, MaskKind, NormSpec,
+    RopeSpec, SoftmaxSpec,
 };
 use te_codegen::DType;
 
@@ -185,55 +182,6 @@ impl EmbeddingConfig {
     }
 }
 
-impl GptConfig {
-    /// Every kernel `Gpt::forward_loss` and `Gpt::backward` of this config run for `target`
-    /// (the model's `params_dtype` applies; its layers get no rotary angles, positions come
-    /// from the embedding), sorted and deduplicated, with no device: what `Gpt::all_kernel_specs`
-    /// returns for a model of this config. The parts are those `Gpt::new` builds: the token and
-    /// position embeddings, the layers (GPT-2's: pre-LN, causal, GELU, biases), the final
-    /// LayerNorm and the LM head (no bias). Add the optimizer's ([`AdamW::kernel_specs`]) for a
-    /// training job.
-    pub fn kernel_specs(&self, target: &KernelTarget) -> Vec<KernelSpec> {
-        let (h, dt) = (self.hidden_size, self.params_dtype);
-        let t = KernelTarget { rotary: false, ..target.with_dtype(dt) };
-        let mut specs = Vec::new();
-        // The token and the position table run the same kernels.
-        EmbeddingConfig { params_dtype: dt, ..EmbeddingConfig::new(self.vocab_size, h) }.kernel_specs(&t, &mut specs);
-        let layer = TransformerLayerConfig {
-            hidden_dropout: self.hidden_dropout,
-            params_dtype: dt,
-            ..TransformerLayerConfig::new(h, self.ffn_hidden_size, self.num_attention_heads)
-        };
-        layer.kernel_specs(&t, &mut specs);
-        NormConfig { params_dtype: dt, ..NormConfig::new(h) }.kernel_specs(NormKind::LayerNorm, &t, &mut specs);
-        let lm_head = LinearConfig { bias: false, params_dtype: dt, ..LinearConfig::new(h, self.vocab_size) };
-        lm_head.kernel_specs(&t, &mut specs);
-        self.loss_kernel_specs(&t, &mut specs);
-        sorted(specs)
-    }
-
-    /// The kernels the GPT runs outside its parts, in `target`'s dtype: the sum of the token and
-    /// position embeddings, and the fused cross-entropy of the logits with and without their
-    /// gradient (training and evaluation).
-    pub(crate) fn loss_kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        let (dt, arch) = (target.params_dtype, target.arch);
-        specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
-        for grad in [false, true] {
-            specs.push(CrossEntropySpec::new(dt, grad, arch).into());
-        }
-    }
-}
-
-impl AdamW {
-    /// Adds the kernels a step runs (the gradient norm for clipping, AdamW) for `target` to
-    /// `specs`: a training job prewarms them with its model's
-    /// ([`Module::kernel_specs_for`](super::Module::kernel_specs_for)).
-    pub fn kernel_specs(target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        specs.push(OptimizerSpec::grad_norm(target.arch).into());
-        specs.push(OptimizerSpec::adamw(target.arch).into());
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,11 +212,9 @@ mod tests {
         };
         attention.kernel_specs(&t, &mut specs);
         EmbeddingConfig::new(256, 768).kernel_specs(&t, &mut specs);
-        GptConfig::tiny().loss_kernel_specs(&t, &mut specs);
         assert!(
             specs.contains(&SoftmaxSpec::new(MaskKind::Causal, Direction::Fwd, DType::BF16, 1024, Arch::Sm90a).into())
         );
         assert!(specs.contains(&EmbeddingSpec::backward(DType::BF16, DType::BF16, Arch::Sm90a).into()));
-        assert!(specs.contains(&CrossEntropySpec::new(DType::BF16, true, Arch::Sm90a).into()));
     }
 }

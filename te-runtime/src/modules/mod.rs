@@ -6,6 +6,7 @@ pub mod attention;
 pub mod embedding;
 mod init;
 mod kernel_specs;
+mod kernel_target;
 pub mod layernorm_linear;
 pub mod layernorm_mlp;
 pub mod linear;
@@ -17,9 +18,9 @@ pub mod transformer_layer;
 pub mod visit;
 
 pub use crate::fp8::{Fp8Direction, Fp8StateSlot};
-pub use crate::prewarm::KernelTarget;
 pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
+pub use kernel_target::KernelTarget;
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
 pub use layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
 pub use linear::{BackwardOptions, ForwardOptions, Linear, LinearConfig, LinearCtx};

@@ -2,11 +2,12 @@
 //! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
 
 use super::LrSchedule;
-use crate::modules::{Module, Param, ParamKind, ParamMut};
+use crate::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
 use crate::ops::optimizer::{adamw_step, AdamWArgs, AdamWTensor};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
+use te_codegen::spec::OptimizerSpec;
 use te_codegen::DType;
 
 const MODULE: &str = "AdamW";
@@ -312,5 +313,15 @@ impl AdamW {
                 self.params.len()
             ),
         }
+    }
+}
+
+impl AdamW {
+    /// Adds the kernels a step runs (the gradient norm for clipping, AdamW) for `target` to
+    /// `specs`: a training job prewarms them with its model's
+    /// ([`Module::kernel_specs_for`](crate::modules::Module::kernel_specs_for)).
+    pub fn kernel_specs(target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        specs.push(OptimizerSpec::grad_norm(target.arch).into());
+        specs.push(OptimizerSpec::adamw(target.arch).into());
     }
 }
