@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 pub const INCLUDES: &[(&str, &str)] = &[
     ("common.cuh.tera", include_str!("../templates/common.cuh.tera")),
     ("philox.cuh.tera", include_str!("../templates/philox.cuh.tera")),
+    ("flash_attn_common.cuh.tera", include_str!("../templates/flash_attn_common.cuh.tera")),
 ];
 
 /// Every template, by file name under `te-codegen/templates/`: [`INCLUDES`] and those of each

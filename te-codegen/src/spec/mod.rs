@@ -32,6 +32,7 @@ mod cross_entropy;
 mod dropout;
 mod elementwise;
 mod embedding;
+mod flash_attention;
 mod norm;
 mod optimizer;
 mod rope;
@@ -47,6 +48,7 @@ pub use cross_entropy::CrossEntropySpec;
 pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use embedding::EmbeddingSpec;
+pub use flash_attention::{FlashAttnSpec, FLASH_HEAD_DIMS};
 pub use norm::{NormKind, NormSpec};
 pub use optimizer::{OptimizerKind, OptimizerSpec};
 pub use rope::{RopeFormat, RopeSpec};
@@ -174,6 +176,9 @@ kernel_families! {
     Embedding(EmbeddingSpec) => ["embedding.cu.tera"],
     /// Family 13: fused softmax cross-entropy loss and gradient.
     CrossEntropy(CrossEntropySpec) => ["cross_entropy.cu.tera"],
+    /// Family 14: fused attention (FlashAttention-2) forward with softmax_lse, deterministic
+    /// backward.
+    FlashAttn(FlashAttnSpec) => ["flash_attn_fwd.cu.tera", "flash_attn_bwd.cu.tera"],
 }
 
 impl KernelSpec {

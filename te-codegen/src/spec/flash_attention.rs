@@ -1,0 +1,326 @@
+//! Family 14: fused attention (FlashAttention-2), forward with the log-sum-exp and a
+//! deterministic backward, on tensor cores through `mma.sync` / `ldmatrix` / `cp.async`.
+//!
+//! One kernel serves every mask, sliding window, GQA ratio, layout (`bshd`, `sbhd`, q/k/v read
+//! in place from a fused QKV tensor) and padding: those are run-time arguments (strides,
+//! `cu_seqlens`, the window's bounds), so that the specialization is per head dim, dtype, tile
+//! and arch only. Sources followed: Dao, "FlashAttention-2" (2023), Algorithms 1 and 2;
+//! the `flash_fwd_kernel.h` / `flash_bwd_kernel.h` structure of `Dao-AILab/flash-attention`
+//! (tiling, the P-fragment reuse from the score accumulators); TE
+//! `pytorch/attention/dot_product_attention/utils.py` for the mask and window semantics.
+
+use super::{Direction, Family, KernelArg};
+use crate::{Arch, DType};
+use serde::{Deserialize, Serialize};
+
+/// A FlashAttention-2 kernel module for one head dim, dtype and tile.
+///
+/// **Forward** (entry point 0, [`FlashAttnSpec::FWD_ARGS`]): per (query block, head, sequence),
+/// `O = softmax(scale · Q · Kᵀ, masked) · V` with the online softmax over key tiles of
+/// `block_n` keys, no `[sq, sk]` buffer, and `softmax_lse = ln Σ_j exp(scale · s_ij)` over the
+/// attended keys, f32 `[batch, heads, sq]`. A query whose keys are all masked (or a padded query
+/// past its sequence's length) gets a zero output and `softmax_lse = +inf`, as in
+/// FlashAttention-2 (so that the backward's `exp(s - lse)` is 0 there).
+///
+/// **Backward** (entry points `_dot_do_o`, `_dkdv`, `_dq`, [`FlashAttnSpec::BWD_DOT_ARGS`],
+/// [`FlashAttnSpec::BWD_DKDV_ARGS`], [`FlashAttnSpec::BWD_DQ_ARGS`]): `delta_i = Σ_x dO_ix ·
+/// O_ix`; then per key block (dK, dV, looping over the query blocks and, for GQA, over the
+/// query heads of the group) and per query block (dQ, looping over the key blocks) the
+/// probabilities are recomputed from Q, K and the LSE: `P = exp(scale · S − lse)`, `dP = dO ·
+/// Vᵀ`, `dS = P ⊙ (dP − delta)`, `dV = Pᵀ dO`, `dK = scale · dSᵀ Q`, `dQ = scale · dS K`. No
+/// atomics: each output element is summed by one thread in a fixed order, so the gradients are
+/// the same bits run to run (the dQ kernel recomputes `S` and `dP`, about 1.4× the FLOPs of
+/// FlashAttention-2's atomic dQ).
+///
+/// Masks (run time): query `i` of a sequence with `lq` queries and `lk` keys sees key `j` iff
+/// `i < lq`, `j < lk`, `(left < 0 || j >= i + off − left)` and `(right < 0 || j <= i + off +
+/// right)`, with `off = lk − lq` when bottom-right aligned, else 0. Causal is `(left, right) =
+/// (−1, 0)`. Tiles that no query of a block can see are skipped.
+///
+/// Layout (run time): element `x` of head `h` at position `s` of sequence `b` sits at `b ·
+/// batch_stride + s · row_stride + h · head_stride + x` elements (bshd, sbhd, or heads inside a
+/// fused QKV row). Every pointer and stride must be 16-byte aligned (strides multiples of 8
+/// elements). With `cu_seqlens_q` / `cu_seqlens_kv` (i32 `[batch + 1]`, may be null) sequence
+/// `b` has `cu[b + 1] − cu[b]` valid positions of the padded `sq` / `sk`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct FlashAttnSpec {
+    /// Forward, or the backward's three kernels.
+    pub direction: Direction,
+    /// bf16 or f16 (q, k, v, o and their gradients); f32 accumulation and softmax.
+    pub dtype: DType,
+    /// Channels per head of q, k and v: 32, 64, 96, 128 or 256 (256: forward only).
+    pub head_dim: usize,
+    /// Query rows per block: 16 per warp (forward and dQ kernels).
+    pub block_m: usize,
+    /// Keys per block: a tile of the forward and dQ loop; the rows of one dK/dV block (16 per
+    /// warp).
+    pub block_n: usize,
+    /// Target architecture.
+    pub arch: Arch,
+}
+
+/// Head dims the kernels take.
+pub const FLASH_HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
+
+impl FlashAttnSpec {
+    /// A spec with the default tiles for `head_dim`.
+    ///
+    /// Forward: 16 query rows per warp, 128 rows (8 warps) up to head dim 128 with 64-key tiles,
+    /// 64 rows (4 warps) and 32-key tiles at 256 (registers and shared memory). Backward: dK/dV
+    /// blocks of 64 keys (4 warps) with 32-query tiles (64 up to head dim 64); dQ blocks as the
+    /// forward's at 64 rows.
+    pub fn new(direction: Direction, dtype: DType, head_dim: usize, arch: Arch) -> Self {
+        let (block_m, block_n) = match (direction, head_dim) {
+            (Direction::Fwd, d) if d <= 128 => (128, 64),
+            (Direction::Fwd, _) => (64, 32),
+            (Direction::Bwd, d) if d <= 64 => (64, 64),
+            (Direction::Bwd, _) => (64, 64),
+        };
+        Self { direction, dtype, head_dim, block_m, block_n, arch }
+    }
+
+    /// Threads of a forward or dQ block: 32 per 16 query rows.
+    pub const fn threads_m(&self) -> usize {
+        self.block_m / 16 * 32
+    }
+
+    /// Threads of a dK/dV block: 32 per 16 keys.
+    pub const fn threads_n(&self) -> usize {
+        self.block_n / 16 * 32
+    }
+
+    /// Query rows per tile of the dK/dV kernel's loop.
+    pub const fn dkdv_tile_m(&self) -> usize {
+        if self.head_dim <= 64 {
+            64
+        } else {
+            32
+        }
+    }
+
+    /// Padded shared-memory row of a `[rows, head_dim]` tile, in elements (`head_dim + 8`:
+    /// the 8 rows an `ldmatrix` reads fall in distinct banks).
+    pub const fn smem_ld(&self) -> usize {
+        self.head_dim + 8
+    }
+
+    /// Dynamic shared memory of entry point `entry`, in bytes.
+    pub fn shared_bytes(&self, entry: usize) -> usize {
+        let row = self.smem_ld() * 2;
+        match (self.direction, entry) {
+            // Q, K and V tiles (the output is staged in Q's).
+            (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
+            (Direction::Bwd, 0) => 0,
+            // K, V, Q and dO tiles, and the tile's LSE and delta.
+            (Direction::Bwd, 1) => (2 * self.block_n + 2 * self.dkdv_tile_m()) * row + 2 * self.dkdv_tile_m() * 4,
+            // Q, dO, K and V tiles.
+            (Direction::Bwd, _) => (2 * self.block_m + 2 * self.block_n) * row,
+        }
+    }
+
+    /// Arguments of the forward entry point.
+    pub const FWD_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("q", "const void* __restrict__", "queries, `[.., sq, heads, head_dim]` at the q strides"),
+        KernelArg::read("k", "const void* __restrict__", "keys, `[.., sk, groups, head_dim]` at the kv strides"),
+        KernelArg::read("v", "const void* __restrict__", "values, as the keys"),
+        KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim]` at the o strides"),
+        KernelArg::write("lse", "float* __restrict__", "`[batch, heads, sq]` f32 softmax_lse"),
+        KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+        KernelArg::read("cu_seqlens_kv", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+        KernelArg::scalar("q_batch", "u64", "batch stride of q (elements)"),
+        KernelArg::scalar("q_row", "u64", "position stride of q (elements)"),
+        KernelArg::scalar("q_head", "u64", "head stride of q (elements)"),
+        KernelArg::scalar("kv_batch", "u64", "batch stride of k and v (elements)"),
+        KernelArg::scalar("kv_row", "u64", "position stride of k and v (elements)"),
+        KernelArg::scalar("kv_head", "u64", "head stride of k and v (elements)"),
+        KernelArg::scalar("o_batch", "u64", "batch stride of o (elements)"),
+        KernelArg::scalar("o_row", "u64", "position stride of o (elements)"),
+        KernelArg::scalar("o_head", "u64", "head stride of o (elements)"),
+        KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
+        KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
+        KernelArg::scalar("heads", "u64", "query heads"),
+        KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
+        KernelArg::scalar("scale", "float", "softmax_scale"),
+        KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+    ];
+
+    /// Arguments of the backward's `_dot_do_o` entry point.
+    pub const BWD_DOT_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("o", "const void* __restrict__", "the forward output, at the o strides"),
+        KernelArg::read("d_o", "const void* __restrict__", "its gradient, at the o strides"),
+        KernelArg::write("delta", "float* __restrict__", "`[batch, heads, sq]` f32 Σ_x dO · O"),
+        KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+        KernelArg::scalar("o_batch", "u64", "batch stride of o and d_o (elements)"),
+        KernelArg::scalar("o_row", "u64", "position stride of o and d_o (elements)"),
+        KernelArg::scalar("o_head", "u64", "head stride of o and d_o (elements)"),
+        KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
+        KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
+        KernelArg::scalar("heads", "u64", "query heads"),
+        KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
+        KernelArg::scalar("scale", "float", "softmax_scale"),
+        KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+    ];
+
+    /// Arguments of the backward's `_dkdv` entry point.
+    pub const BWD_DKDV_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("q", "const void* __restrict__", "queries, at the q strides"),
+        KernelArg::read("k", "const void* __restrict__", "keys, at the kv strides"),
+        KernelArg::read("v", "const void* __restrict__", "values, at the kv strides"),
+        KernelArg::read("d_o", "const void* __restrict__", "output gradient, at the o strides"),
+        KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
+        KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
+        KernelArg::write("dk", "void* __restrict__", "key gradient, at the kv strides"),
+        KernelArg::write("dv", "void* __restrict__", "value gradient, at the kv strides"),
+        KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+        KernelArg::read("cu_seqlens_kv", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+        KernelArg::scalar("q_batch", "u64", "batch stride of q and dq (elements)"),
+        KernelArg::scalar("q_row", "u64", "position stride of q and dq (elements)"),
+        KernelArg::scalar("q_head", "u64", "head stride of q and dq (elements)"),
+        KernelArg::scalar("kv_batch", "u64", "batch stride of k, v, dk and dv (elements)"),
+        KernelArg::scalar("kv_row", "u64", "position stride of k, v, dk and dv (elements)"),
+        KernelArg::scalar("kv_head", "u64", "head stride of k, v, dk and dv (elements)"),
+        KernelArg::scalar("o_batch", "u64", "batch stride of d_o (elements)"),
+        KernelArg::scalar("o_row", "u64", "position stride of d_o (elements)"),
+        KernelArg::scalar("o_head", "u64", "head stride of d_o (elements)"),
+        KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
+        KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
+        KernelArg::scalar("heads", "u64", "query heads"),
+        KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
+        KernelArg::scalar("scale", "float", "softmax_scale"),
+        KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+    ];
+
+    /// Arguments of the backward's `_dq` entry point.
+    pub const BWD_DQ_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("q", "const void* __restrict__", "queries, at the q strides"),
+        KernelArg::read("k", "const void* __restrict__", "keys, at the kv strides"),
+        KernelArg::read("v", "const void* __restrict__", "values, at the kv strides"),
+        KernelArg::read("d_o", "const void* __restrict__", "output gradient, at the o strides"),
+        KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
+        KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
+        KernelArg::write("dq", "void* __restrict__", "query gradient, at the q strides"),
+        KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+        KernelArg::read("cu_seqlens_kv", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+        KernelArg::scalar("q_batch", "u64", "batch stride of q and dq (elements)"),
+        KernelArg::scalar("q_row", "u64", "position stride of q and dq (elements)"),
+        KernelArg::scalar("q_head", "u64", "head stride of q and dq (elements)"),
+        KernelArg::scalar("kv_batch", "u64", "batch stride of k and v (elements)"),
+        KernelArg::scalar("kv_row", "u64", "position stride of k and v (elements)"),
+        KernelArg::scalar("kv_head", "u64", "head stride of k and v (elements)"),
+        KernelArg::scalar("o_batch", "u64", "batch stride of d_o (elements)"),
+        KernelArg::scalar("o_row", "u64", "position stride of d_o (elements)"),
+        KernelArg::scalar("o_head", "u64", "head stride of d_o (elements)"),
+        KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
+        KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
+        KernelArg::scalar("heads", "u64", "query heads"),
+        KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
+        KernelArg::scalar("scale", "float", "softmax_scale"),
+        KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
+        KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+    ];
+}
+
+impl Family for FlashAttnSpec {
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        match (self.direction, entry) {
+            (Direction::Fwd, _) => Self::FWD_ARGS,
+            (Direction::Bwd, 0) => Self::BWD_DOT_ARGS,
+            (Direction::Bwd, 1) => Self::BWD_DKDV_ARGS,
+            (Direction::Bwd, _) => Self::BWD_DQ_ARGS,
+        }
+    }
+    fn entry_suffixes(&self) -> &'static [&'static str] {
+        match self.direction {
+            Direction::Fwd => &[""],
+            Direction::Bwd => &["_dot_do_o", "_dkdv", "_dq"],
+        }
+    }
+    fn family(&self) -> &'static str {
+        "flash_attn"
+    }
+    fn template(&self) -> &'static str {
+        match self.direction {
+            Direction::Fwd => "flash_attn_fwd.cu.tera",
+            Direction::Bwd => "flash_attn_bwd.cu.tera",
+        }
+    }
+    fn name_parts(&self) -> String {
+        format!(
+            "{}_{}_d{}_m{}_n{}",
+            self.direction.name(),
+            self.dtype,
+            self.head_dim,
+            self.block_m,
+            self.block_n
+        )
+    }
+    fn arch(&self) -> Arch {
+        self.arch
+    }
+    fn context(&self, ctx: &mut tera::Context) {
+        ctx.insert("t", self.dtype.type_tag());
+        ctx.insert("mma_type", if self.dtype == DType::F16 { "f16" } else { "bf16" });
+        ctx.insert("head_dim", &self.head_dim);
+        ctx.insert("block_m", &self.block_m);
+        ctx.insert("block_n", &self.block_n);
+        ctx.insert("dkdv_tile_m", &self.dkdv_tile_m());
+        ctx.insert("smem_ld", &self.smem_ld());
+    }
+    fn validate(&self) -> Result<(), String> {
+        if !matches!(self.dtype, DType::BF16 | DType::F16) {
+            return Err(format!("fused attention runs on bf16 or f16, not {}", self.dtype));
+        }
+        if !FLASH_HEAD_DIMS.contains(&self.head_dim) {
+            return Err(format!("head_dim = {} is not one of {FLASH_HEAD_DIMS:?}", self.head_dim));
+        }
+        if self.direction == Direction::Bwd && self.head_dim > 128 {
+            return Err(format!(
+                "the fused backward takes head_dim up to 128, got {} (use the unfused backend)",
+                self.head_dim
+            ));
+        }
+        for (what, n) in [("block_m", self.block_m), ("block_n", self.block_n)] {
+            if n == 0 || n % 16 != 0 || n > 128 {
+                return Err(format!("{what} = {n} must be a multiple of 16 in [16, 128]"));
+            }
+        }
+        if self.direction == Direction::Bwd && self.block_n % self.dkdv_tile_m() != 0 && self.dkdv_tile_m() % 16 != 0 {
+            return Err("the dK/dV query tile must be a multiple of 16".into());
+        }
+        let smem = (0..self.entry_suffixes().len()).map(|e| self.shared_bytes(e)).max().unwrap_or(0);
+        if smem > 227 * 1024 {
+            return Err(format!("the tiles need {smem} bytes of shared memory, above the 227 KiB of an SM"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_refuse_what_the_kernels_do_not_take() {
+        for d in FLASH_HEAD_DIMS {
+            for dtype in [DType::BF16, DType::F16] {
+                FlashAttnSpec::new(Direction::Fwd, dtype, d, Arch::Sm90a).validate().unwrap();
+                if d <= 128 {
+                    FlashAttnSpec::new(Direction::Bwd, dtype, d, Arch::Sm89).validate().unwrap();
+                }
+            }
+        }
+        let e = FlashAttnSpec::new(Direction::Fwd, DType::F32, 64, Arch::Sm90a).validate().unwrap_err();
+        assert!(e.contains("bf16 or f16"), "{e}");
+        let e = FlashAttnSpec::new(Direction::Fwd, DType::BF16, 80, Arch::Sm90a).validate().unwrap_err();
+        assert!(e.contains("head_dim = 80"), "{e}");
+        let e = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 256, Arch::Sm90a).validate().unwrap_err();
+        assert!(e.contains("up to 128"), "{e}");
+    }
+}
