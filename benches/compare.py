@@ -27,8 +27,8 @@ import json
 import os
 import sys
 
-SECTIONS = ("gemm", "modules", "gpt")
-ANCHOR_FILES = ("anchor-gemm.json", "anchor-modules.json", "anchor-gpt.json")
+SECTIONS = ("gemm", "attention", "modules", "gpt")
+ANCHOR_FILES = ("anchor-gemm.json", "anchor-attention.json", "anchor-modules.json", "anchor-gpt.json")
 
 
 class Problems:

@@ -59,6 +59,7 @@ def main():
             anchor_row("gemm", "8192x8192x8192", "gemm", "torch._scaled_mm", "fp8", 800.0, g, g, "gemm"),
             anchor_row("gemm", "8192x8192x8192", "gemm", "torch bf16 matmul", "bf16", 1600.0, g, 0, "gemm"),
         ], side="anchor")
+        write(d, "anchor-attention.json", [], side="anchor")
         write(d, "anchor-modules.json", [
             anchor_row("linear", "8192x4096->16384", "fwd", "torch eager bf16", "bf16", 1800.0, g // 4, 0, "modules"),
             anchor_row("linear", "8192x4096->16384", "fwd", "torchao tensorwise+compile", "fp8", 1000.0, g // 4,

@@ -1,17 +1,81 @@
-//! `DotProductAttention` forward + backward, unfused (cuBLASLt strided batched GEMMs around the
-//! softmax kernels), bf16, batch 4, seq 2048, 32 heads of 128, causal, in sbhd and bshd. FLOPs:
+//! `DotProductAttention` forward and forward + backward, bf16.
+//!
+//! Fused backend (section `attention`, beside `benches/anchors/attention.py`'s
+//! `scaled_dot_product_attention` rows): the shapes in bshd, FLOPs `4 · b · h · sq · sk · d`
+//! forward and 3.5× that forward + backward (FlashAttention's convention), the causal half
+//! only.
+//!
+//! Unfused backend, batch 4, seq 2048, 32 heads of 128, causal, in sbhd and bshd (kernel rows):
 //! the forward's two GEMMs are `4 · b · h · s² · d`, the backward's four twice that, so `3×` in
 //! all; the causal mask is counted as full (the unfused path computes every score, masked or
 //! not), so these are TFLOP/s of dense attention work.
 
-use crate::harness::{random_bytes, Bench};
-use te_runtime::modules::{AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use crate::harness::{random_bytes, Bench, Work};
+use te_runtime::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 use te_runtime::{DType, Tensor};
+
+/// `(batch, seq, heads, kv heads, head_dim, causal)`: the shapes.
+const FUSED_SHAPES: [(usize, usize, usize, usize, usize, bool); 6] = [
+    (4, 2048, 32, 32, 128, true),
+    (2, 8192, 32, 32, 128, true),
+    (4, 4096, 32, 8, 128, true),
+    (1, 16384, 32, 32, 128, true),
+    (256, 128, 12, 12, 32, false),
+    (8, 1024, 12, 12, 64, true),
+];
 
 pub fn run(b: &mut Bench) {
     if !b.enabled("attention") {
         return;
     }
+    fused(b);
+    unfused(b);
+}
+
+fn fused(b: &mut Bench) {
+    let dev = b.dev().clone();
+    for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES {
+        let cfg = DotProductAttentionConfig {
+            qkv_format: QkvFormat::Bshd,
+            attn_mask_type: if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask },
+            num_gqa_groups: Some(groups),
+            backend: AttentionBackend::Fused,
+            ..DotProductAttentionConfig::new(heads, d)
+        };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        let bf16 = |shape: &[usize], seed| {
+            let n = shape.iter().product();
+            Tensor::from_bytes(&dev, DType::BF16, shape, &random_bytes(DType::BF16, n, seed)).unwrap()
+        };
+        let q = bf16(&[batch, seq, heads, d], 1);
+        let (k, v) = (bf16(&[batch, seq, groups, d], 2), bf16(&[batch, seq, groups, d], 3));
+        let d_out = bf16(&[batch, seq, heads * d], 4);
+        let kv = if groups != heads { format!("/kv{groups}") } else { String::new() };
+        let shape = format!("b{batch} s{seq} h{heads}{kv} d{d} {}", if causal { "causal" } else { "no_mask" });
+        let full = (4 * batch * heads * seq * seq * d) as u64;
+        let fwd_flops = if causal { full / 2 } else { full };
+        let work = |pass| Work {
+            section: "attention",
+            work: "attention".into(),
+            pass,
+            variant: "ours fused".into(),
+            precision: "bf16",
+            flops_fp8: 0,
+            tokens: None,
+        };
+        let st = b.time(3, 10, |_| {
+            attn.forward(&q, &k, &v, None).unwrap();
+        });
+        b.record_work(&shape, st, fwd_flops, None, work("fwd"));
+        let st = b.time(2, 10, |_| {
+            let (_, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+            attn.backward(ctx, &d_out).unwrap();
+        });
+        b.record_work(&shape, st, fwd_flops * 7 / 2, None, work("fwd+bwd"));
+    }
+}
+
+fn unfused(b: &mut Bench) {
     let dev = b.dev().clone();
     let (batch, seq, heads, head_dim) = (4usize, 2048usize, 32usize, 128usize);
     let flops = (3 * 4 * batch * heads * seq * seq * head_dim) as u64;
@@ -20,6 +84,7 @@ pub fn run(b: &mut Bench) {
         let cfg = DotProductAttentionConfig {
             qkv_format: format,
             attn_mask_type: AttnMaskType::Causal,
+            backend: AttentionBackend::Unfused,
             ..DotProductAttentionConfig::new(heads, head_dim)
         };
         let mut attn = DotProductAttention::new(&dev, cfg).unwrap();

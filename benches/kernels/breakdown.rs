@@ -28,7 +28,7 @@ const DROPOUT: f32 = 0.1;
 const PHASES: [&str; 15] = [
     "fwd layernorm + QKV GEMM",
     "fwd split q, k, v",
-    "fwd attention (unfused)",
+    "fwd attention",
     "fwd projection GEMM",
     "fwd dropout + residual",
     "fwd LayerNormMLP",
@@ -38,7 +38,7 @@ const PHASES: [&str; 15] = [
     "bwd LayerNormMLP + residual",
     "bwd dropout",
     "bwd projection GEMMs",
-    "bwd attention (unfused)",
+    "bwd attention",
     "bwd concat dq, dk, dv",
     "bwd layernorm + QKV GEMMs + residual",
 ];

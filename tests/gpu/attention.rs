@@ -3,6 +3,8 @@
 //! (8 heads, 2 groups), MQA (1 group) and MHA, every mask type, `sq != sk` where the mask allows
 //! it, lengths that are not multiples of 8 (sq = 77, padding lengths [77, 50]), head_dim 64 and
 //! 128, f16 and f32 once each; padded positions exactly zero; the padding-mask cache; typed errors.
+//! Every bf16/f16 case runs on both backends, fused and unfused (`fused_attention` adds the
+//! fused backend's own cases).
 //!
 //! Tolerances. The unfused path stores the scores, probabilities and their gradients in the
 //! inputs' dtype, so outputs near zero carry absolute error from the rounding of `P` and `dP`.
@@ -14,7 +16,7 @@
 //! f32 1e-4 (the GEMMs compute in pure f32; the softmax's `ex2.approx` errs by ~2 ulps).
 
 use crate::common::{device, randn};
-use te_runtime::modules::{AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_runtime::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 use te_runtime::numerics::round_to;
 use te_runtime::reference::attention::{self as reference, AttentionCase};
 use te_runtime::{DType, Device, Error, Tensor};
@@ -28,7 +30,7 @@ fn tolerance(dtype: DType) -> (f32, f32, f32) {
     }
 }
 
-fn check(what: &str, dtype: DType, got: &[f32], want: &[f32]) {
+pub(crate) fn check(what: &str, dtype: DType, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let (frobenius, rtol, atol) = tolerance(dtype);
     let amax = want.iter().fold(0f32, |a, &w| a.max(w.abs()));
@@ -48,27 +50,37 @@ fn check(what: &str, dtype: DType, got: &[f32], want: &[f32]) {
 
 /// One attention call to test.
 #[derive(Debug, Clone)]
-struct Case {
-    format: QkvFormat,
-    mask: AttnMaskType,
-    dtype: DType,
-    batch: usize,
-    sq: usize,
-    sk: usize,
-    heads: usize,
-    groups: usize,
-    head_dim: usize,
-    seq_lens: Option<Vec<usize>>,
+pub(crate) struct Case {
+    pub format: QkvFormat,
+    pub mask: AttnMaskType,
+    pub dtype: DType,
+    pub batch: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub heads: usize,
+    pub groups: usize,
+    pub head_dim: usize,
+    pub seq_lens: Option<Vec<usize>>,
+    /// `Auto` in [`Case::new`]; [`check_case`] runs each backend that takes the dtype.
+    pub backend: AttentionBackend,
 }
 
 impl Case {
-    fn new(format: QkvFormat, mask: AttnMaskType, (sq, sk): (usize, usize), groups: usize, head_dim: usize) -> Self {
+    pub fn new(
+        format: QkvFormat,
+        mask: AttnMaskType,
+        (sq, sk): (usize, usize),
+        groups: usize,
+        head_dim: usize,
+    ) -> Self {
         let seq_lens = mask.is_padding().then(|| vec![77, 50]);
-        Case { format, mask, dtype: DType::BF16, batch: 2, sq, sk, heads: 8, groups, head_dim, seq_lens }
+        let backend = AttentionBackend::Auto;
+        Case { format, mask, dtype: DType::BF16, batch: 2, sq, sk, heads: 8, groups, head_dim, seq_lens, backend }
     }
 
-    fn config(&self) -> DotProductAttentionConfig {
+    pub fn config(&self) -> DotProductAttentionConfig {
         DotProductAttentionConfig {
+            backend: self.backend,
             num_gqa_groups: Some(self.groups),
             qkv_format: self.format,
             attn_mask_type: self.mask,
@@ -76,7 +88,7 @@ impl Case {
         }
     }
 
-    fn reference(&self) -> AttentionCase<'_> {
+    pub fn reference(&self) -> AttentionCase<'_> {
         AttentionCase {
             format: self.format,
             batch: self.batch,
@@ -93,15 +105,15 @@ impl Case {
 }
 
 /// Host values of q, k, v and d_out (N(0, 1), rounded to the dtype).
-struct Inputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    d_out: Vec<f32>,
+pub(crate) struct Inputs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub d_out: Vec<f32>,
 }
 
 impl Inputs {
-    fn new(c: &Case, seed: u64) -> Self {
+    pub fn new(c: &Case, seed: u64) -> Self {
         let r = c.reference();
         let values = |seed, n| -> Vec<f32> { randn(seed, n, 1.0).into_iter().map(|x| round_to(c.dtype, x)).collect() };
         Inputs {
@@ -114,15 +126,19 @@ impl Inputs {
 }
 
 /// The GPU's `(out, dq, dk, dv)` on the host.
-type Results = [Vec<f32>; 4];
+pub(crate) type Results = [Vec<f32>; 4];
 
-/// Forward and backward of `attn` on the GPU; checks the shapes.
-fn run(dev: &Device, attn: &mut DotProductAttention, c: &Case, x: &Inputs) -> Results {
+/// Forward and backward of `attn` on the GPU; checks the shapes and (unless `Auto`) that the
+/// case's backend ran.
+pub(crate) fn run(dev: &Device, attn: &mut DotProductAttention, c: &Case, x: &Inputs) -> Results {
     let q_shape = c.format.shape(c.batch, c.sq, c.heads, c.head_dim);
     let kv_shape = c.format.shape(c.batch, c.sk, c.groups, c.head_dim);
     let upload = |v: &[f32], shape: &[usize]| Tensor::from_f32(dev, c.dtype, shape, v).unwrap();
     let (q, k, v) = (upload(&x.q, &q_shape), upload(&x.k, &kv_shape), upload(&x.v, &kv_shape));
     let (out, ctx) = attn.forward(&q, &k, &v, c.seq_lens.as_deref()).unwrap();
+    if c.backend != AttentionBackend::Auto {
+        assert_eq!(ctx.backend(), c.backend, "{c:?}: backend");
+    }
     let out_shape = [q_shape[0], q_shape[1], c.heads * c.head_dim];
     assert_eq!((out.shape(), out.dtype()), (&out_shape[..], c.dtype), "{c:?}: output");
     let (dq, dk, dv) = attn.backward(ctx, &upload(&x.d_out, &out_shape)).unwrap();
@@ -130,22 +146,38 @@ fn run(dev: &Device, attn: &mut DotProductAttention, c: &Case, x: &Inputs) -> Re
     [out, dq, dk, dv].map(|t| t.to_f32(dev).unwrap())
 }
 
-/// Runs `c` on a fresh module and checks everything against the reference; returns the GPU
-/// results and inputs for further checks.
-fn check_case(dev: &std::sync::Arc<Device>, c: &Case, seed: u64) -> (Results, Inputs) {
-    let mut attn = DotProductAttention::new(dev, c.config()).unwrap();
-    let x = Inputs::new(c, seed);
-    let got = run(dev, &mut attn, c, &x);
-    compare(c, &x, &got);
-    (got, x)
+/// The backends that take `dtype`: fused (bf16, f16) and unfused.
+pub(crate) fn backends(dtype: DType) -> Vec<AttentionBackend> {
+    match dtype {
+        DType::F32 => vec![AttentionBackend::Unfused],
+        _ => vec![AttentionBackend::Fused, AttentionBackend::Unfused],
+    }
 }
 
-fn compare(c: &Case, x: &Inputs, got: &Results) {
+/// Runs `c` on a fresh module per backend (each one that takes the dtype, unless the case
+/// names one) and checks everything against the reference; returns the first backend's GPU
+/// results and the inputs for further checks.
+pub(crate) fn check_case(dev: &std::sync::Arc<Device>, c: &Case, seed: u64) -> (Results, Inputs) {
+    let x = Inputs::new(c, seed);
+    let list = if c.backend == AttentionBackend::Auto { backends(c.dtype) } else { vec![c.backend] };
+    let mut first = None;
+    for backend in list {
+        let c = Case { backend, ..c.clone() };
+        let mut attn = DotProductAttention::new(dev, c.config()).unwrap();
+        let got = run(dev, &mut attn, &c, &x);
+        compare(&c, &x, &got);
+        first.get_or_insert(got);
+    }
+    (first.unwrap(), x)
+}
+
+pub(crate) fn compare(c: &Case, x: &Inputs, got: &Results) {
     let r = c.reference();
     let f = reference::forward(&r, &x.q, &x.k, &x.v);
     let g = reference::backward(&r, &x.q, &x.k, &x.v, &x.d_out);
     let what = format!(
-        "{:?} {} {} b{} sq{} sk{} h{} g{} d{} lens {:?}",
+        "{} {:?} {} {} b{} sq{} sk{} h{} g{} d{} lens {:?}",
+        c.backend.name(),
         c.format,
         c.mask.name(),
         c.dtype,
@@ -181,7 +213,7 @@ fn causal_matches_reference() {
 
 /// Padded queries give exactly zero outputs and query gradients; padded keys get exactly zero
 /// key and value gradients.
-fn check_padded_zeros(c: &Case, got: &Results) {
+pub(crate) fn check_padded_zeros(c: &Case, got: &Results) {
     let lens = c.seq_lens.as_deref().unwrap();
     let at = |seq: usize, n: usize, b: usize, s: usize| -> std::ops::Range<usize> {
         let outer = match c.format {
@@ -221,15 +253,17 @@ fn padding_matches_reference_and_zeros_padded_positions() {
 #[test]
 fn padding_mask_follows_new_lengths() {
     let Some(dev) = device() else { return };
-    // One module, three calls: the cached mask is rebuilt when the lengths change.
-    let mut c = Case::new(QkvFormat::Bshd, AttnMaskType::PaddingCausal, (77, 77), 2, 64);
-    let mut attn = DotProductAttention::new(&dev, c.config()).unwrap();
-    for (lens, seed) in [(vec![77, 50], 90), (vec![33, 77], 91), (vec![77, 50], 92)] {
-        c.seq_lens = Some(lens);
-        let x = Inputs::new(&c, seed);
-        let got = run(&dev, &mut attn, &c, &x);
-        compare(&c, &x, &got);
-        check_padded_zeros(&c, &got);
+    // One module, three calls: the cached mask (the cu_seqlens) follow when the lengths change.
+    for backend in backends(DType::BF16) {
+        let mut c = Case { backend, ..Case::new(QkvFormat::Bshd, AttnMaskType::PaddingCausal, (77, 77), 2, 64) };
+        let mut attn = DotProductAttention::new(&dev, c.config()).unwrap();
+        for (lens, seed) in [(vec![77, 50], 90), (vec![33, 77], 91), (vec![77, 50], 92)] {
+            c.seq_lens = Some(lens);
+            let x = Inputs::new(&c, seed);
+            let got = run(&dev, &mut attn, &c, &x);
+            compare(&c, &x, &got);
+            check_padded_zeros(&c, &got);
+        }
     }
 }
 

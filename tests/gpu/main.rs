@@ -16,6 +16,7 @@ mod checkpoint;
 mod copy;
 mod dropout;
 mod elementwise;
+mod fused_attention;
 mod gemm;
 mod gpt;
 mod gpt_reference;

@@ -252,14 +252,7 @@ impl Family for FlashAttnSpec {
         }
     }
     fn name_parts(&self) -> String {
-        format!(
-            "{}_{}_d{}_m{}_n{}",
-            self.direction.name(),
-            self.dtype,
-            self.head_dim,
-            self.block_m,
-            self.block_n
-        )
+        format!("{}_{}_d{}_m{}_n{}", self.direction.name(), self.dtype, self.head_dim, self.block_m, self.block_n)
     }
     fn arch(&self) -> Arch {
         self.arch

@@ -1,8 +1,16 @@
 //! `DotProductAttention`: `softmax(scale · Q · Kᵀ, masked) · V` for every (batch, head), and its
 //! backward (TE `pytorch/attention/dot_product_attention/dot_product_attention.py`).
 //!
-//! This first version is TE's unfused backend (`UnfusedDotProductAttention` in `backends.py`),
-//! in the inputs' precision, under `fp8_autocast` too (TE's FP8 attention needs a fused kernel):
+//! Two backends, picked per call ([`AttentionBackend`], TE's `get_attention_backend`):
+//!
+//! **Fused** (the default wherever it applies: bf16/f16, head_dim in
+//! [`te_codegen::spec::FLASH_HEAD_DIMS`] (up to 128 in training), no attention dropout): the
+//! FlashAttention-2 kernels of [`crate::ops::flash_attention`]: no `[sq, sk]` buffer, the context
+//! keeps the output and the f32 `softmax_lse [batch, heads, sq]`, and the backward recomputes the
+//! probabilities, deterministically (no atomics). No limit on `sk`.
+//!
+//! **Unfused** (TE's `UnfusedDotProductAttention` in `backends.py`), in the inputs' precision,
+//! under `fp8_autocast` too (TE's FP8 attention needs a fused kernel):
 //! - forward: `S = Q · Kᵀ` (strided batched cuBLASLt GEMMs straight on the `bshd`/`sbhd` tensors,
 //!   [`crate::gemm::gemm_strided_batched`], no copies), `P = softmax(scale · S)` with the mask (the
 //!   fused softmax kernel, [`crate::ops::softmax`], which applies the scale), `O = P · V`;
@@ -12,10 +20,12 @@
 //!   as TE's `repeat_interleave` backward does).
 //!
 //! `S`, `P`, `dP` and `dS` are `[batch, heads, sq, sk]` in the inputs' dtype; the context keeps `P`
-//! for backward (`2 · batch · heads · sq · sk` bytes in bf16), as TE's unfused backend does. A
-//! fused flash-attention backend, which keeps no `P`, would slot in next to the unfused one behind
-//! the same API.
+//! for backward (`2 · batch · heads · sq · sk` bytes in bf16), as TE's unfused backend does.
+//!
+//! Both give a query that sees no key (a padded query) a zero output and zero gradients.
 
+mod backend;
+mod fused;
 mod mask;
 mod plan;
 mod unfused;
@@ -26,7 +36,8 @@ use crate::ops::dropout::DropoutParams;
 use crate::ops::softmax::MAX_SK;
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
-use mask::MaskCache;
+pub use backend::AttentionBackend;
+use mask::{check_seq_lens, MaskCache};
 use plan::Dims;
 use std::sync::Arc;
 pub use te_codegen::spec::{AttnMaskType, QkvFormat};
@@ -54,6 +65,10 @@ pub struct DotProductAttentionConfig {
     pub attn_mask_type: AttnMaskType,
     /// Multiplies `Q · Kᵀ` before the softmax; `None` = `1 / sqrt(kv_channels)`.
     pub softmax_scale: Option<f32>,
+    /// Which backend runs: [`AttentionBackend::Auto`] (the default) picks the fused kernels
+    /// wherever they apply, unless the environment says `NVTE_FUSED_ATTN=0` or
+    /// `NVTE_FLASH_ATTN=0`.
+    pub backend: AttentionBackend,
 }
 
 impl DotProductAttentionConfig {
@@ -68,6 +83,7 @@ impl DotProductAttentionConfig {
             qkv_format: QkvFormat::Sbhd,
             attn_mask_type: AttnMaskType::Causal,
             softmax_scale: None,
+            backend: AttentionBackend::Auto,
         }
     }
 
@@ -79,6 +95,11 @@ impl DotProductAttentionConfig {
     /// The softmax scale.
     fn scale(&self) -> f32 {
         self.softmax_scale.unwrap_or(1.0 / (self.kv_channels as f32).sqrt())
+    }
+
+    /// Whether training calls in `dtype` run on the fused backend.
+    pub(crate) fn runs_fused(&self, dtype: DType) -> bool {
+        matches!(backend::select(self, dtype, self.attention_dropout, true), Ok(AttentionBackend::Fused))
     }
 
     /// Fails for a configuration the module cannot run.
@@ -108,7 +129,8 @@ impl DotProductAttentionConfig {
 }
 
 /// The context a [`DotProductAttention::forward`] saves for its backward: q, k, v (shared with
-/// the caller's tensors, not copied) and the probabilities `P` `[batch, heads, sq, sk]`.
+/// the caller's tensors, not copied) and the backend's state: the output and `softmax_lse`
+/// (fused), or the probabilities `P` `[batch, heads, sq, sk]` (unfused).
 #[derive(Debug)]
 pub struct AttentionCtx {
     module_id: u64,
@@ -116,8 +138,24 @@ pub struct AttentionCtx {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs: Tensor,
-    dropout: Option<unfused::ProbsDropout>,
+    saved: Saved,
+}
+
+/// The backend-specific part of an [`AttentionCtx`].
+#[derive(Debug)]
+enum Saved {
+    Fused(fused::FusedSaved),
+    Unfused { probs: Tensor, dropout: Option<unfused::ProbsDropout> },
+}
+
+impl AttentionCtx {
+    /// The backend that ran the forward (and runs the backward).
+    pub fn backend(&self) -> AttentionBackend {
+        match self.saved {
+            Saved::Fused(_) => AttentionBackend::Fused,
+            Saved::Unfused { .. } => AttentionBackend::Unfused,
+        }
+    }
 }
 
 /// Scaled dot-product attention over heads, `O = softmax(scale · Q · Kᵀ, masked) · V`, with
@@ -150,6 +188,8 @@ pub struct DotProductAttention {
     calls: u64,
     /// Training mode (dropout on), PyTorch's `module.training`.
     training: bool,
+    /// The backend of the last forward (logged when it changes).
+    last_backend: Option<AttentionBackend>,
 }
 
 impl DotProductAttention {
@@ -161,7 +201,15 @@ impl DotProductAttention {
     /// `softmax_scale` that is not finite and positive.
     pub fn new(dev: &Arc<Device>, cfg: DotProductAttentionConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), masks: MaskCache::default(), calls: 0, training: true })
+        Ok(Self {
+            dev: dev.clone(),
+            cfg,
+            id: next_module_id(),
+            masks: MaskCache::default(),
+            calls: 0,
+            training: true,
+            last_backend: None,
+        })
     }
 
     /// The configuration.
@@ -181,20 +229,23 @@ impl DotProductAttention {
     /// - `q`: `[batch, sq, h, d]` (bshd) or `[sq, batch, h, d]` (sbhd), bf16, f16 or f32, with `h
     ///   = num_attention_heads`, `d = kv_channels`.
     /// - `k`, `v`: `[batch, sk, g, d]` / `[sk, batch, g, d]` of q's dtype, `g = num_gqa_groups`,
-    ///   `1 <= sk <= 16384`.
+    ///   `sk >= 1` (at most 16384 on the unfused backend).
     /// - `seq_lens`: for padding masks (required there, refused otherwise), the valid length of
     ///   each of the `batch` sequences, at most `max(sq, sk)`: keys `j >= seq_lens[b]` are masked
-    ///   out and queries `i >= seq_lens[b]` give zeros. The `[batch, sq, sk]` byte mask is built on
-    ///   the host and kept for the next call with the same lengths and sizes.
+    ///   out and queries `i >= seq_lens[b]` give zeros. The fused backend reads them as
+    ///   `cu_seqlens`; the unfused one builds a `[batch, sq, sk]` byte mask on the host, kept for
+    ///   the next call with the same lengths and sizes.
     ///
     /// Output: `[batch, sq, h · d]` (bshd) or `[sq, batch, h · d]` (sbhd), q's dtype.
     ///
     /// # Errors
     /// - [`Error::DType`]: q not bf16/f16/f32, or k, v of another dtype than q.
     /// - [`Error::Shape`]: tensors not 4-D in the format, head counts or head_dim other than the
-    ///   configuration's, k and v differing, batch or lengths of zero, `sk` above 16384,
-    ///   `seq_lens` of another length than the batch or with a length above `max(sq, sk)`.
-    /// - [`Error::Config`]: `seq_lens` missing for a padding mask or given for another.
+    ///   configuration's, k and v differing, batch or lengths of zero, `sk` above 16384 on the
+    ///   unfused backend, `seq_lens` of another length than the batch or with a length above
+    ///   `max(sq, sk)`.
+    /// - [`Error::Config`]: `seq_lens` missing for a padding mask or given for another;
+    ///   [`AttentionBackend::Fused`] forced for a call it does not support (the message says why).
     /// - GEMM and kernel failures.
     pub fn forward(
         &mut self,
@@ -204,12 +255,42 @@ impl DotProductAttention {
         seq_lens: Option<&[usize]>,
     ) -> Result<(Tensor, AttentionCtx)> {
         let dims = self.dims(q, k, v)?;
-        let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, seq_lens, &dims)?;
         let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
-        self.calls += u64::from(p > 0.0);
-        let drop = DropoutParams { p, seed: self.id, offset: self.calls };
-        let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale(), drop)?;
-        let ctx = AttentionCtx { module_id: self.id, dims, q: q.clone(), k: k.clone(), v: v.clone(), probs, dropout };
+        let backend = backend::select(&self.cfg, q.dtype(), p, self.training)?;
+        if self.last_backend != Some(backend) {
+            tracing::debug!(
+                "DotProductAttention: {} backend (d = {}, {}, {})",
+                backend.name(),
+                dims.head_dim,
+                q.dtype(),
+                self.cfg.attn_mask_type.name()
+            );
+            self.last_backend = Some(backend);
+        }
+        let (out, saved) = if backend == AttentionBackend::Fused {
+            let lens = check_seq_lens(self.cfg.attn_mask_type, seq_lens, &dims)?;
+            let (out, saved) =
+                fused::forward(&self.dev, &dims, self.cfg.attn_mask_type, lens, [q, k, v], self.cfg.scale())?;
+            (out, Saved::Fused(saved))
+        } else {
+            if dims.sk > MAX_SK {
+                return Err(Error::Shape {
+                    op: MODULE,
+                    message: format!(
+                        "sk = {} keys exceed the unfused softmax kernel's limit of {MAX_SK} (TE's unfused limit too): \
+                         shorten the key sequence, or use the fused backend (bf16/f16, head_dim in {:?}, no dropout)",
+                        dims.sk,
+                        te_codegen::spec::FLASH_HEAD_DIMS
+                    ),
+                });
+            }
+            let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, seq_lens, &dims)?;
+            self.calls += u64::from(p > 0.0);
+            let drop = DropoutParams { p, seed: self.id, offset: self.calls };
+            let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale(), drop)?;
+            (out, Saved::Unfused { probs, dropout })
+        };
+        let ctx = AttentionCtx { module_id: self.id, dims, q: q.clone(), k: k.clone(), v: v.clone(), saved };
         Ok((out, ctx))
     }
 
@@ -230,8 +311,15 @@ impl DotProductAttention {
         let dtype = ctx.q.dtype();
         check_dtype(MODULE, "d_out", d_out, |d| d == dtype, &format!("{dtype} (the dtype of the forward's q)"))?;
         check_shape(MODULE, "d_out", d_out, &ctx.dims.out_shape())?;
-        let drop = ctx.dropout.as_ref();
-        unfused::backward(&self.dev, &ctx.dims, [&ctx.q, &ctx.k, &ctx.v], &ctx.probs, drop, d_out, self.cfg.scale())
+        let qkv = [&ctx.q, &ctx.k, &ctx.v];
+        match &ctx.saved {
+            Saved::Fused(saved) => {
+                fused::backward(&self.dev, &ctx.dims, self.cfg.attn_mask_type, qkv, saved, d_out, self.cfg.scale())
+            }
+            Saved::Unfused { probs, dropout } => {
+                unfused::backward(&self.dev, &ctx.dims, qkv, probs, dropout.as_ref(), d_out, self.cfg.scale())
+            }
+        }
     }
 
     /// Checks q, k, v against the configuration and each other; their dimensions.
@@ -270,12 +358,6 @@ impl DotProductAttention {
         check_shape(MODULE, "v", v, k.shape())?;
         if batch == 0 || sq == 0 || sk == 0 {
             return shape_error(format!("batch, sq and sk must be ≥ 1, got {batch}, {sq} and {sk}"));
-        }
-        if sk > MAX_SK {
-            return shape_error(format!(
-                "sk = {sk} keys exceed the softmax kernel's limit of {MAX_SK} (TE's unfused limit too): shorten the \
-                 key sequence"
-            ));
         }
         Ok(Dims { format, batch, sq, sk, heads: h, groups: g, head_dim: d })
     }

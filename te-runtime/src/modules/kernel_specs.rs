@@ -15,8 +15,8 @@ use super::{
     LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
 };
 use te_codegen::spec::{
-    ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, MaskKind, NormSpec,
-    RopeSpec, SoftmaxSpec,
+    ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, FlashAttnSpec, MaskKind,
+    NormSpec, RopeSpec, SoftmaxSpec,
 };
 use te_codegen::DType;
 
@@ -103,13 +103,20 @@ impl LayerNormMLPConfig {
 }
 
 impl DotProductAttentionConfig {
-    /// The kernels an unfused `DotProductAttention` of this config runs for `target`, in the
-    /// target's dtype (that of q, k, v): the softmax forward for the mask and its backward at
-    /// [`KernelTarget::seq_length`] keys, dropout of the probabilities and its backward, and
-    /// (GQA, fewer key/value groups than heads) the f32 sum of the key/value gradients over the
-    /// heads of a group.
+    /// The kernels a `DotProductAttention` of this config runs in training for `target`, in the
+    /// target's dtype (that of q, k, v). On the fused backend: the FlashAttention-2 forward and
+    /// backward of the head dim. On the unfused one: the softmax forward for the mask and its
+    /// backward at [`KernelTarget::seq_length`] keys, dropout of the probabilities and its
+    /// backward, and (GQA, fewer key/value groups than heads) the f32 sum of the key/value
+    /// gradients over the heads of a group.
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         let (dt, arch, sk) = (target.params_dtype, target.arch, target.seq_length);
+        if self.runs_fused(dt) {
+            for dir in [Direction::Fwd, Direction::Bwd] {
+                specs.push(KernelSpec::FlashAttn(FlashAttnSpec::new(dir, dt, self.kv_channels, arch)));
+            }
+            return;
+        }
         let heads = self.num_attention_heads;
         specs.push(SoftmaxSpec::new(self.attn_mask_type.kernel_mask(), Direction::Fwd, dt, sk, arch).into());
         specs.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, sk, arch).into());

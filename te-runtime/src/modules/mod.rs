@@ -18,7 +18,9 @@ pub mod transformer_layer;
 pub mod visit;
 
 pub use crate::fp8::{Fp8Direction, Fp8StateSlot};
-pub use attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+pub use attention::{
+    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat,
+};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
 pub use kernel_target::KernelTarget;
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};

@@ -10,6 +10,7 @@ pub mod cross_entropy;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub mod flash_attention;
 mod launch;
 pub mod norm;
 pub mod optimizer;

@@ -39,6 +39,49 @@ pub(super) fn padding_mask(seq_lens: &[usize], sq: usize, sk: usize, causal: boo
     mask
 }
 
+/// `seq_lens` after checking them against the mask and sizes: `Some` for padding masks.
+///
+/// # Errors
+/// [`Error::Config`] for `seq_lens` missing with a padding mask or given with another;
+/// [`Error::Shape`] for `seq_lens` not one per sequence or a length above `max(sq, sk)`.
+pub(super) fn check_seq_lens<'a>(
+    kind: AttnMaskType,
+    seq_lens: Option<&'a [usize]>,
+    dims: &Dims,
+) -> Result<Option<&'a [usize]>> {
+    let config = |message: String| Err(Error::Config { module: MODULE, message });
+    let seq_lens = match (kind, seq_lens) {
+        (_, None) if !kind.is_padding() => return Ok(None),
+        (_, Some(lens)) if kind.is_padding() => lens,
+        (_, Some(_)) => {
+            return config(format!(
+                "seq_lens are only read by padding masks; attn_mask_type = {} takes None (or configure padding / \
+                 padding_causal)",
+                kind.name()
+            ))
+        }
+        (_, None) => {
+            return config(format!(
+                "attn_mask_type = {} needs seq_lens: the valid length of each sequence of the batch",
+                kind.name()
+            ))
+        }
+    };
+    let (sq, sk) = (dims.sq, dims.sk);
+    let shape_error = |message: String| Err(Error::Shape { op: MODULE, message });
+    if seq_lens.len() != dims.batch {
+        return shape_error(format!(
+            "seq_lens must hold one length per sequence ({}), got {}",
+            dims.batch,
+            seq_lens.len()
+        ));
+    }
+    if let Some((b, &len)) = seq_lens.iter().enumerate().find(|(_, &len)| len > sq.max(sk)) {
+        return shape_error(format!("seq_lens[{b}] = {len} exceeds the sequence lengths (sq = {sq}, sk = {sk})"));
+    }
+    Ok(Some(seq_lens))
+}
+
 impl MaskCache {
     /// The softmax mask for `kind` with the call's `seq_lens`, uploading a new byte mask when
     /// the padding lengths or sizes changed.
@@ -54,37 +97,10 @@ impl MaskCache {
         seq_lens: Option<&[usize]>,
         dims: &Dims,
     ) -> Result<Mask<'_>> {
-        let config = |message: String| Err(Error::Config { module: MODULE, message });
-        let seq_lens = match (kind, seq_lens) {
-            (AttnMaskType::NoMask, None) => return Ok(Mask::None),
-            (AttnMaskType::Causal, None) => return Ok(Mask::Causal),
-            (_, Some(lens)) if kind.is_padding() => lens,
-            (_, Some(_)) => {
-                return config(format!(
-                    "seq_lens are only read by padding masks; attn_mask_type = {} takes None (or configure \
-                     padding / padding_causal)",
-                    kind.name()
-                ))
-            }
-            (_, None) => {
-                return config(format!(
-                    "attn_mask_type = {} needs seq_lens: the valid length of each sequence of the batch",
-                    kind.name()
-                ))
-            }
+        let Some(seq_lens) = check_seq_lens(kind, seq_lens, dims)? else {
+            return Ok(if kind.is_causal() { Mask::Causal } else { Mask::None });
         };
         let (sq, sk) = (dims.sq, dims.sk);
-        let shape_error = |message: String| Err(Error::Shape { op: MODULE, message });
-        if seq_lens.len() != dims.batch {
-            return shape_error(format!(
-                "seq_lens must hold one length per sequence ({}), got {}",
-                dims.batch,
-                seq_lens.len()
-            ));
-        }
-        if let Some((b, &len)) = seq_lens.iter().enumerate().find(|(_, &len)| len > sq.max(sk)) {
-            return shape_error(format!("seq_lens[{b}] = {len} exceeds the sequence lengths (sq = {sq}, sk = {sk})"));
-        }
         let key = MaskKey { seq_lens: seq_lens.to_vec(), sq, sk, causal: kind.is_causal() };
         let entry = match self.entry.take() {
             Some((cached, mask)) if cached == key => (cached, mask),

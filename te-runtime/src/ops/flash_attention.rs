@@ -1,0 +1,372 @@
+//! Family 14 launchers: fused attention (FlashAttention-2, [`te_codegen::spec::FlashAttnSpec`]),
+//! forward with `softmax_lse` and the deterministic backward. The module-level API with masks,
+//! formats and backend selection is `DotProductAttention`; this layer takes strides, so that q,
+//! k and v may be any `bshd`/`sbhd` tensors (or heads inside a fused QKV tensor).
+
+use super::check_dtype;
+use super::launch::Launch;
+use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use te_codegen::spec::{Direction, FlashAttnSpec, QkvFormat, FLASH_HEAD_DIMS};
+use te_codegen::{DType, KernelSpec};
+
+const OP: &str = "flash attention";
+
+/// Where the heads of one tensor sit: element `x` of head `h` at position `s` of sequence `b` is
+/// element `b · batch + s · row + h · head + x` (all in elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadStrides {
+    /// Between sequences.
+    pub batch: usize,
+    /// Between positions of one sequence.
+    pub row: usize,
+    /// Between heads of one position.
+    pub head: usize,
+}
+
+impl HeadStrides {
+    /// A dense `[batch, seq, heads, head_dim]` (bshd) or `[seq, batch, heads, head_dim]` (sbhd)
+    /// tensor.
+    pub fn dense(format: QkvFormat, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Self {
+        let hd = heads * head_dim;
+        match format {
+            QkvFormat::Bshd => Self { batch: seq * hd, row: hd, head: head_dim },
+            QkvFormat::Sbhd => Self { batch: hd, row: batch * hd, head: head_dim },
+        }
+    }
+
+    /// One past the largest element index read for `batch` sequences of `seq` positions and
+    /// `heads` heads of `head_dim`.
+    fn extent(&self, batch: usize, seq: usize, heads: usize, head_dim: usize) -> usize {
+        (batch - 1) * self.batch + (seq - 1) * self.row + (heads - 1) * self.head + head_dim
+    }
+}
+
+/// The sizes, mask and layout of one fused attention call.
+///
+/// Query `i` of sequence `b` (valid lengths `lq`, `lk`: from the `cu_seqlens` when given, else
+/// `sq`, `sk`) sees key `j` iff `i < lq`, `j < lk`, `left < 0 || j >= i + off − left` and `right <
+/// 0 || j <= i + off + right`, where `(left, right) = window` and `off = lk − lq` when
+/// `bottom_right`, else 0 (TE's `window_size` and `*_bottom_right` masks; causal is `(−1, 0)`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FlashAttnParams {
+    /// Sequences.
+    pub batch: usize,
+    /// Queries per sequence (padded length).
+    pub sq: usize,
+    /// Keys per sequence (padded length).
+    pub sk: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`).
+    pub groups: usize,
+    /// Channels per head of q, k, v and o: one of [`FLASH_HEAD_DIMS`].
+    pub head_dim: usize,
+    /// `softmax_scale`.
+    pub scale: f32,
+    /// `(left, right)` keys a query sees before / after its diagonal; −1 = unbounded.
+    pub window: (i64, i64),
+    /// Aligns the diagonal bottom-right (`off = lk − lq`) instead of top-left.
+    pub bottom_right: bool,
+    /// q and dq.
+    pub q: HeadStrides,
+    /// k, v, dk and dv.
+    pub kv: HeadStrides,
+    /// o and d_o.
+    pub o: HeadStrides,
+}
+
+/// Valid lengths of variable-length sequences inside padded tensors: i32 `[batch + 1]` prefix
+/// sums (`cu[b + 1] − cu[b]` valid positions of sequence `b`, TE's `cu_seqlens_q` / `_kv`).
+/// Lengths beyond the padded `sq` / `sk` are clamped by the kernels.
+#[derive(Debug, Clone, Copy)]
+pub struct CuSeqlens<'a> {
+    /// Queries.
+    pub q: &'a CudaSlice<i32>,
+    /// Keys and values.
+    pub kv: &'a CudaSlice<i32>,
+}
+
+/// Why the fused kernels cannot run a call of this dtype and head dim (`training`: the
+/// backward is needed too), or `None` when they can.
+pub fn unsupported_reason(dtype: DType, head_dim: usize, training: bool) -> Option<String> {
+    if !matches!(dtype, DType::BF16 | DType::F16) {
+        return Some(format!("the fused kernels take bf16 or f16, not {dtype}"));
+    }
+    if !FLASH_HEAD_DIMS.contains(&head_dim) {
+        return Some(format!("head_dim = {head_dim} is not one of the fused kernels' {FLASH_HEAD_DIMS:?}"));
+    }
+    if training && head_dim > 128 {
+        return Some(format!("the fused backward takes head_dim up to 128, got {head_dim}"));
+    }
+    None
+}
+
+/// `out = softmax(scale · Q · Kᵀ, masked) · V` per (sequence, head) and `lse = ln Σ_j exp(scale ·
+/// s_ij)` over the visible keys.
+///
+/// - `q`: bf16/f16 at `p.q` strides, `[.., sq, heads, head_dim]`; `k`, `v`: q's dtype at `p.kv`
+///   strides, `[.., sk, groups, head_dim]`; query head `h` reads key/value head `h / (heads /
+///   groups)`.
+/// - `out`: q's dtype at `p.o` strides. Rows of padded queries (`i >= lq`) and of queries that
+///   see no key are zeros.
+/// - `lse`: f32 `[batch, heads, sq]`; `+inf` where a row sees no key.
+///
+/// # Errors
+/// [`Error::DType`] for other dtypes; [`Error::Shape`] for a head dim the kernels do not take,
+/// `groups` not dividing `heads`, a tensor smaller than its strides reach, strides or sizes not
+/// 16-byte aligned, `cu_seqlens` or `lse` too short; compile and launch failures.
+pub fn forward(
+    dev: &Device,
+    p: &FlashAttnParams,
+    [q, k, v]: [&Tensor; 3],
+    cu: Option<CuSeqlens<'_>>,
+    out: &mut Tensor,
+    lse: &mut CudaSlice<f32>,
+) -> Result<()> {
+    check(p, [q, k, v], cu, Direction::Fwd)?;
+    check_same(out, q, "out")?;
+    check_extent("out", out, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
+    check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
+    let spec = FlashAttnSpec::new(Direction::Fwd, q.dtype(), p.head_dim, dev.arch());
+    let f = function(dev, &spec, 0)?;
+    let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
+    let s = Scalars::new(p);
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    l.ptr("q", q.data()).ptr("k", k.data()).ptr("v", v.data()).ptr("o", out.data_mut()?).ptr("lse", &*lse);
+    push_cu(&mut l, cu);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
+    // SAFETY: q, k, v, out hold every element their strides reach for the sizes (checked), the
+    // pointers and strides are 16-byte aligned, lse holds batch · heads · sq f32 and the
+    // cu_seqlens batch + 1 i32 (checked); out and lse are distinct allocations (`&mut`).
+    unsafe { l.launch(cfg) }
+}
+
+/// The gradients of [`forward`]: `(dq, dk, dv)` written into tensors of q's, k's and v's layout
+/// (`dq` at `p.q` strides, `dk`, `dv` at `p.kv` strides; every element the strides reach is
+/// written, padded positions with zeros).
+///
+/// `out` and `lse` are the forward's, `d_out` the output gradient at `p.o` strides. The three
+/// kernels use no atomics: the same inputs give the same bits.
+///
+/// # Errors
+/// As [`forward`], and a head dim above 128.
+#[allow(clippy::too_many_arguments)] // the backward's tensors, each named as in TE
+pub fn backward(
+    dev: &Device,
+    p: &FlashAttnParams,
+    [q, k, v]: [&Tensor; 3],
+    out: &Tensor,
+    d_out: &Tensor,
+    lse: &CudaSlice<f32>,
+    cu: Option<CuSeqlens<'_>>,
+    [dq, dk, dv]: [&mut Tensor; 3],
+) -> Result<()> {
+    check(p, [q, k, v], cu, Direction::Bwd)?;
+    for (name, t) in [("out", out), ("d_out", d_out)] {
+        check_same(t, q, name)?;
+        check_extent(name, t, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
+    }
+    check_same(dq, q, "dq")?;
+    check_extent("dq", dq, p.q, p.batch, p.sq, p.heads, p.head_dim)?;
+    for (name, t) in [("dk", &*dk), ("dv", &*dv)] {
+        check_same(t, q, name)?;
+        check_extent(name, t, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
+    }
+    check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
+    let spec = FlashAttnSpec::new(Direction::Bwd, q.dtype(), p.head_dim, dev.arch());
+    let s = Scalars::new(p);
+    // SAFETY: f32 has no invalid bit patterns; `_dot_do_o` writes every element.
+    let mut delta = unsafe { dev.stream().alloc::<f32>(p.batch * p.heads * p.sq) }?;
+
+    let f = function(dev, &spec, 0)?;
+    let cfg = grid(p.sq.div_ceil(8), p, 256, 0);
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    l.ptr("o", out.data()).ptr("d_o", d_out.data()).ptr("delta", &mut delta);
+    match cu {
+        Some(c) => l.ptr("cu_seqlens_q", c.q),
+        None => l.ptr("cu_seqlens_q", &NULL),
+    };
+    s.push_o(&mut l).push_mask(&mut l);
+    // SAFETY: out and d_out reach batch · sq rows of heads · head_dim at their strides; delta
+    // holds batch · heads · sq f32 (the grid's rows); checked above.
+    unsafe { l.launch(cfg) }?;
+
+    let f = function(dev, &spec, 1)?;
+    let mut cfg = grid(p.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
+    cfg.grid_dim.1 = p.groups as u32;
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
+    l.ptr("q", q.data()).ptr("k", k.data()).ptr("v", v.data()).ptr("d_o", d_out.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", dk.data_mut()?).ptr("dv", dv.data_mut()?);
+    push_cu(&mut l, cu);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
+    // SAFETY: as the forward's, for dk and dv at the kv strides (distinct allocations, `&mut`).
+    unsafe { l.launch(cfg) }?;
+
+    let f = function(dev, &spec, 2)?;
+    let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(2));
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 2);
+    l.ptr("q", q.data()).ptr("k", k.data()).ptr("v", v.data()).ptr("d_o", d_out.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dq", dq.data_mut()?);
+    push_cu(&mut l, cu);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
+    // SAFETY: as the forward's, for dq at the q strides.
+    unsafe { l.launch(cfg) }
+}
+
+/// A null device pointer, for absent `cu_seqlens`.
+static NULL: u64 = 0;
+
+fn push_cu<'a>(l: &mut Launch<'a>, cu: Option<CuSeqlens<'a>>) {
+    match cu {
+        Some(c) => l.ptr("cu_seqlens_q", c.q).ptr("cu_seqlens_kv", c.kv),
+        None => l.ptr("cu_seqlens_q", &NULL).ptr("cu_seqlens_kv", &NULL),
+    };
+}
+
+/// The by-value arguments, kept alive for the launches that borrow them.
+struct Scalars {
+    q: [u64; 3],
+    kv: [u64; 3],
+    o: [u64; 3],
+    sizes: [u64; 4],
+    scale: f32,
+    window: [i64; 2],
+    bottom_right: i32,
+}
+
+impl Scalars {
+    fn new(p: &FlashAttnParams) -> Self {
+        let s = |h: HeadStrides| [h.batch as u64, h.row as u64, h.head as u64];
+        Self {
+            q: s(p.q),
+            kv: s(p.kv),
+            o: s(p.o),
+            sizes: [p.sq as u64, p.sk as u64, p.heads as u64, (p.heads / p.groups) as u64],
+            scale: p.scale,
+            window: [p.window.0, p.window.1],
+            bottom_right: i32::from(p.bottom_right),
+        }
+    }
+    fn push_q<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+        l.scalar("q_batch", &self.q[0]).scalar("q_row", &self.q[1]).scalar("q_head", &self.q[2]);
+        self
+    }
+    fn push_kv<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+        l.scalar("kv_batch", &self.kv[0]).scalar("kv_row", &self.kv[1]).scalar("kv_head", &self.kv[2]);
+        self
+    }
+    fn push_o<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+        l.scalar("o_batch", &self.o[0]).scalar("o_row", &self.o[1]).scalar("o_head", &self.o[2]);
+        self
+    }
+    fn push_mask<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+        l.scalar("sq", &self.sizes[0]).scalar("sk", &self.sizes[1]);
+        l.scalar("heads", &self.sizes[2]).scalar("heads_per_group", &self.sizes[3]);
+        l.scalar("scale", &self.scale).scalar("window_left", &self.window[0]).scalar("window_right", &self.window[1]);
+        l.scalar("bottom_right", &self.bottom_right);
+        self
+    }
+}
+
+/// The compiled entry point, allowed the dynamic shared memory of its tiles.
+fn function(dev: &Device, spec: &FlashAttnSpec, entry: usize) -> Result<CudaFunction> {
+    let f = dev.function(&KernelSpec::FlashAttn(*spec), entry)?;
+    let bytes = spec.shared_bytes(entry);
+    if bytes > 48 * 1024 {
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
+    }
+    Ok(f)
+}
+
+/// Grid (`blocks`, heads, batch) of `threads` threads.
+fn grid(blocks: usize, p: &FlashAttnParams, threads: usize, shared: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, p.heads as u32, p.batch as u32),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    }
+}
+
+/// The checks both directions share.
+fn check(p: &FlashAttnParams, [q, k, v]: [&Tensor; 3], cu: Option<CuSeqlens<'_>>, dir: Direction) -> Result<()> {
+    check_dtype(OP, "q", q, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
+    check_same(k, q, "k")?;
+    check_same(v, q, "v")?;
+    let shape = |message: String| Err(Error::Shape { op: OP, message });
+    if let Some(why) = unsupported_reason(q.dtype(), p.head_dim, dir == Direction::Bwd) {
+        return shape(why);
+    }
+    if p.batch == 0 || p.sq == 0 || p.sk == 0 || p.heads == 0 || p.groups == 0 || p.heads % p.groups != 0 {
+        return shape(format!(
+            "batch, sq, sk, heads and groups must be ≥ 1 with groups dividing heads, got {}, {}, {}, {} and {}",
+            p.batch, p.sq, p.sk, p.heads, p.groups
+        ));
+    }
+    if p.heads > 65535 || p.batch > 65535 || p.sq > i32::MAX as usize || p.sk > i32::MAX as usize {
+        return shape(format!("at most 65535 heads and sequences, got {} and {}", p.heads, p.batch));
+    }
+    if !(p.scale.is_finite() && p.scale > 0.0) {
+        return Err(Error::Argument {
+            op: OP,
+            message: format!("softmax_scale must be finite and > 0, got {}", p.scale),
+        });
+    }
+    if p.window.0 < -1 || p.window.1 < -1 {
+        return Err(Error::Argument {
+            op: OP,
+            message: format!("window_size bounds must be ≥ 0, or −1 for unbounded, got {:?}", p.window),
+        });
+    }
+    for (name, s) in [("q", p.q), ("kv", p.kv), ("o", p.o)] {
+        if [s.batch, s.row, s.head].iter().any(|x| x % 8 != 0) {
+            return shape(format!(
+                "the {name} strides {s:?} must be multiples of 8 elements (16 bytes) for the kernels' vector loads"
+            ));
+        }
+    }
+    check_extent("q", q, p.q, p.batch, p.sq, p.heads, p.head_dim)?;
+    check_extent("k", k, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
+    check_extent("v", v, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
+    if let Some(c) = cu {
+        check_len("cu_seqlens_q", c.q.len(), p.batch + 1)?;
+        check_len("cu_seqlens_kv", c.kv.len(), p.batch + 1)?;
+    }
+    Ok(())
+}
+
+fn check_same(t: &Tensor, q: &Tensor, name: &'static str) -> Result<()> {
+    check_dtype(OP, name, t, |d| d == q.dtype(), &format!("{} (the dtype of `q`)", q.dtype()))
+}
+
+fn check_extent(
+    name: &str,
+    t: &Tensor,
+    s: HeadStrides,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    d: usize,
+) -> Result<()> {
+    let need = s.extent(batch, seq, heads, d);
+    if t.numel() < need {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "`{name}` {:?} holds {} elements, its strides {s:?} reach {need} for {batch} sequences of {seq} \
+                 positions and {heads} heads of {d}",
+                t.shape(),
+                t.numel()
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn check_len(name: &str, len: usize, need: usize) -> Result<()> {
+    if len < need {
+        return Err(Error::Shape { op: OP, message: format!("`{name}` holds {len} elements, the call needs {need}") });
+    }
+    Ok(())
+}

@@ -1,0 +1,250 @@
+//! The fused attention backend (FlashAttention-2 kernels, `ops::flash_attention`) on its own,
+//! against the f64 CPU reference at the tolerances of `attention`: head dims 32 to 256 (256 in
+//! inference), lengths that are not tile multiples (1, 77, 129, 1000) with `sq != sk`, GQA 32/8,
+//! zero-length sequences, `sk` beyond the unfused backend's limit, a bitwise-deterministic
+//! backward, sliding windows and bottom-right diagonals through the ops layer (against a host
+//! f64 forward written here, `softmax_lse` included), and typed errors.
+
+use crate::attention::{check, check_case, check_padded_zeros, Case, Inputs};
+use crate::common::{device, randn};
+use te_runtime::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_runtime::numerics::round_to;
+use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides};
+use te_runtime::reference::attention::{self as reference};
+use te_runtime::{DType, Error, Tensor};
+
+fn fused(c: Case) -> Case {
+    Case { backend: AttentionBackend::Fused, ..c }
+}
+
+#[test]
+fn head_dims_and_odd_lengths_match_reference() {
+    let Some(dev) = device() else { return };
+    use AttnMaskType::{Causal, NoMask};
+    use QkvFormat::{Bshd, Sbhd};
+    for (d, lens, mask, format, dtype, seed) in [
+        (32, (1, 1), Causal, Bshd, DType::BF16, 200),
+        (32, (129, 77), NoMask, Sbhd, DType::BF16, 201),
+        (64, (77, 129), Causal, Bshd, DType::F16, 202),
+        (96, (129, 129), Causal, Sbhd, DType::BF16, 203),
+        (96, (65, 200), NoMask, Bshd, DType::F16, 204),
+        (128, (200, 65), Causal, Bshd, DType::BF16, 205),
+    ] {
+        let c = Case { dtype, ..fused(Case::new(format, mask, lens, 2, d)) };
+        check_case(&dev, &c, seed);
+    }
+    // A long causal sequence, many key tiles: one sequence, two heads.
+    let c = Case { batch: 1, heads: 2, groups: 1, ..fused(Case::new(Bshd, Causal, (1000, 1000), 1, 128)) };
+    check_case(&dev, &c, 206);
+}
+
+#[test]
+fn gqa_32_of_8_and_zero_length_sequences() {
+    let Some(dev) = device() else { return };
+    let c = Case { batch: 1, heads: 32, ..fused(Case::new(QkvFormat::Sbhd, AttnMaskType::Causal, (129, 129), 8, 64)) };
+    check_case(&dev, &c, 210);
+    for (lens, seed) in [(vec![0, 77], 211), (vec![77, 0], 212), (vec![1, 33], 213)] {
+        let c = Case {
+            seq_lens: Some(lens),
+            ..fused(Case::new(QkvFormat::Bshd, AttnMaskType::PaddingCausal, (77, 77), 2, 64))
+        };
+        let (got, _) = check_case(&dev, &c, seed);
+        check_padded_zeros(&c, &got);
+        let c = Case { mask: AttnMaskType::Padding, ..c };
+        let (got, _) = check_case(&dev, &c, seed + 10);
+        check_padded_zeros(&c, &got);
+    }
+}
+
+#[test]
+fn keys_beyond_the_unfused_limit_run_fused() {
+    let Some(dev) = device() else { return };
+    let c = Case { batch: 1, heads: 2, ..fused(Case::new(QkvFormat::Bshd, AttnMaskType::NoMask, (16, 20000), 1, 64)) };
+    check_case(&dev, &c, 220);
+    let unfused = Case { backend: AttentionBackend::Unfused, ..c.clone() };
+    let mut attn = DotProductAttention::new(&dev, unfused.config()).unwrap();
+    let q = Tensor::zeros(&dev, DType::BF16, &[1, 16, 2, 64]).unwrap();
+    let kv = Tensor::zeros(&dev, DType::BF16, &[1, 20000, 1, 64]).unwrap();
+    let e = attn.forward(&q, &kv, &kv, None).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("fused backend"), "{e}");
+}
+
+#[test]
+fn head_dim_256_runs_fused_in_inference_and_unfused_in_training() {
+    let Some(dev) = device() else { return };
+    let c = Case { batch: 1, heads: 2, ..Case::new(QkvFormat::Bshd, AttnMaskType::Causal, (130, 130), 1, 256) };
+    let x = Inputs::new(&c, 230);
+    let shape = c.format.shape(c.batch, c.sq, c.heads, c.head_dim);
+    let kv_shape = c.format.shape(c.batch, c.sk, c.groups, c.head_dim);
+    let up = |v: &[f32], s: &[usize]| Tensor::from_f32(&dev, c.dtype, s, v).unwrap();
+    let (q, k, v) = (up(&x.q, &shape), up(&x.k, &kv_shape), up(&x.v, &kv_shape));
+    let mut attn = DotProductAttention::new(&dev, c.config()).unwrap();
+    attn.set_training(false);
+    let (out, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+    assert_eq!(ctx.backend(), AttentionBackend::Fused);
+    let want = reference::forward(&c.reference(), &x.q, &x.k, &x.v);
+    check("d256 inference out", c.dtype, &out.to_f32(&dev).unwrap(), &want.out);
+    attn.set_training(true);
+    let (_, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+    assert_eq!(ctx.backend(), AttentionBackend::Unfused);
+    let mut forced = DotProductAttention::new(&dev, fused(c.clone()).config()).unwrap();
+    let e = forced.forward(&q, &k, &v, None).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("up to 128"), "{e}");
+}
+
+#[test]
+fn backward_is_bitwise_deterministic() {
+    let Some(dev) = device() else { return };
+    let c = fused(Case::new(QkvFormat::Bshd, AttnMaskType::Causal, (300, 300), 2, 128));
+    let x = Inputs::new(&c, 240);
+    let shape = c.format.shape(c.batch, c.sq, c.heads, c.head_dim);
+    let kv_shape = c.format.shape(c.batch, c.sk, c.groups, c.head_dim);
+    let up = |v: &[f32], s: &[usize]| Tensor::from_f32(&dev, c.dtype, s, v).unwrap();
+    let (q, k, v) = (up(&x.q, &shape), up(&x.k, &kv_shape), up(&x.v, &kv_shape));
+    let d_out = up(&x.d_out, &[c.batch, c.sq, c.heads * c.head_dim]);
+    let mut attn = DotProductAttention::new(&dev, c.config()).unwrap();
+    let mut once = || {
+        let (out, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+        let (dq, dk, dv) = attn.backward(ctx, &d_out).unwrap();
+        [out, dq, dk, dv].map(|t| t.to_bytes(&dev).unwrap())
+    };
+    let (a, b) = (once(), once());
+    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+        assert!(a == b, "tensor {i} (out, dq, dk, dv) differs between two identical runs");
+    }
+}
+
+/// Host f64 forward of one dense bshd call with a window: `(out [b, sq, h, d], lse [b, h, sq])`.
+fn host_window_forward(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (d, hpg) = (p.head_dim, p.heads / p.groups);
+    let (lq, lk) = (p.sq as i64, p.sk as i64);
+    let off = if p.bottom_right { lk - lq } else { 0 };
+    let (left, right) = p.window;
+    let mut out = vec![0f32; p.batch * p.sq * p.heads * d];
+    let mut lse = vec![f32::INFINITY; p.batch * p.heads * p.sq];
+    for b in 0..p.batch {
+        for h in 0..p.heads {
+            for i in 0..p.sq {
+                let qi = &q[((b * p.sq + i) * p.heads + h) * d..][..d];
+                let keys: Vec<usize> = (0..p.sk)
+                    .filter(|&j| {
+                        let (i, j) = (i as i64, j as i64);
+                        (left < 0 || j >= i + off - left) && (right < 0 || j <= i + off + right)
+                    })
+                    .collect();
+                if keys.is_empty() {
+                    continue;
+                }
+                let kv_at = |j: usize| ((b * p.sk + j) * p.groups + h / hpg) * d;
+                let s: Vec<f64> = keys
+                    .iter()
+                    .map(|&j| p.scale as f64 * (0..d).map(|x| qi[x] as f64 * k[kv_at(j) + x] as f64).sum::<f64>())
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = s.iter().map(|&x| (x - m).exp()).sum();
+                lse[(b * p.heads + h) * p.sq + i] = (m + sum.ln()) as f32;
+                for x in 0..d {
+                    let o: f64 =
+                        keys.iter().zip(&s).map(|(&j, &sj)| (sj - m).exp() / sum * v[kv_at(j) + x] as f64).sum();
+                    out[((b * p.sq + i) * p.heads + h) * d + x] = o as f32;
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+#[test]
+fn sliding_windows_and_bottom_right_diagonals_match_a_host_forward() {
+    let Some(dev) = device() else { return };
+    let (batch, heads, groups, d) = (2, 4, 2, 64);
+    for ((sq, sk), window, bottom_right, seed) in [
+        ((100, 150), (16, 0), true, 250),
+        ((150, 100), (-1, 0), true, 251),
+        ((130, 130), (8, 8), false, 252),
+        ((77, 200), (-1, 40), false, 253),
+    ] {
+        let p = FlashAttnParams {
+            batch,
+            sq,
+            sk,
+            heads,
+            groups,
+            head_dim: d,
+            scale: 0.125,
+            window,
+            bottom_right,
+            q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+            kv: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
+            o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+        };
+        let vals = |s, n| -> Vec<f32> { randn(s, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
+        let (hq, hk, hv) = (
+            vals(seed, batch * sq * heads * d),
+            vals(seed + 1, batch * sk * groups * d),
+            vals(seed + 2, batch * sk * groups * d),
+        );
+        let up = |v: &[f32], s: &[usize]| Tensor::from_f32(&dev, DType::BF16, s, v).unwrap();
+        let q = up(&hq, &[batch, sq, heads, d]);
+        let (k, v) = (up(&hk, &[batch, sk, groups, d]), up(&hv, &[batch, sk, groups, d]));
+        let mut out = Tensor::empty(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
+        let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
+        flash_attention::forward(&dev, &p, [&q, &k, &v], None, &mut out, &mut lse).unwrap();
+        let (want_out, want_lse) = host_window_forward(&p, &hq, &hk, &hv);
+        let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right}");
+        check(&format!("{what}: out"), DType::BF16, &out.to_f32(&dev).unwrap(), &want_out);
+        let got_lse = dev.stream().clone_dtoh(&lse).unwrap();
+        for (i, (&g, &w)) in got_lse.iter().zip(&want_lse).enumerate() {
+            let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= 2e-3 * w.abs().max(1.0) };
+            assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
+        }
+    }
+}
+
+#[test]
+fn ops_errors_are_typed() {
+    let Some(dev) = device() else { return };
+    let (b, s, h, d) = (1, 32, 2, 64);
+    let dense = HeadStrides::dense(QkvFormat::Bshd, b, s, h, d);
+    let base = FlashAttnParams {
+        batch: b,
+        sq: s,
+        sk: s,
+        heads: h,
+        groups: h,
+        head_dim: d,
+        scale: 0.125,
+        window: (-1, 0),
+        bottom_right: false,
+        q: dense,
+        kv: dense,
+        o: dense,
+    };
+    let t = |dtype| Tensor::zeros(&dev, dtype, &[b, s, h, d]).unwrap();
+    let (q, f32t) = (t(DType::BF16), t(DType::F32));
+    let mut out = t(DType::BF16);
+    let mut lse = dev.stream().alloc_zeros::<f32>(b * h * s).unwrap();
+    let mut run =
+        |p: FlashAttnParams, q: &Tensor| flash_attention::forward(&dev, &p, [q, q, q], None, &mut out, &mut lse);
+    assert!(matches!(run(base, &f32t).unwrap_err(), Error::DType { arg: "q", .. }));
+    let e = run(FlashAttnParams { head_dim: 80, ..base }, &q).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("head_dim = 80"), "{e}");
+    let e = run(FlashAttnParams { q: HeadStrides { row: 132, ..dense }, ..base }, &q).unwrap_err();
+    assert!(e.to_string().contains("multiples of 8"), "{e}");
+    let e = run(FlashAttnParams { sq: 64, ..base }, &q).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("reach"), "{e}");
+    let e = run(FlashAttnParams { window: (-2, 0), ..base }, &q).unwrap_err();
+    assert!(matches!(e, Error::Argument { .. }), "{e}");
+    let e = run(FlashAttnParams { groups: 3, ..base }, &q).unwrap_err();
+    assert!(e.to_string().contains("groups dividing heads"), "{e}");
+    run(base, &q).unwrap();
+    let mut short = dev.stream().alloc_zeros::<f32>(3).unwrap();
+    let e = flash_attention::forward(&dev, &base, [&q, &q, &q], None, &mut out, &mut short).unwrap_err();
+    assert!(e.to_string().contains("`lse`"), "{e}");
+    let forced =
+        DotProductAttentionConfig { backend: AttentionBackend::Fused, ..DotProductAttentionConfig::new(2, 80) };
+    let mut attn = DotProductAttention::new(&dev, forced).unwrap();
+    let q80 = Tensor::zeros(&dev, DType::BF16, &[s, b, h, 80]).unwrap();
+    let e = attn.forward(&q80, &q80, &q80, None).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("head_dim = 80"), "{e}");
+}
