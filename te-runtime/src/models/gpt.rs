@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn preset_kernels_include_the_embedding_and_the_loss() {
-        use te_codegen::spec::{ElementwiseSpec, EmbeddingSpec, SoftmaxSpec};
+        use te_codegen::spec::{ElementwiseSpec, EmbeddingSpec, FlashAttnSpec};
         let cfg = GptConfig::small();
         let target = KernelTarget::new(cfg.seq_length, crate::Arch::Sm90a);
         let specs = cfg.kernel_specs(&target);
@@ -440,14 +440,8 @@ mod tests {
             CrossEntropySpec::new(DType::BF16, true, arch).into(),
             EmbeddingSpec::forward(DType::BF16, arch).into(),
             EmbeddingSpec::backward(DType::BF16, DType::BF16, arch).into(),
-            SoftmaxSpec::new(
-                te_codegen::spec::MaskKind::Causal,
-                te_codegen::spec::Direction::Fwd,
-                DType::BF16,
-                1024,
-                arch,
-            )
-            .into(),
+            // Attention on the fused backend (head_dim 64, bf16, no attention dropout).
+            FlashAttnSpec::new(te_codegen::spec::Direction::Bwd, DType::BF16, 64, arch).into(),
             ElementwiseSpec::add(DType::BF16, DType::BF16, DType::BF16, arch).into(),
         ] {
             assert!(specs.contains(&spec), "{spec:?} missing");

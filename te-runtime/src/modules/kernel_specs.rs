@@ -219,9 +219,19 @@ mod tests {
         };
         attention.kernel_specs(&t, &mut specs);
         EmbeddingConfig::new(256, 768).kernel_specs(&t, &mut specs);
+        // bf16 at head_dim 64 runs fused; f32 (or attention dropout) unfused, at the target's keys.
+        assert!(specs.contains(&FlashAttnSpec::new(Direction::Fwd, DType::BF16, 64, Arch::Sm90a).into()));
+        assert!(!specs.iter().any(|s| matches!(s, KernelSpec::Softmax(_))));
+        assert!(specs.contains(&EmbeddingSpec::backward(DType::BF16, DType::BF16, Arch::Sm90a).into()));
+        specs.clear();
+        attention.kernel_specs(&t.with_dtype(DType::F32), &mut specs);
+        assert!(
+            specs.contains(&SoftmaxSpec::new(MaskKind::Causal, Direction::Fwd, DType::F32, 1024, Arch::Sm90a).into())
+        );
+        specs.clear();
+        DotProductAttentionConfig { attention_dropout: 0.1, ..attention }.kernel_specs(&t, &mut specs);
         assert!(
             specs.contains(&SoftmaxSpec::new(MaskKind::Causal, Direction::Fwd, DType::BF16, 1024, Arch::Sm90a).into())
         );
-        assert!(specs.contains(&EmbeddingSpec::backward(DType::BF16, DType::BF16, Arch::Sm90a).into()));
     }
 }

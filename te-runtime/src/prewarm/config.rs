@@ -265,6 +265,7 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::modules::DotProductAttentionConfig;
     use te_codegen::spec::*;
 
     /// `hidden_size = 1024`, `ffn_hidden_size = 2816`, 16 heads and the keys of `extra`.
@@ -364,7 +365,8 @@ mod tests {
     }
 
     /// The list `ModelConfig::kernel_specs` returned before the building blocks, verbatim but for
-    /// reading the old config's fields from the new one.
+    /// reading the old config's fields from the new one and the attention kernels of the fused
+    /// backend where it runs.
     fn old_kernel_specs(cfg: &ModelConfig, arch: Arch) -> Vec<KernelSpec> {
         let l = &cfg.layer;
         let (normalization, zero_centered_gamma) = (l.normalization, l.zero_centered_gamma);
@@ -424,11 +426,24 @@ mod tests {
         v.push(ElementwiseSpec::add_assign(DType::F32, dt, arch).into());
         v.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
 
-        // Attention softmax, dropout of the probabilities and its backward.
-        v.push(SoftmaxSpec::new(attn_mask_type, Direction::Fwd, dt, seq_length, arch).into());
-        v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, seq_length, arch).into());
-        v.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
-        v.push(DropoutSpec::backward(dt, dt, arch).into());
+        // Attention softmax, dropout of the probabilities and its backward; since the fused
+        // backend, its kernels instead where it runs.
+        let attention = DotProductAttentionConfig {
+            attention_dropout: l.attention_dropout,
+            ..DotProductAttentionConfig::new(l.num_attention_heads, head_dim)
+        };
+        if attention.runs_fused(dt) {
+            for dir in [Direction::Fwd, Direction::Bwd] {
+                v.push(FlashAttnSpec::new(dir, dt, head_dim, arch).into());
+            }
+            // The hidden dropout's backward (the same kernel).
+            v.push(DropoutSpec::backward(dt, dt, arch).into());
+        } else {
+            v.push(SoftmaxSpec::new(attn_mask_type, Direction::Fwd, dt, seq_length, arch).into());
+            v.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, seq_length, arch).into());
+            v.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
+            v.push(DropoutSpec::backward(dt, dt, arch).into());
+        }
 
         // Hidden dropout after proj and fc2: residual + dropout(x + bias).
         v.push(DropoutSpec::forward(dt, dt, true, true, arch).into());
@@ -481,11 +496,16 @@ mod tests {
     }
 
     #[test]
-    fn gqa_adds_the_f32_key_gradient_sum() {
+    fn gqa_adds_the_f32_key_gradient_sum_on_the_unfused_backend() {
+        // Attention dropout keeps attention unfused; the fused kernels sum a group's heads
+        // themselves.
         let mut cfg = ModelConfig::new(4096, 16384, 32);
         cfg.layer.num_gqa_groups = Some(8);
+        cfg.layer.attention_dropout = 0.1;
         let sum: KernelSpec = ElementwiseSpec::add_assign(DType::BF16, DType::F32, Arch::Sm90a).into();
         assert!(cfg.kernel_specs(Arch::Sm90a).contains(&sum));
+        cfg.layer.attention_dropout = 0.0;
+        assert!(!cfg.kernel_specs(Arch::Sm90a).contains(&sum));
         assert!(!ModelConfig::new(4096, 16384, 32).kernel_specs(Arch::Sm90a).contains(&sum));
     }
 }
