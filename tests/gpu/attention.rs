@@ -61,6 +61,8 @@ pub(crate) struct Case {
     pub groups: usize,
     pub head_dim: usize,
     pub seq_lens: Option<Vec<usize>>,
+    /// TE's `window_size` (`None` in [`Case::new`]).
+    pub window: Option<(i64, i64)>,
     /// `Auto` in [`Case::new`]; [`check_case`] runs each backend that takes the dtype.
     pub backend: AttentionBackend,
 }
@@ -75,7 +77,8 @@ impl Case {
     ) -> Self {
         let seq_lens = mask.is_padding().then(|| vec![77, 50]);
         let backend = AttentionBackend::Auto;
-        Case { format, mask, dtype: DType::BF16, batch: 2, sq, sk, heads: 8, groups, head_dim, seq_lens, backend }
+        let (dtype, window) = (DType::BF16, None);
+        Case { format, mask, dtype, batch: 2, sq, sk, heads: 8, groups, head_dim, seq_lens, window, backend }
     }
 
     pub fn config(&self) -> DotProductAttentionConfig {
@@ -84,6 +87,7 @@ impl Case {
             num_gqa_groups: Some(self.groups),
             qkv_format: self.format,
             attn_mask_type: self.mask,
+            window_size: self.window,
             ..DotProductAttentionConfig::new(self.heads, self.head_dim)
         }
     }
@@ -100,6 +104,7 @@ impl Case {
             mask: self.mask,
             seq_lens: self.seq_lens.as_deref(),
             scale: 1.0 / (self.head_dim as f32).sqrt(),
+            window: self.mask.window(self.window).unwrap(),
         }
     }
 }
@@ -176,10 +181,11 @@ pub(crate) fn compare(c: &Case, x: &Inputs, got: &Results) {
     let f = reference::forward(&r, &x.q, &x.k, &x.v);
     let g = reference::backward(&r, &x.q, &x.k, &x.v, &x.d_out);
     let what = format!(
-        "{} {:?} {} {} b{} sq{} sk{} h{} g{} d{} lens {:?}",
+        "{} {:?} {} window {:?} {} b{} sq{} sk{} h{} g{} d{} lens {:?}",
         c.backend.name(),
         c.format,
         c.mask.name(),
+        c.window,
         c.dtype,
         c.batch,
         c.sq,
@@ -209,6 +215,32 @@ fn causal_matches_reference() {
     // Top-left aligned, sq != sk both ways; MHA (8 groups) and GQA.
     check_case(&dev, &Case::new(QkvFormat::Bshd, AttnMaskType::Causal, (77, 100), 8, 128), 30);
     check_case(&dev, &Case::new(QkvFormat::Sbhd, AttnMaskType::Causal, (100, 77), 2, 64), 40);
+}
+
+#[test]
+fn bottom_right_masks_and_windows_match_reference() {
+    let Some(dev) = device() else { return };
+    use AttnMaskType::*;
+    // sq < sk (decoding with a cache), sq > sk (queries with no key give zeros), windows around
+    // both diagonals and a two-sided window without a causal mask; both backends each.
+    for (i, (format, mask, sizes, window)) in [
+        (QkvFormat::Bshd, CausalBottomRight, (77, 130), None),
+        (QkvFormat::Sbhd, CausalBottomRight, (130, 77), None),
+        (QkvFormat::Bshd, CausalBottomRight, (77, 130), Some((40, 0))),
+        (QkvFormat::Sbhd, Causal, (100, 100), Some((33, 0))),
+        (QkvFormat::Bshd, NoMask, (90, 150), Some((20, 7))),
+        (QkvFormat::Bshd, PaddingCausalBottomRight, (77, 77), None),
+        (QkvFormat::Sbhd, Padding, (77, 77), Some((5, 16))),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = Case { window, ..Case::new(format, mask, sizes, 2, 64) };
+        let (got, _) = check_case(&dev, &c, 200 + i as u64);
+        if mask.is_padding() {
+            check_padded_zeros(&c, &got);
+        }
+    }
 }
 
 /// Padded queries give exactly zero outputs and query gradients; padded keys get exactly zero

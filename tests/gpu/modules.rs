@@ -374,6 +374,7 @@ mod transformer {
                     mask: AttnMaskType::Causal,
                     seq_lens: None,
                     scale: 1.0 / ((HID / HEADS) as f32).sqrt(),
+                    window: (-1, 0),
                 };
                 let r = LayerRef {
                     mha: MhaRef {

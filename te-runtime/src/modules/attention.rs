@@ -41,6 +41,7 @@ use mask::{check_seq_lens, MaskCache};
 use plan::Dims;
 use std::sync::Arc;
 pub use te_codegen::spec::{AttnMaskType, QkvFormat};
+use te_codegen::spec::MaskKind;
 use te_codegen::DType;
 
 const MODULE: &str = "DotProductAttention";
@@ -63,6 +64,11 @@ pub struct DotProductAttentionConfig {
     pub qkv_format: QkvFormat,
     /// The mask. TE's default: [`AttnMaskType::Causal`].
     pub attn_mask_type: AttnMaskType,
+    /// Sliding window `(left, right)` (TE `window_size`): query `i` sees keys `j` with `t − left
+    /// <= j <= t + right` around its diagonal `t` ([`AttnMaskType`] says which); −1 means
+    /// unbounded. `None` (TE's default) is no window. Causal masks take `(left, 0)`; the others
+    /// `(left, right)` with both bounds ≥ 0 ([`AttnMaskType::window`] has TE's rules).
+    pub window_size: Option<(i64, i64)>,
     /// Multiplies `Q · Kᵀ` before the softmax; `None` = `1 / sqrt(kv_channels)`.
     pub softmax_scale: Option<f32>,
     /// Which backend runs: [`AttentionBackend::Auto`] (the default) picks the fused kernels
@@ -82,9 +88,22 @@ impl DotProductAttentionConfig {
             attention_dropout: 0.0,
             qkv_format: QkvFormat::Sbhd,
             attn_mask_type: AttnMaskType::Causal,
+            window_size: None,
             softmax_scale: None,
             backend: AttentionBackend::Auto,
         }
+    }
+
+    /// The sliding window of the mask, `(−1, −1)` or `(−1, 0)` (causal) when there is none; a
+    /// window [`DotProductAttentionConfig::validate`] refuses reads as none (no module runs it).
+    pub(crate) fn window(&self) -> (i64, i64) {
+        let mask = self.attn_mask_type;
+        mask.window(self.window_size).unwrap_or(if mask.is_causal() { (-1, 0) } else { (-1, -1) })
+    }
+
+    /// The unfused softmax kernel's mask ([`mask::kernel_mask`]).
+    pub(crate) fn softmax_mask(&self) -> MaskKind {
+        mask::kernel_mask(self.attn_mask_type, self.window())
     }
 
     /// Key/value heads.
@@ -118,6 +137,9 @@ impl DotProductAttentionConfig {
         }
         if !(0.0..=1.0).contains(&self.attention_dropout) {
             return config(format!("attention_dropout must be in [0, 1], got {}", self.attention_dropout));
+        }
+        if let Err(message) = self.attn_mask_type.window(self.window_size) {
+            return config(message);
         }
         if let Some(s) = self.softmax_scale {
             if !(s.is_finite() && s > 0.0) {
@@ -269,8 +291,8 @@ impl DotProductAttention {
         }
         let (out, saved) = if backend == AttentionBackend::Fused {
             let lens = check_seq_lens(self.cfg.attn_mask_type, seq_lens, &dims)?;
-            let (out, saved) =
-                fused::forward(&self.dev, &dims, self.cfg.attn_mask_type, lens, [q, k, v], self.cfg.scale())?;
+            let mask = (self.cfg.attn_mask_type, self.cfg.window());
+            let (out, saved) = fused::forward(&self.dev, &dims, mask, lens, [q, k, v], self.cfg.scale())?;
             (out, Saved::Fused(saved))
         } else {
             if dims.sk > MAX_SK {
@@ -284,7 +306,7 @@ impl DotProductAttention {
                     ),
                 });
             }
-            let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, seq_lens, &dims)?;
+            let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, self.cfg.window(), seq_lens, &dims)?;
             self.calls += u64::from(p > 0.0);
             let drop = DropoutParams { p, seed: self.id, offset: self.calls };
             let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale(), drop)?;
@@ -314,7 +336,8 @@ impl DotProductAttention {
         let qkv = [&ctx.q, &ctx.k, &ctx.v];
         match &ctx.saved {
             Saved::Fused(saved) => {
-                fused::backward(&self.dev, &ctx.dims, self.cfg.attn_mask_type, qkv, saved, d_out, self.cfg.scale())
+                let mask = (self.cfg.attn_mask_type, self.cfg.window());
+                fused::backward(&self.dev, &ctx.dims, mask, qkv, saved, d_out, self.cfg.scale())
             }
             Saved::Unfused { probs, dropout } => {
                 unfused::backward(&self.dev, &ctx.dims, qkv, probs, dropout.as_ref(), d_out, self.cfg.scale())
@@ -416,5 +439,14 @@ mod tests {
         assert!(e.contains("softmax_scale"), "{e}");
         let e = config_error(DotProductAttentionConfig::new(0, 64));
         assert!(e.contains("≥ 1"), "{e}");
+        let e = config_error(DotProductAttentionConfig { window_size: Some((4, 4)), ..cfg.clone() });
+        assert!(e.contains("window_size must be (left, 0)"), "{e}");
+        let no_mask = DotProductAttentionConfig { attn_mask_type: AttnMaskType::NoMask, ..cfg.clone() };
+        let e = config_error(DotProductAttentionConfig { window_size: Some((-1, 0)), ..no_mask.clone() });
+        assert!(e.contains("set attn_mask_type = causal"), "{e}");
+        let windowed = DotProductAttentionConfig { window_size: Some((16, 0)), ..cfg };
+        windowed.validate().unwrap();
+        assert_eq!((windowed.window(), windowed.softmax_mask()), ((16, 0), MaskKind::Padding));
+        assert_eq!((no_mask.window(), no_mask.softmax_mask()), ((-1, -1), MaskKind::None));
     }
 }

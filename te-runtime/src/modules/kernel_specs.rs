@@ -118,7 +118,7 @@ impl DotProductAttentionConfig {
             return;
         }
         let heads = self.num_attention_heads;
-        specs.push(SoftmaxSpec::new(self.attn_mask_type.kernel_mask(), Direction::Fwd, dt, sk, arch).into());
+        specs.push(SoftmaxSpec::new(self.softmax_mask(), Direction::Fwd, dt, sk, arch).into());
         specs.push(SoftmaxSpec::new(MaskKind::None, Direction::Bwd, dt, sk, arch).into());
         specs.push(DropoutSpec::forward(dt, dt, false, false, arch).into());
         specs.push(DropoutSpec::backward(dt, dt, arch).into());

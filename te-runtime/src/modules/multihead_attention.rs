@@ -44,6 +44,9 @@ pub struct MultiheadAttentionConfig {
     pub zero_centered_gamma: bool,
     /// The mask. TE's default: causal.
     pub attn_mask_type: AttnMaskType,
+    /// Sliding window `(left, right)` of the mask (TE `window_size`; see
+    /// [`DotProductAttentionConfig::window_size`]). `None`: no window.
+    pub window_size: Option<(i64, i64)>,
     /// Dropout on the attention probabilities (see `DotProductAttention`).
     pub attention_dropout: f32,
     /// Layout of the hidden states: `[s, b, hidden]` (sbhd, TE's default) or `[b, s, hidden]`.
@@ -69,6 +72,7 @@ impl MultiheadAttentionConfig {
             layernorm_epsilon: 1e-5,
             zero_centered_gamma: false,
             attn_mask_type: AttnMaskType::Causal,
+            window_size: None,
             attention_dropout: 0.0,
             qkv_format: QkvFormat::Sbhd,
             bias: true,
@@ -130,6 +134,7 @@ impl MultiheadAttentionConfig {
             attention_dropout: cfg.attention_dropout,
             qkv_format: cfg.qkv_format,
             attn_mask_type: cfg.attn_mask_type,
+            window_size: cfg.window_size,
             ..DotProductAttentionConfig::new(h, d)
         };
         let proj = LinearConfig {

@@ -43,6 +43,9 @@ pub struct TransformerLayerConfig {
     pub attention_dropout: f32,
     /// TE `self_attn_mask_type`. Default causal.
     pub self_attn_mask_type: AttnMaskType,
+    /// Sliding window `(left, right)` of the self-attention (TE `window_size`; see
+    /// `DotProductAttentionConfig::window_size`). `None`: no window.
+    pub window_size: Option<(i64, i64)>,
     /// LayerNorm or RMSNorm.
     pub normalization: NormKind,
     /// MLP activation. Default GELU.
@@ -76,6 +79,7 @@ impl TransformerLayerConfig {
             hidden_dropout: 0.1,
             attention_dropout: 0.0,
             self_attn_mask_type: AttnMaskType::Causal,
+            window_size: None,
             normalization: NormKind::LayerNorm,
             activation: Activation::Gelu,
             apply_residual_connection_post_layernorm: false,
@@ -100,6 +104,7 @@ impl TransformerLayerConfig {
             layernorm_epsilon: cfg.layernorm_epsilon,
             zero_centered_gamma: cfg.zero_centered_gamma,
             attn_mask_type: cfg.self_attn_mask_type,
+            window_size: cfg.window_size,
             attention_dropout: cfg.attention_dropout,
             qkv_format: cfg.qkv_format,
             bias: cfg.bias,

@@ -1,7 +1,8 @@
 //! CPU reference of [`crate::modules::DotProductAttention`]: `O = softmax(scale · Q · Kᵀ,
 //! masked) · V` per (batch, head) and the gradients of q, k and v, in f64 on the host, for both
-//! formats, GQA/MQA and every mask type. A query whose keys are all masked gets zeros (as the
-//! softmax kernel gives); query head `j` reads key/value head `j / (heads / groups)`.
+//! formats, GQA/MQA, every mask type and sliding windows. A query whose keys are all masked gets
+//! zeros (as the softmax kernel gives); query head `j` reads key/value head `j / (heads /
+//! groups)`.
 
 use te_codegen::spec::{AttnMaskType, QkvFormat};
 
@@ -28,21 +29,36 @@ pub struct AttentionCase<'a> {
     pub seq_lens: Option<&'a [usize]>,
     /// Multiplies `Q · Kᵀ` before the softmax.
     pub scale: f32,
+    /// The sliding window `(left, right)` around the mask's diagonal (TE `window_size`, −1 =
+    /// unbounded; `(-1, -1)`: none).
+    pub window: (i64, i64),
 }
 
 impl AttentionCase<'_> {
-    /// Whether query `i` of sequence `b` attends key `j`.
+    /// Whether query `i` of sequence `b` attends key `j`, TE's rule (`get_full_mask`): with `lq`
+    /// valid queries and `lk` valid keys (`sq`, `sk`, or for padding masks `seq_lens[b]` capped
+    /// by each), `i < lq`, `j < lk`, and around the diagonal `t = i + (lk − lq)` (bottom-right
+    /// masks) or `t = i` (top-left): `j <= t` for causal masks, `j >= t − left` and `j <= t +
+    /// right` for the window's bounded sides.
     ///
     /// # Panics
     /// For a padding mask without a length for `b` (a caller bug).
     // The oracle runs inside tests: a case built wrong is a test bug, reported by the panic.
     #[allow(clippy::expect_used)]
     pub fn attends(&self, b: usize, i: usize, j: usize) -> bool {
-        let padded = self.mask.is_padding() && {
+        let (lq, lk) = if self.mask.is_padding() {
             let len = self.seq_lens.expect("padding masks need seq_lens")[b];
-            i >= len || j >= len
+            (len.min(self.sq), len.min(self.sk))
+        } else {
+            (self.sq, self.sk)
         };
-        !(padded || (self.mask.is_causal() && j > i))
+        if i >= lq || j >= lk {
+            return false;
+        }
+        let (j, offset) = (j as i64, if self.mask.is_bottom_right() { lk as i64 - lq as i64 } else { 0 });
+        let t = i as i64 + offset;
+        let (left, right) = self.window;
+        !(self.mask.is_causal() && j > t || left >= 0 && j < t - left || right >= 0 && j > t + right)
     }
 
     /// Elements of q (and of the output).
@@ -211,19 +227,21 @@ mod tests {
             mask,
             seq_lens: mask.is_padding().then_some(seq_lens),
             scale: 0.7,
+            window: (-1, -1),
         }
     }
 
-    const MASKS: [AttnMaskType; 4] =
-        [AttnMaskType::NoMask, AttnMaskType::Causal, AttnMaskType::Padding, AttnMaskType::PaddingCausal];
+    const MASKS: [AttnMaskType; 6] = AttnMaskType::ALL;
     const FORMATS: [QkvFormat; 2] = [QkvFormat::Bshd, QkvFormat::Sbhd];
 
     /// The gradients of `Σ d_out · out` against central differences.
     #[test]
     fn gradients_match_finite_differences() {
+        let windowed = [(AttnMaskType::NoMask, (1, 1)), (AttnMaskType::Causal, (1, 0)), (AttnMaskType::Padding, (0, 2))];
+        let cases = MASKS.iter().map(|&m| (m, (-1, -1))).chain(windowed);
         for format in FORMATS {
-            for mask in MASKS {
-                let c = case(format, mask, &[3, 2]);
+            for (mask, window) in cases.clone() {
+                let c = AttentionCase { window, ..case(format, mask, &[3, 2]) };
                 let (q, k, v, d_out) =
                     (values(1, c.q_len()), values(2, c.kv_len()), values(3, c.kv_len()), values(4, c.q_len()));
                 let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
@@ -242,7 +260,7 @@ mod tests {
                         let fd = (shifted(h) - shifted(-h)) / (2.0 * h);
                         assert!(
                             (fd - grad[i]).abs() <= 1e-7 * (1.0 + grad[i].abs()),
-                            "{format:?} {mask:?} input {which} [{i}]: fd {fd} vs {}",
+                            "{format:?} {mask:?} {window:?} input {which} [{i}]: fd {fd} vs {}",
                             grad[i]
                         );
                     }
@@ -281,11 +299,32 @@ mod tests {
         }
     }
 
+    /// The diagonals and windows of TE's formula, on a 3 × 5 case (sq < sk, as in decoding).
+    #[test]
+    fn diagonals_and_windows_follow_te() {
+        let visible = |mask, window, lens: &[usize], b, i| -> Vec<usize> {
+            let c = AttentionCase { window, ..case(QkvFormat::Bshd, mask, lens) };
+            let c = AttentionCase { sq: 3, sk: 5, ..c };
+            (0..5).filter(|&j| c.attends(b, i, j)).collect()
+        };
+        use AttnMaskType::*;
+        assert_eq!(visible(Causal, (-1, 0), &[], 0, 0), [0]);
+        assert_eq!(visible(CausalBottomRight, (-1, 0), &[], 0, 0), [0, 1, 2]);
+        assert_eq!(visible(CausalBottomRight, (-1, 0), &[], 0, 2), [0, 1, 2, 3, 4]);
+        assert_eq!(visible(CausalBottomRight, (1, 0), &[], 0, 2), [3, 4]);
+        assert_eq!(visible(Causal, (1, 0), &[], 0, 2), [1, 2]);
+        assert_eq!(visible(NoMask, (0, 1), &[], 0, 0), [2, 3], "no_mask windows are bottom-right aligned");
+        // Padding lengths 2 (queries 0..2, keys 0..2 of 5): the diagonal ends at the last valid key.
+        assert_eq!(visible(PaddingCausalBottomRight, (-1, 0), &[2, 2], 1, 1), [0, 1]);
+        assert_eq!(visible(PaddingCausalBottomRight, (-1, 0), &[2, 2], 1, 2), Vec::<usize>::new());
+        assert_eq!(visible(PaddingCausal, (-1, 0), &[3, 3], 0, 0), [0]);
+    }
+
     /// Padding: queries past the length give zeros and get no gradient; keys past it carry no
     /// value and get no gradient.
     #[test]
     fn padded_positions_carry_nothing() {
-        for mask in [AttnMaskType::Padding, AttnMaskType::PaddingCausal] {
+        for mask in [AttnMaskType::Padding, AttnMaskType::PaddingCausal, AttnMaskType::PaddingCausalBottomRight] {
             let c = case(QkvFormat::Bshd, mask, &[3, 2]);
             let (q, k, v, d_out) =
                 (values(1, c.q_len()), values(2, c.kv_len()), values(3, c.kv_len()), values(4, c.q_len()));

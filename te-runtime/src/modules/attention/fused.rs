@@ -24,9 +24,9 @@ impl FusedSaved {
     }
 }
 
-/// The kernels' parameters for a call: dense q, k, v and output in `dims.format`, the mask as a
-/// window (causal masks are top-left aligned, `(−1, 0)`).
-fn params(dims: &Dims, mask: AttnMaskType, scale: f32) -> FlashAttnParams {
+/// The kernels' parameters for a call: dense q, k, v and output in `dims.format`, the mask as
+/// its resolved window (causal: right bound 0) and diagonal alignment.
+fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32) -> FlashAttnParams {
     let d = dims.head_dim;
     let q = HeadStrides::dense(dims.format, dims.batch, dims.sq, dims.heads, d);
     FlashAttnParams {
@@ -37,8 +37,8 @@ fn params(dims: &Dims, mask: AttnMaskType, scale: f32) -> FlashAttnParams {
         groups: dims.groups,
         head_dim: d,
         scale,
-        window: if mask.is_causal() { (-1, 0) } else { (-1, -1) },
-        bottom_right: false,
+        window,
+        bottom_right: mask.is_bottom_right(),
         q,
         kv: HeadStrides::dense(dims.format, dims.batch, dims.sk, dims.groups, d),
         o: q,
@@ -69,7 +69,7 @@ fn cu_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> Result<(CudaSlic
 pub(super) fn forward(
     dev: &Device,
     dims: &Dims,
-    mask: AttnMaskType,
+    mask: (AttnMaskType, (i64, i64)),
     seq_lens: Option<&[usize]>,
     qkv: [&Tensor; 3],
     scale: f32,
@@ -88,7 +88,7 @@ pub(super) fn forward(
 pub(super) fn backward(
     dev: &Device,
     dims: &Dims,
-    mask: AttnMaskType,
+    mask: (AttnMaskType, (i64, i64)),
     qkv: [&Tensor; 3],
     saved: &FusedSaved,
     d_out: &Tensor,
@@ -111,14 +111,14 @@ mod tests {
     #[test]
     fn dense_strides_follow_the_format() {
         let dims = Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 7, heads: 4, groups: 2, head_dim: 64 };
-        let p = params(&dims, AttnMaskType::Causal, 0.125);
+        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), 0.125);
         assert_eq!(p.q, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 128, row: 3 * 128, head: 64 });
         assert_eq!((p.window, p.bottom_right), ((-1, 0), false));
         let bshd = Dims { format: QkvFormat::Bshd, ..dims };
-        let p = params(&bshd, AttnMaskType::Padding, 0.125);
+        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), 0.125);
         assert_eq!(p.q, HeadStrides { batch: 5 * 256, row: 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 7 * 128, row: 128, head: 64 });
-        assert_eq!(p.window, (-1, -1));
+        assert_eq!((p.window, p.bottom_right), ((4, 0), true));
     }
 }

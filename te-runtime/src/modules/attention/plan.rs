@@ -134,7 +134,7 @@ impl Dims {
 
 #[cfg(test)]
 mod tests {
-    use super::super::mask::padding_mask;
+    use super::super::mask::{byte_mask, kernel_mask};
     use super::super::AttnMaskType;
     use super::*;
     use crate::modules::init::normal;
@@ -176,10 +176,10 @@ mod tests {
         let s_len = dims.scores_shape().iter().product();
         let (q, k, v, d_out) =
             (round(values(1, q_len)), round(values(2, kv_len)), round(values(3, kv_len)), round(values(4, q_len)));
-        let (kind, mask) = match (case.mask.is_padding(), case.mask.is_causal()) {
-            (false, false) => (MaskKind::None, Vec::new()),
-            (false, true) => (MaskKind::Causal, Vec::new()),
-            (true, causal) => (MaskKind::Padding, padding_mask(case.seq_lens.unwrap(), dims.sq, dims.sk, causal)),
+        let kind = kernel_mask(case.mask, case.window);
+        let mask = match kind {
+            MaskKind::Padding => byte_mask(case.mask, case.window, case.seq_lens, dims.batch, dims.sq, dims.sk),
+            MaskKind::None | MaskKind::Causal => Vec::new(),
         };
         let mut s = vec![f32::NAN; s_len];
         run(&dims, Product::QueryKeyT, &q, &k, &mut s);
@@ -216,8 +216,9 @@ mod tests {
         }
     }
 
-    /// Every format and mask with `sq != sk` where the mask allows, with `groups` key/value heads
-    /// for 4 query heads; `seq_lens` for the padding masks (`sq = sk = seq_lens[0]` there).
+    /// Every format and mask with `sq != sk` where the mask allows, and a sliding window, with
+    /// `groups` key/value heads for 4 query heads; `seq_lens` for the padding masks (`sq = sk =
+    /// seq_lens[0]` there).
     fn cases<'a>(
         seq_lens: &'a [usize],
         (sq, sk): (usize, usize),
@@ -226,11 +227,16 @@ mod tests {
     ) -> Vec<AttentionCase<'a>> {
         let mut cases = Vec::new();
         for format in [QkvFormat::Bshd, QkvFormat::Sbhd] {
-            for (mask, sq, sk) in [
-                (AttnMaskType::NoMask, sq, sk),
-                (AttnMaskType::Causal, sk, sq),
-                (AttnMaskType::Padding, seq_lens[0], seq_lens[0]),
-                (AttnMaskType::PaddingCausal, seq_lens[0], seq_lens[0]),
+            let padded = seq_lens[0];
+            for (mask, sq, sk, window) in [
+                (AttnMaskType::NoMask, sq, sk, (-1, -1)),
+                (AttnMaskType::Causal, sk, sq, (-1, 0)),
+                (AttnMaskType::CausalBottomRight, sq, sk, (-1, 0)),
+                (AttnMaskType::CausalBottomRight, sk, sq, (2, 0)),
+                (AttnMaskType::NoMask, sq, sk, (1, 2)),
+                (AttnMaskType::Padding, padded, padded, (-1, -1)),
+                (AttnMaskType::PaddingCausal, padded, padded, (-1, 0)),
+                (AttnMaskType::PaddingCausalBottomRight, padded, padded, (3, 0)),
             ] {
                 for &groups in groups {
                     cases.push(AttentionCase {
@@ -244,6 +250,7 @@ mod tests {
                         mask,
                         seq_lens: mask.is_padding().then_some(seq_lens),
                         scale: 1.0 / (head_dim as f32).sqrt(),
+                        window,
                     });
                 }
             }
