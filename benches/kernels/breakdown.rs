@@ -1,6 +1,7 @@
 //! Where the time of `TransformerLayer` goes: the layer of `modules.rs` (hidden 4096, 32 heads,
 //! ffn 16384, seq 2048, batch 4, hidden dropout 0.1, causal) composed from the public parts it
-//! is made of — `LayerNormLinear` (QKV), the column split, `DotProductAttention`, `Linear`
+//! is made of — `LayerNormLinear` (QKV), `DotProductAttention` on the fused QKV output (as the
+//! layer runs it: in place on the fused backend), `Linear`
 //! (projection), `bias_dropout_add`, `LayerNormMLP` — with a CUDA event after each part, forward
 //! and backward, in BF16 and in FP8 (delayed scaling). The parts' sum is the composed layer's
 //! step; beside `transformer_layer fwd+bwd` it shows what the layer adds around them.
@@ -12,7 +13,6 @@ use te_runtime::modules::{
     AttnMaskType, DotProductAttention, DotProductAttentionConfig, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP,
     LayerNormMLPConfig, Linear, LinearConfig,
 };
-use te_runtime::ops::copy::copy_columns;
 use te_runtime::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::{DType, Device, Tensor};
@@ -25,9 +25,8 @@ const FFN: usize = 16384;
 const DROPOUT: f32 = 0.1;
 
 /// The phases, in the order they are marked.
-const PHASES: [&str; 15] = [
+const PHASES: [&str; 13] = [
     "fwd layernorm + QKV GEMM",
-    "fwd split q, k, v",
     "fwd attention",
     "fwd projection GEMM",
     "fwd dropout + residual",
@@ -39,7 +38,6 @@ const PHASES: [&str; 15] = [
     "bwd dropout",
     "bwd projection GEMMs",
     "bwd attention",
-    "bwd concat dq, dk, dv",
     "bwd layernorm + QKV GEMMs + residual",
 ];
 
@@ -101,18 +99,10 @@ fn dropout_add(
 }
 
 fn step(dev: &Device, p: &mut Parts, x: &Tensor, dy: &Tensor, recipe: Option<Recipe>, m: &mut Marks) {
-    let d = HIDDEN / HEADS;
     let forward = |p: &mut Parts, m: &mut Marks| -> te_runtime::Result<_> {
         let (qkv, qkv_ctx) = p.qkv.forward(x)?;
         m.mark();
-        let split = |col: usize| -> te_runtime::Result<Tensor> {
-            let mut t = Tensor::empty(dev, qkv.dtype(), &[SEQ * BATCH, HIDDEN])?;
-            copy_columns(dev, &qkv, col * HIDDEN, &mut t, 0, HIDDEN)?;
-            t.reshape(&[SEQ, BATCH, HEADS, d])
-        };
-        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        m.mark();
-        let (a, attn_ctx) = p.attn.forward(&q, &k, &v, None)?;
+        let (a, attn_ctx) = p.attn.forward_packed(&qkv.reshape(&[SEQ, BATCH, 3 * HIDDEN])?, None)?;
         m.mark();
         let (a, proj_ctx) = p.proj.forward(&a)?;
         m.mark();
@@ -142,12 +132,7 @@ fn step(dev: &Device, p: &mut Parts, x: &Tensor, dy: &Tensor, recipe: Option<Rec
         m.mark();
         let d_ctx = p.proj.backward(proj_ctx, &d_a)?;
         m.mark();
-        let (dq, dk, dv) = p.attn.backward(attn_ctx, &d_ctx)?;
-        m.mark();
-        let mut d_qkv = Tensor::empty(dev, dq.dtype(), &[SEQ, BATCH, 3 * HIDDEN])?;
-        for (t, col) in [(&dq, 0), (&dk, 1), (&dv, 2)] {
-            copy_columns(dev, &t.reshape(&[SEQ * BATCH, HIDDEN])?, 0, &mut d_qkv, col * HIDDEN, HIDDEN)?;
-        }
+        let d_qkv = p.attn.backward_packed(attn_ctx, &d_ctx)?;
         m.mark();
         let d_x = p.qkv.backward(qkv_ctx, &d_qkv)?;
         add_assign(dev, &mut d_h1, &d_x)?;

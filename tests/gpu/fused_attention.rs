@@ -9,7 +9,7 @@ use crate::attention::{check, check_case, check_padded_zeros, Case, Inputs};
 use crate::common::{device, randn};
 use te_runtime::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 use te_runtime::numerics::round_to;
-use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides};
+use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides, Qkv};
 use te_runtime::reference::attention::{self as reference};
 use te_runtime::{DType, Error, Tensor};
 
@@ -190,7 +190,7 @@ fn sliding_windows_and_bottom_right_diagonals_match_a_host_forward() {
         let (k, v) = (up(&hk, &[batch, sk, groups, d]), up(&hv, &[batch, sk, groups, d]));
         let mut out = Tensor::empty(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
         let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
-        flash_attention::forward(&dev, &p, [&q, &k, &v], None, &mut out, &mut lse).unwrap();
+        flash_attention::forward(&dev, &p, Qkv::Apart([&q, &k, &v]), None, &mut out, &mut lse).unwrap();
         let (want_out, want_lse) = host_window_forward(&p, &hq, &hk, &hv);
         let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right}");
         check(&format!("{what}: out"), DType::BF16, &out.to_f32(&dev).unwrap(), &want_out);
@@ -225,8 +225,9 @@ fn ops_errors_are_typed() {
     let (q, f32t) = (t(DType::BF16), t(DType::F32));
     let mut out = t(DType::BF16);
     let mut lse = dev.stream().alloc_zeros::<f32>(b * h * s).unwrap();
-    let mut run =
-        |p: FlashAttnParams, q: &Tensor| flash_attention::forward(&dev, &p, [q, q, q], None, &mut out, &mut lse);
+    let mut run = |p: FlashAttnParams, q: &Tensor| {
+        flash_attention::forward(&dev, &p, Qkv::Apart([q, q, q]), None, &mut out, &mut lse)
+    };
     assert!(matches!(run(base, &f32t).unwrap_err(), Error::DType { arg: "q", .. }));
     let e = run(FlashAttnParams { head_dim: 80, ..base }, &q).unwrap_err();
     assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("head_dim = 80"), "{e}");
@@ -240,12 +241,79 @@ fn ops_errors_are_typed() {
     assert!(e.to_string().contains("groups dividing heads"), "{e}");
     run(base, &q).unwrap();
     let mut short = dev.stream().alloc_zeros::<f32>(3).unwrap();
-    let e = flash_attention::forward(&dev, &base, [&q, &q, &q], None, &mut out, &mut short).unwrap_err();
+    let e = flash_attention::forward(&dev, &base, Qkv::Apart([&q, &q, &q]), None, &mut out, &mut short).unwrap_err();
     assert!(e.to_string().contains("`lse`"), "{e}");
+    // Packed: offsets must be 16-byte aligned and the strides must stay inside from them.
+    let mut lse = dev.stream().alloc_zeros::<f32>(b * h * s).unwrap();
+    let e = flash_attention::forward(&dev, &base, Qkv::Packed(&q, [0, 4, 8]), None, &mut out, &mut lse).unwrap_err();
+    assert!(e.to_string().contains("`k` starts at element 4"), "{e}");
+    let e = flash_attention::forward(&dev, &base, Qkv::Packed(&q, [0, 0, 64]), None, &mut out, &mut lse).unwrap_err();
+    assert!(e.to_string().contains("from offset 64"), "{e}");
     let forced =
         DotProductAttentionConfig { backend: AttentionBackend::Fused, ..DotProductAttentionConfig::new(2, 80) };
     let mut attn = DotProductAttention::new(&dev, forced).unwrap();
     let q80 = Tensor::zeros(&dev, DType::BF16, &[s, b, h, 80]).unwrap();
     let e = attn.forward(&q80, &q80, &q80, None).unwrap_err();
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("head_dim = 80"), "{e}");
+}
+
+/// `forward_packed` / `backward_packed` on the fused QKV tensor give the same bits as `forward`
+/// / `backward` on q, k, v copied apart (fused: the kernels read and write the heads in place;
+/// unfused: it splits and concatenates), for both formats, GQA and a padding mask.
+#[test]
+fn packed_qkv_matches_qkv_apart_bitwise() {
+    let Some(dev) = device() else { return };
+    let (s, b, h, g, d) = (77, 3, 8, 2, 64);
+    let w = (h + 2 * g) * d;
+    for (format, mask) in [(QkvFormat::Sbhd, AttnMaskType::Causal), (QkvFormat::Bshd, AttnMaskType::PaddingCausal)] {
+        for backend in [AttentionBackend::Fused, AttentionBackend::Unfused] {
+            let cfg = DotProductAttentionConfig {
+                backend,
+                num_gqa_groups: Some(g),
+                qkv_format: format,
+                attn_mask_type: mask,
+                ..DotProductAttentionConfig::new(h, d)
+            };
+            let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+            let lens = [77, 40, 1];
+            let seq_lens = mask.is_padding().then_some(&lens[..]);
+            let [x0, x1, _, _] = format.shape(b, s, 1, 1);
+            let vals =
+                |seed, n| -> Vec<f32> { randn(seed, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
+            let (hqkv, hdo) = (vals(300, x0 * x1 * w), vals(301, x0 * x1 * h * d));
+            let qkv = Tensor::from_f32(&dev, DType::BF16, &[x0, x1, w], &hqkv).unwrap();
+            let d_out = Tensor::from_f32(&dev, DType::BF16, &[x0, x1, h * d], &hdo).unwrap();
+            // Apart on the host: columns [0, h·d), [h·d, (h+g)·d), [(h+g)·d, w) of each row.
+            let cols = |from: usize, n: usize| -> Vec<f32> {
+                hqkv.chunks(w).flat_map(|row| row[from * d..(from + n) * d].to_vec()).collect()
+            };
+            let up = |v: &[f32], heads: usize| Tensor::from_f32(&dev, DType::BF16, &[x0, x1, heads, d], v).unwrap();
+            let (q, k, v) = (up(&cols(0, h), h), up(&cols(h, g), g), up(&cols(h + g, g), g));
+            let (out_a, ctx) = attn.forward(&q, &k, &v, seq_lens).unwrap();
+            assert_eq!(ctx.backend(), backend);
+            let (dq, dk, dv) = attn.backward(ctx, &d_out).unwrap();
+            let (out_p, ctx) = attn.forward_packed(&qkv, seq_lens).unwrap();
+            let what = format!("{format:?} {} {}", mask.name(), backend.name());
+            assert_eq!(out_p.to_bytes(&dev).unwrap(), out_a.to_bytes(&dev).unwrap(), "{what}: out");
+            let d_qkv = attn.backward_packed(ctx, &d_out).unwrap();
+            assert_eq!(d_qkv.shape(), &[x0, x1, w], "{what}");
+            let got = d_qkv.to_f32(&dev).unwrap();
+            let (dq, dk, dv) = (dq.to_f32(&dev).unwrap(), dk.to_f32(&dev).unwrap(), dv.to_f32(&dev).unwrap());
+            for (r, row) in got.chunks(w).enumerate() {
+                assert_eq!(&row[..h * d], &dq[r * h * d..][..h * d], "{what}: dq row {r}");
+                assert_eq!(&row[h * d..(h + g) * d], &dk[r * g * d..][..g * d], "{what}: dk row {r}");
+                assert_eq!(&row[(h + g) * d..], &dv[r * g * d..][..g * d], "{what}: dv row {r}");
+            }
+            // The gradients of a packed forward also come apart, and the wrong pairing is refused.
+            let (_, ctx) = attn.forward_packed(&qkv, seq_lens).unwrap();
+            let (dq2, _, _) = attn.backward(ctx, &d_out).unwrap();
+            assert_eq!(dq2.to_f32(&dev).unwrap(), dq, "{what}: dq of a packed context through backward");
+            let (_, ctx) = attn.forward(&q, &k, &v, seq_lens).unwrap();
+            let e = attn.backward_packed(ctx, &d_out).unwrap_err();
+            assert!(matches!(e, Error::Context { .. }) && e.to_string().contains("backward"), "{e}");
+            let bad = Tensor::zeros(&dev, DType::BF16, &[x0, x1, w - d]).unwrap();
+            let e = attn.forward_packed(&bad, seq_lens).unwrap_err();
+            assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("(8 + 2 · 2) · 64 = 768"), "{e}");
+        }
+    }
 }

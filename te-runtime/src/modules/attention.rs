@@ -27,12 +27,14 @@
 mod backend;
 mod fused;
 mod mask;
+mod packed;
 mod plan;
 mod unfused;
 
 use super::visit::{Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, KernelSpec, KernelTarget};
 use crate::ops::dropout::DropoutParams;
+use crate::ops::flash_attention::Qkv;
 use crate::ops::softmax::MAX_SK;
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
@@ -40,8 +42,8 @@ pub use backend::AttentionBackend;
 use mask::{check_seq_lens, MaskCache};
 use plan::Dims;
 use std::sync::Arc;
-pub use te_codegen::spec::{AttnMaskType, QkvFormat};
 use te_codegen::spec::MaskKind;
+pub use te_codegen::spec::{AttnMaskType, QkvFormat};
 use te_codegen::DType;
 
 const MODULE: &str = "DotProductAttention";
@@ -150,17 +152,26 @@ impl DotProductAttentionConfig {
     }
 }
 
-/// The context a [`DotProductAttention::forward`] saves for its backward: q, k, v (shared with
-/// the caller's tensors, not copied) and the backend's state: the output and `softmax_lse`
-/// (fused), or the probabilities `P` `[batch, heads, sq, sk]` (unfused).
+/// The context a [`DotProductAttention::forward`] (or `forward_packed`) saves for its
+/// backward: q, k, v (shared with the caller's tensors, not copied; the fused QKV tensor on the
+/// fused backend) and the backend's state: the output and `softmax_lse` (fused), or the
+/// probabilities `P` `[batch, heads, sq, sk]` (unfused).
 #[derive(Debug)]
 pub struct AttentionCtx {
     module_id: u64,
     dims: Dims,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    inputs: Inputs,
+    /// Made by `forward_packed`: the gradient is one fused `d_qkv`.
+    packed: bool,
     saved: Saved,
+}
+
+/// q, k and v as the backward reads them.
+#[derive(Debug)]
+enum Inputs {
+    Apart([Tensor; 3]),
+    /// The fused QKV tensor, read in place (fused backend only).
+    Packed(Tensor),
 }
 
 /// The backend-specific part of an [`AttentionCtx`].
@@ -277,23 +288,91 @@ impl DotProductAttention {
         seq_lens: Option<&[usize]>,
     ) -> Result<(Tensor, AttentionCtx)> {
         let dims = self.dims(q, k, v)?;
+        self.run_forward(dims, Inputs::Apart([q.clone(), k.clone(), v.clone()]), seq_lens, false)
+    }
+
+    /// Self-attention over the fused QKV tensor `qkv` `[s, b, (h + 2g) · d]` (sbhd) or `[b, s,
+    /// (h + 2g) · d]` (bshd), each position's row holding all q heads, then all k heads, then
+    /// all v heads (the output of `MultiheadAttention`'s QKV projection; q's dtype rules as
+    /// [`DotProductAttention::forward`]). The fused backend reads the heads in place (no split
+    /// copies); the unfused one copies q, k and v apart first. `seq_lens` and the output as in
+    /// [`DotProductAttention::forward`] with `sq = sk = s`. Take the gradient with
+    /// [`DotProductAttention::backward_packed`].
+    ///
+    /// # Errors
+    /// As [`DotProductAttention::forward`]; [`Error::Shape`] when `qkv` is not 3-D with last dim
+    /// `(num_attention_heads + 2 · num_gqa_groups) · kv_channels`.
+    pub fn forward_packed(&mut self, qkv: &Tensor, seq_lens: Option<&[usize]>) -> Result<(Tensor, AttentionCtx)> {
+        check_dtype(MODULE, "qkv", qkv, DType::is_high_precision, "f32, bf16 or f16")?;
+        let cfg = &self.cfg;
+        let dims = packed::dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
+        self.run_forward(dims, Inputs::Packed(qkv.clone()), seq_lens, true)
+    }
+
+    /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused QKV tensor (for callers
+    /// that transform them first, as RoPE does).
+    ///
+    /// # Errors
+    /// As [`DotProductAttention::forward_packed`]'s shape checks; allocation and copy failures.
+    pub(crate) fn split_packed(&self, qkv: &Tensor) -> Result<[Tensor; 3]> {
+        let cfg = &self.cfg;
+        let dims = packed::dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
+        packed::split(&self.dev, qkv, &dims)
+    }
+
+    /// The fused QKV gradient `[a, b, (h + 2g) · d]` of `dq`, `dk`, `dv` (shapes of
+    /// [`DotProductAttention::split_packed`]'s results).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a `dq` that is not `[a, b, h, d]`; allocation and copy failures.
+    pub(crate) fn concat_packed(&self, [dq, dk, dv]: [&Tensor; 3]) -> Result<Tensor> {
+        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
+        let &[a, b, ..] = dq.shape() else {
+            return Err(Error::Shape { op: MODULE, message: format!("dq must be 4-D, got {:?}", dq.shape()) });
+        };
+        let (batch, seq) = self.cfg.qkv_format.batch_seq([a, b, 1, 1]);
+        let dims = Dims { format: self.cfg.qkv_format, batch, sq: seq, sk: seq, heads: h, groups: g, head_dim: d };
+        check_shape(MODULE, "dq", dq, &self.cfg.qkv_format.shape(batch, seq, h, d))?;
+        for (name, t) in [("dk", dk), ("dv", dv)] {
+            check_shape(MODULE, name, t, &self.cfg.qkv_format.shape(batch, seq, g, d))?;
+        }
+        packed::concat(&self.dev, [dq, dk, dv], &dims)
+    }
+
+    /// The forward on the backend [`backend::select`] picks; packed inputs are split apart for
+    /// the unfused backend.
+    fn run_forward(
+        &mut self,
+        dims: Dims,
+        inputs: Inputs,
+        seq_lens: Option<&[usize]>,
+        packed: bool,
+    ) -> Result<(Tensor, AttentionCtx)> {
+        let dtype = match &inputs {
+            Inputs::Apart([q, _, _]) | Inputs::Packed(q) => q.dtype(),
+        };
         let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
-        let backend = backend::select(&self.cfg, q.dtype(), p, self.training)?;
+        let backend = backend::select(&self.cfg, dtype, p, self.training)?;
         if self.last_backend != Some(backend) {
             tracing::debug!(
                 "DotProductAttention: {} backend (d = {}, {}, {})",
                 backend.name(),
                 dims.head_dim,
-                q.dtype(),
+                dtype,
                 self.cfg.attn_mask_type.name()
             );
             self.last_backend = Some(backend);
         }
-        let (out, saved) = if backend == AttentionBackend::Fused {
+        let mask = (self.cfg.attn_mask_type, self.cfg.window());
+        let (out, saved, inputs) = if backend == AttentionBackend::Fused {
             let lens = check_seq_lens(self.cfg.attn_mask_type, seq_lens, &dims)?;
-            let mask = (self.cfg.attn_mask_type, self.cfg.window());
-            let (out, saved) = fused::forward(&self.dev, &dims, mask, lens, [q, k, v], self.cfg.scale())?;
-            (out, Saved::Fused(saved))
+            let (_, offsets) = packed::strides(&dims);
+            let qkv = match &inputs {
+                Inputs::Apart([q, k, v]) => Qkv::Apart([q, k, v]),
+                Inputs::Packed(t) => Qkv::Packed(t, offsets),
+            };
+            let (out, saved) = fused::forward(&self.dev, &dims, mask, lens, qkv, self.cfg.scale())?;
+            (out, Saved::Fused(saved), inputs)
         } else {
             if dims.sk > MAX_SK {
                 return Err(Error::Shape {
@@ -306,14 +385,17 @@ impl DotProductAttention {
                     ),
                 });
             }
-            let mask = self.masks.mask(&self.dev, self.cfg.attn_mask_type, self.cfg.window(), seq_lens, &dims)?;
+            let [q, k, v] = match inputs {
+                Inputs::Apart(qkv) => qkv,
+                Inputs::Packed(t) => packed::split(&self.dev, &t, &dims)?,
+            };
+            let mask = self.masks.mask(&self.dev, mask.0, mask.1, seq_lens, &dims)?;
             self.calls += u64::from(p > 0.0);
             let drop = DropoutParams { p, seed: self.id, offset: self.calls };
-            let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [q, k, v], mask, self.cfg.scale(), drop)?;
-            (out, Saved::Unfused { probs, dropout })
+            let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
+            (out, Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
         };
-        let ctx = AttentionCtx { module_id: self.id, dims, q: q.clone(), k: k.clone(), v: v.clone(), saved };
-        Ok((out, ctx))
+        Ok((out, AttentionCtx { module_id: self.id, dims, inputs, packed, saved }))
     }
 
     /// Backward of [`DotProductAttention::forward`]: `(dq, dk, dv)` in the shapes and dtype of
@@ -324,23 +406,68 @@ impl DotProductAttention {
     /// [`Error::DType`] when `d_out` does not have the output's shape and dtype; GEMM and kernel
     /// failures.
     pub fn backward(&mut self, ctx: AttentionCtx, d_out: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let dims = ctx.dims;
+        match self.run_backward(ctx, d_out)? {
+            Qkv::Apart([dq, dk, dv]) => Ok((dq, dk, dv)),
+            Qkv::Packed(d_qkv, _) => {
+                let [dq, dk, dv] = packed::split(&self.dev, &d_qkv, &dims)?;
+                Ok((dq, dk, dv))
+            }
+        }
+    }
+
+    /// Backward of [`DotProductAttention::forward_packed`]: the gradient of the fused QKV tensor,
+    /// its shape and dtype, for `d_out` the gradient of the output. The fused backend writes it
+    /// in place (no concatenation copies).
+    ///
+    /// # Errors
+    /// [`Error::Context`] for a context made by another module or by
+    /// [`DotProductAttention::forward`] (use [`DotProductAttention::backward`] there); otherwise
+    /// as [`DotProductAttention::backward`].
+    pub fn backward_packed(&mut self, ctx: AttentionCtx, d_out: &Tensor) -> Result<Tensor> {
+        if ctx.module_id == self.id && !ctx.packed {
+            return Err(Error::Context {
+                module: MODULE,
+                message: "the context was made by forward (q, k, v apart): take its gradients with backward".into(),
+            });
+        }
+        let dims = ctx.dims;
+        match self.run_backward(ctx, d_out)? {
+            Qkv::Apart([dq, dk, dv]) => packed::concat(&self.dev, [&dq, &dk, &dv], &dims),
+            Qkv::Packed(d_qkv, _) => Ok(d_qkv),
+        }
+    }
+
+    /// The gradients of the context's inputs, in their arrangement.
+    fn run_backward(&mut self, ctx: AttentionCtx, d_out: &Tensor) -> Result<Qkv<Tensor>> {
         if ctx.module_id != self.id {
             return Err(Error::Context {
                 module: MODULE,
                 message: "the context was made by another DotProductAttention's forward".into(),
             });
         }
-        let dtype = ctx.q.dtype();
+        let dtype = match &ctx.inputs {
+            Inputs::Apart([q, _, _]) | Inputs::Packed(q) => q.dtype(),
+        };
         check_dtype(MODULE, "d_out", d_out, |d| d == dtype, &format!("{dtype} (the dtype of the forward's q)"))?;
         check_shape(MODULE, "d_out", d_out, &ctx.dims.out_shape())?;
-        let qkv = [&ctx.q, &ctx.k, &ctx.v];
-        match &ctx.saved {
-            Saved::Fused(saved) => {
+        let (_, offsets) = packed::strides(&ctx.dims);
+        let qkv = match &ctx.inputs {
+            Inputs::Apart([q, k, v]) => Qkv::Apart([q, k, v]),
+            Inputs::Packed(t) => Qkv::Packed(t, offsets),
+        };
+        match (&ctx.saved, qkv) {
+            (Saved::Fused(saved), qkv) => {
                 let mask = (self.cfg.attn_mask_type, self.cfg.window());
                 fused::backward(&self.dev, &ctx.dims, mask, qkv, saved, d_out, self.cfg.scale())
             }
-            Saved::Unfused { probs, dropout } => {
-                unfused::backward(&self.dev, &ctx.dims, qkv, probs, dropout.as_ref(), d_out, self.cfg.scale())
+            (Saved::Unfused { probs, dropout }, Qkv::Apart(qkv)) => {
+                let (dq, dk, dv) =
+                    unfused::backward(&self.dev, &ctx.dims, qkv, probs, dropout.as_ref(), d_out, self.cfg.scale())?;
+                Ok(Qkv::Apart([dq, dk, dv]))
+            }
+            (Saved::Unfused { .. }, Qkv::Packed(..)) => {
+                Err(Error::internal(MODULE, "the unfused backend saved the fused QKV tensor instead of q, k, v"))
             }
         }
     }

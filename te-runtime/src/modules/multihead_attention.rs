@@ -2,9 +2,10 @@
 //! (behind the input norm when `input_layernorm`), rotary embedding of q and k, dot-product
 //! attention, output projection.
 //!
-//! The QKV weight is `[(h + 2g) · d, hidden]` with rows `[q heads | k heads | v heads]`; its
-//! output is split into q, k and v by column-block copies, and their gradients concatenated the
-//! same way.
+//! The QKV weight is `[(h + 2g) · d, hidden]` with rows `[q heads | k heads | v heads]`. Without
+//! RoPE its output goes to `DotProductAttention::forward_packed` as it is (the fused backend reads
+//! the heads in place and writes one fused gradient); with RoPE, q, k and v are copied apart
+//! (RoPE writes new q and k) and their gradients concatenated back.
 
 use super::attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
@@ -13,7 +14,6 @@ use super::norm::NormKind;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, ForwardOptions, LinearParams, NormParams};
 use super::{KernelSpec, KernelTarget};
-use crate::ops::copy::copy_columns;
 use crate::ops::rope::{self, RopeFormat};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
@@ -143,7 +143,7 @@ impl MultiheadAttentionConfig {
             seed: cfg.seed + 1,
             ..LinearConfig::new(h * d, cfg.hidden_size)
         };
-        Ok(MultiheadAttentionParts { heads: (h, g, d), qkv, attention, proj })
+        Ok(MultiheadAttentionParts { qkv, attention, proj })
     }
 
     /// The RoPE kernels' layout of q and k: that of the hidden states.
@@ -158,8 +158,6 @@ impl MultiheadAttentionConfig {
 /// The configurations of a [`MultiheadAttention`]'s parts ([`MultiheadAttentionConfig::parts`]).
 #[derive(Debug, Clone)]
 pub(crate) struct MultiheadAttentionParts {
-    /// `(heads h, key/value groups g, channels per head d)`.
-    pub(crate) heads: (usize, usize, usize),
     /// The QKV projection `hidden → (h + 2g)·d`.
     pub(crate) qkv: QkvProjConfig,
     /// The dot-product attention.
@@ -211,7 +209,6 @@ pub struct MultiheadAttentionCtx {
     attn: AttentionCtx,
     proj: LinearCtx,
     rotary: Option<Tensor>,
-    shape: Vec<usize>,
 }
 
 /// Self-attention over hidden states `[s, b, hidden]` (or `[b, s, hidden]`), output of the same
@@ -221,7 +218,6 @@ pub struct MultiheadAttention {
     dev: Arc<Device>,
     id: u64,
     cfg: MultiheadAttentionConfig,
-    heads: (usize, usize, usize),
     qkv: QkvProj,
     attention: DotProductAttention,
     proj: Linear,
@@ -241,7 +237,7 @@ impl MultiheadAttention {
         };
         let attention = DotProductAttention::new(dev, parts.attention)?;
         let proj = Linear::new(dev, parts.proj)?;
-        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, heads: parts.heads, qkv, attention, proj })
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, qkv, attention, proj })
     }
 
     /// The configuration.
@@ -332,8 +328,14 @@ impl MultiheadAttention {
                 (y.into_high(&self.dev, x.dtype())?, QkvCtx::Plain(c))
             }
         };
-        let [q, k, v] = self.split_qkv(&qkv, [a, b], inputs.rotary_pos_emb)?;
-        let (ctx_out, attn) = self.attention.forward(&q, &k, &v, inputs.seq_lens)?;
+        let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
+        let (ctx_out, attn) = match inputs.rotary_pos_emb {
+            None => self.attention.forward_packed(&qkv, inputs.seq_lens)?,
+            Some(freqs) => {
+                let [q, k, v] = self.split_rope(&qkv, freqs)?;
+                self.attention.forward(&q, &k, &v, inputs.seq_lens)?
+            }
+        };
         let (y, proj) = self.proj.forward_with(&ctx_out, opts)?;
         let y = y.into_high(&self.dev, x.dtype())?;
         let ctx = MultiheadAttentionCtx {
@@ -342,27 +344,18 @@ impl MultiheadAttention {
             attn,
             proj,
             rotary: inputs.rotary_pos_emb.cloned(),
-            shape: x.shape().to_vec(),
         };
         Ok((y, ctx))
     }
 
     /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused projection's output
-    /// `[a·b, (h + 2g)·d]`, with the rotary embedding applied to q and k when given.
-    fn split_qkv(&self, qkv: &Tensor, [a, b]: [usize; 2], rotary: Option<&Tensor>) -> Result<[Tensor; 3]> {
-        let (h, g, d) = self.heads;
-        let split = |col: usize, heads: usize| -> Result<Tensor> {
-            let mut t = Tensor::empty(&self.dev, qkv.dtype(), &[a * b, heads * d])?;
-            copy_columns(&self.dev, qkv, col * d, &mut t, 0, heads * d)?;
-            t.reshape(&[a, b, heads, d])
-        };
-        let (mut q, mut k, v) = (split(0, h)?, split(h, g)?, split(h + g, g)?);
-        if let Some(freqs) = rotary {
-            for t in [&mut q, &mut k] {
-                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
-                rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
-                *t = out;
-            }
+    /// `[a, b, (h + 2g)·d]`, with the rotary embedding applied to q and k.
+    fn split_rope(&self, qkv: &Tensor, freqs: &Tensor) -> Result<[Tensor; 3]> {
+        let [mut q, mut k, v] = self.attention.split_packed(qkv)?;
+        for t in [&mut q, &mut k] {
+            let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
+            rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
+            *t = out;
         }
         Ok([q, k, v])
     }
@@ -384,8 +377,14 @@ impl MultiheadAttention {
             QkvProj::Norm(m) => m.infer(x)?,
             QkvProj::Plain(m) => m.infer(x)?,
         };
-        let [q, k, v] = self.split_qkv(&qkv, [a, b], inputs.rotary_pos_emb)?;
-        let (ctx_out, _) = self.attention.forward(&q, &k, &v, inputs.seq_lens)?;
+        let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
+        let (ctx_out, _) = match inputs.rotary_pos_emb {
+            None => self.attention.forward_packed(&qkv, inputs.seq_lens)?,
+            Some(freqs) => {
+                let [q, k, v] = self.split_rope(&qkv, freqs)?;
+                self.attention.forward(&q, &k, &v, inputs.seq_lens)?
+            }
+        };
         self.proj.infer(&ctx_out)
     }
 
@@ -397,21 +396,19 @@ impl MultiheadAttention {
         if ctx.module_id != self.id {
             return Err(Error::Context { module: MODULE, message: "the context was made by another module".into() });
         }
-        let (h, g, d) = self.heads;
         let d_ctx = self.proj.backward(ctx.proj, d_out)?;
-        let (mut dq, mut dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
-        if let Some(freqs) = &ctx.rotary {
-            for t in [&mut dq, &mut dk] {
-                let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
-                rope::backward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
-                *t = out;
+        let d_qkv = match &ctx.rotary {
+            None => self.attention.backward_packed(ctx.attn, &d_ctx)?,
+            Some(freqs) => {
+                let (mut dq, mut dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
+                for t in [&mut dq, &mut dk] {
+                    let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
+                    rope::backward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
+                    *t = out;
+                }
+                self.attention.concat_packed([&dq, &dk, &dv])?
             }
-        }
-        let rows = ctx.shape[0] * ctx.shape[1];
-        let mut d_qkv = Tensor::empty(&self.dev, dq.dtype(), &[ctx.shape[0], ctx.shape[1], (h + 2 * g) * d])?;
-        for (t, col, heads) in [(&dq, 0, h), (&dk, h, g), (&dv, h + g, g)] {
-            copy_columns(&self.dev, &t.reshape(&[rows, heads * d])?, 0, &mut d_qkv, col * d, heads * d)?;
-        }
+        };
         match (&mut self.qkv, ctx.qkv) {
             (QkvProj::Norm(m), QkvCtx::Norm(c)) => m.backward(c, &d_qkv),
             (QkvProj::Plain(m), QkvCtx::Plain(c)) => m.backward(c, &d_qkv),

@@ -7,7 +7,8 @@ use super::check_dtype;
 use super::launch::Launch;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
+use std::sync::Arc;
 use te_codegen::spec::{Direction, FlashAttnSpec, QkvFormat, FLASH_HEAD_DIMS};
 use te_codegen::{DType, KernelSpec};
 
@@ -77,6 +78,28 @@ pub struct FlashAttnParams {
     pub o: HeadStrides,
 }
 
+/// q, k and v (or their gradients dq, dk, dv): three tensors, or the heads of one fused QKV
+/// tensor (the projection's `[.., (h + 2g) · head_dim]` output, all q heads then all k heads then
+/// all v heads at each position), each from an element offset (`[0, h · d, (h + g) · d]` there).
+/// The strides of [`FlashAttnParams`] say where the heads sit in either case.
+#[derive(Debug)]
+pub enum Qkv<T> {
+    /// `[q, k, v]` in tensors of their own.
+    Apart([T; 3]),
+    /// One tensor and the element offsets of q's, k's and v's first head (multiples of 8).
+    Packed(T, [usize; 3]),
+}
+
+impl<T: std::ops::Deref<Target = Tensor>> Qkv<T> {
+    /// `(tensor, element offset)` of q, k and v.
+    fn parts(&self) -> [(&Tensor, usize); 3] {
+        match self {
+            Qkv::Apart([q, k, v]) => [(q, 0), (k, 0), (v, 0)],
+            Qkv::Packed(t, [a, b, c]) => [(t, *a), (t, *b), (t, *c)],
+        }
+    }
+}
+
 /// Valid lengths of variable-length sequences inside padded tensors: i32 `[batch + 1]` prefix
 /// sums (`cu[b + 1] − cu[b]` valid positions of sequence `b`, TE's `cu_seqlens_q` / `_kv`).
 /// Lengths beyond the padded `sq` / `sk` are clamped by the kernels.
@@ -106,46 +129,90 @@ pub fn unsupported_reason(dtype: DType, head_dim: usize, training: bool) -> Opti
 /// `out = softmax(scale · Q · Kᵀ, masked) · V` per (sequence, head) and `lse = ln Σ_j exp(scale ·
 /// s_ij)` over the visible keys.
 ///
-/// - `q`: bf16/f16 at `p.q` strides, `[.., sq, heads, head_dim]`; `k`, `v`: q's dtype at `p.kv`
-///   strides, `[.., sk, groups, head_dim]`; query head `h` reads key/value head `h / (heads /
-///   groups)`.
+/// - `qkv`: `q` bf16/f16 at `p.q` strides, `[.., sq, heads, head_dim]`; `k`, `v`: q's dtype at
+///   `p.kv` strides, `[.., sk, groups, head_dim]` (three tensors or one fused, [`Qkv`]); query
+///   head `h` reads key/value head `h / (heads / groups)`.
 /// - `out`: q's dtype at `p.o` strides. Rows of padded queries (`i >= lq`) and of queries that
 ///   see no key are zeros.
 /// - `lse`: f32 `[batch, heads, sq]`; `+inf` where a row sees no key.
 ///
 /// # Errors
 /// [`Error::DType`] for other dtypes; [`Error::Shape`] for a head dim the kernels do not take,
-/// `groups` not dividing `heads`, a tensor smaller than its strides reach, strides or sizes not
-/// 16-byte aligned, `cu_seqlens` or `lse` too short; compile and launch failures.
+/// `groups` not dividing `heads`, a tensor smaller than its strides reach from its offset,
+/// strides or offsets not 16-byte aligned, `cu_seqlens` or `lse` too short; compile and launch
+/// failures.
 pub fn forward(
     dev: &Device,
     p: &FlashAttnParams,
-    [q, k, v]: [&Tensor; 3],
+    qkv: Qkv<&Tensor>,
     cu: Option<CuSeqlens<'_>>,
     out: &mut Tensor,
     lse: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    check(p, [q, k, v], cu, Direction::Fwd)?;
+    let parts = qkv.parts();
+    check(p, parts, cu, Direction::Fwd)?;
+    let q = parts[0].0;
     check_same(out, q, "out")?;
-    check_extent("out", out, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
+    check_extent("out", out, 0, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
     let spec = FlashAttnSpec::new(Direction::Fwd, q.dtype(), p.head_dim, dev.arch());
     let f = function(dev, &spec, 0)?;
     let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
     let s = Scalars::new(p);
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
-    l.ptr("q", q.data()).ptr("k", k.data()).ptr("v", v.data()).ptr("o", out.data_mut()?).ptr("lse", &*lse);
+    let stream = dev.stream();
+    let ([q, k, v], _guards) = addresses(stream, parts);
+    let mut l = Launch::new(OP, stream, &f, &spec, 0);
+    l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("o", out.data_mut()?).ptr("lse", &*lse);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
-    // SAFETY: q, k, v, out hold every element their strides reach for the sizes (checked), the
-    // pointers and strides are 16-byte aligned, lse holds batch · heads · sq f32 and the
-    // cu_seqlens batch + 1 i32 (checked); out and lse are distinct allocations (`&mut`).
+    // SAFETY: q, k, v (from their offsets) and out hold every element their strides reach for
+    // the sizes (checked), the addresses and strides are 16-byte aligned, lse holds batch ·
+    // heads · sq f32 and the cu_seqlens batch + 1 i32 (checked); out and lse are distinct
+    // allocations (`&mut`); the guards keep q, k and v's allocations in use until the launch.
     unsafe { l.launch(cfg) }
 }
 
-/// The gradients of [`forward`]: `(dq, dk, dv)` written into tensors of q's, k's and v's layout
-/// (`dq` at `p.q` strides, `dk`, `dv` at `p.kv` strides; every element the strides reach is
-/// written, padded positions with zeros).
+/// The device addresses of `(tensor, element offset)` parts, with the guards that order their
+/// use on `stream`.
+fn addresses<'a>(stream: &'a Arc<CudaStream>, parts: [(&'a Tensor, usize); 3]) -> ([u64; 3], Vec<SyncOnDrop<'a>>) {
+    let mut guards = Vec::with_capacity(3);
+    let addrs = parts.map(|(t, offset)| {
+        let (base, guard) = t.data().device_ptr(stream);
+        guards.push(guard);
+        base + (offset * t.dtype().size_bytes()) as u64
+    });
+    (addrs, guards)
+}
+
+/// As [`addresses`], for tensors the kernels write.
+fn addresses_mut<'a>(
+    stream: &'a Arc<CudaStream>,
+    t: &'a mut Qkv<&mut Tensor>,
+) -> Result<([u64; 3], Vec<SyncOnDrop<'a>>)> {
+    let mut guards = Vec::with_capacity(3);
+    let addrs = match t {
+        Qkv::Apart(ts) => {
+            let mut addrs = [0u64; 3];
+            for (addr, t) in addrs.iter_mut().zip(ts.iter_mut()) {
+                let (base, guard) = t.data_mut()?.device_ptr_mut(stream);
+                guards.push(guard);
+                *addr = base;
+            }
+            addrs
+        }
+        Qkv::Packed(t, offsets) => {
+            let size = t.dtype().size_bytes();
+            let (base, guard) = t.data_mut()?.device_ptr_mut(stream);
+            guards.push(guard);
+            offsets.map(|o| base + (o * size) as u64)
+        }
+    };
+    Ok((addrs, guards))
+}
+
+/// The gradients of [`forward`]: `(dq, dk, dv)` written in q's, k's and v's layout (`dq` at
+/// `p.q` strides, `dk`, `dv` at `p.kv` strides, three tensors or one fused like `qkv`; every
+/// element the strides reach is written, padded positions with zeros, nothing else).
 ///
 /// `out` and `lse` are the forward's, `d_out` the output gradient at `p.o` strides. The three
 /// kernels use no atomics: the same inputs give the same bits.
@@ -156,27 +223,41 @@ pub fn forward(
 pub fn backward(
     dev: &Device,
     p: &FlashAttnParams,
-    [q, k, v]: [&Tensor; 3],
+    qkv: Qkv<&Tensor>,
     out: &Tensor,
     d_out: &Tensor,
     lse: &CudaSlice<f32>,
     cu: Option<CuSeqlens<'_>>,
-    [dq, dk, dv]: [&mut Tensor; 3],
+    mut grads: Qkv<&mut Tensor>,
 ) -> Result<()> {
-    check(p, [q, k, v], cu, Direction::Bwd)?;
+    let parts = qkv.parts();
+    check(p, parts, cu, Direction::Bwd)?;
+    let q = parts[0].0;
     for (name, t) in [("out", out), ("d_out", d_out)] {
         check_same(t, q, name)?;
-        check_extent(name, t, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
+        check_extent(name, t, 0, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
     }
-    check_same(dq, q, "dq")?;
-    check_extent("dq", dq, p.q, p.batch, p.sq, p.heads, p.head_dim)?;
-    for (name, t) in [("dk", &*dk), ("dv", &*dv)] {
-        check_same(t, q, name)?;
-        check_extent(name, t, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
+    {
+        let g = match &grads {
+            Qkv::Apart([a, b, c]) => Qkv::Apart([&**a, &**b, &**c]),
+            Qkv::Packed(t, o) => Qkv::Packed(&**t, *o),
+        };
+        for ((name, (t, offset)), (s, seq, heads)) in ["dq", "dk", "dv"].into_iter().zip(g.parts()).zip([
+            (p.q, p.sq, p.heads),
+            (p.kv, p.sk, p.groups),
+            (p.kv, p.sk, p.groups),
+        ]) {
+            check_same(t, q, name)?;
+            check_offset(name, offset)?;
+            check_extent(name, t, offset, s, p.batch, seq, heads, p.head_dim)?;
+        }
     }
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
     let spec = FlashAttnSpec::new(Direction::Bwd, q.dtype(), p.head_dim, dev.arch());
     let s = Scalars::new(p);
+    let stream = dev.stream();
+    let ([q, k, v], _in_guards) = addresses(stream, parts);
+    let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
     // SAFETY: f32 has no invalid bit patterns; `_dot_do_o` writes every element.
     let mut delta = unsafe { dev.stream().alloc::<f32>(p.batch * p.heads * p.sq) }?;
 
@@ -197,21 +278,23 @@ pub fn backward(
     let mut cfg = grid(p.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
     cfg.grid_dim.1 = p.groups as u32;
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
-    l.ptr("q", q.data()).ptr("k", k.data()).ptr("v", v.data()).ptr("d_o", d_out.data());
-    l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", dk.data_mut()?).ptr("dv", dv.data_mut()?);
+    l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", &dk).ptr("dv", &dv);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
-    // SAFETY: as the forward's, for dk and dv at the kv strides (distinct allocations, `&mut`).
+    // SAFETY: as the forward's, for dk and dv at the kv strides: held `&mut` (one fused tensor
+    // or two), and the heads they write are disjoint from each other and from every input.
     unsafe { l.launch(cfg) }?;
 
     let f = function(dev, &spec, 2)?;
     let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(2));
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 2);
-    l.ptr("q", q.data()).ptr("k", k.data()).ptr("v", v.data()).ptr("d_o", d_out.data());
-    l.ptr("lse", lse).ptr("delta", &delta).ptr("dq", dq.data_mut()?);
+    l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dq", &dq);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
-    // SAFETY: as the forward's, for dq at the q strides.
+    // SAFETY: as the forward's, for dq at the q strides (disjoint from dk and dv, written
+    // before on the same stream).
     unsafe { l.launch(cfg) }
 }
 
@@ -290,7 +373,8 @@ fn grid(blocks: usize, p: &FlashAttnParams, threads: usize, shared: usize) -> La
 }
 
 /// The checks both directions share.
-fn check(p: &FlashAttnParams, [q, k, v]: [&Tensor; 3], cu: Option<CuSeqlens<'_>>, dir: Direction) -> Result<()> {
+fn check(p: &FlashAttnParams, parts: [(&Tensor, usize); 3], cu: Option<CuSeqlens<'_>>, dir: Direction) -> Result<()> {
+    let [(q, q_off), (k, k_off), (v, v_off)] = parts;
     check_dtype(OP, "q", q, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     check_same(k, q, "k")?;
     check_same(v, q, "v")?;
@@ -326,9 +410,12 @@ fn check(p: &FlashAttnParams, [q, k, v]: [&Tensor; 3], cu: Option<CuSeqlens<'_>>
             ));
         }
     }
-    check_extent("q", q, p.q, p.batch, p.sq, p.heads, p.head_dim)?;
-    check_extent("k", k, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
-    check_extent("v", v, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
+    for (name, offset) in [("q", q_off), ("k", k_off), ("v", v_off)] {
+        check_offset(name, offset)?;
+    }
+    check_extent("q", q, q_off, p.q, p.batch, p.sq, p.heads, p.head_dim)?;
+    check_extent("k", k, k_off, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
+    check_extent("v", v, v_off, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
     if let Some(c) = cu {
         check_len("cu_seqlens_q", c.q.len(), p.batch + 1)?;
         check_len("cu_seqlens_kv", c.kv.len(), p.batch + 1)?;
@@ -340,24 +427,39 @@ fn check_same(t: &Tensor, q: &Tensor, name: &'static str) -> Result<()> {
     check_dtype(OP, name, t, |d| d == q.dtype(), &format!("{} (the dtype of `q`)", q.dtype()))
 }
 
+#[allow(clippy::too_many_arguments)] // the tensor, where its heads start, and their geometry
 fn check_extent(
     name: &str,
     t: &Tensor,
+    offset: usize,
     s: HeadStrides,
     batch: usize,
     seq: usize,
     heads: usize,
     d: usize,
 ) -> Result<()> {
-    let need = s.extent(batch, seq, heads, d);
+    let need = offset + s.extent(batch, seq, heads, d);
     if t.numel() < need {
         return Err(Error::Shape {
             op: OP,
             message: format!(
-                "`{name}` {:?} holds {} elements, its strides {s:?} reach {need} for {batch} sequences of {seq} \
-                 positions and {heads} heads of {d}",
+                "`{name}` {:?} holds {} elements, its strides {s:?} reach {need} from offset {offset} for {batch} \
+                 sequences of {seq} positions and {heads} heads of {d}",
                 t.shape(),
                 t.numel()
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn check_offset(name: &str, offset: usize) -> Result<()> {
+    if offset % 8 != 0 {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "`{name}` starts at element {offset}: offsets must be multiples of 8 elements (16 bytes) for the \
+                 kernels' vector loads"
             ),
         });
     }

@@ -237,7 +237,8 @@ mod tests {
     /// The gradients of `Σ d_out · out` against central differences.
     #[test]
     fn gradients_match_finite_differences() {
-        let windowed = [(AttnMaskType::NoMask, (1, 1)), (AttnMaskType::Causal, (1, 0)), (AttnMaskType::Padding, (0, 2))];
+        let windowed =
+            [(AttnMaskType::NoMask, (1, 1)), (AttnMaskType::Causal, (1, 0)), (AttnMaskType::Padding, (0, 2))];
         let cases = MASKS.iter().map(|&m| (m, (-1, -1))).chain(windowed);
         for format in FORMATS {
             for (mask, window) in cases.clone() {

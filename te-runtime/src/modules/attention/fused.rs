@@ -4,8 +4,8 @@
 //! head, instead of the unfused backend's `[batch, heads, sq, sk]` probabilities).
 
 use super::plan::Dims;
-use super::{AttnMaskType, MODULE};
-use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides};
+use super::{packed, AttnMaskType, MODULE};
+use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides, Qkv};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 
@@ -24,11 +24,18 @@ impl FusedSaved {
     }
 }
 
-/// The kernels' parameters for a call: dense q, k, v and output in `dims.format`, the mask as
-/// its resolved window (causal: right bound 0) and diagonal alignment.
-fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32) -> FlashAttnParams {
+/// The kernels' parameters for a call: q, k, v dense in `dims.format` or (`packed`) inside one
+/// fused QKV tensor, a dense output, the mask as its resolved window (causal: right bound 0)
+/// and diagonal alignment.
+fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32, packed: bool) -> FlashAttnParams {
     let d = dims.head_dim;
-    let q = HeadStrides::dense(dims.format, dims.batch, dims.sq, dims.heads, d);
+    let o = HeadStrides::dense(dims.format, dims.batch, dims.sq, dims.heads, d);
+    let (q, kv) = if packed {
+        let s = packed::strides(dims).0;
+        (s, s)
+    } else {
+        (o, HeadStrides::dense(dims.format, dims.batch, dims.sk, dims.groups, d))
+    };
     FlashAttnParams {
         batch: dims.batch,
         sq: dims.sq,
@@ -40,8 +47,8 @@ fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32) -
         window,
         bottom_right: mask.is_bottom_right(),
         q,
-        kv: HeadStrides::dense(dims.format, dims.batch, dims.sk, dims.groups, d),
-        o: q,
+        kv,
+        o,
     }
 }
 
@@ -65,18 +72,22 @@ fn cu_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> Result<(CudaSlic
 }
 
 /// `out = softmax(scale · Q · Kᵀ, mask) · V` in [`Dims::out_shape`] and the saved state;
-/// `seq_lens` checked by the caller (given exactly for padding masks).
+/// `seq_lens` checked by the caller (given exactly for padding masks); q, k, v apart or packed
+/// ([`packed`]).
 pub(super) fn forward(
     dev: &Device,
     dims: &Dims,
     mask: (AttnMaskType, (i64, i64)),
     seq_lens: Option<&[usize]>,
-    qkv: [&Tensor; 3],
+    qkv: Qkv<&Tensor>,
     scale: f32,
 ) -> Result<(Tensor, FusedSaved)> {
-    let p = params(dims, mask, scale);
+    let p = params(dims, mask, scale, matches!(qkv, Qkv::Packed(..)));
+    let dtype = match &qkv {
+        Qkv::Apart([q, _, _]) | Qkv::Packed(q, _) => q.dtype(),
+    };
     let cu = seq_lens.map(|lens| cu_seqlens(dev, lens, dims)).transpose()?;
-    let mut out = Tensor::empty(dev, qkv[0].dtype(), &dims.out_shape())?;
+    let mut out = Tensor::empty(dev, dtype, &dims.out_shape())?;
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
     let mut lse = unsafe { dev.stream().alloc::<f32>(dims.batch * dims.heads * dims.sq) }?;
     let cu_ref = cu.as_ref().map(|(q, kv)| CuSeqlens { q, kv });
@@ -84,23 +95,36 @@ pub(super) fn forward(
     Ok((out.clone(), FusedSaved { out, lse, cu }))
 }
 
-/// `(dq, dk, dv)` in q's, k's and v's shapes from the forward's tensors and state.
+/// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's
+/// and v's shapes for inputs apart, one fused `d_qkv` ([`packed::shape`]) for packed inputs.
 pub(super) fn backward(
     dev: &Device,
     dims: &Dims,
     mask: (AttnMaskType, (i64, i64)),
-    qkv: [&Tensor; 3],
+    qkv: Qkv<&Tensor>,
     saved: &FusedSaved,
     d_out: &Tensor,
     scale: f32,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let p = params(dims, mask, scale);
-    let dtype = qkv[0].dtype();
-    let mut dq = Tensor::empty(dev, dtype, qkv[0].shape())?;
-    let mut dk = Tensor::empty(dev, dtype, qkv[1].shape())?;
-    let mut dv = Tensor::empty(dev, dtype, qkv[2].shape())?;
-    flash_attention::backward(dev, &p, qkv, &saved.out, d_out, &saved.lse, saved.cu(), [&mut dq, &mut dk, &mut dv])?;
-    Ok((dq, dk, dv))
+) -> Result<Qkv<Tensor>> {
+    let p = params(dims, mask, scale, matches!(qkv, Qkv::Packed(..)));
+    let (out, lse, cu) = (&saved.out, &saved.lse, saved.cu());
+    match qkv {
+        Qkv::Apart([q, k, v]) => {
+            let dtype = q.dtype();
+            let mut dq = Tensor::empty(dev, dtype, q.shape())?;
+            let mut dk = Tensor::empty(dev, dtype, k.shape())?;
+            let mut dv = Tensor::empty(dev, dtype, v.shape())?;
+            let grads = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
+            flash_attention::backward(dev, &p, Qkv::Apart([q, k, v]), out, d_out, lse, cu, grads)?;
+            Ok(Qkv::Apart([dq, dk, dv]))
+        }
+        Qkv::Packed(t, offsets) => {
+            let mut d_qkv = Tensor::empty(dev, t.dtype(), t.shape())?;
+            let grads = Qkv::Packed(&mut d_qkv, offsets);
+            flash_attention::backward(dev, &p, Qkv::Packed(t, offsets), out, d_out, lse, cu, grads)?;
+            Ok(Qkv::Packed(d_qkv, offsets))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -111,14 +135,18 @@ mod tests {
     #[test]
     fn dense_strides_follow_the_format() {
         let dims = Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 7, heads: 4, groups: 2, head_dim: 64 };
-        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), 0.125);
+        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), 0.125, false);
         assert_eq!(p.q, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 128, row: 3 * 128, head: 64 });
         assert_eq!((p.window, p.bottom_right), ((-1, 0), false));
         let bshd = Dims { format: QkvFormat::Bshd, ..dims };
-        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), 0.125);
+        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), 0.125, false);
         assert_eq!(p.q, HeadStrides { batch: 5 * 256, row: 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 7 * 128, row: 128, head: 64 });
         assert_eq!((p.window, p.bottom_right), ((4, 0), true));
+        let packed = Dims { sk: 5, ..dims };
+        let p = params(&packed, (AttnMaskType::Causal, (-1, 0)), 0.125, true);
+        assert_eq!((p.q, p.kv), (packed::strides(&packed).0, packed::strides(&packed).0));
+        assert_eq!(p.o, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
     }
 }

@@ -7,10 +7,10 @@
 use super::plan::Dims;
 use super::{AttnMaskType, MODULE};
 use crate::ops::softmax::Mask;
-use te_codegen::spec::MaskKind;
 use crate::{Device, Error, Result};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
+use te_codegen::spec::MaskKind;
 
 /// What an uploaded byte mask was built from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,7 +210,12 @@ mod tests {
                     };
                     for (b, i, j) in (0..3).flat_map(|b| (0..sq).flat_map(move |i| (0..sk).map(move |j| (b, i, j)))) {
                         let masked = m[(b * sq + i) * sk + j] != 0;
-                        assert_eq!(masked, !case.attends(b, i, j), "{} {window:?} {sq}x{sk} ({b}, {i}, {j})", kind.name());
+                        assert_eq!(
+                            masked,
+                            !case.attends(b, i, j),
+                            "{} {window:?} {sq}x{sk} ({b}, {i}, {j})",
+                            kind.name()
+                        );
                     }
                 }
             }
