@@ -7,10 +7,12 @@
 
 use crate::attention::{check, check_case, check_padded_zeros, Case, Inputs};
 use crate::common::{device, randn};
-use te_runtime::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_runtime::modules::{
+    AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat, ThdSeqlens,
+};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides, Qkv};
-use te_runtime::reference::attention::{self as reference};
+use te_runtime::reference::attention::{self as reference, AttentionCase};
 use te_runtime::{DType, Error, Tensor};
 
 fn fused(c: Case) -> Case {
@@ -316,4 +318,112 @@ fn packed_qkv_matches_qkv_apart_bitwise() {
             assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("(8 + 2 · 2) · 64 = 768"), "{e}");
         }
     }
+}
+
+/// `thd`: sequences of different lengths (0, 1, not tile multiples, sq ≠ sk) packed one after
+/// another, without and with padding between them, against the reference run per sequence;
+/// tokens no sequence owns get zero outputs and gradients.
+#[test]
+fn thd_matches_the_reference_per_sequence() {
+    let Some(dev) = device() else { return };
+    let (h, g, d) = (4, 2, 64);
+    let lens_q = [77usize, 0, 1, 130, 33];
+    let lens_kv = [77usize, 5, 1, 130, 60];
+    let prefix = |lens: &[usize], pad: usize| -> Vec<usize> {
+        let mut v = vec![0];
+        for &l in lens {
+            v.push(v.last().unwrap() + l + pad);
+        }
+        v
+    };
+    for (mask, window, pad) in [
+        (AttnMaskType::Causal, None, 0),
+        (AttnMaskType::PaddingCausalBottomRight, Some((40, 0)), 5),
+        (AttnMaskType::NoMask, None, 3),
+    ] {
+        let (cu_q, cu_kv) = (prefix(&lens_q, 0), prefix(&lens_kv, 0));
+        let (off_q, off_kv) = (prefix(&lens_q, pad), prefix(&lens_kv, pad));
+        let seqs = ThdSeqlens {
+            cu_seqlens_q_padded: (pad > 0).then_some(&off_q[..]),
+            cu_seqlens_kv_padded: (pad > 0).then_some(&off_kv[..]),
+            ..ThdSeqlens::new(&cu_q, &cu_kv)
+        };
+        let (tq, tk) = (*off_q.last().unwrap(), *off_kv.last().unwrap());
+        let vals =
+            |seed, n| -> Vec<f32> { randn(seed, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
+        let (hq, hk, hv, hdo) =
+            (vals(400, tq * h * d), vals(401, tk * g * d), vals(402, tk * g * d), vals(403, tq * h * d));
+        let up = |v: &[f32], s: &[usize]| Tensor::from_f32(&dev, DType::BF16, s, v).unwrap();
+        let cfg = DotProductAttentionConfig {
+            num_gqa_groups: Some(g),
+            attn_mask_type: mask,
+            window_size: window,
+            ..DotProductAttentionConfig::new(h, d)
+        };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        let (q, k, v) = (up(&hq, &[tq, h, d]), up(&hk, &[tk, g, d]), up(&hv, &[tk, g, d]));
+        let (out, ctx) = attn.forward_thd(&q, &k, &v, seqs).unwrap();
+        assert_eq!((out.shape(), ctx.backend()), (&[tq, h * d][..], AttentionBackend::Fused));
+        let (dq, dk, dv) = attn.backward(ctx, &up(&hdo, &[tq, h * d])).unwrap();
+        assert_eq!((dq.shape(), dk.shape(), dv.shape()), (&[tq, h, d][..], &[tk, g, d][..], &[tk, g, d][..]));
+        let [out, dq, dk, dv] = [out, dq, dk, dv].map(|t| t.to_f32(&dev).unwrap());
+        let (rq, rk) = (h * d, g * d);
+        let mut owned_q = vec![false; tq];
+        let mut owned_kv = vec![false; tk];
+        for b in 0..lens_q.len() {
+            let (lq, lk, sq0, sk0) = (lens_q[b], lens_kv[b], off_q[b], off_kv[b]);
+            owned_q[sq0..sq0 + lq].fill(true);
+            owned_kv[sk0..sk0 + lk].fill(true);
+            if lq == 0 {
+                continue;
+            }
+            let case = AttentionCase {
+                format: QkvFormat::Bshd,
+                batch: 1,
+                sq: lq,
+                sk: lk.max(1),
+                heads: h,
+                groups: g,
+                head_dim: d,
+                mask: if mask.is_padding() { AttnMaskType::CausalBottomRight } else { mask },
+                seq_lens: None,
+                scale: 1.0 / (d as f32).sqrt(),
+                window: mask.window(window).unwrap(),
+            };
+            let what = format!("{} {window:?} pad {pad} sequence {b} ({lq} × {lk})", mask.name());
+            let sl = |x: &[f32], start: usize, n: usize, row: usize| x[start * row..(start + n) * row].to_vec();
+            if lk == 0 {
+                assert!(sl(&out, sq0, lq, rq).iter().all(|&x| x == 0.0), "{what}: out without keys");
+                continue;
+            }
+            let (q_b, k_b, v_b, do_b) =
+                (sl(&hq, sq0, lq, rq), sl(&hk, sk0, lk, rk), sl(&hv, sk0, lk, rk), sl(&hdo, sq0, lq, rq));
+            let f = reference::forward(&case, &q_b, &k_b, &v_b);
+            let gr = reference::backward(&case, &q_b, &k_b, &v_b, &do_b);
+            check(&format!("{what}: out"), DType::BF16, &sl(&out, sq0, lq, rq), &f.out);
+            check(&format!("{what}: dq"), DType::BF16, &sl(&dq, sq0, lq, rq), &gr.dq);
+            check(&format!("{what}: dk"), DType::BF16, &sl(&dk, sk0, lk, rk), &gr.dk);
+            check(&format!("{what}: dv"), DType::BF16, &sl(&dv, sk0, lk, rk), &gr.dv);
+        }
+        for (t, _) in owned_q.iter().enumerate().filter(|(_, &o)| !o) {
+            assert!(out[t * rq..][..rq].iter().chain(&dq[t * rq..][..rq]).all(|&x| x == 0.0), "padding token {t} of q");
+        }
+        for (t, _) in owned_kv.iter().enumerate().filter(|(_, &o)| !o) {
+            assert!(dk[t * rk..][..rk].iter().chain(&dv[t * rk..][..rk]).all(|&x| x == 0.0), "padding token {t} of kv");
+        }
+    }
+    // Errors: no unfused thd, bad tables, wrong shapes.
+    let cfg = DotProductAttentionConfig::new(h, d);
+    let mut attn = DotProductAttention::new(&dev, cfg.clone()).unwrap();
+    let t32 = Tensor::zeros(&dev, DType::F32, &[10, h, d]).unwrap();
+    let e = attn.forward_thd(&t32, &t32, &t32, ThdSeqlens::new(&[0, 10], &[0, 10])).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("fused backend only"), "{e}");
+    let t = Tensor::zeros(&dev, DType::BF16, &[10, h, d]).unwrap();
+    let e = attn.forward_thd(&t, &t, &t, ThdSeqlens::new(&[0, 6, 4], &[0, 5, 10])).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("must not decrease"), "{e}");
+    let e = attn.forward_thd(&t, &t, &t, ThdSeqlens::new(&[0, 6, 11], &[0, 5, 10])).unwrap_err();
+    assert!(e.to_string().contains("ends at 11 tokens"), "{e}");
+    let bad = Tensor::zeros(&dev, DType::BF16, &[10, h * d]).unwrap();
+    let e = attn.forward_thd(&bad, &t, &t, ThdSeqlens::new(&[0, 10], &[0, 10])).unwrap_err();
+    assert!(e.to_string().contains("thd `q` must be [tokens, 4, 64]"), "{e}");
 }

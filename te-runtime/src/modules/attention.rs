@@ -29,6 +29,7 @@ mod fused;
 mod mask;
 mod packed;
 mod plan;
+mod thd;
 mod unfused;
 
 use super::visit::{Module, ModuleVisitor, ModuleVisitorMut};
@@ -45,6 +46,7 @@ use std::sync::Arc;
 use te_codegen::spec::MaskKind;
 pub use te_codegen::spec::{AttnMaskType, QkvFormat};
 use te_codegen::DType;
+pub use thd::ThdSeqlens;
 
 const MODULE: &str = "DotProductAttention";
 
@@ -163,6 +165,8 @@ pub struct AttentionCtx {
     inputs: Inputs,
     /// Made by `forward_packed`: the gradient is one fused `d_qkv`.
     packed: bool,
+    /// The output's shape (that of `d_out`).
+    out_shape: Vec<usize>,
     saved: Saved,
 }
 
@@ -172,6 +176,25 @@ enum Inputs {
     Apart([Tensor; 3]),
     /// The fused QKV tensor, read in place (fused backend only).
     Packed(Tensor),
+    /// `thd` tensors `[tokens, heads, head_dim]` (fused backend only).
+    Thd([Tensor; 3]),
+}
+
+impl Inputs {
+    fn dtype(&self) -> DType {
+        match self {
+            Inputs::Apart([q, _, _]) | Inputs::Packed(q) | Inputs::Thd([q, _, _]) => q.dtype(),
+        }
+    }
+
+    /// The fused kernels' view of the inputs.
+    fn fused(&self, dims: &Dims) -> (Qkv<&Tensor>, fused::Layout) {
+        match self {
+            Inputs::Apart([q, k, v]) => (Qkv::Apart([q, k, v]), fused::Layout::Dense),
+            Inputs::Packed(t) => (Qkv::Packed(t, packed::strides(dims).1), fused::Layout::Packed),
+            Inputs::Thd([q, k, v]) => (Qkv::Apart([q, k, v]), fused::Layout::Thd),
+        }
+    }
 }
 
 /// The backend-specific part of an [`AttentionCtx`].
@@ -348,30 +371,17 @@ impl DotProductAttention {
         seq_lens: Option<&[usize]>,
         packed: bool,
     ) -> Result<(Tensor, AttentionCtx)> {
-        let dtype = match &inputs {
-            Inputs::Apart([q, _, _]) | Inputs::Packed(q) => q.dtype(),
-        };
+        let dtype = inputs.dtype();
         let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
         let backend = backend::select(&self.cfg, dtype, p, self.training)?;
-        if self.last_backend != Some(backend) {
-            tracing::debug!(
-                "DotProductAttention: {} backend (d = {}, {}, {})",
-                backend.name(),
-                dims.head_dim,
-                dtype,
-                self.cfg.attn_mask_type.name()
-            );
-            self.last_backend = Some(backend);
-        }
+        self.log_backend(backend, &dims, dtype);
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
+        let out_shape = dims.out_shape().to_vec();
         let (out, saved, inputs) = if backend == AttentionBackend::Fused {
             let lens = check_seq_lens(self.cfg.attn_mask_type, seq_lens, &dims)?;
-            let (_, offsets) = packed::strides(&dims);
-            let qkv = match &inputs {
-                Inputs::Apart([q, k, v]) => Qkv::Apart([q, k, v]),
-                Inputs::Packed(t) => Qkv::Packed(t, offsets),
-            };
-            let (out, saved) = fused::forward(&self.dev, &dims, mask, lens, qkv, self.cfg.scale())?;
+            let seqs = lens.map(|lens| fused::padding_seqlens(&self.dev, lens, &dims)).transpose()?;
+            let (out, saved) =
+                fused::forward(&self.dev, &dims, mask, seqs, inputs.fused(&dims), &out_shape, self.cfg.scale())?;
             (out, Saved::Fused(saved), inputs)
         } else {
             if dims.sk > MAX_SK {
@@ -386,7 +396,7 @@ impl DotProductAttention {
                 });
             }
             let [q, k, v] = match inputs {
-                Inputs::Apart(qkv) => qkv,
+                Inputs::Apart(qkv) | Inputs::Thd(qkv) => qkv,
                 Inputs::Packed(t) => packed::split(&self.dev, &t, &dims)?,
             };
             let mask = self.masks.mask(&self.dev, mask.0, mask.1, seq_lens, &dims)?;
@@ -395,7 +405,100 @@ impl DotProductAttention {
             let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
             (out, Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
         };
-        Ok((out, AttentionCtx { module_id: self.id, dims, inputs, packed, saved }))
+        Ok((out, AttentionCtx { module_id: self.id, dims, inputs, packed, out_shape, saved }))
+    }
+
+    /// Logs the backend at debug level when it changes (TE's debug log).
+    fn log_backend(&mut self, backend: AttentionBackend, dims: &Dims, dtype: DType) {
+        if self.last_backend != Some(backend) {
+            tracing::debug!(
+                "DotProductAttention: {} backend (d = {}, {}, {})",
+                backend.name(),
+                dims.head_dim,
+                dtype,
+                self.cfg.attn_mask_type.name()
+            );
+            self.last_backend = Some(backend);
+        }
+    }
+
+    /// Attention over variable-length sequences packed one after another (TE `qkv_format =
+    /// "thd"`): q `[total_q, h, d]`, k and v `[total_kv, g, d]` (bf16 or f16), sequence `b`
+    /// at the tokens `seqs` gives it ([`ThdSeqlens`]). Every query attends the keys of its own
+    /// sequence under the mask and window of the configuration, the diagonal placed by the
+    /// sequence's own lengths; the padding and non-padding mask types act alike here (the
+    /// lengths come from `cu_seqlens`). `qkv_format` of the configuration is not read.
+    ///
+    /// Output: `[total_q, h · d]`, q's dtype; tokens no sequence owns (padding between padded
+    /// slots) are zeros, and so are their gradients. [`DotProductAttention::backward`] takes the
+    /// context.
+    ///
+    /// # Errors
+    /// - [`Error::Config`]: the fused backend cannot run the call (dtype, head_dim, attention
+    ///   dropout in training, or the unfused backend forced): `thd` has no unfused backend, as
+    ///   in TE.
+    /// - [`Error::DType`] / [`Error::Shape`]: q, k, v not 3-D with the configured heads and
+    ///   head_dim, of different dtypes, or `seqs` not matching them ([`ThdSeqlens`]'s rules).
+    /// - Kernel failures.
+    pub fn forward_thd(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqs: ThdSeqlens<'_>,
+    ) -> Result<(Tensor, AttentionCtx)> {
+        check_dtype(MODULE, "q", q, DType::is_high_precision, "f32, bf16 or f16")?;
+        let same = format!("{} (the dtype of `q`)", q.dtype());
+        check_dtype(MODULE, "k", k, |d| d == q.dtype(), &same)?;
+        check_dtype(MODULE, "v", v, |d| d == q.dtype(), &same)?;
+        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
+        let rows = |name: &str, t: &Tensor, heads: usize| -> Result<usize> {
+            match *t.shape() {
+                [n, th, td] if th == heads && td == d => Ok(n),
+                _ => Err(Error::Shape {
+                    op: MODULE,
+                    message: format!(
+                        "thd `{name}` must be [tokens, {heads}, {d}] ({heads} heads of kv_channels = {d}), got {:?}",
+                        t.shape()
+                    ),
+                }),
+            }
+        };
+        let (tokens_q, tokens_kv) = (rows("q", q, h)?, rows("k", k, g)?);
+        check_shape(MODULE, "v", v, k.shape())?;
+        let c = seqs.check(tokens_q, tokens_kv)?;
+        let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
+        let backend = backend::select(&self.cfg, q.dtype(), p, self.training)?;
+        if backend != AttentionBackend::Fused {
+            let why = crate::ops::flash_attention::unsupported_reason(q.dtype(), d, self.training)
+                .unwrap_or_else(|| format!("attention_dropout = {p} in training, or the unfused backend configured"));
+            return Err(Error::Config {
+                module: MODULE,
+                message: format!(
+                    "thd runs on the fused backend only (as in TE) and it cannot take this call: {why}; use bf16/f16,                      head_dim in {:?}, no attention dropout, or pad the sequences into bshd/sbhd",
+                    te_codegen::spec::FLASH_HEAD_DIMS
+                ),
+            });
+        }
+        let dims = Dims {
+            format: QkvFormat::Bshd,
+            batch: c.batch,
+            sq: c.max_q.max(1),
+            sk: c.max_kv.max(1),
+            heads: h,
+            groups: g,
+            head_dim: d,
+        };
+        self.log_backend(backend, &dims, q.dtype());
+        let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
+        let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
+        let out_shape = vec![tokens_q, h * d];
+        let mask = (self.cfg.attn_mask_type, self.cfg.window());
+        let (out, saved) =
+            fused::forward(&self.dev, &dims, mask, Some(seqs), inputs.fused(&dims), &out_shape, self.cfg.scale())?;
+        let ctx =
+            AttentionCtx { module_id: self.id, dims, inputs, packed: false, out_shape, saved: Saved::Fused(saved) };
+        Ok((out, ctx))
     }
 
     /// Backward of [`DotProductAttention::forward`]: `(dq, dk, dv)` in the shapes and dtype of
@@ -446,20 +549,14 @@ impl DotProductAttention {
                 message: "the context was made by another DotProductAttention's forward".into(),
             });
         }
-        let dtype = match &ctx.inputs {
-            Inputs::Apart([q, _, _]) | Inputs::Packed(q) => q.dtype(),
-        };
+        let dtype = ctx.inputs.dtype();
         check_dtype(MODULE, "d_out", d_out, |d| d == dtype, &format!("{dtype} (the dtype of the forward's q)"))?;
-        check_shape(MODULE, "d_out", d_out, &ctx.dims.out_shape())?;
-        let (_, offsets) = packed::strides(&ctx.dims);
-        let qkv = match &ctx.inputs {
-            Inputs::Apart([q, k, v]) => Qkv::Apart([q, k, v]),
-            Inputs::Packed(t) => Qkv::Packed(t, offsets),
-        };
+        check_shape(MODULE, "d_out", d_out, &ctx.out_shape)?;
+        let (qkv, layout) = ctx.inputs.fused(&ctx.dims);
         match (&ctx.saved, qkv) {
             (Saved::Fused(saved), qkv) => {
                 let mask = (self.cfg.attn_mask_type, self.cfg.window());
-                fused::backward(&self.dev, &ctx.dims, mask, qkv, saved, d_out, self.cfg.scale())
+                fused::backward(&self.dev, &ctx.dims, mask, (qkv, layout), saved, d_out, self.cfg.scale())
             }
             (Saved::Unfused { probs, dropout }, Qkv::Apart(qkv)) => {
                 let (dq, dk, dv) =

@@ -19,7 +19,7 @@ pub mod visit;
 
 pub use crate::fp8::{Fp8Direction, Fp8StateSlot};
 pub use attention::{
-    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat,
+    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat, ThdSeqlens,
 };
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
 pub use kernel_target::KernelTarget;

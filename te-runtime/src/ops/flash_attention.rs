@@ -100,15 +100,39 @@ impl<T: std::ops::Deref<Target = Tensor>> Qkv<T> {
     }
 }
 
-/// Valid lengths of variable-length sequences inside padded tensors: i32 `[batch + 1]` prefix
-/// sums (`cu[b + 1] − cu[b]` valid positions of sequence `b`, TE's `cu_seqlens_q` / `_kv`).
-/// Lengths beyond the padded `sq` / `sk` are clamped by the kernels.
+/// Valid lengths of variable-length sequences: i32 `[batch + 1]` prefix sums (`cu[b + 1] −
+/// cu[b]` valid positions of sequence `b`, TE's `cu_seqlens_q` / `_kv`). Lengths beyond the padded
+/// `sq` / `sk` are clamped by the kernels.
 #[derive(Debug, Clone, Copy)]
 pub struct CuSeqlens<'a> {
     /// Queries.
     pub q: &'a CudaSlice<i32>,
     /// Keys and values.
     pub kv: &'a CudaSlice<i32>,
+    /// `thd` (packed sequences): i32 `[batch + 1]` token offsets of each sequence in q, o (and
+    /// their gradients) and in k, v (TE's `cu_seqlens_q_padded` / `_kv_padded`, or the
+    /// `cu_seqlens` themselves without padding between sequences). Sequence `b` then owns
+    /// tokens `[offsets[b], offsets[b + 1])` at the row strides (the batch strides are unused;
+    /// `sq` / `sk` are the longest sequences), and the kernels touch no token outside them.
+    /// `None`: each sequence starts at its batch stride (`bshd` / `sbhd`).
+    pub offsets: Option<(&'a CudaSlice<i32>, &'a CudaSlice<i32>)>,
+}
+
+impl CuSeqlens<'_> {
+    /// Whether the tensors are packed (`thd`).
+    fn thd(cu: Option<Self>) -> bool {
+        cu.is_some_and(|c| c.offsets.is_some())
+    }
+}
+
+/// Rows a tensor holds from `offset` at strides `s` for `heads` heads of `d` (the `thd` bound
+/// the kernels clamp token offsets to).
+fn capacity(t: &Tensor, offset: usize, s: HeadStrides, heads: usize, d: usize) -> u64 {
+    let first = offset + (heads.max(1) - 1) * s.head + d;
+    if t.numel() < first || s.row == 0 {
+        return 0;
+    }
+    ((t.numel() - first) / s.row + 1) as u64
 }
 
 /// Why the fused kernels cannot run a call of this dtype and head dim (`training`: the
@@ -153,12 +177,16 @@ pub fn forward(
     check(p, parts, cu, Direction::Fwd)?;
     let q = parts[0].0;
     check_same(out, q, "out")?;
-    check_extent("out", out, 0, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
+    let (batch, sq, _) = reach(p, cu);
+    check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim)?;
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
+    let [(k, k_off), (v, v_off)] = [parts[1], parts[2]];
+    let total_q = capacity(q, parts[0].1, p.q, p.heads, p.head_dim).min(capacity(out, 0, p.o, p.heads, p.head_dim));
+    let total_kv = capacity(k, k_off, p.kv, p.groups, p.head_dim).min(capacity(v, v_off, p.kv, p.groups, p.head_dim));
     let spec = FlashAttnSpec::new(Direction::Fwd, q.dtype(), p.head_dim, dev.arch());
     let f = function(dev, &spec, 0)?;
     let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
-    let s = Scalars::new(p);
+    let s = Scalars::new(p, [total_q, total_kv]);
     let stream = dev.stream();
     let ([q, k, v], _guards) = addresses(stream, parts);
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
@@ -233,28 +261,41 @@ pub fn backward(
     let parts = qkv.parts();
     check(p, parts, cu, Direction::Bwd)?;
     let q = parts[0].0;
+    let (batch, sq, sk) = reach(p, cu);
+    let mut total_q = u64::MAX;
+    let mut total_kv = u64::MAX;
     for (name, t) in [("out", out), ("d_out", d_out)] {
         check_same(t, q, name)?;
-        check_extent(name, t, 0, p.o, p.batch, p.sq, p.heads, p.head_dim)?;
+        check_extent(name, t, 0, p.o, batch, sq, p.heads, p.head_dim)?;
+        total_q = total_q.min(capacity(t, 0, p.o, p.heads, p.head_dim));
     }
     {
         let g = match &grads {
             Qkv::Apart([a, b, c]) => Qkv::Apart([&**a, &**b, &**c]),
             Qkv::Packed(t, o) => Qkv::Packed(&**t, *o),
         };
-        for ((name, (t, offset)), (s, seq, heads)) in ["dq", "dk", "dv"].into_iter().zip(g.parts()).zip([
-            (p.q, p.sq, p.heads),
-            (p.kv, p.sk, p.groups),
-            (p.kv, p.sk, p.groups),
-        ]) {
+        let ins = parts.map(Some);
+        for (((name, (t, offset)), (s, seq, heads)), input) in ["dq", "dk", "dv"]
+            .into_iter()
+            .zip(g.parts())
+            .zip([(p.q, sq, p.heads), (p.kv, sk, p.groups), (p.kv, sk, p.groups)])
+            .zip(ins)
+        {
             check_same(t, q, name)?;
             check_offset(name, offset)?;
-            check_extent(name, t, offset, s, p.batch, seq, heads, p.head_dim)?;
+            check_extent(name, t, offset, s, batch, seq, heads, p.head_dim)?;
+            let cap = capacity(t, offset, s, heads, p.head_dim);
+            let cap = input.map_or(cap, |(i, o)| cap.min(capacity(i, o, s, heads, p.head_dim)));
+            if name == "dq" {
+                total_q = total_q.min(cap);
+            } else {
+                total_kv = total_kv.min(cap);
+            }
         }
     }
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
     let spec = FlashAttnSpec::new(Direction::Bwd, q.dtype(), p.head_dim, dev.arch());
-    let s = Scalars::new(p);
+    let s = Scalars::new(p, [total_q, total_kv]);
     let stream = dev.stream();
     let ([q, k, v], _in_guards) = addresses(stream, parts);
     let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
@@ -268,6 +309,10 @@ pub fn backward(
     match cu {
         Some(c) => l.ptr("cu_seqlens_q", c.q),
         None => l.ptr("cu_seqlens_q", &NULL),
+    };
+    match cu.and_then(|c| c.offsets) {
+        Some((q, _)) => l.ptr("seq_offsets_q", q),
+        None => l.ptr("seq_offsets_q", &NULL),
     };
     s.push_o(&mut l).push_mask(&mut l);
     // SAFETY: out and d_out reach batch · sq rows of heads · head_dim at their strides; delta
@@ -306,6 +351,20 @@ fn push_cu<'a>(l: &mut Launch<'a>, cu: Option<CuSeqlens<'a>>) {
         Some(c) => l.ptr("cu_seqlens_q", c.q).ptr("cu_seqlens_kv", c.kv),
         None => l.ptr("cu_seqlens_q", &NULL).ptr("cu_seqlens_kv", &NULL),
     };
+    match cu.and_then(|c| c.offsets) {
+        Some((q, kv)) => l.ptr("seq_offsets_q", q).ptr("seq_offsets_kv", kv),
+        None => l.ptr("seq_offsets_q", &NULL).ptr("seq_offsets_kv", &NULL),
+    };
+}
+
+/// `(batch, sq, sk)` the strides must reach: the call's, or for `thd` one row (the kernels
+/// clamp the token offsets to the rows the tensors hold).
+fn reach(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> (usize, usize, usize) {
+    if CuSeqlens::thd(cu) {
+        (1, 1, 1)
+    } else {
+        (p.batch, p.sq, p.sk)
+    }
 }
 
 /// The by-value arguments, kept alive for the launches that borrow them.
@@ -314,19 +373,21 @@ struct Scalars {
     kv: [u64; 3],
     o: [u64; 3],
     sizes: [u64; 4],
+    totals: [u64; 2],
     scale: f32,
     window: [i64; 2],
     bottom_right: i32,
 }
 
 impl Scalars {
-    fn new(p: &FlashAttnParams) -> Self {
+    fn new(p: &FlashAttnParams, totals: [u64; 2]) -> Self {
         let s = |h: HeadStrides| [h.batch as u64, h.row as u64, h.head as u64];
         Self {
             q: s(p.q),
             kv: s(p.kv),
             o: s(p.o),
             sizes: [p.sq as u64, p.sk as u64, p.heads as u64, (p.heads / p.groups) as u64],
+            totals,
             scale: p.scale,
             window: [p.window.0, p.window.1],
             bottom_right: i32::from(p.bottom_right),
@@ -346,6 +407,7 @@ impl Scalars {
     }
     fn push_mask<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
         l.scalar("sq", &self.sizes[0]).scalar("sk", &self.sizes[1]);
+        l.scalar("total_q", &self.totals[0]).scalar("total_kv", &self.totals[1]);
         l.scalar("heads", &self.sizes[2]).scalar("heads_per_group", &self.sizes[3]);
         l.scalar("scale", &self.scale).scalar("window_left", &self.window[0]).scalar("window_right", &self.window[1]);
         l.scalar("bottom_right", &self.bottom_right);
@@ -413,12 +475,17 @@ fn check(p: &FlashAttnParams, parts: [(&Tensor, usize); 3], cu: Option<CuSeqlens
     for (name, offset) in [("q", q_off), ("k", k_off), ("v", v_off)] {
         check_offset(name, offset)?;
     }
-    check_extent("q", q, q_off, p.q, p.batch, p.sq, p.heads, p.head_dim)?;
-    check_extent("k", k, k_off, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
-    check_extent("v", v, v_off, p.kv, p.batch, p.sk, p.groups, p.head_dim)?;
+    let (batch, sq, sk) = reach(p, cu);
+    check_extent("q", q, q_off, p.q, batch, sq, p.heads, p.head_dim)?;
+    check_extent("k", k, k_off, p.kv, batch, sk, p.groups, p.head_dim)?;
+    check_extent("v", v, v_off, p.kv, batch, sk, p.groups, p.head_dim)?;
     if let Some(c) = cu {
         check_len("cu_seqlens_q", c.q.len(), p.batch + 1)?;
         check_len("cu_seqlens_kv", c.kv.len(), p.batch + 1)?;
+        if let Some((q, kv)) = c.offsets {
+            check_len("seq_offsets_q", q.len(), p.batch + 1)?;
+            check_len("seq_offsets_kv", kv.len(), p.batch + 1)?;
+        }
     }
     Ok(())
 }

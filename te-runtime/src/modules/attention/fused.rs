@@ -9,32 +9,65 @@ use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides,
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 
+/// The valid lengths (and for `thd` the token offsets) of a call's sequences, on the device.
+#[derive(Debug)]
+pub(super) struct DeviceSeqlens {
+    /// `cu_seqlens_q` and `cu_seqlens_kv`.
+    cu: (CudaSlice<i32>, CudaSlice<i32>),
+    /// `thd`: where each sequence's tokens start in q / o and in k / v.
+    offsets: Option<(CudaSlice<i32>, CudaSlice<i32>)>,
+}
+
+impl DeviceSeqlens {
+    fn get(&self) -> CuSeqlens<'_> {
+        CuSeqlens { q: &self.cu.0, kv: &self.cu.1, offsets: self.offsets.as_ref().map(|(q, kv)| (q, kv)) }
+    }
+
+    /// Uploads i32 prefix sums (`offsets` given for `thd`).
+    pub(super) fn upload(dev: &Device, cu: [&[i32]; 2], offsets: Option<[&[i32]; 2]>) -> Result<Self> {
+        let stream = dev.stream();
+        let cu = (stream.clone_htod(cu[0])?, stream.clone_htod(cu[1])?);
+        let offsets = match offsets {
+            Some([q, kv]) => Some((stream.clone_htod(q)?, stream.clone_htod(kv)?)),
+            None => None,
+        };
+        Ok(Self { cu, offsets })
+    }
+}
+
 /// What the fused forward keeps for its backward.
 #[derive(Debug)]
 pub(super) struct FusedSaved {
     out: Tensor,
     lse: CudaSlice<f32>,
-    /// `cu_seqlens_q` and `cu_seqlens_kv` of a padding mask.
-    cu: Option<(CudaSlice<i32>, CudaSlice<i32>)>,
+    /// The sequence lengths of a padding mask or of `thd`.
+    seqs: Option<DeviceSeqlens>,
 }
 
-impl FusedSaved {
-    fn cu(&self) -> Option<CuSeqlens<'_>> {
-        self.cu.as_ref().map(|(q, kv)| CuSeqlens { q, kv })
-    }
+/// Where q, k, v and the output sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Layout {
+    /// Tensors of their own in `dims.format`.
+    Dense,
+    /// Inside one fused QKV tensor in `dims.format` ([`packed`]).
+    Packed,
+    /// `thd`: `[tokens, heads, head_dim]`, sequences one after another.
+    Thd,
 }
 
-/// The kernels' parameters for a call: q, k, v dense in `dims.format` or (`packed`) inside one
-/// fused QKV tensor, a dense output, the mask as its resolved window (causal: right bound 0)
-/// and diagonal alignment.
-fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32, packed: bool) -> FlashAttnParams {
+/// The kernels' parameters for a call: q, k, v and the output where `layout` puts them, the
+/// mask as its resolved window (causal: right bound 0) and diagonal alignment.
+fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32, layout: Layout) -> FlashAttnParams {
     let d = dims.head_dim;
-    let o = HeadStrides::dense(dims.format, dims.batch, dims.sq, dims.heads, d);
-    let (q, kv) = if packed {
-        let s = packed::strides(dims).0;
-        (s, s)
-    } else {
-        (o, HeadStrides::dense(dims.format, dims.batch, dims.sk, dims.groups, d))
+    let dense = |seq, heads| HeadStrides::dense(dims.format, dims.batch, seq, heads, d);
+    let tokens = |heads: usize| HeadStrides { batch: 0, row: heads * d, head: d };
+    let (q, kv, o) = match layout {
+        Layout::Dense => (dense(dims.sq, dims.heads), dense(dims.sk, dims.groups), dense(dims.sq, dims.heads)),
+        Layout::Packed => {
+            let s = packed::strides(dims).0;
+            (s, s, dense(dims.sq, dims.heads))
+        }
+        Layout::Thd => (tokens(dims.heads), tokens(dims.groups), tokens(dims.heads)),
     };
     FlashAttnParams {
         batch: dims.batch,
@@ -54,7 +87,7 @@ fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32, p
 
 /// `cu_seqlens_q` / `_kv` for padding lengths: sequence `b` has `min(len, sq)` valid queries and
 /// `min(len, sk)` valid keys (the unfused byte mask's rule).
-fn cu_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> Result<(CudaSlice<i32>, CudaSlice<i32>)> {
+pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> Result<DeviceSeqlens> {
     let prefix = |cap: usize| -> Result<Vec<i32>> {
         let mut cu = vec![0i32];
         let mut total = 0usize;
@@ -67,32 +100,34 @@ fn cu_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> Result<(CudaSlic
         }
         Ok(cu)
     };
-    let stream = dev.stream();
-    Ok((stream.clone_htod(&prefix(dims.sq)?)?, stream.clone_htod(&prefix(dims.sk)?)?))
+    DeviceSeqlens::upload(dev, [&prefix(dims.sq)?, &prefix(dims.sk)?], None)
 }
 
-/// `out = softmax(scale · Q · Kᵀ, mask) · V` in [`Dims::out_shape`] and the saved state;
-/// `seq_lens` checked by the caller (given exactly for padding masks); q, k, v apart or packed
-/// ([`packed`]).
+/// `out = softmax(scale · Q · Kᵀ, mask) · V` (dense `[.., heads · head_dim]` in the layout's
+/// order, `out_shape`) and the saved state; `seqs` checked and uploaded by the caller.
 pub(super) fn forward(
     dev: &Device,
     dims: &Dims,
     mask: (AttnMaskType, (i64, i64)),
-    seq_lens: Option<&[usize]>,
-    qkv: Qkv<&Tensor>,
+    seqs: Option<DeviceSeqlens>,
+    (qkv, layout): (Qkv<&Tensor>, Layout),
+    out_shape: &[usize],
     scale: f32,
 ) -> Result<(Tensor, FusedSaved)> {
-    let p = params(dims, mask, scale, matches!(qkv, Qkv::Packed(..)));
+    let p = params(dims, mask, scale, layout);
     let dtype = match &qkv {
         Qkv::Apart([q, _, _]) | Qkv::Packed(q, _) => q.dtype(),
     };
-    let cu = seq_lens.map(|lens| cu_seqlens(dev, lens, dims)).transpose()?;
-    let mut out = Tensor::empty(dev, dtype, &dims.out_shape())?;
+    // thd: tokens between padded sequences are not written by the kernel; zeros there.
+    let mut out = if layout == Layout::Thd {
+        Tensor::zeros(dev, dtype, out_shape)?
+    } else {
+        Tensor::empty(dev, dtype, out_shape)?
+    };
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
     let mut lse = unsafe { dev.stream().alloc::<f32>(dims.batch * dims.heads * dims.sq) }?;
-    let cu_ref = cu.as_ref().map(|(q, kv)| CuSeqlens { q, kv });
-    flash_attention::forward(dev, &p, qkv, cu_ref, &mut out, &mut lse)?;
-    Ok((out.clone(), FusedSaved { out, lse, cu }))
+    flash_attention::forward(dev, &p, qkv, seqs.as_ref().map(DeviceSeqlens::get), &mut out, &mut lse)?;
+    Ok((out.clone(), FusedSaved { out, lse, seqs }))
 }
 
 /// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's
@@ -101,25 +136,29 @@ pub(super) fn backward(
     dev: &Device,
     dims: &Dims,
     mask: (AttnMaskType, (i64, i64)),
-    qkv: Qkv<&Tensor>,
+    (qkv, layout): (Qkv<&Tensor>, Layout),
     saved: &FusedSaved,
     d_out: &Tensor,
     scale: f32,
 ) -> Result<Qkv<Tensor>> {
-    let p = params(dims, mask, scale, matches!(qkv, Qkv::Packed(..)));
-    let (out, lse, cu) = (&saved.out, &saved.lse, saved.cu());
+    let p = params(dims, mask, scale, layout);
+    let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
+    let new = |t: &Tensor| {
+        if layout == Layout::Thd {
+            Tensor::zeros(dev, t.dtype(), t.shape())
+        } else {
+            Tensor::empty(dev, t.dtype(), t.shape())
+        }
+    };
     match qkv {
         Qkv::Apart([q, k, v]) => {
-            let dtype = q.dtype();
-            let mut dq = Tensor::empty(dev, dtype, q.shape())?;
-            let mut dk = Tensor::empty(dev, dtype, k.shape())?;
-            let mut dv = Tensor::empty(dev, dtype, v.shape())?;
+            let (mut dq, mut dk, mut dv) = (new(q)?, new(k)?, new(v)?);
             let grads = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
             flash_attention::backward(dev, &p, Qkv::Apart([q, k, v]), out, d_out, lse, cu, grads)?;
             Ok(Qkv::Apart([dq, dk, dv]))
         }
         Qkv::Packed(t, offsets) => {
-            let mut d_qkv = Tensor::empty(dev, t.dtype(), t.shape())?;
+            let mut d_qkv = new(t)?;
             let grads = Qkv::Packed(&mut d_qkv, offsets);
             flash_attention::backward(dev, &p, Qkv::Packed(t, offsets), out, d_out, lse, cu, grads)?;
             Ok(Qkv::Packed(d_qkv, offsets))
@@ -135,18 +174,27 @@ mod tests {
     #[test]
     fn dense_strides_follow_the_format() {
         let dims = Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 7, heads: 4, groups: 2, head_dim: 64 };
-        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), 0.125, false);
+        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), 0.125, Layout::Dense);
         assert_eq!(p.q, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 128, row: 3 * 128, head: 64 });
         assert_eq!((p.window, p.bottom_right), ((-1, 0), false));
         let bshd = Dims { format: QkvFormat::Bshd, ..dims };
-        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), 0.125, false);
+        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), 0.125, Layout::Dense);
         assert_eq!(p.q, HeadStrides { batch: 5 * 256, row: 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 7 * 128, row: 128, head: 64 });
         assert_eq!((p.window, p.bottom_right), ((4, 0), true));
         let packed = Dims { sk: 5, ..dims };
-        let p = params(&packed, (AttnMaskType::Causal, (-1, 0)), 0.125, true);
+        let p = params(&packed, (AttnMaskType::Causal, (-1, 0)), 0.125, Layout::Packed);
         assert_eq!((p.q, p.kv), (packed::strides(&packed).0, packed::strides(&packed).0));
         assert_eq!(p.o, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
+        let p = params(&dims, (AttnMaskType::PaddingCausal, (-1, 0)), 0.125, Layout::Thd);
+        assert_eq!(
+            (p.q, p.kv, p.o),
+            (
+                HeadStrides { batch: 0, row: 256, head: 64 },
+                HeadStrides { batch: 0, row: 128, head: 64 },
+                HeadStrides { batch: 0, row: 256, head: 64 }
+            )
+        );
     }
 }
