@@ -400,10 +400,20 @@ fn thd_matches_the_reference_per_sequence() {
                 (sl(&hq, sq0, lq, rq), sl(&hk, sk0, lk, rk), sl(&hv, sk0, lk, rk), sl(&hdo, sq0, lq, rq));
             let f = reference::forward(&case, &q_b, &k_b, &v_b);
             let gr = reference::backward(&case, &q_b, &k_b, &v_b, &do_b);
-            check(&format!("{what}: out"), DType::BF16, &sl(&out, sq0, lq, rq), &f.out);
-            check(&format!("{what}: dq"), DType::BF16, &sl(&dq, sq0, lq, rq), &gr.dq);
-            check(&format!("{what}: dk"), DType::BF16, &sl(&dk, sk0, lk, rk), &gr.dk);
-            check(&format!("{what}: dv"), DType::BF16, &sl(&dv, sk0, lk, rk), &gr.dv);
+            // With one visible key per query, dq and dk are 0 in exact arithmetic (dS = P · (dP −
+            // rowsum(dP ⊙ P)) = 0): only rounding is left, so bound it absolutely there.
+            let compare = |name: &str, got: &[f32], want: &[f32]| {
+                if want.iter().all(|w| w.abs() < 1e-6) {
+                    let amax = got.iter().fold(0f32, |a, g| a.max(g.abs()));
+                    assert!(amax < 0.1, "{what}: {name} should be rounding noise around 0, max |got| {amax}");
+                } else {
+                    check(&format!("{what}: {name}"), DType::BF16, got, want);
+                }
+            };
+            compare("out", &sl(&out, sq0, lq, rq), &f.out);
+            compare("dq", &sl(&dq, sq0, lq, rq), &gr.dq);
+            compare("dk", &sl(&dk, sk0, lk, rk), &gr.dk);
+            compare("dv", &sl(&dv, sk0, lk, rk), &gr.dv);
         }
         for (t, _) in owned_q.iter().enumerate().filter(|(_, &o)| !o) {
             assert!(out[t * rq..][..rq].iter().chain(&dq[t * rq..][..rq]).all(|&x| x == 0.0), "padding token {t} of q");
