@@ -66,9 +66,11 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
     }
     for dtype in [DType::BF16, DType::F16] {
         for d in FLASH_HEAD_DIMS {
-            v.push(FlashAttnSpec::new(Direction::Fwd, dtype, d, arch).into());
-            if d <= 128 {
-                v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).into());
+            for dropout in [false, true] {
+                v.push(FlashAttnSpec::new(Direction::Fwd, dtype, d, arch).with_dropout(dropout).into());
+                if d <= 128 {
+                    v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).with_dropout(dropout).into());
+                }
             }
         }
     }

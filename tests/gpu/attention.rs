@@ -412,3 +412,37 @@ fn attention_dropout_is_wired_forward_and_backward() {
         assert!(a != b, "p = 0.5 changes tensor {i}");
     }
 }
+
+/// Attention dropout draws the same mask in both backends from the same stream: the fused
+/// kernels (mask recomputed in the forward and both backward kernels) match the unfused backend
+/// (mask kept as bits) in the output and every gradient, for GQA, a padding mask and a window.
+#[test]
+fn fused_dropout_replays_the_unfused_mask() {
+    let Some(dev) = device() else { return };
+    for (mask, window, p) in [
+        (AttnMaskType::Causal, None, 0.3f32),
+        (AttnMaskType::PaddingCausalBottomRight, Some((30, 0)), 0.1),
+        (AttnMaskType::NoMask, None, 0.5),
+    ] {
+        let c = Case { window, ..Case::new(QkvFormat::Sbhd, mask, (77, 77), 2, 64) };
+        let x = Inputs::new(&c, 500);
+        let mut results = Vec::new();
+        for backend in [AttentionBackend::Fused, AttentionBackend::Unfused] {
+            let c = Case { backend, ..c.clone() };
+            let cfg = DotProductAttentionConfig { attention_dropout: p, ..c.config() };
+            let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+            attn.set_dropout_rng(1234, 40);
+            results.push(run(&dev, &mut attn, &c, &x));
+        }
+        let what = format!("{} window {window:?} p {p}", mask.name());
+        for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+            check(&format!("{what}: fused vs unfused {name}"), DType::BF16, &results[0][i], &results[1][i]);
+        }
+        // Another stream gives another mask.
+        let c = Case { backend: AttentionBackend::Fused, ..c };
+        let cfg = DotProductAttentionConfig { attention_dropout: p, ..c.config() };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        attn.set_dropout_rng(1234, 41);
+        assert_ne!(run(&dev, &mut attn, &c, &x)[0], results[0][0], "{what}: offset 41 drew the same mask");
+    }
+}

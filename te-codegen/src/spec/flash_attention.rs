@@ -57,6 +57,10 @@ pub struct FlashAttnSpec {
     pub block_n: usize,
     /// Target architecture.
     pub arch: Arch,
+    /// Attention dropout on the probabilities (`with_dropout`): the keep mask drawn in the
+    /// kernels from the Philox stream of `ops::dropout` at the element's index in a dense `[batch,
+    /// heads, sq, sk]` tensor, so that the unfused backend and the CPU reference draw the same.
+    pub dropout: bool,
 }
 
 /// Head dims the kernels take.
@@ -79,7 +83,12 @@ impl FlashAttnSpec {
             (Direction::Fwd, _) => (64, 32),
             (Direction::Bwd, _) => (64, 64),
         };
-        Self { direction, dtype, head_dim, block_m, block_n, arch }
+        Self { direction, dtype, head_dim, block_m, block_n, arch, dropout: false }
+    }
+
+    /// The same kernels with attention dropout on or off.
+    pub const fn with_dropout(self, dropout: bool) -> Self {
+        Self { dropout, ..self }
     }
 
     /// Threads of a forward or dQ block: 32 per 16 query rows.
@@ -159,6 +168,10 @@ impl FlashAttnSpec {
         KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
         KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
         KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+        KernelArg::scalar("dropout_seed", "u64", "dropout: Philox key"),
+        KernelArg::scalar("dropout_offset", "u64", "dropout: Philox counter words 2 and 3"),
+        KernelArg::scalar("keep_threshold", "u64", "dropout: an element is kept iff its 32-bit word is below this"),
+        KernelArg::scalar("keep_scale", "float", "dropout: 1 / (1 - p), the factor of kept probabilities"),
     ];
 
     /// Arguments of the backward's `_dot_do_o` entry point.
@@ -228,6 +241,10 @@ impl FlashAttnSpec {
         KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
         KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
         KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+        KernelArg::scalar("dropout_seed", "u64", "dropout: Philox key"),
+        KernelArg::scalar("dropout_offset", "u64", "dropout: Philox counter words 2 and 3"),
+        KernelArg::scalar("keep_threshold", "u64", "dropout: an element is kept iff its 32-bit word is below this"),
+        KernelArg::scalar("keep_scale", "float", "dropout: 1 / (1 - p), the factor of kept probabilities"),
     ];
 
     /// Arguments of the backward's `_dq` entry point.
@@ -270,6 +287,10 @@ impl FlashAttnSpec {
         KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
         KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
         KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+        KernelArg::scalar("dropout_seed", "u64", "dropout: Philox key"),
+        KernelArg::scalar("dropout_offset", "u64", "dropout: Philox counter words 2 and 3"),
+        KernelArg::scalar("keep_threshold", "u64", "dropout: an element is kept iff its 32-bit word is below this"),
+        KernelArg::scalar("keep_scale", "float", "dropout: 1 / (1 - p), the factor of kept probabilities"),
     ];
 }
 
@@ -298,7 +319,8 @@ impl Family for FlashAttnSpec {
         }
     }
     fn name_parts(&self) -> String {
-        format!("{}_{}_d{}_m{}_n{}", self.direction.name(), self.dtype, self.head_dim, self.block_m, self.block_n)
+        let drop = if self.dropout { "_drop" } else { "" };
+        format!("{}_{}_d{}_m{}_n{}{drop}", self.direction.name(), self.dtype, self.head_dim, self.block_m, self.block_n)
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -311,6 +333,7 @@ impl Family for FlashAttnSpec {
         ctx.insert("block_n", &self.block_n);
         ctx.insert("dkdv_tile_m", &self.dkdv_tile_m());
         ctx.insert("smem_ld", &self.smem_ld());
+        ctx.insert("dropout", &self.dropout);
     }
     fn validate(&self) -> Result<(), String> {
         if !matches!(self.dtype, DType::BF16 | DType::F16) {

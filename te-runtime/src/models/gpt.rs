@@ -440,7 +440,7 @@ mod tests {
             CrossEntropySpec::new(DType::BF16, true, arch).into(),
             EmbeddingSpec::forward(DType::BF16, arch).into(),
             EmbeddingSpec::backward(DType::BF16, DType::BF16, arch).into(),
-            // Attention on the fused backend (head_dim 64, bf16, no attention dropout).
+            // Attention on the fused backend (head_dim 64, bf16).
             FlashAttnSpec::new(te_codegen::spec::Direction::Bwd, DType::BF16, 64, arch).into(),
             ElementwiseSpec::add(DType::BF16, DType::BF16, DType::BF16, arch).into(),
         ] {

@@ -4,10 +4,12 @@
 //! Two backends, picked per call ([`AttentionBackend`], TE's `get_attention_backend`):
 //!
 //! **Fused** (the default wherever it applies: bf16/f16, head_dim in
-//! [`te_codegen::spec::FLASH_HEAD_DIMS`] (up to 128 in training), no attention dropout): the
-//! FlashAttention-2 kernels of [`crate::ops::flash_attention`]: no `[sq, sk]` buffer, the context
-//! keeps the output and the f32 `softmax_lse [batch, heads, sq]`, and the backward recomputes the
-//! probabilities, deterministically (no atomics). No limit on `sk`.
+//! [`te_codegen::spec::FLASH_HEAD_DIMS`] (up to 128 in training)): the FlashAttention-2 kernels of
+//! [`crate::ops::flash_attention`]: no `[sq, sk]` buffer, the context keeps the output and the f32
+//! `softmax_lse [batch, heads, sq]`, and the backward recomputes the probabilities,
+//! deterministically (no atomics). No limit on `sk`. Attention dropout draws its keep mask in the
+//! kernels, forward and backward, from the same Philox stream and element indices as the unfused
+//! backend's dropout kernel: both backends drop the same probabilities.
 //!
 //! **Unfused** (TE's `UnfusedDotProductAttention` in `backends.py`), in the inputs' precision,
 //! under `fp8_autocast` too (TE's FP8 attention needs a fused kernel):
@@ -122,7 +124,7 @@ impl DotProductAttentionConfig {
 
     /// Whether training calls in `dtype` run on the fused backend.
     pub(crate) fn runs_fused(&self, dtype: DType) -> bool {
-        matches!(backend::select(self, dtype, self.attention_dropout, true), Ok(AttentionBackend::Fused))
+        matches!(backend::select(self, dtype, true), Ok(AttentionBackend::Fused))
     }
 
     /// Fails for a configuration the module cannot run.
@@ -240,6 +242,8 @@ pub struct DotProductAttention {
     cfg: DotProductAttentionConfig,
     id: u64,
     masks: MaskCache,
+    /// Philox key of the attention dropout (the module's id unless set).
+    dropout_seed: u64,
     /// Forward calls in training mode: the dropout stream offset (each call draws a fresh mask).
     calls: u64,
     /// Training mode (dropout on), PyTorch's `module.training`.
@@ -257,11 +261,13 @@ impl DotProductAttention {
     /// `softmax_scale` that is not finite and positive.
     pub fn new(dev: &Arc<Device>, cfg: DotProductAttentionConfig) -> Result<Self> {
         cfg.validate()?;
+        let id = next_module_id();
         Ok(Self {
             dev: dev.clone(),
             cfg,
-            id: next_module_id(),
+            id,
             masks: MaskCache::default(),
+            dropout_seed: id,
             calls: 0,
             training: true,
             last_backend: None,
@@ -271,6 +277,16 @@ impl DotProductAttention {
     /// The configuration.
     pub fn config(&self) -> &DotProductAttentionConfig {
         &self.cfg
+    }
+
+    /// Sets the attention dropout's random stream: the next forward that drops anything draws
+    /// its mask from Philox key `seed` and counter offset `offset + 1`, the one after from
+    /// `offset + 2`, and so on (both backends draw the same mask from the same stream). By
+    /// default `seed` is the module's id and `offset` 0. The use of TE's RNG state tracker:
+    /// replaying a forward (activation recomputation) or matching another module's masks.
+    pub fn set_dropout_rng(&mut self, seed: u64, offset: u64) {
+        self.dropout_seed = seed;
+        self.calls = offset;
     }
 
     /// Training mode (the default: attention dropout applies) or evaluation mode (no dropout,
@@ -372,16 +388,23 @@ impl DotProductAttention {
         packed: bool,
     ) -> Result<(Tensor, AttentionCtx)> {
         let dtype = inputs.dtype();
-        let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
-        let backend = backend::select(&self.cfg, dtype, p, self.training)?;
+        let backend = backend::select(&self.cfg, dtype, self.training)?;
         self.log_backend(backend, &dims, dtype);
+        let drop = self.next_dropout();
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
         let out_shape = dims.out_shape().to_vec();
         let (out, saved, inputs) = if backend == AttentionBackend::Fused {
             let lens = check_seq_lens(self.cfg.attn_mask_type, seq_lens, &dims)?;
             let seqs = lens.map(|lens| fused::padding_seqlens(&self.dev, lens, &dims)).transpose()?;
-            let (out, saved) =
-                fused::forward(&self.dev, &dims, mask, seqs, inputs.fused(&dims), &out_shape, self.cfg.scale())?;
+            let (out, saved) = fused::forward(
+                &self.dev,
+                &dims,
+                (mask, drop),
+                seqs,
+                inputs.fused(&dims),
+                &out_shape,
+                self.cfg.scale(),
+            )?;
             (out, Saved::Fused(saved), inputs)
         } else {
             if dims.sk > MAX_SK {
@@ -389,7 +412,7 @@ impl DotProductAttention {
                     op: MODULE,
                     message: format!(
                         "sk = {} keys exceed the unfused softmax kernel's limit of {MAX_SK} (TE's unfused limit too): \
-                         shorten the key sequence, or use the fused backend (bf16/f16, head_dim in {:?}, no dropout)",
+                         shorten the key sequence, or use the fused backend (bf16/f16, head_dim in {:?})",
                         dims.sk,
                         te_codegen::spec::FLASH_HEAD_DIMS
                     ),
@@ -400,12 +423,18 @@ impl DotProductAttention {
                 Inputs::Packed(t) => packed::split(&self.dev, &t, &dims)?,
             };
             let mask = self.masks.mask(&self.dev, mask.0, mask.1, seq_lens, &dims)?;
-            self.calls += u64::from(p > 0.0);
-            let drop = DropoutParams { p, seed: self.id, offset: self.calls };
             let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
             (out, Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
         };
         Ok((out, AttentionCtx { module_id: self.id, dims, inputs, packed, out_shape, saved }))
+    }
+
+    /// The attention dropout of the next forward: `p` in training (0 in evaluation), and a fresh
+    /// Philox stream per call that drops anything (keyed by the module, counted by its calls).
+    fn next_dropout(&mut self) -> DropoutParams {
+        let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
+        self.calls += u64::from(p > 0.0);
+        DropoutParams { p, seed: self.dropout_seed, offset: self.calls }
     }
 
     /// Logs the backend at debug level when it changes (TE's debug log).
@@ -467,15 +496,16 @@ impl DotProductAttention {
         let (tokens_q, tokens_kv) = (rows("q", q, h)?, rows("k", k, g)?);
         check_shape(MODULE, "v", v, k.shape())?;
         let c = seqs.check(tokens_q, tokens_kv)?;
-        let p = if self.training { self.cfg.attention_dropout } else { 0.0 };
-        let backend = backend::select(&self.cfg, q.dtype(), p, self.training)?;
+        let backend = backend::select(&self.cfg, q.dtype(), self.training)?;
         if backend != AttentionBackend::Fused {
-            let why = crate::ops::flash_attention::unsupported_reason(q.dtype(), d, self.training)
-                .unwrap_or_else(|| format!("attention_dropout = {p} in training, or the unfused backend configured"));
+            let why =
+                crate::ops::flash_attention::unsupported_reason(q.dtype(), d, self.training).unwrap_or_else(|| {
+                    "the unfused backend is configured or the environment turns the fused one off".into()
+                });
             return Err(Error::Config {
                 module: MODULE,
                 message: format!(
-                    "thd runs on the fused backend only (as in TE) and it cannot take this call: {why}; use bf16/f16,                      head_dim in {:?}, no attention dropout, or pad the sequences into bshd/sbhd",
+                    "thd runs on the fused backend only (as in TE) and it cannot take this call: {why}; use bf16/f16,                      head_dim in {:?}, or pad the sequences into bshd/sbhd",
                     te_codegen::spec::FLASH_HEAD_DIMS
                 ),
             });
@@ -494,8 +524,16 @@ impl DotProductAttention {
         let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
         let out_shape = vec![tokens_q, h * d];
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
-        let (out, saved) =
-            fused::forward(&self.dev, &dims, mask, Some(seqs), inputs.fused(&dims), &out_shape, self.cfg.scale())?;
+        let drop = self.next_dropout();
+        let (out, saved) = fused::forward(
+            &self.dev,
+            &dims,
+            (mask, drop),
+            Some(seqs),
+            inputs.fused(&dims),
+            &out_shape,
+            self.cfg.scale(),
+        )?;
         let ctx =
             AttentionCtx { module_id: self.id, dims, inputs, packed: false, out_shape, saved: Saved::Fused(saved) };
         Ok((out, ctx))

@@ -105,7 +105,7 @@ impl LayerNormMLPConfig {
 impl DotProductAttentionConfig {
     /// The kernels a `DotProductAttention` of this config runs in training for `target`, in the
     /// target's dtype (that of q, k, v). On the fused backend: the FlashAttention-2 forward and
-    /// backward of the head dim. On the unfused one: the softmax forward for the mask and its
+    /// backward of the head dim (their dropout variants with `attention_dropout`). On the unfused one: the softmax forward for the mask and its
     /// backward at [`KernelTarget::seq_length`] keys, dropout of the probabilities and its
     /// backward, and (GQA, fewer key/value groups than heads) the f32 sum of the key/value
     /// gradients over the heads of a group.
@@ -113,7 +113,9 @@ impl DotProductAttentionConfig {
         let (dt, arch, sk) = (target.params_dtype, target.arch, target.seq_length);
         if self.runs_fused(dt) {
             for dir in [Direction::Fwd, Direction::Bwd] {
-                specs.push(KernelSpec::FlashAttn(FlashAttnSpec::new(dir, dt, self.kv_channels, arch)));
+                specs.push(KernelSpec::FlashAttn(
+                    FlashAttnSpec::new(dir, dt, self.kv_channels, arch).with_dropout(self.attention_dropout > 0.0),
+                ));
             }
             return;
         }
@@ -219,7 +221,7 @@ mod tests {
         };
         attention.kernel_specs(&t, &mut specs);
         EmbeddingConfig::new(256, 768).kernel_specs(&t, &mut specs);
-        // bf16 at head_dim 64 runs fused; f32 (or attention dropout) unfused, at the target's keys.
+        // bf16 at head_dim 64 runs fused (with attention dropout too); f32 unfused, at the target's keys.
         assert!(specs.contains(&FlashAttnSpec::new(Direction::Fwd, DType::BF16, 64, Arch::Sm90a).into()));
         assert!(!specs.iter().any(|s| matches!(s, KernelSpec::Softmax(_))));
         assert!(specs.contains(&EmbeddingSpec::backward(DType::BF16, DType::BF16, Arch::Sm90a).into()));
@@ -230,8 +232,8 @@ mod tests {
         );
         specs.clear();
         DotProductAttentionConfig { attention_dropout: 0.1, ..attention }.kernel_specs(&t, &mut specs);
-        assert!(
-            specs.contains(&SoftmaxSpec::new(MaskKind::Causal, Direction::Fwd, DType::BF16, 1024, Arch::Sm90a).into())
-        );
+        let dropout = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).with_dropout(true);
+        assert_eq!(specs.len(), 2, "{specs:?}");
+        assert!(specs.contains(&dropout.into()), "{specs:?}");
     }
 }

@@ -4,6 +4,7 @@
 //! k and v may be any `bshd`/`sbhd` tensors (or heads inside a fused QKV tensor).
 
 use super::check_dtype;
+use super::dropout::{keep_scale, keep_threshold, DropoutParams};
 use super::launch::Launch;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::sys::CUfunction_attribute;
@@ -70,6 +71,12 @@ pub struct FlashAttnParams {
     pub window: (i64, i64),
     /// Aligns the diagonal bottom-right (`off = lk − lq`) instead of top-left.
     pub bottom_right: bool,
+    /// Attention dropout (`p` in `(0, 1]`; `None`: none): the probabilities are dropped after
+    /// the softmax's normalization and the kept ones scaled by `1 / (1 − p)`, with element `i`
+    /// of a dense `[batch, heads, sq, sk]` tensor kept by [`crate::ops::dropout`]'s rule for the
+    /// stream `(seed, offset)`, so that the unfused backend and `reference::dropout` draw the
+    /// same mask. The backward takes the forward's.
+    pub dropout: Option<DropoutParams>,
     /// q and dq.
     pub q: HeadStrides,
     /// k, v, dk and dv.
@@ -183,7 +190,7 @@ pub fn forward(
     let [(k, k_off), (v, v_off)] = [parts[1], parts[2]];
     let total_q = capacity(q, parts[0].1, p.q, p.heads, p.head_dim).min(capacity(out, 0, p.o, p.heads, p.head_dim));
     let total_kv = capacity(k, k_off, p.kv, p.groups, p.head_dim).min(capacity(v, v_off, p.kv, p.groups, p.head_dim));
-    let spec = FlashAttnSpec::new(Direction::Fwd, q.dtype(), p.head_dim, dev.arch());
+    let spec = FlashAttnSpec::new(Direction::Fwd, q.dtype(), p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
     let f = function(dev, &spec, 0)?;
     let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
     let s = Scalars::new(p, [total_q, total_kv]);
@@ -192,7 +199,7 @@ pub fn forward(
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
     l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("o", out.data_mut()?).ptr("lse", &*lse);
     push_cu(&mut l, cu);
-    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
     // SAFETY: q, k, v (from their offsets) and out hold every element their strides reach for
     // the sizes (checked), the addresses and strides are 16-byte aligned, lse holds batch ·
     // heads · sq f32 and the cu_seqlens batch + 1 i32 (checked); out and lse are distinct
@@ -294,7 +301,7 @@ pub fn backward(
         }
     }
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
-    let spec = FlashAttnSpec::new(Direction::Bwd, q.dtype(), p.head_dim, dev.arch());
+    let spec = FlashAttnSpec::new(Direction::Bwd, q.dtype(), p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
     let s = Scalars::new(p, [total_q, total_kv]);
     let stream = dev.stream();
     let ([q, k, v], _in_guards) = addresses(stream, parts);
@@ -326,7 +333,7 @@ pub fn backward(
     l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
     l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", &dk).ptr("dv", &dv);
     push_cu(&mut l, cu);
-    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
     // SAFETY: as the forward's, for dk and dv at the kv strides: held `&mut` (one fused tensor
     // or two), and the heads they write are disjoint from each other and from every input.
     unsafe { l.launch(cfg) }?;
@@ -337,7 +344,7 @@ pub fn backward(
     l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
     l.ptr("lse", lse).ptr("delta", &delta).ptr("dq", &dq);
     push_cu(&mut l, cu);
-    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
     // SAFETY: as the forward's, for dq at the q strides (disjoint from dk and dv, written
     // before on the same stream).
     unsafe { l.launch(cfg) }
@@ -374,6 +381,9 @@ struct Scalars {
     o: [u64; 3],
     sizes: [u64; 4],
     totals: [u64; 2],
+    /// Philox seed, offset and keep threshold; the keep scale.
+    dropout: [u64; 3],
+    keep_scale: f32,
     scale: f32,
     window: [i64; 2],
     bottom_right: i32,
@@ -388,6 +398,8 @@ impl Scalars {
             o: s(p.o),
             sizes: [p.sq as u64, p.sk as u64, p.heads as u64, (p.heads / p.groups) as u64],
             totals,
+            dropout: p.dropout.map_or([0; 3], |d| [d.seed, d.offset, keep_threshold(d.p)]),
+            keep_scale: p.dropout.map_or(1.0, |d| keep_scale(d.p)),
             scale: p.scale,
             window: [p.window.0, p.window.1],
             bottom_right: i32::from(p.bottom_right),
@@ -411,6 +423,11 @@ impl Scalars {
         l.scalar("heads", &self.sizes[2]).scalar("heads_per_group", &self.sizes[3]);
         l.scalar("scale", &self.scale).scalar("window_left", &self.window[0]).scalar("window_right", &self.window[1]);
         l.scalar("bottom_right", &self.bottom_right);
+        self
+    }
+    fn push_dropout<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+        l.scalar("dropout_seed", &self.dropout[0]).scalar("dropout_offset", &self.dropout[1]);
+        l.scalar("keep_threshold", &self.dropout[2]).scalar("keep_scale", &self.keep_scale);
         self
     }
 }
@@ -458,6 +475,14 @@ fn check(p: &FlashAttnParams, parts: [(&Tensor, usize); 3], cu: Option<CuSeqlens
             op: OP,
             message: format!("softmax_scale must be finite and > 0, got {}", p.scale),
         });
+    }
+    if let Some(d) = p.dropout {
+        if !(d.p > 0.0 && d.p <= 1.0) {
+            return Err(Error::Argument {
+                op: OP,
+                message: format!("attention dropout p must be in (0, 1] (None for no dropout), got {}", d.p),
+            });
+        }
     }
     if p.window.0 < -1 || p.window.1 < -1 {
         return Err(Error::Argument {

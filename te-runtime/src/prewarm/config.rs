@@ -434,7 +434,7 @@ mod tests {
         };
         if attention.runs_fused(dt) {
             for dir in [Direction::Fwd, Direction::Bwd] {
-                v.push(FlashAttnSpec::new(dir, dt, head_dim, arch).into());
+                v.push(FlashAttnSpec::new(dir, dt, head_dim, arch).with_dropout(l.attention_dropout > 0.0).into());
             }
             // The hidden dropout's backward (the same kernel).
             v.push(DropoutSpec::backward(dt, dt, arch).into());
@@ -497,14 +497,15 @@ mod tests {
 
     #[test]
     fn gqa_adds_the_f32_key_gradient_sum_on_the_unfused_backend() {
-        // Attention dropout keeps attention unfused; the fused kernels sum a group's heads
-        // themselves.
+        // head_dim 80 keeps attention unfused; the fused kernels (head_dim 128, with attention
+        // dropout too) sum a group's heads themselves.
+        let mut cfg = ModelConfig::new(2560, 10240, 32);
+        cfg.layer.num_gqa_groups = Some(8);
+        let sum: KernelSpec = ElementwiseSpec::add_assign(DType::BF16, DType::F32, Arch::Sm90a).into();
+        assert!(cfg.kernel_specs(Arch::Sm90a).contains(&sum));
         let mut cfg = ModelConfig::new(4096, 16384, 32);
         cfg.layer.num_gqa_groups = Some(8);
         cfg.layer.attention_dropout = 0.1;
-        let sum: KernelSpec = ElementwiseSpec::add_assign(DType::BF16, DType::F32, Arch::Sm90a).into();
-        assert!(cfg.kernel_specs(Arch::Sm90a).contains(&sum));
-        cfg.layer.attention_dropout = 0.0;
         assert!(!cfg.kernel_specs(Arch::Sm90a).contains(&sum));
         assert!(!ModelConfig::new(4096, 16384, 32).kernel_specs(Arch::Sm90a).contains(&sum));
     }

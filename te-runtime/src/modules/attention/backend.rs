@@ -38,33 +38,18 @@ fn env_disables_fused() -> bool {
     ["NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN"].iter().any(|v| std::env::var(v).is_ok_and(|s| s.trim() == "0"))
 }
 
-/// Why the fused kernels cannot run a call of `dtype` with dropout `p` (`training`: a backward
-/// may follow), or `None`.
-pub(super) fn fused_unsupported(
-    cfg: &DotProductAttentionConfig,
-    dtype: DType,
-    p: f32,
-    training: bool,
-) -> Option<String> {
-    if p > 0.0 {
-        return Some(format!(
-            "attention_dropout = {p} runs on the unfused backend (the fused kernels have no dropout yet)"
-        ));
-    }
+/// Why the fused kernels cannot run a call of `dtype` (`training`: a backward may follow), or
+/// `None`. Attention dropout runs in both backends.
+pub(super) fn fused_unsupported(cfg: &DotProductAttentionConfig, dtype: DType, training: bool) -> Option<String> {
     unsupported_reason(dtype, cfg.kv_channels, training)
 }
 
-/// The backend (never `Auto`) for a call of `dtype` with dropout `p`.
+/// The backend (never `Auto`) for a call of `dtype`.
 ///
 /// # Errors
 /// [`Error::Config`] when [`AttentionBackend::Fused`] is forced for a call it does not support.
-pub(super) fn select(
-    cfg: &DotProductAttentionConfig,
-    dtype: DType,
-    p: f32,
-    training: bool,
-) -> Result<AttentionBackend> {
-    let why = fused_unsupported(cfg, dtype, p, training);
+pub(super) fn select(cfg: &DotProductAttentionConfig, dtype: DType, training: bool) -> Result<AttentionBackend> {
+    let why = fused_unsupported(cfg, dtype, training);
     match (cfg.backend, why) {
         (AttentionBackend::Unfused, _) => Ok(AttentionBackend::Unfused),
         (AttentionBackend::Fused, None) => Ok(AttentionBackend::Fused),
@@ -85,19 +70,18 @@ mod tests {
     fn auto_picks_fused_where_it_applies_and_forcing_it_elsewhere_is_an_error() {
         let cfg = DotProductAttentionConfig::new(8, 128);
         let fused = if env_disables_fused() { AttentionBackend::Unfused } else { AttentionBackend::Fused };
-        assert_eq!(select(&cfg, DType::BF16, 0.0, true).unwrap(), fused);
-        assert_eq!(select(&cfg, DType::F32, 0.0, true).unwrap(), AttentionBackend::Unfused);
-        assert_eq!(select(&cfg, DType::BF16, 0.1, true).unwrap(), AttentionBackend::Unfused);
+        assert_eq!(select(&cfg, DType::BF16, true).unwrap(), fused);
+        assert_eq!(select(&cfg, DType::F32, true).unwrap(), AttentionBackend::Unfused);
         let d256 = DotProductAttentionConfig::new(8, 256);
-        assert_eq!(select(&d256, DType::F16, 0.0, true).unwrap(), AttentionBackend::Unfused);
-        assert_eq!(select(&d256, DType::F16, 0.0, false).unwrap(), fused);
+        assert_eq!(select(&d256, DType::F16, true).unwrap(), AttentionBackend::Unfused);
+        assert_eq!(select(&d256, DType::F16, false).unwrap(), fused);
         let forced =
             DotProductAttentionConfig { backend: AttentionBackend::Fused, ..DotProductAttentionConfig::new(8, 80) };
-        match select(&forced, DType::BF16, 0.0, true) {
+        match select(&forced, DType::BF16, true) {
             Err(Error::Config { message, .. }) => assert!(message.contains("head_dim = 80"), "{message}"),
             other => panic!("expected a config error, got {other:?}"),
         }
         let unfused = DotProductAttentionConfig { backend: AttentionBackend::Unfused, ..cfg };
-        assert_eq!(select(&unfused, DType::BF16, 0.0, true).unwrap(), AttentionBackend::Unfused);
+        assert_eq!(select(&unfused, DType::BF16, true).unwrap(), AttentionBackend::Unfused);
     }
 }

@@ -5,6 +5,7 @@
 
 use super::plan::Dims;
 use super::{packed, AttnMaskType, MODULE};
+use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides, Qkv};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
@@ -42,6 +43,8 @@ pub(super) struct FusedSaved {
     lse: CudaSlice<f32>,
     /// The sequence lengths of a padding mask or of `thd`.
     seqs: Option<DeviceSeqlens>,
+    /// The forward's attention dropout (its stream replayed by the backward).
+    dropout: Option<DropoutParams>,
 }
 
 /// Where q, k, v and the output sit.
@@ -57,7 +60,13 @@ pub(super) enum Layout {
 
 /// The kernels' parameters for a call: q, k, v and the output where `layout` puts them, the
 /// mask as its resolved window (causal: right bound 0) and diagonal alignment.
-fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32, layout: Layout) -> FlashAttnParams {
+fn params(
+    dims: &Dims,
+    (mask, window): (AttnMaskType, (i64, i64)),
+    dropout: Option<DropoutParams>,
+    scale: f32,
+    layout: Layout,
+) -> FlashAttnParams {
     let d = dims.head_dim;
     let dense = |seq, heads| HeadStrides::dense(dims.format, dims.batch, seq, heads, d);
     let tokens = |heads: usize| HeadStrides { batch: 0, row: heads * d, head: d };
@@ -79,6 +88,7 @@ fn params(dims: &Dims, (mask, window): (AttnMaskType, (i64, i64)), scale: f32, l
         scale,
         window,
         bottom_right: mask.is_bottom_right(),
+        dropout,
         q,
         kv,
         o,
@@ -108,13 +118,14 @@ pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> 
 pub(super) fn forward(
     dev: &Device,
     dims: &Dims,
-    mask: (AttnMaskType, (i64, i64)),
+    (mask, drop): ((AttnMaskType, (i64, i64)), DropoutParams),
     seqs: Option<DeviceSeqlens>,
     (qkv, layout): (Qkv<&Tensor>, Layout),
     out_shape: &[usize],
     scale: f32,
 ) -> Result<(Tensor, FusedSaved)> {
-    let p = params(dims, mask, scale, layout);
+    let dropout = (drop.p > 0.0).then_some(drop);
+    let p = params(dims, mask, dropout, scale, layout);
     let dtype = match &qkv {
         Qkv::Apart([q, _, _]) | Qkv::Packed(q, _) => q.dtype(),
     };
@@ -127,7 +138,7 @@ pub(super) fn forward(
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
     let mut lse = unsafe { dev.stream().alloc::<f32>(dims.batch * dims.heads * dims.sq) }?;
     flash_attention::forward(dev, &p, qkv, seqs.as_ref().map(DeviceSeqlens::get), &mut out, &mut lse)?;
-    Ok((out.clone(), FusedSaved { out, lse, seqs }))
+    Ok((out.clone(), FusedSaved { out, lse, seqs, dropout }))
 }
 
 /// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's
@@ -141,7 +152,7 @@ pub(super) fn backward(
     d_out: &Tensor,
     scale: f32,
 ) -> Result<Qkv<Tensor>> {
-    let p = params(dims, mask, scale, layout);
+    let p = params(dims, mask, saved.dropout, scale, layout);
     let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
     let new = |t: &Tensor| {
         if layout == Layout::Thd {
@@ -174,20 +185,20 @@ mod tests {
     #[test]
     fn dense_strides_follow_the_format() {
         let dims = Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 7, heads: 4, groups: 2, head_dim: 64 };
-        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), 0.125, Layout::Dense);
+        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), None, 0.125, Layout::Dense);
         assert_eq!(p.q, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 128, row: 3 * 128, head: 64 });
         assert_eq!((p.window, p.bottom_right), ((-1, 0), false));
         let bshd = Dims { format: QkvFormat::Bshd, ..dims };
-        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), 0.125, Layout::Dense);
+        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), None, 0.125, Layout::Dense);
         assert_eq!(p.q, HeadStrides { batch: 5 * 256, row: 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 7 * 128, row: 128, head: 64 });
         assert_eq!((p.window, p.bottom_right), ((4, 0), true));
         let packed = Dims { sk: 5, ..dims };
-        let p = params(&packed, (AttnMaskType::Causal, (-1, 0)), 0.125, Layout::Packed);
+        let p = params(&packed, (AttnMaskType::Causal, (-1, 0)), None, 0.125, Layout::Packed);
         assert_eq!((p.q, p.kv), (packed::strides(&packed).0, packed::strides(&packed).0));
         assert_eq!(p.o, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
-        let p = params(&dims, (AttnMaskType::PaddingCausal, (-1, 0)), 0.125, Layout::Thd);
+        let p = params(&dims, (AttnMaskType::PaddingCausal, (-1, 0)), None, 0.125, Layout::Thd);
         assert_eq!(
             (p.q, p.kv, p.o),
             (
