@@ -29,7 +29,49 @@ pub fn run(b: &mut Bench) {
         return;
     }
     fused(b);
+    fused_variants(b);
     unfused(b);
+}
+
+/// The first shape again in the layer's `sbhd` layout and with attention dropout 0.1 (the keep
+/// mask drawn in the kernels), fwd+bwd.
+fn fused_variants(b: &mut Bench) {
+    let dev = b.dev().clone();
+    let (batch, seq, heads, d) = (4usize, 2048usize, 32usize, 128usize);
+    let fwd_flops = (4 * batch * heads * seq * seq * d / 2) as u64;
+    for (format, p, variant) in
+        [(QkvFormat::Sbhd, 0.0, "ours fused sbhd"), (QkvFormat::Bshd, 0.1, "ours fused dropout 0.1")]
+    {
+        let cfg = DotProductAttentionConfig {
+            qkv_format: format,
+            attention_dropout: p,
+            backend: AttentionBackend::Fused,
+            ..DotProductAttentionConfig::new(heads, d)
+        };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        let shape = format.shape(batch, seq, heads, d);
+        let n = shape.iter().product();
+        let bf16 = |shape: &[usize], seed| {
+            Tensor::from_bytes(&dev, DType::BF16, shape, &random_bytes(DType::BF16, n, seed)).unwrap()
+        };
+        let (q, k, v) = (bf16(&shape, 1), bf16(&shape, 2), bf16(&shape, 3));
+        let d_out = bf16(&[shape[0], shape[1], heads * d], 4);
+        let work = |pass| Work {
+            section: "attention",
+            work: "attention".into(),
+            pass,
+            variant: variant.into(),
+            precision: "bf16",
+            flops_fp8: 0,
+            tokens: None,
+        };
+        let label = format!("b{batch} s{seq} h{heads} d{d} causal");
+        let st = b.time(2, 10, |_| {
+            let (_, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+            attn.backward(ctx, &d_out).unwrap();
+        });
+        b.record_work(&label, st, fwd_flops * 7 / 2, None, work("fwd+bwd"));
+    }
 }
 
 fn fused(b: &mut Bench) {

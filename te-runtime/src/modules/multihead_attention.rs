@@ -7,7 +7,9 @@
 //! the heads in place and writes one fused gradient); with RoPE, q, k and v are copied apart
 //! (RoPE writes new q and k) and their gradients concatenated back.
 
-use super::attention::{AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use super::attention::{
+    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat,
+};
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
 use super::linear::{Linear, LinearConfig, LinearCtx};
 use super::norm::NormKind;
@@ -47,6 +49,9 @@ pub struct MultiheadAttentionConfig {
     /// Sliding window `(left, right)` of the mask (TE `window_size`; see
     /// [`DotProductAttentionConfig::window_size`]). `None`: no window.
     pub window_size: Option<(i64, i64)>,
+    /// The attention backend ([`AttentionBackend::Auto`] by default; see
+    /// `DotProductAttentionConfig::backend`).
+    pub attention_backend: AttentionBackend,
     /// Dropout on the attention probabilities (see `DotProductAttention`).
     pub attention_dropout: f32,
     /// Layout of the hidden states: `[s, b, hidden]` (sbhd, TE's default) or `[b, s, hidden]`.
@@ -73,6 +78,7 @@ impl MultiheadAttentionConfig {
             zero_centered_gamma: false,
             attn_mask_type: AttnMaskType::Causal,
             window_size: None,
+            attention_backend: AttentionBackend::Auto,
             attention_dropout: 0.0,
             qkv_format: QkvFormat::Sbhd,
             bias: true,
@@ -135,6 +141,7 @@ impl MultiheadAttentionConfig {
             qkv_format: cfg.qkv_format,
             attn_mask_type: cfg.attn_mask_type,
             window_size: cfg.window_size,
+            backend: cfg.attention_backend,
             ..DotProductAttentionConfig::new(h, d)
         };
         let proj = LinearConfig {

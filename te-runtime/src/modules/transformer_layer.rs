@@ -6,7 +6,7 @@
 //! `output_layernorm` and `apply_residual_connection_post_layernorm` (as TE's BERT recipe):
 //! `a = x + drop(attn(x))`, `h = ln2(a)`, `y = ln3(h + drop(mlp(h)))`.
 
-use super::attention::{AttnMaskType, QkvFormat};
+use super::attention::{AttentionBackend, AttnMaskType, QkvFormat};
 use super::layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
 use super::multihead_attention::{
     AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
@@ -46,6 +46,9 @@ pub struct TransformerLayerConfig {
     /// Sliding window `(left, right)` of the self-attention (TE `window_size`; see
     /// `DotProductAttentionConfig::window_size`). `None`: no window.
     pub window_size: Option<(i64, i64)>,
+    /// The self-attention's backend ([`AttentionBackend::Auto`] by default: fused where it
+    /// applies; see `DotProductAttentionConfig::backend`).
+    pub attention_backend: AttentionBackend,
     /// LayerNorm or RMSNorm.
     pub normalization: NormKind,
     /// MLP activation. Default GELU.
@@ -80,6 +83,7 @@ impl TransformerLayerConfig {
             attention_dropout: 0.0,
             self_attn_mask_type: AttnMaskType::Causal,
             window_size: None,
+            attention_backend: AttentionBackend::Auto,
             normalization: NormKind::LayerNorm,
             activation: Activation::Gelu,
             apply_residual_connection_post_layernorm: false,
@@ -105,6 +109,7 @@ impl TransformerLayerConfig {
             zero_centered_gamma: cfg.zero_centered_gamma,
             attn_mask_type: cfg.self_attn_mask_type,
             window_size: cfg.window_size,
+            attention_backend: cfg.attention_backend,
             attention_dropout: cfg.attention_dropout,
             qkv_format: cfg.qkv_format,
             bias: cfg.bias,
