@@ -419,12 +419,15 @@ fn attention_dropout_is_wired_forward_and_backward() {
 #[test]
 fn fused_dropout_replays_the_unfused_mask() {
     let Some(dev) = device() else { return };
-    for (mask, window, p) in [
-        (AttnMaskType::Causal, None, 0.3f32),
-        (AttnMaskType::PaddingCausalBottomRight, Some((30, 0)), 0.1),
-        (AttnMaskType::NoMask, None, 0.5),
+    // sk = 77: each score draws its Philox block; sk = 80, 128: four keys share one (shuffles).
+    for (mask, window, p, sizes) in [
+        (AttnMaskType::Causal, None, 0.3f32, (77, 77)),
+        (AttnMaskType::PaddingCausalBottomRight, Some((30, 0)), 0.1, (77, 77)),
+        (AttnMaskType::NoMask, None, 0.5, (77, 80)),
+        (AttnMaskType::Causal, None, 0.2, (128, 128)),
+        (AttnMaskType::PaddingCausal, None, 0.2, (80, 80)),
     ] {
-        let c = Case { window, ..Case::new(QkvFormat::Sbhd, mask, (77, 77), 2, 64) };
+        let c = Case { window, ..Case::new(QkvFormat::Sbhd, mask, sizes, 2, 64) };
         let x = Inputs::new(&c, 500);
         let mut results = Vec::new();
         for backend in [AttentionBackend::Fused, AttentionBackend::Unfused] {
