@@ -122,10 +122,13 @@ fn unfused(b: &mut Bench) {
     let (batch, seq, heads, head_dim) = (4usize, 2048usize, 32usize, 128usize);
     let flops = (3 * 4 * batch * heads * seq * seq * head_dim) as u64;
     let label = format!("b{batch} s{seq} h{heads} d{head_dim}");
-    for (format, name) in [(QkvFormat::Sbhd, "sbhd"), (QkvFormat::Bshd, "bshd")] {
+    for (format, name, p) in
+        [(QkvFormat::Sbhd, "sbhd", 0.0), (QkvFormat::Bshd, "bshd", 0.0), (QkvFormat::Sbhd, "sbhd dropout 0.1", 0.1)]
+    {
         let cfg = DotProductAttentionConfig {
             qkv_format: format,
             attn_mask_type: AttnMaskType::Causal,
+            attention_dropout: p,
             backend: AttentionBackend::Unfused,
             ..DotProductAttentionConfig::new(heads, head_dim)
         };

@@ -202,7 +202,7 @@ impl Inputs {
 /// The backend-specific part of an [`AttentionCtx`].
 #[derive(Debug)]
 enum Saved {
-    Fused(fused::FusedSaved),
+    Fused(Box<fused::FusedSaved>),
     Unfused { probs: Tensor, dropout: Option<unfused::ProbsDropout> },
 }
 
@@ -330,54 +330,6 @@ impl DotProductAttention {
         self.run_forward(dims, Inputs::Apart([q.clone(), k.clone(), v.clone()]), seq_lens, false)
     }
 
-    /// Self-attention over the fused QKV tensor `qkv` `[s, b, (h + 2g) · d]` (sbhd) or `[b, s,
-    /// (h + 2g) · d]` (bshd), each position's row holding all q heads, then all k heads, then
-    /// all v heads (the output of `MultiheadAttention`'s QKV projection; q's dtype rules as
-    /// [`DotProductAttention::forward`]). The fused backend reads the heads in place (no split
-    /// copies); the unfused one copies q, k and v apart first. `seq_lens` and the output as in
-    /// [`DotProductAttention::forward`] with `sq = sk = s`. Take the gradient with
-    /// [`DotProductAttention::backward_packed`].
-    ///
-    /// # Errors
-    /// As [`DotProductAttention::forward`]; [`Error::Shape`] when `qkv` is not 3-D with last dim
-    /// `(num_attention_heads + 2 · num_gqa_groups) · kv_channels`.
-    pub fn forward_packed(&mut self, qkv: &Tensor, seq_lens: Option<&[usize]>) -> Result<(Tensor, AttentionCtx)> {
-        check_dtype(MODULE, "qkv", qkv, DType::is_high_precision, "f32, bf16 or f16")?;
-        let cfg = &self.cfg;
-        let dims = packed::dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
-        self.run_forward(dims, Inputs::Packed(qkv.clone()), seq_lens, true)
-    }
-
-    /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused QKV tensor (for callers
-    /// that transform them first, as RoPE does).
-    ///
-    /// # Errors
-    /// As [`DotProductAttention::forward_packed`]'s shape checks; allocation and copy failures.
-    pub(crate) fn split_packed(&self, qkv: &Tensor) -> Result<[Tensor; 3]> {
-        let cfg = &self.cfg;
-        let dims = packed::dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
-        packed::split(&self.dev, qkv, &dims)
-    }
-
-    /// The fused QKV gradient `[a, b, (h + 2g) · d]` of `dq`, `dk`, `dv` (shapes of
-    /// [`DotProductAttention::split_packed`]'s results).
-    ///
-    /// # Errors
-    /// [`Error::Shape`] for a `dq` that is not `[a, b, h, d]`; allocation and copy failures.
-    pub(crate) fn concat_packed(&self, [dq, dk, dv]: [&Tensor; 3]) -> Result<Tensor> {
-        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
-        let &[a, b, ..] = dq.shape() else {
-            return Err(Error::Shape { op: MODULE, message: format!("dq must be 4-D, got {:?}", dq.shape()) });
-        };
-        let (batch, seq) = self.cfg.qkv_format.batch_seq([a, b, 1, 1]);
-        let dims = Dims { format: self.cfg.qkv_format, batch, sq: seq, sk: seq, heads: h, groups: g, head_dim: d };
-        check_shape(MODULE, "dq", dq, &self.cfg.qkv_format.shape(batch, seq, h, d))?;
-        for (name, t) in [("dk", dk), ("dv", dv)] {
-            check_shape(MODULE, name, t, &self.cfg.qkv_format.shape(batch, seq, g, d))?;
-        }
-        packed::concat(&self.dev, [dq, dk, dv], &dims)
-    }
-
     /// The forward on the backend [`backend::select`] picks; packed inputs are split apart for
     /// the unfused backend.
     fn run_forward(
@@ -405,7 +357,7 @@ impl DotProductAttention {
                 &out_shape,
                 self.cfg.scale(),
             )?;
-            (out, Saved::Fused(saved), inputs)
+            (out, Saved::Fused(Box::new(saved)), inputs)
         } else {
             if dims.sk > MAX_SK {
                 return Err(Error::Shape {
@@ -451,94 +403,6 @@ impl DotProductAttention {
         }
     }
 
-    /// Attention over variable-length sequences packed one after another (TE `qkv_format =
-    /// "thd"`): q `[total_q, h, d]`, k and v `[total_kv, g, d]` (bf16 or f16), sequence `b`
-    /// at the tokens `seqs` gives it ([`ThdSeqlens`]). Every query attends the keys of its own
-    /// sequence under the mask and window of the configuration, the diagonal placed by the
-    /// sequence's own lengths; the padding and non-padding mask types act alike here (the
-    /// lengths come from `cu_seqlens`). `qkv_format` of the configuration is not read.
-    ///
-    /// Output: `[total_q, h · d]`, q's dtype; tokens no sequence owns (padding between padded
-    /// slots) are zeros, and so are their gradients. [`DotProductAttention::backward`] takes the
-    /// context.
-    ///
-    /// # Errors
-    /// - [`Error::Config`]: the fused backend cannot run the call (dtype, head_dim, attention
-    ///   dropout in training, or the unfused backend forced): `thd` has no unfused backend, as
-    ///   in TE.
-    /// - [`Error::DType`] / [`Error::Shape`]: q, k, v not 3-D with the configured heads and
-    ///   head_dim, of different dtypes, or `seqs` not matching them ([`ThdSeqlens`]'s rules).
-    /// - Kernel failures.
-    pub fn forward_thd(
-        &mut self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        seqs: ThdSeqlens<'_>,
-    ) -> Result<(Tensor, AttentionCtx)> {
-        check_dtype(MODULE, "q", q, DType::is_high_precision, "f32, bf16 or f16")?;
-        let same = format!("{} (the dtype of `q`)", q.dtype());
-        check_dtype(MODULE, "k", k, |d| d == q.dtype(), &same)?;
-        check_dtype(MODULE, "v", v, |d| d == q.dtype(), &same)?;
-        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
-        let rows = |name: &str, t: &Tensor, heads: usize| -> Result<usize> {
-            match *t.shape() {
-                [n, th, td] if th == heads && td == d => Ok(n),
-                _ => Err(Error::Shape {
-                    op: MODULE,
-                    message: format!(
-                        "thd `{name}` must be [tokens, {heads}, {d}] ({heads} heads of kv_channels = {d}), got {:?}",
-                        t.shape()
-                    ),
-                }),
-            }
-        };
-        let (tokens_q, tokens_kv) = (rows("q", q, h)?, rows("k", k, g)?);
-        check_shape(MODULE, "v", v, k.shape())?;
-        let c = seqs.check(tokens_q, tokens_kv)?;
-        let backend = backend::select(&self.cfg, q.dtype(), self.training)?;
-        if backend != AttentionBackend::Fused {
-            let why =
-                crate::ops::flash_attention::unsupported_reason(q.dtype(), d, self.training).unwrap_or_else(|| {
-                    "the unfused backend is configured or the environment turns the fused one off".into()
-                });
-            return Err(Error::Config {
-                module: MODULE,
-                message: format!(
-                    "thd runs on the fused backend only (as in TE) and it cannot take this call: {why}; use bf16/f16,                      head_dim in {:?}, or pad the sequences into bshd/sbhd",
-                    te_codegen::spec::FLASH_HEAD_DIMS
-                ),
-            });
-        }
-        let dims = Dims {
-            format: QkvFormat::Bshd,
-            batch: c.batch,
-            sq: c.max_q.max(1),
-            sk: c.max_kv.max(1),
-            heads: h,
-            groups: g,
-            head_dim: d,
-        };
-        self.log_backend(backend, &dims, q.dtype());
-        let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
-        let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
-        let out_shape = vec![tokens_q, h * d];
-        let mask = (self.cfg.attn_mask_type, self.cfg.window());
-        let drop = self.next_dropout();
-        let (out, saved) = fused::forward(
-            &self.dev,
-            &dims,
-            (mask, drop),
-            Some(seqs),
-            inputs.fused(&dims),
-            &out_shape,
-            self.cfg.scale(),
-        )?;
-        let ctx =
-            AttentionCtx { module_id: self.id, dims, inputs, packed: false, out_shape, saved: Saved::Fused(saved) };
-        Ok((out, ctx))
-    }
-
     /// Backward of [`DotProductAttention::forward`]: `(dq, dk, dv)` in the shapes and dtype of
     /// q, k and v, for `d_out` the gradient of the output (its shape and dtype).
     ///
@@ -554,28 +418,6 @@ impl DotProductAttention {
                 let [dq, dk, dv] = packed::split(&self.dev, &d_qkv, &dims)?;
                 Ok((dq, dk, dv))
             }
-        }
-    }
-
-    /// Backward of [`DotProductAttention::forward_packed`]: the gradient of the fused QKV tensor,
-    /// its shape and dtype, for `d_out` the gradient of the output. The fused backend writes it
-    /// in place (no concatenation copies).
-    ///
-    /// # Errors
-    /// [`Error::Context`] for a context made by another module or by
-    /// [`DotProductAttention::forward`] (use [`DotProductAttention::backward`] there); otherwise
-    /// as [`DotProductAttention::backward`].
-    pub fn backward_packed(&mut self, ctx: AttentionCtx, d_out: &Tensor) -> Result<Tensor> {
-        if ctx.module_id == self.id && !ctx.packed {
-            return Err(Error::Context {
-                module: MODULE,
-                message: "the context was made by forward (q, k, v apart): take its gradients with backward".into(),
-            });
-        }
-        let dims = ctx.dims;
-        match self.run_backward(ctx, d_out)? {
-            Qkv::Apart([dq, dk, dv]) => packed::concat(&self.dev, [&dq, &dk, &dv], &dims),
-            Qkv::Packed(d_qkv, _) => Ok(d_qkv),
         }
     }
 

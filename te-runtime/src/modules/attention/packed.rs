@@ -5,7 +5,7 @@
 //! on q, k, v copied apart ([`split`]) and concatenate their gradients back ([`concat`]).
 
 use super::plan::Dims;
-use super::MODULE;
+use super::{check_dtype, check_shape, AttentionCtx, DType, DotProductAttention, Inputs, Qkv, MODULE};
 use crate::ops::copy::copy_columns;
 use crate::ops::flash_attention::HeadStrides;
 use crate::{Device, Error, Result, Tensor};
@@ -103,6 +103,78 @@ pub(super) fn concat(dev: &Device, [dq, dk, dv]: [&Tensor; 3], dims: &Dims) -> R
         copy_columns(dev, &t.reshape(&[a * b, heads * d])?, 0, &mut d_qkv, offset, heads * d)?;
     }
     Ok(d_qkv)
+}
+
+impl DotProductAttention {
+    /// Self-attention over the fused QKV tensor `qkv` `[s, b, (h + 2g) · d]` (sbhd) or `[b, s,
+    /// (h + 2g) · d]` (bshd), each position's row holding all q heads, then all k heads, then
+    /// all v heads (the output of `MultiheadAttention`'s QKV projection; q's dtype rules as
+    /// [`DotProductAttention::forward`]). The fused backend reads the heads in place (no split
+    /// copies); the unfused one copies q, k and v apart first. `seq_lens` and the output as in
+    /// [`DotProductAttention::forward`] with `sq = sk = s`. Take the gradient with
+    /// [`DotProductAttention::backward_packed`].
+    ///
+    /// # Errors
+    /// As [`DotProductAttention::forward`]; [`Error::Shape`] when `qkv` is not 3-D with last dim
+    /// `(num_attention_heads + 2 · num_gqa_groups) · kv_channels`.
+    pub fn forward_packed(&mut self, qkv: &Tensor, seq_lens: Option<&[usize]>) -> Result<(Tensor, AttentionCtx)> {
+        check_dtype(MODULE, "qkv", qkv, DType::is_high_precision, "f32, bf16 or f16")?;
+        let cfg = &self.cfg;
+        let dims = dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
+        self.run_forward(dims, Inputs::Packed(qkv.clone()), seq_lens, true)
+    }
+
+    /// Backward of [`DotProductAttention::forward_packed`]: the gradient of the fused QKV tensor,
+    /// its shape and dtype, for `d_out` the gradient of the output. The fused backend writes it
+    /// in place (no concatenation copies).
+    ///
+    /// # Errors
+    /// [`Error::Context`] for a context made by another module or by
+    /// [`DotProductAttention::forward`] (use [`DotProductAttention::backward`] there); otherwise
+    /// as [`DotProductAttention::backward`].
+    pub fn backward_packed(&mut self, ctx: AttentionCtx, d_out: &Tensor) -> Result<Tensor> {
+        if ctx.module_id == self.id && !ctx.packed {
+            return Err(Error::Context {
+                module: MODULE,
+                message: "the context was made by forward (q, k, v apart): take its gradients with backward".into(),
+            });
+        }
+        let dims = ctx.dims;
+        match self.run_backward(ctx, d_out)? {
+            Qkv::Apart([dq, dk, dv]) => concat(&self.dev, [&dq, &dk, &dv], &dims),
+            Qkv::Packed(d_qkv, _) => Ok(d_qkv),
+        }
+    }
+
+    /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused QKV tensor (for callers
+    /// that transform them first, as RoPE does).
+    ///
+    /// # Errors
+    /// As [`DotProductAttention::forward_packed`]'s shape checks; allocation and copy failures.
+    pub(crate) fn split_packed(&self, qkv: &Tensor) -> Result<[Tensor; 3]> {
+        let cfg = &self.cfg;
+        let dims = dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
+        split(&self.dev, qkv, &dims)
+    }
+
+    /// The fused QKV gradient `[a, b, (h + 2g) · d]` of `dq`, `dk`, `dv` (shapes of
+    /// [`DotProductAttention::split_packed`]'s results).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a `dq` that is not `[a, b, h, d]`; allocation and copy failures.
+    pub(crate) fn concat_packed(&self, [dq, dk, dv]: [&Tensor; 3]) -> Result<Tensor> {
+        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
+        let &[a, b, ..] = dq.shape() else {
+            return Err(Error::Shape { op: MODULE, message: format!("dq must be 4-D, got {:?}", dq.shape()) });
+        };
+        let (batch, seq) = self.cfg.qkv_format.batch_seq([a, b, 1, 1]);
+        let dims = Dims { format: self.cfg.qkv_format, batch, sq: seq, sk: seq, heads: h, groups: g, head_dim: d };
+        check_shape(MODULE, "dq", dq, &self.cfg.qkv_format.shape(batch, seq, h, d))?;
+        for (name, t) in [("dk", dk), ("dv", dv)] {
+            check_shape(MODULE, name, t, &self.cfg.qkv_format.shape(batch, seq, g, d))?;
+        }
+        concat(&self.dev, [dq, dk, dv], &dims)
+    }
 }
 
 #[cfg(test)]

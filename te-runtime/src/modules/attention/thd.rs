@@ -2,8 +2,12 @@
 //! TE's `cu_seqlens_q` / `cu_seqlens_kv` and their `_padded` variants, checked on the host before
 //! they reach the kernels.
 
-use super::MODULE;
-use crate::{Error, Result};
+use super::plan::Dims;
+use super::{
+    backend, check_dtype, check_shape, fused, AttentionBackend, AttentionCtx, DType, DotProductAttention, Inputs,
+    QkvFormat, Saved, MODULE,
+};
+use crate::{Error, Result, Tensor};
 
 /// The sequences of a `thd` call: host prefix sums of `batch + 1` entries starting at 0 (TE's
 /// `cu_seqlens_q`, `cu_seqlens_kv`, `cu_seqlens_q_padded`, `cu_seqlens_kv_padded`).
@@ -112,6 +116,102 @@ impl ThdSeqlens<'_> {
         let off_q = padded("cu_seqlens_q_padded", self.cu_seqlens_q_padded, self.cu_seqlens_q, tokens_q)?;
         let off_kv = padded("cu_seqlens_kv_padded", self.cu_seqlens_kv_padded, self.cu_seqlens_kv, tokens_kv)?;
         Ok(Checked { batch, max_q, max_kv, cu: [cu_q, cu_kv], offsets: [off_q, off_kv] })
+    }
+}
+
+impl DotProductAttention {
+    /// Attention over variable-length sequences packed one after another (TE `qkv_format =
+    /// "thd"`): q `[total_q, h, d]`, k and v `[total_kv, g, d]` (bf16 or f16), sequence `b`
+    /// at the tokens `seqs` gives it ([`ThdSeqlens`]). Every query attends the keys of its own
+    /// sequence under the mask and window of the configuration, the diagonal placed by the
+    /// sequence's own lengths; the padding and non-padding mask types act alike here (the
+    /// lengths come from `cu_seqlens`). `qkv_format` of the configuration is not read.
+    ///
+    /// Output: `[total_q, h · d]`, q's dtype; tokens no sequence owns (padding between padded
+    /// slots) are zeros, and so are their gradients. [`DotProductAttention::backward`] takes the
+    /// context.
+    ///
+    /// # Errors
+    /// - [`Error::Config`]: the fused backend cannot run the call (dtype, head_dim, attention
+    ///   dropout in training, or the unfused backend forced): `thd` has no unfused backend, as
+    ///   in TE.
+    /// - [`Error::DType`] / [`Error::Shape`]: q, k, v not 3-D with the configured heads and
+    ///   head_dim, of different dtypes, or `seqs` not matching them ([`ThdSeqlens`]'s rules).
+    /// - Kernel failures.
+    pub fn forward_thd(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqs: ThdSeqlens<'_>,
+    ) -> Result<(Tensor, AttentionCtx)> {
+        check_dtype(MODULE, "q", q, DType::is_high_precision, "f32, bf16 or f16")?;
+        let same = format!("{} (the dtype of `q`)", q.dtype());
+        check_dtype(MODULE, "k", k, |d| d == q.dtype(), &same)?;
+        check_dtype(MODULE, "v", v, |d| d == q.dtype(), &same)?;
+        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
+        let rows = |name: &str, t: &Tensor, heads: usize| -> Result<usize> {
+            match *t.shape() {
+                [n, th, td] if th == heads && td == d => Ok(n),
+                _ => Err(Error::Shape {
+                    op: MODULE,
+                    message: format!(
+                        "thd `{name}` must be [tokens, {heads}, {d}] ({heads} heads of kv_channels = {d}), got {:?}",
+                        t.shape()
+                    ),
+                }),
+            }
+        };
+        let (tokens_q, tokens_kv) = (rows("q", q, h)?, rows("k", k, g)?);
+        check_shape(MODULE, "v", v, k.shape())?;
+        let c = seqs.check(tokens_q, tokens_kv)?;
+        let backend = backend::select(&self.cfg, q.dtype(), self.training)?;
+        if backend != AttentionBackend::Fused {
+            let why =
+                crate::ops::flash_attention::unsupported_reason(q.dtype(), d, self.training).unwrap_or_else(|| {
+                    "the unfused backend is configured or the environment turns the fused one off".into()
+                });
+            return Err(Error::Config {
+                module: MODULE,
+                message: format!(
+                    "thd runs on the fused backend only (as in TE) and it cannot take this call: {why}; use bf16/f16,                      head_dim in {:?}, or pad the sequences into bshd/sbhd",
+                    te_codegen::spec::FLASH_HEAD_DIMS
+                ),
+            });
+        }
+        let dims = Dims {
+            format: QkvFormat::Bshd,
+            batch: c.batch,
+            sq: c.max_q.max(1),
+            sk: c.max_kv.max(1),
+            heads: h,
+            groups: g,
+            head_dim: d,
+        };
+        self.log_backend(backend, &dims, q.dtype());
+        let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
+        let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
+        let out_shape = vec![tokens_q, h * d];
+        let mask = (self.cfg.attn_mask_type, self.cfg.window());
+        let drop = self.next_dropout();
+        let (out, saved) = fused::forward(
+            &self.dev,
+            &dims,
+            (mask, drop),
+            Some(seqs),
+            inputs.fused(&dims),
+            &out_shape,
+            self.cfg.scale(),
+        )?;
+        let ctx = AttentionCtx {
+            module_id: self.id,
+            dims,
+            inputs,
+            packed: false,
+            out_shape,
+            saved: Saved::Fused(Box::new(saved)),
+        };
+        Ok((out, ctx))
     }
 }
 
