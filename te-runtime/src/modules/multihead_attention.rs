@@ -335,14 +335,7 @@ impl MultiheadAttention {
                 (y.into_high(&self.dev, x.dtype())?, QkvCtx::Plain(c))
             }
         };
-        let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
-        let (ctx_out, attn) = match inputs.rotary_pos_emb {
-            None => self.attention.forward_packed(&qkv, inputs.seq_lens)?,
-            Some(freqs) => {
-                let [q, k, v] = self.split_rope(&qkv, freqs)?;
-                self.attention.forward(&q, &k, &v, inputs.seq_lens)?
-            }
-        };
+        let (ctx_out, attn) = self.attend(&qkv, [a, b], &inputs)?;
         let (y, proj) = self.proj.forward_with(&ctx_out, opts)?;
         let y = y.into_high(&self.dev, x.dtype())?;
         let ctx = MultiheadAttentionCtx {
@@ -353,6 +346,24 @@ impl MultiheadAttention {
             rotary: inputs.rotary_pos_emb.cloned(),
         };
         Ok((y, ctx))
+    }
+
+    /// Attention over the QKV projection's output (`[a·b, (h + 2g)·d]` or `[a, b, ..]`): in place
+    /// on the fused QKV tensor without RoPE, on q, k, v copied apart (and rotated) with it.
+    fn attend(
+        &mut self,
+        qkv: &Tensor,
+        [a, b]: [usize; 2],
+        inputs: &AttentionInputs<'_>,
+    ) -> Result<(Tensor, AttentionCtx)> {
+        let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
+        match inputs.rotary_pos_emb {
+            None => self.attention.forward_packed(&qkv, inputs.seq_lens),
+            Some(freqs) => {
+                let [q, k, v] = self.split_rope(&qkv, freqs)?;
+                self.attention.forward(&q, &k, &v, inputs.seq_lens)
+            }
+        }
     }
 
     /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused projection's output
@@ -384,14 +395,7 @@ impl MultiheadAttention {
             QkvProj::Norm(m) => m.infer(x)?,
             QkvProj::Plain(m) => m.infer(x)?,
         };
-        let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
-        let (ctx_out, _) = match inputs.rotary_pos_emb {
-            None => self.attention.forward_packed(&qkv, inputs.seq_lens)?,
-            Some(freqs) => {
-                let [q, k, v] = self.split_rope(&qkv, freqs)?;
-                self.attention.forward(&q, &k, &v, inputs.seq_lens)?
-            }
-        };
+        let (ctx_out, _) = self.attend(&qkv, [a, b], &inputs)?;
         self.proj.infer(&ctx_out)
     }
 
