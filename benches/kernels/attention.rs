@@ -28,93 +28,76 @@ pub fn run(b: &mut Bench) {
     if !b.enabled("attention") {
         return;
     }
-    fused(b);
-    fused_variants(b);
+    for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES {
+        let shape = FusedShape { batch, seq, heads, groups, d, causal };
+        fused(b, shape, QkvFormat::Bshd, 0.0, "ours fused");
+    }
+    // The first shape again in the layer's `sbhd` layout, and with attention dropout 0.1 (the
+    // keep mask drawn in the kernels): fwd+bwd rows.
+    let first = FusedShape { batch: 4, seq: 2048, heads: 32, groups: 32, d: 128, causal: true };
+    fused(b, first, QkvFormat::Sbhd, 0.0, "ours fused sbhd");
+    fused(b, first, QkvFormat::Bshd, 0.1, "ours fused dropout 0.1");
     unfused(b);
 }
 
-/// The first shape again in the layer's `sbhd` layout and with attention dropout 0.1 (the keep
-/// mask drawn in the kernels), fwd+bwd.
-fn fused_variants(b: &mut Bench) {
-    let dev = b.dev().clone();
-    let (batch, seq, heads, d) = (4usize, 2048usize, 32usize, 128usize);
-    let fwd_flops = (4 * batch * heads * seq * seq * d / 2) as u64;
-    for (format, p, variant) in
-        [(QkvFormat::Sbhd, 0.0, "ours fused sbhd"), (QkvFormat::Bshd, 0.1, "ours fused dropout 0.1")]
-    {
-        let cfg = DotProductAttentionConfig {
-            qkv_format: format,
-            attention_dropout: p,
-            backend: AttentionBackend::Fused,
-            ..DotProductAttentionConfig::new(heads, d)
-        };
-        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
-        let shape = format.shape(batch, seq, heads, d);
-        let n = shape.iter().product();
-        let bf16 = |shape: &[usize], seed| {
-            Tensor::from_bytes(&dev, DType::BF16, shape, &random_bytes(DType::BF16, n, seed)).unwrap()
-        };
-        let (q, k, v) = (bf16(&shape, 1), bf16(&shape, 2), bf16(&shape, 3));
-        let d_out = bf16(&[shape[0], shape[1], heads * d], 4);
-        let work = |pass| Work {
-            section: "attention",
-            work: "attention".into(),
-            pass,
-            variant: variant.into(),
-            precision: "bf16",
-            flops_fp8: 0,
-            tokens: None,
-        };
-        let label = format!("b{batch} s{seq} h{heads} d{d} causal");
-        let st = b.time(2, 10, |_| {
-            let (_, ctx) = attn.forward(&q, &k, &v, None).unwrap();
-            attn.backward(ctx, &d_out).unwrap();
-        });
-        b.record_work(&label, st, fwd_flops * 7 / 2, None, work("fwd+bwd"));
-    }
+/// One row of [`FUSED_SHAPES`].
+#[derive(Clone, Copy)]
+struct FusedShape {
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    groups: usize,
+    d: usize,
+    causal: bool,
 }
 
-fn fused(b: &mut Bench) {
+/// The fused backend on `s` in `format` with attention dropout `p`: forward (only for the plain
+/// bshd rows) and forward + backward, as `variant`.
+fn fused(b: &mut Bench, s: FusedShape, format: QkvFormat, p: f32, variant: &str) {
     let dev = b.dev().clone();
-    for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES {
-        let cfg = DotProductAttentionConfig {
-            qkv_format: QkvFormat::Bshd,
-            attn_mask_type: if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask },
-            num_gqa_groups: Some(groups),
-            backend: AttentionBackend::Fused,
-            ..DotProductAttentionConfig::new(heads, d)
-        };
-        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
-        let bf16 = |shape: &[usize], seed| {
-            let n = shape.iter().product();
-            Tensor::from_bytes(&dev, DType::BF16, shape, &random_bytes(DType::BF16, n, seed)).unwrap()
-        };
-        let q = bf16(&[batch, seq, heads, d], 1);
-        let (k, v) = (bf16(&[batch, seq, groups, d], 2), bf16(&[batch, seq, groups, d], 3));
-        let d_out = bf16(&[batch, seq, heads * d], 4);
-        let kv = if groups != heads { format!("/kv{groups}") } else { String::new() };
-        let shape = format!("b{batch} s{seq} h{heads}{kv} d{d} {}", if causal { "causal" } else { "no_mask" });
-        let full = (4 * batch * heads * seq * seq * d) as u64;
-        let fwd_flops = if causal { full / 2 } else { full };
-        let work = |pass| Work {
-            section: "attention",
-            work: "attention".into(),
-            pass,
-            variant: "ours fused".into(),
-            precision: "bf16",
-            flops_fp8: 0,
-            tokens: None,
-        };
+    let FusedShape { batch, seq, heads, groups, d, causal } = s;
+    let cfg = DotProductAttentionConfig {
+        qkv_format: format,
+        attn_mask_type: if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask },
+        num_gqa_groups: Some(groups),
+        attention_dropout: p,
+        backend: AttentionBackend::Fused,
+        ..DotProductAttentionConfig::new(heads, d)
+    };
+    let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+    let bf16 = |shape: &[usize], seed| {
+        let n = shape.iter().product();
+        Tensor::from_bytes(&dev, DType::BF16, shape, &random_bytes(DType::BF16, n, seed)).unwrap()
+    };
+    let q = bf16(&format.shape(batch, seq, heads, d), 1);
+    let kv_shape = format.shape(batch, seq, groups, d);
+    let (k, v) = (bf16(&kv_shape, 2), bf16(&kv_shape, 3));
+    let [x0, x1, _, _] = kv_shape;
+    let d_out = bf16(&[x0, x1, heads * d], 4);
+    let kv = if groups != heads { format!("/kv{groups}") } else { String::new() };
+    let shape = format!("b{batch} s{seq} h{heads}{kv} d{d} {}", if causal { "causal" } else { "no_mask" });
+    let full = (4 * batch * heads * seq * seq * d) as u64;
+    let fwd_flops = if causal { full / 2 } else { full };
+    let work = |pass| Work {
+        section: "attention",
+        work: "attention".into(),
+        pass,
+        variant: variant.into(),
+        precision: "bf16",
+        flops_fp8: 0,
+        tokens: None,
+    };
+    if format == QkvFormat::Bshd && p == 0.0 {
         let st = b.time(3, 10, |_| {
             attn.forward(&q, &k, &v, None).unwrap();
         });
         b.record_work(&shape, st, fwd_flops, None, work("fwd"));
-        let st = b.time(2, 10, |_| {
-            let (_, ctx) = attn.forward(&q, &k, &v, None).unwrap();
-            attn.backward(ctx, &d_out).unwrap();
-        });
-        b.record_work(&shape, st, fwd_flops * 7 / 2, None, work("fwd+bwd"));
     }
+    let st = b.time(2, 10, |_| {
+        let (_, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+        attn.backward(ctx, &d_out).unwrap();
+    });
+    b.record_work(&shape, st, fwd_flops * 7 / 2, None, work("fwd+bwd"));
 }
 
 fn unfused(b: &mut Bench) {

@@ -66,6 +66,52 @@ pub struct FlashAttnSpec {
 /// Head dims the kernels take.
 pub const FLASH_HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
 
+/// A family-14 argument list: the entry point's pointers, then what the forward, `_dkdv` and `_dq`
+/// share in this order: the sequence tables, the q / kv / o strides, the sizes, the mask and the
+/// dropout stream.
+macro_rules! flash_args {
+    ($($pointer:expr),* $(,)?) => {
+        &[
+            $($pointer,)*
+            KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+            KernelArg::read("cu_seqlens_kv", "const int* __restrict__", "i32 `[batch + 1]` or null"),
+            KernelArg::read(
+                "seq_offsets_q",
+                "const int* __restrict__",
+                "thd: i32 `[batch + 1]` token offsets of q and o, or null",
+            ),
+            KernelArg::read(
+                "seq_offsets_kv",
+                "const int* __restrict__",
+                "thd: i32 `[batch + 1]` token offsets of k and v, or null",
+            ),
+            KernelArg::scalar("q_batch", "u64", "batch stride of q (and dq) (elements)"),
+            KernelArg::scalar("q_row", "u64", "position stride of q (and dq) (elements)"),
+            KernelArg::scalar("q_head", "u64", "head stride of q (and dq) (elements)"),
+            KernelArg::scalar("kv_batch", "u64", "batch stride of k and v (and dk, dv) (elements)"),
+            KernelArg::scalar("kv_row", "u64", "position stride of k and v (and dk, dv) (elements)"),
+            KernelArg::scalar("kv_head", "u64", "head stride of k and v (and dk, dv) (elements)"),
+            KernelArg::scalar("o_batch", "u64", "batch stride of o or d_o (elements)"),
+            KernelArg::scalar("o_row", "u64", "position stride of o or d_o (elements)"),
+            KernelArg::scalar("o_head", "u64", "head stride of o or d_o (elements)"),
+            KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
+            KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
+            KernelArg::scalar("total_q", "u64", "thd: tokens of q and o (bounds seq_offsets_q)"),
+            KernelArg::scalar("total_kv", "u64", "thd: tokens of k and v (bounds seq_offsets_kv)"),
+            KernelArg::scalar("heads", "u64", "query heads"),
+            KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
+            KernelArg::scalar("scale", "float", "softmax_scale"),
+            KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
+            KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
+            KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
+            KernelArg::scalar("dropout_seed", "u64", "dropout: Philox key"),
+            KernelArg::scalar("dropout_offset", "u64", "dropout: Philox counter words 2 and 3"),
+            KernelArg::scalar("keep_threshold", "u64", "dropout: an element is kept iff its 32-bit word is below this"),
+            KernelArg::scalar("keep_scale", "float", "dropout: 1 / (1 - p), the factor of kept probabilities"),
+        ]
+    };
+}
+
 impl FlashAttnSpec {
     /// A spec with the default tiles for `head_dim`.
     ///
@@ -131,48 +177,13 @@ impl FlashAttnSpec {
     }
 
     /// Arguments of the forward entry point.
-    pub const FWD_ARGS: &'static [KernelArg] = &[
+    pub const FWD_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "queries, `[.., sq, heads, head_dim]` at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "keys, `[.., sk, groups, head_dim]` at the kv strides"),
         KernelArg::read("v", "const void* __restrict__", "values, as the keys"),
         KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim]` at the o strides"),
         KernelArg::write("lse", "float* __restrict__", "`[batch, heads, sq]` f32 softmax_lse"),
-        KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
-        KernelArg::read("cu_seqlens_kv", "const int* __restrict__", "i32 `[batch + 1]` or null"),
-        KernelArg::read(
-            "seq_offsets_q",
-            "const int* __restrict__",
-            "thd: i32 `[batch + 1]` token offsets of q and o, or null",
-        ),
-        KernelArg::read(
-            "seq_offsets_kv",
-            "const int* __restrict__",
-            "thd: i32 `[batch + 1]` token offsets of k and v, or null",
-        ),
-        KernelArg::scalar("q_batch", "u64", "batch stride of q (elements)"),
-        KernelArg::scalar("q_row", "u64", "position stride of q (elements)"),
-        KernelArg::scalar("q_head", "u64", "head stride of q (elements)"),
-        KernelArg::scalar("kv_batch", "u64", "batch stride of k and v (elements)"),
-        KernelArg::scalar("kv_row", "u64", "position stride of k and v (elements)"),
-        KernelArg::scalar("kv_head", "u64", "head stride of k and v (elements)"),
-        KernelArg::scalar("o_batch", "u64", "batch stride of o (elements)"),
-        KernelArg::scalar("o_row", "u64", "position stride of o (elements)"),
-        KernelArg::scalar("o_head", "u64", "head stride of o (elements)"),
-        KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
-        KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
-        KernelArg::scalar("total_q", "u64", "thd: tokens of q and o (bounds seq_offsets_q)"),
-        KernelArg::scalar("total_kv", "u64", "thd: tokens of k and v (bounds seq_offsets_kv)"),
-        KernelArg::scalar("heads", "u64", "query heads"),
-        KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
-        KernelArg::scalar("scale", "float", "softmax_scale"),
-        KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
-        KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
-        KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
-        KernelArg::scalar("dropout_seed", "u64", "dropout: Philox key"),
-        KernelArg::scalar("dropout_offset", "u64", "dropout: Philox counter words 2 and 3"),
-        KernelArg::scalar("keep_threshold", "u64", "dropout: an element is kept iff its 32-bit word is below this"),
-        KernelArg::scalar("keep_scale", "float", "dropout: 1 / (1 - p), the factor of kept probabilities"),
-    ];
+    );
 
     /// Arguments of the backward's `_dot_do_o` entry point.
     pub const BWD_DOT_ARGS: &'static [KernelArg] = &[
@@ -201,7 +212,7 @@ impl FlashAttnSpec {
     ];
 
     /// Arguments of the backward's `_dkdv` entry point.
-    pub const BWD_DKDV_ARGS: &'static [KernelArg] = &[
+    pub const BWD_DKDV_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "queries, at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "keys, at the kv strides"),
         KernelArg::read("v", "const void* __restrict__", "values, at the kv strides"),
@@ -210,45 +221,10 @@ impl FlashAttnSpec {
         KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
         KernelArg::write("dk", "void* __restrict__", "key gradient, at the kv strides"),
         KernelArg::write("dv", "void* __restrict__", "value gradient, at the kv strides"),
-        KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
-        KernelArg::read("cu_seqlens_kv", "const int* __restrict__", "i32 `[batch + 1]` or null"),
-        KernelArg::read(
-            "seq_offsets_q",
-            "const int* __restrict__",
-            "thd: i32 `[batch + 1]` token offsets of q and o, or null",
-        ),
-        KernelArg::read(
-            "seq_offsets_kv",
-            "const int* __restrict__",
-            "thd: i32 `[batch + 1]` token offsets of k and v, or null",
-        ),
-        KernelArg::scalar("q_batch", "u64", "batch stride of q and dq (elements)"),
-        KernelArg::scalar("q_row", "u64", "position stride of q and dq (elements)"),
-        KernelArg::scalar("q_head", "u64", "head stride of q and dq (elements)"),
-        KernelArg::scalar("kv_batch", "u64", "batch stride of k, v, dk and dv (elements)"),
-        KernelArg::scalar("kv_row", "u64", "position stride of k, v, dk and dv (elements)"),
-        KernelArg::scalar("kv_head", "u64", "head stride of k, v, dk and dv (elements)"),
-        KernelArg::scalar("o_batch", "u64", "batch stride of d_o (elements)"),
-        KernelArg::scalar("o_row", "u64", "position stride of d_o (elements)"),
-        KernelArg::scalar("o_head", "u64", "head stride of d_o (elements)"),
-        KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
-        KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
-        KernelArg::scalar("total_q", "u64", "thd: tokens of q and o (bounds seq_offsets_q)"),
-        KernelArg::scalar("total_kv", "u64", "thd: tokens of k and v (bounds seq_offsets_kv)"),
-        KernelArg::scalar("heads", "u64", "query heads"),
-        KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
-        KernelArg::scalar("scale", "float", "softmax_scale"),
-        KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
-        KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
-        KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
-        KernelArg::scalar("dropout_seed", "u64", "dropout: Philox key"),
-        KernelArg::scalar("dropout_offset", "u64", "dropout: Philox counter words 2 and 3"),
-        KernelArg::scalar("keep_threshold", "u64", "dropout: an element is kept iff its 32-bit word is below this"),
-        KernelArg::scalar("keep_scale", "float", "dropout: 1 / (1 - p), the factor of kept probabilities"),
-    ];
+    );
 
     /// Arguments of the backward's `_dq` entry point.
-    pub const BWD_DQ_ARGS: &'static [KernelArg] = &[
+    pub const BWD_DQ_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "queries, at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "keys, at the kv strides"),
         KernelArg::read("v", "const void* __restrict__", "values, at the kv strides"),
@@ -256,42 +232,7 @@ impl FlashAttnSpec {
         KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
         KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
         KernelArg::write("dq", "void* __restrict__", "query gradient, at the q strides"),
-        KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
-        KernelArg::read("cu_seqlens_kv", "const int* __restrict__", "i32 `[batch + 1]` or null"),
-        KernelArg::read(
-            "seq_offsets_q",
-            "const int* __restrict__",
-            "thd: i32 `[batch + 1]` token offsets of q and o, or null",
-        ),
-        KernelArg::read(
-            "seq_offsets_kv",
-            "const int* __restrict__",
-            "thd: i32 `[batch + 1]` token offsets of k and v, or null",
-        ),
-        KernelArg::scalar("q_batch", "u64", "batch stride of q and dq (elements)"),
-        KernelArg::scalar("q_row", "u64", "position stride of q and dq (elements)"),
-        KernelArg::scalar("q_head", "u64", "head stride of q and dq (elements)"),
-        KernelArg::scalar("kv_batch", "u64", "batch stride of k and v (elements)"),
-        KernelArg::scalar("kv_row", "u64", "position stride of k and v (elements)"),
-        KernelArg::scalar("kv_head", "u64", "head stride of k and v (elements)"),
-        KernelArg::scalar("o_batch", "u64", "batch stride of d_o (elements)"),
-        KernelArg::scalar("o_row", "u64", "position stride of d_o (elements)"),
-        KernelArg::scalar("o_head", "u64", "head stride of d_o (elements)"),
-        KernelArg::scalar("sq", "u64", "queries per sequence (padded length)"),
-        KernelArg::scalar("sk", "u64", "keys per sequence (padded length)"),
-        KernelArg::scalar("total_q", "u64", "thd: tokens of q and o (bounds seq_offsets_q)"),
-        KernelArg::scalar("total_kv", "u64", "thd: tokens of k and v (bounds seq_offsets_kv)"),
-        KernelArg::scalar("heads", "u64", "query heads"),
-        KernelArg::scalar("heads_per_group", "u64", "query heads per key/value head"),
-        KernelArg::scalar("scale", "float", "softmax_scale"),
-        KernelArg::scalar("window_left", "long long", "keys before the diagonal a query sees, -1 = all"),
-        KernelArg::scalar("window_right", "long long", "keys after the diagonal a query sees, -1 = all"),
-        KernelArg::scalar("bottom_right", "int", "1: the diagonal is aligned bottom-right (off = lk - lq)"),
-        KernelArg::scalar("dropout_seed", "u64", "dropout: Philox key"),
-        KernelArg::scalar("dropout_offset", "u64", "dropout: Philox counter words 2 and 3"),
-        KernelArg::scalar("keep_threshold", "u64", "dropout: an element is kept iff its 32-bit word is below this"),
-        KernelArg::scalar("keep_scale", "float", "dropout: 1 / (1 - p), the factor of kept probabilities"),
-    ];
+    );
 }
 
 impl Family for FlashAttnSpec {
