@@ -13,6 +13,7 @@ pub const INCLUDES: &[(&str, &str)] = &[
     ("common.cuh.tera", include_str!("../templates/common.cuh.tera")),
     ("philox.cuh.tera", include_str!("../templates/philox.cuh.tera")),
     ("flash_attn_common.cuh.tera", include_str!("../templates/flash_attn_common.cuh.tera")),
+    ("flash_attn_wgmma.cuh.tera", include_str!("../templates/flash_attn_wgmma.cuh.tera")),
 ];
 
 /// Every template, by file name under `te-codegen/templates/`: [`INCLUDES`] and those of each
