@@ -1,5 +1,7 @@
 //! Family 14: fused attention (FlashAttention-2), forward with the log-sum-exp and a
-//! deterministic backward, on tensor cores through `mma.sync` / `ldmatrix` / `cp.async`.
+//! deterministic backward, on tensor cores through `mma.sync` / `ldmatrix` / `cp.async`; on
+//! Hopper the forward at head dims 64/128/256 runs on warpgroup MMA (`wgmma.mma_async`, the GEMMs
+//! and the softmax/P·V overlap of Shah et al., "FlashAttention-3" (2024)).
 //!
 //! One kernel serves every mask, sliding window, GQA ratio, layout (`bshd`, `sbhd`, q/k/v read
 //! in place from a fused QKV tensor) and padding: those are run-time arguments (strides,
