@@ -134,8 +134,9 @@ impl FlashAttnSpec {
     /// head dim 64, 32 above; dQ blocks of 64 rows against 64-key tiles (128-row or 128-key
     /// blocks measured no faster).
     pub fn new(direction: Direction, dtype: DType, head_dim: usize, arch: Arch) -> Self {
-        let wgmma = direction == Direction::Fwd && arch == Arch::Sm90a && head_dim % 64 == 0;
+        let wgmma = arch == Arch::Sm90a && head_dim % 64 == 0 && (direction == Direction::Fwd || head_dim <= 128);
         let (block_m, block_n) = match (direction, head_dim) {
+            (Direction::Bwd, _) if wgmma => (128, 128),
             (Direction::Fwd, 64) if wgmma => (64, 128),
             (Direction::Fwd, 128) if wgmma => (128, 128),
             (Direction::Fwd, _) if wgmma => (64, 64),
@@ -164,7 +165,7 @@ impl FlashAttnSpec {
 
     /// Query rows per tile of the dK/dV kernel's loop.
     pub const fn dkdv_tile_m(&self) -> usize {
-        if self.head_dim <= 64 {
+        if self.head_dim <= 64 || self.wgmma {
             64
         } else {
             32
@@ -185,6 +186,10 @@ impl FlashAttnSpec {
             (Direction::Fwd, _) if self.wgmma => (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024,
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) => 0,
+            (Direction::Bwd, 1) if self.wgmma => {
+                (2 * self.block_n + 4 * self.dkdv_tile_m()) * self.head_dim * 2 + 4 * self.dkdv_tile_m() * 4 + 1024
+            }
+            (Direction::Bwd, _) if self.wgmma => (2 * self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024,
             // K and V tiles, two stages of the Q and dO tiles and of their LSE and delta.
             (Direction::Bwd, 1) => (2 * self.block_n + 4 * self.dkdv_tile_m()) * row + 4 * self.dkdv_tile_m() * 4,
             // Q and dO tiles, two stages of the K and V tiles.
@@ -294,8 +299,16 @@ impl Family for FlashAttnSpec {
         ctx.insert("smem_ld", &self.smem_ld());
         ctx.insert("dropout", &self.dropout);
         ctx.insert("wgmma", &self.wgmma);
-        ctx.insert("block_n_tiles", &(self.block_n / 8));
-        ctx.insert("head_dim_tiles", &(self.head_dim / 8));
+        // The wgmma shapes the kernels use, as (n, n / 8): S-like products (both operands in shared
+        // memory) and P·V-like ones (A in registers).
+        let mut ss = match self.direction {
+            Direction::Fwd => vec![self.block_n],
+            Direction::Bwd => vec![self.dkdv_tile_m(), self.block_n],
+        };
+        ss.dedup();
+        let shapes = |ns: Vec<usize>| ns.into_iter().map(|n| (n, n / 8)).collect::<Vec<_>>();
+        ctx.insert("wgmma_ss_n", &shapes(ss));
+        ctx.insert("wgmma_rs_n", &shapes(vec![self.head_dim]));
     }
     fn validate(&self) -> Result<(), String> {
         if !matches!(self.dtype, DType::BF16 | DType::F16) {
@@ -316,8 +329,8 @@ impl Family for FlashAttnSpec {
             }
         }
         if self.wgmma {
-            if self.arch != Arch::Sm90a || self.direction != Direction::Fwd {
-                return Err("wgmma kernels are the sm_90a forward only".into());
+            if self.arch != Arch::Sm90a {
+                return Err("wgmma kernels are sm_90a only".into());
             }
             if self.head_dim % 64 != 0 || self.block_m % 64 != 0 {
                 return Err(format!(
@@ -366,14 +379,15 @@ mod tests {
             assert_eq!(fwd.wgmma, wgmma, "head_dim {d}");
             assert_eq!(fwd.threads_m(), fwd.block_m * 2, "a warpgroup (128 threads) per 64 rows");
             assert!(!FlashAttnSpec::new(Direction::Fwd, DType::BF16, d, Arch::Sm89).wgmma);
-            assert!(!FlashAttnSpec::new(Direction::Bwd, DType::BF16, d.min(128), Arch::Sm90a).wgmma);
+            let bwd = FlashAttnSpec::new(Direction::Bwd, DType::BF16, d.min(128), Arch::Sm90a);
+            assert_eq!(bwd.wgmma, d % 64 == 0, "head_dim {d}");
         }
         let fwd = FlashAttnSpec::new(Direction::Fwd, DType::BF16, 128, Arch::Sm90a);
         assert!(crate::spec::KernelSpec::from(fwd).name().contains("_wg"));
         // Two K and two V tiles beside Q, 1 KiB for the 1024-byte alignment of the swizzle.
         assert_eq!(fwd.shared_bytes(0), (128 + 4 * 128) * 128 * 2 + 1024);
         let e = FlashAttnSpec { arch: Arch::Sm89, ..fwd }.validate().unwrap_err();
-        assert!(e.contains("sm_90a forward"), "{e}");
+        assert!(e.contains("sm_90a only"), "{e}");
         let e = FlashAttnSpec { block_m: 32, ..fwd }.validate().unwrap_err();
         assert!(e.contains("multiples of 64"), "{e}");
     }
