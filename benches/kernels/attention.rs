@@ -37,6 +37,12 @@ pub fn run(b: &mut Bench) {
     let first = FusedShape { batch: 4, seq: 2048, heads: 32, groups: 32, d: 128, causal: true };
     fused(b, first, QkvFormat::Sbhd, 0.0, "ours fused sbhd");
     fused(b, first, QkvFormat::Bshd, 0.1, "ours fused dropout 0.1");
+    // FP8 forward (fp8_dpa) on the head_dim 128 shapes, Hopper only.
+    if b.dev().arch() == te_runtime::Arch::Sm90a {
+        for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES.into_iter().filter(|s| s.4 == 128) {
+            fp8_forward(b, FusedShape { batch, seq, heads, groups, d, causal });
+        }
+    }
     unfused(b);
 }
 
@@ -98,6 +104,63 @@ fn fused(b: &mut Bench, s: FusedShape, format: QkvFormat, p: f32, variant: &str)
         attn.backward(ctx, &d_out).unwrap();
     });
     b.record_work(&shape, st, fwd_flops * 7 / 2, None, work("fwd+bwd"));
+}
+
+/// The FP8 forward (`ops::flash_attention_fp8`) on `s` in bshd: the attention kernel alone (E4M3
+/// operands made once) and with the quantization of q, k, v (what a step pays when the QKV GEMM
+/// emits 16-bit), as `ours fp8` and `ours fp8 + quantize`. FLOPs as the 16-bit forward's.
+fn fp8_forward(b: &mut Bench, s: FusedShape) {
+    use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides, Qkv};
+    use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8AttnScales, Fp8Operands};
+    let dev = b.dev().clone();
+    let FusedShape { batch, seq, heads, groups, d, causal } = s;
+    let p = FlashAttnParams {
+        batch,
+        sq: seq,
+        sk: seq,
+        heads,
+        groups,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        window: if causal { (-1, 0) } else { (-1, -1) },
+        bottom_right: false,
+        dropout: None,
+        q: HeadStrides::dense(QkvFormat::Bshd, batch, seq, heads, d),
+        kv: HeadStrides::dense(QkvFormat::Bshd, batch, seq, groups, d),
+        o: HeadStrides::dense(QkvFormat::Bshd, batch, seq, heads, d),
+    };
+    let bf16 = |shape: &[usize], seed| {
+        let n = shape.iter().product();
+        Tensor::from_bytes(&dev, DType::BF16, shape, &random_bytes(DType::BF16, n, seed)).unwrap()
+    };
+    let q = bf16(&[batch, seq, heads, d], 1);
+    let (k, v) = (bf16(&[batch, seq, groups, d], 2), bf16(&[batch, seq, groups, d], 3));
+    let mut ops = Fp8Operands::new(&dev, &p).unwrap();
+    let mut amax = dev.stream().alloc_zeros::<f32>(3).unwrap();
+    let scales = Fp8AttnScales { q: 64.0, k: 64.0, v: 64.0 };
+    let mut out = Tensor::empty(&dev, DType::BF16, &[batch, seq, heads, d]).unwrap();
+    let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * seq).unwrap();
+    fp8::quantize(&dev, &p, Qkv::Apart([&q, &k, &v]), scales, &mut ops, &mut amax).unwrap();
+    let kv = if groups != heads { format!("/kv{groups}") } else { String::new() };
+    let shape = format!("b{batch} s{seq} h{heads}{kv} d{d} {}", if causal { "causal" } else { "no_mask" });
+    let full = (4 * batch * heads * seq * seq * d) as u64;
+    let flops = if causal { full / 2 } else { full };
+    let work = |variant: &str| Work {
+        section: "attention",
+        work: "attention".into(),
+        pass: "fwd",
+        variant: variant.into(),
+        precision: "fp8",
+        flops_fp8: flops,
+        tokens: None,
+    };
+    let st = b.time(3, 10, |_| fp8::forward(&dev, &p, &ops, scales, None, &mut out, &mut lse).unwrap());
+    b.record_work(&shape, st, flops, None, work("ours fp8"));
+    let st = b.time(3, 10, |_| {
+        fp8::quantize(&dev, &p, Qkv::Apart([&q, &k, &v]), scales, &mut ops, &mut amax).unwrap();
+        fp8::forward(&dev, &p, &ops, scales, None, &mut out, &mut lse).unwrap();
+    });
+    b.record_work(&shape, st, flops, None, work("ours fp8 + quantize"));
 }
 
 fn unfused(b: &mut Bench) {

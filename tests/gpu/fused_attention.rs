@@ -118,7 +118,7 @@ fn backward_is_bitwise_deterministic() {
 }
 
 /// Host f64 forward of one dense bshd call with a window: `(out [b, sq, h, d], lse [b, h, sq])`.
-fn host_window_forward(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn host_window_forward(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (d, hpg) = (p.head_dim, p.heads / p.groups);
     let (lq, lk) = (p.sq as i64, p.sk as i64);
     let off = if p.bottom_right { lk - lq } else { 0 };

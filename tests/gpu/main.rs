@@ -16,6 +16,7 @@ mod checkpoint;
 mod copy;
 mod dropout;
 mod elementwise;
+mod fp8_attention;
 mod fused_attention;
 mod gemm;
 mod gpt;

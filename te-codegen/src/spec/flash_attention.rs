@@ -64,6 +64,10 @@ pub struct FlashAttnSpec {
     /// ones with P or dS in registers) over 128-byte-swizzled shared tiles, one warpgroup per 64
     /// rows. Otherwise `mma.sync`.
     pub wgmma: bool,
+    /// FP8 forward (`fp8_forward`, TE's `fp8_dpa`; sm_90a, head dims 128 and 256): q, k and v in
+    /// E4M3 (v transposed, see [`FlashAttnSpec::FWD_FP8_ARGS`]), the output in `dtype`; a second
+    /// entry point `_quantize` ([`FlashAttnSpec::QUANTIZE_ARGS`]) makes the E4M3 operands.
+    pub fp8: bool,
     /// Attention dropout on the probabilities (`with_dropout`): the keep mask drawn in the
     /// kernels from the Philox stream of `ops::dropout` at the element's index in a dense `[batch,
     /// heads, sq, sk]` tensor, so that the unfused backend and the CPU reference draw the same.
@@ -154,7 +158,25 @@ impl FlashAttnSpec {
             (Direction::Fwd, _) => (64, 32),
             (Direction::Bwd, _) => (64, 64),
         };
-        Self { direction, dtype, head_dim, block_m, block_n, arch, wgmma, dropout: false }
+        Self { direction, dtype, head_dim, block_m, block_n, arch, wgmma, fp8: false, dropout: false }
+    }
+
+    /// The FP8 forward for the same head dim and output dtype: 128 query rows against 128-key tiles
+    /// (64 rows at head_dim 256).
+    pub fn fp8_forward(dtype: DType, head_dim: usize, arch: Arch) -> Self {
+        let block_m = if head_dim > 128 { 64 } else { 128 };
+        let wgmma = arch == Arch::Sm90a;
+        Self {
+            direction: Direction::Fwd,
+            dtype,
+            head_dim,
+            block_m,
+            block_n: 128,
+            arch,
+            wgmma,
+            fp8: true,
+            dropout: false,
+        }
     }
 
     /// The same kernels with attention dropout on or off.
@@ -191,8 +213,13 @@ impl FlashAttnSpec {
     pub fn shared_bytes(&self, entry: usize) -> usize {
         let row = self.smem_ld() * 2;
         match (self.direction, entry) {
+            // `_quantize`: a [128][head_dim + 8] 16-bit staging tile (transposing v).
+            (Direction::Fwd, 1) => 128 * self.smem_ld() * 2,
             // wgmma: Q and two K and V tiles, unpadded, 1024-byte aligned (1 KiB spare).
-            (Direction::Fwd, _) if self.wgmma => (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024,
+            (Direction::Fwd, _) if self.wgmma => {
+                let elem = if self.fp8 { 1 } else { 2 };
+                (self.block_m + 4 * self.block_n) * self.head_dim * elem + 1024
+            }
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) => 0,
             (Direction::Bwd, 1) if self.wgmma => {
@@ -214,6 +241,40 @@ impl FlashAttnSpec {
         KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim]` at the o strides"),
         KernelArg::write("lse", "float* __restrict__", "`[batch, heads, sq]` f32 softmax_lse"),
     );
+
+    /// Arguments of the FP8 forward (entry point 0 of an [`FlashAttnSpec::fp8`] spec): q and k
+    /// E4M3 at their strides (in elements = bytes); v as Vᵀ E4M3 `[batch, groups, head_dim,
+    /// vt_row]`, the keys of each chunk of 32 permuted as `_quantize` writes them, zero past `sk`;
+    /// S is descaled by `qk_descale` (q's scale_inv · k's), O by `v_descale` (v's scale_inv).
+    pub const FWD_FP8_ARGS: &'static [KernelArg] = flash_args!(
+        KernelArg::read("q", "const void* __restrict__", "E4M3 queries, `[.., sq, heads, head_dim]` at the q strides"),
+        KernelArg::read("k", "const void* __restrict__", "E4M3 keys, `[.., sk, groups, head_dim]` at the kv strides"),
+        KernelArg::read("v", "const void* __restrict__", "E4M3 Vᵀ, `[batch, groups, head_dim, vt_row]`"),
+        KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim]` at the o strides"),
+        KernelArg::write("lse", "float* __restrict__", "`[batch, heads, sq]` f32 softmax_lse"),
+        KernelArg::scalar("vt_row", "u64", "keys per Vᵀ row (sk rounded up to a multiple of 128)"),
+        KernelArg::scalar("qk_descale", "float", "q's scale_inv · k's scale_inv"),
+        KernelArg::scalar("v_descale", "float", "v's scale_inv"),
+    );
+
+    /// Arguments of the FP8 spec's `_quantize` entry point: one of q, k, v → E4M3.
+    pub const QUANTIZE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "x",
+            "const void* __restrict__",
+            "16-bit input, `[batch, seq, heads, head_dim]` at its strides",
+        ),
+        KernelArg::write("y", "void* __restrict__", "E4M3 output: dense `[batch, seq, heads, head_dim]`, or Vᵀ"),
+        KernelArg::write("amax", "float* __restrict__", "one f32, raised to max |x|"),
+        KernelArg::scalar("x_batch", "u64", "batch stride of x (elements)"),
+        KernelArg::scalar("x_row", "u64", "position stride of x (elements)"),
+        KernelArg::scalar("x_head", "u64", "head stride of x (elements)"),
+        KernelArg::scalar("seq", "u64", "positions per sequence"),
+        KernelArg::scalar("heads", "u64", "heads of x"),
+        KernelArg::scalar("y_row", "u64", "Vᵀ: positions per row (a multiple of 128)"),
+        KernelArg::scalar("transpose", "int", "1: write Vᵀ `[batch, heads, head_dim, y_row]`, keys permuted"),
+        KernelArg::scalar("scale", "float", "the quantization scale (y = x · scale)"),
+    ];
 
     /// Arguments of the backward's `_dot_do_o` entry point.
     pub const BWD_DOT_ARGS: &'static [KernelArg] = &[
@@ -268,6 +329,8 @@ impl FlashAttnSpec {
 impl Family for FlashAttnSpec {
     fn args(&self, entry: usize) -> &'static [KernelArg] {
         match (self.direction, entry) {
+            (Direction::Fwd, 0) if self.fp8 => Self::FWD_FP8_ARGS,
+            (Direction::Fwd, _) if self.fp8 => Self::QUANTIZE_ARGS,
             (Direction::Fwd, _) => Self::FWD_ARGS,
             (Direction::Bwd, 0) => Self::BWD_DOT_ARGS,
             (Direction::Bwd, 1) => Self::BWD_DKDV_ARGS,
@@ -276,6 +339,7 @@ impl Family for FlashAttnSpec {
     }
     fn entry_suffixes(&self) -> &'static [&'static str] {
         match self.direction {
+            Direction::Fwd if self.fp8 => &["", "_quantize"],
             Direction::Fwd => &[""],
             Direction::Bwd => &["_dot_do_o", "_dkdv", "_dq"],
         }
@@ -291,7 +355,11 @@ impl Family for FlashAttnSpec {
     }
     fn name_parts(&self) -> String {
         let drop = if self.dropout { "_drop" } else { "" };
-        let wg = if self.wgmma { "_wg" } else { "" };
+        let wg = match (self.wgmma, self.fp8) {
+            (_, true) => "_fp8",
+            (true, false) => "_wg",
+            (false, false) => "",
+        };
         let (dir, dt, d, m, n) = (self.direction.name(), self.dtype, self.head_dim, self.block_m, self.block_n);
         format!("{dir}_{dt}_d{d}_m{m}_n{n}{wg}{drop}")
     }
@@ -308,6 +376,7 @@ impl Family for FlashAttnSpec {
         ctx.insert("smem_ld", &self.smem_ld());
         ctx.insert("dropout", &self.dropout);
         ctx.insert("wgmma", &self.wgmma);
+        ctx.insert("fp8", &self.fp8);
         // The wgmma shapes the kernels use, as (n, n / 8): S-like products (both operands in shared
         // memory) and P·V-like ones (A in registers).
         let mut ss = match self.direction {
@@ -347,6 +416,15 @@ impl Family for FlashAttnSpec {
                     self.head_dim, self.block_m
                 ));
             }
+        }
+        if self.fp8
+            && !(self.wgmma && self.direction == Direction::Fwd && self.head_dim % 128 == 0 && self.block_n == 128)
+        {
+            return Err(format!(
+                "FP8 attention is the sm_90a wgmma forward at head_dim 128 or 256 with 128-key tiles, got {} head_dim {} \
+                 block_n {} (use the bf16/f16 kernels)",
+                self.arch, self.head_dim, self.block_n
+            ));
         }
         if self.direction == Direction::Bwd && self.block_n % self.dkdv_tile_m() != 0 && self.dkdv_tile_m() % 16 != 0 {
             return Err("the dK/dV query tile must be a multiple of 16".into());

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use te_codegen::spec::{Direction, FlashAttnSpec, QkvFormat, FLASH_HEAD_DIMS};
 use te_codegen::{DType, KernelSpec};
 
-const OP: &str = "flash attention";
+pub(super) const OP: &str = "flash attention";
 
 /// Where the heads of one tensor sit: element `x` of head `h` at position `s` of sequence `b` is
 /// element `b · batch + s · row + h · head + x` (all in elements).
@@ -99,7 +99,7 @@ pub enum Qkv<T> {
 
 impl<T: std::ops::Deref<Target = Tensor>> Qkv<T> {
     /// `(tensor, element offset)` of q, k and v.
-    fn parts(&self) -> [(&Tensor, usize); 3] {
+    pub(super) fn parts(&self) -> [(&Tensor, usize); 3] {
         match self {
             Qkv::Apart([q, k, v]) => [(q, 0), (k, 0), (v, 0)],
             Qkv::Packed(t, [a, b, c]) => [(t, *a), (t, *b), (t, *c)],
@@ -127,14 +127,14 @@ pub struct CuSeqlens<'a> {
 
 impl CuSeqlens<'_> {
     /// Whether the tensors are packed (`thd`).
-    fn thd(cu: Option<Self>) -> bool {
+    pub(super) fn thd(cu: Option<Self>) -> bool {
         cu.is_some_and(|c| c.offsets.is_some())
     }
 }
 
 /// Rows a tensor holds from `offset` at strides `s` for `heads` heads of `d` (the `thd` bound
 /// the kernels clamp token offsets to).
-fn capacity(t: &Tensor, offset: usize, s: HeadStrides, heads: usize, d: usize) -> u64 {
+pub(super) fn capacity(t: &Tensor, offset: usize, s: HeadStrides, heads: usize, d: usize) -> u64 {
     let first = offset + (heads.max(1) - 1) * s.head + d;
     if t.numel() < first || s.row == 0 {
         return 0;
@@ -209,7 +209,10 @@ pub fn forward(
 
 /// The device addresses of `(tensor, element offset)` parts, with the guards that order their
 /// use on `stream`.
-fn addresses<'a>(stream: &'a Arc<CudaStream>, parts: [(&'a Tensor, usize); 3]) -> ([u64; 3], Vec<SyncOnDrop<'a>>) {
+pub(super) fn addresses<'a>(
+    stream: &'a Arc<CudaStream>,
+    parts: [(&'a Tensor, usize); 3],
+) -> ([u64; 3], Vec<SyncOnDrop<'a>>) {
     let mut guards = Vec::with_capacity(3);
     let addrs = parts.map(|(t, offset)| {
         let (base, guard) = t.data().device_ptr(stream);
@@ -353,7 +356,7 @@ pub fn backward(
 /// A null device pointer, for absent `cu_seqlens`.
 static NULL: u64 = 0;
 
-fn push_cu<'a>(l: &mut Launch<'a>, cu: Option<CuSeqlens<'a>>) {
+pub(super) fn push_cu<'a>(l: &mut Launch<'a>, cu: Option<CuSeqlens<'a>>) {
     match cu {
         Some(c) => l.ptr("cu_seqlens_q", c.q).ptr("cu_seqlens_kv", c.kv),
         None => l.ptr("cu_seqlens_q", &NULL).ptr("cu_seqlens_kv", &NULL),
@@ -366,7 +369,7 @@ fn push_cu<'a>(l: &mut Launch<'a>, cu: Option<CuSeqlens<'a>>) {
 
 /// `(batch, sq, sk)` the strides must reach: the call's, or for `thd` one row (the kernels
 /// clamp the token offsets to the rows the tensors hold).
-fn reach(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> (usize, usize, usize) {
+pub(super) fn reach(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> (usize, usize, usize) {
     if CuSeqlens::thd(cu) {
         (1, 1, 1)
     } else {
@@ -375,7 +378,7 @@ fn reach(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> (usize, usize, usize
 }
 
 /// The by-value arguments, kept alive for the launches that borrow them.
-struct Scalars {
+pub(super) struct Scalars {
     q: [u64; 3],
     kv: [u64; 3],
     o: [u64; 3],
@@ -390,7 +393,7 @@ struct Scalars {
 }
 
 impl Scalars {
-    fn new(p: &FlashAttnParams, totals: [u64; 2]) -> Self {
+    pub(super) fn new(p: &FlashAttnParams, totals: [u64; 2]) -> Self {
         let s = |h: HeadStrides| [h.batch as u64, h.row as u64, h.head as u64];
         Self {
             q: s(p.q),
@@ -405,19 +408,19 @@ impl Scalars {
             bottom_right: i32::from(p.bottom_right),
         }
     }
-    fn push_q<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+    pub(super) fn push_q<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
         l.scalar("q_batch", &self.q[0]).scalar("q_row", &self.q[1]).scalar("q_head", &self.q[2]);
         self
     }
-    fn push_kv<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+    pub(super) fn push_kv<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
         l.scalar("kv_batch", &self.kv[0]).scalar("kv_row", &self.kv[1]).scalar("kv_head", &self.kv[2]);
         self
     }
-    fn push_o<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+    pub(super) fn push_o<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
         l.scalar("o_batch", &self.o[0]).scalar("o_row", &self.o[1]).scalar("o_head", &self.o[2]);
         self
     }
-    fn push_mask<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+    pub(super) fn push_mask<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
         l.scalar("sq", &self.sizes[0]).scalar("sk", &self.sizes[1]);
         l.scalar("total_q", &self.totals[0]).scalar("total_kv", &self.totals[1]);
         l.scalar("heads", &self.sizes[2]).scalar("heads_per_group", &self.sizes[3]);
@@ -425,7 +428,7 @@ impl Scalars {
         l.scalar("bottom_right", &self.bottom_right);
         self
     }
-    fn push_dropout<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
+    pub(super) fn push_dropout<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
         l.scalar("dropout_seed", &self.dropout[0]).scalar("dropout_offset", &self.dropout[1]);
         l.scalar("keep_threshold", &self.dropout[2]).scalar("keep_scale", &self.keep_scale);
         self
@@ -433,7 +436,7 @@ impl Scalars {
 }
 
 /// The compiled entry point, allowed the dynamic shared memory of its tiles.
-fn function(dev: &Device, spec: &FlashAttnSpec, entry: usize) -> Result<CudaFunction> {
+pub(super) fn function(dev: &Device, spec: &FlashAttnSpec, entry: usize) -> Result<CudaFunction> {
     let f = dev.function(&KernelSpec::FlashAttn(*spec), entry)?;
     let bytes = spec.shared_bytes(entry);
     if bytes > 48 * 1024 {
@@ -443,7 +446,7 @@ fn function(dev: &Device, spec: &FlashAttnSpec, entry: usize) -> Result<CudaFunc
 }
 
 /// Grid (`blocks`, heads, batch) of `threads` threads.
-fn grid(blocks: usize, p: &FlashAttnParams, threads: usize, shared: usize) -> LaunchConfig {
+pub(super) fn grid(blocks: usize, p: &FlashAttnParams, threads: usize, shared: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks.max(1) as u32, p.heads as u32, p.batch as u32),
         block_dim: (threads as u32, 1, 1),
@@ -452,15 +455,32 @@ fn grid(blocks: usize, p: &FlashAttnParams, threads: usize, shared: usize) -> La
 }
 
 /// The checks both directions share.
-fn check(p: &FlashAttnParams, parts: [(&Tensor, usize); 3], cu: Option<CuSeqlens<'_>>, dir: Direction) -> Result<()> {
+pub(super) fn check(
+    p: &FlashAttnParams,
+    parts: [(&Tensor, usize); 3],
+    cu: Option<CuSeqlens<'_>>,
+    dir: Direction,
+) -> Result<()> {
     let [(q, q_off), (k, k_off), (v, v_off)] = parts;
     check_dtype(OP, "q", q, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     check_same(k, q, "k")?;
     check_same(v, q, "v")?;
-    let shape = |message: String| Err(Error::Shape { op: OP, message });
     if let Some(why) = unsupported_reason(q.dtype(), p.head_dim, dir == Direction::Bwd) {
-        return shape(why);
+        return Err(Error::Shape { op: OP, message: why });
     }
+    check_call(p, cu)?;
+    for (name, offset) in [("q", q_off), ("k", k_off), ("v", v_off)] {
+        check_offset(name, offset)?;
+    }
+    let (batch, sq, sk) = reach(p, cu);
+    check_extent("q", q, q_off, p.q, batch, sq, p.heads, p.head_dim)?;
+    check_extent("k", k, k_off, p.kv, batch, sk, p.groups, p.head_dim)?;
+    check_extent("v", v, v_off, p.kv, batch, sk, p.groups, p.head_dim)
+}
+
+/// The sizes, scale, dropout, window, strides and sequence tables of a call.
+pub(super) fn check_call(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> Result<()> {
+    let shape = |message: String| Err(Error::Shape { op: OP, message });
     if p.batch == 0 || p.sq == 0 || p.sk == 0 || p.heads == 0 || p.groups == 0 || p.heads % p.groups != 0 {
         return shape(format!(
             "batch, sq, sk, heads and groups must be ≥ 1 with groups dividing heads, got {}, {}, {}, {} and {}",
@@ -497,13 +517,6 @@ fn check(p: &FlashAttnParams, parts: [(&Tensor, usize); 3], cu: Option<CuSeqlens
             ));
         }
     }
-    for (name, offset) in [("q", q_off), ("k", k_off), ("v", v_off)] {
-        check_offset(name, offset)?;
-    }
-    let (batch, sq, sk) = reach(p, cu);
-    check_extent("q", q, q_off, p.q, batch, sq, p.heads, p.head_dim)?;
-    check_extent("k", k, k_off, p.kv, batch, sk, p.groups, p.head_dim)?;
-    check_extent("v", v, v_off, p.kv, batch, sk, p.groups, p.head_dim)?;
     if let Some(c) = cu {
         check_len("cu_seqlens_q", c.q.len(), p.batch + 1)?;
         check_len("cu_seqlens_kv", c.kv.len(), p.batch + 1)?;
@@ -520,7 +533,7 @@ fn check_same(t: &Tensor, q: &Tensor, name: &'static str) -> Result<()> {
 }
 
 #[allow(clippy::too_many_arguments)] // the tensor, where its heads start, and their geometry
-fn check_extent(
+pub(super) fn check_extent(
     name: &str,
     t: &Tensor,
     offset: usize,
@@ -558,7 +571,7 @@ fn check_offset(name: &str, offset: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_len(name: &str, len: usize, need: usize) -> Result<()> {
+pub(super) fn check_len(name: &str, len: usize, need: usize) -> Result<()> {
     if len < need {
         return Err(Error::Shape { op: OP, message: format!("`{name}` holds {len} elements, the call needs {need}") });
     }

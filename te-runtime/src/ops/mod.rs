@@ -11,6 +11,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod flash_attention;
+pub mod flash_attention_fp8;
 mod launch;
 pub mod norm;
 pub mod optimizer;

@@ -1,0 +1,177 @@
+//! The FP8 attention forward (`ops::flash_attention_fp8`, TE's `fp8_dpa` forward) on Hopper: the
+//! E4M3 operands bit-exact against the host quantizer (Vᵀ with its key order and zero padding),
+//! amax exact, and the output and `softmax_lse` against an f64 forward of the dequantized
+//! operands at TE's E4M3 tolerances; shapes that are not tile multiples, GQA, sbhd, causal,
+//! bottom-right and head_dim 256; typed errors for what the FP8 kernels do not take.
+
+use crate::attention::check;
+use crate::common::{device, randn};
+use crate::fused_attention::host_window_forward;
+use te_runtime::modules::QkvFormat;
+use te_runtime::numerics::round_to;
+use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides, Qkv};
+use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8AttnScales, Fp8Operands};
+use te_runtime::{Arch, DType, Error, Tensor};
+
+/// Host data in bshd order → the layout of `format`.
+fn to_format(x: &[f32], format: QkvFormat, b: usize, s: usize, h: usize, d: usize) -> Vec<f32> {
+    match format {
+        QkvFormat::Bshd => x.to_vec(),
+        QkvFormat::Sbhd => {
+            let mut y = vec![0f32; x.len()];
+            for bi in 0..b {
+                for si in 0..s {
+                    let row = (bi * s + si) * h * d;
+                    y[(si * b + bi) * h * d..][..h * d].copy_from_slice(&x[row..][..h * d]);
+                }
+            }
+            y
+        }
+    }
+}
+
+/// The key of hardware k index `kh` (within a chunk of 32) of the kernel's P fragments.
+fn key_of_k(kh: usize) -> usize {
+    (kh & 16) + 2 * ((kh & 15) >> 2) + (kh & 1) + 8 * ((kh >> 1) & 1)
+}
+
+#[test]
+fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
+    let Some(dev) = device() else { return };
+    if dev.arch() != Arch::Sm90a {
+        eprintln!("FP8 attention runs on sm_90a only; {} skips it", dev.arch());
+        return;
+    }
+    let (batch, heads, groups) = (2, 4, 2);
+    for (sq, sk, window, bottom_right, d, format, seed) in [
+        (200, 333, (-1, -1), false, 128, QkvFormat::Bshd, 300),
+        (333, 333, (-1, 0), false, 128, QkvFormat::Sbhd, 301),
+        (77, 300, (-1, 0), true, 256, QkvFormat::Bshd, 302),
+        (129, 64, (-1, -1), false, 128, QkvFormat::Bshd, 303),
+    ] {
+        let p = FlashAttnParams {
+            batch,
+            sq,
+            sk,
+            heads,
+            groups,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window,
+            bottom_right,
+            dropout: None,
+            q: HeadStrides::dense(format, batch, sq, heads, d),
+            kv: HeadStrides::dense(format, batch, sk, groups, d),
+            o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+        };
+        let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right} d {d} {format:?}");
+        let vals = |s, n, sd| -> Vec<f32> { randn(s, n, sd).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
+        let (hq, hk, hv) = (
+            vals(seed, batch * sq * heads * d, 1.0),
+            vals(seed + 1, batch * sk * groups * d, 2.0),
+            vals(seed + 2, batch * sk * groups * d, 0.5),
+        );
+        let up = |x: &[f32], s: usize, h: usize| {
+            let shape = format.shape(batch, s, h, d);
+            Tensor::from_f32(&dev, DType::BF16, &shape, &to_format(x, format, batch, s, h, d)).unwrap()
+        };
+        let (q, k, v) = (up(&hq, sq, heads), up(&hk, sk, groups), up(&hv, sk, groups));
+        let amax_of = |x: &[f32]| x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let want_amax = [amax_of(&hq), amax_of(&hk), amax_of(&hv)];
+        let scales = Fp8AttnScales { q: 448.0 / want_amax[0], k: 448.0 / want_amax[1], v: 448.0 / want_amax[2] };
+        let mut ops = Fp8Operands::new(&dev, &p).unwrap();
+        let mut amax = dev.stream().alloc_zeros::<f32>(3).unwrap();
+        fp8::quantize(&dev, &p, Qkv::Apart([&q, &k, &v]), scales, &mut ops, &mut amax).unwrap();
+        assert_eq!(dev.stream().clone_dtoh(&amax).unwrap(), want_amax, "{what}: amax");
+
+        // The operands, bit-exact (as values) against the host quantizer.
+        let e4m3 = |x: &[f32], s: f32| -> Vec<f32> { x.iter().map(|&v| round_to(DType::E4M3, v * s)).collect() };
+        let (q8, k8, v8) = (e4m3(&hq, scales.q), e4m3(&hk, scales.k), e4m3(&hv, scales.v));
+        assert!(ops.q.to_f32(&dev).unwrap() == q8, "{what}: e4m3 q");
+        assert!(ops.k.to_f32(&dev).unwrap() == k8, "{what}: e4m3 k");
+        let vt_row = sk.div_ceil(128) * 128;
+        let mut vt = vec![0f32; batch * groups * d * vt_row];
+        for b in 0..batch {
+            for g in 0..groups {
+                for c in 0..d {
+                    for kh in 0..vt_row {
+                        let j = (kh & !31) + key_of_k(kh & 31);
+                        if j < sk {
+                            vt[((b * groups + g) * d + c) * vt_row + kh] = v8[((b * sk + j) * groups + g) * d + c];
+                        }
+                    }
+                }
+            }
+        }
+        assert!(ops.vt.to_f32(&dev).unwrap() == vt, "{what}: e4m3 vᵀ (key order, zero padding)");
+
+        let mut out = Tensor::empty(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
+        let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
+        fp8::forward(&dev, &p, &ops, scales, None, &mut out, &mut lse).unwrap();
+        let deq = |x: &[f32], s: f32| -> Vec<f32> { x.iter().map(|&v| v / s).collect() };
+        let pd = FlashAttnParams {
+            q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+            kv: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
+            ..p
+        };
+        let (want_out, want_lse) =
+            host_window_forward(&pd, &deq(&q8, scales.q), &deq(&k8, scales.k), &deq(&v8, scales.v));
+        check(&format!("{what}: fp8 out"), DType::E4M3, &out.to_f32(&dev).unwrap(), &want_out);
+        let got_lse = dev.stream().clone_dtoh(&lse).unwrap();
+        for (i, (&g, &w)) in got_lse.iter().zip(&want_lse).enumerate() {
+            let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= 2e-3 * w.abs().max(1.0) };
+            assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
+        }
+    }
+}
+
+#[test]
+fn fp8_errors_are_typed() {
+    let Some(dev) = device() else { return };
+    let (batch, sq, heads, d) = (1, 64, 2, 64);
+    let p = FlashAttnParams {
+        batch,
+        sq,
+        sk: sq,
+        heads,
+        groups: heads,
+        head_dim: d,
+        scale: 0.125,
+        window: (-1, -1),
+        bottom_right: false,
+        dropout: None,
+        q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+        kv: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+        o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+    };
+    let x = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
+    let mut ops = Fp8Operands::new(&dev, &p).unwrap();
+    let mut amax = dev.stream().alloc_zeros::<f32>(3).unwrap();
+    let scales = Fp8AttnScales { q: 1.0, k: 1.0, v: 1.0 };
+    // head_dim 64 (or any arch but sm_90a) is not one the FP8 kernels take.
+    let e = fp8::quantize(&dev, &p, Qkv::Apart([&x, &x, &x]), scales, &mut ops, &mut amax).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("head_dim 128 or 256") || msg.contains("sm_90a"), "{msg}");
+    // Operands of other sizes, and scales that are not finite and > 0.
+    let p128 = FlashAttnParams {
+        head_dim: 128,
+        q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
+        kv: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
+        o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
+        ..p
+    };
+    let mut out = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, 128]).unwrap();
+    let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
+    if dev.arch() == Arch::Sm90a {
+        let e = fp8::forward(&dev, &p128, &ops, scales, None, &mut out, &mut lse).unwrap_err();
+        assert!(e.to_string().contains("Fp8Operands::new"), "{e}");
+        let ops128 = Fp8Operands::new(&dev, &p128).unwrap();
+        let bad = Fp8AttnScales { v: f32::NAN, ..scales };
+        let e = fp8::forward(&dev, &p128, &ops128, bad, None, &mut out, &mut lse).unwrap_err();
+        assert!(matches!(e, Error::Argument { .. }) && e.to_string().contains("finite"), "{e}");
+        let mut short = dev.stream().alloc_zeros::<f32>(3).unwrap();
+        let e = fp8::forward(&dev, &p128, &ops128, scales, None, &mut out, &mut short).unwrap_err();
+        assert!(e.to_string().contains("lse"), "{e}");
+    }
+}
