@@ -110,8 +110,9 @@ fn fused(b: &mut Bench, s: FusedShape, format: QkvFormat, p: f32, variant: &str)
 /// operands made once) and with the quantization of q, k, v (what a step pays when the QKV GEMM
 /// emits 16-bit), as `ours fp8` and `ours fp8 + quantize`. FLOPs as the 16-bit forward's.
 fn fp8_forward(b: &mut Bench, s: FusedShape) {
-    use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides, Qkv};
-    use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8AttnScales, Fp8Operands};
+    use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides};
+    use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8Operand, Fp8Operands};
+    use te_runtime::ops::Fp8Meta;
     let dev = b.dev().clone();
     let FusedShape { batch, seq, heads, groups, d, causal } = s;
     let p = FlashAttnParams {
@@ -136,11 +137,15 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
     let q = bf16(&[batch, seq, heads, d], 1);
     let (k, v) = (bf16(&[batch, seq, groups, d], 2), bf16(&[batch, seq, groups, d], 3));
     let mut ops = Fp8Operands::new(&dev, &p).unwrap();
-    let mut amax = dev.stream().alloc_zeros::<f32>(3).unwrap();
-    let scales = Fp8AttnScales { q: 64.0, k: 64.0, v: 64.0 };
+    let mut metas = [(); 3].map(|_| Fp8Meta::new(&dev, 64.0).unwrap());
     let mut out = Tensor::empty(&dev, DType::BF16, &[batch, seq, heads, d]).unwrap();
     let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * seq).unwrap();
-    fp8::quantize(&dev, &p, Qkv::Apart([&q, &k, &v]), scales, &mut ops, &mut amax).unwrap();
+    let quantize = |ops: &mut Fp8Operands, metas: &mut [Fp8Meta; 3]| {
+        for ((which, x), m) in [(Fp8Operand::Q, &q), (Fp8Operand::K, &k), (Fp8Operand::V, &v)].into_iter().zip(metas) {
+            fp8::quantize(&dev, &p, which, (x, 0), &mut m.scaling(), ops).unwrap();
+        }
+    };
+    quantize(&mut ops, &mut metas);
     let kv = if groups != heads { format!("/kv{groups}") } else { String::new() };
     let shape = format!("b{batch} s{seq} h{heads}{kv} d{d} {}", if causal { "causal" } else { "no_mask" });
     let full = (4 * batch * heads * seq * seq * d) as u64;
@@ -154,11 +159,15 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
         flops_fp8: flops,
         tokens: None,
     };
-    let st = b.time(3, 10, |_| fp8::forward(&dev, &p, &ops, scales, None, &mut out, &mut lse).unwrap());
+    let st = b.time(3, 10, |_| {
+        let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
+        fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap()
+    });
     b.record_work(&shape, st, flops, None, work("ours fp8"));
     let st = b.time(3, 10, |_| {
-        fp8::quantize(&dev, &p, Qkv::Apart([&q, &k, &v]), scales, &mut ops, &mut amax).unwrap();
-        fp8::forward(&dev, &p, &ops, scales, None, &mut out, &mut lse).unwrap();
+        quantize(&mut ops, &mut metas);
+        let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
+        fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap();
     });
     b.record_work(&shape, st, flops, None, work("ours fp8 + quantize"));
 }

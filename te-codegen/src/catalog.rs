@@ -71,6 +71,10 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                 if d <= 128 {
                     v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).with_dropout(dropout).into());
                 }
+                // The FP8 forward (Hopper only, head dims 128 and 256).
+                if arch == Arch::Sm90a && d % 128 == 0 {
+                    v.push(FlashAttnSpec::fp8_forward(dtype, d, arch).with_dropout(dropout).into());
+                }
             }
         }
     }

@@ -9,8 +9,9 @@ use crate::common::{device, randn};
 use crate::fused_attention::host_window_forward;
 use te_runtime::modules::QkvFormat;
 use te_runtime::numerics::round_to;
-use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides, Qkv};
-use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8AttnScales, Fp8Operands};
+use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides};
+use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8Operand, Fp8Operands};
+use te_runtime::ops::Fp8Meta;
 use te_runtime::{Arch, DType, Error, Tensor};
 
 /// Host data in bshd order → the layout of `format`.
@@ -78,15 +79,24 @@ fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
         let (q, k, v) = (up(&hq, sq, heads), up(&hk, sk, groups), up(&hv, sk, groups));
         let amax_of = |x: &[f32]| x.iter().fold(0f32, |a, &v| a.max(v.abs()));
         let want_amax = [amax_of(&hq), amax_of(&hk), amax_of(&hv)];
-        let scales = Fp8AttnScales { q: 448.0 / want_amax[0], k: 448.0 / want_amax[1], v: 448.0 / want_amax[2] };
+        let scales = want_amax.map(|a| 448.0 / a);
         let mut ops = Fp8Operands::new(&dev, &p).unwrap();
-        let mut amax = dev.stream().alloc_zeros::<f32>(3).unwrap();
-        fp8::quantize(&dev, &p, Qkv::Apart([&q, &k, &v]), scales, &mut ops, &mut amax).unwrap();
-        assert_eq!(dev.stream().clone_dtoh(&amax).unwrap(), want_amax, "{what}: amax");
+        let mut metas = scales.map(|s| Fp8Meta::new(&dev, s).unwrap());
+        for ((which, x), meta) in
+            [(Fp8Operand::Q, &q), (Fp8Operand::K, &k), (Fp8Operand::V, &v)].into_iter().zip(&mut metas)
+        {
+            fp8::quantize(&dev, &p, which, (x, 0), &mut meta.scaling(), &mut ops).unwrap();
+        }
+        for (i, meta) in metas.iter().enumerate() {
+            let (_, amax, scale_inv) = meta.read(&dev).unwrap();
+            assert_eq!(amax, want_amax[i], "{what}: amax of operand {i}");
+            assert_eq!(scale_inv, 1.0 / scales[i], "{what}: scale_inv of operand {i}");
+        }
+        let scales = (scales[0], scales[1], scales[2]);
 
         // The operands, bit-exact (as values) against the host quantizer.
         let e4m3 = |x: &[f32], s: f32| -> Vec<f32> { x.iter().map(|&v| round_to(DType::E4M3, v * s)).collect() };
-        let (q8, k8, v8) = (e4m3(&hq, scales.q), e4m3(&hk, scales.k), e4m3(&hv, scales.v));
+        let (q8, k8, v8) = (e4m3(&hq, scales.0), e4m3(&hk, scales.1), e4m3(&hv, scales.2));
         assert!(ops.q.to_f32(&dev).unwrap() == q8, "{what}: e4m3 q");
         assert!(ops.k.to_f32(&dev).unwrap() == k8, "{what}: e4m3 k");
         let vt_row = sk.div_ceil(128) * 128;
@@ -107,7 +117,8 @@ fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
 
         let mut out = Tensor::empty(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
         let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
-        fp8::forward(&dev, &p, &ops, scales, None, &mut out, &mut lse).unwrap();
+        let scale_inv = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
+        fp8::forward(&dev, &p, &ops, scale_inv, None, &mut out, &mut lse).unwrap();
         let deq = |x: &[f32], s: f32| -> Vec<f32> { x.iter().map(|&v| v / s).collect() };
         let pd = FlashAttnParams {
             q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
@@ -115,7 +126,7 @@ fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
             ..p
         };
         let (want_out, want_lse) =
-            host_window_forward(&pd, &deq(&q8, scales.q), &deq(&k8, scales.k), &deq(&v8, scales.v));
+            host_window_forward(&pd, &deq(&q8, scales.0), &deq(&k8, scales.1), &deq(&v8, scales.2));
         check(&format!("{what}: fp8 out"), DType::E4M3, &out.to_f32(&dev).unwrap(), &want_out);
         let got_lse = dev.stream().clone_dtoh(&lse).unwrap();
         for (i, (&g, &w)) in got_lse.iter().zip(&want_lse).enumerate() {
@@ -146,14 +157,13 @@ fn fp8_errors_are_typed() {
     };
     let x = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
     let mut ops = Fp8Operands::new(&dev, &p).unwrap();
-    let mut amax = dev.stream().alloc_zeros::<f32>(3).unwrap();
-    let scales = Fp8AttnScales { q: 1.0, k: 1.0, v: 1.0 };
+    let mut meta = Fp8Meta::new(&dev, 1.0).unwrap();
     // head_dim 64 (or any arch but sm_90a) is not one the FP8 kernels take.
-    let e = fp8::quantize(&dev, &p, Qkv::Apart([&x, &x, &x]), scales, &mut ops, &mut amax).unwrap_err();
+    let e = fp8::quantize(&dev, &p, Fp8Operand::Q, (&x, 0), &mut meta.scaling(), &mut ops).unwrap_err();
     assert!(matches!(e, Error::Shape { .. }), "{e}");
     let msg = e.to_string();
     assert!(msg.contains("head_dim 128 or 256") || msg.contains("sm_90a"), "{msg}");
-    // Operands of other sizes, and scales that are not finite and > 0.
+    // Operands of other sizes, an empty scale_inv, a short lse, x smaller than its strides.
     let p128 = FlashAttnParams {
         head_dim: 128,
         q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
@@ -164,14 +174,18 @@ fn fp8_errors_are_typed() {
     let mut out = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, 128]).unwrap();
     let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
     if dev.arch() == Arch::Sm90a {
-        let e = fp8::forward(&dev, &p128, &ops, scales, None, &mut out, &mut lse).unwrap_err();
+        let si = [&meta.scale_inv, &meta.scale_inv, &meta.scale_inv];
+        let e = fp8::forward(&dev, &p128, &ops, si, None, &mut out, &mut lse).unwrap_err();
         assert!(e.to_string().contains("Fp8Operands::new"), "{e}");
-        let ops128 = Fp8Operands::new(&dev, &p128).unwrap();
-        let bad = Fp8AttnScales { v: f32::NAN, ..scales };
-        let e = fp8::forward(&dev, &p128, &ops128, bad, None, &mut out, &mut lse).unwrap_err();
-        assert!(matches!(e, Error::Argument { .. }) && e.to_string().contains("finite"), "{e}");
+        let mut ops128 = Fp8Operands::new(&dev, &p128).unwrap();
+        let empty = dev.stream().alloc_zeros::<f32>(0).unwrap();
+        let e = fp8::forward(&dev, &p128, &ops128, [si[0], si[1], &empty], None, &mut out, &mut lse).unwrap_err();
+        assert!(e.to_string().contains("scale_inv of v"), "{e}");
         let mut short = dev.stream().alloc_zeros::<f32>(3).unwrap();
-        let e = fp8::forward(&dev, &p128, &ops128, scales, None, &mut out, &mut short).unwrap_err();
+        let e = fp8::forward(&dev, &p128, &ops128, si, None, &mut out, &mut short).unwrap_err();
         assert!(e.to_string().contains("lse"), "{e}");
+        let small = Tensor::zeros(&dev, DType::BF16, &[batch, sq - 1, heads, 128]).unwrap();
+        let e = fp8::quantize(&dev, &p128, Fp8Operand::K, (&small, 0), &mut meta.scaling(), &mut ops128).unwrap_err();
+        assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("`x`"), "{e}");
     }
 }

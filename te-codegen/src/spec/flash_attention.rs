@@ -245,16 +245,17 @@ impl FlashAttnSpec {
     /// Arguments of the FP8 forward (entry point 0 of an [`FlashAttnSpec::fp8`] spec): q and k
     /// E4M3 at their strides (in elements = bytes); v as Vᵀ E4M3 `[batch, groups, head_dim,
     /// vt_row]`, the keys of each chunk of 32 permuted as `_quantize` writes them, zero past `sk`;
-    /// S is descaled by `qk_descale` (q's scale_inv · k's), O by `v_descale` (v's scale_inv).
+    /// S is descaled by q's and k's `scale_inv`, O by v's (device f32, as the casts wrote them).
     pub const FWD_FP8_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "E4M3 queries, `[.., sq, heads, head_dim]` at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "E4M3 keys, `[.., sk, groups, head_dim]` at the kv strides"),
         KernelArg::read("v", "const void* __restrict__", "E4M3 Vᵀ, `[batch, groups, head_dim, vt_row]`"),
         KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim]` at the o strides"),
         KernelArg::write("lse", "float* __restrict__", "`[batch, heads, sq]` f32 softmax_lse"),
+        KernelArg::read("scale_inv_q", "const float* __restrict__", "q's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_k", "const float* __restrict__", "k's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_v", "const float* __restrict__", "v's scale_inv (one f32)"),
         KernelArg::scalar("vt_row", "u64", "keys per Vᵀ row (sk rounded up to a multiple of 128)"),
-        KernelArg::scalar("qk_descale", "float", "q's scale_inv · k's scale_inv"),
-        KernelArg::scalar("v_descale", "float", "v's scale_inv"),
     );
 
     /// Arguments of the FP8 spec's `_quantize` entry point: one of q, k, v → E4M3.
@@ -265,7 +266,9 @@ impl FlashAttnSpec {
             "16-bit input, `[batch, seq, heads, head_dim]` at its strides",
         ),
         KernelArg::write("y", "void* __restrict__", "E4M3 output: dense `[batch, seq, heads, head_dim]`, or Vᵀ"),
-        KernelArg::write("amax", "float* __restrict__", "one f32, raised to max |x|"),
+        KernelArg::read("scale_ptr", "const float* __restrict__", "the quantization scale (y = x · scale)"),
+        KernelArg::write("amax_ptr", "float* __restrict__", "one f32, raised to max |x|"),
+        KernelArg::write("scale_inv_ptr", "float* __restrict__", "one f32, written 1 / scale"),
         KernelArg::scalar("x_batch", "u64", "batch stride of x (elements)"),
         KernelArg::scalar("x_row", "u64", "position stride of x (elements)"),
         KernelArg::scalar("x_head", "u64", "head stride of x (elements)"),
@@ -273,7 +276,6 @@ impl FlashAttnSpec {
         KernelArg::scalar("heads", "u64", "heads of x"),
         KernelArg::scalar("y_row", "u64", "Vᵀ: positions per row (a multiple of 128)"),
         KernelArg::scalar("transpose", "int", "1: write Vᵀ `[batch, heads, head_dim, y_row]`, keys permuted"),
-        KernelArg::scalar("scale", "float", "the quantization scale (y = x · scale)"),
     ];
 
     /// Arguments of the backward's `_dot_do_o` entry point.

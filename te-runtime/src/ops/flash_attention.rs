@@ -558,7 +558,7 @@ pub(super) fn check_extent(
     Ok(())
 }
 
-fn check_offset(name: &str, offset: usize) -> Result<()> {
+pub(super) fn check_offset(name: &str, offset: usize) -> Result<()> {
     if offset % 8 != 0 {
         return Err(Error::Shape {
             op: OP,

@@ -1,32 +1,33 @@
 //! Family 14's FP8 forward (TE's `fp8_dpa`, FlashAttention-3's FP8 path) on Hopper: q, k and v
-//! quantized to E4M3 with per-tensor scales ([`quantize`]), then `softmax(scale · Q · Kᵀ) · V` on
+//! quantized to E4M3 with per-tensor scales ([`quantize`], one cast per tensor with TE's
+//! scale / amax / scale_inv contract), then `softmax(scale · Q · Kᵀ) · V` on
 //! e4m3 `wgmma` with P quantized to E4M3 inside the kernel, the output in bf16/f16
 //! ([`forward`]). The backward stays 16-bit (TE's `NVTE_FP8_DPA_BWD=0` mode: FP8 forward, F16/BF16
 //! backward): it recomputes P from the 16-bit q, k and the LSE this forward saves.
 
 use super::flash_attention::{
-    addresses, capacity, check, check_call, check_extent, check_len, function, grid, push_cu, reach, CuSeqlens,
-    FlashAttnParams, HeadStrides, Qkv, Scalars, OP,
+    addresses, capacity, check_call, check_extent, check_len, check_offset, function, grid, push_cu, reach, CuSeqlens,
+    FlashAttnParams, HeadStrides, Scalars, OP,
 };
 use super::launch::Launch;
+use super::Fp8Scaling;
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
-use te_codegen::spec::{Direction, FlashAttnSpec, QkvFormat};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use te_codegen::spec::{FlashAttnSpec, QkvFormat};
 use te_codegen::{Arch, DType};
 
 /// Keys per Vᵀ row are padded to a multiple of this (the kernel's key tile).
 const KEY_TILE: usize = 128;
 
-/// Per-tensor quantization scales (`x_e4m3 = x · scale`, TE's `scale`; the kernels descale with
-/// `1 / scale`, TE's `scale_inv`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Fp8AttnScales {
-    /// Of q.
-    pub q: f32,
-    /// Of k.
-    pub k: f32,
-    /// Of v.
-    pub v: f32,
+/// Which operand of an FP8 attention call [`quantize`] makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Operand {
+    /// Queries: dense `[batch, sq, heads, head_dim]`.
+    Q,
+    /// Keys: dense `[batch, sk, groups, head_dim]`.
+    K,
+    /// Values, transposed: `[batch, groups, head_dim, vt_row]`.
+    V,
 }
 
 /// The E4M3 operands of an FP8 attention forward, for `batch` sequences of `sq` queries and `sk`
@@ -81,76 +82,77 @@ pub fn unsupported_reason(arch: Arch, dtype: DType, head_dim: usize, thd: bool) 
     None
 }
 
-/// Quantizes q, k and v (bf16/f16, the strides of `p`, as [`super::flash_attention::forward`]
-/// takes them) to `out`'s E4M3 operands with `scales`, and raises `amax[0..3]` (f32) to the
-/// largest |q|, |k|, |v| read (TE's amax for the delayed and current recipes; zero it first for
-/// this call's own).
+/// Quantizes one of q, k, v (`x`: bf16/f16 from element `offset` at the strides of `p`, as
+/// [`super::flash_attention::forward`] takes it, e.g. heads inside a fused QKV tensor) into its
+/// E4M3 operand of `out`, with `scaling` (TE's cast contract: `x · scale` rounded to nearest and
+/// saturated, `amax` raised to max |x|, `scale_inv` written `1 / scale`; a quantizer's
+/// `fused_cast` hands these views).
 ///
 /// # Errors
-/// As the 16-bit forward's checks; [`Error::Shape`] when the operands are not those of `p` or
-/// `amax` holds fewer than 3 values; compile and launch failures.
+/// [`Error::Shape`] when the FP8 kernels do not take the call ([`unsupported_reason`]), the
+/// operands are not those of `p`, or `x` is smaller than its strides reach; the 16-bit
+/// forward's checks of `p`; compile and launch failures.
 pub fn quantize(
     dev: &Device,
     p: &FlashAttnParams,
-    qkv: Qkv<&Tensor>,
-    scales: Fp8AttnScales,
+    which: Fp8Operand,
+    x: (&Tensor, usize),
+    scaling: &mut Fp8Scaling<'_>,
     out: &mut Fp8Operands,
-    amax: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let parts = qkv.parts();
-    check(p, parts, None, Direction::Fwd)?;
-    let dtype = parts[0].0.dtype();
+    let (t, offset) = x;
+    let dtype = t.dtype();
     if let Some(why) = unsupported_reason(dev.arch(), dtype, p.head_dim, false) {
         return Err(Error::Shape { op: OP, message: why });
     }
+    check_call(p, None)?;
+    check_offset("x", offset)?;
     check_operands(p, out)?;
-    check_len("amax", amax.len(), 3)?;
+    let (strides, seq, heads, y, transpose) = match which {
+        Fp8Operand::Q => (p.q, p.sq, p.heads, &mut out.q, 0i32),
+        Fp8Operand::K => (p.kv, p.sk, p.groups, &mut out.k, 0),
+        Fp8Operand::V => (p.kv, p.sk, p.groups, &mut out.vt, 1),
+    };
+    check_extent("x", t, offset, strides, p.batch, seq, heads, p.head_dim)?;
     let spec = FlashAttnSpec::fp8_forward(dtype, p.head_dim, dev.arch());
     let f = function(dev, &spec, 1)?;
     let stream = dev.stream();
-    let (src, _guards) = addresses(stream, parts);
-    let (amax_base, _amax_guard) = amax.device_ptr_mut(stream);
-    let vt_row = vt_row(p.sk) as u64;
-    let outs = [&mut out.q, &mut out.k, &mut out.vt];
-    let geometry = [(p.q, p.sq, p.heads, scales.q), (p.kv, p.sk, p.groups, scales.k), (p.kv, p.sk, p.groups, scales.v)];
-    for (i, (y, (s, seq, heads, scale))) in outs.into_iter().zip(geometry).enumerate() {
-        let amax_i = amax_base + 4 * i as u64;
-        let strides = [s.batch as u64, s.row as u64, s.head as u64];
-        let sizes = [seq as u64, heads as u64, vt_row];
-        let transpose = i32::from(i == 2);
-        let mut l = Launch::new(OP, stream, &f, &spec, 1);
-        l.ptr("x", &src[i]).ptr("y", y.data_mut()?).ptr("amax", &amax_i);
-        l.scalar("x_batch", &strides[0]).scalar("x_row", &strides[1]).scalar("x_head", &strides[2]);
-        l.scalar("seq", &sizes[0]).scalar("heads", &sizes[1]).scalar("y_row", &sizes[2]);
-        l.scalar("transpose", &transpose).scalar("scale", &scale);
-        let cfg = LaunchConfig {
-            grid_dim: (seq.div_ceil(KEY_TILE) as u32, heads as u32, p.batch as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: spec.shared_bytes(1) as u32,
-        };
-        // SAFETY: x reaches batch · seq rows of heads · head_dim at its strides (checked by
-        // `check`); y is the dense (or Vᵀ, vt_row keys per row) E4M3 tensor of those sizes
-        // (`check_operands`); amax_i is one of the 3 f32 of `amax`; y aliases no input.
-        unsafe { l.launch(cfg) }?;
-    }
-    Ok(())
+    let ([src, _, _], _guards) = addresses(stream, [x, x, x]);
+    let s = [strides.batch as u64, strides.row as u64, strides.head as u64];
+    let sizes = [seq as u64, heads as u64, vt_row(p.sk) as u64];
+    let mut l = Launch::new(OP, stream, &f, &spec, 1);
+    l.ptr("x", &src).ptr("y", y.data_mut()?);
+    l.ptr("scale_ptr", &scaling.scale).ptr("amax_ptr", &mut scaling.amax).ptr("scale_inv_ptr", &mut scaling.scale_inv);
+    l.scalar("x_batch", &s[0]).scalar("x_row", &s[1]).scalar("x_head", &s[2]);
+    l.scalar("seq", &sizes[0]).scalar("heads", &sizes[1]).scalar("y_row", &sizes[2]);
+    l.scalar("transpose", &transpose);
+    let cfg = LaunchConfig {
+        grid_dim: (seq.div_ceil(KEY_TILE) as u32, heads as u32, p.batch as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: spec.shared_bytes(1) as u32,
+    };
+    // SAFETY: x reaches batch · seq rows of heads · head_dim at its strides from its offset
+    // (checked); y is the dense (or Vᵀ, vt_row keys per row) E4M3 tensor of those sizes
+    // (`check_operands`), a distinct allocation (`&mut`); the scaling views are one f32 each.
+    unsafe { l.launch(cfg) }
 }
 
 /// `out = softmax(scale · Q · Kᵀ, masked) · V` and `lse` from E4M3 operands: as the 16-bit
 /// [`super::flash_attention::forward`] (masks, windows, GQA, `cu_seqlens`, dropout of `p`), with q,
-/// k, v the [`Fp8Operands`] made by [`quantize`] with `scales`. `out` is bf16 or f16 at `p.o`
+/// k, v the [`Fp8Operands`] made by [`quantize`] and `scale_inv` their casts' `scale_inv` (q, k,
+/// v; one f32 each, read on the device). `out` is bf16 or f16 at `p.o`
 /// strides; `lse` f32 `[batch, heads, sq]` in true (descaled) units, so that the 16-bit backward
 /// can recompute P from the 16-bit q and k.
 ///
 /// # Errors
 /// [`Error::Shape`] when the call is not one the FP8 kernels take ([`unsupported_reason`]), the
-/// operands are not those of `p`, `out` or `lse` are too small; [`Error::Argument`] for scales
-/// that are not finite and > 0; compile and launch failures.
+/// operands are not those of `p`, `out` or `lse` are too small or a `scale_inv` is empty; compile
+/// and launch failures.
 pub fn forward(
     dev: &Device,
     p: &FlashAttnParams,
     operands: &Fp8Operands,
-    scales: Fp8AttnScales,
+    scale_inv: [&CudaSlice<f32>; 3],
     cu: Option<CuSeqlens<'_>>,
     out: &mut Tensor,
     lse: &mut CudaSlice<f32>,
@@ -158,11 +160,11 @@ pub fn forward(
     if let Some(why) = unsupported_reason(dev.arch(), out.dtype(), p.head_dim, CuSeqlens::thd(cu)) {
         return Err(Error::Shape { op: OP, message: why });
     }
-    if [scales.q, scales.k, scales.v].iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-        return Err(Error::Argument {
+    for (name, s) in ["q", "k", "v"].into_iter().zip(scale_inv) {
+        check_len(name, s.len(), 1).map_err(|_| Error::Shape {
             op: OP,
-            message: format!("FP8 attention scales must be finite and > 0, got {scales:?}"),
-        });
+            message: format!("the scale_inv of {name} is empty: pass the one its cast wrote ([1] f32)"),
+        })?;
     }
     check_operands(p, operands)?;
     // The kernel reads q and k densely (checked as the operands' shapes).
@@ -182,12 +184,12 @@ pub fn forward(
     let total_o = capacity(out, 0, p.o, p.heads, p.head_dim);
     let s = Scalars::new(&p8, [totals[0].min(total_o), totals[1]]);
     let vt_row = vt_row(p.sk) as u64;
-    let descale = [1.0 / (scales.q * scales.k), 1.0 / scales.v];
     let stream = dev.stream();
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
     l.ptr("q", operands.q.data()).ptr("k", operands.k.data()).ptr("v", operands.vt.data());
     l.ptr("o", out.data_mut()?).ptr("lse", &*lse);
-    l.scalar("vt_row", &vt_row).scalar("qk_descale", &descale[0]).scalar("v_descale", &descale[1]);
+    l.ptr("scale_inv_q", scale_inv[0]).ptr("scale_inv_k", scale_inv[1]).ptr("scale_inv_v", scale_inv[2]);
+    l.scalar("vt_row", &vt_row);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
     // SAFETY: the operands are the dense E4M3 q, k and the Vᵀ of `p`'s sizes (checked), out
