@@ -117,6 +117,16 @@ fn backward_is_bitwise_deterministic() {
     }
 }
 
+/// `softmax_lse` against the host's: `+inf` exactly where a row sees no key, else within 2e-3
+/// (relative, absolute below 1).
+pub(crate) fn check_lse(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lse length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= 2e-3 * w.abs().max(1.0) };
+        assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
+    }
+}
+
 /// Host f64 forward of one dense bshd call with a window: `(out [b, sq, h, d], lse [b, h, sq])`.
 pub(crate) fn host_window_forward(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (d, hpg) = (p.head_dim, p.heads / p.groups);
@@ -197,11 +207,7 @@ fn sliding_windows_and_bottom_right_diagonals_match_a_host_forward() {
         let (want_out, want_lse) = host_window_forward(&p, &hq, &hk, &hv);
         let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right}");
         check(&format!("{what}: out"), DType::BF16, &out.to_f32(&dev).unwrap(), &want_out);
-        let got_lse = dev.stream().clone_dtoh(&lse).unwrap();
-        for (i, (&g, &w)) in got_lse.iter().zip(&want_lse).enumerate() {
-            let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= 2e-3 * w.abs().max(1.0) };
-            assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
-        }
+        check_lse(&what, &dev.stream().clone_dtoh(&lse).unwrap(), &want_lse);
     }
 }
 
