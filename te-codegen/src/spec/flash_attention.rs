@@ -161,8 +161,12 @@ impl FlashAttnSpec {
         Self { direction, dtype, head_dim, block_m, block_n, arch, wgmma, fp8: false, dropout: false }
     }
 
-    /// The FP8 forward for the same head dim and output dtype: 128 query rows against 128-key tiles
-    /// (64 rows at head_dim 256).
+    /// Keys per tile of the FP8 forward: also the positions per block of its `_quantize` and the
+    /// multiple Vᵀ rows are padded to (a tile of Vᵀ is one 128-byte row per channel).
+    pub const FP8_KEY_TILE: usize = 128;
+
+    /// The FP8 forward for the same head dim and output dtype: 128 query rows against
+    /// [`FlashAttnSpec::FP8_KEY_TILE`]-key tiles (64 rows at head_dim 256).
     pub fn fp8_forward(dtype: DType, head_dim: usize, arch: Arch) -> Self {
         let block_m = if head_dim > 128 { 64 } else { 128 };
         let wgmma = arch == Arch::Sm90a;
@@ -171,7 +175,7 @@ impl FlashAttnSpec {
             dtype,
             head_dim,
             block_m,
-            block_n: 128,
+            block_n: Self::FP8_KEY_TILE,
             arch,
             wgmma,
             fp8: true,
@@ -213,8 +217,8 @@ impl FlashAttnSpec {
     pub fn shared_bytes(&self, entry: usize) -> usize {
         let row = self.smem_ld() * 2;
         match (self.direction, entry) {
-            // `_quantize`: a [128][head_dim + 8] 16-bit staging tile (transposing v).
-            (Direction::Fwd, 1) => 128 * self.smem_ld() * 2,
+            // `_quantize`: a [block_n][head_dim + 8] 16-bit staging tile (transposing v).
+            (Direction::Fwd, 1) => self.block_n * self.smem_ld() * 2,
             // wgmma: Q and two K and V tiles, unpadded, 1024-byte aligned (1 KiB spare).
             (Direction::Fwd, _) if self.wgmma => {
                 let elem = if self.fp8 { 1 } else { 2 };
@@ -420,7 +424,10 @@ impl Family for FlashAttnSpec {
             }
         }
         if self.fp8
-            && !(self.wgmma && self.direction == Direction::Fwd && self.head_dim % 128 == 0 && self.block_n == 128)
+            && !(self.wgmma
+                && self.direction == Direction::Fwd
+                && self.head_dim % 128 == 0
+                && self.block_n == Self::FP8_KEY_TILE)
         {
             return Err(format!(
                 "FP8 attention is the sm_90a wgmma forward at head_dim 128 or 256 with 128-key tiles, got {} head_dim {} \

@@ -17,7 +17,7 @@ use te_codegen::spec::{FlashAttnSpec, QkvFormat};
 use te_codegen::{Arch, DType};
 
 /// Keys per Vᵀ row are padded to a multiple of this (the kernel's key tile).
-const KEY_TILE: usize = 128;
+const KEY_TILE: usize = FlashAttnSpec::FP8_KEY_TILE;
 
 /// Which operand of an FP8 attention call [`quantize`] makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
