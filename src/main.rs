@@ -278,6 +278,10 @@ struct TrainArgs {
     /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does).
     #[arg(long)]
     fp8_lm_head: bool,
+    /// FP8 runs: run attention in FP8 too (TE's `fp8_dpa`: E4M3 q, k, v on Hopper for head_dim
+    /// 128/256; elsewhere attention stays BF16).
+    #[arg(long)]
+    fp8_dpa: bool,
 }
 
 /// The preset `preset` names on this machine (`auto`: small with a GPU, tiny without) and its
@@ -345,6 +349,7 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
             } else {
                 AmaxComputeAlgo::MostRecent
             },
+            fp8_dpa: a.fp8_dpa,
             ..DelayedScaling::default()
         },
     };

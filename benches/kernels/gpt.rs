@@ -1,6 +1,7 @@
 //! One training step of the GPT presets (`te_runtime::models::gpt`), as `te train` does it:
 //! `forward_loss_with` (the loss stays on the device), `backward`, `AdamW::step` (FP32 masters, global-norm clipping at 1.0) and
-//! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults), timed per phase with CUDA
+//! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults; and with `fp8_dpa`, attention's
+//! forward in FP8 where the kernels take it: head_dim 128 on Hopper), timed per phase with CUDA
 //! events; tokens/s from the whole step. `small`: batch 8 × seq 1024; `large` (1.2 B
 //! parameters): batch 2 × seq 2048. One model per preset serves both precisions (its weights
 //! keep training from one timed step to the next; the host-side init of `large` takes seconds).
@@ -57,14 +58,18 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
     let ids_t = TokenIds::from_host(&dev, &[s, batch], &ids[..tokens]).unwrap();
     let targets = TokenIds::from_host(&dev, &[s, batch], &ids[batch..]).unwrap();
     let shape = format!("b{batch} s{s}");
-    for (variant, fp8) in [("ours bf16", false), ("ours fp8 delayed", true)] {
+    let fp8_dpa = DelayedScaling { fp8_dpa: true, ..DelayedScaling::default() };
+    let variants = [
+        ("ours bf16", None),
+        ("ours fp8 delayed", Some(DelayedScaling::default())),
+        ("ours fp8 + fp8_dpa", Some(fp8_dpa)),
+    ];
+    for (variant, recipe) in variants {
+        let fp8 = recipe.is_some();
         let st = b.time_phases(warmup, iters, 3, |m| {
-            let (_, ctx) = if fp8 {
-                fp8_autocast(true, DelayedScaling::default(), || {
-                    model.forward_loss_with(&ids_t, &targets, MicroBatch::default())
-                })
-            } else {
-                model.forward_loss_with(&ids_t, &targets, MicroBatch::default())
+            let (_, ctx) = match recipe {
+                Some(r) => fp8_autocast(true, r, || model.forward_loss_with(&ids_t, &targets, MicroBatch::default())),
+                None => model.forward_loss_with(&ids_t, &targets, MicroBatch::default()),
             }
             .unwrap();
             m.mark();

@@ -77,22 +77,25 @@ impl GemmScaling {
     /// The quantizers of a forward under `recipe`. With delayed scaling the forward state is
     /// registered with the autocast scope, whose exit updates its scales.
     pub(crate) fn forward(&mut self, recipe: &Recipe) -> Result<ForwardQuantizers> {
+        Ok(ForwardQuantizers {
+            input: self.forward_slot(recipe, FWD_INPUT)?,
+            weight: self.forward_slot(recipe, FWD_WEIGHT)?,
+            output: self.forward_slot(recipe, FWD_OUTPUT)?,
+        })
+    }
+
+    /// The quantizer of forward slot `slot` ([`FWD_INPUT`], [`FWD_WEIGHT`], [`FWD_OUTPUT`])
+    /// under `recipe`, registered as [`GemmScaling::forward`] does: what a module with an
+    /// op of its own uses (attention casts q, k and v through [`FWD_INPUT`]).
+    pub(crate) fn forward_slot(&mut self, recipe: &Recipe, slot: usize) -> Result<Box<dyn Quantizer>> {
         let dtype = recipe.format().forward_dtype();
         match recipe {
             Recipe::Delayed(r) => {
                 let s = conform(&mut self.fwd, &self.dev, FWD_SLOTS, dtype, r)?;
                 register_forward(&s);
-                let q = |slot| -> Result<Box<dyn Quantizer>> {
-                    Ok(Box::new(DelayedScalingQuantizer::new(s.clone(), slot)?))
-                };
-                Ok(ForwardQuantizers { input: q(FWD_INPUT)?, weight: q(FWD_WEIGHT)?, output: q(FWD_OUTPUT)? })
+                Ok(Box::new(DelayedScalingQuantizer::new(s, slot)?))
             }
-            Recipe::Current(c) => {
-                let q = || -> Result<Box<dyn Quantizer>> {
-                    Ok(Box::new(Float8CurrentScalingQuantizer::new(&self.dev, dtype, *c)?))
-                };
-                Ok(ForwardQuantizers { input: q()?, weight: q()?, output: q()? })
-            }
+            Recipe::Current(c) => Ok(Box::new(Float8CurrentScalingQuantizer::new(&self.dev, dtype, *c)?)),
         }
     }
 

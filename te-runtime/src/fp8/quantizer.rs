@@ -59,6 +59,19 @@ pub trait Quantizer: fmt::Debug + Send + Sync {
     /// allocation failures.
     fn fused_cast(&self, kernel: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>>;
 
+    /// Runs `kernel`, which casts the values of `inputs` themselves (rearranged, in one launch
+    /// or several) to FP8 in [`Quantizer::dtype`] with the scaling views it gets, and returns
+    /// their one `scale_inv` (`[1]` f32). Works for every recipe: current scaling first takes
+    /// the amax of all `inputs` and the scale from it (one scale for them all, as TE's
+    /// `combine_and_quantize` casts q, k and v); the others cast as [`Quantizer::fused_cast`].
+    ///
+    /// # Errors
+    /// The kernel's errors; amax and allocation failures.
+    fn cast_inputs(&self, inputs: &[&Tensor], kernel: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
+        let _ = inputs;
+        self.fused_cast(kernel)
+    }
+
     /// Records the amax of `x` without casting it (TE calibration: high-precision GEMMs, scales
     /// for later FP8 inference). Nothing for quantizers that keep no amax.
     ///
@@ -226,6 +239,27 @@ impl Float8CurrentScalingQuantizer {
         check_fp8("Float8CurrentScalingQuantizer::new", dtype)?;
         Ok(Self { dev: dev.clone(), dtype, recipe })
     }
+
+    /// The amax of all of `xs` and the scale (and `scale_inv`) it gives.
+    fn scaled(&self, xs: &[&Tensor]) -> Result<Fp8Meta> {
+        let dev = &self.dev;
+        let mut meta = Fp8Meta::new(dev, 1.0)?;
+        for x in xs {
+            ops::cast::amax(dev, x, &mut meta.amax.as_view_mut())?;
+        }
+        let fp8_max = self.dtype.fp8_max().unwrap_or(1.0);
+        let r = &self.recipe;
+        ops::scaling::current_scaling(
+            dev,
+            &meta.amax,
+            &mut meta.scale,
+            &mut meta.scale_inv,
+            fp8_max,
+            r.amax_epsilon,
+            r.power_2_scale,
+        )?;
+        Ok(meta)
+    }
 }
 
 impl Quantizer for Float8CurrentScalingQuantizer {
@@ -238,26 +272,19 @@ impl Quantizer for Float8CurrentScalingQuantizer {
     }
 
     fn quantize(&self, x: &Tensor, columnwise: bool, dbias: Option<DbiasOut<'_>>) -> Result<Float8Tensor> {
-        let dev = &self.dev;
-        let mut meta = Fp8Meta::new(dev, 1.0)?;
-        ops::cast::amax(dev, x, &mut meta.amax.as_view_mut())?;
-        let fp8_max = self.dtype.fp8_max().unwrap_or(1.0);
-        let r = &self.recipe;
-        ops::scaling::current_scaling(
-            dev,
-            &meta.amax,
-            &mut meta.scale,
-            &mut meta.scale_inv,
-            fp8_max,
-            r.amax_epsilon,
-            r.power_2_scale,
-        )?;
-        let (data, transpose) = cast(dev, x, self.dtype, &mut meta.scaling(), columnwise, dbias)?;
+        let mut meta = self.scaled(&[x])?;
+        let (data, transpose) = cast(&self.dev, x, self.dtype, &mut meta.scaling(), columnwise, dbias)?;
         Float8Tensor::from_parts(data, transpose, Arc::new(meta.scale_inv))
     }
 
     fn fused_cast(&self, _: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
         Err(not_fusable("Float8CurrentScalingQuantizer::fused_cast"))
+    }
+
+    fn cast_inputs(&self, inputs: &[&Tensor], kernel: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
+        let mut meta = self.scaled(inputs)?;
+        kernel(&mut meta.scaling())?;
+        Ok(Arc::new(meta.scale_inv))
     }
 
     fn calibrate(&self, _: &Tensor) -> Result<()> {

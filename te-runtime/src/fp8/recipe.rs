@@ -51,6 +51,12 @@ pub struct DelayedScaling {
     /// reduction would be the identity; the multi-GPU work gives it meaning. The field exists so
     /// recipes read as in TE.
     pub reduce_amax: bool,
+    /// Run `DotProductAttention` in FP8 too (TE `fp8_dpa`, default false): q, k, v cast to E4M3
+    /// with the module's scaling state, `Q · Kᵀ` and `P · V` on E4M3 tensor cores, the output
+    /// in 16 bits; the backward stays 16-bit (TE's `NVTE_FP8_DPA_BWD=0`). Where the FP8 kernels
+    /// do not take a call (not Hopper, head_dim other than 128 or 256, `thd`), attention runs in
+    /// 16 bits as without the flag.
+    pub fp8_dpa: bool,
 }
 
 impl Default for DelayedScaling {
@@ -61,6 +67,7 @@ impl Default for DelayedScaling {
             amax_history_len: 1024,
             amax_compute_algo: AmaxComputeAlgo::Max,
             reduce_amax: true,
+            fp8_dpa: false,
         }
     }
 }
@@ -76,6 +83,9 @@ pub struct Float8CurrentScaling {
     pub power_2_scale: bool,
     /// Lower bound of the amax, guarding tiny tensors. TE default 0.
     pub amax_epsilon: f32,
+    /// Run `DotProductAttention` in FP8 too, with one current scale for q, k and v (TE
+    /// `fp8_dpa`; see [`DelayedScaling::fp8_dpa`]).
+    pub fp8_dpa: bool,
 }
 
 /// An FP8 recipe.
@@ -115,6 +125,14 @@ impl Recipe {
         }
     }
 
+    /// Whether `DotProductAttention` runs in FP8 under this recipe (TE `fp8_dpa`).
+    pub fn fp8_dpa(&self) -> bool {
+        match self {
+            Recipe::Delayed(r) => r.fp8_dpa,
+            Recipe::Current(r) => r.fp8_dpa,
+        }
+    }
+
     /// Checks the fields a user can get wrong.
     ///
     /// # Errors
@@ -148,6 +166,7 @@ mod tests {
         assert_eq!(d.amax_compute_algo, AmaxComputeAlgo::Max);
         let c = Float8CurrentScaling::default();
         assert_eq!((c.fp8_format, c.power_2_scale, c.amax_epsilon), (Format::Hybrid, false, 0.0));
+        assert!(!Recipe::from(c).fp8_dpa() && !Recipe::from(d).fp8_dpa());
         assert_eq!(Recipe::default(), Recipe::Delayed(d));
         assert_eq!(Format::Hybrid.backward_dtype(), DType::E5M2);
         assert_eq!(Format::E4M3.backward_dtype(), DType::E4M3);

@@ -11,6 +11,14 @@
 //! kernels, forward and backward, from the same Philox stream and element indices as the unfused
 //! backend's dropout kernel: both backends drop the same probabilities.
 //!
+//! **FP8** (TE's `fp8_dpa`): under `fp8_autocast` with a recipe whose `fp8_dpa` is set, a fused
+//! call the FP8 kernels take (Hopper, head_dim 128 or 256, not `thd`:
+//! [`crate::ops::flash_attention_fp8`]) casts q, k and v to E4M3 with one scale (the module's
+//! delayed-scaling slot, TE's `META_QKV`, visited as `fp8_fwd`; or their current amax) and runs
+//! `Q · Kᵀ` and `P · V` on E4M3 tensor cores. The output is 16-bit, and so is the backward (TE's
+//! `NVTE_FP8_DPA_BWD=0`), from the 16-bit q, k, v and the FP8 forward's LSE. Other calls run in
+//! 16 bits as without the flag ([`AttentionCtx::fp8`] says which ran).
+//!
 //! **Unfused** (TE's `UnfusedDotProductAttention` in `backends.py`), in the inputs' precision,
 //! under `fp8_autocast` too (TE's FP8 attention needs a fused kernel):
 //! - forward: `S = Q · Kᵀ` (strided batched cuBLASLt GEMMs straight on the `bshd`/`sbhd` tensors,
@@ -34,10 +42,12 @@ mod plan;
 mod thd;
 mod unfused;
 
-use super::visit::{Module, ModuleVisitor, ModuleVisitorMut};
+use super::visit::{visit_slots, visit_states, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, KernelSpec, KernelTarget};
+use crate::fp8::{fp8_mode, Fp8Mode, GemmScaling, Quantizer, ScalingState, FWD_INPUT};
 use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::Qkv;
+use crate::ops::flash_attention_fp8;
 use crate::ops::softmax::MAX_SK;
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
@@ -170,6 +180,8 @@ pub struct AttentionCtx {
     /// The output's shape (that of `d_out`).
     out_shape: Vec<usize>,
     saved: Saved,
+    /// The forward ran on E4M3 q, k, v (TE `fp8_dpa`).
+    fp8: bool,
 }
 
 /// q, k and v as the backward reads them.
@@ -186,6 +198,14 @@ impl Inputs {
     fn dtype(&self) -> DType {
         match self {
             Inputs::Apart([q, _, _]) | Inputs::Packed(q) | Inputs::Thd([q, _, _]) => q.dtype(),
+        }
+    }
+
+    /// The tensors holding q, k and v (one for the fused QKV tensor).
+    fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Inputs::Apart(t) | Inputs::Thd(t) => t.iter().collect(),
+            Inputs::Packed(t) => vec![t],
         }
     }
 
@@ -213,6 +233,12 @@ impl AttentionCtx {
             Saved::Fused(_) => AttentionBackend::Fused,
             Saved::Unfused { .. } => AttentionBackend::Unfused,
         }
+    }
+
+    /// Whether the forward ran in FP8 (E4M3 q, k, v on the fused backend: an `fp8_autocast`
+    /// recipe with `fp8_dpa` and a call the FP8 kernels take). The backward is 16-bit either way.
+    pub fn fp8(&self) -> bool {
+        self.fp8
     }
 }
 
@@ -248,8 +274,11 @@ pub struct DotProductAttention {
     calls: u64,
     /// Training mode (dropout on), PyTorch's `module.training`.
     training: bool,
-    /// The backend of the last forward (logged when it changes).
-    last_backend: Option<AttentionBackend>,
+    /// The backend of the last forward and whether it ran in FP8 (logged when it changes).
+    last_backend: Option<(AttentionBackend, bool)>,
+    /// The FP8 scaling of q, k, v (TE `fp8_meta` of the module; slot [`FWD_INPUT`] for all
+    /// three, as TE's `META_QKV`), used under a recipe with `fp8_dpa`.
+    scaling: GemmScaling,
 }
 
 impl DotProductAttention {
@@ -271,6 +300,7 @@ impl DotProductAttention {
             calls: 0,
             training: true,
             last_backend: None,
+            scaling: GemmScaling::new(dev),
         })
     }
 
@@ -341,7 +371,8 @@ impl DotProductAttention {
     ) -> Result<(Tensor, AttentionCtx)> {
         let dtype = inputs.dtype();
         let backend = backend::select(&self.cfg, dtype, self.training)?;
-        self.log_backend(backend, &dims, dtype);
+        let fp8 = if backend == AttentionBackend::Fused { self.fp8_quantizer(&inputs)? } else { None };
+        self.log_backend(backend, fp8.is_some(), &dims, dtype);
         let drop = self.next_dropout();
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
         let out_shape = dims.out_shape().to_vec();
@@ -356,6 +387,7 @@ impl DotProductAttention {
                 inputs.fused(&dims),
                 &out_shape,
                 self.cfg.scale(),
+                fp8.as_deref(),
             )?;
             (out, Saved::Fused(Box::new(saved)), inputs)
         } else {
@@ -378,7 +410,37 @@ impl DotProductAttention {
             let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
             (out, Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
         };
-        Ok((out, AttentionCtx { module_id: self.id, dims, inputs, packed, out_shape, saved }))
+        let fp8 = fp8.is_some();
+        Ok((out, AttentionCtx { module_id: self.id, dims, inputs, packed, out_shape, saved, fp8 }))
+    }
+
+    /// The quantizer of q, k and v when a fused forward of `inputs` runs in FP8: under an
+    /// `fp8_autocast` recipe with `fp8_dpa`, where the FP8 kernels take the call (else 16 bits,
+    /// with a debug log saying why). Under calibration the inputs' amax is recorded into the
+    /// QKV slot instead, and the forward stays 16-bit.
+    fn fp8_quantizer(&mut self, inputs: &Inputs) -> Result<Option<Box<dyn Quantizer>>> {
+        let (recipe, calibrating) = match fp8_mode() {
+            Fp8Mode::Fp8(r) => (r, false),
+            Fp8Mode::Calibrating(r) => (r, true),
+            Fp8Mode::HighPrecision => return Ok(None),
+        };
+        if !recipe.fp8_dpa() {
+            return Ok(None);
+        }
+        let thd = matches!(inputs, Inputs::Thd(_));
+        let why = flash_attention_fp8::unsupported_reason(self.dev.arch(), inputs.dtype(), self.cfg.kv_channels, thd);
+        if let Some(why) = why {
+            tracing::debug!("DotProductAttention: fp8_dpa is set, the forward stays 16-bit: {why}");
+            return Ok(None);
+        }
+        let quantizer = self.scaling.forward_slot(&recipe, FWD_INPUT)?;
+        if calibrating {
+            for t in inputs.tensors() {
+                quantizer.calibrate(t)?;
+            }
+            return Ok(None);
+        }
+        Ok(Some(quantizer))
     }
 
     /// The attention dropout of the next forward: `p` in training (0 in evaluation), and a fresh
@@ -390,17 +452,24 @@ impl DotProductAttention {
     }
 
     /// Logs the backend at debug level when it changes (TE's debug log).
-    fn log_backend(&mut self, backend: AttentionBackend, dims: &Dims, dtype: DType) {
-        if self.last_backend != Some(backend) {
+    fn log_backend(&mut self, backend: AttentionBackend, fp8: bool, dims: &Dims, dtype: DType) {
+        if self.last_backend != Some((backend, fp8)) {
             tracing::debug!(
-                "DotProductAttention: {} backend (d = {}, {}, {})",
+                "DotProductAttention: {} backend{} (d = {}, {}, {})",
                 backend.name(),
+                if fp8 { " in FP8 (E4M3 q, k, v)" } else { "" },
                 dims.head_dim,
                 dtype,
                 self.cfg.attn_mask_type.name()
             );
-            self.last_backend = Some(backend);
+            self.last_backend = Some((backend, fp8));
         }
+    }
+
+    /// The FP8 scaling state of q, k, v (`fp8_fwd`), once a forward with `fp8_dpa` under
+    /// delayed scaling (or calibration) made it.
+    pub fn fp8_forward_state(&self) -> Option<&Arc<ScalingState>> {
+        self.scaling.fwd_state()
     }
 
     /// Backward of [`DotProductAttention::forward`]: `(dq, dk, dv)` in the shapes and dtype of
@@ -491,13 +560,14 @@ impl DotProductAttention {
 }
 
 impl Module for DotProductAttention {
-    /// Nothing: attention has no parameters.
-    fn visit(&self, _: &str, _: &mut dyn ModuleVisitor) -> Result<()> {
-        Ok(())
+    /// No parameters; the FP8 scaling state of q, k, v as `prefix.fp8_fwd` once made.
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        visit_states(prefix, &[("fp8_fwd", self.fp8_forward_state())], |path, s| visitor.fp8_state(path, s))
     }
 
-    fn visit_mut(&mut self, _: &str, _: &mut dyn ModuleVisitorMut) -> Result<()> {
-        Ok(())
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        let [fwd, _] = self.scaling.state_slots();
+        visit_slots(prefix, [("fp8_fwd", fwd)], visitor)
     }
 
     /// [`DotProductAttentionConfig::kernel_specs`] of its config.

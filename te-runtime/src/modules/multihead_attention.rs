@@ -435,6 +435,7 @@ impl Module for MultiheadAttention {
             QkvProj::Norm(m) => m.visit(&join_path(prefix, "layernorm_qkv"), visitor)?,
             QkvProj::Plain(m) => m.visit(&join_path(prefix, "qkv"), visitor)?,
         }
+        self.attention.visit(&join_path(prefix, "core_attention"), visitor)?;
         self.proj.visit(&join_path(prefix, "proj"), visitor)
     }
 
@@ -443,6 +444,7 @@ impl Module for MultiheadAttention {
             QkvProj::Norm(m) => m.visit_mut(&join_path(prefix, "layernorm_qkv"), visitor)?,
             QkvProj::Plain(m) => m.visit_mut(&join_path(prefix, "qkv"), visitor)?,
         }
+        self.attention.visit_mut(&join_path(prefix, "core_attention"), visitor)?;
         self.proj.visit_mut(&join_path(prefix, "proj"), visitor)
     }
 

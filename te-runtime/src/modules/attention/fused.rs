@@ -5,8 +5,10 @@
 
 use super::plan::Dims;
 use super::{packed, AttnMaskType, MODULE};
+use crate::fp8::Quantizer;
 use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides, Qkv};
+use crate::ops::flash_attention_fp8::{self as fa8, Fp8Operand, Fp8Operands};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 
@@ -114,7 +116,11 @@ pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> 
 }
 
 /// `out = softmax(scale · Q · Kᵀ, mask) · V` (dense `[.., heads · head_dim]` in the layout's
-/// order, `out_shape`) and the saved state; `seqs` checked and uploaded by the caller.
+/// order, `out_shape`) and the saved state; `seqs` checked and uploaded by the caller. With
+/// `fp8` the forward runs on E4M3 q, k, v cast by that quantizer (TE `fp8_dpa`; the caller
+/// checked that the FP8 kernels take the call); the saved state is the same, for the 16-bit
+/// backward.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     dev: &Device,
     dims: &Dims,
@@ -123,6 +129,7 @@ pub(super) fn forward(
     (qkv, layout): (Qkv<&Tensor>, Layout),
     out_shape: &[usize],
     scale: f32,
+    fp8: Option<&dyn Quantizer>,
 ) -> Result<(Tensor, FusedSaved)> {
     let dropout = (drop.p > 0.0).then_some(drop);
     let p = params(dims, mask, dropout, scale, layout);
@@ -137,8 +144,38 @@ pub(super) fn forward(
     };
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
     let mut lse = unsafe { dev.stream().alloc::<f32>(dims.batch * dims.heads * dims.sq) }?;
-    flash_attention::forward(dev, &p, qkv, seqs.as_ref().map(DeviceSeqlens::get), &mut out, &mut lse)?;
+    let cu = seqs.as_ref().map(DeviceSeqlens::get);
+    match fp8 {
+        None => flash_attention::forward(dev, &p, qkv, cu, &mut out, &mut lse)?,
+        Some(quantizer) => forward_fp8(dev, &p, qkv, cu, (&mut out, &mut lse), quantizer)?,
+    }
     Ok((out.clone(), FusedSaved { out, lse, seqs, dropout }))
+}
+
+/// The FP8 forward: q, k and v cast to their E4M3 operands with one scale (`quantizer`'s: the
+/// amax of all three under current scaling, the module's QKV slot under delayed scaling), then
+/// [`fa8::forward`].
+fn forward_fp8(
+    dev: &Device,
+    p: &FlashAttnParams,
+    qkv: Qkv<&Tensor>,
+    cu: Option<CuSeqlens<'_>>,
+    (out, lse): (&mut Tensor, &mut CudaSlice<f32>),
+    quantizer: &dyn Quantizer,
+) -> Result<()> {
+    let mut operands = Fp8Operands::new(dev, p)?;
+    let inputs: Vec<&Tensor> = match &qkv {
+        Qkv::Apart(t) => t.to_vec(),
+        Qkv::Packed(t, _) => vec![*t],
+    };
+    let parts = qkv.parts();
+    let scale_inv = quantizer.cast_inputs(&inputs, &mut |s| {
+        for (which, x) in [Fp8Operand::Q, Fp8Operand::K, Fp8Operand::V].into_iter().zip(parts) {
+            fa8::quantize(dev, p, which, x, s, &mut operands)?;
+        }
+        Ok(())
+    })?;
+    fa8::forward(dev, p, &operands, [&*scale_inv; 3], cu, out, lse)
 }
 
 /// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's

@@ -188,9 +188,10 @@ impl DotProductAttention {
             groups: g,
             head_dim: d,
         };
-        self.log_backend(backend, &dims, q.dtype());
-        let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
         let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
+        let fp8 = self.fp8_quantizer(&inputs)?;
+        self.log_backend(backend, fp8.is_some(), &dims, q.dtype());
+        let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
         let out_shape = vec![tokens_q, h * d];
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
         let drop = self.next_dropout();
@@ -202,6 +203,7 @@ impl DotProductAttention {
             inputs.fused(&dims),
             &out_shape,
             self.cfg.scale(),
+            fp8.as_deref(),
         )?;
         let ctx = AttentionCtx {
             module_id: self.id,
@@ -210,6 +212,7 @@ impl DotProductAttention {
             packed: false,
             out_shape,
             saved: Saved::Fused(Box::new(saved)),
+            fp8: fp8.is_some(),
         };
         Ok((out, ctx))
     }

@@ -145,7 +145,7 @@ pub fn visit_norm_params_mut(
 }
 
 /// Calls `f` with `prefix.name` and the state of each `(name, state)` whose state exists.
-fn visit_states(
+pub(crate) fn visit_states(
     prefix: &str,
     states: &[(&str, Option<&Arc<ScalingState>>)],
     mut f: impl FnMut(&str, &Arc<ScalingState>) -> Result<()>,
@@ -159,7 +159,7 @@ fn visit_states(
 }
 
 /// Hands each `(name, slot)` to `visitor` as `prefix.name`.
-fn visit_slots<const N: usize>(
+pub(crate) fn visit_slots<const N: usize>(
     prefix: &str,
     slots: [(&str, Fp8StateSlot<'_>); N],
     visitor: &mut dyn ModuleVisitorMut,

@@ -15,6 +15,7 @@ mod group;
 mod layers;
 
 pub use layers::{visit_linear_params, visit_linear_params_mut, visit_norm_params, visit_norm_params_mut};
+pub(crate) use layers::{visit_slots, visit_states};
 
 use super::{Fp8StateSlot, KernelSpec, KernelTarget};
 use crate::fp8::{Float8Tensor, ScalingState};
