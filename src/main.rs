@@ -72,6 +72,10 @@ struct PrewarmArgs {
     /// FP8 format: hybrid or e4m3.
     #[arg(long, value_parser = parse_format)]
     fp8_format: Option<Format>,
+    /// Include attention's FP8 forward (TE's fp8_dpa; Hopper, head_dim 128 or 256), as
+    /// `te train --fp8-dpa` runs it.
+    #[arg(long)]
+    fp8_dpa: bool,
     /// MLP activation: gelu, relu, swiglu, geglu.
     #[arg(long)]
     activation: Option<Activation>,
@@ -99,9 +103,10 @@ fn parse_format(s: &str) -> Result<Format, String> {
     parse_fp8_format(&s.to_ascii_lowercase())
 }
 
-/// `recipe` with the `--recipe` and `--fp8-format` of `a` applied.
+/// `recipe` with the `--recipe`, `--fp8-format` and `--fp8-dpa` of `a` applied.
 fn recipe_flags(a: &PrewarmArgs, recipe: Recipe) -> Result<Recipe, String> {
-    override_recipe(recipe, a.recipe.as_deref(), a.fp8_format)
+    let recipe = override_recipe(recipe, a.recipe.as_deref(), a.fp8_format)?;
+    Ok(if a.fp8_dpa { recipe.with_fp8_dpa(true) } else { recipe })
 }
 
 fn model_config(a: &PrewarmArgs) -> Result<ModelConfig, String> {

@@ -133,6 +133,14 @@ impl Recipe {
         }
     }
 
+    /// The same recipe with `fp8_dpa` set to `fp8_dpa`.
+    pub fn with_fp8_dpa(self, fp8_dpa: bool) -> Self {
+        match self {
+            Recipe::Delayed(r) => DelayedScaling { fp8_dpa, ..r }.into(),
+            Recipe::Current(r) => Float8CurrentScaling { fp8_dpa, ..r }.into(),
+        }
+    }
+
     /// Checks the fields a user can get wrong.
     ///
     /// # Errors

@@ -14,6 +14,7 @@ use super::{
     DotProductAttentionConfig, EmbeddingConfig, KernelSpec, KernelTarget, LayerNormLinearConfig, LayerNormMLPConfig,
     LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
 };
+use crate::ops::flash_attention_fp8;
 use te_codegen::spec::{
     ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, FlashAttnSpec, MaskKind,
     NormSpec, RopeSpec, SoftmaxSpec,
@@ -105,17 +106,26 @@ impl LayerNormMLPConfig {
 impl DotProductAttentionConfig {
     /// The kernels a `DotProductAttention` of this config runs in training for `target`, in the
     /// target's dtype (that of q, k, v). On the fused backend: the FlashAttention-2 forward and
-    /// backward of the head dim (their dropout variants with `attention_dropout`). On the unfused one: the softmax forward for the mask and its
+    /// backward of the head dim (their dropout variants with `attention_dropout`), and with a
+    /// recipe that sets `fp8_dpa` the FP8 forward (with its `_quantize`) and the FP8 casts and
+    /// scaling kernels of the recipe, where the FP8 kernels take the head dim and arch. On the unfused one: the softmax forward for the mask and its
     /// backward at [`KernelTarget::seq_length`] keys, dropout of the probabilities and its
     /// backward, and (GQA, fewer key/value groups than heads) the f32 sum of the key/value
     /// gradients over the heads of a group.
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         let (dt, arch, sk) = (target.params_dtype, target.arch, target.seq_length);
         if self.runs_fused(dt) {
+            let dropout = self.attention_dropout > 0.0;
             for dir in [Direction::Fwd, Direction::Bwd] {
                 specs.push(KernelSpec::FlashAttn(
-                    FlashAttnSpec::new(dir, dt, self.kv_channels, arch).with_dropout(self.attention_dropout > 0.0),
+                    FlashAttnSpec::new(dir, dt, self.kv_channels, arch).with_dropout(dropout),
                 ));
+            }
+            // fp8_dpa: the FP8 forward and its casts where the FP8 kernels take the call.
+            let d = self.kv_channels;
+            if target.recipe.fp8_dpa() && flash_attention_fp8::unsupported_reason(arch, dt, d, false).is_none() {
+                specs.push(FlashAttnSpec::fp8_forward(dt, d, arch).with_dropout(dropout).into());
+                target.fp8_common(specs);
             }
             return;
         }
@@ -194,9 +204,9 @@ impl EmbeddingConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fp8::{Float8CurrentScaling, Format};
+    use crate::fp8::{DelayedScaling, Float8CurrentScaling, Format};
     use crate::modules::AttnMaskType;
-    use te_codegen::spec::CastSpec;
+    use te_codegen::spec::{CastSpec, ScalingSpec};
     use te_codegen::Arch;
 
     #[test]
@@ -235,5 +245,23 @@ mod tests {
         let dropout = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).with_dropout(true);
         assert_eq!(specs.len(), 2, "{specs:?}");
         assert!(specs.contains(&dropout.into()), "{specs:?}");
+        // fp8_dpa adds the FP8 forward at head_dim 128 on Hopper, nothing at 64 or on Ada.
+        let fp8_dpa = KernelTarget { recipe: DelayedScaling { fp8_dpa: true, ..Default::default() }.into(), ..t };
+        let fp8 = FlashAttnSpec::fp8_forward(DType::BF16, 128, Arch::Sm90a);
+        for (d, arch, want) in [(128, Arch::Sm90a, true), (64, Arch::Sm90a, false), (128, Arch::Sm89, false)] {
+            specs.clear();
+            DotProductAttentionConfig::new(8, d).kernel_specs(&KernelTarget { arch, ..fp8_dpa }, &mut specs);
+            let has = specs.iter().any(|s| matches!(s, KernelSpec::FlashAttn(f) if f.fp8));
+            assert_eq!(has, want, "head_dim {d} on {arch}: {specs:?}");
+        }
+        specs.clear();
+        DotProductAttentionConfig::new(8, 128).kernel_specs(&fp8_dpa, &mut specs);
+        assert!(
+            specs.contains(&fp8.into())
+                && specs.contains(&ScalingSpec::delayed(te_codegen::spec::AmaxComputeAlgo::Max, Arch::Sm90a).into())
+        );
+        specs.clear();
+        DotProductAttentionConfig::new(8, 128).kernel_specs(&t, &mut specs);
+        assert!(!specs.contains(&fp8.into()), "no fp8_dpa, no FP8 forward");
     }
 }

@@ -46,6 +46,7 @@ pub enum PositionEmbedding {
 /// recipe = "delayed"           # or "current"
 /// fp8_format = "hybrid"        # or "e4m3"
 /// amax_compute_algo = "max"    # or "most_recent"
+/// fp8_dpa = false              # true: attention's FP8 forward too (TE's fp8_dpa)
 /// activation = "gelu"          # gelu_erf, relu, swiglu, geglu
 /// normalization = "layernorm"  # or "rmsnorm"
 /// zero_centered_gamma = false
@@ -64,8 +65,8 @@ pub struct ModelConfig {
     pub layer: TransformerLayerConfig,
     /// Sequence length (the softmax kernels specialize the key length). Default 2048.
     pub seq_length: usize,
-    /// FP8 recipe: `recipe` (its family), `fp8_format`, and `amax_compute_algo` (delayed
-    /// scaling's history reduction).
+    /// FP8 recipe: `recipe` (its family), `fp8_format`, `amax_compute_algo` (delayed
+    /// scaling's history reduction) and `fp8_dpa`.
     pub recipe: Recipe,
     /// Position embedding: RoPE adds its kernels for `head_dim = hidden / heads`.
     pub position_embedding_type: PositionEmbedding,
@@ -86,6 +87,7 @@ struct ModelConfigFile {
     #[serde(default, deserialize_with = "fp8_format_key")]
     fp8_format: Option<Format>,
     amax_compute_algo: Option<AmaxComputeAlgo>,
+    fp8_dpa: Option<bool>,
     activation: Option<Activation>,
     normalization: Option<NormKind>,
     zero_centered_gamma: Option<bool>,
@@ -116,6 +118,7 @@ impl TryFrom<ModelConfigFile> for ModelConfig {
             r.amax_compute_algo = algo;
         }
         cfg.recipe = override_recipe(cfg.recipe, f.recipe.as_deref(), f.fp8_format)?;
+        cfg.recipe = cfg.recipe.with_fp8_dpa(f.fp8_dpa.unwrap_or(cfg.recipe.fp8_dpa()));
         cfg.seq_length = f.seq_length.unwrap_or(cfg.seq_length);
         cfg.position_embedding_type = f.position_embedding_type.unwrap_or(cfg.position_embedding_type);
         Ok(cfg)
@@ -151,8 +154,8 @@ pub fn parse_fp8_format(name: &str) -> std::result::Result<Format, String> {
 /// ([`Float8CurrentScaling`]), and to `format`, as a config file's `recipe` and `fp8_format` and
 /// `te prewarm --recipe` and `--fp8-format` do: `None` keeps the family or the format. A
 /// recipe that stays in its family keeps its knobs; one switched takes the new family's TE
-/// defaults (besides the format, the knobs that change the kernels are delayed scaling's
-/// `amax_compute_algo` and current scaling's `power_2_scale`).
+/// defaults but keeps `fp8_dpa` (besides the format and `fp8_dpa`, the knobs that change the
+/// kernels are delayed scaling's `amax_compute_algo` and current scaling's `power_2_scale`).
 ///
 /// # Errors
 /// "unknown recipe \`FAMILY\`: expected delayed or current".
@@ -162,16 +165,18 @@ pub fn override_recipe(
     format: Option<Format>,
 ) -> std::result::Result<Recipe, String> {
     let format = format.unwrap_or(recipe.format());
+    let fp8_dpa = recipe.fp8_dpa();
     let recipe = match (family, recipe) {
         (None, r) | (Some("delayed"), r @ Recipe::Delayed(_)) | (Some("current"), r @ Recipe::Current(_)) => r,
         (Some("delayed"), Recipe::Current(_)) => DelayedScaling::default().into(),
         (Some("current"), Recipe::Delayed(_)) => Float8CurrentScaling::default().into(),
         (Some(other), _) => return Err(format!("unknown recipe `{other}`: expected delayed or current")),
     };
-    Ok(match recipe {
+    let recipe: Recipe = match recipe {
         Recipe::Delayed(r) => DelayedScaling { fp8_format: format, ..r }.into(),
         Recipe::Current(r) => Float8CurrentScaling { fp8_format: format, ..r }.into(),
-    })
+    };
+    Ok(recipe.with_fp8_dpa(fp8_dpa))
 }
 
 impl ModelConfig {
@@ -357,6 +362,14 @@ mod tests {
             override_recipe(current, Some("delayed"), None),
             Ok(DelayedScaling { fp8_format: Format::E4M3, ..Default::default() }.into())
         );
+        // fp8_dpa survives a family switch; the key adds the FP8 attention forward at head_dim 128.
+        let dpa = parse("fp8_dpa = true").recipe;
+        assert!(dpa.fp8_dpa() && override_recipe(dpa, Some("current"), None).unwrap().fp8_dpa());
+        let fp8_fwd = |r: Recipe| {
+            let cfg = ModelConfig { recipe: r, ..ModelConfig::new(4096, 16384, 32) };
+            cfg.kernel_specs(Arch::Sm90a).iter().any(|s| matches!(s, KernelSpec::FlashAttn(f) if f.fp8))
+        };
+        assert!(fp8_fwd(dpa) && !fp8_fwd(Recipe::default()));
         let bad = toml::from_str::<ModelConfig>(
             "hidden_size = 64\nffn_hidden_size = 256\nnum_attention_heads = 4\nrecipe = \"mxfp8\"",
         );
