@@ -296,7 +296,7 @@ fn evaluate(
             let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
             let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
             let (loss, _ctx) = match precision {
-                Precision::Fp8 => fp8_autocast(true, DelayedScaling::default(), || model.forward_loss(&ids, &targets))?,
+                Precision::Fp8 => fp8_autocast(true, cfg.recipe, || model.forward_loss(&ids, &targets))?,
                 Precision::Bf16 => model.forward_loss(&ids, &targets)?,
             };
             sum += loss;
