@@ -172,12 +172,21 @@ fn run_prewarm(a: &PrewarmArgs) -> Result<(), String> {
             .map_err(|e| format!("progress bar template: {e}"))?
             .progress_chars("=> "),
     );
-    let report = prewarm(&compiler, &specs, jobs, |spec, _| {
+    let result = prewarm(&compiler, &specs, jobs, |spec, _| {
         bar.set_message(spec.name());
         bar.inc(1);
-    })
-    .map_err(|e| e.to_string())?;
+    });
     bar.finish_and_clear();
+    // Anything short of every kernel in the cache is an error: a line per kernel that did not
+    // make it, on stderr, and exit status 1.
+    let report = result.map_err(|e| match (&e, &a.cache_dir) {
+        (te_codegen::Error::Prewarm { report }, Some(d))
+            if report.failures().any(|(_, e)| matches!(e, te_codegen::Error::CacheWrite { .. })) =>
+        {
+            format!("{e}\n--cache-dir {} overrides TE_KERNEL_CACHE_DIR: pass a writable directory", d.display())
+        }
+        _ => e.to_string(),
+    })?;
     println!(
         "prewarmed {} kernels for {} into {}: {} compiled, {} already cached, in {:.2} s",
         specs.len(),

@@ -50,6 +50,32 @@ fn concurrent_prewarms_share_one_cache() {
 }
 
 #[test]
+fn prewarm_fails_when_the_cache_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-directory");
+    std::fs::write(&file, b"x").unwrap();
+    let o = prewarm(&file, &[]).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!o.status.success(), "nothing was persisted: {}", text(&o));
+    assert!(!stdout.contains("prewarmed"), "claims success: {}", text(&o));
+    let why = format!("cannot write the kernel cache at {}: it is not a directory", file.display());
+    assert!(stderr.contains(&why) && stderr.contains("set TE_KERNEL_CACHE_DIR to a writable directory"), "{stderr}");
+    // A line per kernel, after the count.
+    let failed = stderr.lines().filter(|l| l.starts_with("  te_") && l.contains(&why)).count();
+    assert!(
+        failed > 1 && stderr.contains(&format!("error: {failed} of {failed} kernels were not prewarmed")),
+        "{stderr}"
+    );
+    assert!(std::fs::read(&file).unwrap() == b"x", "the file is left alone");
+
+    // --cache-dir wins over the environment: the message says so.
+    let o = prewarm(&dir.path().join("unused"), &["--cache-dir", file.to_str().unwrap()]).output().unwrap();
+    assert!(!o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("prewarmed"), "{}", text(&o));
+    assert!(text(&o).contains(&why) && text(&o).contains("--cache-dir"), "{}", text(&o));
+    assert!(!dir.path().join("unused").exists(), "{}", text(&o));
+}
+
+#[test]
 fn prewarm_reads_a_config_file() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("model.toml");

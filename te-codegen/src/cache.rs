@@ -5,13 +5,14 @@
 //! payload) and the CUBIN/PTX. Writes go to a temporary file in the same directory that is then
 //! renamed over the entry, so readers never see a partial file and concurrent writers of the
 //! same entry all succeed. A corrupt or truncated entry is deleted and reported as a miss. An
-//! unwritable directory degrades the cache to a no-op with one warning.
+//! unwritable directory degrades the cache to a no-op with one warning ([`DiskCache::put`]), or
+//! is an error where the entry must reach the disk ([`DiskCache::try_put`], `te prewarm`).
 //!
 //! Location: `$TE_KERNEL_CACHE_DIR` if set, else `<user cache dir>/te/kernels`
 //! (`~/.cache/te/kernels` on Linux). `TE_KERNEL_CACHE_DISABLE=1` turns it off.
 
 use crate::nvrtc::{Binary, BinaryKind};
-use crate::Arch;
+use crate::{Arch, Error, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -117,12 +118,12 @@ impl DiskCache {
 
     /// Stores `binary` under `key` atomically. Failures are not errors: the first one logs a
     /// warning and turns the disk cache off for this process (kernels stay cached in memory).
+    /// [`DiskCache::try_put`] is the strict form.
     pub fn put(&self, key: &CacheKey, binary: &Binary) {
-        let Some(path) = self.path(key) else { return };
         if self.write_failed.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = write_atomic(&path, &encode(binary)) {
+        if let Err(e) = self.write(key, binary) {
             if !self.write_failed.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     "kernel cache directory {} is not writable ({e}); kernels are cached in memory only. \
@@ -130,6 +131,24 @@ impl DiskCache {
                     self.dir.as_deref().unwrap_or(Path::new("")).display()
                 );
             }
+        }
+    }
+
+    /// Stores `binary` under `key` atomically, or says why it could not: what `te prewarm` needs,
+    /// where an entry that is not on disk is a failure. A disabled cache stores nothing and
+    /// succeeds. Unlike [`DiskCache::put`], a failure neither warns nor turns the cache off.
+    ///
+    /// # Errors
+    /// [`Error::CacheWrite`] naming the directory and the I/O error.
+    pub fn try_put(&self, key: &CacheKey, binary: &Binary) -> Result<()> {
+        self.write(key, binary)
+            .map_err(|source| Error::CacheWrite { dir: self.dir.clone().unwrap_or_default(), source })
+    }
+
+    fn write(&self, key: &CacheKey, binary: &Binary) -> std::io::Result<()> {
+        match self.path(key) {
+            Some(path) => write_atomic(&path, &encode(binary)),
+            None => Ok(()),
         }
     }
 
@@ -148,7 +167,13 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| std::io::Error::other(format!("cache entry {} has no directory", path.display())))?;
-    std::fs::create_dir_all(dir)?;
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        // `File exists` would hide what is wrong.
+        return Err(match dir.metadata() {
+            Ok(m) if !m.is_dir() => std::io::Error::new(std::io::ErrorKind::NotADirectory, "it is not a directory"),
+            _ => e,
+        });
+    }
     let mut tmp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(dir)?;
     tmp.write_all(bytes)?;
     tmp.as_file().sync_data()?;
@@ -243,6 +268,25 @@ mod tests {
         cache.put(&key, &bin());
         assert!(cache.write_failed.load(Ordering::Relaxed));
         assert_eq!(cache.get(&key), None);
+    }
+
+    #[test]
+    fn try_put_says_why_and_does_not_turn_the_cache_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("not-a-dir");
+        std::fs::write(&file, b"x").unwrap();
+        let key = DiskCache::key("s", &[], Arch::Sm90a, (13, 0));
+        for cache in [DiskCache::at(&file), DiskCache::at(file.join("sub"))] {
+            let err = cache.try_put(&key, &bin()).unwrap_err();
+            assert!(matches!(&err, Error::CacheWrite { dir, .. } if Some(dir.as_path()) == cache.dir()), "{err}");
+            let msg = err.to_string();
+            assert!(msg.to_lowercase().contains("not a directory") && msg.contains(CACHE_DIR_ENV), "{msg}");
+            assert!(!cache.write_failed.load(Ordering::Relaxed));
+        }
+        let cache = DiskCache::at(dir.path().join("new"));
+        cache.try_put(&key, &bin()).unwrap();
+        assert_eq!(cache.get(&key), Some(bin()));
+        DiskCache::disabled().try_put(&key, &bin()).unwrap();
     }
 
     #[test]

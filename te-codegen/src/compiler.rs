@@ -1,6 +1,6 @@
 //! Spec → rendered source → disk cache or NVRTC → binary.
 
-use crate::cache::DiskCache;
+use crate::cache::{CacheKey, DiskCache};
 use crate::nvrtc::{Binary, Nvrtc};
 use crate::render::render;
 use crate::spec::KernelSpec;
@@ -54,6 +54,28 @@ impl KernelCompiler {
     /// # Errors
     /// Invalid specs, template failures and NVRTC compile errors (see [`crate::Error`]).
     pub fn compile(&self, spec: &KernelSpec) -> Result<(Binary, CompileOutcome)> {
+        self.compile_with(spec, |cache, key, bin| {
+            cache.put(key, bin);
+            Ok(())
+        })
+    }
+
+    /// As [`KernelCompiler::compile`], but a kernel compiled now must reach the disk cache (when
+    /// it is enabled): a failed write is an error, not a warning, and does not turn the cache off
+    /// ([`DiskCache::try_put`]). What `te prewarm` uses.
+    ///
+    /// # Errors
+    /// As [`KernelCompiler::compile`], and [`crate::Error::CacheWrite`] when the entry cannot be
+    /// written.
+    pub fn compile_persisted(&self, spec: &KernelSpec) -> Result<(Binary, CompileOutcome)> {
+        self.compile_with(spec, DiskCache::try_put)
+    }
+
+    fn compile_with(
+        &self,
+        spec: &KernelSpec,
+        store: impl FnOnce(&DiskCache, &CacheKey, &Binary) -> Result<()>,
+    ) -> Result<(Binary, CompileOutcome)> {
         let source = render(spec)?;
         let (options, kind) = self.nvrtc.options(spec.arch());
         let key = DiskCache::key(&source, &options, spec.arch(), self.nvrtc.version());
@@ -64,7 +86,7 @@ impl KernelCompiler {
         let start = std::time::Instant::now();
         let bin = self.nvrtc.compile(&name, &source, &options, kind)?;
         tracing::debug!("compiled {name} in {:.1} ms", start.elapsed().as_secs_f64() * 1e3);
-        self.cache.put(&key, &bin);
+        store(&self.cache, &key, &bin)?;
         Ok((bin, CompileOutcome::Compiled))
     }
 }

@@ -69,6 +69,25 @@ pub enum Error {
     /// An NVRTC API call failed outside compilation proper.
     #[error("NVRTC call failed: {0:?}")]
     Nvrtc(#[from] cudarc::nvrtc::result::NvrtcError),
+    /// The disk cache could not store a kernel where it had to ([`DiskCache::try_put`]: `te prewarm`).
+    #[error(
+        "cannot write the kernel cache at {}: {source}; set {} to a writable directory",
+        dir.display(),
+        cache::CACHE_DIR_ENV
+    )]
+    CacheWrite {
+        /// The cache directory.
+        dir: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Kernels [`prewarm::prewarm`] did not get into the disk cache: one line per kernel, its
+    /// name and error; the report has every kernel's outcome.
+    #[error("{}", report.failure_summary())]
+    Prewarm {
+        /// What happened to each kernel.
+        report: Box<prewarm::PrewarmReport>,
+    },
     /// A broken invariant of this crate (a bug, never the caller's input): the message names
     /// what did not hold.
     #[error("internal error in {op}: {message} (a bug in te-codegen; please report it)")]
