@@ -292,6 +292,11 @@ struct TrainArgs {
     /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does).
     #[arg(long)]
     fp8_lm_head: bool,
+    /// Steps with a NaN or infinite loss or gradient norm to skip (weights not updated) before
+    /// the run stops; 0 (the default): the first one stops it, naming the step and the last good
+    /// checkpoint (Megatron-LM's skipped iterations).
+    #[arg(long, default_value_t = 0)]
+    skip_nonfinite_steps: u64,
     /// FP8 runs: run attention in FP8 too (TE's `fp8_dpa`: E4M3 q, k, v on Hopper for head_dim
     /// 128/256; elsewhere attention stays BF16).
     #[arg(long)]
@@ -366,6 +371,7 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
             fp8_dpa: a.fp8_dpa,
             ..DelayedScaling::default()
         },
+        skip_nonfinite_steps: a.skip_nonfinite_steps,
     };
     let precisions = match a.precision.as_str() {
         "fp8" => vec![Precision::Fp8],

@@ -21,9 +21,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use te_runtime::checkpoint::{self, write_atomic, LoadOptions, SaveOptions};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, ScalingState};
 use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
-use te_runtime::modules::TokenIds;
+use te_runtime::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
 use te_runtime::{Device, Module};
 
@@ -52,6 +52,74 @@ pub enum TrainError {
         /// What is wrong and what to do.
         message: String,
     },
+    /// A NaN or infinite loss, gradient norm or FP8 scaling state: the run stops.
+    #[error("step {step}: {message}")]
+    NonFinite {
+        /// The optimizer step.
+        step: u64,
+        /// What was not finite, what happened to the weights, where the last good checkpoint
+        /// is and what to change.
+        message: String,
+    },
+}
+
+/// Counts the steps whose loss or gradient norm is NaN or infinite and stops the run at the
+/// first one beyond `--skip-nonfinite-steps` (Megatron-LM's skipped iterations): the optimizer
+/// skips such a step on its own (`skip_nonfinite`), so the weights stay those of the last good
+/// step.
+#[derive(Debug)]
+pub struct NonFiniteGuard {
+    allowed: u64,
+    seen: u64,
+}
+
+impl NonFiniteGuard {
+    /// A guard that lets `allowed` non-finite steps be skipped.
+    pub fn new(allowed: u64) -> Self {
+        Self { allowed, seen: 0 }
+    }
+
+    /// Checks step `step`'s mean `loss` and `grad_norm` (`skipped`: the optimizer skipped it);
+    /// `checkpoint` is the newest good checkpoint, if any.
+    ///
+    /// # Errors
+    /// [`TrainError::NonFinite`] once more steps than allowed were non-finite.
+    pub fn check(
+        &mut self,
+        step: u64,
+        (loss, grad_norm, skipped): (f32, f32, bool),
+        checkpoint: Option<&Path>,
+    ) -> Result<(), TrainError> {
+        if loss.is_finite() && grad_norm.is_finite() {
+            return Ok(());
+        }
+        self.seen += 1;
+        if self.seen <= self.allowed {
+            tracing::warn!(
+                "step {step}: loss {loss}, gradient norm {grad_norm}; step skipped ({} of --skip-nonfinite-steps {})",
+                self.seen,
+                self.allowed
+            );
+            return Ok(());
+        }
+        let weights = if skipped {
+            "the optimizer skipped the step: the weights are those of the step before"
+        } else {
+            "the gradient norm was finite, so the optimizer applied the step"
+        };
+        let resume = match checkpoint {
+            Some(c) => format!("the last good checkpoint is {} (continue from it with --resume)", c.display()),
+            None => "no checkpoint was written yet".into(),
+        };
+        Err(TrainError::NonFinite {
+            step,
+            message: format!(
+                "the training loss is {loss} and the gradient norm {grad_norm} (non-finite); {weights}; {resume}. \
+                 Lower --lr, or pass --skip-nonfinite-steps N to skip up to N such steps ({} allowed now)",
+                self.allowed
+            ),
+        })
+    }
 }
 
 /// The numeric format of a run.
@@ -100,6 +168,9 @@ pub struct TrainConfig {
     /// The FP8 recipe of [`Precision::Fp8`] runs (TE's default `DelayedScaling`: HYBRID,
     /// amax history 1024, max).
     pub recipe: DelayedScaling,
+    /// Steps with a NaN or infinite loss or gradient norm that are skipped (weights not
+    /// updated) before the run stops ([`NonFiniteGuard`]); 0: the first one stops it.
+    pub skip_nonfinite_steps: u64,
 }
 
 /// Checkpointing of a run.
@@ -196,6 +267,14 @@ pub fn train(
     }
     let recipe = cfg.recipe;
     let mut times = Vec::new();
+    let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
+    // The newest good checkpoint: the one resumed from, then each one saved.
+    let mut last_checkpoint = match ckpt.dir.as_deref() {
+        Some(dir) if start_step > 1 => {
+            read_latest(&run_dir(dir, precision).join("latest.toml"))?.map(|l| run_dir(dir, precision).join(l.dir))
+        }
+        _ => None,
+    };
     for step in start_step..=cfg.steps {
         let start = Instant::now();
         let mut losses = Vec::with_capacity(cfg.grad_accum);
@@ -214,14 +293,15 @@ pub fn train(
             model.backward(ctx)?;
             losses.push(loss);
         }
-        opt.step(&mut model)?;
+        let stats = opt.step(&mut model)?;
         // Read after the step was issued: the host never waited for the device mid-step.
         let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
+        let train_loss = loss_sum / cfg.grad_accum as f32;
+        guard.check(step, (train_loss, stats.grad_norm, stats.skipped), last_checkpoint.as_deref())?;
         model.zero_grad();
         dev.synchronize()?;
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
         times.push(step_ms);
-        let train_loss = loss_sum / cfg.grad_accum as f32;
         let val_loss = if step % cfg.eval_interval == 0 || step == cfg.steps {
             Some(evaluate(dev, &mut model, corpus, cfg, precision)?)
         } else {
@@ -230,7 +310,7 @@ pub fn train(
         records.push(Record { step, train_loss, val_loss, step_ms });
         if let Some(dir) = &ckpt.dir {
             if (ckpt.interval > 0 && step % ckpt.interval == 0) || step == cfg.steps {
-                save(&run_dir(dir, precision), cfg, step, &model, &opt, &records)?;
+                last_checkpoint = Some(save(&run_dir(dir, precision), cfg, step, &model, &opt, &records)?);
             }
         }
         progress(step, train_loss);
@@ -267,6 +347,8 @@ pub fn adamw_config(cfg: &TrainConfig) -> AdamWConfig {
         weight_decay: 0.1,
         betas: (0.9, 0.95),
         decay_biases_and_norms: false,
+        // A non-finite step leaves the weights alone; `NonFiniteGuard` decides whether to go on.
+        skip_nonfinite: true,
         ..AdamWConfig::new(schedule)
     }
 }
@@ -317,7 +399,8 @@ fn save(
     model: &Gpt,
     opt: &AdamW,
     records: &[Record],
-) -> Result<(), TrainError> {
+) -> Result<PathBuf, TrainError> {
+    check_fp8_states(model, step)?;
     let name = format!("step-{step:07}");
     let dir = run_dir.join(&name);
     std::fs::create_dir_all(&dir).map_err(|source| TrainError::Output { path: dir.clone(), source })?;
@@ -353,7 +436,43 @@ fn save(
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
-    Ok(())
+    Ok(dir)
+}
+
+/// Refuses to checkpoint FP8 scaling states holding a NaN or infinite scale, `scale_inv` or
+/// amax (they would come back with `--resume`).
+fn check_fp8_states(model: &Gpt, step: u64) -> Result<(), TrainError> {
+    let mut bad = Vec::new();
+    let mut visitor = FiniteStates(&mut bad);
+    model.visit("", &mut visitor)?;
+    match bad.first() {
+        None => Ok(()),
+        Some(path) => Err(TrainError::NonFinite {
+            step,
+            message: format!(
+                "the FP8 scaling state {path} holds a NaN or infinite value ({} states in all); the checkpoint was \
+                 not written. The previous checkpoint is kept: continue from it with --resume, with a lower --lr",
+                bad.len()
+            ),
+        }),
+    }
+}
+
+/// Collects the paths of FP8 scaling states that are not all finite.
+struct FiniteStates<'a>(&'a mut Vec<String>);
+
+impl ModuleVisitor for FiniteStates<'_> {
+    fn param(&mut self, _: &str, _: ParamKind, _: &dyn Param) -> te_runtime::Result<()> {
+        Ok(())
+    }
+
+    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> te_runtime::Result<()> {
+        let s = state.snapshot()?;
+        if !s.amax_history.iter().chain(&s.scale).chain(&s.scale_inv).all(|x| x.is_finite()) {
+            self.0.push(path.to_owned());
+        }
+        Ok(())
+    }
 }
 
 /// `latest.toml` of a run, or `None` when there is none.

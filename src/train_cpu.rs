@@ -7,7 +7,9 @@
 //! per run on two cores.
 
 use crate::data::{Batcher, Corpus};
-use crate::train::{adamw_config, eval_batcher, median, Precision, Record, RunSummary, TrainConfig, TrainError};
+use crate::train::{
+    adamw_config, eval_batcher, median, NonFiniteGuard, Precision, Record, RunSummary, TrainConfig, TrainError,
+};
 use std::time::Instant;
 use te_runtime::cpu::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
 
@@ -40,11 +42,13 @@ pub fn train_cpu(
         eps: gpu.eps,
         weight_decay: gpu.weight_decay,
         max_grad_norm: gpu.max_grad_norm,
+        skip_nonfinite: gpu.skip_nonfinite,
     };
     let mut opt = GptAdamW::new(&model, opt_cfg);
     let (seq, batch) = (cfg.model.seq_length, cfg.batch);
     let mut train_batches = Batcher::new(cfg.data_seed, seq, batch);
     let mut records = Vec::new();
+    let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
     for step in 1..=cfg.steps {
         let start = Instant::now();
         let mut loss_sum = 0.0f32;
@@ -65,9 +69,11 @@ pub fn train_cpu(
             }
             loss_sum += loss;
         }
-        opt.step(&mut model, &grads, schedule.lr(step))?;
+        let stats = opt.step(&mut model, &grads, schedule.lr(step))?;
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
         let train_loss = loss_sum / cfg.grad_accum as f32;
+        // The CPU path writes no checkpoints.
+        guard.check(step, (train_loss, stats.grad_norm, stats.skipped), None)?;
         let val_loss = if step % cfg.eval_interval.max(1) == 0 || step == cfg.steps {
             Some(evaluate(&model, corpus, cfg)?)
         } else {
@@ -115,8 +121,7 @@ mod tests {
     use te_runtime::models::gpt::GptConfig;
     use te_runtime::DType;
 
-    #[test]
-    fn a_few_steps_on_a_small_text_lower_the_loss() {
+    fn small() -> (Corpus, TrainConfig) {
         let text = b"to be or not to be, that is the question. ".repeat(40);
         let corpus = Corpus::split(text, 0.2);
         let model = GptConfig {
@@ -140,7 +145,14 @@ mod tests {
             eval_batches: 2,
             data_seed: 7,
             recipe: DelayedScaling::default(),
+            skip_nonfinite_steps: 0,
         };
+        (corpus, cfg)
+    }
+
+    #[test]
+    fn a_few_steps_on_a_small_text_lower_the_loss() {
+        let (corpus, cfg) = small();
         for precision in [Precision::Fp8, Precision::Bf16] {
             let mut seen = 0;
             let run = train_cpu(&corpus, &cfg, precision, |_, _| seen += 1).unwrap();
@@ -154,5 +166,22 @@ mod tests {
             assert!(vals[1] < vals[0], "{vals:?}");
             assert!(run.tokens_per_s > 0.0 && run.parameters == cfg.model.num_parameters());
         }
+    }
+
+    /// A diverging run (learning rate 1e30) stops at its first non-finite step, naming it and
+    /// what to change; allowed to skip, it finishes with the steps skipped.
+    #[test]
+    fn nonfinite_steps_stop_the_run_or_are_skipped() {
+        let (corpus, cfg) = small();
+        let cfg = TrainConfig { lr: 1e30, warmup_steps: 1, steps: 5, ..cfg };
+        let e = train_cpu(&corpus, &cfg, Precision::Bf16, |_, _| {}).unwrap_err();
+        let message = e.to_string();
+        assert!(matches!(e, TrainError::NonFinite { step, .. } if step >= 2), "{message}");
+        assert!(message.contains("non-finite") && message.contains("--skip-nonfinite-steps"), "{message}");
+        assert!(message.contains("no checkpoint was written yet") && message.contains("skipped the step"), "{message}");
+        let skipping = TrainConfig { skip_nonfinite_steps: 5, ..cfg };
+        let run = train_cpu(&corpus, &skipping, Precision::Bf16, |_, _| {}).unwrap();
+        assert_eq!(run.records.len(), 5);
+        assert!(run.records.iter().any(|r| !r.train_loss.is_finite()), "the run diverged");
     }
 }

@@ -22,7 +22,7 @@ pub fn run(b: &mut Bench) {
     let mut params: Vec<Tensor> = (0..tensors).map(|_| Tensor::zeros(&dev, DType::BF16, &[n]).unwrap()).collect();
     let mut state: Vec<_> = (0..3 * tensors).map(|_| s.alloc_zeros::<f32>(n).unwrap()).collect();
     let mut norm_out = s.alloc_zeros::<f32>(2).unwrap();
-    let args = AdamWArgs { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, max_grad_norm: 1.0 };
+    let args = AdamWArgs { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, max_grad_norm: 1.0, skip_nonfinite: false };
     let st = b.time(3, 20, |i| {
         let mut list: Vec<AdamWTensor> = grads
             .iter()

@@ -59,7 +59,14 @@ fn run_steps(dev: &Arc<Device>, max_grad_norm: f32, steps: u64) -> Vec<f32> {
     let mut norm_out = s.alloc_zeros::<f32>(2).unwrap();
     let mut norms = Vec::new();
     for step in 0..steps {
-        let args = AdamWArgs { lr: 1e-3 * (step + 1) as f32, beta1: 0.9, beta2: 0.95, eps: 1e-8, max_grad_norm };
+        let args = AdamWArgs {
+            lr: 1e-3 * (step + 1) as f32,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            max_grad_norm,
+            skip_nonfinite: false,
+        };
         let mut tensors: Vec<AdamWTensor> = grads
             .iter()
             .zip(params.iter_mut())
@@ -133,7 +140,7 @@ fn bad_arguments_are_typed_errors() {
     let Some(dev) = device() else { return };
     let s = dev.stream();
     let mut norm_out = s.alloc_zeros::<f32>(2).unwrap();
-    let args = AdamWArgs { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, max_grad_norm: 1.0 };
+    let args = AdamWArgs { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, max_grad_norm: 1.0, skip_nonfinite: false };
     assert!(matches!(adamw_step(&dev, &mut [], &args, &mut norm_out), Err(Error::Shape { .. })));
     let grad = Tensor::zeros(&dev, DType::E4M3, &[8]).unwrap();
     let mut param = Tensor::zeros(&dev, DType::BF16, &[8]).unwrap();
@@ -228,6 +235,58 @@ fn adamw_steps_a_model_as_the_reference_says() {
         );
     }
     assert_eq!(opt.states().iter().map(|s| s.step).collect::<Vec<_>>(), [2, 2, 2, 2]);
+}
+
+/// `skip_nonfinite` (Megatron's skipped iteration): a NaN gradient leaves parameters, masters
+/// and moments as they were and the step uncounted; without it the NaN spreads, as in PyTorch.
+#[test]
+fn nonfinite_steps_are_skipped_on_request() {
+    let Some(dev) = device() else { return };
+    let nan_backward = |m: &mut Mlp| {
+        let mut xs = randn(3, T * H, 1.0);
+        xs[5] = f32::NAN;
+        let x = Tensor::from_f32(&dev, DType::BF16, &[T, H], &xs).unwrap();
+        let (_, ctx) = m.fc1.forward(&x).unwrap();
+        m.fc1.backward(ctx, &Tensor::from_f32(&dev, DType::BF16, &[T, F], &randn(4, T * F, 1.0)).unwrap()).unwrap();
+    };
+    for skip_nonfinite in [true, false] {
+        let mut model = mlp(&dev);
+        let config = AdamWConfig { skip_nonfinite, ..AdamWConfig::new(LrSchedule::Constant(1e-2)) };
+        let mut opt = AdamW::new(&dev, &model, config).unwrap();
+        backward(&dev, &mut model);
+        assert!(!opt.step(&mut model).unwrap().skipped);
+        let (before, _) = snapshot(&dev, &model);
+        model.zero_grad();
+        let states = |opt: &AdamW| -> Vec<Vec<f32>> {
+            let s = dev.stream();
+            opt.states()
+                .iter()
+                .flat_map(|p| [&p.master, &p.exp_avg, &p.exp_avg_sq])
+                .map(|t| s.clone_dtoh(t).unwrap())
+                .collect()
+        };
+        let state_before = states(&opt);
+        backward(&dev, &mut model);
+        nan_backward(&mut model);
+        let stats = opt.step(&mut model).unwrap();
+        assert!(stats.grad_norm.is_nan(), "{stats:?}");
+        let (after, _) = snapshot(&dev, &model);
+        if skip_nonfinite {
+            assert!(stats.skipped && stats.step == 1 && opt.step_count() == 1, "{stats:?}");
+            assert_eq!(
+                after.iter().map(|p| bits(p)).collect::<Vec<_>>(),
+                before.iter().map(|p| bits(p)).collect::<Vec<_>>()
+            );
+            let state_after = states(&opt);
+            for (a, b) in state_after.iter().zip(&state_before) {
+                assert_eq!(bits(a), bits(b), "masters and moments unchanged");
+            }
+            assert!(opt.states().iter().all(|p| p.step == 1), "parameter steps unchanged");
+        } else {
+            assert!(!stats.skipped && stats.step == 2, "{stats:?}");
+            assert!(after.iter().flatten().any(|x| x.is_nan()), "PyTorch's arithmetic spreads the NaN");
+        }
+    }
 }
 
 #[test]

@@ -36,6 +36,7 @@ fn config(steps: u64) -> TrainConfig {
         eval_batches: 2,
         data_seed: 7,
         recipe: DelayedScaling::default(),
+        skip_nonfinite_steps: 0,
     }
 }
 
@@ -101,4 +102,25 @@ fn gradient_accumulation_matches_one_big_batch() {
         }
         assert!(a.records[3].train_loss < a.records[0].train_loss, "{:?}", a.records);
     }
+}
+
+/// A diverging run (learning rate 1e30) stops at its first non-finite step with a typed error
+/// naming the step and the last good checkpoint; with `skip_nonfinite_steps` it skips them and
+/// finishes, its weights those of the last finite step.
+#[test]
+fn nonfinite_steps_stop_the_run_or_are_skipped() {
+    let Some(dev) = device() else { return };
+    let corpus = corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = CheckpointOptions { dir: Some(dir.path().to_path_buf()), interval: 1, resume: false };
+    let cfg = TrainConfig { lr: 1e30, warmup_steps: 1, ..config(6) };
+    let e = train(&dev, &corpus, &cfg, Precision::Bf16, &ckpt, |_, _| {}).unwrap_err();
+    let message = e.to_string();
+    assert!(matches!(e, TrainError::NonFinite { .. }), "{message}");
+    assert!(message.contains("non-finite") && message.contains("--skip-nonfinite-steps"), "{message}");
+    assert!(message.contains("last good checkpoint is") && message.contains("step-"), "{message}");
+    let skipping = TrainConfig { skip_nonfinite_steps: 6, ..cfg };
+    let run = train(&dev, &corpus, &skipping, Precision::Bf16, &CheckpointOptions::default(), |_, _| {}).unwrap();
+    assert_eq!(run.records.len(), 6);
+    assert!(run.records.iter().any(|r| !r.train_loss.is_finite()), "the run diverged");
 }

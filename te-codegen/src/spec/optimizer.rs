@@ -36,8 +36,10 @@ pub enum OptimizerKind {
     /// contraction, `g = f32(grad) * *clip_coef`; `p = master * decay`; `m = m + (g - m) *
     /// (1 - beta1)`; `v = v * beta2 + (g * g) * (1 - beta2)`; `denom = sqrt(v) / bc2_sqrt +
     /// eps`; `p = p - step_size * (m / denom)`; writes master `p`, `m`, `v` and the parameter
-    /// `round(p)` in its own type. `clip_coef` is a device pointer (the norm's `out + 1`), so
-    /// clipping needs no host round trip.
+    /// `round(p)` in its own type. The clip coefficient is read on the device (`norm_clip`, the
+    /// finalize's `out`), so clipping needs no host round trip. With `skip_nonfinite` and a NaN
+    /// or infinite norm, nothing is updated: each parameter is rewritten `round(master)` from
+    /// its unchanged master (Megatron-LM's skipped iteration, decided on the device).
     AdamW,
 }
 
@@ -100,9 +102,14 @@ impl OptimizerSpec {
         KernelArg::scalar("one_minus_beta2", "float", "`1 - beta2`"),
         KernelArg::scalar("eps", "float", "denominator epsilon"),
         KernelArg::read(
-            "clip_coef",
+            "norm_clip",
             "const float* __restrict__",
-            "`[1]` gradient clip coefficient (from the grad-norm kernel)",
+            "`[2]` the global gradient norm and the clip coefficient (from the grad-norm kernels)",
+        ),
+        KernelArg::scalar(
+            "skip_nonfinite",
+            "int",
+            "1: a non-finite norm skips the update (parameters rewritten from the unchanged masters)",
         ),
     ];
 }

@@ -49,6 +49,10 @@ pub struct AdamWArgs {
     pub eps: f32,
     /// Clip the gradients to this global L2 norm (`f32::INFINITY`: no clipping).
     pub max_grad_norm: f32,
+    /// A NaN or infinite gradient norm skips the whole update on the device: masters and
+    /// moments stay, each parameter is rewritten from its master (Megatron-LM's skipped
+    /// iteration). `false`: PyTorch's arithmetic, which spreads the NaN.
+    pub skip_nonfinite: bool,
 }
 
 /// One chunk entry of the device table, laid out as the kernels' `Chunk` (64 bytes).
@@ -88,7 +92,9 @@ fn type_code(dt: DType) -> Option<u32> {
 /// 1. the global L2 norm of all gradients, deterministic run to run (per-chunk f32 partials,
 ///    then one block sums them in a fixed order), into `norm_out[0]`;
 /// 2. `clip_coef = min(1, max_grad_norm / (norm + 1e-6))` into `norm_out[1]`;
-/// 3. per element, with `g = grad * clip_coef` (f32; apex-style: the scaled gradient is not
+/// 3. unless `skip_nonfinite` and the norm is NaN or infinite (then each parameter is only
+///    rewritten from its unchanged master), per element, with `g = grad * clip_coef` (f32;
+///    apex-style: the scaled gradient is not
 ///    rounded to the gradient's type, unlike PyTorch's in-place `grad.mul_`), the update of
 ///    [`crate::reference::optimizer::adamw_step`] with the scalars of
 ///    [`AdamWScalars::new`] for each tensor's `weight_decay` and `step`; the new master is
@@ -215,7 +221,7 @@ pub fn adamw_step(
 
     let adam_spec = OptimizerSpec::adamw(dev.arch());
     let adam = dev.function(&KernelSpec::Optimizer(adam_spec), 0)?;
-    let clip = norm_out.slice(1..2);
+    let skip = i32::from(args.skip_nonfinite);
     let mut b = Launch::new("adamw_step", stream, &adam, &adam_spec, 0);
     b.ptr("chunks", &chunks)
         .scalar("beta1", &s.beta1)
@@ -223,12 +229,13 @@ pub fn adamw_step(
         .scalar("beta2", &s.beta2)
         .scalar("one_minus_beta2", &s.one_minus_beta2)
         .scalar("eps", &s.eps)
-        .ptr("clip_coef", &clip);
+        .ptr("norm_clip", &*norm_out)
+        .scalar("skip_nonfinite", &skip);
     // SAFETY: the AdamW signature documented on `OptimizerKind`: each entry points at `n`
     // elements of its grad and param types and `n` floats of master and moments, all inside
     // buffers checked above and borrowed (the writable ones mutably) for this call, so no two
-    // entries overlap in what they write; `clip` is one float written by the finalize launch
-    // before this one on the same stream.
+    // entries overlap in what they write; `norm_out` holds the 2 floats the finalize launch
+    // wrote before this one on the same stream.
     unsafe { b.launch(launch_1d(entries.len(), adam_spec.threads, 0)) }?;
     drop(guards);
     Ok(())

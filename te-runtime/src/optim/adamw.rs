@@ -28,6 +28,10 @@ pub struct AdamWConfig {
     /// Apply weight decay to biases and norm parameters too (PyTorch: `true`, one group);
     /// `false` decays only GEMM weights ([`ParamKind::Weight`]), as Megatron-LM and nanoGPT do.
     pub decay_biases_and_norms: bool,
+    /// Skip a step whose gradient norm is NaN or infinite (Megatron-LM's skipped iteration):
+    /// decided on the device, nothing is updated and the step does not count
+    /// ([`StepStats::skipped`]). PyTorch's default `false` updates with the NaN.
+    pub skip_nonfinite: bool,
 }
 
 impl AdamWConfig {
@@ -41,6 +45,7 @@ impl AdamWConfig {
             weight_decay: 0.01,
             max_grad_norm: None,
             decay_biases_and_norms: true,
+            skip_nonfinite: false,
         }
     }
 
@@ -83,6 +88,9 @@ pub struct StepStats {
     pub step: u64,
     /// Parameters updated (those with a gradient).
     pub params_updated: usize,
+    /// The step was skipped ([`AdamWConfig::skip_nonfinite`] and a non-finite `grad_norm`):
+    /// parameters, masters and moments are as before it, and `step` did not advance.
+    pub skipped: bool,
 }
 
 /// The optimizer state of one parameter.
@@ -217,7 +225,8 @@ impl AdamW {
     /// # Errors
     /// [`Error::Config`] when the model's parameters (paths, shapes, dtypes, order) are not the
     /// ones the optimizer was built for, or when no parameter has a gradient (run a backward
-    /// first); kernel, allocation and copy failures. The step counts only when it succeeds.
+    /// first); kernel, allocation and copy failures. The step counts only when it succeeds and
+    /// is not skipped ([`AdamWConfig::skip_nonfinite`]).
     pub fn step<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<StepStats> {
         let grads = self.gather_grads(model)?;
         let dev = self.dev.clone();
@@ -252,16 +261,21 @@ impl AdamW {
         }
         let (beta1, beta2) = self.config.betas;
         let max_grad_norm = self.config.max_grad_norm.unwrap_or(f32::INFINITY);
-        let args = AdamWArgs { lr, beta1, beta2, eps: self.config.eps, max_grad_norm };
+        let skip_nonfinite = self.config.skip_nonfinite;
+        let args = AdamWArgs { lr, beta1, beta2, eps: self.config.eps, max_grad_norm, skip_nonfinite };
         adamw_step(&dev, &mut tensors, &args, &mut self.norm_out)?;
         drop(tensors);
-        for (s, g) in self.params.iter_mut().zip(&grads) {
-            s.step += u64::from(g.is_some());
-        }
-        self.step = step;
         self.write_back(model, new_params)?;
         let out = dev.stream().clone_dtoh(&self.norm_out)?;
-        Ok(StepStats { grad_norm: out[0], clip_coef: out[1], lr, step, params_updated: updated })
+        let skipped = skip_nonfinite && !out[0].is_finite();
+        if !skipped {
+            for (s, g) in self.params.iter_mut().zip(&grads) {
+                s.step += u64::from(g.is_some());
+            }
+            self.step = step;
+        }
+        let step = self.step;
+        Ok(StepStats { grad_norm: out[0], clip_coef: out[1], lr, step, params_updated: updated, skipped })
     }
 
     /// Each parameter's gradient (main_grad first), checking the model's parameter list.

@@ -22,6 +22,9 @@ pub struct GptAdamWConfig {
     pub weight_decay: f32,
     /// Global-norm clipping threshold (`None`: no clipping).
     pub max_grad_norm: Option<f32>,
+    /// Skip a step whose gradient norm is NaN or infinite (nothing updated, the step not
+    /// counted), as the GPU optimizer's `AdamWConfig::skip_nonfinite`.
+    pub skip_nonfinite: bool,
 }
 
 /// AdamW over a [`GptRef`]'s parameters with the GPU optimizer's per-element arithmetic
@@ -41,6 +44,8 @@ pub struct GptStepStats {
     pub grad_norm: f32,
     /// The clip coefficient applied (1 without clipping).
     pub clip_coef: f32,
+    /// The step was skipped (`skip_nonfinite` and a non-finite `grad_norm`).
+    pub skipped: bool,
 }
 
 impl GptAdamW {
@@ -79,6 +84,9 @@ impl GptAdamW {
         let slices: Vec<&[f32]> = grads.iter().map(|(_, g)| g.as_slice()).collect();
         let grad_norm = global_norm(&slices);
         let clip = self.cfg.max_grad_norm.map_or(1.0, |m| clip_coef(grad_norm, m));
+        if self.cfg.skip_nonfinite && !grad_norm.is_finite() {
+            return Ok(GptStepStats { grad_norm, clip_coef: clip, skipped: true });
+        }
         self.step += 1;
         let (beta1, beta2) = self.cfg.betas;
         for (((p, (_, g)), m), v) in model.params.iter_mut().zip(grads).zip(&mut self.exp_avg).zip(&mut self.exp_avg_sq)
@@ -87,6 +95,6 @@ impl GptAdamW {
             let hyper = AdamWHyper { lr, beta1, beta2, eps: self.cfg.eps, weight_decay, step: self.step };
             adamw_step(&AdamWScalars::new(&hyper), clip, g, &mut p.value, m, v, DType::F32);
         }
-        Ok(GptStepStats { grad_norm, clip_coef: clip })
+        Ok(GptStepStats { grad_norm, clip_coef: clip, skipped: false })
     }
 }

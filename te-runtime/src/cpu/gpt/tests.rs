@@ -74,7 +74,13 @@ fn train_losses(precision: GemmPrecision, dropout: f32, steps: usize) -> Vec<f32
     let (ids, targets) = pattern(s, b, cfg.vocab_size);
     let mut model = GptRef::new(&cfg).unwrap();
     model.set_precision(precision).unwrap();
-    let adam_cfg = GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, max_grad_norm: Some(1.0) };
+    let adam_cfg = GptAdamWConfig {
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: 0.1,
+        max_grad_norm: Some(1.0),
+        skip_nonfinite: false,
+    };
     let mut opt = GptAdamW::new(&model, adam_cfg);
     (0..steps)
         .map(|_| {
@@ -134,7 +140,9 @@ fn bad_inputs_are_errors() {
     assert!(matches!(other.backward(ctx), Err(Error::Context { .. })));
     let (_, ctx) = m.forward_loss(&ids, &targets, 8, 2).unwrap();
     let grads = m.clone().backward(ctx).unwrap();
-    let mut opt =
-        GptAdamW::new(&other, GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0, max_grad_norm: None });
+    let mut opt = GptAdamW::new(
+        &other,
+        GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0, max_grad_norm: None, skip_nonfinite: false },
+    );
     assert!(matches!(opt.step(&mut m, &grads, 1e-3), Err(Error::Config { .. })));
 }
