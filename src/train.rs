@@ -18,6 +18,7 @@ use crate::data::{Batcher, Corpus, DataError};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use te_runtime::checkpoint::{self, write_atomic, LoadOptions, SaveOptions};
@@ -51,6 +52,19 @@ pub enum TrainError {
         path: PathBuf,
         /// What is wrong and what to do.
         message: String,
+    },
+    /// A stop was requested ([`CheckpointOptions::stop`]: SIGTERM or SIGINT to `te train`):
+    /// the run finished `step` and wrote `checkpoint` (none on the CPU path or without a
+    /// checkpoint directory).
+    #[error("stopped on request after step {step}: {}", match checkpoint {
+        Some(c) => format!("checkpoint written at {}; continue with --resume", c.display()),
+        None => "no checkpoint (the CPU path and --no-checkpoint write none)".into(),
+    })]
+    Interrupted {
+        /// The last step completed.
+        step: u64,
+        /// The checkpoint of that step.
+        checkpoint: Option<PathBuf>,
     },
     /// A NaN or infinite loss, gradient norm or FP8 scaling state: the run stops.
     #[error("step {step}: {message}")]
@@ -182,6 +196,17 @@ pub struct CheckpointOptions {
     pub interval: u64,
     /// Continue from the newest checkpoint in `dir` when there is one.
     pub resume: bool,
+    /// Preemption: once this flag is set (`te train` sets it on SIGTERM or SIGINT), the run
+    /// finishes the step in progress, writes its checkpoint (when `dir` is set) and returns
+    /// [`TrainError::Interrupted`]. Checked between steps; the CPU path honours it too.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+impl CheckpointOptions {
+    /// Whether a stop was requested.
+    pub fn stop_requested(&self) -> bool {
+        self.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed))
+    }
 }
 
 /// One row of the loss curve.
@@ -242,7 +267,9 @@ fn run_dir(dir: &Path, precision: Precision) -> PathBuf {
 ///
 /// # Errors
 /// Data, runtime, device and checkpoint errors; [`TrainError::Resume`] for a checkpoint made
-/// with other settings.
+/// with other settings; [`TrainError::NonFinite`] past `cfg.skip_nonfinite_steps` non-finite
+/// steps (or for a non-finite FP8 scaling state at a checkpoint); [`TrainError::Interrupted`]
+/// after the step during which `ckpt.stop` was set, its checkpoint written.
 pub fn train(
     dev: &Arc<Device>,
     corpus: &Corpus,
@@ -308,12 +335,16 @@ pub fn train(
             None
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
+        progress(step, train_loss);
+        let stop = ckpt.stop_requested() && step < cfg.steps;
         if let Some(dir) = &ckpt.dir {
-            if (ckpt.interval > 0 && step % ckpt.interval == 0) || step == cfg.steps {
+            if (ckpt.interval > 0 && step % ckpt.interval == 0) || step == cfg.steps || stop {
                 last_checkpoint = Some(save(&run_dir(dir, precision), cfg, step, &model, &opt, &records)?);
             }
         }
-        progress(step, train_loss);
+        if stop {
+            return Err(TrainError::Interrupted { step, checkpoint: last_checkpoint });
+        }
     }
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);

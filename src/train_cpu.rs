@@ -8,7 +8,8 @@
 
 use crate::data::{Batcher, Corpus};
 use crate::train::{
-    adamw_config, eval_batcher, median, NonFiniteGuard, Precision, Record, RunSummary, TrainConfig, TrainError,
+    adamw_config, eval_batcher, median, CheckpointOptions, NonFiniteGuard, Precision, Record, RunSummary, TrainConfig,
+    TrainError,
 };
 use std::time::Instant;
 use te_runtime::cpu::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
@@ -16,16 +17,19 @@ use te_runtime::cpu::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
 /// Trains `cfg.model` on `corpus` on the CPU in `precision` (emulated, see the module docs),
 /// calling `progress(step, loss)` after each step. Validation runs without dropout (the GPU
 /// job's evaluation keeps it). [`RunSummary::peak_memory`] is the process's peak resident set
-/// size (Linux `VmHWM`; 0 where it cannot be read), not device memory.
+/// size (Linux `VmHWM`; 0 where it cannot be read), not device memory. Of `ckpt` only the stop
+/// flag applies: the CPU path writes no checkpoints.
 ///
 /// # Errors
 /// [`TrainError::Data`] when a split is shorter than one window; [`TrainError::Runtime`] for a
 /// model configuration the CPU model refuses (heads that do not divide the hidden size, ...),
-/// an invalid LR schedule, or `batch` or `seq_length` of 0.
+/// an invalid LR schedule, or `batch` or `seq_length` of 0; [`TrainError::NonFinite`] and
+/// [`TrainError::Interrupted`] as [`crate::train::train`].
 pub fn train_cpu(
     corpus: &Corpus,
     cfg: &TrainConfig,
     precision: Precision,
+    ckpt: &CheckpointOptions,
     mut progress: impl FnMut(u64, f32),
 ) -> Result<RunSummary, TrainError> {
     let mut model = GptRef::new(&cfg.model)?;
@@ -81,6 +85,9 @@ pub fn train_cpu(
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
+        if ckpt.stop_requested() && step < cfg.steps {
+            return Err(TrainError::Interrupted { step, checkpoint: None });
+        }
     }
     let median_ms = median(&mut records.iter().skip(1).map(|r| r.step_ms).collect::<Vec<_>>());
     let tokens = (seq * batch * cfg.grad_accum) as f64;
@@ -155,7 +162,7 @@ mod tests {
         let (corpus, cfg) = small();
         for precision in [Precision::Fp8, Precision::Bf16] {
             let mut seen = 0;
-            let run = train_cpu(&corpus, &cfg, precision, |_, _| seen += 1).unwrap();
+            let run = train_cpu(&corpus, &cfg, precision, &CheckpointOptions::default(), |_, _| seen += 1).unwrap();
             assert_eq!((run.precision, seen, run.records.len()), (precision, 12, 12));
             let losses: Vec<f32> = run.records.iter().map(|r| r.train_loss).collect();
             assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
@@ -174,14 +181,30 @@ mod tests {
     fn nonfinite_steps_stop_the_run_or_are_skipped() {
         let (corpus, cfg) = small();
         let cfg = TrainConfig { lr: 1e30, warmup_steps: 1, steps: 5, ..cfg };
-        let e = train_cpu(&corpus, &cfg, Precision::Bf16, |_, _| {}).unwrap_err();
+        let e = train_cpu(&corpus, &cfg, Precision::Bf16, &CheckpointOptions::default(), |_, _| {}).unwrap_err();
         let message = e.to_string();
         assert!(matches!(e, TrainError::NonFinite { step, .. } if step >= 2), "{message}");
         assert!(message.contains("non-finite") && message.contains("--skip-nonfinite-steps"), "{message}");
         assert!(message.contains("no checkpoint was written yet") && message.contains("skipped the step"), "{message}");
         let skipping = TrainConfig { skip_nonfinite_steps: 5, ..cfg };
-        let run = train_cpu(&corpus, &skipping, Precision::Bf16, |_, _| {}).unwrap();
+        let run = train_cpu(&corpus, &skipping, Precision::Bf16, &CheckpointOptions::default(), |_, _| {}).unwrap();
         assert_eq!(run.records.len(), 5);
         assert!(run.records.iter().any(|r| !r.train_loss.is_finite()), "the run diverged");
+    }
+
+    /// A stop request ends the run after the step in progress, with the typed error.
+    #[test]
+    fn a_stop_request_ends_the_run_after_its_step() {
+        let (corpus, cfg) = small();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ckpt = CheckpointOptions { stop: Some(stop.clone()), ..Default::default() };
+        let request = |step: u64, _: f32| {
+            if step == 3 {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        };
+        let e = train_cpu(&corpus, &cfg, Precision::Bf16, &ckpt, request).unwrap_err();
+        assert!(matches!(e, TrainError::Interrupted { step: 3, checkpoint: None }), "{e}");
+        assert!(e.to_string().contains("after step 3"), "{e}");
     }
 }

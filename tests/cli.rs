@@ -135,6 +135,56 @@ fn train_tiny_runs_on_the_cpu_and_writes_its_results() {
     assert_eq!(csv.lines().count(), 1 + 2 * 3, "a header and 3 steps per precision: {csv}");
 }
 
+/// SIGTERM (preemption) lets `te train` finish its step and exit with status 75 (checkpoint
+/// written on the GPU path; the CPU path writes none); a second signal exits at once.
+#[test]
+fn train_stops_cleanly_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let corpus: String = (0..400).map(|i| format!("line {i}: to be or not to be, that is the question.\n")).collect();
+    std::fs::write(dir.path().join("text.txt"), corpus).unwrap();
+    let spawn = || {
+        // Steps of a good fraction of a second, so that two signals 50 ms apart land in one.
+        te().args(["train", "--cpu", "--preset", "tiny", "--steps", "100000", "--batch", "16", "--seq-length", "128"])
+            .args(["--precision", "bf16", "--data"])
+            .arg(dir.path().join("text.txt"))
+            .arg("--out")
+            .arg(dir.path().join("out"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let signal = |pid: u32, n: usize| {
+        for i in 0..n {
+            if i > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success();
+            assert!(ok, "kill -TERM {pid}");
+        }
+    };
+    // Once the first line is out, training is under way and the handler installed.
+    let mut child = spawn();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.contains("CPU reference path"), "{first}");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    signal(child.id(), 1);
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(75), "{}", text(&o));
+    assert!(text(&o).contains("stopped on request after step"), "{}", text(&o));
+    // Two signals: the second exits at once (128 + SIGTERM).
+    let mut child = spawn();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    signal(child.id(), 2);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(143), "{status:?}");
+}
+
 #[test]
 fn train_refuses_what_it_cannot_run() {
     let run = |args: &[&str]| te().arg("train").args(args).output().unwrap();

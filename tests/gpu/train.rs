@@ -52,7 +52,7 @@ fn resume_is_bit_exact_with_never_stopping() {
     for precision in [Precision::Fp8, Precision::Bf16] {
         let dir = tempfile::tempdir().unwrap();
         let straight_dir = dir.path().join("straight");
-        let ckpt = CheckpointOptions { dir: Some(straight_dir.clone()), interval: 3, resume: false };
+        let ckpt = CheckpointOptions { dir: Some(straight_dir.clone()), interval: 3, ..Default::default() };
         let straight = train(&dev, &corpus, &cfg, precision, &ckpt, |_, _| {}).unwrap();
         assert_eq!(straight.records.len(), 6);
         assert!(straight.records.iter().all(|r| r.train_loss.is_finite()));
@@ -70,9 +70,25 @@ fn resume_is_bit_exact_with_never_stopping() {
         let latest = std::fs::read_to_string(straight_dir.join(run).join("latest.toml")).unwrap();
         assert!(latest.contains("step-0000006"), "{latest}");
         std::fs::copy(dst.join("trainer.toml"), stopped.join(run).join("latest.toml")).unwrap();
-        let ckpt = CheckpointOptions { dir: Some(stopped.clone()), interval: 3, resume: true };
+        let ckpt = CheckpointOptions { dir: Some(stopped.clone()), interval: 3, resume: true, ..Default::default() };
         let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, |_, _| {}).unwrap();
         assert_eq!(losses(&resumed.records), losses(&straight.records), "{run}: resumed run differs");
+
+        // A stop request (SIGTERM) after step 4: that step is checkpointed though the interval
+        // is 3, and --resume finishes the run as if it never stopped.
+        let preempted = dir.path().join("preempted");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ckpt =
+            CheckpointOptions { dir: Some(preempted.clone()), interval: 3, resume: false, stop: Some(stop.clone()) };
+        let request = |step: u64, _: f32| stop.store(step == 4, std::sync::atomic::Ordering::Relaxed);
+        let e = train(&dev, &corpus, &cfg, precision, &ckpt, request).unwrap_err();
+        match &e {
+            TrainError::Interrupted { step: 4, checkpoint: Some(c) } => assert!(c.ends_with("step-0000004"), "{e}"),
+            _ => panic!("{run}: expected an interruption after step 4, got {e}"),
+        }
+        let ckpt = CheckpointOptions { dir: Some(preempted), interval: 3, resume: true, stop: None };
+        let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, |_, _| {}).unwrap();
+        assert_eq!(losses(&resumed.records), losses(&straight.records), "{run}: run resumed after a stop differs");
 
         // Other settings are refused, naming them.
         let other = TrainConfig { batch: 8, ..cfg.clone() };
@@ -112,7 +128,7 @@ fn nonfinite_steps_stop_the_run_or_are_skipped() {
     let Some(dev) = device() else { return };
     let corpus = corpus();
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = CheckpointOptions { dir: Some(dir.path().to_path_buf()), interval: 1, resume: false };
+    let ckpt = CheckpointOptions { dir: Some(dir.path().to_path_buf()), interval: 1, ..Default::default() };
     let cfg = TrainConfig { lr: 1e30, warmup_steps: 1, ..config(6) };
     let e = train(&dev, &corpus, &cfg, Precision::Bf16, &ckpt, |_, _| {}).unwrap_err();
     let message = e.to_string();
