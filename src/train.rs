@@ -66,6 +66,19 @@ pub enum TrainError {
         /// The checkpoint of that step.
         checkpoint: Option<PathBuf>,
     },
+    /// The configuration needs more host memory than the machine has available (the CPU path).
+    #[error(
+        "the CPU path needs about {} MiB for this configuration and {} MiB are available: lower --seq-length \
+         (the attention probabilities grow with its square) or --batch",
+        needed >> 20,
+        available >> 20
+    )]
+    HostMemory {
+        /// The estimate in bytes.
+        needed: u64,
+        /// `MemAvailable` in bytes.
+        available: u64,
+    },
     /// A NaN or infinite loss, gradient norm or FP8 scaling state: the run stops.
     #[error("step {step}: {message}")]
     NonFinite {

@@ -32,6 +32,11 @@ pub fn train_cpu(
     ckpt: &CheckpointOptions,
     mut progress: impl FnMut(u64, f32),
 ) -> Result<RunSummary, TrainError> {
+    // Refuse what the machine cannot hold instead of aborting on an allocation.
+    let needed = GptRef::training_bytes(&cfg.model, cfg.batch);
+    if let Some(available) = available_memory().filter(|&a| needed > a) {
+        return Err(TrainError::HostMemory { needed, available });
+    }
     let mut model = GptRef::new(&cfg.model)?;
     model.set_precision(match precision {
         Precision::Fp8 => GemmPrecision::Fp8(cfg.recipe),
@@ -110,6 +115,16 @@ fn evaluate(model: &GptRef, corpus: &Corpus, cfg: &TrainConfig) -> Result<f32, T
         sum += model.loss(&b.ids, &b.targets, seq, batch)?;
     }
     Ok(sum / cfg.eval_batches.max(1) as f32)
+}
+
+/// The host memory available to a new allocation in bytes (`MemAvailable` of
+/// `/proc/meminfo`), `None` where it cannot be read.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok());
+    kb.map(|kb| kb * 1024)
 }
 
 /// Peak resident set size of this process in bytes (`VmHWM` of `/proc/self/status`), 0 where
@@ -206,5 +221,19 @@ mod tests {
         let e = train_cpu(&corpus, &cfg, Precision::Bf16, &ckpt, request).unwrap_err();
         assert!(matches!(e, TrainError::Interrupted { step: 3, checkpoint: None }), "{e}");
         assert!(e.to_string().contains("after step 3"), "{e}");
+    }
+
+    /// A configuration the host cannot hold (the probe `--seq-length 100000` that used to abort
+    /// the process) is refused with the estimate and the flags to change.
+    #[test]
+    fn a_configuration_too_big_for_the_host_is_refused() {
+        let (corpus, cfg) = small();
+        let long = TrainConfig { model: GptConfig { seq_length: 100_000, ..GptConfig::tiny() }, ..cfg.clone() };
+        let e = train_cpu(&corpus, &long, Precision::Bf16, &CheckpointOptions::default(), |_, _| {}).unwrap_err();
+        assert!(matches!(e, TrainError::HostMemory { needed, available } if needed > available), "{e}");
+        assert!(e.to_string().contains("--seq-length"), "{e}");
+        // The estimate grows with the square of the sequence and stays small for the tiny preset.
+        let tiny = GptRef::training_bytes(&GptConfig::tiny(), 4);
+        assert!(tiny < 1 << 30 && GptRef::training_bytes(&long.model, 4) > 1 << 40, "{tiny}");
     }
 }

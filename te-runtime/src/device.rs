@@ -3,9 +3,9 @@
 use crate::gemm::Engine;
 use crate::kernels::KernelCache;
 use crate::{Error, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};
 use std::sync::{Arc, Mutex, PoisonError};
-use te_codegen::{Arch, KernelCompiler, KernelSpec};
+use te_codegen::{Arch, DType, KernelCompiler, KernelSpec};
 
 /// True when libcuda loads and reports at least one device. Never panics.
 pub fn gpu_available() -> bool {
@@ -162,6 +162,26 @@ impl Device {
         let engine = Arc::new(Engine::new(self)?);
         *slot = Some(engine.clone());
         Ok(engine)
+    }
+
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    ///
+    /// # Errors
+    /// Driver failures.
+    pub fn memory_info(&self) -> Result<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info()?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// The error of a failed allocation of `bytes` for a `dtype` tensor of `shape`:
+    /// [`Error::OutOfMemory`] with the device's free memory when the driver ran out, else the
+    /// driver error.
+    pub(crate) fn alloc_error(&self, e: DriverError, bytes: usize, dtype: DType, shape: &[usize]) -> Error {
+        if e.0 != sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+            return e.into();
+        }
+        let (free, total) = self.memory_info().unwrap_or((0, 0));
+        Error::OutOfMemory { what: format!("a {dtype} tensor {shape:?}"), requested: bytes as u64, free, total }
     }
 
     /// The most device memory the stream's allocations held at once (bytes) since the device

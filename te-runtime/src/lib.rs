@@ -61,6 +61,24 @@ pub enum Error {
     /// A CUDA driver call failed.
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// A device allocation the GPU's free memory cannot hold.
+    #[error(
+        "out of GPU memory: {what} needs {} MiB, {} MiB of {} MiB are free; lower the batch size or the \
+         sequence length (te train: --batch, --seq-length, --grad-accum for the same tokens per step)",
+        requested >> 20,
+        free >> 20,
+        total >> 20
+    )]
+    OutOfMemory {
+        /// What was being allocated (a tensor's dtype and shape).
+        what: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes free on the device when it failed.
+        free: u64,
+        /// The device's memory.
+        total: u64,
+    },
     /// libcublasLt could not be loaded (the GEMMs need it).
     #[error("cuBLASLt (libcublasLt.so.13) was not found: `pip install nvidia-cublas` (CUDA 13) and put its `nvidia/cu13/lib` folder on LD_LIBRARY_PATH, or put the lib folder of a CUDA 13 toolkit on LD_LIBRARY_PATH")]
     CublasLtMissing,

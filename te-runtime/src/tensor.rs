@@ -27,10 +27,10 @@ impl Tensor {
     /// A zero-filled tensor.
     ///
     /// # Errors
-    /// Allocation failures.
+    /// [`crate::Error::OutOfMemory`] when the device cannot hold it; other allocation failures.
     pub fn zeros(dev: &Device, dtype: DType, shape: &[usize]) -> Result<Self> {
         let bytes = numel(shape) * dtype.size_bytes();
-        let data = dev.stream().alloc_zeros::<u8>(bytes.max(1))?;
+        let data = dev.stream().alloc_zeros::<u8>(bytes.max(1)).map_err(|e| dev.alloc_error(e, bytes, dtype, shape))?;
         Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
     }
 
@@ -38,12 +38,13 @@ impl Tensor {
     /// overwrites in full, without the memset of [`Tensor::zeros`].
     ///
     /// # Errors
-    /// Allocation failures.
+    /// [`crate::Error::OutOfMemory`] when the device cannot hold it; other allocation failures.
     pub fn empty(dev: &Device, dtype: DType, shape: &[usize]) -> Result<Self> {
         let bytes = numel(shape) * dtype.size_bytes();
         // SAFETY: `u8` has no invalid bit patterns, and device bytes are only read by kernels
         // and by copies into host `u8`s: unspecified contents are never undefined behaviour.
-        let data = unsafe { dev.stream().alloc::<u8>(bytes.max(1)) }?;
+        let data =
+            unsafe { dev.stream().alloc::<u8>(bytes.max(1)) }.map_err(|e| dev.alloc_error(e, bytes, dtype, shape))?;
         Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
     }
 

@@ -140,3 +140,22 @@ fn nonfinite_steps_stop_the_run_or_are_skipped() {
     assert_eq!(run.records.len(), 6);
     assert!(run.records.iter().any(|r| !r.train_loss.is_finite()), "the run diverged");
 }
+
+/// A configuration the GPU cannot hold (the 1.2 B `large` preset at batch 64 × 2048) fails with
+/// a typed out-of-memory error giving the sizes and the flags to change; the process goes on
+/// training a small model afterwards.
+#[test]
+fn out_of_memory_is_a_typed_error_and_the_process_goes_on() {
+    let Some(dev) = device() else { return };
+    let corpus = corpus();
+    let big = TrainConfig { model: GptConfig::large(), batch: 64, steps: 1, ..config(1) };
+    let e = train(&dev, &corpus, &big, Precision::Bf16, &CheckpointOptions::default(), |_, _| {}).unwrap_err();
+    let message = e.to_string();
+    assert!(
+        matches!(&e, TrainError::Runtime(te_runtime::Error::OutOfMemory { requested, total, .. }) if requested > &0 && total > &0),
+        "{message}"
+    );
+    assert!(message.contains("out of GPU memory") && message.contains("--batch"), "{message}");
+    let small = train(&dev, &corpus, &config(2), Precision::Bf16, &CheckpointOptions::default(), |_, _| {}).unwrap();
+    assert!(small.records.iter().all(|r| r.train_loss.is_finite()));
+}

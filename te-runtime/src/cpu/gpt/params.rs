@@ -173,6 +173,27 @@ impl GptRef {
         self.params.iter().map(|p| p.value.len()).sum()
     }
 
+    /// An upper estimate of the host memory, in bytes, that training a model of `cfg` on
+    /// batches of `batch` sequences of `cfg.seq_length` takes (f32 throughout): the parameters
+    /// six times over (values, gradients, the step's accumulated gradients, AdamW's two moments,
+    /// the GEMM operands as cast), per layer what the forward keeps for the backward
+    /// (`t · (8h + 3f)` floats for `t = batch · seq` tokens, and the attention probabilities
+    /// `batch · heads · seq²` twice: kept, and the backward's `dP`), and the logits and their
+    /// gradient (`2 · t · vocab`). What `te train` checks against the free memory before
+    /// building the model, so that a configuration the machine cannot hold is refused instead of
+    /// aborting the process.
+    pub fn training_bytes(cfg: &GptConfig, batch: usize) -> u64 {
+        let (h, f, v) = (cfg.hidden_size as u64, cfg.ffn_hidden_size as u64, cfg.vocab_size as u64);
+        let (s, b) = (cfg.seq_length as u64, batch as u64);
+        let t = s * b;
+        let params = cfg.num_parameters() as u64;
+        let probs = b.saturating_mul(cfg.num_attention_heads as u64).saturating_mul(s.saturating_mul(s));
+        let layer = t.saturating_mul(8 * h + 3 * f).saturating_add(probs.saturating_mul(2));
+        let floats =
+            (6 * params).saturating_add((cfg.num_layers as u64).saturating_mul(layer)).saturating_add(2 * t * v);
+        floats.saturating_mul(4)
+    }
+
     /// Values of parameter `i` of layer `l`.
     pub(super) fn lp(&self, l: usize, i: usize) -> &[f32] {
         &self.params[2 + PER_LAYER * l + i].value
