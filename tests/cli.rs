@@ -185,6 +185,67 @@ fn train_stops_cleanly_on_sigterm() {
     assert_eq!(status.code(), Some(143), "{status:?}");
 }
 
+/// SIGKILL at random points (mid-step, mid-checkpoint-save: a checkpoint every step), 20
+/// times, each run resuming the one before: no partial checkpoint is ever loaded, and the loss
+/// curve of the run finished at last equals an uninterrupted run's bit for bit. GPU path (the
+/// CPU path writes no checkpoints yet).
+#[test]
+fn train_survives_sigkill_at_random_points() {
+    use rand::{Rng, SeedableRng};
+    if !te_runtime::device::gpu_available() {
+        assert_ne!(std::env::var("TE_REQUIRE_GPU").as_deref(), Ok("1"), "TE_REQUIRE_GPU=1 but no GPU");
+        eprintln!("no GPU: the checkpointing GPU path is not tested here");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let corpus: String = (0..2000).map(|i| format!("line {i}: to be or not to be, that is the question.\n")).collect();
+    let data = dir.path().join("text.txt");
+    std::fs::write(&data, corpus).unwrap();
+    let run = |out: &std::path::Path| {
+        let mut c = te();
+        c.args(["train", "--preset", "tiny", "--steps", "3000", "--batch", "4", "--seq-length", "64"])
+            .args(["--precision", "bf16", "--checkpoint-interval", "1", "--eval-interval", "500", "--resume"])
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(out)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        c
+    };
+    // The loss curve without the step times: (precision, step, train, val) per row.
+    let curve = |out: &std::path::Path| -> Vec<String> {
+        let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
+        csv.lines().map(|l| l.split(',').take(4).collect::<Vec<_>>().join(",")).collect()
+    };
+    let straight = dir.path().join("straight");
+    let o = run(&straight).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let killed = dir.path().join("killed");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(20);
+    let mut kills = 0;
+    for _ in 0..20 {
+        let mut child = run(&killed).spawn().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(rng.random_range(200..1500)));
+        match child.try_wait().unwrap() {
+            // Finished (or failed) before the kill: a resumed run must never fail.
+            Some(status) => {
+                let err = std::io::read_to_string(child.stderr.take().unwrap()).unwrap_or_default();
+                assert!(status.success(), "a resumed run failed: {err}");
+            }
+            None => {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                kills += 1;
+            }
+        }
+    }
+    assert_eq!(kills, 20, "runs finished before they were killed: make the run longer");
+    let o = run(&killed).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(curve(&killed), curve(&straight), "the curve of a run killed {kills} times differs");
+}
+
 #[test]
 fn train_refuses_what_it_cannot_run() {
     let run = |args: &[&str]| te().arg("train").args(args).output().unwrap();
