@@ -218,6 +218,41 @@ fn decode(data: &[u8]) -> Option<Binary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Entries mutated on disk (bytes flipped, cut short, grown, or random bytes) never
+        /// decode to anything but the binary that was stored, and never panic (reliability
+        /// issue's fuzzing of the cache-entry reader).
+        #[test]
+        fn mutated_entries_decode_only_as_what_was_stored(
+            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..6),
+            cut in any::<usize>(),
+            grow in prop::collection::vec(any::<u8>(), 0..24),
+            how in 0u8..4,
+            ptx in any::<bool>(),
+        ) {
+            let stored = Binary { kind: if ptx { BinaryKind::Ptx } else { BinaryKind::Cubin }, bytes: (0..200u8).collect() };
+            let good = encode(&stored);
+            let mut data = good.clone();
+            for (i, x) in flips {
+                let i = i % data.len();
+                data[i] ^= x;
+            }
+            match how {
+                0 => data.truncate(cut % (data.len() + 1)),
+                1 => data.extend(&grow),
+                2 => data = grow.clone(),
+                _ => {}
+            }
+            if let Some(b) = decode(&data) {
+                prop_assert_eq!(&data, &good);
+                prop_assert_eq!(b, stored);
+            }
+        }
+    }
 
     fn bin() -> Binary {
         Binary { kind: BinaryKind::Cubin, bytes: (0..=255u8).cycle().take(5000).collect() }

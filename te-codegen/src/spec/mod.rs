@@ -33,6 +33,8 @@ mod dropout;
 mod elementwise;
 mod embedding;
 mod flash_attention;
+#[cfg(test)]
+mod fuzz;
 mod norm;
 mod optimizer;
 mod rope;
