@@ -207,6 +207,17 @@ impl FlashAttnSpec {
         }
     }
 
+    /// Stages of the dK/dV kernel's query-side tiles (Q, dO, LSE, delta): three with wgmma at
+    /// head_dim 128 (one block per SM either way; the loads run two items ahead), else two
+    /// (a third would cost the smaller tiles a block per SM).
+    pub const fn dkdv_stages(&self) -> usize {
+        if self.wgmma && self.head_dim > 64 {
+            3
+        } else {
+            2
+        }
+    }
+
     /// Padded shared-memory row of a `[rows, head_dim]` tile, in elements (`head_dim + 8`:
     /// the 8 rows an `ldmatrix` reads fall in distinct banks).
     pub const fn smem_ld(&self) -> usize {
@@ -227,7 +238,8 @@ impl FlashAttnSpec {
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) => 0,
             (Direction::Bwd, 1) if self.wgmma => {
-                (2 * self.block_n + 4 * self.dkdv_tile_m()) * self.head_dim * 2 + 4 * self.dkdv_tile_m() * 4 + 1024
+                let q_side = 2 * self.dkdv_stages() * self.dkdv_tile_m();
+                (2 * self.block_n + q_side) * self.head_dim * 2 + q_side * 4 + 1024
             }
             (Direction::Bwd, _) if self.wgmma => (2 * self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024,
             // K and V tiles, two stages of the Q and dO tiles and of their LSE and delta.
@@ -379,6 +391,7 @@ impl Family for FlashAttnSpec {
         ctx.insert("block_m", &self.block_m);
         ctx.insert("block_n", &self.block_n);
         ctx.insert("dkdv_tile_m", &self.dkdv_tile_m());
+        ctx.insert("dkdv_stages", &self.dkdv_stages());
         ctx.insert("smem_ld", &self.smem_ld());
         ctx.insert("dropout", &self.dropout);
         ctx.insert("wgmma", &self.wgmma);
