@@ -3,13 +3,13 @@
 //! a BF16 checkpoint without FP8 state loads and trains in FP8; strict errors and the
 //! non-strict report name the tensors; FP8-only weights round-trip; truncated files fail.
 
-use crate::common::{assert_bits_eq, device, randn};
+use crate::common::{assert_bits_eq, device, randn, Fp8States};
 use std::sync::Arc;
 use te_runtime::checkpoint::{load, save, LoadOptions, LoadReport, SaveOptions};
-use te_runtime::fp8::{fp8_autocast, fp8_model_init, DelayedScaling, ScalingState};
+use te_runtime::fp8::{fp8_autocast, fp8_model_init, DelayedScaling};
 use te_runtime::modules::{
-    LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, ModuleVisitor,
-    Norm, NormConfig, Param, ParamKind, ParamMut,
+    LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, Norm, NormConfig,
+    Param, ParamKind, ParamMut,
 };
 use te_runtime::{DType, Device, Error, Module, Result, Tensor};
 
@@ -105,23 +105,8 @@ fn weights(dev: &Device, m: &Model) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// The FP8 scaling states by path.
-#[derive(Default)]
-struct States(Vec<(String, Arc<ScalingState>)>);
-
-impl ModuleVisitor for States {
-    fn param(&mut self, _: &str, _: ParamKind, _: &dyn Param) -> Result<()> {
-        Ok(())
-    }
-
-    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> Result<()> {
-        self.0.push((path.to_owned(), state.clone()));
-        Ok(())
-    }
-}
-
 fn states(m: &Model) -> Vec<(String, te_runtime::fp8::ScalingSnapshot)> {
-    let mut s = States::default();
+    let mut s = Fp8States::default();
     m.visit("", &mut s).unwrap();
     s.0.into_iter().map(|(p, st)| (p, st.snapshot().unwrap())).collect()
 }

@@ -67,3 +67,23 @@ pub fn assert_bits_eq(what: &str, got: &[u8], want: &[u8]) {
         panic!("{what}: {bad}/{} bytes differ; first at {i}: got {:#04x}, want {:#04x}", got.len(), got[i], want[i]);
     }
 }
+
+/// A visitor that collects the FP8 scaling states of a model by path.
+#[derive(Default)]
+pub struct Fp8States(pub Vec<(String, Arc<te_runtime::fp8::ScalingState>)>);
+
+impl te_runtime::modules::ModuleVisitor for Fp8States {
+    fn param(
+        &mut self,
+        _: &str,
+        _: te_runtime::modules::ParamKind,
+        _: &dyn te_runtime::modules::Param,
+    ) -> te_runtime::Result<()> {
+        Ok(())
+    }
+
+    fn fp8_state(&mut self, path: &str, state: &Arc<te_runtime::fp8::ScalingState>) -> te_runtime::Result<()> {
+        self.0.push((path.to_owned(), state.clone()));
+        Ok(())
+    }
+}

@@ -5,11 +5,11 @@
 //! the amax of q, k and v, is updated at the scope's exit and is visited (checkpointed) as
 //! `….fp8_fwd`; calls the FP8 kernels do not take run in 16 bits, bit for bit as without the flag.
 
-use crate::common::{device, randn};
+use crate::common::{device, randn, Fp8States};
 use std::sync::Arc;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe, ScalingState};
-use te_runtime::modules::{AttentionCtx, DotProductAttention, DotProductAttentionConfig, Module, ModuleVisitor};
-use te_runtime::modules::{Param, ParamKind, QkvFormat};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
+use te_runtime::modules::QkvFormat;
+use te_runtime::modules::{AttentionCtx, DotProductAttention, DotProductAttentionConfig, Module};
 use te_runtime::numerics::round_to;
 use te_runtime::{Arch, DType, Device, Result, Tensor};
 
@@ -26,21 +26,6 @@ fn assert_rms_close(what: &str, got: &[f32], want: &[f32]) {
     let rel = (err / norm.max(1e-30)).sqrt();
     eprintln!("{what}: relative RMS error {rel:.4}");
     assert!(rel <= RMS_TOL, "{what}: relative RMS error {rel:.4} > {RMS_TOL}");
-}
-
-/// The FP8 states a traversal reports.
-#[derive(Default)]
-struct States(Vec<(String, Arc<ScalingState>)>);
-
-impl ModuleVisitor for States {
-    fn param(&mut self, _: &str, _: ParamKind, _: &dyn Param) -> Result<()> {
-        Ok(())
-    }
-
-    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> Result<()> {
-        self.0.push((path.to_owned(), state.clone()));
-        Ok(())
-    }
 }
 
 fn bf16(dev: &Arc<Device>, shape: &[usize], seed: u64, std: f32) -> (Tensor, Vec<f32>) {
@@ -137,7 +122,7 @@ fn fp8_dpa_runs_attention_in_fp8_under_autocast() {
                 assert_rms_close(&format!("{what} round {round}: {name}"), g, w);
             }
         }
-        let mut states = States::default();
+        let mut states = Fp8States::default();
         attn.visit("core_attention", &mut states).unwrap();
         match recipe {
             Recipe::Delayed(_) => {

@@ -2,12 +2,12 @@
 //! dropped through the traversal, weights written through `visit_mut`, the FP8 scaling states
 //! under their paths (snapshot and restore), and FP8-only weights.
 
-use crate::common::{device, randn};
+use crate::common::{device, randn, Fp8States};
 use std::sync::Arc;
-use te_runtime::fp8::{fp8_autocast, fp8_model_init, DelayedScaling, ScalingSnapshot, ScalingState};
+use te_runtime::fp8::{fp8_autocast, fp8_model_init, DelayedScaling, ScalingSnapshot};
 use te_runtime::modules::{
-    Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig,
-    ModuleVisitor, Norm, NormConfig, Param, ParamKind, ParamMut,
+    Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, Norm,
+    NormConfig, Param, ParamKind, ParamMut,
 };
 use te_runtime::{DType, Device, Module, Result, Tensor};
 
@@ -153,32 +153,17 @@ fn visit_mut_writes_every_parameter() {
     assert!(matches!(r, Err(te_runtime::Error::Shape { .. })), "{r:?}");
 }
 
-/// Collects the FP8 scaling states by path.
-#[derive(Default)]
-struct States(Vec<(String, Arc<ScalingState>)>);
-
-impl ModuleVisitor for States {
-    fn param(&mut self, _: &str, _: ParamKind, _: &dyn Param) -> Result<()> {
-        Ok(())
-    }
-
-    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> Result<()> {
-        self.0.push((path.to_owned(), state.clone()));
-        Ok(())
-    }
-}
-
 #[test]
 fn fp8_scaling_states_are_visited_by_path_and_restore() {
     let Some(dev) = device() else { return };
     let mut m = model(&dev);
-    let mut before = States::default();
+    let mut before = Fp8States::default();
     m.visit("", &mut before).unwrap();
     assert!(before.0.is_empty(), "no state before an FP8 forward");
 
     let recipe = DelayedScaling { amax_history_len: 4, ..Default::default() };
     fp8_autocast(true, recipe, || step(&dev, &mut m)).unwrap();
-    let mut states = States::default();
+    let mut states = Fp8States::default();
     m.visit("", &mut states).unwrap();
     let paths: Vec<&str> = states.0.iter().map(|(p, _)| p.as_str()).collect();
     let mut want = Vec::new();
