@@ -106,7 +106,13 @@ impl BertConfig {
             intermediate_size: size("intermediate_size")?,
             max_position_embeddings: size("max_position_embeddings")?,
             type_vocab_size: v.get("type_vocab_size").and_then(|x| x.as_u64()).unwrap_or(2).max(1) as usize,
-            layer_norm_eps: v.get("layer_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-12) as f32,
+            layer_norm_eps: match v.get("layer_norm_eps") {
+                None => 1e-12,
+                Some(x) => match x.as_f64().map(|e| e as f32) {
+                    Some(e) if e.is_finite() && e > 0.0 => e,
+                    _ => return Err(unsupported("layer_norm_eps", format!("{x}; must be a finite number > 0"))),
+                },
+            },
             activation,
         };
         if cfg.hidden_size % cfg.num_attention_heads != 0 {
@@ -136,6 +142,7 @@ impl BertConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn config_parses_minilm_and_names_unsupported_fields() {
@@ -154,5 +161,45 @@ mod tests {
         assert!(e.to_string().contains("hidden_size"), "{e}");
         let tanh = BertConfig::from_json(&text.replace("\"gelu\"", "\"gelu_new\"")).unwrap();
         assert_eq!(tanh.activation, Activation::Gelu);
+        let e = BertConfig::from_json(&text.replace("1e-12", "-1")).unwrap_err();
+        assert!(e.to_string().contains("layer_norm_eps"), "{e}");
+    }
+
+    const MINILM: &str = r#"{"hidden_act":"gelu","hidden_size":384,"intermediate_size":1536,"layer_norm_eps":1e-12,"max_position_embeddings":512,"model_type":"bert","num_attention_heads":12,"num_hidden_layers":6,"type_vocab_size":2,"vocab_size":30522}"#;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// A mutated `config.json` (a field set to another JSON value, bytes flipped) parses to a
+        /// config the model can be built from, or is refused with a typed error; never a panic
+        /// (reliability issue's fuzzing of the Hugging Face loader).
+        #[test]
+        fn mutated_configs_parse_or_are_refused(
+            field in prop::sample::select(vec![
+                "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "hidden_act", "model_type",
+            ]),
+            value in prop_oneof![
+                any::<i64>().prop_map(|v| v.to_string()),
+                any::<f64>().prop_map(|v| format!("{v:e}")),
+                Just("null".to_string()),
+                Just("\"gelu\"".to_string()),
+                Just("[]".to_string()),
+            ],
+            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+        ) {
+            let mut v: serde_json::Value = serde_json::from_str(MINILM).unwrap();
+            v[field] = serde_json::from_str(&value).unwrap_or(serde_json::Value::Null);
+            let mut bytes = v.to_string().into_bytes();
+            for (i, x) in flips {
+                let i = i % bytes.len();
+                bytes[i] ^= x;
+            }
+            if let Ok(cfg) = BertConfig::from_json(&String::from_utf8_lossy(&bytes)) {
+                prop_assert!(cfg.hidden_size > 0 && cfg.hidden_size % cfg.num_attention_heads == 0);
+                prop_assert!(cfg.layer_norm_eps.is_finite() && cfg.layer_norm_eps > 0.0);
+                prop_assert!(cfg.vocab_size > 0 && cfg.num_hidden_layers > 0 && cfg.intermediate_size > 0);
+            }
+        }
     }
 }

@@ -145,6 +145,39 @@ impl BertWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// A mutated `model.safetensors` (bytes flipped, cut short, or random bytes) loads or is
+        /// refused with a typed error; never a panic (reliability issue's fuzzing of the Hugging
+        /// Face loader).
+        #[test]
+        fn mutated_weight_files_load_or_are_refused(
+            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..6),
+            cut in any::<usize>(),
+            noise in prop::collection::vec(any::<u8>(), 0..64),
+            how in 0u8..3,
+        ) {
+            let data: Vec<u8> = (0..48u8).collect();
+            let w = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![3, 4], &data).unwrap();
+            let h = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![8], &data[..16]).unwrap();
+            let mut bytes = safetensors::serialize([("bert.pooler.dense.weight", &w), ("x", &h)], None).unwrap();
+            for (i, x) in flips {
+                let i = i % bytes.len();
+                bytes[i] ^= x;
+            }
+            match how {
+                0 => bytes.truncate(cut % (bytes.len() + 1)),
+                1 => bytes = noise.clone(),
+                _ => {}
+            }
+            if let Err(e) = BertWeights::from_safetensors(&bytes) {
+                prop_assert!(matches!(e, BertError::Tensor { .. }), "{e}");
+            }
+        }
+    }
 
     #[test]
     fn weights_report_missing_and_mismatched_tensors() {
