@@ -10,6 +10,8 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod device;
 pub mod fp8;
+#[cfg(test)]
+mod fuzz;
 pub mod gemm;
 pub mod kernels;
 pub mod models;

@@ -120,23 +120,8 @@ mod tests {
         /// parses, or is refused with a typed checkpoint error naming the file; its metadata check
         /// likewise. Never a panic (reliability issue's fuzzing of the checkpoint loader).
         #[test]
-        fn mutated_files_are_parsed_or_refused(
-            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..6),
-            cut in any::<usize>(),
-            grow in prop::collection::vec(any::<u8>(), 0..64),
-            how in 0u8..4,
-        ) {
-            let mut data = file_bytes();
-            for (i, x) in flips {
-                let i = i % data.len();
-                data[i] ^= x;
-            }
-            match how {
-                0 => data.truncate(cut % (data.len() + 1)),
-                1 => data.extend(&grow),
-                2 => data = grow.clone(),
-                _ => {}
-            }
+        fn mutated_files_are_parsed_or_refused(m in crate::fuzz::mutation()) {
+            let data = m.apply(file_bytes());
             let path = Path::new("fuzzed.safetensors");
             match parse(&data, path) {
                 Ok(_) => {

@@ -154,25 +154,12 @@ mod tests {
         /// refused with a typed error; never a panic (reliability issue's fuzzing of the Hugging
         /// Face loader).
         #[test]
-        fn mutated_weight_files_load_or_are_refused(
-            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..6),
-            cut in any::<usize>(),
-            noise in prop::collection::vec(any::<u8>(), 0..64),
-            how in 0u8..3,
-        ) {
+        fn mutated_weight_files_load_or_are_refused(m in crate::fuzz::mutation()) {
             let data: Vec<u8> = (0..48u8).collect();
             let w = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![3, 4], &data).unwrap();
             let h = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![8], &data[..16]).unwrap();
-            let mut bytes = safetensors::serialize([("bert.pooler.dense.weight", &w), ("x", &h)], None).unwrap();
-            for (i, x) in flips {
-                let i = i % bytes.len();
-                bytes[i] ^= x;
-            }
-            match how {
-                0 => bytes.truncate(cut % (bytes.len() + 1)),
-                1 => bytes = noise.clone(),
-                _ => {}
-            }
+            let file = safetensors::serialize([("bert.pooler.dense.weight", &w), ("x", &h)], None).unwrap();
+            let bytes = m.apply(file);
             if let Err(e) = BertWeights::from_safetensors(&bytes) {
                 prop_assert!(matches!(e, BertError::Tensor { .. }), "{e}");
             }
