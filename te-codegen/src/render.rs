@@ -14,6 +14,8 @@ pub const INCLUDES: &[(&str, &str)] = &[
     ("philox.cuh.tera", include_str!("../templates/philox.cuh.tera")),
     ("flash_attn_common.cuh.tera", include_str!("../templates/flash_attn_common.cuh.tera")),
     ("flash_attn_wgmma.cuh.tera", include_str!("../templates/flash_attn_wgmma.cuh.tera")),
+    ("flash_attn_quantize.cuh.tera", include_str!("../templates/flash_attn_quantize.cuh.tera")),
+    ("flash_attn_bwd_common.cuh.tera", include_str!("../templates/flash_attn_bwd_common.cuh.tera")),
 ];
 
 /// Every template, by file name under `te-codegen/templates/`: [`INCLUDES`] and those of each

@@ -17,6 +17,7 @@ mod copy;
 mod dropout;
 mod elementwise;
 mod fp8_attention;
+mod fp8_attention_bwd;
 mod fp8_dpa;
 mod fused_attention;
 mod gemm;

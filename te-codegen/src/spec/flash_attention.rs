@@ -64,10 +64,16 @@ pub struct FlashAttnSpec {
     /// ones with P or dS in registers) over 128-byte-swizzled shared tiles, one warpgroup per 64
     /// rows. Otherwise `mma.sync`.
     pub wgmma: bool,
-    /// FP8 forward (`fp8_forward`, TE's `fp8_dpa`; sm_90a, head dims 128 and 256): q, k and v in
-    /// E4M3 (v transposed, see [`FlashAttnSpec::FWD_FP8_ARGS`]), the output in `dtype`; a second
-    /// entry point `_quantize` ([`FlashAttnSpec::QUANTIZE_ARGS`]) makes the E4M3 operands.
+    /// FP8 (TE's `fp8_dpa`, sm_90a). Forward ([`FlashAttnSpec::fp8_forward`], head dims 128 and
+    /// 256): q, k and v in E4M3 (v transposed, see [`FlashAttnSpec::FWD_FP8_ARGS`]), the output in
+    /// `dtype`; a second entry point `_quantize` ([`FlashAttnSpec::QUANTIZE_ARGS`]) makes the FP8
+    /// operands of the forward and the backward. Backward ([`FlashAttnSpec::fp8_backward`], head
+    /// dim 128): every product on 8-bit wgmma, the gradients in `dtype`
+    /// ([`FlashAttnSpec::BWD_FP8_DKDV_ARGS`], [`FlashAttnSpec::BWD_FP8_DQ_ARGS`]).
     pub fp8: bool,
+    /// FP8 backward: dO and dS in E5M2 (TE's HYBRID format), else E4M3.
+    #[serde(default)]
+    pub grad_e5m2: bool,
     /// Attention dropout on the probabilities (`with_dropout`): the keep mask drawn in the
     /// kernels from the Philox stream of `ops::dropout` at the element's index in a dense `[batch,
     /// heads, sq, sk]` tensor, so that the unfused backend and the CPU reference draw the same.
@@ -158,7 +164,7 @@ impl FlashAttnSpec {
             (Direction::Fwd, _) => (64, 32),
             (Direction::Bwd, _) => (64, 64),
         };
-        Self { direction, dtype, head_dim, block_m, block_n, arch, wgmma, fp8: false, dropout: false }
+        Self { direction, dtype, head_dim, block_m, block_n, arch, wgmma, fp8: false, grad_e5m2: false, dropout: false }
     }
 
     /// Keys per tile of the FP8 forward: also the positions per block of its `_quantize` and the
@@ -179,6 +185,26 @@ impl FlashAttnSpec {
             arch,
             wgmma,
             fp8: true,
+            grad_e5m2: false,
+            dropout: false,
+        }
+    }
+
+    /// The FP8 backward for the same head dim and gradient dtype (head_dim 128 on sm_90a; dO and dS
+    /// in E5M2 with `grad_e5m2`, else E4M3): dK/dV blocks of 128 keys against 64-query tiles
+    /// (three stages), dQ blocks of 128 queries against 128-key tiles, as the 16-bit wgmma
+    /// backward.
+    pub fn fp8_backward(dtype: DType, head_dim: usize, arch: Arch, grad_e5m2: bool) -> Self {
+        Self {
+            direction: Direction::Bwd,
+            dtype,
+            head_dim,
+            block_m: 128,
+            block_n: 128,
+            arch,
+            wgmma: arch == Arch::Sm90a,
+            fp8: true,
+            grad_e5m2,
             dropout: false,
         }
     }
@@ -237,6 +263,13 @@ impl FlashAttnSpec {
             }
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) => 0,
+            // FP8: K, V and the stages of Q, dO, Qᵀ, dOᵀ (bytes), LSE and delta.
+            (Direction::Bwd, 1) if self.fp8 => {
+                let q_side = self.dkdv_stages() * self.dkdv_tile_m();
+                (2 * self.block_n + 4 * q_side) * self.head_dim + 2 * q_side * 4 + 1024
+            }
+            // FP8: Q, dO and two stages of K, V, Kᵀ (bytes).
+            (Direction::Bwd, _) if self.fp8 => (2 * self.block_m + 6 * self.block_n) * self.head_dim + 1024,
             (Direction::Bwd, 1) if self.wgmma => {
                 let q_side = 2 * self.dkdv_stages() * self.dkdv_tile_m();
                 (2 * self.block_n + q_side) * self.head_dim * 2 + q_side * 4 + 1024
@@ -274,24 +307,30 @@ impl FlashAttnSpec {
         KernelArg::scalar("vt_row", "u64", "keys per Vᵀ row (sk rounded up to a multiple of 128)"),
     );
 
-    /// Arguments of the FP8 spec's `_quantize` entry point: one of q, k, v → E4M3.
+    /// Arguments of the FP8 forward spec's `_quantize` entry point: one of q, k, v (or, for the
+    /// backward, dO) → its FP8 codes, dense and / or transposed, in one pass.
     pub const QUANTIZE_ARGS: &'static [KernelArg] = &[
         KernelArg::read(
             "x",
             "const void* __restrict__",
             "16-bit input, `[batch, seq, heads, head_dim]` at its strides",
         ),
-        KernelArg::write("y", "void* __restrict__", "E4M3 output: dense `[batch, seq, heads, head_dim]`, or Vᵀ"),
+        KernelArg::write("y", "void* __restrict__", "dense FP8 `[batch, seq, heads, head_dim]`, or null"),
+        KernelArg::write(
+            "yt",
+            "void* __restrict__",
+            "transposed FP8 `[batch, heads, head_dim, y_row]`, positions permuted, or null",
+        ),
         KernelArg::read("scale_ptr", "const float* __restrict__", "the quantization scale (y = x · scale)"),
-        KernelArg::write("amax_ptr", "float* __restrict__", "one f32, raised to max |x|"),
-        KernelArg::write("scale_inv_ptr", "float* __restrict__", "one f32, written 1 / scale"),
+        KernelArg::write("amax_ptr", "float* __restrict__", "one f32, raised to max |x|, or null"),
+        KernelArg::write("scale_inv_ptr", "float* __restrict__", "one f32, written 1 / scale, or null"),
         KernelArg::scalar("x_batch", "u64", "batch stride of x (elements)"),
         KernelArg::scalar("x_row", "u64", "position stride of x (elements)"),
         KernelArg::scalar("x_head", "u64", "head stride of x (elements)"),
         KernelArg::scalar("seq", "u64", "positions per sequence"),
         KernelArg::scalar("heads", "u64", "heads of x"),
-        KernelArg::scalar("y_row", "u64", "Vᵀ: positions per row (a multiple of 128)"),
-        KernelArg::scalar("transpose", "int", "1: write Vᵀ `[batch, heads, head_dim, y_row]`, keys permuted"),
+        KernelArg::scalar("y_row", "u64", "positions per transposed row (seq rounded up to a multiple of 128)"),
+        KernelArg::scalar("e5m2", "int", "1: E5M2 codes, 0: E4M3"),
     ];
 
     /// Arguments of the backward's `_dot_do_o` entry point.
@@ -342,6 +381,46 @@ impl FlashAttnSpec {
         KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
         KernelArg::write("dq", "void* __restrict__", "query gradient, at the q strides"),
     );
+
+    /// Arguments of the FP8 backward's `_dkdv` entry point (the q / kv strides are those of dq,
+    /// dk, dv; the FP8 codes are dense and unpadded, `thd` is not taken).
+    pub const BWD_FP8_DKDV_ARGS: &'static [KernelArg] = flash_args!(
+        KernelArg::read("q", "const void* __restrict__", "E4M3 queries, dense `[batch, sq, heads, head_dim]`"),
+        KernelArg::read("k", "const void* __restrict__", "E4M3 keys, dense `[batch, sk, groups, head_dim]`"),
+        KernelArg::read("v", "const void* __restrict__", "E4M3 values, dense as the keys"),
+        KernelArg::read("d_o", "const void* __restrict__", "FP8 output gradient, dense as the queries"),
+        KernelArg::read("qt", "const void* __restrict__", "E4M3 Qᵀ `[batch, heads, head_dim, q_trow]` (`_quantize`)"),
+        KernelArg::read("d_ot", "const void* __restrict__", "FP8 dOᵀ, as Qᵀ"),
+        KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
+        KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
+        KernelArg::write("dk", "void* __restrict__", "key gradient, at the kv strides"),
+        KernelArg::write("dv", "void* __restrict__", "value gradient, at the kv strides"),
+        KernelArg::read("scale_inv_q", "const float* __restrict__", "q's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_k", "const float* __restrict__", "k's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_v", "const float* __restrict__", "v's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_do", "const float* __restrict__", "dO's scale_inv (one f32)"),
+        KernelArg::read("ds_scale", "const float* __restrict__", "dS's quantization scale (one f32)"),
+        KernelArg::write("ds_amax", "float* __restrict__", "one f32, raised to max |dS| (true units)"),
+        KernelArg::scalar("q_trow", "u64", "positions per Qᵀ / dOᵀ row (sq rounded up to a multiple of 128)"),
+    );
+
+    /// Arguments of the FP8 backward's `_dq` entry point.
+    pub const BWD_FP8_DQ_ARGS: &'static [KernelArg] = flash_args!(
+        KernelArg::read("q", "const void* __restrict__", "E4M3 queries, dense `[batch, sq, heads, head_dim]`"),
+        KernelArg::read("k", "const void* __restrict__", "E4M3 keys, dense `[batch, sk, groups, head_dim]`"),
+        KernelArg::read("v", "const void* __restrict__", "E4M3 values, dense as the keys"),
+        KernelArg::read("d_o", "const void* __restrict__", "FP8 output gradient, dense as the queries"),
+        KernelArg::read("kt", "const void* __restrict__", "E4M3 Kᵀ `[batch, groups, head_dim, k_trow]` (`_quantize`)"),
+        KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
+        KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
+        KernelArg::write("dq", "void* __restrict__", "query gradient, at the q strides"),
+        KernelArg::read("scale_inv_q", "const float* __restrict__", "q's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_k", "const float* __restrict__", "k's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_v", "const float* __restrict__", "v's scale_inv (one f32)"),
+        KernelArg::read("scale_inv_do", "const float* __restrict__", "dO's scale_inv (one f32)"),
+        KernelArg::read("ds_scale", "const float* __restrict__", "dS's quantization scale (one f32)"),
+        KernelArg::scalar("k_trow", "u64", "positions per Kᵀ row (sk rounded up to a multiple of 128)"),
+    );
 }
 
 impl Family for FlashAttnSpec {
@@ -351,6 +430,8 @@ impl Family for FlashAttnSpec {
             (Direction::Fwd, _) if self.fp8 => Self::QUANTIZE_ARGS,
             (Direction::Fwd, _) => Self::FWD_ARGS,
             (Direction::Bwd, 0) => Self::BWD_DOT_ARGS,
+            (Direction::Bwd, 1) if self.fp8 => Self::BWD_FP8_DKDV_ARGS,
+            (Direction::Bwd, _) if self.fp8 => Self::BWD_FP8_DQ_ARGS,
             (Direction::Bwd, 1) => Self::BWD_DKDV_ARGS,
             (Direction::Bwd, _) => Self::BWD_DQ_ARGS,
         }
@@ -368,12 +449,14 @@ impl Family for FlashAttnSpec {
     fn template(&self) -> &'static str {
         match self.direction {
             Direction::Fwd => "flash_attn_fwd.cu.tera",
+            Direction::Bwd if self.fp8 => "flash_attn_bwd_fp8.cu.tera",
             Direction::Bwd => "flash_attn_bwd.cu.tera",
         }
     }
     fn name_parts(&self) -> String {
         let drop = if self.dropout { "_drop" } else { "" };
         let wg = match (self.wgmma, self.fp8) {
+            (_, true) if self.grad_e5m2 => "_fp8_e5m2",
             (_, true) => "_fp8",
             (true, false) => "_wg",
             (false, false) => "",
@@ -396,6 +479,15 @@ impl Family for FlashAttnSpec {
         ctx.insert("dropout", &self.dropout);
         ctx.insert("wgmma", &self.wgmma);
         ctx.insert("fp8", &self.fp8);
+        ctx.insert("grad_e5m2", &self.grad_e5m2);
+        ctx.insert("grad_type", if self.grad_e5m2 { "E5M2" } else { "E4M3" });
+        // The 8-bit wgmma operand types: F8_QK, F8_XG, F8_GX (x = e4m3, g = the gradients' type).
+        let g = if self.grad_e5m2 { "e5m2" } else { "e4m3" };
+        let pairs = match self.direction {
+            Direction::Fwd => vec![(0, "e4m3", "e4m3")],
+            Direction::Bwd => vec![(0, "e4m3", "e4m3"), (1, "e4m3", g), (2, g, "e4m3")],
+        };
+        ctx.insert("fp8_pairs", &pairs);
         // The wgmma shapes the kernels use, as (n, n / 8): S-like products (both operands in shared
         // memory) and P·V-like ones (A in registers).
         let mut ss = match self.direction {
@@ -437,10 +529,25 @@ impl Family for FlashAttnSpec {
             }
         }
         if self.fp8
-            && !(self.wgmma
-                && self.direction == Direction::Fwd
-                && self.head_dim % 128 == 0
-                && self.block_n == Self::FP8_KEY_TILE)
+            && self.direction == Direction::Bwd
+            && !(self.wgmma && self.head_dim == 128 && self.block_m == 128 && self.block_n == 128 && !self.dropout)
+        {
+            return Err(format!(
+                "the FP8 backward is the sm_90a wgmma kernel at head_dim 128 with 128 × 128 blocks and no dropout, got \
+                 {} head_dim {} blocks {} × {}{} (use the bf16/f16 backward)",
+                self.arch,
+                self.head_dim,
+                self.block_m,
+                self.block_n,
+                if self.dropout { " with dropout" } else { "" }
+            ));
+        }
+        if self.grad_e5m2 && !(self.fp8 && self.direction == Direction::Bwd) {
+            return Err("grad_e5m2 (E5M2 dO and dS) is a setting of the FP8 backward only".into());
+        }
+        if self.fp8
+            && self.direction == Direction::Fwd
+            && !(self.wgmma && self.head_dim % 128 == 0 && self.block_n == Self::FP8_KEY_TILE)
         {
             return Err(format!(
                 "FP8 attention is the sm_90a wgmma forward at head_dim 128 or 256 with 128-key tiles, got {} head_dim {} \

@@ -66,10 +66,12 @@ proptest! {
 
     #[test]
     fn flash_attention_specs(d in direction(), t in dtype(), head_dim in size(), a in arch(), block_m in size(),
-                             block_n in size(), wgmma in any::<bool>(), fp8 in any::<bool>(), dropout in any::<bool>()) {
+                             block_n in size(), wgmma in any::<bool>(), fp8 in any::<bool>(), dropout in any::<bool>(),
+                             grad_e5m2 in any::<bool>()) {
         check(FlashAttnSpec::new(d, t, head_dim, a).with_dropout(dropout).into());
         check(FlashAttnSpec::fp8_forward(t, head_dim, a).into());
-        let raw = FlashAttnSpec { block_m, block_n, wgmma, fp8, ..FlashAttnSpec::new(d, t, head_dim, a) };
+        check(FlashAttnSpec::fp8_backward(t, head_dim, a, grad_e5m2).with_dropout(dropout).into());
+        let raw = FlashAttnSpec { block_m, block_n, wgmma, fp8, grad_e5m2, ..FlashAttnSpec::new(d, t, head_dim, a) };
         check(raw.into());
         if KernelSpec::from(raw).validate().is_ok() {
             for e in 0..3 {

@@ -180,7 +180,7 @@ kernel_families! {
     CrossEntropy(CrossEntropySpec) => ["cross_entropy.cu.tera"],
     /// Family 14: fused attention (FlashAttention-2) forward with softmax_lse, deterministic
     /// backward.
-    FlashAttn(FlashAttnSpec) => ["flash_attn_fwd.cu.tera", "flash_attn_bwd.cu.tera"],
+    FlashAttn(FlashAttnSpec) => ["flash_attn_fwd.cu.tera", "flash_attn_bwd.cu.tera", "flash_attn_bwd_fp8.cu.tera"],
 }
 
 impl KernelSpec {

@@ -223,7 +223,7 @@ pub(super) fn addresses<'a>(
 }
 
 /// As [`addresses`], for tensors the kernels write.
-fn addresses_mut<'a>(
+pub(super) fn addresses_mut<'a>(
     stream: &'a Arc<CudaStream>,
     t: &'a mut Qkv<&mut Tensor>,
 ) -> Result<([u64; 3], Vec<SyncOnDrop<'a>>)> {
@@ -271,50 +271,108 @@ pub fn backward(
     let parts = qkv.parts();
     check(p, parts, cu, Direction::Bwd)?;
     let q = parts[0].0;
-    let (batch, sq, sk) = reach(p, cu);
-    let mut total_q = u64::MAX;
-    let mut total_kv = u64::MAX;
-    for (name, t) in [("out", out), ("d_out", d_out)] {
-        check_same(t, q, name)?;
-        check_extent(name, t, 0, p.o, batch, sq, p.heads, p.head_dim)?;
-        total_q = total_q.min(capacity(t, 0, p.o, p.heads, p.head_dim));
-    }
-    {
-        let g = match &grads {
-            Qkv::Apart([a, b, c]) => Qkv::Apart([&**a, &**b, &**c]),
-            Qkv::Packed(t, o) => Qkv::Packed(&**t, *o),
-        };
-        let ins = parts.map(Some);
-        for (((name, (t, offset)), (s, seq, heads)), input) in ["dq", "dk", "dv"]
-            .into_iter()
-            .zip(g.parts())
-            .zip([(p.q, sq, p.heads), (p.kv, sk, p.groups), (p.kv, sk, p.groups)])
-            .zip(ins)
-        {
-            check_same(t, q, name)?;
-            check_offset(name, offset)?;
-            check_extent(name, t, offset, s, batch, seq, heads, p.head_dim)?;
-            let cap = capacity(t, offset, s, heads, p.head_dim);
-            let cap = input.map_or(cap, |(i, o)| cap.min(capacity(i, o, s, heads, p.head_dim)));
-            if name == "dq" {
-                total_q = total_q.min(cap);
-            } else {
-                total_kv = total_kv.min(cap);
-            }
-        }
-    }
+    check_same(out, q, "out")?;
+    let totals = check_grads(p, cu, (out, d_out), &grads, parts.map(Some))?;
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
     let spec = FlashAttnSpec::new(Direction::Bwd, q.dtype(), p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
-    let s = Scalars::new(p, [total_q, total_kv]);
+    let s = Scalars::new(p, totals);
     let stream = dev.stream();
     let ([q, k, v], _in_guards) = addresses(stream, parts);
     let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
+    let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), &s)?;
+
+    let f = function(dev, &spec, 1)?;
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
+    l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", &dk).ptr("dv", &dv);
+    push_cu(&mut l, cu);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
+    // SAFETY: as the forward's, for dk and dv at the kv strides: held `&mut` (one fused tensor
+    // or two), and the heads they write are disjoint from each other and from every input.
+    unsafe { l.launch(dkdv_grid(p, &spec)) }?;
+
+    let f = function(dev, &spec, 2)?;
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 2);
+    l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dq", &dq);
+    push_cu(&mut l, cu);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
+    // SAFETY: as the forward's, for dq at the q strides (disjoint from dk and dv, written
+    // before on the same stream).
+    unsafe { l.launch(dq_grid(p, &spec)) }
+}
+
+/// The launch of a backward spec's `_dkdv` (a block per `block_n` keys of a key/value head).
+pub(super) fn dkdv_grid(p: &FlashAttnParams, spec: &FlashAttnSpec) -> LaunchConfig {
+    let mut cfg = grid(p.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
+    cfg.grid_dim.1 = p.groups as u32;
+    cfg
+}
+
+/// The launch of a backward spec's `_dq` (a block per `block_m` queries of a head).
+pub(super) fn dq_grid(p: &FlashAttnParams, spec: &FlashAttnSpec) -> LaunchConfig {
+    grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(2))
+}
+
+/// The backward's checks of the forward's output and its gradient (`(out, d_out)`, 16-bit at the
+/// o strides) and of the gradients `grads` (their dtype, offsets and extents); returns the rows
+/// the q side and the kv side hold (what `thd` token offsets are clamped to), bounded by the
+/// inputs `ins` read at the gradients' strides.
+pub(super) fn check_grads(
+    p: &FlashAttnParams,
+    cu: Option<CuSeqlens<'_>>,
+    (out, d_out): (&Tensor, &Tensor),
+    grads: &Qkv<&mut Tensor>,
+    ins: [Option<(&Tensor, usize)>; 3],
+) -> Result<[u64; 2]> {
+    let (batch, sq, sk) = reach(p, cu);
+    let mut total_q = u64::MAX;
+    let mut total_kv = u64::MAX;
+    check_dtype(OP, "out", out, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
+    for (name, t) in [("out", out), ("d_out", d_out)] {
+        check_same(t, out, name)?;
+        check_extent(name, t, 0, p.o, batch, sq, p.heads, p.head_dim)?;
+        total_q = total_q.min(capacity(t, 0, p.o, p.heads, p.head_dim));
+    }
+    let g = match grads {
+        Qkv::Apart([a, b, c]) => Qkv::Apart([&**a, &**b, &**c]),
+        Qkv::Packed(t, o) => Qkv::Packed(&**t, *o),
+    };
+    for (((name, (t, offset)), (s, seq, heads)), input) in ["dq", "dk", "dv"]
+        .into_iter()
+        .zip(g.parts())
+        .zip([(p.q, sq, p.heads), (p.kv, sk, p.groups), (p.kv, sk, p.groups)])
+        .zip(ins)
+    {
+        check_same(t, out, name)?;
+        check_offset(name, offset)?;
+        check_extent(name, t, offset, s, batch, seq, heads, p.head_dim)?;
+        let cap = capacity(t, offset, s, heads, p.head_dim);
+        let cap = input.map_or(cap, |(i, o)| cap.min(capacity(i, o, s, heads, p.head_dim)));
+        if name == "dq" {
+            total_q = total_q.min(cap);
+        } else {
+            total_kv = total_kv.min(cap);
+        }
+    }
+    Ok([total_q, total_kv])
+}
+
+/// `_dot_do_o` of a backward spec: `delta = rowsum(dO ⊙ O)`, f32 `[batch, heads, sq]`, from the
+/// checked ([`check_grads`]) 16-bit output and its gradient.
+pub(super) fn dot_do_o(
+    dev: &Device,
+    spec: &FlashAttnSpec,
+    p: &FlashAttnParams,
+    cu: Option<CuSeqlens<'_>>,
+    (out, d_out): (&Tensor, &Tensor),
+    s: &Scalars,
+) -> Result<CudaSlice<f32>> {
     // SAFETY: f32 has no invalid bit patterns; `_dot_do_o` writes every element.
     let mut delta = unsafe { dev.stream().alloc::<f32>(p.batch * p.heads * p.sq) }?;
-
-    let f = function(dev, &spec, 0)?;
+    let f = function(dev, spec, 0)?;
     let cfg = grid(p.sq.div_ceil(8), p, 256, 0);
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    let mut l = Launch::new(OP, dev.stream(), &f, spec, 0);
     l.ptr("o", out.data()).ptr("d_o", d_out.data()).ptr("delta", &mut delta);
     match cu {
         Some(c) => l.ptr("cu_seqlens_q", c.q),
@@ -326,35 +384,13 @@ pub fn backward(
     };
     s.push_o(&mut l).push_mask(&mut l);
     // SAFETY: out and d_out reach batch · sq rows of heads · head_dim at their strides; delta
-    // holds batch · heads · sq f32 (the grid's rows); checked above.
+    // holds batch · heads · sq f32 (the grid's rows); checked by the caller.
     unsafe { l.launch(cfg) }?;
-
-    let f = function(dev, &spec, 1)?;
-    let mut cfg = grid(p.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
-    cfg.grid_dim.1 = p.groups as u32;
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
-    l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
-    l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", &dk).ptr("dv", &dv);
-    push_cu(&mut l, cu);
-    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
-    // SAFETY: as the forward's, for dk and dv at the kv strides: held `&mut` (one fused tensor
-    // or two), and the heads they write are disjoint from each other and from every input.
-    unsafe { l.launch(cfg) }?;
-
-    let f = function(dev, &spec, 2)?;
-    let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(2));
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 2);
-    l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
-    l.ptr("lse", lse).ptr("delta", &delta).ptr("dq", &dq);
-    push_cu(&mut l, cu);
-    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
-    // SAFETY: as the forward's, for dq at the q strides (disjoint from dk and dv, written
-    // before on the same stream).
-    unsafe { l.launch(cfg) }
+    Ok(delta)
 }
 
 /// A null device pointer, for absent `cu_seqlens`.
-static NULL: u64 = 0;
+pub(super) static NULL: u64 = 0;
 
 pub(super) fn push_cu<'a>(l: &mut Launch<'a>, cu: Option<CuSeqlens<'a>>) {
     match cu {

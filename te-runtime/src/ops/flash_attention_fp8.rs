@@ -2,12 +2,15 @@
 //! quantized to E4M3 with per-tensor scales ([`quantize`], one cast per tensor with TE's
 //! scale / amax / scale_inv contract), then `softmax(scale · Q · Kᵀ) · V` on
 //! e4m3 `wgmma` with P quantized to E4M3 inside the kernel, the output in bf16/f16
-//! ([`forward`]). The backward stays 16-bit (TE's `NVTE_FP8_DPA_BWD=0` mode: FP8 forward, F16/BF16
-//! backward): it recomputes P from the 16-bit q, k and the LSE this forward saves.
+//! ([`forward`]); and the FP8 backward (TE's default `NVTE_FP8_DPA_BWD=1`, [`backward`]): dO cast
+//! to E5M2 (HYBRID) or E4M3 ([`quantize_grad`]), every product on 8-bit `wgmma`, dS quantized
+//! with a delayed scale whose amax the kernel records (TE's dP quantizer), the gradients in
+//! bf16/f16. A caller may instead run the 16-bit backward after the FP8 forward (TE's
+//! `NVTE_FP8_DPA_BWD=0`): it recomputes P from the 16-bit q, k and the LSE this forward saves.
 
 use super::flash_attention::{
-    addresses, capacity, check_call, check_extent, check_len, check_offset, function, grid, push_cu, reach, CuSeqlens,
-    FlashAttnParams, HeadStrides, Scalars, OP,
+    addresses, addresses_mut, capacity, check_call, check_extent, check_grads, check_len, check_offset, dkdv_grid,
+    dot_do_o, dq_grid, function, grid, push_cu, reach, CuSeqlens, FlashAttnParams, HeadStrides, Qkv, Scalars, NULL, OP,
 };
 use super::launch::Launch;
 use super::Fp8Scaling;
@@ -36,7 +39,8 @@ pub enum Fp8Operand {
 /// - `k`: `[batch, sk, groups, head_dim]`, dense;
 /// - `vt`: `[batch, groups, head_dim, vt_row]`: v transposed, `vt_row` = `sk` rounded up to a
 ///   multiple of 128, zero past `sk`, the keys of each chunk of 32 in the order the kernel's P
-///   fragments carry them (so that no shuffle is needed; only [`quantize`] writes it).
+///   fragments carry them (so that no shuffle is needed; only [`quantize`] writes it);
+/// - `backward`: what the FP8 [`backward`] reads besides, made in the same casts.
 #[derive(Debug)]
 pub struct Fp8Operands {
     /// E4M3 queries.
@@ -45,10 +49,26 @@ pub struct Fp8Operands {
     pub k: Tensor,
     /// E4M3 Vᵀ.
     pub vt: Tensor,
+    /// The transposed and dense codes of the FP8 backward ([`Fp8Operands::with_backward`]).
+    pub backward: Option<Fp8BackwardOperands>,
+}
+
+/// The E4M3 codes the FP8 [`backward`] needs besides the forward's (same scales): Qᵀ and Kᵀ
+/// (transposed like Vᵀ: `[batch, heads | groups, head_dim, sq | sk rounded up to 128]`, the
+/// positions of each chunk of 32 permuted) for the products whose k runs over positions, and v
+/// dense `[batch, sk, groups, head_dim]`.
+#[derive(Debug)]
+pub struct Fp8BackwardOperands {
+    /// E4M3 Qᵀ.
+    pub qt: Tensor,
+    /// E4M3 Kᵀ.
+    pub kt: Tensor,
+    /// E4M3 values, dense.
+    pub v: Tensor,
 }
 
 impl Fp8Operands {
-    /// Uninitialized operands for the sizes of `p` ([`quantize`] writes every byte).
+    /// Uninitialized operands of a forward for the sizes of `p` ([`quantize`] writes every byte).
     ///
     /// # Errors
     /// Allocation failures.
@@ -56,13 +76,62 @@ impl Fp8Operands {
         Ok(Self {
             q: Tensor::empty(dev, DType::E4M3, &[p.batch, p.sq, p.heads, p.head_dim])?,
             k: Tensor::empty(dev, DType::E4M3, &[p.batch, p.sk, p.groups, p.head_dim])?,
-            vt: Tensor::empty(dev, DType::E4M3, &[p.batch, p.groups, p.head_dim, vt_row(p.sk)])?,
+            vt: Tensor::empty(dev, DType::E4M3, &[p.batch, p.groups, p.head_dim, trow(p.sk)])?,
+            backward: None,
+        })
+    }
+
+    /// Uninitialized operands of a forward and the FP8 [`backward`] after it.
+    ///
+    /// # Errors
+    /// Allocation failures.
+    pub fn with_backward(dev: &Device, p: &FlashAttnParams) -> Result<Self> {
+        Ok(Self {
+            backward: Some(Fp8BackwardOperands {
+                qt: Tensor::empty(dev, DType::E4M3, &[p.batch, p.heads, p.head_dim, trow(p.sq)])?,
+                kt: Tensor::empty(dev, DType::E4M3, &[p.batch, p.groups, p.head_dim, trow(p.sk)])?,
+                v: Tensor::empty(dev, DType::E4M3, &[p.batch, p.sk, p.groups, p.head_dim])?,
+            }),
+            ..Self::new(dev, p)?
         })
     }
 }
 
-fn vt_row(sk: usize) -> usize {
-    sk.div_ceil(KEY_TILE) * KEY_TILE
+/// The output gradient's FP8 codes for the FP8 [`backward`] ([`quantize_grad`]): `d_o` dense
+/// `[batch, sq, heads, head_dim]` and `d_ot` transposed `[batch, heads, head_dim, sq rounded up to
+/// 128]` (positions permuted as Qᵀ's), E5M2 or E4M3.
+#[derive(Debug)]
+pub struct Fp8Grad {
+    /// dO, dense.
+    pub d_o: Tensor,
+    /// dOᵀ.
+    pub d_ot: Tensor,
+}
+
+impl Fp8Grad {
+    /// Uninitialized codes of `dtype` (E5M2 or E4M3) for the sizes of `p`.
+    ///
+    /// # Errors
+    /// [`Error::DType`] for another dtype; allocation failures.
+    pub fn new(dev: &Device, p: &FlashAttnParams, dtype: DType) -> Result<Self> {
+        if !matches!(dtype, DType::E5M2 | DType::E4M3) {
+            return Err(Error::DType {
+                op: OP,
+                arg: "d_o",
+                got: dtype,
+                expected: "e5m2 or e4m3 (the FP8 backward's gradient codes)".into(),
+            });
+        }
+        Ok(Self {
+            d_o: Tensor::empty(dev, dtype, &[p.batch, p.sq, p.heads, p.head_dim])?,
+            d_ot: Tensor::empty(dev, dtype, &[p.batch, p.heads, p.head_dim, trow(p.sq)])?,
+        })
+    }
+}
+
+/// Positions per transposed row: `seq` rounded up to the kernels' 128-position tile.
+fn trow(seq: usize) -> usize {
+    seq.div_ceil(KEY_TILE) * KEY_TILE
 }
 
 /// Why the FP8 forward cannot run this call on `arch`, or `None` when it can.
@@ -84,9 +153,10 @@ pub fn unsupported_reason(arch: Arch, dtype: DType, head_dim: usize, thd: bool) 
 
 /// Quantizes one of q, k, v (`x`: bf16/f16 from element `offset` at the strides of `p`, as
 /// [`super::flash_attention::forward`] takes it, e.g. heads inside a fused QKV tensor) into its
-/// E4M3 operand of `out`, with `scaling` (TE's cast contract: `x · scale` rounded to nearest and
-/// saturated, `amax` raised to max |x|, `scale_inv` written `1 / scale`; a quantizer's
-/// `fused_cast` hands these views).
+/// E4M3 codes in `out` (and, for operands made [`Fp8Operands::with_backward`], the backward's
+/// codes of it in the same pass), with `scaling` (TE's cast contract: `x · scale` rounded to
+/// nearest and saturated, `amax` raised to max |x|, `scale_inv` written `1 / scale`; a
+/// quantizer's `fused_cast` hands these views).
 ///
 /// # Errors
 /// [`Error::Shape`] when the FP8 kernels do not take the call ([`unsupported_reason`]), the
@@ -100,40 +170,82 @@ pub fn quantize(
     scaling: &mut Fp8Scaling<'_>,
     out: &mut Fp8Operands,
 ) -> Result<()> {
-    let (t, offset) = x;
+    check_operands(p, out)?;
+    let bwd = out.backward.as_mut();
+    let (strides, seq, heads, y, yt) = match which {
+        Fp8Operand::Q => (p.q, p.sq, p.heads, Some(&mut out.q), bwd.map(|b| &mut b.qt)),
+        Fp8Operand::K => (p.kv, p.sk, p.groups, Some(&mut out.k), bwd.map(|b| &mut b.kt)),
+        Fp8Operand::V => (p.kv, p.sk, p.groups, bwd.map(|b| &mut b.v), Some(&mut out.vt)),
+    };
+    launch_quantize(dev, p, x, (strides, seq, heads), (y, yt), scaling, 0)
+}
+
+/// Quantizes the output gradient `d_out` (bf16/f16 at `p.o` strides, as the 16-bit backward
+/// takes it) into `out`'s dense and transposed codes (E5M2 or E4M3, `out`'s dtype) with
+/// `scaling`, as [`quantize`] does.
+///
+/// # Errors
+/// As [`quantize`]; [`Error::Shape`] when `out` is not [`Fp8Grad::new`]'s for `p`.
+pub fn quantize_grad(
+    dev: &Device,
+    p: &FlashAttnParams,
+    d_out: &Tensor,
+    scaling: &mut Fp8Scaling<'_>,
+    out: &mut Fp8Grad,
+) -> Result<()> {
+    check_grad(p, out)?;
+    let e5m2 = i32::from(out.d_o.dtype() == DType::E5M2);
+    let seq = (p.o, p.sq, p.heads);
+    launch_quantize(dev, p, (d_out, 0), seq, (Some(&mut out.d_o), Some(&mut out.d_ot)), scaling, e5m2)
+}
+
+/// The `_quantize` launch: `x` (at `strides`, `seq` positions of `heads` heads) into the dense
+/// codes `y` and the transposed `yt` (either may be absent; shapes checked by the caller).
+fn launch_quantize(
+    dev: &Device,
+    p: &FlashAttnParams,
+    (t, offset): (&Tensor, usize),
+    (strides, seq, heads): (HeadStrides, usize, usize),
+    (y, yt): (Option<&mut Tensor>, Option<&mut Tensor>),
+    scaling: &mut Fp8Scaling<'_>,
+    e5m2: i32,
+) -> Result<()> {
     let dtype = t.dtype();
     if let Some(why) = unsupported_reason(dev.arch(), dtype, p.head_dim, false) {
         return Err(Error::Shape { op: OP, message: why });
     }
     check_call(p, None)?;
     check_offset("x", offset)?;
-    check_operands(p, out)?;
-    let (strides, seq, heads, y, transpose) = match which {
-        Fp8Operand::Q => (p.q, p.sq, p.heads, &mut out.q, 0i32),
-        Fp8Operand::K => (p.kv, p.sk, p.groups, &mut out.k, 0),
-        Fp8Operand::V => (p.kv, p.sk, p.groups, &mut out.vt, 1),
-    };
     check_extent("x", t, offset, strides, p.batch, seq, heads, p.head_dim)?;
     let spec = FlashAttnSpec::fp8_forward(dtype, p.head_dim, dev.arch());
     let f = function(dev, &spec, 1)?;
     let stream = dev.stream();
-    let ([src, _, _], _guards) = addresses(stream, [x, x, x]);
+    let ([src, _, _], _guards) = addresses(stream, [(t, offset); 3]);
     let s = [strides.batch as u64, strides.row as u64, strides.head as u64];
-    let sizes = [seq as u64, heads as u64, vt_row(p.sk) as u64];
+    let sizes = [seq as u64, heads as u64, trow(seq) as u64];
     let mut l = Launch::new(OP, stream, &f, &spec, 1);
-    l.ptr("x", &src).ptr("y", y.data_mut()?);
+    l.ptr("x", &src);
+    match y {
+        Some(y) => l.ptr("y", y.data_mut()?),
+        None => l.ptr("y", &NULL),
+    };
+    match yt {
+        Some(yt) => l.ptr("yt", yt.data_mut()?),
+        None => l.ptr("yt", &NULL),
+    };
     l.ptr("scale_ptr", &scaling.scale).ptr("amax_ptr", &mut scaling.amax).ptr("scale_inv_ptr", &mut scaling.scale_inv);
     l.scalar("x_batch", &s[0]).scalar("x_row", &s[1]).scalar("x_head", &s[2]);
     l.scalar("seq", &sizes[0]).scalar("heads", &sizes[1]).scalar("y_row", &sizes[2]);
-    l.scalar("transpose", &transpose);
+    l.scalar("e5m2", &e5m2);
     let cfg = LaunchConfig {
         grid_dim: (seq.div_ceil(KEY_TILE) as u32, heads as u32, p.batch as u32),
         block_dim: (256, 1, 1),
         shared_mem_bytes: spec.shared_bytes(1) as u32,
     };
     // SAFETY: x reaches batch · seq rows of heads · head_dim at its strides from its offset
-    // (checked); y is the dense (or Vᵀ, vt_row keys per row) E4M3 tensor of those sizes
-    // (`check_operands`), a distinct allocation (`&mut`); the scaling views are one f32 each.
+    // (checked); y is the dense and yt the transposed (trow(seq) positions per row) 8-bit tensor
+    // of those sizes (checked by the callers), distinct allocations (`&mut`); the scaling views
+    // are one f32 each.
     unsafe { l.launch(cfg) }
 }
 
@@ -183,7 +295,7 @@ pub fn forward(
     let totals = [(p.batch * p.sq) as u64, (p.batch * p.sk) as u64];
     let total_o = capacity(out, 0, p.o, p.heads, p.head_dim);
     let s = Scalars::new(&p8, [totals[0].min(total_o), totals[1]]);
-    let vt_row = vt_row(p.sk) as u64;
+    let vt_row = trow(p.sk) as u64;
     let stream = dev.stream();
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
     l.ptr("q", operands.q.data()).ptr("k", operands.k.data()).ptr("v", operands.vt.data());
@@ -198,19 +310,168 @@ pub fn forward(
     unsafe { l.launch(cfg) }
 }
 
+/// Why the FP8 [`backward`] cannot run this call on `arch`, or `None` when it can: the
+/// forward's conditions ([`unsupported_reason`]), head_dim 128, no attention dropout.
+pub fn backward_unsupported_reason(
+    arch: Arch,
+    dtype: DType,
+    head_dim: usize,
+    thd: bool,
+    dropout: bool,
+) -> Option<String> {
+    if let Some(why) = unsupported_reason(arch, dtype, head_dim, thd) {
+        return Some(why);
+    }
+    if head_dim != 128 {
+        return Some(format!("the FP8 attention backward takes head_dim 128, got {head_dim}"));
+    }
+    if dropout {
+        return Some("the FP8 attention backward takes no attention dropout".into());
+    }
+    None
+}
+
+/// The `scale_inv` (one f32 each, on the device) of the codes an FP8 [`backward`] reads: q, k
+/// and v (the forward's casts) and dO ([`quantize_grad`]'s).
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8BwdScaleInv<'a> {
+    /// q's, k's and v's.
+    pub qkv: [&'a CudaSlice<f32>; 3],
+    /// dO's.
+    pub d_o: &'a CudaSlice<f32>,
+}
+
+/// The gradients of an FP8 [`forward`]: `(dq, dk, dv)` written in the layout `grads` gives (`dq`
+/// at `p.q` strides, `dk`, `dv` at `p.kv` strides, three tensors or one fused; bf16/f16 as `out`;
+/// every element the strides reach is written, padded positions with zeros).
+///
+/// - `operands`: the forward's codes, made [`Fp8Operands::with_backward`] and cast by
+///   [`quantize`]; `grad`: dO's codes from [`quantize_grad`]; `scale_inv`: their scales.
+/// - `ds`: dS's scaling (a delayed-scaling slot, TE's dP quantizer): dS is quantized to the
+///   gradient codes' format as `dS · scale`, and `amax` is raised to max |dS| (true units);
+///   `scale_inv` is not written.
+/// - `out`, `d_out`: the forward's 16-bit output and its gradient at `p.o` strides (for
+///   `delta = rowsum(dO ⊙ O)`); `lse`: the forward's.
+///
+/// P is quantized as `P · 256` to E4M3, as in the forward. No atomics but the amax: the same
+/// inputs give the same gradient bits.
+///
+/// # Errors
+/// [`Error::Shape`] when the call is not one the FP8 backward takes
+/// ([`backward_unsupported_reason`]), the operands lack the backward's codes or are not those of
+/// `p`, a tensor or `lse` is too small, a `scale_inv` is empty; the 16-bit backward's checks of
+/// `p`, `out`, `d_out` and the gradients; compile and launch failures.
+#[allow(clippy::too_many_arguments)] // the backward's tensors, each named as in TE
+pub fn backward(
+    dev: &Device,
+    p: &FlashAttnParams,
+    (operands, grad): (&Fp8Operands, &Fp8Grad),
+    scale_inv: Fp8BwdScaleInv<'_>,
+    ds: &mut Fp8Scaling<'_>,
+    (out, d_out): (&Tensor, &Tensor),
+    lse: &CudaSlice<f32>,
+    cu: Option<CuSeqlens<'_>>,
+    mut grads: Qkv<&mut Tensor>,
+) -> Result<()> {
+    let why = backward_unsupported_reason(dev.arch(), out.dtype(), p.head_dim, CuSeqlens::thd(cu), p.dropout.is_some());
+    if let Some(why) = why {
+        return Err(Error::Shape { op: OP, message: why });
+    }
+    check_operands(p, operands)?;
+    let Some(codes) = &operands.backward else {
+        return Err(Error::Shape {
+            op: OP,
+            message: "the FP8 operands hold no backward codes: make them with Fp8Operands::with_backward".into(),
+        });
+    };
+    check_grad(p, grad)?;
+    for (name, s) in ["q", "k", "v", "d_o"].into_iter().zip(scale_inv.qkv.into_iter().chain([scale_inv.d_o])) {
+        check_len(name, s.len(), 1).map_err(|_| Error::Shape {
+            op: OP,
+            message: format!("the scale_inv of {name} is empty: pass the one its cast wrote ([1] f32)"),
+        })?;
+    }
+    check_call(p, cu)?;
+    let totals = check_grads(p, cu, (out, d_out), &grads, [None; 3])?;
+    check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
+    let spec = FlashAttnSpec::fp8_backward(out.dtype(), p.head_dim, dev.arch(), grad.d_o.dtype() == DType::E5M2);
+    let s = Scalars::new(p, totals);
+    let trows = [trow(p.sq) as u64, trow(p.sk) as u64];
+    let stream = dev.stream();
+    let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
+    let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), &s)?;
+    let [sq_, sk_, sv_] = scale_inv.qkv;
+
+    let f = function(dev, &spec, 1)?;
+    let mut l = Launch::new(OP, stream, &f, &spec, 1);
+    l.ptr("q", operands.q.data()).ptr("k", operands.k.data()).ptr("v", codes.v.data());
+    l.ptr("d_o", grad.d_o.data()).ptr("qt", codes.qt.data()).ptr("d_ot", grad.d_ot.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", &dk).ptr("dv", &dv);
+    l.ptr("scale_inv_q", sq_).ptr("scale_inv_k", sk_).ptr("scale_inv_v", sv_).ptr("scale_inv_do", scale_inv.d_o);
+    l.ptr("ds_scale", &ds.scale).ptr("ds_amax", &mut ds.amax).scalar("q_trow", &trows[0]);
+    push_cu(&mut l, cu);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
+    // SAFETY: the codes are the dense and transposed 8-bit tensors of `p`'s sizes (checked), dk
+    // and dv reach every row their kv strides address (checked), held `&mut` and disjoint; lse
+    // and delta hold batch · heads · sq f32, the cu_seqlens batch + 1 i32, the scales one f32.
+    unsafe { l.launch(dkdv_grid(p, &spec)) }?;
+
+    let f = function(dev, &spec, 2)?;
+    let mut l = Launch::new(OP, stream, &f, &spec, 2);
+    l.ptr("q", operands.q.data()).ptr("k", operands.k.data()).ptr("v", codes.v.data());
+    l.ptr("d_o", grad.d_o.data()).ptr("kt", codes.kt.data());
+    l.ptr("lse", lse).ptr("delta", &delta).ptr("dq", &dq);
+    l.ptr("scale_inv_q", sq_).ptr("scale_inv_k", sk_).ptr("scale_inv_v", sv_).ptr("scale_inv_do", scale_inv.d_o);
+    l.ptr("ds_scale", &ds.scale).scalar("k_trow", &trows[1]);
+    push_cu(&mut l, cu);
+    s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
+    // SAFETY: as `_dkdv`'s, for dq at the q strides (disjoint from dk and dv, written before on
+    // the same stream).
+    unsafe { l.launch(dq_grid(p, &spec)) }
+}
+
 /// The operands' dtypes and shapes are those of `p`.
 fn check_operands(p: &FlashAttnParams, o: &Fp8Operands) -> Result<()> {
-    let want = [
+    let mut want = vec![
         ("q", &o.q, vec![p.batch, p.sq, p.heads, p.head_dim]),
         ("k", &o.k, vec![p.batch, p.sk, p.groups, p.head_dim]),
-        ("vt", &o.vt, vec![p.batch, p.groups, p.head_dim, vt_row(p.sk)]),
+        ("vt", &o.vt, vec![p.batch, p.groups, p.head_dim, trow(p.sk)]),
     ];
+    if let Some(b) = &o.backward {
+        want.push(("qt", &b.qt, vec![p.batch, p.heads, p.head_dim, trow(p.sq)]));
+        want.push(("kt", &b.kt, vec![p.batch, p.groups, p.head_dim, trow(p.sk)]));
+        want.push(("v", &b.v, vec![p.batch, p.sk, p.groups, p.head_dim]));
+    }
     for (name, t, shape) in want {
         if t.dtype() != DType::E4M3 || t.shape() != shape.as_slice() {
             return Err(Error::Shape {
                 op: OP,
                 message: format!(
-                    "FP8 operand `{name}` is {} {:?}, the call needs e4m3 {shape:?} (make it with Fp8Operands::new)",
+                    "FP8 operand `{name}` is {} {:?}, the call needs e4m3 {shape:?} (make it with Fp8Operands::new, or \
+                     with_backward for the FP8 backward)",
+                    t.dtype(),
+                    t.shape()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The gradient codes' dtypes and shapes are those of `p`.
+fn check_grad(p: &FlashAttnParams, g: &Fp8Grad) -> Result<()> {
+    let dtype = g.d_o.dtype();
+    let want = [
+        ("d_o", &g.d_o, vec![p.batch, p.sq, p.heads, p.head_dim]),
+        ("d_ot", &g.d_ot, vec![p.batch, p.heads, p.head_dim, trow(p.sq)]),
+    ];
+    for (name, t, shape) in want {
+        if !matches!(dtype, DType::E5M2 | DType::E4M3) || t.dtype() != dtype || t.shape() != shape.as_slice() {
+            return Err(Error::Shape {
+                op: OP,
+                message: format!(
+                    "FP8 gradient `{name}` is {} {:?}, the call needs e5m2 or e4m3 (both alike) {shape:?} (make it \
+                     with Fp8Grad::new)",
                     t.dtype(),
                     t.shape()
                 ),
