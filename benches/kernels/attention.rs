@@ -108,10 +108,12 @@ fn fused(b: &mut Bench, s: FusedShape, format: QkvFormat, p: f32, variant: &str)
 
 /// The FP8 forward (`ops::flash_attention_fp8`) on `s` in bshd: the attention kernel alone (E4M3
 /// operands made once) and with the quantization of q, k, v (what a step pays when the QKV GEMM
-/// emits 16-bit), as `ours fp8` and `ours fp8 + quantize`. FLOPs as the 16-bit forward's.
+/// emits 16-bit), as `ours fp8` and `ours fp8 + quantize`. FLOPs as the 16-bit forward's. Then
+/// the FP8 backward (E5M2 dO and dS): its kernels alone (`bwd`, 2.5× the forward's FLOPs) and the
+/// whole training step with every cast (`fwd+bwd`, `ours fp8 + quantize`).
 fn fp8_forward(b: &mut Bench, s: FusedShape) {
-    use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides};
-    use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8Operand, Fp8Operands};
+    use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides, Qkv};
+    use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
     use te_runtime::ops::Fp8Meta;
     let dev = b.dev().clone();
     let FusedShape { batch, seq, heads, groups, d, causal } = s;
@@ -150,10 +152,10 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
     let shape = format!("b{batch} s{seq} h{heads}{kv} d{d} {}", if causal { "causal" } else { "no_mask" });
     let full = (4 * batch * heads * seq * seq * d) as u64;
     let flops = if causal { full / 2 } else { full };
-    let work = |variant: &str| Work {
+    let work = |variant: &str, pass: &'static str, flops: u64| Work {
         section: "attention",
         work: "attention".into(),
-        pass: "fwd",
+        pass,
         variant: variant.into(),
         precision: "fp8",
         flops_fp8: flops,
@@ -163,13 +165,42 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
         let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
         fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap()
     });
-    b.record_work(&shape, st, flops, None, work("ours fp8"));
+    b.record_work(&shape, st, flops, None, work("ours fp8", "fwd", flops));
     let st = b.time(3, 10, |_| {
         quantize(&mut ops, &mut metas);
         let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
         fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap();
     });
-    b.record_work(&shape, st, flops, None, work("ours fp8 + quantize"));
+    b.record_work(&shape, st, flops, None, work("ours fp8 + quantize", "fwd", flops));
+
+    // Training: the operands with the backward's codes, dO in E5M2.
+    let mut ops = Fp8Operands::with_backward(&dev, &p).unwrap();
+    let mut g8 = Fp8Grad::new(&dev, &p, DType::E5M2).unwrap();
+    let (mut gmeta, mut ds) = (Fp8Meta::new(&dev, 1024.0).unwrap(), Fp8Meta::new(&dev, 1.0).unwrap());
+    let d_out = bf16(&[batch, seq, heads, d], 4);
+    let grads = |shape: &[usize]| Tensor::empty(&dev, DType::BF16, shape).unwrap();
+    let (mut dq, mut dk, mut dv) =
+        (grads(&[batch, seq, heads, d]), grads(&[batch, seq, groups, d]), grads(&[batch, seq, groups, d]));
+    quantize(&mut ops, &mut metas);
+    let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
+    fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap();
+    fp8::quantize_grad(&dev, &p, &d_out, &mut gmeta.scaling(), &mut g8).unwrap();
+    let st = b.time(2, 10, |_| {
+        let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv };
+        let g = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
+        fp8::backward(&dev, &p, (&ops, &g8), scale_inv, &mut ds.scaling(), (&out, &d_out), &lse, None, g).unwrap();
+    });
+    b.record_work(&shape, st, flops * 5 / 2, None, work("ours fp8", "bwd", flops * 5 / 2));
+    let st = b.time(2, 10, |_| {
+        quantize(&mut ops, &mut metas);
+        let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
+        fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap();
+        fp8::quantize_grad(&dev, &p, &d_out, &mut gmeta.scaling(), &mut g8).unwrap();
+        let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv };
+        let g = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
+        fp8::backward(&dev, &p, (&ops, &g8), scale_inv, &mut ds.scaling(), (&out, &d_out), &lse, None, g).unwrap();
+    });
+    b.record_work(&shape, st, flops * 7 / 2, None, work("ours fp8 + quantize", "fwd+bwd", flops * 7 / 2));
 }
 
 fn unfused(b: &mut Bench) {

@@ -1,9 +1,11 @@
 //! `DotProductAttention` in FP8 (TE's `fp8_dpa`): under `fp8_autocast` with a recipe that sets
 //! `fp8_dpa`, the fused backend casts q, k and v to E4M3 with one scale from the module's scaling
-//! state (delayed) or from their amax (current), runs the FP8 forward and the 16-bit backward;
-//! outputs and gradients stay within FP8 error of the 16-bit module's. The delayed state records
-//! the amax of q, k and v, is updated at the scope's exit and is visited (checkpointed) as
-//! `….fp8_fwd`; calls the FP8 kernels do not take run in 16 bits, bit for bit as without the flag.
+//! state (delayed) or from their amax (current), runs the FP8 forward and, in training at head_dim
+//! 128 without dropout, the FP8 backward (dO in E5M2, dS on a delayed scale); outputs and
+//! gradients stay within FP8 error of the 16-bit module's. The delayed states record the amax of
+//! q, k and v, of dO and of dS, are updated at the scope's exit (forward) and after the last
+//! backward, and are visited (checkpointed) as `….fp8_fwd`, `….fp8_bwd`, `….fp8_dp`; calls the FP8
+//! kernels do not take run in 16 bits, bit for bit as without the flag.
 
 use crate::common::{device, randn, Fp8States};
 use std::sync::Arc;
@@ -15,17 +17,26 @@ use te_runtime::{Arch, DType, Device, Result, Tensor};
 
 /// Relative RMS error bound of FP8 attention against the 16-bit module: E4M3 keeps 3 mantissa
 /// bits (elements within ±6.25%), and the errors of q, k and v average over `head_dim` and the
-/// keys, so outputs and gradients land within a few percent; 10% leaves room for the tails.
+/// keys, so outputs land within a few percent; 10% leaves room for the tails.
 const RMS_TOL: f64 = 0.10;
+/// The same for the gradients of the FP8 backward: dO and dS in E5M2 keep 2 mantissa bits (±12.5%),
+/// on top of q, k, v in E4M3, and the first step quantizes dS at the fresh state's scale 1 (as TE
+/// starts), where small dS are subnormal; measured 11–12% on an H100 (5.4% for dS alone, the
+/// ops-level test).
+const GRAD_RMS_TOL: f64 = 0.15;
 
 fn assert_rms_close(what: &str, got: &[f32], want: &[f32]) {
+    assert_rms_within(what, got, want, RMS_TOL);
+}
+
+fn assert_rms_within(what: &str, got: &[f32], want: &[f32], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let err: f64 = got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - f64::from(w)).powi(2)).sum();
     let norm: f64 = want.iter().map(|&w| f64::from(w).powi(2)).sum();
     assert!(got.iter().all(|g| g.is_finite()), "{what}: non-finite values");
     let rel = (err / norm.max(1e-30)).sqrt();
     eprintln!("{what}: relative RMS error {rel:.4}");
-    assert!(rel <= RMS_TOL, "{what}: relative RMS error {rel:.4} > {RMS_TOL}");
+    assert!(rel <= tol, "{what}: relative RMS error {rel:.4} > {tol}");
 }
 
 fn bf16(dev: &Arc<Device>, shape: &[usize], seed: u64, std: f32) -> (Tensor, Vec<f32>) {
@@ -37,8 +48,13 @@ fn bf16(dev: &Arc<Device>, shape: &[usize], seed: u64, std: f32) -> (Tensor, Vec
 type Grads = [Vec<f32>; 3];
 
 /// Forward (apart or through the fused QKV tensor) and backward; the output, the gradients
-/// and the context's FP8 flag.
-fn step(dev: &Device, attn: &mut DotProductAttention, x: &Inputs, recipe: Option<Recipe>) -> (Vec<f32>, Grads, bool) {
+/// and the context's FP8 flags (forward, backward).
+fn step(
+    dev: &Device,
+    attn: &mut DotProductAttention,
+    x: &Inputs,
+    recipe: Option<Recipe>,
+) -> (Vec<f32>, Grads, (bool, bool)) {
     let forward = |attn: &mut DotProductAttention| -> Result<(Tensor, AttentionCtx)> {
         match &x.packed {
             Some(qkv) => attn.forward_packed(qkv, None),
@@ -50,7 +66,7 @@ fn step(dev: &Device, attn: &mut DotProductAttention, x: &Inputs, recipe: Option
         None => forward(attn),
     }
     .unwrap();
-    let fp8 = ctx.fp8();
+    let fp8 = (ctx.fp8(), ctx.fp8_backward());
     let grads = match &x.packed {
         Some(_) => {
             let d = attn.backward_packed(ctx, &x.d_out).unwrap().to_f32(dev).unwrap();
@@ -112,22 +128,27 @@ fn fp8_dpa_runs_attention_in_fp8_under_autocast() {
         let x = inputs(&dev, &cfg, 2, 300, packed);
         let mut attn = DotProductAttention::new(&dev, cfg.clone()).unwrap();
         let (want, want_grads, fp8) = step(&dev, &mut attn, &x, None);
-        assert!(!fp8, "{what}: no autocast, no FP8");
+        assert_eq!(fp8, (false, false), "{what}: no autocast, no FP8");
         for round in 0..2 {
             let (got, grads, fp8) = step(&dev, &mut attn, &x, Some(recipe));
-            assert!(fp8, "{what}: the forward ran in FP8");
+            assert_eq!(fp8, (true, true), "{what}: forward and backward ran in FP8");
             assert_rms_close(&format!("{what} round {round}: out"), &got, &want);
             let pairs = ["dq (or d_qkv)", "dk", "dv"].iter().zip(grads.iter().zip(&want_grads));
             for (name, (g, w)) in pairs.filter(|(_, (g, _))| !g.is_empty()) {
-                assert_rms_close(&format!("{what} round {round}: {name}"), g, w);
+                assert_rms_within(&format!("{what} round {round}: {name}"), g, w, GRAD_RMS_TOL);
             }
         }
         let mut states = Fp8States::default();
         attn.visit("core_attention", &mut states).unwrap();
+        // dS's state (delayed under both recipes) recorded an amax and took a scale from it.
+        let (name, dp) = states.0.last().unwrap();
+        assert_eq!(name, "core_attention.fp8_dp");
+        let dp = dp.snapshot().unwrap();
+        assert!(dp.amax_history[0] > 0.0 && dp.scale[0] != 1.0, "{what}: dS amax {:?}", dp.amax_history);
         match recipe {
             Recipe::Delayed(_) => {
-                assert_eq!(states.0.len(), 1, "{what}: one state");
-                assert_eq!(states.0[0].0, "core_attention.fp8_fwd");
+                let names: Vec<_> = states.0.iter().map(|(n, _)| n.as_str()).collect();
+                assert_eq!(names, ["core_attention.fp8_fwd", "core_attention.fp8_bwd", "core_attention.fp8_dp"]);
                 let snap = states.0[0].1.snapshot().unwrap();
                 // Both rounds recorded the amax of q, k and v in the QKV slot (0); the scope
                 // exits rolled the history and set the scale from it.
@@ -135,7 +156,7 @@ fn fp8_dpa_runs_attention_in_fp8_under_autocast() {
                 assert_eq!(history.iter().filter(|&&a| a == x.amax).count(), 2, "{what}: history {history:?}");
                 assert_eq!(snap.scale[0], 448.0 / x.amax, "{what}: scale");
             }
-            Recipe::Current(_) => assert!(states.0.is_empty(), "{what}: current scaling keeps no state"),
+            Recipe::Current(_) => assert_eq!(states.0.len(), 1, "{what}: current scaling keeps dS's state only"),
         }
     }
 }
@@ -150,7 +171,7 @@ fn fp8_dpa_leaves_calls_the_fp8_kernels_do_not_take_in_16_bits() {
     let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
     let (want, want_grads, _) = step(&dev, &mut attn, &x, None);
     let (got, grads, fp8) = step(&dev, &mut attn, &x, Some(fp8_dpa));
-    assert!(!fp8, "head_dim 64 stays 16-bit");
+    assert_eq!(fp8, (false, false), "head_dim 64 stays 16-bit");
     assert_eq!(got, want, "the same kernels as without the flag");
     assert_eq!(grads, want_grads);
     assert!(attn.fp8_forward_state().is_none(), "no state for a call that did not run in FP8");
@@ -160,7 +181,13 @@ fn fp8_dpa_leaves_calls_the_fp8_kernels_do_not_take_in_16_bits() {
     let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
     let (want, _, _) = step(&dev, &mut attn, &x, None);
     let (got, _, fp8) = step(&dev, &mut attn, &x, Some(DelayedScaling::default().into()));
-    assert!(!fp8 && got == want, "fp8_dpa off: 16-bit attention");
+    assert!(fp8 == (false, false) && got == want, "fp8_dpa off: 16-bit attention");
+    // Attention dropout: the FP8 forward, then the 16-bit backward (the FP8 backward takes none).
+    let drop = DotProductAttentionConfig { attention_dropout: 0.1, ..DotProductAttentionConfig::new(4, 128) };
+    let mut dropped = DotProductAttention::new(&dev, drop).unwrap();
+    let (_, grads, fp8) = step(&dev, &mut dropped, &x, Some(fp8_dpa));
+    assert_eq!(fp8, (true, false), "dropout: FP8 forward, 16-bit backward");
+    assert!(grads.iter().flatten().all(|g| g.is_finite()));
     // Calibration records the amax of q, k, v and runs in 16 bits.
     let calibrate = Fp8Autocast::calibrating(DelayedScaling { fp8_dpa: true, ..Default::default() });
     let (out, ctx) = calibrate.run(|| attn.forward(&x.q, &x.k, &x.v, None)).unwrap();

@@ -15,9 +15,14 @@
 //! call the FP8 kernels take (Hopper, head_dim 128 or 256, not `thd`:
 //! [`crate::ops::flash_attention_fp8`]) casts q, k and v to E4M3 with one scale (the module's
 //! delayed-scaling slot, TE's `META_QKV`, visited as `fp8_fwd`; or their current amax) and runs
-//! `Q · Kᵀ` and `P · V` on E4M3 tensor cores. The output is 16-bit, and so is the backward (TE's
-//! `NVTE_FP8_DPA_BWD=0`), from the 16-bit q, k, v and the FP8 forward's LSE. Other calls run in
-//! 16 bits as without the flag ([`AttentionCtx::fp8`] says which ran).
+//! `Q · Kᵀ` and `P · V` on E4M3 tensor cores; the output is 16-bit. In training the backward runs
+//! in FP8 too where its kernels take the call (head_dim 128, no attention dropout; TE's default
+//! `NVTE_FP8_DPA_BWD=1`): dO cast to E5M2 under HYBRID (the module's backward slot `fp8_bwd`, or
+//! its current amax), dS quantized in the kernels with a delayed scale (`fp8_dp`, TE's dP
+//! quantizer; history 1 under current scaling, as TE), every product on 8-bit tensor cores,
+//! 16-bit gradients. Setting `NVTE_FP8_DPA_BWD=0` keeps the backward 16-bit, from the 16-bit q,
+//! k, v and the FP8 forward's LSE. Other calls run in 16 bits as without the flag
+//! ([`AttentionCtx::fp8`] and [`AttentionCtx::fp8_backward`] say which ran).
 //!
 //! **Unfused** (TE's `UnfusedDotProductAttention` in `backends.py`), in the inputs' precision,
 //! under `fp8_autocast` too (TE's FP8 attention needs a fused kernel):
@@ -35,6 +40,7 @@
 //! Both give a query that sees no key (a padded query) a zero output and zero gradients.
 
 mod backend;
+mod fp8;
 mod fused;
 mod mask;
 mod packed;
@@ -44,10 +50,9 @@ mod unfused;
 
 use super::visit::{visit_slots, visit_states, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, KernelSpec, KernelTarget};
-use crate::fp8::{fp8_mode, Fp8Mode, GemmScaling, Quantizer, ScalingState, FWD_INPUT};
+use crate::fp8::ScalingState;
 use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::Qkv;
-use crate::ops::flash_attention_fp8;
 use crate::ops::softmax::MAX_SK;
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
@@ -182,6 +187,8 @@ pub struct AttentionCtx {
     saved: Saved,
     /// The forward ran on E4M3 q, k, v (TE `fp8_dpa`).
     fp8: bool,
+    /// The backward runs in FP8: the casts' scalings.
+    fp8_backward: Option<fp8::Fp8Backward>,
 }
 
 /// q, k and v as the backward reads them.
@@ -236,9 +243,15 @@ impl AttentionCtx {
     }
 
     /// Whether the forward ran in FP8 (E4M3 q, k, v on the fused backend: an `fp8_autocast`
-    /// recipe with `fp8_dpa` and a call the FP8 kernels take). The backward is 16-bit either way.
+    /// recipe with `fp8_dpa` and a call the FP8 kernels take).
     pub fn fp8(&self) -> bool {
         self.fp8
+    }
+
+    /// Whether the backward runs in FP8 (a training forward in FP8 whose backward the FP8
+    /// kernels take, `NVTE_FP8_DPA_BWD` not `0`); else it is 16-bit.
+    pub fn fp8_backward(&self) -> bool {
+        self.fp8_backward.is_some()
     }
 }
 
@@ -276,9 +289,9 @@ pub struct DotProductAttention {
     training: bool,
     /// The backend of the last forward and whether it ran in FP8 (logged when it changes).
     last_backend: Option<(AttentionBackend, bool)>,
-    /// The FP8 scaling of q, k, v (TE `fp8_meta` of the module; slot [`FWD_INPUT`] for all
-    /// three, as TE's `META_QKV`), used under a recipe with `fp8_dpa`.
-    scaling: GemmScaling,
+    /// The FP8 scaling of q, k, v, dO and dS (TE `fp8_meta` of the module), used under a recipe
+    /// with `fp8_dpa`.
+    scaling: fp8::Fp8Scalings,
 }
 
 impl DotProductAttention {
@@ -300,7 +313,7 @@ impl DotProductAttention {
             calls: 0,
             training: true,
             last_backend: None,
-            scaling: GemmScaling::new(dev),
+            scaling: fp8::Fp8Scalings::new(dev),
         })
     }
 
@@ -371,9 +384,13 @@ impl DotProductAttention {
     ) -> Result<(Tensor, AttentionCtx)> {
         let dtype = inputs.dtype();
         let backend = backend::select(&self.cfg, dtype, self.training)?;
-        let fp8 = if backend == AttentionBackend::Fused { self.fp8_quantizer(&inputs)? } else { None };
-        self.log_backend(backend, fp8.is_some(), &dims, dtype);
         let drop = self.next_dropout();
+        let fp8 = if backend == AttentionBackend::Fused {
+            self.scaling.forward(&self.dev, &inputs, &dims, self.training, drop.p > 0.0)?
+        } else {
+            None
+        };
+        self.log_backend(backend, fp8.is_some(), &dims, dtype);
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
         let out_shape = dims.out_shape().to_vec();
         let (out, saved, inputs) = if backend == AttentionBackend::Fused {
@@ -387,7 +404,7 @@ impl DotProductAttention {
                 inputs.fused(&dims),
                 &out_shape,
                 self.cfg.scale(),
-                fp8.as_deref(),
+                fp8.as_ref().map(|f| (&*f.quantizer, f.backward.is_some())),
             )?;
             (out, Saved::Fused(Box::new(saved)), inputs)
         } else {
@@ -410,37 +427,12 @@ impl DotProductAttention {
             let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
             (out, Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
         };
-        let fp8 = fp8.is_some();
-        Ok((out, AttentionCtx { module_id: self.id, dims, inputs, packed, out_shape, saved, fp8 }))
-    }
-
-    /// The quantizer of q, k and v when a fused forward of `inputs` runs in FP8: under an
-    /// `fp8_autocast` recipe with `fp8_dpa`, where the FP8 kernels take the call (else 16 bits,
-    /// with a debug log saying why). Under calibration the inputs' amax is recorded into the
-    /// QKV slot instead, and the forward stays 16-bit.
-    fn fp8_quantizer(&mut self, inputs: &Inputs) -> Result<Option<Box<dyn Quantizer>>> {
-        let (recipe, calibrating) = match fp8_mode() {
-            Fp8Mode::Fp8(r) => (r, false),
-            Fp8Mode::Calibrating(r) => (r, true),
-            Fp8Mode::HighPrecision => return Ok(None),
+        let (fp8, fp8_backward) = match fp8 {
+            Some(f) => (true, f.backward),
+            None => (false, None),
         };
-        if !recipe.fp8_dpa() {
-            return Ok(None);
-        }
-        let thd = matches!(inputs, Inputs::Thd(_));
-        let why = flash_attention_fp8::unsupported_reason(self.dev.arch(), inputs.dtype(), self.cfg.kv_channels, thd);
-        if let Some(why) = why {
-            tracing::debug!("DotProductAttention: fp8_dpa is set, the forward stays 16-bit: {why}");
-            return Ok(None);
-        }
-        let quantizer = self.scaling.forward_slot(&recipe, FWD_INPUT)?;
-        if calibrating {
-            for t in inputs.tensors() {
-                quantizer.calibrate(t)?;
-            }
-            return Ok(None);
-        }
-        Ok(Some(quantizer))
+        let ctx = AttentionCtx { module_id: self.id, dims, inputs, packed, out_shape, saved, fp8, fp8_backward };
+        Ok((out, ctx))
     }
 
     /// The attention dropout of the next forward: `p` in training (0 in evaluation), and a fresh
@@ -469,7 +461,7 @@ impl DotProductAttention {
     /// The FP8 scaling state of q, k, v (`fp8_fwd`), once a forward with `fp8_dpa` under
     /// delayed scaling (or calibration) made it.
     pub fn fp8_forward_state(&self) -> Option<&Arc<ScalingState>> {
-        self.scaling.fwd_state()
+        self.scaling.states()[0].1
     }
 
     /// Backward of [`DotProductAttention::forward`]: `(dq, dk, dv)` in the shapes and dtype of
@@ -505,7 +497,26 @@ impl DotProductAttention {
         match (&ctx.saved, qkv) {
             (Saved::Fused(saved), qkv) => {
                 let mask = (self.cfg.attn_mask_type, self.cfg.window());
-                fused::backward(&self.dev, &ctx.dims, mask, (qkv, layout), saved, d_out, self.cfg.scale())
+                let (dims, scale) = (&ctx.dims, self.cfg.scale());
+                match ctx.fp8_backward {
+                    Some(b) if saved.has_fp8_backward() => {
+                        let (d_o, ds) = self.scaling.backward(&b)?;
+                        let grads = fused::backward_fp8(
+                            &self.dev,
+                            dims,
+                            mask,
+                            (qkv, layout),
+                            saved,
+                            d_out,
+                            scale,
+                            (&*d_o, &*ds),
+                        )?;
+                        b.finish()?;
+                        Ok(grads)
+                    }
+                    Some(_) => Err(Error::internal(MODULE, "an FP8 backward planned without the forward's codes")),
+                    None => fused::backward(&self.dev, dims, mask, (qkv, layout), saved, d_out, scale),
+                }
             }
             (Saved::Unfused { probs, dropout }, Qkv::Apart(qkv)) => {
                 let (dq, dk, dv) =
@@ -560,14 +571,14 @@ impl DotProductAttention {
 }
 
 impl Module for DotProductAttention {
-    /// No parameters; the FP8 scaling state of q, k, v as `prefix.fp8_fwd` once made.
+    /// No parameters; the FP8 scaling states once made: q, k, v as `prefix.fp8_fwd`, dO as
+    /// `prefix.fp8_bwd`, dS as `prefix.fp8_dp`.
     fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
-        visit_states(prefix, &[("fp8_fwd", self.fp8_forward_state())], |path, s| visitor.fp8_state(path, s))
+        visit_states(prefix, &self.scaling.states(), |path, s| visitor.fp8_state(path, s))
     }
 
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
-        let [fwd, _] = self.scaling.state_slots();
-        visit_slots(prefix, [("fp8_fwd", fwd)], visitor)
+        visit_slots(prefix, self.scaling.state_slots(), visitor)
     }
 
     /// [`DotProductAttentionConfig::kernel_specs`] of its config.

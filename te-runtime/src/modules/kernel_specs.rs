@@ -14,10 +14,11 @@ use super::{
     DotProductAttentionConfig, EmbeddingConfig, KernelSpec, KernelTarget, LayerNormLinearConfig, LayerNormMLPConfig,
     LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
 };
+use crate::fp8::Recipe;
 use crate::ops::flash_attention_fp8;
 use te_codegen::spec::{
-    ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, FlashAttnSpec, MaskKind,
-    NormSpec, RopeSpec, SoftmaxSpec,
+    ActivationSpec, AmaxComputeAlgo, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec,
+    FlashAttnSpec, MaskKind, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
 };
 use te_codegen::DType;
 
@@ -108,7 +109,8 @@ impl DotProductAttentionConfig {
     /// target's dtype (that of q, k, v). On the fused backend: the FlashAttention-2 forward and
     /// backward of the head dim (their dropout variants with `attention_dropout`), and with a
     /// recipe that sets `fp8_dpa` the FP8 forward (with its `_quantize`) and the FP8 casts and
-    /// scaling kernels of the recipe, where the FP8 kernels take the head dim and arch. On the unfused one: the softmax forward for the mask and its
+    /// scaling kernels of the recipe, where the FP8 kernels take the head dim and arch, and the
+    /// FP8 backward where its kernels take the call. On the unfused one: the softmax forward for the mask and its
     /// backward at [`KernelTarget::seq_length`] keys, dropout of the probabilities and its
     /// backward, and (GQA, fewer key/value groups than heads) the f32 sum of the key/value
     /// gradients over the heads of a group.
@@ -126,6 +128,15 @@ impl DotProductAttentionConfig {
             if target.recipe.fp8_dpa() && flash_attention_fp8::unsupported_reason(arch, dt, d, false).is_none() {
                 specs.push(FlashAttnSpec::fp8_forward(dt, d, arch).with_dropout(dropout).into());
                 target.fp8_common(specs);
+                // The FP8 backward where its kernels take the call; dS's delayed scale (history 1,
+                // most recent amax under current scaling).
+                if flash_attention_fp8::backward_unsupported_reason(arch, dt, d, false, dropout).is_none() {
+                    let e5m2 = target.bwd_fp8() == DType::E5M2;
+                    specs.push(FlashAttnSpec::fp8_backward(dt, d, arch, e5m2).into());
+                    if let Recipe::Current(_) = target.recipe {
+                        specs.push(ScalingSpec::delayed(AmaxComputeAlgo::MostRecent, arch).into());
+                    }
+                }
             }
             return;
         }
@@ -260,6 +271,12 @@ mod tests {
             specs.contains(&fp8.into())
                 && specs.contains(&ScalingSpec::delayed(te_codegen::spec::AmaxComputeAlgo::Max, Arch::Sm90a).into())
         );
+        // ... and the FP8 backward (E5M2 gradients under HYBRID), but not with attention dropout.
+        assert!(specs.contains(&FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true).into()), "{specs:?}");
+        specs.clear();
+        let dropout = DotProductAttentionConfig { attention_dropout: 0.1, ..DotProductAttentionConfig::new(8, 128) };
+        dropout.kernel_specs(&fp8_dpa, &mut specs);
+        assert!(!specs.iter().any(|s| matches!(s, KernelSpec::FlashAttn(f) if f.fp8 && f.direction == Direction::Bwd)));
         specs.clear();
         DotProductAttentionConfig::new(8, 128).kernel_specs(&t, &mut specs);
         assert!(!specs.contains(&fp8.into()), "no fp8_dpa, no FP8 forward");

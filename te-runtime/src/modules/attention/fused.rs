@@ -8,9 +8,10 @@ use super::{packed, AttnMaskType, MODULE};
 use crate::fp8::Quantizer;
 use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides, Qkv};
-use crate::ops::flash_attention_fp8::{self as fa8, Fp8Operand, Fp8Operands};
+use crate::ops::flash_attention_fp8::{self as fa8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
+use std::sync::Arc;
 
 /// The valid lengths (and for `thd` the token offsets) of a call's sequences, on the device.
 #[derive(Debug)]
@@ -47,6 +48,23 @@ pub(super) struct FusedSaved {
     seqs: Option<DeviceSeqlens>,
     /// The forward's attention dropout (its stream replayed by the backward).
     dropout: Option<DropoutParams>,
+    /// An FP8 forward's codes for the FP8 backward ([`backward_fp8`]).
+    fp8: Option<Fp8Saved>,
+}
+
+/// What an FP8 forward keeps for the FP8 backward: the codes of q, k, v (with the backward's
+/// transposed ones) and their one `scale_inv`.
+#[derive(Debug)]
+struct Fp8Saved {
+    operands: Fp8Operands,
+    scale_inv: Arc<CudaSlice<f32>>,
+}
+
+impl FusedSaved {
+    /// Whether the forward kept the codes of the FP8 backward.
+    pub(super) fn has_fp8_backward(&self) -> bool {
+        self.fp8.is_some()
+    }
 }
 
 /// Where q, k, v and the output sit.
@@ -118,8 +136,8 @@ pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> 
 /// `out = softmax(scale · Q · Kᵀ, mask) · V` (dense `[.., heads · head_dim]` in the layout's
 /// order, `out_shape`) and the saved state; `seqs` checked and uploaded by the caller. With
 /// `fp8` the forward runs on E4M3 q, k, v cast by that quantizer (TE `fp8_dpa`; the caller
-/// checked that the FP8 kernels take the call); the saved state is the same, for the 16-bit
-/// backward.
+/// checked that the FP8 kernels take the call); with `keep_fp8` the state keeps the codes of
+/// the FP8 backward too ([`backward_fp8`]), else it serves the 16-bit backward.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     dev: &Device,
@@ -129,7 +147,7 @@ pub(super) fn forward(
     (qkv, layout): (Qkv<&Tensor>, Layout),
     out_shape: &[usize],
     scale: f32,
-    fp8: Option<&dyn Quantizer>,
+    fp8: Option<(&dyn Quantizer, bool)>,
 ) -> Result<(Tensor, FusedSaved)> {
     let dropout = (drop.p > 0.0).then_some(drop);
     let p = params(dims, mask, dropout, scale, layout);
@@ -145,16 +163,22 @@ pub(super) fn forward(
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
     let mut lse = unsafe { dev.stream().alloc::<f32>(dims.batch * dims.heads * dims.sq) }?;
     let cu = seqs.as_ref().map(DeviceSeqlens::get);
-    match fp8 {
-        None => flash_attention::forward(dev, &p, qkv, cu, &mut out, &mut lse)?,
-        Some(quantizer) => forward_fp8(dev, &p, qkv, cu, (&mut out, &mut lse), quantizer)?,
-    }
-    Ok((out.clone(), FusedSaved { out, lse, seqs, dropout }))
+    let fp8 = match fp8 {
+        None => {
+            flash_attention::forward(dev, &p, qkv, cu, &mut out, &mut lse)?;
+            None
+        }
+        Some((quantizer, keep)) => {
+            let saved = forward_fp8(dev, &p, qkv, cu, (&mut out, &mut lse), quantizer, keep)?;
+            keep.then_some(saved)
+        }
+    };
+    Ok((out.clone(), FusedSaved { out, lse, seqs, dropout, fp8 }))
 }
 
 /// The FP8 forward: q, k and v cast to their E4M3 operands with one scale (`quantizer`'s: the
 /// amax of all three under current scaling, the module's QKV slot under delayed scaling), then
-/// [`fa8::forward`].
+/// [`fa8::forward`]; the codes (with the backward's when `keep`) and their scale.
 fn forward_fp8(
     dev: &Device,
     p: &FlashAttnParams,
@@ -162,8 +186,9 @@ fn forward_fp8(
     cu: Option<CuSeqlens<'_>>,
     (out, lse): (&mut Tensor, &mut CudaSlice<f32>),
     quantizer: &dyn Quantizer,
-) -> Result<()> {
-    let mut operands = Fp8Operands::new(dev, p)?;
+    keep: bool,
+) -> Result<Fp8Saved> {
+    let mut operands = if keep { Fp8Operands::with_backward(dev, p)? } else { Fp8Operands::new(dev, p)? };
     let inputs: Vec<&Tensor> = match &qkv {
         Qkv::Apart(t) => t.to_vec(),
         Qkv::Packed(t, _) => vec![*t],
@@ -175,7 +200,8 @@ fn forward_fp8(
         }
         Ok(())
     })?;
-    fa8::forward(dev, p, &operands, [&*scale_inv; 3], cu, out, lse)
+    fa8::forward(dev, p, &operands, [&*scale_inv; 3], cu, out, lse)?;
+    Ok(Fp8Saved { operands, scale_inv })
 }
 
 /// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's
@@ -191,6 +217,43 @@ pub(super) fn backward(
 ) -> Result<Qkv<Tensor>> {
     let p = params(dims, mask, saved.dropout, scale, layout);
     let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
+    let mut grads = new_grads(dev, &qkv, layout)?;
+    flash_attention::backward(dev, &p, qkv, out, d_out, lse, cu, grads_mut(&mut grads))?;
+    Ok(grads)
+}
+
+/// The FP8 backward ([`fa8::backward`]) of an FP8 forward that kept its codes: `d_out` cast with
+/// `d_o` (E5M2 under HYBRID), dS quantized with `ds` (a delayed-scaling slot: its scale, its amax
+/// recorded); the gradients as [`backward`] gives them.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward_fp8(
+    dev: &Device,
+    dims: &Dims,
+    mask: (AttnMaskType, (i64, i64)),
+    (qkv, layout): (Qkv<&Tensor>, Layout),
+    saved: &FusedSaved,
+    d_out: &Tensor,
+    scale: f32,
+    (d_o, ds): (&dyn Quantizer, &dyn Quantizer),
+) -> Result<Qkv<Tensor>> {
+    let fp8 =
+        saved.fp8.as_ref().ok_or_else(|| Error::internal(MODULE, "the FP8 backward of a forward without codes"))?;
+    let p = params(dims, mask, saved.dropout, scale, layout);
+    let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
+    let mut g8 = Fp8Grad::new(dev, &p, d_o.dtype())?;
+    let d_o_scale_inv = d_o.cast_inputs(&[d_out], &mut |s| fa8::quantize_grad(dev, &p, d_out, s, &mut g8))?;
+    let mut grads = new_grads(dev, &qkv, layout)?;
+    let scale_inv = Fp8BwdScaleInv { qkv: [&*fp8.scale_inv; 3], d_o: &d_o_scale_inv };
+    ds.fused_cast(&mut |s| {
+        let g = grads_mut(&mut grads);
+        fa8::backward(dev, &p, (&fp8.operands, &g8), scale_inv, s, (out, d_out), lse, cu, g)
+    })?;
+    Ok(grads)
+}
+
+/// Uninitialized gradients shaped like the inputs (zeros for `thd`, whose gaps between
+/// sequences the kernels do not write).
+fn new_grads(dev: &Device, qkv: &Qkv<&Tensor>, layout: Layout) -> Result<Qkv<Tensor>> {
     let new = |t: &Tensor| {
         if layout == Layout::Thd {
             Tensor::zeros(dev, t.dtype(), t.shape())
@@ -198,19 +261,16 @@ pub(super) fn backward(
             Tensor::empty(dev, t.dtype(), t.shape())
         }
     };
-    match qkv {
-        Qkv::Apart([q, k, v]) => {
-            let (mut dq, mut dk, mut dv) = (new(q)?, new(k)?, new(v)?);
-            let grads = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
-            flash_attention::backward(dev, &p, Qkv::Apart([q, k, v]), out, d_out, lse, cu, grads)?;
-            Ok(Qkv::Apart([dq, dk, dv]))
-        }
-        Qkv::Packed(t, offsets) => {
-            let mut d_qkv = new(t)?;
-            let grads = Qkv::Packed(&mut d_qkv, offsets);
-            flash_attention::backward(dev, &p, Qkv::Packed(t, offsets), out, d_out, lse, cu, grads)?;
-            Ok(Qkv::Packed(d_qkv, offsets))
-        }
+    Ok(match qkv {
+        Qkv::Apart([q, k, v]) => Qkv::Apart([new(q)?, new(k)?, new(v)?]),
+        Qkv::Packed(t, offsets) => Qkv::Packed(new(t)?, *offsets),
+    })
+}
+
+fn grads_mut(g: &mut Qkv<Tensor>) -> Qkv<&mut Tensor> {
+    match g {
+        Qkv::Apart([a, b, c]) => Qkv::Apart([a, b, c]),
+        Qkv::Packed(t, offsets) => Qkv::Packed(t, *offsets),
     }
 }
 

@@ -189,12 +189,12 @@ impl DotProductAttention {
             head_dim: d,
         };
         let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
-        let fp8 = self.fp8_quantizer(&inputs)?;
+        let drop = self.next_dropout();
+        let fp8 = self.scaling.forward(&self.dev, &inputs, &dims, self.training, drop.p > 0.0)?;
         self.log_backend(backend, fp8.is_some(), &dims, q.dtype());
         let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
         let out_shape = vec![tokens_q, h * d];
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
-        let drop = self.next_dropout();
         let (out, saved) = fused::forward(
             &self.dev,
             &dims,
@@ -203,7 +203,7 @@ impl DotProductAttention {
             inputs.fused(&dims),
             &out_shape,
             self.cfg.scale(),
-            fp8.as_deref(),
+            fp8.as_ref().map(|f| (&*f.quantizer, f.backward.is_some())),
         )?;
         let ctx = AttentionCtx {
             module_id: self.id,
@@ -213,6 +213,7 @@ impl DotProductAttention {
             out_shape,
             saved: Saved::Fused(Box::new(saved)),
             fp8: fp8.is_some(),
+            fp8_backward: fp8.and_then(|f| f.backward),
         };
         Ok((out, ctx))
     }
