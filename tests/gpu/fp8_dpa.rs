@@ -140,11 +140,12 @@ fn fp8_dpa_runs_attention_in_fp8_under_autocast() {
         }
         let mut states = Fp8States::default();
         attn.visit("core_attention", &mut states).unwrap();
-        // dS's state (delayed under both recipes) recorded an amax and took a scale from it.
+        // dS's state (delayed under both recipes) recorded an amax and took a scale from it (the
+        // update rolls the history, so its newest entry is zero again).
         let (name, dp) = states.0.last().unwrap();
         assert_eq!(name, "core_attention.fp8_dp");
         let dp = dp.snapshot().unwrap();
-        assert!(dp.amax_history[0] > 0.0 && dp.scale[0] != 1.0, "{what}: dS amax {:?}", dp.amax_history);
+        assert!(dp.scale[0].is_finite() && dp.scale[0] > 1.0, "{what}: dS state {dp:?}");
         match recipe {
             Recipe::Delayed(_) => {
                 let names: Vec<_> = states.0.iter().map(|(n, _)| n.as_str()).collect();
