@@ -174,7 +174,10 @@ impl DotProductAttentionConfig {
 /// The context a [`DotProductAttention::forward`] (or `forward_packed`) saves for its
 /// backward: q, k, v (shared with the caller's tensors, not copied; the fused QKV tensor on the
 /// fused backend) and the backend's state: the output and `softmax_lse` (fused), or the
-/// probabilities `P` `[batch, heads, sq, sk]` (unfused).
+/// probabilities `P` `[batch, heads, sq, sk]` (unfused). When the backward runs in FP8
+/// ([`AttentionCtx::fp8_backward`]) it holds the E4M3 codes of q, k, v instead (dense and
+/// transposed: 6 bytes per element of q, k and v together, as their 16-bit values take), not
+/// the 16-bit tensors.
 #[derive(Debug)]
 pub struct AttentionCtx {
     module_id: u64,
@@ -199,12 +202,15 @@ enum Inputs {
     Packed(Tensor),
     /// `thd` tensors `[tokens, heads, head_dim]` (fused backend only).
     Thd([Tensor; 3]),
+    /// Released after an FP8 forward whose backward reads the codes it kept (their dtype).
+    Released(DType),
 }
 
 impl Inputs {
     fn dtype(&self) -> DType {
         match self {
             Inputs::Apart([q, _, _]) | Inputs::Packed(q) | Inputs::Thd([q, _, _]) => q.dtype(),
+            Inputs::Released(dtype) => *dtype,
         }
     }
 
@@ -213,16 +219,21 @@ impl Inputs {
         match self {
             Inputs::Apart(t) | Inputs::Thd(t) => t.iter().collect(),
             Inputs::Packed(t) => vec![t],
+            Inputs::Released(_) => Vec::new(),
         }
     }
 
     /// The fused kernels' view of the inputs.
-    fn fused(&self, dims: &Dims) -> (Qkv<&Tensor>, fused::Layout) {
-        match self {
+    ///
+    /// # Errors
+    /// [`Error::Internal`] for released inputs.
+    fn fused(&self, dims: &Dims) -> Result<(Qkv<&Tensor>, fused::Layout)> {
+        Ok(match self {
             Inputs::Apart([q, k, v]) => (Qkv::Apart([q, k, v]), fused::Layout::Dense),
             Inputs::Packed(t) => (Qkv::Packed(t, packed::strides(dims).1), fused::Layout::Packed),
             Inputs::Thd([q, k, v]) => (Qkv::Apart([q, k, v]), fused::Layout::Thd),
-        }
+            Inputs::Released(_) => return Err(Error::internal(MODULE, "q, k, v were released after the forward")),
+        })
     }
 }
 
@@ -401,11 +412,13 @@ impl DotProductAttention {
                 &dims,
                 (mask, drop),
                 seqs,
-                inputs.fused(&dims),
+                inputs.fused(&dims)?,
                 &out_shape,
                 self.cfg.scale(),
                 fp8.as_ref().map(|f| (&*f.quantizer, f.backward.is_some())),
             )?;
+            // The FP8 backward reads the codes the forward kept: q, k, v are not held.
+            let inputs = if saved.has_fp8_backward() { Inputs::Released(dtype) } else { inputs };
             (out, Saved::Fused(Box::new(saved)), inputs)
         } else {
             if dims.sk > MAX_SK {
@@ -422,6 +435,7 @@ impl DotProductAttention {
             let [q, k, v] = match inputs {
                 Inputs::Apart(qkv) | Inputs::Thd(qkv) => qkv,
                 Inputs::Packed(t) => packed::split(&self.dev, &t, &dims)?,
+                Inputs::Released(_) => return Err(Error::internal(MODULE, "a forward of released inputs")),
             };
             let mask = self.masks.mask(&self.dev, mask.0, mask.1, seq_lens, &dims)?;
             let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
@@ -493,39 +507,31 @@ impl DotProductAttention {
         let dtype = ctx.inputs.dtype();
         check_dtype(MODULE, "d_out", d_out, |d| d == dtype, &format!("{dtype} (the dtype of the forward's q)"))?;
         check_shape(MODULE, "d_out", d_out, &ctx.out_shape)?;
-        let (qkv, layout) = ctx.inputs.fused(&ctx.dims);
-        match (&ctx.saved, qkv) {
-            (Saved::Fused(saved), qkv) => {
-                let mask = (self.cfg.attn_mask_type, self.cfg.window());
-                let (dims, scale) = (&ctx.dims, self.cfg.scale());
-                match ctx.fp8_backward {
-                    Some(b) if saved.has_fp8_backward() => {
-                        let (d_o, ds) = self.scaling.backward(&b)?;
-                        let grads = fused::backward_fp8(
-                            &self.dev,
-                            dims,
-                            mask,
-                            (qkv, layout),
-                            saved,
-                            d_out,
-                            scale,
-                            (&*d_o, &*ds),
-                        )?;
-                        b.finish()?;
-                        Ok(grads)
-                    }
-                    Some(_) => Err(Error::internal(MODULE, "an FP8 backward planned without the forward's codes")),
-                    None => fused::backward(&self.dev, dims, mask, (qkv, layout), saved, d_out, scale),
+        let mask = (self.cfg.attn_mask_type, self.cfg.window());
+        let (dims, scale) = (&ctx.dims, self.cfg.scale());
+        match &ctx.saved {
+            Saved::Fused(saved) => {
+                let Some(b) = ctx.fp8_backward else {
+                    let qkv = ctx.inputs.fused(dims)?;
+                    return fused::backward(&self.dev, dims, mask, qkv, saved, d_out, scale);
+                };
+                if !saved.has_fp8_backward() {
+                    return Err(Error::internal(MODULE, "an FP8 backward planned without the forward's codes"));
                 }
+                let (d_o, ds) = self.scaling.backward(&b)?;
+                let grads = fused::backward_fp8(&self.dev, dims, mask, saved, d_out, scale, (&*d_o, &*ds))?;
+                b.finish()?;
+                Ok(grads)
             }
-            (Saved::Unfused { probs, dropout }, Qkv::Apart(qkv)) => {
-                let (dq, dk, dv) =
-                    unfused::backward(&self.dev, &ctx.dims, qkv, probs, dropout.as_ref(), d_out, self.cfg.scale())?;
-                Ok(Qkv::Apart([dq, dk, dv]))
-            }
-            (Saved::Unfused { .. }, Qkv::Packed(..)) => {
-                Err(Error::internal(MODULE, "the unfused backend saved the fused QKV tensor instead of q, k, v"))
-            }
+            Saved::Unfused { probs, dropout } => match ctx.inputs.fused(dims)?.0 {
+                Qkv::Apart(qkv) => {
+                    let (dq, dk, dv) = unfused::backward(&self.dev, dims, qkv, probs, dropout.as_ref(), d_out, scale)?;
+                    Ok(Qkv::Apart([dq, dk, dv]))
+                }
+                Qkv::Packed(..) => {
+                    Err(Error::internal(MODULE, "the unfused backend saved the fused QKV tensor instead of q, k, v"))
+                }
+            },
         }
     }
 

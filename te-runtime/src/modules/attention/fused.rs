@@ -12,6 +12,7 @@ use crate::ops::flash_attention_fp8::{self as fa8, Fp8BwdScaleInv, Fp8Grad, Fp8O
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
+use te_codegen::DType;
 
 /// The valid lengths (and for `thd` the token offsets) of a call's sequences, on the device.
 #[derive(Debug)]
@@ -53,11 +54,14 @@ pub(super) struct FusedSaved {
 }
 
 /// What an FP8 forward keeps for the FP8 backward: the codes of q, k, v (with the backward's
-/// transposed ones) and their one `scale_inv`.
+/// transposed ones) and their one `scale_inv`, and the shapes and layout of the gradients (the
+/// 16-bit q, k, v themselves are not needed: the module releases them).
 #[derive(Debug)]
 struct Fp8Saved {
     operands: Fp8Operands,
     scale_inv: Arc<CudaSlice<f32>>,
+    grads: Qkv<Vec<usize>>,
+    layout: Layout,
 }
 
 impl FusedSaved {
@@ -169,8 +173,9 @@ pub(super) fn forward(
             None
         }
         Some((quantizer, keep)) => {
-            let saved = forward_fp8(dev, &p, qkv, cu, (&mut out, &mut lse), quantizer, keep)?;
-            keep.then_some(saved)
+            let grads = shapes(&qkv);
+            let (operands, scale_inv) = forward_fp8(dev, &p, qkv, cu, (&mut out, &mut lse), quantizer, keep)?;
+            keep.then_some(Fp8Saved { operands, scale_inv, grads, layout })
         }
     };
     Ok((out.clone(), FusedSaved { out, lse, seqs, dropout, fp8 }))
@@ -187,7 +192,7 @@ fn forward_fp8(
     (out, lse): (&mut Tensor, &mut CudaSlice<f32>),
     quantizer: &dyn Quantizer,
     keep: bool,
-) -> Result<Fp8Saved> {
+) -> Result<(Fp8Operands, Arc<CudaSlice<f32>>)> {
     let mut operands = if keep { Fp8Operands::with_backward(dev, p)? } else { Fp8Operands::new(dev, p)? };
     let inputs: Vec<&Tensor> = match &qkv {
         Qkv::Apart(t) => t.to_vec(),
@@ -201,7 +206,7 @@ fn forward_fp8(
         Ok(())
     })?;
     fa8::forward(dev, p, &operands, [&*scale_inv; 3], cu, out, lse)?;
-    Ok(Fp8Saved { operands, scale_inv })
+    Ok((operands, scale_inv))
 }
 
 /// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's
@@ -217,20 +222,18 @@ pub(super) fn backward(
 ) -> Result<Qkv<Tensor>> {
     let p = params(dims, mask, saved.dropout, scale, layout);
     let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
-    let mut grads = new_grads(dev, &qkv, layout)?;
+    let mut grads = new_grads(dev, out.dtype(), &shapes(&qkv), layout)?;
     flash_attention::backward(dev, &p, qkv, out, d_out, lse, cu, grads_mut(&mut grads))?;
     Ok(grads)
 }
 
 /// The FP8 backward ([`fa8::backward`]) of an FP8 forward that kept its codes: `d_out` cast with
 /// `d_o` (E5M2 under HYBRID), dS quantized with `ds` (a delayed-scaling slot: its scale, its amax
-/// recorded); the gradients as [`backward`] gives them.
-#[allow(clippy::too_many_arguments)]
+/// recorded); the gradients as [`backward`] gives them, from the codes alone.
 pub(super) fn backward_fp8(
     dev: &Device,
     dims: &Dims,
     mask: (AttnMaskType, (i64, i64)),
-    (qkv, layout): (Qkv<&Tensor>, Layout),
     saved: &FusedSaved,
     d_out: &Tensor,
     scale: f32,
@@ -238,11 +241,11 @@ pub(super) fn backward_fp8(
 ) -> Result<Qkv<Tensor>> {
     let fp8 =
         saved.fp8.as_ref().ok_or_else(|| Error::internal(MODULE, "the FP8 backward of a forward without codes"))?;
-    let p = params(dims, mask, saved.dropout, scale, layout);
+    let p = params(dims, mask, saved.dropout, scale, fp8.layout);
     let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
     let mut g8 = Fp8Grad::new(dev, &p, d_o.dtype())?;
     let d_o_scale_inv = d_o.cast_inputs(&[d_out], &mut |s| fa8::quantize_grad(dev, &p, d_out, s, &mut g8))?;
-    let mut grads = new_grads(dev, &qkv, layout)?;
+    let mut grads = new_grads(dev, out.dtype(), &fp8.grads, fp8.layout)?;
     let scale_inv = Fp8BwdScaleInv { qkv: [&*fp8.scale_inv; 3], d_o: &d_o_scale_inv };
     ds.fused_cast(&mut |s| {
         let g = grads_mut(&mut grads);
@@ -251,17 +254,25 @@ pub(super) fn backward_fp8(
     Ok(grads)
 }
 
-/// Uninitialized gradients shaped like the inputs (zeros for `thd`, whose gaps between
-/// sequences the kernels do not write).
-fn new_grads(dev: &Device, qkv: &Qkv<&Tensor>, layout: Layout) -> Result<Qkv<Tensor>> {
-    let new = |t: &Tensor| {
+/// The shapes of the inputs (those of their gradients).
+fn shapes(qkv: &Qkv<&Tensor>) -> Qkv<Vec<usize>> {
+    match qkv {
+        Qkv::Apart(t) => Qkv::Apart(t.map(|t| t.shape().to_vec())),
+        Qkv::Packed(t, offsets) => Qkv::Packed(t.shape().to_vec(), *offsets),
+    }
+}
+
+/// Uninitialized gradients of `shapes` (zeros for `thd`, whose gaps between sequences the
+/// kernels do not write).
+fn new_grads(dev: &Device, dtype: DType, shapes: &Qkv<Vec<usize>>, layout: Layout) -> Result<Qkv<Tensor>> {
+    let new = |shape: &Vec<usize>| {
         if layout == Layout::Thd {
-            Tensor::zeros(dev, t.dtype(), t.shape())
+            Tensor::zeros(dev, dtype, shape)
         } else {
-            Tensor::empty(dev, t.dtype(), t.shape())
+            Tensor::empty(dev, dtype, shape)
         }
     };
-    Ok(match qkv {
+    Ok(match shapes {
         Qkv::Apart([q, k, v]) => Qkv::Apart([new(q)?, new(k)?, new(v)?]),
         Qkv::Packed(t, offsets) => Qkv::Packed(new(t)?, *offsets),
     })

@@ -200,7 +200,7 @@ impl DotProductAttention {
             &dims,
             (mask, drop),
             Some(seqs),
-            inputs.fused(&dims),
+            inputs.fused(&dims)?,
             &out_shape,
             self.cfg.scale(),
             fp8.as_ref().map(|f| (&*f.quantizer, f.backward.is_some())),
