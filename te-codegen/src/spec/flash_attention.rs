@@ -1,7 +1,9 @@
 //! Family 14: fused attention (FlashAttention-2), forward with the log-sum-exp and a
 //! deterministic backward, on tensor cores through `mma.sync` / `ldmatrix` / `cp.async`; on
-//! Hopper the forward at head dims 64/128/256 runs on warpgroup MMA (`wgmma.mma_async`, the GEMMs
-//! and the softmax/P·V overlap of Shah et al., "FlashAttention-3" (2024)).
+//! Hopper the forward at head dims 64/128/256 runs on warpgroup MMA (`wgmma.mma_async`, the GEMMs,
+//! the softmax/P·V overlap and, at 128 query rows, the producer/consumer warp specialization of
+//! Shah et al., "FlashAttention-3" (2024)), and so does the backward at 64/128; FP8 forward and
+//! backward at 128.
 //!
 //! One kernel serves every mask, sliding window, GQA ratio, layout (`bshd`, `sbhd`, q/k/v read
 //! in place from a fused QKV tensor) and padding: those are run-time arguments (strides,
@@ -74,6 +76,14 @@ pub struct FlashAttnSpec {
     /// FP8 backward: dO and dS in E5M2 (TE's HYBRID format), else E4M3.
     #[serde(default)]
     pub grad_e5m2: bool,
+    /// wgmma forward, warp-specialized (FlashAttention-3): one more warpgroup loads Q, K and V
+    /// (cp.async completing mbarriers) while the others multiply, each at its own pace. On by
+    /// default with 128 query rows (two consumer warpgroups). Measured on an H100 (2026-11-25,
+    /// d128 causal, bf16): b4 s2048 381 → 312 µs, b2 s8192 2 437 → 1 839 µs, b1 s16384 4 630 →
+    /// 3 443 µs; FP8 276 → 264 µs at s2048; at d64 (one consumer warpgroup, 64 rows) slower
+    /// (64 → 91 µs at b8 s1024 h12), so off there.
+    #[serde(default)]
+    pub warp_specialized: bool,
     /// Attention dropout on the probabilities (`with_dropout`): the keep mask drawn in the
     /// kernels from the Philox stream of `ops::dropout` at the element's index in a dense `[batch,
     /// heads, sq, sk]` tensor, so that the unfused backend and the CPU reference draw the same.
@@ -164,7 +174,21 @@ impl FlashAttnSpec {
             (Direction::Fwd, _) => (64, 32),
             (Direction::Bwd, _) => (64, 64),
         };
-        Self { direction, dtype, head_dim, block_m, block_n, arch, wgmma, fp8: false, grad_e5m2: false, dropout: false }
+        // Warp-specialized where two consumer warpgroups share the producer (128 query rows).
+        let warp_specialized = wgmma && direction == Direction::Fwd && block_m == 128;
+        Self {
+            direction,
+            dtype,
+            head_dim,
+            block_m,
+            block_n,
+            arch,
+            wgmma,
+            fp8: false,
+            grad_e5m2: false,
+            warp_specialized,
+            dropout: false,
+        }
     }
 
     /// Keys per tile of the FP8 forward: also the positions per block of its `_quantize` and the
@@ -186,6 +210,7 @@ impl FlashAttnSpec {
             wgmma,
             fp8: true,
             grad_e5m2: false,
+            warp_specialized: wgmma && block_m == 128,
             dropout: false,
         }
     }
@@ -205,6 +230,7 @@ impl FlashAttnSpec {
             wgmma: arch == Arch::Sm90a,
             fp8: true,
             grad_e5m2,
+            warp_specialized: false,
             dropout: false,
         }
     }
@@ -214,9 +240,10 @@ impl FlashAttnSpec {
         Self { dropout, ..self }
     }
 
-    /// Threads of a forward or dQ block: 32 per 16 query rows.
+    /// Threads of a forward or dQ block: 32 per 16 query rows (and a producer warpgroup when
+    /// warp-specialized).
     pub const fn threads_m(&self) -> usize {
-        self.block_m / 16 * 32
+        self.block_m / 16 * 32 + if self.warp_specialized { 128 } else { 0 }
     }
 
     /// Threads of a dK/dV block: 32 per 16 keys.
@@ -257,9 +284,12 @@ impl FlashAttnSpec {
             // `_quantize`: a [block_n][head_dim + 8] 16-bit staging tile (transposing v).
             (Direction::Fwd, 1) => self.block_n * self.smem_ld() * 2,
             // wgmma: Q and two K and V tiles, unpadded, 1024-byte aligned (1 KiB spare).
+            // (+ 9 mbarriers when warp-specialized.)
             (Direction::Fwd, _) if self.wgmma => {
                 let elem = if self.fp8 { 1 } else { 2 };
-                (self.block_m + 4 * self.block_n) * self.head_dim * elem + 1024
+                (self.block_m + 4 * self.block_n) * self.head_dim * elem
+                    + 1024
+                    + if self.warp_specialized { 128 } else { 0 }
             }
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) => 0,
@@ -457,7 +487,9 @@ impl Family for FlashAttnSpec {
         let drop = if self.dropout { "_drop" } else { "" };
         let wg = match (self.wgmma, self.fp8) {
             (_, true) if self.grad_e5m2 => "_fp8_e5m2",
+            (_, true) if self.warp_specialized => "_fp8_ws",
             (_, true) => "_fp8",
+            (true, false) if self.warp_specialized => "_ws",
             (true, false) => "_wg",
             (false, false) => "",
         };
@@ -480,6 +512,11 @@ impl Family for FlashAttnSpec {
         ctx.insert("wgmma", &self.wgmma);
         ctx.insert("fp8", &self.fp8);
         ctx.insert("grad_e5m2", &self.grad_e5m2);
+        ctx.insert("ws", &self.warp_specialized);
+        // setmaxnreg budget of each consumer thread: the producer warpgroup keeps 40 registers,
+        // the 64 K registers of the SM are shared by the rest (a multiple of 8, at most 240).
+        let consumers = self.block_m / 16 * 32;
+        ctx.insert("ws_consumer_regs", &((65536 - 128 * 40) / consumers.max(1) / 8 * 8).min(240));
         ctx.insert("grad_type", if self.grad_e5m2 { "E5M2" } else { "E4M3" });
         // The 8-bit wgmma operand types: F8_QK, F8_XG, F8_GX (x = e4m3, g = the gradients' type).
         let g = if self.grad_e5m2 { "e5m2" } else { "e4m3" };
@@ -542,6 +579,9 @@ impl Family for FlashAttnSpec {
                 if self.dropout { " with dropout" } else { "" }
             ));
         }
+        if self.warp_specialized && !(self.wgmma && self.direction == Direction::Fwd) {
+            return Err("warp specialization is a setting of the wgmma forward only".into());
+        }
         if self.grad_e5m2 && !(self.fp8 && self.direction == Direction::Bwd) {
             return Err("grad_e5m2 (E5M2 dO and dS) is a setting of the FP8 backward only".into());
         }
@@ -593,15 +633,18 @@ mod tests {
         for (d, wgmma) in [(32, false), (64, true), (96, false), (128, true), (256, true)] {
             let fwd = FlashAttnSpec::new(Direction::Fwd, DType::BF16, d, Arch::Sm90a);
             assert_eq!(fwd.wgmma, wgmma, "head_dim {d}");
-            assert_eq!(fwd.threads_m(), fwd.block_m * 2, "a warpgroup (128 threads) per 64 rows");
+            let producer = if fwd.warp_specialized { 128 } else { 0 };
+            assert_eq!(fwd.threads_m(), fwd.block_m * 2 + producer, "a warpgroup (128 threads) per 64 rows");
             assert!(!FlashAttnSpec::new(Direction::Fwd, DType::BF16, d, Arch::Sm89).wgmma);
             let bwd = FlashAttnSpec::new(Direction::Bwd, DType::BF16, d.min(128), Arch::Sm90a);
             assert_eq!(bwd.wgmma, d % 64 == 0, "head_dim {d}");
         }
         let fwd = FlashAttnSpec::new(Direction::Fwd, DType::BF16, 128, Arch::Sm90a);
-        assert!(crate::spec::KernelSpec::from(fwd).name().contains("_wg"));
-        // Two K and two V tiles beside Q, 1 KiB for the 1024-byte alignment of the swizzle.
-        assert_eq!(fwd.shared_bytes(0), (128 + 4 * 128) * 128 * 2 + 1024);
+        assert!(crate::spec::KernelSpec::from(fwd).name().contains("_ws"));
+        // Two K and two V tiles beside Q, 1 KiB for the 1024-byte alignment of the swizzle, the
+        // mbarriers of the warp-specialized pipeline.
+        assert!(fwd.warp_specialized);
+        assert_eq!(fwd.shared_bytes(0), (128 + 4 * 128) * 128 * 2 + 1024 + 128);
         let e = FlashAttnSpec { arch: Arch::Sm89, ..fwd }.validate().unwrap_err();
         assert!(e.contains("sm_90a only"), "{e}");
         let e = FlashAttnSpec { block_m: 32, ..fwd }.validate().unwrap_err();
