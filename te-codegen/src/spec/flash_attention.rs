@@ -76,12 +76,15 @@ pub struct FlashAttnSpec {
     /// FP8 backward: dO and dS in E5M2 (TE's HYBRID format), else E4M3.
     #[serde(default)]
     pub grad_e5m2: bool,
-    /// wgmma forward, warp-specialized (FlashAttention-3): one more warpgroup loads Q, K and V
-    /// (cp.async completing mbarriers) while the others multiply, each at its own pace. On by
-    /// default with 128 query rows (two consumer warpgroups). Measured on an H100 (2026-11-25,
-    /// d128 causal, bf16): b4 s2048 381 → 312 µs, b2 s8192 2 437 → 1 839 µs, b1 s16384 4 630 →
-    /// 3 443 µs; FP8 276 → 264 µs at s2048; at d64 (one consumer warpgroup, 64 rows) slower
-    /// (64 → 91 µs at b8 s1024 h12), so off there.
+    /// wgmma kernels, warp-specialized (FlashAttention-3): one more warpgroup loads the tiles
+    /// (cp.async completing mbarriers) while the others multiply, each at its own pace, with the
+    /// producer's registers (setmaxnreg). On by default with 128-row blocks (two consumer
+    /// warpgroups: d128 forward, FP8 forward and 16-bit backward). Measured on an H100
+    /// (2026-11-25, d128 causal, bf16): forward b4 s2048 381 → 312 µs, b1 s16384 4 630 →
+    /// 3 443 µs; forward + backward b4 s2048 1 525 → 1 327 µs, b2 s8192 10 384 → 8 771 µs; FP8
+    /// forward 276 → 264 µs at s2048. At d64 (one consumer warpgroup, 64 rows) slower (forward
+    /// 64 → 91 µs at b8 s1024 h12), so off there; the FP8 backward (255 registers) keeps its
+    /// block barriers.
     #[serde(default)]
     pub warp_specialized: bool,
     /// Attention dropout on the probabilities (`with_dropout`): the keep mask drawn in the
@@ -175,7 +178,7 @@ impl FlashAttnSpec {
             (Direction::Bwd, _) => (64, 64),
         };
         // Warp-specialized where two consumer warpgroups share the producer (128 query rows).
-        let warp_specialized = wgmma && direction == Direction::Fwd && block_m == 128;
+        let warp_specialized = wgmma && block_m == 128;
         Self {
             direction,
             dtype,
@@ -246,9 +249,10 @@ impl FlashAttnSpec {
         self.block_m / 16 * 32 + if self.warp_specialized { 128 } else { 0 }
     }
 
-    /// Threads of a dK/dV block: 32 per 16 keys.
+    /// Threads of a dK/dV block: 32 per 16 keys (and a producer warpgroup when
+    /// warp-specialized).
     pub const fn threads_n(&self) -> usize {
-        self.block_n / 16 * 32
+        self.block_n / 16 * 32 + if self.warp_specialized { 128 } else { 0 }
     }
 
     /// Query rows per tile of the dK/dV kernel's loop.
@@ -277,6 +281,15 @@ impl FlashAttnSpec {
         self.head_dim + 8
     }
 
+    /// The mbarriers of the warp-specialized kernels (at most 9 of 8 bytes), in bytes.
+    const fn barrier_bytes(&self) -> usize {
+        if self.warp_specialized {
+            128
+        } else {
+            0
+        }
+    }
+
     /// Dynamic shared memory of entry point `entry`, in bytes.
     pub fn shared_bytes(&self, entry: usize) -> usize {
         let row = self.smem_ld() * 2;
@@ -287,9 +300,7 @@ impl FlashAttnSpec {
             // (+ 9 mbarriers when warp-specialized.)
             (Direction::Fwd, _) if self.wgmma => {
                 let elem = if self.fp8 { 1 } else { 2 };
-                (self.block_m + 4 * self.block_n) * self.head_dim * elem
-                    + 1024
-                    + if self.warp_specialized { 128 } else { 0 }
+                (self.block_m + 4 * self.block_n) * self.head_dim * elem + 1024 + self.barrier_bytes()
             }
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) => 0,
@@ -302,9 +313,11 @@ impl FlashAttnSpec {
             (Direction::Bwd, _) if self.fp8 => (2 * self.block_m + 6 * self.block_n) * self.head_dim + 1024,
             (Direction::Bwd, 1) if self.wgmma => {
                 let q_side = 2 * self.dkdv_stages() * self.dkdv_tile_m();
-                (2 * self.block_n + q_side) * self.head_dim * 2 + q_side * 4 + 1024
+                (2 * self.block_n + q_side) * self.head_dim * 2 + q_side * 4 + 1024 + self.barrier_bytes()
             }
-            (Direction::Bwd, _) if self.wgmma => (2 * self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024,
+            (Direction::Bwd, _) if self.wgmma => {
+                (2 * self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024 + self.barrier_bytes()
+            }
             // K and V tiles, two stages of the Q and dO tiles and of their LSE and delta.
             (Direction::Bwd, 1) => (2 * self.block_n + 4 * self.dkdv_tile_m()) * row + 4 * self.dkdv_tile_m() * 4,
             // Q and dO tiles, two stages of the K and V tiles.
@@ -513,10 +526,16 @@ impl Family for FlashAttnSpec {
         ctx.insert("fp8", &self.fp8);
         ctx.insert("grad_e5m2", &self.grad_e5m2);
         ctx.insert("ws", &self.warp_specialized);
-        // setmaxnreg budget of each consumer thread: the producer warpgroup keeps 40 registers,
-        // the 64 K registers of the SM are shared by the rest (a multiple of 8, at most 240).
+        // setmaxnreg budget of each consumer thread (a multiple of 8, at most 240).
         let consumers = self.block_m / 16 * 32;
-        ctx.insert("ws_consumer_regs", &((65536 - 128 * 40) / consumers.max(1) / 8 * 8).min(240));
+        // The block starts with the registers its launch got (64 K / threads, a multiple of 8, per
+        // thread); setmaxnreg only moves them: an increase beyond that pool never returns. The
+        // backward's producer keeps 24, the forward's 40 (fewer spill its loads).
+        let producer_regs = if self.direction == Direction::Bwd { 24 } else { 40 };
+        let threads = consumers + 128;
+        let pool = 65536 / threads / 8 * 8 * threads;
+        ctx.insert("ws_producer_regs", &producer_regs);
+        ctx.insert("ws_consumer_regs", &((pool - 128 * producer_regs) / consumers.max(1) / 8 * 8).min(240));
         ctx.insert("grad_type", if self.grad_e5m2 { "E5M2" } else { "E4M3" });
         // The 8-bit wgmma operand types: F8_QK, F8_XG, F8_GX (x = e4m3, g = the gradients' type).
         let g = if self.grad_e5m2 { "e5m2" } else { "e4m3" };
@@ -579,8 +598,14 @@ impl Family for FlashAttnSpec {
                 if self.dropout { " with dropout" } else { "" }
             ));
         }
-        if self.warp_specialized && !(self.wgmma && self.direction == Direction::Fwd) {
-            return Err("warp specialization is a setting of the wgmma forward only".into());
+        if self.warp_specialized
+            && !(self.wgmma && self.block_m == 128 && !(self.fp8 && self.direction == Direction::Bwd))
+        {
+            return Err(
+                "warp specialization is a setting of the 16-bit wgmma kernels and the FP8 forward with 128-row \
+                        blocks"
+                    .into(),
+            );
         }
         if self.grad_e5m2 && !(self.fp8 && self.direction == Direction::Bwd) {
             return Err("grad_e5m2 (E5M2 dO and dS) is a setting of the FP8 backward only".into());
@@ -644,6 +669,19 @@ mod tests {
         // Two K and two V tiles beside Q, 1 KiB for the 1024-byte alignment of the swizzle, the
         // mbarriers of the warp-specialized pipeline.
         assert!(fwd.warp_specialized);
+        // Warp-specialized where two consumer warpgroups share the producer: 128-row blocks.
+        let bwd = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 128, Arch::Sm90a);
+        assert!(bwd.warp_specialized && bwd.threads_n() == 384 && bwd.threads_m() == 384);
+        assert!(!FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).warp_specialized);
+        assert!(!FlashAttnSpec::new(Direction::Fwd, DType::BF16, 64, Arch::Sm90a).warp_specialized);
+        assert!(!FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true).warp_specialized);
+        let e = FlashAttnSpec {
+            warp_specialized: true,
+            ..FlashAttnSpec::new(Direction::Fwd, DType::BF16, 64, Arch::Sm90a)
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.contains("warp specialization"), "{e}");
         assert_eq!(fwd.shared_bytes(0), (128 + 4 * 128) * 128 * 2 + 1024 + 128);
         let e = FlashAttnSpec { arch: Arch::Sm89, ..fwd }.validate().unwrap_err();
         assert!(e.contains("sm_90a only"), "{e}");
