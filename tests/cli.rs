@@ -145,8 +145,10 @@ fn train_stops_cleanly_on_sigterm() {
     let corpus: String = (0..400).map(|i| format!("line {i}: to be or not to be, that is the question.\n")).collect();
     std::fs::write(dir.path().join("text.txt"), corpus).unwrap();
     let spawn = || {
-        // Steps of a good fraction of a second, so that two signals 50 ms apart land in one.
-        te().args(["train", "--cpu", "--preset", "tiny", "--steps", "100000", "--batch", "16", "--seq-length", "128"])
+        // Steps long enough that two signals 5 ms apart land in one: 16 384 tokens, about 1.1 s on
+        // 2 cores and a good 100 ms on 16 (16 × 128 tokens took under 50 ms a step on the GPU
+        // machine's cores, and the second signal of a 50 ms gap came after the clean stop).
+        te().args(["train", "--cpu", "--preset", "tiny", "--steps", "100000", "--batch", "64", "--seq-length", "256"])
             .args(["--precision", "bf16", "--data"])
             .arg(dir.path().join("text.txt"))
             .arg("--out")
@@ -159,7 +161,7 @@ fn train_stops_cleanly_on_sigterm() {
     let signal = |pid: u32, n: usize| {
         for i in 0..n {
             if i > 0 {
-                std::thread::sleep(std::time::Duration::from_millis(50));
+                std::thread::sleep(std::time::Duration::from_millis(5));
             }
             let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success();
             assert!(ok, "kill -TERM {pid}");
