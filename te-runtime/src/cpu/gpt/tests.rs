@@ -146,3 +146,79 @@ fn bad_inputs_are_errors() {
     );
     assert!(matches!(opt.step(&mut m, &grads, 1e-3), Err(Error::Config { .. })));
 }
+
+/// Fuzzing (reliability issue): random configurations, shapes, ids and targets (most of them
+/// wrong) through `new`, `forward_loss` and `backward` in every precision: no panic, every
+/// rejection a typed error, every accepted call a finite loss and one gradient per parameter.
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn precision() -> impl Strategy<Value = GemmPrecision> {
+        prop_oneof![
+            Just(GemmPrecision::F32),
+            Just(GemmPrecision::Bf16),
+            Just(GemmPrecision::Fp8(DelayedScaling { amax_history_len: 2, ..Default::default() })),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1000, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn cpu_gpt_takes_random_shapes_without_panicking(
+            (vocab, layers, heads, head_dim, ffn, seq) in (1usize..24, 1usize..3, 1usize..4, 1usize..8, 1usize..24, 1usize..10),
+            zero in 0usize..16,
+            dropout in prop_oneof![4 => Just(0.0f32), 4 => Just(0.2), 1 => Just(1.0), 1 => Just(-0.1), 1 => Just(f32::NAN)],
+            (s, b, exact, in_range) in (0usize..12, 0usize..4, prop::bool::weighted(0.8), prop::bool::weighted(0.8)),
+            tokens in prop::collection::vec(-3i32..30, 0..48),
+            precision in precision(),
+        ) {
+            // Mostly a valid configuration; one size in ten zeroed or the hidden size not a
+            // multiple of the heads.
+            let mut cfg = GptConfig {
+                vocab_size: vocab,
+                hidden_size: heads * head_dim,
+                num_layers: layers,
+                num_attention_heads: heads,
+                ffn_hidden_size: ffn,
+                seq_length: seq,
+                hidden_dropout: dropout,
+                ..micro()
+            };
+            match zero {
+                0 => cfg.vocab_size = 0,
+                1 => cfg.num_layers = 0,
+                2 => cfg.num_attention_heads = 0,
+                3 => cfg.hidden_size += 1,
+                4 => cfg.seq_length = 0,
+                5 => cfg.ffn_hidden_size = 0,
+                _ => {}
+            }
+            let mut model = match GptRef::new(&cfg) {
+                Ok(m) => m,
+                Err(e) => {
+                    prop_assert!(matches!(e, Error::Config { .. }), "{e}");
+                    return Ok(());
+                }
+            };
+            model.set_precision(precision).unwrap();
+            // Mostly `s · b` ids (cycled from `tokens`) within the vocabulary and at most
+            // `seq_length + 1` positions; sometimes a wrong count or ids out of range.
+            let s = s % (seq + 2);
+            let n = if exact { s * b } else { tokens.len() };
+            let id = |t: i32| if in_range { t.rem_euclid(vocab as i32) } else { t };
+            let ids: Vec<i32> = (0..n).map(|i| id(tokens.get(i % tokens.len().max(1)).copied().unwrap_or(0))).collect();
+            let targets: Vec<i32> = ids.iter().rev().map(|&t| if t < 0 { IGNORE_INDEX } else { t }).collect();
+            match model.forward_loss(&ids, &targets, s, b) {
+                Ok((loss, ctx)) => {
+                    prop_assert!(loss.is_finite(), "loss {loss} for {cfg:?}, s {s}, b {b}");
+                    let grads = model.backward(ctx).unwrap();
+                    prop_assert_eq!(grads.len(), model.params().len());
+                    prop_assert!(grads.iter().all(|(_, g)| g.iter().all(|x| x.is_finite())), "{cfg:?}");
+                }
+                Err(e) => prop_assert!(matches!(e, Error::Shape { .. } | Error::Argument { .. }), "{e}"),
+            }
+        }
+    }
+}
