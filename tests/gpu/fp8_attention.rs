@@ -15,7 +15,7 @@ use te_runtime::ops::Fp8Meta;
 use te_runtime::{Arch, DType, Error, Tensor};
 
 /// Host data in bshd order → the layout of `format`.
-fn to_format(x: &[f32], format: QkvFormat, b: usize, s: usize, h: usize, d: usize) -> Vec<f32> {
+pub(crate) fn to_format(x: &[f32], format: QkvFormat, b: usize, s: usize, h: usize, d: usize) -> Vec<f32> {
     match format {
         QkvFormat::Bshd => x.to_vec(),
         QkvFormat::Sbhd => {
@@ -32,17 +32,50 @@ fn to_format(x: &[f32], format: QkvFormat, b: usize, s: usize, h: usize, d: usiz
 }
 
 /// The key of hardware k index `kh` (within a chunk of 32) of the kernel's P fragments.
-fn key_of_k(kh: usize) -> usize {
+pub(crate) fn key_of_k(kh: usize) -> usize {
     (kh & 16) + 2 * ((kh & 15) >> 2) + (kh & 1) + 8 * ((kh >> 1) & 1)
+}
+
+/// The device when it is a Hopper GPU (the FP8 attention kernels run on sm_90a only).
+pub(crate) fn hopper() -> Option<std::sync::Arc<te_runtime::Device>> {
+    let dev = device()?;
+    if dev.arch() != Arch::Sm90a {
+        eprintln!("FP8 attention runs on sm_90a only; {} skips it", dev.arch());
+        return None;
+    }
+    Some(dev)
+}
+
+/// The call of `batch` sequences of `sq` queries (`heads` of `d`) and `sk` keys (`groups`) with
+/// `window` (causal: `(-1, 0)`), q, k, v in `format`, the output dense bshd.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn params(
+    (batch, sq, sk): (usize, usize, usize),
+    (heads, groups, d): (usize, usize, usize),
+    window: (i64, i64),
+    bottom_right: bool,
+    format: QkvFormat,
+) -> FlashAttnParams {
+    FlashAttnParams {
+        batch,
+        sq,
+        sk,
+        heads,
+        groups,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+        window,
+        bottom_right,
+        dropout: None,
+        q: HeadStrides::dense(format, batch, sq, heads, d),
+        kv: HeadStrides::dense(format, batch, sk, groups, d),
+        o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+    }
 }
 
 #[test]
 fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
-    let Some(dev) = device() else { return };
-    if dev.arch() != Arch::Sm90a {
-        eprintln!("FP8 attention runs on sm_90a only; {} skips it", dev.arch());
-        return;
-    }
+    let Some(dev) = hopper() else { return };
     let (batch, heads, groups) = (2, 4, 2);
     for (sq, sk, window, bottom_right, d, format, seed) in [
         (200, 333, (-1, -1), false, 128, QkvFormat::Bshd, 300),
@@ -50,21 +83,7 @@ fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
         (77, 300, (-1, 0), true, 256, QkvFormat::Bshd, 302),
         (129, 64, (-1, -1), false, 128, QkvFormat::Bshd, 303),
     ] {
-        let p = FlashAttnParams {
-            batch,
-            sq,
-            sk,
-            heads,
-            groups,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            window,
-            bottom_right,
-            dropout: None,
-            q: HeadStrides::dense(format, batch, sq, heads, d),
-            kv: HeadStrides::dense(format, batch, sk, groups, d),
-            o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-        };
+        let p = params((batch, sq, sk), (heads, groups, d), window, bottom_right, format);
         let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right} d {d} {format:?}");
         let vals = |s, n, sd| -> Vec<f32> { randn(s, n, sd).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
         let (hq, hk, hv) = (

@@ -6,13 +6,14 @@
 //! dequantized inputs exact in bf16. Shapes that are not tile multiples, GQA, sbhd, causal and
 //! bottom-right; bitwise determinism; typed errors.
 
-use crate::common::{device, randn};
+use crate::common::randn;
+use crate::fp8_attention::{hopper, key_of_k, params, to_format};
 use te_runtime::modules::QkvFormat;
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{self as fa, FlashAttnParams, HeadStrides, Qkv};
 use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
 use te_runtime::ops::Fp8Meta;
-use te_runtime::{Arch, DType, Device, Error, Tensor};
+use te_runtime::{DType, Error, Tensor};
 
 /// Relative RMS error bound of the FP8 gradients against the 16-bit ones of the same inputs: dS
 /// in E5M2 keeps 2 mantissa bits (elements within ±12.5%), averaged over the sums of dK and dQ.
@@ -22,10 +23,6 @@ fn rel_rms(got: &[f32], want: &[f32]) -> f64 {
     let err: f64 = got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - f64::from(w)).powi(2)).sum();
     let norm: f64 = want.iter().map(|&w| f64::from(w).powi(2)).sum();
     (err / norm.max(1e-30)).sqrt()
-}
-
-fn key_of_k(kh: usize) -> usize {
-    (kh & 16) + 2 * ((kh & 15) >> 2) + (kh & 1) + 8 * ((kh >> 1) & 1)
 }
 
 /// `x` bshd `[b, s, h, d]` → `[b, h, d, trow]` with each chunk of 32 positions permuted and
@@ -93,15 +90,6 @@ fn host_ds_amax(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32
     amax
 }
 
-fn hopper() -> Option<std::sync::Arc<Device>> {
-    let dev = device()?;
-    if dev.arch() != Arch::Sm90a {
-        eprintln!("FP8 attention runs on sm_90a only; {} skips it", dev.arch());
-        return None;
-    }
-    Some(dev)
-}
-
 #[test]
 fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
     let Some(dev) = hopper() else { return };
@@ -114,21 +102,7 @@ fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
     ] {
         let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right} {format:?} {grad}");
         let dense = |s, h| HeadStrides::dense(QkvFormat::Bshd, batch, s, h, d);
-        let p = FlashAttnParams {
-            batch,
-            sq,
-            sk,
-            heads,
-            groups,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            window,
-            bottom_right,
-            dropout: None,
-            q: HeadStrides::dense(format, batch, sq, heads, d),
-            kv: HeadStrides::dense(format, batch, sk, groups, d),
-            o: dense(sq, heads),
-        };
+        let p = params((batch, sq, sk), (heads, groups, d), window, bottom_right, format);
         let pd = FlashAttnParams { q: dense(sq, heads), kv: dense(sk, groups), ..p };
         // Inputs already on the FP8 grids of power-of-two scales: quantization is exact, and the
         // dequantized values are the 16-bit reference's inputs (bshd on the host).
@@ -144,20 +118,7 @@ fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
         let (hv, sv_) = on_grid(seed + 2, batch * sk * groups * d, 0.5, DType::E4M3);
         let (hdo, sdo) = on_grid(seed + 3, batch * sq * heads * d, 1e-3, grad);
         let up = |x: &[f32], s: usize, h: usize, f: QkvFormat| {
-            let y = match f {
-                QkvFormat::Bshd => x.to_vec(),
-                QkvFormat::Sbhd => {
-                    let mut y = vec![0f32; x.len()];
-                    for bi in 0..batch {
-                        for si in 0..s {
-                            y[(si * batch + bi) * h * d..][..h * d]
-                                .copy_from_slice(&x[(bi * s + si) * h * d..][..h * d]);
-                        }
-                    }
-                    y
-                }
-            };
-            Tensor::from_f32(&dev, DType::BF16, &f.shape(batch, s, h, d), &y).unwrap()
+            Tensor::from_f32(&dev, DType::BF16, &f.shape(batch, s, h, d), &to_format(x, f, batch, s, h, d)).unwrap()
         };
         let (q, k, v) = (up(&hq, sq, heads, format), up(&hk, sk, groups, format), up(&hv, sk, groups, format));
         let d_out = up(&hdo, sq, heads, QkvFormat::Bshd);
@@ -238,22 +199,7 @@ fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
 fn fp8_backward_errors_are_typed() {
     let Some(dev) = hopper() else { return };
     let (batch, sq, heads, d) = (1, 64, 2, 128);
-    let dense = HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d);
-    let p = FlashAttnParams {
-        batch,
-        sq,
-        sk: sq,
-        heads,
-        groups: heads,
-        head_dim: d,
-        scale: 0.125,
-        window: (-1, -1),
-        bottom_right: false,
-        dropout: None,
-        q: dense,
-        kv: dense,
-        o: dense,
-    };
+    let p = params((batch, sq, sq), (heads, heads, d), (-1, -1), false, QkvFormat::Bshd);
     let x = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
     let meta = Fp8Meta::new(&dev, 1.0).unwrap();
     let mut ds = Fp8Meta::new(&dev, 1.0).unwrap();

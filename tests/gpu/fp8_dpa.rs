@@ -7,13 +7,14 @@
 //! backward, and are visited (checkpointed) as `….fp8_fwd`, `….fp8_bwd`, `….fp8_dp`; calls the FP8
 //! kernels do not take run in 16 bits, bit for bit as without the flag.
 
-use crate::common::{device, randn, Fp8States};
+use crate::common::{randn, Fp8States};
+use crate::fp8_attention::hopper;
 use std::sync::Arc;
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
 use te_runtime::modules::QkvFormat;
 use te_runtime::modules::{AttentionCtx, DotProductAttention, DotProductAttentionConfig, Module};
 use te_runtime::numerics::round_to;
-use te_runtime::{Arch, DType, Device, Result, Tensor};
+use te_runtime::{DType, Device, Result, Tensor};
 
 /// Relative RMS error bound of FP8 attention against the 16-bit module: E4M3 keeps 3 mantissa
 /// bits (elements within ±6.25%), and the errors of q, k and v average over `head_dim` and the
@@ -106,15 +107,6 @@ fn inputs(dev: &Arc<Device>, cfg: &DotProductAttentionConfig, batch: usize, s: u
         None => amax,
     };
     Inputs { q, k, v, packed, d_out, amax }
-}
-
-fn hopper() -> Option<Arc<Device>> {
-    let dev = device()?;
-    if dev.arch() != Arch::Sm90a {
-        eprintln!("FP8 attention runs on sm_90a only; {} skips it", dev.arch());
-        return None;
-    }
-    Some(dev)
 }
 
 #[test]
