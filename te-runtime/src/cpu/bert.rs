@@ -75,7 +75,8 @@ fn layer_norm(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
 ///
 /// # Errors
 /// [`BertError::Input`] for an empty sequence, one over `max_position_embeddings` or an id
-/// outside the vocabulary; [`BertError::Tensor`] for missing or mismatched weights.
+/// outside the vocabulary; [`BertError::Tensor`] for missing or mismatched weights;
+/// [`BertError::Unsupported`] for a configuration [`BertConfig::validate`] refuses.
 pub fn hidden_states(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResult<Vec<f32>> {
     hidden_states_with(cfg, w, ids, false)
 }
@@ -88,6 +89,7 @@ pub fn hidden_states(cfg: &BertConfig, w: &BertWeights, ids: &[u32]) -> BertResu
 /// # Errors
 /// As [`hidden_states`].
 pub fn hidden_states_with(cfg: &BertConfig, w: &BertWeights, ids: &[u32], fp8: bool) -> BertResult<Vec<f32>> {
+    cfg.validate()?;
     let (h, f, n) = (cfg.hidden_size, cfg.intermediate_size, ids.len());
     let dense =
         |x: &[f32], wt: &[f32], b: &[f32], n_in: usize| dense(&maybe_e4m3(x, fp8), &maybe_e4m3(wt, fp8), b, n_in);
@@ -283,5 +285,120 @@ mod tests {
         assert!(hidden_states(&cfg, &w, &[5]).is_err());
         assert!(hidden_states(&cfg, &w, &[1; 5]).is_err());
         assert_eq!(embed_many(&cfg, &w, &[vec![1, 2], vec![1]], 2).unwrap().len(), 2);
+    }
+
+    /// Fuzzing (reliability issue): random configurations (some invalid), weights (some missing
+    /// or misshapen), ids and lengths through the CPU BERT: no panic, every rejection a typed
+    /// error, every accepted call finite hidden states of the right size.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn names(cfg: &BertConfig) -> Vec<(String, Vec<usize>)> {
+            let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
+            let mut v = vec![
+                ("embeddings.word_embeddings.weight".to_string(), vec![cfg.vocab_size, h]),
+                ("embeddings.position_embeddings.weight".into(), vec![cfg.max_position_embeddings, h]),
+                ("embeddings.token_type_embeddings.weight".into(), vec![cfg.type_vocab_size, h]),
+                ("embeddings.LayerNorm.weight".into(), vec![h]),
+                ("embeddings.LayerNorm.bias".into(), vec![h]),
+            ];
+            for l in 0..cfg.num_hidden_layers {
+                let p = format!("encoder.layer.{l}.");
+                for (name, shape) in [
+                    ("attention.self.query.weight", vec![h, h]),
+                    ("attention.self.query.bias", vec![h]),
+                    ("attention.self.key.weight", vec![h, h]),
+                    ("attention.self.key.bias", vec![h]),
+                    ("attention.self.value.weight", vec![h, h]),
+                    ("attention.self.value.bias", vec![h]),
+                    ("attention.output.dense.weight", vec![h, h]),
+                    ("attention.output.dense.bias", vec![h]),
+                    ("attention.output.LayerNorm.weight", vec![h]),
+                    ("attention.output.LayerNorm.bias", vec![h]),
+                    ("intermediate.dense.weight", vec![f, h]),
+                    ("intermediate.dense.bias", vec![f]),
+                    ("output.dense.weight", vec![h, f]),
+                    ("output.dense.bias", vec![h]),
+                    ("output.LayerNorm.weight", vec![h]),
+                    ("output.LayerNorm.bias", vec![h]),
+                ] {
+                    v.push((format!("{p}{name}"), shape));
+                }
+            }
+            v
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 800, failure_persistence: None, ..ProptestConfig::default() })]
+
+            #[test]
+            fn cpu_bert_takes_random_shapes_without_panicking(
+                (vocab, heads, head_dim, layers, ffn, max_pos) in (1usize..12, 1usize..4, 1usize..5, 1usize..3, 1usize..10, 1usize..8),
+                zero in 0usize..20,
+                damage in (0usize..12, any::<usize>()),
+                ids in prop::collection::vec(0u32..14, 0..10),
+                (fp8, seed) in (any::<bool>(), any::<u64>()),
+            ) {
+                let mut cfg = BertConfig {
+                    vocab_size: vocab,
+                    hidden_size: heads * head_dim,
+                    num_hidden_layers: layers,
+                    num_attention_heads: heads,
+                    intermediate_size: ffn,
+                    max_position_embeddings: max_pos,
+                    type_vocab_size: 1,
+                    layer_norm_eps: 1e-12,
+                    activation: Activation::GeluErf,
+                };
+                // One configuration in ten invalid.
+                match zero {
+                    0 => cfg.num_attention_heads = 0,
+                    1 => cfg.hidden_size += 1,
+                    2 => cfg.type_vocab_size = 0,
+                    3 => cfg.layer_norm_eps = f32::NAN,
+                    _ => {}
+                }
+                // The weights of the (valid) layout, one in six dropped or misshapen.
+                let mut rng = seed;
+                let mut next = || {
+                    rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((rng >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+                };
+                let valid = BertConfig { num_attention_heads: heads, hidden_size: heads * head_dim, type_vocab_size: 1, ..cfg.clone() };
+                let mut m = HashMap::new();
+                let layout = names(&valid);
+                let (kind, which) = damage;
+                for (i, (name, mut shape)) in layout.iter().cloned().enumerate() {
+                    let hit = i == which % layout.len();
+                    if hit && kind == 0 {
+                        continue;
+                    }
+                    if hit && kind == 1 {
+                        shape[0] += 1;
+                    }
+                    let n = shape.iter().product();
+                    m.insert(name, HostTensor { shape, data: (0..n).map(|_| next()).collect() });
+                }
+                let w = BertWeights::from_tensors(m);
+                match hidden_states_with(&cfg, &w, &ids, fp8) {
+                    Ok(x) => {
+                        prop_assert_eq!(x.len(), ids.len() * cfg.hidden_size);
+                        prop_assert!(x.iter().all(|v| v.is_finite()), "{cfg:?}");
+                    }
+                    Err(e) => prop_assert!(
+                        matches!(e, BertError::Input { .. } | BertError::Tensor { .. } | BertError::Unsupported { .. }),
+                        "{e}"
+                    ),
+                }
+                let many = embed_many_with(&cfg, &w, &[ids.clone(), ids.iter().rev().copied().collect()], 2, fp8);
+                if let Err(e) = many {
+                    prop_assert!(
+                        matches!(e, BertError::Input { .. } | BertError::Tensor { .. } | BertError::Unsupported { .. }),
+                        "{e}"
+                    );
+                }
+            }
+        }
     }
 }

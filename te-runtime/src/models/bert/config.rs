@@ -115,13 +115,39 @@ impl BertConfig {
             },
             activation,
         };
-        if cfg.hidden_size % cfg.num_attention_heads != 0 {
-            return Err(unsupported(
-                "num_attention_heads",
-                format!("{} does not divide hidden_size = {}", cfg.num_attention_heads, cfg.hidden_size),
-            ));
-        }
+        cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Checks a configuration made in code as [`BertConfig::from_json`] checks a file's: every
+    /// size ≥ 1, heads that divide the hidden size, a finite `layer_norm_eps` > 0.
+    ///
+    /// # Errors
+    /// [`BertError::Unsupported`] naming the field.
+    pub fn validate(&self) -> BertResult<()> {
+        let unsupported = |field: &'static str, message: String| Err(BertError::Unsupported { field, message });
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("type_vocab_size", self.type_vocab_size),
+        ];
+        if let Some((field, n)) = sizes.into_iter().find(|&(_, n)| n == 0) {
+            return unsupported(field, format!("{n}; must be ≥ 1"));
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return unsupported(
+                "num_attention_heads",
+                format!("{} does not divide hidden_size = {}", self.num_attention_heads, self.hidden_size),
+            );
+        }
+        if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.0) {
+            return unsupported("layer_norm_eps", format!("{}; must be a finite number > 0", self.layer_norm_eps));
+        }
+        Ok(())
     }
 
     /// Reads and parses `path` (a `config.json`).

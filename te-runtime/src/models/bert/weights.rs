@@ -78,11 +78,13 @@ impl BertWeights {
         Ok(&t.data)
     }
 
-    /// Checks every tensor the model reads against `cfg`.
+    /// Checks `cfg` ([`BertConfig::validate`]) and every tensor the model reads against it.
     ///
     /// # Errors
-    /// The first missing or mismatched tensor, as [`BertWeights::get`].
+    /// [`BertError::Unsupported`] for a configuration `cfg.validate()` refuses; the first missing
+    /// or mismatched tensor, as [`BertWeights::get`].
     pub fn validate(&self, cfg: &BertConfig) -> BertResult<()> {
+        cfg.validate()?;
         let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
         self.get("embeddings.word_embeddings.weight", &[cfg.vocab_size, h])?;
         self.get("embeddings.position_embeddings.weight", &[cfg.max_position_embeddings, h])?;
