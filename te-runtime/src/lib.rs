@@ -1,7 +1,8 @@
 //! Runtime of the Transformer Engine for Rust: the device, JIT-loaded kernels, device tensors,
 //! the fused FP8 ops, a CPU reference of every op ([`mod@reference`]: the oracle of the GPU tests and
 //! the path CI checks numerics on), and CPU models built on it ([`cpu`]: the GPT of
-//! `te train --preset tiny` without a GPU, the f32 BERT embedder).
+//! `te train --preset tiny` without a GPU, the f32 BERT embedder); [`generate`] holds the host
+//! side of text generation (the sampler, UTF-8 streaming).
 //!
 //! Every GPU entry point returns a typed [`Error`] instead of panicking: a missing driver or
 //! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
@@ -13,6 +14,7 @@ pub mod fp8;
 #[cfg(test)]
 mod fuzz;
 pub mod gemm;
+pub mod generate;
 pub mod kernels;
 pub mod models;
 pub mod modules;
