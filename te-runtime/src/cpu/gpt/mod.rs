@@ -31,11 +31,17 @@
 //! that ran the same number of forwards drop the same elements. [`GptRef::loss`] (evaluation)
 //! runs without dropout.
 //!
+//! Generation: [`GptRef::logits`] (the evaluation forward's logits) and [`GptRef::generate`],
+//! the reference decode loop (the whole prefix through the forward at every step, the next token
+//! from [`crate::generate::SamplingConfig`]).
+//!
 //! Files: this one holds the model and its forward/backward orchestration; `params` the
 //! parameter layout, init and loading; `math` the f32 GEMM, attention and GELU pieces;
-//! `precision` the BF16/FP8 GEMM-input emulation with delayed scaling; `adamw` [`GptAdamW`].
+//! `precision` the BF16/FP8 GEMM-input emulation with delayed scaling; `adamw` [`GptAdamW`];
+//! `generate` the decode loop.
 
 mod adamw;
+mod generate;
 mod math;
 mod params;
 mod precision;
@@ -76,6 +82,19 @@ struct LayerCtx {
     masks: [Option<Vec<u8>>; 2],
     /// `(input, weight)` of qkv, proj, fc1, fc2.
     gemms: [(Vec<f32>, Vec<f32>); 4],
+}
+
+/// A forward up to the logits and what the backward keeps of it.
+struct Forward {
+    /// `[s·b, vocab]`.
+    logits: Vec<f32>,
+    layers: Vec<LayerCtx>,
+    /// Input of the final norm.
+    last: Vec<f32>,
+    /// `(input, weight)` of the LM head.
+    head: (Vec<f32>, Vec<f32>),
+    /// The FP8 amaxes of every GEMM's `[input, weight]`.
+    amaxes: Vec<[f32; 2]>,
 }
 
 /// What [`GptRef::forward_loss`] saves for [`GptRef::backward`].
@@ -163,6 +182,19 @@ impl GptRef {
         dropout_offset: Option<u64>,
     ) -> Result<(f32, GptRefCtx, Vec<[f32; 2]>)> {
         self.check_batch(ids, targets, s, b)?;
+        let Forward { logits, layers, last, head, amaxes } = self.logits_of(ids, s, b, dropout_offset);
+        let v = self.cfg.vocab_size;
+        let counted = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+        let grad_scale = if counted == 0 { 0.0 } else { 1.0 / counted as f32 };
+        let (loss, dlogits) = cross_entropy(&logits, v, targets, IGNORE_INDEX, grad_scale);
+        let mean =
+            if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
+        let ctx = GptRefCtx { ids: ids.to_vec(), shape: [s, b], layers, last, head, dlogits, cfg: self.cfg.clone() };
+        Ok((mean, ctx, amaxes))
+    }
+
+    /// The logits of checked `ids` `[s, b]`, with what the backward keeps.
+    fn logits_of(&self, ids: &[i32], s: usize, b: usize, dropout_offset: Option<u64>) -> Forward {
         let cfg = &self.cfg;
         let (h, f, v, t) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, s * b);
         let pos: Vec<i32> = (0..t).map(|i| (i / b) as i32).collect();
@@ -209,13 +241,19 @@ impl GptRef {
         let yf = self.norm(self.tail(0), self.tail(1)).forward(&x);
         let head = self.gemm_operands(4 * cfg.num_layers, &yf, self.tail(2), &mut amaxes);
         let logits = linear(&head.0, &head.1, None, t, v, h);
-        let counted = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
-        let grad_scale = if counted == 0 { 0.0 } else { 1.0 / counted as f32 };
-        let (loss, dlogits) = cross_entropy(&logits, v, targets, IGNORE_INDEX, grad_scale);
-        let mean =
-            if counted == 0 { 0.0 } else { (loss.iter().map(|&l| f64::from(l)).sum::<f64>() / counted as f64) as f32 };
-        let ctx = GptRefCtx { ids: ids.to_vec(), shape: [s, b], layers, last: x, head, dlogits, cfg: cfg.clone() };
-        Ok((mean, ctx, amaxes))
+        Forward { logits, layers, last: x, head, amaxes }
+    }
+
+    /// The logits `[s·b, vocab]` of `ids` `[s, b]` (row-major, token `i·b + j` at position `i`),
+    /// as an evaluation forward computes them: no dropout, FP8 with the current scales, nothing
+    /// recorded. The reference of decoding: the last position's row is the next token's logits.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for `s = 0`, `b = 0`, `s > seq_length` or `ids` not `s · b` long;
+    /// [`Error::Argument`] for an id outside `[0, vocab)`.
+    pub fn logits(&self, ids: &[i32], s: usize, b: usize) -> Result<Vec<f32>> {
+        self.check_batch(ids, &vec![IGNORE_INDEX; ids.len()], s, b)?;
+        Ok(self.logits_of(ids, s, b, None).logits)
     }
 
     /// The mean cross-entropy over the targets that are not [`IGNORE_INDEX`] (0 when all are)

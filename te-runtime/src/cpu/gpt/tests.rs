@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::fp8::DelayedScaling;
+use crate::generate::SamplingConfig;
 
 fn micro() -> GptConfig {
     GptConfig {
@@ -145,6 +146,52 @@ fn bad_inputs_are_errors() {
         GptAdamWConfig { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0, max_grad_norm: None, skip_nonfinite: false },
     );
     assert!(matches!(opt.step(&mut m, &grads, 1e-3), Err(Error::Config { .. })));
+}
+
+#[test]
+fn generate_decodes_from_the_last_positions_logits() {
+    let model = GptRef::new(&micro()).unwrap();
+    let prompts = vec![vec![1, 2, 3], vec![4, 4, 0]];
+    let greedy = SamplingConfig::greedy();
+    let out = model.generate(&prompts, 4, &greedy, 0).unwrap();
+    assert_eq!(out.iter().map(Vec::len).collect::<Vec<_>>(), [4, 4]);
+    // Each greedy token is the argmax of the full-prefix forward's last row, sequence by
+    // sequence (a batch decodes as its prompts alone).
+    for (p, new) in prompts.iter().zip(&out) {
+        let mut seq = p.clone();
+        for &t in new {
+            let logits = model.logits(&seq, seq.len(), 1).unwrap();
+            let last = &logits[(seq.len() - 1) * 16..];
+            let best = (0..16).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+            assert_eq!(t, best as i32);
+            seq.push(t);
+        }
+        assert_eq!(model.generate(std::slice::from_ref(p), 4, &greedy, 0).unwrap()[0], *new);
+    }
+    // Sampling: the same seed, the same tokens; every token in the vocabulary.
+    let top = SamplingConfig { temperature: 1.5, top_k: Some(8), top_p: Some(0.95) };
+    let a = model.generate(&prompts, 5, &top, 42).unwrap();
+    assert_eq!(a, model.generate(&prompts, 5, &top, 42).unwrap());
+    assert!(a.iter().flatten().all(|&t| (0..16).contains(&t)));
+}
+
+#[test]
+fn generate_refuses_what_it_cannot_run() {
+    let model = GptRef::new(&micro()).unwrap();
+    let g = SamplingConfig::greedy();
+    let shape = |r: Result<Vec<Vec<i32>>>| match r {
+        Err(Error::Shape { message, .. }) => message,
+        other => panic!("expected a shape error, got {other:?}"),
+    };
+    assert!(shape(model.generate(&[], 1, &g, 0)).contains("no prompt"));
+    assert!(shape(model.generate(&[vec![]], 1, &g, 0)).contains("empty prompt"));
+    assert!(shape(model.generate(&[vec![1], vec![1, 2]], 1, &g, 0)).contains("one length"));
+    // seq_length 8: a prompt of 6 and 3 new tokens do not fit.
+    assert!(shape(model.generate(&[vec![1; 6]], 3, &g, 0)).contains("context of 8"));
+    assert_eq!(model.generate(&[vec![1; 6]], 2, &g, 0).unwrap()[0].len(), 2);
+    assert!(matches!(model.generate(&[vec![99]], 1, &g, 0), Err(Error::Argument { .. })));
+    let bad = SamplingConfig { top_k: Some(0), ..g };
+    assert!(matches!(model.generate(&[vec![1]], 1, &bad, 0), Err(Error::Argument { .. })));
 }
 
 /// Fuzzing (reliability issue): random configurations, shapes, ids and targets (most of them
