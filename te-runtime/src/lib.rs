@@ -21,6 +21,7 @@ pub mod modules;
 pub mod numerics;
 pub mod ops;
 pub mod optim;
+pub mod philox;
 pub mod prewarm;
 pub mod reference;
 pub mod tensor;

@@ -2,7 +2,7 @@
 //! filtering, with the semantics of Hugging Face `generate` (`TemperatureLogitsWarper`,
 //! `TopKLogitsWarper`, `TopPLogitsWarper`, applied in that order).
 
-use crate::reference::philox;
+use crate::philox;
 use crate::{Error, Result};
 
 const OP: &str = "sampling";
@@ -18,7 +18,7 @@ const OP: &str = "sampling";
 ///
 /// The draw is inverse-CDF over the kept tokens in order of decreasing probability (equal ones by
 /// id) with one uniform number from block `row` of the Philox stream `(seed, step)` (the
-/// generator of the dropout kernels, `reference::philox`): the same `(seed, step, row)` gives the
+/// generator of the dropout kernels, [`crate::philox`]): the same `(seed, step, row)` gives the
 /// same token, on any machine.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingConfig {

@@ -4,9 +4,9 @@
 //! always match; outputs match except that the GPU writes the canonical NaN where the CPU may
 //! keep an input NaN's sign and payload.
 
-use super::philox;
 use crate::numerics::round_to;
 use crate::ops::dropout::{keep_scale, keep_threshold, mask_bytes, DropoutParams};
+use crate::philox;
 use te_codegen::DType;
 
 /// The random word of element `i`: word `i % 4` of Philox block `i / 4` of `(seed, offset)`.

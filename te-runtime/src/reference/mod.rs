@@ -20,7 +20,6 @@ pub mod linear;
 pub mod modules;
 pub mod norm;
 pub mod optimizer;
-pub mod philox;
 pub mod rope;
 pub mod scaling;
 pub mod softmax;
