@@ -294,41 +294,6 @@ mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        fn names(cfg: &BertConfig) -> Vec<(String, Vec<usize>)> {
-            let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
-            let mut v = vec![
-                ("embeddings.word_embeddings.weight".to_string(), vec![cfg.vocab_size, h]),
-                ("embeddings.position_embeddings.weight".into(), vec![cfg.max_position_embeddings, h]),
-                ("embeddings.token_type_embeddings.weight".into(), vec![cfg.type_vocab_size, h]),
-                ("embeddings.LayerNorm.weight".into(), vec![h]),
-                ("embeddings.LayerNorm.bias".into(), vec![h]),
-            ];
-            for l in 0..cfg.num_hidden_layers {
-                let p = format!("encoder.layer.{l}.");
-                for (name, shape) in [
-                    ("attention.self.query.weight", vec![h, h]),
-                    ("attention.self.query.bias", vec![h]),
-                    ("attention.self.key.weight", vec![h, h]),
-                    ("attention.self.key.bias", vec![h]),
-                    ("attention.self.value.weight", vec![h, h]),
-                    ("attention.self.value.bias", vec![h]),
-                    ("attention.output.dense.weight", vec![h, h]),
-                    ("attention.output.dense.bias", vec![h]),
-                    ("attention.output.LayerNorm.weight", vec![h]),
-                    ("attention.output.LayerNorm.bias", vec![h]),
-                    ("intermediate.dense.weight", vec![f, h]),
-                    ("intermediate.dense.bias", vec![f]),
-                    ("output.dense.weight", vec![h, f]),
-                    ("output.dense.bias", vec![h]),
-                    ("output.LayerNorm.weight", vec![h]),
-                    ("output.LayerNorm.bias", vec![h]),
-                ] {
-                    v.push((format!("{p}{name}"), shape));
-                }
-            }
-            v
-        }
-
         proptest! {
             #![proptest_config(ProptestConfig { cases: 800, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -367,7 +332,7 @@ mod tests {
                 };
                 let valid = BertConfig { num_attention_heads: heads, hidden_size: heads * head_dim, type_vocab_size: 1, ..cfg.clone() };
                 let mut m = HashMap::new();
-                let layout = names(&valid);
+                let layout = BertWeights::layout(&valid);
                 let (kind, which) = damage;
                 for (i, (name, mut shape)) in layout.iter().cloned().enumerate() {
                     let hit = i == which % layout.len();

@@ -85,12 +85,22 @@ impl BertWeights {
     /// or mismatched tensor, as [`BertWeights::get`].
     pub fn validate(&self, cfg: &BertConfig) -> BertResult<()> {
         cfg.validate()?;
+        for (name, shape) in Self::layout(cfg) {
+            self.get(&name, &shape)?;
+        }
+        Ok(())
+    }
+
+    /// Every tensor a model of `cfg` reads, `(Hugging Face name, shape)`, in file order.
+    pub fn layout(cfg: &BertConfig) -> Vec<(String, Vec<usize>)> {
         let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
-        self.get("embeddings.word_embeddings.weight", &[cfg.vocab_size, h])?;
-        self.get("embeddings.position_embeddings.weight", &[cfg.max_position_embeddings, h])?;
-        self.get("embeddings.token_type_embeddings.weight", &[cfg.type_vocab_size, h])?;
-        self.get("embeddings.LayerNorm.weight", &[h])?;
-        self.get("embeddings.LayerNorm.bias", &[h])?;
+        let mut v = vec![
+            ("embeddings.word_embeddings.weight".to_string(), vec![cfg.vocab_size, h]),
+            ("embeddings.position_embeddings.weight".into(), vec![cfg.max_position_embeddings, h]),
+            ("embeddings.token_type_embeddings.weight".into(), vec![cfg.type_vocab_size, h]),
+            ("embeddings.LayerNorm.weight".into(), vec![h]),
+            ("embeddings.LayerNorm.bias".into(), vec![h]),
+        ];
         for l in 0..cfg.num_hidden_layers {
             let p = format!("encoder.layer.{l}.");
             for (name, shape) in [
@@ -111,10 +121,10 @@ impl BertWeights {
                 ("output.LayerNorm.weight", vec![h]),
                 ("output.LayerNorm.bias", vec![h]),
             ] {
-                self.get(&format!("{p}{name}"), &shape)?;
+                v.push((format!("{p}{name}"), shape));
             }
         }
-        Ok(())
+        v
     }
 
     /// The fused QKV weight `[3·hidden, hidden]` (rows `[query | key | value]`) and bias of layer
