@@ -84,7 +84,8 @@ pub struct FlashAttnSpec {
     /// 3 443 µs; forward + backward b4 s2048 1 525 → 1 327 µs, b2 s8192 10 384 → 8 771 µs; FP8
     /// forward 276 → 264 µs at s2048. At d64 (one consumer warpgroup, 64 rows) slower (forward
     /// 64 → 91 µs at b8 s1024 h12), so off there; the FP8 backward (255 registers) keeps its
-    /// block barriers.
+    /// block barriers. The 16-bit forward's two consumer warpgroups also take turns issuing
+    /// their products (ping-pong, FlashAttention-3 §3.1; numbers in `context`).
     #[serde(default)]
     pub warp_specialized: bool,
     /// Attention dropout on the probabilities (`with_dropout`): the keep mask drawn in the
@@ -526,6 +527,13 @@ impl Family for FlashAttnSpec {
         ctx.insert("fp8", &self.fp8);
         ctx.insert("grad_e5m2", &self.grad_e5m2);
         ctx.insert("ws", &self.warp_specialized);
+        // FlashAttention-3's ping-pong between the two consumer warpgroups of the 16-bit
+        // warp-specialized forward. Measured on an H100 (2026-11-25, d128 causal): b4 s2048 312 →
+        // 304 µs (440 → 453 TFLOP/s), b4 s4096 h32/kv8 1 005 → 985 µs, b1 s16384 3 447 → 3 420
+        // µs; the FP8 forward is slower with it (s2048 263 → 265 µs, s16384 2 784 → 2 869 µs),
+        // so it keeps the warpgroups free-running.
+        let ping_pong = self.warp_specialized && self.direction == Direction::Fwd && self.block_m == 128 && !self.fp8;
+        ctx.insert("ping_pong", &ping_pong);
         // setmaxnreg budget of each consumer thread (a multiple of 8, at most 240).
         let consumers = self.block_m / 16 * 32;
         // The block starts with the registers its launch got (64 K / threads, a multiple of 8, per
