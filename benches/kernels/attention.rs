@@ -124,12 +124,14 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
         heads,
         groups,
         head_dim: d,
+        head_dim_v: d,
         scale: 1.0 / (d as f32).sqrt(),
         window: if causal { (-1, 0) } else { (-1, -1) },
         bottom_right: false,
         dropout: None,
         q: HeadStrides::dense(QkvFormat::Bshd, batch, seq, heads, d),
         kv: HeadStrides::dense(QkvFormat::Bshd, batch, seq, groups, d),
+        v: HeadStrides::dense(QkvFormat::Bshd, batch, seq, groups, d),
         o: HeadStrides::dense(QkvFormat::Bshd, batch, seq, heads, d),
     };
     let bf16 = |shape: &[usize], seed| {

@@ -83,6 +83,16 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                 }
             }
         }
+        // head_dim_v other than head_dim (Hopper only): each way round, and past the backward's
+        // 128 in the forward.
+        if arch == Arch::Sm90a {
+            for (d, dv) in [(128, 64), (64, 128), (128, 256), (256, 128)] {
+                v.push(FlashAttnSpec::new(Direction::Fwd, dtype, d, arch).with_head_dim_v(dv).into());
+                if d.max(dv) <= 128 {
+                    v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).with_head_dim_v(dv).into());
+                }
+            }
+        }
     }
     for &i in &hp {
         for dir in [Direction::Fwd, Direction::Bwd] {

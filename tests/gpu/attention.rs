@@ -103,6 +103,7 @@ impl Case {
             heads: self.heads,
             groups: self.groups,
             head_dim: self.head_dim,
+            head_dim_v: self.head_dim,
             mask: self.mask,
             seq_lens: self.seq_lens.as_deref(),
             scale: 1.0 / (self.head_dim as f32).sqrt(),

@@ -63,12 +63,14 @@ pub(crate) fn params(
         heads,
         groups,
         head_dim: d,
+        head_dim_v: d,
         scale: 1.0 / (d as f32).sqrt(),
         window,
         bottom_right,
         dropout: None,
         q: HeadStrides::dense(format, batch, sq, heads, d),
         kv: HeadStrides::dense(format, batch, sk, groups, d),
+        v: HeadStrides::dense(format, batch, sk, groups, d),
         o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
     }
 }
@@ -142,6 +144,7 @@ fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
         let pd = FlashAttnParams {
             q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
             kv: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
+            v: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
             ..p
         };
         let (want_out, want_lse) =
@@ -162,12 +165,14 @@ fn fp8_errors_are_typed() {
         heads,
         groups: heads,
         head_dim: d,
+        head_dim_v: d,
         scale: 0.125,
         window: (-1, -1),
         bottom_right: false,
         dropout: None,
         q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
         kv: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
+        v: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
         o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
     };
     let x = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
@@ -181,8 +186,10 @@ fn fp8_errors_are_typed() {
     // Operands of other sizes, an empty scale_inv, a short lse, x smaller than its strides.
     let p128 = FlashAttnParams {
         head_dim: 128,
+        head_dim_v: 128,
         q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
         kv: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
+        v: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
         o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
         ..p
     };

@@ -103,7 +103,7 @@ fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
         let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right} {format:?} {grad}");
         let dense = |s, h| HeadStrides::dense(QkvFormat::Bshd, batch, s, h, d);
         let p = params((batch, sq, sk), (heads, groups, d), window, bottom_right, format);
-        let pd = FlashAttnParams { q: dense(sq, heads), kv: dense(sk, groups), ..p };
+        let pd = FlashAttnParams { q: dense(sq, heads), kv: dense(sk, groups), v: dense(sk, groups), ..p };
         // Inputs already on the FP8 grids of power-of-two scales: quantization is exact, and the
         // dequantized values are the 16-bit reference's inputs (bshd on the host).
         let fmt_max = |t: DType| if t == DType::E5M2 { 57344.0 } else { 448.0 };

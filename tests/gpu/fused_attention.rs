@@ -184,12 +184,14 @@ fn sliding_windows_and_bottom_right_diagonals_match_a_host_forward() {
             heads,
             groups,
             head_dim: d,
+            head_dim_v: d,
             scale: 0.125,
             window,
             bottom_right,
             dropout: None,
             q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
             kv: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
+            v: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
             o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
         };
         let vals = |s, n| -> Vec<f32> { randn(s, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
@@ -223,12 +225,14 @@ fn ops_errors_are_typed() {
         heads: h,
         groups: h,
         head_dim: d,
+        head_dim_v: d,
         scale: 0.125,
         window: (-1, 0),
         bottom_right: false,
         dropout: None,
         q: dense,
         kv: dense,
+        v: dense,
         o: dense,
     };
     let t = |dtype| Tensor::zeros(&dev, dtype, &[b, s, h, d]).unwrap();
@@ -239,7 +243,7 @@ fn ops_errors_are_typed() {
         flash_attention::forward(&dev, &p, Qkv::Apart([q, q, q]), None, &mut out, &mut lse)
     };
     assert!(matches!(run(base, &f32t).unwrap_err(), Error::DType { arg: "q", .. }));
-    let e = run(FlashAttnParams { head_dim: 80, ..base }, &q).unwrap_err();
+    let e = run(FlashAttnParams { head_dim: 80, head_dim_v: 80, ..base }, &q).unwrap_err();
     assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("head_dim = 80"), "{e}");
     let e = run(FlashAttnParams { q: HeadStrides { row: 132, ..dense }, ..base }, &q).unwrap_err();
     assert!(e.to_string().contains("multiples of 8"), "{e}");
@@ -393,6 +397,7 @@ fn thd_matches_the_reference_per_sequence() {
                 heads: h,
                 groups: g,
                 head_dim: d,
+                head_dim_v: d,
                 mask: if mask.is_padding() { AttnMaskType::CausalBottomRight } else { mask },
                 seq_lens: None,
                 scale: 1.0 / (d as f32).sqrt(),

@@ -412,6 +412,7 @@ mod transformer {
                     heads: HEADS,
                     groups,
                     head_dim: HID / HEADS,
+                    head_dim_v: HID / HEADS,
                     mask: AttnMaskType::Causal,
                     seq_lens: None,
                     scale: 1.0 / ((HID / HEADS) as f32).sqrt(),

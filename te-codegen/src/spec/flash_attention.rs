@@ -52,8 +52,12 @@ pub struct FlashAttnSpec {
     pub direction: Direction,
     /// bf16 or f16 (q, k, v, o and their gradients); f32 accumulation and softmax.
     pub dtype: DType,
-    /// Channels per head of q, k and v: 32, 64, 96, 128 or 256 (256: forward only).
+    /// Channels per head of q and k: 32, 64, 96, 128 or 256 (256: forward only).
     pub head_dim: usize,
+    /// Channels per head of v and o (TE's `kv_channels = (head_dim_qk, head_dim_v)`): `head_dim`,
+    /// or on the 16-bit Hopper kernels ([`FlashAttnSpec::with_head_dim_v`]) another of 64, 128
+    /// and 256 (the backward: up to 128).
+    pub head_dim_v: usize,
     /// Query rows per block: 16 per warp (forward and dQ kernels).
     pub block_m: usize,
     /// Keys per block: a tile of the forward and dQ loop; the rows of one dK/dV block (16 per
@@ -119,9 +123,12 @@ macro_rules! flash_args {
             KernelArg::scalar("q_batch", "u64", "batch stride of q (and dq) (elements)"),
             KernelArg::scalar("q_row", "u64", "position stride of q (and dq) (elements)"),
             KernelArg::scalar("q_head", "u64", "head stride of q (and dq) (elements)"),
-            KernelArg::scalar("kv_batch", "u64", "batch stride of k and v (and dk, dv) (elements)"),
-            KernelArg::scalar("kv_row", "u64", "position stride of k and v (and dk, dv) (elements)"),
-            KernelArg::scalar("kv_head", "u64", "head stride of k and v (and dk, dv) (elements)"),
+            KernelArg::scalar("kv_batch", "u64", "batch stride of k (and dk) (elements)"),
+            KernelArg::scalar("kv_row", "u64", "position stride of k (and dk) (elements)"),
+            KernelArg::scalar("kv_head", "u64", "head stride of k (and dk) (elements)"),
+            KernelArg::scalar("v_batch", "u64", "batch stride of v (and dv) (elements)"),
+            KernelArg::scalar("v_row", "u64", "position stride of v (and dv) (elements)"),
+            KernelArg::scalar("v_head", "u64", "head stride of v (and dv) (elements)"),
             KernelArg::scalar("o_batch", "u64", "batch stride of o or d_o (elements)"),
             KernelArg::scalar("o_row", "u64", "position stride of o or d_o (elements)"),
             KernelArg::scalar("o_head", "u64", "head stride of o or d_o (elements)"),
@@ -184,6 +191,7 @@ impl FlashAttnSpec {
             direction,
             dtype,
             head_dim,
+            head_dim_v: head_dim,
             block_m,
             block_n,
             arch,
@@ -208,6 +216,7 @@ impl FlashAttnSpec {
             direction: Direction::Fwd,
             dtype,
             head_dim,
+            head_dim_v: head_dim,
             block_m,
             block_n: Self::FP8_KEY_TILE,
             arch,
@@ -228,6 +237,7 @@ impl FlashAttnSpec {
             direction: Direction::Bwd,
             dtype,
             head_dim,
+            head_dim_v: head_dim,
             block_m: 128,
             block_n: 128,
             arch,
@@ -236,6 +246,28 @@ impl FlashAttnSpec {
             grad_e5m2,
             warp_specialized: false,
             dropout: false,
+        }
+    }
+
+    /// The 16-bit kernels of head dim `head_dim` for q and k and `head_dim_v` for v and o (TE's
+    /// `kv_channels = (head_dim_qk, head_dim_v)`, as FlashAttention-3 and cuDNN take it on
+    /// Hopper): sm_90a wgmma, both of 64, 128 and 256 (the backward: up to 128), with the tiles
+    /// [`FlashAttnSpec::new`] picks for the larger of the two. Elsewhere (Ada, FP8, other head
+    /// dims) [`KernelSpec::validate`](crate::spec::KernelSpec) refuses a `head_dim_v` other than
+    /// `head_dim`: the unfused backend runs those calls, as in TE.
+    pub fn with_head_dim_v(self, head_dim_v: usize) -> Self {
+        if head_dim_v == self.head_dim || self.fp8 {
+            return Self { head_dim_v, ..self };
+        }
+        let tiles = Self::new(self.direction, self.dtype, self.head_dim.max(head_dim_v), self.arch);
+        let wgmma = self.wgmma && tiles.wgmma;
+        Self {
+            head_dim_v,
+            wgmma,
+            block_m: tiles.block_m,
+            block_n: tiles.block_n,
+            warp_specialized: wgmma && tiles.warp_specialized,
+            ..self
         }
     }
 
@@ -301,7 +333,8 @@ impl FlashAttnSpec {
             // (+ 9 mbarriers when warp-specialized.)
             (Direction::Fwd, _) if self.wgmma => {
                 let elem = if self.fp8 { 1 } else { 2 };
-                (self.block_m + 4 * self.block_n) * self.head_dim * elem + 1024 + self.barrier_bytes()
+                let (d, dv) = (self.head_dim, self.head_dim_v);
+                ((self.block_m + 2 * self.block_n) * d + 2 * self.block_n * dv) * elem + 1024 + self.barrier_bytes()
             }
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) => 0,
@@ -312,12 +345,15 @@ impl FlashAttnSpec {
             }
             // FP8: Q, dO and two stages of K, V, Kᵀ (bytes).
             (Direction::Bwd, _) if self.fp8 => (2 * self.block_m + 6 * self.block_n) * self.head_dim + 1024,
+            // K, V and the stages of Q, dO, LSE and delta.
             (Direction::Bwd, 1) if self.wgmma => {
-                let q_side = 2 * self.dkdv_stages() * self.dkdv_tile_m();
-                (2 * self.block_n + q_side) * self.head_dim * 2 + q_side * 4 + 1024 + self.barrier_bytes()
+                let rows = self.block_n + self.dkdv_stages() * self.dkdv_tile_m();
+                let lse_delta = 2 * self.dkdv_stages() * self.dkdv_tile_m() * 4;
+                rows * (self.head_dim + self.head_dim_v) * 2 + lse_delta + 1024 + self.barrier_bytes()
             }
+            // Q, dO and two stages of K and V.
             (Direction::Bwd, _) if self.wgmma => {
-                (2 * self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024 + self.barrier_bytes()
+                (self.block_m + 2 * self.block_n) * (self.head_dim + self.head_dim_v) * 2 + 1024 + self.barrier_bytes()
             }
             // K and V tiles, two stages of the Q and dO tiles and of their LSE and delta.
             (Direction::Bwd, 1) => (2 * self.block_n + 4 * self.dkdv_tile_m()) * row + 4 * self.dkdv_tile_m() * 4,
@@ -330,8 +366,8 @@ impl FlashAttnSpec {
     pub const FWD_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "queries, `[.., sq, heads, head_dim]` at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "keys, `[.., sk, groups, head_dim]` at the kv strides"),
-        KernelArg::read("v", "const void* __restrict__", "values, as the keys"),
-        KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim]` at the o strides"),
+        KernelArg::read("v", "const void* __restrict__", "values, `[.., sk, groups, head_dim_v]` at the v strides"),
+        KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim_v]` at the o strides"),
         KernelArg::write("lse", "float* __restrict__", "`[batch, heads, sq]` f32 softmax_lse"),
     );
 
@@ -407,27 +443,27 @@ impl FlashAttnSpec {
     pub const BWD_DKDV_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "queries, at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "keys, at the kv strides"),
-        KernelArg::read("v", "const void* __restrict__", "values, at the kv strides"),
+        KernelArg::read("v", "const void* __restrict__", "values, at the v strides"),
         KernelArg::read("d_o", "const void* __restrict__", "output gradient, at the o strides"),
         KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
         KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
         KernelArg::write("dk", "void* __restrict__", "key gradient, at the kv strides"),
-        KernelArg::write("dv", "void* __restrict__", "value gradient, at the kv strides"),
+        KernelArg::write("dv", "void* __restrict__", "value gradient, at the v strides"),
     );
 
     /// Arguments of the backward's `_dq` entry point.
     pub const BWD_DQ_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "queries, at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "keys, at the kv strides"),
-        KernelArg::read("v", "const void* __restrict__", "values, at the kv strides"),
+        KernelArg::read("v", "const void* __restrict__", "values, at the v strides"),
         KernelArg::read("d_o", "const void* __restrict__", "output gradient, at the o strides"),
         KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
         KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
         KernelArg::write("dq", "void* __restrict__", "query gradient, at the q strides"),
     );
 
-    /// Arguments of the FP8 backward's `_dkdv` entry point (the q / kv strides are those of dq,
-    /// dk, dv; the FP8 codes are dense and unpadded, `thd` is not taken).
+    /// Arguments of the FP8 backward's `_dkdv` entry point (the q / kv / v strides are those of
+    /// dq, dk, dv; the FP8 codes are dense and unpadded, `thd` is not taken).
     pub const BWD_FP8_DKDV_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "E4M3 queries, dense `[batch, sq, heads, head_dim]`"),
         KernelArg::read("k", "const void* __restrict__", "E4M3 keys, dense `[batch, sk, groups, head_dim]`"),
@@ -438,7 +474,7 @@ impl FlashAttnSpec {
         KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
         KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
         KernelArg::write("dk", "void* __restrict__", "key gradient, at the kv strides"),
-        KernelArg::write("dv", "void* __restrict__", "value gradient, at the kv strides"),
+        KernelArg::write("dv", "void* __restrict__", "value gradient, at the v strides"),
         KernelArg::read("scale_inv_q", "const float* __restrict__", "q's scale_inv (one f32)"),
         KernelArg::read("scale_inv_k", "const float* __restrict__", "k's scale_inv (one f32)"),
         KernelArg::read("scale_inv_v", "const float* __restrict__", "v's scale_inv (one f32)"),
@@ -508,7 +544,8 @@ impl Family for FlashAttnSpec {
             (false, false) => "",
         };
         let (dir, dt, d, m, n) = (self.direction.name(), self.dtype, self.head_dim, self.block_m, self.block_n);
-        format!("{dir}_{dt}_d{d}_m{m}_n{n}{wg}{drop}")
+        let dv = if self.head_dim_v == d { String::new() } else { format!("_v{}", self.head_dim_v) };
+        format!("{dir}_{dt}_d{d}{dv}_m{m}_n{n}{wg}{drop}")
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -517,6 +554,7 @@ impl Family for FlashAttnSpec {
         ctx.insert("t", self.dtype.type_tag());
         ctx.insert("mma_type", if self.dtype == DType::F16 { "f16" } else { "bf16" });
         ctx.insert("head_dim", &self.head_dim);
+        ctx.insert("head_dim_v", &self.head_dim_v);
         ctx.insert("block_m", &self.block_m);
         ctx.insert("block_n", &self.block_n);
         ctx.insert("dkdv_tile_m", &self.dkdv_tile_m());
@@ -561,7 +599,9 @@ impl Family for FlashAttnSpec {
         ss.dedup();
         let shapes = |ns: Vec<usize>| ns.into_iter().map(|n| (n, n / 8)).collect::<Vec<_>>();
         ctx.insert("wgmma_ss_n", &shapes(ss));
-        ctx.insert("wgmma_rs_n", &shapes(vec![self.head_dim]));
+        let mut rs = vec![self.head_dim, self.head_dim_v];
+        rs.dedup();
+        ctx.insert("wgmma_rs_n", &shapes(rs));
     }
     fn validate(&self) -> Result<(), String> {
         if !matches!(self.dtype, DType::BF16 | DType::F16) {
@@ -575,6 +615,16 @@ impl Family for FlashAttnSpec {
                 "the fused backward takes head_dim up to 128, got {} (use the unfused backend)",
                 self.head_dim
             ));
+        }
+        if self.head_dim_v != self.head_dim {
+            let max_v = if self.direction == Direction::Bwd { 128 } else { 256 };
+            if !(self.wgmma && !self.fp8 && self.head_dim_v % 64 == 0 && self.head_dim_v <= max_v) {
+                return Err(format!(
+                    "head_dim_v = {} other than head_dim = {} is a setting of the 16-bit sm_90a (wgmma) kernels, with \
+                     head_dim_v a multiple of 64 up to {max_v} (use the unfused backend)",
+                    self.head_dim_v, self.head_dim
+                ));
+            }
         }
         for (what, n) in [("block_m", self.block_m), ("block_n", self.block_n)] {
             if n == 0 || n % 16 != 0 || n > 128 {

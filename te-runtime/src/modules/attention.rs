@@ -62,7 +62,7 @@ use plan::Dims;
 use std::sync::Arc;
 use te_codegen::spec::MaskKind;
 pub use te_codegen::spec::{AttnMaskType, QkvFormat};
-use te_codegen::DType;
+use te_codegen::{Arch, DType};
 pub use thd::ThdSeqlens;
 
 const MODULE: &str = "DotProductAttention";
@@ -137,9 +137,9 @@ impl DotProductAttentionConfig {
         self.softmax_scale.unwrap_or(1.0 / (self.kv_channels as f32).sqrt())
     }
 
-    /// Whether training calls in `dtype` run on the fused backend.
-    pub(crate) fn runs_fused(&self, dtype: DType) -> bool {
-        matches!(backend::select(self, dtype, true), Ok(AttentionBackend::Fused))
+    /// Whether training calls in `dtype` on `arch` run on the fused backend.
+    pub(crate) fn runs_fused(&self, dtype: DType, arch: Arch) -> bool {
+        matches!(backend::select(self, dtype, arch, true), Ok(AttentionBackend::Fused))
     }
 
     /// Fails for a configuration the module cannot run.
@@ -394,7 +394,7 @@ impl DotProductAttention {
         packed: bool,
     ) -> Result<(Tensor, AttentionCtx)> {
         let dtype = inputs.dtype();
-        let backend = backend::select(&self.cfg, dtype, self.training)?;
+        let backend = backend::select(&self.cfg, dtype, self.dev.arch(), self.training)?;
         let drop = self.next_dropout();
         let fp8 = if backend == AttentionBackend::Fused {
             self.scaling.forward(&self.dev, &inputs, &dims, self.training, drop.p > 0.0)?

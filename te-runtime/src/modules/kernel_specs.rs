@@ -116,7 +116,7 @@ impl DotProductAttentionConfig {
     /// gradients over the heads of a group.
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         let (dt, arch, sk) = (target.params_dtype, target.arch, target.seq_length);
-        if self.runs_fused(dt) {
+        if self.runs_fused(dt, arch) {
             let dropout = self.attention_dropout > 0.0;
             for dir in [Direction::Fwd, Direction::Bwd] {
                 specs.push(KernelSpec::FlashAttn(

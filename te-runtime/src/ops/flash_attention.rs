@@ -11,7 +11,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use std::sync::Arc;
 use te_codegen::spec::{Direction, FlashAttnSpec, QkvFormat, FLASH_HEAD_DIMS};
-use te_codegen::{DType, KernelSpec};
+use te_codegen::{Arch, DType, KernelSpec};
 
 pub(super) const OP: &str = "flash attention";
 
@@ -63,8 +63,12 @@ pub struct FlashAttnParams {
     pub heads: usize,
     /// Key/value heads (divides `heads`).
     pub groups: usize,
-    /// Channels per head of q, k, v and o: one of [`FLASH_HEAD_DIMS`].
+    /// Channels per head of q and k: one of [`FLASH_HEAD_DIMS`].
     pub head_dim: usize,
+    /// Channels per head of v and o (TE's `kv_channels = (head_dim_qk, head_dim_v)`):
+    /// `head_dim`, or on Hopper (sm_90a, bf16/f16) another of 64, 128 and 256 with `head_dim`
+    /// one of them too (the backward: both up to 128), as FlashAttention-3 and cuDNN take it.
+    pub head_dim_v: usize,
     /// `softmax_scale`.
     pub scale: f32,
     /// `(left, right)` keys a query sees before / after its diagonal; −1 = unbounded.
@@ -79,8 +83,10 @@ pub struct FlashAttnParams {
     pub dropout: Option<DropoutParams>,
     /// q and dq.
     pub q: HeadStrides,
-    /// k, v, dk and dv.
+    /// k and dk.
     pub kv: HeadStrides,
+    /// v and dv.
+    pub v: HeadStrides,
     /// o and d_o.
     pub o: HeadStrides,
 }
@@ -142,33 +148,56 @@ pub(super) fn capacity(t: &Tensor, offset: usize, s: HeadStrides, heads: usize, 
     ((t.numel() - first) / s.row + 1) as u64
 }
 
-/// Why the fused kernels cannot run a call of this dtype and head dim (`training`: the
-/// backward is needed too), or `None` when they can.
-pub fn unsupported_reason(dtype: DType, head_dim: usize, training: bool) -> Option<String> {
+/// Why the fused kernels cannot run a call of this dtype, head dims (q and k; v and o) and arch
+/// (`training`: the backward is needed too), or `None` when they can.
+pub fn unsupported_reason(
+    arch: Arch,
+    dtype: DType,
+    head_dim: usize,
+    head_dim_v: usize,
+    training: bool,
+) -> Option<String> {
     if !matches!(dtype, DType::BF16 | DType::F16) {
         return Some(format!("the fused kernels take bf16 or f16, not {dtype}"));
     }
     if !FLASH_HEAD_DIMS.contains(&head_dim) {
         return Some(format!("head_dim = {head_dim} is not one of the fused kernels' {FLASH_HEAD_DIMS:?}"));
     }
-    if training && head_dim > 128 {
-        return Some(format!("the fused backward takes head_dim up to 128, got {head_dim}"));
+    if training && head_dim.max(head_dim_v) > 128 {
+        return Some(format!(
+            "the fused backward takes head dims up to 128, got {head_dim} (q, k) and {head_dim_v} (v)"
+        ));
+    }
+    if head_dim_v != head_dim {
+        let dir = if training { Direction::Bwd } else { Direction::Fwd };
+        let spec = FlashAttnSpec::new(dir, dtype, head_dim, arch).with_head_dim_v(head_dim_v);
+        return KernelSpec::FlashAttn(spec).validate().err().map(|e| match e {
+            te_codegen::Error::InvalidSpec { reason, .. } => reason,
+            other => other.to_string(),
+        });
     }
     None
+}
+
+/// The kernels of a checked call.
+fn spec(p: &FlashAttnParams, dtype: DType, dir: Direction, arch: Arch) -> FlashAttnSpec {
+    FlashAttnSpec::new(dir, dtype, p.head_dim, arch).with_head_dim_v(p.head_dim_v).with_dropout(p.dropout.is_some())
 }
 
 /// `out = softmax(scale · Q · Kᵀ, masked) · V` per (sequence, head) and `lse = ln Σ_j exp(scale ·
 /// s_ij)` over the visible keys.
 ///
-/// - `qkv`: `q` bf16/f16 at `p.q` strides, `[.., sq, heads, head_dim]`; `k`, `v`: q's dtype at
-///   `p.kv` strides, `[.., sk, groups, head_dim]` (three tensors or one fused, [`Qkv`]); query
-///   head `h` reads key/value head `h / (heads / groups)`.
-/// - `out`: q's dtype at `p.o` strides. Rows of padded queries (`i >= lq`) and of queries that
+/// - `qkv`: `q` bf16/f16 at `p.q` strides, `[.., sq, heads, head_dim]`; `k`: q's dtype at
+///   `p.kv` strides, `[.., sk, groups, head_dim]`; `v` at `p.v` strides, `[.., sk, groups,
+///   head_dim_v]` (three tensors or one fused, [`Qkv`]); query head `h` reads key/value head `h /
+///   (heads / groups)`.
+/// - `out`: q's dtype at `p.o` strides, `[.., sq, heads, head_dim_v]`. Rows of padded queries (`i >= lq`) and of queries that
 ///   see no key are zeros.
 /// - `lse`: f32 `[batch, heads, sq]`; `+inf` where a row sees no key.
 ///
 /// # Errors
-/// [`Error::DType`] for other dtypes; [`Error::Shape`] for a head dim the kernels do not take,
+/// [`Error::DType`] for other dtypes; [`Error::Shape`] for head dims the kernels do not take
+/// ([`unsupported_reason`]),
 /// `groups` not dividing `heads`, a tensor smaller than its strides reach from its offset,
 /// strides or offsets not 16-byte aligned, `cu_seqlens` or `lse` too short; compile and launch
 /// failures.
@@ -181,16 +210,16 @@ pub fn forward(
     lse: &mut CudaSlice<f32>,
 ) -> Result<()> {
     let parts = qkv.parts();
-    check(p, parts, cu, Direction::Fwd)?;
+    check(p, parts, cu, Direction::Fwd, dev.arch())?;
     let q = parts[0].0;
     check_same(out, q, "out")?;
     let (batch, sq, _) = reach(p, cu);
-    check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim)?;
+    check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim_v)?;
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
     let [(k, k_off), (v, v_off)] = [parts[1], parts[2]];
-    let total_q = capacity(q, parts[0].1, p.q, p.heads, p.head_dim).min(capacity(out, 0, p.o, p.heads, p.head_dim));
-    let total_kv = capacity(k, k_off, p.kv, p.groups, p.head_dim).min(capacity(v, v_off, p.kv, p.groups, p.head_dim));
-    let spec = FlashAttnSpec::new(Direction::Fwd, q.dtype(), p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
+    let total_q = capacity(q, parts[0].1, p.q, p.heads, p.head_dim).min(capacity(out, 0, p.o, p.heads, p.head_dim_v));
+    let total_kv = capacity(k, k_off, p.kv, p.groups, p.head_dim).min(capacity(v, v_off, p.v, p.groups, p.head_dim_v));
+    let spec = spec(p, q.dtype(), Direction::Fwd, dev.arch());
     let f = function(dev, &spec, 0)?;
     let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
     let s = Scalars::new(p, [total_q, total_kv]);
@@ -249,14 +278,14 @@ pub(super) fn addresses_mut<'a>(
 }
 
 /// The gradients of [`forward`]: `(dq, dk, dv)` written in q's, k's and v's layout (`dq` at
-/// `p.q` strides, `dk`, `dv` at `p.kv` strides, three tensors or one fused like `qkv`; every
+/// `p.q` strides, `dk` at `p.kv`, `dv` at `p.v` strides, three tensors or one fused like `qkv`; every
 /// element the strides reach is written, padded positions with zeros, nothing else).
 ///
 /// `out` and `lse` are the forward's, `d_out` the output gradient at `p.o` strides. The three
 /// kernels use no atomics: the same inputs give the same bits.
 ///
 /// # Errors
-/// As [`forward`], and a head dim above 128.
+/// As [`forward`], and head dims above 128.
 #[allow(clippy::too_many_arguments)] // the backward's tensors, each named as in TE
 pub fn backward(
     dev: &Device,
@@ -269,12 +298,12 @@ pub fn backward(
     mut grads: Qkv<&mut Tensor>,
 ) -> Result<()> {
     let parts = qkv.parts();
-    check(p, parts, cu, Direction::Bwd)?;
+    check(p, parts, cu, Direction::Bwd, dev.arch())?;
     let q = parts[0].0;
     check_same(out, q, "out")?;
     let totals = check_grads(p, cu, (out, d_out), &grads, parts.map(Some))?;
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
-    let spec = FlashAttnSpec::new(Direction::Bwd, q.dtype(), p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
+    let spec = spec(p, q.dtype(), Direction::Bwd, dev.arch());
     let s = Scalars::new(p, totals);
     let stream = dev.stream();
     let ([q, k, v], _in_guards) = addresses(stream, parts);
@@ -287,7 +316,7 @@ pub fn backward(
     l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", &dk).ptr("dv", &dv);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
-    // SAFETY: as the forward's, for dk and dv at the kv strides: held `&mut` (one fused tensor
+    // SAFETY: as the forward's, for dk and dv at the kv and v strides: held `&mut` (one fused tensor
     // or two), and the heads they write are disjoint from each other and from every input.
     unsafe { l.launch(dkdv_grid(p, &spec)) }?;
 
@@ -331,24 +360,24 @@ pub(super) fn check_grads(
     check_dtype(OP, "out", out, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     for (name, t) in [("out", out), ("d_out", d_out)] {
         check_same(t, out, name)?;
-        check_extent(name, t, 0, p.o, batch, sq, p.heads, p.head_dim)?;
-        total_q = total_q.min(capacity(t, 0, p.o, p.heads, p.head_dim));
+        check_extent(name, t, 0, p.o, batch, sq, p.heads, p.head_dim_v)?;
+        total_q = total_q.min(capacity(t, 0, p.o, p.heads, p.head_dim_v));
     }
     let g = match grads {
         Qkv::Apart([a, b, c]) => Qkv::Apart([&**a, &**b, &**c]),
         Qkv::Packed(t, o) => Qkv::Packed(&**t, *o),
     };
-    for (((name, (t, offset)), (s, seq, heads)), input) in ["dq", "dk", "dv"]
+    for (((name, (t, offset)), (s, seq, heads, d)), input) in ["dq", "dk", "dv"]
         .into_iter()
         .zip(g.parts())
-        .zip([(p.q, sq, p.heads), (p.kv, sk, p.groups), (p.kv, sk, p.groups)])
+        .zip([(p.q, sq, p.heads, p.head_dim), (p.kv, sk, p.groups, p.head_dim), (p.v, sk, p.groups, p.head_dim_v)])
         .zip(ins)
     {
         check_same(t, out, name)?;
         check_offset(name, offset)?;
-        check_extent(name, t, offset, s, batch, seq, heads, p.head_dim)?;
-        let cap = capacity(t, offset, s, heads, p.head_dim);
-        let cap = input.map_or(cap, |(i, o)| cap.min(capacity(i, o, s, heads, p.head_dim)));
+        check_extent(name, t, offset, s, batch, seq, heads, d)?;
+        let cap = capacity(t, offset, s, heads, d);
+        let cap = input.map_or(cap, |(i, o)| cap.min(capacity(i, o, s, heads, d)));
         if name == "dq" {
             total_q = total_q.min(cap);
         } else {
@@ -383,7 +412,7 @@ pub(super) fn dot_do_o(
         None => l.ptr("seq_offsets_q", &NULL),
     };
     s.push_o(&mut l).push_mask(&mut l);
-    // SAFETY: out and d_out reach batch · sq rows of heads · head_dim at their strides; delta
+    // SAFETY: out and d_out reach batch · sq rows of heads · head_dim_v at their strides; delta
     // holds batch · heads · sq f32 (the grid's rows); checked by the caller.
     unsafe { l.launch(cfg) }?;
     Ok(delta)
@@ -417,6 +446,7 @@ pub(super) fn reach(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> (usize, u
 pub(super) struct Scalars {
     q: [u64; 3],
     kv: [u64; 3],
+    v: [u64; 3],
     o: [u64; 3],
     sizes: [u64; 4],
     totals: [u64; 2],
@@ -434,6 +464,7 @@ impl Scalars {
         Self {
             q: s(p.q),
             kv: s(p.kv),
+            v: s(p.v),
             o: s(p.o),
             sizes: [p.sq as u64, p.sk as u64, p.heads as u64, (p.heads / p.groups) as u64],
             totals,
@@ -450,6 +481,7 @@ impl Scalars {
     }
     pub(super) fn push_kv<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
         l.scalar("kv_batch", &self.kv[0]).scalar("kv_row", &self.kv[1]).scalar("kv_head", &self.kv[2]);
+        l.scalar("v_batch", &self.v[0]).scalar("v_row", &self.v[1]).scalar("v_head", &self.v[2]);
         self
     }
     pub(super) fn push_o<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
@@ -496,12 +528,13 @@ pub(super) fn check(
     parts: [(&Tensor, usize); 3],
     cu: Option<CuSeqlens<'_>>,
     dir: Direction,
+    arch: Arch,
 ) -> Result<()> {
     let [(q, q_off), (k, k_off), (v, v_off)] = parts;
     check_dtype(OP, "q", q, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     check_same(k, q, "k")?;
     check_same(v, q, "v")?;
-    if let Some(why) = unsupported_reason(q.dtype(), p.head_dim, dir == Direction::Bwd) {
+    if let Some(why) = unsupported_reason(arch, q.dtype(), p.head_dim, p.head_dim_v, dir == Direction::Bwd) {
         return Err(Error::Shape { op: OP, message: why });
     }
     check_call(p, cu)?;
@@ -511,7 +544,7 @@ pub(super) fn check(
     let (batch, sq, sk) = reach(p, cu);
     check_extent("q", q, q_off, p.q, batch, sq, p.heads, p.head_dim)?;
     check_extent("k", k, k_off, p.kv, batch, sk, p.groups, p.head_dim)?;
-    check_extent("v", v, v_off, p.kv, batch, sk, p.groups, p.head_dim)
+    check_extent("v", v, v_off, p.v, batch, sk, p.groups, p.head_dim_v)
 }
 
 /// The sizes, scale, dropout, window, strides and sequence tables of a call.
@@ -546,7 +579,7 @@ pub(super) fn check_call(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> Resu
             message: format!("window_size bounds must be ≥ 0, or −1 for unbounded, got {:?}", p.window),
         });
     }
-    for (name, s) in [("q", p.q), ("kv", p.kv), ("o", p.o)] {
+    for (name, s) in [("q", p.q), ("kv", p.kv), ("v", p.v), ("o", p.o)] {
         if [s.batch, s.row, s.head].iter().any(|x| x % 8 != 0) {
             return shape(format!(
                 "the {name} strides {s:?} must be multiples of 8 elements (16 bytes) for the kernels' vector loads"

@@ -175,7 +175,7 @@ pub fn quantize(
     let (strides, seq, heads, y, yt) = match which {
         Fp8Operand::Q => (p.q, p.sq, p.heads, Some(&mut out.q), bwd.map(|b| &mut b.qt)),
         Fp8Operand::K => (p.kv, p.sk, p.groups, Some(&mut out.k), bwd.map(|b| &mut b.kt)),
-        Fp8Operand::V => (p.kv, p.sk, p.groups, bwd.map(|b| &mut b.v), Some(&mut out.vt)),
+        Fp8Operand::V => (p.v, p.sk, p.groups, bwd.map(|b| &mut b.v), Some(&mut out.vt)),
     };
     launch_quantize(dev, p, x, (strides, seq, heads), (y, yt), scaling, 0)
 }
@@ -283,6 +283,7 @@ pub fn forward(
     let p8 = FlashAttnParams {
         q: HeadStrides::dense(QkvFormat::Bshd, p.batch, p.sq, p.heads, p.head_dim),
         kv: HeadStrides::dense(QkvFormat::Bshd, p.batch, p.sk, p.groups, p.head_dim),
+        v: HeadStrides::dense(QkvFormat::Bshd, p.batch, p.sk, p.groups, p.head_dim),
         ..*p
     };
     check_call(&p8, cu)?;
@@ -431,7 +432,22 @@ pub fn backward(
 }
 
 /// The operands' dtypes and shapes are those of `p`.
+/// The FP8 kernels take one head dim for q, k and v.
+fn check_one_head_dim(p: &FlashAttnParams) -> Result<()> {
+    if p.head_dim_v != p.head_dim {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "FP8 attention takes one head dim for q, k and v, got {} and head_dim_v {} (run the call in bf16/f16)",
+                p.head_dim, p.head_dim_v
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn check_operands(p: &FlashAttnParams, o: &Fp8Operands) -> Result<()> {
+    check_one_head_dim(p)?;
     let mut want = vec![
         ("q", &o.q, vec![p.batch, p.sq, p.heads, p.head_dim]),
         ("k", &o.k, vec![p.batch, p.sk, p.groups, p.head_dim]),
@@ -460,6 +476,7 @@ fn check_operands(p: &FlashAttnParams, o: &Fp8Operands) -> Result<()> {
 
 /// The gradient codes' dtypes and shapes are those of `p`.
 fn check_grad(p: &FlashAttnParams, g: &Fp8Grad) -> Result<()> {
+    check_one_head_dim(p)?;
     let dtype = g.d_o.dtype();
     let want = [
         ("d_o", &g.d_o, vec![p.batch, p.sq, p.heads, p.head_dim]),

@@ -445,7 +445,7 @@ mod tests {
             attention_dropout: l.attention_dropout,
             ..DotProductAttentionConfig::new(l.num_attention_heads, head_dim)
         };
-        if attention.runs_fused(dt) {
+        if attention.runs_fused(dt, arch) {
             for dir in [Direction::Fwd, Direction::Bwd] {
                 v.push(FlashAttnSpec::new(dir, dt, head_dim, arch).with_dropout(l.attention_dropout > 0.0).into());
             }

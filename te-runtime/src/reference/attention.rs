@@ -21,8 +21,10 @@ pub struct AttentionCase<'a> {
     pub heads: usize,
     /// Key/value heads (divides `heads`).
     pub groups: usize,
-    /// Channels per head.
+    /// Channels per head of q and k.
     pub head_dim: usize,
+    /// Channels per head of v and the output (TE's `kv_channels = (head_dim_qk, head_dim_v)`).
+    pub head_dim_v: usize,
     /// The mask.
     pub mask: AttnMaskType,
     /// Valid length of each sequence, for padding masks.
@@ -61,37 +63,48 @@ impl AttentionCase<'_> {
         !(self.mask.is_causal() && j > t || left >= 0 && j < t - left || right >= 0 && j > t + right)
     }
 
-    /// Elements of q (and of the output).
+    /// Elements of q.
     pub fn q_len(&self) -> usize {
         self.batch * self.sq * self.heads * self.head_dim
     }
 
-    /// Elements of k (and of v).
+    /// Elements of k.
     pub fn kv_len(&self) -> usize {
         self.batch * self.sk * self.groups * self.head_dim
     }
 
+    /// Elements of v.
+    pub fn v_len(&self) -> usize {
+        self.batch * self.sk * self.groups * self.head_dim_v
+    }
+
+    /// Elements of the output (and of its gradient).
+    pub fn out_len(&self) -> usize {
+        self.batch * self.sq * self.heads * self.head_dim_v
+    }
+
     /// Index of channel `x` of head `h` at position `s` of sequence `b` in a tensor of `n` heads
-    /// over `seq` positions.
-    fn index(&self, seq: usize, n: usize, (b, s, h, x): (usize, usize, usize, usize)) -> usize {
+    /// of `width` channels over `seq` positions.
+    fn index(&self, seq: usize, n: usize, width: usize, (b, s, h, x): (usize, usize, usize, usize)) -> usize {
         let outer = match self.format {
             QkvFormat::Bshd => b * seq + s,
             QkvFormat::Sbhd => s * self.batch + b,
         };
-        (outer * n + h) * self.head_dim + x
+        (outer * n + h) * width + x
     }
 
     fn check(&self, q: usize, k: usize, v: usize) {
         assert!(self.groups > 0 && self.heads % self.groups == 0, "groups must divide heads");
         assert_eq!(q, self.q_len(), "q must hold batch · sq · heads · head_dim values");
-        assert_eq!((k, v), (self.kv_len(), self.kv_len()), "k and v must hold batch · sk · groups · head_dim values");
+        assert_eq!(k, self.kv_len(), "k must hold batch · sk · groups · head_dim values");
+        assert_eq!(v, self.v_len(), "v must hold batch · sk · groups · head_dim_v values");
     }
 }
 
 /// The forward's results.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Forward {
-    /// `[batch, sq, heads · head_dim]` (bshd) or `[sq, batch, heads · head_dim]` (sbhd).
+    /// `[batch, sq, heads · head_dim_v]` (bshd) or `[sq, batch, heads · head_dim_v]` (sbhd).
     pub out: Vec<f32>,
     /// `[batch, heads, sq, sk]`: the attention probabilities.
     pub probs: Vec<f32>,
@@ -118,8 +131,8 @@ fn narrow(x: &[f64]) -> Vec<f32> {
 
 /// `(out, probs)` in f64.
 fn forward_f64(c: &AttentionCase<'_>, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
-    let (d, hpg, scale) = (c.head_dim, c.heads / c.groups, c.scale as f64);
-    let mut out = vec![0.0; q.len()];
+    let (d, dv, hpg, scale) = (c.head_dim, c.head_dim_v, c.heads / c.groups, c.scale as f64);
+    let mut out = vec![0.0; c.out_len()];
     let mut probs = vec![0.0; c.batch * c.heads * c.sq * c.sk];
     for b in 0..c.batch {
         for h in 0..c.heads {
@@ -130,7 +143,8 @@ fn forward_f64(c: &AttentionCase<'_>, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f
                         c.attends(b, i, j).then(|| {
                             let dot: f64 = (0..d)
                                 .map(|x| {
-                                    q[c.index(c.sq, c.heads, (b, i, h, x))] * k[c.index(c.sk, c.groups, (b, j, g, x))]
+                                    q[c.index(c.sq, c.heads, d, (b, i, h, x))]
+                                        * k[c.index(c.sk, c.groups, d, (b, j, g, x))]
                                 })
                                 .sum();
                             scale * dot
@@ -146,8 +160,9 @@ fn forward_f64(c: &AttentionCase<'_>, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f
                 for (j, &ej) in e.iter().enumerate() {
                     let p = ej / sum;
                     probs[row + j] = p;
-                    for x in 0..d {
-                        out[c.index(c.sq, c.heads, (b, i, h, x))] += p * v[c.index(c.sk, c.groups, (b, j, g, x))];
+                    for x in 0..dv {
+                        out[c.index(c.sq, c.heads, dv, (b, i, h, x))] +=
+                            p * v[c.index(c.sk, c.groups, dv, (b, j, g, x))];
                     }
                 }
             }
@@ -159,23 +174,27 @@ fn forward_f64(c: &AttentionCase<'_>, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f
 /// `(dq, dk, dv)` in f64.
 fn backward_f64(c: &AttentionCase<'_>, q: &[f64], k: &[f64], v: &[f64], d_out: &[f64]) -> [Vec<f64>; 3] {
     let (_, probs) = forward_f64(c, q, k, v);
-    let (d, hpg, scale) = (c.head_dim, c.heads / c.groups, c.scale as f64);
+    let (d, w, hpg, scale) = (c.head_dim, c.head_dim_v, c.heads / c.groups, c.scale as f64);
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
     for b in 0..c.batch {
         for h in 0..c.heads {
             let g = h / hpg;
             for i in 0..c.sq {
-                let qi = |x| c.index(c.sq, c.heads, (b, i, h, x));
-                let kj = |j, x| c.index(c.sk, c.groups, (b, j, g, x));
+                let qi = |x| c.index(c.sq, c.heads, d, (b, i, h, x));
+                let kj = |j, x| c.index(c.sk, c.groups, d, (b, j, g, x));
+                let oi = |x| c.index(c.sq, c.heads, w, (b, i, h, x));
+                let vj = |j, x| c.index(c.sk, c.groups, w, (b, j, g, x));
                 let p = &probs[((b * c.heads + h) * c.sq + i) * c.sk..][..c.sk];
-                let dp: Vec<f64> = (0..c.sk).map(|j| (0..d).map(|x| d_out[qi(x)] * v[kj(j, x)]).sum()).collect();
+                let dp: Vec<f64> = (0..c.sk).map(|j| (0..w).map(|x| d_out[oi(x)] * v[vj(j, x)]).sum()).collect();
                 let dot: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
                 for j in 0..c.sk {
                     let ds = scale * p[j] * (dp[j] - dot);
                     for x in 0..d {
                         dq[qi(x)] += ds * k[kj(j, x)];
                         dk[kj(j, x)] += ds * q[qi(x)];
-                        dv[kj(j, x)] += p[j] * d_out[qi(x)];
+                    }
+                    for x in 0..w {
+                        dv[vj(j, x)] += p[j] * d_out[oi(x)];
                     }
                 }
             }
@@ -185,7 +204,8 @@ fn backward_f64(c: &AttentionCase<'_>, q: &[f64], k: &[f64], v: &[f64], d_out: &
 }
 
 /// The output and probabilities of attention of `q` over `k`, `v` (layouts of `case.format`:
-/// q `[batch, sq, heads, head_dim]`, k and v `[batch, sk, groups, head_dim]` in bshd).
+/// q `[batch, sq, heads, head_dim]`, k `[batch, sk, groups, head_dim]`, v `[batch, sk, groups,
+/// head_dim_v]` in bshd).
 ///
 /// # Panics
 /// If the lengths do not match the case, or groups do not divide heads (caller bugs).
@@ -195,14 +215,14 @@ pub fn forward(case: &AttentionCase<'_>, q: &[f32], k: &[f32], v: &[f32]) -> For
     Forward { out: narrow(&out), probs: narrow(&probs) }
 }
 
-/// The gradients of q, k and v for `d_out`, the gradient of the output (q's layout); key and
+/// The gradients of q, k and v for `d_out`, the gradient of the output (its layout); key and
 /// value gradients sum over the query heads of their group.
 ///
 /// # Panics
-/// As [`forward`], or if `d_out` is not q's length.
+/// As [`forward`], or if `d_out` is not the output's length.
 pub fn backward(case: &AttentionCase<'_>, q: &[f32], k: &[f32], v: &[f32], d_out: &[f32]) -> Grads {
     case.check(q.len(), k.len(), v.len());
-    assert_eq!(d_out.len(), q.len(), "d_out must have q's length");
+    assert_eq!(d_out.len(), case.out_len(), "d_out must have the output's length");
     let [dq, dk, dv] = backward_f64(case, &widen(q), &widen(k), &widen(v), &widen(d_out));
     Grads { dq: narrow(&dq), dk: narrow(&dk), dv: narrow(&dv) }
 }
@@ -224,6 +244,7 @@ mod tests {
             heads: 4,
             groups: 2,
             head_dim: 3,
+            head_dim_v: 3,
             mask,
             seq_lens: mask.is_padding().then_some(seq_lens),
             scale: 0.7,
@@ -233,6 +254,42 @@ mod tests {
 
     const MASKS: [AttnMaskType; 6] = AttnMaskType::ALL;
     const FORMATS: [QkvFormat; 2] = [QkvFormat::Bshd, QkvFormat::Sbhd];
+
+    /// With `head_dim_v` other than `head_dim` (TE's `kv_channels = (qk, v)`): the output and
+    /// dV have v's width, and every gradient matches central differences.
+    #[test]
+    fn head_dim_v_other_than_head_dim_matches_finite_differences() {
+        for head_dim_v in [2, 5] {
+            for mask in [AttnMaskType::Causal, AttnMaskType::PaddingCausalBottomRight] {
+                let c = AttentionCase { head_dim_v, ..case(QkvFormat::Sbhd, mask, &[3, 2]) };
+                let (q, k, v, d_out) =
+                    (values(1, c.q_len()), values(2, c.kv_len()), values(3, c.v_len()), values(4, c.out_len()));
+                let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+                    forward_f64(&c, q, k, v).0.iter().zip(&d_out).map(|(o, g)| o * g).sum()
+                };
+                assert_eq!(forward_f64(&c, &q, &k, &v).0.len(), c.out_len());
+                let grads = backward_f64(&c, &q, &k, &v, &d_out);
+                let inputs = [&q, &k, &v];
+                for (which, grad) in grads.iter().enumerate() {
+                    assert_eq!(grad.len(), inputs[which].len());
+                    for i in 0..inputs[which].len() {
+                        let h = 1e-5;
+                        let shifted = |delta: f64| {
+                            let mut x = [q.clone(), k.clone(), v.clone()];
+                            x[which][i] += delta;
+                            loss(&x[0], &x[1], &x[2])
+                        };
+                        let numeric = (shifted(h) - shifted(-h)) / (2.0 * h);
+                        assert!(
+                            (grad[i] - numeric).abs() < 1e-6,
+                            "head_dim_v {head_dim_v} {mask:?} input {which} element {i}: {} vs {numeric}",
+                            grad[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// The gradients of `Σ d_out · out` against central differences.
     #[test]
@@ -285,10 +342,10 @@ mod tests {
                     let mean = if keys.is_empty() {
                         0.0
                     } else {
-                        keys.iter().map(|&j| v[c.index(c.sk, c.groups, (b, j, h / 2, x))]).sum::<f64>()
+                        keys.iter().map(|&j| v[c.index(c.sk, c.groups, c.head_dim, (b, j, h / 2, x))]).sum::<f64>()
                             / keys.len() as f64
                     };
-                    let got = out[c.index(c.sq, c.heads, (b, i, h, x))];
+                    let got = out[c.index(c.sq, c.heads, c.head_dim, (b, i, h, x))];
                     assert!((got - mean).abs() < 1e-12, "{format:?} {mask:?} ({b}, {i}, {h}, {x}): {got} vs {mean}");
                     let row = &probs[((b * 4 + h) * 3 + i) * 4..][..4];
                     for (j, &p) in row.iter().enumerate() {
@@ -336,11 +393,11 @@ mod tests {
                 for s in 0..4 {
                     for (h, x) in (0..4).flat_map(|h| (0..3).map(move |x| (h, x))) {
                         if s >= len && s < 3 {
-                            let i = c.index(3, 4, (b, s, h, x));
+                            let i = c.index(3, 4, 3, (b, s, h, x));
                             assert_eq!((out[i], dq[i]), (0.0, 0.0), "{mask:?} query {s} of sequence {b}");
                         }
                         if s >= len && h < 2 {
-                            let j = c.index(4, 2, (b, s, h, x));
+                            let j = c.index(4, 2, 3, (b, s, h, x));
                             assert_eq!((dk[j], dv[j]), (0.0, 0.0), "{mask:?} key {s} of sequence {b}");
                             v2[j] = 1e6;
                         }
@@ -361,7 +418,7 @@ mod tests {
             for (b, t, h, e) in (0..2)
                 .flat_map(|b| (0..seq).flat_map(move |t| (0..n).flat_map(move |h| (0..3).map(move |e| (b, t, h, e)))))
             {
-                y[s.index(seq, n, (b, t, h, e))] = x[c.index(seq, n, (b, t, h, e))];
+                y[s.index(seq, n, 3, (b, t, h, e))] = x[c.index(seq, n, 3, (b, t, h, e))];
             }
             y
         };
@@ -389,7 +446,7 @@ mod tests {
             for (b, t, h, e) in (0..2)
                 .flat_map(|b| (0..4).flat_map(move |t| (0..4).flat_map(move |h| (0..3).map(move |e| (b, t, h, e)))))
             {
-                y[m.index(4, 4, (b, t, h, e))] = x[g.index(4, 2, (b, t, h / 2, e))];
+                y[m.index(4, 4, 3, (b, t, h, e))] = x[g.index(4, 2, 3, (b, t, h / 2, e))];
             }
             y
         };
@@ -402,8 +459,8 @@ mod tests {
             for (b, t, h, e) in (0..2)
                 .flat_map(|b| (0..4).flat_map(move |t| (0..2).flat_map(move |h| (0..3).map(move |e| (b, t, h, e)))))
             {
-                let want = full[m.index(4, 4, (b, t, 2 * h, e))] + full[m.index(4, 4, (b, t, 2 * h + 1, e))];
-                assert!((sum[g.index(4, 2, (b, t, h, e))] - want).abs() < 1e-12);
+                let want = full[m.index(4, 4, 3, (b, t, 2 * h, e))] + full[m.index(4, 4, 3, (b, t, 2 * h + 1, e))];
+                assert!((sum[g.index(4, 2, 3, (b, t, h, e))] - want).abs() < 1e-12);
             }
         }
     }

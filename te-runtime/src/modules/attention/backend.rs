@@ -4,7 +4,7 @@
 use super::{DotProductAttentionConfig, MODULE};
 use crate::ops::flash_attention::unsupported_reason;
 use crate::{Error, Result};
-use te_codegen::DType;
+use te_codegen::{Arch, DType};
 
 /// The attention backend (TE's `NVTE_FLASH_ATTN` / `NVTE_FUSED_ATTN` / `NVTE_UNFUSED_ATTN`
 /// switches).
@@ -38,18 +38,28 @@ fn env_disables_fused() -> bool {
     ["NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN"].iter().any(|v| std::env::var(v).is_ok_and(|s| s.trim() == "0"))
 }
 
-/// Why the fused kernels cannot run a call of `dtype` (`training`: a backward may follow), or
-/// `None`. Attention dropout runs in both backends.
-pub(super) fn fused_unsupported(cfg: &DotProductAttentionConfig, dtype: DType, training: bool) -> Option<String> {
-    unsupported_reason(dtype, cfg.kv_channels, training)
+/// Why the fused kernels cannot run a call of `dtype` on `arch` (`training`: a backward may
+/// follow), or `None`. Attention dropout runs in both backends.
+pub(super) fn fused_unsupported(
+    cfg: &DotProductAttentionConfig,
+    dtype: DType,
+    arch: Arch,
+    training: bool,
+) -> Option<String> {
+    unsupported_reason(arch, dtype, cfg.kv_channels, cfg.kv_channels, training)
 }
 
-/// The backend (never `Auto`) for a call of `dtype`.
+/// The backend (never `Auto`) for a call of `dtype` on `arch`.
 ///
 /// # Errors
 /// [`Error::Config`] when [`AttentionBackend::Fused`] is forced for a call it does not support.
-pub(super) fn select(cfg: &DotProductAttentionConfig, dtype: DType, training: bool) -> Result<AttentionBackend> {
-    let why = fused_unsupported(cfg, dtype, training);
+pub(super) fn select(
+    cfg: &DotProductAttentionConfig,
+    dtype: DType,
+    arch: Arch,
+    training: bool,
+) -> Result<AttentionBackend> {
+    let why = fused_unsupported(cfg, dtype, arch, training);
     match (cfg.backend, why) {
         (AttentionBackend::Unfused, _) => Ok(AttentionBackend::Unfused),
         (AttentionBackend::Fused, None) => Ok(AttentionBackend::Fused),
@@ -70,18 +80,18 @@ mod tests {
     fn auto_picks_fused_where_it_applies_and_forcing_it_elsewhere_is_an_error() {
         let cfg = DotProductAttentionConfig::new(8, 128);
         let fused = if env_disables_fused() { AttentionBackend::Unfused } else { AttentionBackend::Fused };
-        assert_eq!(select(&cfg, DType::BF16, true).unwrap(), fused);
-        assert_eq!(select(&cfg, DType::F32, true).unwrap(), AttentionBackend::Unfused);
+        assert_eq!(select(&cfg, DType::BF16, Arch::Sm90a, true).unwrap(), fused);
+        assert_eq!(select(&cfg, DType::F32, Arch::Sm90a, true).unwrap(), AttentionBackend::Unfused);
         let d256 = DotProductAttentionConfig::new(8, 256);
-        assert_eq!(select(&d256, DType::F16, true).unwrap(), AttentionBackend::Unfused);
-        assert_eq!(select(&d256, DType::F16, false).unwrap(), fused);
+        assert_eq!(select(&d256, DType::F16, Arch::Sm90a, true).unwrap(), AttentionBackend::Unfused);
+        assert_eq!(select(&d256, DType::F16, Arch::Sm90a, false).unwrap(), fused);
         let forced =
             DotProductAttentionConfig { backend: AttentionBackend::Fused, ..DotProductAttentionConfig::new(8, 80) };
-        match select(&forced, DType::BF16, true) {
+        match select(&forced, DType::BF16, Arch::Sm89, true) {
             Err(Error::Config { message, .. }) => assert!(message.contains("head_dim = 80"), "{message}"),
             other => panic!("expected a config error, got {other:?}"),
         }
         let unfused = DotProductAttentionConfig { backend: AttentionBackend::Unfused, ..cfg };
-        assert_eq!(select(&unfused, DType::BF16, true).unwrap(), AttentionBackend::Unfused);
+        assert_eq!(select(&unfused, DType::BF16, Arch::Sm89, true).unwrap(), AttentionBackend::Unfused);
     }
 }

@@ -109,12 +109,14 @@ fn params(
         heads: dims.heads,
         groups: dims.groups,
         head_dim: d,
+        head_dim_v: d,
         scale,
         window,
         bottom_right: mask.is_bottom_right(),
         dropout,
         q,
         kv,
+        v: kv,
         o,
     }
 }

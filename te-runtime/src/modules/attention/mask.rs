@@ -203,6 +203,7 @@ mod tests {
                         heads: 1,
                         groups: 1,
                         head_dim: 1,
+                        head_dim_v: 1,
                         mask: kind,
                         seq_lens,
                         scale: 1.0,

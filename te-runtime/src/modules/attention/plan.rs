@@ -247,6 +247,7 @@ mod tests {
                         heads: 4,
                         groups,
                         head_dim,
+                        head_dim_v: head_dim,
                         mask,
                         seq_lens: mask.is_padding().then_some(seq_lens),
                         scale: 1.0 / (head_dim as f32).sqrt(),

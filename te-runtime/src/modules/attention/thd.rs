@@ -165,10 +165,10 @@ impl DotProductAttention {
         let (tokens_q, tokens_kv) = (rows("q", q, h)?, rows("k", k, g)?);
         check_shape(MODULE, "v", v, k.shape())?;
         let c = seqs.check(tokens_q, tokens_kv)?;
-        let backend = backend::select(&self.cfg, q.dtype(), self.training)?;
+        let backend = backend::select(&self.cfg, q.dtype(), self.dev.arch(), self.training)?;
         if backend != AttentionBackend::Fused {
-            let why =
-                crate::ops::flash_attention::unsupported_reason(q.dtype(), d, self.training).unwrap_or_else(|| {
+            let why = crate::ops::flash_attention::unsupported_reason(self.dev.arch(), q.dtype(), d, d, self.training)
+                .unwrap_or_else(|| {
                     "the unfused backend is configured or the environment turns the fused one off".into()
                 });
             return Err(Error::Config {

@@ -1,0 +1,136 @@
+//! `head_dim_v` other than `head_dim` (TE's `kv_channels = (head_dim_qk, head_dim_v)`, as
+//! FlashAttention-3 and cuDNN run it on Hopper) through `ops::flash_attention`: forward and every
+//! gradient against the f64 CPU reference at the tolerances of `attention`, each way round (v
+//! narrower and wider than q, k), GQA, both dense formats, lengths that are not tile multiples,
+//! the forward past the backward's 128; and the typed errors of what the kernels refuse.
+
+use crate::attention::check;
+use crate::common::randn;
+use crate::fp8_attention::hopper;
+use te_runtime::modules::{AttnMaskType, QkvFormat};
+use te_runtime::numerics::round_to;
+use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides, Qkv};
+use te_runtime::reference::attention::{self as reference, AttentionCase};
+use te_runtime::{DType, Error, Tensor};
+
+/// A call of `(batch, sq, sk)`, `heads` over `groups`, head dims `(d, dv)`, every tensor dense in
+/// `format`, causal (top-left) or no mask.
+fn params(
+    (batch, sq, sk): (usize, usize, usize),
+    (heads, groups): (usize, usize),
+    (d, dv): (usize, usize),
+    format: QkvFormat,
+    causal: bool,
+) -> FlashAttnParams {
+    FlashAttnParams {
+        batch,
+        sq,
+        sk,
+        heads,
+        groups,
+        head_dim: d,
+        head_dim_v: dv,
+        scale: 1.0 / (d as f32).sqrt(),
+        window: if causal { (-1, 0) } else { (-1, -1) },
+        bottom_right: false,
+        dropout: None,
+        q: HeadStrides::dense(format, batch, sq, heads, d),
+        kv: HeadStrides::dense(format, batch, sk, groups, d),
+        v: HeadStrides::dense(format, batch, sk, groups, dv),
+        o: HeadStrides::dense(format, batch, sq, heads, dv),
+    }
+}
+
+#[test]
+fn forward_and_gradients_match_the_reference_with_a_head_dim_v_of_its_own() {
+    let Some(dev) = hopper() else { return };
+    let (batch, heads, groups) = (2, 4, 2);
+    for (seed, (d, dv), (sq, sk), format, causal, training) in [
+        (700, (128, 64), (77, 129), QkvFormat::Bshd, true, true),
+        (710, (64, 128), (129, 77), QkvFormat::Sbhd, false, true),
+        (720, (64, 128), (200, 200), QkvFormat::Bshd, true, true),
+        (730, (128, 256), (100, 130), QkvFormat::Bshd, true, false),
+        (740, (256, 128), (130, 100), QkvFormat::Sbhd, false, false),
+    ] {
+        let p = params((batch, sq, sk), (heads, groups), (d, dv), format, causal);
+        let vals = |s, n| -> Vec<f32> { randn(s, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
+        let (hq, hk, hv, hdo) = (
+            vals(seed, batch * sq * heads * d),
+            vals(seed + 1, batch * sk * groups * d),
+            vals(seed + 2, batch * sk * groups * dv),
+            vals(seed + 3, batch * sq * heads * dv),
+        );
+        let up = |v: &[f32], heads: usize, seq: usize, w: usize| {
+            Tensor::from_f32(&dev, DType::BF16, &format.shape(batch, seq, heads, w), v).unwrap()
+        };
+        let (q, k, v) = (up(&hq, heads, sq, d), up(&hk, groups, sk, d), up(&hv, groups, sk, dv));
+        let mut out = Tensor::empty(&dev, DType::BF16, &format.shape(batch, sq, heads, dv)).unwrap();
+        let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
+        flash_attention::forward(&dev, &p, Qkv::Apart([&q, &k, &v]), None, &mut out, &mut lse).unwrap();
+        let case = AttentionCase {
+            format,
+            batch,
+            sq,
+            sk,
+            heads,
+            groups,
+            head_dim: d,
+            head_dim_v: dv,
+            mask: if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask },
+            seq_lens: None,
+            scale: p.scale,
+            window: (-1, -1),
+        };
+        let what = format!("d {d} dv {dv} {sq} × {sk} {format:?} causal {causal}");
+        let want = reference::forward(&case, &hq, &hk, &hv);
+        check(&format!("{what}: out"), DType::BF16, &out.to_f32(&dev).unwrap(), &want.out);
+        if !training {
+            continue;
+        }
+        let d_out = up(&hdo, heads, sq, dv);
+        let mut dq = Tensor::empty(&dev, DType::BF16, q.shape()).unwrap();
+        let mut dk = Tensor::empty(&dev, DType::BF16, k.shape()).unwrap();
+        let mut dv_t = Tensor::empty(&dev, DType::BF16, v.shape()).unwrap();
+        let grads = Qkv::Apart([&mut dq, &mut dk, &mut dv_t]);
+        flash_attention::backward(&dev, &p, Qkv::Apart([&q, &k, &v]), &out, &d_out, &lse, None, grads).unwrap();
+        let g = reference::backward(&case, &hq, &hk, &hv, &hdo);
+        check(&format!("{what}: dq"), DType::BF16, &dq.to_f32(&dev).unwrap(), &g.dq);
+        check(&format!("{what}: dk"), DType::BF16, &dk.to_f32(&dev).unwrap(), &g.dk);
+        check(&format!("{what}: dv"), DType::BF16, &dv_t.to_f32(&dev).unwrap(), &g.dv);
+    }
+}
+
+#[test]
+fn head_dims_the_kernels_refuse_are_typed_errors() {
+    let Some(dev) = hopper() else { return };
+    let run = |d: usize, dv: usize, training: bool| -> Error {
+        let p = params((1, 64, 64), (2, 2), (d, dv), QkvFormat::Bshd, true);
+        let t = |w: usize| Tensor::zeros(&dev, DType::BF16, &[1, 64, 2, w]).unwrap();
+        let (q, k, v) = (t(d), t(d), t(dv));
+        let mut out = t(dv);
+        let mut lse = dev.stream().alloc_zeros::<f32>(2 * 64).unwrap();
+        if !training {
+            return flash_attention::forward(&dev, &p, Qkv::Apart([&q, &k, &v]), None, &mut out, &mut lse).unwrap_err();
+        }
+        let (mut dq, mut dk, mut dvt) = (t(d), t(d), t(dv));
+        let grads = Qkv::Apart([&mut dq, &mut dk, &mut dvt]);
+        flash_attention::backward(&dev, &p, Qkv::Apart([&q, &k, &v]), &out, &out, &lse, None, grads).unwrap_err()
+    };
+    // v's head dim not a multiple of 64; the backward past 128; q, k at a head dim of no wgmma kernel.
+    for (d, dv, training, says) in
+        [(128, 96, false, "head_dim_v = 96"), (128, 256, true, "up to 128"), (96, 128, false, "head_dim_v = 128")]
+    {
+        let e = run(d, dv, training);
+        assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains(says), "d {d} dv {dv}: {e}");
+    }
+    // A v or an output narrower than head_dim_v says which.
+    let p = params((1, 64, 64), (2, 2), (128, 64), QkvFormat::Bshd, true);
+    let t = |w: usize| Tensor::zeros(&dev, DType::BF16, &[1, 64, 2, w]).unwrap();
+    let mut lse = dev.stream().alloc_zeros::<f32>(2 * 64).unwrap();
+    let e = flash_attention::forward(&dev, &p, Qkv::Apart([&t(128), &t(128), &t(32)]), None, &mut t(64), &mut lse)
+        .unwrap_err();
+    assert!(e.to_string().contains("`v`"), "{e}");
+    let e = flash_attention::forward(&dev, &p, Qkv::Apart([&t(128), &t(128), &t(64)]), None, &mut t(32), &mut lse)
+        .unwrap_err();
+    assert!(e.to_string().contains("`out`"), "{e}");
+}
