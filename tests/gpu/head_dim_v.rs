@@ -134,3 +134,65 @@ fn head_dims_the_kernels_refuse_are_typed_errors() {
         .unwrap_err();
     assert!(e.to_string().contains("`out`"), "{e}");
 }
+
+/// `DotProductAttention` with `head_dim_v` (TE's `kv_channels = (192, 128)`-style config): both
+/// backends give the reference's output and gradients, the fused one where it runs the call;
+/// the fused QKV tensor, which holds one head dim, is refused with a typed error.
+#[test]
+fn dot_product_attention_runs_a_head_dim_v_of_its_own_on_both_backends() {
+    use te_runtime::modules::{AttentionBackend, DotProductAttention, DotProductAttentionConfig};
+    let Some(dev) = hopper() else { return };
+    let (batch, sq, sk, heads, groups, d, dv) = (2, 77, 130, 8, 2, 128, 64);
+    let vals = |s, n| -> Vec<f32> { randn(s, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
+    let (hq, hk, hv, hdo) = (
+        vals(800, batch * sq * heads * d),
+        vals(801, batch * sk * groups * d),
+        vals(802, batch * sk * groups * dv),
+        vals(803, batch * sq * heads * dv),
+    );
+    let case = AttentionCase {
+        format: QkvFormat::Bshd,
+        batch,
+        sq,
+        sk,
+        heads,
+        groups,
+        head_dim: d,
+        head_dim_v: dv,
+        mask: AttnMaskType::CausalBottomRight,
+        seq_lens: None,
+        scale: 1.0 / (d as f32).sqrt(),
+        window: (-1, 0),
+    };
+    let want = reference::forward(&case, &hq, &hk, &hv);
+    let grads = reference::backward(&case, &hq, &hk, &hv, &hdo);
+    let up = |v: &[f32], s: &[usize]| Tensor::from_f32(&dev, DType::BF16, s, v).unwrap();
+    let q = up(&hq, &[batch, sq, heads, d]);
+    let (k, v) = (up(&hk, &[batch, sk, groups, d]), up(&hv, &[batch, sk, groups, dv]));
+    for backend in [AttentionBackend::Fused, AttentionBackend::Unfused] {
+        let cfg = DotProductAttentionConfig {
+            head_dim_v: Some(dv),
+            num_gqa_groups: Some(groups),
+            qkv_format: QkvFormat::Bshd,
+            attn_mask_type: AttnMaskType::CausalBottomRight,
+            backend,
+            ..DotProductAttentionConfig::new(heads, d)
+        };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        let (out, ctx) = attn.forward(&q, &k, &v, None).unwrap();
+        assert_eq!((out.shape(), ctx.backend()), (&[batch, sq, heads * dv][..], backend));
+        let (dq, dk, dvt) = attn.backward(ctx, &up(&hdo, &[batch, sq, heads * dv])).unwrap();
+        assert_eq!((dq.shape(), dk.shape(), dvt.shape()), (q.shape(), k.shape(), v.shape()));
+        let what = format!("{backend:?}");
+        check(&format!("{what}: out"), DType::BF16, &out.to_f32(&dev).unwrap(), &want.out);
+        check(&format!("{what}: dq"), DType::BF16, &dq.to_f32(&dev).unwrap(), &grads.dq);
+        check(&format!("{what}: dk"), DType::BF16, &dk.to_f32(&dev).unwrap(), &grads.dk);
+        check(&format!("{what}: dv"), DType::BF16, &dvt.to_f32(&dev).unwrap(), &grads.dv);
+        // A v of k's head dim is refused with the shape wanted.
+        let e = attn.forward(&q, &k, &k, None).unwrap_err();
+        assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("head_dim_v = 64"), "{e}");
+        let qkv = Tensor::zeros(&dev, DType::BF16, &[batch, sq, (heads + 2 * groups) * d]).unwrap();
+        let e = attn.forward_packed(&qkv, None).unwrap_err();
+        assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("one head dim"), "{e}");
+    }
+}

@@ -73,8 +73,13 @@ const MODULE: &str = "DotProductAttention";
 pub struct DotProductAttentionConfig {
     /// Query heads `h`.
     pub num_attention_heads: usize,
-    /// Channels per head `d` (head_dim) of q, k and v.
+    /// Channels per head `d` (head_dim) of q and k, and of v unless `head_dim_v` says otherwise.
     pub kv_channels: usize,
+    /// Channels per head of v and the output (TE's `kv_channels = (head_dim_qk, head_dim_v)`,
+    /// multi-head latent attention's 192 / 128 for instance); `None` = `kv_channels`. The fused
+    /// backend takes it on Hopper ([`crate::ops::flash_attention::FlashAttnParams::head_dim_v`]),
+    /// the unfused one everywhere; FP8 attention and the fused QKV tensor need one head dim.
+    pub head_dim_v: Option<usize>,
     /// Key/value heads `g` (GQA; 1 = MQA); `None` = `num_attention_heads`. Must divide
     /// `num_attention_heads`: query head `i` reads key/value head `i / (h / g)`.
     pub num_gqa_groups: Option<usize>,
@@ -105,6 +110,7 @@ impl DotProductAttentionConfig {
         Self {
             num_attention_heads,
             kv_channels,
+            head_dim_v: None,
             num_gqa_groups: None,
             attention_dropout: 0.0,
             qkv_format: QkvFormat::Sbhd,
@@ -127,6 +133,11 @@ impl DotProductAttentionConfig {
         mask::kernel_mask(self.attn_mask_type, self.window())
     }
 
+    /// Channels per head of v and the output.
+    pub(crate) fn kv_channels_v(&self) -> usize {
+        self.head_dim_v.unwrap_or(self.kv_channels)
+    }
+
     /// Key/value heads.
     fn groups(&self) -> usize {
         self.num_gqa_groups.unwrap_or(self.num_attention_heads)
@@ -146,8 +157,11 @@ impl DotProductAttentionConfig {
     fn validate(&self) -> Result<()> {
         let config = |message: String| Err(Error::Config { module: MODULE, message });
         let (h, d) = (self.num_attention_heads, self.kv_channels);
-        if h == 0 || d == 0 {
-            return config(format!("num_attention_heads and kv_channels must be ≥ 1, got {h} and {d}"));
+        if h == 0 || d == 0 || self.kv_channels_v() == 0 {
+            return config(format!(
+                "num_attention_heads, kv_channels and head_dim_v must be ≥ 1, got {h}, {d} and {}",
+                self.kv_channels_v()
+            ));
         }
         let g = self.groups();
         if g == 0 || h % g != 0 {
@@ -354,20 +368,22 @@ impl DotProductAttention {
     ///
     /// - `q`: `[batch, sq, h, d]` (bshd) or `[sq, batch, h, d]` (sbhd), bf16, f16 or f32, with `h
     ///   = num_attention_heads`, `d = kv_channels`.
-    /// - `k`, `v`: `[batch, sk, g, d]` / `[sk, batch, g, d]` of q's dtype, `g = num_gqa_groups`,
-    ///   `sk >= 1` (at most 16384 on the unfused backend).
+    /// - `k`: `[batch, sk, g, d]` / `[sk, batch, g, d]` of q's dtype, `g = num_gqa_groups`, `sk
+    ///   >= 1` (at most 16384 on the unfused backend); `v`: the same with `head_dim_v` channels
+    ///   (`d` by default).
     /// - `seq_lens`: for padding masks (required there, refused otherwise), the valid length of
     ///   each of the `batch` sequences, at most `max(sq, sk)`: keys `j >= seq_lens[b]` are masked
     ///   out and queries `i >= seq_lens[b]` give zeros. The fused backend reads them as
     ///   `cu_seqlens`; the unfused one builds a `[batch, sq, sk]` byte mask on the host, kept for
     ///   the next call with the same lengths and sizes.
     ///
-    /// Output: `[batch, sq, h · d]` (bshd) or `[sq, batch, h · d]` (sbhd), q's dtype.
+    /// Output: `[batch, sq, h · dv]` (bshd) or `[sq, batch, h · dv]` (sbhd), q's dtype, `dv =
+    /// head_dim_v`.
     ///
     /// # Errors
     /// - [`Error::DType`]: q not bf16/f16/f32, or k, v of another dtype than q.
     /// - [`Error::Shape`]: tensors not 4-D in the format, head counts or head_dim other than the
-    ///   configuration's, k and v differing, batch or lengths of zero, `sk` above 16384 on the
+    ///   configuration's, k and v not of one batch and length, batch or lengths of zero, `sk` above 16384 on the
     ///   unfused backend, `seq_lens` of another length than the batch or with a length above
     ///   `max(sq, sk)`.
     /// - [`Error::Config`]: `seq_lens` missing for a padding mask or given for another;
@@ -461,10 +477,11 @@ impl DotProductAttention {
     fn log_backend(&mut self, backend: AttentionBackend, fp8: bool, dims: &Dims, dtype: DType) {
         if self.last_backend != Some((backend, fp8)) {
             tracing::debug!(
-                "DotProductAttention: {} backend{} (d = {}, {}, {})",
+                "DotProductAttention: {} backend{} (d = {}, dv = {}, {}, {})",
                 backend.name(),
                 if fp8 { " in FP8 (E4M3 q, k, v)" } else { "" },
                 dims.head_dim,
+                dims.head_dim_v,
                 dtype,
                 self.cfg.attn_mask_type.name()
             );
@@ -568,11 +585,20 @@ impl DotProductAttention {
                 format.describe()
             ));
         }
-        check_shape(MODULE, "v", v, k.shape())?;
+        let dv = self.cfg.kv_channels_v();
+        let want = format.shape(batch, sk, g, dv);
+        if v.shape() != want {
+            return shape_error(format!(
+                "`v` must be {want:?}: k's batch and length, num_gqa_groups = {g} heads of head_dim_v = {dv} in {}, \
+                 got {:?}",
+                format.describe(),
+                v.shape()
+            ));
+        }
         if batch == 0 || sq == 0 || sk == 0 {
             return shape_error(format!("batch, sq and sk must be ≥ 1, got {batch}, {sq} and {sk}"));
         }
-        Ok(Dims { format, batch, sq, sk, heads: h, groups: g, head_dim: d })
+        Ok(Dims { format, batch, sq, sk, heads: h, groups: g, head_dim: d, head_dim_v: dv })
     }
 }
 
@@ -628,6 +654,8 @@ mod tests {
         assert!(e.contains("attention_dropout"), "{e}");
         let e = config_error(DotProductAttentionConfig { softmax_scale: Some(f32::INFINITY), ..cfg.clone() });
         assert!(e.contains("softmax_scale"), "{e}");
+        let e = config_error(DotProductAttentionConfig { head_dim_v: Some(0), ..cfg.clone() });
+        assert!(e.contains("head_dim_v must be ≥ 1"), "{e}");
         let e = config_error(DotProductAttentionConfig::new(0, 64));
         assert!(e.contains("≥ 1"), "{e}");
         let e = config_error(DotProductAttentionConfig { window_size: Some((4, 4)), ..cfg.clone() });

@@ -120,12 +120,16 @@ impl DotProductAttentionConfig {
             let dropout = self.attention_dropout > 0.0;
             for dir in [Direction::Fwd, Direction::Bwd] {
                 specs.push(KernelSpec::FlashAttn(
-                    FlashAttnSpec::new(dir, dt, self.kv_channels, arch).with_dropout(dropout),
+                    FlashAttnSpec::new(dir, dt, self.kv_channels, arch)
+                        .with_head_dim_v(self.kv_channels_v())
+                        .with_dropout(dropout),
                 ));
             }
             // fp8_dpa: the FP8 forward and its casts where the FP8 kernels take the call.
             let d = self.kv_channels;
-            if target.recipe.fp8_dpa() && flash_attention_fp8::unsupported_reason(arch, dt, d, false).is_none() {
+            let fp8_takes =
+                d == self.kv_channels_v() && flash_attention_fp8::unsupported_reason(arch, dt, d, false).is_none();
+            if target.recipe.fp8_dpa() && fp8_takes {
                 specs.push(FlashAttnSpec::fp8_forward(dt, d, arch).with_dropout(dropout).into());
                 target.fp8_common(specs);
                 // The FP8 backward where its kernels take the call; dS's delayed scale (history 1,

@@ -46,7 +46,7 @@ pub(super) fn fused_unsupported(
     arch: Arch,
     training: bool,
 ) -> Option<String> {
-    unsupported_reason(arch, dtype, cfg.kv_channels, cfg.kv_channels, training)
+    unsupported_reason(arch, dtype, cfg.kv_channels, cfg.kv_channels_v(), training)
 }
 
 /// The backend (never `Auto`) for a call of `dtype` on `arch`.

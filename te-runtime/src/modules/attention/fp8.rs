@@ -100,6 +100,10 @@ impl Fp8Scalings {
             return Ok(None);
         }
         let (dtype, thd) = (inputs.dtype(), matches!(inputs, Inputs::Thd(_)));
+        if dims.head_dim_v != dims.head_dim {
+            tracing::debug!("{MODULE}: fp8_dpa is set, the forward stays 16-bit: FP8 attention takes one head dim");
+            return Ok(None);
+        }
         if let Some(why) = flash_attention_fp8::unsupported_reason(dev.arch(), dtype, dims.head_dim, thd) {
             tracing::debug!("{MODULE}: fp8_dpa is set, the forward stays 16-bit: {why}");
             return Ok(None);

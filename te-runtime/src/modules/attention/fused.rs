@@ -91,16 +91,22 @@ fn params(
     scale: f32,
     layout: Layout,
 ) -> FlashAttnParams {
-    let d = dims.head_dim;
-    let dense = |seq, heads| HeadStrides::dense(dims.format, dims.batch, seq, heads, d);
-    let tokens = |heads: usize| HeadStrides { batch: 0, row: heads * d, head: d };
-    let (q, kv, o) = match layout {
-        Layout::Dense => (dense(dims.sq, dims.heads), dense(dims.sk, dims.groups), dense(dims.sq, dims.heads)),
+    let (d, dv) = (dims.head_dim, dims.head_dim_v);
+    let dense = |seq, heads, w| HeadStrides::dense(dims.format, dims.batch, seq, heads, w);
+    let tokens = |heads: usize, w: usize| HeadStrides { batch: 0, row: heads * w, head: w };
+    let (q, kv, v, o) = match layout {
+        Layout::Dense => (
+            dense(dims.sq, dims.heads, d),
+            dense(dims.sk, dims.groups, d),
+            dense(dims.sk, dims.groups, dv),
+            dense(dims.sq, dims.heads, dv),
+        ),
+        // One head dim (`forward_packed` checks it).
         Layout::Packed => {
             let s = packed::strides(dims).0;
-            (s, s, dense(dims.sq, dims.heads))
+            (s, s, s, dense(dims.sq, dims.heads, d))
         }
-        Layout::Thd => (tokens(dims.heads), tokens(dims.groups), tokens(dims.heads)),
+        Layout::Thd => (tokens(dims.heads, d), tokens(dims.groups, d), tokens(dims.groups, dv), tokens(dims.heads, dv)),
     };
     FlashAttnParams {
         batch: dims.batch,
@@ -109,14 +115,14 @@ fn params(
         heads: dims.heads,
         groups: dims.groups,
         head_dim: d,
-        head_dim_v: d,
+        head_dim_v: dv,
         scale,
         window,
         bottom_right: mask.is_bottom_right(),
         dropout,
         q,
         kv,
-        v: kv,
+        v,
         o,
     }
 }
@@ -294,7 +300,8 @@ mod tests {
 
     #[test]
     fn dense_strides_follow_the_format() {
-        let dims = Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 7, heads: 4, groups: 2, head_dim: 64 };
+        let dims =
+            Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 7, heads: 4, groups: 2, head_dim: 64, head_dim_v: 64 };
         let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), None, 0.125, Layout::Dense);
         assert_eq!(p.q, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 128, row: 3 * 128, head: 64 });

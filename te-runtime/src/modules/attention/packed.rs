@@ -71,7 +71,7 @@ pub(super) fn dims(
             message: format!("batch and sequence must be ≥ 1, got {batch} and {seq}"),
         });
     }
-    Ok(Dims { format, batch, sq: seq, sk: seq, heads, groups, head_dim })
+    Ok(Dims { format, batch, sq: seq, sk: seq, heads, groups, head_dim, head_dim_v: head_dim })
 }
 
 /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused `qkv`.
@@ -116,10 +116,22 @@ impl DotProductAttention {
     ///
     /// # Errors
     /// As [`DotProductAttention::forward`]; [`Error::Shape`] when `qkv` is not 3-D with last dim
-    /// `(num_attention_heads + 2 · num_gqa_groups) · kv_channels`.
+    /// `(num_attention_heads + 2 · num_gqa_groups) · kv_channels`; [`Error::Config`] when the
+    /// config sets a `head_dim_v` other than `kv_channels`.
     pub fn forward_packed(&mut self, qkv: &Tensor, seq_lens: Option<&[usize]>) -> Result<(Tensor, AttentionCtx)> {
         check_dtype(MODULE, "qkv", qkv, DType::is_high_precision, "f32, bf16 or f16")?;
         let cfg = &self.cfg;
+        if cfg.kv_channels_v() != cfg.kv_channels {
+            return Err(Error::Config {
+                module: MODULE,
+                message: format!(
+                    "a fused QKV tensor holds one head dim for q, k and v (as TE's MultiheadAttention), but head_dim_v = \
+                     {} differs from kv_channels = {}: pass q, k and v apart to forward",
+                    cfg.kv_channels_v(),
+                    cfg.kv_channels
+                ),
+            });
+        }
         let dims = dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
         self.run_forward(dims, Inputs::Packed(qkv.clone()), seq_lens, true)
     }
@@ -168,7 +180,16 @@ impl DotProductAttention {
             return Err(Error::Shape { op: MODULE, message: format!("dq must be 4-D, got {:?}", dq.shape()) });
         };
         let (batch, seq) = self.cfg.qkv_format.batch_seq([a, b, 1, 1]);
-        let dims = Dims { format: self.cfg.qkv_format, batch, sq: seq, sk: seq, heads: h, groups: g, head_dim: d };
+        let dims = Dims {
+            format: self.cfg.qkv_format,
+            batch,
+            sq: seq,
+            sk: seq,
+            heads: h,
+            groups: g,
+            head_dim: d,
+            head_dim_v: d,
+        };
         check_shape(MODULE, "dq", dq, &self.cfg.qkv_format.shape(batch, seq, h, d))?;
         for (name, t) in [("dk", dk), ("dv", dv)] {
             check_shape(MODULE, name, t, &self.cfg.qkv_format.shape(batch, seq, g, d))?;
@@ -184,7 +205,8 @@ mod tests {
 
     #[test]
     fn heads_sit_at_their_columns() {
-        let dims = Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 5, heads: 4, groups: 2, head_dim: 8 };
+        let dims =
+            Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 5, heads: 4, groups: 2, head_dim: 8, head_dim_v: 8 };
         assert_eq!((width(&dims), shape(&dims)), (64, [5, 3, 64]));
         let (s, offsets) = strides(&dims);
         assert_eq!((s, offsets), (HeadStrides { batch: 64, row: 192, head: 8 }, [0, 32, 48]));

@@ -1,9 +1,9 @@
 //! Where attention's per-head matrices sit in `bshd`/`sbhd` tensors, and the strided batched
 //! GEMMs that run the three per-head products over them without copies.
 //!
-//! A tensor of `n` heads over `seq` positions holds head `j` of batch `b` as a `[seq, head_dim]`
-//! matrix with rows `n · head_dim` (bshd) or `batch · n · head_dim` (sbhd) elements apart; the
-//! heads of one batch start `head_dim` apart, and in sbhd batch `b + 1` continues where batch `b`
+//! A tensor of `n` heads of `w` channels (`head_dim` for q and k, `head_dim_v` for v and the
+//! output) over `seq` positions holds head `j` of batch `b` as a `[seq, w]` matrix with rows `n ·
+//! w` (bshd) or `batch · n · w` (sbhd) elements apart; the heads of one batch start `w` apart, and in sbhd batch `b + 1` continues where batch `b`
 //! ends. So with `hpg = heads / groups` query heads per key/value group, and query head
 //! `j = group · hpg + r`, the (batch, group) pairs of one `r` sit at constant strides: all
 //! `batch · groups` pairs in sbhd, the `groups` pairs of each batch in bshd. One GEMM call covers
@@ -24,18 +24,23 @@ pub(super) struct Dims {
     pub heads: usize,
     /// Key/value heads (divides `heads`).
     pub groups: usize,
+    /// Channels per head of q and k.
     pub head_dim: usize,
+    /// Channels per head of v and the output.
+    pub head_dim_v: usize,
 }
 
-/// The per-head products, each `D = A · Bᵀ` on head matrices.
+/// The per-head products, each `D = A · Bᵀ` on head matrices of `w` channels ([`Dims::calls`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Product {
-    /// `[sq, sk] = [sq, d] · [sk, d]ᵀ` per query head: `S = Q · Kᵀ`, `dP = dO · Vᵀ`.
+    /// `[sq, sk] = [sq, w] · [sk, w]ᵀ` per query head: `S = Q · Kᵀ` (`w = head_dim`), `dP = dO ·
+    /// Vᵀ` (`head_dim_v`).
     QueryKeyT,
-    /// `[sq, d] = [sq, sk] · [sk, d]` per query head: `O = P · V`, `dQ = dS · K`.
+    /// `[sq, w] = [sq, sk] · [sk, w]` per query head: `O = P · V` (`head_dim_v`), `dQ = dS · K`
+    /// (`head_dim`).
     ScoresKey,
-    /// `[sk, d] = Σ_r [sq, sk]ᵀ · [sq, d]` per key head, summed over the `hpg` query heads of its
-    /// group: `dV = Pᵀ · dO`, `dK = dSᵀ · Q`.
+    /// `[sk, w] = Σ_r [sq, sk]ᵀ · [sq, w]` per key head, summed over the `hpg` query heads of its
+    /// group: `dV = Pᵀ · dO` (`head_dim_v`), `dK = dSᵀ · Q` (`head_dim`).
     ScoresTQuery,
 }
 
@@ -59,37 +64,36 @@ impl Dims {
         [self.batch, self.heads, self.sq, self.sk]
     }
 
-    /// `[batch, sq, heads · head_dim]` (bshd) or `[sq, batch, heads · head_dim]` (sbhd): the output,
-    /// laid out as q.
+    /// `[batch, sq, heads · head_dim_v]` (bshd) or `[sq, batch, heads · head_dim_v]` (sbhd): the
+    /// output, laid out as q.
     pub fn out_shape(&self) -> Vec<usize> {
-        let [a, b, h, d] = self.format.shape(self.batch, self.sq, self.heads, self.head_dim);
+        let [a, b, h, d] = self.format.shape(self.batch, self.sq, self.heads, self.head_dim_v);
         vec![a, b, h * d]
     }
 
-    /// The shape of k and v.
-    pub fn kv_shape(&self) -> [usize; 4] {
-        self.format.shape(self.batch, self.sk, self.groups, self.head_dim)
+    /// The shape of k (`w = head_dim`) or v (`head_dim_v`).
+    pub fn kv_shape(&self, w: usize) -> [usize; 4] {
+        self.format.shape(self.batch, self.sk, self.groups, w)
     }
 
-    /// The `[seq, head_dim]` matrices of a tensor of `n` heads over `seq` positions, from head
-    /// `head` of batch `batch` on, consecutive matrices `step` heads apart.
-    fn heads(&self, seq: usize, n: usize, batch: usize, head: usize, step: usize) -> MatrixView {
-        let d = self.head_dim;
+    /// The `[seq, w]` matrices of a tensor of `n` heads of `w` channels over `seq` positions, from
+    /// head `head` of batch `batch` on, consecutive matrices `step` heads apart.
+    fn heads(&self, seq: usize, n: usize, w: usize, batch: usize, head: usize, step: usize) -> MatrixView {
         let (batch_offset, row_stride) = match self.format {
-            QkvFormat::Bshd => (batch * seq * n * d, n * d),
-            QkvFormat::Sbhd => (batch * n * d, self.batch * n * d),
+            QkvFormat::Bshd => (batch * seq * n * w, n * w),
+            QkvFormat::Sbhd => (batch * n * w, self.batch * n * w),
         };
-        MatrixView { offset: batch_offset + head * d, rows: seq, cols: d, row_stride, batch_stride: step * d }
+        MatrixView { offset: batch_offset + head * w, rows: seq, cols: w, row_stride, batch_stride: step * w }
     }
 
     /// Query heads `r` of each group (q, the output, their gradients), from batch `batch` on.
-    fn query(&self, batch: usize, r: usize) -> MatrixView {
-        self.heads(self.sq, self.heads, batch, r, self.heads_per_group())
+    fn query(&self, batch: usize, r: usize, w: usize) -> MatrixView {
+        self.heads(self.sq, self.heads, w, batch, r, self.heads_per_group())
     }
 
     /// Key/value heads (k, v, their gradients), from batch `batch` on.
-    fn key(&self, batch: usize) -> MatrixView {
-        self.heads(self.sk, self.groups, batch, 0, 1)
+    fn key(&self, batch: usize, w: usize) -> MatrixView {
+        self.heads(self.sk, self.groups, w, batch, 0, 1)
     }
 
     /// Scores of query heads `r` of each group, from batch `batch` on.
@@ -112,12 +116,13 @@ impl Dims {
         }
     }
 
-    /// The GEMMs of `product`: operands `a`, `b` and output as the product's doc says.
-    pub fn calls(&self, product: Product) -> Vec<Call> {
+    /// The GEMMs of `product` on head matrices of `w` channels: operands `a`, `b` and output as
+    /// the product's doc says.
+    pub fn calls(&self, product: Product, w: usize) -> Vec<Call> {
         let mut calls = Vec::new();
         for (batch, count) in self.runs() {
             for r in 0..self.heads_per_group() {
-                let (q, k, s) = (self.query(batch, r), self.key(batch), self.scores(batch, r));
+                let (q, k, s) = (self.query(batch, r, w), self.key(batch, w), self.scores(batch, r));
                 let (a, a_transposed, b, b_transposed, d) = match product {
                     Product::QueryKeyT => (q, false, k, false, s),
                     // B = the key matrix `[sk, d]` read as `[d, sk]`: stored transposed.
@@ -150,8 +155,8 @@ mod tests {
     }
 
     /// Runs the calls of `product` on host slices.
-    fn run(dims: &Dims, product: Product, a: &[f32], b: &[f32], d: &mut [f32]) {
-        for call in dims.calls(product) {
+    fn run(dims: &Dims, product: Product, w: usize, a: &[f32], b: &[f32], d: &mut [f32]) {
+        for call in dims.calls(product, w) {
             gemm_strided_batched(a, b, d, &call.batch, 1.0, call.accumulate);
         }
     }
@@ -169,32 +174,34 @@ mod tests {
             heads: case.heads,
             groups: case.groups,
             head_dim: case.head_dim,
+            head_dim_v: case.head_dim_v,
         };
         let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| numerics::round_to(dtype, x)).collect() };
-        let q_len = dims.batch * dims.sq * dims.heads * dims.head_dim;
-        let kv_len = dims.kv_shape().iter().product();
+        let (d, dv_w) = (dims.head_dim, dims.head_dim_v);
+        let (q_len, out_len) = (case.q_len(), case.out_len());
+        let (kv_len, v_len) = (case.kv_len(), case.v_len());
         let s_len = dims.scores_shape().iter().product();
         let (q, k, v, d_out) =
-            (round(values(1, q_len)), round(values(2, kv_len)), round(values(3, kv_len)), round(values(4, q_len)));
+            (round(values(1, q_len)), round(values(2, kv_len)), round(values(3, v_len)), round(values(4, out_len)));
         let kind = kernel_mask(case.mask, case.window);
         let mask = match kind {
             MaskKind::Padding => byte_mask(case.mask, case.window, case.seq_lens, dims.batch, dims.sq, dims.sk),
             MaskKind::None | MaskKind::Causal => Vec::new(),
         };
         let mut s = vec![f32::NAN; s_len];
-        run(&dims, Product::QueryKeyT, &q, &k, &mut s);
+        run(&dims, Product::QueryKeyT, d, &q, &k, &mut s);
         let p = round(softmax::forward(&round(s), kind, &mask, dims.heads, dims.sq, dims.sk, case.scale));
-        let mut out = vec![f32::NAN; q_len];
-        run(&dims, Product::ScoresKey, &p, &v, &mut out);
-        let mut dv = vec![f32::NAN; kv_len];
-        run(&dims, Product::ScoresTQuery, &p, &d_out, &mut dv);
+        let mut out = vec![f32::NAN; out_len];
+        run(&dims, Product::ScoresKey, dv_w, &p, &v, &mut out);
+        let mut dv = vec![f32::NAN; v_len];
+        run(&dims, Product::ScoresTQuery, dv_w, &p, &d_out, &mut dv);
         let mut dp = vec![f32::NAN; s_len];
-        run(&dims, Product::QueryKeyT, &d_out, &v, &mut dp);
+        run(&dims, Product::QueryKeyT, dv_w, &d_out, &v, &mut dp);
         let ds = round(softmax::backward(&round(dp), &p, dims.sk, case.scale));
         let mut dq = vec![f32::NAN; q_len];
-        run(&dims, Product::ScoresKey, &ds, &k, &mut dq);
+        run(&dims, Product::ScoresKey, d, &ds, &k, &mut dq);
         let mut dk = vec![f32::NAN; kv_len];
-        run(&dims, Product::ScoresTQuery, &ds, &q, &mut dk);
+        run(&dims, Product::ScoresTQuery, d, &ds, &q, &mut dk);
 
         let want = reference::forward(case, &q, &k, &v);
         let grads = reference::backward(case, &q, &k, &v, &d_out);
@@ -223,7 +230,7 @@ mod tests {
         seq_lens: &'a [usize],
         (sq, sk): (usize, usize),
         groups: &[usize],
-        head_dim: usize,
+        (head_dim, head_dim_v): (usize, usize),
     ) -> Vec<AttentionCase<'a>> {
         let mut cases = Vec::new();
         for format in [QkvFormat::Bshd, QkvFormat::Sbhd] {
@@ -247,7 +254,7 @@ mod tests {
                         heads: 4,
                         groups,
                         head_dim,
-                        head_dim_v: head_dim,
+                        head_dim_v,
                         mask,
                         seq_lens: mask.is_padding().then_some(seq_lens),
                         scale: 1.0 / (head_dim as f32).sqrt(),
@@ -261,8 +268,14 @@ mod tests {
 
     #[test]
     fn plan_reproduces_the_reference_in_f32() {
-        for case in cases(&[6, 3, 0], (5, 7), &[1, 2, 4], 8) {
+        for case in cases(&[6, 3, 0], (5, 7), &[1, 2, 4], (8, 8)) {
             check(&case, DType::F32, 1e-5, 1e-6);
+        }
+        // head_dim_v other than head_dim, narrower and wider.
+        for dims in [(8, 4), (4, 12)] {
+            for case in cases(&[6, 3, 0], (5, 7), &[2], dims) {
+                check(&case, DType::F32, 1e-5, 1e-6);
+            }
         }
     }
 
@@ -274,7 +287,7 @@ mod tests {
     /// smaller sizes that run fast on the host.
     #[test]
     fn bf16_storage_stays_within_the_gpu_tolerance() {
-        for case in cases(&[40, 23], (40, 48), &[2], 64) {
+        for case in cases(&[40, 23], (40, 48), &[2], (64, 64)) {
             check(&case, DType::BF16, 1.6e-2, 1e-2);
         }
     }
@@ -282,10 +295,10 @@ mod tests {
     #[test]
     fn calls_cover_every_head_once() {
         for format in [QkvFormat::Bshd, QkvFormat::Sbhd] {
-            let dims = Dims { format, batch: 3, sq: 5, sk: 7, heads: 6, groups: 2, head_dim: 4 };
+            let dims = Dims { format, batch: 3, sq: 5, sk: 7, heads: 6, groups: 2, head_dim: 4, head_dim_v: 4 };
             let q_len = 3 * 5 * 6 * 4;
             let mut written = vec![0u32; q_len];
-            for call in dims.calls(Product::ScoresKey) {
+            for call in dims.calls(Product::ScoresKey, 4) {
                 assert!(!call.accumulate);
                 let v = call.batch.d;
                 for i in 0..call.batch.count {
@@ -297,7 +310,7 @@ mod tests {
                 }
             }
             assert!(written.iter().all(|&n| n == 1), "{format:?}: {written:?}");
-            let calls = dims.calls(Product::ScoresTQuery);
+            let calls = dims.calls(Product::ScoresTQuery, 4);
             let counts: Vec<(usize, bool)> = calls.iter().map(|c| (c.batch.count, c.accumulate)).collect();
             // Three query heads per group: the first writes, the others add.
             let per_run = [false, true, true];

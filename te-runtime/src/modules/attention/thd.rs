@@ -149,32 +149,34 @@ impl DotProductAttention {
         let same = format!("{} (the dtype of `q`)", q.dtype());
         check_dtype(MODULE, "k", k, |d| d == q.dtype(), &same)?;
         check_dtype(MODULE, "v", v, |d| d == q.dtype(), &same)?;
-        let (h, g, d) = (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels);
-        let rows = |name: &str, t: &Tensor, heads: usize| -> Result<usize> {
+        let (h, g, d, dv) =
+            (self.cfg.num_attention_heads, self.cfg.groups(), self.cfg.kv_channels, self.cfg.kv_channels_v());
+        let rows = |name: &str, t: &Tensor, heads: usize, w: usize| -> Result<usize> {
             match *t.shape() {
-                [n, th, td] if th == heads && td == d => Ok(n),
+                [n, th, tw] if th == heads && tw == w => Ok(n),
                 _ => Err(Error::Shape {
                     op: MODULE,
                     message: format!(
-                        "thd `{name}` must be [tokens, {heads}, {d}] ({heads} heads of kv_channels = {d}), got {:?}",
+                        "thd `{name}` must be [tokens, {heads}, {w}] ({heads} heads of {w} channels), got {:?}",
                         t.shape()
                     ),
                 }),
             }
         };
-        let (tokens_q, tokens_kv) = (rows("q", q, h)?, rows("k", k, g)?);
-        check_shape(MODULE, "v", v, k.shape())?;
+        let (tokens_q, tokens_kv) = (rows("q", q, h, d)?, rows("k", k, g, d)?);
+        check_shape(MODULE, "v", v, &[tokens_kv, g, dv])?;
         let c = seqs.check(tokens_q, tokens_kv)?;
         let backend = backend::select(&self.cfg, q.dtype(), self.dev.arch(), self.training)?;
         if backend != AttentionBackend::Fused {
-            let why = crate::ops::flash_attention::unsupported_reason(self.dev.arch(), q.dtype(), d, d, self.training)
+            let why = crate::ops::flash_attention::unsupported_reason(self.dev.arch(), q.dtype(), d, dv, self.training)
                 .unwrap_or_else(|| {
                     "the unfused backend is configured or the environment turns the fused one off".into()
                 });
             return Err(Error::Config {
                 module: MODULE,
                 message: format!(
-                    "thd runs on the fused backend only (as in TE) and it cannot take this call: {why}; use bf16/f16,                      head_dim in {:?}, or pad the sequences into bshd/sbhd",
+                    "thd runs on the fused backend only (as in TE) and it cannot take this call: {why}; use bf16/f16, \
+                     head_dim in {:?}, or pad the sequences into bshd/sbhd",
                     te_codegen::spec::FLASH_HEAD_DIMS
                 ),
             });
@@ -187,13 +189,14 @@ impl DotProductAttention {
             heads: h,
             groups: g,
             head_dim: d,
+            head_dim_v: dv,
         };
         let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
         let drop = self.next_dropout();
         let fp8 = self.scaling.forward(&self.dev, &inputs, &dims, self.training, drop.p > 0.0)?;
         self.log_backend(backend, fp8.is_some(), &dims, q.dtype());
         let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
-        let out_shape = vec![tokens_q, h * d];
+        let out_shape = vec![tokens_q, h * dv];
         let mask = (self.cfg.attn_mask_type, self.cfg.window());
         let (out, saved) = fused::forward(
             &self.dev,

@@ -32,20 +32,20 @@ pub(super) fn forward(
 ) -> Result<(Tensor, Tensor, Option<ProbsDropout>)> {
     let dtype = q.dtype();
     let mut scores = Tensor::empty(dev, dtype, &dims.scores_shape())?;
-    products(dev, dims, Product::QueryKeyT, q, k, &mut scores)?;
+    products(dev, dims, Product::QueryKeyT, dims.head_dim, q, k, &mut scores)?;
     let mut probs = Tensor::empty(dev, dtype, &dims.scores_shape())?;
     softmax::forward(dev, &scores, mask, scale, &mut probs)?;
     let mut out = Tensor::empty(dev, dtype, &dims.out_shape())?;
     if drop.p == 0.0 {
         std::mem::drop(scores);
-        products(dev, dims, Product::ScoresKey, &probs, v, &mut out)?;
+        products(dev, dims, Product::ScoresKey, dims.head_dim_v, &probs, v, &mut out)?;
         return Ok((out, probs, None));
     }
     // The scores buffer takes the dropped probabilities.
     // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
     let mut keep = unsafe { dev.stream().alloc::<u8>(mask_bytes(probs.numel())) }?;
     dropout(dev, &probs, drop, &mut scores, &mut keep)?;
-    products(dev, dims, Product::ScoresKey, &scores, v, &mut out)?;
+    products(dev, dims, Product::ScoresKey, dims.head_dim_v, &scores, v, &mut out)?;
     Ok((out, probs, Some(ProbsDropout { params: drop, mask: keep })))
 }
 
@@ -63,14 +63,14 @@ pub(super) fn backward(
     let dtype = q.dtype();
     let mut dp = Tensor::empty(dev, dtype, &dims.scores_shape())?;
     let dv = match drop {
-        None => key_grad(dev, dims, probs, d_out, dtype)?,
+        None => key_grad(dev, dims, dims.head_dim_v, probs, d_out, dtype)?,
         Some(d) => {
             // The dropped probabilities the forward used, rebuilt from P and the mask.
             dropout_backward(dev, probs, &d.mask, d.params.p, &mut dp)?;
-            key_grad(dev, dims, &dp, d_out, dtype)?
+            key_grad(dev, dims, dims.head_dim_v, &dp, d_out, dtype)?
         }
     };
-    products(dev, dims, Product::QueryKeyT, d_out, v, &mut dp)?;
+    products(dev, dims, Product::QueryKeyT, dims.head_dim_v, d_out, v, &mut dp)?;
     if let Some(d) = drop {
         let mut kept = Tensor::empty(dev, dtype, &dims.scores_shape())?;
         dropout_backward(dev, &dp, &d.mask, d.params.p, &mut kept)?;
@@ -80,28 +80,37 @@ pub(super) fn backward(
     softmax::backward(dev, &dp, probs, scale, &mut ds)?;
     std::mem::drop(dp);
     let mut dq = Tensor::empty(dev, dtype, q.shape())?;
-    products(dev, dims, Product::ScoresKey, &ds, k, &mut dq)?;
-    let dk = key_grad(dev, dims, &ds, q, dtype)?;
+    products(dev, dims, Product::ScoresKey, dims.head_dim, &ds, k, &mut dq)?;
+    let dk = key_grad(dev, dims, dims.head_dim, &ds, q, dtype)?;
     Ok((dq, dk, dv))
 }
 
-/// `Σ_r scores_rᵀ · query_r` over the query heads `r` of each group: a key or value gradient in
-/// k's shape and `dtype`, summed in f32 when groups have several heads (rounded once after).
-fn key_grad(dev: &Device, dims: &Dims, scores: &Tensor, query: &Tensor, dtype: DType) -> Result<Tensor> {
+/// `Σ_r scores_rᵀ · query_r` over the query heads `r` of each group: a key (`w = head_dim`) or
+/// value (`head_dim_v`) gradient in k's or v's shape and `dtype`, summed in f32 when groups have
+/// several heads (rounded once after).
+fn key_grad(dev: &Device, dims: &Dims, w: usize, scores: &Tensor, query: &Tensor, dtype: DType) -> Result<Tensor> {
     let sum_dtype = if dims.heads_per_group() > 1 { DType::F32 } else { dtype };
-    let mut sum = Tensor::empty(dev, sum_dtype, &dims.kv_shape())?;
-    products(dev, dims, Product::ScoresTQuery, scores, query, &mut sum)?;
+    let mut sum = Tensor::empty(dev, sum_dtype, &dims.kv_shape(w))?;
+    products(dev, dims, Product::ScoresTQuery, w, scores, query, &mut sum)?;
     if sum_dtype == dtype {
         return Ok(sum);
     }
-    let mut grad = Tensor::zeros(dev, dtype, &dims.kv_shape())?;
+    let mut grad = Tensor::zeros(dev, dtype, &dims.kv_shape(w))?;
     elementwise::add_assign(dev, &mut grad, &sum)?;
     Ok(grad)
 }
 
-/// Runs the GEMMs of `product` with operands `a`, `b` into `d`.
-fn products(dev: &Device, dims: &Dims, product: Product, a: &Tensor, b: &Tensor, d: &mut Tensor) -> Result<()> {
-    for call in dims.calls(product) {
+/// Runs the GEMMs of `product` on head matrices of `w` channels with operands `a`, `b` into `d`.
+fn products(
+    dev: &Device,
+    dims: &Dims,
+    product: Product,
+    w: usize,
+    a: &Tensor,
+    b: &Tensor,
+    d: &mut Tensor,
+) -> Result<()> {
+    for call in dims.calls(product, w) {
         let cfg = GemmConfig { accumulate: call.accumulate, ..Default::default() };
         gemm_strided_batched(dev, a, b, d, &call.batch, &cfg)?;
     }
