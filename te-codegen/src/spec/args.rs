@@ -8,6 +8,10 @@
 
 use serde::Serialize;
 
+/// The C type of a TMA tensor map passed by value (`cuTensorMapEncodeTiled`'s 128 bytes, read in
+/// place by `cp.async.bulk.tensor`; the templates declare `TmaDesc`).
+pub const TMA_DESC: &str = "const __grid_constant__ TmaDesc";
+
 /// How a kernel uses an argument.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum ArgRole {
@@ -41,6 +45,8 @@ pub enum ArgCond {
     Grad,
     /// A per-sequence key length (softmax with a padding mask).
     Padding,
+    /// TMA tensor maps of the inputs (the warp-specialized attention forward).
+    Tma,
 }
 
 /// One parameter of a kernel entry point.
@@ -95,6 +101,7 @@ impl KernelArg {
         match (self.role, self.ctype) {
             (ArgRole::Scalar, "u64" | "long long" | "unsigned long long") => Some(8),
             (ArgRole::Scalar, "float" | "int" | "u32" | "unsigned") => Some(4),
+            (ArgRole::Scalar, TMA_DESC) => Some(128),
             _ => None,
         }
     }

@@ -42,7 +42,7 @@ mod scaling;
 mod softmax;
 
 pub use activation::{Activation, ActivationSpec};
-pub use args::{ArgCond, ArgRole, KernelArg};
+pub use args::{ArgCond, ArgRole, KernelArg, TMA_DESC};
 pub use attention::{AttnMaskType, QkvFormat};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;

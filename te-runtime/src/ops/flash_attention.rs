@@ -6,11 +6,12 @@
 use super::check_dtype;
 use super::dropout::{keep_scale, keep_threshold, DropoutParams};
 use super::launch::Launch;
+use super::tma::TensorMap;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use std::sync::Arc;
-use te_codegen::spec::{Direction, FlashAttnSpec, QkvFormat, FLASH_HEAD_DIMS};
+use te_codegen::spec::{ArgCond, Direction, FlashAttnSpec, QkvFormat, FLASH_HEAD_DIMS};
 use te_codegen::{Arch, DType, KernelSpec};
 
 pub(super) const OP: &str = "flash attention";
@@ -224,9 +225,14 @@ pub fn forward(
     let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
     let s = Scalars::new(p, [total_q, total_kv]);
     let stream = dev.stream();
+    let q_dtype = q.dtype();
     let ([q, k, v], _guards) = addresses(stream, parts);
+    let input = |base, strides, seq, heads, width| TmaInput { base, strides, seq, heads, width };
+    let qk = [input(q, p.q, p.sq, p.heads, p.head_dim), input(k, p.kv, p.sk, p.groups, p.head_dim)];
+    let maps = TmaMaps::new(&spec, cu, p.batch, q_dtype, qk, TmaV::Heads(input(v, p.v, p.sk, p.groups, p.head_dim_v)));
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
     l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("o", out.data_mut()?).ptr("lse", &*lse);
+    maps.push(&mut l);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
     // SAFETY: q, k, v (from their offsets) and out hold every element their strides reach for
@@ -234,6 +240,94 @@ pub fn forward(
     // heads · sq f32 and the cu_seqlens batch + 1 i32 (checked); out and lse are distinct
     // allocations (`&mut`); the guards keep q, k and v's allocations in use until the launch.
     unsafe { l.launch(cfg) }
+}
+
+/// One input a tensor map covers: its device address, strides (elements), positions, heads
+/// and channels per head.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TmaInput {
+    pub base: u64,
+    pub strides: HeadStrides,
+    pub seq: usize,
+    pub heads: usize,
+    pub width: usize,
+}
+
+/// The layout of v for its tensor map.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum TmaV {
+    /// Heads like q and k.
+    Heads(TmaInput),
+    /// The FP8 forward's Vᵀ codes `[batch, groups, head_dim, vt_row]`.
+    Transposed { base: u64, groups: usize, vt_row: usize },
+}
+
+/// The tensor maps of a warp-specialized forward ([`ArgCond::Tma`]): its producer loads with TMA
+/// when the inputs are dense without `cu_seqlens` (rows past a padded or packed sequence must
+/// read as zeros, which only its cp.async path does) and the driver encodes every map.
+pub(super) struct TmaMaps {
+    maps: Option<([TensorMap; 3], i32)>,
+}
+
+impl TmaMaps {
+    /// The maps of q, k and v (`batch` sequences; 16-bit `dtype`, or e4m3 for FP8) for `spec`'s
+    /// tiles: boxes of one 128-byte row of channels by `block_m` (q) or `block_n` (k, v) rows.
+    pub(super) fn new(
+        spec: &FlashAttnSpec,
+        cu: Option<CuSeqlens<'_>>,
+        batch: usize,
+        dtype: DType,
+        [q, k]: [TmaInput; 2],
+        v: TmaV,
+    ) -> Self {
+        if !KernelSpec::FlashAttn(*spec).family().has(ArgCond::Tma) {
+            return Self { maps: None };
+        }
+        let unused = Self { maps: Some(([TensorMap::unused(); 3], 0)) };
+        if cu.is_some() {
+            return unused;
+        }
+        let es = dtype.size_bytes() as u64;
+        let map = |t: TmaInput, rows: usize| {
+            let s = t.strides;
+            TensorMap::tiled(
+                t.base,
+                dtype,
+                [t.width as u64, t.heads as u64, t.seq as u64, batch as u64],
+                [s.head as u64 * es, s.row as u64 * es, s.batch as u64 * es],
+                [(128 / es) as u32, 1, rows as u32, 1],
+            )
+        };
+        let v = match v {
+            TmaV::Heads(t) => map(t, spec.block_n),
+            // Bytes (vt_row, head_dim, groups, batch), a box of block_n keys by every channel.
+            TmaV::Transposed { base, groups, vt_row } => {
+                let (d, g, row) = (spec.head_dim as u64, groups as u64, vt_row as u64);
+                TensorMap::tiled(
+                    base,
+                    dtype,
+                    [row, d, g, batch as u64],
+                    [row, d * row, g * d * row],
+                    [spec.block_n as u32, d as u32, 1, 1],
+                )
+            }
+        };
+        match (map(q, spec.block_m), map(k, spec.block_n), v) {
+            (Ok(q), Ok(k), Ok(v)) => Self { maps: Some(([q, k, v], 1)) },
+            (q, k, v) => {
+                let why = [q.err(), k.err(), v.err()].into_iter().flatten().next();
+                tracing::debug!("{OP}: the driver encodes no tensor map ({why:?}): the forward loads with cp.async");
+                unused
+            }
+        }
+    }
+
+    /// Pushes `tma_q`, `tma_k`, `tma_v` and `use_tma` where the spec takes them.
+    pub(super) fn push<'a>(&'a self, l: &mut Launch<'a>) {
+        if let Some(([q, k, v], on)) = &self.maps {
+            l.scalar("tma_q", q).scalar("tma_k", k).scalar("tma_v", v).scalar("use_tma", on);
+        }
+    }
 }
 
 /// The device addresses of `(tensor, element offset)` parts, with the guards that order their

@@ -10,7 +10,8 @@
 
 use super::flash_attention::{
     addresses, addresses_mut, capacity, check_call, check_extent, check_grads, check_len, check_offset, dkdv_grid,
-    dot_do_o, dq_grid, function, grid, push_cu, reach, CuSeqlens, FlashAttnParams, HeadStrides, Qkv, Scalars, NULL, OP,
+    dot_do_o, dq_grid, function, grid, push_cu, reach, CuSeqlens, FlashAttnParams, HeadStrides, Qkv, Scalars, TmaInput,
+    TmaMaps, TmaV, NULL, OP,
 };
 use super::launch::Launch;
 use super::Fp8Scaling;
@@ -298,14 +299,21 @@ pub fn forward(
     let s = Scalars::new(&p8, [totals[0].min(total_o), totals[1]]);
     let vt_row = trow(p.sk) as u64;
     let stream = dev.stream();
+    let ([q, k, vt], _guards) = addresses(stream, [(&operands.q, 0), (&operands.k, 0), (&operands.vt, 0)]);
+    let input = |base, strides, seq, heads| TmaInput { base, strides, seq, heads, width: p.head_dim };
+    let qk = [input(q, p8.q, p.sq, p.heads), input(k, p8.kv, p.sk, p.groups)];
+    let vt_map = TmaV::Transposed { base: vt, groups: p.groups, vt_row: trow(p.sk) };
+    let maps = TmaMaps::new(&spec, cu, p.batch, DType::E4M3, qk, vt_map);
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
-    l.ptr("q", operands.q.data()).ptr("k", operands.k.data()).ptr("v", operands.vt.data());
+    l.ptr("q", &q).ptr("k", &k).ptr("v", &vt);
     l.ptr("o", out.data_mut()?).ptr("lse", &*lse);
     l.ptr("scale_inv_q", scale_inv[0]).ptr("scale_inv_k", scale_inv[1]).ptr("scale_inv_v", scale_inv[2]);
     l.scalar("vt_row", &vt_row);
+    maps.push(&mut l);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
-    // SAFETY: the operands are the dense E4M3 q, k and the Vᵀ of `p`'s sizes (checked), out
+    // SAFETY: the operands are the dense E4M3 q, k and the Vᵀ of `p`'s sizes (checked; the tensor
+    // maps cover them and nothing else), the guards keep them in use until the launch; out
     // reaches every row its strides address for the sizes (checked), lse holds batch · heads ·
     // sq f32 and the cu_seqlens batch + 1 i32; out and lse are distinct allocations (`&mut`).
     unsafe { l.launch(cfg) }

@@ -18,6 +18,7 @@ pub mod optimizer;
 pub mod rope;
 pub mod scaling;
 pub mod softmax;
+mod tma;
 
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
