@@ -205,6 +205,24 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
     b.record_work(&shape, st, flops * 7 / 2, None, work("ours fp8 + quantize", "fwd+bwd", flops * 7 / 2));
 }
 
+/// The bytes each backend's context keeps for the backward on the same call (the fused one keeps
+/// `softmax_lse`, the unfused one the probabilities), printed and recorded as a ratio.
+fn saved_for_backward(b: &mut Bench, unfused: &DotProductAttentionConfig, [q, k, v]: [&Tensor; 3], label: &str) {
+    let dev = b.dev().clone();
+    let bytes = |backend| {
+        let cfg = DotProductAttentionConfig { backend, ..unfused.clone() };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        attn.forward(q, k, v, None).unwrap().1.saved_bytes()
+    };
+    let (fused, unfused) = (bytes(AttentionBackend::Fused), bytes(AttentionBackend::Unfused));
+    println!("attention saved for backward {label} bf16: fused {} KiB, unfused {} MiB", fused >> 10, unfused >> 20);
+    b.record_ratio(
+        &format!("attention bytes saved for backward {label}: fused ÷ unfused"),
+        fused as f64 / unfused as f64,
+        None,
+    );
+}
+
 fn unfused(b: &mut Bench) {
     let dev = b.dev().clone();
     let (batch, seq, heads, head_dim) = (4usize, 2048usize, 32usize, 128usize);
@@ -233,5 +251,8 @@ fn unfused(b: &mut Bench) {
             attn.backward(ctx, &d_out).unwrap();
         });
         b.record_flops(&format!("attention fwd+bwd causal bf16 {name} (unfused)"), &label, st, flops);
+        if p == 0.0 && format == QkvFormat::Sbhd {
+            saved_for_backward(b, attn.config(), [&q, &k, &v], &label);
+        }
     }
 }

@@ -181,6 +181,12 @@ fn dot_product_attention_runs_a_head_dim_v_of_its_own_on_both_backends() {
         let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
         let (out, ctx) = attn.forward(&q, &k, &v, None).unwrap();
         assert_eq!((out.shape(), ctx.backend()), (&[batch, sq, heads * dv][..], backend));
+        // Kept for the backward: the f32 softmax_lse (fused) or the bf16 probabilities (unfused).
+        let saved = match backend {
+            AttentionBackend::Fused => batch * heads * sq * 4,
+            _ => batch * heads * sq * sk * 2,
+        };
+        assert_eq!(ctx.saved_bytes(), saved, "{backend:?}");
         let (dq, dk, dvt) = attn.backward(ctx, &up(&hdo, &[batch, sq, heads * dv])).unwrap();
         assert_eq!((dq.shape(), dk.shape(), dvt.shape()), (q.shape(), k.shape(), v.shape()));
         let what = format!("{backend:?}");

@@ -278,6 +278,18 @@ impl AttentionCtx {
     pub fn fp8_backward(&self) -> bool {
         self.fp8_backward.is_some()
     }
+
+    /// Device bytes the context holds only for the backward: unfused, the probabilities `P
+    /// [batch, heads, sq, sk]` in the inputs' dtype (and attention dropout's keep mask); fused,
+    /// the f32 `softmax_lse [batch, heads, sq]`, the sequence tables, and under an FP8 backward
+    /// the E4M3 codes of q, k, v (which replace the 16-bit tensors). q, k, v and the output are
+    /// the caller's tensors, shared, not counted.
+    pub fn saved_bytes(&self) -> usize {
+        match &self.saved {
+            Saved::Fused(s) => s.bytes(),
+            Saved::Unfused { probs, dropout } => probs.num_bytes() + dropout.as_ref().map_or(0, |d| d.bytes()),
+        }
+    }
 }
 
 /// Scaled dot-product attention over heads, `O = softmax(scale · Q · Kᵀ, masked) · V`, with

@@ -65,6 +65,22 @@ struct Fp8Saved {
 }
 
 impl FusedSaved {
+    /// Device bytes kept only for the backward: `softmax_lse`, the sequence tables, and an FP8
+    /// forward's codes (the output is the caller's).
+    pub(super) fn bytes(&self) -> usize {
+        let seqs = self.seqs.as_ref().map_or(0, |s| {
+            let tables =
+                [Some(&s.cu.0), Some(&s.cu.1), s.offsets.as_ref().map(|o| &o.0), s.offsets.as_ref().map(|o| &o.1)];
+            tables.into_iter().flatten().map(|t| t.len() * 4).sum()
+        });
+        let codes = self.fp8.as_ref().map_or(0, |f| {
+            let o = &f.operands;
+            let bwd = o.backward.as_ref().map_or(0, |b| b.qt.num_bytes() + b.kt.num_bytes() + b.v.num_bytes());
+            o.q.num_bytes() + o.k.num_bytes() + o.vt.num_bytes() + bwd
+        });
+        self.lse.len() * 4 + seqs + codes
+    }
+
     /// Whether the forward kept the codes of the FP8 backward.
     pub(super) fn has_fp8_backward(&self) -> bool {
         self.fp8.is_some()

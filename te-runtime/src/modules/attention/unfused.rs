@@ -19,6 +19,13 @@ pub(super) struct ProbsDropout {
     mask: CudaSlice<u8>,
 }
 
+impl ProbsDropout {
+    /// The mask's bytes.
+    pub(super) fn bytes(&self) -> usize {
+        self.mask.len()
+    }
+}
+
 /// `out = dropout(softmax(scale · Q · Kᵀ, mask)) · V` per head; returns `(out, P, dropout)`: the
 /// output in [`Dims::out_shape`], the probabilities `[batch, heads, sq, sk]` before dropout (q's
 /// dtype), and the dropout mask when `drop.p > 0`.
