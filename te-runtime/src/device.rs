@@ -1,9 +1,11 @@
 //! The CUDA device: context, stream, arch and the kernels loaded on it.
 
+use crate::graph::HostCopies;
 use crate::gemm::Engine;
 use crate::kernels::KernelCache;
 use crate::{Error, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use te_codegen::{Arch, DType, KernelCompiler, KernelSpec};
 
@@ -30,6 +32,18 @@ pub struct Device {
     gemm: Mutex<Option<Arc<Engine>>>,
     /// The last host-built constant uploaded by [`Device::upload_cached`], with its key.
     last_upload: Mutex<Option<KeyedUpload>>,
+    /// A CUDA graph capture is running on the stream ([`crate::graph::Graph::capture`]): kernels
+    /// and GEMM algorithms must come from the caches then. Shared with the GEMM engine.
+    capturing: Arc<AtomicBool>,
+}
+
+/// Ends the device's capture mode when dropped ([`Device::begin_capture_mode`]).
+pub(crate) struct CaptureMode<'a>(&'a AtomicBool);
+
+impl Drop for CaptureMode<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// An uploaded constant and the key it was built for.
@@ -70,7 +84,8 @@ impl Device {
         // All work goes to one stream, so cudarc's per-buffer event tracking is pure overhead.
         // SAFETY: no buffer has been allocated on this context yet.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own, not the legacy default stream, which CUDA graphs cannot capture.
+        let stream = ctx.new_stream()?;
         let dev = Device {
             ctx,
             stream,
@@ -81,6 +96,7 @@ impl Device {
             kernels: KernelCache::new(compiler),
             gemm: Mutex::new(None),
             last_upload: Mutex::new(None),
+            capturing: Arc::new(AtomicBool::new(false)),
         };
         dev.keep_freed_memory()?;
         Ok(Arc::new(dev))
@@ -146,8 +162,31 @@ impl Device {
     ///
     /// # Errors
     /// Compile and load failures.
+    /// Inside a CUDA graph capture only kernels loaded before it are given
+    /// ([`crate::graph::CaptureRule::KernelsLoadedBefore`]).
     pub fn function(&self, spec: &KernelSpec, entry: usize) -> Result<CudaFunction> {
+        if self.capturing() {
+            return self.kernels.loaded_function(spec, entry).unwrap_or_else(|| {
+                Err(Error::Capture { rule: crate::graph::CaptureRule::KernelsLoadedBefore, detail: spec.name() })
+            });
+        }
         self.kernels.function(&self.ctx, spec, entry)
+    }
+
+    /// Whether a CUDA graph capture is running on the stream.
+    pub fn capturing(&self) -> bool {
+        self.capturing.load(Ordering::SeqCst)
+    }
+
+    /// The capture flag, shared with the GEMM engine.
+    pub(crate) fn capture_flag(&self) -> Arc<AtomicBool> {
+        self.capturing.clone()
+    }
+
+    /// Enters capture mode, or `None` when a capture is already running.
+    pub(crate) fn begin_capture_mode(&self) -> Option<CaptureMode<'_>> {
+        let was = self.capturing.swap(true, Ordering::SeqCst);
+        (!was).then_some(CaptureMode(&self.capturing))
     }
 
     /// The cuBLASLt handle, workspace and algorithm cache of this device, created on first use.
@@ -158,6 +197,11 @@ impl Device {
         let mut slot = self.gemm.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(engine) = slot.as_ref() {
             return Ok(engine.clone());
+        }
+        if self.capturing() {
+            // Its workspace would become graph memory, freed at the next replay.
+            let rule = crate::graph::CaptureRule::GemmAlgorithmsChosenBefore;
+            return Err(Error::Capture { rule, detail: "the first GEMM on this device".into() });
         }
         let engine = Arc::new(Engine::new(self)?);
         *slot = Some(engine.clone());
@@ -248,7 +292,7 @@ impl Device {
                 return Ok(bytes.clone());
             }
         }
-        let bytes = Arc::new(self.stream.clone_htod(&build())?);
+        let bytes = Arc::new(self.stream.htod(&build())?);
         *slot = Some((key.to_vec(), bytes.clone()));
         Ok(bytes)
     }
@@ -258,6 +302,7 @@ impl Device {
     /// # Errors
     /// A failed kernel surfaces here.
     pub fn synchronize(&self) -> Result<()> {
+        crate::graph::refuse_in_capture(&self.stream, "a synchronization")?;
         Ok(self.stream.synchronize()?)
     }
 }

@@ -58,6 +58,20 @@ impl KernelCache {
         self.len() == 0
     }
 
+    /// Entry point `entry` of `spec` when its module is loaded already (`None` otherwise): what a
+    /// CUDA graph capture may use.
+    pub fn loaded_function(&self, spec: &KernelSpec, entry: usize) -> Option<Result<CudaFunction>> {
+        let slot = self.modules.lock().unwrap_or_else(|p| p.into_inner()).get(spec)?.clone();
+        let guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let funcs = guard.as_ref()?;
+        Some(funcs.get(entry).cloned().ok_or_else(|| {
+            Error::internal(
+                "KernelCache::loaded_function",
+                format!("{} has {} entry points, asked for #{entry}", spec.name(), funcs.len()),
+            )
+        }))
+    }
+
     /// Entry point `entry` of `spec`, compiling (or reading the disk cache) and loading it into
     /// `ctx` on first use. Failures are not cached: a later call tries again.
     ///

@@ -15,6 +15,7 @@ pub mod fp8;
 mod fuzz;
 pub mod gemm;
 pub mod generate;
+pub mod graph;
 pub mod kernels;
 pub mod models;
 pub mod modules;
@@ -163,6 +164,15 @@ pub enum Error {
         op: &'static str,
         /// What did not hold.
         message: String,
+    },
+    /// A CUDA graph capture that broke one of its rules ([`graph::CaptureRule`], named in the
+    /// message with what to do); the capture was discarded and the device is usable.
+    #[error("CUDA graph capture: {rule}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
+    Capture {
+        /// The rule.
+        rule: graph::CaptureRule,
+        /// What broke it (the kernel, the GEMM, the driver's answer).
+        detail: String,
     },
     /// A backward called with a context it cannot use: made by another module, or by a forward
     /// whose weights have changed since.

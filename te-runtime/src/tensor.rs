@@ -1,8 +1,9 @@
 //! A device tensor: contiguous bytes of one dtype and a shape, on the device's stream.
 
+use crate::graph::HostCopies;
 use crate::numerics;
 use crate::{Device, Error, Result};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 use te_codegen::DType;
 
@@ -65,7 +66,7 @@ impl Tensor {
                 message: format!("{shape:?} {dtype} needs {want} bytes, got {}", bytes.len()),
             });
         }
-        let data = if bytes.is_empty() { stream.alloc_zeros::<u8>(1)? } else { stream.clone_htod(bytes)? };
+        let data = if bytes.is_empty() { stream.alloc_zeros::<u8>(1)? } else { stream.htod(bytes)? };
         Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
     }
 
@@ -82,7 +83,7 @@ impl Tensor {
     /// # Errors
     /// Driver failures, including a failed earlier kernel.
     pub fn to_bytes(&self, dev: &Device) -> Result<Vec<u8>> {
-        let mut v = dev.stream().clone_dtoh(self.data.as_ref())?;
+        let mut v = dev.stream().dtoh(self.data.as_ref())?;
         v.truncate(self.num_bytes());
         Ok(v)
     }
@@ -133,6 +134,38 @@ impl Tensor {
         }
         Arc::get_mut(&mut self.data)
             .ok_or_else(|| Error::internal("Tensor::data_mut", "storage is shared after the copy"))
+    }
+
+    /// Copies `src` into this tensor's storage, in place, on the device (`torch.Tensor.copy_`):
+    /// how a CUDA graph's static inputs get the next batch before a replay
+    /// ([`crate::graph::Graph::replay`]), which reads them by address. Unlike a write through
+    /// [`Tensor::data_mut`] (copy-on-write), every clone sharing the storage sees the new values,
+    /// as every reference to a `torch.Tensor` sees `copy_`: a context a module saved from this
+    /// tensor reads them too.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] / [`Error::DType`] when `src` differs in shape or dtype; copy failures.
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        if src.shape != self.shape {
+            return Err(Error::Shape {
+                op: "Tensor::copy_from",
+                message: format!("the source {:?} must have the destination's shape {:?}", src.shape, self.shape),
+            });
+        }
+        if src.dtype != self.dtype {
+            return Err(Error::DType { op: "Tensor::copy_from", arg: "src", expected: self.dtype.to_string(), got: src.dtype });
+        }
+        let stream = self.data.stream();
+        let (dst, _dst_guard) = self.data.device_ptr(stream);
+        let (from, _src_guard) = src.data.device_ptr(stream);
+        // SAFETY: both buffers are live device allocations of `num_bytes` bytes (same shape and
+        // dtype); the copy is ordered on the stream every op of this crate uses, so it runs after
+        // the work that wrote `src` and before any later reader of `self`. Writing storage that
+        // clones share is this method's documented purpose; no Rust reference to device memory
+        // is created.
+        unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, from, self.num_bytes(), stream.cu_stream()) }
+            .result()?;
+        Ok(())
     }
 
     /// Whether another clone shares this tensor's storage.

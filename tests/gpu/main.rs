@@ -23,6 +23,7 @@ mod fused_attention;
 mod gemm;
 mod gpt;
 mod gpt_reference;
+mod graph;
 mod head_dim_v;
 mod jit;
 mod kernel_specs;

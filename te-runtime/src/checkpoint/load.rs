@@ -2,6 +2,7 @@
 //! checked against the file's tensors (names, dtypes, shapes), and only then written — strict
 //! loads change nothing when anything does not match.
 
+use crate::graph::HostCopies;
 use super::atomic::io_error;
 use super::format::{check_metadata, fp8_scale_inv_name, parse, state_tensor_names, to_safetensors, V1_BWD_SLOTS};
 use super::{LoadOptions, LoadReport};
@@ -203,7 +204,7 @@ impl ModuleVisitorMut for Apply<'_, '_> {
         let Some(old) = p.fp8_tensor() else { return Ok(()) };
         let stream = old.data().data().stream().clone();
         let codes = Tensor::from_bytes_on(&stream, dtype, t.shape(), t.data())?;
-        let scale_inv = stream.clone_htod(&self.f32s(&fp8_scale_inv_name(path))?)?;
+        let scale_inv = stream.htod(&self.f32s(&fp8_scale_inv_name(path))?)?;
         p.set_fp8(Float8Tensor::from_parts(codes, None, Arc::new(scale_inv))?)
     }
 

@@ -127,6 +127,7 @@ impl Stage {
         stream: &Arc<CudaStream>,
         src: &CudaView<'_, T>,
     ) -> Result<PinnedHostSlice<T>> {
+        crate::graph::refuse_in_capture(stream, "a checkpoint save")?;
         // SAFETY: the buffer is uninitialized until the copy below fills all of it (it has
         // `src.len()` elements); it is read only through `as_slice`, after the stream has been
         // synchronized (and `as_slice` waits for the copy's event too).

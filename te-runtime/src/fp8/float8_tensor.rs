@@ -1,6 +1,7 @@
 //! `Float8Tensor`: FP8 codes with the `scale_inv` they were cast with and, when a TN GEMM needs
 //! it, the transposed copy (TE `pytorch/tensor/float8_tensor.py`).
 
+use crate::graph::HostCopies;
 use crate::numerics;
 use crate::ops::{self, Fp8Meta};
 use crate::{Device, Error, Result, Tensor};
@@ -166,7 +167,7 @@ impl Float8Tensor {
     /// # Errors
     /// Driver failures.
     pub fn scale_inv_host(&self, dev: &Device) -> Result<f32> {
-        Ok(dev.stream().clone_dtoh(self.scale_inv.as_ref())?[0])
+        Ok(dev.stream().dtoh(self.scale_inv.as_ref())?[0])
     }
 
     /// The dequantized values `q * scale_inv` on the host (exact: f32 holds every FP8 value

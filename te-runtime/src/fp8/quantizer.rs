@@ -13,6 +13,7 @@
 //!
 //! A new recipe adds a quantizer here and its line in `GemmScaling`; no module changes.
 
+use crate::graph::HostCopies;
 use super::{Float8CurrentScaling, Float8Tensor, ScalingState};
 use crate::ops::cast_transpose::DbiasOut;
 use crate::ops::{self, Fp8Meta, Fp8Scaling};
@@ -322,7 +323,7 @@ impl Float8Quantizer {
             });
         }
         let s = dev.stream();
-        Self::from_device(dev, dtype, s.clone_htod(&[scale])?, s.clone_htod(&[1.0 / scale])?)
+        Self::from_device(dev, dtype, s.htod(&[scale])?, s.htod(&[1.0 / scale])?)
     }
 
     /// From device buffers `[1]` f32 holding the scale and its inverse.

@@ -1,6 +1,7 @@
 //! Per-module delayed-scaling state (TE `fp8_meta["scaling_fwd"]` / `["scaling_bwd"]`); the casts
 //! that read it are [`super::DelayedScalingQuantizer`]'s.
 
+use crate::graph::HostCopies;
 use super::DelayedScaling;
 use crate::ops::Fp8Scaling;
 use crate::{Device, Error, Result};
@@ -72,8 +73,8 @@ impl ScalingState {
         let s = dev.stream();
         let buffers = ScalingBuffers {
             amax_history: s.alloc_zeros(slots * recipe.amax_history_len)?,
-            scale: s.clone_htod(&vec![1.0f32; slots])?,
-            scale_inv: s.clone_htod(&vec![1.0f32; slots])?,
+            scale: s.htod(&vec![1.0f32; slots])?,
+            scale_inv: s.htod(&vec![1.0f32; slots])?,
             history_len: recipe.amax_history_len,
             dtype,
             margin: recipe.margin,
@@ -120,13 +121,13 @@ impl ScalingState {
             return Ok(());
         }
         let s = self.dev.stream();
-        let host = s.clone_dtoh(&b.amax_history)?;
+        let host = s.dtoh(&b.amax_history)?;
         let mut resized = vec![0.0f32; self.slots * new];
         for (dst, src) in resized.chunks_exact_mut(new).zip(host.chunks_exact(old)) {
             let n = old.min(new);
             dst[..n].copy_from_slice(&src[..n]);
         }
-        b.amax_history = s.clone_htod(&resized)?;
+        b.amax_history = s.htod(&resized)?;
         b.history_len = new;
         Ok(())
     }
@@ -139,9 +140,9 @@ impl ScalingState {
         let b = self.lock();
         let s = self.dev.stream();
         Ok(ScalingSnapshot {
-            amax_history: s.clone_dtoh(&b.amax_history)?,
-            scale: s.clone_dtoh(&b.scale)?,
-            scale_inv: s.clone_dtoh(&b.scale_inv)?,
+            amax_history: s.dtoh(&b.amax_history)?,
+            scale: s.dtoh(&b.scale)?,
+            scale_inv: s.dtoh(&b.scale_inv)?,
             history_len: b.history_len,
         })
     }
@@ -167,9 +168,9 @@ impl ScalingState {
         }
         let mut b = self.lock();
         let s = self.dev.stream();
-        b.amax_history = s.clone_htod(&snap.amax_history)?;
-        b.scale = s.clone_htod(&snap.scale)?;
-        b.scale_inv = s.clone_htod(&snap.scale_inv)?;
+        b.amax_history = s.htod(&snap.amax_history)?;
+        b.scale = s.htod(&snap.scale)?;
+        b.scale_inv = s.htod(&snap.scale_inv)?;
         b.history_len = snap.history_len;
         Ok(())
     }

@@ -3,12 +3,14 @@
 
 use super::lt::{Handle, Layout, MatmulDesc, Preference};
 use super::AlgoKey;
+use crate::graph::CaptureRule;
 use crate::{Device, Error, Result};
 use cudarc::cublaslt::result::{self, CublasError};
 use cudarc::cublaslt::sys::{self, cublasLtMatmulAlgo_t, cublasLtMatmulPreferenceAttributes_t as Pref};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// cuBLASLt's workspace recommendation (cuBLAS docs, `cublasLtMatmul`): 32 MiB on Hopper, as TE
 /// allocates on sm90 (`get_cublasLt_workspace_size_bytes`), 4 MiB before. TE adds 1 KiB of slack
@@ -36,6 +38,8 @@ pub(crate) struct Engine {
     workspace: CudaSlice<u8>,
     workspace_ptr: u64,
     algos: Mutex<HashMap<AlgoKey, cublasLtMatmulAlgo_t>>,
+    /// The device's CUDA graph capture flag: a capture takes algorithms from the cache only.
+    capturing: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -58,7 +62,7 @@ impl Engine {
                 message: format!("the cuBLASLt workspace at {workspace_ptr:#x} is not 256-byte aligned"),
             });
         }
-        Ok(Self { handle, workspace, workspace_ptr, algos: Mutex::new(HashMap::new()) })
+        Ok(Self { handle, workspace, workspace_ptr, algos: Mutex::new(HashMap::new()), capturing: dev.capture_flag() })
     }
 
     /// The cuBLASLt handle.
@@ -87,6 +91,9 @@ impl Engine {
         let mut algos = self.algos.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(algo) = algos.get(key) {
             return Ok(*algo);
+        }
+        if self.capturing.load(Ordering::SeqCst) {
+            return Err(Error::Capture { rule: CaptureRule::GemmAlgorithmsChosenBefore, detail: problem() });
         }
         let mut pref = Preference::new()?;
         pref.set(Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, self.workspace.len() as u64)?;

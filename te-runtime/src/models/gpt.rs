@@ -14,6 +14,7 @@
 //! Sources followed: GPT-2 (Radford et al. 2019; `openai/gpt-2` `model.py`), Megatron-LM's
 //! `GPTModel` (`[s, b, h]` layout, `ignore_index`-style loss mask), nanoGPT's presets.
 
+use crate::graph::HostCopies;
 use crate::fp8::{fp8_autocast, Recipe};
 use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
@@ -199,7 +200,7 @@ impl GptLoss {
         if self.counted == 0 {
             return Ok(0.0);
         }
-        let loss = self.dev.stream().clone_dtoh(&self.per_token)?;
+        let loss = self.dev.stream().dtoh(&self.per_token)?;
         Ok((loss.iter().map(|&l| f64::from(l)).sum::<f64>() / self.counted as f64) as f32)
     }
 }

@@ -2,6 +2,7 @@
 //! values of a shape (`[s, b]`, `[tokens]`), since [`crate::Tensor`] holds floating-point data
 //! only.
 
+use crate::graph::HostCopies;
 use crate::{Device, Error, Result};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
@@ -30,7 +31,7 @@ impl TokenIds {
                 message: format!("{} ids do not fill the non-empty shape {shape:?}", ids.len()),
             });
         }
-        let data = dev.stream().clone_htod(ids)?;
+        let data = dev.stream().htod(ids)?;
         Ok(Self { host: ids.into(), data: Arc::new(data), shape: shape.to_vec() })
     }
 

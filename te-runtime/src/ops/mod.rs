@@ -20,6 +20,7 @@ pub mod scaling;
 pub mod softmax;
 mod tma;
 
+use crate::graph::HostCopies;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 use te_codegen::DType;
@@ -54,7 +55,7 @@ impl Fp8Meta {
     /// Allocation failures.
     pub fn new(dev: &Device, scale: f32) -> Result<Self> {
         let s = dev.stream();
-        Ok(Self { scale: s.clone_htod(&[scale])?, amax: s.alloc_zeros(1)?, scale_inv: s.alloc_zeros(1)? })
+        Ok(Self { scale: s.htod(&[scale])?, amax: s.alloc_zeros(1)?, scale_inv: s.alloc_zeros(1)? })
     }
 
     /// Views for an op.
@@ -72,7 +73,7 @@ impl Fp8Meta {
     /// Driver failures.
     pub fn read(&self, dev: &Device) -> Result<(f32, f32, f32)> {
         let s = dev.stream();
-        Ok((s.clone_dtoh(&self.scale)?[0], s.clone_dtoh(&self.amax)?[0], s.clone_dtoh(&self.scale_inv)?[0]))
+        Ok((s.dtoh(&self.scale)?[0], s.dtoh(&self.amax)?[0], s.dtoh(&self.scale_inv)?[0]))
     }
 }
 

@@ -3,6 +3,7 @@
 //! one launch over a device table of chunks (apex `multi_tensor_apply`: a block per chunk of
 //! [`CHUNK`] elements of one tensor).
 
+use crate::graph::HostCopies;
 use super::launch::Launch;
 use super::launch_1d;
 use crate::optim::scalars::{AdamWHyper, AdamWScalars};
@@ -196,7 +197,7 @@ pub fn adamw_step(
             message: format!("{} chunks exceed one launch's grid; split the tensors over several steps", entries.len()),
         });
     }
-    let chunks = stream.clone_htod(&entries)?;
+    let chunks = stream.htod(&entries)?;
     let mut partials = stream.alloc_zeros::<f32>(entries.len())?;
 
     let norm_spec = OptimizerSpec::grad_norm(dev.arch());

@@ -1,5 +1,6 @@
 //! Family 7 launchers: the bulk delayed-scaling update and current-scaling scales.
 
+use crate::graph::HostCopies;
 use super::launch::Launch;
 use super::launch_1d;
 use crate::{Device, Error, Result};
@@ -113,7 +114,7 @@ impl<'a> DelayedScalingTable<'a> {
                 pad: 0,
             }));
         }
-        Ok(Self { dev, slots: stream.clone_htod(&entries)?, _guards: guards })
+        Ok(Self { dev, slots: stream.htod(&entries)?, _guards: guards })
     }
 
     /// Slots in the table (blocks per launch).

@@ -1,6 +1,7 @@
 //! AdamW over a model's parameters (Loshchilov & Hutter 2019; PyTorch `torch.optim.AdamW` with
 //! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
 
+use crate::graph::HostCopies;
 use super::LrSchedule;
 use crate::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
 use crate::ops::optimizer::{adamw_step, AdamWArgs, AdamWTensor};
@@ -176,7 +177,7 @@ impl AdamW {
                 module: MODULE,
                 message: format!("{path} is an FP8-only weight (fp8_model_init); train a high-precision model"),
             })?;
-            let master = stream.clone_htod(&t.to_f32(dev)?)?;
+            let master = stream.htod(&t.to_f32(dev)?)?;
             params.push(ParamState {
                 path: path.to_owned(),
                 kind,
@@ -266,7 +267,7 @@ impl AdamW {
         adamw_step(&dev, &mut tensors, &args, &mut self.norm_out)?;
         drop(tensors);
         self.write_back(model, new_params)?;
-        let out = dev.stream().clone_dtoh(&self.norm_out)?;
+        let out = dev.stream().dtoh(&self.norm_out)?;
         let skipped = skip_nonfinite && !out[0].is_finite();
         if !skipped {
             for (s, g) in self.params.iter_mut().zip(&grads) {

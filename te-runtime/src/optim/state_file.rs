@@ -34,6 +34,7 @@ impl AdamW {
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let stream = self.dev.stream();
+        crate::graph::refuse_in_capture(stream, "the optimizer's state save")?;
         let mut pinned = Vec::with_capacity(3 * self.params.len());
         for s in &self.params {
             for slice in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
@@ -126,6 +127,7 @@ impl AdamW {
             return Err(checkpoint_error(path, format!("does not fit the optimizer: {}", problems.join("; "))));
         }
         let stream = self.dev.stream().clone();
+        crate::graph::refuse_in_capture(&stream, "the optimizer's state load")?;
         for (s, [master, m, v, step]) in self.params.iter_mut().zip(found) {
             let f32s = |t: &TensorView<'_>| -> Vec<f32> {
                 t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()

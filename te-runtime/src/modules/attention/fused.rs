@@ -3,6 +3,7 @@
 //! context keeps the output and the f32 `softmax_lse [batch, heads, sq]` (4 bytes per query and
 //! head, instead of the unfused backend's `[batch, heads, sq, sk]` probabilities).
 
+use crate::graph::HostCopies;
 use super::plan::Dims;
 use super::{packed, AttnMaskType, MODULE};
 use crate::fp8::Quantizer;
@@ -31,9 +32,9 @@ impl DeviceSeqlens {
     /// Uploads i32 prefix sums (`offsets` given for `thd`).
     pub(super) fn upload(dev: &Device, cu: [&[i32]; 2], offsets: Option<[&[i32]; 2]>) -> Result<Self> {
         let stream = dev.stream();
-        let cu = (stream.clone_htod(cu[0])?, stream.clone_htod(cu[1])?);
+        let cu = (stream.htod(cu[0])?, stream.htod(cu[1])?);
         let offsets = match offsets {
-            Some([q, kv]) => Some((stream.clone_htod(q)?, stream.clone_htod(kv)?)),
+            Some([q, kv]) => Some((stream.htod(q)?, stream.htod(kv)?)),
             None => None,
         };
         Ok(Self { cu, offsets })
