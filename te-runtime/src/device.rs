@@ -1,7 +1,7 @@
 //! The CUDA device: context, stream, arch and the kernels loaded on it.
 
-use crate::graph::HostCopies;
 use crate::gemm::Engine;
+use crate::graph::HostCopies;
 use crate::kernels::KernelCache;
 use crate::{Error, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};

@@ -153,7 +153,12 @@ impl Tensor {
             });
         }
         if src.dtype != self.dtype {
-            return Err(Error::DType { op: "Tensor::copy_from", arg: "src", expected: self.dtype.to_string(), got: src.dtype });
+            return Err(Error::DType {
+                op: "Tensor::copy_from",
+                arg: "src",
+                expected: self.dtype.to_string(),
+                got: src.dtype,
+            });
         }
         let stream = self.data.stream();
         let (dst, _dst_guard) = self.data.device_ptr(stream);

@@ -2,11 +2,11 @@
 //! checked against the file's tensors (names, dtypes, shapes), and only then written — strict
 //! loads change nothing when anything does not match.
 
-use crate::graph::HostCopies;
 use super::atomic::io_error;
 use super::format::{check_metadata, fp8_scale_inv_name, parse, state_tensor_names, to_safetensors, V1_BWD_SLOTS};
 use super::{LoadOptions, LoadReport};
 use crate::fp8::{DelayedScaling, Float8Tensor, ScalingSnapshot, ScalingState};
+use crate::graph::HostCopies;
 use crate::modules::{Fp8Direction, Fp8StateSlot, ModuleVisitorMut, ParamKind, ParamMut};
 use crate::{Error, Module, Result, Tensor};
 use safetensors::tensor::TensorView;

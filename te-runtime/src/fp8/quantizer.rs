@@ -13,8 +13,8 @@
 //!
 //! A new recipe adds a quantizer here and its line in `GemmScaling`; no module changes.
 
-use crate::graph::HostCopies;
 use super::{Float8CurrentScaling, Float8Tensor, ScalingState};
+use crate::graph::HostCopies;
 use crate::ops::cast_transpose::DbiasOut;
 use crate::ops::{self, Fp8Meta, Fp8Scaling};
 use crate::{Device, Error, Result, Tensor};

@@ -1,8 +1,8 @@
 //! Per-module delayed-scaling state (TE `fp8_meta["scaling_fwd"]` / `["scaling_bwd"]`); the casts
 //! that read it are [`super::DelayedScalingQuantizer`]'s.
 
-use crate::graph::HostCopies;
 use super::DelayedScaling;
+use crate::graph::HostCopies;
 use crate::ops::Fp8Scaling;
 use crate::{Device, Error, Result};
 use cudarc::driver::CudaSlice;

@@ -14,8 +14,8 @@
 //! Sources followed: GPT-2 (Radford et al. 2019; `openai/gpt-2` `model.py`), Megatron-LM's
 //! `GPTModel` (`[s, b, h]` layout, `ignore_index`-style loss mask), nanoGPT's presets.
 
-use crate::graph::HostCopies;
 use crate::fp8::{fp8_autocast, Recipe};
+use crate::graph::HostCopies;
 use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
     LinearConfig, LinearCtx, Module, Norm, NormConfig, NormCtx, NormKind, TokenIds, TransformerLayer,

@@ -3,9 +3,9 @@
 //! one launch over a device table of chunks (apex `multi_tensor_apply`: a block per chunk of
 //! [`CHUNK`] elements of one tensor).
 
-use crate::graph::HostCopies;
 use super::launch::Launch;
 use super::launch_1d;
+use crate::graph::HostCopies;
 use crate::optim::scalars::{AdamWHyper, AdamWScalars};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};

@@ -1,8 +1,8 @@
 //! Family 7 launchers: the bulk delayed-scaling update and current-scaling scales.
 
-use crate::graph::HostCopies;
 use super::launch::Launch;
 use super::launch_1d;
+use crate::graph::HostCopies;
 use crate::{Device, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use te_codegen::spec::{AmaxComputeAlgo, ScalingSpec};

@@ -1,8 +1,8 @@
 //! AdamW over a model's parameters (Loshchilov & Hutter 2019; PyTorch `torch.optim.AdamW` with
 //! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
 
-use crate::graph::HostCopies;
 use super::LrSchedule;
+use crate::graph::HostCopies;
 use crate::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
 use crate::ops::optimizer::{adamw_step, AdamWArgs, AdamWTensor};
 use crate::{Device, Error, Result, Tensor};

@@ -3,10 +3,10 @@
 //! context keeps the output and the f32 `softmax_lse [batch, heads, sq]` (4 bytes per query and
 //! head, instead of the unfused backend's `[batch, heads, sq, sk]` probabilities).
 
-use crate::graph::HostCopies;
 use super::plan::Dims;
 use super::{packed, AttnMaskType, MODULE};
 use crate::fp8::Quantizer;
+use crate::graph::HostCopies;
 use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides, Qkv};
 use crate::ops::flash_attention_fp8::{self as fa8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
