@@ -20,6 +20,7 @@
 
 mod atomic;
 pub mod format;
+pub(crate) mod host;
 mod load;
 mod save;
 

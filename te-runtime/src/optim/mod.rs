@@ -6,7 +6,7 @@
 mod adamw;
 pub mod scalars;
 mod schedule;
-mod state_file;
+pub(crate) mod state_file;
 
 pub use adamw::{AdamW, AdamWConfig, ParamState, StepStats};
 pub use schedule::LrSchedule;

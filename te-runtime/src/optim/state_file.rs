@@ -24,6 +24,119 @@ fn checkpoint_error(path: &Path, message: impl std::fmt::Display) -> Error {
     Error::Checkpoint { message: format!("{}: {message}", path.display()) }
 }
 
+/// One parameter's AdamW state on the host, as [`write_state_file`] writes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostParamState<'a> {
+    /// The parameter's path in the model.
+    pub path: &'a str,
+    /// Its shape.
+    pub shape: &'a [usize],
+    /// f32 master weight, first and second moment (one value per element each).
+    pub tensors: [&'a [f32]; 3],
+    /// Updates of this parameter so far.
+    pub step: u64,
+}
+
+/// One parameter's AdamW state as [`read_state_file`] reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OwnedParamState {
+    /// f32 master weight, first and second moment.
+    pub tensors: [Vec<f32>; 3],
+    /// Updates of this parameter so far.
+    pub step: u64,
+}
+
+/// The suffixes of a parameter's three f32 tensors, in [`HostParamState::tensors`] order.
+const SUFFIXES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
+/// Writes an optimizer's state (`step` optimizer steps, `params`) to `path`, atomically: an
+/// existing file stays intact until the new one is complete. The one writer of the format, for
+/// the device optimizer and the CPU twin's.
+///
+/// # Errors
+/// [`Error::Checkpoint`] for tensors that do not fill their shape, or an I/O failure.
+pub(crate) fn write_state_file(path: &Path, step: u64, params: &[HostParamState<'_>]) -> Result<()> {
+    let mut host: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::with_capacity(4 * params.len());
+    for p in params {
+        for (suffix, values) in SUFFIXES.iter().zip(p.tensors) {
+            let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+            host.push((format!("{}.{suffix}", p.path), p.shape.to_vec(), Dtype::F32, bytes));
+        }
+        host.push((format!("{}.step", p.path), vec![1], Dtype::U64, p.step.to_le_bytes().to_vec()));
+    }
+    let views = host
+        .iter()
+        .map(|(name, shape, dtype, bytes)| {
+            TensorView::new(*dtype, shape.clone(), bytes)
+                .map(|v| (name.as_str(), v))
+                .map_err(|e| checkpoint_error(path, format!("{name}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let meta = HashMap::from([(FORMAT_KEY.to_owned(), FORMAT.to_owned()), (STEP_KEY.to_owned(), step.to_string())]);
+    write_atomic(path, |tmp| {
+        safetensors::serialize_to_file(views, Some(meta), tmp)
+            .map_err(|e| checkpoint_error(tmp, format!("cannot write: {e}")))
+    })
+}
+
+/// Reads what [`write_state_file`] wrote to `path` for an optimizer of the parameters `params`
+/// (`(path, shape)`): its step count and each parameter's state, in `params` order. Every
+/// tensor is checked before anything is returned.
+///
+/// # Errors
+/// [`Error::Checkpoint`] for a missing, truncated or corrupt file, a file of another format,
+/// and tensors that are missing or mis-shaped (all listed).
+pub(crate) fn read_state_file(path: &Path, params: &[(&str, &[usize])]) -> Result<(u64, Vec<OwnedParamState>)> {
+    let bytes = std::fs::read(path).map_err(|e| checkpoint_error(path, format!("cannot read: {e}")))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| checkpoint_error(path, format!("not a complete safetensors file: {e}")))?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    if meta.get(FORMAT_KEY).map(String::as_str) != Some(FORMAT) {
+        return Err(checkpoint_error(path, format!("not an AdamW state file ({FORMAT_KEY} is not {FORMAT})")));
+    }
+    let step: u64 = meta
+        .get(STEP_KEY)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| checkpoint_error(path, format!("metadata {STEP_KEY} is missing or not a number")))?;
+    let file = parse(&bytes, path)?;
+    let mut problems = Vec::new();
+    let mut found = Vec::with_capacity(params.len());
+    for &(param, shape) in params {
+        let mut get = |suffix: &str, dtype: Dtype, shape: &[usize]| {
+            let name = format!("{param}.{suffix}");
+            match file.tensor(&name) {
+                Ok(t) if t.dtype() == dtype && t.shape() == shape => Some(t),
+                Ok(t) => {
+                    problems.push(format!("{name} is {:?} {:?}, expected {dtype:?} {shape:?}", t.dtype(), t.shape()));
+                    None
+                }
+                Err(_) => {
+                    problems.push(format!("{name} is missing"));
+                    None
+                }
+            }
+        };
+        let tensors = [
+            get(SUFFIXES[0], Dtype::F32, shape),
+            get(SUFFIXES[1], Dtype::F32, shape),
+            get(SUFFIXES[2], Dtype::F32, shape),
+            get("step", Dtype::U64, &[1]),
+        ];
+        if let [Some(master), Some(m), Some(v), Some(step)] = tensors {
+            let f32s = |t: &TensorView<'_>| -> Vec<f32> {
+                t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            };
+            let mut b = [0u8; 8];
+            b.copy_from_slice(step.data());
+            found.push(OwnedParamState { tensors: [f32s(&master), f32s(&m), f32s(&v)], step: u64::from_le_bytes(b) });
+        }
+    }
+    if !problems.is_empty() {
+        return Err(checkpoint_error(path, format!("does not fit the optimizer: {}", problems.join("; "))));
+    }
+    Ok((step, found))
+}
+
 impl AdamW {
     /// Writes the optimizer's state to `path` (atomically: an existing file stays intact until
     /// the new one is complete). Every device→host copy is issued on the stream into a pinned
@@ -46,30 +159,14 @@ impl AdamW {
             }
         }
         stream.synchronize()?;
-        let mut copies = pinned.iter();
-        let mut host: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::with_capacity(4 * self.params.len());
-        for s in &self.params {
-            for suffix in ["master", "exp_avg", "exp_avg_sq"] {
-                let values = copies.next().map(|p| p.as_slice()).transpose()?.unwrap_or_default();
-                let bytes = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-                host.push((format!("{}.{suffix}", s.path), s.shape.clone(), Dtype::F32, bytes));
-            }
-            host.push((format!("{}.step", s.path), vec![1], Dtype::U64, s.step.to_le_bytes().to_vec()));
-        }
-        let views = host
+        let slices = pinned.iter().map(|p| p.as_slice()).collect::<std::result::Result<Vec<_>, _>>()?;
+        let states: Vec<HostParamState<'_>> = self
+            .params
             .iter()
-            .map(|(name, shape, dtype, bytes)| {
-                TensorView::new(*dtype, shape.clone(), bytes)
-                    .map(|v| (name.as_str(), v))
-                    .map_err(|e| checkpoint_error(path, format!("{name}: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let meta =
-            HashMap::from([(FORMAT_KEY.to_owned(), FORMAT.to_owned()), (STEP_KEY.to_owned(), self.step.to_string())]);
-        write_atomic(path, |tmp| {
-            safetensors::serialize_to_file(views, Some(meta), tmp)
-                .map_err(|e| checkpoint_error(tmp, format!("cannot write: {e}")))
-        })
+            .zip(slices.chunks_exact(3))
+            .map(|(s, t)| HostParamState { path: &s.path, shape: &s.shape, tensors: [t[0], t[1], t[2]], step: s.step })
+            .collect();
+        write_state_file(path, self.step, &states)
     }
 
     /// Replaces the optimizer's state by the one [`AdamW::save_state`] wrote to `path`, for the
@@ -80,64 +177,16 @@ impl AdamW {
     /// and tensors that are missing or mis-shaped (all listed); copy failures.
     pub fn load_state(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| checkpoint_error(path, format!("cannot read: {e}")))?;
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
-            .map_err(|e| checkpoint_error(path, format!("not a complete safetensors file: {e}")))?;
-        let meta = meta.metadata().clone().unwrap_or_default();
-        if meta.get(FORMAT_KEY).map(String::as_str) != Some(FORMAT) {
-            return Err(checkpoint_error(path, format!("not an AdamW state file ({FORMAT_KEY} is not {FORMAT})")));
-        }
-        let step: u64 = meta
-            .get(STEP_KEY)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| checkpoint_error(path, format!("metadata {STEP_KEY} is missing or not a number")))?;
-        let file = parse(&bytes, path)?;
-        let mut problems = Vec::new();
-        let mut found = Vec::with_capacity(self.params.len());
-        for s in &self.params {
-            let mut get = |suffix: &str, dtype: Dtype, shape: &[usize]| {
-                let name = format!("{}.{suffix}", s.path);
-                match file.tensor(&name) {
-                    Ok(t) if t.dtype() == dtype && t.shape() == shape => Some(t),
-                    Ok(t) => {
-                        problems.push(format!(
-                            "{name} is {:?} {:?}, expected {dtype:?} {shape:?}",
-                            t.dtype(),
-                            t.shape()
-                        ));
-                        None
-                    }
-                    Err(_) => {
-                        problems.push(format!("{name} is missing"));
-                        None
-                    }
-                }
-            };
-            let tensors = [
-                get("master", Dtype::F32, &s.shape),
-                get("exp_avg", Dtype::F32, &s.shape),
-                get("exp_avg_sq", Dtype::F32, &s.shape),
-                get("step", Dtype::U64, &[1]),
-            ];
-            if let [Some(master), Some(m), Some(v), Some(step)] = tensors {
-                found.push([master, m, v, step]);
-            }
-        }
-        if !problems.is_empty() {
-            return Err(checkpoint_error(path, format!("does not fit the optimizer: {}", problems.join("; "))));
-        }
+        let wanted: Vec<(&str, &[usize])> = self.params.iter().map(|s| (s.path.as_str(), s.shape.as_slice())).collect();
+        let (step, found) = read_state_file(path, &wanted)?;
         let stream = self.dev.stream().clone();
         crate::graph::refuse_in_capture(&stream, "the optimizer's state load")?;
-        for (s, [master, m, v, step]) in self.params.iter_mut().zip(found) {
-            let f32s = |t: &TensorView<'_>| -> Vec<f32> {
-                t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-            };
-            stream.memcpy_htod(&f32s(&master), &mut s.master)?;
-            stream.memcpy_htod(&f32s(&m), &mut s.exp_avg)?;
-            stream.memcpy_htod(&f32s(&v), &mut s.exp_avg_sq)?;
-            let mut b = [0u8; 8];
-            b.copy_from_slice(step.data());
-            s.step = u64::from_le_bytes(b);
+        for (s, state) in self.params.iter_mut().zip(found) {
+            let [master, m, v] = &state.tensors;
+            stream.memcpy_htod(master, &mut s.master)?;
+            stream.memcpy_htod(m, &mut s.exp_avg)?;
+            stream.memcpy_htod(v, &mut s.exp_avg_sq)?;
+            s.step = state.step;
         }
         stream.synchronize()?;
         self.step = step;

@@ -32,9 +32,9 @@ pub struct GptAdamWConfig {
 #[derive(Debug, Clone)]
 pub struct GptAdamW {
     cfg: GptAdamWConfig,
-    exp_avg: Vec<Vec<f32>>,
-    exp_avg_sq: Vec<Vec<f32>>,
-    step: u64,
+    pub(super) exp_avg: Vec<Vec<f32>>,
+    pub(super) exp_avg_sq: Vec<Vec<f32>>,
+    pub(super) step: u64,
 }
 
 /// What one [`GptAdamW::step`] did.

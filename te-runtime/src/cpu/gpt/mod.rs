@@ -41,6 +41,7 @@
 //! `generate` the decode loop.
 
 mod adamw;
+mod checkpoint;
 mod generate;
 mod math;
 mod params;

@@ -6,7 +6,7 @@
 
 use super::math::par_fill;
 use super::GptRef;
-use crate::fp8::DelayedScaling;
+use crate::fp8::{DelayedScaling, ScalingSnapshot};
 use crate::reference::scaling::{delayed_update, HostScalingGroup};
 use crate::Result;
 use half::bf16;
@@ -69,11 +69,68 @@ impl Scaling {
     }
 }
 
+impl Scaling {
+    /// The state as a checkpoint holds it, with `slots ≥ n` slots (the device model's forward
+    /// state has an output slot no GEMM records: scale 1, zero history).
+    fn snapshot(&self, slots: usize, history_len: usize) -> ScalingSnapshot {
+        let pad = slots.saturating_sub(self.scale.len());
+        let mut snap = ScalingSnapshot {
+            amax_history: self.history.clone(),
+            scale: self.scale.clone(),
+            scale_inv: self.scale_inv.clone(),
+            history_len,
+        };
+        snap.amax_history.extend(std::iter::repeat_n(0.0, pad * history_len));
+        snap.scale.extend(std::iter::repeat_n(1.0, pad));
+        snap.scale_inv.extend(std::iter::repeat_n(1.0, pad));
+        snap
+    }
+
+    /// Takes the first slots of `snap` (a checkpoint's), its histories fitted to
+    /// `history_len` as the device state's `conform` does (the newest entries kept, zeros
+    /// added).
+    fn restore(&mut self, snap: &ScalingSnapshot, history_len: usize) {
+        let n = self.scale.len();
+        let old = snap.history_len.max(1);
+        self.history = vec![0.0; n * history_len];
+        for (dst, src) in self.history.chunks_exact_mut(history_len).zip(snap.amax_history.chunks_exact(old)) {
+            let k = old.min(history_len);
+            dst[..k].copy_from_slice(&src[..k]);
+        }
+        self.scale = snap.scale.iter().copied().take(n).collect();
+        self.scale_inv = snap.scale_inv.iter().copied().take(n).collect();
+    }
+
+    /// Back to a fresh state: scale 1, zero history.
+    fn reset(&mut self) {
+        self.history.iter_mut().for_each(|h| *h = 0.0);
+        self.scale.iter_mut().for_each(|s| *s = 1.0);
+        self.scale_inv.iter_mut().for_each(|s| *s = 1.0);
+    }
+}
+
 /// The FP8 state of one GEMM: input and weight (forward), output gradient (backward).
 #[derive(Debug, Clone)]
 pub(super) struct GemmScaling {
     fwd: Scaling,
     bwd: Scaling,
+}
+
+impl GemmScaling {
+    /// `[forward, backward]` as a checkpoint holds them: `[fwd_slots, 1]` slots.
+    pub(super) fn snapshots(&self, fwd_slots: usize, history_len: usize) -> [ScalingSnapshot; 2] {
+        [self.fwd.snapshot(fwd_slots, history_len), self.bwd.snapshot(1, history_len)]
+    }
+
+    /// Restores the forward (`0`) or backward (`1`) state from a checkpoint's snapshot, or
+    /// resets it (`None`: the checkpoint holds none).
+    pub(super) fn restore(&mut self, direction: usize, snap: Option<&ScalingSnapshot>, history_len: usize) {
+        let s = if direction == 0 { &mut self.fwd } else { &mut self.bwd };
+        match snap {
+            Some(snap) => s.restore(snap, history_len),
+            None => s.reset(),
+        }
+    }
 }
 
 /// How one GEMM operand is cast.
