@@ -6,5 +6,6 @@ pub mod data;
 pub mod embed;
 pub mod hf;
 pub mod plot;
+pub mod run_checkpoint;
 pub mod train;
 pub mod train_cpu;

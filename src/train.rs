@@ -4,24 +4,16 @@
 //! tokens/s, peak GPU memory and train/validation loss, saving checkpoints and resuming from
 //! them bit for bit.
 //!
-//! A checkpoint of a run is a directory `<checkpoint_dir>/<precision>/step-NNNNNNN/` holding
-//! `model.safetensors` (weights and FP8 state, [`te_runtime::checkpoint`]),
-//! `optimizer.safetensors` ([`AdamW::save_state`]), `history.csv` (the loss curve so far) and
-//! `trainer.toml` (the step, the dropout stream position and the settings the run must be
-//! resumed with); `<checkpoint_dir>/<precision>/latest.toml`, a copy of the newest complete
-//! one's `trainer.toml`, is what `resume` starts from. It is rewritten (atomically) only after
-//! the new directory is complete, and the checkpoint before stays on disk, so a crash while
-//! saving never loses the last good checkpoint; copying an older `trainer.toml` over it resumes
-//! from that one.
+//! Checkpoints: [`crate::run_checkpoint`].
 
 use crate::data::{Batcher, Corpus, DataError};
-use serde::{Deserialize, Serialize};
+use crate::run_checkpoint::{Checkpointer, RunState};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-use te_runtime::checkpoint::{self, write_atomic, LoadOptions, SaveOptions};
+use te_runtime::checkpoint::{self, LoadOptions, SaveOptions};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, ScalingState};
 use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
 use te_runtime::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
@@ -54,11 +46,10 @@ pub enum TrainError {
         message: String,
     },
     /// A stop was requested ([`CheckpointOptions::stop`]: SIGTERM or SIGINT to `te train`):
-    /// the run finished `step` and wrote `checkpoint` (none on the CPU path or without a
-    /// checkpoint directory).
+    /// the run finished `step` and wrote `checkpoint` (none without a checkpoint directory).
     #[error("stopped on request after step {step}: {}", match checkpoint {
         Some(c) => format!("checkpoint written at {}; continue with --resume", c.display()),
-        None => "no checkpoint (the CPU path and --no-checkpoint write none)".into(),
+        None => "no checkpoint (--no-checkpoint)".into(),
     })]
     Interrupted {
         /// The last step completed.
@@ -166,6 +157,15 @@ impl Precision {
             Precision::Bf16 => "bf16",
         }
     }
+
+    /// The precision [`Precision::name`] names; a message for another name.
+    pub fn from_name(name: &str) -> Result<Self, String> {
+        match name {
+            "fp8" => Ok(Precision::Fp8),
+            "bf16" => Ok(Precision::Bf16),
+            p => Err(format!("precision `{p}`: expected fp8 or bf16")),
+        }
+    }
 }
 
 /// Settings of one training run.
@@ -252,29 +252,6 @@ pub struct RunSummary {
     pub parameters: usize,
 }
 
-/// What `latest.toml` records about the newest checkpoint of a run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Latest {
-    /// The checkpoint directory's name (`step-NNNNNNN`), relative to the run's directory.
-    dir: String,
-    /// Optimizer steps done.
-    step: u64,
-    /// The model's dropout stream position.
-    dropout_offset: u64,
-    /// Settings a resumed run must share (data order and schedule).
-    batch: usize,
-    grad_accum: usize,
-    seq_length: usize,
-    lr: f32,
-    data_seed: u64,
-    model_seed: u64,
-}
-
-/// The precision's checkpoint directory.
-fn run_dir(dir: &Path, precision: Precision) -> PathBuf {
-    dir.join(precision.name())
-}
-
 /// Trains `cfg.model` on `corpus` in `precision` on the GPU, calling `progress(step, loss)` after
 /// each step; saves and resumes checkpoints as `ckpt` says.
 ///
@@ -293,29 +270,19 @@ pub fn train(
 ) -> Result<RunSummary, TrainError> {
     dev.synchronize()?;
     dev.reset_peak_memory()?;
-    let mut model = Gpt::new(dev, cfg.model.clone())?;
-    let mut opt = AdamW::new(dev, &model, adamw_config(cfg))?;
+    let model = Gpt::new(dev, cfg.model.clone())?;
+    let opt = AdamW::new(dev, &model, adamw_config(cfg))?;
+    let mut run = GpuRun { model, opt };
     let seq = cfg.model.seq_length;
     let mut train_batches = Batcher::new(cfg.data_seed, seq, cfg.batch);
     let mut records = Vec::new();
-    let mut start_step = 1;
-    if let Some(dir) = ckpt.dir.as_deref().filter(|_| ckpt.resume) {
-        if let Some(done) = resume(&run_dir(dir, precision), cfg, &mut model, &mut opt, &mut records)? {
-            train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
-            start_step = done + 1;
-        }
-    }
+    let mut checkpoints = Checkpointer::new(ckpt, cfg, precision);
+    let done = checkpoints.resume(&mut run, &mut records)?;
+    train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
     let recipe = cfg.recipe;
     let mut times = Vec::new();
     let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
-    // The newest good checkpoint: the one resumed from, then each one saved.
-    let mut last_checkpoint = match ckpt.dir.as_deref() {
-        Some(dir) if start_step > 1 => {
-            read_latest(&run_dir(dir, precision).join("latest.toml"))?.map(|l| run_dir(dir, precision).join(l.dir))
-        }
-        _ => None,
-    };
-    for step in start_step..=cfg.steps {
+    for step in done + 1..=cfg.steps {
         let start = Instant::now();
         let mut losses = Vec::with_capacity(cfg.grad_accum);
         for micro in 0..cfg.grad_accum {
@@ -327,37 +294,29 @@ pub fn train(
                 grad_scale: 1.0 / cfg.grad_accum as f32,
             };
             let (loss, ctx) = match precision {
-                Precision::Fp8 => fp8_autocast(true, recipe, || model.forward_loss_with(&ids, &targets, mb))?,
-                Precision::Bf16 => model.forward_loss_with(&ids, &targets, mb)?,
+                Precision::Fp8 => fp8_autocast(true, recipe, || run.model.forward_loss_with(&ids, &targets, mb))?,
+                Precision::Bf16 => run.model.forward_loss_with(&ids, &targets, mb)?,
             };
-            model.backward(ctx)?;
+            run.model.backward(ctx)?;
             losses.push(loss);
         }
-        let stats = opt.step(&mut model)?;
+        let stats = run.opt.step(&mut run.model)?;
         // Read after the step was issued: the host never waited for the device mid-step.
         let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
         let train_loss = loss_sum / cfg.grad_accum as f32;
-        guard.check(step, (train_loss, stats.grad_norm, stats.skipped), last_checkpoint.as_deref())?;
-        model.zero_grad();
+        guard.check(step, (train_loss, stats.grad_norm, stats.skipped), checkpoints.last())?;
+        run.model.zero_grad();
         dev.synchronize()?;
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
         times.push(step_ms);
         let val_loss = if step % cfg.eval_interval == 0 || step == cfg.steps {
-            Some(evaluate(dev, &mut model, corpus, cfg, precision)?)
+            Some(evaluate(dev, &mut run.model, corpus, cfg, precision)?)
         } else {
             None
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
-        let stop = ckpt.stop_requested() && step < cfg.steps;
-        if let Some(dir) = &ckpt.dir {
-            if (ckpt.interval > 0 && step % ckpt.interval == 0) || step == cfg.steps || stop {
-                last_checkpoint = Some(save(&run_dir(dir, precision), cfg, step, &model, &opt, &records)?);
-            }
-        }
-        if stop {
-            return Err(TrainError::Interrupted { step, checkpoint: last_checkpoint });
-        }
+        checkpoints.after_step(step, &run, &records)?;
     }
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);
@@ -367,8 +326,62 @@ pub fn train(
         records,
         tokens_per_s: tokens / (median_ms / 1e3),
         peak_memory: dev.peak_memory()?,
-        parameters: model.num_parameters(),
+        parameters: run.model.num_parameters(),
     })
+}
+
+/// The GPU run's model and optimizer.
+struct GpuRun {
+    model: Gpt,
+    opt: AdamW,
+}
+
+impl RunState for GpuRun {
+    fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError> {
+        let mut options = SaveOptions::default();
+        options.metadata.insert("step".into(), step.to_string());
+        checkpoint::save(&self.model, dir.join("model.safetensors"), &options)?;
+        self.opt.save_state(dir.join("optimizer.safetensors"))?;
+        Ok(())
+    }
+
+    fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError> {
+        checkpoint::load(&mut self.model, dir.join("model.safetensors"), &LoadOptions::default())?;
+        self.opt.load_state(dir.join("optimizer.safetensors"))?;
+        Ok(self.opt.step_count())
+    }
+
+    fn dropout_offset(&self) -> u64 {
+        self.model.dropout_offset()
+    }
+
+    fn set_dropout_offset(&mut self, offset: u64) -> Result<(), TrainError> {
+        self.model.set_dropout_offset(offset);
+        Ok(())
+    }
+
+    fn nonfinite_states(&self) -> Result<Vec<String>, TrainError> {
+        let mut bad = Vec::new();
+        self.model.visit("", &mut FiniteStates(&mut bad))?;
+        Ok(bad)
+    }
+}
+
+/// Collects the paths of FP8 scaling states that are not all finite.
+struct FiniteStates<'a>(&'a mut Vec<String>);
+
+impl ModuleVisitor for FiniteStates<'_> {
+    fn param(&mut self, _: &str, _: ParamKind, _: &dyn Param) -> te_runtime::Result<()> {
+        Ok(())
+    }
+
+    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> te_runtime::Result<()> {
+        let s = state.snapshot()?;
+        if !s.amax_history.iter().chain(&s.scale).chain(&s.scale_inv).all(|x| x.is_finite()) {
+            self.0.push(path.to_owned());
+        }
+        Ok(())
+    }
 }
 
 /// The median of `xs` (NaN when empty).
@@ -434,188 +447,6 @@ fn evaluate(
     mean
 }
 
-/// Saves step `step` of a run into `run_dir`, then points `latest.toml` at it and removes the
-/// checkpoints older than the previous one.
-fn save(
-    run_dir: &Path,
-    cfg: &TrainConfig,
-    step: u64,
-    model: &Gpt,
-    opt: &AdamW,
-    records: &[Record],
-) -> Result<PathBuf, TrainError> {
-    check_fp8_states(model, step)?;
-    let name = format!("step-{step:07}");
-    let dir = run_dir.join(&name);
-    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Output { path: dir.clone(), source })?;
-    let mut options = SaveOptions::default();
-    options.metadata.insert("step".into(), step.to_string());
-    checkpoint::save(model, dir.join("model.safetensors"), &options)?;
-    opt.save_state(dir.join("optimizer.safetensors"))?;
-    write_history(&dir.join("history.csv"), records)?;
-    let latest = Latest {
-        dir: name.clone(),
-        step,
-        dropout_offset: model.dropout_offset(),
-        batch: cfg.batch,
-        grad_accum: cfg.grad_accum,
-        seq_length: cfg.model.seq_length,
-        lr: cfg.lr,
-        data_seed: cfg.data_seed,
-        model_seed: cfg.model.seed,
-    };
-    let path = run_dir.join("latest.toml");
-    let previous = read_latest(&path)?.map(|l| l.dir);
-    let text =
-        toml::to_string(&latest).map_err(|e| TrainError::Resume { path: path.clone(), message: e.to_string() })?;
-    // The step's own copy (to resume from it by copying it over latest.toml), then the pointer.
-    for file in [dir.join("trainer.toml"), path] {
-        write_text(&file, &text)?;
-    }
-    // Keep the newest and the one before it; older ones are no longer needed.
-    let entries = std::fs::read_dir(run_dir).map_err(|source| TrainError::Output { path: run_dir.into(), source })?;
-    for entry in entries.flatten() {
-        let n = entry.file_name().to_string_lossy().into_owned();
-        if n.starts_with("step-") && n != name && Some(&n) != previous.as_ref() {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
-    Ok(dir)
-}
-
-/// Refuses to checkpoint FP8 scaling states holding a NaN or infinite scale, `scale_inv` or
-/// amax (they would come back with `--resume`).
-fn check_fp8_states(model: &Gpt, step: u64) -> Result<(), TrainError> {
-    let mut bad = Vec::new();
-    let mut visitor = FiniteStates(&mut bad);
-    model.visit("", &mut visitor)?;
-    match bad.first() {
-        None => Ok(()),
-        Some(path) => Err(TrainError::NonFinite {
-            step,
-            message: format!(
-                "the FP8 scaling state {path} holds a NaN or infinite value ({} states in all); the checkpoint was \
-                 not written. The previous checkpoint is kept: continue from it with --resume, with a lower --lr",
-                bad.len()
-            ),
-        }),
-    }
-}
-
-/// Collects the paths of FP8 scaling states that are not all finite.
-struct FiniteStates<'a>(&'a mut Vec<String>);
-
-impl ModuleVisitor for FiniteStates<'_> {
-    fn param(&mut self, _: &str, _: ParamKind, _: &dyn Param) -> te_runtime::Result<()> {
-        Ok(())
-    }
-
-    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> te_runtime::Result<()> {
-        let s = state.snapshot()?;
-        if !s.amax_history.iter().chain(&s.scale).chain(&s.scale_inv).all(|x| x.is_finite()) {
-            self.0.push(path.to_owned());
-        }
-        Ok(())
-    }
-}
-
-/// `latest.toml` of a run, or `None` when there is none.
-fn read_latest(path: &Path) -> Result<Option<Latest>, TrainError> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => toml::from_str(&text)
-            .map(Some)
-            .map_err(|e| TrainError::Resume { path: path.to_path_buf(), message: format!("unreadable: {e}") }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(TrainError::Output { path: path.to_path_buf(), source }),
-    }
-}
-
-/// Restores model, optimizer, dropout stream and loss curve from the newest checkpoint in
-/// `run_dir`; the steps it had done, or `None` when there is no checkpoint.
-fn resume(
-    run_dir: &Path,
-    cfg: &TrainConfig,
-    model: &mut Gpt,
-    opt: &mut AdamW,
-    records: &mut Vec<Record>,
-) -> Result<Option<u64>, TrainError> {
-    let path = run_dir.join("latest.toml");
-    let Some(latest) = read_latest(&path)? else { return Ok(None) };
-    let err = |message: String| TrainError::Resume { path: path.clone(), message };
-    let want = [
-        ("batch", latest.batch.to_string(), cfg.batch.to_string()),
-        ("grad_accum", latest.grad_accum.to_string(), cfg.grad_accum.to_string()),
-        ("seq_length", latest.seq_length.to_string(), cfg.model.seq_length.to_string()),
-        ("lr", latest.lr.to_string(), cfg.lr.to_string()),
-        ("seed", latest.data_seed.to_string(), cfg.data_seed.to_string()),
-        ("model seed", latest.model_seed.to_string(), cfg.model.seed.to_string()),
-    ];
-    let differ: Vec<String> =
-        want.iter().filter(|(_, a, b)| a != b).map(|(n, a, b)| format!("{n} {a} (checkpoint) vs {b}")).collect();
-    if !differ.is_empty() {
-        return Err(err(format!(
-            "the run was made with other settings: {}; resume with the checkpoint's, or use another --out",
-            differ.join(", ")
-        )));
-    }
-    if latest.step > cfg.steps {
-        return Err(err(format!("it is at step {}, beyond --steps {}", latest.step, cfg.steps)));
-    }
-    let dir = run_dir.join(&latest.dir);
-    checkpoint::load(model, dir.join("model.safetensors"), &LoadOptions::default())?;
-    opt.load_state(dir.join("optimizer.safetensors"))?;
-    if opt.step_count() != latest.step {
-        return Err(err(format!(
-            "optimizer.safetensors is at step {}, latest.toml at {}",
-            opt.step_count(),
-            latest.step
-        )));
-    }
-    model.set_dropout_offset(latest.dropout_offset);
-    *records = read_history(&dir.join("history.csv"))?;
-    Ok(Some(latest.step))
-}
-
-/// Writes a loss curve as `step,train_loss,val_loss,step_ms` (atomically).
-fn write_history(path: &Path, records: &[Record]) -> Result<(), TrainError> {
-    let mut text = String::from("step,train_loss,val_loss,step_ms\n");
-    for r in records {
-        let val = r.val_loss.map(|v| v.to_string()).unwrap_or_default();
-        text.push_str(&format!("{},{},{val},{}\n", r.step, r.train_loss, r.step_ms));
-    }
-    write_text(path, &text)
-}
-
-/// Writes `text` to `path` atomically (a crash leaves the old file or the new one).
-fn write_text(path: &Path, text: &str) -> Result<(), TrainError> {
-    write_atomic(path, |tmp| {
-        std::fs::write(tmp, text)
-            .map_err(|e| te_runtime::Error::Checkpoint { message: format!("{}: {e}", tmp.display()) })
-    })?;
-    Ok(())
-}
-
-/// Reads what [`write_history`] wrote (floats round-trip exactly through their shortest form).
-fn read_history(path: &Path) -> Result<Vec<Record>, TrainError> {
-    let bad =
-        |line: usize| TrainError::Resume { path: path.to_path_buf(), message: format!("line {line} is malformed") };
-    let text = std::fs::read_to_string(path).map_err(|source| TrainError::Output { path: path.into(), source })?;
-    text.lines()
-        .enumerate()
-        .skip(1)
-        .map(|(i, line)| {
-            let f: Vec<&str> = line.split(',').collect();
-            let [step, train, val, ms] = f[..] else { return Err(bad(i + 1)) };
-            Ok(Record {
-                step: step.parse().map_err(|_| bad(i + 1))?,
-                train_loss: train.parse().map_err(|_| bad(i + 1))?,
-                val_loss: if val.is_empty() { None } else { Some(val.parse().map_err(|_| bad(i + 1))?) },
-                step_ms: ms.parse().map_err(|_| bad(i + 1))?,
-            })
-        })
-        .collect()
-}
-
 /// Writes the loss curves of `runs` as CSV: `precision,step,train_loss,val_loss,step_ms`.
 ///
 /// # Errors
@@ -631,46 +462,4 @@ pub fn write_csv(path: &Path, runs: &[RunSummary]) -> Result<(), TrainError> {
         }
     }
     f.flush().map_err(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn history_round_trips_exactly() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("history.csv");
-        let records = vec![
-            Record { step: 1, train_loss: 5.545_177_5, val_loss: None, step_ms: 12.345_678 },
-            Record { step: 2, train_loss: 0.1 + 0.2, val_loss: Some(1.0 / 3.0), step_ms: 0.001 },
-        ];
-        write_history(&path, &records).unwrap();
-        assert_eq!(read_history(&path).unwrap(), records);
-        std::fs::write(&path, "step,train_loss,val_loss,step_ms\n1,2\n").unwrap();
-        let e = read_history(&path).unwrap_err();
-        assert!(e.to_string().contains("line 2 is malformed"), "{e}");
-    }
-
-    #[test]
-    fn latest_toml_round_trips_and_missing_is_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("latest.toml");
-        assert!(read_latest(&path).unwrap().is_none());
-        let l = Latest {
-            dir: "step-0000010".into(),
-            step: 10,
-            dropout_offset: 20,
-            batch: 8,
-            grad_accum: 2,
-            seq_length: 128,
-            lr: 6e-4,
-            data_seed: 1,
-            model_seed: 1,
-        };
-        std::fs::write(&path, toml::to_string(&l).unwrap()).unwrap();
-        assert_eq!(read_latest(&path).unwrap(), Some(l));
-        std::fs::write(&path, "dir = 3").unwrap();
-        assert!(matches!(read_latest(&path), Err(TrainError::Resume { .. })));
-    }
 }

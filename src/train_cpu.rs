@@ -4,27 +4,31 @@
 //! the GEMM inputs (FP8 with `cfg.recipe`, the LM head in BF16 unless `fp8_lm_head`, or BF16;
 //! everything else in f32).
 //! Meant for the `tiny` preset: 200 steps of 4 × 128 tokens (with evaluations) take 15–20 s
-//! per run on two cores.
+//! per run on two cores. Checkpoints and `--resume` work as on the GPU, in the same files
+//! ([`crate::run_checkpoint`]).
 
 use crate::data::{Batcher, Corpus};
+use crate::run_checkpoint::{Checkpointer, RunState};
 use crate::train::{
     adamw_config, eval_batcher, median, CheckpointOptions, NonFiniteGuard, Precision, Record, RunSummary, TrainConfig,
     TrainError,
 };
+use std::path::Path;
 use std::time::Instant;
+use te_runtime::checkpoint::{LoadOptions, SaveOptions};
 use te_runtime::cpu::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
 
 /// Trains `cfg.model` on `corpus` on the CPU in `precision` (emulated, see the module docs),
 /// calling `progress(step, loss)` after each step. Validation runs without dropout (the GPU
 /// job's evaluation keeps it). [`RunSummary::peak_memory`] is the process's peak resident set
-/// size (Linux `VmHWM`; 0 where it cannot be read), not device memory. Of `ckpt` only the stop
-/// flag applies: the CPU path writes no checkpoints.
+/// size (Linux `VmHWM`; 0 where it cannot be read), not device memory. Checkpoints are saved
+/// and resumed as `ckpt` says, as on the GPU.
 ///
 /// # Errors
 /// [`TrainError::Data`] when a split is shorter than one window; [`TrainError::Runtime`] for a
 /// model configuration the CPU model refuses (heads that do not divide the hidden size, ...),
-/// an invalid LR schedule, or `batch` or `seq_length` of 0; [`TrainError::NonFinite`] and
-/// [`TrainError::Interrupted`] as [`crate::train::train`].
+/// an invalid LR schedule, or `batch` or `seq_length` of 0; [`TrainError::Resume`],
+/// [`TrainError::NonFinite`] and [`TrainError::Interrupted`] as [`crate::train::train`].
 pub fn train_cpu(
     corpus: &Corpus,
     cfg: &TrainConfig,
@@ -53,19 +57,24 @@ pub fn train_cpu(
         max_grad_norm: gpu.max_grad_norm,
         skip_nonfinite: gpu.skip_nonfinite,
     };
-    let mut opt = GptAdamW::new(&model, opt_cfg);
+    let opt = GptAdamW::new(&model, opt_cfg);
+    let mut run = CpuRun { model, opt };
     let (seq, batch) = (cfg.model.seq_length, cfg.batch);
     let mut train_batches = Batcher::new(cfg.data_seed, seq, batch);
     let mut records = Vec::new();
+    let mut checkpoints = Checkpointer::new(ckpt, cfg, precision);
+    let done = checkpoints.resume(&mut run, &mut records)?;
+    train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
+    let mut times = Vec::new();
     let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
-    for step in 1..=cfg.steps {
+    for step in done + 1..=cfg.steps {
         let start = Instant::now();
         let mut loss_sum = 0.0f32;
         let mut grads: Vec<(String, Vec<f32>)> = Vec::new();
         for _ in 0..cfg.grad_accum {
             let b = train_batches.next(&corpus.train, "train")?;
-            let (loss, ctx) = model.forward_loss(&b.ids, &b.targets, seq, batch)?;
-            let g = model.backward(ctx)?;
+            let (loss, ctx) = run.model.forward_loss(&b.ids, &b.targets, seq, batch)?;
+            let g = run.model.backward(ctx)?;
             // The step's gradient is that of the mean loss over its micro-batches: each
             // micro-batch's weighs 1 / grad_accum, as `MicroBatch::grad_scale` on the GPU.
             let w = 1.0 / cfg.grad_accum as f32;
@@ -78,31 +87,65 @@ pub fn train_cpu(
             }
             loss_sum += loss;
         }
-        let stats = opt.step(&mut model, &grads, schedule.lr(step))?;
+        let stats = run.opt.step(&mut run.model, &grads, schedule.lr(step))?;
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
+        times.push(step_ms);
         let train_loss = loss_sum / cfg.grad_accum as f32;
-        // The CPU path writes no checkpoints.
-        guard.check(step, (train_loss, stats.grad_norm, stats.skipped), None)?;
+        guard.check(step, (train_loss, stats.grad_norm, stats.skipped), checkpoints.last())?;
         let val_loss = if step % cfg.eval_interval.max(1) == 0 || step == cfg.steps {
-            Some(evaluate(&model, corpus, cfg)?)
+            Some(evaluate(&run.model, corpus, cfg)?)
         } else {
             None
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
-        if ckpt.stop_requested() && step < cfg.steps {
-            return Err(TrainError::Interrupted { step, checkpoint: None });
-        }
+        checkpoints.after_step(step, &run, &records)?;
     }
-    let median_ms = median(&mut records.iter().skip(1).map(|r| r.step_ms).collect::<Vec<_>>());
+    // Over the steps this process ran (a resumed run's records include the earlier ones).
+    let median_ms = median(&mut times.into_iter().skip(1).collect::<Vec<_>>());
     let tokens = (seq * batch * cfg.grad_accum) as f64;
     Ok(RunSummary {
         precision,
         records,
         tokens_per_s: tokens / (median_ms / 1e3),
         peak_memory: peak_rss(),
-        parameters: model.num_parameters(),
+        parameters: run.model.num_parameters(),
     })
+}
+
+/// The CPU run's model and optimizer.
+struct CpuRun {
+    model: GptRef,
+    opt: GptAdamW,
+}
+
+impl RunState for CpuRun {
+    fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError> {
+        let mut options = SaveOptions::default();
+        options.metadata.insert("step".into(), step.to_string());
+        self.model.save(dir.join("model.safetensors"), &options)?;
+        self.opt.save_state(&self.model, dir.join("optimizer.safetensors"))?;
+        Ok(())
+    }
+
+    fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError> {
+        self.model.load(dir.join("model.safetensors"), &LoadOptions::default())?;
+        // The master weights replace the stored (params_dtype) ones.
+        self.opt.load_state(&mut self.model, dir.join("optimizer.safetensors"))?;
+        Ok(self.opt.step_count())
+    }
+
+    fn dropout_offset(&self) -> u64 {
+        self.model.dropout_offset()
+    }
+
+    fn set_dropout_offset(&mut self, offset: u64) -> Result<(), TrainError> {
+        Ok(self.model.set_dropout_offset(offset)?)
+    }
+
+    fn nonfinite_states(&self) -> Result<Vec<String>, TrainError> {
+        Ok(self.model.nonfinite_fp8_states())
+    }
 }
 
 /// Mean validation loss over `cfg.eval_batches` fixed batches (those of the GPU job).
@@ -207,20 +250,57 @@ mod tests {
         assert!(run.records.iter().any(|r| !r.train_loss.is_finite()), "the run diverged");
     }
 
-    /// A stop request ends the run after the step in progress, with the typed error.
+    /// A stop request ends the run after the step in progress, with the typed error, and
+    /// writes that step's checkpoint when there is a checkpoint directory.
     #[test]
     fn a_stop_request_ends_the_run_after_its_step() {
         let (corpus, cfg) = small();
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let ckpt = CheckpointOptions { stop: Some(stop.clone()), ..Default::default() };
-        let request = |step: u64, _: f32| {
-            if step == 3 {
-                stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
+        let dir = tempfile::tempdir().unwrap();
+        for ckpt_dir in [None, Some(dir.path().join("checkpoints"))] {
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let ckpt = CheckpointOptions { stop: Some(stop.clone()), dir: ckpt_dir.clone(), ..Default::default() };
+            let request = |step: u64, _: f32| {
+                if step == 3 {
+                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            };
+            let e = train_cpu(&corpus, &cfg, Precision::Bf16, &ckpt, request).unwrap_err();
+            let written = ckpt_dir.map(|d| d.join("bf16").join("step-0000003"));
+            assert!(matches!(&e, TrainError::Interrupted { step: 3, checkpoint } if *checkpoint == written), "{e}");
+            assert!(e.to_string().contains("after step 3"), "{e}");
+        }
+    }
+
+    /// A run stopped at step 5 (checkpoints every 2 steps and at the stop) and resumed finishes
+    /// with the loss curve of the run that never stopped, bit for bit (FP8 and BF16 emulation,
+    /// gradient accumulation, dropout, evaluations); a resume with other settings is refused.
+    #[test]
+    fn a_resumed_run_equals_the_straight_run() {
+        let (corpus, cfg) = small();
+        let cfg = TrainConfig { model: GptConfig { hidden_dropout: 0.1, ..cfg.model }, ..cfg };
+        let losses = |run: &RunSummary| -> Vec<(u64, f32, Option<f32>)> {
+            run.records.iter().map(|r| (r.step, r.train_loss, r.val_loss)).collect()
         };
-        let e = train_cpu(&corpus, &cfg, Precision::Bf16, &ckpt, request).unwrap_err();
-        assert!(matches!(e, TrainError::Interrupted { step: 3, checkpoint: None }), "{e}");
-        assert!(e.to_string().contains("after step 3"), "{e}");
+        for precision in [Precision::Fp8, Precision::Bf16] {
+            let dir = tempfile::tempdir().unwrap();
+            let straight = train_cpu(&corpus, &cfg, precision, &CheckpointOptions::default(), |_, _| {}).unwrap();
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let ckpt = CheckpointOptions {
+                dir: Some(dir.path().to_path_buf()),
+                interval: 2,
+                resume: true,
+                stop: Some(stop.clone()),
+            };
+            let request = |step: u64, _: f32| stop.store(step == 5, std::sync::atomic::Ordering::Relaxed);
+            let e = train_cpu(&corpus, &cfg, precision, &ckpt, request).unwrap_err();
+            assert!(matches!(e, TrainError::Interrupted { step: 5, checkpoint: Some(_) }), "{e}");
+            stop.store(false, std::sync::atomic::Ordering::Relaxed);
+            let resumed = train_cpu(&corpus, &cfg, precision, &ckpt, |step, _| assert!(step > 5)).unwrap();
+            assert_eq!(losses(&resumed), losses(&straight), "{precision:?}");
+            let other = TrainConfig { lr: cfg.lr * 2.0, ..cfg.clone() };
+            let e = train_cpu(&corpus, &other, precision, &ckpt, |_, _| {}).unwrap_err();
+            assert!(matches!(&e, TrainError::Resume { message, .. } if message.contains("lr")), "{e}");
+        }
     }
 
     /// A configuration the host cannot hold (the probe `--seq-length 100000` that used to abort

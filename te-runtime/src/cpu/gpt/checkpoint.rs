@@ -138,6 +138,22 @@ impl GptRef {
         Ok(ck.report)
     }
 
+    /// The paths of the FP8 scaling states (as [`GptRef::save`] names them) holding a NaN or
+    /// infinite amax, scale or scale_inv: what a checkpoint must not keep.
+    pub fn nonfinite_fp8_states(&self) -> Vec<String> {
+        let len = self.history_len();
+        let mut out = Vec::new();
+        for (g, s) in self.fp8.iter().enumerate() {
+            let prefix = state_prefix(g, self.cfg.num_layers);
+            for (name, snap) in ["fp8_fwd", "fp8_bwd"].into_iter().zip(s.snapshots(FWD_SLOTS, len)) {
+                if !snap.amax_history.iter().chain(&snap.scale).chain(&snap.scale_inv).all(|x| x.is_finite()) {
+                    out.push(format!("{prefix}{name}"));
+                }
+            }
+        }
+        out
+    }
+
     /// The amax history length of the FP8 recipe (1 without FP8: no states are written).
     fn history_len(&self) -> usize {
         match self.precision {

@@ -42,6 +42,7 @@
 
 mod adamw;
 mod checkpoint;
+mod decode;
 mod generate;
 mod math;
 mod params;
@@ -50,6 +51,7 @@ mod precision;
 mod tests;
 
 pub use adamw::{GptAdamW, GptAdamWConfig, GptStepStats};
+pub use decode::KvCache;
 pub use params::NamedParam;
 pub use precision::GemmPrecision;
 
@@ -183,7 +185,7 @@ impl GptRef {
         dropout_offset: Option<u64>,
     ) -> Result<(f32, GptRefCtx, Vec<[f32; 2]>)> {
         self.check_batch(ids, targets, s, b)?;
-        let Forward { logits, layers, last, head, amaxes } = self.logits_of(ids, s, b, dropout_offset);
+        let Forward { logits, layers, last, head, amaxes } = self.logits_of(ids, s, b, dropout_offset, None);
         let v = self.cfg.vocab_size;
         let counted = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
         let grad_scale = if counted == 0 { 0.0 } else { 1.0 / counted as f32 };
@@ -194,11 +196,21 @@ impl GptRef {
         Ok((mean, ctx, amaxes))
     }
 
-    /// The logits of checked `ids` `[s, b]`, with what the backward keeps.
-    fn logits_of(&self, ids: &[i32], s: usize, b: usize, dropout_offset: Option<u64>) -> Forward {
+    /// The logits of checked `ids` `[s, b]`, with what the backward keeps. With a `cache`
+    /// (decoding, no dropout), the tokens are at positions `cache.len()..`, attend over the
+    /// cached keys and values too, and append theirs; the probabilities are not kept.
+    fn logits_of(
+        &self,
+        ids: &[i32],
+        s: usize,
+        b: usize,
+        dropout_offset: Option<u64>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Forward {
         let cfg = &self.cfg;
         let (h, f, v, t) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, s * b);
-        let pos: Vec<i32> = (0..t).map(|i| (i / b) as i32).collect();
+        let first = cache.as_ref().map_or(0, |c| c.len());
+        let pos: Vec<i32> = (0..t).map(|i| (first + i / b) as i32).collect();
         let tok = embedding::forward(&self.params[0].value, h, ids);
         let wpe = embedding::forward(&self.params[1].value, h, &pos);
         let mut x: Vec<f32> = tok.iter().zip(&wpe).map(|(a, b)| a + b).collect();
@@ -215,7 +227,11 @@ impl GptRef {
             let ln1 = self.norm(self.lp(l, 0), self.lp(l, 1)).forward(&x);
             let qkv_ops = self.gemm_operands(4 * l, &ln1, self.lp(l, 2), &mut amaxes);
             let qkv = linear(&qkv_ops.0, &qkv_ops.1, Some(self.lp(l, 3)), t, 3 * h, h);
-            let (o, probs) = attention_forward(&qkv, s, b, cfg.num_attention_heads, h / cfg.num_attention_heads);
+            let (heads, d) = (cfg.num_attention_heads, h / cfg.num_attention_heads);
+            let (o, probs) = match cache.as_deref_mut() {
+                Some(c) => (c.attend(l, &qkv, s, heads, d), Vec::new()),
+                None => attention_forward(&qkv, s, b, heads, d),
+            };
             let proj_ops = self.gemm_operands(4 * l + 1, &o, self.lp(l, 4), &mut amaxes);
             let a = linear(&proj_ops.0, &proj_ops.1, Some(self.lp(l, 5)), t, h, h);
             let (h1, mask1) = self.residual_dropout(&a, &x, dropout(0));
@@ -239,6 +255,9 @@ impl GptRef {
                 gemms: [qkv_ops, proj_ops, fc1_ops, fc2_ops],
             });
         }
+        if let Some(c) = cache {
+            c.advance(s);
+        }
         let yf = self.norm(self.tail(0), self.tail(1)).forward(&x);
         let head = self.gemm_operands(4 * cfg.num_layers, &yf, self.tail(2), &mut amaxes);
         let logits = linear(&head.0, &head.1, None, t, v, h);
@@ -254,7 +273,7 @@ impl GptRef {
     /// [`Error::Argument`] for an id outside `[0, vocab)`.
     pub fn logits(&self, ids: &[i32], s: usize, b: usize) -> Result<Vec<f32>> {
         self.check_batch(ids, &vec![IGNORE_INDEX; ids.len()], s, b)?;
-        Ok(self.logits_of(ids, s, b, None).logits)
+        Ok(self.logits_of(ids, s, b, None, None).logits)
     }
 
     /// The mean cross-entropy over the targets that are not [`IGNORE_INDEX`] (0 when all are)

@@ -1,0 +1,465 @@
+//! Checkpoints of a `te train` run, on the GPU and on the CPU path alike.
+//!
+//! A checkpoint of a run is a directory `<checkpoint_dir>/<precision>/step-NNNNNNN/` holding
+//! `model.safetensors` (weights and FP8 state, [`te_runtime::checkpoint`]),
+//! `optimizer.safetensors` ([`te_runtime::optim::AdamW::save_state`]), `history.csv` (the loss
+//! curve so far) and `trainer.toml` (the step, the dropout stream position, the settings the
+//! run must be resumed with, and the model: its architecture, precision and FP8 recipe, what
+//! `te generate` rebuilds it from); `<checkpoint_dir>/<precision>/latest.toml`, a copy of the
+//! newest complete one's `trainer.toml`, is what `resume` starts from. It is rewritten
+//! (atomically) only after the new directory is complete, and the checkpoint before stays on
+//! disk, so a crash while saving never loses the last good checkpoint; copying an older
+//! `trainer.toml` over it resumes from that one.
+//!
+//! The files are the same on both paths (the CPU model writes the device model's format), so a
+//! run started on the CPU can be sampled from anywhere.
+
+use crate::train::{CheckpointOptions, Precision, Record, TrainConfig, TrainError};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use te_runtime::checkpoint::write_atomic;
+use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling, Format};
+use te_runtime::models::gpt::GptConfig;
+use te_runtime::DType;
+
+/// The model and its optimizer as a checkpoint saves and restores them: the GPU's `Gpt` and
+/// `AdamW`, or the CPU path's `GptRef` and `GptAdamW`.
+pub trait RunState {
+    /// Writes `model.safetensors` (with `step` in its metadata) and `optimizer.safetensors`
+    /// into `dir`.
+    ///
+    /// # Errors
+    /// Runtime (I/O, device) errors.
+    fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError>;
+    /// Restores model and optimizer from `dir`; returns the optimizer's step count.
+    ///
+    /// # Errors
+    /// Runtime errors: missing, corrupt or foreign files.
+    fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError>;
+    /// The dropout stream position.
+    fn dropout_offset(&self) -> u64;
+    /// Moves the dropout stream to `offset`.
+    ///
+    /// # Errors
+    /// An offset the model cannot take.
+    fn set_dropout_offset(&mut self, offset: u64) -> Result<(), TrainError>;
+    /// The paths of FP8 scaling states holding a NaN or infinite value.
+    ///
+    /// # Errors
+    /// Device errors reading them.
+    fn nonfinite_states(&self) -> Result<Vec<String>, TrainError>;
+}
+
+/// The model a checkpoint holds, as `trainer.toml` records it: what `te generate` rebuilds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelSection {
+    /// `fp8` or `bf16`: the run's precision.
+    pub precision: String,
+    /// [`GptConfig::vocab_size`].
+    pub vocab_size: usize,
+    /// [`GptConfig::hidden_size`].
+    pub hidden_size: usize,
+    /// [`GptConfig::num_layers`].
+    pub num_layers: usize,
+    /// [`GptConfig::num_attention_heads`].
+    pub num_attention_heads: usize,
+    /// [`GptConfig::ffn_hidden_size`].
+    pub ffn_hidden_size: usize,
+    /// [`GptConfig::seq_length`]: the model's context.
+    pub seq_length: usize,
+    /// [`GptConfig::hidden_dropout`].
+    pub hidden_dropout: f32,
+    /// [`GptConfig::params_dtype`] (`bf16`, `f32`, `f16`).
+    pub params_dtype: String,
+    /// [`GptConfig::fp8_lm_head`].
+    pub fp8_lm_head: bool,
+    /// The FP8 recipe (`DelayedScaling`): format (`hybrid` or `e4m3`).
+    pub fp8_format: String,
+    /// Amax history length.
+    pub amax_history_len: usize,
+    /// `max` or `most_recent`.
+    pub amax_compute_algo: String,
+    /// Scale margin.
+    pub margin: f32,
+    /// Attention in FP8 (`fp8_dpa`).
+    pub fp8_dpa: bool,
+}
+
+impl ModelSection {
+    /// The section of a run of `cfg` in `precision`.
+    pub fn new(cfg: &TrainConfig, precision: Precision) -> Self {
+        let (m, r) = (&cfg.model, &cfg.recipe);
+        Self {
+            precision: precision.name().into(),
+            vocab_size: m.vocab_size,
+            hidden_size: m.hidden_size,
+            num_layers: m.num_layers,
+            num_attention_heads: m.num_attention_heads,
+            ffn_hidden_size: m.ffn_hidden_size,
+            seq_length: m.seq_length,
+            hidden_dropout: m.hidden_dropout,
+            params_dtype: m.params_dtype.to_string(),
+            fp8_lm_head: m.fp8_lm_head,
+            fp8_format: match r.fp8_format {
+                Format::Hybrid => "hybrid".into(),
+                Format::E4M3 => "e4m3".into(),
+            },
+            amax_history_len: r.amax_history_len,
+            amax_compute_algo: match r.amax_compute_algo {
+                AmaxComputeAlgo::Max => "max".into(),
+                AmaxComputeAlgo::MostRecent => "most_recent".into(),
+            },
+            margin: r.margin,
+            fp8_dpa: r.fp8_dpa,
+        }
+    }
+
+    /// The model's config (`seed`: the run's, which only the dropout stream uses), precision and
+    /// recipe; a message naming the field for a value this version cannot take.
+    pub fn decode(&self, seed: u64) -> Result<(GptConfig, Precision, DelayedScaling), String> {
+        let precision = Precision::from_name(&self.precision)?;
+        let params_dtype: DType = self.params_dtype.parse()?;
+        let fp8_format = te_runtime::prewarm::parse_fp8_format(&self.fp8_format)?;
+        let amax_compute_algo = match self.amax_compute_algo.as_str() {
+            "max" => AmaxComputeAlgo::Max,
+            "most_recent" => AmaxComputeAlgo::MostRecent,
+            a => return Err(format!("amax_compute_algo `{a}`: expected max or most_recent")),
+        };
+        let model = GptConfig {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            num_layers: self.num_layers,
+            num_attention_heads: self.num_attention_heads,
+            ffn_hidden_size: self.ffn_hidden_size,
+            seq_length: self.seq_length,
+            hidden_dropout: self.hidden_dropout,
+            params_dtype,
+            seed,
+            fp8_lm_head: self.fp8_lm_head,
+        };
+        let recipe = DelayedScaling {
+            margin: self.margin,
+            fp8_format,
+            amax_history_len: self.amax_history_len,
+            amax_compute_algo,
+            fp8_dpa: self.fp8_dpa,
+            ..DelayedScaling::default()
+        };
+        Ok((model, precision, recipe))
+    }
+}
+
+/// What `latest.toml` (and each checkpoint's `trainer.toml`) records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Latest {
+    /// The checkpoint directory's name (`step-NNNNNNN`), relative to the run's directory.
+    pub dir: String,
+    /// Optimizer steps done.
+    pub step: u64,
+    /// The model's dropout stream position.
+    pub dropout_offset: u64,
+    /// Settings a resumed run must share (data order and schedule).
+    pub batch: usize,
+    /// Micro-batches per step.
+    pub grad_accum: usize,
+    /// Tokens per sequence.
+    pub seq_length: usize,
+    /// Peak learning rate.
+    pub lr: f32,
+    /// Data order seed.
+    pub data_seed: u64,
+    /// Model (init and dropout) seed.
+    pub model_seed: u64,
+    /// The model (absent in checkpoints written before `te generate`).
+    #[serde(default)]
+    pub model: Option<ModelSection>,
+}
+
+/// `latest.toml` of a run, or `None` when there is none.
+///
+/// # Errors
+/// [`TrainError::Resume`] for an unreadable file; [`TrainError::Output`] for an I/O error.
+pub fn read_latest(path: &Path) -> Result<Option<Latest>, TrainError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => toml::from_str(&text)
+            .map(Some)
+            .map_err(|e| TrainError::Resume { path: path.to_path_buf(), message: format!("unreadable: {e}") }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TrainError::Output { path: path.to_path_buf(), source }),
+    }
+}
+
+/// The checkpointing of one run: resuming at its start, saving after its steps, the newest good
+/// checkpoint for error messages.
+#[derive(Debug)]
+pub struct Checkpointer<'a> {
+    opts: &'a CheckpointOptions,
+    cfg: &'a TrainConfig,
+    precision: Precision,
+    /// `<dir>/<precision>`, with a checkpoint directory.
+    run_dir: Option<PathBuf>,
+    last: Option<PathBuf>,
+}
+
+impl<'a> Checkpointer<'a> {
+    /// The checkpointing `opts` asks for, of a run of `cfg` in `precision`.
+    pub fn new(opts: &'a CheckpointOptions, cfg: &'a TrainConfig, precision: Precision) -> Self {
+        let run_dir = opts.dir.as_ref().map(|d| d.join(precision.name()));
+        Self { opts, cfg, precision, run_dir, last: None }
+    }
+
+    /// The newest good checkpoint: the one resumed from, then each one saved.
+    pub fn last(&self) -> Option<&Path> {
+        self.last.as_deref()
+    }
+
+    /// With `--resume` and a checkpoint in the run's directory: restores `state` and the loss
+    /// curve (`records`) from it and returns the steps it had done; else 0.
+    ///
+    /// # Errors
+    /// [`TrainError::Resume`] for a checkpoint made with other settings or inconsistent files;
+    /// runtime errors loading them.
+    pub fn resume(&mut self, state: &mut dyn RunState, records: &mut Vec<Record>) -> Result<u64, TrainError> {
+        let Some(run_dir) = self.run_dir.as_ref().filter(|_| self.opts.resume) else { return Ok(0) };
+        let path = run_dir.join("latest.toml");
+        let Some(latest) = read_latest(&path)? else { return Ok(0) };
+        let cfg = self.cfg;
+        let err = |message: String| TrainError::Resume { path: path.clone(), message };
+        let want = [
+            ("batch", latest.batch.to_string(), cfg.batch.to_string()),
+            ("grad_accum", latest.grad_accum.to_string(), cfg.grad_accum.to_string()),
+            ("seq_length", latest.seq_length.to_string(), cfg.model.seq_length.to_string()),
+            ("lr", latest.lr.to_string(), cfg.lr.to_string()),
+            ("seed", latest.data_seed.to_string(), cfg.data_seed.to_string()),
+            ("model seed", latest.model_seed.to_string(), cfg.model.seed.to_string()),
+        ];
+        let mut differ: Vec<String> =
+            want.iter().filter(|(_, a, b)| a != b).map(|(n, a, b)| format!("{n} {a} (checkpoint) vs {b}")).collect();
+        if let Some(m) = &latest.model {
+            let now = ModelSection::new(cfg, self.precision);
+            if *m != now {
+                differ.push(format!("the model or its recipe: {m:?} (checkpoint) vs {now:?}"));
+            }
+        }
+        if !differ.is_empty() {
+            return Err(err(format!(
+                "the run was made with other settings: {}; resume with the checkpoint's, or use another --out",
+                differ.join(", ")
+            )));
+        }
+        if latest.step > cfg.steps {
+            return Err(err(format!("it is at step {}, beyond --steps {}", latest.step, cfg.steps)));
+        }
+        let dir = run_dir.join(&latest.dir);
+        let steps = state.load_files(&dir)?;
+        if steps != latest.step {
+            return Err(err(format!("optimizer.safetensors is at step {steps}, latest.toml at {}", latest.step)));
+        }
+        state.set_dropout_offset(latest.dropout_offset)?;
+        *records = read_history(&dir.join("history.csv"))?;
+        self.last = Some(dir);
+        Ok(latest.step)
+    }
+
+    /// After step `step`: saves a checkpoint when one is due (every `interval` steps, at the
+    /// last step, and when a stop was requested), then ends the run with
+    /// [`TrainError::Interrupted`] when a stop was requested before the last step.
+    ///
+    /// # Errors
+    /// That stop; [`TrainError::NonFinite`] for an FP8 scaling state that is not finite (the
+    /// checkpoint is not written); I/O and runtime errors of the save.
+    pub fn after_step(&mut self, step: u64, state: &dyn RunState, records: &[Record]) -> Result<(), TrainError> {
+        let stop = self.opts.stop_requested() && step < self.cfg.steps;
+        let interval = self.opts.interval;
+        if let Some(run_dir) = &self.run_dir {
+            if (interval > 0 && step % interval == 0) || step == self.cfg.steps || stop {
+                self.last = Some(save(run_dir, self.cfg, self.precision, step, state, records)?);
+            }
+        }
+        if stop {
+            return Err(TrainError::Interrupted { step, checkpoint: self.last.clone() });
+        }
+        Ok(())
+    }
+}
+
+/// Saves step `step` of a run into `run_dir`, then points `latest.toml` at it and removes the
+/// checkpoints older than the previous one.
+fn save(
+    run_dir: &Path,
+    cfg: &TrainConfig,
+    precision: Precision,
+    step: u64,
+    state: &dyn RunState,
+    records: &[Record],
+) -> Result<PathBuf, TrainError> {
+    let bad = state.nonfinite_states()?;
+    if let Some(path) = bad.first() {
+        return Err(TrainError::NonFinite {
+            step,
+            message: format!(
+                "the FP8 scaling state {path} holds a NaN or infinite value ({} states in all); the checkpoint was \
+                 not written. The previous checkpoint is kept: continue from it with --resume, with a lower --lr",
+                bad.len()
+            ),
+        });
+    }
+    let name = format!("step-{step:07}");
+    let dir = run_dir.join(&name);
+    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Output { path: dir.clone(), source })?;
+    state.save_files(&dir, step)?;
+    write_history(&dir.join("history.csv"), records)?;
+    let latest = Latest {
+        dir: name.clone(),
+        step,
+        dropout_offset: state.dropout_offset(),
+        batch: cfg.batch,
+        grad_accum: cfg.grad_accum,
+        seq_length: cfg.model.seq_length,
+        lr: cfg.lr,
+        data_seed: cfg.data_seed,
+        model_seed: cfg.model.seed,
+        model: Some(ModelSection::new(cfg, precision)),
+    };
+    let path = run_dir.join("latest.toml");
+    let previous = read_latest(&path)?.map(|l| l.dir);
+    let text =
+        toml::to_string(&latest).map_err(|e| TrainError::Resume { path: path.clone(), message: e.to_string() })?;
+    // The step's own copy (to resume from it by copying it over latest.toml), then the pointer.
+    for file in [dir.join("trainer.toml"), path] {
+        write_text(&file, &text)?;
+    }
+    // Keep the newest and the one before it; older ones are no longer needed.
+    let entries = std::fs::read_dir(run_dir).map_err(|source| TrainError::Output { path: run_dir.into(), source })?;
+    for entry in entries.flatten() {
+        let n = entry.file_name().to_string_lossy().into_owned();
+        if n.starts_with("step-") && n != name && Some(&n) != previous.as_ref() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    Ok(dir)
+}
+
+/// Writes a loss curve as `step,train_loss,val_loss,step_ms` (atomically).
+fn write_history(path: &Path, records: &[Record]) -> Result<(), TrainError> {
+    let mut text = String::from("step,train_loss,val_loss,step_ms\n");
+    for r in records {
+        let val = r.val_loss.map(|v| v.to_string()).unwrap_or_default();
+        text.push_str(&format!("{},{},{val},{}\n", r.step, r.train_loss, r.step_ms));
+    }
+    write_text(path, &text)
+}
+
+/// Writes `text` to `path` atomically (a crash leaves the old file or the new one).
+fn write_text(path: &Path, text: &str) -> Result<(), TrainError> {
+    write_atomic(path, |tmp| {
+        std::fs::write(tmp, text)
+            .map_err(|e| te_runtime::Error::Checkpoint { message: format!("{}: {e}", tmp.display()) })
+    })?;
+    Ok(())
+}
+
+/// Reads what [`write_history`] wrote (floats round-trip exactly through their shortest form).
+fn read_history(path: &Path) -> Result<Vec<Record>, TrainError> {
+    let bad =
+        |line: usize| TrainError::Resume { path: path.to_path_buf(), message: format!("line {line} is malformed") };
+    let text = std::fs::read_to_string(path).map_err(|source| TrainError::Output { path: path.into(), source })?;
+    text.lines()
+        .enumerate()
+        .skip(1)
+        .map(|(i, line)| {
+            let f: Vec<&str> = line.split(',').collect();
+            let [step, train, val, ms] = f[..] else { return Err(bad(i + 1)) };
+            Ok(Record {
+                step: step.parse().map_err(|_| bad(i + 1))?,
+                train_loss: train.parse().map_err(|_| bad(i + 1))?,
+                val_loss: if val.is_empty() { None } else { Some(val.parse().map_err(|_| bad(i + 1))?) },
+                step_ms: ms.parse().map_err(|_| bad(i + 1))?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_round_trips_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("history.csv");
+        let records = vec![
+            Record { step: 1, train_loss: 5.545_177_5, val_loss: None, step_ms: 12.345_678 },
+            Record { step: 2, train_loss: 0.1 + 0.2, val_loss: Some(1.0 / 3.0), step_ms: 0.001 },
+        ];
+        write_history(&path, &records).unwrap();
+        assert_eq!(read_history(&path).unwrap(), records);
+        std::fs::write(&path, "step,train_loss,val_loss,step_ms\n1,2\n").unwrap();
+        let e = read_history(&path).unwrap_err();
+        assert!(e.to_string().contains("line 2 is malformed"), "{e}");
+    }
+
+    fn train_config() -> TrainConfig {
+        TrainConfig {
+            model: GptConfig { seed: 9, ..GptConfig::tiny() },
+            steps: 10,
+            batch: 8,
+            grad_accum: 2,
+            lr: 6e-4,
+            warmup_steps: 1,
+            max_grad_norm: 1.0,
+            eval_interval: 5,
+            eval_batches: 1,
+            data_seed: 1,
+            recipe: DelayedScaling { amax_history_len: 16, ..DelayedScaling::default() },
+            skip_nonfinite_steps: 0,
+        }
+    }
+
+    /// `latest.toml` round-trips with its model section, and one written before the section
+    /// existed still reads (without it); a missing file is `None`, a broken one an error.
+    #[test]
+    fn latest_toml_round_trips_and_missing_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("latest.toml");
+        assert!(read_latest(&path).unwrap().is_none());
+        let cfg = train_config();
+        let l = Latest {
+            dir: "step-0000010".into(),
+            step: 10,
+            dropout_offset: 20,
+            batch: 8,
+            grad_accum: 2,
+            seq_length: 128,
+            lr: 6e-4,
+            data_seed: 1,
+            model_seed: 1,
+            model: Some(ModelSection::new(&cfg, Precision::Fp8)),
+        };
+        std::fs::write(&path, toml::to_string(&l).unwrap()).unwrap();
+        assert_eq!(read_latest(&path).unwrap(), Some(l.clone()));
+        let old = "dir = \"step-0000010\"\nstep = 10\ndropout_offset = 20\nbatch = 8\ngrad_accum = 2\n\
+                   seq_length = 128\nlr = 6e-4\ndata_seed = 1\nmodel_seed = 1\n";
+        std::fs::write(&path, old).unwrap();
+        assert_eq!(read_latest(&path).unwrap(), Some(Latest { model: None, ..l }));
+        std::fs::write(&path, "dir = 3").unwrap();
+        assert!(matches!(read_latest(&path), Err(TrainError::Resume { .. })));
+    }
+
+    /// The model section gives back the run's config, precision and recipe; a value this
+    /// version does not know is a message naming it.
+    #[test]
+    fn model_section_decodes_to_the_run() {
+        let cfg = train_config();
+        for p in [Precision::Fp8, Precision::Bf16] {
+            let (model, precision, recipe) = ModelSection::new(&cfg, p).decode(cfg.model.seed).unwrap();
+            assert_eq!((model, precision, recipe), (cfg.model.clone(), p, cfg.recipe));
+        }
+        let bad = ModelSection { params_dtype: "f8".into(), ..ModelSection::new(&cfg, Precision::Bf16) };
+        assert!(bad.decode(0).unwrap_err().contains("f8"));
+        let bad = ModelSection { amax_compute_algo: "mean".into(), ..ModelSection::new(&cfg, Precision::Bf16) };
+        assert!(bad.decode(0).unwrap_err().contains("mean"));
+        let bad = ModelSection { precision: "fp4".into(), ..ModelSection::new(&cfg, Precision::Bf16) };
+        assert!(bad.decode(0).unwrap_err().contains("fp4"));
+    }
+}
