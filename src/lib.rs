@@ -4,6 +4,7 @@
 
 pub mod data;
 pub mod embed;
+pub mod generate;
 pub mod hf;
 pub mod plot;
 pub mod run_checkpoint;

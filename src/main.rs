@@ -5,6 +5,7 @@
 //!   not wait for NVRTC.
 //! - `te info`: the device, its arch, the driver and NVRTC versions, and the kernel cache.
 //! - `te train`: a byte-level GPT trained on Shakespeare in FP8 and in BF16, compared.
+//! - `te generate`: text sampled from a `te train` checkpoint.
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -35,6 +36,8 @@ enum Command {
     Info,
     /// Train a byte-level GPT on Shakespeare (or your text) in FP8 and in BF16 and compare them.
     Train(TrainArgs),
+    /// Sample text from a `te train` checkpoint (streamed; prefill and decode speed on stderr).
+    Generate(te::generate::GenerateArgs),
     /// Sentence embeddings with a BERT model (all-MiniLM-L6-v2 by default) in FP8, BF16 or on the CPU.
     Embed(te::embed::EmbedArgs),
 }
@@ -442,6 +445,16 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+fn run_generate(a: &te::generate::GenerateArgs) -> Result<(), Failure> {
+    if te_runtime::device::gpu_available() {
+        eprintln!("te generate runs on the CPU reference path (the GPU decode path is not built yet)");
+    }
+    let mut stdout = std::io::stdout().lock();
+    let report = te::generate::run(a, &mut stdout).map_err(|e| e.to_string())?;
+    eprintln!("{}", report.speeds());
+    Ok(())
+}
+
 /// The results as a Markdown table (what docs/training.md holds).
 fn summary_table(where_: &str, preset: &str, cfg: &te::train::TrainConfig, runs: &[te::train::RunSummary]) -> String {
     let mut s = format!(
@@ -534,6 +547,7 @@ fn main() -> ExitCode {
         Command::Prewarm(a) => run_prewarm(a).map_err(Failure::from),
         Command::Info => run_info().map_err(Failure::from),
         Command::Train(a) => run_train(a),
+        Command::Generate(a) => run_generate(a),
         Command::Embed(a) => {
             te::embed::run(a).map(|r| eprintln!("embed: {}", r.to_json())).map_err(|e| Failure::from(e.to_string()))
         }

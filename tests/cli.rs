@@ -133,6 +133,53 @@ fn train_tiny_runs_on_the_cpu_and_writes_its_results() {
     }
     let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
     assert_eq!(csv.lines().count(), 1 + 2 * 3, "a header and 3 steps per precision: {csv}");
+    for p in ["fp8", "bf16"] {
+        assert!(out.join("checkpoints").join(p).join("latest.toml").exists(), "{p} checkpoint written");
+    }
+    generate_samples_from_the_checkpoint(&out);
+}
+
+/// `te generate` on the checkpoints of a CPU run: the prompt and the new tokens on stdout, the
+/// speeds on stderr, the same text for the same seed, every precision and way of naming the
+/// checkpoint; typed errors for what does not fit.
+fn generate_samples_from_the_checkpoint(out: &std::path::Path) {
+    let generate = |args: &[&str]| te().arg("generate").args(args).output().unwrap();
+    let fp8 = out.join("checkpoints/fp8/latest");
+    let fp8 = fp8.to_str().unwrap();
+    let a = generate(&["--checkpoint", fp8, "--prompt", "to be", "--max-new-tokens", "20", "--seed", "3"]);
+    assert!(a.status.success(), "{}", text(&a));
+    assert!(a.stdout.starts_with(b"to be") && a.stdout.len() > 20, "{}", text(&a));
+    let err = String::from_utf8_lossy(&a.stderr);
+    assert!(
+        err.contains("fp8 precision") && err.contains("prefill 5 tokens") && err.contains("decode 19 steps"),
+        "{err}"
+    );
+    let b = generate(&["--checkpoint", fp8, "--prompt", "to be", "--max-new-tokens", "20", "--seed", "3"]);
+    assert_eq!(a.stdout, b.stdout, "the same seed gives the same text");
+    // A run's directory, the output directory with --precision, a step directory; BF16 and
+    // greedy, a batch of samples, a BF16 run in FP8 (calibrated).
+    let step = out.join("checkpoints/bf16/step-0000003");
+    let out_dir = out.to_str().unwrap();
+    for args in [
+        vec!["--checkpoint", out_dir, "--precision", "bf16", "--temperature", "0"],
+        vec!["--checkpoint", step.to_str().unwrap(), "--batch", "3", "--top-k", "5", "--top-p", "0.9"],
+        vec!["--checkpoint", step.to_str().unwrap(), "--precision", "fp8"],
+    ] {
+        let o = generate(&[&args[..], &["--prompt", "line", "--max-new-tokens", "8"]].concat());
+        assert!(o.status.success() && o.stdout.starts_with(b"line"), "{args:?}: {}", text(&o));
+    }
+    let errors: [(&[&str], &str); 5] = [
+        (&["--checkpoint", out_dir, "--prompt", "x"], "name one"),
+        (&["--checkpoint", fp8, "--prompt", &"x".repeat(32)], "context is 32 tokens"),
+        (&["--checkpoint", fp8, "--prompt", "x", "--max-new-tokens", "40"], "at most 31 new tokens"),
+        (&["--checkpoint", fp8, "--prompt", "x", "--batch", "0"], "--batch 0"),
+        (&["--checkpoint", "/nonexistent", "--prompt", "x"], "no such file"),
+    ];
+    for (args, want) in errors {
+        let o = generate(args);
+        assert!(!o.status.success() && text(&o).contains(want), "{args:?}: {}", text(&o));
+        assert!(o.stdout.is_empty(), "nothing written before the error: {}", text(&o));
+    }
 }
 
 /// SIGTERM (preemption) lets `te train` finish its step, write its checkpoint and exit with

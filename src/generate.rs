@@ -1,0 +1,403 @@
+//! `te generate`: text sampled from a `te train` checkpoint, streamed to stdout as it comes.
+//!
+//! The checkpoint's `trainer.toml` names the model (its `[model]` section: architecture,
+//! precision, FP8 recipe) and `model.safetensors` holds its weights and FP8 scaling states. The
+//! prompt's bytes are the first tokens (the models of `te train` are byte-level); each new
+//! token is drawn with the sampler of [`te_runtime::generate::SamplingConfig`] (temperature,
+//! top-k, top-p, Hugging Face `generate`'s order) from the Philox stream of `--seed`, so a
+//! seed gives the same text every time. The decode runs over a KV cache
+//! ([`te_runtime::cpu::gpt::KvCache`]): the prompt in one prefill, then one token per sample
+//! per step. Prefill and decode speed go to stderr.
+//!
+//! It runs on the CPU reference path ([`GptRef`]: f32 arithmetic, the GEMM inputs rounded to
+//! BF16 or fake-quantized to FP8 with the checkpoint's delayed-scaling state) on every machine
+//! for now; the GPU decode path is to come.
+
+use crate::run_checkpoint::{read_latest, Latest};
+use crate::train::Precision;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use te_runtime::checkpoint::LoadOptions;
+use te_runtime::cpu::gpt::{GemmPrecision, GptRef};
+use te_runtime::generate::{SamplingConfig, Utf8Stream};
+
+/// Tokens `te generate` draws when `--max-new-tokens` is not given (fewer when the model's
+/// context ends first).
+pub const DEFAULT_NEW_TOKENS: usize = 256;
+
+/// The options of `te generate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GenerateArgs {
+    /// A `te train` checkpoint: a run's directory (`train-out/checkpoints/fp8`), its `latest`
+    /// (`latest.toml`), one `step-NNNNNNN` directory, or `train-out` / `train-out/checkpoints`
+    /// (with both runs there, --precision picks one).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// The text to continue.
+    #[arg(long, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+    /// A file whose bytes are the text to continue.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Tokens (bytes) to draw per sample (default: 256, or what fits the model's context after
+    /// the prompt).
+    #[arg(long)]
+    pub max_new_tokens: Option<usize>,
+    /// Softmax temperature; 0 is greedy decoding.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep the most likely tokens up to this cumulative probability (nucleus sampling).
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Seed of the draws (the same seed gives the same text).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Samples of the prompt, drawn together as a batch (the first is streamed, the others
+    /// printed after it).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// GEMM precision: fp8 (with the checkpoint's FP8 scales, or scales calibrated on the
+    /// prompt for a BF16 checkpoint) or bf16; default: the run's.
+    #[arg(long, value_parser = ["fp8", "bf16"])]
+    pub precision: Option<String>,
+}
+
+/// Errors of `te generate`.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// The checkpoint cannot be found, read or used.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// What was given or read.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// The request does not fit the model.
+    #[error("{0}")]
+    Request(String),
+    /// The runtime (model, sampler).
+    #[error(transparent)]
+    Runtime(#[from] te_runtime::Error),
+    /// Reading the prompt or writing the text.
+    #[error("{what}: {source}")]
+    Io {
+        /// What failed.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// What one `te generate` did: tokens and times.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateReport {
+    /// The model's precision in this run.
+    pub precision: Precision,
+    /// Prompt tokens per sample.
+    pub prompt_tokens: usize,
+    /// New tokens per sample.
+    pub new_tokens: usize,
+    /// Samples.
+    pub batch: usize,
+    /// Prefill (the prompt through the model, and the first token) in seconds.
+    pub prefill_s: f64,
+    /// The remaining decode steps in seconds.
+    pub decode_s: f64,
+    /// The new tokens of each sample.
+    pub samples: Vec<Vec<u8>>,
+}
+
+impl GenerateReport {
+    /// The speeds as a line: prompt tokens per second of the prefill, new tokens per second
+    /// (all samples) of the decode.
+    pub fn speeds(&self) -> String {
+        let prefill = (self.prompt_tokens * self.batch) as f64 / self.prefill_s;
+        let steps = self.new_tokens.saturating_sub(1);
+        let decode = (steps * self.batch) as f64 / self.decode_s;
+        format!(
+            "{} precision on the CPU reference path: prefill {} tokens × {} in {:.1} ms ({prefill:.0} tokens/s); decode \
+             {steps} steps × {} in {:.1} ms ({decode:.0} tokens/s)",
+            self.precision.name(),
+            self.prompt_tokens,
+            self.batch,
+            self.prefill_s * 1e3,
+            self.batch,
+            self.decode_s * 1e3
+        )
+    }
+}
+
+/// A checkpoint found from what `--checkpoint` names: its step directory and `trainer.toml`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Located {
+    /// The `step-NNNNNNN` directory (`model.safetensors` inside).
+    pub dir: PathBuf,
+    /// Its `trainer.toml` (or the run's `latest.toml`).
+    pub latest: Latest,
+}
+
+/// Finds the checkpoint `path` names (see [`GenerateArgs::checkpoint`]); `precision` picks a
+/// run where a directory holds both.
+///
+/// # Errors
+/// [`GenerateError::Checkpoint`] saying what was looked for.
+pub fn locate(path: &Path, precision: Option<Precision>) -> Result<Located, GenerateError> {
+    let bad = |message: String| GenerateError::Checkpoint { path: path.to_path_buf(), message };
+    let read = |toml: &Path| -> Result<Option<Latest>, GenerateError> {
+        read_latest(toml).map_err(|e| GenerateError::Checkpoint { path: toml.to_path_buf(), message: e.to_string() })
+    };
+    // A file: latest.toml (its directory holds the step directories) or a step's trainer.toml.
+    let file = if path.is_file() {
+        Some(path.to_path_buf())
+    } else if path.file_name().is_some_and(|n| n == "latest") && path.with_extension("toml").is_file() {
+        Some(path.with_extension("toml"))
+    } else {
+        None
+    };
+    if let Some(file) = file {
+        let Some(latest) = read(&file)? else { return Err(bad("cannot be read".into())) };
+        let parent = file.parent().unwrap_or(Path::new("."));
+        let dir = if file.file_name().is_some_and(|n| n == "trainer.toml") {
+            parent.into()
+        } else {
+            parent.join(&latest.dir)
+        };
+        return Ok(Located { dir, latest });
+    }
+    if !path.is_dir() {
+        return Err(bad("no such file or directory: give a run's checkpoint directory (train-out/checkpoints/fp8), \
+                        its latest.toml, or a step-NNNNNNN directory"
+            .into()));
+    }
+    if let Some(latest) = read(&path.join("trainer.toml"))? {
+        return Ok(Located { dir: path.to_path_buf(), latest });
+    }
+    if let Some(latest) = read(&path.join("latest.toml"))? {
+        return Ok(Located { dir: path.join(&latest.dir), latest });
+    }
+    // train-out or train-out/checkpoints: the runs below it.
+    let base = if path.join("checkpoints").is_dir() { path.join("checkpoints") } else { path.to_path_buf() };
+    let runs: Vec<Precision> = [Precision::Fp8, Precision::Bf16]
+        .into_iter()
+        .filter(|p| base.join(p.name()).join("latest.toml").is_file())
+        .collect();
+    match (runs.as_slice(), precision) {
+        ([], _) => {
+            Err(bad("holds no checkpoint (no latest.toml, trainer.toml, or fp8/ or bf16/ run with one): train \
+                            with `te train` first"
+                .into()))
+        }
+        // One run: it, in the precision asked for (a BF16 run in FP8 calibrates its scales).
+        ([only], _) => locate(&base.join(only.name()), None),
+        (_, Some(p)) => locate(&base.join(p.name()), None),
+        (_, None) => Err(bad("holds an fp8 and a bf16 run: name one (…/fp8 or …/bf16) or pass --precision".into())),
+    }
+}
+
+/// Loads the model of `located` for `precision` (default: the run's).
+///
+/// # Errors
+/// [`GenerateError::Checkpoint`] for a checkpoint without a model section or of a model this
+/// version cannot build, a missing or mismatched `model.safetensors`; runtime errors.
+pub fn load_model(located: &Located, precision: Option<Precision>) -> Result<(GptRef, Precision), GenerateError> {
+    let bad = |message: String| GenerateError::Checkpoint { path: located.dir.clone(), message };
+    let Some(section) = &located.latest.model else {
+        return Err(bad(
+            "its trainer.toml has no [model] section (written before te generate): train again with this \
+                        version, or resume the run for a step to rewrite it"
+                .into(),
+        ));
+    };
+    let (cfg, run_precision, recipe) = section.decode(located.latest.model_seed).map_err(bad)?;
+    let precision = precision.unwrap_or(run_precision);
+    let mut model = GptRef::new(&cfg)?;
+    model.set_precision(match precision {
+        Precision::Fp8 => GemmPrecision::Fp8(recipe),
+        Precision::Bf16 => GemmPrecision::Bf16,
+    })?;
+    let file = located.dir.join("model.safetensors");
+    model.load(&file, &LoadOptions::default()).map_err(|e| bad(e.to_string()))?;
+    Ok((model, precision))
+}
+
+/// The prompt's bytes: `--prompt`, or `--prompt-file`'s contents.
+fn prompt_bytes(a: &GenerateArgs) -> Result<Vec<u8>, GenerateError> {
+    match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Ok(p.as_bytes().to_vec()),
+        (None, Some(f)) => std::fs::read(f)
+            .map_err(|source| GenerateError::Io { what: format!("cannot read {}", f.display()), source }),
+        (None, None) => Err(GenerateError::Request("give --prompt TEXT or --prompt-file FILE".into())),
+    }
+}
+
+/// Runs `te generate`: writes the prompt and the first sample to `out` as it is drawn, then the
+/// other samples; returns what it did.
+///
+/// # Errors
+/// [`GenerateError`]: the checkpoint, a prompt that is empty or does not fit the model's
+/// context with the tokens asked for, a batch of 0, bad sampling options, I/O.
+pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, GenerateError> {
+    let asked = a.precision.as_deref().map(Precision::from_name).transpose().map_err(GenerateError::Request)?;
+    let located = locate(&a.checkpoint, asked)?;
+    let (model, precision) = load_model(&located, asked)?;
+    let cfg = model.config().clone();
+    if cfg.vocab_size != 256 {
+        return Err(GenerateError::Request(format!(
+            "the model's vocabulary has {} tokens: te generate reads and writes bytes (256)",
+            cfg.vocab_size
+        )));
+    }
+    let prompt = prompt_bytes(a)?;
+    let context = cfg.seq_length;
+    if prompt.is_empty() {
+        return Err(GenerateError::Request("the prompt is empty: give at least one byte".into()));
+    }
+    if prompt.len() >= context {
+        return Err(GenerateError::Request(format!(
+            "the prompt has {} bytes and the model's context is {context} tokens (seq_length): shorten it to at most \
+             {} bytes",
+            prompt.len(),
+            context - 1
+        )));
+    }
+    let new_tokens = a.max_new_tokens.unwrap_or(DEFAULT_NEW_TOKENS.min(context - prompt.len()));
+    if prompt.len() + new_tokens > context {
+        return Err(GenerateError::Request(format!(
+            "a prompt of {} bytes and {new_tokens} new tokens exceed the model's context of {context} tokens \
+             (seq_length): ask for at most {} new tokens (--max-new-tokens) or shorten the prompt",
+            prompt.len(),
+            context - prompt.len()
+        )));
+    }
+    if a.batch == 0 {
+        return Err(GenerateError::Request("--batch 0: draw at least one sample".into()));
+    }
+    let sampling = SamplingConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p };
+    sampling.validate()?;
+    let ids: Vec<i32> = prompt.iter().map(|&b| i32::from(b)).collect();
+    let prompts = vec![ids.clone(); a.batch];
+    let mut model = model;
+    if precision == Precision::Fp8 && located.latest.model.as_ref().is_some_and(|m| m.precision != "fp8") {
+        // A BF16 run has no FP8 scales: take them from the prompt's amaxes (TE's calibration).
+        model.calibrate(&ids, ids.len(), 1)?;
+    }
+    let mut cache = model.kv_cache(a.batch, (prompt.len() + new_tokens).min(context))?;
+    let io = |source| GenerateError::Io { what: "cannot write the text".into(), source };
+    out.write_all(&prompt).map_err(io)?;
+    out.flush().map_err(io)?;
+    let mut stream = Utf8Stream::new();
+    let start = Instant::now();
+    let mut first_token = None;
+    let samples = model.generate_cached(&mut cache, &prompts, new_tokens, &sampling, a.seed, |i, next| {
+        if i == 0 {
+            first_token = Some(Instant::now());
+        }
+        let text = stream.push(next[0] as u8);
+        out.write_all(text.as_bytes()).and_then(|()| out.flush()).map_err(|e| te_runtime::Error::Argument {
+            op: "te generate",
+            message: format!("cannot write the text: {e}"),
+        })
+    })?;
+    let end = Instant::now();
+    let rest = stream.finish();
+    out.write_all(rest.as_bytes()).map_err(io)?;
+    let samples: Vec<Vec<u8>> = samples.into_iter().map(|s| s.into_iter().map(|t| t as u8).collect()).collect();
+    for (k, s) in samples.iter().enumerate().skip(1) {
+        write!(out, "\n\n--- sample {} of {} ---\n", k + 1, a.batch).map_err(io)?;
+        out.write_all(&prompt).map_err(io)?;
+        out.write_all(String::from_utf8_lossy(s).as_bytes()).map_err(io)?;
+    }
+    writeln!(out).map_err(io)?;
+    let first = first_token.unwrap_or(end);
+    Ok(GenerateReport {
+        precision,
+        prompt_tokens: prompt.len(),
+        new_tokens,
+        batch: a.batch,
+        prefill_s: (first - start).as_secs_f64(),
+        decode_s: (end - first).as_secs_f64(),
+        samples,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn latest(dir: &str, model: bool) -> Latest {
+        let cfg = crate::train::TrainConfig {
+            model: te_runtime::models::gpt::GptConfig::tiny(),
+            steps: 1,
+            batch: 1,
+            grad_accum: 1,
+            lr: 1e-3,
+            warmup_steps: 1,
+            max_grad_norm: 1.0,
+            eval_interval: 1,
+            eval_batches: 1,
+            data_seed: 0,
+            recipe: Default::default(),
+            skip_nonfinite_steps: 0,
+        };
+        Latest {
+            dir: dir.into(),
+            step: 3,
+            dropout_offset: 6,
+            batch: 1,
+            grad_accum: 1,
+            seq_length: 128,
+            lr: 1e-3,
+            data_seed: 0,
+            model_seed: 0,
+            model: model.then(|| crate::run_checkpoint::ModelSection::new(&cfg, Precision::Fp8)),
+        }
+    }
+
+    /// Every way of naming a checkpoint finds the same step directory; a directory with two
+    /// runs needs --precision; what holds no checkpoint says so.
+    #[test]
+    fn checkpoints_are_found_from_every_name() {
+        let root = tempfile::tempdir().unwrap();
+        let out = root.path().join("train-out");
+        let runs = out.join("checkpoints");
+        for p in ["fp8", "bf16"] {
+            let step = runs.join(p).join("step-0000003");
+            std::fs::create_dir_all(&step).unwrap();
+            let text = toml::to_string(&latest("step-0000003", true)).unwrap();
+            std::fs::write(step.join("trainer.toml"), &text).unwrap();
+            std::fs::write(runs.join(p).join("latest.toml"), &text).unwrap();
+        }
+        let want = runs.join("fp8").join("step-0000003");
+        let fp8 = runs.join("fp8");
+        for name in [fp8.clone(), fp8.join("latest"), fp8.join("latest.toml"), want.clone(), want.join("trainer.toml")]
+        {
+            assert_eq!(locate(&name, None).unwrap().dir, want, "{}", name.display());
+        }
+        for name in [&out, &runs] {
+            assert_eq!(locate(name, Some(Precision::Fp8)).unwrap().dir, want);
+            let e = locate(name, None).unwrap_err().to_string();
+            assert!(e.contains("name one"), "{e}");
+        }
+        let e = locate(root.path(), None).unwrap_err().to_string();
+        assert!(e.contains("holds no checkpoint"), "{e}");
+        let e = locate(&root.path().join("none"), None).unwrap_err().to_string();
+        assert!(e.contains("no such file"), "{e}");
+        std::fs::write(fp8.join("latest.toml"), "dir = 3").unwrap();
+        let e = locate(&fp8, None).unwrap_err().to_string();
+        assert!(e.contains("unreadable"), "{e}");
+    }
+
+    /// A checkpoint written before the model section cannot be rebuilt: the error says what to
+    /// do.
+    #[test]
+    fn a_checkpoint_without_a_model_section_is_refused() {
+        let located = Located { dir: "x".into(), latest: latest("step-0000003", false) };
+        let e = load_model(&located, None).unwrap_err().to_string();
+        assert!(e.contains("no [model] section"), "{e}");
+    }
+}
