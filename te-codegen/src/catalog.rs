@@ -125,5 +125,12 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
     }
     v.push(OptimizerSpec::grad_norm(arch).into());
     v.push(OptimizerSpec::adamw(arch).into());
+    // Decode attention: every lane count (8 channels a thread, 1 to 32 threads a key), one with
+    // idle lanes (96).
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [8, 32, 64, 96, 128, 256] {
+            v.push(DecodeAttnSpec::new(dtype, d, arch).into());
+        }
+    }
     crate::prewarm::sorted(v)
 }

@@ -14,6 +14,7 @@ mod cast;
 mod cast_transpose;
 mod checkpoint;
 mod copy;
+mod decode_attention;
 mod dropout;
 mod elementwise;
 mod fp8_attention;

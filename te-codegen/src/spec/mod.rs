@@ -29,6 +29,7 @@ mod attention;
 mod cast;
 mod cast_transpose;
 mod cross_entropy;
+mod decode_attention;
 mod dropout;
 mod elementwise;
 mod embedding;
@@ -47,6 +48,7 @@ pub use attention::{AttnMaskType, QkvFormat};
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
 pub use cross_entropy::CrossEntropySpec;
+pub use decode_attention::{DecodeAttnSpec, DECODE_MAX_HEAD_DIM};
 pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use embedding::EmbeddingSpec;
@@ -181,6 +183,8 @@ kernel_families! {
     /// Family 14: fused attention (FlashAttention-2) forward with softmax_lse, deterministic
     /// backward.
     FlashAttn(FlashAttnSpec) => ["flash_attn_fwd.cu.tera", "flash_attn_bwd.cu.tera", "flash_attn_bwd_fp8.cu.tera"],
+    /// Family 15: decode attention over a KV cache (split-K, FlashDecoding) and the cache append.
+    DecodeAttn(DecodeAttnSpec) => ["decode_attn.cu.tera"],
 }
 
 impl KernelSpec {

@@ -332,11 +332,11 @@ impl TmaMaps {
 
 /// The device addresses of `(tensor, element offset)` parts, with the guards that order their
 /// use on `stream`.
-pub(super) fn addresses<'a>(
+pub(super) fn addresses<'a, const N: usize>(
     stream: &'a Arc<CudaStream>,
-    parts: [(&'a Tensor, usize); 3],
-) -> ([u64; 3], Vec<SyncOnDrop<'a>>) {
-    let mut guards = Vec::with_capacity(3);
+    parts: [(&'a Tensor, usize); N],
+) -> ([u64; N], Vec<SyncOnDrop<'a>>) {
+    let mut guards = Vec::with_capacity(N);
     let addrs = parts.map(|(t, offset)| {
         let (base, guard) = t.data().device_ptr(stream);
         guards.push(guard);

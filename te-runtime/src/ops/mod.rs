@@ -7,6 +7,7 @@ pub mod cast;
 pub mod cast_transpose;
 pub mod copy;
 pub mod cross_entropy;
+pub mod decode_attention;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;

@@ -1,0 +1,195 @@
+//! Family 15: decode attention over a KV cache (FlashDecoding: split-K over the cached keys),
+//! the attention of a generation step (TE's `InferenceParams` path of `DotProductAttention`; the
+//! algorithm of FlashAttention's `flash_attn_with_kvcache` with `num_splits`, Dao et al. 2023,
+//! "Flash-Decoding for long-context inference").
+//!
+//! One query per sequence and head attends over the `len[b]` cached keys of its sequence
+//! (causal by construction: the cache holds the tokens up to the query's own). The cache is
+//! `[batch, capacity, groups, head_dim]` for k and for v (bshd; query head `j` reads group `j /
+//! (heads / groups)`), the lengths an i32 `[batch]` device array, so that one launch
+//! configuration (from the capacity) serves every step and a CUDA graph can replay it while the
+//! lengths change.
+
+use super::{Family, KernelArg};
+use crate::{Arch, DType};
+use serde::{Deserialize, Serialize};
+
+/// Head dimensions the decode kernels take: multiples of 8 (one 16-byte access holds 8
+/// channels) up to 256.
+pub const DECODE_MAX_HEAD_DIM: usize = 256;
+
+/// The decode kernels of one head dim and dtype, three entry points:
+///
+/// - `<name>` ([`DecodeAttnSpec::SPLIT_ARGS`]): block `(split, b·heads)` runs the online softmax
+///   of one query over keys `[split · chunk, min(len, (split + 1) · chunk))` and writes the
+///   unnormalized partial output (f32 `[b·heads, splits, head_dim]`) with its running max (in
+///   log2 units) and sum (f32 `[b·heads, splits, 2]`). [`DecodeAttnSpec::THREADS`] threads:
+///   `lanes` threads per key (8 channels each, 16-byte loads), `32 / lanes` keys per warp at a
+///   time.
+/// - `<name>_combine` ([`DecodeAttnSpec::COMBINE_ARGS`]): block `b·heads` merges the splits
+///   (`o = Σ o_s · 2^(m_s − M) / Σ l_s · 2^(m_s − M)`) and writes `o` in the dtype; a sequence of
+///   length 0 gets zeros.
+/// - `<name>_append` ([`DecodeAttnSpec::APPEND_ARGS`]): writes `s` new tokens' k and v (rows of
+///   the fused QKV projection, or any strided `[s, b, groups, head_dim]`) into the cache at
+///   positions `len[b] − s ..len[b]` (the lengths after the append); positions outside `[0,
+///   capacity)` are skipped.
+///
+/// Math in f32: the scores `q·k · softmax_scale · log2(e)` and `exp2`, as FlashAttention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DecodeAttnSpec {
+    /// q, k, v, the cache and o: bf16 or f16.
+    pub dtype: DType,
+    /// Channels per head: a multiple of 8, at most [`DECODE_MAX_HEAD_DIM`].
+    pub head_dim: usize,
+    /// Target architecture.
+    pub arch: Arch,
+}
+
+impl DecodeAttnSpec {
+    /// Threads per block of every entry point.
+    pub const THREADS: usize = 128;
+
+    /// The kernels of `head_dim` and `dtype` for `arch`.
+    pub const fn new(dtype: DType, head_dim: usize, arch: Arch) -> Self {
+        Self { dtype, head_dim, arch }
+    }
+
+    /// Threads that load one key (8 channels each), a power of two: `head_dim / 8` rounded up.
+    pub const fn lanes(&self) -> usize {
+        (self.head_dim / 8).next_power_of_two()
+    }
+
+    /// Keys a block reads at a time (`THREADS / lanes`).
+    pub const fn keys_per_step(&self) -> usize {
+        Self::THREADS / self.lanes()
+    }
+
+    /// Arguments of the split kernel (entry point 0).
+    pub const SPLIT_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "q",
+            "const void* __restrict__",
+            "queries: head `h` of sequence `b` at `b · q_batch + h · head_dim`",
+        ),
+        KernelArg::read("k_cache", "const void* __restrict__", "cached keys `[batch, capacity, groups, head_dim]`"),
+        KernelArg::read("v_cache", "const void* __restrict__", "cached values, as `k_cache`"),
+        KernelArg::read("seqlens", "const int* __restrict__", "i32 `[batch]`: cached tokens per sequence"),
+        KernelArg::write("o_partial", "float* __restrict__", "f32 `[batch · heads, splits, head_dim]` partial outputs"),
+        KernelArg::write(
+            "ml_partial",
+            "float* __restrict__",
+            "f32 `[batch · heads, splits, 2]`: max (log2 units), sum",
+        ),
+        KernelArg::scalar("q_batch", "u64", "elements between the queries of two sequences"),
+        KernelArg::scalar("heads", "u32", "query heads"),
+        KernelArg::scalar("groups", "u32", "key/value heads (divides heads)"),
+        KernelArg::scalar("capacity", "u32", "positions per sequence in the cache"),
+        KernelArg::scalar("splits", "u32", "key chunks per query"),
+        KernelArg::scalar("chunk", "u32", "keys per chunk"),
+        KernelArg::scalar("scale_log2", "float", "softmax_scale · log2(e)"),
+    ];
+
+    /// Arguments of the combine kernel (entry point 1).
+    pub const COMBINE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("o_partial", "const float* __restrict__", "the split kernel's partial outputs"),
+        KernelArg::read("ml_partial", "const float* __restrict__", "the split kernel's maxima and sums"),
+        KernelArg::write("o", "void* __restrict__", "output: head `h` of sequence `b` at `b · o_batch + h · head_dim`"),
+        KernelArg::scalar("o_batch", "u64", "elements between the outputs of two sequences"),
+        KernelArg::scalar("heads", "u32", "query heads"),
+        KernelArg::scalar("splits", "u32", "key chunks per query"),
+    ];
+
+    /// Arguments of the append kernel (entry point 2).
+    pub const APPEND_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "k_new",
+            "const void* __restrict__",
+            "new keys: group `g` of token `i` of sequence `b` at `(i · batch + b) · new_row + g · head_dim`",
+        ),
+        KernelArg::read("v_new", "const void* __restrict__", "new values, at the strides of `k_new`"),
+        KernelArg::read(
+            "seqlens",
+            "const int* __restrict__",
+            "i32 `[batch]`: cached tokens per sequence after the append",
+        ),
+        KernelArg::write("k_cache", "void* __restrict__", "cached keys `[batch, capacity, groups, head_dim]`"),
+        KernelArg::write("v_cache", "void* __restrict__", "cached values, as `k_cache`"),
+        KernelArg::scalar("new_row", "u64", "elements between two tokens' rows of `k_new` / `v_new`"),
+        KernelArg::scalar("batch", "u32", "sequences"),
+        KernelArg::scalar("groups", "u32", "key/value heads"),
+        KernelArg::scalar("capacity", "u32", "positions per sequence in the cache"),
+        KernelArg::scalar("s", "u32", "new tokens per sequence"),
+    ];
+}
+
+impl Family for DecodeAttnSpec {
+    fn family(&self) -> &'static str {
+        "decode_attn"
+    }
+    fn template(&self) -> &'static str {
+        "decode_attn.cu.tera"
+    }
+    fn name_parts(&self) -> String {
+        format!("{}_d{}", self.dtype, self.head_dim)
+    }
+    fn arch(&self) -> Arch {
+        self.arch
+    }
+    fn context(&self, ctx: &mut tera::Context) {
+        ctx.insert("t", self.dtype.type_tag());
+        ctx.insert("d", &self.head_dim);
+        ctx.insert("lanes", &self.lanes());
+        ctx.insert("threads", &Self::THREADS);
+    }
+    fn entry_suffixes(&self) -> &'static [&'static str] {
+        &["", "_combine", "_append"]
+    }
+    fn validate(&self) -> Result<(), String> {
+        if !matches!(self.dtype, DType::BF16 | DType::F16) {
+            return Err(format!("decode attention takes bf16 or f16, not {}", self.dtype));
+        }
+        if self.head_dim == 0 || self.head_dim % 8 != 0 || self.head_dim > DECODE_MAX_HEAD_DIM {
+            return Err(format!("head_dim = {} must be a multiple of 8 in [8, {DECODE_MAX_HEAD_DIM}]", self.head_dim));
+        }
+        Ok(())
+    }
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        match entry {
+            0 => Self::SPLIT_ARGS,
+            1 => Self::COMBINE_ARGS,
+            _ => Self::APPEND_ARGS,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::KernelSpec;
+
+    #[test]
+    fn lanes_cover_the_head_with_16_byte_loads() {
+        let lanes = |d| DecodeAttnSpec::new(DType::BF16, d, Arch::Sm90a).lanes();
+        assert_eq!([lanes(32), lanes(64), lanes(96), lanes(128), lanes(256), lanes(8)], [4, 8, 16, 16, 32, 1]);
+        let s = DecodeAttnSpec::new(DType::F16, 128, Arch::Sm89);
+        assert_eq!(s.keys_per_step(), 8);
+        assert_eq!(KernelSpec::from(s).name(), "te_decode_attn_f16_d128_sm_89");
+        assert_eq!(
+            KernelSpec::from(s).entry_points(),
+            [
+                "te_decode_attn_f16_d128_sm_89",
+                "te_decode_attn_f16_d128_sm_89_combine",
+                "te_decode_attn_f16_d128_sm_89_append"
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_specs_say_what_to_change() {
+        let spec = |dtype, d| DecodeAttnSpec::new(dtype, d, Arch::Sm90a).validate();
+        assert!(spec(DType::F32, 64).unwrap_err().contains("bf16 or f16"));
+        assert!(spec(DType::BF16, 60).unwrap_err().contains("multiple of 8"));
+        assert!(spec(DType::BF16, 512).unwrap_err().contains("256"));
+        spec(DType::BF16, 64).unwrap();
+    }
+}

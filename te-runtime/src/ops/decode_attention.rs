@@ -1,0 +1,289 @@
+//! Family 15 launchers: attention of a generation step over a KV cache
+//! ([`te_codegen::spec::DecodeAttnSpec`]): [`append_kv`] writes the new tokens' keys and values
+//! into the cache, [`decode`] attends one query per sequence and head over the cached tokens
+//! (split-K over the cache, FlashDecoding, so a long context uses every SM). The cached lengths
+//! are an i32 device array the caller fills, so the launches of one cache (their grids follow
+//! its capacity) can be captured in a CUDA graph and replayed as the lengths grow.
+//!
+//! The cache of one layer is `k`, `v`: `[batch, capacity, groups, head_dim]` each (TE's
+//! `InferenceParams` keeps `[max_seq, batch, groups, head_dim]`; batch-major keeps each
+//! sequence's keys contiguous for the split reads).
+
+use super::flash_attention::addresses;
+use super::launch::Launch;
+use super::{check_dtype, launch_1d};
+use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use te_codegen::spec::{DecodeAttnSpec, DECODE_MAX_HEAD_DIM};
+use te_codegen::{DType, KernelSpec};
+
+const OP: &str = "decode attention";
+
+/// The sizes of a decode call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeParams {
+    /// Sequences.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`; query head `j` reads group `j / (heads / groups)`).
+    pub groups: usize,
+    /// Channels per head: a multiple of 8, at most 256.
+    pub head_dim: usize,
+    /// Positions per sequence in the cache.
+    pub capacity: usize,
+    /// `softmax_scale` (`1 / √head_dim` in TE by default).
+    pub scale: f32,
+}
+
+/// A tensor read or written from an element offset with a stride: element `x` of head `h` of
+/// row `r` is at `offset + r · row + h · head_dim + x` (rows are sequences for queries and
+/// outputs, `token · batch + sequence` for new keys and values: the `[s, b, ..]` rows of the
+/// fused QKV projection's output).
+#[derive(Debug, Clone, Copy)]
+pub struct Strided<'a> {
+    /// The tensor.
+    pub tensor: &'a Tensor,
+    /// Element offset of row 0, head 0 (a multiple of 8).
+    pub offset: usize,
+    /// Elements between rows (a multiple of 8).
+    pub row: usize,
+}
+
+impl DecodeParams {
+    fn check(&self) -> Result<()> {
+        let shape = |message: String| Err(Error::Shape { op: OP, message });
+        if self.batch == 0 || self.heads == 0 || self.capacity == 0 {
+            return shape(format!(
+                "batch = {}, heads = {} and capacity = {} must all be ≥ 1",
+                self.batch, self.heads, self.capacity
+            ));
+        }
+        if self.groups == 0 || self.heads % self.groups != 0 {
+            return shape(format!("groups = {} must divide heads = {}", self.groups, self.heads));
+        }
+        if self.batch * self.heads > 65_535 || self.capacity > i32::MAX as usize {
+            return shape(format!(
+                "batch · heads = {} must be at most 65 535 and the capacity at most 2³¹ − 1",
+                self.batch * self.heads
+            ));
+        }
+        if !self.scale.is_finite() {
+            return Err(Error::Argument { op: OP, message: format!("softmax_scale = {} is not finite", self.scale) });
+        }
+        if self.head_dim == 0 || self.head_dim % 8 != 0 || self.head_dim > DECODE_MAX_HEAD_DIM {
+            return shape(format!("head_dim = {} must be a multiple of 8 up to {DECODE_MAX_HEAD_DIM}", self.head_dim));
+        }
+        Ok(())
+    }
+
+    /// The cache's shape: `[batch, capacity, groups, head_dim]`.
+    pub fn cache_shape(&self) -> [usize; 4] {
+        [self.batch, self.capacity, self.groups, self.head_dim]
+    }
+
+    /// `(splits, chunk)`: key chunks per query and keys per chunk, so that `batch · heads ·
+    /// splits` blocks fill the GPU about twice, with chunks of at least 32 keys.
+    pub fn splits(&self, sm_count: usize) -> (usize, usize) {
+        let queries = self.batch * self.heads;
+        let want = (2 * sm_count).div_ceil(queries).max(1);
+        let splits = want.min((self.capacity / 32).max(1));
+        (splits, self.capacity.div_ceil(splits))
+    }
+}
+
+/// Checks that `t` holds `rows` rows of `width` elements from its offset at its row stride, at
+/// 16-byte alignment.
+fn check_strided(arg: &str, t: &Strided<'_>, rows: usize, width: usize) -> Result<()> {
+    if t.offset % 8 != 0 || t.row % 8 != 0 {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "`{arg}`: offset {} and row stride {} must be multiples of 8 elements (16-byte loads)",
+                t.offset, t.row
+            ),
+        });
+    }
+    let needed = t.offset + (rows - 1) * t.row + width;
+    if needed > t.tensor.numel() {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "`{arg}` holds {} elements; {rows} rows of {width} at offset {} and stride {} reach {needed}",
+                t.tensor.numel(),
+                t.offset,
+                t.row
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn check_cache(p: &DecodeParams, dtype: DType, k: &Tensor, v: &Tensor) -> Result<()> {
+    let same = format!("{dtype} (the dtype of the queries and keys)");
+    for (arg, t) in [("k_cache", k), ("v_cache", v)] {
+        check_dtype(OP, arg, t, |d| d == dtype, &same)?;
+        if t.shape() != p.cache_shape() {
+            return Err(Error::Shape {
+                op: OP,
+                message: format!(
+                    "`{arg}` must be [batch, capacity, groups, head_dim] = {:?}, got {:?}",
+                    p.cache_shape(),
+                    t.shape()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_seqlens(p: &DecodeParams, seqlens: &CudaSlice<i32>) -> Result<()> {
+    if seqlens.len() < p.batch {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!("`seqlens` holds {} lengths for a batch of {}", seqlens.len(), p.batch),
+        });
+    }
+    Ok(())
+}
+
+/// Writes `s` new tokens per sequence into the cache `[k_cache, v_cache]`: the keys of token `i`
+/// of sequence `b` (`k_new` row `i · batch + b`, `groups · head_dim` elements) and likewise the
+/// values go to position `seqlens[b] − s + i` (`seqlens`: the lengths *after* the append;
+/// positions outside `[0, capacity)` are skipped).
+///
+/// # Errors
+/// [`Error::DType`] for dtypes other than bf16/f16 or that differ; [`Error::Shape`] for caches
+/// not `[batch, capacity, groups, head_dim]`, strides or offsets not multiples of 8, tensors
+/// smaller than their strides reach, too few lengths, `s = 0`; compile and launch failures.
+pub fn append_kv(
+    dev: &Device,
+    p: &DecodeParams,
+    s: usize,
+    [k_new, v_new]: [Strided<'_>; 2],
+    seqlens: &CudaSlice<i32>,
+    [k_cache, v_cache]: [&mut Tensor; 2],
+) -> Result<()> {
+    let dtype = k_new.tensor.dtype();
+    check_dtype(OP, "k_new", k_new.tensor, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
+    check_dtype(OP, "v_new", v_new.tensor, |d| d == dtype, &dtype.to_string())?;
+    p.check()?;
+    if s == 0 || k_new.row != v_new.row {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "s = {s} must be ≥ 1 and k_new, v_new share a row stride ({} vs {})",
+                k_new.row, v_new.row
+            ),
+        });
+    }
+    check_cache(p, dtype, k_cache, v_cache)?;
+    check_seqlens(p, seqlens)?;
+    let width = p.groups * p.head_dim;
+    check_strided("k_new", &k_new, s * p.batch, width)?;
+    check_strided("v_new", &v_new, s * p.batch, width)?;
+    let spec = DecodeAttnSpec::new(dtype, p.head_dim, dev.arch());
+    let f = dev.function(&KernelSpec::DecodeAttn(spec), 2)?;
+    let threads = DecodeAttnSpec::THREADS;
+    let chunks = s * p.batch * p.groups * (p.head_dim / 8);
+    let cfg = launch_1d(chunks.div_ceil(threads).min(dev.sm_count() * 16), threads, 0);
+    let stream = dev.stream();
+    let ([k_addr, v_addr], _guards) = addresses(stream, [(k_new.tensor, k_new.offset), (v_new.tensor, v_new.offset)]);
+    let (row, batch, groups, capacity, s_arg) =
+        (k_new.row as u64, p.batch as u32, p.groups as u32, p.capacity as u32, s as u32);
+    let mut l = Launch::new(OP, stream, &f, &spec, 2);
+    l.ptr("k_new", &k_addr).ptr("v_new", &v_addr).ptr("seqlens", seqlens);
+    l.ptr("k_cache", k_cache.data_mut()?).ptr("v_cache", v_cache.data_mut()?);
+    l.scalar("new_row", &row).scalar("batch", &batch).scalar("groups", &groups);
+    l.scalar("capacity", &capacity).scalar("s", &s_arg);
+    // SAFETY: k_new and v_new hold `s · batch` rows of `groups · head_dim` elements from their
+    // offsets at their stride, the caches `batch · capacity · groups · head_dim` elements, all of
+    // the spec's dtype, 16-byte aligned (checked above); `seqlens` holds `batch` i32; the kernel
+    // writes only cache positions inside `[0, capacity)`; the caches are distinct allocations
+    // (`&mut`), apart from the new tokens (`&`).
+    unsafe { l.launch(cfg) }
+}
+
+/// `o = softmax(scale · q · Kᵀ) · V` of one query per sequence and head over the sequence's
+/// `seqlens[b]` cached tokens (positions `0..seqlens[b]` of the cache, capped by its capacity;
+/// a sequence of length 0 gets zeros). `q` and `out` (with its row stride): rows are sequences,
+/// `heads · head_dim` elements each (head `h` at `h · head_dim`). Math in f32; the splits'
+/// partial results go to a workspace allocated here (f32 `batch · heads · splits · (head_dim +
+/// 2)`).
+///
+/// # Errors
+/// As [`append_kv`], for `q` and `out` (`out` of q's dtype); [`Error::Argument`] for a
+/// non-finite `scale`.
+pub fn decode(
+    dev: &Device,
+    p: &DecodeParams,
+    q: Strided<'_>,
+    [k_cache, v_cache]: [&Tensor; 2],
+    seqlens: &CudaSlice<i32>,
+    (out, out_row): (&mut Tensor, usize),
+) -> Result<()> {
+    let dtype = q.tensor.dtype();
+    check_dtype(OP, "q", q.tensor, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
+    check_dtype(OP, "out", out, |d| d == dtype, &dtype.to_string())?;
+    p.check()?;
+    check_cache(p, dtype, k_cache, v_cache)?;
+    check_seqlens(p, seqlens)?;
+    let width = p.heads * p.head_dim;
+    check_strided("q", &q, p.batch, width)?;
+    check_strided("out", &Strided { tensor: out, offset: 0, row: out_row }, p.batch, width)?;
+    let spec = DecodeAttnSpec::new(dtype, p.head_dim, dev.arch());
+    let kernel = KernelSpec::DecodeAttn(spec);
+    let (split_f, combine_f) = (dev.function(&kernel, 0)?, dev.function(&kernel, 1)?);
+    let (splits, chunk) = p.splits(dev.sm_count());
+    let queries = p.batch * p.heads;
+    let stream = dev.stream();
+    // SAFETY: f32 has no invalid bit patterns; the split kernel writes every element (each block
+    // its split's head_dim outputs and two scalars) before the combine kernel reads them.
+    let mut o_partial = unsafe { stream.alloc::<f32>(queries * splits * p.head_dim) }?;
+    let mut ml_partial = unsafe { stream.alloc::<f32>(queries * splits * 2) }?;
+    let (q_row, heads, groups, capacity) = (q.row as u64, p.heads as u32, p.groups as u32, p.capacity as u32);
+    let (splits_arg, chunk_arg, scale_log2) = (splits as u32, chunk as u32, p.scale * std::f32::consts::LOG2_E);
+    let threads = DecodeAttnSpec::THREADS as u32;
+    {
+        let ([q_addr], _guards) = addresses(stream, [(q.tensor, q.offset)]);
+        let mut l = Launch::new(OP, stream, &split_f, &spec, 0);
+        l.ptr("q", &q_addr).ptr("k_cache", k_cache.data()).ptr("v_cache", v_cache.data()).ptr("seqlens", seqlens);
+        l.ptr("o_partial", &mut o_partial).ptr("ml_partial", &mut ml_partial);
+        l.scalar("q_batch", &q_row).scalar("heads", &heads).scalar("groups", &groups);
+        l.scalar("capacity", &capacity).scalar("splits", &splits_arg).scalar("chunk", &chunk_arg);
+        l.scalar("scale_log2", &scale_log2);
+        let cfg = LaunchConfig {
+            grid_dim: (splits as u32, queries as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: q holds `batch` rows of `heads · head_dim` elements from its offset at its
+        // stride, the caches `[batch, capacity, groups, head_dim]`, seqlens `batch` i32 (checked
+        // above); the partial buffers hold `queries · splits` entries, one per block.
+        unsafe { l.launch(cfg) }?;
+    }
+    let o_row = out_row as u64;
+    let mut l = Launch::new(OP, stream, &combine_f, &spec, 1);
+    l.ptr("o_partial", &o_partial).ptr("ml_partial", &ml_partial).ptr("o", out.data_mut()?);
+    l.scalar("o_batch", &o_row).scalar("heads", &heads).scalar("splits", &splits_arg);
+    // SAFETY: the partial buffers were written in full by the split kernel before (same
+    // stream); out holds `batch` rows of `heads · head_dim` elements at its stride (checked).
+    unsafe { l.launch(launch_1d(queries, DecodeAttnSpec::THREADS, 0)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_the_gpu_with_chunks_of_32_keys_or_more() {
+        let p = DecodeParams { batch: 1, heads: 12, groups: 12, head_dim: 64, capacity: 1024, scale: 0.125 };
+        assert_eq!(p.splits(132), (22, 47));
+        let p = DecodeParams { batch: 32, ..p };
+        assert_eq!(p.splits(132), (1, 1024));
+        let p = DecodeParams { capacity: 40, ..p };
+        assert_eq!(p.splits(132), (1, 40));
+        let p = DecodeParams { batch: 1, capacity: 100, ..p };
+        assert_eq!(p.splits(132), (3, 34));
+    }
+}

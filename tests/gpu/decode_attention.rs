@@ -1,0 +1,124 @@
+//! Family 15 on the GPU: the cache append and the split-K decode attention against the f64 CPU
+//! reference of attention (one query per sequence over its cached keys is the
+//! `padding_causal_bottom_right` mask with `sq = 1`), at the tolerances of `attention`: head
+//! dims 32 to 256 (96: idle lanes), bf16 and f16, GQA and MQA, one split and many (a long cache
+//! on few queries), lengths 0 (zeros), 1, not multiples of anything, and the full capacity; q, k
+//! and v read from a fused QKV projection's rows; and typed errors.
+
+use crate::attention::check;
+use crate::common::{device, randn};
+use te_codegen::spec::{AttnMaskType, QkvFormat};
+use te_runtime::numerics::round_to;
+use te_runtime::ops::decode_attention::{append_kv, decode, DecodeParams, Strided};
+use te_runtime::reference::attention::{self as reference, AttentionCase};
+use te_runtime::{DType, Device, Error, Tensor};
+
+/// One decode step: the cache holds `lens[b] − 1` tokens of random keys and values, the new
+/// token's q, k and v are rows of a fused `[batch, (heads + 2·groups)·d]` tensor; append, then
+/// attend; compare the output with the reference over the cache as the host writes it.
+fn check_step(dev: &Device, dtype: DType, p: DecodeParams, lens: &[usize], seed: u64) {
+    let (b, h, g, d, cap) = (p.batch, p.heads, p.groups, p.head_dim, p.capacity);
+    let vals = |seed, n| -> Vec<f32> { randn(seed, n, 1.0).into_iter().map(|x| round_to(dtype, x)).collect() };
+    let mut k = vals(seed, b * cap * g * d);
+    let mut v = vals(seed + 1, b * cap * g * d);
+    let row = (h + 2 * g) * d;
+    let qkv = vals(seed + 2, b * row);
+    // What the cache holds after the append: the new token at position len − 1.
+    let (host_k, host_v) = (k.clone(), v.clone());
+    for (j, &len) in lens.iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        for gi in 0..g {
+            let at = ((j * cap + len - 1) * g + gi) * d;
+            let src = j * row + h * d + gi * d;
+            k[at..at + d].copy_from_slice(&qkv[src..src + d]);
+            let src = j * row + (h + g) * d + gi * d;
+            v[at..at + d].copy_from_slice(&qkv[src..src + d]);
+        }
+    }
+    let shape = p.cache_shape();
+    let mut k_cache = Tensor::from_f32(dev, dtype, &shape, &host_k).unwrap();
+    let mut v_cache = Tensor::from_f32(dev, dtype, &shape, &host_v).unwrap();
+    let qkv_t = Tensor::from_f32(dev, dtype, &[b, row], &qkv).unwrap();
+    let lens_i32: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+    let seqlens = dev.stream().clone_htod(&lens_i32).unwrap();
+    let new = |offset| Strided { tensor: &qkv_t, offset, row };
+    append_kv(dev, &p, 1, [new(h * d), new((h + g) * d)], &seqlens, [&mut k_cache, &mut v_cache]).unwrap();
+    assert_eq!(k_cache.to_f32(dev).unwrap(), k, "keys appended at len − 1, the rest untouched");
+    assert_eq!(v_cache.to_f32(dev).unwrap(), v, "values appended at len − 1, the rest untouched");
+    let mut out = Tensor::zeros(dev, dtype, &[b, h * d]).unwrap();
+    decode(dev, &p, new(0), [&k_cache, &v_cache], &seqlens, (&mut out, h * d)).unwrap();
+    let got = out.to_f32(dev).unwrap();
+    let q: Vec<f32> = (0..b).flat_map(|j| qkv[j * row..j * row + h * d].to_vec()).collect();
+    let case = AttentionCase {
+        format: QkvFormat::Bshd,
+        batch: b,
+        sq: 1,
+        sk: cap,
+        heads: h,
+        groups: g,
+        head_dim: d,
+        head_dim_v: d,
+        mask: AttnMaskType::PaddingCausalBottomRight,
+        seq_lens: Some(lens),
+        scale: p.scale,
+        window: (-1, -1),
+    };
+    let want = reference::forward(&case, &q, &k, &v).out;
+    let what = format!("{dtype} d{d} b{b} h{h}/g{g} capacity {cap} lens {lens:?}");
+    check(&what, dtype, &got, &want);
+    for (j, &len) in lens.iter().enumerate() {
+        if len == 0 {
+            assert!(got[j * h * d..(j + 1) * h * d].iter().all(|&x| x == 0.0), "{what}: a length of 0 gives zeros");
+        }
+    }
+}
+
+fn params(batch: usize, heads: usize, groups: usize, head_dim: usize, capacity: usize) -> DecodeParams {
+    DecodeParams { batch, heads, groups, head_dim, capacity, scale: 1.0 / (head_dim as f32).sqrt() }
+}
+
+#[test]
+fn decode_matches_the_reference_over_head_dims_and_lengths() {
+    let Some(dev) = device() else { return };
+    for (dtype, d, seed) in
+        [(DType::BF16, 32, 1), (DType::F16, 64, 2), (DType::BF16, 96, 3), (DType::BF16, 128, 4), (DType::F16, 256, 5)]
+    {
+        check_step(&dev, dtype, params(3, 8, 2, d, 300), &[1, 77, 300], seed);
+    }
+    // GPT small at batch 1: 12 heads over a long cache (many splits), and a short one.
+    check_step(&dev, DType::BF16, params(1, 12, 12, 64, 1024), &[900], 10);
+    check_step(&dev, DType::BF16, params(1, 12, 12, 64, 1024), &[129], 11);
+    // MQA, a sequence of length 0 next to a full one, a batch of 32.
+    check_step(&dev, DType::F16, params(2, 4, 1, 128, 40), &[0, 40], 12);
+    let lens: Vec<usize> = (0..32).map(|j| 1 + j * 29 % 128).collect();
+    check_step(&dev, DType::BF16, params(32, 4, 4, 64, 128), &lens, 13);
+}
+
+#[test]
+fn decode_refuses_bad_calls() {
+    let Some(dev) = device() else { return };
+    let p = params(2, 4, 2, 64, 16);
+    let cache = Tensor::zeros(&dev, DType::BF16, &p.cache_shape()).unwrap();
+    let q = Tensor::zeros(&dev, DType::BF16, &[2, 4 * 64]).unwrap();
+    let seqlens = dev.stream().clone_htod(&[1i32, 2]).unwrap();
+    let mut out = Tensor::zeros(&dev, DType::BF16, &[2, 4 * 64]).unwrap();
+    let run = |p: &DecodeParams, q: Strided<'_>, cache: &Tensor, out: &mut Tensor| {
+        decode(&dev, p, q, [cache, cache], &seqlens, (out, 4 * 64))
+    };
+    let q_at = |offset, row| Strided { tensor: &q, offset, row };
+    run(&p, q_at(0, 256), &cache, &mut out).unwrap();
+    let shape = |r: Result<(), Error>| matches!(r, Err(Error::Shape { .. }));
+    assert!(shape(run(&params(2, 4, 3, 64, 16), q_at(0, 256), &cache, &mut out)), "groups not dividing heads");
+    assert!(shape(run(&params(2, 4, 2, 60, 16), q_at(0, 256), &cache, &mut out)), "head_dim not a multiple of 8");
+    assert!(shape(run(&p, q_at(4, 256), &cache, &mut out)), "misaligned offset");
+    assert!(shape(run(&p, q_at(8, 256), &cache, &mut out)), "q too small for its rows");
+    let short = Tensor::zeros(&dev, DType::BF16, &[2, 8, 2, 64]).unwrap();
+    assert!(shape(run(&p, q_at(0, 256), &short, &mut out)), "a cache of another shape");
+    let f16 = Tensor::zeros(&dev, DType::F16, &p.cache_shape()).unwrap();
+    assert!(matches!(run(&p, q_at(0, 256), &f16, &mut out), Err(Error::DType { .. })));
+    let one = dev.stream().clone_htod(&[1i32]).unwrap();
+    let e = decode(&dev, &p, q_at(0, 256), [&cache, &cache], &one, (&mut out, 256)).unwrap_err();
+    assert!(e.to_string().contains("lengths"), "{e}");
+}
