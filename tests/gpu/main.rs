@@ -22,6 +22,7 @@ mod fp8_attention_bwd;
 mod fp8_dpa;
 mod fused_attention;
 mod gemm;
+mod generate;
 mod gpt;
 mod gpt_reference;
 mod graph;

@@ -3,6 +3,7 @@
 //! top-p semantics, drawn from the project's Philox stream so that a device sampler can match it
 //! bit for bit) and how a byte-level model's output becomes text as it streams ([`Utf8Stream`]).
 
+pub mod decode;
 mod sampling;
 mod utf8;
 

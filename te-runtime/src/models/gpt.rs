@@ -30,6 +30,10 @@ use te_codegen::prewarm::sorted;
 use te_codegen::spec::{CrossEntropySpec, ElementwiseSpec};
 use te_codegen::DType;
 
+mod generate;
+
+pub use generate::GenerateOptions;
+
 const MODEL: &str = "Gpt";
 
 /// A target with this value is left out of the loss (and its gradient): padding.

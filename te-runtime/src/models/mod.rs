@@ -4,4 +4,4 @@
 pub mod bert;
 pub mod gpt;
 
-pub use gpt::{Gpt, GptConfig, GptCtx, GptLoss, MicroBatch, IGNORE_INDEX};
+pub use gpt::{GenerateOptions, Gpt, GptConfig, GptCtx, GptLoss, MicroBatch, IGNORE_INDEX};

@@ -139,12 +139,12 @@ impl DotProductAttentionConfig {
     }
 
     /// Key/value heads.
-    fn groups(&self) -> usize {
+    pub(crate) fn groups(&self) -> usize {
         self.num_gqa_groups.unwrap_or(self.num_attention_heads)
     }
 
     /// The softmax scale.
-    fn scale(&self) -> f32 {
+    pub(crate) fn scale(&self) -> f32 {
         self.softmax_scale.unwrap_or(1.0 / (self.kv_channels as f32).sqrt())
     }
 

@@ -127,6 +127,19 @@ impl Embedding {
         Ok((out, EmbeddingCtx { stamp: Stamp::new(self.id, [self.version]), ids: ids.clone() }))
     }
 
+    /// `weight[ids]` for inference: as [`Embedding::forward`], nothing kept (the ids are not
+    /// shared, so a graph's static ids stay updatable).
+    ///
+    /// # Errors
+    /// Kernel failures.
+    pub fn infer(&self, ids: &TokenIds) -> Result<Tensor> {
+        let mut shape = ids.shape().to_vec();
+        shape.push(self.cfg.embedding_dim);
+        let mut out = Tensor::empty(&self.dev, self.cfg.params_dtype, &shape)?;
+        embedding_forward(&self.dev, &self.weight, ids.data(), &mut out)?;
+        Ok(out)
+    }
+
     /// Accumulates `weight.grad[ids[t]] += grad_output[t]` (no input gradient: ids are discrete).
     ///
     /// # Errors

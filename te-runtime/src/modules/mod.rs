@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod inference;
 mod init;
 mod kernel_specs;
 mod kernel_target;
@@ -22,6 +23,7 @@ pub use attention::{
     AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat, ThdSeqlens,
 };
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
+pub use inference::{InferenceParams, KvLayer};
 pub use kernel_target::KernelTarget;
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
 pub use layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};

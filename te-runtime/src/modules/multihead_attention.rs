@@ -10,12 +10,14 @@
 use super::attention::{
     AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat,
 };
+use super::inference::KvLayer;
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
 use super::linear::{Linear, LinearConfig, LinearCtx};
 use super::norm::NormKind;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, ForwardOptions, LinearParams, NormParams};
 use super::{KernelSpec, KernelTarget};
+use crate::ops::decode_attention::{append_kv, decode, Strided};
 use crate::ops::rope::{self, RopeFormat};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
@@ -396,6 +398,67 @@ impl MultiheadAttention {
             QkvProj::Plain(m) => m.infer(x)?,
         };
         let (ctx_out, _) = self.attend(&qkv, [a, b], &inputs)?;
+        self.proj.infer(&ctx_out)
+    }
+
+    /// Self-attention of `s` new tokens per sequence over a KV cache, for generation (TE's
+    /// `forward(..., inference_params=...)`): `x` `[s, b, hidden]` (sbhd) of the tokens at
+    /// positions `kv.past..kv.past + s`. Their keys and values are appended to `kv`; the first
+    /// step of a cache (`past = 0`, the prompt) runs the normal causal attention over them, each
+    /// later step (one token per sequence) the decode kernels over the cache. Nothing is kept
+    /// for backward; the projections run their `infer` paths. Output `[s, b, hidden]`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a module the cache does not serve (bshd hidden states, a mask other
+    /// than causal or a sliding window, a separate `head_dim_v`); [`Error::Shape`] for `x` not `[s,
+    /// b, hidden]` with `s` the step's tokens and `b` the cache's batch, or `s > 1` after the
+    /// prompt (chunked prefill is not supported); the errors of the parts.
+    pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        let a = self.attention.config();
+        let causal = matches!(a.attn_mask_type, AttnMaskType::Causal | AttnMaskType::CausalBottomRight);
+        if self.cfg.qkv_format != QkvFormat::Sbhd || !causal || a.window_size.is_some() || a.head_dim_v.is_some() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "a KV cache serves sbhd hidden states with a causal mask, no sliding window and one head \
+                          dim for q, k and v"
+                    .into(),
+            });
+        }
+        let (h, g, d) = (a.num_attention_heads, a.groups(), a.kv_channels);
+        let p = kv.params(h, a.scale());
+        let shape = |message: String| Err(Error::Shape { op: MODULE, message });
+        let &[s, b, _] = x.shape() else {
+            return shape(format!("hidden states must be [s, b, hidden], got {:?}", x.shape()));
+        };
+        if s != kv.new || b != p.batch || g != p.groups || d != p.head_dim {
+            return shape(format!(
+                "hidden states {:?} with {g} groups of {d} channels do not fit the step of {} tokens of a cache \
+                 {:?}",
+                x.shape(),
+                kv.new,
+                kv.shape
+            ));
+        }
+        if kv.past > 0 && s != 1 {
+            return shape(format!(
+                "{s} new tokens per sequence after {} cached: steps after the prompt take one token",
+                kv.past
+            ));
+        }
+        let qkv = match &mut self.qkv {
+            QkvProj::Norm(m) => m.infer(x)?,
+            QkvProj::Plain(m) => m.infer(x)?,
+        };
+        let row = (h + 2 * g) * d;
+        let new = |offset| Strided { tensor: &qkv, offset, row };
+        append_kv(&self.dev, &p, s, [new(h * d), new((h + g) * d)], kv.seqlens, [&mut *kv.k, &mut *kv.v])?;
+        let ctx_out = if kv.past == 0 {
+            self.attend(&qkv, [s, b], &AttentionInputs::default())?.0
+        } else {
+            let mut out = Tensor::empty(&self.dev, qkv.dtype(), &[s, b, h * d])?;
+            decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut out, h * d))?;
+            out
+        };
         self.proj.infer(&ctx_out)
     }
 

@@ -35,6 +35,32 @@ impl TokenIds {
         Ok(Self { host: ids.into(), data: Arc::new(data), shape: shape.to_vec() })
     }
 
+    /// Overwrites the ids in place (the device buffer keeps its address: a CUDA graph's static
+    /// input, refilled before each replay). A host upload: not inside a graph capture.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for another number of ids; [`Error::Argument`] while a context (or a
+    /// clone) shares the buffer; [`Error::Capture`] inside a capture; copy failures.
+    pub fn update(&mut self, dev: &Device, ids: &[i32]) -> Result<()> {
+        if ids.len() != self.host.len() {
+            return Err(Error::Shape {
+                op: "TokenIds::update",
+                message: format!("{} ids for a buffer of {:?}", ids.len(), self.shape),
+            });
+        }
+        let stream = dev.stream();
+        crate::graph::refuse_in_capture(stream, "TokenIds::update")?;
+        let Some(data) = Arc::get_mut(&mut self.data) else {
+            return Err(Error::Argument {
+                op: "TokenIds::update",
+                message: "the ids are shared (a context or clone holds them): update a buffer of its own".into(),
+            });
+        };
+        stream.memcpy_htod(ids, data)?;
+        self.host = ids.into();
+        Ok(())
+    }
+
     /// The shape (`[s, b]`, `[tokens]`, ...).
     pub fn shape(&self) -> &[usize] {
         &self.shape

@@ -7,6 +7,7 @@
 //! `a = x + drop(attn(x))`, `h = ln2(a)`, `y = ln3(h + drop(mlp(h)))`.
 
 use super::attention::{AttentionBackend, AttnMaskType, QkvFormat};
+use super::inference::KvLayer;
 use super::layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
 use super::multihead_attention::{
     AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
@@ -322,8 +323,25 @@ impl TransformerLayer {
     /// The errors of the parts (shapes, FP8 dims, masks).
     pub fn infer_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<Tensor> {
         let a = self.attention.infer_with(x, inputs)?;
+        self.finish_infer(x, &a)
+    }
+
+    /// The layer for generation over a KV cache (TE's `inference_params`): as
+    /// [`TransformerLayer::infer_with`], the attention through
+    /// [`super::MultiheadAttention::infer_cached`] (`x`: `[s, b, hidden]`, the step's new tokens).
+    ///
+    /// # Errors
+    /// The errors of the parts (the cache's, shapes, FP8 dims).
+    pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        let a = self.attention.infer_cached(x, kv)?;
+        self.finish_infer(x, &a)
+    }
+
+    /// The residual, MLP and output norm of [`TransformerLayer::infer_with`] after the attention
+    /// output `a` of `x`.
+    fn finish_infer(&mut self, x: &Tensor, a: &Tensor) -> Result<Tensor> {
         let mut h1 = Tensor::empty(&self.dev, x.dtype(), x.shape())?;
-        add(&self.dev, &a, x, &mut h1)?;
+        add(&self.dev, a, x, &mut h1)?;
         let m = self.mlp.infer_with(&h1, ForwardOptions::default())?;
         let mut y = m.out.into_high(&self.dev, x.dtype())?;
         add_assign(&self.dev, &mut y, m.ln_out.as_ref().unwrap_or(&h1))?;

@@ -1,62 +1,99 @@
-//! Text generation on the CPU GPT: [`GptRef::generate_cached`], the decode loop of `te generate`
-//! on the CPU (prefill, then one token per sequence per step over a [`KvCache`], each token
-//! handed to a callback as it comes), and [`GptRef::generate`], its reference: every step runs
-//! the whole prefix through the evaluation forward ([`GptRef::logits`]), no cache. Both draw the
-//! token at position `i` of sequence `j` from row `j` of the Philox stream `(seed, i)`
-//! ([`SamplingConfig::sample`]), so they agree token for token wherever their logits do.
+//! Text generation on the CPU GPT through the decode loop of [`crate::generate::decode`]:
+//! [`GptRef::generate_cached`], what `te generate` runs on the CPU (prefill, then one token per
+//! sequence per step over a [`KvCache`], each token handed to a callback as it comes), and
+//! [`GptRef::generate`], its reference: every step runs the whole prefix through the evaluation
+//! forward ([`GptRef::logits`]), no cache. Both draw the token at position `i` of sequence `j`
+//! from row `j` of the Philox stream `(seed, i)` ([`SamplingConfig::sample`]), so they agree
+//! token for token wherever their logits do.
 
-use super::{GptRef, KvCache, MODEL};
+use super::{GptRef, KvCache};
+use crate::generate::decode::{generate, Decoder};
 use crate::generate::SamplingConfig;
-use crate::{Error, Result};
+use crate::Result;
+
+/// The model's context as a limit, for messages.
+fn context_room(model: &GptRef) -> (usize, String) {
+    let context = model.config().seq_length;
+    (context, format!("the model's context of {context} (seq_length)"))
+}
+
+/// The reference decoder: the whole prefix through [`GptRef::logits`] at every step.
+struct FullPrefix<'a> {
+    model: &'a GptRef,
+    /// `[s, b]` row-major so far.
+    ids: Vec<i32>,
+    batch: usize,
+}
+
+impl Decoder for FullPrefix<'_> {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+    fn capacity(&self) -> (usize, String) {
+        context_room(self.model)
+    }
+    fn batch(&self) -> Option<usize> {
+        None
+    }
+    fn prefill(&mut self, ids: &[i32], _: usize, batch: usize) -> Result<Vec<f32>> {
+        (self.ids, self.batch) = (ids.to_vec(), batch);
+        self.last_logits()
+    }
+    fn step(&mut self, next: &[i32], _: usize) -> Result<Vec<f32>> {
+        self.ids.extend_from_slice(next);
+        self.last_logits()
+    }
+}
+
+impl FullPrefix<'_> {
+    fn last_logits(&self) -> Result<Vec<f32>> {
+        let (b, v) = (self.batch, self.model.config().vocab_size);
+        let s = self.ids.len() / b;
+        let logits = self.model.logits(&self.ids, s, b)?;
+        Ok(logits[(s - 1) * b * v..].to_vec())
+    }
+}
+
+/// The cached decoder: [`GptRef::forward_cached`] over a [`KvCache`].
+struct Cached<'a> {
+    model: &'a GptRef,
+    cache: &'a mut KvCache,
+}
+
+impl Decoder for Cached<'_> {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+    fn capacity(&self) -> (usize, String) {
+        let capacity = self.cache.capacity();
+        if capacity < self.model.config().seq_length {
+            (capacity, format!("the KV cache's {capacity} positions"))
+        } else {
+            context_room(self.model)
+        }
+    }
+    fn batch(&self) -> Option<usize> {
+        Some(self.cache.batch())
+    }
+    fn prefill(&mut self, ids: &[i32], len: usize, _: usize) -> Result<Vec<f32>> {
+        self.cache.clear();
+        self.model.forward_cached(self.cache, ids, len)
+    }
+    fn step(&mut self, next: &[i32], _: usize) -> Result<Vec<f32>> {
+        self.model.forward_cached(self.cache, next, 1)
+    }
+}
 
 impl GptRef {
-    /// The checks of a generation: at least one prompt, all of one length ≥ 1, that length
-    /// plus `max_new_tokens` within `capacity`; returns the prompt length.
-    fn check_prompts(&self, prompts: &[Vec<i32>], max_new_tokens: usize, capacity: usize) -> Result<usize> {
-        let shape = |message: String| Err(Error::Shape { op: MODEL, message });
-        let Some(first) = prompts.first() else {
-            return shape("no prompt: generation needs a batch of at least one".into());
-        };
-        let len = first.len();
-        if len == 0 {
-            return shape("an empty prompt: give at least one token".into());
-        }
-        if let Some(p) = prompts.iter().find(|p| p.len() != len) {
-            return shape(format!("prompts of {len} and {} tokens: a batch takes prompts of one length", p.len()));
-        }
-        if len + max_new_tokens > capacity {
-            let context = self.config().seq_length;
-            let room = if capacity < context {
-                format!("the KV cache's {capacity} positions")
-            } else {
-                format!("the model's context of {context} (seq_length)")
-            };
-            return shape(format!(
-                "a prompt of {len} tokens and {max_new_tokens} new ones exceed {room}: shorten the prompt or ask for \
-                 fewer tokens"
-            ));
-        }
-        Ok(len)
-    }
-
-    /// The next token of each sequence from `logits` `[b, vocab]` of position `position - 1`.
-    fn sample_rows(&self, logits: &[f32], sampling: &SamplingConfig, seed: u64, position: usize) -> Result<Vec<i32>> {
-        let v = self.config().vocab_size;
-        logits
-            .chunks_exact(v)
-            .enumerate()
-            .map(|(j, row)| Ok(sampling.sample(row, seed, position as u64, j as u64)? as i32))
-            .collect()
-    }
-
     /// Continues each prompt of `prompts` (token ids, all of one length ≥ 1) by `max_new_tokens`
     /// tokens drawn with `sampling` (see the module docs), without a cache: the reference of
     /// [`GptRef::generate_cached`]. Returns the new tokens of each prompt.
     ///
     /// # Errors
-    /// [`Error::Shape`] for no prompt, an empty prompt, prompts of different lengths, or a
+    /// [`crate::Error::Shape`] for no prompt, an empty prompt, prompts of different lengths, or a
     /// prompt plus `max_new_tokens` longer than the model's context (`seq_length`: its position
-    /// table); [`Error::Argument`] for an id outside the vocabulary and the sampler's errors.
+    /// table); [`crate::Error::Argument`] for an id outside the vocabulary and the sampler's
+    /// errors.
     pub fn generate(
         &self,
         prompts: &[Vec<i32>],
@@ -64,20 +101,8 @@ impl GptRef {
         sampling: &SamplingConfig,
         seed: u64,
     ) -> Result<Vec<Vec<i32>>> {
-        sampling.validate()?;
-        let len = self.check_prompts(prompts, max_new_tokens, self.config().seq_length)?;
-        let b = prompts.len();
-        let v = self.config().vocab_size;
-        let mut seqs: Vec<Vec<i32>> = prompts.to_vec();
-        for _ in 0..max_new_tokens {
-            let s = seqs[0].len();
-            // [s, b] row-major: token i·b + j is position i of sequence j.
-            let ids: Vec<i32> = (0..s * b).map(|t| seqs[t % b][t / b]).collect();
-            let logits = self.logits(&ids, s, b)?;
-            let next = self.sample_rows(&logits[(s - 1) * b * v..], sampling, seed, s)?;
-            seqs.iter_mut().zip(next).for_each(|(seq, t)| seq.push(t));
-        }
-        Ok(seqs.into_iter().map(|s| s[len..].to_vec()).collect())
+        let mut decoder = FullPrefix { model: self, ids: Vec::new(), batch: 1 };
+        generate(&mut decoder, prompts, max_new_tokens, sampling, seed, &mut |_, _| Ok(()))
     }
 
     /// Continues each prompt of `prompts` by `max_new_tokens` tokens as [`GptRef::generate`]
@@ -87,8 +112,8 @@ impl GptRef {
     /// error it returns ends the generation. Returns the new tokens of each prompt.
     ///
     /// # Errors
-    /// As [`GptRef::generate`], with the cache's capacity in place of the context; [`Error::Shape`]
-    /// for a cache of another batch or model; `on_tokens`' errors.
+    /// As [`GptRef::generate`], with the cache's capacity in place of the context;
+    /// [`crate::Error::Shape`] for a cache of another batch or model; `on_tokens`' errors.
     pub fn generate_cached(
         &self,
         cache: &mut KvCache,
@@ -98,31 +123,8 @@ impl GptRef {
         seed: u64,
         mut on_tokens: impl FnMut(usize, &[i32]) -> Result<()>,
     ) -> Result<Vec<Vec<i32>>> {
-        sampling.validate()?;
-        let len = self.check_prompts(prompts, max_new_tokens, cache.capacity())?;
-        let b = prompts.len();
-        if cache.batch() != b {
-            return Err(Error::Shape {
-                op: MODEL,
-                message: format!("{b} prompts and a KV cache of batch {}: make the cache for the batch", cache.batch()),
-            });
-        }
-        cache.clear();
-        let mut out: Vec<Vec<i32>> = vec![Vec::with_capacity(max_new_tokens); b];
-        if max_new_tokens == 0 {
-            return Ok(out);
-        }
-        let ids: Vec<i32> = (0..len * b).map(|t| prompts[t % b][t / b]).collect();
-        let mut logits = self.forward_cached(cache, &ids, len)?;
-        for i in 0..max_new_tokens {
-            let next = self.sample_rows(&logits, sampling, seed, len + i)?;
-            on_tokens(i, &next)?;
-            out.iter_mut().zip(&next).for_each(|(o, &t)| o.push(t));
-            if i + 1 < max_new_tokens {
-                logits = self.forward_cached(cache, &next, 1)?;
-            }
-        }
-        Ok(out)
+        let mut decoder = Cached { model: self, cache };
+        generate(&mut decoder, prompts, max_new_tokens, sampling, seed, &mut on_tokens)
     }
 }
 
