@@ -9,18 +9,24 @@
 //! ([`te_runtime::cpu::gpt::KvCache`]): the prompt in one prefill, then one token per sample
 //! per step. Prefill and decode speed go to stderr.
 //!
-//! It runs on the CPU reference path ([`GptRef`]: f32 arithmetic, the GEMM inputs rounded to
-//! BF16 or fake-quantized to FP8 with the checkpoint's delayed-scaling state) on every machine
-//! for now; the GPU decode path is to come.
+//! On a GPU it runs the GPU model ([`Gpt::generate`]: BF16, the prompt through the fused
+//! attention, every decode step replayed from a CUDA graph); without one (or with `--cpu`) the
+//! CPU reference path ([`GptRef`]: f32 arithmetic, the GEMM inputs rounded to BF16 or
+//! fake-quantized to FP8 with the checkpoint's delayed-scaling state).
 
 use crate::run_checkpoint::{read_latest, Latest};
 use crate::train::Precision;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
-use te_runtime::checkpoint::LoadOptions;
-use te_runtime::cpu::gpt::{GemmPrecision, GptRef};
+use te_runtime::checkpoint::{self, LoadOptions};
+use te_runtime::cpu::gpt::{GemmPrecision, GptRef, KvCache};
+use te_runtime::fp8::DelayedScaling;
 use te_runtime::generate::{SamplingConfig, Utf8Stream};
+use te_runtime::models::{GenerateOptions, Gpt, GptConfig};
+use te_runtime::modules::InferenceParams;
+use te_runtime::Device;
 
 /// Tokens `te generate` draws when `--max-new-tokens` is not given (fewer when the model's
 /// context ends first).
@@ -61,9 +67,13 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// GEMM precision: fp8 (with the checkpoint's FP8 scales, or scales calibrated on the
-    /// prompt for a BF16 checkpoint) or bf16; default: the run's.
+    /// prompt for a BF16 checkpoint; the CPU path only for now) or bf16; default: the run's on
+    /// the CPU, bf16 on a GPU.
     #[arg(long, value_parser = ["fp8", "bf16"])]
     pub precision: Option<String>,
+    /// Run on the CPU reference path even when a GPU is present.
+    #[arg(long)]
+    pub cpu: bool,
 }
 
 /// Errors of `te generate`.
@@ -98,6 +108,8 @@ pub enum GenerateError {
 pub struct GenerateReport {
     /// The model's precision in this run.
     pub precision: Precision,
+    /// Where it ran: `the CPU reference path`, or the GPU's name.
+    pub device: String,
     /// Prompt tokens per sample.
     pub prompt_tokens: usize,
     /// New tokens per sample.
@@ -120,9 +132,10 @@ impl GenerateReport {
         let steps = self.new_tokens.saturating_sub(1);
         let decode = (steps * self.batch) as f64 / self.decode_s;
         format!(
-            "{} precision on the CPU reference path: prefill {} tokens × {} in {:.1} ms ({prefill:.0} tokens/s); decode \
-             {steps} steps × {} in {:.1} ms ({decode:.0} tokens/s)",
+            "{} precision on {}: prefill {} tokens × {} in {:.1} ms ({prefill:.0} tokens/s); decode {steps} steps × {} \
+             in {:.1} ms ({decode:.0} tokens/s)",
             self.precision.name(),
+            self.device,
             self.prompt_tokens,
             self.batch,
             self.prefill_s * 1e3,
@@ -199,12 +212,12 @@ pub fn locate(path: &Path, precision: Option<Precision>) -> Result<Located, Gene
     }
 }
 
-/// Loads the model of `located` for `precision` (default: the run's).
+/// The model `located` holds: its config, the run's precision and FP8 recipe.
 ///
 /// # Errors
 /// [`GenerateError::Checkpoint`] for a checkpoint without a model section or of a model this
-/// version cannot build, a missing or mismatched `model.safetensors`; runtime errors.
-pub fn load_model(located: &Located, precision: Option<Precision>) -> Result<(GptRef, Precision), GenerateError> {
+/// version cannot build.
+pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, DelayedScaling), GenerateError> {
     let bad = |message: String| GenerateError::Checkpoint { path: located.dir.clone(), message };
     let Some(section) = &located.latest.model else {
         return Err(bad(
@@ -213,7 +226,16 @@ pub fn load_model(located: &Located, precision: Option<Precision>) -> Result<(Gp
                 .into(),
         ));
     };
-    let (cfg, run_precision, recipe) = section.decode(located.latest.model_seed).map_err(bad)?;
+    section.decode(located.latest.model_seed).map_err(bad)
+}
+
+/// Loads the model of `located` on the CPU for `precision` (default: the run's).
+///
+/// # Errors
+/// As [`model_config`]; [`GenerateError::Checkpoint`] for a missing or mismatched
+/// `model.safetensors`; runtime errors.
+pub fn load_model(located: &Located, precision: Option<Precision>) -> Result<(GptRef, Precision), GenerateError> {
+    let (cfg, run_precision, recipe) = model_config(located)?;
     let precision = precision.unwrap_or(run_precision);
     let mut model = GptRef::new(&cfg)?;
     model.set_precision(match precision {
@@ -221,8 +243,53 @@ pub fn load_model(located: &Located, precision: Option<Precision>) -> Result<(Gp
         Precision::Bf16 => GemmPrecision::Bf16,
     })?;
     let file = located.dir.join("model.safetensors");
-    model.load(&file, &LoadOptions::default()).map_err(|e| bad(e.to_string()))?;
+    model
+        .load(&file, &LoadOptions::default())
+        .map_err(|e| GenerateError::Checkpoint { path: located.dir.clone(), message: e.to_string() })?;
     Ok((model, precision))
+}
+
+/// Loads the model of `located` on `dev` (BF16 GEMMs), in evaluation mode.
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_gpu_model(dev: &Arc<Device>, located: &Located) -> Result<Gpt, GenerateError> {
+    let (cfg, _, _) = model_config(located)?;
+    let mut model = Gpt::new(dev, cfg)?;
+    let file = located.dir.join("model.safetensors");
+    checkpoint::load(&mut model, &file, &LoadOptions::default())
+        .map_err(|e| GenerateError::Checkpoint { path: located.dir.clone(), message: e.to_string() })?;
+    model.set_training(false);
+    Ok(model)
+}
+
+/// Where the decode runs: the CPU twin over its KV cache, or the GPU model over its own.
+enum Backend {
+    Cpu(Box<(GptRef, KvCache)>),
+    Gpu(Box<(Gpt, InferenceParams)>),
+}
+
+impl Backend {
+    fn generate(
+        &mut self,
+        prompts: &[Vec<i32>],
+        new_tokens: usize,
+        sampling: &SamplingConfig,
+        seed: u64,
+        on_tokens: impl FnMut(usize, &[i32]) -> te_runtime::Result<()>,
+    ) -> te_runtime::Result<Vec<Vec<i32>>> {
+        match self {
+            Backend::Cpu(b) => {
+                let (model, cache) = &mut **b;
+                model.generate_cached(cache, prompts, new_tokens, sampling, seed, on_tokens)
+            }
+            Backend::Gpu(b) => {
+                let (model, params) = &mut **b;
+                let options = GenerateOptions { cuda_graph: true, ..Default::default() };
+                model.generate(params, prompts, new_tokens, (sampling, seed), options, on_tokens)
+            }
+        }
+    }
 }
 
 /// The prompt's bytes: `--prompt`, or `--prompt-file`'s contents.
@@ -244,8 +311,15 @@ fn prompt_bytes(a: &GenerateArgs) -> Result<Vec<u8>, GenerateError> {
 pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, GenerateError> {
     let asked = a.precision.as_deref().map(Precision::from_name).transpose().map_err(GenerateError::Request)?;
     let located = locate(&a.checkpoint, asked)?;
-    let (model, precision) = load_model(&located, asked)?;
-    let cfg = model.config().clone();
+    let (cfg, _, _) = model_config(&located)?;
+    let gpu = !a.cpu && te_runtime::device::gpu_available();
+    if gpu && asked == Some(Precision::Fp8) {
+        return Err(GenerateError::Request(
+            "--precision fp8 runs on the CPU path only for now (FP8 GEMMs on the GPU need token counts in multiples \
+             of 16, a decode step has one per sequence): add --cpu, or use --precision bf16"
+                .into(),
+        ));
+    }
     if cfg.vocab_size != 256 {
         return Err(GenerateError::Request(format!(
             "the model's vocabulary has {} tokens: te generate reads and writes bytes (256)",
@@ -281,19 +355,28 @@ pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, Gene
     sampling.validate()?;
     let ids: Vec<i32> = prompt.iter().map(|&b| i32::from(b)).collect();
     let prompts = vec![ids.clone(); a.batch];
-    let mut model = model;
-    if precision == Precision::Fp8 && located.latest.model.as_ref().is_some_and(|m| m.precision != "fp8") {
-        // A BF16 run has no FP8 scales: take them from the prompt's amaxes (TE's calibration).
-        model.calibrate(&ids, ids.len(), 1)?;
-    }
-    let mut cache = model.kv_cache(a.batch, (prompt.len() + new_tokens).min(context))?;
+    let capacity = (prompt.len() + new_tokens).min(context);
+    let (mut backend, precision, device) = if gpu {
+        let dev = Device::new(0)?;
+        let model = load_gpu_model(&dev, &located)?;
+        let params = model.inference_params(a.batch, capacity)?;
+        (Backend::Gpu(Box::new((model, params))), Precision::Bf16, format!("{} (CUDA graphs)", dev.name()))
+    } else {
+        let (mut model, precision) = load_model(&located, asked)?;
+        if precision == Precision::Fp8 && located.latest.model.as_ref().is_some_and(|m| m.precision != "fp8") {
+            // A BF16 run has no FP8 scales: take them from the prompt's amaxes (TE's calibration).
+            model.calibrate(&ids, ids.len(), 1)?;
+        }
+        let cache = model.kv_cache(a.batch, capacity)?;
+        (Backend::Cpu(Box::new((model, cache))), precision, "the CPU reference path".to_string())
+    };
     let io = |source| GenerateError::Io { what: "cannot write the text".into(), source };
     out.write_all(&prompt).map_err(io)?;
     out.flush().map_err(io)?;
     let mut stream = Utf8Stream::new();
     let start = Instant::now();
     let mut first_token = None;
-    let samples = model.generate_cached(&mut cache, &prompts, new_tokens, &sampling, a.seed, |i, next| {
+    let samples = backend.generate(&prompts, new_tokens, &sampling, a.seed, |i, next| {
         if i == 0 {
             first_token = Some(Instant::now());
         }
@@ -316,6 +399,7 @@ pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, Gene
     let first = first_token.unwrap_or(end);
     Ok(GenerateReport {
         precision,
+        device,
         prompt_tokens: prompt.len(),
         new_tokens,
         batch: a.batch,

@@ -446,9 +446,6 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
 }
 
 fn run_generate(a: &te::generate::GenerateArgs) -> Result<(), Failure> {
-    if te_runtime::device::gpu_available() {
-        eprintln!("te generate runs on the CPU reference path (the GPU decode path is not built yet)");
-    }
     let mut stdout = std::io::stdout().lock();
     let report = te::generate::run(a, &mut stdout).map_err(|e| e.to_string())?;
     eprintln!("{}", report.speeds());

@@ -143,7 +143,8 @@ fn train_tiny_runs_on_the_cpu_and_writes_its_results() {
 /// speeds on stderr, the same text for the same seed, every precision and way of naming the
 /// checkpoint; typed errors for what does not fit.
 fn generate_samples_from_the_checkpoint(out: &std::path::Path) {
-    let generate = |args: &[&str]| te().arg("generate").args(args).output().unwrap();
+    // The CPU path wherever the test runs (--cpu), the GPU path where there is one.
+    let generate = |args: &[&str]| te().args(["generate", "--cpu"]).args(args).output().unwrap();
     let fp8 = out.join("checkpoints/fp8/latest");
     let fp8 = fp8.to_str().unwrap();
     let a = generate(&["--checkpoint", fp8, "--prompt", "to be", "--max-new-tokens", "20", "--seed", "3"]);
@@ -179,6 +180,18 @@ fn generate_samples_from_the_checkpoint(out: &std::path::Path) {
         let o = generate(args);
         assert!(!o.status.success() && text(&o).contains(want), "{args:?}: {}", text(&o));
         assert!(o.stdout.is_empty(), "nothing written before the error: {}", text(&o));
+    }
+    if te_runtime::device::gpu_available() {
+        let gpu = |args: &[&str]| te().arg("generate").args(args).output().unwrap();
+        let o = gpu(&["--checkpoint", fp8, "--prompt", "to be", "--max-new-tokens", "20", "--batch", "2"]);
+        assert!(o.status.success() && o.stdout.starts_with(b"to be"), "{}", text(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("bf16 precision on") && err.contains("CUDA graphs") && err.contains("decode 19 steps"),
+            "{err}"
+        );
+        let o = gpu(&["--checkpoint", fp8, "--prompt", "x", "--precision", "fp8"]);
+        assert!(!o.status.success() && text(&o).contains("--cpu"), "{}", text(&o));
     }
 }
 

@@ -1,7 +1,8 @@
 //! Benchmarks: memory-bound kernels against the copy bandwidth measured in the same run, the bulk
 //! scale update, cuBLASLt GEMMs in TFLOP/s (FP8 beside BF16), the TE modules forward / backward /
 //! both in BF16 and FP8 (both recipes), DotProductAttention fwd+bwd (unfused, TFLOP/s), one GPT
-//! training step per preset, and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//! training step per preset, generation with the GPT `small` architecture (prefill and decode
+//! tokens/s), and the JIT costs (NVRTC compile, warm disk cache, prewarm).
 //!
 //! `cargo bench --bench kernels [-- FILTER...]`, or on the GPU machine `.gpu/bin/kernels-bench
 //! --bench [FILTER...]` (benchmarks whose name contains one of the filters; all without).
@@ -21,6 +22,7 @@ mod cast_transpose;
 mod dropout;
 mod elementwise;
 mod gemm;
+mod generate;
 mod gpt;
 mod jit;
 mod linear;
@@ -48,7 +50,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 16] = [
+        let families: [fn(&mut Bench); 17] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -64,6 +66,7 @@ fn main() {
             attention::run,
             modules::run,
             gpt::run,
+            generate::run,
             breakdown::run,
         ];
         for run in families {

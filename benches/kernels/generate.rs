@@ -1,0 +1,75 @@
+//! Generation with the GPU GPT (`Gpt::generate`: the prompt in one prefill, then one token per
+//! sequence per step over the KV cache, each step replayed from a CUDA graph; greedy sampling on
+//! the host), GPT `small` architecture in BF16 (random weights: the speed does not depend on
+//! them), at batch 1 and 32 with prompts of 128 and 900 tokens, 64 new tokens. Wall-clock time
+//! (the host samples every token, as `te generate` does): prefill tokens/s (the prompt and the
+//! first token) and decode tokens/s (all sequences) over the other 63 steps. The decode floor:
+//! the bytes a step must read (every GEMM weight once, the LM head's included, and the cached
+//! keys and values of every layer at the mean length) over the copy bandwidth of this run; the
+//! `decode ÷ floor` ratio is the issue's "within 3× of the floor". `benches/anchors/generate.py`
+//! runs Hugging Face `GPT2LMHeadModel` of the same sizes (eager, and static cache +
+//! `torch.compile`).
+
+use crate::harness::{Bench, Stats};
+use std::time::Instant;
+use te_runtime::generate::SamplingConfig;
+use te_runtime::models::gpt::{GenerateOptions, Gpt, GptConfig};
+
+const NEW_TOKENS: usize = 64;
+
+pub fn run(b: &mut Bench) {
+    let work = "gpt small generate";
+    if !b.enabled(work) {
+        return;
+    }
+    let dev = b.dev().clone();
+    let cfg = GptConfig { hidden_dropout: 0.0, ..GptConfig::small() };
+    let (h, f, v, layers) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers);
+    let weight_bytes = 2 * (layers * (4 * h * h + 2 * h * f) + h * v) as u64;
+    let mut model = Gpt::new(&dev, cfg).unwrap();
+    model.set_training(false);
+    let greedy = SamplingConfig::greedy();
+    for (batch, prompt) in [(1, 128), (1, 900), (32, 128), (32, 900)] {
+        let prompts: Vec<Vec<i32>> =
+            (0..batch).map(|j| (0..prompt).map(|i| ((i * 31 + j * 7) % 256) as i32).collect()).collect();
+        let mut params = model.inference_params(batch, prompt + NEW_TOKENS).unwrap();
+        let options = GenerateOptions { cuda_graph: true, ..Default::default() };
+        // The first run loads the kernels and captures the graph; the next ones are timed.
+        let mut runs = Vec::new();
+        for _ in 0..3 {
+            let start = Instant::now();
+            let mut first = None;
+            model
+                .generate(&mut params, &prompts, NEW_TOKENS, (&greedy, 0), options, |i, _| {
+                    if i == 0 {
+                        first = Some(Instant::now());
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            let end = Instant::now();
+            let first = first.unwrap_or(end);
+            runs.push(((first - start).as_secs_f64() * 1e6, (end - first).as_secs_f64() * 1e6));
+        }
+        let timed = &runs[1..];
+        let prefill = Stats::from_samples(timed.iter().map(|r| r.0).collect());
+        let steps = (NEW_TOKENS - 1) as f64;
+        let step = Stats::from_samples(timed.iter().map(|r| r.1 / steps).collect());
+        let shape = format!("b{batch} prompt {prompt}");
+        let mean_len = (prompt + NEW_TOKENS / 2) as u64;
+        let kv_bytes = (layers * batch) as u64 * mean_len * 2 * h as u64 * 2;
+        b.record(&format!("{work} prefill (prompt + first token)"), &shape, prefill, None, None);
+        b.record(&format!("{work} decode step"), &shape, step, Some(weight_bytes + kv_bytes), None);
+        let prefill_tps = (batch * prompt) as f64 / (prefill.median_us * 1e-6);
+        let decode_tps = batch as f64 / (step.median_us * 1e-6);
+        let floor_us = (weight_bytes + kv_bytes) as f64 / (b.copy_gbps * 1e3);
+        b.record_ratio(&format!("{work} {shape}: prefill tokens/s"), prefill_tps, None);
+        b.record_ratio(&format!("{work} {shape}: decode tokens/s"), decode_tps, None);
+        b.record_ratio(&format!("{work} {shape}: decode step ÷ floor"), step.median_us / floor_us, Some((false, 3.0)));
+        println!(
+            "{work} {shape}: prefill {prefill_tps:.0} tokens/s, decode {decode_tps:.0} tokens/s ({:.1} µs a step, floor \
+             {floor_us:.1} µs)",
+            step.median_us
+        );
+    }
+}
