@@ -128,19 +128,26 @@ impl GenerateReport {
     /// The speeds as a line: prompt tokens per second of the prefill, new tokens per second
     /// (all samples) of the decode.
     pub fn speeds(&self) -> String {
-        let prefill = (self.prompt_tokens * self.batch) as f64 / self.prefill_s;
+        let rate = |tokens: usize, s: f64| {
+            if tokens > 0 && s > 0.0 {
+                format!("{:.0}", tokens as f64 / s)
+            } else {
+                "–".into()
+            }
+        };
         let steps = self.new_tokens.saturating_sub(1);
-        let decode = (steps * self.batch) as f64 / self.decode_s;
         format!(
-            "{} precision on {}: prefill {} tokens × {} in {:.1} ms ({prefill:.0} tokens/s); decode {steps} steps × {} \
-             in {:.1} ms ({decode:.0} tokens/s)",
+            "{} precision on {}: prefill {} tokens × {} in {:.1} ms ({} tokens/s); decode {steps} steps × {} in {:.1} ms \
+             ({} tokens/s)",
             self.precision.name(),
             self.device,
             self.prompt_tokens,
             self.batch,
             self.prefill_s * 1e3,
+            rate(self.prompt_tokens * self.batch, self.prefill_s),
             self.batch,
-            self.decode_s * 1e3
+            self.decode_s * 1e3,
+            rate(steps * self.batch, self.decode_s)
         )
     }
 }
