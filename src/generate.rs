@@ -233,7 +233,7 @@ pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, DelayedS
                 .into(),
         ));
     };
-    section.decode(located.latest.model_seed).map_err(bad)
+    Ok((section.config.clone(), section.precision, section.recipe))
 }
 
 /// Loads the model of `located` on the CPU for `precision` (default: the run's).
@@ -370,7 +370,7 @@ pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, Gene
         (Backend::Gpu(Box::new((model, params))), Precision::Bf16, format!("{} (CUDA graphs)", dev.name()))
     } else {
         let (mut model, precision) = load_model(&located, asked)?;
-        if precision == Precision::Fp8 && located.latest.model.as_ref().is_some_and(|m| m.precision != "fp8") {
+        if precision == Precision::Fp8 && located.latest.model.as_ref().is_some_and(|m| m.precision != Precision::Fp8) {
             // A BF16 run has no FP8 scales: take them from the prompt's amaxes (TE's calibration).
             model.calibrate(&ids, ids.len(), 1)?;
         }

@@ -18,9 +18,8 @@ use crate::train::{CheckpointOptions, Precision, Record, TrainConfig, TrainError
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use te_runtime::checkpoint::write_atomic;
-use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling, Format};
+use te_runtime::fp8::DelayedScaling;
 use te_runtime::models::gpt::GptConfig;
-use te_runtime::DType;
 
 /// The model and its optimizer as a checkpoint saves and restores them: the GPU's `Gpt` and
 /// `AdamW`, or the CPU path's `GptRef` and `GptAdamW`.
@@ -50,102 +49,22 @@ pub trait RunState {
     fn nonfinite_states(&self) -> Result<Vec<String>, TrainError>;
 }
 
-/// The model a checkpoint holds, as `trainer.toml` records it: what `te generate` rebuilds.
+/// The model a checkpoint holds, as `trainer.toml` records it (its `[model]` table): what
+/// `te generate` rebuilds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelSection {
-    /// `fp8` or `bf16`: the run's precision.
-    pub precision: String,
-    /// [`GptConfig::vocab_size`].
-    pub vocab_size: usize,
-    /// [`GptConfig::hidden_size`].
-    pub hidden_size: usize,
-    /// [`GptConfig::num_layers`].
-    pub num_layers: usize,
-    /// [`GptConfig::num_attention_heads`].
-    pub num_attention_heads: usize,
-    /// [`GptConfig::ffn_hidden_size`].
-    pub ffn_hidden_size: usize,
-    /// [`GptConfig::seq_length`]: the model's context.
-    pub seq_length: usize,
-    /// [`GptConfig::hidden_dropout`].
-    pub hidden_dropout: f32,
-    /// [`GptConfig::params_dtype`] (`bf16`, `f32`, `f16`).
-    pub params_dtype: String,
-    /// [`GptConfig::fp8_lm_head`].
-    pub fp8_lm_head: bool,
-    /// The FP8 recipe (`DelayedScaling`): format (`hybrid` or `e4m3`).
-    pub fp8_format: String,
-    /// Amax history length.
-    pub amax_history_len: usize,
-    /// `max` or `most_recent`.
-    pub amax_compute_algo: String,
-    /// Scale margin.
-    pub margin: f32,
-    /// Attention in FP8 (`fp8_dpa`).
-    pub fp8_dpa: bool,
+    /// The run's precision.
+    pub precision: Precision,
+    /// The architecture (`[model.config]`).
+    pub config: GptConfig,
+    /// The FP8 recipe of FP8 runs (`[model.recipe]`).
+    pub recipe: DelayedScaling,
 }
 
 impl ModelSection {
     /// The section of a run of `cfg` in `precision`.
     pub fn new(cfg: &TrainConfig, precision: Precision) -> Self {
-        let (m, r) = (&cfg.model, &cfg.recipe);
-        Self {
-            precision: precision.name().into(),
-            vocab_size: m.vocab_size,
-            hidden_size: m.hidden_size,
-            num_layers: m.num_layers,
-            num_attention_heads: m.num_attention_heads,
-            ffn_hidden_size: m.ffn_hidden_size,
-            seq_length: m.seq_length,
-            hidden_dropout: m.hidden_dropout,
-            params_dtype: m.params_dtype.to_string(),
-            fp8_lm_head: m.fp8_lm_head,
-            fp8_format: match r.fp8_format {
-                Format::Hybrid => "hybrid".into(),
-                Format::E4M3 => "e4m3".into(),
-            },
-            amax_history_len: r.amax_history_len,
-            amax_compute_algo: match r.amax_compute_algo {
-                AmaxComputeAlgo::Max => "max".into(),
-                AmaxComputeAlgo::MostRecent => "most_recent".into(),
-            },
-            margin: r.margin,
-            fp8_dpa: r.fp8_dpa,
-        }
-    }
-
-    /// The model's config (`seed`: the run's, which only the dropout stream uses), precision and
-    /// recipe; a message naming the field for a value this version cannot take.
-    pub fn decode(&self, seed: u64) -> Result<(GptConfig, Precision, DelayedScaling), String> {
-        let precision = Precision::from_name(&self.precision)?;
-        let params_dtype: DType = self.params_dtype.parse()?;
-        let fp8_format = te_runtime::prewarm::parse_fp8_format(&self.fp8_format)?;
-        let amax_compute_algo = match self.amax_compute_algo.as_str() {
-            "max" => AmaxComputeAlgo::Max,
-            "most_recent" => AmaxComputeAlgo::MostRecent,
-            a => return Err(format!("amax_compute_algo `{a}`: expected max or most_recent")),
-        };
-        let model = GptConfig {
-            vocab_size: self.vocab_size,
-            hidden_size: self.hidden_size,
-            num_layers: self.num_layers,
-            num_attention_heads: self.num_attention_heads,
-            ffn_hidden_size: self.ffn_hidden_size,
-            seq_length: self.seq_length,
-            hidden_dropout: self.hidden_dropout,
-            params_dtype,
-            seed,
-            fp8_lm_head: self.fp8_lm_head,
-        };
-        let recipe = DelayedScaling {
-            margin: self.margin,
-            fp8_format,
-            amax_history_len: self.amax_history_len,
-            amax_compute_algo,
-            fp8_dpa: self.fp8_dpa,
-            ..DelayedScaling::default()
-        };
-        Ok((model, precision, recipe))
+        Self { precision, config: cfg.model.clone(), recipe: cfg.recipe }
     }
 }
 
@@ -446,20 +365,26 @@ mod tests {
         assert!(matches!(read_latest(&path), Err(TrainError::Resume { .. })));
     }
 
-    /// The model section gives back the run's config, precision and recipe; a value this
-    /// version does not know is a message naming it.
+    /// A model section unknown to this version (a field it cannot read) is an error naming it.
     #[test]
-    fn model_section_decodes_to_the_run() {
-        let cfg = train_config();
-        for p in [Precision::Fp8, Precision::Bf16] {
-            let (model, precision, recipe) = ModelSection::new(&cfg, p).decode(cfg.model.seed).unwrap();
-            assert_eq!((model, precision, recipe), (cfg.model.clone(), p, cfg.recipe));
-        }
-        let bad = ModelSection { params_dtype: "f8".into(), ..ModelSection::new(&cfg, Precision::Bf16) };
-        assert!(bad.decode(0).unwrap_err().contains("f8"));
-        let bad = ModelSection { amax_compute_algo: "mean".into(), ..ModelSection::new(&cfg, Precision::Bf16) };
-        assert!(bad.decode(0).unwrap_err().contains("mean"));
-        let bad = ModelSection { precision: "fp4".into(), ..ModelSection::new(&cfg, Precision::Bf16) };
-        assert!(bad.decode(0).unwrap_err().contains("fp4"));
+    fn a_model_section_this_version_cannot_read_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("latest.toml");
+        let l = Latest {
+            dir: "step-0000001".into(),
+            step: 1,
+            dropout_offset: 2,
+            batch: 8,
+            grad_accum: 2,
+            seq_length: 128,
+            lr: 6e-4,
+            data_seed: 1,
+            model_seed: 9,
+            model: Some(ModelSection::new(&train_config(), Precision::Bf16)),
+        };
+        let text = toml::to_string(&l).unwrap().replace("params_dtype = \"bf16\"", "params_dtype = \"f8\"");
+        std::fs::write(&path, text).unwrap();
+        let e = read_latest(&path).unwrap_err().to_string();
+        assert!(e.contains("unreadable") && e.contains("f8"), "{e}");
     }
 }

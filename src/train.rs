@@ -140,8 +140,9 @@ impl NonFiniteGuard {
     }
 }
 
-/// The numeric format of a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The numeric format of a run (`fp8` or `bf16` in config files).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// GEMMs in FP8 under `fp8_autocast` with TE's default `DelayedScaling` (HYBRID).
     Fp8,

@@ -1,10 +1,12 @@
 //! FP8 recipes: how tensors are scaled before their FP8 cast (TE `common/recipe/__init__.py`).
 
+use serde::{Deserialize, Serialize};
 use te_codegen::spec::AmaxComputeAlgo;
 use te_codegen::DType;
 
-/// Which FP8 formats a recipe uses (TE `Format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// Which FP8 formats a recipe uses (TE `Format`); `e4m3` or `hybrid` in config files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Format {
     /// E4M3 for every tensor.
     E4M3,
@@ -33,8 +35,9 @@ impl Format {
 ///
 /// After each forward scope and each backward: `amax = max(history)` (or the newest entry),
 /// `scale = (fp8_max / amax) / 2^margin` when amax is finite and positive (else the old scale),
-/// then the history rolls. Initial scale 1.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// then the history rolls. Initial scale 1. In config files (a training checkpoint's
+/// `trainer.toml`) a table of these fields.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DelayedScaling {
     /// Headroom: the scale is divided by `2^margin`. TE default 0.
     pub margin: f32,

@@ -39,8 +39,9 @@ const MODEL: &str = "Gpt";
 /// A target with this value is left out of the loss (and its gradient): padding.
 pub const IGNORE_INDEX: i32 = -1;
 
-/// Geometry and training knobs of a [`Gpt`].
-#[derive(Debug, Clone, PartialEq)]
+/// Geometry and training knobs of a [`Gpt`] (a table of these fields in config files: a
+/// training checkpoint's `trainer.toml`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptConfig {
     /// Vocabulary: 256 for bytes. At most 65536 (the cross-entropy kernel's limit).
     pub vocab_size: usize,
