@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod cpu;
 pub mod device;
+pub mod dist;
 pub mod fp8;
 #[cfg(test)]
 mod fuzz;
@@ -174,6 +175,29 @@ pub enum Error {
         /// What broke it (the kernel, the GEMM, the driver's answer).
         detail: String,
     },
+    /// A variable of a multi-process launch (`RANK`, `WORLD_SIZE`, ..., `torchrun`'s) that is
+    /// missing or wrong.
+    #[error("distributed launch: {var}: {message}")]
+    DistEnv {
+        /// The environment variable.
+        var: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A multi-process run could not proceed: the rendezvous (a peer that never connected, a
+    /// mismatched world size or rank), a collective, or a shape that does not split over the
+    /// ranks.
+    #[error("distributed run: {message}")]
+    Dist {
+        /// What failed and what to do.
+        message: String,
+    },
+    /// NCCL could not be loaded (cudarc would panic: this is checked first).
+    #[error(
+        "NCCL (libnccl.so.2) was not found: put its folder on LD_LIBRARY_PATH (with PyTorch installed: python3 -c \
+         \"import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))\" plus /lib), or install NCCL"
+    )]
+    NcclMissing,
     /// A backward called with a context it cannot use: made by another module, or by a forward
     /// whose weights have changed since.
     #[error("{module} backward: {message}")]
