@@ -233,6 +233,11 @@ pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, DelayedS
                 .into(),
         ));
     };
+    if let Some(n) = located.latest.tensor_parallel.filter(|&n| n > 1) {
+        return Err(bad(format!(
+            "it holds the files of {n} tensor-parallel ranks: merge it first (te checkpoint merge DIR --out NEW_DIR)"
+        )));
+    }
     Ok((section.config.clone(), section.precision, section.recipe))
 }
 
@@ -445,6 +450,7 @@ mod tests {
             lr: 1e-3,
             data_seed: 0,
             model_seed: 0,
+            tensor_parallel: None,
             model: model.then(|| crate::run_checkpoint::ModelSection::new(&cfg, Precision::Fp8)),
         }
     }

@@ -2,6 +2,7 @@
 //! and `te embed` (BERT sentence embeddings: model fetching, tokenizer, CLI) (the models,
 //! kernels and FP8 machinery are in `te-runtime` and `te-codegen`).
 
+pub mod checkpoint_cmd;
 pub mod data;
 pub mod embed;
 pub mod generate;

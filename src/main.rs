@@ -6,6 +6,7 @@
 //! - `te info`: the device, its arch, the driver and NVRTC versions, and the kernel cache.
 //! - `te train`: a byte-level GPT trained on Shakespeare in FP8 and in BF16, compared.
 //! - `te generate`: text sampled from a `te train` checkpoint.
+//! - `te checkpoint split|merge`: a checkpoint split for tensor parallelism, or merged back.
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -38,6 +39,9 @@ enum Command {
     Train(TrainArgs),
     /// Sample text from a `te train` checkpoint (streamed; prefill and decode speed on stderr).
     Generate(te::generate::GenerateArgs),
+    /// Split a te train checkpoint for tensor parallelism, or merge one back.
+    #[command(subcommand)]
+    Checkpoint(te::checkpoint_cmd::CheckpointCommand),
     /// Sentence embeddings with a BERT model (all-MiniLM-L6-v2 by default) in FP8, BF16 or on the CPU.
     Embed(te::embed::EmbedArgs),
 }
@@ -545,6 +549,7 @@ fn main() -> ExitCode {
         Command::Info => run_info().map_err(Failure::from),
         Command::Train(a) => run_train(a),
         Command::Generate(a) => run_generate(a),
+        Command::Checkpoint(c) => te::checkpoint_cmd::run(c).map(|line| println!("{line}")).map_err(Failure::from),
         Command::Embed(a) => {
             te::embed::run(a).map(|r| eprintln!("embed: {}", r.to_json())).map_err(|e| Failure::from(e.to_string()))
         }

@@ -89,6 +89,10 @@ pub struct Latest {
     pub data_seed: u64,
     /// Model (init and dropout) seed.
     pub model_seed: u64,
+    /// Ranks of the tensor-parallel group whose files the checkpoint holds (`te checkpoint
+    /// split`); absent for a single-GPU checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel: Option<usize>,
     /// The model (absent in checkpoints written before `te generate`).
     #[serde(default)]
     pub model: Option<ModelSection>,
@@ -169,6 +173,11 @@ impl<'a> Checkpointer<'a> {
         if latest.step > cfg.steps {
             return Err(err(format!("it is at step {}, beyond --steps {}", latest.step, cfg.steps)));
         }
+        if let Some(n) = latest.tensor_parallel.filter(|&n| n > 1) {
+            return Err(err(format!(
+                "it holds the files of {n} tensor-parallel ranks: merge it (te checkpoint merge) to resume on one device"
+            )));
+        }
         let dir = run_dir.join(&latest.dir);
         let steps = state.load_files(&dir)?;
         if steps != latest.step {
@@ -238,6 +247,7 @@ fn save(
         lr: cfg.lr,
         data_seed: cfg.data_seed,
         model_seed: cfg.model.seed,
+        tensor_parallel: None,
         model: Some(ModelSection::new(cfg, precision)),
     };
     let path = run_dir.join("latest.toml");
@@ -353,6 +363,7 @@ mod tests {
             lr: 6e-4,
             data_seed: 1,
             model_seed: 1,
+            tensor_parallel: None,
             model: Some(ModelSection::new(&cfg, Precision::Fp8)),
         };
         std::fs::write(&path, toml::to_string(&l).unwrap()).unwrap();
@@ -380,6 +391,7 @@ mod tests {
             lr: 6e-4,
             data_seed: 1,
             model_seed: 9,
+            tensor_parallel: None,
             model: Some(ModelSection::new(&train_config(), Precision::Bf16)),
         };
         let text = toml::to_string(&l).unwrap().replace("params_dtype = \"bf16\"", "params_dtype = \"f8\"");

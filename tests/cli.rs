@@ -137,6 +137,53 @@ fn train_tiny_runs_on_the_cpu_and_writes_its_results() {
         assert!(out.join("checkpoints").join(p).join("latest.toml").exists(), "{p} checkpoint written");
     }
     generate_samples_from_the_checkpoint(&out);
+    split_and_merge_the_checkpoint(&out);
+}
+
+/// `te checkpoint split` into 2 tensor-parallel ranks' files and `merge` back: the merged
+/// checkpoint samples the original's text; a split one is refused where it cannot be used;
+/// sizes that do not divide the heads are refused.
+fn split_and_merge_the_checkpoint(out: &std::path::Path) {
+    let step = out.join("checkpoints/fp8/step-0000003");
+    let (split, merged) = (out.join("split"), out.join("merged"));
+    let o = te()
+        .args(["checkpoint", "split", "--tensor-parallel", "2"])
+        .arg(&step)
+        .arg("--out")
+        .arg(&split)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    for f in
+        ["model.tp-0-of-2.safetensors", "model.tp-1-of-2.safetensors", "optimizer.tp-1-of-2.safetensors", "history.csv"]
+    {
+        assert!(split.join(f).exists(), "{f}: {}", text(&o));
+    }
+    let toml = std::fs::read_to_string(split.join("trainer.toml")).unwrap();
+    assert!(toml.contains("tensor_parallel = 2"), "{toml}");
+    let sample = |dir: &std::path::Path| {
+        te().args(["generate", "--cpu", "--prompt", "to be", "--max-new-tokens", "12", "--seed", "5", "--checkpoint"])
+            .arg(dir)
+            .output()
+            .unwrap()
+    };
+    let o = sample(&split);
+    assert!(!o.status.success() && text(&o).contains("merge it first"), "{}", text(&o));
+    let o = te().args(["checkpoint", "merge"]).arg(&split).arg("--out").arg(&merged).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let (a, b) = (sample(&step), sample(&merged));
+    assert!(a.status.success() && b.status.success(), "{}{}", text(&a), text(&b));
+    assert_eq!(a.stdout, b.stdout, "the merged checkpoint is the original");
+    let o = te()
+        .args(["checkpoint", "split", "--tensor-parallel", "3"])
+        .arg(&step)
+        .arg("--out")
+        .arg(out.join("x"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && text(&o).contains("does not split over 3"), "{}", text(&o));
+    let o = te().args(["checkpoint", "merge"]).arg(&step).arg("--out").arg(out.join("y")).output().unwrap();
+    assert!(!o.status.success() && text(&o).contains("not a tensor-parallel checkpoint"), "{}", text(&o));
 }
 
 /// `te generate` on the checkpoints of a CPU run: the prompt and the new tokens on stdout, the

@@ -23,6 +23,7 @@ pub mod format;
 pub(crate) mod host;
 mod load;
 mod save;
+pub mod tp;
 
 pub use atomic::write_atomic;
 pub use load::load;
