@@ -9,6 +9,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod block_scaling;
 pub mod cast;
 pub mod cast_transpose;
 pub mod cross_entropy;

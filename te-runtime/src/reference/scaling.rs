@@ -53,20 +53,31 @@ pub fn scaled_max(fp8_max: f32, margin: f32) -> f32 {
     fp8_max * (-margin).exp2()
 }
 
-/// Current-scaling `(scale, scale_inv)` of one tensor from its `amax`.
+/// Current-scaling `(scale, scale_inv)` of one tensor from its `amax` (an infinite scale
+/// becomes `f32::MAX`).
 pub fn current_scale(amax: f32, fp8_max: f32, amax_epsilon: f32, power_2_scale: bool) -> (f32, f32) {
-    let a = if amax < amax_epsilon { amax_epsilon } else { amax };
-    let mut s = 1.0f32;
-    if a > 0.0 && a.is_finite() {
-        s = fp8_max / a;
-        if s.is_infinite() {
-            s = f32::MAX;
-        }
-        if power_2_scale {
-            s = f32::from_bits(s.to_bits() & 0xff80_0000);
-        }
-    }
+    let s = scale_from_amax(amax, fp8_max, amax_epsilon, power_2_scale, f32::MAX);
     (s, 1.0 / s)
+}
+
+/// TE's `compute_scale_from_amax` (`common/recipe/recipe_common.cuh`), the scale of current and
+/// block scaling: `amax` floored at `epsilon`; 1 when it is 0, infinite or NaN; else `fp8_max /
+/// amax` rounded to nearest, `value_for_inf` when that overflows (`f32::MAX` for current
+/// scaling, the input type's largest finite value for block scaling), then with `power_2` only
+/// its exponent bits kept (rounded down to a power of 2).
+pub fn scale_from_amax(amax: f32, fp8_max: f32, epsilon: f32, power_2: bool, value_for_inf: f32) -> f32 {
+    let a = if amax < epsilon { epsilon } else { amax };
+    if !(a > 0.0 && a.is_finite()) {
+        return 1.0;
+    }
+    let mut s = fp8_max / a;
+    if s.is_infinite() {
+        s = value_for_inf;
+    }
+    if power_2 {
+        s = f32::from_bits(s.to_bits() & 0xff80_0000);
+    }
+    s
 }
 
 #[cfg(test)]
