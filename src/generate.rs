@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::time::Instant;
 use te_runtime::checkpoint::{self, LoadOptions};
 use te_runtime::cpu::gpt::{GemmPrecision, GptRef, KvCache};
-use te_runtime::fp8::DelayedScaling;
 use te_runtime::generate::{SamplingConfig, Utf8Stream};
 use te_runtime::models::{GenerateOptions, Gpt, GptConfig};
 use te_runtime::modules::InferenceParams;
@@ -219,12 +218,13 @@ pub fn locate(path: &Path, precision: Option<Precision>) -> Result<Located, Gene
     }
 }
 
-/// The model `located` holds: its config, the run's precision and FP8 recipe.
+/// The model `located` holds: its config, the run's precision, and its FP8 GEMMs (the
+/// recipe) as the CPU model emulates them.
 ///
 /// # Errors
 /// [`GenerateError::Checkpoint`] for a checkpoint without a model section or of a model this
 /// version cannot build.
-pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, DelayedScaling), GenerateError> {
+pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, GemmPrecision), GenerateError> {
     let bad = |message: String| GenerateError::Checkpoint { path: located.dir.clone(), message };
     let Some(section) = &located.latest.model else {
         return Err(bad(
@@ -238,7 +238,11 @@ pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, DelayedS
             "it holds the files of {n} tensor-parallel ranks: merge it first (te checkpoint merge DIR --out NEW_DIR)"
         )));
     }
-    Ok((section.config.clone(), section.precision, section.recipe))
+    let fp8 = match section.block_scaling {
+        Some(block) => GemmPrecision::Fp8Block(block),
+        None => GemmPrecision::Fp8(section.recipe),
+    };
+    Ok((section.config.clone(), section.precision, fp8))
 }
 
 /// Loads the model of `located` on the CPU for `precision` (default: the run's).
@@ -247,11 +251,11 @@ pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, DelayedS
 /// As [`model_config`]; [`GenerateError::Checkpoint`] for a missing or mismatched
 /// `model.safetensors`; runtime errors.
 pub fn load_model(located: &Located, precision: Option<Precision>) -> Result<(GptRef, Precision), GenerateError> {
-    let (cfg, run_precision, recipe) = model_config(located)?;
+    let (cfg, run_precision, fp8) = model_config(located)?;
     let precision = precision.unwrap_or(run_precision);
     let mut model = GptRef::new(&cfg)?;
     model.set_precision(match precision {
-        Precision::Fp8 => GemmPrecision::Fp8(recipe),
+        Precision::Fp8 => fp8,
         Precision::Bf16 => GemmPrecision::Bf16,
     })?;
     let file = located.dir.join("model.safetensors");
@@ -438,6 +442,7 @@ mod tests {
             eval_batches: 1,
             data_seed: 0,
             recipe: Default::default(),
+            block_scaling: None,
             skip_nonfinite_steps: 0,
         };
         Latest {

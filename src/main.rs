@@ -17,7 +17,7 @@ use std::sync::Arc;
 use te_codegen::prewarm::{prewarm, sorted};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler, KernelSpec};
-use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling, Format, Recipe};
+use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling, Float8BlockScaling, Format, Recipe};
 use te_runtime::models::gpt::GptConfig;
 use te_runtime::optim::AdamW;
 use te_runtime::prewarm::{override_recipe, parse_fp8_format, KernelTarget, ModelConfig};
@@ -306,6 +306,10 @@ struct TrainArgs {
     /// checkpoint (Megatron-LM's skipped iterations).
     #[arg(long, default_value_t = 0)]
     skip_nonfinite_steps: u64,
+    /// FP8 runs: the recipe, delayed (TE's DelayedScaling, per-tensor scales) or block
+    /// (Float8BlockScaling, DeepSeek-V3's blockwise scales; the CPU path only so far).
+    #[arg(long, default_value = "delayed", value_parser = ["delayed", "block"])]
+    recipe: String,
     /// FP8 runs: run attention in FP8 too (TE's `fp8_dpa`: E4M3 q, k, v on Hopper for head_dim
     /// 128/256; elsewhere attention stays BF16).
     #[arg(long)]
@@ -379,6 +383,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
             fp8_dpa: a.fp8_dpa,
             ..DelayedScaling::default()
         },
+        block_scaling: (a.recipe == "block").then(Float8BlockScaling::default),
         skip_nonfinite_steps: a.skip_nonfinite_steps,
     };
     let precisions = match a.precision.as_str() {

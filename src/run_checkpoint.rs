@@ -18,7 +18,7 @@ use crate::train::{CheckpointOptions, Precision, Record, TrainConfig, TrainError
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use te_runtime::checkpoint::write_atomic;
-use te_runtime::fp8::DelayedScaling;
+use te_runtime::fp8::{DelayedScaling, Float8BlockScaling};
 use te_runtime::models::gpt::GptConfig;
 
 /// The model and its optimizer as a checkpoint saves and restores them: the GPU's `Gpt` and
@@ -59,12 +59,15 @@ pub struct ModelSection {
     pub config: GptConfig,
     /// The FP8 recipe of FP8 runs (`[model.recipe]`).
     pub recipe: DelayedScaling,
+    /// Blockwise FP8 in place of `recipe` (`[model.block_scaling]`; `te train --recipe block`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_scaling: Option<Float8BlockScaling>,
 }
 
 impl ModelSection {
     /// The section of a run of `cfg` in `precision`.
     pub fn new(cfg: &TrainConfig, precision: Precision) -> Self {
-        Self { precision, config: cfg.model.clone(), recipe: cfg.recipe }
+        Self { precision, config: cfg.model.clone(), recipe: cfg.recipe, block_scaling: cfg.block_scaling }
     }
 }
 
@@ -341,6 +344,7 @@ mod tests {
             eval_batches: 1,
             data_seed: 1,
             recipe: DelayedScaling { amax_history_len: 16, ..DelayedScaling::default() },
+            block_scaling: None,
             skip_nonfinite_steps: 0,
         }
     }

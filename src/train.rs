@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use te_runtime::checkpoint::{self, LoadOptions, SaveOptions};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, ScalingState};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, ScalingState};
 use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
 use te_runtime::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
@@ -196,6 +196,9 @@ pub struct TrainConfig {
     /// The FP8 recipe of [`Precision::Fp8`] runs (TE's default `DelayedScaling`: HYBRID,
     /// amax history 1024, max).
     pub recipe: DelayedScaling,
+    /// Blockwise FP8 (TE's `Float8BlockScaling`) for [`Precision::Fp8`] runs instead of
+    /// `recipe`: the CPU path only so far (its GPU kernels are not built yet).
+    pub block_scaling: Option<Float8BlockScaling>,
     /// Steps with a NaN or infinite loss or gradient norm that are skipped (weights not
     /// updated) before the run stops ([`NonFiniteGuard`]); 0: the first one stops it.
     pub skip_nonfinite_steps: u64,
@@ -269,6 +272,13 @@ pub fn train(
     ckpt: &CheckpointOptions,
     mut progress: impl FnMut(u64, f32),
 ) -> Result<RunSummary, TrainError> {
+    if cfg.block_scaling.is_some() && precision == Precision::Fp8 {
+        return Err(TrainError::Runtime(te_runtime::Error::Recipe {
+            message: "Float8BlockScaling runs on the CPU path only so far (its GPU kernels are not built yet): add \
+                      --cpu, or use --recipe delayed"
+                .into(),
+        }));
+    }
     dev.synchronize()?;
     dev.reset_peak_memory()?;
     let model = Gpt::new(dev, cfg.model.clone())?;

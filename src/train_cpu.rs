@@ -43,7 +43,10 @@ pub fn train_cpu(
     }
     let mut model = GptRef::new(&cfg.model)?;
     model.set_precision(match precision {
-        Precision::Fp8 => GemmPrecision::Fp8(cfg.recipe),
+        Precision::Fp8 => match cfg.block_scaling {
+            Some(block) => GemmPrecision::Fp8Block(block),
+            None => GemmPrecision::Fp8(cfg.recipe),
+        },
         Precision::Bf16 => GemmPrecision::Bf16,
     })?;
     // The GPU job's AdamW settings and schedule.
@@ -210,6 +213,7 @@ mod tests {
             eval_batches: 2,
             data_seed: 7,
             recipe: DelayedScaling::default(),
+            block_scaling: None,
             skip_nonfinite_steps: 0,
         };
         (corpus, cfg)
@@ -231,6 +235,21 @@ mod tests {
             assert!(vals[1] < vals[0], "{vals:?}");
             assert!(run.tokens_per_s > 0.0 && run.parameters == cfg.model.num_parameters());
         }
+    }
+
+    /// Blockwise FP8 (`--recipe block`) trains on the CPU path as the other precisions do, and
+    /// its checkpoint records the recipe, so that te generate emulates it again.
+    #[test]
+    fn blockwise_fp8_trains_and_is_recorded() {
+        let (corpus, cfg) = small();
+        let cfg = TrainConfig { block_scaling: Some(te_runtime::fp8::Float8BlockScaling::default()), ..cfg };
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = CheckpointOptions { dir: Some(dir.path().to_path_buf()), ..Default::default() };
+        let run = train_cpu(&corpus, &cfg, Precision::Fp8, &ckpt, |_, _| {}).unwrap();
+        let losses: Vec<f32> = run.records.iter().map(|r| r.train_loss).collect();
+        assert!(losses[9..].iter().sum::<f32>() < 0.8 * losses[..3].iter().sum::<f32>(), "{losses:?}");
+        let latest = crate::run_checkpoint::read_latest(&dir.path().join("fp8/latest.toml")).unwrap().unwrap();
+        assert_eq!(latest.model.unwrap().block_scaling, cfg.block_scaling);
     }
 
     /// A diverging run (learning rate 1e30) stops at its first non-finite step, naming it and

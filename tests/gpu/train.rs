@@ -36,6 +36,7 @@ fn config(steps: u64) -> TrainConfig {
         eval_batches: 2,
         data_seed: 7,
         recipe: DelayedScaling::default(),
+        block_scaling: None,
         skip_nonfinite_steps: 0,
     }
 }

@@ -91,6 +91,69 @@ pub struct Float8CurrentScaling {
     pub fp8_dpa: bool,
 }
 
+/// Blockwise scaling (TE 2.x `Float8BlockScaling`, the recipe DeepSeek-V3 was trained with): one
+/// f32 scale per 1×128 tile of activations and gradients and per 128×128 block of weights, each
+/// from its block's own amax (no history), E4M3 in both directions by default. The block scale
+/// rule and layouts: [`crate::reference::block_scaling`].
+///
+/// **Runs in the CPU emulation only so far** (`cpu::gpt::GemmPrecision::Fp8Block`: the GEMM
+/// inputs of the CPU GPT fake-quantized blockwise); the GPU kernels and the block-scaled
+/// cuBLASLt GEMMs are the blockwise-FP8 issue's, so it is not a [`Recipe`] of `fp8_autocast` yet.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Float8BlockScaling {
+    /// FP8 formats. TE default [`Format::E4M3`] (E4M3 gradients too).
+    pub fp8_format: Format,
+    /// Scales rounded down to powers of 2 (TE default true; `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`
+    /// turns it off).
+    pub power_2_scale: bool,
+    /// Floor of each block's amax (TE default 0).
+    pub amax_epsilon: f32,
+    /// Blocks of activations: 1 (1×128 tiles) or 2 (128×128). TE default 1.
+    pub x_block_scaling_dim: usize,
+    /// Blocks of weights: 1 or 2. TE default 2.
+    pub w_block_scaling_dim: usize,
+    /// Blocks of output gradients: 1 or 2. TE default 1.
+    pub grad_block_scaling_dim: usize,
+}
+
+impl Default for Float8BlockScaling {
+    fn default() -> Self {
+        Self {
+            fp8_format: Format::E4M3,
+            power_2_scale: true,
+            amax_epsilon: 0.0,
+            x_block_scaling_dim: 1,
+            w_block_scaling_dim: 2,
+            grad_block_scaling_dim: 1,
+        }
+    }
+}
+
+impl Float8BlockScaling {
+    /// Checks the fields a user can get wrong.
+    ///
+    /// # Errors
+    /// [`crate::Error::Recipe`] for a block dimension other than 1 or 2, or a negative or
+    /// non-finite amax epsilon.
+    pub fn validate(&self) -> crate::Result<()> {
+        let dims =
+            [("x", self.x_block_scaling_dim), ("w", self.w_block_scaling_dim), ("grad", self.grad_block_scaling_dim)];
+        if let Some((what, d)) = dims.iter().find(|(_, d)| !matches!(d, 1 | 2)) {
+            return Err(crate::Error::Recipe {
+                message: format!(
+                    "Float8BlockScaling::{what}_block_scaling_dim must be 1 (1x128 tiles) or 2 (128x128), got {d}"
+                ),
+            });
+        }
+        if !(self.amax_epsilon.is_finite() && self.amax_epsilon >= 0.0) {
+            return Err(crate::Error::Recipe {
+                message: format!("Float8BlockScaling::amax_epsilon must be finite and ≥ 0, got {}", self.amax_epsilon),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// An FP8 recipe.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Recipe {
@@ -192,5 +255,15 @@ mod tests {
         let r = Recipe::from(Float8CurrentScaling { amax_epsilon: -1.0, ..Default::default() });
         assert!(r.validate().unwrap_err().to_string().contains("amax_epsilon"));
         assert!(Recipe::default().validate().is_ok());
+        let b = Float8BlockScaling { w_block_scaling_dim: 3, ..Default::default() };
+        assert!(b.validate().unwrap_err().to_string().contains("w_block_scaling_dim"));
+        let b = Float8BlockScaling { amax_epsilon: f32::INFINITY, ..Default::default() };
+        assert!(b.validate().unwrap_err().to_string().contains("amax_epsilon"));
+        let b = Float8BlockScaling::default();
+        b.validate().unwrap();
+        assert_eq!(
+            (b.fp8_format, b.power_2_scale, b.x_block_scaling_dim, b.w_block_scaling_dim),
+            (Format::E4M3, true, 1, 2)
+        );
     }
 }

@@ -65,7 +65,7 @@ use crate::reference::modules::NormRef;
 use crate::{Error, Result};
 use math::{attention_backward, attention_forward, column_sums, dgelu, gelu_tanh, gemm, linear, par_fill, View};
 use params::PER_LAYER;
-use precision::{cast, GemmScaling};
+use precision::{cast, GemmScaling, Operands};
 use te_codegen::DType;
 
 const MODEL: &str = "GptRef";
@@ -83,8 +83,8 @@ struct LayerCtx {
     /// The GELU's `tanh` of each pre-activation.
     tanh: Vec<f32>,
     masks: [Option<Vec<u8>>; 2],
-    /// `(input, weight)` of qkv, proj, fc1, fc2.
-    gemms: [(Vec<f32>, Vec<f32>); 4],
+    /// The operands of qkv, proj, fc1, fc2 as cast.
+    gemms: [Operands; 4],
 }
 
 /// A forward up to the logits and what the backward keeps of it.
@@ -94,8 +94,8 @@ struct Forward {
     layers: Vec<LayerCtx>,
     /// Input of the final norm.
     last: Vec<f32>,
-    /// `(input, weight)` of the LM head.
-    head: (Vec<f32>, Vec<f32>),
+    /// The operands of the LM head.
+    head: Operands,
     /// The FP8 amaxes of every GEMM's `[input, weight]`.
     amaxes: Vec<[f32; 2]>,
 }
@@ -108,8 +108,8 @@ pub struct GptRefCtx {
     layers: Vec<LayerCtx>,
     /// Input of the final norm.
     last: Vec<f32>,
-    /// `(input, weight)` of the LM head.
-    head: (Vec<f32>, Vec<f32>),
+    /// The operands of the LM head.
+    head: Operands,
     dlogits: Vec<f32>,
     /// The configuration of the model that made it.
     cfg: GptConfig,
@@ -225,23 +225,23 @@ impl GptRef {
                 })
             };
             let ln1 = self.norm(self.lp(l, 0), self.lp(l, 1)).forward(&x);
-            let qkv_ops = self.gemm_operands(4 * l, &ln1, self.lp(l, 2), &mut amaxes);
-            let qkv = linear(&qkv_ops.0, &qkv_ops.1, Some(self.lp(l, 3)), t, 3 * h, h);
+            let qkv_ops = self.gemm_operands(4 * l, &ln1, self.lp(l, 2), h, &mut amaxes);
+            let qkv = linear(&qkv_ops.x, &qkv_ops.w, Some(self.lp(l, 3)), t, 3 * h, h);
             let (heads, d) = (cfg.num_attention_heads, h / cfg.num_attention_heads);
             let (o, probs) = match cache.as_deref_mut() {
                 Some(c) => (c.attend(l, &qkv, s, heads, d), Vec::new()),
                 None => attention_forward(&qkv, s, b, heads, d),
             };
-            let proj_ops = self.gemm_operands(4 * l + 1, &o, self.lp(l, 4), &mut amaxes);
-            let a = linear(&proj_ops.0, &proj_ops.1, Some(self.lp(l, 5)), t, h, h);
+            let proj_ops = self.gemm_operands(4 * l + 1, &o, self.lp(l, 4), h, &mut amaxes);
+            let a = linear(&proj_ops.x, &proj_ops.w, Some(self.lp(l, 5)), t, h, h);
             let (h1, mask1) = self.residual_dropout(&a, &x, dropout(0));
             let ln2 = self.norm(self.lp(l, 6), self.lp(l, 7)).forward(&h1);
-            let fc1_ops = self.gemm_operands(4 * l + 2, &ln2, self.lp(l, 8), &mut amaxes);
-            let pre = linear(&fc1_ops.0, &fc1_ops.1, Some(self.lp(l, 9)), t, f, h);
+            let fc1_ops = self.gemm_operands(4 * l + 2, &ln2, self.lp(l, 8), h, &mut amaxes);
+            let pre = linear(&fc1_ops.x, &fc1_ops.w, Some(self.lp(l, 9)), t, f, h);
             let tanh = par_fill(pre.len(), |i| gelu_tanh(pre[i]));
             let act = par_fill(pre.len(), |i| 0.5 * pre[i] * (1.0 + tanh[i]));
-            let fc2_ops = self.gemm_operands(4 * l + 3, &act, self.lp(l, 10), &mut amaxes);
-            let m = linear(&fc2_ops.0, &fc2_ops.1, Some(self.lp(l, 11)), t, h, f);
+            let fc2_ops = self.gemm_operands(4 * l + 3, &act, self.lp(l, 10), f, &mut amaxes);
+            let m = linear(&fc2_ops.x, &fc2_ops.w, Some(self.lp(l, 11)), t, h, f);
             let (y, mask2) = self.residual_dropout(&m, &h1, dropout(1));
             let layer_x = std::mem::replace(&mut x, y);
             layers.push(LayerCtx {
@@ -259,8 +259,8 @@ impl GptRef {
             c.advance(s);
         }
         let yf = self.norm(self.tail(0), self.tail(1)).forward(&x);
-        let head = self.gemm_operands(4 * cfg.num_layers, &yf, self.tail(2), &mut amaxes);
-        let logits = linear(&head.0, &head.1, None, t, v, h);
+        let head = self.gemm_operands(4 * cfg.num_layers, &yf, self.tail(2), h, &mut amaxes);
+        let logits = linear(&head.x, &head.w, None, t, v, h);
         Forward { logits, layers, last: x, head, amaxes }
     }
 
@@ -322,8 +322,7 @@ impl GptRef {
         let mut grads: Vec<Vec<f32>> = self.params.iter().map(|p| vec![0.0; p.value.len()]).collect();
         let mut amaxes = Vec::new();
         let nl = cfg.num_layers;
-        let (dyf, dw_head, _) =
-            self.linear_backward(4 * nl, &ctx.dlogits, &ctx.head.0, &ctx.head.1, [t, v, h], &mut amaxes);
+        let (dyf, dw_head, _) = self.linear_backward(4 * nl, &ctx.dlogits, &ctx.head, [t, v, h], &mut amaxes);
         let (mut dx, dg, db) = self.norm(self.tail(0), self.tail(1)).backward(&dyf, &ctx.last);
         let base = 2 + PER_LAYER * nl;
         (grads[base], grads[base + 1], grads[base + 2]) = (dg, db, dw_head);
@@ -336,19 +335,15 @@ impl GptRef {
                 None => d.to_vec(),
             };
             let dm = drop(&dx, &c.masks[1]);
-            let (fc2_in, fc2_w) = &c.gemms[3];
-            let (dact, dw2, db2) = self.linear_backward(4 * l + 3, &dm, fc2_in, fc2_w, [t, h, f], &mut amaxes);
+            let (dact, dw2, db2) = self.linear_backward(4 * l + 3, &dm, &c.gemms[3], [t, h, f], &mut amaxes);
             let dpre = par_fill(dact.len(), |i| dact[i] * dgelu(c.pre[i], c.tanh[i]));
-            let (fc1_in, fc1_w) = &c.gemms[2];
-            let (dln2, dw1, db1) = self.linear_backward(4 * l + 2, &dpre, fc1_in, fc1_w, [t, f, h], &mut amaxes);
+            let (dln2, dw1, db1) = self.linear_backward(4 * l + 2, &dpre, &c.gemms[2], [t, f, h], &mut amaxes);
             let (dn2, dg2, dbe2) = self.norm(self.lp(l, 6), self.lp(l, 7)).backward(&dln2, &c.h1);
             let dh1: Vec<f32> = dx.iter().zip(&dn2).map(|(a, b)| a + b).collect();
             let da = drop(&dh1, &c.masks[0]);
-            let (proj_in, proj_w) = &c.gemms[1];
-            let (d_o, dwp, dbp) = self.linear_backward(4 * l + 1, &da, proj_in, proj_w, [t, h, h], &mut amaxes);
+            let (d_o, dwp, dbp) = self.linear_backward(4 * l + 1, &da, &c.gemms[1], [t, h, h], &mut amaxes);
             let dqkv = attention_backward(&c.qkv, &c.probs, &d_o, s, b, heads, h / heads);
-            let (qkv_in, qkv_w) = &c.gemms[0];
-            let (dln1, dwqkv, dbqkv) = self.linear_backward(4 * l, &dqkv, qkv_in, qkv_w, [t, 3 * h, h], &mut amaxes);
+            let (dln1, dwqkv, dbqkv) = self.linear_backward(4 * l, &dqkv, &c.gemms[0], [t, 3 * h, h], &mut amaxes);
             let (dn1, dg1, dbe1) = self.norm(self.lp(l, 0), self.lp(l, 1)).backward(&dln1, &c.x);
             dx = dh1.iter().zip(&dn1).map(|(a, b)| a + b).collect();
             let layer = [dg1, dbe1, dwqkv, dbqkv, dwp, dbp, dg2, dbe2, dw1, db1, dw2, db2];
@@ -364,22 +359,24 @@ impl GptRef {
     }
 
     /// `(dx, dw, dbias)` of GEMM `g` (`[t, out, in]`) for `dy` with the forward's cast operands:
-    /// `dy` cast as the backward reads it (its amax added to `amaxes` under FP8), `dbias` from
-    /// the uncast `dy`.
+    /// `dy` cast as the dgrad and wgrad GEMMs read it (its amax added to `amaxes` under
+    /// delayed-scaling FP8), `dbias` from the uncast `dy`.
     fn linear_backward(
         &self,
         g: usize,
         dy: &[f32],
-        x: &[f32],
-        w: &[f32],
+        ops: &Operands,
         [t, n_out, n_in]: [usize; 3],
         amaxes: &mut Vec<f32>,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let dyq = cast(dy, self.grad_cast(g, dy, amaxes));
+        let (c_dgrad, c_wgrad) = self.grad_casts(g, dy, n_out, amaxes);
+        let dyq = cast(dy, c_dgrad);
+        let dyq_w = c_wgrad.map(|c| cast(dy, c));
         let mut dx = vec![0.0; t * n_in];
-        gemm(t, n_out, n_in, View::rows(&dyq, n_out), View::rows(w, n_in), 0.0, &mut dx);
+        gemm(t, n_out, n_in, View::rows(&dyq, n_out), View::rows(&ops.w, n_in), 0.0, &mut dx);
         let mut dw = vec![0.0; n_out * n_in];
-        gemm(n_out, t, n_in, View::t(&dyq, n_out), View::rows(x, n_in), 0.0, &mut dw);
+        let dy_w = dyq_w.as_deref().unwrap_or(&dyq);
+        gemm(n_out, t, n_in, View::t(dy_w, n_out), View::rows(ops.wgrad_input(), n_in), 0.0, &mut dw);
         (dx, dw, column_sums(dy, n_out))
     }
 }

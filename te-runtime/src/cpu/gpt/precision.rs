@@ -6,7 +6,8 @@
 
 use super::math::par_fill;
 use super::GptRef;
-use crate::fp8::{DelayedScaling, ScalingSnapshot};
+use crate::fp8::{DelayedScaling, Float8BlockScaling, ScalingSnapshot};
+use crate::reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
 use crate::reference::scaling::{delayed_update, HostScalingGroup};
 use crate::Result;
 use half::bf16;
@@ -23,6 +24,13 @@ pub enum GemmPrecision {
     /// Inputs fake-quantized to FP8 with delayed scaling per operand, as under
     /// [`crate::fp8::fp8_autocast`] with this recipe.
     Fp8(DelayedScaling),
+    /// Inputs fake-quantized to FP8 blockwise ([`Float8BlockScaling`], DeepSeek-V3's recipe):
+    /// the forward's input in 1×128 tiles along its features and the weight in 128×128 blocks
+    /// (the recipe's block dims); the backward's output gradient in 1×128 tiles along its
+    /// features for the dgrad GEMM and along the tokens for the wgrad GEMM, which reads the
+    /// forward input quantized along the tokens too ([`crate::reference::block_scaling`]:
+    /// TE re-quantizes the transposed operands rather than transposing codes). Stateless.
+    Fp8Block(Float8BlockScaling),
 }
 
 /// Delayed scaling of `n` operands sharing a format: TE's amax history and scales.
@@ -139,6 +147,30 @@ pub(super) enum Cast {
     Exact,
     Bf16,
     Fp8(DType, f32),
+    /// Blockwise FP8 of a `[rows, cols]` operand.
+    Block {
+        tiling: BlockTiling,
+        rows: usize,
+        cols: usize,
+        params: BlockParams,
+    },
+}
+
+/// A GEMM's operands as it reads them: the input and weight of the forward (and dgrad), and
+/// the input as the wgrad GEMM reads it when that differs (blockwise FP8: tiles along the
+/// tokens).
+#[derive(Debug, Clone)]
+pub(super) struct Operands {
+    pub(super) x: Vec<f32>,
+    pub(super) w: Vec<f32>,
+    pub(super) x_wgrad: Option<Vec<f32>>,
+}
+
+impl Operands {
+    /// The input as the wgrad GEMM reads it.
+    pub(super) fn wgrad_input(&self) -> &[f32] {
+        self.x_wgrad.as_deref().unwrap_or(&self.x)
+    }
 }
 
 /// The operand `x` as the GEMM reads it.
@@ -150,7 +182,33 @@ pub(super) fn cast(x: &[f32], c: Cast) -> Vec<f32> {
             let (grid, scale_inv) = (Fp8Grid::new(dtype), 1.0 / scale);
             par_fill(x.len(), |i| grid.round(x[i] * scale) * scale_inv)
         }
+        Cast::Block { tiling, rows, cols, params } => {
+            let q = quantize_blockwise(x, rows, cols, tiling, &params);
+            dequantize_blockwise(&q, rows, cols, tiling, params.dtype)
+        }
     }
+}
+
+/// The tiling of an operand quantized with block dimension `dim` (1: 1×128 tiles along its
+/// rows, or `across` the rows when the GEMM contracts over them; 2: 128×128 blocks).
+fn tiling(dim: usize, across: bool) -> BlockTiling {
+    match (dim, across) {
+        (2, _) => BlockTiling::Square,
+        (_, false) => BlockTiling::Rows,
+        (_, true) => BlockTiling::Columns,
+    }
+}
+
+/// The blockwise cast of a `[rows, cols]` operand under `r` with block dimension `dim`.
+fn block(r: &Float8BlockScaling, dim: usize, across: bool, [rows, cols]: [usize; 2], dtype: DType) -> Cast {
+    let params = BlockParams {
+        dtype,
+        epsilon: r.amax_epsilon,
+        power_2: r.power_2_scale,
+        // The GPU model's activations, weights and gradients are bf16.
+        value_for_inf: half::bf16::MAX.to_f32(),
+    };
+    Cast::Block { tiling: tiling(dim, across), rows, cols, params }
 }
 
 /// The rounding grid of an FP8 format, for [`Fp8Grid::round`].
@@ -222,6 +280,10 @@ impl GptRef {
                 // The LM head has FP8 state only when it runs in FP8 (`fp8_lm_head`).
                 vec![gemm; 4 * self.cfg.num_layers + usize::from(self.cfg.fp8_lm_head)]
             }
+            GemmPrecision::Fp8Block(recipe) => {
+                recipe.validate()?;
+                Vec::new()
+            }
             _ => Vec::new(),
         };
         self.precision = precision;
@@ -231,50 +293,72 @@ impl GptRef {
     /// Whether GEMM `g` runs in FP8: under FP8, every layer GEMM, and the LM head (the last)
     /// only with `fp8_lm_head` (else in BF16, as on the GPU).
     pub(super) fn fp8_gemm(&self, g: usize) -> bool {
-        matches!(self.precision, GemmPrecision::Fp8(_)) && g < self.fp8.len()
+        let fp8_gemms = 4 * self.cfg.num_layers + usize::from(self.cfg.fp8_lm_head);
+        match self.precision {
+            GemmPrecision::Fp8(_) => g < self.fp8.len(),
+            GemmPrecision::Fp8Block(_) => g < fp8_gemms,
+            _ => false,
+        }
     }
 
-    /// The casts of GEMM `g`'s forward operands (input, weight).
-    pub(super) fn forward_casts(&self, g: usize) -> [Cast; 2] {
+    /// The casts of GEMM `g`'s forward operands, input `[t, n_in]` and weight `[n_out, n_in]`,
+    /// and of the input as the wgrad GEMM reads it (`None`: as the forward).
+    fn forward_casts(&self, g: usize, [t, n_out, n_in]: [usize; 3]) -> ([Cast; 2], Option<Cast>) {
         match self.precision {
-            GemmPrecision::F32 => [Cast::Exact; 2],
-            GemmPrecision::Bf16 => [Cast::Bf16; 2],
-            GemmPrecision::Fp8(_) if !self.fp8_gemm(g) => [Cast::Bf16; 2],
+            GemmPrecision::F32 => ([Cast::Exact; 2], None),
+            GemmPrecision::Bf16 => ([Cast::Bf16; 2], None),
+            _ if !self.fp8_gemm(g) => ([Cast::Bf16; 2], None),
             GemmPrecision::Fp8(_) => {
                 let s = &self.fp8[g].fwd;
-                [Cast::Fp8(s.dtype, s.scale[0]), Cast::Fp8(s.dtype, s.scale[1])]
+                ([Cast::Fp8(s.dtype, s.scale[0]), Cast::Fp8(s.dtype, s.scale[1])], None)
+            }
+            GemmPrecision::Fp8Block(r) => {
+                let dt = r.fp8_format.forward_dtype();
+                let x = block(&r, r.x_block_scaling_dim, false, [t, n_in], dt);
+                let w = block(&r, r.w_block_scaling_dim, false, [n_out, n_in], dt);
+                let x_wgrad = block(&r, r.x_block_scaling_dim, true, [t, n_in], dt);
+                ([x, w], Some(x_wgrad))
             }
         }
     }
 
-    /// GEMM `g`'s input and weight as it reads them, their amaxes added to `amaxes` under FP8.
+    /// GEMM `g`'s operands (input `x` `[t, n_in]`, weight `w` `[n_out, n_in]`) as it reads
+    /// them, their amaxes added to `amaxes` under delayed-scaling FP8.
     pub(super) fn gemm_operands(
         &self,
         g: usize,
         x: &[f32],
         w: &[f32],
+        n_in: usize,
         amaxes: &mut Vec<[f32; 2]>,
-    ) -> (Vec<f32>, Vec<f32>) {
+    ) -> Operands {
         // FP8 GEMMs record their operands' amaxes; so does a calibration's high-precision pass
         // (`calibrate`: BF16 casts, the FP8 states kept).
         if g < self.fp8.len() {
             amaxes.push([amax(x), amax(w)]);
         }
-        let [cx, cw] = self.forward_casts(g);
-        (cast(x, cx), cast(w, cw))
+        let dims = [x.len() / n_in.max(1), w.len() / n_in.max(1), n_in];
+        let ([cx, cw], c_wgrad) = self.forward_casts(g, dims);
+        Operands { x: cast(x, cx), w: cast(w, cw), x_wgrad: c_wgrad.map(|c| cast(x, c)) }
     }
 
-    /// How GEMM `g`'s backward reads the output gradient `dy`, its amax added to `amaxes` under
-    /// FP8.
-    pub(super) fn grad_cast(&self, g: usize, dy: &[f32], amaxes: &mut Vec<f32>) -> Cast {
+    /// How GEMM `g`'s backward reads the output gradient `dy` `[t, n_out]`: for the dgrad GEMM
+    /// and, when it differs, for the wgrad GEMM; its amax added to `amaxes` under
+    /// delayed-scaling FP8.
+    pub(super) fn grad_casts(&self, g: usize, dy: &[f32], n_out: usize, amaxes: &mut Vec<f32>) -> (Cast, Option<Cast>) {
         match self.precision {
-            GemmPrecision::F32 => Cast::Exact,
-            GemmPrecision::Bf16 => Cast::Bf16,
-            GemmPrecision::Fp8(_) if !self.fp8_gemm(g) => Cast::Bf16,
+            GemmPrecision::F32 => (Cast::Exact, None),
+            GemmPrecision::Bf16 => (Cast::Bf16, None),
+            _ if !self.fp8_gemm(g) => (Cast::Bf16, None),
             GemmPrecision::Fp8(_) => {
                 amaxes.push(amax(dy));
                 let s = &self.fp8[g].bwd;
-                Cast::Fp8(s.dtype, s.scale[0])
+                (Cast::Fp8(s.dtype, s.scale[0]), None)
+            }
+            GemmPrecision::Fp8Block(r) => {
+                let (dt, dims) = (r.fp8_format.backward_dtype(), [dy.len() / n_out.max(1), n_out]);
+                let d = r.grad_block_scaling_dim;
+                (block(&r, d, false, dims, dt), Some(block(&r, d, true, dims, dt)))
             }
         }
     }
