@@ -27,7 +27,7 @@ use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::prewarm::sorted;
-use te_codegen::spec::{CrossEntropySpec, ElementwiseSpec};
+use te_codegen::spec::{CrossEntropySpec, DecodeAttnSpec, ElementwiseSpec};
 use te_codegen::DType;
 
 mod generate;
@@ -128,9 +128,9 @@ impl GptConfig {
 }
 
 impl GptConfig {
-    /// Every kernel `Gpt::forward_loss` and `Gpt::backward` of this config run for `target`
-    /// (the model's `params_dtype` applies; its layers get no rotary angles, positions come
-    /// from the embedding), sorted and deduplicated, with no device: what `Gpt::all_kernel_specs`
+    /// Every kernel `Gpt::forward_loss` and `Gpt::backward` of this config run for `target`, and
+    /// the decode attention of `Gpt::generate` (the model's `params_dtype` applies; its layers
+    /// get no rotary angles, positions come from the embedding), sorted and deduplicated, with no device: what `Gpt::all_kernel_specs`
     /// returns for a model of this config. The parts are those `Gpt::new` builds: the token and
     /// position embeddings, the layers (GPT-2's: pre-LN, causal, GELU, biases), the final
     /// LayerNorm and the LM head (no bias). Add the optimizer's ([`crate::optim::AdamW::kernel_specs`]) for a
@@ -155,13 +155,18 @@ impl GptConfig {
     }
 
     /// The kernels the GPT runs outside its parts, in `target`'s dtype: the sum of the token and
-    /// position embeddings, and the fused cross-entropy of the logits with and without their
-    /// gradient (training and evaluation).
+    /// position embeddings, the fused cross-entropy of the logits with and without their
+    /// gradient (training and evaluation), and the decode attention of generation
+    /// ([`Gpt::generate`]; bf16/f16 models with a head dim the decode kernels take).
     pub(crate) fn loss_kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         let (dt, arch) = (target.params_dtype, target.arch);
         specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
         for grad in [false, true] {
             specs.push(CrossEntropySpec::new(dt, grad, arch).into());
+        }
+        let decode = DecodeAttnSpec::new(dt, self.hidden_size / self.num_attention_heads.max(1), arch);
+        if te_codegen::spec::Family::validate(&decode).is_ok() {
+            specs.push(decode.into());
         }
     }
 }
@@ -285,7 +290,8 @@ impl Gpt {
         &self.cfg
     }
 
-    /// Every kernel [`Gpt::forward_loss`] and [`Gpt::backward`] run for `target` (the layers get
+    /// Every kernel [`Gpt::forward_loss`] and [`Gpt::backward`] run for `target`, and the decode
+    /// attention of [`Gpt::generate`] (the layers get
     /// no rotary angles: positions come from the embedding), sorted and deduplicated: those of
     /// the parameterized parts ([`Module::kernel_specs_for`]) and those the model runs itself,
     /// the sum of the token and position embeddings and the cross-entropy.
@@ -453,6 +459,7 @@ mod tests {
             assert!(specs.contains(&spec), "{spec:?} missing");
         }
         assert!(specs.iter().all(|s| !matches!(s, KernelSpec::Rope(_) | KernelSpec::Optimizer(_))));
+        assert!(specs.contains(&DecodeAttnSpec::new(DType::BF16, 64, arch).into()), "generation's decode kernels");
         let f32_specs = GptConfig { params_dtype: DType::F32, ..GptConfig::tiny() }.kernel_specs(&target);
         assert!(f32_specs.contains(&CrossEntropySpec::new(DType::F32, true, arch).into()), "the model's dtype applies");
     }
