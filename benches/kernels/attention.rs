@@ -168,6 +168,15 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
         fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap()
     });
     b.record_work(&shape, st, flops, None, work("ours fp8", "fwd", flops));
+    // The output as E4M3 codes for an FP8 consumer (TE's fp8_mha): half the output bytes.
+    let mut o8 = Tensor::empty(&dev, DType::E4M3, &[batch, seq, heads, d]).unwrap();
+    let mut ometa = Fp8Meta::new(&dev, 64.0).unwrap();
+    let st = b.time(3, 10, |_| {
+        let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
+        let o = (&mut o8, DType::BF16);
+        fp8::forward_fp8_out(&dev, &p, &ops, si, None, o, &mut ometa.scaling(), &mut lse).unwrap()
+    });
+    b.record_work(&shape, st, flops, None, work("ours fp8, e4m3 out", "fwd", flops));
     let st = b.time(3, 10, |_| {
         quantize(&mut ops, &mut metas);
         let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
@@ -188,7 +197,7 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
     fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap();
     fp8::quantize_grad(&dev, &p, &d_out, &mut gmeta.scaling(), &mut g8).unwrap();
     let st = b.time(2, 10, |_| {
-        let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv };
+        let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv, o: None };
         let g = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
         fp8::backward(&dev, &p, (&ops, &g8), scale_inv, &mut ds.scaling(), (&out, &d_out), &lse, None, g).unwrap();
     });
@@ -198,7 +207,7 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
         let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
         fp8::forward(&dev, &p, &ops, si, None, &mut out, &mut lse).unwrap();
         fp8::quantize_grad(&dev, &p, &d_out, &mut gmeta.scaling(), &mut g8).unwrap();
-        let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv };
+        let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv, o: None };
         let g = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
         fp8::backward(&dev, &p, (&ops, &g8), scale_inv, &mut ds.scaling(), (&out, &d_out), &lse, None, g).unwrap();
     });

@@ -1,7 +1,8 @@
 //! One training step of the GPT presets (`te_runtime::models::gpt`), as `te train` does it:
 //! `forward_loss_with` (the loss stays on the device), `backward`, `AdamW::step` (FP32 masters, global-norm clipping at 1.0) and
-//! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults; and with `fp8_dpa`, attention's
-//! forward in FP8 where the kernels take it: head_dim 128 on Hopper), timed per phase with CUDA
+//! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults; with `fp8_dpa`, attention in
+//! FP8 where the kernels take it: head_dim 128 on Hopper; with `fp8_mha`, its output handed to the
+//! projection in E4M3 too), timed per phase with CUDA
 //! events; tokens/s from the whole step. `small`: batch 8 × seq 1024; `large` (1.2 B
 //! parameters): batch 2 × seq 2048. One model per preset serves both precisions (its weights
 //! keep training from one timed step to the next; the host-side init of `large` takes seconds).
@@ -59,10 +60,12 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
     let targets = TokenIds::from_host(&dev, &[s, batch], &ids[batch..]).unwrap();
     let shape = format!("b{batch} s{s}");
     let fp8_dpa = DelayedScaling { fp8_dpa: true, ..DelayedScaling::default() };
+    let fp8_mha = DelayedScaling { fp8_mha: true, ..DelayedScaling::default() };
     let variants = [
         ("ours bf16", None),
         ("ours fp8 delayed", Some(DelayedScaling::default())),
         ("ours fp8 + fp8_dpa", Some(fp8_dpa)),
+        ("ours fp8 + fp8_mha", Some(fp8_mha)),
     ];
     for (variant, recipe) in variants {
         let fp8 = recipe.is_some();

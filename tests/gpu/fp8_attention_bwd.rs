@@ -171,7 +171,7 @@ fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
         let run = |ds: &mut Fp8Meta| -> [Vec<f32>; 3] {
             let new = |s: usize, h: usize| Tensor::empty(&dev, DType::BF16, &format.shape(batch, s, h, d)).unwrap();
             let (mut dq, mut dk, mut dv) = (new(sq, heads), new(sk, groups), new(sk, groups));
-            let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv };
+            let scale_inv = Fp8BwdScaleInv { qkv: si, d_o: &gmeta.scale_inv, o: None };
             let grads = Qkv::Apart([&mut dq, &mut dk, &mut dv]);
             fp8::backward(&dev, &p, (&ops, &g8), scale_inv, &mut ds.scaling(), (&out, &d_out), &lse, None, grads)
                 .unwrap();
@@ -205,7 +205,7 @@ fn fp8_backward_errors_are_typed() {
     let mut ds = Fp8Meta::new(&dev, 1.0).unwrap();
     let ops = Fp8Operands::new(&dev, &p).unwrap();
     let g8 = Fp8Grad::new(&dev, &p, DType::E5M2).unwrap();
-    let si = Fp8BwdScaleInv { qkv: [&meta.scale_inv; 3], d_o: &meta.scale_inv };
+    let si = Fp8BwdScaleInv { qkv: [&meta.scale_inv; 3], d_o: &meta.scale_inv, o: None };
     let lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
     let mut t = [0; 3].map(|_| Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap());
     let [a, b, c] = &mut t;

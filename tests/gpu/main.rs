@@ -20,6 +20,7 @@ mod elementwise;
 mod fp8_attention;
 mod fp8_attention_bwd;
 mod fp8_dpa;
+mod fp8_mha;
 mod fused_attention;
 mod gemm;
 mod generate;

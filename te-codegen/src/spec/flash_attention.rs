@@ -391,15 +391,26 @@ impl FlashAttnSpec {
     /// E4M3 at their strides (in elements = bytes); v as Vᵀ E4M3 `[batch, groups, head_dim,
     /// vt_row]`, the keys of each chunk of 32 permuted as `_quantize` writes them, zero past `sk`;
     /// S is descaled by q's and k's `scale_inv`, O by v's (device f32, as the casts wrote them).
+    /// With `o_scale` set the output is written as E4M3 codes (TE's `fp8_mha`): each element
+    /// rounded to the 16-bit type first, then cast with TE's contract (`o · o_scale` rounded to
+    /// nearest and saturated, `o_amax` raised to max |o|, `o_scale_inv` written `1 / o_scale`),
+    /// so the codes equal a cast of the 16-bit output bit for bit.
     pub const FWD_FP8_ARGS: &'static [KernelArg] = flash_args!(
         KernelArg::read("q", "const void* __restrict__", "E4M3 queries, `[.., sq, heads, head_dim]` at the q strides"),
         KernelArg::read("k", "const void* __restrict__", "E4M3 keys, `[.., sk, groups, head_dim]` at the kv strides"),
         KernelArg::read("v", "const void* __restrict__", "E4M3 Vᵀ, `[batch, groups, head_dim, vt_row]`"),
-        KernelArg::write("o", "void* __restrict__", "output, `[.., sq, heads, head_dim]` at the o strides"),
+        KernelArg::write(
+            "o",
+            "void* __restrict__",
+            "output, `[.., sq, heads, head_dim]` at the o strides: 16-bit, or E4M3 with o_scale"
+        ),
         KernelArg::write("lse", "float* __restrict__", "`[batch, heads, sq]` f32 softmax_lse"),
         KernelArg::read("scale_inv_q", "const float* __restrict__", "q's scale_inv (one f32)"),
         KernelArg::read("scale_inv_k", "const float* __restrict__", "k's scale_inv (one f32)"),
         KernelArg::read("scale_inv_v", "const float* __restrict__", "v's scale_inv (one f32)"),
+        KernelArg::read("o_scale", "const float* __restrict__", "null: 16-bit o; else o's E4M3 scale (one f32)"),
+        KernelArg::write("o_amax", "float* __restrict__", "E4M3 o: one f32 raised to max |o|, or null"),
+        KernelArg::write("o_scale_inv", "float* __restrict__", "E4M3 o: one f32 written 1 / o_scale, or null"),
         KernelArg::scalar("vt_row", "u64", "keys per Vᵀ row (sk rounded up to a multiple of 128)"),
         KernelArg::scalar(
             "tma_q",
@@ -446,6 +457,11 @@ impl FlashAttnSpec {
         KernelArg::read("o", "const void* __restrict__", "the forward output, at the o strides"),
         KernelArg::read("d_o", "const void* __restrict__", "its gradient, at the o strides"),
         KernelArg::write("delta", "float* __restrict__", "`[batch, heads, sq]` f32 Σ_x dO · O"),
+        KernelArg::read(
+            "o_scale_inv",
+            "const float* __restrict__",
+            "null: o is 16-bit; else o is E4M3 codes descaled by this one f32 (TE's fp8_mha)",
+        ),
         KernelArg::read("cu_seqlens_q", "const int* __restrict__", "i32 `[batch + 1]` or null"),
         KernelArg::read(
             "seq_offsets_q",

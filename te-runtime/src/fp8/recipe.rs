@@ -56,10 +56,19 @@ pub struct DelayedScaling {
     pub reduce_amax: bool,
     /// Run `DotProductAttention` in FP8 too (TE `fp8_dpa`, default false): q, k, v cast to E4M3
     /// with the module's scaling state, `Q · Kᵀ` and `P · V` on E4M3 tensor cores, the output
-    /// in 16 bits; the backward stays 16-bit (TE's `NVTE_FP8_DPA_BWD=0`). Where the FP8 kernels
-    /// do not take a call (not Hopper, head_dim other than 128 or 256, `thd`), attention runs in
-    /// 16 bits as without the flag.
+    /// in 16 bits; in training the backward runs in FP8 too where its kernels take the call
+    /// (head_dim 128, no attention dropout; TE's `NVTE_FP8_DPA_BWD=0` keeps it 16-bit). Where the
+    /// FP8 kernels do not take a call (not Hopper, head_dim other than 128 or 256, `thd`),
+    /// attention runs in 16 bits as without the flag.
     pub fp8_dpa: bool,
+    /// FP8 between the attention and the output projection too (TE `fp8_mha`, default false;
+    /// implies `fp8_dpa`): in `MultiheadAttention`, an FP8 attention forward writes its output
+    /// as E4M3 codes with the projection's input scale and the projection's GEMM reads them, so
+    /// the 16-bit output is never written and never cast. Only where the output cast can be
+    /// fused (delayed scaling) and the FP8 backward follows (or no backward: inference); the
+    /// backward reads the E4M3 output for `rowsum(dO ⊙ O)`, as TE's does.
+    #[serde(default)]
+    pub fp8_mha: bool,
 }
 
 impl Default for DelayedScaling {
@@ -71,6 +80,7 @@ impl Default for DelayedScaling {
             amax_compute_algo: AmaxComputeAlgo::Max,
             reduce_amax: true,
             fp8_dpa: false,
+            fp8_mha: false,
         }
     }
 }
@@ -89,6 +99,10 @@ pub struct Float8CurrentScaling {
     /// Run `DotProductAttention` in FP8 too, with one current scale for q, k and v (TE
     /// `fp8_dpa`; see [`DelayedScaling::fp8_dpa`]).
     pub fp8_dpa: bool,
+    /// TE `fp8_mha` (implies `fp8_dpa`). Under current scaling the output's scale needs its
+    /// amax before any code is written, so the attention output stays 16-bit and the output
+    /// projection casts it, as without the flag; see [`DelayedScaling::fp8_mha`].
+    pub fp8_mha: bool,
 }
 
 /// Blockwise scaling (TE 2.x `Float8BlockScaling`, the recipe DeepSeek-V3 was trained with): one
@@ -191,11 +205,29 @@ impl Recipe {
         }
     }
 
-    /// Whether `DotProductAttention` runs in FP8 under this recipe (TE `fp8_dpa`).
+    /// Whether `DotProductAttention` runs in FP8 under this recipe (TE `fp8_dpa`, or `fp8_mha`,
+    /// which implies it).
     pub fn fp8_dpa(&self) -> bool {
         match self {
-            Recipe::Delayed(r) => r.fp8_dpa,
-            Recipe::Current(r) => r.fp8_dpa,
+            Recipe::Delayed(r) => r.fp8_dpa || r.fp8_mha,
+            Recipe::Current(r) => r.fp8_dpa || r.fp8_mha,
+        }
+    }
+
+    /// Whether `MultiheadAttention` hands the attention output to its projection in FP8 (TE
+    /// `fp8_mha`; see [`DelayedScaling::fp8_mha`]).
+    pub fn fp8_mha(&self) -> bool {
+        match self {
+            Recipe::Delayed(r) => r.fp8_mha,
+            Recipe::Current(r) => r.fp8_mha,
+        }
+    }
+
+    /// The same recipe with `fp8_mha` set to `fp8_mha`.
+    pub fn with_fp8_mha(self, fp8_mha: bool) -> Self {
+        match self {
+            Recipe::Delayed(r) => DelayedScaling { fp8_mha, ..r }.into(),
+            Recipe::Current(r) => Float8CurrentScaling { fp8_mha, ..r }.into(),
         }
     }
 

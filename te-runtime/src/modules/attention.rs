@@ -24,6 +24,14 @@
 //! k, v and the FP8 forward's LSE. Other calls run in 16 bits as without the flag
 //! ([`AttentionCtx::fp8`] and [`AttentionCtx::fp8_backward`] say which ran).
 //!
+//! **FP8 output** (TE's `fp8_mha`, a recipe flag implying `fp8_dpa`): inside `MultiheadAttention`
+//! the FP8 forward writes its output as E4M3 codes, cast in the kernel's epilogue with the output
+//! projection's input scale (delayed scaling; the codes equal a cast of the 16-bit output bit for
+//! bit), and the projection's GEMM reads them: the 16-bit output is never written nor cast. The
+//! FP8 backward reads those codes for `rowsum(dO ⊙ O)`, as TE's does. Where that cannot run
+//! (current scaling, whose scale needs the amax first; a 16-bit backward; a 16-bit forward) the
+//! output stays 16-bit and the projection casts it ([`AttentionCtx::fp8_output`] says which).
+//!
 //! **Unfused** (TE's `UnfusedDotProductAttention` in `backends.py`), in the inputs' precision,
 //! under `fp8_autocast` too (TE's FP8 attention needs a fused kernel):
 //! - forward: `S = Q · Kᵀ` (strided batched cuBLASLt GEMMs straight on the `bshd`/`sbhd` tensors,
@@ -49,7 +57,7 @@ mod thd;
 mod unfused;
 
 use super::visit::{visit_slots, visit_states, Module, ModuleVisitor, ModuleVisitorMut};
-use super::{next_module_id, KernelSpec, KernelTarget};
+use super::{next_module_id, KernelSpec, KernelTarget, Output};
 use crate::fp8::ScalingState;
 use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::Qkv;
@@ -57,6 +65,7 @@ use crate::ops::softmax::MAX_SK;
 use crate::ops::{check_dtype, check_shape};
 use crate::{Device, Error, Result, Tensor};
 pub use backend::AttentionBackend;
+pub(crate) use fp8::Fp8OutputRequest;
 use mask::{check_seq_lens, MaskCache};
 use plan::Dims;
 use std::sync::Arc;
@@ -64,6 +73,14 @@ use te_codegen::spec::MaskKind;
 pub use te_codegen::spec::{AttnMaskType, QkvFormat};
 use te_codegen::{Arch, DType};
 pub use thd::ThdSeqlens;
+
+/// The 16-bit output of a forward that was not asked for an FP8 one.
+fn high(out: Output) -> Result<Tensor> {
+    match out {
+        Output::High(t) => Ok(t),
+        Output::Fp8(_) => Err(Error::internal(MODULE, "an E4M3 attention output no consumer asked for")),
+    }
+}
 
 const MODULE: &str = "DotProductAttention";
 
@@ -279,6 +296,15 @@ impl AttentionCtx {
         self.fp8_backward.is_some()
     }
 
+    /// Whether the forward wrote its output as E4M3 codes for an FP8 consumer (TE `fp8_mha`:
+    /// `MultiheadAttention`'s projection under a recipe that sets it); else it is 16-bit.
+    pub fn fp8_output(&self) -> bool {
+        match &self.saved {
+            Saved::Fused(s) => s.fp8_output(),
+            Saved::Unfused { .. } => false,
+        }
+    }
+
     /// Device bytes the context holds only for the backward: unfused, the probabilities `P
     /// [batch, heads, sq, sk]` in the inputs' dtype (and attention dropout's keep mask); fused,
     /// the f32 `softmax_lse [batch, heads, sq]`, the sequence tables, and under an FP8 backward
@@ -408,19 +434,35 @@ impl DotProductAttention {
         v: &Tensor,
         seq_lens: Option<&[usize]>,
     ) -> Result<(Tensor, AttentionCtx)> {
+        let (out, ctx) = self.forward_to(q, k, v, seq_lens, None)?;
+        Ok((high(out)?, ctx))
+    }
+
+    /// [`DotProductAttention::forward`] whose output an FP8 consumer may take in E4M3 (TE
+    /// `fp8_mha`, see [`fp8::Fp8OutputRequest`]); without a request the output is 16-bit.
+    pub(crate) fn forward_to(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seq_lens: Option<&[usize]>,
+        out_fp8: Option<fp8::Fp8OutputRequest<'_>>,
+    ) -> Result<(Output, AttentionCtx)> {
         let dims = self.dims(q, k, v)?;
-        self.run_forward(dims, Inputs::Apart([q.clone(), k.clone(), v.clone()]), seq_lens, false)
+        self.run_forward(dims, Inputs::Apart([q.clone(), k.clone(), v.clone()]), seq_lens, false, out_fp8)
     }
 
     /// The forward on the backend [`backend::select`] picks; packed inputs are split apart for
-    /// the unfused backend.
+    /// the unfused backend. The output is E4M3 where `out_fp8` asks for it and the FP8 forward
+    /// can write it ([`fp8::Fp8OutputRequest::takes`]).
     fn run_forward(
         &mut self,
         dims: Dims,
         inputs: Inputs,
         seq_lens: Option<&[usize]>,
         packed: bool,
-    ) -> Result<(Tensor, AttentionCtx)> {
+        out_fp8: Option<fp8::Fp8OutputRequest<'_>>,
+    ) -> Result<(Output, AttentionCtx)> {
         let dtype = inputs.dtype();
         let backend = backend::select(&self.cfg, dtype, self.dev.arch(), self.training)?;
         let drop = self.next_dropout();
@@ -443,7 +485,11 @@ impl DotProductAttention {
                 inputs.fused(&dims)?,
                 &out_shape,
                 self.cfg.scale(),
-                fp8.as_ref().map(|f| (&*f.quantizer, f.backward.is_some())),
+                fp8.as_ref().map(|f| fused::Fp8Call {
+                    quantizer: &*f.quantizer,
+                    keep: f.backward.is_some(),
+                    out: out_fp8.and_then(|r| r.takes(f)),
+                }),
             )?;
             // The FP8 backward reads the codes the forward kept: q, k, v are not held.
             let inputs = if saved.has_fp8_backward() { Inputs::Released(dtype) } else { inputs };
@@ -467,7 +513,7 @@ impl DotProductAttention {
             };
             let mask = self.masks.mask(&self.dev, mask.0, mask.1, seq_lens, &dims)?;
             let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
-            (out, Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
+            (Output::High(out), Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
         };
         let (fp8, fp8_backward) = match fp8 {
             Some(f) => (true, f.backward),

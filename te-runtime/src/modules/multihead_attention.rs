@@ -6,17 +6,24 @@
 //! RoPE its output goes to `DotProductAttention::forward_packed` as it is (the fused backend reads
 //! the heads in place and writes one fused gradient); with RoPE, q, k and v are copied apart
 //! (RoPE writes new q and k) and their gradients concatenated back.
+//!
+//! Under a recipe with `fp8_mha` (TE's FP8 MHA) the attention hands its output to the output
+//! projection as E4M3 codes cast with the projection's input scale (see
+//! [`super::attention`]); the QKV projection's output stays 16-bit, because the FP8 attention's
+//! `_quantize` writes Vᵀ in its kernel's key order, which a GEMM epilogue cannot.
 
 use super::attention::{
-    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat,
+    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, Fp8OutputRequest,
+    QkvFormat,
 };
 use super::inference::KvLayer;
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
-use super::linear::{Linear, LinearConfig, LinearCtx};
+use super::linear::{Linear, LinearConfig, LinearCtx, LinearInput};
 use super::norm::NormKind;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
-use super::{next_module_id, ForwardOptions, LinearParams, NormParams};
+use super::{next_module_id, ForwardOptions, LinearParams, NormParams, Output};
 use super::{KernelSpec, KernelTarget};
+use crate::fp8::{fp8_mode, Fp8Mode};
 use crate::ops::decode_attention::{append_kv, decode, Strided};
 use crate::ops::rope::{self, RopeFormat};
 use crate::{Device, Error, Result, Tensor};
@@ -220,6 +227,13 @@ pub struct MultiheadAttentionCtx {
     rotary: Option<Tensor>,
 }
 
+impl MultiheadAttentionCtx {
+    /// The attention's context (its backend and FP8 flags).
+    pub fn attention(&self) -> &AttentionCtx {
+        &self.attn
+    }
+}
+
 /// Self-attention over hidden states `[s, b, hidden]` (or `[b, s, hidden]`), output of the same
 /// shape and dtype.
 #[derive(Debug)]
@@ -337,8 +351,8 @@ impl MultiheadAttention {
                 (y.into_high(&self.dev, x.dtype())?, QkvCtx::Plain(c))
             }
         };
-        let (ctx_out, attn) = self.attend(&qkv, [a, b], &inputs)?;
-        let (y, proj) = self.proj.forward_with(&ctx_out, opts)?;
+        let (y, proj, attn) = self.attend_project(&qkv, [a, b], &inputs, opts, true)?;
+        let proj = proj.ok_or_else(|| Error::internal(MODULE, "a training forward of the projection saved nothing"))?;
         let y = y.into_high(&self.dev, x.dtype())?;
         let ctx = MultiheadAttentionCtx {
             module_id: self.id,
@@ -350,34 +364,43 @@ impl MultiheadAttention {
         Ok((y, ctx))
     }
 
-    /// Attention over the QKV projection's output (`[a·b, (h + 2g)·d]` or `[a, b, ..]`): in place
-    /// on the fused QKV tensor without RoPE, on q, k, v copied apart (and rotated) with it.
-    fn attend(
+    /// Attention over the QKV projection's output (`[a·b, (h + 2g)·d]` or `[a, b, ..]`), then the
+    /// output projection: the projection's output, its context (with `grad`) and the attention's.
+    /// Attention runs in place on the fused QKV tensor without RoPE, on q, k, v copied apart (and
+    /// rotated) with it. Under a recipe with `fp8_mha` the projection's input quantizer is handed
+    /// to the attention, whose FP8 forward writes its output as E4M3 codes the projection's GEMM
+    /// reads (TE's FP8 MHA; the attention falls back to a 16-bit output where it cannot).
+    fn attend_project(
         &mut self,
         qkv: &Tensor,
         [a, b]: [usize; 2],
         inputs: &AttentionInputs<'_>,
-    ) -> Result<(Tensor, AttentionCtx)> {
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(Output, Option<LinearCtx>, AttentionCtx)> {
         let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
-        match inputs.rotary_pos_emb {
-            None => self.attention.forward_packed(&qkv, inputs.seq_lens),
-            Some(freqs) => {
-                let [q, k, v] = self.split_rope(&qkv, freqs)?;
-                self.attention.forward(&q, &k, &v, inputs.seq_lens)
-            }
-        }
-    }
-
-    /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused projection's output
-    /// `[a, b, (h + 2g)·d]`, with the rotary embedding applied to q and k.
-    fn split_rope(&self, qkv: &Tensor, freqs: &Tensor) -> Result<[Tensor; 3]> {
-        let [mut q, mut k, v] = self.attention.split_packed(qkv)?;
-        for t in [&mut q, &mut k] {
-            let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
-            rope::forward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
-            *t = out;
-        }
-        Ok([q, k, v])
+        let mha = matches!(fp8_mode(), Fp8Mode::Fp8(r) if r.fp8_mha());
+        let (dev, rope_format, attention) = (&self.dev, self.rope_format(), &mut self.attention);
+        self.proj.forward_produced(qkv.dtype(), opts, grad, |quantizer| {
+            let request = quantizer.filter(|_| mha).map(|quantizer| Fp8OutputRequest { quantizer, backward: grad });
+            let (out, ctx) = match inputs.rotary_pos_emb {
+                None => attention.forward_packed_to(&qkv, inputs.seq_lens, request)?,
+                Some(freqs) => {
+                    let [q, k, v] = split_rope(dev, attention, rope_format, &qkv, freqs)?;
+                    attention.forward_to(&q, &k, &v, inputs.seq_lens, request)?
+                }
+            };
+            let input = match out {
+                Output::High(t) => LinearInput::High(t),
+                Output::Fp8(mut f) => {
+                    if grad {
+                        f.ensure_transpose(dev)?;
+                    }
+                    LinearInput::Fp8(f)
+                }
+            };
+            Ok((input, ctx))
+        })
     }
 
     /// Self-attention for inference (TE under `torch.no_grad()`): the projections run through
@@ -397,8 +420,8 @@ impl MultiheadAttention {
             QkvProj::Norm(m) => m.infer(x)?,
             QkvProj::Plain(m) => m.infer(x)?,
         };
-        let (ctx_out, _) = self.attend(&qkv, [a, b], &inputs)?;
-        self.proj.infer(&ctx_out)
+        let (y, _, _) = self.attend_project(&qkv, [a, b], &inputs, ForwardOptions::default(), false)?;
+        y.into_high(&self.dev, x.dtype())
     }
 
     /// Self-attention of `s` new tokens per sequence over a KV cache, for generation (TE's
@@ -453,7 +476,7 @@ impl MultiheadAttention {
         let new = |offset| Strided { tensor: &qkv, offset, row };
         append_kv(&self.dev, &p, s, [new(h * d), new((h + g) * d)], kv.seqlens, [&mut *kv.k, &mut *kv.v])?;
         let ctx_out = if kv.past == 0 {
-            self.attend(&qkv, [s, b], &AttentionInputs::default())?.0
+            self.attention.forward_packed(&qkv.reshape(&[s, b, row])?, None)?.0
         } else {
             let mut out = Tensor::empty(&self.dev, qkv.dtype(), &[s, b, h * d])?;
             decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut out, h * d))?;
@@ -515,4 +538,22 @@ impl Module for MultiheadAttention {
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         self.cfg.kernel_specs(target, specs);
     }
+}
+
+/// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused projection's output
+/// `[a, b, (h + 2g)·d]`, with the rotary embedding applied to q and k.
+fn split_rope(
+    dev: &Device,
+    attention: &DotProductAttention,
+    format: RopeFormat,
+    qkv: &Tensor,
+    freqs: &Tensor,
+) -> Result<[Tensor; 3]> {
+    let [mut q, mut k, v] = attention.split_packed(qkv)?;
+    for t in [&mut q, &mut k] {
+        let mut out = Tensor::empty(dev, t.dtype(), t.shape())?;
+        rope::forward(dev, format, t, freqs, &mut out)?;
+        *t = out;
+    }
+    Ok([q, k, v])
 }

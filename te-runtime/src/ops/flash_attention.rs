@@ -402,7 +402,7 @@ pub fn backward(
     let stream = dev.stream();
     let ([q, k, v], _in_guards) = addresses(stream, parts);
     let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
-    let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), &s)?;
+    let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), None, &s)?;
 
     let f = function(dev, &spec, 1)?;
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
@@ -482,13 +482,15 @@ pub(super) fn check_grads(
 }
 
 /// `_dot_do_o` of a backward spec: `delta = rowsum(dO ⊙ O)`, f32 `[batch, heads, sq]`, from the
-/// checked ([`check_grads`]) 16-bit output and its gradient.
+/// checked ([`check_grads`]) 16-bit output and its gradient, or from the E4M3 codes of the output
+/// descaled by `o_scale_inv` (TE's `fp8_mha`; one f32).
 pub(super) fn dot_do_o(
     dev: &Device,
     spec: &FlashAttnSpec,
     p: &FlashAttnParams,
     cu: Option<CuSeqlens<'_>>,
     (out, d_out): (&Tensor, &Tensor),
+    o_scale_inv: Option<&CudaSlice<f32>>,
     s: &Scalars,
 ) -> Result<CudaSlice<f32>> {
     // SAFETY: f32 has no invalid bit patterns; `_dot_do_o` writes every element.
@@ -497,6 +499,10 @@ pub(super) fn dot_do_o(
     let cfg = grid(p.sq.div_ceil(8), p, 256, 0);
     let mut l = Launch::new(OP, dev.stream(), &f, spec, 0);
     l.ptr("o", out.data()).ptr("d_o", d_out.data()).ptr("delta", &mut delta);
+    match o_scale_inv {
+        Some(si) => l.ptr("o_scale_inv", si),
+        None => l.ptr("o_scale_inv", &NULL),
+    };
     match cu {
         Some(c) => l.ptr("cu_seqlens_q", c.q),
         None => l.ptr("cu_seqlens_q", &NULL),

@@ -270,7 +270,53 @@ pub fn forward(
     out: &mut Tensor,
     lse: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    if let Some(why) = unsupported_reason(dev.arch(), out.dtype(), p.head_dim, CuSeqlens::thd(cu)) {
+    let dtype = out.dtype();
+    launch_forward(dev, p, operands, scale_inv, cu, (out, dtype, None), lse)
+}
+
+/// [`forward`] with the output written as E4M3 codes for an FP8 consumer (TE's `fp8_mha`: the
+/// output projection's GEMM reads them): `out` E4M3 at `p.o` strides, cast with `o_scaling`
+/// (TE's contract: each element rounded to `dtype`, the 16-bit type of the call, then `o ·
+/// scale` rounded to nearest and saturated; `amax` raised to max |o|; `scale_inv` written `1 /
+/// scale`). The codes equal a cast of [`forward`]'s output bit for bit. The FP8 [`backward`]
+/// takes them as its `out` (with [`Fp8BwdScaleInv::o`]).
+///
+/// # Errors
+/// As [`forward`]; [`Error::DType`] when `out` is not E4M3.
+#[allow(clippy::too_many_arguments)] // forward's arguments and the output's cast
+pub fn forward_fp8_out(
+    dev: &Device,
+    p: &FlashAttnParams,
+    operands: &Fp8Operands,
+    scale_inv: [&CudaSlice<f32>; 3],
+    cu: Option<CuSeqlens<'_>>,
+    (out, dtype): (&mut Tensor, DType),
+    o_scaling: &mut Fp8Scaling<'_>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if out.dtype() != DType::E4M3 {
+        return Err(Error::DType {
+            op: OP,
+            arg: "out",
+            got: out.dtype(),
+            expected: "e4m3 (the FP8 output; use forward for a 16-bit one)".into(),
+        });
+    }
+    launch_forward(dev, p, operands, scale_inv, cu, (out, dtype, Some(o_scaling)), lse)
+}
+
+/// The forward launch: `out` 16-bit (`o_scaling` `None`, `dtype` its dtype) or E4M3 cast with
+/// `o_scaling` (`dtype` the call's 16-bit type).
+fn launch_forward(
+    dev: &Device,
+    p: &FlashAttnParams,
+    operands: &Fp8Operands,
+    scale_inv: [&CudaSlice<f32>; 3],
+    cu: Option<CuSeqlens<'_>>,
+    (out, dtype, o_scaling): (&mut Tensor, DType, Option<&mut Fp8Scaling<'_>>),
+    lse: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if let Some(why) = unsupported_reason(dev.arch(), dtype, p.head_dim, CuSeqlens::thd(cu)) {
         return Err(Error::Shape { op: OP, message: why });
     }
     for (name, s) in ["q", "k", "v"].into_iter().zip(scale_inv) {
@@ -291,7 +337,7 @@ pub fn forward(
     let (batch, sq, _) = reach(p, cu);
     check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim)?;
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
-    let spec = FlashAttnSpec::fp8_forward(out.dtype(), p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
+    let spec = FlashAttnSpec::fp8_forward(dtype, p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
     let f = function(dev, &spec, 0)?;
     let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
     let totals = [(p.batch * p.sq) as u64, (p.batch * p.sk) as u64];
@@ -308,6 +354,10 @@ pub fn forward(
     l.ptr("q", &q).ptr("k", &k).ptr("v", &vt);
     l.ptr("o", out.data_mut()?).ptr("lse", &*lse);
     l.ptr("scale_inv_q", scale_inv[0]).ptr("scale_inv_k", scale_inv[1]).ptr("scale_inv_v", scale_inv[2]);
+    match o_scaling {
+        Some(o) => l.ptr("o_scale", &o.scale).ptr("o_amax", &mut o.amax).ptr("o_scale_inv", &mut o.scale_inv),
+        None => l.ptr("o_scale", &NULL).ptr("o_amax", &NULL).ptr("o_scale_inv", &NULL),
+    };
     l.scalar("vt_row", &vt_row);
     maps.push(&mut l);
     push_cu(&mut l, cu);
@@ -315,7 +365,8 @@ pub fn forward(
     // SAFETY: the operands are the dense E4M3 q, k and the Vᵀ of `p`'s sizes (checked; the tensor
     // maps cover them and nothing else), the guards keep them in use until the launch; out
     // reaches every row its strides address for the sizes (checked), lse holds batch · heads ·
-    // sq f32 and the cu_seqlens batch + 1 i32; out and lse are distinct allocations (`&mut`).
+    // sq f32 and the cu_seqlens batch + 1 i32; out and lse are distinct allocations (`&mut`); the
+    // output scaling's views (when given) are one f32 each, null pointers otherwise.
     unsafe { l.launch(cfg) }
 }
 
@@ -348,6 +399,9 @@ pub struct Fp8BwdScaleInv<'a> {
     pub qkv: [&'a CudaSlice<f32>; 3],
     /// dO's.
     pub d_o: &'a CudaSlice<f32>,
+    /// The output's, when the forward wrote it as E4M3 codes ([`forward_fp8_out`]); `None` for
+    /// a 16-bit output.
+    pub o: Option<&'a CudaSlice<f32>>,
 }
 
 /// The gradients of an FP8 [`forward`]: `(dq, dk, dv)` written in the layout `grads` gives (`dq`
@@ -359,8 +413,9 @@ pub struct Fp8BwdScaleInv<'a> {
 /// - `ds`: dS's scaling (a delayed-scaling slot, TE's dP quantizer): dS is quantized to the
 ///   gradient codes' format as `dS · scale`, and `amax` is raised to max |dS| (true units);
 ///   `scale_inv` is not written.
-/// - `out`, `d_out`: the forward's 16-bit output and its gradient at `p.o` strides (for
-///   `delta = rowsum(dO ⊙ O)`); `lse`: the forward's.
+/// - `out`, `d_out`: the forward's output (16-bit, or its E4M3 codes with
+///   [`Fp8BwdScaleInv::o`]) and its 16-bit gradient at `p.o` strides (for `delta = rowsum(dO ⊙
+///   O)`); `lse`: the forward's.
 ///
 /// P is quantized as `P · 256` to E4M3, as in the forward. No atomics but the amax: the same
 /// inputs give the same gradient bits.
@@ -382,7 +437,8 @@ pub fn backward(
     cu: Option<CuSeqlens<'_>>,
     mut grads: Qkv<&mut Tensor>,
 ) -> Result<()> {
-    let why = backward_unsupported_reason(dev.arch(), out.dtype(), p.head_dim, CuSeqlens::thd(cu), p.dropout.is_some());
+    let dtype = d_out.dtype();
+    let why = backward_unsupported_reason(dev.arch(), dtype, p.head_dim, CuSeqlens::thd(cu), p.dropout.is_some());
     if let Some(why) = why {
         return Err(Error::Shape { op: OP, message: why });
     }
@@ -394,21 +450,39 @@ pub fn backward(
         });
     };
     check_grad(p, grad)?;
-    for (name, s) in ["q", "k", "v", "d_o"].into_iter().zip(scale_inv.qkv.into_iter().chain([scale_inv.d_o])) {
+    let scales = scale_inv.qkv.into_iter().chain([scale_inv.d_o]).chain(scale_inv.o);
+    for (name, s) in ["q", "k", "v", "d_o", "out"].into_iter().zip(scales) {
         check_len(name, s.len(), 1).map_err(|_| Error::Shape {
             op: OP,
             message: format!("the scale_inv of {name} is empty: pass the one its cast wrote ([1] f32)"),
         })?;
     }
     check_call(p, cu)?;
-    let totals = check_grads(p, cu, (out, d_out), &grads, [None; 3])?;
+    let totals = match scale_inv.o {
+        None => check_grads(p, cu, (out, d_out), &grads, [None; 3])?,
+        Some(_) => {
+            // E4M3 output codes: d_out carries the 16-bit checks, out its own extent.
+            if out.dtype() != DType::E4M3 {
+                return Err(Error::DType {
+                    op: OP,
+                    arg: "out",
+                    got: out.dtype(),
+                    expected: "e4m3 codes with an output scale_inv (or no scale_inv for a 16-bit output)".into(),
+                });
+            }
+            let (batch, sq, _) = reach(p, cu);
+            check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim)?;
+            let [total_q, total_kv] = check_grads(p, cu, (d_out, d_out), &grads, [None; 3])?;
+            [total_q.min(capacity(out, 0, p.o, p.heads, p.head_dim)), total_kv]
+        }
+    };
     check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
-    let spec = FlashAttnSpec::fp8_backward(out.dtype(), p.head_dim, dev.arch(), grad.d_o.dtype() == DType::E5M2);
+    let spec = FlashAttnSpec::fp8_backward(dtype, p.head_dim, dev.arch(), grad.d_o.dtype() == DType::E5M2);
     let s = Scalars::new(p, totals);
     let trows = [trow(p.sq) as u64, trow(p.sk) as u64];
     let stream = dev.stream();
     let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
-    let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), &s)?;
+    let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), scale_inv.o, &s)?;
     let [sq_, sk_, sv_] = scale_inv.qkv;
 
     let f = function(dev, &spec, 1)?;

@@ -16,6 +16,7 @@ use crate::fp8::{
 use crate::ops::flash_attention_fp8;
 use crate::{Device, Result};
 use std::sync::Arc;
+use te_codegen::DType;
 
 /// The FP8 scaling of one `DotProductAttention`.
 #[derive(Debug)]
@@ -32,6 +33,26 @@ pub(super) struct Fp8Scalings {
 pub(super) struct Fp8Forward {
     pub quantizer: Box<dyn Quantizer>,
     pub backward: Option<Fp8Backward>,
+}
+
+/// TE `fp8_mha`: the consumer of the attention output (the output projection of
+/// `MultiheadAttention`) asks for it in E4M3, cast with `quantizer` (the projection's input
+/// quantizer); `backward`: a backward follows the forward.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fp8OutputRequest<'a> {
+    pub quantizer: &'a dyn Quantizer,
+    pub backward: bool,
+}
+
+impl<'a> Fp8OutputRequest<'a> {
+    /// The quantizer of the E4M3 output when the FP8 forward `f` can write it: the cast fuses
+    /// into the kernel (a delayed scale; a current scale needs the amax before any code is
+    /// written) and the backward, if one follows, is the FP8 one (the 16-bit backward reads a
+    /// 16-bit output). Else `None`: the output stays 16-bit and the consumer casts it.
+    pub(super) fn takes(self, f: &Fp8Forward) -> Option<&'a dyn Quantizer> {
+        let fuses = self.quantizer.fuses_cast() && self.quantizer.dtype() == DType::E4M3;
+        (fuses && (!self.backward || f.backward.is_some())).then_some(self.quantizer)
+    }
 }
 
 /// What an FP8 forward keeps for the FP8 backward's casts (dO and dS): the recipes it ran under

@@ -5,8 +5,9 @@
 
 use super::plan::Dims;
 use super::{packed, AttnMaskType, MODULE};
-use crate::fp8::Quantizer;
+use crate::fp8::{Float8Tensor, Quantizer};
 use crate::graph::HostCopies;
+use crate::modules::Output;
 use crate::ops::dropout::DropoutParams;
 use crate::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides, Qkv};
 use crate::ops::flash_attention_fp8::{self as fa8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
@@ -41,10 +42,22 @@ impl DeviceSeqlens {
     }
 }
 
+/// How a fused forward runs in FP8 (TE `fp8_dpa`): q, k, v cast by `quantizer`; `keep`: the
+/// codes of the FP8 backward kept too; `out`: the output written as E4M3 codes by this quantizer
+/// (TE `fp8_mha`: the output projection's input quantizer, which fuses its cast), else 16-bit.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Fp8Call<'a> {
+    pub quantizer: &'a dyn Quantizer,
+    pub keep: bool,
+    pub out: Option<&'a dyn Quantizer>,
+}
+
 /// What the fused forward keeps for its backward.
 #[derive(Debug)]
 pub(super) struct FusedSaved {
+    /// The output: 16-bit, or its E4M3 codes (`out_scale_inv` set; TE `fp8_mha`).
     out: Tensor,
+    out_scale_inv: Option<Arc<CudaSlice<f32>>>,
     lse: CudaSlice<f32>,
     /// The sequence lengths of a padding mask or of `thd`.
     seqs: Option<DeviceSeqlens>,
@@ -80,6 +93,11 @@ impl FusedSaved {
             o.q.num_bytes() + o.k.num_bytes() + o.vt.num_bytes() + bwd
         });
         self.lse.len() * 4 + seqs + codes
+    }
+
+    /// Whether the forward wrote the output as E4M3 codes.
+    pub(super) fn fp8_output(&self) -> bool {
+        self.out_scale_inv.is_some()
     }
 
     /// Whether the forward kept the codes of the FP8 backward.
@@ -164,9 +182,9 @@ pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> 
 
 /// `out = softmax(scale · Q · Kᵀ, mask) · V` (dense `[.., heads · head_dim]` in the layout's
 /// order, `out_shape`) and the saved state; `seqs` checked and uploaded by the caller. With
-/// `fp8` the forward runs on E4M3 q, k, v cast by that quantizer (TE `fp8_dpa`; the caller
-/// checked that the FP8 kernels take the call); with `keep_fp8` the state keeps the codes of
-/// the FP8 backward too ([`backward_fp8`]), else it serves the 16-bit backward.
+/// `fp8` the forward runs on E4M3 q, k, v ([`Fp8Call`]; the caller checked that the FP8 kernels
+/// take the call), keeps the codes of the FP8 backward ([`backward_fp8`]) when asked, and writes
+/// the output in E4M3 when asked (an [`Output::Fp8`]); else it serves the 16-bit backward.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     dev: &Device,
@@ -176,62 +194,78 @@ pub(super) fn forward(
     (qkv, layout): (Qkv<&Tensor>, Layout),
     out_shape: &[usize],
     scale: f32,
-    fp8: Option<(&dyn Quantizer, bool)>,
-) -> Result<(Tensor, FusedSaved)> {
+    fp8: Option<Fp8Call<'_>>,
+) -> Result<(Output, FusedSaved)> {
     let dropout = (drop.p > 0.0).then_some(drop);
     let p = params(dims, mask, dropout, scale, layout);
     let dtype = match &qkv {
         Qkv::Apart([q, _, _]) | Qkv::Packed(q, _) => q.dtype(),
     };
+    let out_dtype = fp8.and_then(|f| f.out).map_or(dtype, |q| q.dtype());
     // thd: tokens between padded sequences are not written by the kernel; zeros there.
     let mut out = if layout == Layout::Thd {
-        Tensor::zeros(dev, dtype, out_shape)?
+        Tensor::zeros(dev, out_dtype, out_shape)?
     } else {
-        Tensor::empty(dev, dtype, out_shape)?
+        Tensor::empty(dev, out_dtype, out_shape)?
     };
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
     let mut lse = unsafe { dev.stream().alloc::<f32>(dims.batch * dims.heads * dims.sq) }?;
     let cu = seqs.as_ref().map(DeviceSeqlens::get);
-    let fp8 = match fp8 {
+    let (fp8, out_scale_inv) = match fp8 {
         None => {
             flash_attention::forward(dev, &p, qkv, cu, &mut out, &mut lse)?;
-            None
+            (None, None)
         }
-        Some((quantizer, keep)) => {
+        Some(call) => {
             let grads = shapes(&qkv);
-            let (operands, scale_inv) = forward_fp8(dev, &p, qkv, cu, (&mut out, &mut lse), quantizer, keep)?;
-            keep.then_some(Fp8Saved { operands, scale_inv, grads, layout })
+            let (operands, scale_inv, out_scale_inv) =
+                forward_fp8(dev, &p, qkv, cu, (&mut out, dtype, &mut lse), call)?;
+            (call.keep.then_some(Fp8Saved { operands, scale_inv, grads, layout }), out_scale_inv)
         }
     };
-    Ok((out.clone(), FusedSaved { out, lse, seqs, dropout, fp8 }))
+    let output = match &out_scale_inv {
+        Some(si) => Output::Fp8(Float8Tensor::from_parts(out.clone(), None, si.clone())?),
+        None => Output::High(out.clone()),
+    };
+    Ok((output, FusedSaved { out, out_scale_inv, lse, seqs, dropout, fp8 }))
 }
 
-/// The FP8 forward: q, k and v cast to their E4M3 operands with one scale (`quantizer`'s: the
-/// amax of all three under current scaling, the module's QKV slot under delayed scaling), then
-/// [`fa8::forward`]; the codes (with the backward's when `keep`) and their scale.
+/// The FP8 forward: q, k and v cast to their E4M3 operands with one scale (`call.quantizer`'s:
+/// the amax of all three under current scaling, the module's QKV slot under delayed scaling),
+/// then [`fa8::forward`] (or [`fa8::forward_fp8_out`] cast by `call.out`); the codes (with the
+/// backward's when `call.keep`), their scale, and the E4M3 output's scale.
+#[allow(clippy::type_complexity)]
 fn forward_fp8(
     dev: &Device,
     p: &FlashAttnParams,
     qkv: Qkv<&Tensor>,
     cu: Option<CuSeqlens<'_>>,
-    (out, lse): (&mut Tensor, &mut CudaSlice<f32>),
-    quantizer: &dyn Quantizer,
-    keep: bool,
-) -> Result<(Fp8Operands, Arc<CudaSlice<f32>>)> {
-    let mut operands = if keep { Fp8Operands::with_backward(dev, p)? } else { Fp8Operands::new(dev, p)? };
+    (out, dtype, lse): (&mut Tensor, DType, &mut CudaSlice<f32>),
+    call: Fp8Call<'_>,
+) -> Result<(Fp8Operands, Arc<CudaSlice<f32>>, Option<Arc<CudaSlice<f32>>>)> {
+    let mut operands = if call.keep { Fp8Operands::with_backward(dev, p)? } else { Fp8Operands::new(dev, p)? };
     let inputs: Vec<&Tensor> = match &qkv {
         Qkv::Apart(t) => t.to_vec(),
         Qkv::Packed(t, _) => vec![*t],
     };
     let parts = qkv.parts();
-    let scale_inv = quantizer.cast_inputs(&inputs, &mut |s| {
+    let scale_inv = call.quantizer.cast_inputs(&inputs, &mut |s| {
         for (which, x) in [Fp8Operand::Q, Fp8Operand::K, Fp8Operand::V].into_iter().zip(parts) {
             fa8::quantize(dev, p, which, x, s, &mut operands)?;
         }
         Ok(())
     })?;
-    fa8::forward(dev, p, &operands, [&*scale_inv; 3], cu, out, lse)?;
-    Ok((operands, scale_inv))
+    let qkv_scale_inv = [&*scale_inv; 3];
+    let out_scale_inv = match call.out {
+        None => {
+            fa8::forward(dev, p, &operands, qkv_scale_inv, cu, out, lse)?;
+            None
+        }
+        Some(q) => Some(q.fused_cast(&mut |s| {
+            fa8::forward_fp8_out(dev, p, &operands, qkv_scale_inv, cu, (&mut *out, dtype), s, &mut *lse)
+        })?),
+    };
+    Ok((operands, scale_inv, out_scale_inv))
 }
 
 /// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's
@@ -270,8 +304,9 @@ pub(super) fn backward_fp8(
     let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
     let mut g8 = Fp8Grad::new(dev, &p, d_o.dtype())?;
     let d_o_scale_inv = d_o.cast_inputs(&[d_out], &mut |s| fa8::quantize_grad(dev, &p, d_out, s, &mut g8))?;
-    let mut grads = new_grads(dev, out.dtype(), &fp8.grads, fp8.layout)?;
-    let scale_inv = Fp8BwdScaleInv { qkv: [&*fp8.scale_inv; 3], d_o: &d_o_scale_inv };
+    let mut grads = new_grads(dev, d_out.dtype(), &fp8.grads, fp8.layout)?;
+    let scale_inv =
+        Fp8BwdScaleInv { qkv: [&*fp8.scale_inv; 3], d_o: &d_o_scale_inv, o: saved.out_scale_inv.as_deref() };
     ds.fused_cast(&mut |s| {
         let g = grads_mut(&mut grads);
         fa8::backward(dev, &p, (&fp8.operands, &g8), scale_inv, s, (out, d_out), lse, cu, g)

@@ -5,7 +5,10 @@
 //! on q, k, v copied apart ([`split`]) and concatenate their gradients back ([`concat`]).
 
 use super::plan::Dims;
-use super::{check_dtype, check_shape, AttentionCtx, DType, DotProductAttention, Inputs, Qkv, MODULE};
+use super::{
+    check_dtype, check_shape, high, AttentionCtx, DType, DotProductAttention, Fp8OutputRequest, Inputs, Output, Qkv,
+    MODULE,
+};
 use crate::ops::copy::copy_columns;
 use crate::ops::flash_attention::HeadStrides;
 use crate::{Device, Error, Result, Tensor};
@@ -119,6 +122,18 @@ impl DotProductAttention {
     /// `(num_attention_heads + 2 · num_gqa_groups) · kv_channels`; [`Error::Config`] when the
     /// config sets a `head_dim_v` other than `kv_channels`.
     pub fn forward_packed(&mut self, qkv: &Tensor, seq_lens: Option<&[usize]>) -> Result<(Tensor, AttentionCtx)> {
+        let (out, ctx) = self.forward_packed_to(qkv, seq_lens, None)?;
+        Ok((high(out)?, ctx))
+    }
+
+    /// [`DotProductAttention::forward_packed`] whose output an FP8 consumer may take in E4M3
+    /// (TE `fp8_mha`, see [`Fp8OutputRequest`]); without a request the output is 16-bit.
+    pub(crate) fn forward_packed_to(
+        &mut self,
+        qkv: &Tensor,
+        seq_lens: Option<&[usize]>,
+        out_fp8: Option<Fp8OutputRequest<'_>>,
+    ) -> Result<(Output, AttentionCtx)> {
         check_dtype(MODULE, "qkv", qkv, DType::is_high_precision, "f32, bf16 or f16")?;
         let cfg = &self.cfg;
         if cfg.kv_channels_v() != cfg.kv_channels {
@@ -133,7 +148,7 @@ impl DotProductAttention {
             });
         }
         let dims = dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
-        self.run_forward(dims, Inputs::Packed(qkv.clone()), seq_lens, true)
+        self.run_forward(dims, Inputs::Packed(qkv.clone()), seq_lens, true, out_fp8)
     }
 
     /// Backward of [`DotProductAttention::forward_packed`]: the gradient of the fused QKV tensor,

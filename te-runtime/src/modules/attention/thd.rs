@@ -4,7 +4,7 @@
 
 use super::plan::Dims;
 use super::{
-    backend, check_dtype, check_shape, fused, AttentionBackend, AttentionCtx, DType, DotProductAttention, Inputs,
+    backend, check_dtype, check_shape, fused, high, AttentionBackend, AttentionCtx, DType, DotProductAttention, Inputs,
     QkvFormat, Saved, MODULE,
 };
 use crate::{Error, Result, Tensor};
@@ -206,8 +206,9 @@ impl DotProductAttention {
             inputs.fused(&dims)?,
             &out_shape,
             self.cfg.scale(),
-            fp8.as_ref().map(|f| (&*f.quantizer, f.backward.is_some())),
+            fp8.as_ref().map(|f| fused::Fp8Call { quantizer: &*f.quantizer, keep: f.backward.is_some(), out: None }),
         )?;
+        let out = high(out)?;
         let ctx = AttentionCtx {
             module_id: self.id,
             dims,

@@ -20,10 +20,11 @@
 
 pub(crate) mod gemm_core;
 
-use self::gemm_core::{LinearCore, LinearInput, Saved};
+pub(crate) use self::gemm_core::LinearInput;
+use self::gemm_core::{LinearCore, Saved};
 use super::params::{LinearParams, ParamsInit};
 use super::{next_module_id, Output, Stamp};
-use crate::fp8::{fp8_mode, Fp8StateSlot, ScalingState};
+use crate::fp8::{fp8_mode, Fp8StateSlot, Quantizer, ScalingState};
 use crate::{ops, Device, Error, Result, Tensor};
 use std::sync::Arc;
 use te_codegen::DType;
@@ -243,6 +244,45 @@ impl Linear {
     /// As [`Linear::infer`].
     pub fn infer_with(&mut self, input: &Tensor, opts: ForwardOptions) -> Result<Output> {
         Ok(self.run(input, opts, false)?.0)
+    }
+
+    /// Forward of an input a producer writes (TE `fp8_mha`: the attention writes its output in
+    /// E4M3 for `MultiheadAttention`'s projection): `produce` gets this layer's FP8 input
+    /// quantizer when the forward runs FP8 GEMMs (`None` otherwise) and returns the input
+    /// (16-bit, or FP8 cast by that quantizer, with its transpose when `grad`) and anything of
+    /// its own. `dtype` is the output's; `grad` a training forward (a context is returned).
+    ///
+    /// # Errors
+    /// As [`Linear::forward_with`]; the producer's errors.
+    pub(crate) fn forward_produced<T>(
+        &mut self,
+        dtype: DType,
+        opts: ForwardOptions,
+        grad: bool,
+        produce: impl FnOnce(Option<&dyn Quantizer>) -> Result<(LinearInput, T)>,
+    ) -> Result<(Output, Option<LinearCtx>, T)> {
+        let pass = self.core.pass(fp8_mode())?;
+        let (input, extra) = produce(pass.fp8_input())?;
+        let shape = match &input {
+            LinearInput::High(x) => {
+                check_input(MODULE, x, self.cfg.in_features)?;
+                x.shape().to_vec()
+            }
+            LinearInput::Fp8(f) if f.shape().last() == Some(&self.cfg.in_features) => f.shape().to_vec(),
+            LinearInput::Fp8(f) => {
+                return Err(Error::Shape {
+                    op: MODULE,
+                    message: format!("input {:?} must end in in_features = {}", f.shape(), self.cfg.in_features),
+                })
+            }
+        };
+        let (out, saved) = self.core.forward(input, &shape, dtype, &pass, opts, grad)?;
+        let ctx = match saved {
+            Some(saved) => Some(LinearCtx { stamp: self.stamp(), input_shape: shape, saved }),
+            None if grad => return Err(Error::internal(MODULE, "a training forward saved nothing")),
+            None => None,
+        };
+        Ok((out, ctx, extra))
     }
 
     fn run(&mut self, x: &Tensor, opts: ForwardOptions, grad: bool) -> Result<(Output, Option<Saved>)> {
