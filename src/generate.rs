@@ -374,6 +374,14 @@ pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, Gene
     let capacity = (prompt.len() + new_tokens).min(context);
     let (mut backend, precision, device) = if gpu {
         let dev = Device::new(0)?;
+        let (cfg, _, _) = model_config(&located)?;
+        let needed = Gpt::generation_bytes(&cfg, a.batch, prompt.len(), capacity);
+        dev.check_free_memory(needed, || {
+            format!(
+                "generating {} samples of {capacity} tokens (the weights, the KV cache and the prefill, estimated;                  lower --batch or --max-new-tokens)",
+                a.batch
+            )
+        })?;
         let model = load_gpu_model(&dev, &located)?;
         let params = model.inference_params(a.batch, capacity)?;
         (Backend::Gpu(Box::new((model, params))), Precision::Bf16, format!("{} (CUDA graphs)", dev.name()))

@@ -280,6 +280,19 @@ pub fn train(
         }));
     }
     dev.synchronize()?;
+    let fp8 = precision == Precision::Fp8;
+    dev.check_free_memory(Gpt::training_bytes(&cfg.model, cfg.batch, fp8), || {
+        let m = &cfg.model;
+        format!(
+            "training a {}-layer GPT of hidden size {} ({} parameters) on micro-batches of {} × {} tokens in {}              (the weights, AdamW state and activations, estimated before allocating)",
+            m.num_layers,
+            m.hidden_size,
+            m.num_parameters(),
+            cfg.batch,
+            m.seq_length,
+            if fp8 { "FP8" } else { "BF16" }
+        )
+    })?;
     dev.reset_peak_memory()?;
     let model = Gpt::new(dev, cfg.model.clone())?;
     let opt = AdamW::new(dev, &model, adamw_config(cfg))?;

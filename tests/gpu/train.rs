@@ -8,7 +8,7 @@ use crate::common::device;
 use te::data::Corpus;
 use te::train::{train, CheckpointOptions, Precision, Record, TrainConfig, TrainError};
 use te_runtime::fp8::DelayedScaling;
-use te_runtime::models::GptConfig;
+use te_runtime::models::{Gpt, GptConfig};
 
 /// Deterministic text of a few hundred kilobytes with some structure to learn.
 fn corpus() -> Corpus {
@@ -142,9 +142,44 @@ fn nonfinite_steps_stop_the_run_or_are_skipped() {
     assert!(run.records.iter().any(|r| !r.train_loss.is_finite()), "the run diverged");
 }
 
+/// `Gpt::training_bytes`, what `train` checks against the free memory before it allocates,
+/// bounds the measured high-water mark of short runs (two steps with evaluation) from above and
+/// stays within 1.5× of it: `small` at batch 8 × 1024 and a wider 4-layer model at 4 × 1024, in
+/// BF16 and FP8.
+#[test]
+fn memory_estimate_bounds_the_peak() {
+    let Some(dev) = device() else { return };
+    let corpus = corpus();
+    let wide = GptConfig {
+        num_layers: 4,
+        hidden_size: 2048,
+        num_attention_heads: 16,
+        ffn_hidden_size: 8192,
+        seq_length: 1024,
+        ..GptConfig::small()
+    };
+    for (model, batch) in [(GptConfig::small(), 8), (wide, 4)] {
+        for precision in [Precision::Bf16, Precision::Fp8] {
+            let cfg = TrainConfig { model: model.clone(), batch, grad_accum: 1, eval_interval: 2, ..config(2) };
+            let run = train(&dev, &corpus, &cfg, precision, &CheckpointOptions::default(), |_, _| {}).unwrap();
+            let estimate = Gpt::training_bytes(&model, batch, precision == Precision::Fp8);
+            let (peak, mib) = (run.peak_memory, |b: u64| b >> 20);
+            eprintln!(
+                "{} layers h{} b{batch} {precision:?}: peak {} MiB, estimate {} MiB ({:.2}×)",
+                model.num_layers,
+                model.hidden_size,
+                mib(peak),
+                mib(estimate),
+                estimate as f64 / peak as f64
+            );
+            assert!(peak <= estimate && estimate as f64 <= 1.5 * peak as f64, "peak {peak}, estimate {estimate}");
+        }
+    }
+}
+
 /// A configuration the GPU cannot hold (the 1.2 B `large` preset at batch 64 × 2048) fails with
-/// a typed out-of-memory error giving the sizes and the flags to change; the process goes on
-/// training a small model afterwards.
+/// a typed out-of-memory error giving the sizes and the flags to change, from the estimate,
+/// before anything is allocated; the process goes on training a small model afterwards.
 #[test]
 fn out_of_memory_is_a_typed_error_and_the_process_goes_on() {
     let Some(dev) = device() else { return };
@@ -157,6 +192,7 @@ fn out_of_memory_is_a_typed_error_and_the_process_goes_on() {
         "{message}"
     );
     assert!(message.contains("out of GPU memory") && message.contains("--batch"), "{message}");
+    assert!(message.contains("estimated before allocating"), "refused by the estimate: {message}");
     let small = train(&dev, &corpus, &config(2), Precision::Bf16, &CheckpointOptions::default(), |_, _| {}).unwrap();
     assert!(small.records.iter().all(|r| r.train_loss.is_finite()));
 }

@@ -35,8 +35,11 @@ impl Format {
 ///
 /// After each forward scope and each backward: `amax = max(history)` (or the newest entry),
 /// `scale = (fp8_max / amax) / 2^margin` when amax is finite and positive (else the old scale),
-/// then the history rolls. Initial scale 1. In config files (a training checkpoint's
-/// `trainer.toml`) a table of these fields.
+/// then the history rolls. Initial scale 1. One departure from TE: a non-finite newest amax (a
+/// step that overflowed, e.g. one `te train --skip-nonfinite-steps` skips) keeps that update's
+/// scale, as in TE, but rolls into the history as 0; TE keeps the inf there, which freezes the
+/// scale for `amax_history_len` steps and leaves a state no checkpoint should hold. In config
+/// files (a training checkpoint's `trainer.toml`) a table of these fields.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DelayedScaling {
     /// Headroom: the scale is divided by `2^margin`. TE default 0.

@@ -31,6 +31,7 @@ use te_codegen::spec::{CrossEntropySpec, DecodeAttnSpec, ElementwiseSpec};
 use te_codegen::DType;
 
 mod generate;
+mod memory;
 
 pub use generate::GenerateOptions;
 
@@ -105,10 +106,20 @@ impl GptConfig {
     /// reports): embeddings `(vocab + seq) · h`, per layer `12h² + 13h` for `ffn = 4h` (QKV
     /// `3h² + 3h`, projection `h² + h`, MLP `2·h·ffn + ffn + h`, two LayerNorms `4h`), the final
     /// LayerNorm `2h` and the LM head `vocab · h`.
+    /// Saturates at `usize::MAX` for sizes no machine holds.
     pub fn num_parameters(&self) -> usize {
         let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.vocab_size);
-        let layer = (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h) + 4 * h;
-        (v + self.seq_length) * h + self.num_layers * layer + 2 * h + v * h
+        let hh = h.saturating_mul(h);
+        let layer = hh
+            .saturating_mul(4)
+            .saturating_add(h.saturating_mul(f).saturating_mul(2))
+            .saturating_add(f)
+            .saturating_add(h.saturating_mul(9));
+        v.saturating_add(self.seq_length)
+            .saturating_mul(h)
+            .saturating_add(self.num_layers.saturating_mul(layer))
+            .saturating_add(h.saturating_mul(2))
+            .saturating_add(v.saturating_mul(h))
     }
 
     fn check(&self) -> Result<()> {

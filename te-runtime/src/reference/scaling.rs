@@ -35,6 +35,10 @@ pub fn delayed_update(groups: &mut [HostScalingGroup<'_>], algo: AmaxComputeAlgo
             };
             if last != 0.0 {
                 h.rotate_left(1);
+                // A non-finite newest amax keeps this update's scale (below) but enters the
+                // history as 0 (TE keeps it, freezing the scale for the history's length).
+                let n = h.len();
+                h[n - 1] = if last.is_finite() { last } else { 0.0 };
                 h[0] = 0.0;
             }
             if amax.is_finite() && amax > 0.0 {
@@ -111,6 +115,12 @@ mod tests {
         let (h, s, _) = run(&[0.0, 0.0, 0.0], 3.0, AmaxComputeAlgo::Max);
         assert_eq!((h, s), (vec![0.0, 0.0, 0.0], 3.0));
         assert_eq!(run(&[f32::INFINITY, 1.0], 3.0, AmaxComputeAlgo::Max).1, 3.0);
+        // ... and a non-finite newest amax is rolled in as 0, so the next update uses the rest.
+        let (h, s, _) = run(&[f32::INFINITY, 2.0, 1.0], 3.0, AmaxComputeAlgo::Max);
+        assert_eq!((h.clone(), s), (vec![0.0, 1.0, 0.0], 3.0));
+        assert_eq!(run(&[0.5, 1.0, 0.0], s, AmaxComputeAlgo::Max).1, 448.0);
+        assert_eq!(run(&[f32::NAN, 2.0, 1.0], 3.0, AmaxComputeAlgo::Max).0, vec![0.0, 1.0, 0.0]);
+        assert_eq!(run(&[f32::INFINITY], 3.0, AmaxComputeAlgo::MostRecent), (vec![0.0], 3.0, 1.0 / 3.0));
         assert_eq!(run(&[f32::NAN, 0.0], 3.0, AmaxComputeAlgo::MostRecent).1, 3.0);
         assert_eq!(run(&[0.0, 2.0, 5.0], 3.0, AmaxComputeAlgo::Max).0, vec![0.0, 2.0, 5.0]);
         // A tiny amax overflows the scale to inf, which becomes FLT_MAX (never inf or NaN).

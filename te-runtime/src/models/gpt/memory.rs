@@ -1,0 +1,104 @@
+//! How much device memory a [`Gpt`] needs, estimated on the host before anything is allocated,
+//! so that `te train` and `te generate` refuse a configuration the GPU cannot hold with the
+//! numbers instead of failing somewhere inside the first step.
+
+use super::{Gpt, GptConfig};
+use crate::{Device, Error, Result};
+
+/// cuBLASLt workspaces, the optimizer's norm buffers and other fixed allocations (bytes).
+const FIXED_BYTES: f64 = (256u64 << 20) as f64;
+
+impl Gpt {
+    /// An upper estimate of the device memory (bytes; the memory pool's high-water mark, as
+    /// [`Device::peak_memory`] reads it) of training a GPT of `cfg` on micro-batches of `batch`
+    /// sequences of `cfg.seq_length` tokens (`t = batch · seq`), in FP8 (`fp8`) or in the
+    /// parameters' dtype, with AdamW:
+    /// - parameters and their gradients in `params_dtype` (`P` elements each), AdamW's FP32
+    ///   master weights and two moments (`12 · P` bytes); under FP8 the E4M3 weights of the
+    ///   GEMMs and their transposes (2 bytes per GEMM weight);
+    /// - per layer, what the forward keeps for the backward, per token in 16-bit elements: the
+    ///   layer input, the two norm outputs, the fused QKV output, the attention output and the
+    ///   residual (`8h`), the MLP's pre-activation and activation (`2f`), two dropout masks
+    ///   (`2h` bytes) and `softmax_lse` (4 bytes per head), the fused attention keeping no
+    ///   `[s, s]` scores;
+    /// - the final norm output, f32 logits and their gradient (`t · (2h + 8v)`);
+    /// - the backward's transient gradients of one layer (`t · (8h + 2f)` 16-bit elements) and
+    ///   fixed workspaces (256 MiB).
+    ///
+    /// Measured against the high-water mark of a training step on an H100 by the GPU test
+    /// `train::memory_estimate_bounds_the_peak` (within 1.5× above it).
+    pub fn training_bytes(cfg: &GptConfig, batch: usize, fp8: bool) -> u64 {
+        // f64: an estimate, and sizes far past any machine saturate instead of overflowing.
+        let (h, f, v) = (cfg.hidden_size as f64, cfg.ffn_hidden_size as f64, cfg.vocab_size as f64);
+        let (layers, heads) = (cfg.num_layers as f64, cfg.num_attention_heads as f64);
+        let t = batch as f64 * cfg.seq_length as f64;
+        let e = cfg.params_dtype.size_bytes() as f64;
+        let lm_head = if cfg.fp8_lm_head { v * h } else { 0.0 };
+        let gemm_weights = layers * (4.0 * h * h + 2.0 * h * f) + lm_head;
+        let params = parameters(cfg, h, f, v) * (2.0 * e + 12.0) + if fp8 { 2.0 * gemm_weights } else { 0.0 };
+        let per_token_layer = (8.0 * h + 2.0 * f) * 2.0 + 2.0 * h + 4.0 * heads;
+        let saved = t * layers * per_token_layer;
+        let head = t * (2.0 * h + 8.0 * v);
+        let transient = t * (8.0 * h + 2.0 * f) * 2.0;
+        (params + saved + head + transient + FIXED_BYTES) as u64
+    }
+
+    /// An upper estimate of the device memory (bytes) of generating with a GPT of `cfg` in
+    /// its `params_dtype`: the weights, a KV cache of `batch` sequences of `max_seq` positions
+    /// (`2 · layers · batch · max_seq · h` 16-bit elements), the prefill of `batch` prompts of
+    /// `prompt` tokens (one layer's activations at a time: `t · (8h + 2f)` elements, and f32
+    /// logits `t · v`) and fixed workspaces (256 MiB).
+    pub fn generation_bytes(cfg: &GptConfig, batch: usize, prompt: usize, max_seq: usize) -> u64 {
+        let (h, f, v) = (cfg.hidden_size as f64, cfg.ffn_hidden_size as f64, cfg.vocab_size as f64);
+        let e = cfg.params_dtype.size_bytes() as f64;
+        let weights = parameters(cfg, h, f, v) * e;
+        let cache = 2.0 * cfg.num_layers as f64 * h * e * batch as f64 * max_seq as f64;
+        let t = batch as f64 * prompt as f64;
+        let prefill = t * ((8.0 * h + 2.0 * f) * e + 4.0 * v);
+        (weights + cache + prefill + FIXED_BYTES) as u64
+    }
+}
+
+/// [`GptConfig::num_parameters`] in f64 (no saturation at usize's bound).
+fn parameters(cfg: &GptConfig, h: f64, f: f64, v: f64) -> f64 {
+    let layer = 4.0 * h * h + 2.0 * h * f + f + 9.0 * h;
+    (v + cfg.seq_length as f64) * h + cfg.num_layers as f64 * layer + 2.0 * h + v * h
+}
+
+impl Device {
+    /// Fails with [`Error::OutOfMemory`] (`what`, the estimate, the free and total memory) when
+    /// `needed` bytes exceed the device's free memory (`cuMemGetInfo`): the check before a run
+    /// allocates anything.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`]; driver failures reading the free memory.
+    pub fn check_free_memory(&self, needed: u64, what: impl FnOnce() -> String) -> Result<()> {
+        let (free, total) = self.memory_info()?;
+        if needed > free {
+            return Err(Error::OutOfMemory { what: what(), requested: needed, free, total });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimates_grow_with_the_configuration() {
+        let small = GptConfig::small();
+        let bf16 = Gpt::training_bytes(&small, 8, false);
+        // Parameters alone: 16 bytes each (bf16 value and gradient, f32 master and moments).
+        assert!(bf16 > 16 * small.num_parameters() as u64 + (256 << 20));
+        assert_eq!(parameters(&small, 768.0, 3072.0, 256.0), small.num_parameters() as f64);
+        assert!(Gpt::training_bytes(&small, 16, false) > bf16 && Gpt::training_bytes(&small, 8, true) > bf16);
+        // large at batch 64 × 2048 needs more than any single GPU of today holds.
+        assert!(Gpt::training_bytes(&GptConfig::large(), 64, false) > 200 << 30);
+        // Absurd sizes saturate instead of overflowing.
+        let huge = GptConfig { seq_length: usize::MAX / 2, ..small.clone() };
+        assert_eq!(Gpt::training_bytes(&huge, usize::MAX, true), u64::MAX);
+        let g = Gpt::generation_bytes(&small, 1, 128, 1024);
+        assert!(g > 2 * small.num_parameters() as u64 && Gpt::generation_bytes(&small, 32, 128, 1024) > g);
+    }
+}
