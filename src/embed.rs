@@ -352,6 +352,14 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
         }
         p => {
             let dev = te_runtime::Device::new(0)?;
+            let tokens = batches.iter().map(|b| padded(&lengths, b, max_len)).max().unwrap_or(0);
+            dev.check_free_memory(cfg.inference_bytes(tokens), || {
+                format!(
+                    "embedding batches of up to {tokens} padded tokens with a {}-layer encoder (the weights and one \
+                     batch's activations, estimated before allocating; lower --batch-size or --max-length)",
+                    cfg.num_hidden_layers
+                )
+            })?;
             report.device = dev.name().to_string();
             let precision = if p == Precision::Bf16 { WeightPrecision::Bf16 } else { WeightPrecision::Fp8 };
             let mut model = Bert::new(&dev, &cfg, &weights, precision)?;

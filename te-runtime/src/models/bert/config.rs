@@ -49,6 +49,22 @@ impl BertConfig {
         self.hidden_size / self.num_attention_heads
     }
 
+    /// An upper estimate of the device memory (bytes) of running this encoder on batches of at
+    /// most `tokens` (padded) tokens, what `te embed` checks against the free memory before it
+    /// uploads the weights: every parameter in bf16 and, for FP8 GEMMs, their E4M3 copies (4
+    /// bytes a parameter in all); one layer's activations at a time, per token `8h + 2f` bf16
+    /// elements (inputs, norm outputs, the fused QKV output, the attention output, the MLP's
+    /// hidden activation twice) and the pooled f32 output; fixed workspaces (256 MiB). The fused
+    /// attention keeps no `[s, s]` scores.
+    pub fn inference_bytes(&self, tokens: usize) -> u64 {
+        let (h, f) = (self.hidden_size as f64, self.intermediate_size as f64);
+        let tables = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) as f64 * h;
+        let layer = 4.0 * h * h + 2.0 * h * f + f + 9.0 * h;
+        let params = tables + self.num_hidden_layers as f64 * layer;
+        let activations = tokens as f64 * ((8.0 * h + 2.0 * f) * 2.0 + 4.0 * h);
+        (params * 4.0 + activations + (256u64 << 20) as f64) as u64
+    }
+
     /// Parses a Hugging Face `config.json` text.
     ///
     /// # Errors
@@ -169,6 +185,17 @@ impl BertConfig {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn inference_bytes_cover_the_weights_and_grow_with_the_batch() {
+        let c = BertConfig::minilm_l6();
+        // all-MiniLM-L6-v2 has 22.7 M parameters: 4 bytes each, plus the workspaces.
+        let base = c.inference_bytes(0);
+        assert!(base > 4 * 22_000_000 + (256 << 20) && base < 4 * 24_000_000 + (256 << 20), "{base}");
+        assert!(c.inference_bytes(64 * 512) > base);
+        let huge = BertConfig { hidden_size: usize::MAX, ..c };
+        assert_eq!(huge.inference_bytes(usize::MAX), u64::MAX);
+    }
 
     #[test]
     fn config_parses_minilm_and_names_unsupported_fields() {
