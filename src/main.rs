@@ -314,6 +314,10 @@ struct TrainArgs {
     /// 128/256; elsewhere attention stays BF16).
     #[arg(long)]
     fp8_dpa: bool,
+    /// FP8 runs: TE's `fp8_mha` (implies --fp8-dpa): the attention hands its output to the
+    /// output projection as E4M3 codes, so it is never written in BF16 nor cast.
+    #[arg(long)]
+    fp8_mha: bool,
 }
 
 /// The preset `preset` names on this machine (`auto`: small with a GPU, tiny without) and its
@@ -381,6 +385,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
                 AmaxComputeAlgo::MostRecent
             },
             fp8_dpa: a.fp8_dpa,
+            fp8_mha: a.fp8_mha,
             ..DelayedScaling::default()
         },
         block_scaling: (a.recipe == "block").then(Float8BlockScaling::default),
