@@ -19,6 +19,7 @@ pub mod embedding;
 pub mod gemm;
 pub mod linear;
 pub mod modules;
+pub mod moe;
 pub mod norm;
 pub mod optimizer;
 pub mod rope;
