@@ -1,6 +1,7 @@
 """PyTorch anchor for benches/kernels/gemm.rs, on the same shapes m x n x k: torch._scaled_mm
 (cuBLASLt FP8, per-tensor scales; E4M3 row-major A times column-major B = `b.t()` of a row-major
-[n, k]; bf16 output; fast accumulation) and a bf16 `a @ b.t()`.
+[n, k]; bf16 output; fast accumulation), a bf16 `a @ b.t()`, and `torch._scaled_mm` with
+blockwise scales (1x128 tiles of a, 128x128 blocks of b).
 
 Timing: CUDA events around each call after 10 warm-up calls, median of 50, random data.
 Writes $OUT/anchor-gemm.json (or ./anchor-gemm.json); `scripts/bench` runs it.
@@ -34,7 +35,16 @@ def main():
             ("torch._scaled_mm", torch.float8_e4m3fn, "fp8", flops,
              lambda a, b: torch._scaled_mm(a, b.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=True)),
             ("torch bf16 matmul", torch.bfloat16, "bf16", 0, lambda a, b: a @ b.t()),
+            # Blockwise (DeepSeek-V3 / TE Float8BlockScaling): a in 1x128 tiles (its scales
+            # outer-dimension-major), b in 128x128 blocks; no fast accumulation.
+            ("torch._scaled_mm block 1x128·128x128", torch.float8_e4m3fn, "fp8", flops,
+             lambda a, b: torch._scaled_mm(a, b.t(), scale_a=block_scales[0], scale_b=block_scales[1],
+                                           out_dtype=torch.bfloat16, use_fast_accum=False)),
         ]
+        block_scales = (
+            torch.full((k // 128, m), 0.5, device="cuda").t(),
+            torch.full((n // 128, k // 128), 0.5, device="cuda"),
+        )
         for variant, dtype, precision, flops_fp8, mm in cases:
             try:
                 a, b = uniform(m, k).to(dtype), uniform(n, k).to(dtype)

@@ -132,5 +132,13 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             v.push(DecodeAttnSpec::new(dtype, d, arch).into());
         }
     }
+    // Blockwise FP8 quantization: both inputs, both formats, both block shapes.
+    for input in [DType::BF16, DType::F16] {
+        for output in [DType::E4M3, DType::E5M2] {
+            for block_dim in [1, 2] {
+                v.push(BlockQuantizeSpec::new(input, output, block_dim, arch).into());
+            }
+        }
+    }
     crate::prewarm::sorted(v)
 }

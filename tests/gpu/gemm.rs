@@ -51,7 +51,12 @@ impl Input {
     }
 
     fn operand(&self) -> Operand<'_> {
-        Operand { tensor: &self.tensor, transposed: false, scale_inv: self.scale_inv.as_ref().map(|s| s.as_view()) }
+        Operand {
+            tensor: &self.tensor,
+            transposed: false,
+            scale_inv: self.scale_inv.as_ref().map(|s| s.as_view()),
+            block: None,
+        }
     }
 }
 

@@ -10,6 +10,7 @@ mod common;
 mod activation;
 mod attention;
 mod bert;
+mod block_quantize;
 mod cast;
 mod cast_transpose;
 mod checkpoint;

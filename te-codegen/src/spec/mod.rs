@@ -26,6 +26,7 @@
 mod activation;
 mod args;
 mod attention;
+mod block_quantize;
 mod cast;
 mod cast_transpose;
 mod cross_entropy;
@@ -45,6 +46,7 @@ mod softmax;
 pub use activation::{Activation, ActivationSpec};
 pub use args::{ArgCond, ArgRole, KernelArg, TMA_DESC};
 pub use attention::{AttnMaskType, QkvFormat};
+pub use block_quantize::BlockQuantizeSpec;
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
 pub use cross_entropy::CrossEntropySpec;
@@ -185,6 +187,8 @@ kernel_families! {
     FlashAttn(FlashAttnSpec) => ["flash_attn_fwd.cu.tera", "flash_attn_bwd.cu.tera", "flash_attn_bwd_fp8.cu.tera"],
     /// Family 15: decode attention over a KV cache (split-K, FlashDecoding) and the cache append.
     DecodeAttn(DecodeAttnSpec) => ["decode_attn.cu.tera"],
+    /// Family 16: blockwise FP8 quantization (1x128 / 128x1 tiles or 128x128 blocks, f32 scales).
+    BlockQuantize(BlockQuantizeSpec) => ["block_quantize.cu.tera"],
 }
 
 impl KernelSpec {

@@ -61,12 +61,48 @@ pub struct Operand<'a> {
     /// device, which cuBLASLt multiplies the product by (`A_SCALE_POINTER`/`B_SCALE_POINTER`).
     /// Must be `None` for other dtypes.
     pub scale_inv: Option<CudaView<'a, f32>>,
+    /// Blockwise scales (TE `Float8BlockScaling`): `scale_inv` then holds one f32 per block
+    /// in the layout of [`BlockScale`] instead of one per tensor. Both operands or neither.
+    pub block: Option<BlockScale>,
+}
+
+/// How the `scale_inv` of a blockwise-scaled FP8 operand `[rows, k]` is laid out (TE's
+/// `GEMM_READY` layouts, which cuBLASLt's block scale modes read; Hopper, cuBLAS 12.9 or later;
+/// [`crate::ops::block_quantize`] writes them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockScale {
+    /// One scale per 1×128 tile along k: `[⌈k/128⌉, round_up(rows, 4)]`, the rows contiguous
+    /// (`CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`).
+    Vec128,
+    /// One scale per 128×128 block: `[⌈rows/128⌉, round_up(⌈k/128⌉, 4)]`
+    /// (`CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F`).
+    Blk128x128,
+}
+
+impl BlockScale {
+    /// The number of f32 scales of an operand of `rows` rows and `k` columns.
+    pub fn len(self, rows: usize, k: usize) -> usize {
+        let round4 = |n: usize| n.div_ceil(4) * 4;
+        match self {
+            BlockScale::Vec128 => k.div_ceil(128) * round4(rows),
+            BlockScale::Blk128x128 => rows.div_ceil(128) * round4(k.div_ceil(128)),
+        }
+    }
+
+    fn cublaslt(self) -> i32 {
+        match self {
+            BlockScale::Vec128 => sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32,
+            BlockScale::Blk128x128 => {
+                sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as i32
+            }
+        }
+    }
 }
 
 impl<'a> Operand<'a> {
     /// A bf16, f16 or f32 operand.
     pub fn new(tensor: &'a Tensor) -> Self {
-        Self { tensor, transposed: false, scale_inv: None }
+        Self { tensor, transposed: false, scale_inv: None, block: None }
     }
 
     /// The same operand, read from a tensor that stores its transpose `[k, rows]`.
@@ -76,7 +112,12 @@ impl<'a> Operand<'a> {
 
     /// An FP8 operand and its `scale_inv`.
     pub fn fp8(tensor: &'a Tensor, scale_inv: CudaView<'a, f32>) -> Self {
-        Self { tensor, transposed: false, scale_inv: Some(scale_inv) }
+        Self { tensor, transposed: false, scale_inv: Some(scale_inv), block: None }
+    }
+
+    /// A blockwise-scaled FP8 operand: its codes and their `scale_inv` in `block`'s layout.
+    pub fn fp8_block(tensor: &'a Tensor, scale_inv: CudaView<'a, f32>, block: BlockScale) -> Self {
+        Self { tensor, transposed: false, scale_inv: Some(scale_inv), block: Some(block) }
     }
 }
 
@@ -257,13 +298,18 @@ struct Problem {
     /// `a` and `b` stored transposed.
     transposed: (bool, bool),
     geometry: Geometry,
+    /// Blockwise scales of `a` and `b` (both or neither).
+    block: Option<(BlockScale, BlockScale)>,
 }
 
 impl Problem {
     /// E.g. `D[200, 336] bf16 = A[200, 208] e4m3 · B[336, 208]ᵀ e5m2, epilogue Bias (bf16)`.
     fn describe(&self) -> String {
-        let Problem { m, n, k, types: t, epilogue, fast_accum, accumulate, transposed, geometry: g } = self;
+        let Problem { m, n, k, types: t, epilogue, fast_accum, accumulate, transposed, geometry: g, block } = self;
         let mut s = format!("D[{m}, {n}] {} = A[{m}, {k}] {} · B[{n}, {k}]ᵀ {}", t.d, t.a, t.b);
+        if let Some((ba, bb)) = block {
+            s += &format!(" (block scales: a {ba:?}, b {bb:?})");
+        }
         if transposed.0 || transposed.1 {
             s += &format!(" (stored transposed: a {}, b {})", transposed.0, transposed.1);
         }
@@ -369,7 +415,20 @@ fn check(a: &Operand<'_>, b: &Operand<'_>, d: &Output<'_>, cfg: &GemmConfig<'_>)
             Some(_) if !dtype.is_fp8() => {
                 return Err(gemm_error(format!("`{arg}` is {dtype}: a scale_inv applies only to FP8 operands")))
             }
-            Some(v) => check_scalar("scale_inv", v.len())?,
+            Some(v) => match op.block {
+                None => check_scalar("scale_inv", v.len())?,
+                Some(block) => {
+                    let (rows, k) = logical(op)?;
+                    if v.len() != block.len(rows, k) {
+                        return Err(gemm_error(format!(
+                            "`{arg}` [{rows}, {k}] with {block:?} block scales needs {} scale_inv values, got {} \
+                             (ops::block_quantize writes them)",
+                            block.len(rows, k),
+                            v.len()
+                        )));
+                    }
+                }
+            },
             None => {}
         }
     }
@@ -392,6 +451,30 @@ fn check(a: &Operand<'_>, b: &Operand<'_>, d: &Output<'_>, cfg: &GemmConfig<'_>)
             types.d, types.c
         )));
     }
+    let block = match (a.block, b.block) {
+        (None, None) => None,
+        (Some(ba), Some(bb)) => {
+            if cfg.fast_accum {
+                return Err(gemm_error(
+                    "block-scaled FP8 GEMMs accumulate precisely only: set fast_accum to false (cuBLASLt has no fast \
+                     accumulation with block scales)"
+                        .into(),
+                ));
+            }
+            if types.d.is_fp8() {
+                return Err(gemm_error(format!(
+                    "a block-scaled FP8 GEMM writes bf16, f16 or f32, not {} (quantize its output afterwards)",
+                    types.d
+                )));
+            }
+            Some((ba, bb))
+        }
+        _ => return Err(gemm_error(
+            "one operand has block scales and the other not: pass both blockwise-quantized (Operand::fp8_block) or \
+                 neither"
+                .into(),
+        )),
+    };
     let epilogue = cfg.epilogue.kind();
     if let Some((arg, t)) = vector {
         check_shape(OP, arg, t, &[if epilogue == EpilogueKind::BgradB { m } else { n }])?;
@@ -409,6 +492,7 @@ fn check(a: &Operand<'_>, b: &Operand<'_>, d: &Output<'_>, cfg: &GemmConfig<'_>)
         accumulate: cfg.accumulate,
         transposed: (a.transposed, b.transposed),
         geometry: Geometry::dense(m, n, k, (a.transposed, b.transposed)),
+        block,
     })
 }
 
@@ -464,6 +548,11 @@ pub fn gemm(dev: &Device, a: Operand<'_>, b: Operand<'_>, d: Output<'_>, cfg: &G
         desc.set(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, *b_scale_inv)?;
         desc.set(Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, *a_scale_inv)?;
         desc.set(Attr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, cfg.fast_accum as i8)?;
+    }
+    if let Some((ba, bb)) = problem.block {
+        // cuBLASLt's A is our `b` and its B our `a`.
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, bb.cublaslt())?;
+        desc.set(Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, ba.cublaslt())?;
     }
     if let Some(((scale, _), (amax, _))) = &d_scaling {
         desc.set(Attr::CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, *scale)?;

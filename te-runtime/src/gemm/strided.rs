@@ -175,6 +175,7 @@ fn check(dtypes: [DType; 3], shapes: [&[usize]; 3], batch: &StridedBatch, cfg: &
             batch: count,
             batch_stride,
         },
+        block: None,
     })
 }
 
