@@ -17,6 +17,34 @@ from common import Results, failed_row, phase_times, row
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 8192), (8192, 4096, 16384)]
 
 
+def block_mm(a, b, m, n, k, found={}):
+    """torch._scaled_mm with 1x128 scales of `a` and 128x128 scales of `b.t()`. The layouts
+    PyTorch accepts have changed between releases: each known one is tried once per shape, the
+    first that runs is kept for the timed calls."""
+    mm = lambda sa, sb: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                         use_fast_accum=False)
+    if (m, n, k) not in found:
+        full = lambda *s: torch.full(s, 0.5, device="cuda")
+        layouts = [
+            (full(k // 128, m).t(), full(k // 128, n // 128)),
+            (full(k // 128, m).t(), full(n // 128, k // 128).t()),
+            (full(k // 128, m).t(), full(n // 128, k // 128)),
+            (full(m, k // 128), full(n // 128, k // 128)),
+        ]
+        errors = []
+        for sa, sb in layouts:
+            try:
+                mm(sa, sb)
+                found[(m, n, k)] = (sa, sb)
+                break
+            except RuntimeError as e:
+                errors.append(f"scale_a {tuple(sa.shape)} stride {sa.stride()}, scale_b {tuple(sb.shape)} "
+                              f"stride {sb.stride()}: {e}")
+        else:
+            raise RuntimeError("no scale layout accepted: " + " | ".join(errors))
+    return mm(*found[(m, n, k)])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--warmup", type=int, default=10)
@@ -38,13 +66,8 @@ def main():
             # Blockwise (DeepSeek-V3 / TE Float8BlockScaling): a in 1x128 tiles (its scales
             # outer-dimension-major), b in 128x128 blocks; no fast accumulation.
             ("torch._scaled_mm block 1x128·128x128", torch.float8_e4m3fn, "fp8", flops,
-             lambda a, b: torch._scaled_mm(a, b.t(), scale_a=block_scales[0], scale_b=block_scales[1],
-                                           out_dtype=torch.bfloat16, use_fast_accum=False)),
+             lambda a, b: block_mm(a, b, m, n, k)),
         ]
-        block_scales = (
-            torch.full((k // 128, m), 0.5, device="cuda").t(),
-            torch.full((n // 128, k // 128), 0.5, device="cuda"),
-        )
         for variant, dtype, precision, flops_fp8, mm in cases:
             try:
                 a, b = uniform(m, k).to(dtype), uniform(n, k).to(dtype)

@@ -152,7 +152,8 @@ fn block_scaled_gemm_matches_the_dequantized_reference() {
         eprintln!("block-scaled FP8 GEMMs run on Hopper; {} skips them", dev.arch());
         return;
     }
-    let (m, n, k) = (200, 336, 208);
+    // m is also wgrad's k: a multiple of 16 (FP8), not of 128.
+    let (m, n, k) = (208, 336, 200 + 8);
     let p1 = BlockQuantizeParams { dtype: DType::E4M3, block_dim: 1, epsilon: 0.0, power_2: true };
     let p2 = BlockQuantizeParams { block_dim: 2, ..p1 };
     let rp = BlockParams::te_default(DType::BF16);
@@ -188,7 +189,10 @@ fn block_scaled_gemm_matches_the_dequantized_reference() {
     let want = gemm_tn(&transpose(&dyt, m, n), &transpose(&xt, m, k), n, k, m);
     let e = rel_frobenius(&dw.to_f32(&dev).unwrap(), &want);
     eprintln!("block-scaled wgrad [{n}, {k}, {m}]: relative Frobenius error {e:.2e}");
-    assert!(e < 1e-5, "wgrad error {e}");
+    // f32 output: what is left is the FP8 tensor cores' accumulation inside each 128-wide k
+    // block, which keeps about 14 bits (the reason DeepSeek-V3 and these scale modes promote
+    // to f32 every 128 values); measured 2.3e-4 on an H100.
+    assert!(e < 1e-3, "wgrad error {e}");
 
     // Typed errors: fast accumulation, one operand block-scaled, scales of the wrong size.
     let fast = GemmConfig { fast_accum: true, ..GemmConfig::default() };

@@ -113,9 +113,11 @@ pub struct Float8CurrentScaling {
 /// from its block's own amax (no history), E4M3 in both directions by default. The block scale
 /// rule and layouts: [`crate::reference::block_scaling`].
 ///
-/// **Runs in the CPU emulation only so far** (`cpu::gpt::GemmPrecision::Fp8Block`: the GEMM
-/// inputs of the CPU GPT fake-quantized blockwise); the GPU kernels and the block-scaled
-/// cuBLASLt GEMMs are the blockwise-FP8 issue's, so it is not a [`Recipe`] of `fp8_autocast` yet.
+/// **Modules run it in the CPU emulation only so far** (`cpu::gpt::GemmPrecision::Fp8Block`: the
+/// GEMM inputs of the CPU GPT fake-quantized blockwise). On the GPU its pieces exist, bit-exact
+/// against the reference: the quantization kernels ([`crate::ops::block_quantize`]) and the
+/// block-scaled cuBLASLt GEMMs ([`crate::gemm::BlockScale`]); the modules do not call them yet,
+/// so it is not a [`Recipe`] of `fp8_autocast` yet.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Float8BlockScaling {
     /// FP8 formats. TE default [`Format::E4M3`] (E4M3 gradients too).
