@@ -140,5 +140,8 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             }
         }
     }
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        v.push(MoePermuteSpec::new(dtype, arch).into());
+    }
     crate::prewarm::sorted(v)
 }

@@ -33,6 +33,7 @@ mod jit;
 mod kernel_specs;
 mod linear;
 mod modules;
+mod moe;
 mod norm;
 mod optimizer;
 mod rope;

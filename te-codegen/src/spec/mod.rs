@@ -37,6 +37,7 @@ mod embedding;
 mod flash_attention;
 #[cfg(test)]
 mod fuzz;
+mod moe;
 mod norm;
 mod optimizer;
 mod rope;
@@ -55,6 +56,7 @@ pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use embedding::EmbeddingSpec;
 pub use flash_attention::{FlashAttnSpec, FLASH_HEAD_DIMS};
+pub use moe::MoePermuteSpec;
 pub use norm::{NormKind, NormSpec};
 pub use optimizer::{OptimizerKind, OptimizerSpec};
 pub use rope::{RopeFormat, RopeSpec};
@@ -189,6 +191,8 @@ kernel_families! {
     DecodeAttn(DecodeAttnSpec) => ["decode_attn.cu.tera"],
     /// Family 16: blockwise FP8 quantization (1x128 / 128x1 tiles or 128x128 blocks, f32 scales).
     BlockQuantize(BlockQuantizeSpec) => ["block_quantize.cu.tera"],
+    /// Family 17: MoE token permutation (routing map, permute, unpermute, probabilities' gradient).
+    MoePermute(MoePermuteSpec) => ["moe_permute.cu.tera"],
 }
 
 impl KernelSpec {

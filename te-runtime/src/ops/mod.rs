@@ -15,6 +15,7 @@ pub mod embedding;
 pub mod flash_attention;
 pub mod flash_attention_fp8;
 mod launch;
+pub mod moe;
 pub mod norm;
 pub mod optimizer;
 pub mod rope;
