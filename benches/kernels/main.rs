@@ -27,6 +27,7 @@ mod gpt;
 mod jit;
 mod linear;
 mod modules;
+mod moe;
 mod norm;
 mod optimizer;
 mod rope;
@@ -50,7 +51,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 17] = [
+        let families: [fn(&mut Bench); 18] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -62,6 +63,7 @@ fn main() {
             rope::run,
             dropout::run,
             gemm::run,
+            moe::run,
             linear::run,
             attention::run,
             modules::run,

@@ -1,0 +1,55 @@
+//! Family 16 and 17 kernels, memory-bound: blockwise FP8 quantization of bf16 (1×128 tiles with
+//! the transposed 128×1-tiled copy: read 2 B, write 2 × 1 B per element, plus the scales; 128×128
+//! blocks row-wise: read 2 B, write 1 B) and the MoE permutation of 8192 tokens × 4096 hidden
+//! to top-2 of 8 experts (permute: read 2 B, write 2 × 2 B per token element; unpermute with
+//! probabilities: read 2 × 2 B, write 2 B).
+
+use crate::harness::{random_bytes, Bench};
+use te_runtime::ops::block_quantize::{quantize, BlockQuantizeParams};
+use te_runtime::ops::moe::{permute, routing_map, unpermute};
+use te_runtime::{DType, Tensor};
+
+pub fn run(b: &mut Bench) {
+    let dev = b.dev().clone();
+    let bf16 = |rows: usize, cols: usize, seed| {
+        Tensor::from_bytes(&dev, DType::BF16, &[rows, cols], &random_bytes(DType::BF16, rows * cols, seed)).unwrap()
+    };
+    if b.enabled("block_quantize") {
+        for (rows, cols) in [(8192usize, 8192usize), (16384, 4096)] {
+            let (x, n) = (bf16(rows, cols, 1), (rows * cols) as u64);
+            let p1 = BlockQuantizeParams { dtype: DType::E4M3, block_dim: 1, epsilon: 0.0, power_2: true };
+            let st = b.time(5, 50, |_| {
+                quantize(&dev, &x, &p1, true, true).unwrap();
+            });
+            b.record("block_quantize 1x128 + 128x1ᵀ bf16→e4m3", &format!("{rows}x{cols}"), st, Some(4 * n), None);
+            let p2 = BlockQuantizeParams { block_dim: 2, ..p1 };
+            let st = b.time(5, 50, |_| {
+                quantize(&dev, &x, &p2, true, false).unwrap();
+            });
+            b.record("block_quantize 128x128 bf16→e4m3", &format!("{rows}x{cols}"), st, Some(3 * n), None);
+        }
+    }
+    if b.enabled("moe_permute") {
+        let (tokens, hidden, experts, k) = (8192usize, 4096usize, 8usize, 2usize);
+        let indices: Vec<i32> = (0..tokens * k).map(|i| ((i / k * 5 + i % k * 3) % experts) as i32).collect();
+        let idx = dev.stream().clone_htod(&indices).unwrap();
+        let routing = routing_map(&dev, &idx, tokens, k, experts).unwrap();
+        let probs = dev.stream().clone_htod(&vec![0.5f32; tokens * k]).unwrap();
+        let x = bf16(tokens, hidden, 2);
+        let shape = format!("{tokens}x{hidden} top{k} of {experts}");
+        let n = (tokens * hidden) as u64;
+        let st = b.time(5, 50, |_| {
+            routing_map(&dev, &idx, tokens, k, experts).unwrap();
+        });
+        b.record("moe routing map", &shape, st, Some(4 * (tokens * k * (experts + 1)) as u64), None);
+        let st = b.time(5, 50, |_| {
+            permute(&dev, &x, &routing, None).unwrap();
+        });
+        b.record("moe permute bf16", &shape, st, Some(2 * n + 2 * 2 * n), None);
+        let y = permute(&dev, &x, &routing, None).unwrap();
+        let st = b.time(5, 50, |_| {
+            unpermute(&dev, &y, &routing, Some(&probs)).unwrap();
+        });
+        b.record("moe unpermute bf16", &shape, st, Some(2 * 2 * n + 2 * n), None);
+    }
+}
