@@ -136,25 +136,7 @@ fn check(x: &Tensor, rows: usize, what: &'static str, r: &MoeRouting, probs: Opt
 /// and launch failures.
 pub fn permute(dev: &Device, x: &Tensor, r: &MoeRouting, probs: Option<&CudaSlice<f32>>) -> Result<Tensor> {
     let hidden = check(x, r.tokens, "x", r, probs)?;
-    let mut out = Tensor::zeros(dev, x.dtype(), &[r.rows(), hidden])?;
-    if r.tokens == 0 || hidden == 0 {
-        return Ok(out);
-    }
-    let spec = spec(dev, x.dtype());
-    let f = dev.function(&KernelSpec::MoePermute(spec), 1)?;
-    let (null, sizes) = (0u64, [r.tokens as u64, r.k as u64, hidden as u64]);
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
-    l.ptr("x", x.data()).ptr("row_id_map", &r.row_id_map);
-    match probs {
-        Some(p) => l.ptr("probs", p),
-        None => l.ptr("probs", &null),
-    };
-    l.ptr("out", out.data_mut()?);
-    l.scalar("tokens", &sizes[0]).scalar("k", &sizes[1]).scalar("hidden", &sizes[2]);
-    // SAFETY: x holds tokens · hidden elements, out tokens · k · hidden of the same dtype, the
-    // map tokens · k rows below tokens · k (or -1, skipped), probs (if any) tokens · k f32.
-    unsafe { l.launch(grid(r.rows())?) }?;
-    Ok(out)
+    move_rows(dev, Entry::Permute, x, r, probs, [r.rows(), hidden])
 }
 
 /// The inverse of [`permute`]: `out[t] = Σ_j probs[t, j] · y[row_id_map[j, t]]` (`probs`
@@ -165,24 +147,48 @@ pub fn permute(dev: &Device, x: &Tensor, r: &MoeRouting, probs: Option<&CudaSlic
 /// As [`permute`], for `y` of `tokens · k` rows.
 pub fn unpermute(dev: &Device, y: &Tensor, r: &MoeRouting, probs: Option<&CudaSlice<f32>>) -> Result<Tensor> {
     let hidden = check(y, r.rows(), "y", r, probs)?;
-    let mut out = Tensor::zeros(dev, y.dtype(), &[r.tokens, hidden])?;
-    if r.tokens == 0 || hidden == 0 {
+    move_rows(dev, Entry::Unpermute, y, r, probs, [r.tokens, hidden])
+}
+
+/// The entry points that move rows: their index, input's name and grid (blocks: slots or tokens).
+#[derive(Clone, Copy, PartialEq)]
+enum Entry {
+    Permute,
+    Unpermute,
+}
+
+/// [`permute`] or [`unpermute`] of the checked `input` into a zeroed `out_shape` tensor.
+fn move_rows(
+    dev: &Device,
+    entry: Entry,
+    input: &Tensor,
+    r: &MoeRouting,
+    probs: Option<&CudaSlice<f32>>,
+    out_shape: [usize; 2],
+) -> Result<Tensor> {
+    let mut out = Tensor::zeros(dev, input.dtype(), &out_shape)?;
+    if r.tokens == 0 || out_shape[1] == 0 {
         return Ok(out);
     }
-    let spec = spec(dev, y.dtype());
-    let f = dev.function(&KernelSpec::MoePermute(spec), 2)?;
-    let (null, sizes) = (0u64, [r.tokens as u64, r.k as u64, hidden as u64]);
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 2);
-    l.ptr("y", y.data()).ptr("row_id_map", &r.row_id_map);
+    let (index, name, blocks) = match entry {
+        Entry::Permute => (1, "x", r.rows()),
+        Entry::Unpermute => (2, "y", r.tokens),
+    };
+    let spec = spec(dev, input.dtype());
+    let f = dev.function(&KernelSpec::MoePermute(spec), index)?;
+    let (null, sizes) = (0u64, [r.tokens as u64, r.k as u64, out_shape[1] as u64]);
+    let mut l = Launch::new(OP, dev.stream(), &f, &spec, index);
+    l.ptr(name, input.data()).ptr("row_id_map", &r.row_id_map);
     match probs {
         Some(p) => l.ptr("probs", p),
         None => l.ptr("probs", &null),
     };
     l.ptr("out", out.data_mut()?);
     l.scalar("tokens", &sizes[0]).scalar("k", &sizes[1]).scalar("hidden", &sizes[2]);
-    // SAFETY: y holds tokens · k · hidden elements, out tokens · hidden; the map's rows are
-    // below tokens · k or -1 (skipped); probs (if any) tokens · k f32.
-    unsafe { l.launch(grid(r.tokens)?) }?;
+    // SAFETY: the input holds tokens (permute) or tokens · k (unpermute) rows of hidden
+    // elements (checked), out the other count of the same dtype; the map's rows are below
+    // tokens · k or -1 (skipped); probs (if any) tokens · k f32 (checked).
+    unsafe { l.launch(grid(blocks)?) }?;
     Ok(out)
 }
 
