@@ -5,8 +5,8 @@
 //! probabilities: read 2 × 2 B, write 2 B).
 
 use crate::harness::{random_bytes, Bench};
-use te_runtime::ops::block_quantize::{quantize, BlockQuantizeParams};
-use te_runtime::ops::moe::{permute, routing_map, unpermute};
+use te_runtime::ops::block_quantize::{quantize, BlockFp8, BlockQuantizeParams};
+use te_runtime::ops::moe::{permute, routing_map, unpermute, MoeRouting};
 use te_runtime::{DType, Tensor};
 
 pub fn run(b: &mut Bench) {
@@ -18,14 +18,12 @@ pub fn run(b: &mut Bench) {
         for (rows, cols) in [(8192usize, 8192usize), (16384, 4096)] {
             let (x, n) = (bf16(rows, cols, 1), (rows * cols) as u64);
             let p1 = BlockQuantizeParams { dtype: DType::E4M3, block_dim: 1, epsilon: 0.0, power_2: true };
-            let st = b.time(5, 50, |_| {
-                quantize(&dev, &x, &p1, true, true).unwrap();
-            });
+            let mut q1 = BlockFp8::new(&dev, [rows, cols], &p1, true, true).unwrap();
+            let st = b.time(5, 50, |_| quantize(&dev, &x, &p1, &mut q1).unwrap());
             b.record("block_quantize 1x128 + 128x1ᵀ bf16→e4m3", &format!("{rows}x{cols}"), st, Some(4 * n), None);
             let p2 = BlockQuantizeParams { block_dim: 2, ..p1 };
-            let st = b.time(5, 50, |_| {
-                quantize(&dev, &x, &p2, true, false).unwrap();
-            });
+            let mut q2 = BlockFp8::new(&dev, [rows, cols], &p2, true, false).unwrap();
+            let st = b.time(5, 50, |_| quantize(&dev, &x, &p2, &mut q2).unwrap());
             b.record("block_quantize 128x128 bf16→e4m3", &format!("{rows}x{cols}"), st, Some(3 * n), None);
         }
     }
@@ -33,23 +31,19 @@ pub fn run(b: &mut Bench) {
         let (tokens, hidden, experts, k) = (8192usize, 4096usize, 8usize, 2usize);
         let indices: Vec<i32> = (0..tokens * k).map(|i| ((i / k * 5 + i % k * 3) % experts) as i32).collect();
         let idx = dev.stream().clone_htod(&indices).unwrap();
-        let routing = routing_map(&dev, &idx, tokens, k, experts).unwrap();
+        let mut routing = MoeRouting::new(&dev, tokens, k, experts).unwrap();
+        routing_map(&dev, &idx, &mut routing).unwrap();
         let probs = dev.stream().clone_htod(&vec![0.5f32; tokens * k]).unwrap();
         let x = bf16(tokens, hidden, 2);
         let shape = format!("{tokens}x{hidden} top{k} of {experts}");
         let n = (tokens * hidden) as u64;
-        let st = b.time(5, 50, |_| {
-            routing_map(&dev, &idx, tokens, k, experts).unwrap();
-        });
+        let st = b.time(5, 50, |_| routing_map(&dev, &idx, &mut routing).unwrap());
         b.record("moe routing map", &shape, st, Some(4 * (tokens * k * (experts + 1)) as u64), None);
-        let st = b.time(5, 50, |_| {
-            permute(&dev, &x, &routing, None).unwrap();
-        });
+        let mut y = Tensor::zeros(&dev, DType::BF16, &[tokens * k, hidden]).unwrap();
+        let st = b.time(5, 50, |_| permute(&dev, &x, &routing, None, &mut y).unwrap());
         b.record("moe permute bf16", &shape, st, Some(2 * n + 2 * 2 * n), None);
-        let y = permute(&dev, &x, &routing, None).unwrap();
-        let st = b.time(5, 50, |_| {
-            unpermute(&dev, &y, &routing, Some(&probs)).unwrap();
-        });
+        let mut out = Tensor::empty(&dev, DType::BF16, &[tokens, hidden]).unwrap();
+        let st = b.time(5, 50, |_| unpermute(&dev, &y, &routing, Some(&probs), &mut out).unwrap());
         b.record("moe unpermute bf16", &shape, st, Some(2 * 2 * n + 2 * n), None);
     }
 }

@@ -8,7 +8,7 @@
 use crate::common::{device, randn};
 use te_runtime::gemm::{gemm, BlockScale, GemmConfig, Operand, Output};
 use te_runtime::numerics::round_to;
-use te_runtime::ops::block_quantize::{quantize, scale_shape, BlockCodes, BlockQuantizeParams};
+use te_runtime::ops::block_quantize::{quantize, scale_shape, BlockCodes, BlockFp8, BlockQuantizeParams};
 use te_runtime::reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
 use te_runtime::reference::gemm::gemm_tn;
 use te_runtime::reference::linear::{rel_frobenius, transpose};
@@ -53,7 +53,7 @@ fn block_quantize_matches_the_reference_bit_for_bit() {
                 let x = values(rows, cols, input, (rows * 1000 + cols) as u64);
                 let xt = Tensor::from_f32(&dev, input, &[rows, cols], &x).unwrap();
                 let params = BlockQuantizeParams { dtype: output, block_dim, epsilon, power_2 };
-                let got = quantize(&dev, &xt, &params, true, true).unwrap();
+                let got = quantized(&dev, &xt, &params, true, true);
                 let rp = BlockParams { dtype: output, epsilon, power_2, ..BlockParams::te_default(input) };
                 let (row_tiling, col_tiling) = match block_dim {
                     1 => (BlockTiling::Rows, BlockTiling::Columns),
@@ -101,7 +101,7 @@ fn block_quantize_matches_the_reference_bit_for_bit() {
                 assert_eq!(gc, want_gc, "{what}: column-wise scale_inv (padding 0)");
 
                 // One orientation alone gives the same bytes.
-                let only = quantize(&dev, &xt, &params, false, true).unwrap();
+                let only = quantized(&dev, &xt, &params, false, true);
                 assert!(only.rowwise.is_none());
                 assert_eq!(only.columnwise.unwrap().data.to_bytes(&dev).unwrap(), want_codes_t, "{what}: alone");
                 cases += 1;
@@ -111,24 +111,39 @@ fn block_quantize_matches_the_reference_bit_for_bit() {
     assert_eq!(cases, 36);
 }
 
+/// `x` ([rows, cols]) quantized into a fresh [`BlockFp8`].
+fn quantized(dev: &Device, x: &Tensor, p: &BlockQuantizeParams, rowwise: bool, columnwise: bool) -> BlockFp8 {
+    let (rows, cols) = (x.shape()[0], x.shape()[1]);
+    let mut out = BlockFp8::new(dev, [rows, cols], p, rowwise, columnwise).unwrap();
+    quantize(dev, x, p, &mut out).unwrap();
+    out
+}
+
 #[test]
 fn block_quantize_errors_are_typed() {
     let Some(dev) = device() else { return };
     let x = Tensor::zeros(&dev, DType::BF16, &[4, 8]).unwrap();
     let p = BlockQuantizeParams { dtype: DType::E4M3, block_dim: 1, epsilon: 0.0, power_2: true };
+    let mut out = BlockFp8::new(&dev, [4, 8], &p, true, false).unwrap();
     let f32x = Tensor::zeros(&dev, DType::F32, &[4, 8]).unwrap();
-    assert!(matches!(quantize(&dev, &f32x, &p, true, false), Err(Error::DType { .. })));
+    assert!(matches!(quantize(&dev, &f32x, &p, &mut out), Err(Error::DType { .. })));
     let bad = BlockQuantizeParams { block_dim: 3, ..p };
-    let e = quantize(&dev, &x, &bad, true, false).unwrap_err();
+    let e = quantize(&dev, &x, &bad, &mut out).unwrap_err();
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("block_dim"), "{e}");
-    let e = quantize(&dev, &x, &BlockQuantizeParams { epsilon: f32::NAN, ..p }, true, false).unwrap_err();
+    let e = BlockFp8::new(&dev, [4, 8], &BlockQuantizeParams { epsilon: f32::NAN, ..p }, true, false).unwrap_err();
     assert!(e.to_string().contains("epsilon"), "{e}");
-    let e = quantize(&dev, &x, &BlockQuantizeParams { dtype: DType::BF16, ..p }, true, false).unwrap_err();
+    let e = BlockFp8::new(&dev, [4, 8], &BlockQuantizeParams { dtype: DType::BF16, ..p }, true, false).unwrap_err();
     assert!(matches!(e, Error::DType { .. }), "{e}");
-    assert!(matches!(quantize(&dev, &x, &p, false, false), Err(Error::Shape { .. })));
+    assert!(matches!(BlockFp8::new(&dev, [4, 8], &p, false, false), Err(Error::Shape { .. })));
+    // An output made for other sizes or blocks.
+    let other = Tensor::zeros(&dev, DType::BF16, &[4, 16]).unwrap();
+    let e = quantize(&dev, &other, &p, &mut out).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("BlockFp8::new"), "{e}");
+    let e = quantize(&dev, &x, &BlockQuantizeParams { block_dim: 2, ..p }, &mut out).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "{e}");
     // An empty tensor quantizes to empty codes without a launch.
     let empty = Tensor::zeros(&dev, DType::BF16, &[0, 8]).unwrap();
-    let q = quantize(&dev, &empty, &p, true, true).unwrap();
+    let q = quantized(&dev, &empty, &p, true, true);
     assert_eq!(q.rowwise.unwrap().data.numel(), 0);
 }
 
@@ -160,9 +175,9 @@ fn block_scaled_gemm_matches_the_dequantized_reference() {
     let (x, w, dy) = (finite(m, k, 1), finite(n, k, 2), finite(m, n, 3));
     let up = |v: &[f32], r, c| Tensor::from_f32(&dev, DType::BF16, &[r, c], v).unwrap();
     let (qx, qw, qdy) = (
-        quantize(&dev, &up(&x, m, k), &p1, true, true).unwrap(),
-        quantize(&dev, &up(&w, n, k), &p2, true, false).unwrap(),
-        quantize(&dev, &up(&dy, m, n), &p1, false, true).unwrap(),
+        quantized(&dev, &up(&x, m, k), &p1, true, true),
+        quantized(&dev, &up(&w, n, k), &p2, true, false),
+        quantized(&dev, &up(&dy, m, n), &p1, false, true),
     );
     let (xr, xc, wr, dyc) = (
         qx.rowwise.as_ref().unwrap(),

@@ -6,7 +6,7 @@
 
 use crate::common::{device, randn};
 use te_runtime::numerics::round_to;
-use te_runtime::ops::moe::{permute, routing_map, unpermute, unpermute_dprobs};
+use te_runtime::ops::moe::{permute, routing_map, unpermute, unpermute_dprobs, MoeRouting};
 use te_runtime::reference::moe;
 use te_runtime::{DType, Device, Error, Tensor};
 
@@ -29,6 +29,26 @@ fn host(dev: &Device, t: &Tensor) -> Vec<f32> {
     t.to_f32(dev).unwrap()
 }
 
+fn route(dev: &Device, indices: &[i32], tokens: usize, k: usize, experts: usize) -> MoeRouting {
+    let idx = dev.stream().clone_htod(indices).unwrap();
+    let mut r = MoeRouting::new(dev, tokens, k, experts).unwrap();
+    routing_map(dev, &idx, &mut r).unwrap();
+    r
+}
+
+/// `permute` into a zeroed tensor.
+fn permuted(dev: &Device, x: &Tensor, r: &MoeRouting, probs: Option<&cudarc::driver::CudaSlice<f32>>) -> Tensor {
+    let mut out = Tensor::zeros(dev, x.dtype(), &[r.rows(), x.shape()[1]]).unwrap();
+    permute(dev, x, r, probs, &mut out).unwrap();
+    out
+}
+
+fn unpermuted(dev: &Device, y: &Tensor, r: &MoeRouting, probs: Option<&cudarc::driver::CudaSlice<f32>>) -> Tensor {
+    let mut out = Tensor::empty(dev, y.dtype(), &[r.tokens, y.shape()[1]]).unwrap();
+    unpermute(dev, y, r, probs, &mut out).unwrap();
+    out
+}
+
 #[test]
 fn moe_permutation_matches_the_reference() {
     let Some(dev) = device() else { return };
@@ -36,8 +56,7 @@ fn moe_permutation_matches_the_reference() {
     let logits: Vec<f32> = randn(1, tokens * experts, 1.0);
     let r = moe::topk_router(&logits, tokens, experts, k, false, 1.0);
     let indices: Vec<i32> = r.experts.iter().map(|&e| e as i32).collect();
-    let idx = dev.stream().clone_htod(&indices).unwrap();
-    let routing = routing_map(&dev, &idx, tokens, k, experts).unwrap();
+    let routing = route(&dev, &indices, tokens, k, experts);
     for dtype in [DType::F32, DType::BF16] {
         let x: Vec<f32> = randn(2, tokens * hidden, 1.0).into_iter().map(|v| round_to(dtype, v)).collect();
         let (want_p, want_map, want_splits) = moe::permute(&x, hidden, &r.experts, k, experts);
@@ -46,12 +65,12 @@ fn moe_permutation_matches_the_reference() {
         assert_eq!(got_map, want_map.iter().map(|&v| v as i32).collect::<Vec<_>>(), "row_id_map");
         assert_eq!(got_splits, want_splits.iter().map(|&v| v as i32).collect::<Vec<_>>(), "m_splits");
         let xt = Tensor::from_f32(&dev, dtype, &[tokens, hidden], &x).unwrap();
-        let p = permute(&dev, &xt, &routing, None).unwrap();
+        let p = permuted(&dev, &xt, &routing, None);
         assert_eq!(host(&dev, &p), want_p, "{dtype}: permuted rows");
 
         // Unpermute with the routing probabilities: the tokens back.
         let probs = dev.stream().clone_htod(&r.probs).unwrap();
-        let back = host(&dev, &unpermute(&dev, &p, &routing, Some(&probs)).unwrap());
+        let back = host(&dev, &unpermuted(&dev, &p, &routing, Some(&probs)));
         let want = moe::unpermute(&want_p, hidden, &want_map, k, Some(&r.probs));
         let ulp = if dtype == DType::BF16 { 1.0 / 128.0 } else { 1e-6 };
         for (g, w) in back.iter().zip(&want) {
@@ -62,7 +81,9 @@ fn moe_permutation_matches_the_reference() {
         // The probabilities' gradient, and y's (permute of d_out with the probabilities).
         let d_out: Vec<f32> = randn(3, tokens * hidden, 1.0).into_iter().map(|v| round_to(dtype, v)).collect();
         let d_out_t = Tensor::from_f32(&dev, dtype, &[tokens, hidden], &d_out).unwrap();
-        let dp = dev.stream().clone_dtoh(&unpermute_dprobs(&dev, &d_out_t, &p, &routing).unwrap()).unwrap();
+        let mut dp = dev.stream().alloc_zeros::<f32>(tokens * k).unwrap();
+        unpermute_dprobs(&dev, &d_out_t, &p, &routing, &mut dp).unwrap();
+        let dp = dev.stream().clone_dtoh(&dp).unwrap();
         for t in 0..tokens {
             for j in 0..k {
                 let row = want_map[j * tokens + t];
@@ -72,7 +93,7 @@ fn moe_permutation_matches_the_reference() {
                 assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{dtype}: d_probs[{t}, {j}] {g} vs {w}");
             }
         }
-        let dy = host(&dev, &permute(&dev, &d_out_t, &routing, Some(&probs)).unwrap());
+        let dy = host(&dev, &permuted(&dev, &d_out_t, &routing, Some(&probs)));
         for t in 0..tokens {
             for j in 0..k {
                 let row = want_map[j * tokens + t];
@@ -93,37 +114,42 @@ fn dropped_slots_and_errors() {
     // Distinct experts per token are not required by the map; drop two slots.
     indices[4] = -1;
     indices[11] = 99;
-    let idx = dev.stream().clone_htod(&indices).unwrap();
-    let routing = routing_map(&dev, &idx, tokens, k, experts).unwrap();
+    let routing = route(&dev, &indices, tokens, k, experts);
     let (want_map, want_splits) = host_map(&indices, tokens, k, experts);
     assert_eq!(dev.stream().clone_dtoh(&routing.row_id_map).unwrap(), want_map);
     assert_eq!(dev.stream().clone_dtoh(&routing.m_splits).unwrap(), want_splits);
     let x: Vec<f32> = (0..tokens * hidden).map(|i| i as f32).collect();
     let xt = Tensor::from_f32(&dev, DType::F32, &[tokens, hidden], &x).unwrap();
-    let p = host(&dev, &permute(&dev, &xt, &routing, None).unwrap());
+    let p = host(&dev, &permuted(&dev, &xt, &routing, None));
     let kept = want_splits.iter().sum::<i32>() as usize;
     assert_eq!(kept, tokens * k - 2);
     assert!(p[kept * hidden..].iter().all(|&v| v == 0.0), "the rows of dropped slots stay zero");
     let pt = Tensor::from_f32(&dev, DType::F32, &[tokens * k, hidden], &p).unwrap();
-    let back = host(&dev, &unpermute(&dev, &pt, &routing, None).unwrap());
+    let back = host(&dev, &unpermuted(&dev, &pt, &routing, None));
     for t in 0..tokens {
         let slots = (0..k).filter(|&j| want_map[j * tokens + t] >= 0).count() as f32;
         assert!((0..hidden).all(|h| back[t * hidden + h] == slots * x[t * hidden + h]), "token {t}");
     }
 
     // Typed errors.
-    let short = dev.stream().clone_htod(&indices[..10]).unwrap();
-    assert!(matches!(routing_map(&dev, &short, tokens, k, experts), Err(Error::Shape { .. })));
-    assert!(matches!(routing_map(&dev, &idx, tokens, k, 0), Err(Error::Shape { .. })));
+    let idx = dev.stream().clone_htod(&indices).unwrap();
+    let mut small = MoeRouting::new(&dev, tokens - 1, k, experts).unwrap();
+    assert!(matches!(routing_map(&dev, &idx, &mut small), Err(Error::Shape { .. })), "indices of another size");
+    assert!(matches!(MoeRouting::new(&dev, tokens, k, 0), Err(Error::Shape { .. })));
+    assert!(matches!(MoeRouting::new(&dev, tokens, 0, experts), Err(Error::Shape { .. })));
+    let mut out = Tensor::zeros(&dev, DType::F32, &[tokens * k, hidden]).unwrap();
     let wrong = Tensor::zeros(&dev, DType::F32, &[tokens + 1, hidden]).unwrap();
-    assert!(matches!(permute(&dev, &wrong, &routing, None), Err(Error::Shape { .. })));
+    assert!(matches!(permute(&dev, &wrong, &routing, None, &mut out), Err(Error::Shape { .. })));
     let fp8 = Tensor::zeros(&dev, DType::E4M3, &[tokens, hidden]).unwrap();
-    assert!(matches!(permute(&dev, &fp8, &routing, None), Err(Error::DType { .. })));
+    assert!(matches!(permute(&dev, &fp8, &routing, None, &mut out), Err(Error::DType { .. })));
     let probs = dev.stream().clone_htod(&[0.5f32; 7]).unwrap();
-    let e = permute(&dev, &xt, &routing, Some(&probs)).unwrap_err();
+    let e = permute(&dev, &xt, &routing, Some(&probs), &mut out).unwrap_err();
     assert!(e.to_string().contains("probs"), "{e}");
-    // No tokens: empty outputs.
+    let mut bf16_out = Tensor::zeros(&dev, DType::BF16, &[tokens * k, hidden]).unwrap();
+    let e = permute(&dev, &xt, &routing, None, &mut bf16_out).unwrap_err();
+    assert!(e.to_string().contains("out is bf16"), "{e}");
+    // No tokens: nothing to do.
     let none = dev.stream().clone_htod(&[0i32]).unwrap();
-    let empty = routing_map(&dev, &none, 0, 1, experts);
-    assert!(matches!(empty, Err(Error::Shape { .. })), "0 tokens with 1 index");
+    let mut empty = MoeRouting::new(&dev, 0, 1, experts).unwrap();
+    routing_map(&dev, &none, &mut empty).unwrap();
 }

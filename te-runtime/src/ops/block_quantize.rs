@@ -83,61 +83,95 @@ fn value_for_inf(dtype: DType) -> f32 {
     }
 }
 
+impl BlockQuantizeParams {
+    /// Fails unless the codes are E4M3/E5M2, `block_dim` is 1 or 2 and `epsilon` finite and ≥ 0.
+    ///
+    /// # Errors
+    /// [`Error::DType`], [`Error::Config`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if !self.dtype.is_fp8() {
+            return Err(Error::DType { op: OP, arg: "codes", got: self.dtype, expected: "e4m3 or e5m2".into() });
+        }
+        if !(matches!(self.block_dim, 1 | 2) && self.epsilon.is_finite() && self.epsilon >= 0.0) {
+            return Err(Error::Config {
+                module: OP,
+                message: format!(
+                    "block_dim must be 1 or 2 (got {}) and epsilon finite and >= 0 (got {})",
+                    self.block_dim, self.epsilon
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl BlockFp8 {
+    /// Uninitialized codes and zeroed scales for [`quantize`] of a `[rows, cols]` tensor with
+    /// `params`: the row-wise orientation when `rowwise`, the column-wise one when
+    /// `columnwise` (at least one).
+    ///
+    /// # Errors
+    /// As [`BlockQuantizeParams::validate`]; [`Error::Shape`] when neither orientation is
+    /// asked for; allocation failures.
+    pub fn new(
+        dev: &Device,
+        [rows, cols]: [usize; 2],
+        params: &BlockQuantizeParams,
+        rowwise: bool,
+        columnwise: bool,
+    ) -> Result<Self> {
+        params.validate()?;
+        if !(rowwise || columnwise) {
+            return Err(Error::Shape {
+                op: OP,
+                message: "ask for the row-wise codes, the column-wise codes or both".into(),
+            });
+        }
+        let make = |columnwise: bool| -> Result<BlockCodes> {
+            let shape = if columnwise { [cols, rows] } else { [rows, cols] };
+            let (scale_rows, ld) = scale_shape(rows, cols, params.block_dim, columnwise);
+            Ok(BlockCodes {
+                data: Tensor::empty(dev, params.dtype, &shape)?,
+                scale_inv: dev.stream().alloc_zeros::<f32>((scale_rows * ld).max(1))?,
+                scale_rows,
+                ld,
+            })
+        };
+        Ok(Self {
+            rows,
+            cols,
+            block_dim: params.block_dim,
+            rowwise: rowwise.then(|| make(false)).transpose()?,
+            columnwise: columnwise.then(|| make(true)).transpose()?,
+        })
+    }
+}
+
 /// Quantizes `x` (bf16/f16, viewed as `[rows, cols]` over its last dim) blockwise with
-/// `params`: the row-wise codes when `rowwise`, the transposed ones when `columnwise` (at least
-/// one), in one pass over 128×128 tiles. Shapes need not be multiples of 128.
+/// `params` into `out` ([`BlockFp8::new`] for the same sizes and params): each orientation
+/// `out` holds, in one pass over 128×128 tiles. Shapes need not be multiples of 128.
 ///
 /// # Errors
-/// [`Error::DType`] for an input other than bf16/f16 or codes other than E4M3/E5M2;
-/// [`Error::Shape`] for a 0-D input or neither orientation asked for; [`Error::Config`] for a
-/// `block_dim` other than 1 or 2 or a negative or non-finite epsilon; allocation, compile and
-/// launch failures.
-pub fn quantize(
-    dev: &Device,
-    x: &Tensor,
-    params: &BlockQuantizeParams,
-    rowwise: bool,
-    columnwise: bool,
-) -> Result<BlockFp8> {
+/// [`Error::DType`] for an input other than bf16/f16; [`BlockQuantizeParams::validate`]'s
+/// errors; [`Error::Shape`] when `out` was made for other sizes, another `block_dim` or other
+/// codes; compile and launch failures.
+pub fn quantize(dev: &Device, x: &Tensor, params: &BlockQuantizeParams, out: &mut BlockFp8) -> Result<()> {
     check_dtype(OP, "x", x, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
-    if !params.dtype.is_fp8() {
-        return Err(Error::DType { op: OP, arg: "codes", got: params.dtype, expected: "e4m3 or e5m2".into() });
-    }
-    if !(matches!(params.block_dim, 1 | 2) && params.epsilon.is_finite() && params.epsilon >= 0.0) {
-        return Err(Error::Config {
-            module: OP,
+    params.validate()?;
+    let (rows, cols) = x.as_2d(OP)?;
+    let codes_ok = [&out.rowwise, &out.columnwise].into_iter().flatten().all(|c| c.data.dtype() == params.dtype);
+    if (out.rows, out.cols, out.block_dim) != (rows, cols, params.block_dim) || !codes_ok {
+        return Err(Error::Shape {
+            op: OP,
             message: format!(
-                "block_dim must be 1 or 2 (got {}) and epsilon finite and >= 0 (got {})",
-                params.block_dim, params.epsilon
+                "the output was made for [{}, {}] in {}D blocks; x is [{rows}, {cols}] and the params ask for {}D {} codes: \
+                 make it with BlockFp8::new for these",
+                out.rows, out.cols, out.block_dim, params.block_dim, params.dtype
             ),
         });
     }
-    if !(rowwise || columnwise) {
-        return Err(Error::Shape {
-            op: OP,
-            message: "ask for the row-wise codes, the column-wise codes or both".into(),
-        });
-    }
-    let (rows, cols) = x.as_2d(OP)?;
-    let make = |columnwise: bool| -> Result<BlockCodes> {
-        let shape = if columnwise { [cols, rows] } else { [rows, cols] };
-        let (scale_rows, ld) = scale_shape(rows, cols, params.block_dim, columnwise);
-        Ok(BlockCodes {
-            data: Tensor::empty(dev, params.dtype, &shape)?,
-            scale_inv: dev.stream().alloc_zeros::<f32>(scale_rows * ld)?,
-            scale_rows,
-            ld,
-        })
-    };
-    let mut out = BlockFp8 {
-        rows,
-        cols,
-        block_dim: params.block_dim,
-        rowwise: rowwise.then(|| make(false)).transpose()?,
-        columnwise: columnwise.then(|| make(true)).transpose()?,
-    };
     if rows == 0 || cols == 0 {
-        return Ok(out);
+        return Ok(());
     }
     let spec = BlockQuantizeSpec::new(x.dtype(), params.dtype, params.block_dim, dev.arch());
     let f = dev.function(&KernelSpec::BlockQuantize(spec), 0)?;
@@ -179,7 +213,7 @@ pub fn quantize(
     // kernel's indices staying below (ld ≥ the scales of a row); the outputs are distinct
     // allocations (`&mut`), absent ones null.
     unsafe { l.launch(cfg) }?;
-    Ok(out)
+    Ok(())
 }
 
 /// The codes and the scales of one orientation, borrowed apart.
