@@ -80,13 +80,20 @@ pub enum BlockScale {
 }
 
 impl BlockScale {
-    /// The number of f32 scales of an operand of `rows` rows and `k` columns.
-    pub fn len(self, rows: usize, k: usize) -> usize {
+    /// `(rows, leading dimension)` of the scales of an operand of `rows` rows and `k` columns
+    /// (the one home of these layouts; TE's `Float8BlockQuantizer::get_scale_shape`).
+    pub fn shape(self, rows: usize, k: usize) -> (usize, usize) {
         let round4 = |n: usize| n.div_ceil(4) * 4;
         match self {
-            BlockScale::Vec128 => k.div_ceil(128) * round4(rows),
-            BlockScale::Blk128x128 => rows.div_ceil(128) * round4(k.div_ceil(128)),
+            BlockScale::Vec128 => (k.div_ceil(128), round4(rows)),
+            BlockScale::Blk128x128 => (rows.div_ceil(128), round4(k.div_ceil(128))),
         }
+    }
+
+    /// The number of f32 scales of an operand of `rows` rows and `k` columns.
+    pub fn len(self, rows: usize, k: usize) -> usize {
+        let (r, ld) = self.shape(rows, k);
+        r * ld
     }
 
     fn cublaslt(self) -> i32 {

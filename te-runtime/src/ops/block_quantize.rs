@@ -5,6 +5,7 @@
 
 use super::check_dtype;
 use super::launch::Launch;
+use crate::gemm::BlockScale;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use te_codegen::spec::BlockQuantizeSpec;
@@ -65,12 +66,12 @@ pub struct BlockFp8 {
 /// `(scale rows, leading dimension)` of one orientation's `scale_inv` for a `[rows, cols]`
 /// original (TE's `Float8BlockQuantizer::get_scale_shape`, `GEMM_READY`).
 pub fn scale_shape(rows: usize, cols: usize, block_dim: usize, columnwise: bool) -> (usize, usize) {
-    let round4 = |n: usize| n.div_ceil(4) * 4;
-    match (block_dim, columnwise) {
-        (1, false) => (cols.div_ceil(BLOCK), round4(rows)),
-        (1, true) => (rows.div_ceil(BLOCK), round4(cols)),
-        (_, false) => (rows.div_ceil(BLOCK), round4(cols.div_ceil(BLOCK))),
-        (_, true) => (cols.div_ceil(BLOCK), round4(rows.div_ceil(BLOCK))),
+    let block = if block_dim == 1 { BlockScale::Vec128 } else { BlockScale::Blk128x128 };
+    // As a GEMM operand the column-wise copy is the transpose: `[cols, rows]`.
+    if columnwise {
+        block.shape(cols, rows)
+    } else {
+        block.shape(rows, cols)
     }
 }
 
