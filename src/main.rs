@@ -307,7 +307,7 @@ struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     skip_nonfinite_steps: u64,
     /// FP8 runs: the recipe, delayed (TE's DelayedScaling, per-tensor scales) or block
-    /// (Float8BlockScaling, DeepSeek-V3's blockwise scales; the CPU path only so far).
+    /// (Float8BlockScaling, DeepSeek-V3's blockwise scales; Hopper GPUs, or --cpu).
     #[arg(long, default_value = "delayed", value_parser = ["delayed", "block"])]
     recipe: String,
     /// FP8 runs: run attention in FP8 too (TE's `fp8_dpa`: E4M3 q, k, v on Hopper for head_dim

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use te_runtime::checkpoint::{self, LoadOptions, SaveOptions};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, ScalingState};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe, ScalingState};
 use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
 use te_runtime::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
@@ -197,11 +197,18 @@ pub struct TrainConfig {
     /// amax history 1024, max).
     pub recipe: DelayedScaling,
     /// Blockwise FP8 (TE's `Float8BlockScaling`) for [`Precision::Fp8`] runs instead of
-    /// `recipe`: the CPU path only so far (its GPU kernels are not built yet).
+    /// `recipe` (Hopper GPUs, or the CPU path).
     pub block_scaling: Option<Float8BlockScaling>,
     /// Steps with a NaN or infinite loss or gradient norm that are skipped (weights not
     /// updated) before the run stops ([`NonFiniteGuard`]); 0: the first one stops it.
     pub skip_nonfinite_steps: u64,
+}
+
+impl TrainConfig {
+    /// The recipe of [`Precision::Fp8`] runs: `block_scaling` when set, else `recipe`.
+    pub fn fp8_recipe(&self) -> Recipe {
+        self.block_scaling.map_or(self.recipe.into(), Recipe::from)
+    }
 }
 
 /// Checkpointing of a run.
@@ -272,13 +279,6 @@ pub fn train(
     ckpt: &CheckpointOptions,
     mut progress: impl FnMut(u64, f32),
 ) -> Result<RunSummary, TrainError> {
-    if cfg.block_scaling.is_some() && precision == Precision::Fp8 {
-        return Err(TrainError::Runtime(te_runtime::Error::Recipe {
-            message: "Float8BlockScaling runs on the CPU path only so far (its GPU kernels are not built yet): add \
-                      --cpu, or use --recipe delayed"
-                .into(),
-        }));
-    }
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     dev.check_free_memory(Gpt::training_bytes(&cfg.model, cfg.batch, fp8), || {
@@ -303,7 +303,7 @@ pub fn train(
     let mut checkpoints = Checkpointer::new(ckpt, cfg, precision);
     let done = checkpoints.resume(&mut run, &mut records)?;
     train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
-    let recipe = cfg.recipe;
+    let recipe = cfg.fp8_recipe();
     let mut times = Vec::new();
     let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
     for step in done + 1..=cfg.steps {
@@ -459,7 +459,7 @@ fn evaluate(
             let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
             let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
             let (loss, _ctx) = match precision {
-                Precision::Fp8 => fp8_autocast(true, cfg.recipe, || model.forward_loss(&ids, &targets))?,
+                Precision::Fp8 => fp8_autocast(true, cfg.fp8_recipe(), || model.forward_loss(&ids, &targets))?,
                 Precision::Bf16 => model.forward_loss(&ids, &targets)?,
             };
             sum += loss;

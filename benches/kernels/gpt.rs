@@ -2,7 +2,7 @@
 //! `forward_loss_with` (the loss stays on the device), `backward`, `AdamW::step` (FP32 masters, global-norm clipping at 1.0) and
 //! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults; with `fp8_dpa`, attention in
 //! FP8 where the kernels take it: head_dim 128 on Hopper; with `fp8_mha`, its output handed to the
-//! projection in E4M3 too), timed per phase with CUDA
+//! projection in E4M3 too; and Float8BlockScaling, TE's defaults), timed per phase with CUDA
 //! events; tokens/s from the whole step. `small`: batch 8 × seq 1024; `large` (1.2 B
 //! parameters): batch 2 × seq 2048. One model per preset serves both precisions (its weights
 //! keep training from one timed step to the next; the host-side init of `large` takes seconds).
@@ -16,7 +16,7 @@
 use crate::harness::{Bench, Work};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
 use te_runtime::models::gpt::{Gpt, GptConfig, MicroBatch};
 use te_runtime::modules::TokenIds;
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
@@ -61,11 +61,12 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
     let shape = format!("b{batch} s{s}");
     let fp8_dpa = DelayedScaling { fp8_dpa: true, ..DelayedScaling::default() };
     let fp8_mha = DelayedScaling { fp8_mha: true, ..DelayedScaling::default() };
-    let variants = [
+    let variants: [(&str, Option<Recipe>); 5] = [
         ("ours bf16", None),
-        ("ours fp8 delayed", Some(DelayedScaling::default())),
-        ("ours fp8 + fp8_dpa", Some(fp8_dpa)),
-        ("ours fp8 + fp8_mha", Some(fp8_mha)),
+        ("ours fp8 delayed", Some(DelayedScaling::default().into())),
+        ("ours fp8 + fp8_dpa", Some(fp8_dpa.into())),
+        ("ours fp8 + fp8_mha", Some(fp8_mha.into())),
+        ("ours fp8 block", Some(Float8BlockScaling::default().into())),
     ];
     for (variant, recipe) in variants {
         let fp8 = recipe.is_some();

@@ -1,5 +1,5 @@
 //! The TE modules forward, backward and both (one CUDA event between the passes), in BF16 and in
-//! FP8 with each recipe (DelayedScaling and Float8CurrentScaling, TE's defaults), at the shapes
+//! FP8 with each recipe (DelayedScaling, Float8CurrentScaling and Float8BlockScaling, TE's defaults), at the shapes
 //! of `benches/anchors/modules.py`, which times the same blocks in PyTorch (eager,
 //! torch.compile, torchao float8 tensorwise and rowwise):
 //! - `linear`: 8192 tokens, 4096 → 16384 and 16384 → 4096;
@@ -17,7 +17,7 @@
 //! backward in FP8 against BF16.
 
 use crate::harness::{random_bytes, Bench, Marks, Work};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Recipe};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 use te_runtime::modules::{
     LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, TransformerLayer,
     TransformerLayerConfig,
@@ -93,8 +93,8 @@ fn autocast<T>(recipe: Option<Recipe>, f: impl FnOnce() -> te_runtime::Result<T>
     .unwrap()
 }
 
-/// Times `step(recipe, marks)` (forward, mark, backward, mark) in BF16 and under both FP8
-/// recipes and records the fwd, bwd and fwd+bwd rows; `flops` and `gemm_flops` (the part that
+/// Times `step(recipe, marks)` (forward, mark, backward, mark) in BF16 and under the three
+/// FP8 recipes and records the fwd, bwd and fwd+bwd rows; `flops` and `gemm_flops` (the part that
 /// runs in FP8) are the forward's. Records the FP8 speedups over our BF16 fwd+bwd, the delayed
 /// one with the target `speedup_target` (at least).
 fn time_passes(
@@ -106,10 +106,11 @@ fn time_passes(
     speedup_target: Option<f64>,
     mut step: impl FnMut(Option<Recipe>, &mut Marks),
 ) {
-    let variants: [(&str, Option<Recipe>); 3] = [
+    let variants: [(&str, Option<Recipe>); 4] = [
         ("ours bf16", None),
         ("ours fp8 delayed", Some(DelayedScaling::default().into())),
         ("ours fp8 current", Some(Float8CurrentScaling::default().into())),
+        ("ours fp8 block", Some(Float8BlockScaling::default().into())),
     ];
     let mut fwd_bwd_us = Vec::new();
     for (variant, recipe) in variants {
@@ -138,6 +139,11 @@ fn time_passes(
     b.record_ratio(
         &format!("{work} {shape} fwd+bwd: fp8 current speedup over our bf16"),
         fwd_bwd_us[0] / fwd_bwd_us[2],
+        None,
+    );
+    b.record_ratio(
+        &format!("{work} {shape} fwd+bwd: fp8 block speedup over our bf16"),
+        fwd_bwd_us[0] / fwd_bwd_us[3],
         None,
     );
 }

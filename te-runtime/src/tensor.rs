@@ -3,7 +3,7 @@
 use crate::graph::HostCopies;
 use crate::numerics;
 use crate::{Device, Error, Result};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 use te_codegen::DType;
 
@@ -47,6 +47,38 @@ impl Tensor {
         let data =
             unsafe { dev.stream().alloc::<u8>(bytes.max(1)) }.map_err(|e| dev.alloc_error(e, bytes, dtype, shape))?;
         Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
+    }
+
+    /// A tensor of ones (`torch.ones`), filled on the device by a memset of the dtype's
+    /// encoding of 1.0 (no host copy, so it can be captured in a CUDA graph).
+    ///
+    /// # Errors
+    /// Allocation and driver failures.
+    pub fn ones(dev: &Device, dtype: DType, shape: &[usize]) -> Result<Self> {
+        let mut t = Self::empty(dev, dtype, shape)?;
+        let n = t.numel();
+        if n == 0 {
+            return Ok(t);
+        }
+        use cudarc::driver::sys::{cuMemsetD16Async, cuMemsetD32Async, cuMemsetD8Async};
+        let stream = dev.stream().clone();
+        let cu = stream.cu_stream();
+        {
+            let (ptr, _guard) = t.data_mut()?.device_ptr_mut(&stream);
+            // SAFETY: `ptr` is a live allocation of `n` elements of `dtype` (`n · size` bytes),
+            // the memset writes exactly that many, ordered on the stream every op of this crate
+            // uses.
+            unsafe {
+                match dtype {
+                    DType::F32 => cuMemsetD32Async(ptr, 1.0f32.to_bits(), n, cu),
+                    DType::BF16 => cuMemsetD16Async(ptr, half::bf16::ONE.to_bits(), n, cu),
+                    DType::F16 => cuMemsetD16Async(ptr, half::f16::ONE.to_bits(), n, cu),
+                    DType::E4M3 | DType::E5M2 => cuMemsetD8Async(ptr, numerics::quantize(dtype, 1.0), n, cu),
+                }
+            }
+            .result()?;
+        }
+        Ok(t)
     }
 
     /// A tensor holding `bytes` (the dtype's little-endian encoding, e.g. bf16 bits).

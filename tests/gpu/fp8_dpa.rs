@@ -150,6 +150,7 @@ fn fp8_dpa_runs_attention_in_fp8_under_autocast() {
                 assert_eq!(snap.scale[0], 448.0 / x.amax, "{what}: scale");
             }
             Recipe::Current(_) => assert_eq!(states.0.len(), 1, "{what}: current scaling keeps dS's state only"),
+            Recipe::Block(_) => unreachable!("Float8BlockScaling has no fp8_dpa"),
         }
     }
 }

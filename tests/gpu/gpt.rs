@@ -7,7 +7,7 @@
 use crate::common::{assert_bits_eq, assert_close, device, randn};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
 use te_runtime::models::{Gpt, GptConfig, IGNORE_INDEX};
 use te_runtime::modules::{Embedding, EmbeddingConfig, Param, ParamKind, ParamMut, TokenIds};
 use te_runtime::numerics::{encode, round_to};
@@ -266,9 +266,8 @@ fn gradients_match_finite_differences_of_the_loss() {
 }
 
 /// `steps` SGD steps (`p -= lr * grad` through the visitor) on one batch; the losses.
-fn sgd_losses(dev: &Device, gpt: &mut Gpt, fp8: bool, steps: usize, lr: f32) -> Vec<f32> {
+fn sgd_losses(dev: &Device, gpt: &mut Gpt, fp8: Option<Recipe>, steps: usize, lr: f32) -> Vec<f32> {
     let (ids, targets) = batch(dev, 32, 2);
-    let recipe = DelayedScaling { amax_history_len: 4, ..Default::default() };
     (0..steps)
         .map(|_| {
             let mut step = || -> Result<f32> {
@@ -276,7 +275,11 @@ fn sgd_losses(dev: &Device, gpt: &mut Gpt, fp8: bool, steps: usize, lr: f32) -> 
                 gpt.backward(ctx)?;
                 Ok(loss)
             };
-            let loss = if fp8 { fp8_autocast(true, recipe, step) } else { step() }.unwrap();
+            let loss = match fp8 {
+                Some(recipe) => fp8_autocast(true, recipe, step),
+                None => step(),
+            }
+            .unwrap();
             gpt.visit_mut("", &mut |_: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
                 let (Some(t), Some(g)) = (p.tensor(), p.grad()) else { return Ok(()) };
                 let (w, g) = (t.to_f32(dev)?, g.to_f32(dev)?);
@@ -294,12 +297,13 @@ fn sgd_losses(dev: &Device, gpt: &mut Gpt, fp8: bool, steps: usize, lr: f32) -> 
 #[test]
 fn sgd_steps_lower_the_loss_in_bf16_and_fp8() {
     let Some(dev) = device() else { return };
-    for fp8 in [false, true] {
+    let delayed = DelayedScaling { amax_history_len: 4, ..Default::default() };
+    for fp8 in [None, Some(delayed.into()), Some(Float8BlockScaling::default().into())] {
         let mut gpt = Gpt::new(&dev, config(DType::BF16)).unwrap();
         let losses = sgd_losses(&dev, &mut gpt, fp8, 10, 0.2);
-        assert!(losses.iter().all(|l| l.is_finite()), "fp8 = {fp8}: {losses:?}");
+        assert!(losses.iter().all(|l| l.is_finite()), "fp8 = {fp8:?}: {losses:?}");
         let (first, last) = (losses[0], losses[losses.len() - 1]);
-        assert!(last < first - 0.3, "fp8 = {fp8}: the loss did not fall: {losses:?}");
+        assert!(last < first - 0.3, "fp8 = {fp8:?}: the loss did not fall: {losses:?}");
     }
 }
 

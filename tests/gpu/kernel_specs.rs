@@ -1,9 +1,9 @@
-//! Predicted kernel lists against the kernels a run loads: every kernel a GPT's FP8 and BF16
-//! training steps with AdamW load is in `Gpt::all_kernel_specs` plus `AdamW::kernel_specs`
+//! Predicted kernel lists against the kernels a run loads: every kernel a GPT's FP8 (delayed and
+//! blockwise scaling) and BF16 training steps with AdamW load is in `Gpt::all_kernel_specs` plus `AdamW::kernel_specs`
 //! (what `te prewarm --preset` compiles), and the device-free `GptConfig::kernel_specs` agrees.
 
 use crate::common::device;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
 use te_runtime::models::gpt::{Gpt, GptConfig};
 use te_runtime::modules::{KernelTarget, TokenIds};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
@@ -32,16 +32,17 @@ fn a_gpt_training_step_loads_only_predicted_kernels() {
     let mut gpt = Gpt::new(&dev, cfg.clone()).unwrap();
     let opt_cfg = AdamWConfig { max_grad_norm: Some(1.0), ..AdamWConfig::new(LrSchedule::Constant(1e-3)) };
     let mut opt = AdamW::new(&dev, &gpt, opt_cfg).unwrap();
-    // Two FP8 steps (the second with scales from the first's amaxes), then one in BF16.
-    for fp8 in [true, true, false] {
+    // Two FP8 steps (the second with scales from the first's amaxes), one under blockwise
+    // scaling, then one in BF16.
+    let (delayed, block) = (Recipe::from(DelayedScaling::default()), Recipe::from(Float8BlockScaling::default()));
+    for fp8 in [Some(delayed), Some(delayed), Some(block), None] {
         let mut fwd_bwd = || -> Result<()> {
             let (_, ctx) = gpt.forward_loss(&ids, &targets)?;
             gpt.backward(ctx)
         };
-        if fp8 {
-            fp8_autocast(true, DelayedScaling::default(), fwd_bwd).unwrap();
-        } else {
-            fwd_bwd().unwrap();
+        match fp8 {
+            Some(recipe) => fp8_autocast(true, recipe, fwd_bwd).unwrap(),
+            None => fwd_bwd().unwrap(),
         }
         opt.step(&mut gpt).unwrap();
         gpt.zero_grad();
@@ -49,11 +50,14 @@ fn a_gpt_training_step_loads_only_predicted_kernels() {
     dev.synchronize().unwrap();
 
     let target = KernelTarget::new(s, dev.arch());
+    let block_target = KernelTarget { recipe: block, ..target };
     let mut predicted = gpt.all_kernel_specs(&target);
+    predicted.extend(gpt.all_kernel_specs(&block_target));
     AdamW::kernel_specs(&target, &mut predicted);
     let used = dev.kernels().loaded_specs();
     assert!(used.len() >= 20, "only {} kernels loaded", used.len());
     let missing: Vec<String> = used.iter().filter(|s| !predicted.contains(s)).map(|s| s.name()).collect();
     assert!(missing.is_empty(), "loaded but not predicted: {missing:?}");
     assert_eq!(gpt.all_kernel_specs(&target), cfg.kernel_specs(&target), "the device-free list agrees");
+    assert_eq!(gpt.all_kernel_specs(&block_target), cfg.kernel_specs(&block_target), "and under block scaling");
 }

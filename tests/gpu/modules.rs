@@ -1,10 +1,11 @@
 //! `LayerNorm`/`RMSNorm`, `LayerNormLinear` and `LayerNormMLP` on the GPU against the exact CPU
 //! reference (`te_runtime::reference::modules`): BF16 at TE's bf16 tolerances; FP8 with delayed
-//! (second step, scales from the first) and current scaling within bounds of the FP8 rounding.
+//! (second step, scales from the first), current and blockwise scaling within bounds of the FP8
+//! rounding.
 
 use crate::common::{assert_close, device, randn};
 use std::sync::Arc;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Recipe};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 use te_runtime::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, LinearParams, Norm,
     NormConfig, NormKind, NormParams,
@@ -42,11 +43,12 @@ enum Mode {
 }
 
 impl Mode {
-    fn all() -> [Mode; 3] {
+    fn all() -> [Mode; 4] {
         [
             Mode::Bf16,
             Mode::Fp8(DelayedScaling { amax_history_len: 4, ..Default::default() }.into()),
             Mode::Fp8(Float8CurrentScaling::default().into()),
+            Mode::Fp8(Float8BlockScaling::default().into()),
         ]
     }
 

@@ -1,8 +1,10 @@
 //! `Float8Tensor`: FP8 codes with the `scale_inv` they were cast with and, when a TN GEMM needs
 //! it, the transposed copy (TE `pytorch/tensor/float8_tensor.py`).
 
+use crate::gemm::{BlockScale, Operand};
 use crate::graph::HostCopies;
 use crate::numerics;
+use crate::ops::block_quantize::{BlockCodes, BlockFp8};
 use crate::ops::{self, Fp8Meta};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
@@ -19,12 +21,28 @@ use te_codegen::DType;
 /// dropped with [`Float8Tensor::drop_transpose`] when nothing needs it (an inference weight
 /// keeps none: 1 byte per element).
 ///
+/// **Blockwise scaling** (TE's `Float8BlockwiseQTensor`, [`crate::fp8::Float8BlockScaling`]):
+/// `scale_inv` holds one f32 per block in the layout [`Float8Tensor::block_scale`] names, and
+/// the transpose has scales of its own: with 1×128 tiles it is quantized again from the
+/// high-precision values (its 128×1 tiles are other blocks), so it exists only when the cast
+/// made it; with 128×128 blocks it holds the same blocks transposed.
+///
 /// Cloning shares the device buffers (as [`Tensor`] does).
 #[derive(Debug, Clone)]
 pub struct Float8Tensor {
     data: Tensor,
     transpose: Option<Tensor>,
     scale_inv: Arc<CudaSlice<f32>>,
+    block: Option<BlockScales>,
+}
+
+/// The block scales of a blockwise [`Float8Tensor`] beyond the row-wise ones in `scale_inv`.
+#[derive(Debug, Clone)]
+struct BlockScales {
+    /// The layout of both orientations' scales.
+    kind: BlockScale,
+    /// The transpose's scales, with the transpose.
+    transpose_scale_inv: Option<Arc<CudaSlice<f32>>>,
 }
 
 impl Float8Tensor {
@@ -49,7 +67,59 @@ impl Float8Tensor {
                 message: format!("scale_inv must hold 1 f32, got {}", scale_inv.len()),
             });
         }
-        Ok(Self { data, transpose, scale_inv })
+        Ok(Self { data, transpose, scale_inv, block: None })
+    }
+
+    /// Wraps the output of [`ops::block_quantize::quantize`]: the row-wise codes (required),
+    /// viewed as `shape` (the input's, `[..., cols]`), and, when it made them, the column-wise
+    /// ones as the transpose.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `q` has no row-wise codes or `shape` holds another count.
+    pub fn from_block(q: BlockFp8, shape: &[usize]) -> Result<Self> {
+        let kind = if q.block_dim == 1 { BlockScale::Vec128 } else { BlockScale::Blk128x128 };
+        let row: BlockCodes = q.rowwise.ok_or_else(|| Error::Shape {
+            op: "Float8Tensor::from_block",
+            message: "the blockwise cast made no row-wise codes: quantize with rowwise = true".into(),
+        })?;
+        let (transpose, transpose_scale_inv) = match q.columnwise {
+            Some(c) => (Some(c.data), Some(Arc::new(c.scale_inv))),
+            None => (None, None),
+        };
+        Ok(Self {
+            data: row.data.reshape(shape)?,
+            transpose,
+            scale_inv: Arc::new(row.scale_inv),
+            block: Some(BlockScales { kind, transpose_scale_inv }),
+        })
+    }
+
+    /// The layout of the block scales of a blockwise tensor (both orientations); `None` for
+    /// one scale per tensor.
+    pub fn block_scale(&self) -> Option<BlockScale> {
+        self.block.as_ref().map(|b| b.kind)
+    }
+
+    /// The codes as a GEMM operand `[rows, cols]` (k = cols), with their scales.
+    pub fn operand(&self) -> Operand<'_> {
+        self.operand_of(&self.data, &self.scale_inv)
+    }
+
+    /// The transposed codes as a GEMM operand `[cols, rows]` (k = rows), with their scales;
+    /// `None` when there is no transposed copy.
+    pub fn transpose_operand(&self) -> Option<Operand<'_>> {
+        let t = self.transpose.as_ref()?;
+        match &self.block {
+            None => Some(self.operand_of(t, &self.scale_inv)),
+            Some(b) => Some(self.operand_of(t, b.transpose_scale_inv.as_ref()?)),
+        }
+    }
+
+    fn operand_of<'a>(&'a self, codes: &'a Tensor, scale_inv: &'a CudaSlice<f32>) -> Operand<'a> {
+        match &self.block {
+            None => Operand::fp8(codes, scale_inv.as_view()),
+            Some(b) => Operand::fp8_block(codes, scale_inv.as_view(), b.kind),
+        }
     }
 
     /// Casts `x` (f32/bf16/f16) to `dtype` with a fixed `scale`: `q = fp8(x * scale)`. With
@@ -71,7 +141,7 @@ impl Float8Tensor {
             ops::cast::quantize(dev, x, &mut data, &mut meta.scaling())?;
             None
         };
-        Ok(Self { data, transpose, scale_inv: Arc::new(meta.scale_inv) })
+        Ok(Self { data, transpose, scale_inv: Arc::new(meta.scale_inv), block: None })
     }
 
     /// Shape of the (row-major) data.
@@ -99,7 +169,8 @@ impl Float8Tensor {
         self.transpose.as_ref()
     }
 
-    /// `[1]` f32: `1 / scale` of the cast that made the codes.
+    /// `[1]` f32: `1 / scale` of the cast that made the codes; for a blockwise tensor the
+    /// row-wise codes' block scales (see [`Float8Tensor::block_scale`]).
     pub fn scale_inv(&self) -> &CudaSlice<f32> {
         &self.scale_inv
     }
@@ -109,18 +180,32 @@ impl Float8Tensor {
         self.scale_inv.clone()
     }
 
-    /// Device bytes held: codes, transpose and `scale_inv`.
+    /// Device bytes held: codes, transpose and scales.
     pub fn num_bytes(&self) -> usize {
-        self.data.num_bytes() + self.transpose.as_ref().map_or(0, Tensor::num_bytes) + 4
+        let t_scales = self.block.as_ref().and_then(|b| b.transpose_scale_inv.as_ref()).map_or(0, |s| s.len() * 4);
+        self.data.num_bytes()
+            + self.transpose.as_ref().map_or(0, Tensor::num_bytes)
+            + self.scale_inv.len() * 4
+            + t_scales
     }
 
     /// Builds the transposed copy if it is missing (a byte transpose of the codes: exact).
     ///
     /// # Errors
-    /// The last dim is not a multiple of 16; launch failures.
+    /// The last dim is not a multiple of 16; [`Error::Argument`] for a blockwise tensor
+    /// without its transpose (it comes from the high-precision values: cast again with
+    /// `columnwise`); launch failures.
     pub fn ensure_transpose(&mut self, dev: &Device) -> Result<&Tensor> {
         let t = match self.transpose.take() {
             Some(t) => t,
+            None if self.block.is_some() => {
+                return Err(Error::Argument {
+                    op: "Float8Tensor::ensure_transpose",
+                    message: "a blockwise FP8 tensor gets its transposed codes from the high-precision values at \
+                              the cast (quantize with columnwise), not from its codes"
+                        .into(),
+                })
+            }
             None => {
                 let (rows, cols) = self.data.as_2d("Float8Tensor::ensure_transpose")?;
                 let mut t = Tensor::empty(dev, self.dtype(), &[cols, rows])?;
@@ -134,21 +219,37 @@ impl Float8Tensor {
     /// Drops the transposed copy, freeing its memory.
     pub fn drop_transpose(&mut self) {
         self.transpose = None;
+        if let Some(b) = &mut self.block {
+            b.transpose_scale_inv = None;
+        }
     }
 
-    /// The transposed copy as a tensor of its own: `[cols, rows]` codes with the same
-    /// `scale_inv` (what a module saves for its wgrad GEMM; the row-wise codes are dropped).
-    /// `None` when there is no transposed copy.
+    /// The transposed copy as a tensor of its own: `[cols, rows]` codes with their scales
+    /// (the same `scale_inv`, or the transpose's block scales; what a module saves for its
+    /// wgrad GEMM; the row-wise codes are dropped). `None` when there is no transposed copy.
     pub fn into_transposed(self) -> Option<Float8Tensor> {
-        let scale_inv = self.scale_inv;
-        self.transpose.map(|data| Float8Tensor { data, transpose: None, scale_inv })
+        let data = self.transpose?;
+        match self.block {
+            None => Some(Float8Tensor { data, transpose: None, scale_inv: self.scale_inv, block: None }),
+            Some(b) => Some(Float8Tensor {
+                data,
+                transpose: None,
+                scale_inv: b.transpose_scale_inv?,
+                block: Some(BlockScales { kind: b.kind, transpose_scale_inv: None }),
+            }),
+        }
     }
 
-    /// `x = q * scale_inv` as a new tensor of `dtype` (f32/bf16/f16).
+    /// `x = q * scale_inv` as a new tensor of `dtype` (f32/bf16/f16). A blockwise tensor is
+    /// dequantized through the host ([`Float8Tensor::to_f32`]): for checks and conversions,
+    /// not for a training step.
     ///
     /// # Errors
     /// A non-high-precision `dtype`; launch failures.
     pub fn dequantize(&self, dev: &Device, dtype: DType) -> Result<Tensor> {
+        if self.block.is_some() {
+            return Tensor::from_f32(dev, dtype, self.shape(), &self.to_f32(dev)?);
+        }
         let mut y = Tensor::empty(dev, dtype, self.shape())?;
         ops::cast::dequantize(dev, &self.data, &self.scale_inv.as_view(), &mut y)?;
         Ok(y)
@@ -165,18 +266,45 @@ impl Float8Tensor {
     /// `scale_inv` copied to the host.
     ///
     /// # Errors
-    /// Driver failures.
+    /// [`Error::Argument`] for a blockwise tensor (many scales: see
+    /// [`Float8Tensor::block_scale_inv_host`]); driver failures.
     pub fn scale_inv_host(&self, dev: &Device) -> Result<f32> {
+        if self.block.is_some() {
+            return Err(Error::Argument {
+                op: "Float8Tensor::scale_inv_host",
+                message: "a blockwise FP8 tensor has one scale per block: read them with block_scale_inv_host".into(),
+            });
+        }
         Ok(dev.stream().dtoh(self.scale_inv.as_ref())?[0])
     }
 
+    /// The row-wise codes' block scales copied to the host, in the layout of
+    /// [`Float8Tensor::block_scale`] (empty for a per-tensor scale).
+    ///
+    /// # Errors
+    /// Driver failures.
+    pub fn block_scale_inv_host(&self, dev: &Device) -> Result<Vec<f32>> {
+        match self.block {
+            Some(_) => Ok(dev.stream().dtoh(self.scale_inv.as_ref())?),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// The dequantized values `q * scale_inv` on the host (exact: f32 holds every FP8 value
-    /// times a float).
+    /// times a float), each code with its block's scale for a blockwise tensor.
     ///
     /// # Errors
     /// Driver failures.
     pub fn to_f32(&self, dev: &Device) -> Result<Vec<f32>> {
-        let si = self.scale_inv_host(dev)?;
-        Ok(self.to_bytes(dev)?.into_iter().map(|q| numerics::dequantize(self.dtype(), q) * si).collect())
+        let codes = self.to_bytes(dev)?;
+        let dtype = self.dtype();
+        let Some(b) = &self.block else {
+            let si = self.scale_inv_host(dev)?;
+            return Ok(codes.into_iter().map(|q| numerics::dequantize(dtype, q) * si).collect());
+        };
+        let (rows, cols) = self.data.as_2d("Float8Tensor::to_f32")?;
+        let scales = dev.stream().dtoh(self.scale_inv.as_ref())?;
+        let scale = |i: usize| scales.get(b.kind.index(rows, cols, (i / cols, i % cols))).copied().unwrap_or(f32::NAN);
+        Ok(codes.into_iter().enumerate().map(|(i, q)| numerics::dequantize(dtype, q) * scale(i)).collect())
     }
 }

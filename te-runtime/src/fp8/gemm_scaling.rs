@@ -3,7 +3,7 @@
 //! recipe. This is the one place that turns a [`Recipe`] into quantizers.
 
 use super::autocast::{backward_ticket, register_forward, BackwardTicket};
-use super::quantizer::{DelayedScalingQuantizer, Float8CurrentScalingQuantizer, Quantizer};
+use super::quantizer::{DelayedScalingQuantizer, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Quantizer};
 use super::{DelayedScaling, Recipe, ScalingState};
 use super::{Fp8Direction, Fp8StateSlot};
 use crate::{Device, Result};
@@ -96,6 +96,11 @@ impl GemmScaling {
                 Ok(Box::new(DelayedScalingQuantizer::new(s, slot)?))
             }
             Recipe::Current(c) => Ok(Box::new(Float8CurrentScalingQuantizer::new(&self.dev, dtype, *c)?)),
+            // The output is the next layer's input: tiled as inputs are.
+            Recipe::Block(b) => {
+                let dim = if slot == FWD_WEIGHT { b.w_block_scaling_dim } else { b.x_block_scaling_dim };
+                Ok(Box::new(Float8BlockQuantizer::new(&self.dev, dtype, dim, b)?))
+            }
         }
     }
 
@@ -103,7 +108,7 @@ impl GemmScaling {
     pub(crate) fn grad(&mut self, recipe: &Recipe) -> Result<GradScaling> {
         let ticket = match recipe {
             Recipe::Delayed(r) => Some(backward_ticket(&self.bwd_state(r)?)),
-            Recipe::Current(_) => None,
+            Recipe::Current(_) | Recipe::Block(_) => None,
         };
         Ok(GradScaling { recipe: *recipe, ticket })
     }
@@ -116,6 +121,12 @@ impl GemmScaling {
             Recipe::Current(c) => {
                 Ok(Box::new(Float8CurrentScalingQuantizer::new(&self.dev, c.fp8_format.backward_dtype(), *c)?))
             }
+            Recipe::Block(b) => Ok(Box::new(Float8BlockQuantizer::new(
+                &self.dev,
+                b.fp8_format.backward_dtype(),
+                b.grad_block_scaling_dim,
+                b,
+            )?)),
         }
     }
 

@@ -12,7 +12,9 @@ mod state_slot;
 pub use autocast::{fp8_autocast, fp8_mode, fp8_model_init, is_fp8_model_init, Fp8Autocast, Fp8AutocastGuard, Fp8Mode};
 pub use float8_tensor::Float8Tensor;
 pub(crate) use gemm_scaling::{ForwardQuantizers, GemmScaling, GradScaling, FWD_INPUT};
-pub use quantizer::{DelayedScalingQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer};
+pub use quantizer::{
+    DelayedScalingQuantizer, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer,
+};
 pub use recipe::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Recipe};
 pub use state::{ScalingSnapshot, ScalingState};
 pub use state_slot::{Fp8Direction, Fp8StateSlot};

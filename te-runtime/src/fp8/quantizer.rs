@@ -13,8 +13,10 @@
 //!
 //! A new recipe adds a quantizer here and its line in `GemmScaling`; no module changes.
 
-use super::{Float8CurrentScaling, Float8Tensor, ScalingState};
+use super::{Float8BlockScaling, Float8CurrentScaling, Float8Tensor, ScalingState};
+use crate::gemm::BlockScale;
 use crate::graph::HostCopies;
+use crate::ops::block_quantize::{self, BlockFp8, BlockQuantizeParams};
 use crate::ops::cast_transpose::DbiasOut;
 use crate::ops::{self, Fp8Meta, Fp8Scaling};
 use crate::{Device, Error, Result, Tensor};
@@ -30,7 +32,8 @@ pub type FusedCastKernel<'k> = dyn FnMut(&mut Fp8Scaling<'_>) -> Result<()> + 'k
 /// How one tensor is cast to FP8 (TE `Quantizer`).
 ///
 /// Implementations: [`DelayedScalingQuantizer`] (a slot of a module's amax history),
-/// [`Float8CurrentScalingQuantizer`] (the tensor's own amax), [`Float8Quantizer`] (a given scale).
+/// [`Float8CurrentScalingQuantizer`] (the tensor's own amax), [`Float8Quantizer`] (a given scale),
+/// [`Float8BlockQuantizer`] (each block's own amax).
 pub trait Quantizer: fmt::Debug + Send + Sync {
     /// The FP8 format of the codes (E4M3 or E5M2).
     fn dtype(&self) -> DType;
@@ -87,6 +90,12 @@ pub trait Quantizer: fmt::Debug + Send + Sync {
     /// # Errors
     /// Allocation failures.
     fn frozen(&self) -> Result<Box<dyn Quantizer>>;
+
+    /// The layout of the block scales of the tensors it makes; `None` for one scale per tensor
+    /// (every quantizer but [`Float8BlockQuantizer`]).
+    fn block_scale(&self) -> Option<BlockScale> {
+        None
+    }
 }
 
 /// Runs a kernel that produces a `shape` tensor and returns it in FP8 through `q`: the kernel
@@ -379,6 +388,89 @@ impl Quantizer for Float8Quantizer {
             s.clone_dtod(&self.scale)?,
             s.clone_dtod(&self.scale_inv)?,
         )?))
+    }
+}
+
+/// Blockwise scaling (TE `Float8BlockQuantizer`, [`Float8BlockScaling`]): each 1×128 tile
+/// (activations, gradients) or 128×128 block (weights) cast with the scale of its own amax, in
+/// one pass ([`block_quantize::quantize`]); with `columnwise` the transpose is quantized in the
+/// same pass from the high-precision values in 128×1 tiles (or the same 128×128 blocks). No
+/// state; the cast cannot be fused into a producer, whose output is cast after it.
+#[derive(Debug, Clone)]
+pub struct Float8BlockQuantizer {
+    dev: Arc<Device>,
+    params: BlockQuantizeParams,
+}
+
+impl Float8BlockQuantizer {
+    /// Casts to `dtype` in blocks of `block_dim` (1: 1×128, 2: 128×128) with `recipe`'s epsilon
+    /// and power-of-2 rule.
+    ///
+    /// # Errors
+    /// [`Error::Recipe`] on a GPU other than Hopper (cuBLASLt's block-scaled GEMMs are sm_90
+    /// only); [`Error::DType`] / [`Error::Config`] for a `dtype` that is not FP8 or a
+    /// `block_dim` other than 1 or 2 ([`BlockQuantizeParams::validate`]).
+    pub fn new(dev: &Arc<Device>, dtype: DType, block_dim: usize, recipe: &Float8BlockScaling) -> Result<Self> {
+        if dev.arch() != te_codegen::Arch::Sm90a {
+            return Err(Error::Recipe {
+                message: format!(
+                    "Float8BlockScaling needs a Hopper GPU (sm_90): cuBLASLt has no block-scaled FP8 GEMMs on {}; \
+                     use DelayedScaling or Float8CurrentScaling here",
+                    dev.arch()
+                ),
+            });
+        }
+        let params =
+            BlockQuantizeParams { dtype, block_dim, epsilon: recipe.amax_epsilon, power_2: recipe.power_2_scale };
+        params.validate()?;
+        Ok(Self { dev: dev.clone(), params })
+    }
+}
+
+impl Quantizer for Float8BlockQuantizer {
+    fn dtype(&self) -> DType {
+        self.params.dtype
+    }
+
+    fn fuses_cast(&self) -> bool {
+        false
+    }
+
+    fn quantize(&self, x: &Tensor, columnwise: bool, dbias: Option<DbiasOut<'_>>) -> Result<Float8Tensor> {
+        const OP: &str = "Float8BlockQuantizer::quantize";
+        ops::check_dtype(
+            OP,
+            "x",
+            x,
+            |d| matches!(d, DType::BF16 | DType::F16),
+            "bf16 or f16 (Float8BlockScaling \
+             casts 16-bit activations and gradients: run the module with params_dtype bf16)",
+        )?;
+        let (rows, cols) = x.as_2d(OP)?;
+        let columnwise = columnwise || dbias.is_some();
+        let mut q = BlockFp8::new(&self.dev, [rows, cols], &self.params, true, columnwise)?;
+        block_quantize::quantize(&self.dev, x, &self.params, &mut q)?;
+        if let Some(d) = dbias {
+            ops::cast_transpose::dbias(&self.dev, x, d.dbias)?;
+        }
+        Float8Tensor::from_block(q, x.shape())
+    }
+
+    fn fused_cast(&self, _: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
+        Err(not_fusable("Float8BlockQuantizer::fused_cast"))
+    }
+
+    fn calibrate(&self, _: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn frozen(&self) -> Result<Box<dyn Quantizer>> {
+        // Deterministic: the same tensor gives the same block amaxes, scales and codes.
+        Ok(Box::new(self.clone()))
+    }
+
+    fn block_scale(&self) -> Option<BlockScale> {
+        Some(if self.params.block_dim == 1 { BlockScale::Vec128 } else { BlockScale::Blk128x128 })
     }
 }
 

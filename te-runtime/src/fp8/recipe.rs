@@ -113,11 +113,13 @@ pub struct Float8CurrentScaling {
 /// from its block's own amax (no history), E4M3 in both directions by default. The block scale
 /// rule and layouts: [`crate::reference::block_scaling`].
 ///
-/// **Modules run it in the CPU emulation only so far** (`cpu::gpt::GemmPrecision::Fp8Block`: the
-/// GEMM inputs of the CPU GPT fake-quantized blockwise). On the GPU its pieces exist, bit-exact
-/// against the reference: the quantization kernels ([`crate::ops::block_quantize`]) and the
-/// block-scaled cuBLASLt GEMMs ([`crate::gemm::BlockScale`]); the modules do not call them yet,
-/// so it is not a [`Recipe`] of `fp8_autocast` yet.
+/// Every GEMM module runs it ([`Recipe::Block`] in `fp8_autocast`): its quantizer
+/// ([`super::Float8BlockQuantizer`]) casts with the blockwise kernels
+/// ([`crate::ops::block_quantize`], bit-exact against the reference) and the GEMMs take block
+/// scales ([`crate::gemm::BlockScale`]). As in TE, the casts are not fused into the norm and
+/// activation kernels (those write 16 bits, then the block cast runs), attention stays in 16
+/// bits (no `fp8_dpa`), the activations and gradients it casts are bf16 or f16, and the GPU
+/// must be a Hopper (cuBLASLt's block scale modes are sm_90 only).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Float8BlockScaling {
     /// FP8 formats. TE default [`Format::E4M3`] (E4M3 gradients too).
@@ -169,6 +171,21 @@ impl Float8BlockScaling {
                 message: format!("Float8BlockScaling::amax_epsilon must be finite and ≥ 0, got {}", self.amax_epsilon),
             });
         }
+        // Each GEMM pairs two of x, w and grad (fprop x·w, dgrad grad·w, wgrad grad·x);
+        // cuBLASLt has no 128×128 × 128×128 mode (TE's recipe asserts the same).
+        let pairs = [
+            ("x", "w", self.x_block_scaling_dim, self.w_block_scaling_dim),
+            ("grad", "w", self.grad_block_scaling_dim, self.w_block_scaling_dim),
+            ("x", "grad", self.x_block_scaling_dim, self.grad_block_scaling_dim),
+        ];
+        if let Some((a, b, ..)) = pairs.iter().find(|(_, _, da, db)| *da == 2 && *db == 2) {
+            return Err(crate::Error::Recipe {
+                message: format!(
+                    "Float8BlockScaling: {a}_block_scaling_dim and {b}_block_scaling_dim are both 2, but a GEMM of two \
+                     128x128-scaled operands does not exist; set one of them to 1"
+                ),
+            });
+        }
         Ok(())
     }
 }
@@ -180,6 +197,8 @@ pub enum Recipe {
     Delayed(DelayedScaling),
     /// Scales from each tensor's own amax.
     Current(Float8CurrentScaling),
+    /// One scale per block of 128 values (1×128 or 128×128), from the block's own amax.
+    Block(Float8BlockScaling),
 }
 
 impl Default for Recipe {
@@ -201,54 +220,75 @@ impl From<Float8CurrentScaling> for Recipe {
     }
 }
 
+impl From<Float8BlockScaling> for Recipe {
+    fn from(r: Float8BlockScaling) -> Self {
+        Recipe::Block(r)
+    }
+}
+
 impl Recipe {
     /// The recipe's formats.
     pub fn format(&self) -> Format {
         match self {
             Recipe::Delayed(r) => r.fp8_format,
             Recipe::Current(r) => r.fp8_format,
+            Recipe::Block(r) => r.fp8_format,
         }
     }
 
     /// Whether `DotProductAttention` runs in FP8 under this recipe (TE `fp8_dpa`, or `fp8_mha`,
-    /// which implies it).
+    /// which implies it). Never under [`Recipe::Block`].
     pub fn fp8_dpa(&self) -> bool {
         match self {
             Recipe::Delayed(r) => r.fp8_dpa || r.fp8_mha,
             Recipe::Current(r) => r.fp8_dpa || r.fp8_mha,
+            Recipe::Block(_) => false,
         }
     }
 
     /// Whether `MultiheadAttention` hands the attention output to its projection in FP8 (TE
-    /// `fp8_mha`; see [`DelayedScaling::fp8_mha`]).
+    /// `fp8_mha`; see [`DelayedScaling::fp8_mha`]). Never under [`Recipe::Block`].
     pub fn fp8_mha(&self) -> bool {
         match self {
             Recipe::Delayed(r) => r.fp8_mha,
             Recipe::Current(r) => r.fp8_mha,
+            Recipe::Block(_) => false,
         }
     }
 
-    /// The same recipe with `fp8_mha` set to `fp8_mha`.
+    /// The same recipe with `fp8_mha` set to `fp8_mha` (unchanged under [`Recipe::Block`],
+    /// whose attention stays in 16 bits).
     pub fn with_fp8_mha(self, fp8_mha: bool) -> Self {
         match self {
             Recipe::Delayed(r) => DelayedScaling { fp8_mha, ..r }.into(),
             Recipe::Current(r) => Float8CurrentScaling { fp8_mha, ..r }.into(),
+            r @ Recipe::Block(_) => r,
         }
     }
 
-    /// The same recipe with `fp8_dpa` set to `fp8_dpa`.
+    /// The same recipe with `fp8_dpa` set to `fp8_dpa` (unchanged under [`Recipe::Block`]).
     pub fn with_fp8_dpa(self, fp8_dpa: bool) -> Self {
         match self {
             Recipe::Delayed(r) => DelayedScaling { fp8_dpa, ..r }.into(),
             Recipe::Current(r) => Float8CurrentScaling { fp8_dpa, ..r }.into(),
+            r @ Recipe::Block(_) => r,
+        }
+    }
+
+    /// The blockwise recipe, when this is one.
+    pub fn block(&self) -> Option<&Float8BlockScaling> {
+        match self {
+            Recipe::Block(r) => Some(r),
+            _ => None,
         }
     }
 
     /// Checks the fields a user can get wrong.
     ///
     /// # Errors
-    /// [`crate::Error::Recipe`] for a zero history length, a negative or non-finite margin, or a
-    /// negative or non-finite amax epsilon.
+    /// [`crate::Error::Recipe`] for a zero history length, a negative or non-finite margin, a
+    /// negative or non-finite amax epsilon, or the block dimensions
+    /// [`Float8BlockScaling::validate`] rejects.
     pub fn validate(&self) -> crate::Result<()> {
         let bad = |message: String| Err(crate::Error::Recipe { message });
         match self {
@@ -261,6 +301,7 @@ impl Recipe {
             Recipe::Current(r) if !(r.amax_epsilon.is_finite() && r.amax_epsilon >= 0.0) => {
                 bad(format!("Float8CurrentScaling::amax_epsilon must be finite and ≥ 0, got {}", r.amax_epsilon))
             }
+            Recipe::Block(r) => r.validate(),
             _ => Ok(()),
         }
     }
@@ -296,8 +337,13 @@ mod tests {
         assert!(b.validate().unwrap_err().to_string().contains("w_block_scaling_dim"));
         let b = Float8BlockScaling { amax_epsilon: f32::INFINITY, ..Default::default() };
         assert!(b.validate().unwrap_err().to_string().contains("amax_epsilon"));
+        let b = Float8BlockScaling { x_block_scaling_dim: 2, ..Default::default() };
+        assert!(Recipe::from(b).validate().unwrap_err().to_string().contains("x_block_scaling_dim and w_block"));
+        let b = Float8BlockScaling { w_block_scaling_dim: 1, grad_block_scaling_dim: 2, ..Default::default() };
+        b.validate().unwrap();
         let b = Float8BlockScaling::default();
         b.validate().unwrap();
+        assert!(!Recipe::from(b).fp8_dpa() && Recipe::from(b).with_fp8_dpa(true) == Recipe::from(b));
         assert_eq!(
             (b.fp8_format, b.power_2_scale, b.x_block_scaling_dim, b.w_block_scaling_dim),
             (Format::E4M3, true, 1, 2)

@@ -96,6 +96,16 @@ impl BlockScale {
         r * ld
     }
 
+    /// The index in the scales of element `(r, c)` of an operand of `rows` rows and `k`
+    /// columns.
+    pub fn index(self, rows: usize, k: usize, (r, c): (usize, usize)) -> usize {
+        let (_, ld) = self.shape(rows, k);
+        match self {
+            BlockScale::Vec128 => (c / 128) * ld + r,
+            BlockScale::Blk128x128 => (r / 128) * ld + c / 128,
+        }
+    }
+
     fn cublaslt(self) -> i32 {
         match self {
             BlockScale::Vec128 => sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32,

@@ -1,7 +1,7 @@
 //! [`KernelTarget`]: what kernels are specialized for besides a module's own sizes.
 
-use crate::fp8::Recipe;
-use te_codegen::spec::{CastSpec, ScalingSpec};
+use crate::fp8::{Float8BlockScaling, Recipe};
+use te_codegen::spec::{BlockQuantizeSpec, CastSpec, ScalingSpec};
 use te_codegen::{Arch, DType, KernelSpec};
 
 /// What kernels are specialized for besides a module's own sizes: the precision of the run, its
@@ -62,9 +62,27 @@ impl KernelTarget {
         if let Recipe::Current(_) = self.recipe {
             specs.push(CastSpec::amax(dt, arch).into());
         }
-        specs.push(match self.recipe {
-            Recipe::Delayed(r) => ScalingSpec::delayed(r.amax_compute_algo, arch).into(),
-            Recipe::Current(r) => ScalingSpec::current(r.power_2_scale, arch).into(),
-        });
+        match self.recipe {
+            Recipe::Delayed(r) => specs.push(ScalingSpec::delayed(r.amax_compute_algo, arch).into()),
+            Recipe::Current(r) => specs.push(ScalingSpec::current(r.power_2_scale, arch).into()),
+            Recipe::Block(b) => specs.extend(block_quantize_specs(&b, dt, arch)),
+        }
     }
+}
+
+/// The blockwise casts of [`Recipe::Block`] for `dt` activations: inputs and weights forward,
+/// gradients backward, in their block dims (none for an f32 `dt`, which the recipe does not cast).
+pub(crate) fn block_quantize_specs(b: &Float8BlockScaling, dt: DType, arch: Arch) -> Vec<KernelSpec> {
+    if !matches!(dt, DType::BF16 | DType::F16) {
+        return Vec::new();
+    }
+    let (fwd, bwd) = (b.fp8_format.forward_dtype(), b.fp8_format.backward_dtype());
+    let mut v: Vec<KernelSpec> =
+        [(fwd, b.x_block_scaling_dim), (fwd, b.w_block_scaling_dim), (bwd, b.grad_block_scaling_dim)]
+            .into_iter()
+            .map(|(q, dim)| BlockQuantizeSpec::new(dt, q, dim, arch).into())
+            .collect();
+    v.sort();
+    v.dedup();
+    v
 }

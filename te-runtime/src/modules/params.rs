@@ -3,7 +3,7 @@
 
 use super::init;
 use crate::fp8::{is_fp8_model_init, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Tensor, Quantizer};
-use crate::gemm::{gemm, Epilogue, GemmConfig, Operand, Output as GemmOut};
+use crate::gemm::{gemm, BlockScale, Epilogue, GemmConfig, Operand, Output as GemmOut};
 use crate::ops;
 use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
@@ -291,6 +291,17 @@ impl LinearParams {
     ) -> Result<Float8Tensor> {
         let dev = self.dev.clone();
         let w = match &mut self.weight {
+            Weight::Fp8(f) if f.block_scale() != q.block_scale() => {
+                return Err(Error::Config {
+                    module: self.module,
+                    message: format!(
+                        "the weight is stored as FP8 codes with {} but the recipe casts with {}: run this model \
+                         under the recipe its FP8 weights were made with, or load its high-precision weights",
+                        scaling_name(f.block_scale()),
+                        scaling_name(q.block_scale())
+                    ),
+                })
+            }
             Weight::Fp8(f) => {
                 if grad {
                     f.ensure_transpose(&dev)?;
@@ -301,7 +312,10 @@ impl LinearParams {
         };
         if is_first_microbatch == Some(false) {
             if let Some((cached, version)) = &mut self.cache {
-                if *version == self.version {
+                // A blockwise weight's transpose comes from the high-precision values: one
+                // cached without it is cast again when backward needs it.
+                let usable = !grad || cached.transpose().is_some() || cached.block_scale().is_none();
+                if *version == self.version && cached.block_scale() == q.block_scale() && usable {
                     if grad {
                         cached.ensure_transpose(&dev)?;
                     }
@@ -371,4 +385,13 @@ pub(crate) fn convert(dev: &Device, x: Tensor, dtype: DType) -> Result<Tensor> {
     let mut y = Tensor::zeros(dev, dtype, x.shape())?;
     ops::elementwise::add_assign(dev, &mut y, &x)?;
     Ok(y)
+}
+
+/// How an FP8 tensor of this block layout is scaled, for messages.
+fn scaling_name(block: Option<BlockScale>) -> &'static str {
+    match block {
+        None => "one scale per tensor",
+        Some(BlockScale::Vec128) => "1x128 block scales",
+        Some(BlockScale::Blk128x128) => "128x128 block scales",
+    }
 }

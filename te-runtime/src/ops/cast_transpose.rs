@@ -11,6 +11,7 @@
 
 use super::launch::Launch;
 use super::{check_dtype, check_fp8_cols, check_nonempty, check_shape, launch_1d, Fp8Scaling};
+use crate::gemm::{gemm, GemmConfig, Operand, Output as GemmOut};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaViewMut;
 use te_codegen::spec::{Activation, CastTransposeSpec};
@@ -34,6 +35,26 @@ pub struct DbiasOut<'a> {
 /// `ceil(rows / 64) * cols` (one row of column sums per 64-row tile).
 pub fn dbias_workspace_len(rows: usize, cols: usize) -> usize {
     rows.div_ceil(CastTransposeSpec::DEFAULT_TILE_ROWS) * cols
+}
+
+/// The bias gradient without a cast: `dbias[c] = Σ_r x[r, c]` for a cast that cannot fuse it
+/// (the blockwise one; TE reduces separately there too). One cuBLASLt GEMM `ones[1, rows] · x`
+/// with f32 accumulation, written in `dbias`'s dtype: `x`'s or f32. Deterministic.
+///
+/// `x`: `[..., cols]` bf16/f16/f32, leading dims folded into `rows`; `dbias`: `[cols]`.
+///
+/// # Errors
+/// [`Error::Shape`] for a `dbias` that is not `[cols]` or an empty `x`; the GEMM's dtype
+/// errors; allocation and launch failures.
+pub fn dbias(dev: &Device, x: &Tensor, dbias: &mut Tensor) -> Result<()> {
+    const OP: &str = "dbias";
+    check_dtype(OP, "x", x, DType::is_high_precision, "f32, bf16 or f16")?;
+    let (rows, cols) = x.as_2d(OP)?;
+    check_shape(OP, "dbias", dbias, &[cols])?;
+    let ones = Tensor::ones(dev, x.dtype(), &[1, rows])?;
+    // D [1, cols] = ones [1, rows] · (x stored [rows, cols] = Bᵀ).
+    let (a, b) = (Operand::new(&ones), Operand::new(x).transposed());
+    gemm(dev, a, b, GemmOut::new(dbias), &GemmConfig::default())
 }
 
 /// `out = fp8(x * scale)`, `out_t = outᵀ`, `amax = max(amax, max|x|)`, `scale_inv = 1/scale`,

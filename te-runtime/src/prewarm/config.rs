@@ -2,7 +2,7 @@
 //! a [`TransformerLayerConfig`] and a [`KernelTarget`].
 
 use super::KernelTarget;
-use crate::fp8::{DelayedScaling, Float8CurrentScaling, Format, Recipe};
+use crate::fp8::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Recipe};
 use crate::modules::{Activation, AttnMaskType, NormKind, TransformerLayerConfig};
 use crate::optim::AdamW;
 use crate::{Error, Result};
@@ -150,31 +150,39 @@ pub fn parse_fp8_format(name: &str) -> std::result::Result<Format, String> {
     }
 }
 
-/// `recipe` switched to the family `family` names, `delayed` ([`DelayedScaling`]) or `current`
-/// ([`Float8CurrentScaling`]), and to `format`, as a config file's `recipe` and `fp8_format` and
+/// `recipe` switched to the family `family` names, `delayed` ([`DelayedScaling`]), `current`
+/// ([`Float8CurrentScaling`]) or `block` ([`Float8BlockScaling`]), and to `format`, as a config file's `recipe` and `fp8_format` and
 /// `te prewarm --recipe` and `--fp8-format` do: `None` keeps the family or the format. A
 /// recipe that stays in its family keeps its knobs; one switched takes the new family's TE
-/// defaults but keeps `fp8_dpa` (besides the format and `fp8_dpa`, the knobs that change the
+/// defaults but keeps `fp8_dpa` and (between delayed and current) the format (besides the format and `fp8_dpa`, the knobs that change the
 /// kernels are delayed scaling's `amax_compute_algo` and current scaling's `power_2_scale`).
 ///
 /// # Errors
-/// "unknown recipe \`FAMILY\`: expected delayed or current".
+/// "unknown recipe \`FAMILY\`: expected delayed, current or block".
 pub fn override_recipe(
     recipe: Recipe,
     family: Option<&str>,
     format: Option<Format>,
 ) -> std::result::Result<Recipe, String> {
-    let format = format.unwrap_or(recipe.format());
-    let fp8_dpa = recipe.fp8_dpa();
+    let (fp8_dpa, old_format) = (recipe.fp8_dpa(), recipe.format());
     let recipe = match (family, recipe) {
-        (None, r) | (Some("delayed"), r @ Recipe::Delayed(_)) | (Some("current"), r @ Recipe::Current(_)) => r,
-        (Some("delayed"), Recipe::Current(_)) => DelayedScaling::default().into(),
-        (Some("current"), Recipe::Delayed(_)) => Float8CurrentScaling::default().into(),
-        (Some(other), _) => return Err(format!("unknown recipe `{other}`: expected delayed or current")),
+        (None, r)
+        | (Some("delayed"), r @ Recipe::Delayed(_))
+        | (Some("current"), r @ Recipe::Current(_))
+        | (Some("block"), r @ Recipe::Block(_)) => r,
+        (Some("delayed"), _) => DelayedScaling::default().into(),
+        (Some("current"), _) => Float8CurrentScaling::default().into(),
+        (Some("block"), _) => Float8BlockScaling::default().into(),
+        (Some(other), _) => return Err(format!("unknown recipe `{other}`: expected delayed, current or block")),
     };
-    let recipe: Recipe = match recipe {
-        Recipe::Delayed(r) => DelayedScaling { fp8_format: format, ..r }.into(),
-        Recipe::Current(r) => Float8CurrentScaling { fp8_format: format, ..r }.into(),
+    // Delayed and current scaling keep the format across a switch; blockwise scaling takes its
+    // own default (E4M3 both ways) unless one is named.
+    let format = format.or((recipe.block().is_none()).then_some(old_format));
+    let recipe: Recipe = match (recipe, format) {
+        (r, None) => r,
+        (Recipe::Delayed(r), Some(fp8_format)) => DelayedScaling { fp8_format, ..r }.into(),
+        (Recipe::Current(r), Some(fp8_format)) => Float8CurrentScaling { fp8_format, ..r }.into(),
+        (Recipe::Block(r), Some(fp8_format)) => Float8BlockScaling { fp8_format, ..r }.into(),
     };
     Ok(recipe.with_fp8_dpa(fp8_dpa))
 }
@@ -362,6 +370,13 @@ mod tests {
             override_recipe(current, Some("delayed"), None),
             Ok(DelayedScaling { fp8_format: Format::E4M3, ..Default::default() }.into())
         );
+        let block = parse("recipe = \"block\"").recipe;
+        assert_eq!(block, Float8BlockScaling::default().into());
+        assert_eq!(override_recipe(current, Some("block"), None), Ok(block));
+        assert_eq!(
+            override_recipe(block, None, Some(Format::Hybrid)),
+            Ok(Float8BlockScaling { fp8_format: Format::Hybrid, ..Default::default() }.into())
+        );
         // fp8_dpa survives a family switch; the key adds the FP8 attention forward at head_dim 128.
         let dpa = parse("fp8_dpa = true").recipe;
         assert!(dpa.fp8_dpa() && override_recipe(dpa, Some("current"), None).unwrap().fp8_dpa());
@@ -373,7 +388,7 @@ mod tests {
         let bad = toml::from_str::<ModelConfig>(
             "hidden_size = 64\nffn_hidden_size = 256\nnum_attention_heads = 4\nrecipe = \"mxfp8\"",
         );
-        assert!(bad.unwrap_err().to_string().contains("expected delayed or current"));
+        assert!(bad.unwrap_err().to_string().contains("expected delayed, current or block"));
         assert!(parse_fp8_format("e5m2").unwrap_err().contains("expected hybrid or e4m3"));
     }
 
@@ -474,10 +489,11 @@ mod tests {
         v.push(OptimizerSpec::adamw(arch).into());
 
         // Scaling updates.
-        v.push(match cfg.recipe {
-            Recipe::Delayed(r) => ScalingSpec::delayed(r.amax_compute_algo, arch).into(),
-            Recipe::Current(_) => ScalingSpec::current(false, arch).into(),
-        });
+        match cfg.recipe {
+            Recipe::Delayed(r) => v.push(ScalingSpec::delayed(r.amax_compute_algo, arch).into()),
+            Recipe::Current(_) => v.push(ScalingSpec::current(false, arch).into()),
+            Recipe::Block(b) => v.extend(crate::modules::block_quantize_specs(&b, dt, arch)),
+        }
 
         v.sort();
         v.dedup();

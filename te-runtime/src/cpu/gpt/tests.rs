@@ -136,7 +136,7 @@ fn blockwise_fp8_gemms_perturb_the_loss_and_gradients_slightly() {
         Float8BlockScaling::default(),
         Float8BlockScaling {
             x_block_scaling_dim: 2,
-            grad_block_scaling_dim: 2,
+            w_block_scaling_dim: 1,
             power_2_scale: false,
             ..Default::default()
         },

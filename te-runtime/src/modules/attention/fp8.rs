@@ -84,8 +84,8 @@ fn env_keeps_16_bit_backward() -> bool {
 fn dp_recipe(recipe: &Recipe) -> Recipe {
     match recipe {
         Recipe::Delayed(r) => Recipe::Delayed(*r),
-        Recipe::Current(c) => Recipe::Delayed(DelayedScaling {
-            fp8_format: c.fp8_format,
+        r @ (Recipe::Current(_) | Recipe::Block(_)) => Recipe::Delayed(DelayedScaling {
+            fp8_format: r.format(),
             amax_history_len: 1,
             amax_compute_algo: AmaxComputeAlgo::MostRecent,
             ..DelayedScaling::default()

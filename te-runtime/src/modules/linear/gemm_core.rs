@@ -245,13 +245,13 @@ impl LinearCore {
         // cuBLASLt's FP8 GEMMs take a bf16 bias for an f32 output (the output dtype otherwise).
         let bias = self.added_bias(if dtype == DType::F32 { DType::BF16 } else { dtype })?;
         let cfg = GemmConfig {
-            fast_accum: true,
+            // TE's fprop uses the fast accumulator; block-scaled GEMMs have only the precise one.
+            fast_accum: x8.block_scale().is_none(),
             epilogue: bias.as_ref().map_or(Epilogue::None, Epilogue::Bias),
             ..Default::default()
         };
         let shape = out_shape(shape, self.params.out_features());
-        let operands =
-            || (Operand::fp8(x8.data(), x8.scale_inv().as_view()), Operand::fp8(w8.data(), w8.scale_inv().as_view()));
+        let operands = || (x8.operand(), w8.operand());
         let out = if !opts.fp8_output {
             let mut y = Tensor::empty(&dev, dtype, &shape)?;
             let (a, b) = operands();
@@ -334,10 +334,8 @@ impl LinearCore {
             true => Some(self.fp8_dgrad(dy8, &saved.weight, input_shape, dtype)?),
             false => None,
         };
-        let dy8_t = dy8.transpose().ok_or_else(|| self.internal("the grad_output cast made no transpose"))?;
-        let a = Operand::fp8(dy8_t, dy8.scale_inv().as_view());
-        let b = Operand::fp8(input_t.data(), input_t.scale_inv().as_view());
-        self.params.accumulate_wgrad(a, b, None)?;
+        let a = dy8.transpose_operand().ok_or_else(|| self.internal("the grad_output cast made no transpose"))?;
+        self.params.accumulate_wgrad(a, input_t.operand(), None)?;
         if let Some(d) = dbias {
             self.params.accumulate_bias_grad(d)?;
         }
@@ -354,11 +352,9 @@ impl LinearCore {
         dtype: DType,
     ) -> Result<Tensor> {
         let dev = self.dev();
-        let w_t = weight.transpose().ok_or_else(|| self.internal("the saved FP8 weight has no transpose"))?;
+        let w_t = weight.transpose_operand().ok_or_else(|| self.internal("the saved FP8 weight has no transpose"))?;
         let mut dx = Tensor::empty(&dev, dtype, input_shape)?;
-        let (a, b) =
-            (Operand::fp8(dy8.data(), dy8.scale_inv().as_view()), Operand::fp8(w_t, weight.scale_inv().as_view()));
-        gemm(&dev, a, b, GemmOut::new(&mut dx), &GemmConfig::default())?;
+        gemm(&dev, dy8.operand(), w_t, GemmOut::new(&mut dx), &GemmConfig::default())?;
         Ok(dx)
     }
 
