@@ -192,12 +192,24 @@ pub enum Error {
         /// What failed and what to do.
         message: String,
     },
-    /// NCCL could not be loaded (cudarc would panic: this is checked first).
-    #[error(
-        "NCCL (libnccl.so.2) was not found: put its folder on LD_LIBRARY_PATH (with PyTorch installed: python3 -c \
-         \"import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))\" plus /lib), or install NCCL"
-    )]
-    NcclMissing,
+    /// NCCL could not be loaded ([`dist::nccl_available`] checks before any NCCL call: cudarc
+    /// would panic). cudarc loads it as `libnccl.so`; PyTorch's wheel (`nvidia-nccl-cu13`) ships
+    /// only `libnccl.so.2`, in `site-packages/nvidia/nccl/lib`: `source scripts/nccl-path.sh`
+    /// makes a `libnccl.so` link to it and puts the link's folder on `LD_LIBRARY_PATH`.
+    #[error("NCCL could not be loaded: {hint}")]
+    NcclMissing {
+        /// What was searched and found, and how to make it loadable.
+        hint: String,
+    },
+    /// An NCCL call failed (or NCCL is too old for it): the call, NCCL's result code and its
+    /// last error text, and what usually causes it.
+    #[error("NCCL {op} failed: {message}")]
+    Nccl {
+        /// The NCCL function, e.g. `ncclAllReduce`.
+        op: &'static str,
+        /// The result code, NCCL's explanation, and what to check.
+        message: String,
+    },
     /// A backward called with a context it cannot use: made by another module, or by a forward
     /// whose weights have changed since.
     #[error("{module} backward: {message}")]

@@ -1,0 +1,404 @@
+//! [`ProcessGroup`]: the ranks of a run (or a subset: a tensor- or data-parallel group) and their
+//! NCCL communicator, with the collectives TE's distributed code needs, issued on the device's
+//! stream: all-reduce (sum, max: TE's amax reduction, [`reduce_amax_max`]), all-gather,
+//! reduce-scatter, broadcast, barrier. PyTorch's `torch.distributed` names and semantics.
+//!
+//! Every entry point checks first that NCCL loads ([`nccl_available`]; cudarc panics otherwise)
+//! and starts NCCL with NVLink multicast off (`NCCL_NVLS_ENABLE=0` unless the user set it: see
+//! [`nccl_available`]). Arguments are checked before NCCL sees them: shapes, dtypes, the GPU a
+//! buffer lives on; a failed NCCL call is [`Error::Nccl`] with NCCL's own explanation.
+//!
+//! The collectives are asynchronous on the device's stream, like every op of this crate: later
+//! work on the stream sees their results; [`Device::synchronize`] (or [`ProcessGroup::barrier`])
+//! waits for them. Every rank of the group must issue the same collectives in the same order
+//! with matching shapes, or NCCL waits forever (NCCL's rule, not checkable locally).
+
+use super::nccl_args::{check_concat, check_root, group_members, reducible, CommBuffer, ReduceOp};
+use super::nccl_lib::{nccl_available, nccl_error};
+use super::{rendezvous, DistEnv};
+use crate::{Device, Error, Result};
+use cudarc::driver::CudaSlice;
+use cudarc::nccl::result::{self, NcclError, NcclStatus};
+use cudarc::nccl::sys;
+use std::ffi::c_int;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// An NCCL communicator handle; used under the group's lock (NCCL's communicators are not
+/// thread-safe), destroyed by [`ProcessGroup`]'s `Drop` or [`ProcessGroup::abort`].
+#[derive(Debug)]
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: NCCL allows a communicator to be used from any thread, one call at a time: every use
+// is under `ProcessGroup::comm`'s mutex.
+unsafe impl Send for RawComm {}
+
+/// The ranks of a group and their NCCL communicator on one GPU (TE's and PyTorch's process
+/// group: `torch.distributed.ProcessGroup` with the NCCL backend).
+///
+/// Made by [`ProcessGroup::init`] (every rank of a `torchrun`-style run), [`ProcessGroup::single`]
+/// (one process), and from a group by [`ProcessGroup::split`] and [`ProcessGroup::new_group`]
+/// (tensor- and data-parallel groups; NCCL's `ncclCommSplit`). Dropping it destroys the
+/// communicator (`ncclCommDestroy`, which waits for its pending work); [`ProcessGroup::abort`]
+/// does not wait.
+#[derive(Debug)]
+pub struct ProcessGroup {
+    /// Dropped before `dev` (fields drop in order): the context outlives the communicator.
+    comm: Mutex<RawComm>,
+    dev: Arc<Device>,
+    rank: usize,
+    /// Global rank (`RANK`) of each member, by rank in this group.
+    ranks: Vec<usize>,
+}
+
+impl ProcessGroup {
+    /// The group of every rank of the run `env` describes (PyTorch's
+    /// `init_process_group("nccl")`), on `dev` (the GPU of this process, usually
+    /// `Device::new(env.local_rank)`). Rank 0 makes the NCCL unique id (`ncclGetUniqueId`) and
+    /// hands it to the others through the TCP rendezvous at `MASTER_ADDR:MASTER_PORT`
+    /// ([`rendezvous::broadcast_bytes`], bounded by `TE_DIST_TIMEOUT_S`); then every rank
+    /// creates its communicator (`ncclCommInitRank`, which returns once every rank has joined).
+    /// With `WORLD_SIZE` 1 there is no TCP. Every rank of the run must call it.
+    ///
+    /// # Errors
+    /// [`Error::NcclMissing`] / [`Error::Nccl`] from [`nccl_available`]; [`Error::Dist`]: the
+    /// rendezvous failed (see [`rendezvous::broadcast_bytes`]), rank 0 sent an id of the wrong
+    /// size, a rank or world size NCCL cannot take; [`Error::Nccl`]: `ncclGetUniqueId` or
+    /// `ncclCommInitRank` failed (two ranks on one GPU is `ncclInvalidUsage`); driver errors.
+    pub fn init(dev: &Arc<Device>, env: &DistEnv) -> Result<Self> {
+        let dist = |message: String| Error::Dist { message };
+        if env.world_size == 0 || env.rank >= env.world_size || c_int::try_from(env.world_size).is_err() {
+            return Err(dist(format!(
+                "ProcessGroup::init: rank {} of world size {}: the rank must be below the world size, which must be \
+                 in [1, {}]",
+                env.rank,
+                env.world_size,
+                c_int::MAX
+            )));
+        }
+        nccl_available()?;
+        let make = || -> Result<Vec<u8>> {
+            let id = result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e, None))?;
+            Ok(id.internal.iter().map(|&c| c as u8).collect())
+        };
+        let bytes = rendezvous::broadcast_bytes(env, make, rendezvous::timeout_from_env())?;
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        if bytes.len() != id.internal.len() {
+            return Err(dist(format!(
+                "rank {}: rank 0 sent {} bytes as the NCCL unique id, not {}: do all ranks run the same build?",
+                env.rank,
+                bytes.len(),
+                id.internal.len()
+            )));
+        }
+        for (c, b) in id.internal.iter_mut().zip(&bytes) {
+            *c = *b as std::ffi::c_char;
+        }
+        dev.context().bind_to_thread()?;
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; the world size and rank fit in c_int (checked);
+        // the id is rank 0's, as NCCL requires. NCCL takes the current device (bound above).
+        unsafe { result::comm_init_rank(&mut comm, env.world_size as c_int, id, env.rank as c_int) }
+            .map_err(|e| nccl_error("ncclCommInitRank", e, None))?;
+        Ok(Self {
+            comm: Mutex::new(RawComm(comm)),
+            dev: dev.clone(),
+            rank: env.rank,
+            ranks: (0..env.world_size).collect(),
+        })
+    }
+
+    /// A group of this process alone (world size 1; no TCP): every collective is the identity
+    /// (a copy for all-gather and reduce-scatter). For single-GPU runs of code written for groups.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::init`].
+    pub fn single(dev: &Arc<Device>) -> Result<Self> {
+        Self::init(dev, &DistEnv { local_rank: dev.context().ordinal(), ..DistEnv::single() })
+    }
+
+    /// This process's rank in the group, `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// The global rank (`RANK` of the run) of each member, by rank in this group.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// The GPU the group's collectives run on (their stream is its stream).
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Sub-groups (`ncclCommSplit`): every rank `r` of this group with `color(r) = Some(c)` joins
+    /// the group of color `c`, ranked in this group's order; ranks with `None` join none and get
+    /// `None`. Every rank of this group must call it with the same `color` (a function of the
+    /// rank: Megatron's tensor-parallel groups are `|r| Some(r / tp)`, its data-parallel ones
+    /// `|r| Some(r % tp)`); it returns once the ranks of this group have all called it.
+    ///
+    /// # Errors
+    /// [`Error::Argument`]: a color above `i32::MAX`; [`Error::Nccl`]: `ncclCommSplit` failed;
+    /// [`Error::Dist`]: the new group is not the one `color` describes (ranks passed different
+    /// functions).
+    pub fn split(&self, color: impl Fn(usize) -> Option<usize>) -> Result<Option<ProcessGroup>> {
+        let op = "ProcessGroup::split";
+        let colors: Vec<Option<usize>> = (0..self.size()).map(&color).collect();
+        let mine = colors[self.rank];
+        let nccl_color = match mine {
+            None => -1, // NCCL_SPLIT_NOCOLOR
+            Some(c) => c_int::try_from(c).map_err(|_| Error::Argument {
+                op,
+                message: format!("color {c} of rank {} is above {}: use smaller colors", self.rank, c_int::MAX),
+            })?,
+        };
+        // Members of this rank's new group, by rank in this group (the key keeps that order).
+        let members: Vec<usize> = (0..self.size()).filter(|&r| mine.is_some() && colors[r] == mine).collect();
+        let mut new: sys::ncclComm_t = std::ptr::null_mut();
+        let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        self.dev.context().bind_to_thread()?;
+        // SAFETY: the communicator is live (owned by self, used under its lock); `new` is a
+        // valid out-pointer; a null config makes the child inherit the parent's.
+        unsafe { sys::ncclCommSplit(comm.0, nccl_color, self.rank as c_int, &mut new, std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| nccl_error("ncclCommSplit", e, Some(comm.0)))?;
+        drop(comm);
+        if mine.is_none() || new.is_null() {
+            return Ok(None);
+        }
+        let group = ProcessGroup {
+            comm: Mutex::new(RawComm(new)),
+            dev: self.dev.clone(),
+            rank: members.iter().position(|&r| r == self.rank).unwrap_or(0),
+            ranks: members.iter().map(|&r| self.ranks[r]).collect(),
+        };
+        // SAFETY: `new` is the live communicator NCCL just made.
+        let (count, user_rank) = unsafe { (result::comm_count(new), result::comm_user_rank(new)) };
+        let (count, user_rank) = (
+            count.map_err(|e| nccl_error("ncclCommCount", e, Some(new)))?,
+            user_rank.map_err(|e| nccl_error("ncclCommUserRank", e, Some(new)))?,
+        );
+        if count as usize != group.size() || user_rank as usize != group.rank {
+            return Err(Error::Dist {
+                message: format!(
+                    "{op}: rank {} expected rank {} of a group of {} ({:?}), NCCL made rank {user_rank} of {count}: \
+                     every rank must pass the same color function",
+                    self.rank,
+                    group.rank,
+                    group.size(),
+                    group.ranks
+                ),
+            });
+        }
+        Ok(Some(group))
+    }
+
+    /// The group of `ranks` (ranks of this group; PyTorch's `new_group(ranks)`): its members get
+    /// it, ranked in sorted order of `ranks`, the other ranks `None`. Every rank of this group
+    /// must call it with the same `ranks` (`ncclCommSplit`, as [`ProcessGroup::split`]).
+    ///
+    /// # Errors
+    /// [`Error::Argument`]: `ranks` empty, with a rank twice or out of range; as
+    /// [`ProcessGroup::split`].
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let members = group_members(self.size(), ranks)?;
+        self.split(|r| members.binary_search(&r).is_ok().then_some(0))
+    }
+
+    /// Issues one NCCL call with the communicator and the device's stream, under the lock.
+    fn issue(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<NcclStatus, NcclError>,
+    ) -> Result<()> {
+        let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        self.dev.context().bind_to_thread()?;
+        let stream = self.dev.stream().cu_stream() as sys::cudaStream_t;
+        call(comm.0, stream).map(|_| ()).map_err(|e| nccl_error(op, e, Some(comm.0)))
+    }
+
+    /// Checks that `buf` lives on this group's GPU.
+    fn check_device(&self, op: &'static str, arg: &str, buf: &impl CommBuffer) -> Result<()> {
+        let (have, want) = (buf.context().ordinal(), self.dev.context().ordinal());
+        if have != want {
+            return Err(Error::Argument {
+                op,
+                message: format!("`{arg}` is on GPU {have}, this group's device is GPU {want}: allocate it there"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Reduces `buf` over the group, in place (`ncclAllReduce`): afterwards every rank holds
+    /// `op` over the ranks' `buf`s, elementwise. f32, bf16 and f16; any shape (the same on
+    /// every rank). A shared [`Tensor`](crate::Tensor) is copied first (its clones keep the old values).
+    ///
+    /// # Errors
+    /// [`Error::DType`] for FP8; [`Error::Argument`]: `buf` on another GPU; [`Error::Nccl`].
+    pub fn all_reduce<B: CommBuffer>(&self, buf: &mut B, op: ReduceOp) -> Result<()> {
+        let name = "ProcessGroup::all_reduce";
+        let datatype = reducible(name, "buf", buf.dtype())?;
+        self.check_device(name, "buf", buf)?;
+        let count: usize = buf.dims().iter().product();
+        if count == 0 {
+            return Ok(());
+        }
+        let stream = self.dev.stream().clone();
+        let (ptr, _sync) = buf.write(&stream)?;
+        let p = ptr as *mut std::ffi::c_void;
+        // SAFETY: `p` addresses `count` live elements of `datatype` on this group's GPU; in place
+        // (send = receive) is allowed; the call is ordered on the device's stream.
+        self.issue("ncclAllReduce", |comm, s| unsafe { result::all_reduce(p, p, count, datatype, op.nccl(), comm, s) })
+    }
+
+    /// Concatenates every rank's `input` along the first dim into `output` (`ncclAllGather`):
+    /// `input` `[d0, d1, ...]` gives `output` `[size() * d0, d1, ...]`, rank `r`'s rows at
+    /// `r * d0`. Any dtype (FP8 codes included: bytes are moved, not converted); `output` is the
+    /// caller's, of `input`'s dtype.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] / [`Error::DType`]: `output` not as above (the message gives the shape to
+    /// allocate); [`Error::Argument`]: a buffer on another GPU; [`Error::Nccl`].
+    pub fn all_gather<B: CommBuffer>(&self, input: &B, output: &mut B) -> Result<()> {
+        let name = "ProcessGroup::all_gather";
+        let (part, whole) = (input.dims(), output.dims());
+        let dtype = input.dtype();
+        check_concat(name, self.size(), ("input", dtype, &part), ("output", output.dtype(), &whole))?;
+        self.check_device(name, "input", input)?;
+        self.check_device(name, "output", output)?;
+        let bytes = part.iter().product::<usize>() * dtype.size_bytes();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let stream = self.dev.stream().clone();
+        let (dst, _out) = output.write(&stream)?;
+        let (src, _in) = input.read(&stream);
+        let (src, dst) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
+        let u8 = sys::ncclDataType_t::ncclUint8;
+        // SAFETY: `src` holds `bytes` bytes and `dst` `size() * bytes` (checked shapes); both on
+        // this group's GPU; ordered on the device's stream.
+        self.issue("ncclAllGather", |comm, s| unsafe { result::all_gather(src, dst, bytes, u8, comm, s) })
+    }
+
+    /// Reduces every rank's `input` with `op` and scatters the result along the first dim
+    /// (`ncclReduceScatter`): `input` `[size() * d0, d1, ...]` gives rank `r` the rows
+    /// `r * d0 .. (r + 1) * d0` of the reduction in `output` `[d0, d1, ...]`. f32, bf16, f16
+    /// (gradients: [`ReduceOp::Sum`]).
+    ///
+    /// # Errors
+    /// [`Error::DType`] for FP8 or differing dtypes; [`Error::Shape`]: shapes not as above;
+    /// [`Error::Argument`]: a buffer on another GPU; [`Error::Nccl`].
+    pub fn reduce_scatter<B: CommBuffer>(&self, input: &B, output: &mut B, op: ReduceOp) -> Result<()> {
+        let name = "ProcessGroup::reduce_scatter";
+        let datatype = reducible(name, "input", input.dtype())?;
+        let (whole, part) = (input.dims(), output.dims());
+        check_concat(name, self.size(), ("output", output.dtype(), &part), ("input", input.dtype(), &whole))?;
+        self.check_device(name, "input", input)?;
+        self.check_device(name, "output", output)?;
+        let count: usize = part.iter().product();
+        if count == 0 {
+            return Ok(());
+        }
+        let stream = self.dev.stream().clone();
+        let (dst, _out) = output.write(&stream)?;
+        let (src, _in) = input.read(&stream);
+        let (src, dst) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
+        // SAFETY: `dst` holds `count` elements and `src` `size() * count` (checked shapes); both
+        // on this group's GPU; ordered on the device's stream.
+        self.issue("ncclReduceScatter", |comm, s| unsafe {
+            result::reduce_scatter(src, dst, count, datatype, op.nccl(), comm, s)
+        })
+    }
+
+    /// Copies rank `root`'s `buf` into every rank's `buf`, in place (`ncclBroadcast`): initial
+    /// weights, a seed. Any dtype and shape (the same on every rank).
+    ///
+    /// # Errors
+    /// [`Error::Argument`]: `root` not below [`ProcessGroup::size`], `buf` on another GPU;
+    /// [`Error::Nccl`].
+    pub fn broadcast<B: CommBuffer>(&self, buf: &mut B, root: usize) -> Result<()> {
+        let name = "ProcessGroup::broadcast";
+        check_root(name, root, self.size())?;
+        self.check_device(name, "buf", buf)?;
+        let bytes = buf.dims().iter().product::<usize>() * buf.dtype().size_bytes();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let stream = self.dev.stream().clone();
+        let (ptr, _sync) = buf.write(&stream)?;
+        let p = ptr as *mut std::ffi::c_void;
+        let u8 = sys::ncclDataType_t::ncclUint8;
+        // SAFETY: `p` holds `bytes` bytes on this group's GPU; in place is allowed; ordered on the
+        // device's stream.
+        self.issue("ncclBroadcast", |comm, s| unsafe { result::broadcast(p, p, bytes, u8, root as c_int, comm, s) })
+    }
+
+    /// Waits until every rank has reached it (PyTorch's `barrier()` with NCCL: an all-reduce of
+    /// one element, then a wait for the device's stream, so this rank's earlier work is done too).
+    ///
+    /// # Errors
+    /// [`Error::Nccl`]; driver errors (a failed earlier kernel surfaces here); refused inside a
+    /// CUDA graph capture (it synchronizes).
+    pub fn barrier(&self) -> Result<()> {
+        let mut one = self.dev.stream().alloc_zeros::<f32>(1)?;
+        self.all_reduce(&mut one, ReduceOp::Sum)?;
+        self.dev.synchronize()
+    }
+
+    /// Destroys the communicator without waiting for its pending work (`ncclCommAbort`): after a
+    /// failed collective or a rank that died, where dropping (which waits) could hang.
+    pub fn abort(self) {
+        let comm = {
+            let mut slot = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::replace(&mut slot.0, std::ptr::null_mut())
+        };
+        if !comm.is_null() {
+            let _ = self.dev.context().bind_to_thread();
+            // SAFETY: the communicator is live and no longer reachable from `self`.
+            let _ = unsafe { result::comm_abort(comm) };
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        let comm = self.comm.get_mut().unwrap_or_else(PoisonError::into_inner).0;
+        if comm.is_null() {
+            return;
+        }
+        let _ = self.dev.context().bind_to_thread();
+        // SAFETY: the communicator is live, owned by this group and used by no one else now.
+        if let Err(e) = unsafe { result::comm_destroy(comm) } {
+            tracing::warn!("ncclCommDestroy failed: {:?}", e.0);
+        }
+    }
+}
+
+/// TE's amax reduction (`reduce_amax` of `DelayedScaling`, with the amax reduction group): the
+/// maximum of each amax over the group, in place, so that every rank derives the same FP8 scales
+/// from the same amaxes. `amaxes` holds f32 amaxes (absolute maxima, ≥ 0), the same count on
+/// every rank; one `ncclAllReduce` with `ncclMax`. A group of one leaves them as they are.
+///
+/// # Errors
+/// As [`ProcessGroup::all_reduce`].
+pub fn reduce_amax_max(group: &ProcessGroup, amaxes: &mut CudaSlice<f32>) -> Result<()> {
+    group.all_reduce(amaxes, ReduceOp::Max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A group can be shared by the modules of a model across threads (its calls are serialized
+    /// by the lock around the communicator).
+    #[test]
+    fn groups_are_send_and_sync() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<ProcessGroup>();
+    }
+}
