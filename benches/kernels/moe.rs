@@ -2,11 +2,13 @@
 //! the transposed 128×1-tiled copy: read 2 B, write 2 × 1 B per element, plus the scales; 128×128
 //! blocks row-wise: read 2 B, write 1 B) and the MoE permutation of 8192 tokens × 4096 hidden
 //! to top-2 of 8 experts (permute: read 2 B, write 2 × 2 B per token element; unpermute with
-//! probabilities: read 2 × 2 B, write 2 B).
+//! probabilities: read 2 × 2 B, write 2 B), and the top-k softmax router forward of 8192 tokens ×
+//! 64 experts to the top 8 (read 2 B and write the 4 B score per logit, write 8 B per slot).
 
 use crate::harness::{random_bytes, Bench};
 use te_runtime::ops::block_quantize::{quantize, BlockFp8, BlockQuantizeParams};
 use te_runtime::ops::moe::{permute, routing_map, unpermute, MoeRouting};
+use te_runtime::ops::moe_router::{topk_router, RouterConfig, RouterOutput};
 use te_runtime::{DType, Tensor};
 
 pub fn run(b: &mut Bench) {
@@ -45,5 +47,13 @@ pub fn run(b: &mut Bench) {
         let mut out = Tensor::empty(&dev, DType::BF16, &[tokens, hidden]).unwrap();
         let st = b.time(5, 50, |_| unpermute(&dev, &y, &routing, Some(&probs), &mut out).unwrap());
         b.record("moe unpermute bf16", &shape, st, Some(2 * 2 * n + 2 * n), None);
+    }
+    if b.enabled("moe_router") {
+        let (tokens, experts, k) = (8192usize, 64usize, 8usize);
+        let logits = bf16(tokens, experts, 3);
+        let mut out = RouterOutput::new(&dev, tokens, experts, RouterConfig::new(k)).unwrap();
+        let st = b.time(5, 50, |_| topk_router(&dev, &logits, &mut out).unwrap());
+        let bytes = (tokens * experts * (2 + 4) + tokens * k * (4 + 4)) as u64;
+        b.record("moe_router top-k softmax fwd bf16", &format!("{tokens}x{experts} top{k}"), st, Some(bytes), None);
     }
 }

@@ -142,6 +142,10 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
     }
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         v.push(MoePermuteSpec::new(dtype, arch).into());
+        // The top-k router, one kernel set per expert-count bucket.
+        for experts in [32, 64, 128, 256, 512] {
+            v.push(MoeRouterSpec::new(dtype, experts, arch).into());
+        }
     }
     crate::prewarm::sorted(v)
 }

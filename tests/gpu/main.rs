@@ -34,6 +34,8 @@ mod kernel_specs;
 mod linear;
 mod modules;
 mod moe;
+mod moe_router;
+mod nccl;
 mod norm;
 mod optimizer;
 mod rope;

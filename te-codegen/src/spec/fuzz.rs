@@ -79,4 +79,14 @@ proptest! {
             }
         }
     }
+
+    #[test]
+    fn moe_router_specs(t in dtype(), experts in size(), a in arch()) {
+        let spec = MoeRouterSpec::new(t, experts, a);
+        if (1..=MoeRouterSpec::MAX_EXPERTS).contains(&experts) && t.is_high_precision() {
+            prop_assert!(spec.max_experts >= experts && spec.max_experts <= 2 * experts.max(16));
+            prop_assert!(KernelSpec::from(spec).validate().is_ok());
+        }
+        check(spec.into());
+    }
 }

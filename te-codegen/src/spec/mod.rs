@@ -38,6 +38,7 @@ mod flash_attention;
 #[cfg(test)]
 mod fuzz;
 mod moe;
+mod moe_router;
 mod norm;
 mod optimizer;
 mod rope;
@@ -57,6 +58,7 @@ pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use embedding::EmbeddingSpec;
 pub use flash_attention::{FlashAttnSpec, FLASH_HEAD_DIMS};
 pub use moe::MoePermuteSpec;
+pub use moe_router::MoeRouterSpec;
 pub use norm::{NormKind, NormSpec};
 pub use optimizer::{OptimizerKind, OptimizerSpec};
 pub use rope::{RopeFormat, RopeSpec};
@@ -193,6 +195,9 @@ kernel_families! {
     BlockQuantize(BlockQuantizeSpec) => ["block_quantize.cu.tera"],
     /// Family 17: MoE token permutation (routing map, permute, unpermute, probabilities' gradient).
     MoePermute(MoePermuteSpec) => ["moe_permute.cu.tera"],
+    /// Family 18: MoE top-k softmax router and auxiliary load-balancing loss, forward and
+    /// backward.
+    MoeRouter(MoeRouterSpec) => ["moe_router.cu.tera"],
 }
 
 impl KernelSpec {

@@ -16,6 +16,7 @@ pub mod flash_attention;
 pub mod flash_attention_fp8;
 mod launch;
 pub mod moe;
+pub mod moe_router;
 pub mod norm;
 pub mod optimizer;
 pub mod rope;
