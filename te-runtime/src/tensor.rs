@@ -225,6 +225,77 @@ impl Tensor {
         Ok(Tensor { data: self.data.clone(), dtype: self.dtype, shape: shape.to_vec() })
     }
 
+    /// The rows of this tensor (`[rows, cols]`, leading dims folded) split into consecutive
+    /// groups of `sizes[i]` rows, each copied into a `[sizes[i], cols]` tensor of its own
+    /// (`torch.split` along dim 0, but copies: a [`Tensor`] is always a whole allocation).
+    /// A group of 0 rows is an empty `[0, cols]` tensor.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `sizes` do not add up to the rows; allocation and copy failures.
+    pub fn split_rows(&self, dev: &Device, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        const OP: &str = "Tensor::split_rows";
+        let (rows, cols) = self.as_2d(OP)?;
+        let total: usize = sizes.iter().sum();
+        if total != rows {
+            return Err(Error::Shape {
+                op: OP,
+                message: format!("the split sizes {sizes:?} add up to {total} rows, but the tensor has {rows}"),
+            });
+        }
+        let row_bytes = cols * self.dtype.size_bytes();
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(sizes.len());
+        for &n in sizes {
+            let mut part = Tensor::empty(dev, self.dtype, &[n, cols])?;
+            if n > 0 {
+                let src = self.data.slice(start * row_bytes..(start + n) * row_bytes);
+                dev.stream().memcpy_dtod(&src, part.data_mut()?)?;
+            }
+            start += n;
+            parts.push(part);
+        }
+        Ok(parts)
+    }
+
+    /// `parts` (each `[rows_i, cols]`, leading dims folded, one dtype) stacked along the rows
+    /// into one `[Σ rows_i, cols]` tensor (`torch.cat` along dim 0).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for no parts or parts of different widths; [`Error::DType`] for mixed
+    /// dtypes; allocation and copy failures.
+    pub fn cat_rows(dev: &Device, parts: &[Tensor]) -> Result<Tensor> {
+        const OP: &str = "Tensor::cat_rows";
+        let first = parts.first().ok_or_else(|| Error::Shape { op: OP, message: "no tensors to stack".into() })?;
+        let (_, cols) = first.as_2d(OP)?;
+        let mut rows = 0;
+        for p in parts {
+            let (r, c) = p.as_2d(OP)?;
+            if c != cols {
+                return Err(Error::Shape {
+                    op: OP,
+                    message: format!("every part must have {cols} columns, got {:?}", p.shape()),
+                });
+            }
+            if p.dtype != first.dtype {
+                return Err(Error::DType { op: OP, arg: "parts", expected: first.dtype.to_string(), got: p.dtype });
+            }
+            rows += r;
+        }
+        let mut out = Tensor::empty(dev, first.dtype, &[rows, cols])?;
+        let row_bytes = cols * first.dtype.size_bytes();
+        let mut start = 0;
+        let dst = out.data_mut()?;
+        for p in parts {
+            let n = p.numel() / cols.max(1);
+            if n > 0 {
+                let mut view = dst.slice_mut(start * row_bytes..(start + n) * row_bytes);
+                dev.stream().memcpy_dtod(&p.data.slice(0..n * row_bytes), &mut view)?;
+            }
+            start += n;
+        }
+        Ok(out)
+    }
+
     /// The shape as `[rows, cols]`: all leading dims folded into rows.
     ///
     /// # Errors

@@ -11,8 +11,8 @@
 
 use super::multihead_attention::QkvProjConfig;
 use super::{
-    DotProductAttentionConfig, EmbeddingConfig, KernelSpec, KernelTarget, LayerNormLinearConfig, LayerNormMLPConfig,
-    LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
+    DotProductAttentionConfig, EmbeddingConfig, GroupedLinearConfig, KernelSpec, KernelTarget, LayerNormLinearConfig,
+    LayerNormMLPConfig, LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
 };
 use crate::fp8::Recipe;
 use crate::ops::flash_attention_fp8;
@@ -54,6 +54,14 @@ impl LinearConfig {
     /// input or cached weight, the cast + transpose (+ dbias with `bias`) of
     /// `dY: [tokens, out_features]`, and gradient accumulation (into the `params_dtype`
     /// gradients and an f32 `main_grad`).
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        linear(&target.with_dtype(self.params_dtype), self.in_features, self.out_features, self.bias, specs);
+    }
+}
+
+impl GroupedLinearConfig {
+    /// The kernels a `GroupedLinear` of this config runs for `target`: those of one of its
+    /// GEMMs ([`LinearConfig::kernel_specs`]; the row groups move by copies, no kernel).
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         linear(&target.with_dtype(self.params_dtype), self.in_features, self.out_features, self.bias, specs);
     }

@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod grouped_linear;
 pub mod inference;
 mod init;
 mod kernel_specs;
@@ -23,6 +24,7 @@ pub use attention::{
     AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat, ThdSeqlens,
 };
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
+pub use grouped_linear::{GroupedLinear, GroupedLinearConfig, GroupedLinearCtx};
 pub use inference::{InferenceParams, KvLayer};
 #[cfg(test)]
 pub(crate) use kernel_target::block_quantize_specs;

@@ -1,4 +1,5 @@
-//! [`Module`] for TE's GEMM and norm layers (`Linear`, `Norm`, `LayerNormLinear`, `LayerNormMLP`)
+//! [`Module`] for TE's GEMM and norm layers (`Linear`, `Norm`, `LayerNormLinear`, `LayerNormMLP`,
+//! `GroupedLinear`)
 //! under TE's state-dict names, and the building blocks of a hand-written impl
 //! ([`visit_linear_params`], [`visit_norm_params`]).
 
@@ -6,7 +7,8 @@ use super::group::{visit_group, visit_group_mut};
 use super::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use crate::fp8::ScalingState;
 use crate::modules::{
-    Fp8StateSlot, KernelSpec, KernelTarget, LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm, NormParams,
+    Fp8StateSlot, GroupedLinear, KernelSpec, KernelTarget, LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm,
+    NormParams,
 };
 use crate::Result;
 use std::sync::Arc;
@@ -81,6 +83,40 @@ impl Module for LayerNormMLP {
         visit_linear_params_mut(self.fc1_mut(), prefix, ["fc1_weight", "fc1_bias"], visitor)?;
         visit_linear_params_mut(self.fc2_mut(), prefix, ["fc2_weight", "fc2_bias"], visitor)?;
         visit_slots(prefix, self.fp8_state_slots(), visitor)
+    }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        self.config().kernel_specs(target, specs);
+    }
+}
+
+/// TE's names: `weight{i}`, `bias{i}` for GEMM `i`; the scaling states `fp8_fwd{i}`,
+/// `fp8_bwd{i}`.
+impl Module for GroupedLinear {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        for (i, [fwd, bwd]) in self.fp8_states().into_iter().enumerate() {
+            let (weight, bias) = (format!("weight{i}"), format!("bias{i}"));
+            if let Some(p) = self.params(i) {
+                visit_linear_params(p, prefix, [&weight, &bias], visitor)?;
+            }
+            let (f, b) = (format!("fp8_fwd{i}"), format!("fp8_bwd{i}"));
+            visit_states(prefix, &[(&f, fwd), (&b, bwd)], |path, s| visitor.fp8_state(path, s))?;
+        }
+        Ok(())
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        for i in 0..self.config().num_gemms {
+            let (weight, bias) = (format!("weight{i}"), format!("bias{i}"));
+            if let Some(p) = self.params_mut(i) {
+                visit_linear_params_mut(p, prefix, [&weight, &bias], visitor)?;
+            }
+            let (f, b) = (format!("fp8_fwd{i}"), format!("fp8_bwd{i}"));
+            if let Some([fwd, bwd]) = self.fp8_state_slots(i) {
+                visit_slots(prefix, [(f.as_str(), fwd), (b.as_str(), bwd)], visitor)?;
+            }
+        }
+        Ok(())
     }
 
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {

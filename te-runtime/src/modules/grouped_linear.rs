@@ -1,0 +1,302 @@
+//! `GroupedLinear`: `num_gemms` independent linear layers over consecutive row groups of one
+//! input, the expert layer of mixture-of-experts models (TE `pytorch/module/grouped_linear.py`).
+//!
+//! `x [tokens, in]` holds the rows of expert 0, then those of expert 1, ... (`m_splits[i]` rows
+//! each: what `ops::moe::permute` writes); `y [tokens, out]` holds `x_i · W_iᵀ + b_i` in the same
+//! order. Each GEMM is a [`LinearCore`] of its own, with its weight, bias, gradients,
+//! `main_grad`, micro-batch FP8 weight cache and FP8 scaling state (TE keeps `num_gemms` sets of
+//! scaling metadata too), so under `fp8_autocast` every recipe runs as in `Linear`, per expert.
+//!
+//! Data movement: the row groups are copied out of `x` (and of `dy` in backward) into tensors of
+//! their own and the outputs copied back together (one read and one write of the activations
+//! each way, ≈ 5 % of an FP8 expert layer at 4096 → 14336); the GEMMs run one after the other
+//! on the device's stream.
+
+use super::linear::gemm_core::{LinearCore, LinearInput, Saved};
+use super::linear::{check_input, ForwardOptions};
+use super::params::{fp8_dim, LinearParams, ParamsInit};
+use super::{next_module_id, Stamp};
+use crate::fp8::{fp8_mode, Fp8Mode, Fp8StateSlot, ScalingState};
+use crate::{Device, Error, Result, Tensor};
+use std::sync::Arc;
+use te_codegen::DType;
+
+const MODULE: &str = "GroupedLinear";
+
+/// Arguments of [`GroupedLinear::new`] (TE `te.GroupedLinear(num_gemms, in_features,
+/// out_features, ...)`).
+#[derive(Debug, Clone)]
+pub struct GroupedLinearConfig {
+    /// Number of GEMMs (experts), each `[in_features → out_features]`.
+    pub num_gemms: usize,
+    /// Size of each input row.
+    pub in_features: usize,
+    /// Size of each output row.
+    pub out_features: usize,
+    /// Each GEMM learns an additive bias (TE default true).
+    pub bias: bool,
+    /// Dtype of the weights, biases and their gradients: F32, BF16 or F16. Default BF16.
+    pub params_dtype: DType,
+    /// Each wgrad GEMM accumulates into the caller's f32 `main_grad` of its expert
+    /// ([`LinearParams::set_main_grad`] on [`GroupedLinear::params_mut`]). Default false.
+    pub fuse_wgrad_accumulation: bool,
+    /// Std of the normal weight init (TE `init_method_normal(0.023)`); biases start at 0.
+    pub init_std: f32,
+    /// Seed of the weight init; GEMM `i` uses `seed + i`.
+    pub seed: u64,
+}
+
+impl GroupedLinearConfig {
+    /// TE's defaults for `num_gemms` layers `[in_features → out_features]`.
+    pub fn new(num_gemms: usize, in_features: usize, out_features: usize) -> Self {
+        Self {
+            num_gemms,
+            in_features,
+            out_features,
+            bias: true,
+            params_dtype: DType::BF16,
+            fuse_wgrad_accumulation: false,
+            init_std: 0.023,
+            seed: 0,
+        }
+    }
+}
+
+/// The context a [`GroupedLinear::forward`] saves for its [`GroupedLinear::backward`].
+#[derive(Debug)]
+pub struct GroupedLinearCtx {
+    stamp: Stamp<1>,
+    m_splits: Vec<usize>,
+    /// What each GEMM saved; `None` for a GEMM that received no rows.
+    saved: Vec<Option<Saved>>,
+}
+
+impl GroupedLinearCtx {
+    /// Device bytes this context holds only for backward (the FP8 input transposes).
+    pub fn saved_bytes(&self) -> usize {
+        self.saved.iter().flatten().map(Saved::bytes).sum()
+    }
+
+    /// The rows of each GEMM, as the forward got them.
+    pub fn m_splits(&self) -> &[usize] {
+        &self.m_splits
+    }
+}
+
+/// `num_gemms` linear layers over consecutive row groups of one input (see the module docs):
+/// `x: [tokens, in_features]` with `m_splits` (rows per GEMM, summing to `tokens`, given on the
+/// host as in TE), `y: [tokens, out_features]` in the input's dtype.
+///
+/// A GEMM that receives no rows does no work and gets no gradient (its weight gradient stays
+/// as it was: a zero contribution). Under FP8 every `m_splits[i]` must be a multiple of 16 in
+/// training (the transposed FP8 copies; TE's `Fp8Padding` pads each expert's rows to it).
+///
+/// ```no_run
+/// # fn main() -> te_runtime::Result<()> {
+/// use te_runtime::fp8::{fp8_autocast, DelayedScaling};
+/// use te_runtime::modules::{GroupedLinear, GroupedLinearConfig};
+/// use te_runtime::{DType, Device, Tensor};
+///
+/// let dev = Device::new(0)?;
+/// let mut experts = GroupedLinear::new(&dev, GroupedLinearConfig::new(8, 4096, 14336))?;
+/// let x = Tensor::zeros(&dev, DType::BF16, &[8192, 4096])?;
+/// let m_splits = [1024, 2048, 512, 0, 1536, 1024, 1024, 1024];
+/// let (y, ctx) = fp8_autocast(true, DelayedScaling::default(), || experts.forward(&x, &m_splits))?;
+/// let dx = experts.backward(ctx, &Tensor::zeros(&dev, DType::BF16, y.shape())?)?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct GroupedLinear {
+    dev: Arc<Device>,
+    cfg: GroupedLinearConfig,
+    id: u64,
+    gemms: Vec<LinearCore>,
+}
+
+impl GroupedLinear {
+    /// `num_gemms` layers on `dev`, each initialized as `Linear` (weight `N(0, init_std)` with
+    /// seed `seed + i`, bias 0; FP8 only under [`crate::fp8::fp8_model_init`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `num_gemms` 0 and for what [`super::Linear::new`] refuses;
+    /// allocation failures.
+    pub fn new(dev: &Arc<Device>, cfg: GroupedLinearConfig) -> Result<Self> {
+        if cfg.num_gemms == 0 {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "num_gemms must be ≥ 1 (one GEMM per expert)".into(),
+            });
+        }
+        let gemms = (0..cfg.num_gemms)
+            .map(|i| {
+                let init = ParamsInit {
+                    in_features: cfg.in_features,
+                    out_features: cfg.out_features,
+                    bias: cfg.bias,
+                    params_dtype: cfg.params_dtype,
+                    fuse_wgrad_accumulation: cfg.fuse_wgrad_accumulation,
+                    init_std: cfg.init_std,
+                    seed: cfg.seed.wrapping_add(i as u64),
+                };
+                Ok(LinearCore::new(LinearParams::new(dev, MODULE, init)?, MODULE, true, true))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), gemms })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GroupedLinearConfig {
+        &self.cfg
+    }
+
+    /// Weight, bias and gradients of GEMM `i` (`None` past `num_gemms`).
+    pub fn params(&self, i: usize) -> Option<&LinearParams> {
+        self.gemms.get(i).map(|g| &g.params)
+    }
+
+    /// Weight, bias and gradients of GEMM `i`, mutably (writes invalidate saved contexts).
+    pub fn params_mut(&mut self, i: usize) -> Option<&mut LinearParams> {
+        self.gemms.get_mut(i).map(|g| &mut g.params)
+    }
+
+    /// The forward and backward delayed-scaling states of each GEMM, once an FP8 pass made them.
+    pub fn fp8_states(&self) -> Vec<[Option<&Arc<ScalingState>>; 2]> {
+        self.gemms.iter().map(|g| [g.fwd_state(), g.bwd_state()]).collect()
+    }
+
+    /// The forward and backward state slots of GEMM `i`, for a writable traversal.
+    pub(crate) fn fp8_state_slots(&mut self, i: usize) -> Option<[Fp8StateSlot<'_>; 2]> {
+        self.gemms.get_mut(i).map(LinearCore::state_slots)
+    }
+
+    fn stamp(&self) -> Stamp<1> {
+        // Versions only grow: their sum changes whenever any GEMM's parameters do.
+        Stamp::new(self.id, [self.gemms.iter().map(|g| g.params.version()).fold(0u64, u64::wrapping_add)])
+    }
+
+    /// `y = [x_0 · W_0ᵀ + b_0; x_1 · W_1ᵀ + b_1; ...]` for training, `x` split by `m_splits`:
+    /// the output (input dtype, `[tokens, out_features]`) and the context for backward.
+    ///
+    /// # Errors
+    /// As [`GroupedLinear::forward_with`].
+    pub fn forward(&mut self, x: &Tensor, m_splits: &[usize]) -> Result<(Tensor, GroupedLinearCtx)> {
+        self.forward_with(x, m_splits, ForwardOptions::default())
+    }
+
+    /// Forward for training with per-call options (`is_first_microbatch` caches every GEMM's
+    /// FP8 weight; `fp8_output` is not supported: the experts' outputs are concatenated).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x` is not `[tokens, in_features]`, `m_splits` does not have
+    /// `num_gemms` entries or does not sum to `tokens`, or (FP8) a split or a feature count is
+    /// not a multiple of 16 (naming the expert and what to pad to); [`Error::Config`] for
+    /// `fp8_output`; [`Error::DType`] for a non-f32/bf16/f16 input; GEMM and kernel failures.
+    pub fn forward_with(
+        &mut self,
+        x: &Tensor,
+        m_splits: &[usize],
+        opts: ForwardOptions,
+    ) -> Result<(Tensor, GroupedLinearCtx)> {
+        let (y, saved) = self.run(x, m_splits, opts, true)?;
+        let ctx = GroupedLinearCtx { stamp: self.stamp(), m_splits: m_splits.to_vec(), saved };
+        Ok((y, ctx))
+    }
+
+    /// Forward for inference: no context, no transposes; the splits may be any size.
+    ///
+    /// # Errors
+    /// As [`GroupedLinear::forward_with`], except the multiple-of-16 rule for the splits.
+    pub fn infer(&mut self, x: &Tensor, m_splits: &[usize]) -> Result<Tensor> {
+        Ok(self.run(x, m_splits, ForwardOptions::default(), false)?.0)
+    }
+
+    fn run(
+        &mut self,
+        x: &Tensor,
+        m_splits: &[usize],
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(Tensor, Vec<Option<Saved>>)> {
+        check_input(MODULE, x, self.cfg.in_features)?;
+        if x.shape().len() != 2 {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("the input must be [tokens, in_features], got {:?}", x.shape()),
+            });
+        }
+        if opts.fp8_output {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "fp8_output is not supported: the experts' outputs are concatenated in the input's dtype"
+                    .into(),
+            });
+        }
+        self.check_splits(x.shape()[0], m_splits)?;
+        let mode = fp8_mode();
+        if grad && matches!(mode, Fp8Mode::Fp8(_)) {
+            for (i, &m) in m_splits.iter().enumerate() {
+                fp8_dim(MODULE, &format!("m_splits[{i}] (the rows of expert {i}; pad them, TE's Fp8Padding)"), m)?;
+            }
+        }
+        let xs = x.split_rows(&self.dev, m_splits)?;
+        let (mut ys, mut saved) = (Vec::with_capacity(xs.len()), Vec::with_capacity(xs.len()));
+        for ((core, xi), &m) in self.gemms.iter_mut().zip(xs).zip(m_splits) {
+            if m == 0 {
+                saved.push(None);
+                continue;
+            }
+            let pass = core.pass(mode)?;
+            let shape = [m, self.cfg.in_features];
+            let (out, s) = core.forward(LinearInput::High(xi), &shape, x.dtype(), &pass, opts, grad)?;
+            ys.push(out.into_high(&self.dev, x.dtype())?);
+            saved.push(s);
+        }
+        let tokens = x.shape()[0];
+        let y = match ys.is_empty() {
+            true => Tensor::empty(&self.dev, x.dtype(), &[tokens, self.cfg.out_features])?,
+            false => Tensor::cat_rows(&self.dev, &ys)?,
+        };
+        Ok((y, saved))
+    }
+
+    fn check_splits(&self, tokens: usize, m_splits: &[usize]) -> Result<()> {
+        let total: usize = m_splits.iter().sum();
+        if m_splits.len() != self.cfg.num_gemms || total != tokens {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!(
+                    "m_splits must hold the rows of each of the {} GEMMs and sum to the {tokens} input rows; got {} \
+                     entries summing to {total}",
+                    self.cfg.num_gemms,
+                    m_splits.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Backward of [`GroupedLinear::forward`]: `dx` (`grad_output`'s dtype, `[tokens,
+    /// in_features]`); each GEMM's weight and bias gradients accumulate.
+    ///
+    /// # Errors
+    /// [`Error::Context`] for a context of another module or one made before the parameters
+    /// changed; [`Error::Shape`] / [`Error::DType`] for a `grad_output` that is not `[tokens,
+    /// out_features]` f32/bf16/f16; [`Error::Config`] when `fuse_wgrad_accumulation` is set and a
+    /// GEMM has no `main_grad`; GEMM and kernel failures.
+    pub fn backward(&mut self, ctx: GroupedLinearCtx, grad_output: &Tensor) -> Result<Tensor> {
+        ctx.stamp.check(MODULE, self.stamp())?;
+        let tokens: usize = ctx.m_splits.iter().sum();
+        crate::ops::check_shape(MODULE, "grad_output", grad_output, &[tokens, self.cfg.out_features])?;
+        let dys = grad_output.split_rows(&self.dev, &ctx.m_splits)?;
+        let mut dxs = Vec::with_capacity(dys.len());
+        for ((core, (dy, saved)), &m) in self.gemms.iter_mut().zip(dys.iter().zip(ctx.saved)).zip(&ctx.m_splits) {
+            let Some(saved) = saved else { continue };
+            let dx = core.backward(saved, dy, &[m, self.cfg.in_features], true)?;
+            dxs.push(dx.ok_or_else(|| Error::internal(MODULE, "no input gradient with input_grad = true"))?);
+        }
+        match dxs.is_empty() {
+            true => Tensor::zeros(&self.dev, grad_output.dtype(), &[tokens, self.cfg.in_features]),
+            false => Tensor::cat_rows(&self.dev, &dxs),
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! `GroupedLinear` on the GPU: a loop of `Linear`s with the same weights over the same row
+//! groups, bit for bit, in BF16 and under the three FP8 recipes (per-expert scaling states;
+//! two steps, so delayed scaling's second runs with scales from the first), including an
+//! expert that receives no rows; the CPU reference (`reference::moe::grouped_forward`) at bf16
+//! tolerance; parameter names; the typed errors.
+
+use crate::common::{assert_close, device, randn};
+use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
+use te_runtime::modules::{GroupedLinear, GroupedLinearConfig, Linear, LinearConfig, Module, ParamKind};
+use te_runtime::numerics::round_to;
+use te_runtime::reference::moe::grouped_forward;
+use te_runtime::{DType, Device, Error, Tensor};
+
+/// Rows per expert: uneven, one empty, multiples of 16 (FP8 training), 256 in all.
+const SPLITS: [usize; 5] = [48, 0, 112, 16, 80];
+const IN: usize = 80;
+const OUT: usize = 144;
+
+fn bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| round_to(DType::BF16, x)).collect()
+}
+
+fn upload(dev: &Device, v: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_f32(dev, DType::BF16, shape, v).unwrap()
+}
+
+/// The experts with random biases, and one `Linear` per expert holding the same parameters.
+fn experts(dev: &std::sync::Arc<Device>) -> (GroupedLinear, Vec<Linear>) {
+    let cfg = GroupedLinearConfig { seed: 7, ..GroupedLinearConfig::new(SPLITS.len(), IN, OUT) };
+    let mut g = GroupedLinear::new(dev, cfg).unwrap();
+    let mut linears = Vec::new();
+    for i in 0..SPLITS.len() {
+        let b = upload(dev, &bf16(&randn(100 + i as u64, OUT, 0.5)), &[OUT]);
+        let p = g.params_mut(i).unwrap();
+        p.set_bias(b.clone()).unwrap();
+        let mut lin = Linear::new(dev, LinearConfig::new(IN, OUT)).unwrap();
+        lin.params_mut().set_weight(p.weight().unwrap().clone()).unwrap();
+        lin.params_mut().set_bias(b).unwrap();
+        linears.push(lin);
+    }
+    (g, linears)
+}
+
+/// One step of both: `(y, dx, [dW_i], [db_i])` of the grouped layer and of the loop.
+type Step = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+fn steps(dev: &Device, g: &mut GroupedLinear, linears: &mut [Linear], x: &[f32], dy: &[f32]) -> (Step, Step) {
+    let tokens: usize = SPLITS.iter().sum();
+    let (xt, dyt) = (upload(dev, x, &[tokens, IN]), upload(dev, dy, &[tokens, OUT]));
+    let (y, ctx) = g.forward(&xt, &SPLITS).unwrap();
+    assert_eq!(ctx.m_splits(), SPLITS);
+    let dx = g.backward(ctx, &dyt).unwrap();
+    let grads = |p: &te_runtime::modules::LinearParams| {
+        (
+            p.weight_grad().map_or(Vec::new(), |t| t.to_f32(dev).unwrap()),
+            p.bias_grad().map_or(Vec::new(), |t| t.to_f32(dev).unwrap()),
+        )
+    };
+    let (dw, db): (Vec<_>, Vec<_>) = (0..SPLITS.len()).map(|i| grads(g.params(i).unwrap())).unzip();
+    let grouped = (y.to_f32(dev).unwrap(), dx.to_f32(dev).unwrap(), dw, db);
+
+    let (mut y_loop, mut dx_loop) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    for (lin, &m) in linears.iter_mut().zip(&SPLITS) {
+        if m > 0 {
+            let xi = upload(dev, &x[start * IN..(start + m) * IN], &[m, IN]);
+            let (yi, ctx) = lin.forward(&xi).unwrap();
+            let dyi = upload(dev, &dy[start * OUT..(start + m) * OUT], &[m, OUT]);
+            dx_loop.extend(lin.backward(ctx, &dyi).unwrap().to_f32(dev).unwrap());
+            y_loop.extend(yi.to_f32(dev).unwrap());
+        }
+        start += m;
+    }
+    let (dw, db): (Vec<_>, Vec<_>) = linears.iter().map(|l| grads(l.params())).unzip();
+    (grouped, (y_loop, dx_loop, dw, db))
+}
+
+#[test]
+fn grouped_linear_equals_a_loop_of_linears_in_every_precision() {
+    let Some(dev) = device() else { return };
+    let tokens: usize = SPLITS.iter().sum();
+    let x = bf16(&randn(1, tokens * IN, 1.0));
+    let dy = bf16(&randn(2, tokens * OUT, 1e-2));
+    let recipes: [Option<Recipe>; 4] = [
+        None,
+        Some(DelayedScaling { amax_history_len: 4, ..Default::default() }.into()),
+        Some(Float8CurrentScaling::default().into()),
+        Some(Float8BlockScaling::default().into()),
+    ];
+    for recipe in recipes {
+        let (mut g, mut linears) = experts(&dev);
+        for step in 0..2 {
+            let mut run = || -> te_runtime::Result<(Step, Step)> { Ok(steps(&dev, &mut g, &mut linears, &x, &dy)) };
+            let (grouped, looped) = match recipe {
+                Some(r) => fp8_autocast(true, r, run).unwrap(),
+                None => run().unwrap(),
+            };
+            let what = format!("{recipe:?} step {step}");
+            assert_eq!(grouped.0, looped.0, "{what}: y");
+            assert_eq!(grouped.1, looped.1, "{what}: dx");
+            assert_eq!(grouped.2, looped.2, "{what}: weight gradients (accumulated over the steps)");
+            assert_eq!(grouped.3, looped.3, "{what}: bias gradients");
+            assert!(grouped.2[1].is_empty() && grouped.3[1].is_empty(), "{what}: the empty expert has no gradient");
+        }
+        if let Some(Recipe::Delayed(_)) = recipe {
+            let states = g.fp8_states();
+            assert!(states[0][0].is_some() && states[1][0].is_none(), "a state per expert that ran");
+        }
+    }
+}
+
+#[test]
+fn grouped_linear_matches_the_reference_and_names_its_parameters() {
+    let Some(dev) = device() else { return };
+    let (mut g, _) = experts(&dev);
+    let tokens: usize = SPLITS.iter().sum();
+    let x = bf16(&randn(3, tokens * IN, 1.0));
+    let got = g.infer(&upload(&dev, &x, &[tokens, IN]), &SPLITS).unwrap().to_f32(&dev).unwrap();
+    let host = |i: usize, bias: bool| {
+        let p = g.params(i).unwrap();
+        let t = if bias { p.bias() } else { p.weight() };
+        t.unwrap().to_f32(&dev).unwrap()
+    };
+    let (ws, bs): (Vec<_>, Vec<_>) = (0..SPLITS.len()).map(|i| (host(i, false), host(i, true))).unzip();
+    let wr: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
+    let br: Vec<&[f32]> = bs.iter().map(Vec::as_slice).collect();
+    let want = grouped_forward(&x, &SPLITS, &wr, Some(&br));
+    let amax = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    assert_close("grouped y", &got, &want, 1.6e-2, 1e-2 * amax);
+
+    let mut names = Vec::new();
+    g.visit("experts", &mut |path: &str, kind: ParamKind, _: &dyn te_runtime::modules::Param| {
+        names.push((path.to_owned(), kind));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(names.len(), 2 * SPLITS.len());
+    assert_eq!(names[0], ("experts.weight0".to_owned(), ParamKind::Weight));
+    assert_eq!(names[9], ("experts.bias4".to_owned(), ParamKind::Bias));
+}
+
+#[test]
+fn grouped_linear_errors_are_typed() {
+    let Some(dev) = device() else { return };
+    let (mut g, _) = experts(&dev);
+    let tokens: usize = SPLITS.iter().sum();
+    let x = upload(&dev, &randn(4, tokens * IN, 1.0), &[tokens, IN]);
+    let shape_err = |e: Error, what: &str| {
+        assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains(what), "{e}");
+    };
+    shape_err(g.forward(&x, &SPLITS[..4]).unwrap_err(), "m_splits");
+    shape_err(g.forward(&x, &[48, 0, 112, 16, 81]).unwrap_err(), "sum to the 256");
+    // FP8 training needs every split to be a multiple of 16 and names the expert.
+    let odd = [50, 0, 110, 16, 80];
+    let e = fp8_autocast(true, DelayedScaling::default(), || g.forward(&x, &odd).map(|_| ())).unwrap_err();
+    shape_err(e, "m_splits[0]");
+    // ... inference does not.
+    fp8_autocast(true, DelayedScaling::default(), || g.infer(&x, &odd)).unwrap();
+    // A context outlives no weight update.
+    let (y, ctx) = g.forward(&x, &SPLITS).unwrap();
+    let w = g.params(0).unwrap().weight().unwrap().clone();
+    g.params_mut(0).unwrap().set_weight(w).unwrap();
+    let e = g.backward(ctx, &y).unwrap_err();
+    assert!(matches!(e, Error::Context { .. }), "{e}");
+    let e = GroupedLinear::new(&dev, GroupedLinearConfig::new(0, IN, OUT)).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("num_gemms"), "{e}");
+}
