@@ -9,6 +9,8 @@ Shapes (bf16 parameters and activations, training mode), as modules.rs:
 - layernorm_linear: LayerNorm(4096) -> Linear(4096, 12288), input [8192, 4096];
 - layernorm_mlp: LayerNorm(4096) -> Linear(4096, 16384) -> GELU(tanh) -> Linear(16384, 4096),
   input [8192, 4096];
+- grouped_linear: torch._grouped_mm of 8 experts' weights [14336, 4096] over 8192 rows split
+  unevenly (GROUPED_SPLITS), no bias (the torchao variants are skipped: no nn.Linear in it);
 - transformer_layer: hidden 4096, 32 heads, ffn 16384, input [seq 2048, batch 4, 4096] as TE;
   x + dropout(proj(attn(qkv(LN(x))))), then + dropout(MLP(LN(.))); hidden_dropout 0.1,
   attention_dropout 0.0; scaled_dot_product_attention is_causal=True on the flash backend.
@@ -40,6 +42,9 @@ from common import Results, failed_row, first_call_s, float8_config, phase_times
 
 TOKENS, HIDDEN, FFN = 8192, 4096, 16384
 SEQ, BATCH, HEADS = 2048, 4, 32
+# grouped_linear: rows per expert (8192 in all, uneven) and the experts' FFN width, as modules.rs.
+GROUPED_SPLITS = [1536, 512, 2048, 768, 1024, 256, 1280, 768]
+GROUPED_FFN = 14336
 LN_EPS = 1e-5
 DTYPE = torch.bfloat16
 # In order of interest (a run cut short loses the last): (work, shape as modules.rs spells it,
@@ -56,6 +61,8 @@ WORKS = [
     ("layernorm_linear", f"{TOKENS}x{HIDDEN}->{3 * HIDDEN}",
      lambda: nn.Sequential(nn.LayerNorm(HIDDEN, eps=LN_EPS), nn.Linear(HIDDEN, 3 * HIDDEN)),
      (TOKENS, HIDDEN), (TOKENS, 3 * HIDDEN), 2 * TOKENS * HIDDEN * 3 * HIDDEN, 2 * TOKENS * HIDDEN * 3 * HIDDEN),
+    ("grouped_linear", f"{TOKENS}x{HIDDEN}->{GROUPED_FFN} e{len(GROUPED_SPLITS)}", lambda: GroupedLinear(),
+     (TOKENS, HIDDEN), (TOKENS, GROUPED_FFN), 2 * TOKENS * HIDDEN * GROUPED_FFN, 2 * TOKENS * HIDDEN * GROUPED_FFN),
     ("linear", f"{TOKENS}x4096->16384", lambda: nn.Linear(4096, 16384), (TOKENS, 4096), (TOKENS, 16384),
      2 * TOKENS * 4096 * 16384, 2 * TOKENS * 4096 * 16384),
     ("linear", f"{TOKENS}x16384->4096", lambda: nn.Linear(16384, 4096), (TOKENS, 16384), (TOKENS, 4096),
@@ -93,6 +100,20 @@ class TransformerLayer(nn.Module):
         ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.dropout(self.proj(ctx.permute(2, 0, 1, 3).reshape(s, b, h)))
         return x + self.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh")))
+
+
+class GroupedLinear(nn.Module):
+    """TE's GroupedLinear without bias as torch._grouped_mm: expert i maps rows
+    offs[i-1]:offs[i] of x [tokens, HIDDEN] through its weight [GROUPED_FFN, HIDDEN]."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(len(GROUPED_SPLITS), GROUPED_FFN, HIDDEN) * 0.02)
+        offs = torch.cumsum(torch.tensor(GROUPED_SPLITS), 0).to(torch.int32)
+        self.register_buffer("offs", offs, persistent=False)
+
+    def forward(self, x):
+        return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=self.offs)
 
 
 def build(builder, recipe, compiled):
@@ -190,6 +211,9 @@ def main():
         if work not in works:
             continue
         for variant in variants:
+            if VARIANTS[variant][0] and work == "grouped_linear":
+                res.add(skipped_row("modules", work, shape, variant, "torchao converts nn.Linear only"))
+                continue
             if VARIANTS[variant][0] and ao_version is None:
                 res.add(skipped_row("modules", work, shape, variant, "torchao does not import"))
                 continue

@@ -19,14 +19,17 @@
 use crate::harness::{random_bytes, Bench, Marks, Work};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 use te_runtime::modules::{
-    LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, TransformerLayer,
-    TransformerLayerConfig,
+    GroupedLinear, GroupedLinearConfig, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig,
+    Linear, LinearConfig, TransformerLayer, TransformerLayerConfig,
 };
 use te_runtime::{DType, Tensor};
 
 const TOKENS: usize = 8192;
 const HIDDEN: usize = 4096;
 const FFN: usize = 16384;
+/// `grouped_linear`: the rows of each of 8 experts (8192 in all) and their FFN width (Mixtral's).
+const GROUPED_SPLITS: [usize; 8] = [1536, 512, 2048, 768, 1024, 256, 1280, 768];
+const GROUPED_FFN: usize = 14336;
 const WARMUP: usize = 3;
 const ITERS: usize = 20;
 
@@ -65,6 +68,22 @@ pub fn run(b: &mut Bench) {
     }
     if b.enabled("layernorm_mlp") {
         layernorm_mlp(b, &tensor(&[TOKENS, HIDDEN], 1), &tensor(&[TOKENS, HIDDEN], 2));
+    }
+    if b.enabled("grouped_linear") {
+        // TE's expert layer: 8 experts, 8192 tokens spread unevenly (multiples of 16), no bias
+        // (as torch._grouped_mm in benches/anchors/modules.py).
+        let (n_in, n_out) = (HIDDEN, GROUPED_FFN);
+        let (x, dy) = (tensor(&[TOKENS, n_in], 5), tensor(&[TOKENS, n_out], 6));
+        let cfg = GroupedLinearConfig { bias: false, ..GroupedLinearConfig::new(GROUPED_SPLITS.len(), n_in, n_out) };
+        let mut experts = GroupedLinear::new(&dev, cfg).unwrap();
+        let gemm = (2 * TOKENS * n_in * n_out) as u64;
+        let shape = format!("{TOKENS}x{n_in}->{n_out} e{}", GROUPED_SPLITS.len());
+        time_passes(b, "grouped_linear", &shape, gemm, gemm, None, |recipe, m| {
+            let (_, ctx) = autocast(recipe, || experts.forward(&x, &GROUPED_SPLITS));
+            m.mark();
+            experts.backward(ctx, &dy).unwrap();
+            m.mark();
+        });
     }
     if b.enabled("transformer_layer") {
         const SEQ: usize = 2048;

@@ -3,7 +3,7 @@
 //!
 //! `x [tokens, in]` holds the rows of expert 0, then those of expert 1, ... (`m_splits[i]` rows
 //! each: what `ops::moe::permute` writes); `y [tokens, out]` holds `x_i · W_iᵀ + b_i` in the same
-//! order. Each GEMM is a [`LinearCore`] of its own, with its weight, bias, gradients,
+//! order. Each GEMM is a `LinearCore` (the GEMM part of `Linear`) of its own, with its weight, bias, gradients,
 //! `main_grad`, micro-batch FP8 weight cache and FP8 scaling state (TE keeps `num_gemms` sets of
 //! scaling metadata too), so under `fp8_autocast` every recipe runs as in `Linear`, per expert.
 //!
@@ -234,7 +234,7 @@ impl GroupedLinear {
         self.check_splits(x.shape()[0], m_splits)?;
         let mode = fp8_mode();
         if grad && matches!(mode, Fp8Mode::Fp8(_)) {
-            for (i, &m) in m_splits.iter().enumerate() {
+            for (i, &m) in m_splits.iter().enumerate().filter(|&(_, &m)| m > 0) {
                 fp8_dim(MODULE, &format!("m_splits[{i}] (the rows of expert {i}; pad them, TE's Fp8Padding)"), m)?;
             }
         }
