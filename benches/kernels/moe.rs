@@ -1,12 +1,16 @@
 //! Family 16 and 17 kernels, memory-bound: blockwise FP8 quantization of bf16 (1×128 tiles with
-//! the transposed 128×1-tiled copy: read 2 B, write 2 × 1 B per element, plus the scales; 128×128
-//! blocks row-wise: read 2 B, write 1 B) and the MoE permutation of 8192 tokens × 4096 hidden
-//! to top-2 of 8 experts (permute: read 2 B, write 2 × 2 B per token element; unpermute with
-//! probabilities: read 2 × 2 B, write 2 B), and the top-k softmax router forward of 8192 tokens ×
-//! 64 experts to the top 8 (read 2 B and write the 4 B score per logit, write 8 B per slot).
+//! the transposed 128×1-tiled copy: read 2 B, write 2 × 1 B per element, plus the scales; with
+//! the bias gradient fused the same, unfused 2 B more read; 128×128 blocks row-wise: read 2 B,
+//! write 1 B) and the MoE permutation of 8192 tokens × 4096 hidden to top-2 of 8 experts
+//! (permute: read 2 B, write 2 × 2 B per token element; unpermute with probabilities: read
+//! 2 × 2 B, write 2 B), and the top-k softmax router forward of 8192 tokens × 64 experts to the
+//! top 8 (read 2 B and write the 4 B score per logit, write 8 B per slot).
 
 use crate::harness::{random_bytes, Bench};
-use te_runtime::ops::block_quantize::{quantize, BlockFp8, BlockQuantizeParams};
+use te_runtime::ops::block_quantize::{
+    block_dbias_workspace_len, quantize, quantize_dbias, BlockFp8, BlockQuantizeParams,
+};
+use te_runtime::ops::cast_transpose::{dbias, DbiasOut};
 use te_runtime::ops::moe::{permute, routing_map, unpermute, MoeRouting};
 use te_runtime::ops::moe_router::{topk_router, RouterConfig, RouterOutput};
 use te_runtime::{DType, Tensor};
@@ -28,6 +32,24 @@ pub fn run(b: &mut Bench) {
             let st = b.time(5, 50, |_| quantize(&dev, &x, &p2, &mut q2).unwrap());
             b.record("block_quantize 128x128 bf16→e4m3", &format!("{rows}x{cols}"), st, Some(3 * n), None);
         }
+        // A gradient's cast with its bias gradient: fused into the column-wise pass, and the
+        // unfused way (quantize, then a ones GEMM that reads dy again) for comparison.
+        let (rows, cols) = (8192usize, 16384usize);
+        let (dy, n, shape) = (bf16(rows, cols, 3), (rows * cols) as u64, format!("{rows}x{cols}"));
+        let p1 = BlockQuantizeParams { dtype: DType::E4M3, block_dim: 1, epsilon: 0.0, power_2: true };
+        let mut q = BlockFp8::new(&dev, [rows, cols], &p1, true, true).unwrap();
+        let mut db = Tensor::zeros(&dev, DType::BF16, &[cols]).unwrap();
+        let mut ws = dev.stream().alloc_zeros::<f32>(block_dbias_workspace_len(rows, cols)).unwrap();
+        let st = b.time(5, 50, |_| {
+            let d = DbiasOut { dbias: &mut db, workspace: ws.as_view_mut() };
+            quantize_dbias(&dev, &dy, &p1, &mut q, d).unwrap()
+        });
+        b.record("block_quantize 1x128 + 128x1ᵀ + dbias bf16→e4m3", &shape, st, Some(4 * n), None);
+        let st = b.time(5, 50, |_| {
+            quantize(&dev, &dy, &p1, &mut q).unwrap();
+            dbias(&dev, &dy, &mut db).unwrap()
+        });
+        b.record("block_quantize 1x128 + 128x1ᵀ, dbias by a ones GEMM bf16→e4m3", &shape, st, Some(6 * n), None);
     }
     if b.enabled("moe_permute") {
         let (tokens, hidden, experts, k) = (8192usize, 4096usize, 8usize, 2usize);

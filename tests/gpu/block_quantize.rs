@@ -3,12 +3,18 @@
 //! orientations and every `scale_inv` in the GEMM-ready layouts, for 1×128 tiles and 128×128
 //! blocks, bf16 and f16 inputs, E4M3 and E5M2 codes, power-of-2 and exact scales, an amax
 //! floor; shapes that are not multiples of 128; tiles of zeros, infinities, NaN and values too
-//! large for the scale; typed errors. Then the block-scaled FP8 GEMMs that read them.
+//! large for the scale; typed errors. The bias gradient fused into the 1D quantization
+//! (`quantize_dbias`, and `Float8BlockQuantizer::quantize` with a dbias). Then the block-scaled
+//! FP8 GEMMs that read them.
 
 use crate::common::{device, randn};
+use te_runtime::fp8::{Float8BlockQuantizer, Float8BlockScaling, Quantizer};
 use te_runtime::gemm::{gemm, BlockScale, GemmConfig, Operand, Output};
 use te_runtime::numerics::round_to;
-use te_runtime::ops::block_quantize::{quantize, scale_shape, BlockCodes, BlockFp8, BlockQuantizeParams};
+use te_runtime::ops::block_quantize::{
+    block_dbias_workspace_len, quantize, quantize_dbias, scale_shape, BlockCodes, BlockFp8, BlockQuantizeParams,
+};
+use te_runtime::ops::cast_transpose::{dbias_workspace_len, DbiasOut};
 use te_runtime::reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
 use te_runtime::reference::gemm::gemm_tn;
 use te_runtime::reference::linear::{rel_frobenius, transpose};
@@ -145,6 +151,164 @@ fn block_quantize_errors_are_typed() {
     let empty = Tensor::zeros(&dev, DType::BF16, &[0, 8]).unwrap();
     let q = quantized(&dev, &empty, &p, true, true);
     assert_eq!(q.rowwise.unwrap().data.numel(), 0);
+}
+
+/// The spacing of `dtype` (bf16 or f16) at `v`: one unit in the last place.
+fn ulp(dtype: DType, v: f64) -> f64 {
+    let (mantissa, min_exp) = if dtype == DType::F16 { (10, -14) } else { (7, -126) };
+    let e = if v == 0.0 { min_exp } else { (v.abs().log2().floor() as i32).max(min_exp) };
+    2f64.powi(e - mantissa)
+}
+
+/// Checks `got` (`dbias` of `x` `[rows, cols]`, rounded to `dtype`) against the f64 column sums:
+/// within one ulp of `dtype` at the sum (the kernel rounds its f32 sum once: half an ulp; the
+/// other half covers the f32 accumulation) plus `rows · 2⁻²⁴ · Σ_r |x[r, c]|`, the bound of f32
+/// accumulation, which only matters for columns whose terms cancel.
+fn check_dbias(got: &[f32], x: &[f32], rows: usize, cols: usize, dtype: DType, what: &str) {
+    assert_eq!(got.len(), cols, "{what}: dbias length");
+    for (c, &g) in got.iter().enumerate() {
+        let (sum, abs): (f64, f64) =
+            (0..rows).map(|r| f64::from(x[r * cols + c])).fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
+        let tol = ulp(dtype, sum) + rows as f64 * 2f64.powi(-24) * abs;
+        assert!((f64::from(g) - sum).abs() <= tol, "{what}: dbias[{c}] = {g}, the f64 sum {sum} (tolerance {tol:e})");
+    }
+}
+
+/// A `[rows, cols]` gradient of mixed magnitudes in `dtype` (finite, some columns of zeros).
+fn gradient(rows: usize, cols: usize, dtype: DType, seed: u64) -> Vec<f32> {
+    randn(seed, rows * cols, 1.0)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| if i % cols == 3 { 0.0 } else { round_to(dtype, v * 2f32.powi((i % 11) as i32 - 5)) })
+        .collect()
+}
+
+/// The bias gradient fused into the 1D quantization: the f64 column sums within one ulp (see
+/// [`check_dbias`]), the same bits on a second run, the codes and scales of both orientations
+/// bit for bit those of `quantize` (and the column-wise codes the reference's), for shapes that
+/// are not multiples of 128 and a workspace that starts as NaN (it needs no initialization).
+#[test]
+fn block_quantize_dbias_matches_the_column_sums() {
+    let Some(dev) = device() else { return };
+    for (rows, cols, input, output) in [
+        (200, 272, DType::BF16, DType::E4M3),
+        (1000, 48, DType::BF16, DType::E5M2),
+        (131, 200, DType::F16, DType::E4M3),
+        (384, 520, DType::BF16, DType::E4M3),
+        (1, 7, DType::BF16, DType::E4M3),
+    ] {
+        let what = format!("[{rows}, {cols}] {input} → {output}");
+        let x = gradient(rows, cols, input, (rows * 7 + cols) as u64);
+        let xt = Tensor::from_f32(&dev, input, &[rows, cols], &x).unwrap();
+        let p = BlockQuantizeParams { dtype: output, block_dim: 1, epsilon: 0.0, power_2: true };
+        let mut db = Tensor::zeros(&dev, input, &[cols]).unwrap();
+        let mut ws = dev.stream().clone_htod(&vec![f32::NAN; block_dbias_workspace_len(rows, cols)]).unwrap();
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let mut out = BlockFp8::new(&dev, [rows, cols], &p, true, true).unwrap();
+            quantize_dbias(&dev, &xt, &p, &mut out, DbiasOut { dbias: &mut db, workspace: ws.as_view_mut() }).unwrap();
+            runs.push((out, db.to_bytes(&dev).unwrap()));
+        }
+        assert_eq!(runs[0].1, runs[1].1, "{what}: dbias bits run to run");
+        check_dbias(&db.to_f32(&dev).unwrap(), &x, rows, cols, input, &what);
+
+        let plain = quantized(&dev, &xt, &p, true, true);
+        let fused = &runs[0].0;
+        for (name, a, b) in
+            [("row-wise", &fused.rowwise, &plain.rowwise), ("column-wise", &fused.columnwise, &plain.columnwise)]
+        {
+            let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+            assert_eq!(a.data.to_bytes(&dev).unwrap(), b.data.to_bytes(&dev).unwrap(), "{what}: {name} codes");
+            assert_eq!(scales(&dev, a), scales(&dev, b), "{what}: {name} scale_inv");
+        }
+        let rp = BlockParams { dtype: output, ..BlockParams::te_default(input) };
+        let want_c = quantize_blockwise(&x, rows, cols, BlockTiling::Columns, &rp);
+        let cw = fused.columnwise.as_ref().unwrap();
+        assert_eq!(cw.data.to_bytes(&dev).unwrap(), want_c.codes, "{what}: column-wise codes vs the reference");
+
+        // Only the column-wise orientation: the same dbias bits.
+        let mut only = BlockFp8::new(&dev, [rows, cols], &p, false, true).unwrap();
+        quantize_dbias(&dev, &xt, &p, &mut only, DbiasOut { dbias: &mut db, workspace: ws.as_view_mut() }).unwrap();
+        assert_eq!(db.to_bytes(&dev).unwrap(), runs[0].1, "{what}: dbias without the row-wise codes");
+    }
+}
+
+/// `quantize_dbias`'s typed errors, and the zero bias gradient of an input without rows.
+#[test]
+fn block_quantize_dbias_errors_are_typed() {
+    let Some(dev) = device() else { return };
+    let (rows, cols) = (200, 48);
+    let x = Tensor::zeros(&dev, DType::BF16, &[rows, cols]).unwrap();
+    let p = BlockQuantizeParams { dtype: DType::E4M3, block_dim: 1, epsilon: 0.0, power_2: true };
+    let mut out = BlockFp8::new(&dev, [rows, cols], &p, true, true).unwrap();
+    let mut db = Tensor::zeros(&dev, DType::BF16, &[cols]).unwrap();
+    let mut ws = dev.stream().alloc_zeros::<f32>(block_dbias_workspace_len(rows, cols)).unwrap();
+    assert_eq!(block_dbias_workspace_len(rows, cols), 2 * cols);
+    assert!(block_dbias_workspace_len(rows, cols) <= dbias_workspace_len(rows, cols));
+
+    // 128×128 blocks have no fused dbias.
+    let p2 = BlockQuantizeParams { block_dim: 2, ..p };
+    let mut out2 = BlockFp8::new(&dev, [rows, cols], &p2, true, true).unwrap();
+    let e =
+        quantize_dbias(&dev, &x, &p2, &mut out2, DbiasOut { dbias: &mut db, workspace: ws.as_view_mut() }).unwrap_err();
+    assert!(matches!(e, Error::Argument { .. }) && e.to_string().contains("block_dim 1"), "{e}");
+    // No column-wise codes.
+    let mut rw = BlockFp8::new(&dev, [rows, cols], &p, true, false).unwrap();
+    let e =
+        quantize_dbias(&dev, &x, &p, &mut rw, DbiasOut { dbias: &mut db, workspace: ws.as_view_mut() }).unwrap_err();
+    assert!(matches!(e, Error::Argument { .. }) && e.to_string().contains("columnwise = true"), "{e}");
+    // A dbias of another dtype or length.
+    let mut f32db = Tensor::zeros(&dev, DType::F32, &[cols]).unwrap();
+    let e = quantize_dbias(&dev, &x, &p, &mut out, DbiasOut { dbias: &mut f32db, workspace: ws.as_view_mut() })
+        .unwrap_err();
+    assert!(matches!(e, Error::DType { .. }), "{e}");
+    let mut long = Tensor::zeros(&dev, DType::BF16, &[cols + 1]).unwrap();
+    let e =
+        quantize_dbias(&dev, &x, &p, &mut out, DbiasOut { dbias: &mut long, workspace: ws.as_view_mut() }).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "{e}");
+    // A workspace one float short.
+    let mut small = dev.stream().alloc_zeros::<f32>(block_dbias_workspace_len(rows, cols) - 1).unwrap();
+    let e = quantize_dbias(&dev, &x, &p, &mut out, DbiasOut { dbias: &mut db, workspace: small.as_view_mut() })
+        .unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("block_dbias_workspace_len"), "{e}");
+
+    // No rows: no codes, a zero dbias.
+    let empty = Tensor::zeros(&dev, DType::BF16, &[0, cols]).unwrap();
+    let mut q0 = BlockFp8::new(&dev, [0, cols], &p, true, true).unwrap();
+    let mut ones = Tensor::from_f32(&dev, DType::BF16, &[cols], &vec![1.0; cols]).unwrap();
+    quantize_dbias(&dev, &empty, &p, &mut q0, DbiasOut { dbias: &mut ones, workspace: ws.as_view_mut() }).unwrap();
+    assert_eq!(ones.to_f32(&dev).unwrap(), vec![0.0; cols]);
+}
+
+/// `Float8BlockQuantizer::quantize` with a dbias: the fused path for 1×128 tiles (the same bits
+/// as `quantize_dbias`, with a workspace a module sized for cast_transpose) and the ones GEMM for
+/// 128×128 blocks (`grad_block_scaling_dim` 2), both within the tolerance of [`check_dbias`].
+#[test]
+fn block_quantizer_dbias_fused_for_1d_and_a_gemm_for_2d() {
+    let Some(dev) = device() else { return };
+    if dev.arch() != te_runtime::Arch::Sm90a {
+        eprintln!("Float8BlockScaling runs on Hopper; {} skips it", dev.arch());
+        return;
+    }
+    let (rows, cols) = (1000, 48);
+    let x = gradient(rows, cols, DType::BF16, 9);
+    let xt = Tensor::from_f32(&dev, DType::BF16, &[rows, cols], &x).unwrap();
+    let mut ws = dev.stream().alloc_zeros::<f32>(dbias_workspace_len(rows, cols)).unwrap();
+    let recipe = Float8BlockScaling::default();
+    let mut direct = Tensor::zeros(&dev, DType::BF16, &[cols]).unwrap();
+    let p = BlockQuantizeParams { dtype: DType::E4M3, block_dim: 1, epsilon: 0.0, power_2: true };
+    let mut out = BlockFp8::new(&dev, [rows, cols], &p, true, true).unwrap();
+    quantize_dbias(&dev, &xt, &p, &mut out, DbiasOut { dbias: &mut direct, workspace: ws.as_view_mut() }).unwrap();
+    for block_dim in [1, 2] {
+        let q = Float8BlockQuantizer::new(&dev, DType::E4M3, block_dim, &recipe).unwrap();
+        let mut db = Tensor::zeros(&dev, DType::BF16, &[cols]).unwrap();
+        q.quantize(&xt, false, Some(DbiasOut { dbias: &mut db, workspace: ws.as_view_mut() })).unwrap();
+        let what = format!("Float8BlockQuantizer {block_dim}D");
+        check_dbias(&db.to_f32(&dev).unwrap(), &x, rows, cols, DType::BF16, &what);
+        if block_dim == 1 {
+            assert_eq!(db.to_bytes(&dev).unwrap(), direct.to_bytes(&dev).unwrap(), "{what}: the fused bits");
+        }
+    }
 }
 
 /// Finite values of mixed magnitudes (each row its own), rounded to bf16.

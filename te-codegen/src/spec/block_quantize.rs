@@ -2,7 +2,7 @@
 //! was trained with; TE `common/transpose/quantize_transpose_vector_blockwise.cu` and
 //! `quantize_transpose_square_blockwise.cu`).
 
-use super::{Family, KernelArg};
+use super::{ArgCond, Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -25,7 +25,19 @@ use serde::{Deserialize, Serialize};
 ///   multiple of 4), column-wise `[⌈rows/128⌉, ld_s_t]` (`ld_s_t ≥ cols`);
 /// - 2D row-wise `[⌈rows/128⌉, ld_s]` (`ld_s ≥ ⌈cols/128⌉`), column-wise `[⌈cols/128⌉, ld_s_t]`.
 ///
-/// Kernel arguments: [`BlockQuantizeSpec::ARGS`].
+/// With `block_dim` 1 the column-wise pass also gives the bias gradient `dbias[c] = Σ_r x[r, c]`,
+/// deterministically in two passes (as [`super::CastTransposeSpec`]'s dbias): when
+/// `dbias_partial` is not null, the main kernel writes each 128-row tile's f32 column sums (the
+/// lanes' 4 rows in order, then the warp's butterfly) to row `blockIdx.y` of the
+/// `[⌈rows/128⌉, cols]` workspace; `<name>_dbias` sums those rows in a fixed order (slice `s` of
+/// [`BlockQuantizeSpec::DBIAS_SLICES`] the tiles `s, s + DBIAS_SLICES, ...`, then the slices in
+/// order) and rounds once to the input type. The same bits every run. A null `dbias_partial`
+/// costs one uniform branch per column.
+///
+/// Entry points: `<name>` ([`BlockQuantizeSpec::ARGS`]; `dbias_partial` with `block_dim` 1 only),
+/// one block of [`BlockQuantizeSpec::THREADS`] per 128×128 tile (`grid (⌈cols/128⌉,
+/// ⌈rows/128⌉)`); with `block_dim` 1 also `<name>_dbias` ([`BlockQuantizeSpec::DBIAS_ARGS`]),
+/// [`BlockQuantizeSpec::DBIAS_THREADS`] threads and `⌈cols / DBIAS_COLS⌉` blocks, after `<name>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BlockQuantizeSpec {
     /// Input element type: bf16 or f16.
@@ -43,6 +55,13 @@ impl BlockQuantizeSpec {
     pub const BLOCK: usize = 128;
     /// Threads per block (8 warps; 16 rows or columns of a tile each).
     pub const THREADS: usize = 256;
+    /// Columns per block of the `<name>_dbias` kernel (one 128-byte row segment of partials).
+    pub const DBIAS_COLS: usize = 32;
+    /// Row-tile slices of the `<name>_dbias` kernel: slice `s` sums the partials of row tiles
+    /// `s, s + DBIAS_SLICES, ...` in order, then the slices are summed in order.
+    pub const DBIAS_SLICES: usize = 8;
+    /// Threads per block of the `<name>_dbias` kernel.
+    pub const DBIAS_THREADS: usize = Self::DBIAS_COLS * Self::DBIAS_SLICES;
 
     /// The entry point's arguments.
     pub const ARGS: &'static [KernelArg] = &[
@@ -58,6 +77,24 @@ impl BlockQuantizeSpec {
         KernelArg::scalar("epsilon", "float", "floor of a block's amax (TE amax_epsilon)"),
         KernelArg::scalar("power_2", "int", "1: scales rounded down to powers of 2"),
         KernelArg::scalar("value_for_inf", "float", "the scale when fp8_max / amax overflows"),
+        KernelArg::write(
+            "dbias_partial",
+            "float* __restrict__",
+            "`[⌈rows/128⌉, cols]` f32 column sums per 128-row tile (written with q_t), or null",
+        )
+        .when(ArgCond::Dbias),
+    ];
+
+    /// The arguments of the `<name>_dbias` entry point (`block_dim` 1).
+    pub const DBIAS_ARGS: &'static [KernelArg] = &[
+        KernelArg::read(
+            "dbias_partial",
+            "const float* __restrict__",
+            "`[row_tiles, cols]` f32 column sums per 128-row tile",
+        ),
+        KernelArg::write("dbias", "void* __restrict__", "`[cols]` bias gradient, the input dtype"),
+        KernelArg::scalar("cols", "u64", "columns of x"),
+        KernelArg::scalar("row_tiles", "u64", "⌈rows/128⌉: rows of dbias_partial"),
     ];
 
     /// The quantizer of `input` into `output` blocks of `block_dim` (1 or 2).
@@ -79,8 +116,22 @@ impl Family for BlockQuantizeSpec {
     fn arch(&self) -> Arch {
         self.arch
     }
-    fn args(&self, _: usize) -> &'static [KernelArg] {
-        Self::ARGS
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        if entry == 0 {
+            Self::ARGS
+        } else {
+            Self::DBIAS_ARGS
+        }
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        cond == ArgCond::Dbias && self.block_dim == 1
+    }
+    fn entry_suffixes(&self) -> &'static [&'static str] {
+        if self.block_dim == 1 {
+            &["", "_dbias"]
+        } else {
+            &[""]
+        }
     }
     fn context(&self, ctx: &mut tera::Context) {
         ctx.insert("in_t", self.input.type_tag());
@@ -88,6 +139,8 @@ impl Family for BlockQuantizeSpec {
         ctx.insert("fp8_max", &self.output.fp8_max().unwrap_or(0.0));
         ctx.insert("block_dim", &self.block_dim);
         ctx.insert("threads", &Self::THREADS);
+        ctx.insert("dbias_cols", &Self::DBIAS_COLS);
+        ctx.insert("dbias_slices", &Self::DBIAS_SLICES);
     }
     fn validate(&self) -> Result<(), String> {
         if !matches!(self.input, DType::BF16 | DType::F16) {
@@ -118,5 +171,19 @@ mod tests {
         assert!(e.contains("block_dim"), "{e}");
         assert!(BlockQuantizeSpec { input: DType::F32, ..ok }.validate().unwrap_err().contains("bf16 or f16"));
         assert!(BlockQuantizeSpec { output: DType::BF16, ..ok }.validate().unwrap_err().contains("e4m3"));
+    }
+
+    #[test]
+    fn dbias_is_an_entry_point_of_the_1d_quantizer_only() {
+        use super::super::KernelSpec;
+        let one = BlockQuantizeSpec::new(DType::BF16, DType::E5M2, 1, Arch::Sm90a);
+        let two = BlockQuantizeSpec { block_dim: 2, ..one };
+        let names = |s: BlockQuantizeSpec, e| s.params(e).iter().map(|a| a.name).collect::<Vec<_>>();
+        assert_eq!(names(one, 0).last(), Some(&"dbias_partial"));
+        assert_eq!(names(one, 1), ["dbias_partial", "dbias", "cols", "row_tiles"]);
+        assert_eq!(names(two, 0).last(), Some(&"value_for_inf"));
+        let n = KernelSpec::from(one).name();
+        assert_eq!(KernelSpec::from(one).entry_points(), [n.clone(), format!("{n}_dbias")]);
+        assert_eq!(KernelSpec::from(two).entry_points().len(), 1);
     }
 }

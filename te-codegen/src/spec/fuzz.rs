@@ -65,6 +65,15 @@ proptest! {
     }
 
     #[test]
+    fn block_quantize_specs(i in dtype(), o in dtype(), block_dim in size(), a in arch()) {
+        let spec = BlockQuantizeSpec::new(i, o, block_dim, a);
+        check(spec.into());
+        for e in 0..spec.entry_suffixes().len() {
+            let _ = spec.params(e);
+        }
+    }
+
+    #[test]
     fn flash_attention_specs(d in direction(), t in dtype(), head_dim in size(), a in arch(), block_m in size(),
                              block_n in size(), wgmma in any::<bool>(), fp8 in any::<bool>(), dropout in any::<bool>(),
                              grad_e5m2 in any::<bool>()) {

@@ -449,9 +449,18 @@ impl Quantizer for Float8BlockQuantizer {
         let (rows, cols) = x.as_2d(OP)?;
         let columnwise = columnwise || dbias.is_some();
         let mut q = BlockFp8::new(&self.dev, [rows, cols], &self.params, true, columnwise)?;
-        block_quantize::quantize(&self.dev, x, &self.params, &mut q)?;
-        if let Some(d) = dbias {
-            ops::cast_transpose::dbias(&self.dev, x, d.dbias)?;
+        match dbias {
+            // 1×128 tiles: the column sums come from the column-wise pass of the same read (the
+            // workspace a module sizes for cast_transpose, 64-row tiles, holds the 128-row one).
+            Some(d) if self.params.block_dim == 1 => {
+                block_quantize::quantize_dbias(&self.dev, x, &self.params, &mut q, d)?
+            }
+            // 128×128 blocks (`grad_block_scaling_dim` 2) have no per-column pass: a ones GEMM.
+            Some(d) => {
+                block_quantize::quantize(&self.dev, x, &self.params, &mut q)?;
+                ops::cast_transpose::dbias(&self.dev, x, d.dbias)?;
+            }
+            None => block_quantize::quantize(&self.dev, x, &self.params, &mut q)?,
         }
         Float8Tensor::from_block(q, x.shape())
     }

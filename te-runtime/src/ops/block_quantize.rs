@@ -2,9 +2,12 @@
 //! DeepSeek-V3's recipe): one f32 scale per 1×128 tile (with a 128×1-tiled transposed copy) or
 //! per 128×128 block, the scales in the layouts cuBLASLt's block-scaled FP8 GEMMs read (TE's
 //! `GEMM_READY`). The numerics are [`crate::reference::block_scaling`]'s, bit for bit.
+//! [`quantize_dbias`] also gives the bias gradient from the same read, in two deterministic
+//! passes.
 
-use super::check_dtype;
+use super::cast_transpose::DbiasOut;
 use super::launch::Launch;
+use super::{check_dtype, check_shape, launch_1d};
 use crate::gemm::BlockScale;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
@@ -157,6 +160,50 @@ impl BlockFp8 {
 /// errors; [`Error::Shape`] when `out` was made for other sizes, another `block_dim` or other
 /// codes; compile and launch failures.
 pub fn quantize(dev: &Device, x: &Tensor, params: &BlockQuantizeParams, out: &mut BlockFp8) -> Result<()> {
+    launch(dev, x, params, out, None)
+}
+
+/// f32 elements of the [`DbiasOut::workspace`] [`quantize_dbias`] of a `[rows, cols]` tensor
+/// needs: `⌈rows/128⌉ · cols` (one row of column sums per 128-row tile). A workspace sized for
+/// a cast_transpose ([`super::cast_transpose::dbias_workspace_len`], 64-row tiles) is large enough.
+pub fn block_dbias_workspace_len(rows: usize, cols: usize) -> usize {
+    rows.div_ceil(BLOCK) * cols
+}
+
+/// [`quantize`] with the bias gradient of `x` fused: `dbias.dbias[c] = Σ_r x[r, c]` (`[cols]`,
+/// `x`'s dtype; f32 sums rounded once). Deterministic: the quantize kernel writes each 128-row
+/// tile's f32 column sums into `dbias.workspace` (at least [`block_dbias_workspace_len`]`(rows,
+/// cols)` f32, no initialization needed, scratch afterwards), a second kernel adds them in a
+/// fixed order. The codes and scales are [`quantize`]'s, bit for bit. An `x` without rows gives
+/// a zero `dbias`.
+///
+/// The column sums come from the column-wise pass: `params.block_dim` must be 1 and `out` must
+/// hold the column-wise codes (the 2D quantizer has no fused dbias: use
+/// [`super::cast_transpose::dbias`] after [`quantize`]).
+///
+/// # Errors
+/// As [`quantize`]; [`Error::Argument`] for `block_dim` 2 or an `out` without column-wise codes;
+/// [`Error::DType`] for a `dbias` of another dtype than `x`; [`Error::Shape`] for a `dbias` that
+/// is not `[cols]` or a workspace that is too small.
+pub fn quantize_dbias(
+    dev: &Device,
+    x: &Tensor,
+    params: &BlockQuantizeParams,
+    out: &mut BlockFp8,
+    dbias: DbiasOut<'_>,
+) -> Result<()> {
+    launch(dev, x, params, out, Some(dbias))
+}
+
+/// [`quantize`] and [`quantize_dbias`]: checks, the quantize kernel and, with `dbias`, its
+/// second pass.
+fn launch(
+    dev: &Device,
+    x: &Tensor,
+    params: &BlockQuantizeParams,
+    out: &mut BlockFp8,
+    dbias: Option<DbiasOut<'_>>,
+) -> Result<()> {
     check_dtype(OP, "x", x, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     params.validate()?;
     let (rows, cols) = x.as_2d(OP)?;
@@ -171,49 +218,116 @@ pub fn quantize(dev: &Device, x: &Tensor, params: &BlockQuantizeParams, out: &mu
             ),
         });
     }
-    if rows == 0 || cols == 0 {
-        return Ok(());
+    let mut dbias = dbias;
+    if let Some(d) = &dbias {
+        check_dbias(x, params, out, d, rows, cols)?;
     }
-    let spec = BlockQuantizeSpec::new(x.dtype(), params.dtype, params.block_dim, dev.arch());
-    let f = dev.function(&KernelSpec::BlockQuantize(spec), 0)?;
-    let sizes = [rows as u64, cols as u64];
-    let lds = [out.rowwise.as_ref().map_or(0, |c| c.ld as u64), out.columnwise.as_ref().map_or(0, |c| c.ld as u64)];
-    let (power_2, inf) = (i32::from(params.power_2), value_for_inf(x.dtype()));
-    let null = 0u64;
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
-    l.ptr("x", x.data());
-    let ((q, s), (q_t, s_t)) = (split(out.rowwise.as_mut()), split(out.columnwise.as_mut()));
-    for (name, t) in [("q", q), ("q_t", q_t)] {
-        match t {
-            Some(t) => l.ptr(name, t.data_mut()?),
-            None => l.ptr(name, &null),
-        };
-    }
-    for (name, si) in [("s", s), ("s_t", s_t)] {
-        match si {
-            Some(si) => l.ptr(name, si),
-            None => l.ptr(name, &null),
-        };
-    }
-    l.scalar("rows", &sizes[0]).scalar("cols", &sizes[1]).scalar("ld_s", &lds[0]).scalar("ld_s_t", &lds[1]);
-    l.scalar("epsilon", &params.epsilon).scalar("power_2", &power_2).scalar("value_for_inf", &inf);
     let (tiles_x, tiles_y) = (cols.div_ceil(BLOCK), rows.div_ceil(BLOCK));
-    if tiles_y > 65_535 || tiles_x > i32::MAX as usize {
+    let dbias_blocks = if dbias.is_some() { cols.div_ceil(BlockQuantizeSpec::DBIAS_COLS) } else { 0 };
+    if tiles_y > 65_535 || tiles_x.max(dbias_blocks) > i32::MAX as usize {
         return Err(Error::Shape {
             op: OP,
             message: format!("[{rows}, {cols}] has more 128x128 tiles than a launch grid holds: quantize it in parts"),
         });
     }
-    let cfg = LaunchConfig {
-        grid_dim: (tiles_x as u32, tiles_y as u32, 1),
-        block_dim: (BlockQuantizeSpec::THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: x holds rows · cols elements of the spec's input type; each code tensor holds
-    // rows · cols bytes in its orientation and each scale_inv scale_rows · ld f32, the
-    // kernel's indices staying below (ld ≥ the scales of a row); the outputs are distinct
-    // allocations (`&mut`), absent ones null.
-    unsafe { l.launch(cfg) }?;
+    let spec = BlockQuantizeSpec::new(x.dtype(), params.dtype, params.block_dim, dev.arch());
+    if rows > 0 && cols > 0 {
+        let f = dev.function(&KernelSpec::BlockQuantize(spec), 0)?;
+        let sizes = [rows as u64, cols as u64];
+        let lds = [out.rowwise.as_ref().map_or(0, |c| c.ld as u64), out.columnwise.as_ref().map_or(0, |c| c.ld as u64)];
+        let (power_2, inf) = (i32::from(params.power_2), value_for_inf(x.dtype()));
+        let null = 0u64;
+        let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
+        l.ptr("x", x.data());
+        let ((q, s), (q_t, s_t)) = (split(out.rowwise.as_mut()), split(out.columnwise.as_mut()));
+        for (name, t) in [("q", q), ("q_t", q_t)] {
+            match t {
+                Some(t) => l.ptr(name, t.data_mut()?),
+                None => l.ptr(name, &null),
+            };
+        }
+        for (name, si) in [("s", s), ("s_t", s_t)] {
+            match si {
+                Some(si) => l.ptr(name, si),
+                None => l.ptr(name, &null),
+            };
+        }
+        l.scalar("rows", &sizes[0]).scalar("cols", &sizes[1]).scalar("ld_s", &lds[0]).scalar("ld_s_t", &lds[1]);
+        l.scalar("epsilon", &params.epsilon).scalar("power_2", &power_2).scalar("value_for_inf", &inf);
+        if params.block_dim == 1 {
+            match &mut dbias {
+                Some(d) => l.ptr("dbias_partial", &mut d.workspace),
+                None => l.ptr("dbias_partial", &null),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (tiles_x as u32, tiles_y as u32, 1),
+            block_dim: (BlockQuantizeSpec::THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows · cols elements of the spec's input type; each code tensor holds
+        // rows · cols bytes in its orientation and each scale_inv scale_rows · ld f32, the
+        // kernel's indices staying below (ld ≥ the scales of a row); a dbias workspace holds
+        // ⌈rows/128⌉ · cols f32 (checked); the outputs are distinct allocations (`&mut`), absent
+        // ones null.
+        unsafe { l.launch(cfg) }?;
+    }
+    if let Some(mut d) = dbias {
+        if cols == 0 {
+            return Ok(());
+        }
+        let g = dev.function(&KernelSpec::BlockQuantize(spec), 1)?;
+        let (cols_u64, row_tiles) = (cols as u64, tiles_y as u64);
+        let mut l = Launch::new(OP, dev.stream(), &g, &spec, 1);
+        l.ptr("dbias_partial", &mut d.workspace).ptr("dbias", d.dbias.data_mut()?);
+        l.scalar("cols", &cols_u64).scalar("row_tiles", &row_tiles);
+        let cfg = launch_1d(dbias_blocks, BlockQuantizeSpec::DBIAS_THREADS, 0);
+        // SAFETY: the workspace rows 0 .. row_tiles were written by the launch above on the same
+        // stream (none are read without rows); `dbias` holds cols elements of x's dtype
+        // (checked); one block per DBIAS_COLS columns (a grid checked above).
+        unsafe { l.launch(cfg) }?;
+    }
+    Ok(())
+}
+
+/// The checks of [`quantize_dbias`]'s `dbias` against `x`, `params` and `out`.
+fn check_dbias(
+    x: &Tensor,
+    params: &BlockQuantizeParams,
+    out: &BlockFp8,
+    d: &DbiasOut<'_>,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    if params.block_dim != 1 {
+        return Err(Error::Argument {
+            op: OP,
+            message: "the fused dbias needs 1D blocks (block_dim 1, the gradients' 128x1 column tiles): for \
+                      128x128 blocks run quantize, then ops::cast_transpose::dbias"
+                .into(),
+        });
+    }
+    if out.columnwise.is_none() {
+        return Err(Error::Argument {
+            op: OP,
+            message: "the fused dbias sums the columns in the column-wise pass: make the output with \
+                      BlockFp8::new(.., columnwise = true)"
+                .into(),
+        });
+    }
+    let dt = x.dtype();
+    check_dtype(OP, "dbias", d.dbias, |t| t == dt, &format!("{dt} (the dtype of `x`)"))?;
+    check_shape(OP, "dbias", d.dbias, &[cols])?;
+    let need = block_dbias_workspace_len(rows, cols);
+    if d.workspace.len() < need {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!(
+                "the dbias workspace holds {} f32, needs {need}: allocate block_dbias_workspace_len({rows}, {cols})",
+                d.workspace.len()
+            ),
+        });
+    }
     Ok(())
 }
 
