@@ -16,11 +16,11 @@
 //! Also: `LayerNormMLPConfig::recompute_activation`, and the bytes `LayerNormMLP` saves for
 //! backward in FP8 against BF16.
 
-use crate::harness::{random_bytes, Bench, Marks, Work};
+use crate::harness::{random_bytes, Bench, Marks, PhaseStats, Work};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 use te_runtime::modules::{
-    GroupedLinear, GroupedLinearConfig, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig,
-    Linear, LinearConfig, TransformerLayer, TransformerLayerConfig,
+    ForwardOptions, GroupedLinear, GroupedLinearConfig, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP,
+    LayerNormMLPConfig, Linear, LinearConfig, TransformerLayer, TransformerLayerConfig,
 };
 use te_runtime::{DType, Tensor};
 
@@ -84,6 +84,19 @@ pub fn run(b: &mut Bench) {
             experts.backward(ctx, &dy).unwrap();
             m.mark();
         });
+        // Gradient accumulation's later micro-batches: the FP8 weights (and their transposes)
+        // cast by the first one are reused (is_first_microbatch = Some(false)).
+        let delayed = Some(Recipe::from(DelayedScaling::default()));
+        let first = ForwardOptions { is_first_microbatch: Some(true), ..Default::default() };
+        autocast(delayed, || experts.forward_with(&x, &GROUPED_SPLITS, first));
+        let later = ForwardOptions { is_first_microbatch: Some(false), ..Default::default() };
+        let st = b.time_phases(WARMUP, ITERS, 2, |m| {
+            let (_, ctx) = autocast(delayed, || experts.forward_with(&x, &GROUPED_SPLITS, later));
+            m.mark();
+            experts.backward(ctx, &dy).unwrap();
+            m.mark();
+        });
+        record_passes(b, "grouped_linear", &shape, gemm, gemm, "ours fp8 delayed, weights cached", &st);
     }
     if b.enabled("transformer_layer") {
         const SEQ: usize = 2048;
@@ -134,19 +147,7 @@ fn time_passes(
     let mut fwd_bwd_us = Vec::new();
     for (variant, recipe) in variants {
         let st = b.time_phases(WARMUP, ITERS, 2, |m| step(recipe, m));
-        let fp8 = if recipe.is_some() { gemm_flops } else { 0 };
-        for (pass, stats, times) in [("fwd", st.phases[0], 1), ("bwd", st.phases[1], 2), ("fwd+bwd", st.total, 3)] {
-            let w = Work {
-                section: "modules",
-                work: work.into(),
-                pass,
-                variant: variant.into(),
-                precision: if recipe.is_some() { "fp8" } else { "bf16" },
-                flops_fp8: times * fp8,
-                tokens: None,
-            };
-            b.record_work(shape, stats, times * flops, None, w);
-        }
+        record_passes(b, work, shape, flops, if recipe.is_some() { gemm_flops } else { 0 }, variant, &st);
         fwd_bwd_us.push(st.total.median_us);
     }
     let target = speedup_target.map(|t| (true, t));
@@ -165,6 +166,23 @@ fn time_passes(
         fwd_bwd_us[0] / fwd_bwd_us[3],
         None,
     );
+}
+
+/// The fwd, bwd and fwd+bwd rows of one variant's timings (`gemm_flops` of the forward in FP8,
+/// 0 for BF16).
+fn record_passes(b: &mut Bench, work: &str, shape: &str, flops: u64, gemm_flops: u64, variant: &str, st: &PhaseStats) {
+    for (pass, stats, times) in [("fwd", st.phases[0], 1), ("bwd", st.phases[1], 2), ("fwd+bwd", st.total, 3)] {
+        let w = Work {
+            section: "modules",
+            work: work.into(),
+            pass,
+            variant: variant.into(),
+            precision: if gemm_flops > 0 { "fp8" } else { "bf16" },
+            flops_fp8: times * gemm_flops,
+            tokens: None,
+        };
+        b.record_work(shape, stats, times * flops, None, w);
+    }
 }
 
 fn layernorm_mlp(b: &mut Bench, x: &Tensor, dy: &Tensor) {
