@@ -156,12 +156,17 @@ impl Corpus {
 }
 
 /// Random windows of `seq + 1` bytes from a split, from a seeded generator: the same seed gives
-/// the same batches (FP8 and BF16 runs see the same data order).
+/// the same batches (FP8 and BF16 runs see the same data order). Sharded over the ranks of a
+/// data-parallel run ([`Batcher::sharded`]), each rank reads its own part of every global batch.
 #[derive(Debug)]
 pub struct Batcher {
     rng: StdRng,
     seq: usize,
     batch: usize,
+    /// This rank's shard, `0..shards`.
+    shard: usize,
+    /// Ranks the global batch is split over.
+    shards: usize,
 }
 
 /// One batch: token ids and next-token targets, both `[seq, batch]` row-major (sequence-major, as
@@ -177,7 +182,17 @@ pub struct Batch {
 impl Batcher {
     /// Batches of `batch` windows of `seq` tokens, drawn with `seed`.
     pub fn new(seed: u64, seq: usize, batch: usize) -> Batcher {
-        Batcher { rng: StdRng::seed_from_u64(seed), seq, batch }
+        Self::sharded(seed, seq, batch, 0, 1)
+    }
+
+    /// Rank `shard`'s part of the batches of `shards × batch` windows that
+    /// [`Batcher::new`]`(seed, seq, shards × batch)` draws: windows `shard × batch ..
+    /// (shard + 1) × batch` of each. A data-parallel run of `shards` ranks of `batch` sequences
+    /// each thus sees the data of a single-GPU run of batch `shards × batch`, rank by rank.
+    /// `shard` is taken modulo `shards` (at least 1).
+    pub fn sharded(seed: u64, seq: usize, batch: usize, shard: usize, shards: usize) -> Batcher {
+        let shards = shards.max(1);
+        Batcher { rng: StdRng::seed_from_u64(seed), seq, batch, shard: shard % shards, shards }
     }
 
     /// The next batch from `data`.
@@ -189,7 +204,9 @@ impl Batcher {
         if data.len() < need {
             return Err(DataError::TooShort { split, len: data.len(), need });
         }
-        let starts: Vec<usize> = (0..self.batch).map(|_| self.rng.random_range(0..=data.len() - need)).collect();
+        let all: Vec<usize> =
+            (0..self.batch * self.shards).map(|_| self.rng.random_range(0..=data.len() - need)).collect();
+        let starts = &all[self.shard * self.batch..(self.shard + 1) * self.batch];
         let mut ids = vec![0i32; self.seq * self.batch];
         let mut targets = vec![0i32; self.seq * self.batch];
         for (b, &s) in starts.iter().enumerate() {
@@ -211,7 +228,7 @@ impl Batcher {
         if data.len() < need {
             return Err(DataError::TooShort { split, len: data.len(), need });
         }
-        for _ in 0..batches * self.batch as u64 {
+        for _ in 0..batches * (self.batch * self.shards) as u64 {
             self.rng.random_range(0..=data.len() - need);
         }
         Ok(())
@@ -238,6 +255,32 @@ mod tests {
         }
         d.skip(&data, 5, "train").unwrap();
         assert_eq!(c.next(&data, "train").unwrap(), d.next(&data, "train").unwrap(), "skip = that many next calls");
+    }
+
+    #[test]
+    fn shards_of_a_data_parallel_run_are_the_parts_of_the_global_batch() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(5000).collect();
+        let (seq, b, world) = (8, 3, 2);
+        let mut whole = Batcher::new(11, seq, b * world);
+        let mut ranks: Vec<Batcher> = (0..world).map(|r| Batcher::sharded(11, seq, b, r, world)).collect();
+        // Resumed ranks skip whole global batches.
+        let mut late = Batcher::sharded(11, seq, b, 1, world);
+        late.skip(&data, 2, "train").unwrap();
+        for step in 0..3 {
+            let g = whole.next(&data, "train").unwrap();
+            let parts: Vec<Batch> = ranks.iter_mut().map(|r| r.next(&data, "train").unwrap()).collect();
+            for (r, part) in parts.iter().enumerate() {
+                for t in 0..seq {
+                    for i in 0..b {
+                        let want = g.ids[t * b * world + r * b + i];
+                        assert_eq!(part.ids[t * b + i], want, "step {step} rank {r} token {t} sequence {i}");
+                    }
+                }
+            }
+            if step == 2 {
+                assert_eq!(late.next(&data, "train").unwrap(), parts[1], "skip counts global batches");
+            }
+        }
         let e = Batcher::new(0, 300, 1).next(&data, "validation").unwrap_err();
         assert!(e.to_string().contains("validation") && e.to_string().contains("301"), "{e}");
     }

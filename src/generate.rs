@@ -464,6 +464,7 @@ mod tests {
             data_seed: 0,
             model_seed: 0,
             tensor_parallel: None,
+            data_parallel: None,
             model: model.then(|| crate::run_checkpoint::ModelSection::new(&cfg, Precision::Fp8)),
         }
     }

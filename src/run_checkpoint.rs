@@ -96,6 +96,12 @@ pub struct Latest {
     /// split`); absent for a single-GPU checkpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensor_parallel: Option<usize>,
+    /// Ranks of the data-parallel run that wrote it (each read its own shard of every global
+    /// batch of `data_parallel × batch` sequences); absent for a single-GPU run. Every rank
+    /// holds the same weights and FP8 state, so the files are a single GPU's: a resumed run
+    /// must have the same data-parallel size to keep the data order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel: Option<usize>,
     /// The model (absent in checkpoints written before `te generate`).
     #[serde(default)]
     pub model: Option<ModelSection>,
@@ -125,13 +131,25 @@ pub struct Checkpointer<'a> {
     /// `<dir>/<precision>`, with a checkpoint directory.
     run_dir: Option<PathBuf>,
     last: Option<PathBuf>,
+    /// Ranks of the data-parallel run (1: a single GPU).
+    data_parallel: usize,
+    /// Whether this process writes checkpoints (rank 0 of a data-parallel run; every rank
+    /// resumes from them).
+    writes: bool,
 }
 
 impl<'a> Checkpointer<'a> {
     /// The checkpointing `opts` asks for, of a run of `cfg` in `precision`.
     pub fn new(opts: &'a CheckpointOptions, cfg: &'a TrainConfig, precision: Precision) -> Self {
         let run_dir = opts.dir.as_ref().map(|d| d.join(precision.name()));
-        Self { opts, cfg, precision, run_dir, last: None }
+        Self { opts, cfg, precision, run_dir, last: None, data_parallel: 1, writes: true }
+    }
+
+    /// The checkpointing of rank `rank` of a data-parallel run of `size` ranks: rank 0 writes
+    /// the checkpoints (recording `size`), every rank resumes from them, and a checkpoint of
+    /// another data-parallel size is refused (its data order differs).
+    pub fn data_parallel(self, rank: usize, size: usize) -> Self {
+        Self { data_parallel: size.max(1), writes: rank == 0, ..self }
     }
 
     /// The newest good checkpoint: the one resumed from, then each one saved.
@@ -158,6 +176,7 @@ impl<'a> Checkpointer<'a> {
             ("lr", latest.lr.to_string(), cfg.lr.to_string()),
             ("seed", latest.data_seed.to_string(), cfg.data_seed.to_string()),
             ("model seed", latest.model_seed.to_string(), cfg.model.seed.to_string()),
+            ("data-parallel size", latest.data_parallel.unwrap_or(1).to_string(), self.data_parallel.to_string()),
         ];
         let mut differ: Vec<String> =
             want.iter().filter(|(_, a, b)| a != b).map(|(n, a, b)| format!("{n} {a} (checkpoint) vs {b}")).collect();
@@ -193,18 +212,29 @@ impl<'a> Checkpointer<'a> {
     }
 
     /// After step `step`: saves a checkpoint when one is due (every `interval` steps, at the
-    /// last step, and when a stop was requested), then ends the run with
-    /// [`TrainError::Interrupted`] when a stop was requested before the last step.
+    /// last step, and when `stop` was requested: [`CheckpointOptions::stop_requested`], agreed
+    /// by every rank of a data-parallel run), then ends the run with
+    /// [`TrainError::Interrupted`] when a stop was requested before the last step. A rank that
+    /// does not write ([`Checkpointer::data_parallel`]) points at rank 0's checkpoint of the step.
     ///
     /// # Errors
     /// That stop; [`TrainError::NonFinite`] for an FP8 scaling state that is not finite (the
     /// checkpoint is not written); I/O and runtime errors of the save.
-    pub fn after_step(&mut self, step: u64, state: &dyn RunState, records: &[Record]) -> Result<(), TrainError> {
-        let stop = self.opts.stop_requested() && step < self.cfg.steps;
+    pub fn after_step(
+        &mut self,
+        step: u64,
+        state: &dyn RunState,
+        records: &[Record],
+        stop: bool,
+    ) -> Result<(), TrainError> {
+        let stop = stop && step < self.cfg.steps;
         let interval = self.opts.interval;
         if let Some(run_dir) = &self.run_dir {
             if (interval > 0 && step % interval == 0) || step == self.cfg.steps || stop {
-                self.last = Some(save(run_dir, self.cfg, self.precision, step, state, records)?);
+                self.last = Some(match self.writes {
+                    true => save(run_dir, self.cfg, self.precision, step, state, records, self.data_parallel)?,
+                    false => run_dir.join(format!("step-{step:07}")),
+                });
             }
         }
         if stop {
@@ -223,6 +253,7 @@ fn save(
     step: u64,
     state: &dyn RunState,
     records: &[Record],
+    data_parallel: usize,
 ) -> Result<PathBuf, TrainError> {
     let bad = state.nonfinite_states()?;
     if let Some(path) = bad.first() {
@@ -251,6 +282,7 @@ fn save(
         data_seed: cfg.data_seed,
         model_seed: cfg.model.seed,
         tensor_parallel: None,
+        data_parallel: (data_parallel > 1).then_some(data_parallel),
         model: Some(ModelSection::new(cfg, precision)),
     };
     let path = run_dir.join("latest.toml");
@@ -368,6 +400,7 @@ mod tests {
             data_seed: 1,
             model_seed: 1,
             tensor_parallel: None,
+            data_parallel: None,
             model: Some(ModelSection::new(&cfg, Precision::Fp8)),
         };
         std::fs::write(&path, toml::to_string(&l).unwrap()).unwrap();
@@ -396,6 +429,7 @@ mod tests {
             data_seed: 1,
             model_seed: 9,
             tensor_parallel: None,
+            data_parallel: None,
             model: Some(ModelSection::new(&train_config(), Precision::Bf16)),
         };
         let text = toml::to_string(&l).unwrap().replace("params_dtype = \"bf16\"", "params_dtype = \"f8\"");

@@ -4,6 +4,12 @@
 //! tokens/s, peak GPU memory and train/validation loss, saving checkpoints and resuming from
 //! them bit for bit.
 //!
+//! Data parallel (one process a GPU, `te train --nproc-per-node N` or a `torchrun`-style launch):
+//! each rank reads its shard of every global batch of `N × batch` sequences, the gradients are
+//! averaged over the ranks while the backward runs ([`DataParallel`]), the FP8 amaxes are
+//! reduced over them (`fp8_group`), so every rank takes the same step; rank 0 writes the
+//! checkpoints, in the single-GPU format.
+//!
 //! Checkpoints: [`crate::run_checkpoint`].
 
 use crate::data::{Batcher, Corpus, DataError};
@@ -14,10 +20,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use te_runtime::checkpoint::{self, LoadOptions, SaveOptions};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe, ScalingState};
+use te_runtime::fp8::{DelayedScaling, Float8BlockScaling, Fp8Autocast, Recipe, ScalingState};
 use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
 use te_runtime::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
+use te_runtime::parallel::DataParallel;
 use te_runtime::{Device, Module};
 
 /// Errors of the job.
@@ -254,8 +261,11 @@ pub struct RunSummary {
     /// The loss curve (from step 1, including steps before a resume).
     pub records: Vec<Record>,
     /// Training tokens per second over the steps this process ran after its first (median step
-    /// time); NaN when it ran fewer than two.
+    /// time), of all ranks together in a data-parallel run; NaN when it ran fewer than two.
     pub tokens_per_s: f64,
+    /// Processes the run trained with: the data-parallel ranks, one a GPU (1 on a single GPU
+    /// and on the CPU path); the tokens/s of one is `tokens_per_s / ranks`.
+    pub ranks: usize,
     /// Peak device memory held by this run's allocations (the memory pool's high-water mark:
     /// parameters, gradients, optimizer state, activations, workspaces), bytes; 0 on the CPU.
     pub peak_memory: u64,
@@ -264,7 +274,9 @@ pub struct RunSummary {
 }
 
 /// Trains `cfg.model` on `corpus` in `precision` on the GPU, calling `progress(step, loss)` after
-/// each step; saves and resumes checkpoints as `ckpt` says.
+/// each step; saves and resumes checkpoints as `ckpt` says. With `dp`, as one rank of a
+/// data-parallel run (see the module docs): every rank calls it with the same settings; the
+/// loss `progress` gets and the records hold are the mean over the ranks.
 ///
 /// # Errors
 /// Data, runtime, device and checkpoint errors; [`TrainError::Resume`] for a checkpoint made
@@ -277,6 +289,7 @@ pub fn train(
     cfg: &TrainConfig,
     precision: Precision,
     ckpt: &CheckpointOptions,
+    mut dp: Option<&mut DataParallel>,
     mut progress: impl FnMut(u64, f32),
 ) -> Result<RunSummary, TrainError> {
     dev.synchronize()?;
@@ -294,16 +307,21 @@ pub fn train(
         )
     })?;
     dev.reset_peak_memory()?;
-    let model = Gpt::new(dev, cfg.model.clone())?;
+    let mut model = Gpt::new(dev, cfg.model.clone())?;
+    let (rank, world) = dp.as_ref().map_or((0, 1), |d| (d.rank(), d.size()));
+    if let Some(dp) = dp.as_deref() {
+        // Every rank builds the model from the same seed; the broadcast makes sure.
+        dp.broadcast_parameters(&mut model)?;
+    }
     let opt = AdamW::new(dev, &model, adamw_config(cfg))?;
     let mut run = GpuRun { model, opt };
     let seq = cfg.model.seq_length;
-    let mut train_batches = Batcher::new(cfg.data_seed, seq, cfg.batch);
+    let mut train_batches = Batcher::sharded(cfg.data_seed, seq, cfg.batch, rank, world);
     let mut records = Vec::new();
-    let mut checkpoints = Checkpointer::new(ckpt, cfg, precision);
+    let mut checkpoints = Checkpointer::new(ckpt, cfg, precision).data_parallel(rank, world);
     let done = checkpoints.resume(&mut run, &mut records)?;
     train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
-    let recipe = cfg.fp8_recipe();
+    let autocast = Fp8Autocast::new(cfg.fp8_recipe()).with_group(dp.as_ref().map(|d| d.group().clone()));
     let mut times = Vec::new();
     let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
     for step in done + 1..=cfg.steps {
@@ -318,37 +336,52 @@ pub fn train(
                 grad_scale: 1.0 / cfg.grad_accum as f32,
             };
             let (loss, ctx) = match precision {
-                Precision::Fp8 => fp8_autocast(true, recipe, || run.model.forward_loss_with(&ids, &targets, mb))?,
+                Precision::Fp8 => autocast.clone().run(|| run.model.forward_loss_with(&ids, &targets, mb))?,
                 Precision::Bf16 => run.model.forward_loss_with(&ids, &targets, mb)?,
             };
-            run.model.backward(ctx)?;
+            match dp.as_deref_mut() {
+                // The last micro-batch's backward reduces each part's gradients as they complete.
+                Some(dp) if micro + 1 == cfg.grad_accum => {
+                    run.model.backward_with(ctx, &mut |part| dp.reduce_grads(part))?;
+                    dp.finish()?;
+                }
+                _ => run.model.backward(ctx)?,
+            }
             losses.push(loss);
         }
         let stats = run.opt.step(&mut run.model)?;
         // Read after the step was issued: the host never waited for the device mid-step.
         let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
-        let train_loss = loss_sum / cfg.grad_accum as f32;
+        let mut train_loss = loss_sum / cfg.grad_accum as f32;
+        let mut stop = ckpt.stop_requested();
+        if let Some(dp) = dp.as_deref() {
+            // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together),
+            // and a stop requested on any rank stops all after this step.
+            train_loss = dp.mean(train_loss)?;
+            stop = dp.mean(f32::from(u8::from(stop)))? > 0.0;
+        }
         guard.check(step, (train_loss, stats.grad_norm, stats.skipped), checkpoints.last())?;
         run.model.zero_grad();
         dev.synchronize()?;
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
         times.push(step_ms);
         let val_loss = if step % cfg.eval_interval == 0 || step == cfg.steps {
-            Some(evaluate(dev, &mut run.model, corpus, cfg, precision)?)
+            Some(evaluate(dev, &mut run.model, corpus, cfg, precision, &autocast)?)
         } else {
             None
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
-        checkpoints.after_step(step, &run, &records)?;
+        checkpoints.after_step(step, &run, &records, stop)?;
     }
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);
-    let tokens = (seq * cfg.batch * cfg.grad_accum) as f64;
+    let tokens = (seq * cfg.batch * cfg.grad_accum * world) as f64;
     Ok(RunSummary {
         precision,
         records,
         tokens_per_s: tokens / (median_ms / 1e3),
+        ranks: world,
         peak_memory: dev.peak_memory()?,
         parameters: run.model.num_parameters(),
     })
@@ -441,13 +474,16 @@ pub fn eval_batcher(cfg: &TrainConfig) -> Batcher {
 }
 
 /// Mean validation loss over `cfg.eval_batches` fixed batches (the same for every evaluation),
-/// in evaluation mode (no dropout; the training run's dropout stream does not move).
+/// in evaluation mode (no dropout; the training run's dropout stream does not move). FP8 runs
+/// evaluate under `autocast` (the run's recipe and amax reduction group: every rank of a
+/// data-parallel run evaluates the same batches, and their scales stay equal).
 fn evaluate(
     dev: &Arc<Device>,
     model: &mut Gpt,
     corpus: &Corpus,
     cfg: &TrainConfig,
     precision: Precision,
+    autocast: &Fp8Autocast,
 ) -> Result<f32, TrainError> {
     let seq = cfg.model.seq_length;
     let mut batches = eval_batcher(cfg);
@@ -458,11 +494,13 @@ fn evaluate(
             let batch = batches.next(&corpus.val, "validation")?;
             let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
             let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
+            // The language-model loss alone: a MoE model's aux losses are left out of validation.
+            let mb = MicroBatch::default();
             let (loss, _ctx) = match precision {
-                Precision::Fp8 => fp8_autocast(true, cfg.fp8_recipe(), || model.forward_loss(&ids, &targets))?,
-                Precision::Bf16 => model.forward_loss(&ids, &targets)?,
+                Precision::Fp8 => autocast.clone().run(|| model.forward_loss_with(&ids, &targets, mb))?,
+                Precision::Bf16 => model.forward_loss_with(&ids, &targets, mb)?,
             };
-            sum += loss;
+            sum += loss.lm_value()?;
         }
         Ok(sum / cfg.eval_batches as f32)
     };

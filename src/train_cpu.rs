@@ -102,7 +102,7 @@ pub fn train_cpu(
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
-        checkpoints.after_step(step, &run, &records)?;
+        checkpoints.after_step(step, &run, &records, ckpt.stop_requested())?;
     }
     // Over the steps this process ran (a resumed run's records include the earlier ones).
     let median_ms = median(&mut times.into_iter().skip(1).collect::<Vec<_>>());
@@ -111,6 +111,7 @@ pub fn train_cpu(
         precision,
         records,
         tokens_per_s: tokens / (median_ms / 1e3),
+        ranks: 1,
         peak_memory: peak_rss(),
         parameters: run.model.num_parameters(),
     })

@@ -18,6 +18,15 @@ pub fn gpu_available() -> bool {
     CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
 }
 
+/// The number of CUDA GPUs this process sees (0 when libcuda does not load). Never panics.
+pub fn device_count() -> usize {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
+}
+
 /// One GPU: a context, the stream all work is issued on, and its JIT-loaded kernels.
 #[derive(Debug)]
 pub struct Device {

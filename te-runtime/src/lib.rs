@@ -23,6 +23,7 @@ pub mod modules;
 pub mod numerics;
 pub mod ops;
 pub mod optim;
+pub mod parallel;
 pub mod philox;
 pub mod prewarm;
 pub mod reference;

@@ -161,7 +161,7 @@ fn embedding_module_accumulates_its_gradient_and_refuses_stale_contexts() {
 }
 
 /// A small GPT with deterministic layers (no dropout).
-fn config(dtype: DType) -> GptConfig {
+pub(crate) fn config(dtype: DType) -> GptConfig {
     GptConfig {
         hidden_size: 64,
         num_layers: 2,
@@ -176,7 +176,7 @@ fn config(dtype: DType) -> GptConfig {
 }
 
 /// A fixed `[s, b]` batch of bytes of text and its next-byte targets (the last target ignored).
-fn batch(dev: &Device, s: usize, b: usize) -> (TokenIds, TokenIds) {
+pub(crate) fn batch(dev: &Device, s: usize, b: usize) -> (TokenIds, TokenIds) {
     let text = b"To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer the slings";
     // Sequence j starts at byte 13 * j; element (i, j) of [s, b] is row-major i * b + j.
     let byte = |i: usize, j: usize| i32::from(text[(13 * j + i) % text.len()]);
@@ -205,7 +205,7 @@ fn loss_at_init_is_log_vocab_and_parameters_are_counted() {
 }
 
 /// The value of `path`'s parameter, its gradient, and its shape.
-fn param_and_grad(gpt: &Gpt, dev: &Device, path: &str) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn param_and_grad(gpt: &Gpt, dev: &Device, path: &str) -> (Vec<f32>, Vec<f32>) {
     let mut found = None;
     gpt.visit("", &mut |p: &str, _: ParamKind, param: &dyn Param| -> Result<()> {
         if p == path {
@@ -218,7 +218,7 @@ fn param_and_grad(gpt: &Gpt, dev: &Device, path: &str) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// Writes `value` into element `i` of `path`'s parameter.
-fn poke(gpt: &mut Gpt, dev: &Device, path: &str, i: usize, value: f32) {
+pub(crate) fn poke(gpt: &mut Gpt, dev: &Device, path: &str, i: usize, value: f32) {
     gpt.visit_mut("", &mut |p: &str, _: ParamKind, param: &mut dyn ParamMut| -> Result<()> {
         if p == path {
             let t = param.tensor().unwrap();
@@ -266,7 +266,7 @@ fn gradients_match_finite_differences_of_the_loss() {
 }
 
 /// `steps` SGD steps (`p -= lr * grad` through the visitor) on one batch; the losses.
-fn sgd_losses(dev: &Device, gpt: &mut Gpt, fp8: Option<Recipe>, steps: usize, lr: f32) -> Vec<f32> {
+pub(crate) fn sgd_losses(dev: &Device, gpt: &mut Gpt, fp8: Option<Recipe>, steps: usize, lr: f32) -> Vec<f32> {
     let (ids, targets) = batch(dev, 32, 2);
     (0..steps)
         .map(|_| {

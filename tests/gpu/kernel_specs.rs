@@ -61,3 +61,49 @@ fn a_gpt_training_step_loads_only_predicted_kernels() {
     assert_eq!(gpt.all_kernel_specs(&target), cfg.kernel_specs(&target), "the device-free list agrees");
     assert_eq!(gpt.all_kernel_specs(&block_target), cfg.kernel_specs(&block_target), "and under block scaling");
 }
+
+#[test]
+fn a_moe_gpt_training_step_loads_only_predicted_kernels() {
+    if device().is_none() {
+        return;
+    }
+    let dev = Device::new(0).unwrap();
+    let cfg = GptConfig {
+        hidden_size: 64,
+        num_layers: 2,
+        num_attention_heads: 4,
+        ffn_hidden_size: 128,
+        seq_length: 32,
+        moe: Some(te_runtime::modules::MoeConfig::new(4, 2)),
+        ..GptConfig::tiny()
+    };
+    let (s, b) = (cfg.seq_length, 2);
+    let ids: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 7) % 256) as i32).collect();
+    let targets: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 38) % 256) as i32).collect();
+    let ids = TokenIds::from_host(&dev, &[s, b], &ids).unwrap();
+    let targets = TokenIds::from_host(&dev, &[s, b], &targets).unwrap();
+    let mut gpt = Gpt::new(&dev, cfg.clone()).unwrap();
+    let mut opt = AdamW::new(&dev, &gpt, AdamWConfig::new(LrSchedule::Constant(1e-3))).unwrap();
+    let delayed = Recipe::from(DelayedScaling::default());
+    for fp8 in [Some(delayed), Some(delayed), None] {
+        let mut fwd_bwd = || -> Result<()> {
+            let (_, ctx) = gpt.forward_loss(&ids, &targets)?;
+            gpt.backward(ctx)
+        };
+        match fp8 {
+            Some(recipe) => fp8_autocast(true, recipe, fwd_bwd).unwrap(),
+            None => fwd_bwd().unwrap(),
+        }
+        opt.step(&mut gpt).unwrap();
+        gpt.zero_grad();
+    }
+    dev.synchronize().unwrap();
+    let target = KernelTarget::new(s, dev.arch());
+    let mut predicted = gpt.all_kernel_specs(&target);
+    AdamW::kernel_specs(&target, &mut predicted);
+    let used = dev.kernels().loaded_specs();
+    let missing: Vec<String> = used.iter().filter(|s| !predicted.contains(s)).map(|s| s.name()).collect();
+    assert!(missing.is_empty(), "loaded but not predicted: {missing:?}");
+    assert!(used.iter().any(|s| matches!(s, te_runtime::modules::KernelSpec::MoeRouter(_))));
+    assert_eq!(gpt.all_kernel_specs(&target), cfg.kernel_specs(&target), "the device-free list agrees");
+}

@@ -388,7 +388,7 @@ mod transformer {
                 let (g1, b1) = randomize_norm(&dev, attn.norm_params_mut().unwrap(), 50);
                 let (wqkv, bqkv) = randomize_dense(&dev, attn.qkv_params_mut(), 52);
                 let (wp, bp) = randomize_dense(&dev, attn.proj_params_mut(), 53);
-                let mlp = layer.layernorm_mlp_mut();
+                let mlp = layer.layernorm_mlp_mut().unwrap();
                 let (g2, b2) = randomize_norm(&dev, mlp.norm_params_mut(), 54);
                 let (w1, bb1) = randomize_dense(&dev, mlp.fc1_mut(), 56);
                 let (w2, bb2) = randomize_dense(&dev, mlp.fc2_mut(), 57);
@@ -398,7 +398,7 @@ mod transformer {
                 let step = |l: &mut TransformerLayer| {
                     l.self_attention_mut().qkv_params_mut().zero_grad();
                     l.self_attention_mut().proj_params_mut().zero_grad();
-                    l.layernorm_mlp_mut().fc1_mut().zero_grad();
+                    l.layernorm_mlp_mut().unwrap().fc1_mut().zero_grad();
                     mode.run(|| {
                         let (y, ctx) = l.forward(&xt)?;
                         Ok((y.to_f32(&dev)?, l.backward(ctx, &dyt)?.to_f32(&dev)?))
@@ -454,7 +454,7 @@ mod transformer {
                 check(
                     mode,
                     &format!("{what} d fc1"),
-                    &host(&dev, layer.layernorm_mlp().fc1().weight_grad()),
+                    &host(&dev, layer.layernorm_mlp().unwrap().fc1().weight_grad()),
                     &g.mlp.dw1,
                     true,
                 );

@@ -10,14 +10,18 @@
 //!
 //! The collectives are asynchronous on the device's stream, like every op of this crate: later
 //! work on the stream sees their results; [`Device::synchronize`] (or [`ProcessGroup::barrier`])
-//! waits for them. Every rank of the group must issue the same collectives in the same order
-//! with matching shapes, or NCCL waits forever (NCCL's rule, not checkable locally).
+//! waits for them. A group made by [`ProcessGroup::with_side_stream`] runs them on a stream of its
+//! own instead, after the device stream's work issued before each call, and the device stream
+//! waits for them only at [`ProcessGroup::wait`] (PyTorch's `async_op=True` and `work.wait()`):
+//! how the gradients of a data-parallel backward are reduced while the backward goes on. Every
+//! rank of the group must issue the same collectives in the same order with matching shapes, or
+//! NCCL waits forever (NCCL's rule, not checkable locally).
 
 use super::nccl_args::{check_concat, check_root, group_members, reducible, CommBuffer, ReduceOp};
 use super::nccl_lib::{nccl_available, nccl_error};
 use super::{rendezvous, DistEnv};
 use crate::{Device, Error, Result};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{sys as cuda, CudaSlice, CudaStream};
 use cudarc::nccl::result::{self, NcclError, NcclStatus};
 use cudarc::nccl::sys;
 use std::ffi::c_int;
@@ -44,6 +48,10 @@ unsafe impl Send for RawComm {}
 pub struct ProcessGroup {
     /// Dropped before `dev` (fields drop in order): the context outlives the communicator.
     comm: Mutex<RawComm>,
+    /// Where the collectives run: the device's stream, or a side stream of this group's own.
+    stream: Arc<CudaStream>,
+    /// `stream` is a side stream: each collective first waits for the device stream.
+    side: bool,
     dev: Arc<Device>,
     rank: usize,
     /// Global rank (`RANK`) of each member, by rank in this group.
@@ -101,6 +109,8 @@ impl ProcessGroup {
             .map_err(|e| nccl_error("ncclCommInitRank", e, None))?;
         Ok(Self {
             comm: Mutex::new(RawComm(comm)),
+            stream: dev.stream().clone(),
+            side: false,
             dev: dev.clone(),
             rank: env.rank,
             ranks: (0..env.world_size).collect(),
@@ -138,7 +148,8 @@ impl ProcessGroup {
 
     /// Sub-groups (`ncclCommSplit`): every rank `r` of this group with `color(r) = Some(c)` joins
     /// the group of color `c`, ranked in this group's order; ranks with `None` join none and get
-    /// `None`. Every rank of this group must call it with the same `color` (a function of the
+    /// `None`. A sub-group runs its collectives where this group does (the device's stream, or
+    /// this group's side stream, which it shares). Every rank of this group must call it with the same `color` (a function of the
     /// rank: Megatron's tensor-parallel groups are `|r| Some(r / tp)`, its data-parallel ones
     /// `|r| Some(r % tp)`); it returns once the ranks of this group have all called it.
     ///
@@ -173,6 +184,8 @@ impl ProcessGroup {
         }
         let group = ProcessGroup {
             comm: Mutex::new(RawComm(new)),
+            stream: self.stream.clone(),
+            side: self.side,
             dev: self.dev.clone(),
             rank: members.iter().position(|&r| r == self.rank).unwrap_or(0),
             ranks: members.iter().map(|&r| self.ranks[r]).collect(),
@@ -210,16 +223,78 @@ impl ProcessGroup {
         self.split(|r| members.binary_search(&r).is_ok().then_some(0))
     }
 
-    /// Issues one NCCL call with the communicator and the device's stream, under the lock.
-    fn issue(
+    /// The same ranks with a communicator of their own (`ncclCommSplit`, every rank in one
+    /// color) whose collectives run on a new stream of this group's device. Each collective first
+    /// waits for the work issued on the device's stream before it (the kernels that wrote its
+    /// inputs); the device's stream does not wait for the collective until
+    /// [`ProcessGroup::wait`]. Meanwhile the caller must not touch the buffers it reads or writes
+    /// (PyTorch's `async_op=True`). Every rank of this group must call it (collective).
+    ///
+    /// A communicator of its own keeps the order of collectives identical on every rank: the
+    /// side stream's collectives are ordered among themselves, and never interleave with the
+    /// device stream's collectives of this group.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::split`]; driver errors creating the stream.
+    pub fn with_side_stream(&self) -> Result<ProcessGroup> {
+        let mut group = self.split(|_| Some(0))?.ok_or_else(|| {
+            Error::internal("ProcessGroup::with_side_stream", "a split in which every rank has color 0 left a rank out")
+        })?;
+        group.stream = self.dev.stream().fork()?;
+        group.side = true;
+        Ok(group)
+    }
+
+    /// Makes the device's stream wait for every collective this group issued so far (PyTorch's
+    /// `work.wait()`): work issued on the device's stream afterwards sees their results. A
+    /// no-op for a group on the device's stream, whose collectives are ordered already.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn wait(&self) -> Result<()> {
+        if self.side {
+            self.dev.stream().join(&self.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the collectives run on a side stream ([`ProcessGroup::with_side_stream`]).
+    pub fn is_side_stream(&self) -> bool {
+        self.side
+    }
+
+    /// Issues one NCCL call with the communicator and this group's stream, under the lock; a
+    /// side stream first waits for the work issued on the device's stream.
+    fn issue_one(
         &self,
         op: &'static str,
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<NcclStatus, NcclError>,
     ) -> Result<()> {
         let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
         self.dev.context().bind_to_thread()?;
-        let stream = self.dev.stream().cu_stream() as sys::cudaStream_t;
+        if self.side {
+            let ready = self.dev.stream().record_event(Some(cuda::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+            self.stream.wait(&ready)?;
+        }
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
         call(comm.0, stream).map(|_| ()).map_err(|e| nccl_error(op, e, Some(comm.0)))
+    }
+
+    /// Runs `f`, whose collectives (of this group, from this thread) become one NCCL group
+    /// (`ncclGroupStart` … `ncclGroupEnd`): NCCL launches them together, as one bucket, instead
+    /// of one kernel each. Every rank must issue the same collectives in the group. The group
+    /// ends even when `f` fails.
+    ///
+    /// # Errors
+    /// `f`'s error first; then [`Error::Nccl`] from `ncclGroupEnd` (where NCCL reports most
+    /// failures of grouped calls).
+    pub fn grouped<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        nccl_available()?;
+        result::group_start().map_err(|e| nccl_error("ncclGroupStart", e, None))?;
+        let out = f();
+        let end = result::group_end().map_err(|e| nccl_error("ncclGroupEnd", e, None));
+        let v = out?;
+        end.map(|_| v)
     }
 
     /// Checks that `buf` lives on this group's GPU.
@@ -253,7 +328,20 @@ impl ProcessGroup {
         let p = ptr as *mut std::ffi::c_void;
         // SAFETY: `p` addresses `count` live elements of `datatype` on this group's GPU; in place
         // (send = receive) is allowed; the call is ordered on the device's stream.
-        self.issue("ncclAllReduce", |comm, s| unsafe { result::all_reduce(p, p, count, datatype, op.nccl(), comm, s) })
+        self.issue_one("ncclAllReduce", |comm, s| unsafe {
+            result::all_reduce(p, p, count, datatype, op.nccl(), comm, s)
+        })
+    }
+
+    /// [`ProcessGroup::all_reduce`] of each of `bufs`, in place, as one NCCL group (one launch
+    /// for the lot, [`ProcessGroup::grouped`]: the amax histories of a scale update). Every
+    /// rank passes buffers of the same dtypes and shapes in the same order.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::all_reduce`], for the first buffer that fails (the others of the group
+    /// may have been issued).
+    pub fn all_reduce_many<B: CommBuffer>(&self, bufs: &mut [&mut B], op: ReduceOp) -> Result<()> {
+        self.grouped(|| bufs.iter_mut().try_for_each(|b| self.all_reduce(&mut **b, op)))
     }
 
     /// Concatenates every rank's `input` along the first dim into `output` (`ncclAllGather`):
@@ -282,7 +370,7 @@ impl ProcessGroup {
         let u8 = sys::ncclDataType_t::ncclUint8;
         // SAFETY: `src` holds `bytes` bytes and `dst` `size() * bytes` (checked shapes); both on
         // this group's GPU; ordered on the device's stream.
-        self.issue("ncclAllGather", |comm, s| unsafe { result::all_gather(src, dst, bytes, u8, comm, s) })
+        self.issue_one("ncclAllGather", |comm, s| unsafe { result::all_gather(src, dst, bytes, u8, comm, s) })
     }
 
     /// Reduces every rank's `input` with `op` and scatters the result along the first dim
@@ -310,7 +398,7 @@ impl ProcessGroup {
         let (src, dst) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
         // SAFETY: `dst` holds `count` elements and `src` `size() * count` (checked shapes); both
         // on this group's GPU; ordered on the device's stream.
-        self.issue("ncclReduceScatter", |comm, s| unsafe {
+        self.issue_one("ncclReduceScatter", |comm, s| unsafe {
             result::reduce_scatter(src, dst, count, datatype, op.nccl(), comm, s)
         })
     }
@@ -335,7 +423,7 @@ impl ProcessGroup {
         let u8 = sys::ncclDataType_t::ncclUint8;
         // SAFETY: `p` holds `bytes` bytes on this group's GPU; in place is allowed; ordered on the
         // device's stream.
-        self.issue("ncclBroadcast", |comm, s| unsafe { result::broadcast(p, p, bytes, u8, root as c_int, comm, s) })
+        self.issue_one("ncclBroadcast", |comm, s| unsafe { result::broadcast(p, p, bytes, u8, root as c_int, comm, s) })
     }
 
     /// Waits until every rank has reached it (PyTorch's `barrier()` with NCCL: an all-reduce of

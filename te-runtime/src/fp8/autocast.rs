@@ -8,8 +8,13 @@
 //! group; when the last ticket is used (or dropped), one bulk kernel updates the backward
 //! scaling state of all those modules. Backward runs with the recipe its forward saw, wherever
 //! it is called.
+//!
+//! With an amax reduction group (TE's `fp8_group`, [`Fp8Autocast::fp8_group`]) and
+//! `DelayedScaling::reduce_amax`, both updates first take the maximum of every amax over the
+//! group, so every rank derives the same scales (TE `reduce_and_update_fp8_tensors`).
 
 use super::{Recipe, ScalingState};
+use crate::dist::{ProcessGroup, ReduceOp};
 use crate::ops::scaling::{delayed_scaling_update, ScalingGroup};
 use crate::{Error, Result};
 use std::cell::{Cell, RefCell};
@@ -17,7 +22,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 /// The settings of one `fp8_autocast` scope.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Fp8Autocast {
     /// Run GEMMs in FP8 (TE `enabled`).
     pub enabled: bool,
@@ -26,11 +31,34 @@ pub struct Fp8Autocast {
     pub calibrating: bool,
     /// The recipe (TE `fp8_recipe`; default `DelayedScaling()`).
     pub recipe: Recipe,
+    /// The amax reduction group (TE `fp8_group`; default `None`: no reduction): with a delayed
+    /// scaling recipe whose `reduce_amax` is set, the outermost scope's exit and the backward
+    /// update of its modules all-reduce (max) their amax histories over this group before
+    /// computing scales, so every rank casts with the same scales. Every rank of the group must
+    /// run the same modules under the scope (the reductions are collectives); the modules'
+    /// states must live on the group's GPU. The data-parallel group in data-parallel training
+    /// (the data- and tensor-parallel ranks together under tensor parallelism, as TE).
+    pub fp8_group: Option<Arc<ProcessGroup>>,
 }
 
 impl Default for Fp8Autocast {
     fn default() -> Self {
-        Self { enabled: true, calibrating: false, recipe: Recipe::default() }
+        Self { enabled: true, calibrating: false, recipe: Recipe::default(), fp8_group: None }
+    }
+}
+
+impl PartialEq for Fp8Autocast {
+    /// Equal settings and the same group (the same `Arc`), or both without one.
+    fn eq(&self, other: &Self) -> bool {
+        let same_group = match (&self.fp8_group, &other.fp8_group) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        self.enabled == other.enabled
+            && self.calibrating == other.calibrating
+            && self.recipe == other.recipe
+            && same_group
     }
 }
 
@@ -59,25 +87,30 @@ thread_local! {
 impl Fp8Autocast {
     /// An enabled scope with `recipe`.
     pub fn new(recipe: impl Into<Recipe>) -> Self {
-        Self { enabled: true, calibrating: false, recipe: recipe.into() }
+        Self { recipe: recipe.into(), ..Self::default() }
     }
 
     /// A calibration scope: high precision, amaxes recorded for `recipe`.
     pub fn calibrating(recipe: impl Into<Recipe>) -> Self {
-        Self { enabled: false, calibrating: true, recipe: recipe.into() }
+        Self { enabled: false, calibrating: true, recipe: recipe.into(), fp8_group: None }
+    }
+
+    /// This scope with the amax reduction group `group` (see [`Fp8Autocast::fp8_group`]).
+    pub fn with_group(self, group: Option<Arc<ProcessGroup>>) -> Self {
+        Self { fp8_group: group, ..self }
     }
 
     /// Enters the scope until the guard exits (or drops).
     ///
     /// # Errors
-    /// [`Error::Recipe`] for an invalid recipe; calibrating with a current-scaling recipe
-    /// (which keeps no amax to calibrate).
+    /// [`Error::Recipe`] for an invalid recipe; calibrating with a current or blockwise
+    /// scaling recipe (which keep no amax to calibrate).
     pub fn enter(self) -> Result<Fp8AutocastGuard> {
         self.recipe.validate()?;
-        if self.calibrating && !self.enabled && matches!(self.recipe, Recipe::Current(_)) {
+        if self.calibrating && !self.enabled && !matches!(self.recipe, Recipe::Delayed(_)) {
             return Err(Error::Recipe {
                 message: "calibration records amax histories, which only DelayedScaling keeps; calibrate with a \
-                          DelayedScaling recipe (Float8CurrentScaling needs no calibration)"
+                          DelayedScaling recipe (Float8CurrentScaling and Float8BlockScaling need no calibration)"
                     .into(),
             });
         }
@@ -107,7 +140,7 @@ impl Fp8Autocast {
 /// # Errors
 /// As [`Fp8Autocast::run`].
 pub fn fp8_autocast<T>(enabled: bool, recipe: impl Into<Recipe>, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    Fp8Autocast { enabled, calibrating: false, recipe: recipe.into() }.run(f)
+    Fp8Autocast { enabled, calibrating: false, recipe: recipe.into(), fp8_group: None }.run(f)
 }
 
 /// An entered [`Fp8Autocast`] scope. Exit it with [`Fp8AutocastGuard::exit`] to see errors of
@@ -144,14 +177,15 @@ impl Fp8AutocastGuard {
                     ),
                 });
             }
-            s.frames.pop();
+            let frame = s.frames.pop();
             if !s.frames.is_empty() {
-                return Ok(Vec::new());
+                return Ok((Vec::new(), None));
             }
             s.backward = None;
-            Ok(std::mem::take(&mut s.forward_states))
+            Ok((std::mem::take(&mut s.forward_states), frame.and_then(|f| reduction_group(&f))))
         })?;
-        update(&states)
+        let (states, group) = states;
+        update(&states, group.as_deref())
     }
 }
 
@@ -174,6 +208,15 @@ pub fn fp8_mode() -> Fp8Mode {
     })
 }
 
+/// The group a scope's amaxes are reduced over: its `fp8_group` under delayed scaling with
+/// `reduce_amax`, when the group has more than one rank.
+fn reduction_group(frame: &Fp8Autocast) -> Option<Arc<ProcessGroup>> {
+    match frame.recipe {
+        Recipe::Delayed(d) if d.reduce_amax => frame.fp8_group.clone().filter(|g| g.size() > 1),
+        _ => None,
+    }
+}
+
 /// Registers a module's forward state for the update at the outermost scope's exit.
 pub(crate) fn register_forward(state: &Arc<ScalingState>) {
     SCOPE.with_borrow_mut(|s| {
@@ -185,7 +228,10 @@ pub(crate) fn register_forward(state: &Arc<ScalingState>) {
 
 /// A ticket of the current scope's backward group for a module's backward state.
 pub(crate) fn backward_ticket(state: &Arc<ScalingState>) -> BackwardTicket {
-    let group = SCOPE.with_borrow_mut(|s| s.backward.get_or_insert_with(Default::default).clone());
+    let group = SCOPE.with_borrow_mut(|s| {
+        let reduce = s.frames.first().and_then(reduction_group);
+        s.backward.get_or_insert_with(|| Arc::new(BackwardGroup { reduce, inner: Mutex::default() })).clone()
+    });
     {
         let mut g = group.lock();
         g.pending += 1;
@@ -198,8 +244,10 @@ pub(crate) fn backward_ticket(state: &Arc<ScalingState>) -> BackwardTicket {
 
 /// The backward scaling states of the modules that ran forward in one outermost scope, and how
 /// many of their forward contexts have not run backward yet.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct BackwardGroup {
+    /// The scope's amax reduction group ([`reduction_group`]).
+    reduce: Option<Arc<ProcessGroup>>,
     inner: Mutex<GroupInner>,
 }
 
@@ -223,7 +271,7 @@ impl BackwardGroup {
             }
             g.states.clone()
         };
-        update(&states)
+        update(&states, self.reduce.as_deref())
     }
 }
 
@@ -255,8 +303,18 @@ impl Drop for BackwardTicket {
 
 /// One bulk delayed-scaling update per (device, amax algorithm) over `states`. States are
 /// locked in address order so concurrent updates of overlapping sets cannot deadlock.
-fn update(states: &[Arc<ScalingState>]) -> Result<()> {
+///
+/// With `reduce`, the amax histories are first all-reduced (max) over the group in one NCCL
+/// group call. The whole history is reduced, not only its newest entry: the older entries are
+/// the reductions of earlier updates, equal on every rank already, so the maximum leaves them
+/// as they are (a few kB per module, against gathering the newest entries into one buffer and
+/// scattering them back). Ranks reduce the states in the order their modules first ran in the
+/// scope, which every rank shares, not by address, which differs between processes.
+fn update(states: &[Arc<ScalingState>], reduce: Option<&ProcessGroup>) -> Result<()> {
     let mut states: Vec<&Arc<ScalingState>> = states.iter().collect();
+    if let Some(group) = reduce {
+        reduce_amaxes(group, &states)?;
+    }
     states.sort_by_key(|s| Arc::as_ptr(s) as usize);
     let mut guards: Vec<_> = states.iter().map(|s| (s.device().clone(), s.lock())).collect();
     while let Some((dev, first)) = guards.first() {
@@ -282,6 +340,32 @@ fn update(states: &[Arc<ScalingState>]) -> Result<()> {
         delayed_scaling_update(&dev, &mut groups, algo)?;
     }
     Ok(())
+}
+
+/// The maximum of every state's amax history over `group`, in place, in `states`' order (the
+/// order the modules registered in: the same on every rank). The states are locked one at a
+/// time while their pointers are taken; the collective is ordered on the device's stream before
+/// the update kernel (a side-stream group is waited for).
+fn reduce_amaxes(group: &ProcessGroup, states: &[&Arc<ScalingState>]) -> Result<()> {
+    let mut guards: Vec<_> = Vec::with_capacity(states.len());
+    for s in states {
+        if !Arc::ptr_eq(s.device(), group.device()) {
+            return Err(Error::Autocast {
+                message: format!(
+                    "a module's FP8 scaling state lives on GPU {}, the amax reduction group (fp8_group) on GPU {}: \
+                     run the modules on the group's GPU",
+                    s.device().context().ordinal(),
+                    group.device().context().ordinal()
+                ),
+            });
+        }
+        guards.push(s.lock());
+    }
+    let mut histories: Vec<&mut cudarc::driver::CudaSlice<f32>> =
+        guards.iter_mut().map(|g| &mut g.amax_history).collect();
+    group.all_reduce_many(&mut histories, ReduceOp::Max)?;
+    drop(histories);
+    group.wait()
 }
 
 /// TE's `with fp8_model_init(enabled):` as a closure: modules created inside keep their weights
@@ -361,6 +445,7 @@ mod tests {
         let bad = DelayedScaling { amax_history_len: 0, ..Default::default() };
         assert!(fp8_autocast(true, bad, || Ok(())).is_err());
         assert!(Fp8Autocast::calibrating(Float8CurrentScaling::default()).enter().is_err());
+        assert!(Fp8Autocast::calibrating(super::super::Float8BlockScaling::default()).enter().is_err());
         assert_eq!(fp8_mode(), Fp8Mode::HighPrecision);
     }
 

@@ -50,12 +50,10 @@ pub struct DelayedScaling {
     pub amax_history_len: usize,
     /// How the history becomes an amax. TE default [`AmaxComputeAlgo::Max`].
     pub amax_compute_algo: AmaxComputeAlgo,
-    /// All-reduce amaxes across the data-parallel ranks before the scale update, so every rank
-    /// casts with the same scales (TE default true).
-    ///
-    /// **Not implemented yet: it has no effect.** This library runs on one GPU, where the
-    /// reduction would be the identity; the multi-GPU work gives it meaning. The field exists so
-    /// recipes read as in TE.
+    /// All-reduce (max) the amaxes over the autocast scope's amax reduction group
+    /// ([`crate::fp8::Fp8Autocast::fp8_group`], TE's `fp8_group`) before each scale update,
+    /// forward and backward, so every rank casts with the same scales (TE default true). Without
+    /// a group, or with a group of one rank, there is nothing to reduce.
     pub reduce_amax: bool,
     /// Run `DotProductAttention` in FP8 too (TE `fp8_dpa`, default false): q, k, v cast to E4M3
     /// with the module's scaling state, `Q · Kᵀ` and `P · V` on E4M3 tensor cores, the output

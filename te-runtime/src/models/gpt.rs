@@ -18,8 +18,8 @@ use crate::fp8::{fp8_autocast, Recipe};
 use crate::graph::HostCopies;
 use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
-    LinearConfig, LinearCtx, Module, Norm, NormConfig, NormCtx, NormKind, TokenIds, TransformerLayer,
-    TransformerLayerConfig, TransformerLayerCtx,
+    LinearConfig, LinearCtx, Module, MoeConfig, MoeMLPConfig, Norm, NormConfig, NormCtx, NormKind, TokenIds,
+    TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
 };
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
@@ -67,6 +67,11 @@ pub struct GptConfig {
     /// LM head stays in high precision, where FP8 logits cost accuracy for little speed (its
     /// GEMMs are `vocab / (24·hidden)` of a layer's).
     pub fp8_lm_head: bool,
+    /// Mixture-of-experts MLPs ([`crate::modules::MoeMLP`]) in every layer, each expert
+    /// `ffn_hidden_size` wide; `None` (the default, and what a config file without the table
+    /// reads as): dense MLPs. The layers' load-balancing losses are added to the training loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
 
 impl GptConfig {
@@ -87,6 +92,30 @@ impl GptConfig {
         Self::preset(24, 2048, 16, 8192, 2048)
     }
 
+    /// GPT-2 small with mixture-of-experts MLPs: 12 layers, hidden 768, 12 heads, seq 1024, 8
+    /// experts of ffn 1536 (half of small's 3072) per layer, top-2 routing, aux loss coefficient
+    /// 1e-2 (Megatron's default). 256 M parameters in all (8 × 2.36 M of experts per layer);
+    /// a token runs 2 experts of 1536, so its active parameters (86.1 M: dense `small`'s 86.0 M
+    /// plus the router's 6 k and one more fc2 bias per layer) and MLP FLOPs are dense `small`'s.
+    pub fn moe_small() -> Self {
+        Self { moe: Some(MoeConfig::new(8, 2)), ..Self::preset(12, 768, 12, 1536, 1024) }
+    }
+
+    /// The config of a preset by its `te train --preset` name (`tiny`, `small`, `moe-small`,
+    /// `large`); `None` for another name.
+    pub fn by_name(name: &str) -> Option<Self> {
+        match name {
+            "tiny" => Some(Self::tiny()),
+            "small" => Some(Self::small()),
+            "moe-small" => Some(Self::moe_small()),
+            "large" => Some(Self::large()),
+            _ => None,
+        }
+    }
+
+    /// The names [`GptConfig::by_name`] knows.
+    pub const PRESETS: [&'static str; 4] = ["tiny", "small", "moe-small", "large"];
+
     fn preset(num_layers: usize, hidden: usize, heads: usize, ffn: usize, seq: usize) -> Self {
         Self {
             vocab_size: 256,
@@ -99,27 +128,41 @@ impl GptConfig {
             params_dtype: DType::BF16,
             seed: 0,
             fp8_lm_head: false,
+            moe: None,
         }
     }
 
     /// Parameter count of the model this config builds (what [`crate::Module::num_parameters`]
     /// reports): embeddings `(vocab + seq) · h`, per layer `12h² + 13h` for `ffn = 4h` (QKV
     /// `3h² + 3h`, projection `h² + h`, MLP `2·h·ffn + ffn + h`, two LayerNorms `4h`), the final
-    /// LayerNorm `2h` and the LM head `vocab · h`.
+    /// LayerNorm `2h` and the LM head `vocab · h`. With `moe`, each layer's MLP is
+    /// [`crate::modules::MoeMLPConfig::num_parameters`] instead (`E` experts of `2·h·ffn + ffn +
+    /// h`, the router `E · h`, the norm `2h`).
     /// Saturates at `usize::MAX` for sizes no machine holds.
     pub fn num_parameters(&self) -> usize {
         let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.vocab_size);
         let hh = h.saturating_mul(h);
-        let layer = hh
-            .saturating_mul(4)
-            .saturating_add(h.saturating_mul(f).saturating_mul(2))
-            .saturating_add(f)
-            .saturating_add(h.saturating_mul(9));
+        let mlp = match self.moe {
+            None => h.saturating_mul(f).saturating_mul(2).saturating_add(f).saturating_add(h.saturating_mul(3)),
+            Some(m) => MoeMLPConfig::new(h, f, m.num_experts, m.topk).num_parameters(),
+        };
+        let layer = hh.saturating_mul(4).saturating_add(mlp).saturating_add(h.saturating_mul(6));
         v.saturating_add(self.seq_length)
             .saturating_mul(h)
             .saturating_add(self.num_layers.saturating_mul(layer))
             .saturating_add(h.saturating_mul(2))
             .saturating_add(v.saturating_mul(h))
+    }
+
+    /// The config of layer `i` (GPT-2's: pre-LN, causal, GELU, biases; MoE with `moe`).
+    fn layer_config(&self, i: usize) -> TransformerLayerConfig {
+        TransformerLayerConfig {
+            hidden_dropout: self.hidden_dropout,
+            params_dtype: self.params_dtype,
+            seed: self.seed + 16 * (i as u64 + 1),
+            moe: self.moe,
+            ..TransformerLayerConfig::new(self.hidden_size, self.ffn_hidden_size, self.num_attention_heads)
+        }
     }
 
     fn check(&self) -> Result<()> {
@@ -152,11 +195,7 @@ impl GptConfig {
         let mut specs = Vec::new();
         // The token and the position table run the same kernels.
         EmbeddingConfig { params_dtype: dt, ..EmbeddingConfig::new(self.vocab_size, h) }.kernel_specs(&t, &mut specs);
-        let layer = TransformerLayerConfig {
-            hidden_dropout: self.hidden_dropout,
-            params_dtype: dt,
-            ..TransformerLayerConfig::new(h, self.ffn_hidden_size, self.num_attention_heads)
-        };
+        let layer = self.layer_config(0);
         layer.kernel_specs(&t, &mut specs);
         NormConfig { params_dtype: dt, ..NormConfig::new(h) }.kernel_specs(NormKind::LayerNorm, &t, &mut specs);
         let lm_head = LinearConfig { bias: false, params_dtype: dt, ..LinearConfig::new(h, self.vocab_size) };
@@ -208,6 +247,8 @@ impl Default for MicroBatch {
 pub struct GptLoss {
     per_token: CudaSlice<f32>,
     counted: usize,
+    /// f32 `[layers]`: each MoE layer's load-balancing loss (`None` for a dense model).
+    aux: Option<CudaSlice<f32>>,
     dev: Arc<Device>,
 }
 
@@ -218,11 +259,32 @@ impl GptLoss {
     /// # Errors
     /// Copy failures (and a failed kernel surfacing there).
     pub fn value(&self) -> Result<f32> {
+        Ok(self.lm_value()? + self.aux_value()?)
+    }
+
+    /// The language-model loss alone: the mean cross-entropy over the counted targets (0 when
+    /// none counted), without the MoE aux losses (what a dense model's [`GptLoss::value`] is).
+    ///
+    /// # Errors
+    /// Copy failures.
+    pub fn lm_value(&self) -> Result<f32> {
         if self.counted == 0 {
             return Ok(0.0);
         }
         let loss = self.dev.stream().dtoh(&self.per_token)?;
         Ok((loss.iter().map(|&l| f64::from(l)).sum::<f64>() / self.counted as f64) as f32)
+    }
+
+    /// The sum of the MoE layers' load-balancing losses (coefficients included; 0 for a dense
+    /// model): the part of [`GptLoss::value`] that is not the language-model loss.
+    ///
+    /// # Errors
+    /// Copy failures.
+    pub fn aux_value(&self) -> Result<f32> {
+        match &self.aux {
+            Some(aux) => Ok(self.dev.stream().dtoh(aux)?.iter().map(|&l| f64::from(l)).sum::<f64>() as f32),
+            None => Ok(0.0),
+        }
     }
 }
 
@@ -277,17 +339,8 @@ impl Gpt {
                 ..EmbeddingConfig::new(cfg.seq_length, h)
             },
         )?;
-        let layers = (0..cfg.num_layers)
-            .map(|i| {
-                let layer_cfg = TransformerLayerConfig {
-                    hidden_dropout: cfg.hidden_dropout,
-                    params_dtype: dt,
-                    seed: seed + 16 * (i as u64 + 1),
-                    ..TransformerLayerConfig::new(h, cfg.ffn_hidden_size, cfg.num_attention_heads)
-                };
-                TransformerLayer::new(dev, layer_cfg)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let layers =
+            (0..cfg.num_layers).map(|i| TransformerLayer::new(dev, cfg.layer_config(i))).collect::<Result<Vec<_>>>()?;
         let final_norm = Norm::layer_norm(dev, NormConfig { params_dtype: dt, ..NormConfig::new(h) })?;
         let lm_head = Linear::new(
             dev,
@@ -339,7 +392,8 @@ impl Gpt {
     }
 
     /// The mean cross-entropy of next-token prediction over the targets that are not
-    /// [`IGNORE_INDEX`] (0 when all are), and the context for [`Gpt::backward`].
+    /// [`IGNORE_INDEX`] (0 when all are), plus (with `moe`) the layers' load-balancing losses,
+    /// and the context for [`Gpt::backward`].
     ///
     /// `ids`, `targets`: `[s, b]` with `s ≤ seq_length` (targets are usually the ids shifted by
     /// one position). The loss is copied to the host (one stream synchronization).
@@ -389,8 +443,18 @@ impl Gpt {
         let mut x = Tensor::empty(&self.dev, self.cfg.params_dtype, &[s, b, h])?;
         add(&self.dev, &tok, &wpe, &mut x)?;
         let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &mut self.layers {
-            let (y, c) = layer.forward_with(&x, AttentionInputs { is_first_microbatch, ..Default::default() })?;
+        let mut aux = match self.cfg.moe {
+            Some(_) => Some(self.dev.stream().alloc_zeros::<f32>(self.layers.len())?),
+            None => None,
+        };
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let (y, mut c) = layer.forward_with(&x, AttentionInputs { is_first_microbatch, ..Default::default() })?;
+            // The aux loss enters the objective with the micro-batch's weight.
+            c.set_aux_loss_grad(loss_weight);
+            if let (Some(all), Some(l)) = (aux.as_mut(), c.aux_loss()) {
+                let mut slot = all.slice_mut(i..i + 1);
+                self.dev.stream().memcpy_dtod(l, &mut slot)?;
+            }
             layers.push(c);
             x = y;
         }
@@ -413,7 +477,7 @@ impl Gpt {
         let grad = CrossEntropyGrad { dlogits: &mut dlogits, grad_scale };
         cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
         let ctx = GptCtx { tokens, positions, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
-        Ok((GptLoss { per_token: loss, counted, dev: self.dev.clone() }, ctx))
+        Ok((GptLoss { per_token: loss, counted, aux, dev: self.dev.clone() }, ctx))
     }
 
     /// Backward of the mean loss: every parameter gradient accumulates (call
@@ -423,13 +487,35 @@ impl Gpt {
     /// [`Error::Context`] for a context of another model or one made before a weight update;
     /// the errors of the parts.
     pub fn backward(&mut self, ctx: GptCtx) -> Result<()> {
+        self.backward_with(ctx, &mut |_| Ok(()))
+    }
+
+    /// [`Gpt::backward`] that calls `grads_ready` with each part once its gradients of this
+    /// backward are complete, in the order they complete: the LM head, the final norm, the
+    /// layers from the last to the first, the token embedding, the position embedding. A
+    /// data-parallel step starts each part's gradient reduction there, overlapping the rest of
+    /// the backward (`crate::parallel::DataParallel::reduce_grads`; the hook's work is issued on
+    /// the device's stream or after it, never waited for here).
+    ///
+    /// # Errors
+    /// As [`Gpt::backward`]; the hook's first error (the backward stops there).
+    pub fn backward_with(
+        &mut self,
+        ctx: GptCtx,
+        grads_ready: &mut dyn FnMut(&mut dyn Module) -> Result<()>,
+    ) -> Result<()> {
         let d = self.lm_head.backward(ctx.lm_head, &ctx.dlogits)?;
+        grads_ready(&mut self.lm_head)?;
         let mut d = self.final_norm.backward(ctx.final_norm, &d.reshape(&ctx.shape)?)?;
+        grads_ready(&mut self.final_norm)?;
         for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
             d = layer.backward(c, &d)?;
+            grads_ready(layer)?;
         }
         self.embedding.backward(ctx.tokens, &d)?;
-        self.position_embedding.backward(ctx.positions, &d)
+        grads_ready(&mut self.embedding)?;
+        self.position_embedding.backward(ctx.positions, &d)?;
+        grads_ready(&mut self.position_embedding)
     }
 }
 
@@ -450,6 +536,30 @@ mod tests {
             assert_eq!(c.vocab_size, 256);
             assert_eq!(c.hidden_size % c.num_attention_heads, 0);
         }
+    }
+
+    #[test]
+    fn moe_small_has_dense_small_active_parameters() {
+        let (moe, small) = (GptConfig::moe_small(), GptConfig::small());
+        let total = moe.num_parameters();
+        assert!((255_000_000..257_000_000).contains(&total), "{total}");
+        // Active: 2 of 8 experts per token.
+        let m = moe.moe.unwrap();
+        let per_expert = crate::modules::MoeMLPConfig::new(768, 1536, 8, 2).num_parameters() - 2 * 768 - 8 * 768;
+        let active = total - moe.num_layers * (m.num_experts - m.topk) * per_expert / m.num_experts;
+        let dense = small.num_parameters();
+        // The router (8 · 768) and the second active expert's fc2 bias (768) per layer.
+        assert_eq!(active - dense, 12 * (8 * 768 + 768), "{active} vs {dense}");
+        assert_eq!(GptConfig::by_name("moe-small"), Some(moe.clone()));
+        assert!(GptConfig::PRESETS.iter().all(|p| GptConfig::by_name(p).is_some()));
+        // Config files without the table read as dense.
+        let text = toml::to_string(&small).unwrap();
+        assert!(!text.contains("moe"));
+        assert_eq!(toml::from_str::<GptConfig>(&text).unwrap(), small);
+        assert_eq!(toml::from_str::<GptConfig>(&toml::to_string(&moe).unwrap()).unwrap(), moe);
+        let specs = moe.kernel_specs(&KernelTarget::new(1024, crate::Arch::Sm90a));
+        assert!(specs.iter().any(|s| matches!(s, KernelSpec::MoeRouter(_))));
+        assert!(specs.iter().any(|s| matches!(s, KernelSpec::MoePermute(_))));
     }
 
     #[test]

@@ -188,6 +188,10 @@ impl<R: DerefMut<Target = Embedding>> ParamMut for Weight<R> {
     fn zero_grad(&mut self) {
         self.0.zero_grad();
     }
+
+    fn grad_mut(&mut self) -> Option<&mut Tensor> {
+        self.0.grad.as_mut()
+    }
 }
 
 impl Module for Embedding {

@@ -87,8 +87,9 @@ impl GroupedLinearCtx {
 /// `x: [tokens, in_features]` with `m_splits` (rows per GEMM, summing to `tokens`, given on the
 /// host as in TE), `y: [tokens, out_features]` in the input's dtype.
 ///
-/// A GEMM that receives no rows does no work and gets no gradient (its weight gradient stays
-/// as it was: a zero contribution). Under FP8 every `m_splits[i]` must be a multiple of 16 in
+/// A GEMM that receives no rows does no work; its gradients get a zero contribution (they are
+/// allocated as zeros when none has accumulated yet, as PyTorch's would be: after a backward
+/// every expert has gradients, which a data-parallel reduction needs). Under FP8 every `m_splits[i]` must be a multiple of 16 in
 /// training (the transposed FP8 copies; TE's `Fp8Padding` pads each expert's rows to it).
 ///
 /// ```no_run
@@ -290,7 +291,10 @@ impl GroupedLinear {
         let dys = grad_output.split_rows(&self.dev, &ctx.m_splits)?;
         let mut dxs = Vec::with_capacity(dys.len());
         for ((core, (dy, saved)), &m) in self.gemms.iter_mut().zip(dys.iter().zip(ctx.saved)).zip(&ctx.m_splits) {
-            let Some(saved) = saved else { continue };
+            let Some(saved) = saved else {
+                core.params.ensure_grads()?;
+                continue;
+            };
             let dx = core.backward(saved, dy, &[m, self.cfg.in_features], true)?;
             dxs.push(dx.ok_or_else(|| Error::internal(MODULE, "no input gradient with input_grad = true"))?);
         }

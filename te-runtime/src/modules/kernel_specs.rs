@@ -10,15 +10,17 @@
 //! `te_codegen::prewarm::sorted` deduplicates.
 
 use super::multihead_attention::QkvProjConfig;
+use super::transformer_layer::MlpConfig;
 use super::{
     DotProductAttentionConfig, EmbeddingConfig, GroupedLinearConfig, KernelSpec, KernelTarget, LayerNormLinearConfig,
-    LayerNormMLPConfig, LinearConfig, MultiheadAttentionConfig, NormConfig, NormKind, TransformerLayerConfig,
+    LayerNormMLPConfig, LinearConfig, MoeMLPConfig, MultiheadAttentionConfig, NormConfig, NormKind,
+    TransformerLayerConfig,
 };
 use crate::fp8::Recipe;
 use crate::ops::flash_attention_fp8;
 use te_codegen::spec::{
     ActivationSpec, AmaxComputeAlgo, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec,
-    FlashAttnSpec, MaskKind, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
+    FlashAttnSpec, MaskKind, MoePermuteSpec, MoeRouterSpec, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
 };
 use te_codegen::DType;
 
@@ -112,6 +114,34 @@ impl LayerNormMLPConfig {
     }
 }
 
+impl MoeMLPConfig {
+    /// The kernels a `MoeMLP` of this config runs for `target` (this config's `params_dtype`
+    /// applies): the norm's over `hidden_size` ([`NormConfig::kernel_specs`]); the router's
+    /// (a `Linear` `hidden → num_experts` without bias, [`LinearConfig::kernel_specs`]: a
+    /// superset, it runs in high precision); the top-k router, its backward and the aux loss
+    /// with its backward (`MoeRouterSpec`, in the model's dtype and in bf16, which the aux loss
+    /// always loads); the routing map, permute, unpermute and the probabilities' gradient
+    /// (`MoePermuteSpec`, the model's dtype and bf16, which the routing map loads); the experts'
+    /// fc1 and fc2 ([`GroupedLinearConfig::kernel_specs`]); the activation forward and backward
+    /// in high precision; the sum of the experts' and the router's input gradients.
+    pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        let t = target.with_dtype(self.params_dtype);
+        let (dt, arch, ffn) = (t.params_dtype, t.arch, self.ffn_hidden_size);
+        let (norm_cfg, router, fc1, fc2) = self.parts();
+        norm_cfg.kernel_specs(self.normalization, &t, specs);
+        router.kernel_specs(&t, specs);
+        for d in [dt, DType::BF16] {
+            specs.push(KernelSpec::MoeRouter(MoeRouterSpec::new(d, self.num_experts, arch)));
+            specs.push(KernelSpec::MoePermute(MoePermuteSpec::new(d, arch)));
+        }
+        fc1.kernel_specs(&t, specs);
+        specs.push(ActivationSpec::new(self.activation, Direction::Fwd, dt, dt, ffn, false, arch).into());
+        specs.push(ActivationSpec::new(self.activation, Direction::Bwd, dt, dt, ffn, false, arch).into());
+        fc2.kernel_specs(&t, specs);
+        specs.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
+    }
+}
+
 impl DotProductAttentionConfig {
     /// The kernels a `DotProductAttention` of this config runs in training for `target`, in the
     /// target's dtype (that of q, k, v). On the fused backend: the FlashAttention-2 forward and
@@ -192,14 +222,17 @@ impl TransformerLayerConfig {
     /// The kernels a `TransformerLayer` of this config runs for `target` (this config's
     /// `params_dtype` applies): those of its self-attention
     /// ([`MultiheadAttentionConfig::kernel_specs`]), its MLP
-    /// ([`LayerNormMLPConfig::kernel_specs`]) and, post-LN, its output norm, from the part
+    /// ([`LayerNormMLPConfig::kernel_specs`], or [`MoeMLPConfig::kernel_specs`] with `moe`) and, post-LN, its output norm, from the part
     /// configs `TransformerLayer::new` builds; and the residual connections:
     /// `residual + dropout(x)` (with and without a fused bias), its backward, the add of two
     /// branches and the accumulation of the residual gradient.
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         let parts = self.parts();
         parts.attention.kernel_specs(target, specs);
-        parts.mlp.kernel_specs(target, specs);
+        match &parts.mlp {
+            MlpConfig::Dense(c) => c.kernel_specs(target, specs),
+            MlpConfig::Moe(c) => c.kernel_specs(target, specs),
+        }
         if let Some((kind, c)) = &parts.output_norm {
             c.kernel_specs(*kind, target, specs);
         }

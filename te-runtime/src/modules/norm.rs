@@ -120,6 +120,11 @@ impl NormParams {
         self.dbeta = None;
     }
 
+    /// The gamma and beta gradients, writable (a data-parallel reduction averages them in place).
+    pub(crate) fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2] {
+        [self.dgamma.as_mut(), self.dbeta.as_mut()]
+    }
+
     /// Writes since creation; contexts made at another version are stale.
     pub fn version(&self) -> u64 {
         self.version

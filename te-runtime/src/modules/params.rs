@@ -221,6 +221,17 @@ impl LinearParams {
         self.bias_grad = None;
     }
 
+    /// The weight's and the bias's gradients as the optimizer reads them, writable (the
+    /// `main_grad` in the weight's place when there is one): a data-parallel reduction averages
+    /// them in place.
+    pub(crate) fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2] {
+        let weight = match &mut self.main_grad {
+            Some(m) => Some(m),
+            None => self.weight_grad.as_mut(),
+        };
+        [weight, self.bias_grad.as_mut()]
+    }
+
     /// Hands in the caller's f32 `main_grad` `[out, in]` that wgrad accumulates into with
     /// `fuse_wgrad_accumulation` (Megatron's `weight.main_grad`).
     ///
@@ -357,6 +368,22 @@ impl LinearParams {
         };
         let cfg = GemmConfig { accumulate, epilogue, ..Default::default() };
         gemm(&dev, a, b, GemmOut::new(target), &cfg)
+    }
+
+    /// A zero gradient where none has accumulated yet: the weight's (unless wgrad goes to the
+    /// `main_grad`) and the bias's. For a GEMM that received no rows in a backward (an expert
+    /// no token was routed to): its gradient is zero, as PyTorch's would be, and every
+    /// parameter has one after a backward, which a data-parallel reduction relies on (ranks must
+    /// reduce the same tensors).
+    pub(crate) fn ensure_grads(&mut self) -> Result<()> {
+        if !self.fuse_wgrad_accumulation && self.weight_grad.is_none() {
+            let shape = [self.out_features, self.in_features];
+            self.weight_grad = Some(Tensor::zeros(&self.dev, self.params_dtype, &shape)?);
+        }
+        if self.bias.is_some() && self.bias_grad.is_none() {
+            self.bias_grad = Some(Tensor::zeros(&self.dev, self.params_dtype, &[self.out_features])?);
+        }
+        Ok(())
     }
 
     /// `bias_grad += dbias` (or `= dbias` for the first backward).

@@ -9,6 +9,7 @@
 use super::attention::{AttentionBackend, AttnMaskType, QkvFormat};
 use super::inference::KvLayer;
 use super::layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
+use super::moe_mlp::{MoeConfig, MoeMLP, MoeMLPConfig, MoeMLPCtx};
 use super::multihead_attention::{
     AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
 };
@@ -69,6 +70,10 @@ pub struct TransformerLayerConfig {
     pub params_dtype: DType,
     /// Weight-init seed; also the dropout seed.
     pub seed: u64,
+    /// A mixture-of-experts MLP ([`MoeMLP`], each expert `ffn_hidden_size` wide) instead of
+    /// `LayerNormMLP`. Default `None`. Pre-LN only (not with
+    /// `apply_residual_connection_post_layernorm`).
+    pub moe: Option<MoeConfig>,
 }
 
 impl TransformerLayerConfig {
@@ -94,6 +99,7 @@ impl TransformerLayerConfig {
             bias: true,
             params_dtype: DType::BF16,
             seed: 0,
+            moe: None,
         }
     }
 
@@ -118,7 +124,7 @@ impl TransformerLayerConfig {
             seed: cfg.seed,
             ..MultiheadAttentionConfig::new(cfg.hidden_size, cfg.num_attention_heads)
         };
-        let mlp = LayerNormMLPConfig {
+        let dense = LayerNormMLPConfig {
             eps: cfg.layernorm_epsilon,
             normalization: cfg.normalization,
             zero_centered_gamma: cfg.zero_centered_gamma,
@@ -128,6 +134,21 @@ impl TransformerLayerConfig {
             params_dtype: cfg.params_dtype,
             seed: cfg.seed + 2,
             ..LayerNormMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size)
+        };
+        let mlp = match cfg.moe {
+            None => MlpConfig::Dense(dense),
+            Some(moe) => MlpConfig::Moe(MoeMLPConfig {
+                aux_loss_coeff: moe.aux_loss_coeff,
+                pre_softmax: moe.pre_softmax,
+                eps: cfg.layernorm_epsilon,
+                normalization: cfg.normalization,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                activation: cfg.activation,
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed + 2,
+                ..MoeMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size, moe.num_experts, moe.topk)
+            }),
         };
         let output_norm = cfg.output_layernorm.then(|| {
             let norm_cfg = NormConfig {
@@ -148,9 +169,32 @@ pub(crate) struct TransformerLayerParts {
     /// The self-attention block (its input norm fused in pre-LN).
     pub(crate) attention: MultiheadAttentionConfig,
     /// The MLP with its norm.
-    pub(crate) mlp: LayerNormMLPConfig,
+    pub(crate) mlp: MlpConfig,
     /// The output norm's kind and config (post-LN, `output_layernorm`).
     pub(crate) output_norm: Option<(NormKind, NormConfig)>,
+}
+
+/// The config of a layer's MLP: dense or mixture-of-experts.
+#[derive(Debug, Clone)]
+pub(crate) enum MlpConfig {
+    /// `LayerNormMLP`.
+    Dense(LayerNormMLPConfig),
+    /// `MoeMLP`.
+    Moe(MoeMLPConfig),
+}
+
+/// A layer's MLP block.
+#[derive(Debug)]
+enum Mlp {
+    Dense(Box<LayerNormMLP>),
+    Moe(Box<MoeMLP>),
+}
+
+/// What a layer's MLP saved for backward.
+#[derive(Debug)]
+enum MlpCtx {
+    Dense(Box<LayerNormMLPCtx>),
+    Moe(Box<MoeMLPCtx>),
 }
 
 /// What [`TransformerLayer::forward`] saves for backward.
@@ -159,11 +203,38 @@ pub struct TransformerLayerCtx {
     module_id: u64,
     attn: MultiheadAttentionCtx,
     mask1: CudaSlice<u8>,
-    mlp: LayerNormMLPCtx,
+    mlp: MlpCtx,
     mask2: CudaSlice<u8>,
     out_norm: Option<NormCtx>,
     /// The hidden dropout probability the forward applied (0 in evaluation mode).
     p: f32,
+}
+
+impl TransformerLayerCtx {
+    /// The MoE load-balancing loss of this forward (f32 `[1]` on the device, its coefficient
+    /// included); `None` for a dense MLP.
+    pub fn aux_loss(&self) -> Option<&CudaSlice<f32>> {
+        match &self.mlp {
+            MlpCtx::Moe(c) => Some(c.aux_loss()),
+            MlpCtx::Dense(_) => None,
+        }
+    }
+
+    /// The MoE aux loss's gradient the backward propagates ([`MoeMLPCtx::set_aux_loss_grad`];
+    /// default 1); nothing for a dense MLP.
+    pub fn set_aux_loss_grad(&mut self, grad: f32) {
+        if let MlpCtx::Moe(c) = &mut self.mlp {
+            c.set_aux_loss_grad(grad);
+        }
+    }
+
+    /// The MoE block's context, `None` for a dense MLP.
+    pub fn moe_ctx(&self) -> Option<&MoeMLPCtx> {
+        match &self.mlp {
+            MlpCtx::Moe(c) => Some(c),
+            MlpCtx::Dense(_) => None,
+        }
+    }
 }
 
 /// One transformer block over hidden states `[s, b, hidden]` (or `[b, s, hidden]`).
@@ -173,7 +244,7 @@ pub struct TransformerLayer {
     id: u64,
     cfg: TransformerLayerConfig,
     attention: MultiheadAttention,
-    mlp: LayerNormMLP,
+    mlp: Mlp,
     out_norm: Option<Norm>,
     /// Dropout stream counter: each training-mode call draws fresh masks.
     calls: u64,
@@ -186,8 +257,8 @@ impl TransformerLayer {
     ///
     /// # Errors
     /// [`Error::Config`] for heads that do not divide the hidden size, a dropout outside `[0, 1]`,
-    /// `apply_residual_connection_post_layernorm` without `output_layernorm`; the errors of the
-    /// parts.
+    /// `apply_residual_connection_post_layernorm` without `output_layernorm` or with `moe`; the
+    /// errors of the parts.
     pub fn new(dev: &Arc<Device>, cfg: TransformerLayerConfig) -> Result<Self> {
         let config = |message: String| Error::Config { module: MODULE, message };
         if !(0.0..=1.0).contains(&cfg.hidden_dropout) {
@@ -200,9 +271,19 @@ impl TransformerLayer {
                     .into(),
             ));
         }
+        if cfg.apply_residual_connection_post_layernorm && cfg.moe.is_some() {
+            return Err(config(
+                "a MoE MLP does not return its norm's output: apply_residual_connection_post_layernorm is for dense \
+                 layers"
+                    .into(),
+            ));
+        }
         let parts = cfg.parts();
         let attention = MultiheadAttention::new(dev, parts.attention)?;
-        let mlp = LayerNormMLP::new(dev, parts.mlp)?;
+        let mlp = match parts.mlp {
+            MlpConfig::Dense(c) => Mlp::Dense(Box::new(LayerNormMLP::new(dev, c)?)),
+            MlpConfig::Moe(c) => Mlp::Moe(Box::new(MoeMLP::new(dev, c)?)),
+        };
         let out_norm = parts.output_norm.map(|(kind, c)| Norm::new(dev, kind, c)).transpose()?;
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0, training: true })
     }
@@ -241,14 +322,36 @@ impl TransformerLayer {
         &mut self.attention
     }
 
-    /// The MLP block (with its norm).
-    pub fn layernorm_mlp(&self) -> &LayerNormMLP {
-        &self.mlp
+    /// The dense MLP block (with its norm); `None` for a MoE layer.
+    pub fn layernorm_mlp(&self) -> Option<&LayerNormMLP> {
+        match &self.mlp {
+            Mlp::Dense(m) => Some(m),
+            Mlp::Moe(_) => None,
+        }
     }
 
-    /// The MLP block, mutably.
-    pub fn layernorm_mlp_mut(&mut self) -> &mut LayerNormMLP {
-        &mut self.mlp
+    /// The dense MLP block, mutably; `None` for a MoE layer.
+    pub fn layernorm_mlp_mut(&mut self) -> Option<&mut LayerNormMLP> {
+        match &mut self.mlp {
+            Mlp::Dense(m) => Some(m),
+            Mlp::Moe(_) => None,
+        }
+    }
+
+    /// The mixture-of-experts MLP block (config `moe`); `None` for a dense layer.
+    pub fn moe_mlp(&self) -> Option<&MoeMLP> {
+        match &self.mlp {
+            Mlp::Moe(m) => Some(m),
+            Mlp::Dense(_) => None,
+        }
+    }
+
+    /// The MoE block, mutably.
+    pub fn moe_mlp_mut(&mut self) -> Option<&mut MoeMLP> {
+        match &mut self.mlp {
+            Mlp::Moe(m) => Some(m),
+            Mlp::Dense(_) => None,
+        }
     }
 
     /// The output norm (post-LN).
@@ -300,9 +403,17 @@ impl TransformerLayer {
         let (a, attn) = self.attention.forward_with(x, inputs)?;
         let (h1, mask1) = self.residual_dropout(&a, x)?;
         // The MLP returns its norm's output exactly when the residual is taken after it (post-LN).
-        let (m, mlp) = self.mlp.forward_with(&h1, opts)?;
-        let m_out = m.out.into_high(&self.dev, x.dtype())?;
-        let (y, mask2) = self.residual_dropout(&m_out, m.ln_out.as_ref().unwrap_or(&h1))?;
+        let (m_out, ln_out, mlp) = match &mut self.mlp {
+            Mlp::Dense(d) => {
+                let (m, c) = d.forward_with(&h1, opts)?;
+                (m.out.into_high(&self.dev, x.dtype())?, m.ln_out, MlpCtx::Dense(Box::new(c)))
+            }
+            Mlp::Moe(moe) => {
+                let (y, c) = moe.forward_with(&h1, opts)?;
+                (y, None, MlpCtx::Moe(Box::new(c)))
+            }
+        };
+        let (y, mask2) = self.residual_dropout(&m_out, ln_out.as_ref().unwrap_or(&h1))?;
         let (y, out_norm) = match &mut self.out_norm {
             Some(n) => {
                 let (y, c) = n.forward(&y)?;
@@ -342,9 +453,14 @@ impl TransformerLayer {
     fn finish_infer(&mut self, x: &Tensor, a: &Tensor) -> Result<Tensor> {
         let mut h1 = Tensor::empty(&self.dev, x.dtype(), x.shape())?;
         add(&self.dev, a, x, &mut h1)?;
-        let m = self.mlp.infer_with(&h1, ForwardOptions::default())?;
-        let mut y = m.out.into_high(&self.dev, x.dtype())?;
-        add_assign(&self.dev, &mut y, m.ln_out.as_ref().unwrap_or(&h1))?;
+        let (mut y, ln_out) = match &mut self.mlp {
+            Mlp::Dense(d) => {
+                let m = d.infer_with(&h1, ForwardOptions::default())?;
+                (m.out.into_high(&self.dev, x.dtype())?, m.ln_out)
+            }
+            Mlp::Moe(moe) => (moe.infer(&h1)?, None),
+        };
+        add_assign(&self.dev, &mut y, ln_out.as_ref().unwrap_or(&h1))?;
         match &self.out_norm {
             Some(n) => n.infer(&y),
             None => Ok(y),
@@ -370,10 +486,13 @@ impl TransformerLayer {
         // The residual took the MLP's norm output (post-LN) or its input (pre-LN).
         let post = self.cfg.apply_residual_connection_post_layernorm;
         let opts = BackwardOptions { grad_ln_out: post.then_some(&d_y), ..Default::default() };
-        let mut d_h1 = self
-            .mlp
-            .backward_with(ctx.mlp, &d_m, opts)?
-            .ok_or_else(|| Error::internal(MODULE, "no MLP input gradient with input_grad = true"))?;
+        let mut d_h1 = match (&mut self.mlp, ctx.mlp) {
+            (Mlp::Dense(d), MlpCtx::Dense(c)) => d
+                .backward_with(*c, &d_m, opts)?
+                .ok_or_else(|| Error::internal(MODULE, "no MLP input gradient with input_grad = true"))?,
+            (Mlp::Moe(moe), MlpCtx::Moe(c)) => moe.backward(*c, &d_m)?,
+            _ => return Err(Error::internal(MODULE, "the MLP context does not match the MLP")),
+        };
         if !post {
             add_assign(&self.dev, &mut d_h1, &d_y)?;
         }
@@ -386,16 +505,23 @@ impl TransformerLayer {
 }
 
 impl Module for TransformerLayer {
-    /// TE's names: `self_attention.*`, `layernorm_mlp.*`, and `layernorm.*` (post-LN).
+    /// TE's names: `self_attention.*`, `layernorm_mlp.*` (or, MoE, Megatron's `mlp.*`: see
+    /// [`MoeMLP`]'s names), and `layernorm.*` (post-LN).
     fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
         self.attention.visit(&join_path(prefix, "self_attention"), visitor)?;
-        self.mlp.visit(&join_path(prefix, "layernorm_mlp"), visitor)?;
+        match &self.mlp {
+            Mlp::Dense(m) => m.visit(&join_path(prefix, "layernorm_mlp"), visitor)?,
+            Mlp::Moe(m) => m.visit(&join_path(prefix, "mlp"), visitor)?,
+        }
         self.out_norm.visit(&join_path(prefix, "layernorm"), visitor)
     }
 
     fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
         self.attention.visit_mut(&join_path(prefix, "self_attention"), visitor)?;
-        self.mlp.visit_mut(&join_path(prefix, "layernorm_mlp"), visitor)?;
+        match &mut self.mlp {
+            Mlp::Dense(m) => m.visit_mut(&join_path(prefix, "layernorm_mlp"), visitor)?,
+            Mlp::Moe(m) => m.visit_mut(&join_path(prefix, "mlp"), visitor)?,
+        }
         self.out_norm.visit_mut(&join_path(prefix, "layernorm"), visitor)
     }
 

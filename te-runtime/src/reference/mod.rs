@@ -20,6 +20,7 @@ pub mod gemm;
 pub mod linear;
 pub mod modules;
 pub mod moe;
+pub mod moe_mlp;
 pub mod norm;
 pub mod optimizer;
 pub mod rope;

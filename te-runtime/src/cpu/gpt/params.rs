@@ -78,6 +78,11 @@ fn check_config(cfg: &GptConfig) -> Result<()> {
             cfg.num_attention_heads, cfg.hidden_size
         ));
     }
+    if cfg.moe.is_some() {
+        return bad(
+            "the CPU reference GPT has dense MLPs only: a mixture-of-experts config (`moe`) runs on the GPU".into()
+        );
+    }
     if !(0.0..=1.0).contains(&cfg.hidden_dropout) {
         return bad(format!("hidden_dropout must be in [0, 1], got {}", cfg.hidden_dropout));
     }
@@ -91,7 +96,7 @@ impl GptRef {
     ///
     /// # Errors
     /// [`Error::Config`] for zero sizes, heads that do not divide the hidden size, a dropout
-    /// outside `[0, 1]`.
+    /// outside `[0, 1]`, a mixture-of-experts config (`moe`: GPU only).
     pub fn new(cfg: &GptConfig) -> Result<Self> {
         check_config(cfg)?;
         let (h, f, seed) = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.seed);

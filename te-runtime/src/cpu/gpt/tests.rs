@@ -17,6 +17,7 @@ fn micro() -> GptConfig {
         params_dtype: DType::F32,
         seed: 3,
         fp8_lm_head: true,
+        moe: None,
     }
 }
 

@@ -79,7 +79,11 @@ fn layer_infer_split(
     add(dev, &a, x, &mut h1)?;
     let y = fp8_autocast(gemms.mlp, recipe, || {
         // The MLP returns its norm's output exactly when the residual is taken after it.
-        let m = layer.layernorm_mlp_mut().infer_with(&h1, Default::default())?;
+        let mlp = layer.layernorm_mlp_mut().ok_or_else(|| crate::Error::Config {
+            module: "Bert",
+            message: "BERT layers have dense MLPs (moe is not supported)".into(),
+        })?;
+        let m = mlp.infer_with(&h1, Default::default())?;
         let mut y = m.out.into_high(dev, h1.dtype())?;
         crate::ops::elementwise::add_assign(dev, &mut y, m.ln_out.as_ref().unwrap_or(&h1))?;
         Ok(y)
@@ -186,7 +190,9 @@ impl Bert {
                 g("attention.output.dense.bias", &[h])?,
                 [h, h],
             )?;
-            let mlp = layer.layernorm_mlp_mut();
+            let mlp = layer
+                .layernorm_mlp_mut()
+                .ok_or_else(|| crate::Error::internal("Bert", "a BERT layer without a dense MLP"))?;
             mlp.norm_params_mut().set_weight(upload(dev, &[h], g("attention.output.LayerNorm.weight", &[h])?)?)?;
             mlp.norm_params_mut().set_bias(upload(dev, &[h], g("attention.output.LayerNorm.bias", &[h])?)?)?;
             set(mlp.fc1_mut(), g("intermediate.dense.weight", &[f, h])?, g("intermediate.dense.bias", &[f])?, [f, h])?;

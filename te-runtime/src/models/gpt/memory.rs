@@ -25,18 +25,33 @@ impl Gpt {
     /// - the backward's transient gradients of one layer (`t · (8h + 2f)` 16-bit elements) and
     ///   fixed workspaces (256 MiB).
     ///
+    /// With `moe`, `f` above is `topk · ffn` (each token's rows in `topk` experts), each layer
+    /// also keeps the permuted input and output rows (`2 · topk · h` elements) and f32 routing
+    /// buffers (`4 · (E + 3 · topk)` bytes per token), and the GEMM weights are `E` experts' (not
+    /// measured on a GPU yet).
+    ///
     /// Measured against the high-water mark of a training step on an H100 by the GPU test
     /// `train::memory_estimate_bounds_the_peak` (within 1.5× above it).
     pub fn training_bytes(cfg: &GptConfig, batch: usize, fp8: bool) -> u64 {
         // f64: an estimate, and sizes far past any machine saturate instead of overflowing.
-        let (h, f, v) = (cfg.hidden_size as f64, cfg.ffn_hidden_size as f64, cfg.vocab_size as f64);
+        let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
         let (layers, heads) = (cfg.num_layers as f64, cfg.num_attention_heads as f64);
         let t = batch as f64 * cfg.seq_length as f64;
         let e = cfg.params_dtype.size_bytes() as f64;
         let lm_head = if cfg.fp8_lm_head { v * h } else { 0.0 };
-        let gemm_weights = layers * (4.0 * h * h + 2.0 * h * f) + lm_head;
+        let ffn = cfg.ffn_hidden_size as f64;
+        // MoE: the activations of topk experts per token, the weights of all experts, the
+        // permuted rows and the routing buffers.
+        let (f, experts, moe_extra) = match cfg.moe {
+            Some(m) => {
+                let k = m.topk as f64;
+                (k * ffn, m.num_experts as f64, 2.0 * k * h * 2.0 + 4.0 * (m.num_experts as f64 + 3.0 * k))
+            }
+            None => (ffn, 1.0, 0.0),
+        };
+        let gemm_weights = layers * (4.0 * h * h + 2.0 * h * ffn * experts) + lm_head;
         let params = cfg.num_parameters() as f64 * (2.0 * e + 12.0) + if fp8 { 2.0 * gemm_weights } else { 0.0 };
-        let per_token_layer = (8.0 * h + 2.0 * f) * 2.0 + 2.0 * h + 4.0 * heads;
+        let per_token_layer = (8.0 * h + 2.0 * f) * 2.0 + 2.0 * h + 4.0 * heads + moe_extra;
         let saved = t * layers * per_token_layer;
         let head = t * (2.0 * h + 8.0 * v);
         let transient = t * (8.0 * h + 2.0 * f) * 2.0;
@@ -49,7 +64,8 @@ impl Gpt {
     /// `prompt` tokens (one layer's activations at a time: `t · (8h + 2f)` elements, and f32
     /// logits `t · v`) and fixed workspaces (256 MiB).
     pub fn generation_bytes(cfg: &GptConfig, batch: usize, prompt: usize, max_seq: usize) -> u64 {
-        let (h, f, v) = (cfg.hidden_size as f64, cfg.ffn_hidden_size as f64, cfg.vocab_size as f64);
+        let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
+        let f = cfg.ffn_hidden_size as f64 * cfg.moe.map_or(1.0, |m| m.topk as f64);
         let e = cfg.params_dtype.size_bytes() as f64;
         let weights = cfg.num_parameters() as f64 * e;
         let cache = 2.0 * cfg.num_layers as f64 * h * e * batch as f64 * max_seq as f64;

@@ -45,6 +45,9 @@ pub(super) trait Group {
     }
     /// Drops the weight and bias gradients.
     fn clear_grads(&mut self);
+    /// The gradients the optimizer reads (the weight's `main_grad` in its place when there is
+    /// one), writable.
+    fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2];
 }
 
 impl Group for LinearParams {
@@ -85,6 +88,10 @@ impl Group for LinearParams {
     fn clear_grads(&mut self) {
         self.zero_grad();
     }
+
+    fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2] {
+        LinearParams::grads_mut(self)
+    }
 }
 
 impl Group for NormParams {
@@ -112,6 +119,10 @@ impl Group for NormParams {
 
     fn clear_grads(&mut self) {
         self.zero_grad();
+    }
+
+    fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2] {
+        NormParams::grads_mut(self)
     }
 }
 
@@ -185,6 +196,14 @@ impl<R: DerefMut<Target: Group>> ParamMut for View<R> {
 
     fn zero_grad(&mut self) {
         self.group.clear_grads();
+    }
+
+    fn grad_mut(&mut self) -> Option<&mut Tensor> {
+        let [weight, bias] = self.group.grads_mut();
+        match self.slot {
+            Slot::Weight => weight,
+            Slot::Bias => bias,
+        }
     }
 }
 

@@ -7,8 +7,8 @@ use super::group::{visit_group, visit_group_mut};
 use super::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use crate::fp8::ScalingState;
 use crate::modules::{
-    Fp8StateSlot, GroupedLinear, KernelSpec, KernelTarget, LayerNormLinear, LayerNormMLP, Linear, LinearParams, Norm,
-    NormParams,
+    Fp8StateSlot, GroupedLinear, KernelSpec, KernelTarget, LayerNormLinear, LayerNormMLP, Linear, LinearParams, MoeMLP,
+    Norm, NormParams,
 };
 use crate::Result;
 use std::sync::Arc;
@@ -83,6 +83,30 @@ impl Module for LayerNormMLP {
         visit_linear_params_mut(self.fc1_mut(), prefix, ["fc1_weight", "fc1_bias"], visitor)?;
         visit_linear_params_mut(self.fc2_mut(), prefix, ["fc2_weight", "fc2_bias"], visitor)?;
         visit_slots(prefix, self.fp8_state_slots(), visitor)
+    }
+
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        self.config().kernel_specs(target, specs);
+    }
+}
+
+/// `layer_norm_weight`, `layer_norm_bias` (the norm, as in `LayerNormMLP`), `router.weight`,
+/// and the experts as two `GroupedLinear`s: `experts.fc1.weight{i}`, `experts.fc1.bias{i}`,
+/// `experts.fc2.weight{i}`, ... with their FP8 states `experts.fc1.fp8_fwd{i}`, ... (Megatron's
+/// `mlp.router.weight`, `mlp.experts.linear_fc1.weight{i}` in TE's `GroupedLinear` naming).
+impl Module for MoeMLP {
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        visit_norm_params(self.norm_params(), prefix, LAYER_NORM, visitor)?;
+        self.router().visit(&join_path(prefix, "router"), visitor)?;
+        self.fc1().visit(&join_path(prefix, "experts.fc1"), visitor)?;
+        self.fc2().visit(&join_path(prefix, "experts.fc2"), visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        visit_norm_params_mut(self.norm_params_mut(), prefix, LAYER_NORM, visitor)?;
+        self.router_mut().visit_mut(&join_path(prefix, "router"), visitor)?;
+        self.fc1_mut().visit_mut(&join_path(prefix, "experts.fc1"), visitor)?;
+        self.fc2_mut().visit_mut(&join_path(prefix, "experts.fc2"), visitor)
     }
 
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {

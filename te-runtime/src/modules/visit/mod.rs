@@ -100,6 +100,15 @@ pub trait ParamMut: Param {
     /// Drops the accumulated gradient. TE's layers keep weight and bias gradients together: this
     /// drops both (the caller's `main_grad` is kept).
     fn zero_grad(&mut self);
+
+    /// The gradient an optimizer reads ([`Param::main_grad`] when there is one, else
+    /// [`Param::grad`]), writable: a data-parallel run averages it over the ranks in place
+    /// (`crate::parallel::DataParallel`). `None` when there is none yet. The default returns
+    /// `None`: a hand-written parameter that does not implement it is left out of such
+    /// reductions, so implement it for a parameter trained data-parallel.
+    fn grad_mut(&mut self) -> Option<&mut Tensor> {
+        None
+    }
 }
 
 /// What a read-only traversal ([`Module::visit`]) calls for each thing it reaches. A closure

@@ -1,0 +1,326 @@
+//! Two ranks on two GPUs (the multi-GPU issue): collectives with rank-dependent data, the FP8
+//! amax reduction of an autocast scope with `fp8_group`, and data-parallel gradients of a GPT
+//! against the same model on the whole batch in one process.
+//!
+//! Each test re-runs this test binary as one process per rank (`--exact <test>`) with
+//! `torchrun`'s variables and waits for them (bounded: a hang fails the test). Two layouts: one
+//! node of two GPUs (`LOCAL_RANK` 0 and 1), and two "nodes" of one GPU each (each process sees
+//! one GPU through `CUDA_VISIBLE_DEVICES`, `LOCAL_RANK` 0 on both): multi-node runs are the same
+//! code with other variables.
+//!
+//! Skip with fewer than two GPUs or without NCCL, unless `TE_REQUIRE_MULTI_GPU=1`.
+
+use crate::common::randn;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use te_runtime::dist::{nccl_available, DistEnv, ProcessGroup, ReduceOp};
+use te_runtime::fp8::{DelayedScaling, Fp8Autocast};
+use te_runtime::models::gpt::{Gpt, GptConfig, MicroBatch};
+use te_runtime::modules::{Linear, LinearConfig, ModuleVisitor, Param, ParamKind, TokenIds};
+use te_runtime::parallel::DataParallel;
+use te_runtime::{DType, Device, Module, Tensor};
+
+/// The variable that marks a child process: the test it runs as a rank.
+const CHILD: &str = "TE_MULTI_GPU_TEST";
+
+/// How the ranks are laid out over "nodes".
+#[derive(Clone, Copy)]
+enum Layout {
+    /// One node with both GPUs.
+    OneNode,
+    /// One node per GPU, each process seeing its GPU only.
+    NodePerGpu,
+}
+
+/// Runs `body` as each of `world` ranks: in the parent, spawns the ranks and checks they pass;
+/// in a rank, calls `body` with its group. Returns without running in a parent that lacks the
+/// GPUs or NCCL (unless `TE_REQUIRE_MULTI_GPU=1`).
+fn on_ranks(test: &str, world: usize, layout: Layout, body: impl FnOnce(&DistEnv, &Arc<Device>, ProcessGroup)) {
+    if std::env::var(CHILD).is_ok_and(|t| t == test) {
+        let env = DistEnv::from_env().unwrap().expect("a rank has WORLD_SIZE");
+        let dev = Device::new(env.local_rank).unwrap();
+        let group = ProcessGroup::init(&dev, &env).unwrap();
+        body(&env, &dev, group);
+        return;
+    }
+    let required = std::env::var("TE_REQUIRE_MULTI_GPU").is_ok_and(|v| v == "1");
+    let gpus = te_runtime::device::device_count();
+    if gpus < world || nccl_available().is_err() {
+        assert!(!required, "TE_REQUIRE_MULTI_GPU=1 but {gpus} GPUs (NCCL: {:?})", nccl_available().err());
+        eprintln!("skipping {test}: {world} GPUs and NCCL needed, {gpus} GPUs here");
+        return;
+    }
+    // A port of our own for the rendezvous.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let exe = std::env::current_exe().unwrap();
+    let mut children = Vec::new();
+    for rank in 0..world {
+        let env = match layout {
+            Layout::OneNode => DistEnv {
+                rank,
+                world_size: world,
+                local_rank: rank,
+                local_world_size: world,
+                master_addr: "127.0.0.1".into(),
+                master_port: port,
+            },
+            Layout::NodePerGpu => DistEnv {
+                rank,
+                world_size: world,
+                local_rank: 0,
+                local_world_size: 1,
+                master_addr: "127.0.0.1".into(),
+                master_port: port,
+            },
+        };
+        let mut cmd = Command::new(&exe);
+        cmd.args(["--exact", test, "--test-threads=1", "--nocapture"])
+            .envs(env.vars())
+            .env(CHILD, test)
+            .env("NCCL_NVLS_ENABLE", "0")
+            .env("TE_DIST_TIMEOUT_S", "60")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Layout::NodePerGpu = layout {
+            cmd.env("CUDA_VISIBLE_DEVICES", rank.to_string());
+        }
+        children.push((rank, cmd.spawn().unwrap()));
+    }
+    let start = Instant::now();
+    let mut failed = Vec::new();
+    for (rank, mut child) in children {
+        // Bounded: a rank stuck in a collective fails the test instead of hanging it.
+        while child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(300) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if child.try_wait().unwrap().is_none() {
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() || !text.contains("1 passed") {
+            failed.push(format!("rank {rank} ({}):\n{text}", out.status));
+        }
+    }
+    assert!(failed.is_empty(), "{test}:\n{}", failed.join("\n"));
+}
+
+fn values(t: &Tensor, dev: &Device) -> Vec<f32> {
+    t.to_f32(dev).unwrap()
+}
+
+fn collectives(env: &DistEnv, dev: &Arc<Device>, pg: ProcessGroup) {
+    let (r, n) = (env.rank, env.world_size);
+    assert_eq!((pg.rank(), pg.size()), (r, n));
+    // Rank r holds randn(seed r): every rank can compute every rank's data.
+    let data = |rank: usize| randn(40 + rank as u64, 1000, 2.0);
+    let all: Vec<Vec<f32>> = (0..n).map(data).collect();
+    let mut t = Tensor::from_f32(dev, DType::F32, &[10, 100], &data(r)).unwrap();
+    pg.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    let sum: Vec<f32> = (0..1000).map(|i| all.iter().map(|d| d[i]).sum()).collect();
+    assert_eq!(values(&t, dev), sum, "f32 sum of {n} ranks");
+    for (op, want) in [
+        (ReduceOp::Max, (0..1000).map(|i| all.iter().map(|d| d[i]).fold(f32::MIN, f32::max)).collect::<Vec<_>>()),
+        (ReduceOp::Min, (0..1000).map(|i| all.iter().map(|d| d[i]).fold(f32::MAX, f32::min)).collect()),
+    ] {
+        let mut t = Tensor::from_f32(dev, DType::F32, &[1000], &data(r)).unwrap();
+        pg.all_reduce(&mut t, op).unwrap();
+        assert_eq!(values(&t, dev), want, "{op:?}");
+    }
+    let mut avg = Tensor::from_f32(dev, DType::BF16, &[1000], &data(r)).unwrap();
+    pg.all_reduce(&mut avg, ReduceOp::Avg).unwrap();
+    let mean: Vec<f32> = sum.iter().map(|s| s / n as f32).collect();
+    crate::common::assert_close("bf16 avg", &values(&avg, dev), &mean, 2e-2, 2e-2);
+    // Gather FP8 codes and bf16 rows; reduce-scatter; broadcast.
+    for dtype in [DType::BF16, DType::E4M3] {
+        let part = Tensor::from_f32(dev, dtype, &[4, 25], &data(r)[..100]).unwrap();
+        let mut whole = Tensor::zeros(dev, dtype, &[4 * n, 25]).unwrap();
+        pg.all_gather(&part, &mut whole).unwrap();
+        let want: Vec<u8> = (0..n)
+            .flat_map(|k| Tensor::from_f32(dev, dtype, &[4, 25], &data(k)[..100]).unwrap().to_bytes(dev).unwrap())
+            .collect();
+        assert_eq!(whole.to_bytes(dev).unwrap(), want, "all_gather {dtype}");
+    }
+    let input = Tensor::from_f32(dev, DType::F32, &[2 * n, 50], &data(r)[..100 * n]).unwrap();
+    let mut part = Tensor::zeros(dev, DType::F32, &[2, 50]).unwrap();
+    pg.reduce_scatter(&input, &mut part, ReduceOp::Sum).unwrap();
+    let want: Vec<f32> = (r * 100..(r + 1) * 100).map(|i| all.iter().map(|d| d[i]).sum()).collect();
+    assert_eq!(values(&part, dev), want, "reduce_scatter: rank {r}'s rows of the sum");
+    let mut b = Tensor::from_f32(dev, DType::BF16, &[1000], &data(r)).unwrap();
+    pg.broadcast(&mut b, n - 1).unwrap();
+    assert_eq!(
+        b.to_bytes(dev).unwrap(),
+        Tensor::from_f32(dev, DType::BF16, &[1000], &all[n - 1]).unwrap().to_bytes(dev).unwrap()
+    );
+    // A bucket of several buffers in one NCCL group, on a side stream, waited for.
+    let side = pg.with_side_stream().unwrap();
+    assert!(side.is_side_stream() && !pg.is_side_stream());
+    let mut bufs: Vec<Tensor> =
+        (0..3).map(|k| Tensor::from_f32(dev, DType::F32, &[100 + k], &data(r)[..100 + k]).unwrap()).collect();
+    let mut refs: Vec<&mut Tensor> = bufs.iter_mut().collect();
+    side.all_reduce_many(&mut refs, ReduceOp::Sum).unwrap();
+    side.wait().unwrap();
+    for (k, b) in bufs.iter().enumerate() {
+        assert_eq!(values(b, dev), sum[..100 + k].to_vec(), "grouped buffer {k} on the side stream");
+    }
+    // Sub-groups: each rank alone.
+    let alone = pg.split(Some).unwrap().unwrap();
+    assert_eq!((alone.rank(), alone.size(), alone.ranks()), (0, 1, &[r][..]));
+    pg.barrier().unwrap();
+}
+
+#[test]
+fn collectives_on_two_ranks() {
+    on_ranks("multi_gpu::collectives_on_two_ranks", 2, Layout::OneNode, collectives);
+}
+
+#[test]
+fn collectives_on_two_nodes_of_one_gpu() {
+    on_ranks("multi_gpu::collectives_on_two_nodes_of_one_gpu", 2, Layout::NodePerGpu, |env, dev, pg| {
+        assert_eq!((env.local_rank, env.local_world_size), (0, 1));
+        collectives(env, dev, pg)
+    });
+}
+
+/// The largest `|x|` of bf16-rounded `values`.
+fn bf16_amax(values: &[f32]) -> f32 {
+    values.iter().map(|v| half::bf16::from_f32(*v).to_f32().abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn amax_reduction_gives_every_rank_the_global_amax() {
+    on_ranks("multi_gpu::amax_reduction_gives_every_rank_the_global_amax", 2, Layout::OneNode, |env, dev, pg| {
+        let (r, n) = (env.rank, env.world_size);
+        let group = Arc::new(pg);
+        let (tokens, inf, outf) = (48, 64, 96);
+        // Rank r's input and output gradient are scaled by r + 1: their amaxes differ by rank.
+        let x_of = |rank: usize| -> Vec<f32> {
+            randn(7 + rank as u64, tokens * inf, 1.0).iter().map(|v| v * (rank + 1) as f32).collect()
+        };
+        let dy_of = |rank: usize| -> Vec<f32> {
+            randn(9 + rank as u64, tokens * outf, 0.1).iter().map(|v| v * (rank + 1) as f32).collect()
+        };
+        for reduce in [true, false] {
+            let mut lin = Linear::new(dev, LinearConfig { seed: 5, ..LinearConfig::new(inf, outf) }).unwrap();
+            let recipe = DelayedScaling { amax_history_len: 8, ..Default::default() };
+            let scope = Fp8Autocast::new(recipe).with_group(reduce.then(|| group.clone()));
+            let x = Tensor::from_f32(dev, DType::BF16, &[tokens, inf], &x_of(r)).unwrap();
+            let dy = Tensor::from_f32(dev, DType::BF16, &[tokens, outf], &dy_of(r)).unwrap();
+            let (_, ctx) = scope.run(|| lin.forward(&x)).unwrap();
+            lin.backward(ctx, &dy).unwrap();
+            let fwd = lin.fp8_forward_state().unwrap().snapshot().unwrap();
+            let bwd = lin.fp8_backward_state().unwrap().snapshot().unwrap();
+            // One step: the step's amax is the only entry of the (rolled) history of a slot;
+            // slot 0 is the input (forward) and the output gradient (backward).
+            let slot0 = |h: &[f32]| h[..8].iter().copied().fold(0.0, f32::max);
+            let (x_amax, dy_amax) = (slot0(&fwd.amax_history), slot0(&bwd.amax_history));
+            let (want_x, want_dy) = if reduce {
+                (
+                    (0..n).map(|k| bf16_amax(&x_of(k))).fold(0.0, f32::max),
+                    (0..n).map(|k| bf16_amax(&dy_of(k))).fold(0.0, f32::max),
+                )
+            } else {
+                (bf16_amax(&x_of(r)), bf16_amax(&dy_of(r)))
+            };
+            assert_eq!((x_amax, dy_amax), (want_x, want_dy), "reduce {reduce}: input and grad_output amaxes");
+            // With the reduction every rank holds the same scales: compare through a max and a
+            // min over the group.
+            let scales: Vec<f32> = fwd.scale.iter().chain(&bwd.scale).copied().collect();
+            let mut hi = dev.stream().clone_htod(&scales).unwrap();
+            let mut lo = dev.stream().clone_htod(&scales).unwrap();
+            group.all_reduce(&mut hi, ReduceOp::Max).unwrap();
+            group.all_reduce(&mut lo, ReduceOp::Min).unwrap();
+            let same = dev.stream().clone_dtoh(&hi).unwrap() == dev.stream().clone_dtoh(&lo).unwrap();
+            assert_eq!(same, reduce, "reduce {reduce}: scales equal on every rank");
+        }
+    });
+}
+
+/// Collects every gradient (main_grad first) of a model as f32, by path.
+struct Grads(Vec<(String, Vec<f32>)>, Arc<Device>);
+
+impl ModuleVisitor for Grads {
+    fn param(&mut self, path: &str, _: ParamKind, p: &dyn Param) -> te_runtime::Result<()> {
+        if let Some(g) = p.main_grad().or(p.grad()) {
+            self.0.push((path.to_owned(), g.to_f32(&self.1)?));
+        }
+        Ok(())
+    }
+}
+
+fn grads(model: &Gpt, dev: &Arc<Device>) -> Vec<(String, Vec<f32>)> {
+    let mut g = Grads(Vec::new(), dev.clone());
+    model.visit("", &mut g).unwrap();
+    g.0
+}
+
+#[test]
+fn data_parallel_gradients_equal_the_whole_batch() {
+    on_ranks("multi_gpu::data_parallel_gradients_equal_the_whole_batch", 2, Layout::OneNode, |env, dev, pg| {
+        let (r, n) = (env.rank, env.world_size);
+        let cfg = GptConfig { num_layers: 2, seq_length: 64, hidden_dropout: 0.0, seed: 3, ..GptConfig::tiny() };
+        let (s, b) = (64, 4);
+        // The whole batch [s, n·b]; rank r's shard is sequences r·b..(r+1)·b.
+        let ids: Vec<i32> = (0..s * b * n).map(|i| ((i * 7 + i / 5) % 256) as i32).collect();
+        let targets: Vec<i32> = (0..s * b * n).map(|i| ((i * 11 + 3) % 256) as i32).collect();
+        let shard = |v: &[i32]| -> Vec<i32> {
+            (0..s).flat_map(|t| v[t * b * n + r * b..t * b * n + (r + 1) * b].to_vec()).collect()
+        };
+        let dp_group = Arc::new(pg);
+        for fp8 in [false, true] {
+            let mut dp = DataParallel::new(dp_group.clone()).unwrap();
+            let mut model = Gpt::new(dev, cfg.clone()).unwrap();
+            dp.broadcast_parameters(&mut model).unwrap();
+            let mut whole = Gpt::new(dev, cfg.clone()).unwrap();
+            let recipe = DelayedScaling { amax_history_len: 4, ..Default::default() };
+            let scope =
+                |g: Option<Arc<ProcessGroup>>| Fp8Autocast { enabled: fp8, ..Fp8Autocast::new(recipe) }.with_group(g);
+            // Data parallel: this rank's shard, gradients reduced while the backward runs.
+            let (x, y) = (
+                TokenIds::from_host(dev, &[s, b], &shard(&ids)).unwrap(),
+                TokenIds::from_host(dev, &[s, b], &shard(&targets)).unwrap(),
+            );
+            let (_, ctx) =
+                scope(Some(dp_group.clone())).run(|| model.forward_loss_with(&x, &y, MicroBatch::default())).unwrap();
+            let mut buckets = 0;
+            model
+                .backward_with(ctx, &mut |part| {
+                    buckets += 1;
+                    dp.reduce_grads(part)
+                })
+                .unwrap();
+            assert_eq!(dp.finish().unwrap(), buckets);
+            assert_eq!(buckets, 2 + cfg.num_layers + 2, "LM head, final norm, each layer, two embeddings");
+            // The whole batch in one process.
+            let (x, y) = (
+                TokenIds::from_host(dev, &[s, b * n], &ids).unwrap(),
+                TokenIds::from_host(dev, &[s, b * n], &targets).unwrap(),
+            );
+            let (_, ctx) = scope(None).run(|| whole.forward_loss_with(&x, &y, MicroBatch::default())).unwrap();
+            whole.backward(ctx).unwrap();
+            let (got, want) = (grads(&model, dev), grads(&whole, dev));
+            assert_eq!(got.len(), want.len());
+            for ((path, g), (_, w)) in got.iter().zip(&want) {
+                let err: f64 = g.iter().zip(w).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>().sqrt();
+                let norm: f64 = w.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt();
+                // bf16 gradients, summed in another order (and FP8 GEMMs with other scales).
+                let tol = if fp8 { 0.1 } else { 2e-2 };
+                assert!(err <= tol * norm + 1e-6, "fp8 {fp8}: {path}: relative error {} (norm {norm})", err / norm);
+            }
+            // Every rank holds the same averaged gradients: a checksum's max and min agree.
+            let sums: Vec<f32> = got.iter().map(|(_, g)| g.iter().map(|v| f64::from(*v)).sum::<f64>() as f32).collect();
+            let mut hi = dev.stream().clone_htod(&sums).unwrap();
+            let mut lo = dev.stream().clone_htod(&sums).unwrap();
+            dp_group.all_reduce(&mut hi, ReduceOp::Max).unwrap();
+            dp_group.all_reduce(&mut lo, ReduceOp::Min).unwrap();
+            assert_eq!(
+                dev.stream().clone_dtoh(&hi).unwrap(),
+                dev.stream().clone_dtoh(&lo).unwrap(),
+                "fp8 {fp8}: same gradients on every rank"
+            );
+            // The mean of the ranks' values.
+            assert_eq!(dp.mean(r as f32).unwrap(), (0..n).sum::<usize>() as f32 / n as f32);
+        }
+    });
+}
