@@ -353,12 +353,9 @@ pub fn train(
         // Read after the step was issued: the host never waited for the device mid-step.
         let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
         let mut train_loss = loss_sum / cfg.grad_accum as f32;
-        let mut stop = ckpt.stop_requested();
         if let Some(dp) = dp.as_deref() {
-            // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together),
-            // and a stop requested on any rank stops all after this step.
+            // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together).
             train_loss = dp.mean(train_loss)?;
-            stop = dp.mean(f32::from(u8::from(stop)))? > 0.0;
         }
         guard.check(step, (train_loss, stats.grad_norm, stats.skipped), checkpoints.last())?;
         run.model.zero_grad();
@@ -372,6 +369,11 @@ pub fn train(
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
+        let mut stop = ckpt.stop_requested();
+        if let Some(dp) = dp.as_deref() {
+            // A stop requested on any rank stops every rank after this step.
+            stop = dp.mean(f32::from(u8::from(stop)))? > 0.0;
+        }
         checkpoints.after_step(step, &run, &records, stop)?;
     }
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();

@@ -213,13 +213,15 @@ fn step_and_check(dev: &Device, m: &mut MoeMLP, p: &Params, fp8: Option<Recipe>,
     splits
 }
 
-/// One unchecked FP8 step (delayed scaling: the next step's scales come from its amaxes), then
-/// the gradients zeroed.
+/// One unchecked FP8 step on the checked step's input and output gradient (delayed scaling: the
+/// next step's scales come from its amaxes, so the checked step's casts neither saturate nor
+/// underflow), then the gradients zeroed.
 fn fp8_warmup(dev: &Device, m: &mut MoeMLP, recipe: Recipe) {
     let x = upload(dev, &bf16(&randn(100, T * H, 1.0)), &[T, H]);
+    let dy = upload(dev, &bf16(&randn(101, T * H, 1.0)), &[T, H]);
     fp8_autocast(true, recipe, || {
-        let (y, ctx) = m.forward(&x)?;
-        m.backward(ctx, &y)
+        let (_, ctx) = m.forward(&x)?;
+        m.backward(ctx, &dy)
     })
     .unwrap();
     m.zero_grad();

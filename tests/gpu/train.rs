@@ -11,7 +11,7 @@ use te_runtime::fp8::DelayedScaling;
 use te_runtime::models::{Gpt, GptConfig};
 
 /// Deterministic text of a few hundred kilobytes with some structure to learn.
-fn corpus() -> Corpus {
+pub(crate) fn corpus() -> Corpus {
     let words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "mind"];
     let mut x = 12345u64;
     let mut text = Vec::new();
@@ -23,7 +23,7 @@ fn corpus() -> Corpus {
     Corpus::split(text, 0.1)
 }
 
-fn config(steps: u64) -> TrainConfig {
+pub(crate) fn config(steps: u64) -> TrainConfig {
     TrainConfig {
         model: GptConfig { seq_length: 64, ..GptConfig::tiny() },
         steps,
