@@ -393,3 +393,128 @@ fn data_parallel_training_follows_one_gpu_at_twice_the_batch() {
         }
     });
 }
+
+/// Columns `[c0, c0 + w)` of a row-major `[rows, cols]` matrix.
+fn columns(m: &[f32], cols: usize, c0: usize, w: usize) -> Vec<f32> {
+    m.chunks(cols).flat_map(|row| row[c0..c0 + w].to_vec()).collect()
+}
+
+/// Relative Frobenius error of `got` against `want`.
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let e: f64 = got.iter().zip(want).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+    let n: f64 = want.iter().map(|v| f64::from(*v).powi(2)).sum();
+    (e / n.max(1e-30)).sqrt()
+}
+
+#[test]
+fn tensor_parallel_linear_equals_the_whole_layer() {
+    on_ranks("multi_gpu::tensor_parallel_linear_equals_the_whole_layer", 2, Layout::OneNode, |env, dev, pg| {
+        use te_runtime::dist::shard::ParallelMode;
+        use te_runtime::fp8::{fp8_autocast, Float8CurrentScaling, Recipe};
+        use te_runtime::modules::TensorParallel;
+        let (r, n) = (env.rank, env.world_size);
+        let group = Arc::new(pg);
+        let (tokens, n_in, n_out) = (96, 64, 160);
+        let up = |v: &[f32], shape: &[usize]| Tensor::from_f32(dev, DType::BF16, shape, v).unwrap();
+        let host = |t: &Tensor| t.to_f32(dev).unwrap();
+        let rows = |m: &[f32], cols: usize, r0: usize, h: usize| m[r0 * cols..(r0 + h) * cols].to_vec();
+        let recipes: [Option<Recipe>; 3] =
+            [None, Some(DelayedScaling::default().into()), Some(Float8CurrentScaling::default().into())];
+        for sp in [false, true] {
+            for recipe in recipes {
+                for mode in [ParallelMode::Column, ParallelMode::Row] {
+                    let what = format!("{mode:?} sp={sp} {recipe:?} rank {r}");
+                    let cfg = LinearConfig { seed: 11, ..LinearConfig::new(n_in, n_out) };
+                    let mut whole = Linear::new(dev, cfg.clone()).unwrap();
+                    let tp = TensorParallel { mode, group: group.clone(), sequence_parallel: sp };
+                    let mut part = Linear::new(dev, LinearConfig { tp: Some(tp), ..cfg }).unwrap();
+                    let bias = randn(12, n_out, 0.5);
+                    whole.params_mut().set_bias(up(&bias, &[n_out])).unwrap();
+                    let (o, i) = (n_out / n, n_in / n);
+                    let part_bias =
+                        if mode == ParallelMode::Column { bias[r * o..(r + 1) * o].to_vec() } else { bias.clone() };
+                    part.params_mut().set_bias(up(&part_bias, &[part_bias.len()])).unwrap();
+                    // The slice of the whole layer's weight (the same init, sliced).
+                    let w = host(whole.params().weight().unwrap());
+                    let w_part = host(part.params().weight().unwrap());
+                    let want_w = if mode == ParallelMode::Column {
+                        rows(&w, n_in, r * o, o)
+                    } else {
+                        columns(&w, n_in, r * i, i)
+                    };
+                    assert_eq!(w_part, want_w, "{what}: the weight slice");
+                    let x = half_bf16(&randn(13, tokens * n_in, 1.0));
+                    let dy = half_bf16(&randn(14, tokens * n_out, 1.0));
+                    let t = tokens / n;
+                    // This rank's input and output gradient.
+                    let (x_part, x_shape, dy_part, dy_shape) = match (mode, sp) {
+                        (ParallelMode::Column, false) => {
+                            (x.clone(), [tokens, n_in], columns(&dy, n_out, r * o, o), [tokens, o])
+                        }
+                        (ParallelMode::Column, true) => {
+                            (rows(&x, n_in, r * t, t), [t, n_in], columns(&dy, n_out, r * o, o), [tokens, o])
+                        }
+                        (ParallelMode::Row, false) => {
+                            (columns(&x, n_in, r * i, i), [tokens, i], dy.clone(), [tokens, n_out])
+                        }
+                        (ParallelMode::Row, true) => {
+                            (columns(&x, n_in, r * i, i), [tokens, i], rows(&dy, n_out, r * t, t), [t, n_out])
+                        }
+                    };
+                    let run = |m: &mut Linear, xv: &[f32], xs: &[usize], dyv: &[f32], ds: &[usize]| {
+                        let mut step = || -> te_runtime::Result<(Vec<f32>, Vec<f32>)> {
+                            let (y, ctx) = m.forward(&up(xv, xs))?;
+                            let dx = m.backward(ctx, &up(dyv, ds))?;
+                            Ok((host(&y), host(&dx)))
+                        };
+                        match recipe {
+                            Some(rc) => fp8_autocast(true, rc, step).unwrap(),
+                            None => step().unwrap(),
+                        }
+                    };
+                    let (y_w, dx_w) = run(&mut whole, &x, &[tokens, n_in], &dy, &[tokens, n_out]);
+                    let (y_p, dx_p) = run(&mut part, &x_part, &x_shape, &dy_part, &dy_shape);
+                    let want_y = match (mode, sp) {
+                        (ParallelMode::Column, _) => columns(&y_w, n_out, r * o, o),
+                        (ParallelMode::Row, false) => y_w.clone(),
+                        (ParallelMode::Row, true) => rows(&y_w, n_out, r * t, t),
+                    };
+                    let want_dx = match (mode, sp) {
+                        (ParallelMode::Column, false) => dx_w.clone(),
+                        (ParallelMode::Column, true) => rows(&dx_w, n_in, r * t, t),
+                        (ParallelMode::Row, _) => columns(&dx_w, n_in, r * i, i),
+                    };
+                    let dw_w = host(whole.params().weight_grad().unwrap());
+                    let db_w = host(whole.params().bias_grad().unwrap());
+                    let want_dw = if mode == ParallelMode::Column {
+                        rows(&dw_w, n_in, r * o, o)
+                    } else {
+                        columns(&dw_w, n_in, r * i, i)
+                    };
+                    let want_db =
+                        if mode == ParallelMode::Column { db_w[r * o..(r + 1) * o].to_vec() } else { db_w.clone() };
+                    let (fwd_bound, bwd_bound) = if recipe.is_some() { (0.06, 0.15) } else { (1e-2, 2e-2) };
+                    for (name, got, want, bound) in [
+                        ("y", y_p, want_y, fwd_bound),
+                        ("dx", dx_p, want_dx, bwd_bound),
+                        ("dW", host(part.params().weight_grad().unwrap()), want_dw, bwd_bound),
+                        ("db", host(part.params().bias_grad().unwrap()), want_db, bwd_bound),
+                    ] {
+                        let e = rel_err(&got, &want);
+                        assert!(e < bound, "{what}: {name} relative error {e} (bound {bound})");
+                    }
+                }
+            }
+        }
+        // A split that does not divide is a typed error naming the dimension.
+        let odd = LinearConfig { tp: Some(TensorParallel::column(group.clone())), ..LinearConfig::new(64, 33) };
+        let e = Linear::new(dev, odd).unwrap_err().to_string();
+        assert!(e.contains("out_features = 33") && e.contains("2 tensor-parallel ranks"), "{e}");
+    });
+}
+
+/// `v` rounded to bf16.
+fn half_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect()
+}

@@ -55,9 +55,10 @@ impl LinearConfig {
     /// `[tokens, in_features]` (and of the weight) saved for wgrad, the byte transpose of an FP8
     /// input or cached weight, the cast + transpose (+ dbias with `bias`) of
     /// `dY: [tokens, out_features]`, and gradient accumulation (into the `params_dtype`
-    /// gradients and an f32 `main_grad`).
+    /// gradients and an f32 `main_grad`). With `tp`, for this rank's slice of the features.
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
-        linear(&target.with_dtype(self.params_dtype), self.in_features, self.out_features, self.bias, specs);
+        let (n_in, n_out) = self.local_features();
+        linear(&target.with_dtype(self.params_dtype), n_in, n_out, self.bias, specs);
     }
 }
 

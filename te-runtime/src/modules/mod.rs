@@ -16,6 +16,7 @@ pub mod moe_mlp;
 pub mod multihead_attention;
 pub mod norm;
 mod params;
+pub mod tensor_parallel;
 pub mod token_ids;
 pub mod transformer_layer;
 pub mod visit;
@@ -39,6 +40,7 @@ pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNo
 pub use params::LinearParams;
 pub use te_codegen::spec::Activation;
 pub use te_codegen::KernelSpec;
+pub use tensor_parallel::TensorParallel;
 pub use token_ids::TokenIds;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
 pub use visit::{

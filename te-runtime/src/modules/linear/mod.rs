@@ -23,8 +23,10 @@ pub(crate) mod gemm_core;
 pub(crate) use self::gemm_core::LinearInput;
 use self::gemm_core::{LinearCore, Saved};
 use super::params::{LinearParams, ParamsInit};
+use super::tensor_parallel::TensorParallel;
 use super::{next_module_id, Output, Stamp};
-use crate::fp8::{fp8_mode, Fp8StateSlot, Quantizer, ScalingState};
+use crate::dist::shard::ParallelMode;
+use crate::fp8::{fp8_mode, is_fp8_model_init, Fp8StateSlot, Quantizer, ScalingState};
 use crate::{ops, Device, Error, Result, Tensor};
 use std::sync::Arc;
 use te_codegen::DType;
@@ -53,6 +55,11 @@ pub struct LinearConfig {
     pub init_std: f32,
     /// Seed of the weight init.
     pub seed: u64,
+    /// Tensor parallelism (TE `parallel_mode`, `tp_group`, `sequence_parallel`; see
+    /// [`TensorParallel`]): `in_features` and `out_features` stay the whole layer's, each rank
+    /// holds its slice of the weight (initialized as the whole layer's, then sliced). Default
+    /// `None`: the whole layer on this GPU.
+    pub tp: Option<TensorParallel>,
 }
 
 impl LinearConfig {
@@ -67,7 +74,15 @@ impl LinearConfig {
             fuse_wgrad_accumulation: false,
             init_std: 0.023,
             seed: 0,
+            tp: None,
         }
+    }
+
+    /// This rank's `(in_features, out_features)`: the whole layer's without `tp`, its slice's
+    /// with (the whole layer's when the split does not divide: `Linear::new` refuses that).
+    pub fn local_features(&self) -> (usize, usize) {
+        let whole = (self.in_features, self.out_features);
+        self.tp.as_ref().map_or(whole, |tp| tp.local_features(MODULE, whole.0, whole.1).unwrap_or(whole))
     }
 }
 
@@ -151,14 +166,38 @@ impl Linear {
     ///
     /// # Errors
     /// [`Error::Config`] for zero sizes, a `params_dtype` that is not F32/BF16/F16, a bad
-    /// `init_std`, or FP8 weights whose dims are not multiples of 16; allocation failures.
+    /// `init_std`, or FP8 weights whose dims are not multiples of 16; with `tp`, a split
+    /// dimension that does not divide by the group's size, a group on another GPU, or
+    /// `fp8_model_init` (not supported with tensor parallelism yet); allocation failures.
     pub fn new(dev: &Arc<Device>, cfg: LinearConfig) -> Result<Self> {
-        let params = LinearParams::new(
+        let (n_in, n_out) = match &cfg.tp {
+            None => (cfg.in_features, cfg.out_features),
+            Some(tp) => {
+                if !Arc::ptr_eq(tp.group.device(), dev) {
+                    return Err(Error::Config {
+                        module: MODULE,
+                        message: "the tensor-parallel group (tp.group) runs on another GPU than the layer: make the \
+                                  group on this layer's device"
+                            .into(),
+                    });
+                }
+                if is_fp8_model_init() {
+                    return Err(Error::Config {
+                        module: MODULE,
+                        message: "fp8_model_init with tensor parallelism is not supported yet: make the layer \
+                                  outside fp8_model_init"
+                            .into(),
+                    });
+                }
+                tp.local_features(MODULE, cfg.in_features, cfg.out_features)?
+            }
+        };
+        let mut params = LinearParams::new(
             dev,
             MODULE,
             ParamsInit {
-                in_features: cfg.in_features,
-                out_features: cfg.out_features,
+                in_features: n_in,
+                out_features: n_out,
                 bias: cfg.bias,
                 params_dtype: cfg.params_dtype,
                 fuse_wgrad_accumulation: cfg.fuse_wgrad_accumulation,
@@ -166,7 +205,15 @@ impl Linear {
                 seed: cfg.seed,
             },
         )?;
-        let core = LinearCore::new(params, MODULE, !cfg.return_bias, !cfg.return_bias);
+        if let Some(tp) = &cfg.tp {
+            // The whole layer's init, sliced: the weights do not depend on the group's size.
+            let (w_in, w_out) = (cfg.in_features, cfg.out_features);
+            let whole = super::init::normal(w_in * w_out, cfg.init_std, cfg.seed);
+            let slice = tp.slice_weight(&whole, w_in, w_out);
+            params.set_weight(Tensor::from_f32(dev, cfg.params_dtype, &[n_out, n_in], &slice)?)?;
+        }
+        let bias_fwd = !cfg.return_bias && cfg.tp.as_ref().is_none_or(TensorParallel::adds_bias);
+        let core = LinearCore::new(params, MODULE, bias_fwd, !cfg.return_bias);
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, core })
     }
 
@@ -223,10 +270,45 @@ impl Linear {
     /// `in_features`, `out_features` or the token count (product of leading dims) is not a
     /// multiple of 16, naming the dim and what to pad to; [`Error::DType`] for a non-f32/bf16/f16
     /// input; GEMM and kernel failures.
+    ///
+    /// With [`LinearConfig::tp`]: column-parallel takes the whole input (a token shard under
+    /// sequence parallelism, all-gathered first) and returns its slice of the output features;
+    /// row-parallel takes its slice of the input features and returns the whole output (the
+    /// ranks' partial products summed; under sequence parallelism its token shard).
+    /// [`Error::Config`] for `fp8_output` with row parallelism (the partial outputs are summed in
+    /// 16 bits).
     pub fn forward_with(&mut self, input: &Tensor, opts: ForwardOptions) -> Result<(Output, LinearCtx)> {
-        let (out, saved) = self.run(input, opts, true)?;
+        let x = self.tp_input(input, opts)?;
+        let (out, saved) = self.run(&x, opts, true)?;
         let saved = saved.ok_or_else(|| Error::internal(MODULE, "a training forward saved nothing"))?;
-        Ok((out, LinearCtx { stamp: self.stamp(), input_shape: input.shape().to_vec(), saved }))
+        let out = self.tp_output(out, input.dtype())?;
+        Ok((out, LinearCtx { stamp: self.stamp(), input_shape: x.shape().to_vec(), saved }))
+    }
+
+    /// The input of this rank's GEMM: all-gathered token shards (column, sequence parallel),
+    /// else `input`. Refuses an FP8 output the ranks would have to sum (row).
+    fn tp_input(&self, input: &Tensor, opts: ForwardOptions) -> Result<Tensor> {
+        match &self.cfg.tp {
+            Some(tp) if opts.fp8_output && tp.mode == ParallelMode::Row => Err(Error::Config {
+                module: MODULE,
+                message: "fp8_output with row parallelism: the ranks' partial outputs are summed in 16 bits, \
+                              then cast; ask for a 16-bit output"
+                    .into(),
+            }),
+            Some(tp) if tp.gathers_input() => tp.all_gather(input),
+            _ => Ok(input.clone()),
+        }
+    }
+
+    /// The layer's output from this rank's GEMM output: the ranks' sum (row; this rank's token
+    /// shard of it under sequence parallelism), else `out`.
+    fn tp_output(&self, out: Output, dtype: DType) -> Result<Output> {
+        match &self.cfg.tp {
+            Some(tp) if tp.mode == ParallelMode::Row => {
+                Ok(Output::High(tp.reduce(MODULE, out.into_high(&self.dev, dtype)?)?))
+            }
+            _ => Ok(out),
+        }
     }
 
     /// Forward for inference (TE under `torch.no_grad()`): no context, no transposes; an FP8
@@ -243,7 +325,9 @@ impl Linear {
     /// # Errors
     /// As [`Linear::infer`].
     pub fn infer_with(&mut self, input: &Tensor, opts: ForwardOptions) -> Result<Output> {
-        Ok(self.run(input, opts, false)?.0)
+        let x = self.tp_input(input, opts)?;
+        let out = self.run(&x, opts, false)?.0;
+        self.tp_output(out, input.dtype())
     }
 
     /// Forward of an input a producer writes (TE `fp8_mha`: the attention writes its output in
@@ -261,18 +345,28 @@ impl Linear {
         grad: bool,
         produce: impl FnOnce(Option<&dyn Quantizer>) -> Result<(LinearInput, T)>,
     ) -> Result<(Output, Option<LinearCtx>, T)> {
+        if self.cfg.tp.is_some() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "a produced input (fp8_mha) with tensor parallelism is not supported yet".into(),
+            });
+        }
         let pass = self.core.pass(fp8_mode())?;
         let (input, extra) = produce(pass.fp8_input())?;
         let shape = match &input {
             LinearInput::High(x) => {
-                check_input(MODULE, x, self.cfg.in_features)?;
+                check_input(MODULE, x, self.core.params.in_features())?;
                 x.shape().to_vec()
             }
-            LinearInput::Fp8(f) if f.shape().last() == Some(&self.cfg.in_features) => f.shape().to_vec(),
+            LinearInput::Fp8(f) if f.shape().last() == Some(&self.core.params.in_features()) => f.shape().to_vec(),
             LinearInput::Fp8(f) => {
                 return Err(Error::Shape {
                     op: MODULE,
-                    message: format!("input {:?} must end in in_features = {}", f.shape(), self.cfg.in_features),
+                    message: format!(
+                        "input {:?} must end in in_features = {}",
+                        f.shape(),
+                        self.core.params.in_features()
+                    ),
                 })
             }
         };
@@ -285,8 +379,10 @@ impl Linear {
         Ok((out, ctx, extra))
     }
 
+    /// This rank's GEMM (the whole layer's without tensor parallelism); the input ends in this
+    /// rank's input features.
     fn run(&mut self, x: &Tensor, opts: ForwardOptions, grad: bool) -> Result<(Output, Option<Saved>)> {
-        check_input(MODULE, x, self.cfg.in_features)?;
+        check_input(MODULE, x, self.core.params.in_features())?;
         let pass = self.core.pass(fp8_mode())?;
         self.core.forward(LinearInput::High(x.clone()), x.shape(), x.dtype(), &pass, opts, grad)
     }
@@ -324,7 +420,17 @@ impl Linear {
                     .into(),
             });
         }
-        self.core.backward(ctx.saved, grad_output, &ctx.input_shape, opts.input_grad)
+        let dy = match &self.cfg.tp {
+            Some(tp) if tp.gathers_grad_output() => tp.all_gather(grad_output)?,
+            _ => grad_output.clone(),
+        };
+        let dx = self.core.backward(ctx.saved, &dy, &ctx.input_shape, opts.input_grad)?;
+        match (&self.cfg.tp, dx) {
+            // Each rank's dgrad is its slice's part of the input gradient: summed over the ranks
+            // (under sequence parallelism, reduce-scattered back to the token shards).
+            (Some(tp), Some(dx)) if tp.mode == ParallelMode::Column => Ok(Some(tp.reduce(MODULE, dx)?)),
+            (_, dx) => Ok(dx),
+        }
     }
 }
 
