@@ -183,6 +183,16 @@ fn collectives_on_two_nodes_of_one_gpu() {
     });
 }
 
+/// Whether every rank of `group` holds the same `values`: their maximum and minimum over the
+/// group agree.
+fn same_on_every_rank(group: &ProcessGroup, dev: &Device, values: &[f32]) -> bool {
+    let mut hi = dev.stream().clone_htod(values).unwrap();
+    let mut lo = dev.stream().clone_htod(values).unwrap();
+    group.all_reduce(&mut hi, ReduceOp::Max).unwrap();
+    group.all_reduce(&mut lo, ReduceOp::Min).unwrap();
+    dev.stream().clone_dtoh(&hi).unwrap() == dev.stream().clone_dtoh(&lo).unwrap()
+}
+
 /// The largest `|x|` of bf16-rounded `values`.
 fn bf16_amax(values: &[f32]) -> f32 {
     values.iter().map(|v| half::bf16::from_f32(*v).to_f32().abs()).fold(0.0, f32::max)
@@ -224,14 +234,9 @@ fn amax_reduction_gives_every_rank_the_global_amax() {
                 (bf16_amax(&x_of(r)), bf16_amax(&dy_of(r)))
             };
             assert_eq!((x_amax, dy_amax), (want_x, want_dy), "reduce {reduce}: input and grad_output amaxes");
-            // With the reduction every rank holds the same scales: compare through a max and a
-            // min over the group.
+            // With the reduction every rank holds the same scales.
             let scales: Vec<f32> = fwd.scale.iter().chain(&bwd.scale).copied().collect();
-            let mut hi = dev.stream().clone_htod(&scales).unwrap();
-            let mut lo = dev.stream().clone_htod(&scales).unwrap();
-            group.all_reduce(&mut hi, ReduceOp::Max).unwrap();
-            group.all_reduce(&mut lo, ReduceOp::Min).unwrap();
-            let same = dev.stream().clone_dtoh(&hi).unwrap() == dev.stream().clone_dtoh(&lo).unwrap();
+            let same = same_on_every_rank(&group, dev, &scales);
             assert_eq!(same, reduce, "reduce {reduce}: scales equal on every rank");
         }
     });
@@ -333,17 +338,9 @@ fn data_parallel_gradients_equal_the_whole_batch() {
             let bound = if fp8 { 0.15 } else { 2e-2 };
             assert!(rel <= bound, "fp8 {fp8}: the whole gradient's relative error {rel} (bound {bound})");
             eprintln!("fp8 {fp8}: the whole gradient's relative error {rel}");
-            // Every rank holds the same averaged gradients: a checksum's max and min agree.
+            // Every rank holds the same averaged gradients (their sums).
             let sums: Vec<f32> = got.iter().map(|(_, g)| g.iter().map(|v| f64::from(*v)).sum::<f64>() as f32).collect();
-            let mut hi = dev.stream().clone_htod(&sums).unwrap();
-            let mut lo = dev.stream().clone_htod(&sums).unwrap();
-            dp_group.all_reduce(&mut hi, ReduceOp::Max).unwrap();
-            dp_group.all_reduce(&mut lo, ReduceOp::Min).unwrap();
-            assert_eq!(
-                dev.stream().clone_dtoh(&hi).unwrap(),
-                dev.stream().clone_dtoh(&lo).unwrap(),
-                "fp8 {fp8}: same gradients on every rank"
-            );
+            assert!(same_on_every_rank(&dp_group, dev, &sums), "fp8 {fp8}: same gradients on every rank");
             // The mean of the ranks' values.
             assert_eq!(dp.mean(r as f32).unwrap(), (0..n).sum::<usize>() as f32 / n as f32);
         }

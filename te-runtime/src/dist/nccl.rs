@@ -20,7 +20,7 @@
 use super::nccl_args::{check_concat, check_root, group_members, reducible, CommBuffer, ReduceOp};
 use super::nccl_lib::{nccl_available, nccl_error};
 use super::{rendezvous, DistEnv};
-use crate::{Device, Error, Result};
+use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{sys as cuda, CudaSlice, CudaStream};
 use cudarc::nccl::result::{self, NcclError, NcclStatus};
 use cudarc::nccl::sys;
@@ -52,6 +52,11 @@ pub struct ProcessGroup {
     stream: Arc<CudaStream>,
     /// `stream` is a side stream: each collective first waits for the device stream.
     side: bool,
+    /// Side stream: the tensors of the collectives issued since the last [`ProcessGroup::wait`],
+    /// kept allocated until then (a tensor dropped by the caller is freed in the device
+    /// stream's order, which does not wait for the side stream). Dropped after `comm`, whose
+    /// destruction waits for the collectives.
+    in_flight: Mutex<Vec<Tensor>>,
     dev: Arc<Device>,
     rank: usize,
     /// Global rank (`RANK`) of each member, by rank in this group.
@@ -111,6 +116,7 @@ impl ProcessGroup {
             comm: Mutex::new(RawComm(comm)),
             stream: dev.stream().clone(),
             side: false,
+            in_flight: Mutex::default(),
             dev: dev.clone(),
             rank: env.rank,
             ranks: (0..env.world_size).collect(),
@@ -149,9 +155,10 @@ impl ProcessGroup {
     /// Sub-groups (`ncclCommSplit`): every rank `r` of this group with `color(r) = Some(c)` joins
     /// the group of color `c`, ranked in this group's order; ranks with `None` join none and get
     /// `None`. A sub-group runs its collectives where this group does (the device's stream, or
-    /// this group's side stream, which it shares). Every rank of this group must call it with the same `color` (a function of the
-    /// rank: Megatron's tensor-parallel groups are `|r| Some(r / tp)`, its data-parallel ones
-    /// `|r| Some(r % tp)`); it returns once the ranks of this group have all called it.
+    /// this group's side stream, which it shares). Every rank of this group must call it with
+    /// the same `color` (a function of the rank: Megatron's tensor-parallel groups are
+    /// `|r| Some(r / tp)`, its data-parallel ones `|r| Some(r % tp)`); it returns once the ranks
+    /// of this group have all called it.
     ///
     /// # Errors
     /// [`Error::Argument`]: a color above `i32::MAX`; [`Error::Nccl`]: `ncclCommSplit` failed;
@@ -186,6 +193,7 @@ impl ProcessGroup {
             comm: Mutex::new(RawComm(new)),
             stream: self.stream.clone(),
             side: self.side,
+            in_flight: Mutex::default(),
             dev: self.dev.clone(),
             rank: members.iter().position(|&r| r == self.rank).unwrap_or(0),
             ranks: members.iter().map(|&r| self.ranks[r]).collect(),
@@ -227,8 +235,10 @@ impl ProcessGroup {
     /// color) whose collectives run on a new stream of this group's device. Each collective first
     /// waits for the work issued on the device's stream before it (the kernels that wrote its
     /// inputs); the device's stream does not wait for the collective until
-    /// [`ProcessGroup::wait`]. Meanwhile the caller must not touch the buffers it reads or writes
-    /// (PyTorch's `async_op=True`). Every rank of this group must call it (collective).
+    /// [`ProcessGroup::wait`]. Meanwhile the caller must not read or write the buffers (PyTorch's
+    /// `async_op=True`); tensors are kept allocated until then even if the caller drops them,
+    /// `CudaSlice<f32>` buffers must be kept by the caller. Every rank of this group must call it
+    /// (collective).
     ///
     /// A communicator of its own keeps the order of collectives identical on every rank: the
     /// side stream's collectives are ordered among themselves, and never interleave with the
@@ -254,8 +264,20 @@ impl ProcessGroup {
     pub fn wait(&self) -> Result<()> {
         if self.side {
             self.dev.stream().join(&self.stream)?;
+            // Freed from here on in the device stream's order, which now follows the collectives.
+            self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).clear();
         }
         Ok(())
+    }
+
+    /// Keeps `bufs` allocated until [`ProcessGroup::wait`] when the collectives run on a side
+    /// stream.
+    fn hold<B: CommBuffer>(&self, buf: &B) {
+        if self.side {
+            if let Some(t) = buf.keep_alive() {
+                self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).push(t);
+            }
+        }
     }
 
     /// Whether the collectives run on a side stream ([`ProcessGroup::with_side_stream`]).
@@ -265,7 +287,7 @@ impl ProcessGroup {
 
     /// Issues one NCCL call with the communicator and this group's stream, under the lock; a
     /// side stream first waits for the work issued on the device's stream.
-    fn issue_one(
+    fn issue(
         &self,
         op: &'static str,
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<NcclStatus, NcclError>,
@@ -324,13 +346,17 @@ impl ProcessGroup {
             return Ok(());
         }
         let stream = self.dev.stream().clone();
-        let (ptr, _sync) = buf.write(&stream)?;
+        let (ptr, sync) = buf.write(&stream)?;
         let p = ptr as *mut std::ffi::c_void;
         // SAFETY: `p` addresses `count` live elements of `datatype` on this group's GPU; in place
-        // (send = receive) is allowed; the call is ordered on the device's stream.
-        self.issue_one("ncclAllReduce", |comm, s| unsafe {
-            result::all_reduce(p, p, count, datatype, op.nccl(), comm, s)
-        })
+        // (send = receive) is allowed; the call is ordered on this group's stream (a side stream
+        // after the device stream's work; `hold` keeps a tensor allocated until `wait`).
+        let issued = self
+            .issue("ncclAllReduce", |comm, s| unsafe { result::all_reduce(p, p, count, datatype, op.nccl(), comm, s) });
+        drop(sync);
+        issued?;
+        self.hold(buf);
+        Ok(())
     }
 
     /// [`ProcessGroup::all_reduce`] of each of `bufs`, in place, as one NCCL group (one launch
@@ -364,13 +390,18 @@ impl ProcessGroup {
             return Ok(());
         }
         let stream = self.dev.stream().clone();
-        let (dst, _out) = output.write(&stream)?;
-        let (src, _in) = input.read(&stream);
+        let (dst, out_sync) = output.write(&stream)?;
+        let (src, in_sync) = input.read(&stream);
         let (src, dst) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
         let u8 = sys::ncclDataType_t::ncclUint8;
         // SAFETY: `src` holds `bytes` bytes and `dst` `size() * bytes` (checked shapes); both on
-        // this group's GPU; ordered on the device's stream.
-        self.issue_one("ncclAllGather", |comm, s| unsafe { result::all_gather(src, dst, bytes, u8, comm, s) })
+        // this group's GPU; ordered on this group's stream (see all_reduce).
+        let issued = self.issue("ncclAllGather", |comm, s| unsafe { result::all_gather(src, dst, bytes, u8, comm, s) });
+        drop((out_sync, in_sync));
+        issued?;
+        self.hold(input);
+        self.hold(output);
+        Ok(())
     }
 
     /// Reduces every rank's `input` with `op` and scatters the result along the first dim
@@ -393,14 +424,19 @@ impl ProcessGroup {
             return Ok(());
         }
         let stream = self.dev.stream().clone();
-        let (dst, _out) = output.write(&stream)?;
-        let (src, _in) = input.read(&stream);
+        let (dst, out_sync) = output.write(&stream)?;
+        let (src, in_sync) = input.read(&stream);
         let (src, dst) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
         // SAFETY: `dst` holds `count` elements and `src` `size() * count` (checked shapes); both
-        // on this group's GPU; ordered on the device's stream.
-        self.issue_one("ncclReduceScatter", |comm, s| unsafe {
+        // on this group's GPU; ordered on this group's stream (see all_reduce).
+        let issued = self.issue("ncclReduceScatter", |comm, s| unsafe {
             result::reduce_scatter(src, dst, count, datatype, op.nccl(), comm, s)
-        })
+        });
+        drop((out_sync, in_sync));
+        issued?;
+        self.hold(input);
+        self.hold(output);
+        Ok(())
     }
 
     /// Copies rank `root`'s `buf` into every rank's `buf`, in place (`ncclBroadcast`): initial
@@ -418,12 +454,17 @@ impl ProcessGroup {
             return Ok(());
         }
         let stream = self.dev.stream().clone();
-        let (ptr, _sync) = buf.write(&stream)?;
+        let (ptr, sync) = buf.write(&stream)?;
         let p = ptr as *mut std::ffi::c_void;
         let u8 = sys::ncclDataType_t::ncclUint8;
         // SAFETY: `p` holds `bytes` bytes on this group's GPU; in place is allowed; ordered on the
-        // device's stream.
-        self.issue_one("ncclBroadcast", |comm, s| unsafe { result::broadcast(p, p, bytes, u8, root as c_int, comm, s) })
+        // group's stream (see all_reduce).
+        let issued = self
+            .issue("ncclBroadcast", |comm, s| unsafe { result::broadcast(p, p, bytes, u8, root as c_int, comm, s) });
+        drop(sync);
+        issued?;
+        self.hold(buf);
+        Ok(())
     }
 
     /// Waits until every rank has reached it (PyTorch's `barrier()` with NCCL: an all-reduce of

@@ -50,6 +50,9 @@ mod private {
         fn read<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>);
         /// The address, for writing on `stream` (a shared tensor is copied first).
         fn write<'a>(&'a mut self, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)>;
+        /// A handle that keeps the memory allocated while a side-stream collective uses it
+        /// (a tensor's clone); `None` for a slice, which the caller must keep.
+        fn keep_alive(&self) -> Option<Tensor>;
     }
 
     impl Buffer for Tensor {
@@ -68,6 +71,9 @@ mod private {
         fn write<'a>(&'a mut self, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
             Ok(self.data_mut()?.device_ptr_mut(stream))
         }
+        fn keep_alive(&self) -> Option<Tensor> {
+            Some(self.clone())
+        }
     }
 
     impl Buffer for CudaSlice<f32> {
@@ -85,6 +91,9 @@ mod private {
         }
         fn write<'a>(&'a mut self, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
             Ok(self.device_ptr_mut(stream))
+        }
+        fn keep_alive(&self) -> Option<Tensor> {
+            None
         }
     }
 }

@@ -343,11 +343,11 @@ fn update(states: &[Arc<ScalingState>], reduce: Option<&ProcessGroup>) -> Result
 }
 
 /// The maximum of every state's amax history over `group`, in place, in `states`' order (the
-/// order the modules registered in: the same on every rank). The states are locked one at a
-/// time while their pointers are taken; the collective is ordered on the device's stream before
-/// the update kernel (a side-stream group is waited for).
+/// order the modules registered in: the same on every rank). The states stay locked while the
+/// collectives are issued (locked in address order, as [`update`] locks them, so that concurrent
+/// updates cannot deadlock); the collective is ordered on the device's stream before the update
+/// kernel (a side-stream group is waited for).
 fn reduce_amaxes(group: &ProcessGroup, states: &[&Arc<ScalingState>]) -> Result<()> {
-    let mut guards: Vec<_> = Vec::with_capacity(states.len());
     for s in states {
         if !Arc::ptr_eq(s.device(), group.device()) {
             return Err(Error::Autocast {
@@ -359,10 +359,15 @@ fn reduce_amaxes(group: &ProcessGroup, states: &[&Arc<ScalingState>]) -> Result<
                 ),
             });
         }
-        guards.push(s.lock());
+    }
+    let mut by_address: Vec<usize> = (0..states.len()).collect();
+    by_address.sort_by_key(|&i| Arc::as_ptr(states[i]) as usize);
+    let mut guards: Vec<Option<_>> = (0..states.len()).map(|_| None).collect();
+    for i in by_address {
+        guards[i] = Some(states[i].lock());
     }
     let mut histories: Vec<&mut cudarc::driver::CudaSlice<f32>> =
-        guards.iter_mut().map(|g| &mut g.amax_history).collect();
+        guards.iter_mut().flatten().map(|g| &mut g.amax_history).collect();
     group.all_reduce_many(&mut histories, ReduceOp::Max)?;
     drop(histories);
     group.wait()
