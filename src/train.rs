@@ -527,3 +527,60 @@ pub fn write_csv(path: &Path, runs: &[RunSummary]) -> Result<(), TrainError> {
     }
     f.flush().map_err(out)
 }
+
+/// The results of `runs` as the Markdown summary `te train` prints and writes (what
+/// docs/training.md holds): `where_` the device line, `preset` the preset's name; the tokens/s of
+/// all GPUs and of one for a data-parallel run.
+pub fn summary_table(where_: &str, preset: &str, cfg: &TrainConfig, runs: &[RunSummary]) -> String {
+    let mut s = format!(
+        "{where_}, {}; preset {preset}, {} parameters, {} steps × {} sequences × {} tokens\n\n",
+        date(),
+        runs.first().map_or(0, |r| r.parameters),
+        cfg.steps,
+        cfg.batch * cfg.grad_accum,
+        cfg.model.seq_length
+    );
+    // Data parallel: the tokens/s of all ranks and of one, and one GPU's peak memory.
+    let ranks = runs.first().map_or(1, |r| r.ranks);
+    if ranks > 1 {
+        s.push_str(&format!(
+            "| run | final train loss | final validation loss | tokens/s ({ranks} GPUs) | tokens/s per GPU | peak memory \
+             per GPU (GiB) |\n"
+        ));
+        s.push_str("|---|---|---|---|---|---|\n");
+    } else {
+        s.push_str("| run | final train loss | final validation loss | tokens/s | peak memory (GiB) |\n");
+        s.push_str("|---|---|---|---|---|\n");
+    }
+    for r in runs {
+        let last = r.records.last();
+        let val = r.records.iter().rev().find_map(|r| r.val_loss);
+        let per_gpu = if ranks > 1 { format!(" {:.0} |", r.tokens_per_s / r.ranks as f64) } else { String::new() };
+        s.push_str(&format!(
+            "| {} | {:.4} | {} | {:.0} |{per_gpu} {:.2} |\n",
+            r.precision.name(),
+            last.map_or(f32::NAN, |l| l.train_loss),
+            val.map_or("–".into(), |v| format!("{v:.4}")),
+            r.tokens_per_s,
+            r.peak_memory as f64 / (1u64 << 30) as f64
+        ));
+    }
+    if let [a, b] = runs {
+        if let (Some(va), Some(vb)) =
+            (a.records.iter().rev().find_map(|r| r.val_loss), b.records.iter().rev().find_map(|r| r.val_loss))
+        {
+            s.push_str(&format!(
+                "\nFP8 ÷ BF16: validation loss {:.4}, tokens/s {:.3}, peak memory {:.3}\n",
+                va / vb,
+                a.tokens_per_s / b.tokens_per_s,
+                a.peak_memory as f64 / b.peak_memory.max(1) as f64
+            ));
+        }
+    }
+    s
+}
+
+/// Today's date (UTC).
+fn date() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()[..10].to_owned()
+}
