@@ -371,4 +371,14 @@ fn train_refuses_what_it_cannot_run() {
         let o = run(&["--preset", "large"]);
         assert!(!o.status.success() && text(&o).contains("needs a CUDA GPU"), "{}", text(&o));
     }
+    // Data parallelism: one process a GPU; the CPU path runs one, and bad launch options say why.
+    let o = run(&["--cpu", "--nproc-per-node", "2"]);
+    assert!(!o.status.success() && text(&o).contains("one process a GPU"), "{}", text(&o));
+    let o = run(&["--nproc-per-node", "0"]);
+    assert!(!o.status.success() && text(&o).contains("--nproc-per-node"), "{}", text(&o));
+    // A rank of a multi-process run (WORLD_SIZE > 1) on the CPU path is refused, not run alone.
+    let o = te().args(["train", "--cpu"]).env("WORLD_SIZE", "2").env("RANK", "1").output().unwrap();
+    assert!(!o.status.success() && text(&o).contains("multi-process run"), "{}", text(&o));
+    let o = te().args(["train", "--cpu"]).env("WORLD_SIZE", "2").env("RANK", "5").output().unwrap();
+    assert!(!o.status.success() && text(&o).contains("RANK"), "{}", text(&o));
 }
