@@ -255,6 +255,8 @@ mod tests {
         }
         d.skip(&data, 5, "train").unwrap();
         assert_eq!(c.next(&data, "train").unwrap(), d.next(&data, "train").unwrap(), "skip = that many next calls");
+        let e = Batcher::new(0, 300, 1).next(&data, "validation").unwrap_err();
+        assert!(e.to_string().contains("validation") && e.to_string().contains("301"), "{e}");
     }
 
     #[test]
@@ -281,8 +283,6 @@ mod tests {
                 assert_eq!(late.next(&data, "train").unwrap(), parts[1], "skip counts global batches");
             }
         }
-        let e = Batcher::new(0, 300, 1).next(&data, "validation").unwrap_err();
-        assert!(e.to_string().contains("validation") && e.to_string().contains("301"), "{e}");
     }
 
     #[test]
