@@ -98,6 +98,16 @@ def num_parameters(c):
     return (VOCAB + s) * h + L * layer + 2 * h + VOCAB * h
 
 
+def adamw(model):
+    """The step's optimizer, ours: fused AdamW, betas 0.9/0.95, weight decay 0.1 on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4, betas=(0.9, 0.95), fused=True,
+    )
+
+
 def run(preset, variant, args, res):
     c = PRESETS[preset]
     recipe, compiled = VARIANTS[variant]
@@ -115,12 +125,7 @@ def run(preset, variant, args, res):
         for block in model.blocks:
             block.compile()
         model.head.compile()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-4, betas=(0.9, 0.95), fused=True,
-    )
+    opt = adamw(model)
     b, s = c["batch"], c["seq"]
     gen = torch.Generator(device="cuda").manual_seed(7)
     tokens = torch.randint(0, VOCAB, (b, s + 1), device="cuda", generator=gen)

@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from gpt import GPT, PRESETS, VOCAB  # noqa: E402
+from gpt import GPT, PRESETS, VOCAB, adamw  # noqa: E402
 
 
 def bus_bandwidth(world, rank, mib=256, iters=20):
@@ -62,12 +62,7 @@ def main():
     with torch.device("cuda"):
         model = GPT(c).train()
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-4, betas=(0.9, 0.95), fused=True,
-    )
+    opt = adamw(model)
     b, s = c["batch"], c["seq"]
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
     tokens = torch.randint(0, VOCAB, (b, s + 1), device="cuda", generator=gen)

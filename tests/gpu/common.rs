@@ -4,7 +4,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::{Arc, OnceLock};
 use te_runtime::device::gpu_available;
-use te_runtime::Device;
+use te_runtime::numerics::round_to;
+use te_runtime::{DType, Device, Tensor};
 
 /// The GPU, or `None` (test skips) when there is none and `TE_REQUIRE_GPU` is not `1`.
 ///
@@ -86,4 +87,24 @@ impl te_runtime::modules::ModuleVisitor for Fp8States {
         self.0.push((path.to_owned(), state.clone()));
         Ok(())
     }
+}
+
+/// `v` rounded to bf16 (what a bf16 tensor of it holds).
+pub fn bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| round_to(DType::BF16, x)).collect()
+}
+
+/// A bf16 tensor of `shape` holding `v`.
+pub fn upload(dev: &Device, v: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_f32(dev, DType::BF16, shape, v).unwrap()
+}
+
+/// The host values of a tensor that must be there (a gradient after a backward).
+pub fn host(dev: &Device, t: Option<&Tensor>) -> Vec<f32> {
+    t.unwrap().to_f32(dev).unwrap()
+}
+
+/// The largest `|x|` of `v`.
+pub fn amax(v: &[f32]) -> f32 {
+    v.iter().fold(0.0f32, |a, x| a.max(x.abs()))
 }

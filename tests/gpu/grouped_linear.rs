@@ -4,25 +4,16 @@
 //! expert that receives no rows; the CPU reference (`reference::moe::grouped_forward`) at bf16
 //! tolerance; parameter names; the typed errors.
 
-use crate::common::{assert_close, device, randn};
+use crate::common::{assert_close, bf16, device, randn, upload};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 use te_runtime::modules::{GroupedLinear, GroupedLinearConfig, Linear, LinearConfig, Module, ParamKind};
-use te_runtime::numerics::round_to;
 use te_runtime::reference::moe::grouped_forward;
-use te_runtime::{DType, Device, Error, Tensor};
+use te_runtime::{Device, Error};
 
 /// Rows per expert: uneven, one empty, multiples of 16 (FP8 training), 256 in all.
 const SPLITS: [usize; 5] = [48, 0, 112, 16, 80];
 const IN: usize = 80;
 const OUT: usize = 144;
-
-fn bf16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| round_to(DType::BF16, x)).collect()
-}
-
-fn upload(dev: &Device, v: &[f32], shape: &[usize]) -> Tensor {
-    Tensor::from_f32(dev, DType::BF16, shape, v).unwrap()
-}
 
 /// The experts with random biases, and one `Linear` per expert holding the same parameters.
 fn experts(dev: &std::sync::Arc<Device>) -> (GroupedLinear, Vec<Linear>) {

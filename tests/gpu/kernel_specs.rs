@@ -9,21 +9,11 @@ use te_runtime::modules::{KernelTarget, TokenIds};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
 use te_runtime::{Device, Module, Result};
 
-#[test]
-fn a_gpt_training_step_loads_only_predicted_kernels() {
-    if device().is_none() {
-        return;
-    }
-    // A device of its own: its kernel cache holds what this test loads, nothing of the others.
+/// Training steps of a GPT of `cfg` on a device of its own (its kernel cache then holds what
+/// these steps load, nothing of the other tests): one step per entry of `recipes` (`None`: BF16),
+/// each followed by an AdamW step. Returns the device and the model.
+fn trained(cfg: &GptConfig, recipes: &[Option<Recipe>]) -> (std::sync::Arc<Device>, Gpt) {
     let dev = Device::new(0).unwrap();
-    let cfg = GptConfig {
-        hidden_size: 64,
-        num_layers: 2,
-        num_attention_heads: 4,
-        ffn_hidden_size: 256,
-        seq_length: 32,
-        ..GptConfig::tiny()
-    };
     let (s, b) = (cfg.seq_length, 2);
     let ids: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 7) % 256) as i32).collect();
     let targets: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 38) % 256) as i32).collect();
@@ -32,10 +22,7 @@ fn a_gpt_training_step_loads_only_predicted_kernels() {
     let mut gpt = Gpt::new(&dev, cfg.clone()).unwrap();
     let opt_cfg = AdamWConfig { max_grad_norm: Some(1.0), ..AdamWConfig::new(LrSchedule::Constant(1e-3)) };
     let mut opt = AdamW::new(&dev, &gpt, opt_cfg).unwrap();
-    // Two FP8 steps (the second with scales from the first's amaxes), one under blockwise
-    // scaling, then one in BF16.
-    let (delayed, block) = (Recipe::from(DelayedScaling::default()), Recipe::from(Float8BlockScaling::default()));
-    for fp8 in [Some(delayed), Some(delayed), Some(block), None] {
+    for &fp8 in recipes {
         let mut fwd_bwd = || -> Result<()> {
             let (_, ctx) = gpt.forward_loss(&ids, &targets)?;
             gpt.backward(ctx)
@@ -48,6 +35,27 @@ fn a_gpt_training_step_loads_only_predicted_kernels() {
         gpt.zero_grad();
     }
     dev.synchronize().unwrap();
+    (dev, gpt)
+}
+
+#[test]
+fn a_gpt_training_step_loads_only_predicted_kernels() {
+    if device().is_none() {
+        return;
+    }
+    let cfg = GptConfig {
+        hidden_size: 64,
+        num_layers: 2,
+        num_attention_heads: 4,
+        ffn_hidden_size: 256,
+        seq_length: 32,
+        ..GptConfig::tiny()
+    };
+    let s = cfg.seq_length;
+    // Two FP8 steps (the second with scales from the first's amaxes), one under blockwise
+    // scaling, then one in BF16.
+    let (delayed, block) = (Recipe::from(DelayedScaling::default()), Recipe::from(Float8BlockScaling::default()));
+    let (dev, gpt) = trained(&cfg, &[Some(delayed), Some(delayed), Some(block), None]);
 
     let target = KernelTarget::new(s, dev.arch());
     let block_target = KernelTarget { recipe: block, ..target };
@@ -67,7 +75,6 @@ fn a_moe_gpt_training_step_loads_only_predicted_kernels() {
     if device().is_none() {
         return;
     }
-    let dev = Device::new(0).unwrap();
     let cfg = GptConfig {
         hidden_size: 64,
         num_layers: 2,
@@ -77,27 +84,9 @@ fn a_moe_gpt_training_step_loads_only_predicted_kernels() {
         moe: Some(te_runtime::modules::MoeConfig::new(4, 2)),
         ..GptConfig::tiny()
     };
-    let (s, b) = (cfg.seq_length, 2);
-    let ids: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 7) % 256) as i32).collect();
-    let targets: Vec<i32> = (0..s * b).map(|k| ((k * 31 + 38) % 256) as i32).collect();
-    let ids = TokenIds::from_host(&dev, &[s, b], &ids).unwrap();
-    let targets = TokenIds::from_host(&dev, &[s, b], &targets).unwrap();
-    let mut gpt = Gpt::new(&dev, cfg.clone()).unwrap();
-    let mut opt = AdamW::new(&dev, &gpt, AdamWConfig::new(LrSchedule::Constant(1e-3))).unwrap();
+    let s = cfg.seq_length;
     let delayed = Recipe::from(DelayedScaling::default());
-    for fp8 in [Some(delayed), Some(delayed), None] {
-        let mut fwd_bwd = || -> Result<()> {
-            let (_, ctx) = gpt.forward_loss(&ids, &targets)?;
-            gpt.backward(ctx)
-        };
-        match fp8 {
-            Some(recipe) => fp8_autocast(true, recipe, fwd_bwd).unwrap(),
-            None => fwd_bwd().unwrap(),
-        }
-        opt.step(&mut gpt).unwrap();
-        gpt.zero_grad();
-    }
-    dev.synchronize().unwrap();
+    let (dev, gpt) = trained(&cfg, &[Some(delayed), Some(delayed), None]);
     let target = KernelTarget::new(s, dev.arch());
     let mut predicted = gpt.all_kernel_specs(&target);
     AdamW::kernel_specs(&target, &mut predicted);

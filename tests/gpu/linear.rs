@@ -3,12 +3,11 @@
 //! wgrad fusion into `main_grad`, the micro-batch weight cache, FP8-only inference weights and
 //! the typed errors.
 
-use crate::common::{assert_close, device, randn};
+use crate::common::{amax, assert_close, bf16, device, randn, upload};
 use te_runtime::fp8::{
     fp8_autocast, fp8_model_init, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Fp8Autocast, Recipe,
 };
 use te_runtime::modules::{BackwardOptions, ForwardOptions, Linear, LinearConfig, Output};
-use te_runtime::numerics::round_to;
 use te_runtime::reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
 use te_runtime::reference::linear::{self as reference, rel_frobenius, Fp8Step};
 use te_runtime::reference::scaling::current_scale;
@@ -18,14 +17,6 @@ use te_runtime::{DType, Device, Error, Tensor};
 const T: usize = 112;
 const IN: usize = 80;
 const OUT: usize = 144;
-
-fn bf16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| round_to(DType::BF16, x)).collect()
-}
-
-fn amax(v: &[f32]) -> f32 {
-    v.iter().fold(0.0f32, |a, x| a.max(x.abs()))
-}
 
 struct Data {
     x: Vec<f32>,
@@ -45,10 +36,6 @@ fn layer(dev: &std::sync::Arc<Device>, cfg: LinearConfig, seed: u64) -> (Linear,
     let x = bf16(&randn(seed + 1, T * cfg.in_features, 1.0));
     let dy = bf16(&randn(seed + 2, T * cfg.out_features, 1e-2));
     (lin, Data { x, dy, w, b })
-}
-
-fn upload(dev: &Device, v: &[f32], shape: &[usize]) -> Tensor {
-    Tensor::from_f32(dev, DType::BF16, shape, v).unwrap()
 }
 
 /// One fwd+bwd step; returns (y, dx) on the host.

@@ -3,37 +3,20 @@
 //! (second step, scales from the first), current and blockwise scaling within bounds of the FP8
 //! rounding.
 
-use crate::common::{assert_close, device, randn};
+use crate::common::{amax, assert_close, bf16, device, host, randn, upload};
 use std::sync::Arc;
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 use te_runtime::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, LinearParams, Norm,
     NormConfig, NormKind, NormParams,
 };
-use te_runtime::numerics::round_to;
 use te_runtime::reference::linear::rel_frobenius;
 use te_runtime::reference::modules::{self as reference, DenseRef, NormRef};
-use te_runtime::{DType, Device, Error, Tensor};
+use te_runtime::{Device, Error};
 
 const T: usize = 112;
 const H: usize = 80;
 const F: usize = 144;
-
-fn bf16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| round_to(DType::BF16, x)).collect()
-}
-
-fn upload(dev: &Device, v: &[f32], shape: &[usize]) -> Tensor {
-    Tensor::from_f32(dev, DType::BF16, shape, v).unwrap()
-}
-
-fn host(dev: &Device, t: Option<&Tensor>) -> Vec<f32> {
-    t.unwrap().to_f32(dev).unwrap()
-}
-
-fn amax(v: &[f32]) -> f32 {
-    v.iter().fold(0.0f32, |a, x| a.max(x.abs()))
-}
 
 /// How a step runs: high precision or FP8 with a recipe.
 #[derive(Debug, Clone, Copy)]

@@ -7,12 +7,11 @@
 //! `moe-small`-like GPT whose SGD steps lower the loss (BF16 and FP8) and whose gradients match
 //! finite differences of the loss (aux losses included).
 
-use crate::common::{assert_close, device, randn};
+use crate::common::{amax, assert_close, bf16, device, host, randn, upload};
 use crate::gpt::{batch, config, param_and_grad, poke, sgd_losses};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, Recipe};
 use te_runtime::models::{Gpt, GptConfig};
 use te_runtime::modules::{Activation, ForwardOptions, MoeConfig, MoeMLP, MoeMLPConfig, MoeMLPCtx, NormKind};
-use te_runtime::numerics::round_to;
 use te_runtime::reference::linear::rel_frobenius;
 use te_runtime::reference::modules::{DenseRef, NormRef};
 use te_runtime::reference::moe_mlp::{MoeMlpGrads, MoeMlpRef};
@@ -23,22 +22,6 @@ const T: usize = 37;
 const H: usize = 64;
 const F: usize = 96;
 const E: usize = 4;
-
-fn bf16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| round_to(DType::BF16, x)).collect()
-}
-
-fn upload(dev: &Device, v: &[f32], shape: &[usize]) -> Tensor {
-    Tensor::from_f32(dev, DType::BF16, shape, v).unwrap()
-}
-
-fn host(dev: &Device, t: Option<&Tensor>) -> Vec<f32> {
-    t.unwrap().to_f32(dev).unwrap()
-}
-
-fn amax(v: &[f32]) -> f32 {
-    v.iter().fold(0.0f32, |a, x| a.max(x.abs()))
-}
 
 /// BF16: TE's bf16 tolerances and a relative Frobenius bound; FP8: the Frobenius bounds of
 /// E4M3 operands forward and E5M2 gradients backward.

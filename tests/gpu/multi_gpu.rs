@@ -10,7 +10,7 @@
 //!
 //! Skip with fewer than two GPUs or without NCCL, unless `TE_REQUIRE_MULTI_GPU=1`.
 
-use crate::common::randn;
+use crate::common::{amax, bf16, randn};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -195,7 +195,7 @@ fn same_on_every_rank(group: &ProcessGroup, dev: &Device, values: &[f32]) -> boo
 
 /// The largest `|x|` of bf16-rounded `values`.
 fn bf16_amax(values: &[f32]) -> f32 {
-    values.iter().map(|v| half::bf16::from_f32(*v).to_f32().abs()).fold(0.0, f32::max)
+    amax(&bf16(values))
 }
 
 #[test]
@@ -441,8 +441,8 @@ fn tensor_parallel_linear_equals_the_whole_layer() {
                         columns(&w, n_in, r * i, i)
                     };
                     assert_eq!(w_part, want_w, "{what}: the weight slice");
-                    let x = half_bf16(&randn(13, tokens * n_in, 1.0));
-                    let dy = half_bf16(&randn(14, tokens * n_out, 1.0));
+                    let x = bf16(&randn(13, tokens * n_in, 1.0));
+                    let dy = bf16(&randn(14, tokens * n_out, 1.0));
                     let t = tokens / n;
                     // This rank's input and output gradient.
                     let (x_part, x_shape, dy_part, dy_shape) = match (mode, sp) {
@@ -509,9 +509,4 @@ fn tensor_parallel_linear_equals_the_whole_layer() {
         let e = Linear::new(dev, odd).unwrap_err().to_string();
         assert!(e.contains("out_features = 33") && e.contains("2 tensor-parallel ranks"), "{e}");
     });
-}
-
-/// `v` rounded to bf16.
-fn half_bf16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect()
 }
