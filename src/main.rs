@@ -316,7 +316,16 @@ struct TrainArgs {
     /// output projection as E4M3 codes, so it is never written in BF16 nor cast.
     #[arg(long)]
     fp8_mha: bool,
-    /// Data parallel over several GPUs (torchrun's options).
+    /// Split each layer over this many GPUs (Megatron-LM's tensor parallelism: heads and ffn
+    /// features per rank); data parallel over the rest of the ranks. Must divide the world size
+    /// (--nproc-per-node × --nnodes) and the heads and ffn size of the preset.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
+    /// With --tensor-parallel: sequence parallelism (norms, dropout and residuals on each rank's
+    /// part of the sequence).
+    #[arg(long)]
+    sequence_parallel: bool,
+    /// Several GPUs: one process each (torchrun's options).
     #[command(flatten)]
     launch: te::launch::LaunchArgs,
 }
@@ -344,7 +353,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig, TrainError};
     use te::train_cpu::train_cpu;
     use te_runtime::dist::{DistEnv, ProcessGroup};
-    use te_runtime::parallel::DataParallel;
+    use te_runtime::parallel::Parallel;
     let gpu = te_runtime::device::gpu_available();
     if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
         return Err(
@@ -382,12 +391,27 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     }
     let ordinal = dist.as_ref().map_or(0, |e| e.local_rank);
     let dev = if on_gpu { Some(te_runtime::Device::new(ordinal).map_err(|e| e.to_string())?) } else { None };
-    let mut dp = match (&dist, &dev) {
+    let world = dist.as_ref().map_or(1, |e| e.world_size);
+    if a.sequence_parallel && a.tensor_parallel < 2 {
+        return Err(
+            "--sequence-parallel needs --tensor-parallel ≥ 2: it splits the sequence over the tensor-parallel \
+                    ranks"
+                .into(),
+        );
+    }
+    if a.tensor_parallel > world {
+        return Err(format!(
+            "--tensor-parallel {} needs as many ranks, this run has {world}: start them with --nproc-per-node {}",
+            a.tensor_parallel, a.tensor_parallel
+        )
+        .into());
+    }
+    let mut parallel = match (&dist, &dev) {
         (Some(env), Some(dev)) => {
-            let group = ProcessGroup::init(dev, env).map_err(|e| e.to_string())?;
-            Some(DataParallel::new(Arc::new(group)).map_err(|e| e.to_string())?)
+            let group = Arc::new(ProcessGroup::init(dev, env).map_err(|e| e.to_string())?);
+            Parallel::new(group, a.tensor_parallel, a.sequence_parallel).map_err(|e| e.to_string())?
         }
-        _ => None,
+        _ => Parallel::default(),
     };
     // Rank 0 reports and writes the results; every rank trains.
     let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
@@ -442,13 +466,21 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
         stop: Some(stop_on_signals()?),
     };
     let where_ = match (&dev, &dist) {
-        (Some(d), Some(e)) => format!("{} × device {} (data parallel)", e.world_size, d.name()),
+        (Some(d), Some(e)) => {
+            let ((_, dp), (_, tp)) = (parallel.data_rank(), parallel.tensor_rank());
+            let split = match (dp, tp) {
+                (_, 1) => "data parallel".to_string(),
+                (1, _) => format!("tensor parallel{}", if a.sequence_parallel { " + sequence parallel" } else { "" }),
+                _ => format!("tensor parallel {tp} × data parallel {dp}"),
+            };
+            format!("{} × device {} ({split})", e.world_size, d.name())
+        }
         (Some(d), None) => format!("device {}", d.name()),
         (None, _) => "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the \
                       GEMM inputs; f32 elsewhere; slow, for trying the job out)"
             .to_string(),
     };
-    let ranks = dist.as_ref().map_or(1, |e| e.world_size);
+    let (_, dp) = parallel.data_rank();
     if rank0 {
         println!(
             "{where_}; train {} bytes, validation {} bytes; preset {preset} ({steps} steps × {} × {} tokens{})",
@@ -456,7 +488,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
             corpus.val.len(),
             batch * a.grad_accum,
             cfg.model.seq_length,
-            if ranks > 1 { format!(" per rank, {ranks} ranks") } else { String::new() }
+            if dp > 1 { format!(" per data-parallel rank, {dp} of them") } else { String::new() }
         );
     }
     let mut runs = Vec::new();
@@ -472,7 +504,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
             bar.set_message(format!("loss {loss:.4}"));
         };
         let run = match &dev {
-            Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, dp.as_mut(), progress),
+            Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, &mut parallel, progress),
             None => train_cpu(&corpus, &cfg, p, &ckpt, progress),
         };
         let run = match run {

@@ -47,6 +47,14 @@ pub trait RunState {
     /// # Errors
     /// Device errors reading them.
     fn nonfinite_states(&self) -> Result<Vec<String>, TrainError>;
+    /// Waits until every rank that writes a part of the checkpoint (the ranks of a
+    /// tensor-parallel group) has written its files; nothing for a single writer.
+    ///
+    /// # Errors
+    /// Communication errors.
+    fn files_written(&self) -> Result<(), TrainError> {
+        Ok(())
+    }
 }
 
 /// The model a checkpoint holds, as `trainer.toml` records it (its `[model]` table): what
@@ -133,23 +141,47 @@ pub struct Checkpointer<'a> {
     last: Option<PathBuf>,
     /// Ranks of the data-parallel run (1: a single GPU).
     data_parallel: usize,
-    /// Whether this process writes checkpoints (rank 0 of a data-parallel run; every rank
-    /// resumes from them).
+    /// Ranks of the tensor-parallel group (1: none): each writes its files of every checkpoint.
+    tensor_parallel: usize,
+    /// Whether this process writes checkpoint files (rank 0 of a data-parallel run, each
+    /// tensor-parallel rank of it; every rank resumes from them).
     writes: bool,
+    /// Whether it also writes `latest.toml` and the loss history (the writer of tensor-parallel
+    /// rank 0, once every writer's files are written).
+    writes_latest: bool,
 }
 
 impl<'a> Checkpointer<'a> {
     /// The checkpointing `opts` asks for, of a run of `cfg` in `precision`.
     pub fn new(opts: &'a CheckpointOptions, cfg: &'a TrainConfig, precision: Precision) -> Self {
         let run_dir = opts.dir.as_ref().map(|d| d.join(precision.name()));
-        Self { opts, cfg, precision, run_dir, last: None, data_parallel: 1, writes: true }
+        Self {
+            opts,
+            cfg,
+            precision,
+            run_dir,
+            last: None,
+            data_parallel: 1,
+            tensor_parallel: 1,
+            writes: true,
+            writes_latest: true,
+        }
     }
 
     /// The checkpointing of rank `rank` of a data-parallel run of `size` ranks: rank 0 writes
     /// the checkpoints (recording `size`), every rank resumes from them, and a checkpoint of
     /// another data-parallel size is refused (its data order differs).
     pub fn data_parallel(self, rank: usize, size: usize) -> Self {
-        Self { data_parallel: size.max(1), writes: rank == 0, ..self }
+        Self { data_parallel: size.max(1), writes: self.writes && rank == 0, ..self }
+    }
+
+    /// The checkpointing of rank `rank` of a tensor-parallel group of `size` ranks: each rank
+    /// writes its own files (`model.tp-<rank>-of-<size>.safetensors`, its optimizer state
+    /// likewise; [`RunState::save_files`]), rank 0 the step's `latest.toml` once all are
+    /// written (recording `size`), and a checkpoint of another tensor-parallel size is refused
+    /// (`te checkpoint merge|split` reshards it).
+    pub fn tensor_parallel(self, rank: usize, size: usize) -> Self {
+        Self { tensor_parallel: size.max(1), writes_latest: self.writes_latest && rank == 0, ..self }
     }
 
     /// The newest good checkpoint: the one resumed from, then each one saved.
@@ -195,9 +227,12 @@ impl<'a> Checkpointer<'a> {
         if latest.step > cfg.steps {
             return Err(err(format!("it is at step {}, beyond --steps {}", latest.step, cfg.steps)));
         }
-        if let Some(n) = latest.tensor_parallel.filter(|&n| n > 1) {
+        let n = latest.tensor_parallel.unwrap_or(1);
+        if n != self.tensor_parallel {
             return Err(err(format!(
-                "it holds the files of {n} tensor-parallel ranks: merge it (te checkpoint merge) to resume on one device"
+                "it holds the files of {n} tensor-parallel rank(s) and this run has {}: reshard it (te checkpoint \
+                 merge, then split) or resume with --tensor-parallel {n}",
+                self.tensor_parallel
             )));
         }
         let dir = run_dir.join(&latest.dir);
@@ -232,7 +267,7 @@ impl<'a> Checkpointer<'a> {
         if let Some(run_dir) = &self.run_dir {
             if (interval > 0 && step % interval == 0) || step == self.cfg.steps || stop {
                 self.last = Some(match self.writes {
-                    true => save(run_dir, self.cfg, self.precision, step, state, records, self.data_parallel)?,
+                    true => self.save(run_dir, step, state, records)?,
                     false => run_dir.join(format!("step-{step:07}")),
                 });
             }
@@ -244,64 +279,65 @@ impl<'a> Checkpointer<'a> {
     }
 }
 
-/// Saves step `step` of a run into `run_dir`, then points `latest.toml` at it and removes the
-/// checkpoints older than the previous one.
-fn save(
-    run_dir: &Path,
-    cfg: &TrainConfig,
-    precision: Precision,
-    step: u64,
-    state: &dyn RunState,
-    records: &[Record],
-    data_parallel: usize,
-) -> Result<PathBuf, TrainError> {
-    let bad = state.nonfinite_states()?;
-    if let Some(path) = bad.first() {
-        return Err(TrainError::NonFinite {
-            step,
-            message: format!(
+impl Checkpointer<'_> {
+    /// Saves step `step` of a run into `run_dir`, then (the writer of `latest.toml`, once every
+    /// writer's files are written) points `latest.toml` at it and removes the checkpoints older
+    /// than the previous one.
+    fn save(&self, run_dir: &Path, step: u64, state: &dyn RunState, records: &[Record]) -> Result<PathBuf, TrainError> {
+        let (cfg, precision) = (self.cfg, self.precision);
+        let bad = state.nonfinite_states()?;
+        if let Some(path) = bad.first() {
+            return Err(TrainError::NonFinite {
+                step,
+                message: format!(
                 "the FP8 scaling state {path} holds a NaN or infinite value ({} states in all); the checkpoint was \
                  not written. The previous checkpoint is kept: continue from it with --resume, with a lower --lr",
                 bad.len()
             ),
-        });
-    }
-    let name = format!("step-{step:07}");
-    let dir = run_dir.join(&name);
-    std::fs::create_dir_all(&dir).map_err(|source| TrainError::Output { path: dir.clone(), source })?;
-    state.save_files(&dir, step)?;
-    write_history(&dir.join("history.csv"), records)?;
-    let latest = Latest {
-        dir: name.clone(),
-        step,
-        dropout_offset: state.dropout_offset(),
-        batch: cfg.batch,
-        grad_accum: cfg.grad_accum,
-        seq_length: cfg.model.seq_length,
-        lr: cfg.lr,
-        data_seed: cfg.data_seed,
-        model_seed: cfg.model.seed,
-        tensor_parallel: None,
-        data_parallel: (data_parallel > 1).then_some(data_parallel),
-        model: Some(ModelSection::new(cfg, precision)),
-    };
-    let path = run_dir.join("latest.toml");
-    let previous = read_latest(&path)?.map(|l| l.dir);
-    let text =
-        toml::to_string(&latest).map_err(|e| TrainError::Resume { path: path.clone(), message: e.to_string() })?;
-    // The step's own copy (to resume from it by copying it over latest.toml), then the pointer.
-    for file in [dir.join("trainer.toml"), path] {
-        write_text(&file, &text)?;
-    }
-    // Keep the newest and the one before it; older ones are no longer needed.
-    let entries = std::fs::read_dir(run_dir).map_err(|source| TrainError::Output { path: run_dir.into(), source })?;
-    for entry in entries.flatten() {
-        let n = entry.file_name().to_string_lossy().into_owned();
-        if n.starts_with("step-") && n != name && Some(&n) != previous.as_ref() {
-            let _ = std::fs::remove_dir_all(entry.path());
+            });
         }
+        let name = format!("step-{step:07}");
+        let dir = run_dir.join(&name);
+        std::fs::create_dir_all(&dir).map_err(|source| TrainError::Output { path: dir.clone(), source })?;
+        state.save_files(&dir, step)?;
+        state.files_written()?;
+        if !self.writes_latest {
+            return Ok(dir);
+        }
+        write_history(&dir.join("history.csv"), records)?;
+        let latest = Latest {
+            dir: name.clone(),
+            step,
+            dropout_offset: state.dropout_offset(),
+            batch: cfg.batch,
+            grad_accum: cfg.grad_accum,
+            seq_length: cfg.model.seq_length,
+            lr: cfg.lr,
+            data_seed: cfg.data_seed,
+            model_seed: cfg.model.seed,
+            tensor_parallel: (self.tensor_parallel > 1).then_some(self.tensor_parallel),
+            data_parallel: (self.data_parallel > 1).then_some(self.data_parallel),
+            model: Some(ModelSection::new(cfg, precision)),
+        };
+        let path = run_dir.join("latest.toml");
+        let previous = read_latest(&path)?.map(|l| l.dir);
+        let text =
+            toml::to_string(&latest).map_err(|e| TrainError::Resume { path: path.clone(), message: e.to_string() })?;
+        // The step's own copy (to resume from it by copying it over latest.toml), then the pointer.
+        for file in [dir.join("trainer.toml"), path] {
+            write_text(&file, &text)?;
+        }
+        // Keep the newest and the one before it; older ones are no longer needed.
+        let entries =
+            std::fs::read_dir(run_dir).map_err(|source| TrainError::Output { path: run_dir.into(), source })?;
+        for entry in entries.flatten() {
+            let n = entry.file_name().to_string_lossy().into_owned();
+            if n.starts_with("step-") && n != name && Some(&n) != previous.as_ref() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        Ok(dir)
     }
-    Ok(dir)
 }
 
 /// Writes a loss curve as `step,train_loss,val_loss,step_ms` (atomically).

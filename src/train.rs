@@ -19,12 +19,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use te_runtime::checkpoint::tp::{shard_path, TP_RANK_KEY, TP_SIZE_KEY};
 use te_runtime::checkpoint::{self, LoadOptions, SaveOptions};
 use te_runtime::fp8::{DelayedScaling, Float8BlockScaling, Fp8Autocast, Recipe, ScalingState};
 use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
+use te_runtime::modules::TpConfig;
 use te_runtime::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
 use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
-use te_runtime::parallel::DataParallel;
+use te_runtime::parallel::Parallel;
 use te_runtime::{Device, Module};
 
 /// Errors of the job.
@@ -289,7 +291,7 @@ pub fn train(
     cfg: &TrainConfig,
     precision: Precision,
     ckpt: &CheckpointOptions,
-    mut dp: Option<&mut DataParallel>,
+    parallel: &mut Parallel,
     mut progress: impl FnMut(u64, f32),
 ) -> Result<RunSummary, TrainError> {
     dev.synchronize()?;
@@ -307,21 +309,32 @@ pub fn train(
         )
     })?;
     dev.reset_peak_memory()?;
-    let mut model = Gpt::new(dev, cfg.model.clone())?;
-    let (rank, world) = dp.as_ref().map_or((0, 1), |d| (d.rank(), d.size()));
-    if let Some(dp) = dp.as_deref() {
+    let tp = parallel.tensor().cloned();
+    let mut model = match &tp {
+        Some(tp) => Gpt::with_tensor_parallel(dev, cfg.model.clone(), tp.clone())?,
+        None => Gpt::new(dev, cfg.model.clone())?,
+    };
+    if let Some(dp) = parallel.data() {
         // Every rank builds the model from the same seed; the broadcast makes sure.
         dp.broadcast_parameters(&mut model)?;
     }
-    let opt = AdamW::new(dev, &model, adamw_config(cfg))?;
-    let mut run = GpuRun { model, opt };
+    let mut opt = AdamW::new(dev, &model, adamw_config(cfg))?;
+    if let Some(tp) = &tp {
+        opt = opt.with_tensor_parallel(tp.group.clone());
+    }
+    let (tp_rank, tp_size) = parallel.tensor_rank();
+    let mut run = GpuRun { model, opt, tp };
     let seq = cfg.model.seq_length;
+    // The ranks of a tensor-parallel group read the same data; data-parallel ranks their shards.
+    let (rank, world) = parallel.data_rank();
     let mut train_batches = Batcher::sharded(cfg.data_seed, seq, cfg.batch, rank, world);
     let mut records = Vec::new();
-    let mut checkpoints = Checkpointer::new(ckpt, cfg, precision).data_parallel(rank, world);
+    let mut checkpoints =
+        Checkpointer::new(ckpt, cfg, precision).data_parallel(rank, world).tensor_parallel(tp_rank, tp_size);
     let done = checkpoints.resume(&mut run, &mut records)?;
     train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
-    let autocast = Fp8Autocast::new(cfg.fp8_recipe()).with_group(dp.as_ref().map(|d| d.group().clone()));
+    // The amaxes are reduced over every rank (TE's default fp8_group): one set of scales.
+    let autocast = Fp8Autocast::new(cfg.fp8_recipe()).with_group(parallel.world().cloned());
     let mut times = Vec::new();
     let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
     for step in done + 1..=cfg.steps {
@@ -339,7 +352,7 @@ pub fn train(
                 Precision::Fp8 => autocast.clone().run(|| run.model.forward_loss_with(&ids, &targets, mb))?,
                 Precision::Bf16 => run.model.forward_loss_with(&ids, &targets, mb)?,
             };
-            match dp.as_deref_mut() {
+            match parallel.data() {
                 // The last micro-batch's backward reduces each part's gradients as they complete.
                 Some(dp) if micro + 1 == cfg.grad_accum => {
                     run.model.backward_with(ctx, &mut |part| dp.reduce_grads(part))?;
@@ -353,10 +366,8 @@ pub fn train(
         // Read after the step was issued: the host never waited for the device mid-step.
         let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
         let mut train_loss = loss_sum / cfg.grad_accum as f32;
-        if let Some(dp) = dp.as_deref() {
-            // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together).
-            train_loss = dp.mean(train_loss)?;
-        }
+        // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together).
+        train_loss = parallel.mean(train_loss)?;
         guard.check(step, (train_loss, stats.grad_norm, stats.skipped), checkpoints.last())?;
         run.model.zero_grad();
         dev.synchronize()?;
@@ -369,11 +380,8 @@ pub fn train(
         };
         records.push(Record { step, train_loss, val_loss, step_ms });
         progress(step, train_loss);
-        let mut stop = ckpt.stop_requested();
-        if let Some(dp) = dp.as_deref() {
-            // A stop requested on any rank stops every rank after this step.
-            stop = dp.mean(f32::from(u8::from(stop)))? > 0.0;
-        }
+        // A stop requested on any rank stops every rank after this step.
+        let stop = parallel.mean(f32::from(u8::from(ckpt.stop_requested())))? > 0.0;
         checkpoints.after_step(step, &run, &records, stop)?;
     }
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
@@ -383,31 +391,57 @@ pub fn train(
         precision,
         records,
         tokens_per_s: tokens / (median_ms / 1e3),
-        ranks: world,
+        ranks: parallel.world_size(),
         peak_memory: dev.peak_memory()?,
-        parameters: run.model.num_parameters(),
+        // The whole model's, also when each rank holds a tensor-parallel slice of it.
+        parameters: cfg.model.num_parameters(),
     })
 }
 
-/// The GPU run's model and optimizer.
+/// The GPU run's model and optimizer, and the tensor-parallel group its layers split over.
 struct GpuRun {
     model: Gpt,
     opt: AdamW,
+    tp: Option<TpConfig>,
+}
+
+impl GpuRun {
+    /// `dir/<name>.safetensors`, or this tensor-parallel rank's file of it
+    /// (`<name>.tp-<rank>-of-<size>.safetensors`, the files `te checkpoint merge` reads).
+    fn file(&self, dir: &Path, name: &str) -> PathBuf {
+        let path = dir.join(format!("{name}.safetensors"));
+        match &self.tp {
+            Some(tp) => shard_path(&path, tp.group.rank(), tp.size()),
+            None => path,
+        }
+    }
 }
 
 impl RunState for GpuRun {
     fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError> {
         let mut options = SaveOptions::default();
         options.metadata.insert("step".into(), step.to_string());
-        checkpoint::save(&self.model, dir.join("model.safetensors"), &options)?;
-        self.opt.save_state(dir.join("optimizer.safetensors"))?;
+        if let Some(tp) = &self.tp {
+            options.metadata.insert(TP_RANK_KEY.into(), tp.group.rank().to_string());
+            options.metadata.insert(TP_SIZE_KEY.into(), tp.size().to_string());
+        }
+        checkpoint::save(&self.model, self.file(dir, "model"), &options)?;
+        self.opt.save_state(self.file(dir, "optimizer"))?;
         Ok(())
     }
 
     fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError> {
-        checkpoint::load(&mut self.model, dir.join("model.safetensors"), &LoadOptions::default())?;
-        self.opt.load_state(dir.join("optimizer.safetensors"))?;
+        let (model, optimizer) = (self.file(dir, "model"), self.file(dir, "optimizer"));
+        checkpoint::load(&mut self.model, model, &LoadOptions::default())?;
+        self.opt.load_state(optimizer)?;
         Ok(self.opt.step_count())
+    }
+
+    fn files_written(&self) -> Result<(), TrainError> {
+        if let Some(tp) = &self.tp {
+            tp.group.barrier()?;
+        }
+        Ok(())
     }
 
     fn dropout_offset(&self) -> u64 {

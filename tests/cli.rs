@@ -376,6 +376,11 @@ fn train_refuses_what_it_cannot_run() {
     assert!(!o.status.success() && text(&o).contains("one process a GPU"), "{}", text(&o));
     let o = run(&["--nproc-per-node", "0"]);
     assert!(!o.status.success() && text(&o).contains("--nproc-per-node"), "{}", text(&o));
+    // Tensor parallelism needs as many ranks; sequence parallelism needs tensor parallelism.
+    let o = run(&["--cpu", "--tensor-parallel", "2", "--steps", "1"]);
+    assert!(!o.status.success() && text(&o).contains("--tensor-parallel 2 needs as many ranks"), "{}", text(&o));
+    let o = run(&["--cpu", "--sequence-parallel", "--steps", "1"]);
+    assert!(!o.status.success() && text(&o).contains("--sequence-parallel needs"), "{}", text(&o));
     // A rank of a multi-process run (WORLD_SIZE > 1) on the CPU path is refused, not run alone.
     let o = te().args(["train", "--cpu"]).env("WORLD_SIZE", "2").env("RANK", "1").output().unwrap();
     assert!(!o.status.success() && text(&o).contains("multi-process run"), "{}", text(&o));

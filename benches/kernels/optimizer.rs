@@ -30,7 +30,16 @@ pub fn run(b: &mut Bench) {
             .zip(state.chunks_mut(3))
             .map(|((grad, param), st)| {
                 let [master, exp_avg, exp_avg_sq] = st else { unreachable!("chunks of 3") };
-                AdamWTensor { grad, param, master, exp_avg, exp_avg_sq, weight_decay: 0.1, step: i as u64 + 1 }
+                AdamWTensor {
+                    grad,
+                    param,
+                    master,
+                    exp_avg,
+                    exp_avg_sq,
+                    weight_decay: 0.1,
+                    step: i as u64 + 1,
+                    in_norm: true,
+                }
             })
             .collect();
         adamw_step(&dev, &mut list, &args, &mut norm_out).unwrap();

@@ -242,19 +242,45 @@ impl Tensor {
                 message: format!("the split sizes {sizes:?} add up to {total} rows, but the tensor has {rows}"),
             });
         }
-        let row_bytes = cols * self.dtype.size_bytes();
         let mut start = 0;
         let mut parts = Vec::with_capacity(sizes.len());
         for &n in sizes {
-            let mut part = Tensor::empty(dev, self.dtype, &[n, cols])?;
-            if n > 0 {
-                let src = self.data.slice(start * row_bytes..(start + n) * row_bytes);
-                dev.stream().memcpy_dtod(&src, part.data_mut()?)?;
-            }
+            parts.push(self.copy_rows(dev, start, n, cols)?);
             start += n;
-            parts.push(part);
         }
         Ok(parts)
+    }
+
+    /// The slices `range` of the first dim, copied (`x[a..b]` in torch, `[b - a, ...]`).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a range past the first dim; allocation and copy failures.
+    pub fn narrow(&self, dev: &Device, range: std::ops::Range<usize>) -> Result<Tensor> {
+        const OP: &str = "Tensor::narrow";
+        let d0 = self.shape.first().copied().unwrap_or(0);
+        if range.start > range.end || range.end > d0 {
+            return Err(Error::Shape {
+                op: OP,
+                message: format!("rows {range:?} of the first dim of {:?}", self.shape),
+            });
+        }
+        let per = self.shape[1..].iter().product::<usize>();
+        let mut out = self.copy_rows(dev, range.start * per, range.len() * per, 1)?;
+        let mut shape = self.shape.clone();
+        shape[0] = range.len();
+        out.shape = shape;
+        Ok(out)
+    }
+
+    /// `n` rows of `cols` elements from row `start` into a new `[n, cols]` tensor.
+    fn copy_rows(&self, dev: &Device, start: usize, n: usize, cols: usize) -> Result<Tensor> {
+        let row_bytes = cols * self.dtype.size_bytes();
+        let mut part = Tensor::empty(dev, self.dtype, &[n, cols])?;
+        if n > 0 {
+            let src = self.data.slice(start * row_bytes..(start + n) * row_bytes);
+            dev.stream().memcpy_dtod(&src, part.data_mut()?)?;
+        }
+        Ok(part)
     }
 
     /// `parts` (each `[rows_i, cols]`, leading dims folded, one dtype) stacked along the rows

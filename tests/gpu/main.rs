@@ -38,6 +38,7 @@ mod moe;
 mod moe_mlp;
 mod moe_router;
 mod multi_gpu;
+mod multi_gpu_tp;
 mod nccl;
 mod norm;
 mod optimizer;

@@ -18,7 +18,7 @@ use te_runtime::dist::{nccl_available, DistEnv, ProcessGroup, ReduceOp};
 use te_runtime::fp8::{DelayedScaling, Fp8Autocast};
 use te_runtime::models::gpt::{Gpt, GptConfig, MicroBatch};
 use te_runtime::modules::{Linear, LinearConfig, ModuleVisitor, Param, ParamKind, TokenIds};
-use te_runtime::parallel::DataParallel;
+use te_runtime::parallel::{DataParallel, Parallel};
 use te_runtime::{DType, Device, Module, Tensor};
 
 /// The variable that marks a child process: the test it runs as a rank.
@@ -26,7 +26,7 @@ const CHILD: &str = "TE_MULTI_GPU_TEST";
 
 /// How the ranks are laid out over "nodes".
 #[derive(Clone, Copy)]
-enum Layout {
+pub(crate) enum Layout {
     /// One node with both GPUs.
     OneNode,
     /// One node per GPU, each process seeing its GPU only.
@@ -36,7 +36,12 @@ enum Layout {
 /// Runs `body` as each of `world` ranks: in the parent, spawns the ranks and checks they pass;
 /// in a rank, calls `body` with its group. Returns without running in a parent that lacks the
 /// GPUs or NCCL (unless `TE_REQUIRE_MULTI_GPU=1`).
-fn on_ranks(test: &str, world: usize, layout: Layout, body: impl FnOnce(&DistEnv, &Arc<Device>, ProcessGroup)) {
+pub(crate) fn on_ranks(
+    test: &str,
+    world: usize,
+    layout: Layout,
+    body: impl FnOnce(&DistEnv, &Arc<Device>, ProcessGroup),
+) {
     if std::env::var(CHILD).is_ok_and(|t| t == test) {
         let env = DistEnv::from_env().unwrap().expect("a rank has WORLD_SIZE");
         let dev = Device::new(env.local_rank).unwrap();
@@ -363,12 +368,12 @@ fn data_parallel_training_follows_one_gpu_at_twice_the_batch() {
             ..base
         };
         for precision in [Precision::Bf16, Precision::Fp8] {
-            let mut dp = DataParallel::new(group.clone()).unwrap();
+            let mut dp = Parallel::data_parallel(group.clone()).unwrap();
             let none = CheckpointOptions::default();
             let per_rank = TrainConfig { batch: 4, ..base.clone() };
-            let ranks = train(dev, &corpus, &per_rank, precision, &none, Some(&mut dp), |_, _| {}).unwrap();
+            let ranks = train(dev, &corpus, &per_rank, precision, &none, &mut dp, |_, _| {}).unwrap();
             let whole = TrainConfig { batch: 4 * env.world_size, ..base.clone() };
-            let one = train(dev, &corpus, &whole, precision, &none, None, |_, _| {}).unwrap();
+            let one = train(dev, &corpus, &whole, precision, &none, &mut Parallel::default(), |_, _| {}).unwrap();
             assert_eq!((ranks.ranks, one.ranks), (env.world_size, 1));
             let what = format!("{precision:?} rank {}", env.rank);
             let (a, b) = (&ranks.records, &one.records);
@@ -397,7 +402,7 @@ fn columns(m: &[f32], cols: usize, c0: usize, w: usize) -> Vec<f32> {
 }
 
 /// Relative Frobenius error of `got` against `want`.
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len());
     let e: f64 = got.iter().zip(want).map(|(a, b)| f64::from(a - b).powi(2)).sum();
     let n: f64 = want.iter().map(|v| f64::from(*v).powi(2)).sum();

@@ -9,6 +9,7 @@ use te::data::Corpus;
 use te::train::{train, CheckpointOptions, Precision, Record, TrainConfig, TrainError};
 use te_runtime::fp8::DelayedScaling;
 use te_runtime::models::{Gpt, GptConfig};
+use te_runtime::parallel::Parallel;
 
 /// Deterministic text of a few hundred kilobytes with some structure to learn.
 pub(crate) fn corpus() -> Corpus {
@@ -54,7 +55,7 @@ fn resume_is_bit_exact_with_never_stopping() {
         let dir = tempfile::tempdir().unwrap();
         let straight_dir = dir.path().join("straight");
         let ckpt = CheckpointOptions { dir: Some(straight_dir.clone()), interval: 3, ..Default::default() };
-        let straight = train(&dev, &corpus, &cfg, precision, &ckpt, None, |_, _| {}).unwrap();
+        let straight = train(&dev, &corpus, &cfg, precision, &ckpt, &mut Parallel::default(), |_, _| {}).unwrap();
         assert_eq!(straight.records.len(), 6);
         assert!(straight.records.iter().all(|r| r.train_loss.is_finite()));
         assert!(straight.peak_memory > 0, "peak memory is counted");
@@ -72,7 +73,7 @@ fn resume_is_bit_exact_with_never_stopping() {
         assert!(latest.contains("step-0000006"), "{latest}");
         std::fs::copy(dst.join("trainer.toml"), stopped.join(run).join("latest.toml")).unwrap();
         let ckpt = CheckpointOptions { dir: Some(stopped.clone()), interval: 3, resume: true, ..Default::default() };
-        let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, None, |_, _| {}).unwrap();
+        let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, &mut Parallel::default(), |_, _| {}).unwrap();
         assert_eq!(losses(&resumed.records), losses(&straight.records), "{run}: resumed run differs");
 
         // A stop request (SIGTERM) after step 4: that step is checkpointed though the interval
@@ -82,18 +83,18 @@ fn resume_is_bit_exact_with_never_stopping() {
         let ckpt =
             CheckpointOptions { dir: Some(preempted.clone()), interval: 3, resume: false, stop: Some(stop.clone()) };
         let request = |step: u64, _: f32| stop.store(step == 4, std::sync::atomic::Ordering::Relaxed);
-        let e = train(&dev, &corpus, &cfg, precision, &ckpt, None, request).unwrap_err();
+        let e = train(&dev, &corpus, &cfg, precision, &ckpt, &mut Parallel::default(), request).unwrap_err();
         match &e {
             TrainError::Interrupted { step: 4, checkpoint: Some(c) } => assert!(c.ends_with("step-0000004"), "{e}"),
             _ => panic!("{run}: expected an interruption after step 4, got {e}"),
         }
         let ckpt = CheckpointOptions { dir: Some(preempted), interval: 3, resume: true, stop: None };
-        let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, None, |_, _| {}).unwrap();
+        let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, &mut Parallel::default(), |_, _| {}).unwrap();
         assert_eq!(losses(&resumed.records), losses(&straight.records), "{run}: run resumed after a stop differs");
 
         // Other settings are refused, naming them.
         let other = TrainConfig { batch: 8, ..cfg.clone() };
-        let e = train(&dev, &corpus, &other, precision, &ckpt, None, |_, _| {}).unwrap_err();
+        let e = train(&dev, &corpus, &other, precision, &ckpt, &mut Parallel::default(), |_, _| {}).unwrap_err();
         assert!(matches!(e, TrainError::Resume { .. }) && e.to_string().contains("batch 4 (checkpoint) vs 8"), "{e}");
     }
 }
@@ -111,8 +112,8 @@ fn gradient_accumulation_matches_one_big_batch() {
     let accum = TrainConfig { model: model.clone(), ..config(4) };
     let big = TrainConfig { model, batch: 8, grad_accum: 1, ..config(4) };
     for (precision, tol) in [(Precision::Bf16, 1e-4), (Precision::Fp8, 2e-2)] {
-        let a = train(&dev, &corpus, &accum, precision, &none, None, |_, _| {}).unwrap();
-        let b = train(&dev, &corpus, &big, precision, &none, None, |_, _| {}).unwrap();
+        let a = train(&dev, &corpus, &accum, precision, &none, &mut Parallel::default(), |_, _| {}).unwrap();
+        let b = train(&dev, &corpus, &big, precision, &none, &mut Parallel::default(), |_, _| {}).unwrap();
         for (x, y) in a.records.iter().zip(&b.records) {
             let rel = ((x.train_loss - y.train_loss) / y.train_loss).abs();
             assert!(rel < tol, "{precision:?} step {}: {} (2 × 4) vs {} (1 × 8)", x.step, x.train_loss, y.train_loss);
@@ -131,13 +132,22 @@ fn nonfinite_steps_stop_the_run_or_are_skipped() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = CheckpointOptions { dir: Some(dir.path().to_path_buf()), interval: 1, ..Default::default() };
     let cfg = TrainConfig { lr: 1e30, warmup_steps: 1, ..config(6) };
-    let e = train(&dev, &corpus, &cfg, Precision::Bf16, &ckpt, None, |_, _| {}).unwrap_err();
+    let e = train(&dev, &corpus, &cfg, Precision::Bf16, &ckpt, &mut Parallel::default(), |_, _| {}).unwrap_err();
     let message = e.to_string();
     assert!(matches!(e, TrainError::NonFinite { .. }), "{message}");
     assert!(message.contains("non-finite") && message.contains("--skip-nonfinite-steps"), "{message}");
     assert!(message.contains("last good checkpoint is") && message.contains("step-"), "{message}");
     let skipping = TrainConfig { skip_nonfinite_steps: 6, ..cfg };
-    let run = train(&dev, &corpus, &skipping, Precision::Bf16, &CheckpointOptions::default(), None, |_, _| {}).unwrap();
+    let run = train(
+        &dev,
+        &corpus,
+        &skipping,
+        Precision::Bf16,
+        &CheckpointOptions::default(),
+        &mut Parallel::default(),
+        |_, _| {},
+    )
+    .unwrap();
     assert_eq!(run.records.len(), 6);
     assert!(run.records.iter().any(|r| !r.train_loss.is_finite()), "the run diverged");
 }
@@ -161,7 +171,16 @@ fn memory_estimate_bounds_the_peak() {
     for (model, batch) in [(GptConfig::small(), 8), (wide, 4)] {
         for precision in [Precision::Bf16, Precision::Fp8] {
             let cfg = TrainConfig { model: model.clone(), batch, grad_accum: 1, eval_interval: 2, ..config(2) };
-            let run = train(&dev, &corpus, &cfg, precision, &CheckpointOptions::default(), None, |_, _| {}).unwrap();
+            let run = train(
+                &dev,
+                &corpus,
+                &cfg,
+                precision,
+                &CheckpointOptions::default(),
+                &mut Parallel::default(),
+                |_, _| {},
+            )
+            .unwrap();
             let estimate = Gpt::training_bytes(&model, batch, precision == Precision::Fp8);
             let (peak, mib) = (run.peak_memory, |b: u64| b >> 20);
             eprintln!(
@@ -185,7 +204,9 @@ fn out_of_memory_is_a_typed_error_and_the_process_goes_on() {
     let Some(dev) = device() else { return };
     let corpus = corpus();
     let big = TrainConfig { model: GptConfig::large(), batch: 64, steps: 2, ..config(2) };
-    let e = train(&dev, &corpus, &big, Precision::Bf16, &CheckpointOptions::default(), None, |_, _| {}).unwrap_err();
+    let e =
+        train(&dev, &corpus, &big, Precision::Bf16, &CheckpointOptions::default(), &mut Parallel::default(), |_, _| {})
+            .unwrap_err();
     let message = e.to_string();
     assert!(
         matches!(&e, TrainError::Runtime(te_runtime::Error::OutOfMemory { requested, total, .. }) if requested > &0 && total > &0),
@@ -193,7 +214,15 @@ fn out_of_memory_is_a_typed_error_and_the_process_goes_on() {
     );
     assert!(message.contains("out of GPU memory") && message.contains("--batch"), "{message}");
     assert!(message.contains("estimated before allocating"), "refused by the estimate: {message}");
-    let small =
-        train(&dev, &corpus, &config(2), Precision::Bf16, &CheckpointOptions::default(), None, |_, _| {}).unwrap();
+    let small = train(
+        &dev,
+        &corpus,
+        &config(2),
+        Precision::Bf16,
+        &CheckpointOptions::default(),
+        &mut Parallel::default(),
+        |_, _| {},
+    )
+    .unwrap();
     assert!(small.records.iter().all(|r| r.train_loss.is_finite()));
 }

@@ -7,7 +7,7 @@
 
 use super::atomic::{io_error, write_atomic};
 use super::format::parse;
-use crate::dist::shard::{Split, TpLayout, TpRank};
+use crate::dist::shard::{TpLayout, TpRank};
 use crate::{Error, Result};
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
@@ -171,12 +171,7 @@ pub fn merge_files(inputs: &[PathBuf], layout: &TpLayout, output: &Path) -> Resu
         // The whole shape: the slices' shape with the split dimension summed over ranks.
         let split = layout.split_of(name);
         let mut shape = parts[0].shape().to_vec();
-        let dim = match split {
-            Split::Replicated => None,
-            Split::Dim(d) => Some(d),
-            Split::Qkv { .. } => Some(0),
-        };
-        if let Some(len) = dim.and_then(|d| shape.get_mut(d)) {
+        if let Some(len) = split.dim().and_then(|d| shape.get_mut(d)) {
             *len *= layout.size;
         }
         let slices: Vec<&[u8]> = parts.iter().map(|t| t.data()).collect();

@@ -45,6 +45,10 @@ pub enum Split {
     Replicated,
     /// Rank `r` holds the `r`-th of `size` equal slices along this dimension.
     Dim(usize),
+    /// Dimension 0 made of this many equal parts, each split as [`Split::Dim`]`(0)`: rank `r`
+    /// holds its slice of every part, in order (a gated fc1 `[2·ffn, hidden]`, `[a | b]` of
+    /// SwiGLU/GeGLU, is 2 parts: each rank gates its own features).
+    Parts(usize),
     /// The fused QKV projection's output dimension (dim 0 of its weight and bias), `[q heads |
     /// k heads | v heads]` of `head_dim` each: rank `r` holds its `heads / size` query heads and
     /// `groups / size` key/value heads of each part, in that order.
@@ -86,6 +90,14 @@ impl Split {
                 let part = len / n;
                 Ok(vec![(tp.rank * part, part)])
             }
+            Split::Parts(parts) => {
+                let len = dim_len(name, shape, 0)?;
+                if parts == 0 || len % (parts * n) != 0 {
+                    return Err(uneven(format!("each of the {parts} parts of dimension 0 of {shape:?}")));
+                }
+                let (part, slice) = (len / parts, len / parts / n);
+                Ok((0..parts).map(|p| (p * part + tp.rank * slice, slice)).collect())
+            }
             Split::Qkv { heads, groups, head_dim } => {
                 let len = dim_len(name, shape, 0)?;
                 if len != (heads + 2 * groups) * head_dim {
@@ -109,12 +121,12 @@ impl Split {
         }
     }
 
-    /// The split dimension (0 for Qkv), or `None` when replicated.
-    fn dim(&self) -> Option<usize> {
+    /// The split dimension (0 for Qkv and Parts), or `None` when replicated.
+    pub(crate) fn dim(&self) -> Option<usize> {
         match *self {
             Split::Replicated => None,
             Split::Dim(d) => Some(d),
-            Split::Qkv { .. } => Some(0),
+            Split::Parts(_) | Split::Qkv { .. } => Some(0),
         }
     }
 
@@ -355,6 +367,22 @@ mod tests {
         let parts: Vec<Vec<u8>> =
             (0..2).map(|rank| split.shard("qkv bias", &bias, &[rows], 4, TpRank { rank, size: 2 }).unwrap()).collect();
         assert_eq!(split.merge("qkv bias", &[&parts[0], &parts[1]], &[rows], 4).unwrap(), bias);
+    }
+
+    /// A gated fc1 `[a | b]` splits by halves: each rank holds its rows of `a` then of `b`, and
+    /// the slices merge back; parts that do not divide are refused.
+    #[test]
+    fn parts_split_each_part_and_merge_back() {
+        let (rows, cols) = (8, 3);
+        let w = f32_bytes(&(0..rows * cols).map(|i| (i / cols) as f32).collect::<Vec<_>>());
+        let split = Split::Parts(2);
+        let r1 = split.shard("fc1", &w, &[rows, cols], 4, TpRank { rank: 1, size: 2 }).unwrap();
+        let got: Vec<f32> = f32s(&r1).chunks(cols).map(|r| r[0]).collect();
+        assert_eq!(got, [2.0, 3.0, 6.0, 7.0], "rank 1: rows 2, 3 of a and 6, 7 of b");
+        let r0 = split.shard("fc1", &w, &[rows, cols], 4, TpRank { rank: 0, size: 2 }).unwrap();
+        assert_eq!(split.merge("fc1", &[&r0, &r1], &[rows, cols], 4).unwrap(), w);
+        let e = split.shard("fc1", &w, &[rows, cols], 4, TpRank { rank: 0, size: 3 }).unwrap_err();
+        assert!(e.to_string().contains("3 tensor-parallel ranks"), "{e}");
     }
 
     /// Names map to TE's parallel modes; optimizer states follow their parameter; biases of

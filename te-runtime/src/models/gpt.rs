@@ -18,8 +18,8 @@ use crate::fp8::{fp8_autocast, Recipe};
 use crate::graph::HostCopies;
 use crate::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
-    LinearConfig, LinearCtx, Module, MoeConfig, MoeMLPConfig, Norm, NormConfig, NormCtx, NormKind, TokenIds,
-    TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
+    LinearConfig, LinearCtx, Module, MoeConfig, MoeMLPConfig, Norm, NormConfig, NormCtx, NormKind, TensorParallel,
+    TokenIds, TpConfig, TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
 };
 use crate::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use crate::ops::elementwise::add;
@@ -313,6 +313,9 @@ pub struct Gpt {
     lm_head: Linear,
     #[module(skip)]
     cfg: GptConfig,
+    /// The layers' tensor parallelism (see [`Gpt::with_tensor_parallel`]).
+    #[module(skip)]
+    tp: Option<TpConfig>,
     #[module(skip)]
     dev: Arc<Device>,
 }
@@ -326,6 +329,26 @@ impl Gpt {
     /// errors of the parts (heads that do not divide the hidden size, a dropout outside
     /// `[0, 1]`, a non-high-precision dtype).
     pub fn new(dev: &Arc<Device>, cfg: GptConfig) -> Result<Self> {
+        Self::build(dev, cfg, None)
+    }
+
+    /// A model whose layers are tensor-parallel over `tp`'s group (Megatron-LM's GPT with TE's
+    /// layers, [`crate::modules::TransformerLayerConfig::tp`]): each rank holds its heads and
+    /// ffn features of every layer, initialized as the slices of [`Gpt::new`]'s weights. The
+    /// embeddings, the final norm and the LM head are replicated (the 256-byte vocabulary is not
+    /// worth splitting). Every rank of the group takes the same ids and targets and computes the
+    /// same loss. Under sequence parallelism each rank runs the layers and the final norm on
+    /// its `s / tp` positions (the embeddings' output is split along `s`, the final norm's
+    /// all-gathered for the LM head).
+    ///
+    /// # Errors
+    /// As [`Gpt::new`]; [`Error::Config`] for a group size that does not divide the heads or
+    /// the ffn size, or `moe` (MoE layers are not tensor-parallel yet).
+    pub fn with_tensor_parallel(dev: &Arc<Device>, cfg: GptConfig, tp: TpConfig) -> Result<Self> {
+        Self::build(dev, cfg, Some(tp))
+    }
+
+    fn build(dev: &Arc<Device>, cfg: GptConfig, tp: Option<TpConfig>) -> Result<Self> {
         cfg.check()?;
         let (h, dt, seed) = (cfg.hidden_size, cfg.params_dtype, cfg.seed);
         let embedding =
@@ -339,19 +362,44 @@ impl Gpt {
                 ..EmbeddingConfig::new(cfg.seq_length, h)
             },
         )?;
-        let layers =
-            (0..cfg.num_layers).map(|i| TransformerLayer::new(dev, cfg.layer_config(i))).collect::<Result<Vec<_>>>()?;
-        let final_norm = Norm::layer_norm(dev, NormConfig { params_dtype: dt, ..NormConfig::new(h) })?;
+        let layer = |i| TransformerLayer::new(dev, TransformerLayerConfig { tp: tp.clone(), ..cfg.layer_config(i) });
+        let layers = (0..cfg.num_layers).map(layer).collect::<Result<Vec<_>>>()?;
+        let mut final_norm = Norm::layer_norm(dev, NormConfig { params_dtype: dt, ..NormConfig::new(h) })?;
+        final_norm.set_sequence_parallel(tp.as_ref().and_then(TpConfig::sequence_group));
         let lm_head = Linear::new(
             dev,
             LinearConfig { bias: false, params_dtype: dt, seed: seed + 2, ..LinearConfig::new(h, cfg.vocab_size) },
         )?;
-        Ok(Self { embedding, position_embedding, layers, final_norm, lm_head, cfg, dev: dev.clone() })
+        Ok(Self { embedding, position_embedding, layers, final_norm, lm_head, cfg, tp, dev: dev.clone() })
     }
 
     /// The configuration.
     pub fn config(&self) -> &GptConfig {
         &self.cfg
+    }
+
+    /// The layers' tensor parallelism, `None` for a model on one GPU.
+    pub fn tensor_parallel(&self) -> Option<&TpConfig> {
+        self.tp.as_ref()
+    }
+
+    /// Under sequence parallelism, the group and this rank's part `[s·r/n, s·(r+1)/n)` of `s`
+    /// positions.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for `s` not a multiple of the group's size.
+    fn sequence_shard(&self, s: usize) -> Result<Option<(TensorParallel, std::ops::Range<usize>)>> {
+        let Some(tp) = self.tp.as_ref().filter(|tp| tp.sequence_parallel) else { return Ok(None) };
+        let (r, n) = (tp.group.rank(), tp.size());
+        if s % n != 0 {
+            return Err(Error::Shape {
+                op: MODEL,
+                message: format!(
+                    "sequence parallelism splits the sequence length {s} over {n} ranks: make it a multiple of {n}"
+                ),
+            });
+        }
+        Ok(Some((tp.column(), r * s / n..(r + 1) * s / n)))
     }
 
     /// Every kernel [`Gpt::forward_loss`] and [`Gpt::backward`] run for `target`, and the decode
@@ -442,6 +490,10 @@ impl Gpt {
         let (wpe, positions) = self.position_embedding.forward(&pos)?;
         let mut x = Tensor::empty(&self.dev, self.cfg.params_dtype, &[s, b, h])?;
         add(&self.dev, &tok, &wpe, &mut x)?;
+        let sequence = self.sequence_shard(s)?;
+        if let Some((_, part)) = &sequence {
+            x = x.narrow(&self.dev, part.clone())?;
+        }
         let mut layers = Vec::with_capacity(self.layers.len());
         let mut aux = match self.cfg.moe {
             Some(_) => Some(self.dev.stream().alloc_zeros::<f32>(self.layers.len())?),
@@ -458,7 +510,10 @@ impl Gpt {
             layers.push(c);
             x = y;
         }
-        let (y, final_norm) = self.final_norm.forward(&x)?;
+        let (mut y, final_norm) = self.final_norm.forward(&x)?;
+        if let Some((tp, _)) = &sequence {
+            y = tp.all_gather(&y)?;
+        }
         let opts = ForwardOptions { is_first_microbatch, fp8_output: false };
         let y = y.reshape(&[s * b, h])?;
         let lm_head = &mut self.lm_head;
@@ -506,11 +561,22 @@ impl Gpt {
     ) -> Result<()> {
         let d = self.lm_head.backward(ctx.lm_head, &ctx.dlogits)?;
         grads_ready(&mut self.lm_head)?;
-        let mut d = self.final_norm.backward(ctx.final_norm, &d.reshape(&ctx.shape)?)?;
+        let mut d = d.reshape(&ctx.shape)?;
+        // Sequence parallel: the LM head's input gradient is whole on every rank; this rank's
+        // positions go back through its shard of the layers, whose input gradients are
+        // all-gathered for the (replicated) embeddings.
+        let sequence = self.sequence_shard(ctx.shape[0])?;
+        if let Some((_, part)) = &sequence {
+            d = d.narrow(&self.dev, part.clone())?;
+        }
+        let mut d = self.final_norm.backward(ctx.final_norm, &d)?;
         grads_ready(&mut self.final_norm)?;
         for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
             d = layer.backward(c, &d)?;
             grads_ready(layer)?;
+        }
+        if let Some((tp, _)) = &sequence {
+            d = tp.all_gather(&d)?;
         }
         self.embedding.backward(ctx.tokens, &d)?;
         grads_ready(&mut self.embedding)?;

@@ -8,7 +8,9 @@ use super::linear::check_input;
 use super::linear::gemm_core::{LinearCore, LinearInput, Saved};
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{LinearParams, ParamsInit};
+use super::tensor_parallel::TensorParallel;
 use super::{next_module_id, BackwardOptions, ForwardOptions, Output, Stamp};
+use crate::dist::shard::{ParallelMode, Split};
 use crate::fp8::{fp8_mode, Fp8StateSlot, ScalingState};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
@@ -44,6 +46,13 @@ pub struct LayerNormLinearConfig {
     pub init_std: f32,
     /// Seed of the weight init.
     pub seed: u64,
+    /// Tensor parallelism (TE `parallel_mode="column"`, `tp_group`, `sequence_parallel`; see
+    /// [`TensorParallel`]): column-parallel only. `in_features`/`out_features` stay the whole
+    /// layer's; each rank holds its slice of the output features. The norm runs on the whole
+    /// input, or under sequence parallelism on this rank's token shard (its output is then
+    /// all-gathered in the activations' 16-bit dtype, and the norm's gradients are summed over
+    /// the group). Default `None`.
+    pub tp: Option<TensorParallel>,
 }
 
 impl LayerNormLinearConfig {
@@ -62,6 +71,7 @@ impl LayerNormLinearConfig {
             fuse_wgrad_accumulation: false,
             init_std: 0.023,
             seed: 0,
+            tp: None,
         }
     }
 }
@@ -71,7 +81,8 @@ impl LayerNormLinearConfig {
 pub struct LayerNormLinearOutput {
     /// `[..., out_features]` (FP8 with `fp8_output`).
     pub out: Output,
-    /// `[..., in_features]` in the input's dtype.
+    /// `[..., in_features]` in the input's dtype (the input's tokens: this rank's shard under
+    /// sequence parallelism).
     pub ln_out: Option<Tensor>,
 }
 
@@ -82,6 +93,8 @@ pub struct LayerNormLinearCtx {
     x: Tensor,
     stats: NormStats,
     saved: Saved,
+    /// The GEMM input's shape (the norm output's, all-gathered under sequence parallelism).
+    gemm_shape: Vec<usize>,
 }
 
 impl LayerNormLinearCtx {
@@ -108,26 +121,43 @@ impl LayerNormLinear {
     /// # Errors
     /// [`crate::Error::Config`] as for `Linear` and `LayerNorm`; allocation failures.
     pub fn new(dev: &Arc<Device>, cfg: LayerNormLinearConfig) -> Result<Self> {
+        Self::with_split(dev, cfg, None)
+    }
+
+    /// [`LayerNormLinear::new`] whose weight splits under tensor parallelism as `split` says (a
+    /// fused QKV projection by heads; see [`TensorParallel::params`]); `None`: by rows.
+    pub(crate) fn with_split(dev: &Arc<Device>, cfg: LayerNormLinearConfig, split: Option<Split>) -> Result<Self> {
         let norm_cfg = NormConfig {
             hidden_size: cfg.in_features,
             eps: cfg.eps,
             zero_centered_gamma: cfg.zero_centered_gamma,
             params_dtype: cfg.params_dtype,
         };
-        let norm = NormParams::new(dev, MODULE, cfg.normalization, norm_cfg)?;
-        let params = LinearParams::new(
-            dev,
-            MODULE,
-            ParamsInit {
-                in_features: cfg.in_features,
-                out_features: cfg.out_features,
-                bias: cfg.bias,
-                params_dtype: cfg.params_dtype,
-                fuse_wgrad_accumulation: cfg.fuse_wgrad_accumulation,
-                init_std: cfg.init_std,
-                seed: cfg.seed,
-            },
-        )?;
+        let mut norm = NormParams::new(dev, MODULE, cfg.normalization, norm_cfg)?;
+        let init = ParamsInit {
+            in_features: cfg.in_features,
+            out_features: cfg.out_features,
+            bias: cfg.bias,
+            params_dtype: cfg.params_dtype,
+            fuse_wgrad_accumulation: cfg.fuse_wgrad_accumulation,
+            init_std: cfg.init_std,
+            seed: cfg.seed,
+        };
+        let params = match &cfg.tp {
+            None => LinearParams::new(dev, MODULE, init)?,
+            Some(tp) if tp.mode == ParallelMode::Row => {
+                return Err(Error::Config {
+                    module: MODULE,
+                    message: "LayerNormLinear is column-parallel only: its norm needs the whole input features; \
+                              use a row-parallel Linear after a column-parallel layer"
+                        .into(),
+                })
+            }
+            Some(tp) => {
+                norm.set_sequence_group(tp.sequence_parallel.then(|| tp.group.clone()));
+                tp.params(dev, MODULE, init, split)?
+            }
+        };
         let core = LinearCore::new(params, MODULE, !cfg.return_bias, !cfg.return_bias);
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, norm, core })
     }
@@ -196,9 +226,9 @@ impl LayerNormLinear {
         x: &Tensor,
         opts: ForwardOptions,
     ) -> Result<(LayerNormLinearOutput, LayerNormLinearCtx)> {
-        let (out, stats, saved) = self.run(x, opts, true)?;
+        let (out, stats, saved, gemm_shape) = self.run(x, opts, true)?;
         let saved = saved.ok_or_else(|| Error::internal(MODULE, "a training forward saved nothing"))?;
-        Ok((out, LayerNormLinearCtx { stamp: self.stamp(), x: x.clone(), stats, saved }))
+        Ok((out, LayerNormLinearCtx { stamp: self.stamp(), x: x.clone(), stats, saved, gemm_shape }))
     }
 
     /// Forward for inference: no context, no transposes.
@@ -218,16 +248,25 @@ impl LayerNormLinear {
         Ok(self.run(x, opts, false)?.0)
     }
 
+    /// The forward: the outputs, the norm's statistics, what the GEMM saved (with `grad`) and
+    /// the GEMM input's shape.
     fn run(
         &mut self,
         x: &Tensor,
         opts: ForwardOptions,
         grad: bool,
-    ) -> Result<(LayerNormLinearOutput, NormStats, Option<Saved>)> {
+    ) -> Result<(LayerNormLinearOutput, NormStats, Option<Saved>, Vec<usize>)> {
         check_input(MODULE, x, self.cfg.in_features)?;
         let pass = self.core.pass(fp8_mode())?;
-        let (input, stats, ln_out) = match pass.fp8_input() {
-            Some(q) if !self.cfg.return_layernorm_output => {
+        let gather = self.cfg.tp.as_ref().filter(|tp| tp.gathers_input());
+        let (input, stats, ln_out) = match (pass.fp8_input(), gather) {
+            // Sequence parallel: the norm on this rank's tokens, all-gathered, then the GEMM.
+            (_, Some(tp)) => {
+                let (ln, stats) = self.norm.forward(x, x.dtype())?;
+                let whole = tp.all_gather(&ln)?;
+                (LinearInput::High(whole), stats, self.cfg.return_layernorm_output.then_some(ln))
+            }
+            (Some(q), None) if !self.cfg.return_layernorm_output => {
                 let (tokens, _) = x.as_2d(MODULE)?;
                 self.core.check_fp8_dims(tokens, grad)?;
                 let (ln8, stats) = self.norm.forward_fp8(x, q, grad)?;
@@ -239,8 +278,12 @@ impl LayerNormLinear {
                 (LinearInput::High(ln), stats, ret)
             }
         };
-        let (out, saved) = self.core.forward(input, x.shape(), x.dtype(), &pass, opts, grad)?;
-        Ok((LayerNormLinearOutput { out, ln_out }, stats, saved))
+        let gemm_shape = match &input {
+            LinearInput::High(t) => t.shape().to_vec(),
+            LinearInput::Fp8(_) => x.shape().to_vec(),
+        };
+        let (out, saved) = self.core.forward(input, &gemm_shape, x.dtype(), &pass, opts, grad)?;
+        Ok((LayerNormLinearOutput { out, ln_out }, stats, saved, gemm_shape))
     }
 
     /// Backward: `dx` for `grad_output`; the GEMM's and the norm's parameter gradients
@@ -268,8 +311,14 @@ impl LayerNormLinear {
         ctx.stamp.check(MODULE, self.stamp())?;
         let d_ln = self
             .core
-            .backward(ctx.saved, grad_output, ctx.x.shape(), true)?
+            .backward(ctx.saved, grad_output, &ctx.gemm_shape, true)?
             .ok_or_else(|| Error::internal(MODULE, "no dgrad with input_grad = true"))?;
+        // Each rank's dgrad is its output slice's part: summed over the ranks (reduce-scattered
+        // back to the token shards under sequence parallelism).
+        let d_ln = match &self.cfg.tp {
+            Some(tp) => tp.reduce(MODULE, d_ln)?,
+            None => d_ln,
+        };
         let dx = self.norm.backward_sum(d_ln, opts.grad_ln_out, &ctx.x, &ctx.stats)?;
         Ok(opts.input_grad.then_some(dx))
     }

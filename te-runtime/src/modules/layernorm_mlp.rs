@@ -14,7 +14,9 @@ use super::linear::check_input;
 use super::linear::gemm_core::{out_shape, DbiasBuffers, LinearCore, LinearInput, Saved};
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{convert, LinearParams, ParamsInit};
+use super::tensor_parallel::{TensorParallel, TpConfig};
 use super::{next_module_id, BackwardOptions, ForwardOptions, Output, Stamp};
+use crate::dist::shard::Split;
 use crate::fp8::quantizer::produce_fp8;
 use crate::fp8::{fp8_mode, Float8Tensor, Fp8StateSlot, Quantizer, ScalingState};
 use crate::ops::activation;
@@ -59,6 +61,12 @@ pub struct LayerNormMLPConfig {
     pub init_std: f32,
     /// Seed of the weight init (fc2 uses `seed + 1`).
     pub seed: u64,
+    /// Tensor parallelism (TE `tp_group`, `sequence_parallel`, `set_parallel_mode=True`; see
+    /// [`TpConfig`]): fc1 column-parallel (each rank its `ffn / tp` features; of a gated fc1, its
+    /// part of both halves), fc2 row-parallel, the ranks' partial outputs summed. Sizes stay the
+    /// whole block's. Under sequence parallelism the input and output are this rank's token shard
+    /// and the norm runs on it. Default `None`.
+    pub tp: Option<TpConfig>,
 }
 
 impl LayerNormMLPConfig {
@@ -78,6 +86,7 @@ impl LayerNormMLPConfig {
             fuse_wgrad_accumulation: false,
             init_std: 0.023,
             seed: 0,
+            tp: None,
         }
     }
 }
@@ -88,7 +97,8 @@ impl LayerNormMLPConfig {
 pub struct LayerNormMLPOutput {
     /// `[..., hidden]` (FP8 with `fp8_output`).
     pub out: Output,
-    /// `[..., hidden]` in the input's dtype.
+    /// `[..., hidden]` in the input's dtype (the input's tokens: this rank's shard under
+    /// sequence parallelism).
     pub ln_out: Option<Tensor>,
 }
 
@@ -104,6 +114,8 @@ pub struct LayerNormMLPCtx {
     fc2: Saved,
     /// With `recompute_activation` under FP8: how fc2's input was cast, to cast it again.
     act_quantizer: Option<Box<dyn Quantizer>>,
+    /// fc1's input shape (the norm output's, all-gathered under sequence parallelism).
+    gemm_shape: Vec<usize>,
 }
 
 impl LayerNormMLPCtx {
@@ -128,6 +140,10 @@ pub struct LayerNormMLP {
     norm: NormParams,
     fc1: LinearCore,
     fc2: LinearCore,
+    /// This rank's ffn features (`ffn_hidden_size / tp`).
+    ffn_local: usize,
+    /// fc1 column- and fc2 row-parallel (with `tp`).
+    tp: Option<[TensorParallel; 2]>,
 }
 
 impl LayerNormMLP {
@@ -143,7 +159,7 @@ impl LayerNormMLP {
             zero_centered_gamma: cfg.zero_centered_gamma,
             params_dtype: cfg.params_dtype,
         };
-        let norm = NormParams::new(dev, MODULE, cfg.normalization, norm_cfg)?;
+        let mut norm = NormParams::new(dev, MODULE, cfg.normalization, norm_cfg)?;
         let init = |in_features, out_features, seed| ParamsInit {
             in_features,
             out_features,
@@ -153,9 +169,26 @@ impl LayerNormMLP {
             init_std: cfg.init_std,
             seed,
         };
-        let fc1_out = if cfg.activation.is_gated() { 2 * f } else { f };
-        let fc1 = LinearParams::new(dev, MODULE, init(h, fc1_out, cfg.seed))?;
-        let mut fc2 = LinearCore::new(LinearParams::new(dev, MODULE, init(f, h, cfg.seed + 1))?, MODULE, true, true);
+        let gated = cfg.activation.is_gated();
+        let fc1_out = if gated { 2 * f } else { f };
+        let (fc1, fc2, ffn_local, tp) = match &cfg.tp {
+            None => {
+                let fc1 = LinearParams::new(dev, MODULE, init(h, fc1_out, cfg.seed))?;
+                (fc1, LinearParams::new(dev, MODULE, init(f, h, cfg.seed + 1))?, f, None)
+            }
+            Some(tp) => {
+                let ffn_local = tp.split(MODULE, "ffn_hidden_size", f)?;
+                let (column, row) = (tp.column(), tp.row());
+                let fc1_split = Split::Parts(fc1_out / f);
+                let fc1 = column.params(dev, MODULE, init(h, fc1_out, cfg.seed), Some(fc1_split))?;
+                let fc2 = row.params(dev, MODULE, init(f, h, cfg.seed + 1), None)?;
+                norm.set_sequence_group(tp.sequence_group());
+                (fc1, fc2, ffn_local, Some([column, row]))
+            }
+        };
+        // Of the row-parallel fc2's ranks, rank 0 adds the bias (the partial outputs are summed).
+        let fc2_bias = tp.as_ref().is_none_or(|[_, row]| row.adds_bias());
+        let mut fc2 = LinearCore::new(fc2, MODULE, fc2_bias, true);
         if cfg.recompute_activation {
             fc2.recompute_input();
         }
@@ -166,6 +199,8 @@ impl LayerNormMLP {
             norm,
             fc1: LinearCore::new(fc1, MODULE, true, true),
             fc2,
+            ffn_local,
+            tp,
         })
     }
 
@@ -274,18 +309,35 @@ impl LayerNormMLP {
         grad: bool,
     ) -> Result<(LayerNormMLPOutput, Option<LayerNormMLPCtx>)> {
         check_input(MODULE, x, self.cfg.hidden_size)?;
+        if opts.fp8_output && self.tp.is_some() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "fp8_output with tensor parallelism: fc2's partial outputs are summed in 16 bits; ask for \
+                          a 16-bit output"
+                    .into(),
+            });
+        }
         let mode = fp8_mode();
         let dt = x.dtype();
         let (pass1, pass2) = (self.fc1.pass(mode)?, self.fc2.pass(mode)?);
+        let gather = self.tp.as_ref().map(|[column, _]| column).filter(|c| c.gathers_input());
         if pass1.fp8_input().is_some() {
             let (tokens, _) = x.as_2d(MODULE)?;
+            let tokens = tokens * gather.map_or(1, |c| c.group.size());
             self.fc1.check_fp8_dims(tokens, grad)?;
             self.fc2.check_fp8_dims(tokens, grad)?;
         }
         // Norm → fc1 input (through fc1's input quantizer under FP8).
         let mut ln_out = None;
-        let (fc1_in, stats) = match pass1.fp8_input() {
-            Some(q) if !self.cfg.return_layernorm_output => {
+        let (fc1_in, stats) = match (pass1.fp8_input(), gather) {
+            // Sequence parallel: the norm on this rank's tokens, all-gathered, then fc1.
+            (_, Some(column)) => {
+                let (ln, stats) = self.norm.forward(x, dt)?;
+                let whole = column.all_gather(&ln)?;
+                ln_out = self.cfg.return_layernorm_output.then_some(ln);
+                (LinearInput::High(whole), stats)
+            }
+            (Some(q), None) if !self.cfg.return_layernorm_output => {
                 let (ln8, stats) = self.norm.forward_fp8(x, q, grad)?;
                 (LinearInput::Fp8(ln8), stats)
             }
@@ -295,13 +347,17 @@ impl LayerNormMLP {
                 (LinearInput::High(ln), stats)
             }
         };
+        let gemm_shape = match &fc1_in {
+            LinearInput::High(t) => t.shape().to_vec(),
+            LinearInput::Fp8(_) => x.shape().to_vec(),
+        };
         let fc1_opts = ForwardOptions { fp8_output: false, ..opts };
-        let (pre_act, fc1_saved) = self.fc1.forward(fc1_in, x.shape(), dt, &pass1, fc1_opts, grad)?;
+        let (pre_act, fc1_saved) = self.fc1.forward(fc1_in, &gemm_shape, dt, &pass1, fc1_opts, grad)?;
         let Output::High(pre_act) = pre_act else {
             return Err(Error::internal(MODULE, "fc1 gave an FP8 output without fp8_output"));
         };
         // Activation → fc2 input (through fc2's input quantizer under FP8).
-        let act_shape = out_shape(x.shape(), self.cfg.ffn_hidden_size);
+        let act_shape = out_shape(&gemm_shape, self.ffn_local);
         let recompute = self.cfg.recompute_activation && grad;
         let (dev, act) = (self.dev.clone(), self.cfg.activation);
         let mut act_quantizer = None;
@@ -322,10 +378,23 @@ impl LayerNormMLP {
             }
         };
         let (out, fc2_saved) = self.fc2.forward(fc2_in, &act_shape, dt, &pass2, opts, grad)?;
+        // The ranks' partial outputs summed (reduce-scattered to the token shards under sequence
+        // parallelism).
+        let out = match &self.tp {
+            Some([_, row]) => Output::High(row.reduce(MODULE, out.into_high(&dev, dt)?)?),
+            None => out,
+        };
         let ctx = match (fc1_saved, fc2_saved) {
-            (Some(fc1), Some(fc2)) => {
-                Some(LayerNormMLPCtx { stamp: self.stamp(), x: x.clone(), stats, fc1, pre_act, fc2, act_quantizer })
-            }
+            (Some(fc1), Some(fc2)) => Some(LayerNormMLPCtx {
+                stamp: self.stamp(),
+                x: x.clone(),
+                stats,
+                fc1,
+                pre_act,
+                fc2,
+                act_quantizer,
+                gemm_shape,
+            }),
             _ => None,
         };
         Ok((LayerNormMLPOutput { out, ln_out }, ctx))
@@ -354,7 +423,12 @@ impl LayerNormMLP {
         opts: BackwardOptions<'_>,
     ) -> Result<Option<Tensor>> {
         ctx.stamp.check(MODULE, self.stamp())?;
-        let act_shape = out_shape(ctx.x.shape(), self.cfg.ffn_hidden_size);
+        let act_shape = out_shape(&ctx.gemm_shape, self.ffn_local);
+        let dy = match &self.tp {
+            Some([_, row]) if row.gathers_grad_output() => row.all_gather(grad_output)?,
+            _ => grad_output.clone(),
+        };
+        let grad_output = &dy;
         let no_grad = |what: &str| Error::internal(MODULE, format!("no {what} dgrad with input_grad = true"));
         let mut fc2_saved = ctx.fc2;
         if let Saved::Fp8(s) = &mut fc2_saved {
@@ -372,16 +446,22 @@ impl LayerNormMLP {
             Saved::Fp8(s) if !act.is_gated() => {
                 let q = self.fc1.grad_quantizer(&s.grad)?;
                 let (d8, dbias) = self.dact_cast(act, &d_act, &ctx.pre_act, &*q)?;
-                self.fc1.backward_fp8(&d8, dbias, s, ctx.x.shape(), grad_output.dtype(), true)?
+                self.fc1.backward_fp8(&d8, dbias, s, &ctx.gemm_shape, grad_output.dtype(), true)?
             }
             saved => {
                 let mut d_pre = Tensor::empty(&self.dev, ctx.pre_act.dtype(), ctx.pre_act.shape())?;
                 let d_act = convert(&self.dev, d_act, ctx.pre_act.dtype())?;
                 activation::backward(&self.dev, act, &d_act, &ctx.pre_act, &mut d_pre, None)?;
-                self.fc1.backward(saved, &d_pre, ctx.x.shape(), true)?
+                self.fc1.backward(saved, &d_pre, &ctx.gemm_shape, true)?
             }
         }
         .ok_or_else(|| no_grad("fc1"))?;
+        // Each rank's fc1 dgrad is its ffn slice's part: summed over the ranks (reduce-scattered
+        // back to the token shards under sequence parallelism).
+        let d_ln = match &self.tp {
+            Some([column, _]) => column.reduce(MODULE, d_ln)?,
+            None => d_ln,
+        };
         let dx = self.norm.backward_sum(d_ln, opts.grad_ln_out, &ctx.x, &ctx.stats)?;
         Ok(opts.input_grad.then_some(dx))
     }
@@ -390,7 +470,7 @@ impl LayerNormMLP {
     /// forward's input quantizer, frozen (the same scale, or the same amax).
     fn recompute_act_t(&self, pre_act: &Tensor, q: &dyn Quantizer) -> Result<Float8Tensor> {
         let (dev, act) = (&self.dev, self.cfg.activation);
-        let shape = out_shape(pre_act.shape(), self.cfg.ffn_hidden_size);
+        let shape = out_shape(pre_act.shape(), self.ffn_local);
         let act8 = produce_fp8(q, dev, &shape, pre_act.dtype(), true, &mut |y, fp8| {
             activation::forward(dev, act, pre_act, None, y, fp8)
         })?;

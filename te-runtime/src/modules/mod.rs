@@ -40,7 +40,7 @@ pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNo
 pub use params::LinearParams;
 pub use te_codegen::spec::Activation;
 pub use te_codegen::KernelSpec;
-pub use tensor_parallel::TensorParallel;
+pub use tensor_parallel::{TensorParallel, TpConfig};
 pub use token_ids::TokenIds;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
 pub use visit::{

@@ -20,9 +20,11 @@ use super::inference::KvLayer;
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
 use super::linear::{Linear, LinearConfig, LinearCtx, LinearInput};
 use super::norm::NormKind;
+use super::tensor_parallel::TpConfig;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, ForwardOptions, LinearParams, NormParams, Output};
 use super::{KernelSpec, KernelTarget};
+use crate::dist::shard::Split;
 use crate::fp8::{fp8_mode, Fp8Mode};
 use crate::ops::decode_attention::{append_kv, decode, Strided};
 use crate::ops::rope::{self, RopeFormat};
@@ -71,6 +73,13 @@ pub struct MultiheadAttentionConfig {
     pub params_dtype: DType,
     /// Weight-init seed (the projections use `seed` and `seed + 1`).
     pub seed: u64,
+    /// Tensor parallelism (TE `tp_group`, `sequence_parallel`, `set_parallel_mode=True`; see
+    /// [`TpConfig`]): the QKV projection column-parallel with the heads split (each rank its
+    /// `h / tp` query heads and `g / tp` key/value groups), attention over the rank's heads, the
+    /// output projection row-parallel. Sizes stay the whole block's; `tp` must divide the heads
+    /// and the groups. Under sequence parallelism the hidden states in and out are this rank's
+    /// shard of the first dim (`[s / tp, b, hidden]` in sbhd). Default `None`.
+    pub tp: Option<TpConfig>,
 }
 
 impl MultiheadAttentionConfig {
@@ -93,6 +102,7 @@ impl MultiheadAttentionConfig {
             bias: true,
             params_dtype: DType::BF16,
             seed: 0,
+            tp: None,
         }
     }
 
@@ -101,8 +111,9 @@ impl MultiheadAttentionConfig {
     /// [`MultiheadAttentionConfig::kernel_specs`] lists their kernels by.
     ///
     /// # Errors
-    /// [`Error::Config`] when the heads do not divide the hidden size (without `kv_channels`) or
-    /// the groups do not divide the heads.
+    /// [`Error::Config`] when the heads do not divide the hidden size (without `kv_channels`),
+    /// the groups do not divide the heads, or the tensor-parallel size does not divide the heads
+    /// or the groups.
     pub(crate) fn parts(&self) -> Result<MultiheadAttentionParts> {
         let cfg = self;
         let config = |message: String| Error::Config { module: MODULE, message };
@@ -126,6 +137,11 @@ impl MultiheadAttentionConfig {
             return Err(config(format!("num_gqa_groups = {g} must divide num_attention_heads = {h}")));
         }
         let qkv_out = (h + 2 * g) * d;
+        // Under tensor parallelism each rank holds its heads of q, k and v.
+        let (h_local, g_local) = match &cfg.tp {
+            None => (h, g),
+            Some(tp) => (tp.split(MODULE, "num_attention_heads", h)?, tp.split(MODULE, "num_gqa_groups", g)?),
+        };
         let qkv = if cfg.input_layernorm {
             QkvProjConfig::Norm(LayerNormLinearConfig {
                 eps: cfg.layernorm_epsilon,
@@ -134,6 +150,7 @@ impl MultiheadAttentionConfig {
                 bias: cfg.bias,
                 params_dtype: cfg.params_dtype,
                 seed: cfg.seed,
+                tp: cfg.tp.as_ref().map(TpConfig::column),
                 ..LayerNormLinearConfig::new(cfg.hidden_size, qkv_out)
             })
         } else {
@@ -141,25 +158,28 @@ impl MultiheadAttentionConfig {
                 bias: cfg.bias,
                 params_dtype: cfg.params_dtype,
                 seed: cfg.seed,
+                tp: cfg.tp.as_ref().map(TpConfig::column),
                 ..LinearConfig::new(cfg.hidden_size, qkv_out)
             })
         };
         let attention = DotProductAttentionConfig {
-            num_gqa_groups: Some(g),
+            num_gqa_groups: Some(g_local),
             attention_dropout: cfg.attention_dropout,
             qkv_format: cfg.qkv_format,
             attn_mask_type: cfg.attn_mask_type,
             window_size: cfg.window_size,
             backend: cfg.attention_backend,
-            ..DotProductAttentionConfig::new(h, d)
+            ..DotProductAttentionConfig::new(h_local, d)
         };
         let proj = LinearConfig {
             bias: cfg.bias,
             params_dtype: cfg.params_dtype,
             seed: cfg.seed + 1,
+            tp: cfg.tp.as_ref().map(TpConfig::row),
             ..LinearConfig::new(h * d, cfg.hidden_size)
         };
-        Ok(MultiheadAttentionParts { qkv, attention, proj })
+        let qkv_split = Split::Qkv { heads: h, groups: g, head_dim: d };
+        Ok(MultiheadAttentionParts { qkv, qkv_split, attention, proj })
     }
 
     /// The RoPE kernels' layout of q and k: that of the hidden states.
@@ -176,6 +196,8 @@ impl MultiheadAttentionConfig {
 pub(crate) struct MultiheadAttentionParts {
     /// The QKV projection `hidden → (h + 2g)·d`.
     pub(crate) qkv: QkvProjConfig,
+    /// How its weight splits under tensor parallelism: by heads of q, k and v.
+    pub(crate) qkv_split: Split,
     /// The dot-product attention.
     pub(crate) attention: DotProductAttentionConfig,
     /// The output projection `h·d → hidden`.
@@ -254,9 +276,10 @@ impl MultiheadAttention {
     /// the groups do not divide the heads, and the errors of the projections and attention.
     pub fn new(dev: &Arc<Device>, cfg: MultiheadAttentionConfig) -> Result<Self> {
         let parts = cfg.parts()?;
+        let split = Some(parts.qkv_split);
         let qkv = match parts.qkv {
-            QkvProjConfig::Norm(c) => QkvProj::Norm(Box::new(LayerNormLinear::new(dev, c)?)),
-            QkvProjConfig::Plain(c) => QkvProj::Plain(Box::new(Linear::new(dev, c)?)),
+            QkvProjConfig::Norm(c) => QkvProj::Norm(Box::new(LayerNormLinear::with_split(dev, c, split)?)),
+            QkvProjConfig::Plain(c) => QkvProj::Plain(Box::new(Linear::with_split(dev, c, split)?)),
         };
         let attention = DotProductAttention::new(dev, parts.attention)?;
         let proj = Linear::new(dev, parts.proj)?;
@@ -320,6 +343,15 @@ impl MultiheadAttention {
         self.cfg.rope_format()
     }
 
+    /// The first dim of the attention's input: `x`'s, times the tensor-parallel size under
+    /// sequence parallelism (the QKV projection all-gathers the shards).
+    fn whole_first_dim(&self, a: usize) -> usize {
+        match &self.cfg.tp {
+            Some(tp) if tp.sequence_parallel => a * tp.size(),
+            _ => a,
+        }
+    }
+
     /// Self-attention of `x` with no padding and no rotary embedding.
     ///
     /// # Errors
@@ -351,6 +383,7 @@ impl MultiheadAttention {
                 (y.into_high(&self.dev, x.dtype())?, QkvCtx::Plain(c))
             }
         };
+        let a = self.whole_first_dim(a);
         let (y, proj, attn) = self.attend_project(&qkv, [a, b], &inputs, opts, true)?;
         let proj = proj.ok_or_else(|| Error::internal(MODULE, "a training forward of the projection saved nothing"))?;
         let y = y.into_high(&self.dev, x.dtype())?;
@@ -420,6 +453,7 @@ impl MultiheadAttention {
             QkvProj::Norm(m) => m.infer(x)?,
             QkvProj::Plain(m) => m.infer(x)?,
         };
+        let a = self.whole_first_dim(a);
         let (y, _, _) = self.attend_project(&qkv, [a, b], &inputs, ForwardOptions::default(), false)?;
         y.into_high(&self.dev, x.dtype())
     }
@@ -433,7 +467,7 @@ impl MultiheadAttention {
     ///
     /// # Errors
     /// [`Error::Config`] for a module the cache does not serve (bshd hidden states, a mask other
-    /// than causal or a sliding window, a separate `head_dim_v`); [`Error::Shape`] for `x` not `[s,
+    /// than causal or a sliding window, a separate `head_dim_v`, tensor parallelism); [`Error::Shape`] for `x` not `[s,
     /// b, hidden]` with `s` the step's tokens and `b` the cache's batch, or `s > 1` after the
     /// prompt (chunked prefill is not supported); the errors of the parts.
     pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
@@ -444,6 +478,14 @@ impl MultiheadAttention {
                 module: MODULE,
                 message: "a KV cache serves sbhd hidden states with a causal mask, no sliding window and one head \
                           dim for q, k and v"
+                    .into(),
+            });
+        }
+        if self.cfg.tp.is_some() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "generation with a KV cache under tensor parallelism is not supported yet: make the \
+                          model for generation without tp"
                     .into(),
             });
         }

@@ -3,6 +3,7 @@
 
 use super::params::accumulate;
 use super::{next_module_id, Stamp};
+use crate::dist::{ProcessGroup, ReduceOp};
 use crate::fp8::quantizer::produce_fp8;
 use crate::fp8::{Float8Tensor, Quantizer};
 use crate::ops;
@@ -60,6 +61,9 @@ pub struct NormParams {
     dgamma: Option<Tensor>,
     dbeta: Option<Tensor>,
     version: u64,
+    /// Sequence parallelism: the group over whose ranks the tokens are split; the gradients of
+    /// gamma and beta are summed over it (Megatron-LM's all-reduce of the norms' gradients).
+    sequence_group: Option<Arc<ProcessGroup>>,
 }
 
 impl NormParams {
@@ -81,7 +85,25 @@ impl NormParams {
             NormKind::LayerNorm => Some(Tensor::zeros(dev, cfg.params_dtype, &[h])?),
             NormKind::RmsNorm => None,
         };
-        Ok(Self { dev: dev.clone(), module, kind, cfg, gamma, beta, dgamma: None, dbeta: None, version: 0 })
+        Ok(Self {
+            dev: dev.clone(),
+            module,
+            kind,
+            cfg,
+            gamma,
+            beta,
+            dgamma: None,
+            dbeta: None,
+            version: 0,
+            sequence_group: None,
+        })
+    }
+
+    /// Runs on token shards split over `group` (sequence parallelism): each backward sums the
+    /// gamma and beta gradients over the group before they accumulate, so every rank holds the
+    /// whole batch's. `None`: the tokens are whole.
+    pub(crate) fn set_sequence_group(&mut self, group: Option<Arc<ProcessGroup>>) {
+        self.sequence_group = group;
     }
 
     /// LayerNorm or RMSNorm.
@@ -251,6 +273,13 @@ impl NormParams {
             zero_centered_gamma: self.cfg.zero_centered_gamma,
         };
         norm_bwd(&self.dev, &args, NormBwdOut { dx: &mut dx, dgamma: &mut dgamma, dbeta: dbeta.as_mut() })?;
+        if let Some(group) = &self.sequence_group {
+            group.all_reduce(&mut dgamma, ReduceOp::Sum)?;
+            if let Some(db) = dbeta.as_mut() {
+                group.all_reduce(db, ReduceOp::Sum)?;
+            }
+            group.wait()?;
+        }
         accumulate(&self.dev, &mut self.dgamma, dgamma)?;
         if let Some(db) = dbeta {
             accumulate(&self.dev, &mut self.dbeta, db)?;
@@ -295,6 +324,14 @@ impl Norm {
             NormKind::RmsNorm => "RMSNorm",
         };
         Ok(Self { id: next_module_id(), params: NormParams::new(dev, module, kind, cfg)? })
+    }
+
+    /// Sequence parallelism (TE `LayerNorm(..., sequence_parallel=True)` in a tensor-parallel
+    /// model): the norm runs on this rank's token shard of `group`'s ranks, and its backward
+    /// sums the gamma and beta gradients over the group (each rank's shard gives part of
+    /// them). `None` (the default): the tokens are whole.
+    pub fn set_sequence_parallel(&mut self, group: Option<Arc<ProcessGroup>>) {
+        self.params.set_sequence_group(group);
     }
 
     /// TE `LayerNorm(hidden_size, eps, zero_centered_gamma)`.

@@ -40,6 +40,8 @@ pub struct LinearParams {
     version: u64,
     /// FP8 weight cached by `is_first_microbatch = Some(true)`, with the version it was cast at.
     cache: Option<(Float8Tensor, u64)>,
+    /// Whether the weight and the bias are tensor-parallel slices.
+    tensor_parallel: [bool; 2],
 }
 
 /// Arguments of [`LinearParams::new`].
@@ -97,6 +99,7 @@ impl LinearParams {
             main_grad: None,
             version: 0,
             cache: None,
+            tensor_parallel: [false; 2],
         })
     }
 
@@ -158,6 +161,17 @@ impl LinearParams {
         self.weight = Weight::High(w);
         self.touch();
         Ok(())
+    }
+
+    /// Whether the weight and the bias are slices of a tensor-parallel layer (the weight always;
+    /// the bias of a column-parallel one), rather than whole on every rank.
+    pub fn tensor_parallel(&self) -> [bool; 2] {
+        self.tensor_parallel
+    }
+
+    /// Marks the weight and the bias as tensor-parallel slices or not.
+    pub(crate) fn set_tensor_parallel(&mut self, split: [bool; 2]) {
+        self.tensor_parallel = split;
     }
 
     /// Replaces the bias.

@@ -17,9 +17,11 @@
 //! rank's own amaxes unless the autocast scope reduces them (`Fp8Autocast::fp8_group`: pass the
 //! group of all ranks, as TE's default `fp8_group` is).
 
-use crate::dist::shard::{ParallelMode, TpRank};
+use super::params::{LinearParams, ParamsInit};
+use crate::dist::shard::{ParallelMode, Split, TpRank};
 use crate::dist::{ProcessGroup, ReduceOp};
-use crate::{Error, Result, Tensor};
+use crate::fp8::is_fp8_model_init;
+use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
 
 /// How a GEMM module splits over a tensor-parallel group (TE's `parallel_mode`, `tp_group`,
@@ -34,6 +36,71 @@ pub struct TensorParallel {
     /// ranks along the first (token or sequence) dim (TE `sequence_parallel`, Megatron-LM's
     /// sequence parallelism); the norms and dropout between them then run on the shards.
     pub sequence_parallel: bool,
+}
+
+/// The tensor-parallel group of a block whose GEMMs' modes are fixed by the block (TE's
+/// `tp_group`, `sequence_parallel` with `set_parallel_mode = True`): `LayerNormMLP` (fc1
+/// column, fc2 row), `MultiheadAttention` (QKV column with the heads split, projection row),
+/// `TransformerLayer` (both). Under sequence parallelism the block's input and output are the
+/// rank's token shard `[tokens / tp, hidden]` (sbhd: `[s / tp, b, hidden]`), its norms run on
+/// the shard and their parameter gradients are summed over the group.
+#[derive(Debug, Clone)]
+pub struct TpConfig {
+    /// The tensor-parallel group (TE `tp_group`).
+    pub group: Arc<ProcessGroup>,
+    /// TE `sequence_parallel`.
+    pub sequence_parallel: bool,
+}
+
+impl TpConfig {
+    /// Tensor parallelism over `group`, without sequence parallelism.
+    pub fn new(group: Arc<ProcessGroup>) -> Self {
+        Self { group, sequence_parallel: false }
+    }
+
+    /// This with sequence parallelism on or off.
+    pub fn with_sequence_parallel(self, sequence_parallel: bool) -> Self {
+        Self { sequence_parallel, ..self }
+    }
+
+    /// TE's `tp_size`.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// The column-parallel split over this group.
+    pub fn column(&self) -> TensorParallel {
+        TensorParallel::column(self.group.clone()).with_sequence_parallel(self.sequence_parallel)
+    }
+
+    /// The row-parallel split over this group.
+    pub fn row(&self) -> TensorParallel {
+        TensorParallel::row(self.group.clone()).with_sequence_parallel(self.sequence_parallel)
+    }
+
+    /// The group whose ranks hold token shards (with sequence parallelism): norms sum their
+    /// parameter gradients over it.
+    pub(crate) fn sequence_group(&self) -> Option<Arc<ProcessGroup>> {
+        self.sequence_parallel.then(|| self.group.clone())
+    }
+
+    /// `count` (heads, features) split over the group: `count / tp_size`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `what` when it does not divide.
+    pub(crate) fn split(&self, module: &'static str, what: &str, count: usize) -> Result<usize> {
+        let n = self.size();
+        if count % n != 0 {
+            return Err(Error::Config {
+                module,
+                message: format!(
+                    "{what} = {count} does not split over {n} tensor-parallel ranks: choose a tensor-parallel size \
+                     that divides it"
+                ),
+            });
+        }
+        Ok(count / n)
+    }
 }
 
 impl TensorParallel {
@@ -83,21 +150,54 @@ impl TensorParallel {
         })
     }
 
-    /// This rank's slice of a whole `[n_out, n_in]` weight (row-major host values): rows
-    /// (column-parallel) or columns (row-parallel). Every rank initializes the whole weight from
-    /// the same seed and keeps its slice, so a layer's weights do not depend on the group's size.
-    pub(crate) fn slice_weight(&self, whole: &[f32], n_in: usize, n_out: usize) -> Vec<f32> {
-        let TpRank { rank, size } = self.tp_rank();
+    /// How this mode splits a `[out, in]` weight: along dim 0 (column) or 1 (row).
+    pub(crate) fn weight_split(&self) -> Split {
         match self.mode {
-            ParallelMode::Column => {
-                let rows = n_out / size;
-                whole[rank * rows * n_in..(rank + 1) * rows * n_in].to_vec()
-            }
-            ParallelMode::Row => {
-                let cols = n_in / size;
-                (0..n_out).flat_map(|o| whole[o * n_in + rank * cols..o * n_in + (rank + 1) * cols].to_vec()).collect()
-            }
+            ParallelMode::Column => Split::Dim(0),
+            ParallelMode::Row => Split::Dim(1),
         }
+    }
+
+    /// This rank's parameters of a layer whose whole sizes are `init`'s: the whole layer's
+    /// weight initialized from `init.seed` and sliced as `split` says ([`Split`], the layout
+    /// checkpoints are split and merged by: a fused QKV projection by heads, a gated fc1 by
+    /// halves; `None`: [`TensorParallel::weight_split`]), so the weights do not depend on the
+    /// group's size; the bias (0) of the slice's size.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a group on another GPU than `dev`, a split dimension that does not
+    /// divide by the group's size, or `fp8_model_init` (FP8-only weights are not sliced yet);
+    /// [`Error::Dist`] for a `split` that does not divide; the errors of [`LinearParams::new`].
+    pub(crate) fn params(
+        &self,
+        dev: &Arc<Device>,
+        module: &'static str,
+        init: ParamsInit,
+        split: Option<Split>,
+    ) -> Result<LinearParams> {
+        let config = |message: &str| Err(Error::Config { module, message: message.into() });
+        if !Arc::ptr_eq(self.group.device(), dev) {
+            return config(
+                "the tensor-parallel group runs on another GPU than the layer: make the group on this layer's device",
+            );
+        }
+        if is_fp8_model_init() {
+            return config(
+                "fp8_model_init with tensor parallelism is not supported yet: make the layer outside fp8_model_init",
+            );
+        }
+        let (w_in, w_out) = (init.in_features, init.out_features);
+        let (n_in, n_out) = self.local_features(module, w_in, w_out)?;
+        let mut params = LinearParams::new(dev, module, ParamsInit { in_features: n_in, out_features: n_out, ..init })?;
+        let whole: Vec<u8> =
+            super::init::normal(w_in * w_out, init.init_std, init.seed).iter().flat_map(|v| v.to_le_bytes()).collect();
+        let split = split.unwrap_or_else(|| self.weight_split());
+        let slice = split.shard(module, &whole, &[w_out, w_in], 4, self.tp_rank())?;
+        let slice: Vec<f32> = slice.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        params.set_weight(Tensor::from_f32(dev, init.params_dtype, &[n_out, n_in], &slice)?)?;
+        // A row-parallel bias is whole on every rank.
+        params.set_tensor_parallel([true, self.mode == ParallelMode::Column]);
+        Ok(params)
     }
 
     /// Whether this rank's GEMM adds the bias in forward: column-parallel ranks add their slice;

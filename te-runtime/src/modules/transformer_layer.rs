@@ -14,6 +14,7 @@ use super::multihead_attention::{
     AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
 };
 use super::norm::{Norm, NormConfig, NormCtx, NormKind};
+use super::tensor_parallel::TpConfig;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, Activation, BackwardOptions, ForwardOptions, KernelSpec, KernelTarget};
 use crate::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
@@ -74,6 +75,13 @@ pub struct TransformerLayerConfig {
     /// `LayerNormMLP`. Default `None`. Pre-LN only (not with
     /// `apply_residual_connection_post_layernorm`).
     pub moe: Option<MoeConfig>,
+    /// Tensor parallelism (TE `tp_group`, `sequence_parallel`, `set_parallel_mode=True`; see
+    /// [`TpConfig`]): the attention's heads and the MLP's ffn features split over the group
+    /// (Megatron-LM's layout, [`MultiheadAttentionConfig::tp`], [`LayerNormMLPConfig::tp`]).
+    /// Under sequence parallelism the layer's input and output are this rank's shard of the
+    /// first dim (`[s / tp, b, hidden]` in sbhd); the residuals, dropout and norms run on it
+    /// (each rank's dropout masks its own tokens). Dense MLPs only. Default `None`.
+    pub tp: Option<TpConfig>,
 }
 
 impl TransformerLayerConfig {
@@ -100,6 +108,7 @@ impl TransformerLayerConfig {
             params_dtype: DType::BF16,
             seed: 0,
             moe: None,
+            tp: None,
         }
     }
 
@@ -122,6 +131,7 @@ impl TransformerLayerConfig {
             bias: cfg.bias,
             params_dtype: cfg.params_dtype,
             seed: cfg.seed,
+            tp: cfg.tp.clone(),
             ..MultiheadAttentionConfig::new(cfg.hidden_size, cfg.num_attention_heads)
         };
         let dense = LayerNormMLPConfig {
@@ -133,6 +143,7 @@ impl TransformerLayerConfig {
             return_layernorm_output: cfg.apply_residual_connection_post_layernorm,
             params_dtype: cfg.params_dtype,
             seed: cfg.seed + 2,
+            tp: cfg.tp.clone(),
             ..LayerNormMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size)
         };
         let mlp = match cfg.moe {
@@ -257,8 +268,8 @@ impl TransformerLayer {
     ///
     /// # Errors
     /// [`Error::Config`] for heads that do not divide the hidden size, a dropout outside `[0, 1]`,
-    /// `apply_residual_connection_post_layernorm` without `output_layernorm` or with `moe`; the
-    /// errors of the parts.
+    /// `apply_residual_connection_post_layernorm` without `output_layernorm` or with `moe`, `moe`
+    /// with `tp`; the errors of the parts.
     pub fn new(dev: &Arc<Device>, cfg: TransformerLayerConfig) -> Result<Self> {
         let config = |message: String| Error::Config { module: MODULE, message };
         if !(0.0..=1.0).contains(&cfg.hidden_dropout) {
@@ -278,13 +289,21 @@ impl TransformerLayer {
                     .into(),
             ));
         }
+        if cfg.moe.is_some() && cfg.tp.is_some() {
+            return Err(config(
+                "a MoE MLP under tensor parallelism is not supported yet: leave tp unset for MoE layers".into(),
+            ));
+        }
         let parts = cfg.parts();
         let attention = MultiheadAttention::new(dev, parts.attention)?;
         let mlp = match parts.mlp {
             MlpConfig::Dense(c) => Mlp::Dense(Box::new(LayerNormMLP::new(dev, c)?)),
             MlpConfig::Moe(c) => Mlp::Moe(Box::new(MoeMLP::new(dev, c)?)),
         };
-        let out_norm = parts.output_norm.map(|(kind, c)| Norm::new(dev, kind, c)).transpose()?;
+        let mut out_norm = parts.output_norm.map(|(kind, c)| Norm::new(dev, kind, c)).transpose()?;
+        if let (Some(norm), Some(tp)) = (out_norm.as_mut(), &cfg.tp) {
+            norm.set_sequence_parallel(tp.sequence_group());
+        }
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0, training: true })
     }
 
@@ -377,7 +396,10 @@ impl TransformerLayer {
     fn residual_dropout(&mut self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, CudaSlice<u8>)> {
         let p = self.hidden_dropout();
         self.calls += u64::from(p > 0.0);
-        let params = DropoutParams { p, seed: self.cfg.seed, offset: self.calls };
+        // Under sequence parallelism each rank's masks are its own (its tokens differ).
+        let rank = self.cfg.tp.as_ref().filter(|tp| tp.sequence_parallel).map_or(0, |tp| tp.group.rank());
+        let seed = self.cfg.seed.wrapping_add((rank as u64) << 32);
+        let params = DropoutParams { p, seed, offset: self.calls };
         let mut out = Tensor::empty(&self.dev, residual.dtype(), residual.shape())?;
         // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
         let mut mask = unsafe { self.dev.stream().alloc::<u8>(mask_bytes(x.numel()).max(1)) }?;

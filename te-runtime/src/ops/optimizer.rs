@@ -35,6 +35,11 @@ pub struct AdamWTensor<'a> {
     pub weight_decay: f32,
     /// This tensor's step number, 1 for its first update (bias correction).
     pub step: u64,
+    /// Its gradient counts in the global norm. `false` for a copy another rank counts: a
+    /// parameter replicated over a tensor-parallel group counts on its rank 0 only, so the sum
+    /// of the ranks' partial norms is the model's (Megatron-LM's
+    /// `param_is_not_tensor_parallel_duplicate`).
+    pub in_norm: bool,
 }
 
 /// The hyper-parameters shared by every tensor of a step.
@@ -70,10 +75,10 @@ struct ChunkEntry {
     decay: f32,
     step_size: f32,
     bc2_sqrt: f32,
-    pad: u32,
+    norm_weight: f32,
 }
 
-// SAFETY: plain `repr(C)` data without implicit padding (5 × u64 + 2 × u32 + 3 × f32 + u32 =
+// SAFETY: plain `repr(C)` data without implicit padding (5 × u64 + 2 × u32 + 4 × f32 =
 // 64 bytes, the layout `static_assert`ed by the kernels); any bit pattern is valid.
 unsafe impl DeviceRepr for ChunkEntry {}
 
@@ -116,6 +121,23 @@ pub fn adamw_step(
     tensors: &mut [AdamWTensor<'_>],
     args: &AdamWArgs,
     norm_out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    adamw_step_reduced(dev, tensors, args, norm_out, &mut |_| Ok(()))
+}
+
+/// [`adamw_step`] whose per-chunk partial sums of squares go through `reduce` (issued on the
+/// device's stream between the norm and the finalize launches) before they are summed: a
+/// tensor-parallel run all-reduces them over its group, so every rank clips by the norm of the
+/// whole model (each rank's tensors must then make the same chunks: the same shapes).
+///
+/// # Errors
+/// As [`adamw_step`]; `reduce`'s.
+pub fn adamw_step_reduced(
+    dev: &Device,
+    tensors: &mut [AdamWTensor<'_>],
+    args: &AdamWArgs,
+    norm_out: &mut CudaSlice<f32>,
+    reduce: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
 ) -> Result<()> {
     if tensors.is_empty() {
         return Err(Error::Shape { op: OP, message: "no tensors to update; pass at least one".into() });
@@ -178,7 +200,7 @@ pub fn adamw_step(
                 decay: s.decay,
                 step_size: s.step_size,
                 bc2_sqrt: s.bc2_sqrt,
-                pad: 0,
+                norm_weight: if t.in_norm { 1.0 } else { 0.0 },
             }
         }));
     }
@@ -208,6 +230,7 @@ pub fn adamw_step(
     // entry per block, each pointing at `n` elements of its grad type inside a tensor checked
     // above and borrowed for this call; `partials` holds one float per block.
     unsafe { b.launch(launch_1d(entries.len(), norm_spec.threads, 0)) }?;
+    reduce(&mut partials)?;
 
     let finalize = dev.function(&KernelSpec::Optimizer(norm_spec), 1)?;
     let n_partials = entries.len() as u64;

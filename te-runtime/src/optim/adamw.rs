@@ -2,9 +2,10 @@
 //! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
 
 use super::LrSchedule;
+use crate::dist::{ProcessGroup, ReduceOp};
 use crate::graph::HostCopies;
 use crate::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
-use crate::ops::optimizer::{adamw_step, AdamWArgs, AdamWTensor};
+use crate::ops::optimizer::{adamw_step_reduced, AdamWArgs, AdamWTensor};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
@@ -114,6 +115,9 @@ pub struct ParamState {
     pub exp_avg: CudaSlice<f32>,
     /// f32 second moment.
     pub exp_avg_sq: CudaSlice<f32>,
+    /// A tensor-parallel slice ([`Param::tensor_parallel`]): it counts in the gradient norm on
+    /// every rank of the group; a replicated parameter on the group's rank 0 only.
+    pub tensor_parallel: bool,
 }
 
 /// AdamW with FP32 master weights for a [`Module`]'s parameters: global-norm clipping, then one
@@ -154,6 +158,9 @@ pub struct AdamW {
     pub(super) params: Vec<ParamState>,
     /// `[grad_norm, clip_coef]` of the last step, on the device.
     norm_out: CudaSlice<f32>,
+    /// The tensor-parallel group the model's layers split over: the gradient norm sums every
+    /// rank's part ([`AdamW::with_tensor_parallel`]).
+    tensor_parallel: Option<Arc<ProcessGroup>>,
 }
 
 impl AdamW {
@@ -187,13 +194,23 @@ impl AdamW {
                 master,
                 exp_avg: stream.alloc_zeros(p.numel())?,
                 exp_avg_sq: stream.alloc_zeros(p.numel())?,
+                tensor_parallel: p.tensor_parallel(),
             });
             Ok(())
         })?;
         if params.is_empty() {
             return Err(Error::Config { module: MODULE, message: "the model has no parameters to optimize".into() });
         }
-        Ok(Self { dev: dev.clone(), config, step: 0, params, norm_out: stream.alloc_zeros(2)? })
+        Ok(Self { dev: dev.clone(), config, step: 0, params, norm_out: stream.alloc_zeros(2)?, tensor_parallel: None })
+    }
+
+    /// This optimizer for one rank of a model whose layers split over `group` (tensor
+    /// parallelism, [`crate::modules::TpConfig`]): the clipping norm is the whole model's, the
+    /// same on every rank (each rank's slices, and the replicated parameters once: Megatron-LM's
+    /// `clip_grad_norm` over the model-parallel group), so the replicated parameters stay
+    /// equal. Every rank of the group steps together.
+    pub fn with_tensor_parallel(self, group: Arc<ProcessGroup>) -> Self {
+        Self { tensor_parallel: Some(group), ..self }
     }
 
     /// The settings.
@@ -245,6 +262,7 @@ impl AdamW {
             });
         }
         let (weight_decay, decay_all) = (self.config.weight_decay, self.config.decay_biases_and_norms);
+        let counts_copies = self.tensor_parallel.as_ref().is_none_or(|g| g.rank() == 0);
         let mut tensors = Vec::with_capacity(updated);
         for ((s, g), p) in self.params.iter_mut().zip(&grads).zip(&mut new_params) {
             if let (Some(grad), Some(param)) = (g, p.as_mut()) {
@@ -257,6 +275,7 @@ impl AdamW {
                     exp_avg_sq: &mut s.exp_avg_sq,
                     weight_decay: if decays { weight_decay } else { 0.0 },
                     step: s.step + 1,
+                    in_norm: s.tensor_parallel || counts_copies,
                 });
             }
         }
@@ -264,7 +283,14 @@ impl AdamW {
         let max_grad_norm = self.config.max_grad_norm.unwrap_or(f32::INFINITY);
         let skip_nonfinite = self.config.skip_nonfinite;
         let args = AdamWArgs { lr, beta1, beta2, eps: self.config.eps, max_grad_norm, skip_nonfinite };
-        adamw_step(&dev, &mut tensors, &args, &mut self.norm_out)?;
+        let group = self.tensor_parallel.clone();
+        adamw_step_reduced(&dev, &mut tensors, &args, &mut self.norm_out, &mut |partials| match &group {
+            Some(g) => {
+                g.all_reduce(partials, ReduceOp::Sum)?;
+                g.wait()
+            }
+            None => Ok(()),
+        })?;
         drop(tensors);
         self.write_back(model, new_params)?;
         let out = dev.stream().dtoh(&self.norm_out)?;

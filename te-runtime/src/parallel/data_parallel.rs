@@ -138,10 +138,16 @@ impl DataParallel {
     /// # Errors
     /// NCCL, allocation and copy errors.
     pub fn mean(&self, value: f32) -> Result<f32> {
-        let stream = self.group.device().stream();
-        let mut buf = stream.clone_htod(&[value])?;
-        self.group.all_reduce(&mut buf, ReduceOp::Avg)?;
-        let host = stream.clone_dtoh(&buf)?;
-        host.first().copied().ok_or_else(|| Error::internal(MODULE, "an all-reduce of one value returned none"))
+        mean(&self.group, value)
     }
+}
+
+/// The mean of each rank's host `value` over `group` (one f32 all-reduced on the device's
+/// stream, copied back).
+pub(super) fn mean(group: &ProcessGroup, value: f32) -> Result<f32> {
+    let stream = group.device().stream();
+    let mut buf = stream.clone_htod(&[value])?;
+    group.all_reduce(&mut buf, ReduceOp::Avg)?;
+    let host = stream.clone_dtoh(&buf)?;
+    host.first().copied().ok_or_else(|| Error::internal(MODULE, "an all-reduce of one value returned none"))
 }

@@ -25,8 +25,8 @@ use self::gemm_core::{LinearCore, Saved};
 use super::params::{LinearParams, ParamsInit};
 use super::tensor_parallel::TensorParallel;
 use super::{next_module_id, Output, Stamp};
-use crate::dist::shard::ParallelMode;
-use crate::fp8::{fp8_mode, is_fp8_model_init, Fp8StateSlot, Quantizer, ScalingState};
+use crate::dist::shard::{ParallelMode, Split};
+use crate::fp8::{fp8_mode, Fp8StateSlot, Quantizer, ScalingState};
 use crate::{ops, Device, Error, Result, Tensor};
 use std::sync::Arc;
 use te_codegen::DType;
@@ -170,48 +170,25 @@ impl Linear {
     /// dimension that does not divide by the group's size, a group on another GPU, or
     /// `fp8_model_init` (not supported with tensor parallelism yet); allocation failures.
     pub fn new(dev: &Arc<Device>, cfg: LinearConfig) -> Result<Self> {
-        let (n_in, n_out) = match &cfg.tp {
-            None => (cfg.in_features, cfg.out_features),
-            Some(tp) => {
-                if !Arc::ptr_eq(tp.group.device(), dev) {
-                    return Err(Error::Config {
-                        module: MODULE,
-                        message: "the tensor-parallel group (tp.group) runs on another GPU than the layer: make the \
-                                  group on this layer's device"
-                            .into(),
-                    });
-                }
-                if is_fp8_model_init() {
-                    return Err(Error::Config {
-                        module: MODULE,
-                        message: "fp8_model_init with tensor parallelism is not supported yet: make the layer \
-                                  outside fp8_model_init"
-                            .into(),
-                    });
-                }
-                tp.local_features(MODULE, cfg.in_features, cfg.out_features)?
-            }
+        Self::with_split(dev, cfg, None)
+    }
+
+    /// [`Linear::new`] whose weight splits under tensor parallelism as `split` says (see
+    /// [`TensorParallel::params`]; a fused QKV projection by heads); `None`: the mode's dim.
+    pub(crate) fn with_split(dev: &Arc<Device>, cfg: LinearConfig, split: Option<Split>) -> Result<Self> {
+        let init = ParamsInit {
+            in_features: cfg.in_features,
+            out_features: cfg.out_features,
+            bias: cfg.bias,
+            params_dtype: cfg.params_dtype,
+            fuse_wgrad_accumulation: cfg.fuse_wgrad_accumulation,
+            init_std: cfg.init_std,
+            seed: cfg.seed,
         };
-        let mut params = LinearParams::new(
-            dev,
-            MODULE,
-            ParamsInit {
-                in_features: n_in,
-                out_features: n_out,
-                bias: cfg.bias,
-                params_dtype: cfg.params_dtype,
-                fuse_wgrad_accumulation: cfg.fuse_wgrad_accumulation,
-                init_std: cfg.init_std,
-                seed: cfg.seed,
-            },
-        )?;
-        if let Some(tp) = &cfg.tp {
-            // The whole layer's init, sliced: the weights do not depend on the group's size.
-            let (w_in, w_out) = (cfg.in_features, cfg.out_features);
-            let whole = super::init::normal(w_in * w_out, cfg.init_std, cfg.seed);
-            let slice = tp.slice_weight(&whole, w_in, w_out);
-            params.set_weight(Tensor::from_f32(dev, cfg.params_dtype, &[n_out, n_in], &slice)?)?;
-        }
+        let params = match &cfg.tp {
+            None => LinearParams::new(dev, MODULE, init)?,
+            Some(tp) => tp.params(dev, MODULE, init, split)?,
+        };
         let bias_fwd = !cfg.return_bias && cfg.tp.as_ref().is_none_or(TensorParallel::adds_bias);
         let core = LinearCore::new(params, MODULE, bias_fwd, !cfg.return_bias);
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, core })
@@ -288,15 +265,23 @@ impl Linear {
     /// The input of this rank's GEMM: all-gathered token shards (column, sequence parallel),
     /// else `input`. Refuses an FP8 output the ranks would have to sum (row).
     fn tp_input(&self, input: &Tensor, opts: ForwardOptions) -> Result<Tensor> {
+        self.check_tp_output(opts)?;
+        match &self.cfg.tp {
+            Some(tp) if tp.gathers_input() => tp.all_gather(input),
+            _ => Ok(input.clone()),
+        }
+    }
+
+    /// Refuses an FP8 output the ranks would have to sum (row parallelism).
+    fn check_tp_output(&self, opts: ForwardOptions) -> Result<()> {
         match &self.cfg.tp {
             Some(tp) if opts.fp8_output && tp.mode == ParallelMode::Row => Err(Error::Config {
                 module: MODULE,
                 message: "fp8_output with row parallelism: the ranks' partial outputs are summed in 16 bits, \
-                              then cast; ask for a 16-bit output"
+                          then cast; ask for a 16-bit output"
                     .into(),
             }),
-            Some(tp) if tp.gathers_input() => tp.all_gather(input),
-            _ => Ok(input.clone()),
+            _ => Ok(()),
         }
     }
 
@@ -345,10 +330,13 @@ impl Linear {
         grad: bool,
         produce: impl FnOnce(Option<&dyn Quantizer>) -> Result<(LinearInput, T)>,
     ) -> Result<(Output, Option<LinearCtx>, T)> {
-        if self.cfg.tp.is_some() {
+        self.check_tp_output(opts)?;
+        if self.cfg.tp.as_ref().is_some_and(TensorParallel::gathers_input) {
             return Err(Error::Config {
                 module: MODULE,
-                message: "a produced input (fp8_mha) with tensor parallelism is not supported yet".into(),
+                message: "a produced input (fp8_mha) of a column-parallel layer under sequence parallelism is not \
+                          supported: the producer writes this rank's tokens only"
+                    .into(),
             });
         }
         let pass = self.core.pass(fp8_mode())?;
@@ -371,6 +359,7 @@ impl Linear {
             }
         };
         let (out, saved) = self.core.forward(input, &shape, dtype, &pass, opts, grad)?;
+        let out = self.tp_output(out, dtype)?;
         let ctx = match saved {
             Some(saved) => Some(LinearCtx { stamp: self.stamp(), input_shape: shape, saved }),
             None if grad => return Err(Error::internal(MODULE, "a training forward saved nothing")),

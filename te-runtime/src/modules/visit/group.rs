@@ -35,6 +35,10 @@ pub(super) trait Group {
     fn main_grad(&self) -> Option<&Tensor> {
         None
     }
+    /// Whether the weight and the bias are tensor-parallel slices ([`Param::tensor_parallel`]).
+    fn tensor_parallel(&self) -> [bool; 2] {
+        [false; 2]
+    }
     /// The dtype the layer keeps its parameters in.
     fn params_dtype(&self) -> DType;
     /// Replaces the tensor of `slot`.
@@ -72,6 +76,10 @@ impl Group for LinearParams {
 
     fn params_dtype(&self) -> DType {
         LinearParams::params_dtype(self)
+    }
+
+    fn tensor_parallel(&self) -> [bool; 2] {
+        LinearParams::tensor_parallel(self)
     }
 
     fn set(&mut self, slot: Slot, value: Tensor) -> Result<()> {
@@ -179,6 +187,10 @@ impl<R: Deref<Target: Group>> Param for View<R> {
             Slot::Weight => self.group.main_grad(),
             Slot::Bias => None,
         }
+    }
+
+    fn tensor_parallel(&self) -> bool {
+        self.group.tensor_parallel()[self.slot as usize]
     }
 }
 

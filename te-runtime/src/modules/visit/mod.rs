@@ -66,6 +66,14 @@ pub trait Param {
         None
     }
 
+    /// Split over a tensor-parallel group: each rank holds (and computes the gradient of) its
+    /// own slice (TE/Megatron-LM's `tensor_model_parallel` attribute). `false` for a parameter
+    /// every rank of the group holds whole (norms, a row-parallel bias, embeddings): its copies
+    /// are equal, and it counts once in the gradient norm.
+    fn tensor_parallel(&self) -> bool {
+        false
+    }
+
     /// Number of elements.
     fn numel(&self) -> usize {
         self.shape().iter().product()
