@@ -11,7 +11,7 @@ use crate::common::{bf16, randn};
 use crate::multi_gpu::{on_ranks, rel_err, Layout};
 use std::sync::Arc;
 use te_runtime::dist::ProcessGroup;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Recipe};
+use te_runtime::fp8::{DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
 use te_runtime::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, ModuleVisitor,
     MultiheadAttention, MultiheadAttentionConfig, Param, ParamKind, TensorParallel, TpConfig, TransformerLayer,
@@ -107,8 +107,11 @@ fn compare<M: Module>(case: &Case<'_, M>, dev: &Arc<Device>, group: &Arc<Process
     let (r, n) = (group.rank(), group.size());
     let host = |t: &Tensor| t.to_f32(dev).unwrap();
     let up = |v: &[f32], shape: &[usize]| Tensor::from_f32(dev, DType::BF16, shape, v).unwrap();
-    let recipes: [Option<Recipe>; 3] =
-        [None, Some(DelayedScaling::default().into()), Some(Float8CurrentScaling::default().into())];
+    // The recipe, and whether the amaxes are reduced over the group (delayed scaling then
+    // shares its scales, and sequence parallelism all-gathers FP8 codes).
+    let delayed: Recipe = DelayedScaling::default().into();
+    let recipes: [Option<(Recipe, bool)>; 4] =
+        [None, Some((delayed, false)), Some((delayed, true)), Some((Float8CurrentScaling::default().into(), false))];
     for sp in [false, true] {
         for recipe in recipes {
             let what = format!("{} sp={sp} {recipe:?} rank {r}", case.name);
@@ -140,7 +143,7 @@ fn compare<M: Module>(case: &Case<'_, M>, dev: &Arc<Device>, group: &Arc<Process
             let run = |m: &mut M, xv: &[f32], xs: &[usize], dyv: &[f32], ds: &[usize]| {
                 let mut step = || (case.step)(m, &up(xv, xs), &up(dyv, ds));
                 let (y, dx) = match recipe {
-                    Some(rc) => fp8_autocast(true, rc, step),
+                    Some((rc, reduce)) => Fp8Autocast::new(rc).with_group(reduce.then(|| group.clone())).run(step),
                     None => step(),
                 }
                 .unwrap_or_else(|e| panic!("{what}: {e}"));

@@ -217,6 +217,19 @@ fn reduction_group(frame: &Fp8Autocast) -> Option<Arc<ProcessGroup>> {
     }
 }
 
+/// Whether the current scope's amaxes are reduced over a group holding every rank of `group`
+/// (delayed scaling with `reduce_amax` and an `fp8_group` that contains them): then the ranks of
+/// `group` cast with the same scales, and the FP8 codes they exchange mean the same values
+/// (TE's FP8 all-gather under sequence parallelism relies on it).
+pub(crate) fn scales_shared_over(group: &ProcessGroup) -> bool {
+    SCOPE.with_borrow(|s| {
+        s.frames
+            .first()
+            .and_then(reduction_group)
+            .is_some_and(|r| group.ranks().iter().all(|rank| r.ranks().contains(rank)))
+    })
+}
+
 /// Registers a module's forward state for the update at the outermost scope's exit.
 pub(crate) fn register_forward(state: &Arc<ScalingState>) {
     SCOPE.with_borrow_mut(|s| {

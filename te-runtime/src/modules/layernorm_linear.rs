@@ -260,6 +260,14 @@ impl LayerNormLinear {
         let pass = self.core.pass(fp8_mode())?;
         let gather = self.cfg.tp.as_ref().filter(|tp| tp.gathers_input());
         let (input, stats, ln_out) = match (pass.fp8_input(), gather) {
+            // Sequence parallel under FP8 with shared scales: the norm casts this rank's tokens,
+            // their codes are all-gathered (TE's FP8 all-gather) and transposed whole for wgrad.
+            (Some(q), Some(tp)) if !self.cfg.return_layernorm_output && tp.gathers_fp8(q) => {
+                let (tokens, _) = x.as_2d(MODULE)?;
+                self.core.check_fp8_dims(tokens * tp.group.size(), grad)?;
+                let (ln8, stats) = self.norm.forward_fp8(x, q, false)?;
+                (LinearInput::Fp8(tp.all_gather_fp8(&ln8, grad)?), stats, None)
+            }
             // Sequence parallel: the norm on this rank's tokens, all-gathered, then the GEMM.
             (_, Some(tp)) => {
                 let (ln, stats) = self.norm.forward(x, x.dtype())?;
@@ -280,7 +288,7 @@ impl LayerNormLinear {
         };
         let gemm_shape = match &input {
             LinearInput::High(t) => t.shape().to_vec(),
-            LinearInput::Fp8(_) => x.shape().to_vec(),
+            LinearInput::Fp8(f) => f.shape().to_vec(),
         };
         let (out, saved) = self.core.forward(input, &gemm_shape, x.dtype(), &pass, opts, grad)?;
         Ok((LayerNormLinearOutput { out, ln_out }, stats, saved, gemm_shape))

@@ -330,6 +330,12 @@ impl LayerNormMLP {
         // Norm → fc1 input (through fc1's input quantizer under FP8).
         let mut ln_out = None;
         let (fc1_in, stats) = match (pass1.fp8_input(), gather) {
+            // Sequence parallel under FP8 with shared scales: the norm casts this rank's tokens,
+            // their codes are all-gathered (TE's FP8 all-gather) and transposed whole for wgrad.
+            (Some(q), Some(column)) if !self.cfg.return_layernorm_output && column.gathers_fp8(q) => {
+                let (ln8, stats) = self.norm.forward_fp8(x, q, false)?;
+                (LinearInput::Fp8(column.all_gather_fp8(&ln8, grad)?), stats)
+            }
             // Sequence parallel: the norm on this rank's tokens, all-gathered, then fc1.
             (_, Some(column)) => {
                 let (ln, stats) = self.norm.forward(x, dt)?;
@@ -349,7 +355,7 @@ impl LayerNormMLP {
         };
         let gemm_shape = match &fc1_in {
             LinearInput::High(t) => t.shape().to_vec(),
-            LinearInput::Fp8(_) => x.shape().to_vec(),
+            LinearInput::Fp8(f) => f.shape().to_vec(),
         };
         let fc1_opts = ForwardOptions { fp8_output: false, ..opts };
         let (pre_act, fc1_saved) = self.fc1.forward(fc1_in, &gemm_shape, dt, &pass1, fc1_opts, grad)?;

@@ -274,10 +274,11 @@ impl NormParams {
         };
         norm_bwd(&self.dev, &args, NormBwdOut { dx: &mut dx, dgamma: &mut dgamma, dbeta: dbeta.as_mut() })?;
         if let Some(group) = &self.sequence_group {
-            group.all_reduce(&mut dgamma, ReduceOp::Sum)?;
-            if let Some(db) = dbeta.as_mut() {
-                group.all_reduce(db, ReduceOp::Sum)?;
-            }
+            // One NCCL launch for both.
+            group.grouped(|| {
+                group.all_reduce(&mut dgamma, ReduceOp::Sum)?;
+                dbeta.as_mut().map_or(Ok(()), |db| group.all_reduce(db, ReduceOp::Sum))
+            })?;
             group.wait()?;
         }
         accumulate(&self.dev, &mut self.dgamma, dgamma)?;

@@ -20,7 +20,8 @@
 use super::params::{LinearParams, ParamsInit};
 use crate::dist::shard::{ParallelMode, Split, TpRank};
 use crate::dist::{ProcessGroup, ReduceOp};
-use crate::fp8::is_fp8_model_init;
+use crate::fp8::autocast::scales_shared_over;
+use crate::fp8::{is_fp8_model_init, Float8Tensor, Quantizer};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::Arc;
 
@@ -218,6 +219,26 @@ impl TensorParallel {
         self.group.all_gather(x, &mut out)?;
         self.group.wait()?;
         Ok(out)
+    }
+
+    /// Whether an input this layer all-gathers may travel as FP8 codes cast by `q` (TE's FP8
+    /// all-gather, 1 byte an element): `q` casts in the producer's kernel with a scale every rank
+    /// of the group shares (delayed scaling whose amaxes the autocast scope reduces over the
+    /// group). Otherwise the 16-bit input is gathered and cast whole.
+    pub(crate) fn gathers_fp8(&self, q: &dyn Quantizer) -> bool {
+        self.gathers_input() && q.fuses_cast() && scales_shared_over(&self.group)
+    }
+
+    /// The whole tokens of a sequence-parallel shard of FP8 codes: `x`'s codes of every rank
+    /// concatenated along the first dim, with `x`'s scale (the same on every rank, see
+    /// [`TensorParallel::gathers_fp8`]), and the transpose of the whole with `transpose`.
+    pub(crate) fn all_gather_fp8(&self, x: &Float8Tensor, transpose: bool) -> Result<Float8Tensor> {
+        let data = self.all_gather(x.data())?;
+        let mut whole = Float8Tensor::from_parts(data, None, x.scale_inv_shared())?;
+        if transpose {
+            whole.ensure_transpose(self.group.device())?;
+        }
+        Ok(whole)
     }
 
     /// The sum of every rank's partial `x`: whole (all-reduce), or with sequence parallelism
