@@ -323,7 +323,8 @@ pub fn train(
         opt = opt.with_tensor_parallel(tp.group.clone());
     }
     let (tp_rank, tp_size) = parallel.tensor_rank();
-    let mut run = GpuRun { model, opt, tp };
+    let recipe = fp8.then(|| cfg.fp8_recipe());
+    let mut run = GpuRun { model, opt, tp, recipe };
     let seq = cfg.model.seq_length;
     // The ranks of a tensor-parallel group read the same data; data-parallel ranks their shards.
     let (rank, world) = parallel.data_rank();
@@ -398,11 +399,13 @@ pub fn train(
     })
 }
 
-/// The GPU run's model and optimizer, and the tensor-parallel group its layers split over.
+/// The GPU run's model and optimizer, the tensor-parallel group its layers split over, and the
+/// FP8 recipe it trains with (recorded in its checkpoints, checked when they load).
 struct GpuRun {
     model: Gpt,
     opt: AdamW,
     tp: Option<TpConfig>,
+    recipe: Option<Recipe>,
 }
 
 impl GpuRun {
@@ -419,7 +422,7 @@ impl GpuRun {
 
 impl RunState for GpuRun {
     fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError> {
-        let mut options = SaveOptions::default();
+        let mut options = SaveOptions { recipe: self.recipe, ..SaveOptions::default() };
         options.metadata.insert("step".into(), step.to_string());
         if let Some(tp) = &self.tp {
             options.metadata.insert(TP_RANK_KEY.into(), tp.group.rank().to_string());
@@ -432,7 +435,7 @@ impl RunState for GpuRun {
 
     fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError> {
         let (model, optimizer) = (self.file(dir, "model"), self.file(dir, "optimizer"));
-        checkpoint::load(&mut self.model, model, &LoadOptions::default())?;
+        checkpoint::load(&mut self.model, model, &LoadOptions { recipe: self.recipe, ..LoadOptions::default() })?;
         self.opt.load_state(optimizer)?;
         Ok(self.opt.step_count())
     }

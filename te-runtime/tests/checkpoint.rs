@@ -110,7 +110,7 @@ fn non_strict_load_reports() {
     let path = dir.path().join("m.safetensors");
     write(&path, &[("m.weight", Dtype::BF16, &[32, 16]), ("m.head.weight", Dtype::BF16, &[8])], None);
     let mut m = mock();
-    let report = load(&mut Prefixed(&mut m), &path, &LoadOptions { strict: false }).unwrap();
+    let report = load(&mut Prefixed(&mut m), &path, &LoadOptions { strict: false, ..LoadOptions::default() }).unwrap();
     let want =
         LoadReport { missing: vec!["m.bias".into()], unexpected: vec!["m.head.weight".into()], mismatched: vec![] };
     assert_eq!(report, want);

@@ -152,7 +152,7 @@ fn file_holds_weights_and_fp8_state_as_named_tensors() {
     let path = dir.path().join("ckpt.safetensors");
     let mut a = model(&dev, 1, F, 0);
     train_fp8(&dev, &mut a, 1, 1);
-    let opts = SaveOptions { metadata: [("step".to_string(), "1".to_string())].into() };
+    let opts = SaveOptions { metadata: [("step".to_string(), "1".to_string())].into(), ..SaveOptions::default() };
     save(&a, &path, &opts).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -246,6 +246,36 @@ fn a_bf16_checkpoint_loads_with_fresh_fp8_state_and_trains_in_fp8() {
     assert_traces_eq(&tc, &ta);
 }
 
+/// A checkpoint records the recipe it was trained with; loading it for another recipe is a
+/// typed error naming both, or an explicit conversion: the weights load, the FP8 states start
+/// fresh (a model with trained states has them reset).
+#[test]
+fn another_recipe_is_refused_or_converted_explicitly() {
+    use te_runtime::fp8::{Float8BlockScaling, Recipe};
+    let Some(dev) = device() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayed.safetensors");
+    let mut a = model(&dev, 1, F, 0);
+    train_fp8(&dev, &mut a, 1, 2);
+    let delayed = Recipe::from(recipe());
+    save(&a, &path, &SaveOptions { recipe: Some(delayed), ..SaveOptions::default() }).unwrap();
+    let mut b = model(&dev, 1, F, 3000);
+    train_fp8(&dev, &mut b, 7, 1);
+    let block = LoadOptions { recipe: Some(Float8BlockScaling::default().into()), ..LoadOptions::default() };
+    let e = load(&mut b, &path, &block).unwrap_err().to_string();
+    assert!(e.contains("DelayedScaling") && e.contains("Float8BlockScaling"), "{e}");
+    assert_ne!(weights(&dev, &b), weights(&dev, &a), "a refused load changes nothing");
+    load(&mut b, &path, &LoadOptions { convert_recipe: true, ..block }).unwrap();
+    assert_eq!(weights(&dev, &b), weights(&dev, &a));
+    for (p, s) in states(&b) {
+        assert!(s.amax_history.iter().all(|&x| x == 0.0) && s.scale.iter().all(|&x| x == 1.0), "{p} not fresh");
+    }
+    // The same recipe loads the states too.
+    let mut c = model(&dev, 1, F, 4000);
+    load(&mut c, &path, &LoadOptions { recipe: Some(delayed), ..LoadOptions::default() }).unwrap();
+    assert_eq!(states(&c).len(), states(&a).len());
+}
+
 #[test]
 fn strict_errors_and_the_non_strict_report_name_the_tensors() {
     let Some(dev) = device() else { return };
@@ -266,7 +296,7 @@ fn strict_errors_and_the_non_strict_report_name_the_tensors() {
     }
     assert_eq!(weights(&dev, &b), before, "a failed strict load changes nothing");
 
-    let report = load(&mut b, &path, &LoadOptions { strict: false }).unwrap();
+    let report = load(&mut b, &path, &LoadOptions { strict: false, ..LoadOptions::default() }).unwrap();
     assert!(report.missing.is_empty(), "{report}");
     assert!(report.unexpected.iter().any(|n| n == "layers.1.mlp.fc1_weight"), "{report}");
     assert!(report.mismatched.iter().any(|n| n.starts_with("head.bias ")), "{report}");
@@ -278,7 +308,8 @@ fn strict_errors_and_the_non_strict_report_name_the_tensors() {
     // Two layers from a one-layer file: layers.1.* missing.
     let one = dir.path().join("one.safetensors");
     save(&model(&dev, 1, F, 0), &one, &SaveOptions::default()).unwrap();
-    let report = load(&mut model(&dev, 2, F, 0), &one, &LoadOptions { strict: false }).unwrap();
+    let report =
+        load(&mut model(&dev, 2, F, 0), &one, &LoadOptions { strict: false, ..LoadOptions::default() }).unwrap();
     assert!(report.missing.iter().any(|n| n == "layers.1.mlp.fc2_bias") && report.unexpected.is_empty(), "{report}");
 }
 
@@ -305,7 +336,7 @@ fn fp8_only_weights_round_trip_as_codes_and_scale_inv() {
 
     // A high-precision model cannot take FP8 codes: a mismatch, named.
     let mut c = Linear::new(&dev, LinearConfig::new(H, F)).unwrap();
-    let report = load(&mut c, &path, &LoadOptions { strict: false }).unwrap();
+    let report = load(&mut c, &path, &LoadOptions { strict: false, ..LoadOptions::default() }).unwrap();
     assert_eq!(report.unexpected, ["weight.scale_inv"], "{report}");
     assert!(report.mismatched[0].starts_with("weight (file F8_E4M3 [128, 64], model BF16"), "{report}");
 }

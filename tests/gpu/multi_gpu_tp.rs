@@ -340,7 +340,7 @@ fn tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges() {
             let mut parallel = Parallel::new(world.clone(), 2, sp).unwrap();
             assert_eq!((parallel.tensor_rank(), parallel.data_rank()), ((env.rank, 2), (0, 1)));
             let dir = root.join(format!("sp-{sp}"));
-            let ckpt = CheckpointOptions { dir: Some(dir.clone()), interval: 0, ..CheckpointOptions::default() };
+            let ckpt = CheckpointOptions { dir: Some(dir.clone()), interval: 20, ..CheckpointOptions::default() };
             let tp = train(dev, &corpus, &base, precision, &ckpt, &mut parallel, |_, _| {}).unwrap();
             let none = CheckpointOptions::default();
             let one = train(dev, &corpus, &base, precision, &none, &mut Parallel::default(), |_, _| {}).unwrap();
@@ -383,7 +383,17 @@ fn tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges() {
                 checkpoint::load(&mut whole, &model_file, &LoadOptions::default()).unwrap();
                 let loss = whole.forward_loss(&ids, &targets).unwrap().0;
                 assert!((loss - tp_loss).abs() / tp_loss < 5e-3, "{what}: merged model loss {loss} vs TP=2 {tp_loss}");
+                // Resume from step 20 (its trainer.toml over latest.toml) below.
+                let run_dir = dir.join(precision.name());
+                std::fs::copy(run_dir.join("step-0000020/trainer.toml"), run_dir.join("latest.toml")).unwrap();
             }
+            world.barrier().unwrap();
+            // Each rank resumes from its own files; the last 20 steps are the straight run's, bit
+            // for bit.
+            let resume = CheckpointOptions { resume: true, ..ckpt.clone() };
+            let resumed = train(dev, &corpus, &base, precision, &resume, &mut parallel, |_, _| {}).unwrap();
+            let bits = |r: &[te::train::Record]| r.iter().map(|r| (r.step, r.train_loss.to_bits())).collect::<Vec<_>>();
+            assert_eq!(bits(&resumed.records), bits(&tp.records), "{what}: resumed at step 20");
             world.barrier().unwrap();
         }
         if env.rank == 0 {

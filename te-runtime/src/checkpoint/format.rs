@@ -1,6 +1,7 @@
 //! The file format: tensor names, dtypes, the `__metadata__` header, and parsing a file's bytes
 //! into typed errors.
 
+use super::{LoadOptions, SaveOptions};
 use crate::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
@@ -23,6 +24,9 @@ pub const FORMAT_VERSION: u32 = 2;
 pub(crate) const V1_BWD_SLOTS: usize = 2;
 /// `__metadata__` key of the version of the library that wrote the file.
 pub const LIBRARY_VERSION_KEY: &str = "te_version";
+/// `__metadata__` key of the FP8 recipe the model was trained with ([`crate::fp8::Recipe::name`];
+/// absent for a file saved without one).
+pub const RECIPE_KEY: &str = "te_fp8_recipe";
 
 /// Suffixes of the three f32 tensors of a scaling state at `path`: `path.amax_history`
 /// `[n, history_len]`, `path.scale` `[n]`, `path.scale_inv` `[n]`.
@@ -67,12 +71,16 @@ pub fn from_safetensors(dtype: Dtype) -> Option<DType> {
 ///
 /// # Errors
 /// [`Error::Checkpoint`] when a user key is one of the reserved keys.
-pub fn build_metadata(user: &BTreeMap<String, String>) -> Result<HashMap<String, String>> {
-    let reserved = [FORMAT_KEY, FORMAT_VERSION_KEY, LIBRARY_VERSION_KEY];
+pub fn build_metadata(options: &SaveOptions) -> Result<HashMap<String, String>> {
+    let user = &options.metadata;
+    let reserved = [FORMAT_KEY, FORMAT_VERSION_KEY, LIBRARY_VERSION_KEY, RECIPE_KEY];
     if let Some(k) = user.keys().find(|k| reserved.contains(&k.as_str())) {
         return Err(Error::Checkpoint { message: format!("metadata key `{k}` is reserved ({reserved:?})") });
     }
     let mut meta: HashMap<String, String> = user.clone().into_iter().collect();
+    if let Some(r) = &options.recipe {
+        meta.insert(RECIPE_KEY.into(), r.name().into());
+    }
     meta.insert(FORMAT_KEY.into(), FORMAT_NAME.into());
     meta.insert(FORMAT_VERSION_KEY.into(), FORMAT_VERSION.to_string());
     meta.insert(LIBRARY_VERSION_KEY.into(), env!("CARGO_PKG_VERSION").into());
@@ -94,6 +102,45 @@ pub fn check_metadata(meta: Option<&HashMap<String, String>>, path: &Path) -> Re
                 path.display()
             ),
         }),
+    }
+}
+
+/// Whether a file of `meta` loads as an explicit recipe conversion: `Ok(false)` when the file's
+/// recorded recipe ([`RECIPE_KEY`]) and the one `options` expects agree, or either is unknown;
+/// `Ok(true)` when they differ and `options.convert_recipe` asks for the conversion (the file's
+/// FP8 scaling states are then not loaded).
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming both recipes when they differ without `convert_recipe`.
+pub fn check_recipe(meta: Option<&HashMap<String, String>>, options: &LoadOptions, path: &Path) -> Result<bool> {
+    let (Some(file), Some(want)) = (meta.and_then(|m| m.get(RECIPE_KEY)), options.recipe) else { return Ok(false) };
+    if file == want.name() {
+        return Ok(false);
+    }
+    if options.convert_recipe {
+        return Ok(true);
+    }
+    Err(Error::Checkpoint {
+        message: format!(
+            "{}: trained with the FP8 recipe {file}, and the model will run {}: its FP8 scaling states belong to \
+             {file}. Load with LoadOptions {{ recipe: Some({file}), .. }}, or convert explicitly with \
+             convert_recipe: true (the weights load, the FP8 states start fresh)",
+            path.display(),
+            want.name()
+        ),
+    })
+}
+
+/// Leaves the tensors of the model's scaling states (`states`: their paths) out of a file's
+/// tensor list (an explicit recipe conversion loads the weights only).
+pub(crate) fn drop_state_tensors<'a>(
+    states: impl IntoIterator<Item = &'a str>,
+    infos: &mut BTreeMap<String, (Dtype, Vec<usize>)>,
+) {
+    for path in states {
+        for name in state_tensor_names(path) {
+            infos.remove(&name);
+        }
     }
 }
 
@@ -139,7 +186,7 @@ mod tests {
     fn file_bytes() -> Vec<u8> {
         let data = [1u8, 2, 3, 4, 5, 6, 7, 8];
         let view = safetensors::tensor::TensorView::new(Dtype::F32, vec![2], &data).unwrap();
-        let meta = build_metadata(&BTreeMap::new()).unwrap();
+        let meta = build_metadata(&SaveOptions::default()).unwrap();
         safetensors::serialize([("w", &view)], Some(meta)).unwrap()
     }
 
@@ -168,13 +215,13 @@ mod tests {
     #[test]
     fn metadata_has_format_and_versions_and_refuses_reserved_keys() {
         let user = BTreeMap::from([("step".to_string(), "12".to_string())]);
-        let meta = build_metadata(&user).unwrap();
+        let meta = build_metadata(&SaveOptions { metadata: user, recipe: None }).unwrap();
         assert_eq!(meta[FORMAT_KEY], FORMAT_NAME);
         assert_eq!(meta[FORMAT_VERSION_KEY], FORMAT_VERSION.to_string());
         assert_eq!(meta[LIBRARY_VERSION_KEY], env!("CARGO_PKG_VERSION"));
         assert_eq!(meta["step"], "12");
         let bad = BTreeMap::from([(FORMAT_VERSION_KEY.to_string(), "0".to_string())]);
-        assert!(matches!(build_metadata(&bad), Err(Error::Checkpoint { .. })));
+        assert!(matches!(build_metadata(&SaveOptions { metadata: bad, recipe: None }), Err(Error::Checkpoint { .. })));
     }
 
     #[test]

@@ -6,9 +6,10 @@
 //! visitor) and the file is checked against them by the device loader's own rules.
 
 use super::atomic::{io_error, write_atomic};
-use super::format::{build_metadata, check_metadata, parse, state_tensor_names, to_safetensors};
-use super::load::check;
+use super::format::to_safetensors;
+use super::format::{build_metadata, check_metadata, check_recipe, drop_state_tensors, parse, state_tensor_names};
 pub(crate) use super::load::Entry;
+use super::load::{check, state_paths};
 use super::{LoadOptions, LoadReport, SaveOptions};
 use crate::fp8::ScalingSnapshot;
 use crate::numerics::{decode, encode};
@@ -52,7 +53,7 @@ pub(crate) fn save_host(
     path: &Path,
     options: &SaveOptions,
 ) -> Result<()> {
-    let meta = build_metadata(&options.metadata)?;
+    let meta = build_metadata(options)?;
     let mut tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
     for p in params {
         if p.values.len() != p.shape.iter().product::<usize>() {
@@ -99,7 +100,10 @@ pub(crate) fn load_host(path: &Path, entries: &[Entry], options: &LoadOptions) -
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| Error::Checkpoint { message: format!("{}: {e}", path.display()) })?;
     let version = check_metadata(header.metadata().as_ref(), path)?;
-    let infos = file.iter().map(|(name, t)| (name.to_owned(), (t.dtype(), t.shape().to_vec()))).collect();
+    let mut infos = file.iter().map(|(name, t)| (name.to_owned(), (t.dtype(), t.shape().to_vec()))).collect();
+    if check_recipe(header.metadata().as_ref(), options, path)? {
+        drop_state_tensors(state_paths(entries), &mut infos);
+    }
     let plan = check(entries, &infos, version);
     if options.strict && !plan.report.is_clean() {
         return Err(Error::Checkpoint {
@@ -182,6 +186,44 @@ mod tests {
         assert!(ck.report.is_clean());
     }
 
+    /// A file records the recipe it was saved with; a load expecting another recipe is refused
+    /// naming both, or, as an explicit conversion, loads the weights and leaves the scaling
+    /// states fresh; without a recorded or an expected recipe nothing is checked.
+    #[test]
+    fn another_recipe_is_refused_or_converted() {
+        use crate::fp8::{DelayedScaling, Float8BlockScaling, Recipe};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let (w, b) = ([0.5f32; 6], [1.0f32; 3]);
+        let params = [
+            HostParam { path: "w", dtype: DType::BF16, shape: &[2, 3], values: &w },
+            HostParam { path: "b", dtype: DType::F32, shape: &[3], values: &b },
+        ];
+        let snap = ScalingSnapshot {
+            amax_history: vec![1.0; 6],
+            scale: vec![2.0; 3],
+            scale_inv: vec![0.5; 3],
+            history_len: 2,
+        };
+        let delayed = Recipe::from(DelayedScaling::default());
+        let saved = SaveOptions { recipe: Some(delayed), ..SaveOptions::default() };
+        save_host(&params, &[("fp8_fwd".into(), snap)], &path, &saved).unwrap();
+        let block = LoadOptions { recipe: Some(Float8BlockScaling::default().into()), ..LoadOptions::default() };
+        let e = load_host(&path, &entries(), &block).unwrap_err().to_string();
+        assert!(
+            e.contains("DelayedScaling") && e.contains("Float8BlockScaling") && e.contains("convert_recipe"),
+            "{e}"
+        );
+        let ck = load_host(&path, &entries(), &LoadOptions { convert_recipe: true, ..block }).unwrap();
+        assert_eq!(ck.params["b"], b);
+        assert!(ck.states.is_empty(), "a conversion loads no scaling state");
+        assert_eq!(ck.fresh.len(), 2, "both states start fresh: {:?}", ck.fresh);
+        // The same recipe, or none expected: the states load.
+        for options in [LoadOptions { recipe: Some(delayed), ..LoadOptions::default() }, LoadOptions::default()] {
+            assert_eq!(load_host(&path, &entries(), &options).unwrap().states.len(), 1);
+        }
+    }
+
     /// A file of another model is refused with what does not match; values that do not fill
     /// their shape and duplicate names are refused when saving.
     #[test]
@@ -195,7 +237,7 @@ mod tests {
             e.contains("does not match the model") && e.contains("missing: b") && e.contains("mismatched: w"),
             "{e}"
         );
-        let lenient = load_host(&path, &entries(), &LoadOptions { strict: false }).unwrap();
+        let lenient = load_host(&path, &entries(), &LoadOptions { strict: false, ..LoadOptions::default() }).unwrap();
         assert!(lenient.params.is_empty() && !lenient.report.is_clean());
         let short = [HostParam { path: "w", dtype: DType::F32, shape: &[3, 2], values: &[0.0; 5] }];
         assert!(save_host(&short, &[], &path, &SaveOptions::default()).unwrap_err().to_string().contains("fill"));

@@ -3,7 +3,8 @@
 //! loads change nothing when anything does not match.
 
 use super::atomic::io_error;
-use super::format::{check_metadata, fp8_scale_inv_name, parse, state_tensor_names, to_safetensors, V1_BWD_SLOTS};
+use super::format::{check_metadata, check_recipe, drop_state_tensors, fp8_scale_inv_name, parse, state_tensor_names};
+use super::format::{to_safetensors, V1_BWD_SLOTS};
 use super::{LoadOptions, LoadReport};
 use crate::fp8::{DelayedScaling, Float8Tensor, ScalingSnapshot, ScalingState};
 use crate::graph::HostCopies;
@@ -42,11 +43,15 @@ pub fn load<M: Module + ?Sized>(model: &mut M, path: impl AsRef<Path>, options: 
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| Error::Checkpoint { message: format!("{}: {e}", path.display()) })?;
     let version = check_metadata(header.metadata().as_ref(), path)?;
+    let convert = check_recipe(header.metadata().as_ref(), options, path)?;
 
     let mut entries = Entries::default();
     model.visit_mut("", &mut entries)?;
-    let infos: BTreeMap<String, (Dtype, Vec<usize>)> =
+    let mut infos: BTreeMap<String, (Dtype, Vec<usize>)> =
         file.iter().map(|(name, t)| (name.to_owned(), (t.dtype(), t.shape().to_vec()))).collect();
+    if convert {
+        drop_state_tensors(state_paths(&entries.0), &mut infos);
+    }
     let plan = check(&entries.0, &infos, version);
     if options.strict && !plan.report.is_clean() {
         return Err(Error::Checkpoint {
@@ -56,6 +61,14 @@ pub fn load<M: Module + ?Sized>(model: &mut M, path: impl AsRef<Path>, options: 
     let tensors: BTreeMap<&str, TensorView<'_>> = file.iter().collect();
     model.visit_mut("", &mut Apply { plan: &plan, tensors: &tensors })?;
     Ok(plan.report)
+}
+
+/// The paths of the scaling-state slots among `entries`.
+pub(crate) fn state_paths(entries: &[Entry]) -> impl Iterator<Item = &str> {
+    entries.iter().filter_map(|e| match e {
+        Entry::State { path, .. } => Some(path.as_str()),
+        Entry::Param { .. } => None,
+    })
 }
 
 /// What the model holds at one path.

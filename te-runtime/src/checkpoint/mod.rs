@@ -29,6 +29,7 @@ pub use atomic::write_atomic;
 pub use load::load;
 pub use save::save;
 
+use crate::fp8::Recipe;
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -38,19 +39,31 @@ pub struct SaveOptions {
     /// Entries added to the file's `__metadata__` (a training step, a run name); the keys of
     /// [`mod@format`] are reserved.
     pub metadata: BTreeMap<String, String>,
+    /// The FP8 recipe the model trains with, recorded as [`format::RECIPE_KEY`] (its
+    /// [`Recipe::name`]); `None` (the default): not recorded (a model trained in high
+    /// precision).
+    pub recipe: Option<Recipe>,
 }
 
 /// Options of [`load`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadOptions {
     /// Fail on any missing, unexpected or mismatched tensor, before changing the model (the
     /// default); `false` loads what matches and reports the rest.
     pub strict: bool,
+    /// The FP8 recipe the model will run: a file that records another one is refused (its FP8
+    /// scaling states belong to that recipe), unless `convert_recipe`. `None` (the default):
+    /// not checked.
+    pub recipe: Option<Recipe>,
+    /// Load a file of another recipe than `recipe` as an explicit conversion: the weights
+    /// load, the file's FP8 scaling states do not (the model's start fresh, as when TE's
+    /// recipe changes between runs). Default false.
+    pub convert_recipe: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { strict: true }
+        Self { strict: true, recipe: None, convert_recipe: false }
     }
 }
 

@@ -34,7 +34,7 @@ use te_codegen::DType;
 /// metadata key, or an I/O failure; driver failures of the copies.
 pub fn save<M: Module + ?Sized>(model: &M, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
     let path = path.as_ref();
-    let meta = build_metadata(&options.metadata)?;
+    let meta = build_metadata(options)?;
     let mut stage = Stage::default();
     model.visit("", &mut stage)?;
     for s in &stage.streams {

@@ -225,6 +225,16 @@ impl From<Float8BlockScaling> for Recipe {
 }
 
 impl Recipe {
+    /// TE's class name of the recipe: `DelayedScaling`, `Float8CurrentScaling` or
+    /// `Float8BlockScaling` (what a checkpoint records it as).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Recipe::Delayed(_) => "DelayedScaling",
+            Recipe::Current(_) => "Float8CurrentScaling",
+            Recipe::Block(_) => "Float8BlockScaling",
+        }
+    }
+
     /// The recipe's formats.
     pub fn format(&self) -> Format {
         match self {
