@@ -13,6 +13,16 @@ use std::sync::Arc;
 
 const MODULE: &str = "Parallel";
 
+/// The tensor-parallel group of rank `r` with groups of `tp` ranks: consecutive ranks.
+fn tensor_group(r: usize, tp: usize) -> usize {
+    r / tp
+}
+
+/// The data-parallel group of rank `r`: the ranks with its tensor-parallel rank.
+fn data_group(r: usize, tp: usize) -> usize {
+    r % tp
+}
+
 /// How one rank of a run takes part: data parallel (gradient averaging over its
 /// data-parallel group), tensor parallel (the layers split over its tensor-parallel group), or
 /// both; [`Parallel::default`] is a single GPU.
@@ -54,12 +64,12 @@ impl Parallel {
         let tensor = match tp {
             1 => None,
             _ if tp == n => Some(TpConfig::new(world.clone()).with_sequence_parallel(sequence_parallel)),
-            _ => Some(TpConfig::new(split(|r, tp| r / tp)?).with_sequence_parallel(sequence_parallel)),
+            _ => Some(TpConfig::new(split(tensor_group)?).with_sequence_parallel(sequence_parallel)),
         };
         let data = match n / tp {
             1 => None,
             _ if tp == 1 => Some(DataParallel::new(world.clone())?),
-            _ => Some(DataParallel::new(split(|r, tp| r % tp)?)?),
+            _ => Some(DataParallel::new(split(data_group)?)?),
         };
         Ok(Self { world: Some(world), data, tensor })
     }
@@ -120,5 +130,29 @@ impl Parallel {
             Some(world) => mean(world, value),
             None => Ok(value),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 8 ranks at TP=2: tensor-parallel pairs of consecutive ranks, data-parallel groups of the
+    /// ranks with the same place in their pair (Megatron-LM's layout).
+    #[test]
+    fn groups_follow_megatrons_layout() {
+        let groups = |color: fn(usize, usize) -> usize| {
+            let mut g: Vec<Vec<usize>> = Vec::new();
+            for r in 0..8 {
+                let c = color(r, 2);
+                if g.len() <= c {
+                    g.resize(c + 1, Vec::new());
+                }
+                g[c].push(r);
+            }
+            g
+        };
+        assert_eq!(groups(tensor_group), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+        assert_eq!(groups(data_group), [[0, 2, 4, 6], [1, 3, 5, 7]]);
     }
 }
