@@ -296,7 +296,8 @@ pub fn train(
 ) -> Result<RunSummary, TrainError> {
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
-    dev.check_free_memory(Gpt::training_bytes(&cfg.model, cfg.batch, fp8), || {
+    let (_, tp_size) = parallel.tensor_rank();
+    dev.check_free_memory(Gpt::tensor_parallel_training_bytes(&cfg.model, cfg.batch, fp8, tp_size), || {
         let m = &cfg.model;
         format!(
             "training a {}-layer GPT of hidden size {} ({} parameters) on micro-batches of {} × {} tokens in {}              (the weights, AdamW state and activations, estimated before allocating)",

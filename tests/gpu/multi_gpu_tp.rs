@@ -185,6 +185,17 @@ fn compare<M: Module>(case: &Case<'_, M>, dev: &Arc<Device>, group: &Arc<Process
     }
 }
 
+/// The `step` of a [`Case`] for a block with `forward(x) -> (y, ctx)` and `backward(ctx, dy) ->
+/// dx`.
+macro_rules! fwd_bwd {
+    () => {
+        &|m, x, dy| {
+            let (y, ctx) = m.forward(x)?;
+            Ok((y, m.backward(ctx, dy)?))
+        }
+    };
+}
+
 fn attention_config(input_layernorm: bool, tp: Option<TpConfig>) -> MultiheadAttentionConfig {
     MultiheadAttentionConfig {
         num_gqa_groups: Some(GROUPS),
@@ -212,10 +223,7 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
             &Case {
                 name: "LayerNormLinear",
                 make: &ln_linear,
-                step: &|m, x, dy| {
-                    let (y, ctx) = m.forward(x)?;
-                    Ok((y, m.backward(ctx, dy)?))
-                },
+                step: fwd_bwd!(),
                 x_shape: &[S * B, HIDDEN],
                 out_cols: Some(FFN),
                 gated: false,
@@ -232,10 +240,7 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
                 &Case {
                     name: &format!("LayerNormMLP {activation:?}"),
                     make: &mlp,
-                    step: &|m, x, dy| {
-                        let (y, ctx) = m.forward(x)?;
-                        Ok((y, m.backward(ctx, dy)?))
-                    },
+                    step: fwd_bwd!(),
                     x_shape: &hidden_shape,
                     out_cols: None,
                     gated: activation.is_gated(),
@@ -250,10 +255,7 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
                 &Case {
                     name: &format!("MultiheadAttention input_layernorm={input_layernorm}"),
                     make: &mha,
-                    step: &|m, x, dy| {
-                        let (y, ctx) = m.forward(x)?;
-                        Ok((y, m.backward(ctx, dy)?))
-                    },
+                    step: fwd_bwd!(),
                     x_shape: &hidden_shape,
                     out_cols: None,
                     gated: false,
@@ -276,10 +278,7 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
             &Case {
                 name: "TransformerLayer",
                 make: &layer,
-                step: &|m, x, dy| {
-                    let (y, ctx) = m.forward(x)?;
-                    Ok((y, m.backward(ctx, dy)?))
-                },
+                step: fwd_bwd!(),
                 x_shape: &hidden_shape,
                 out_cols: None,
                 gated: false,
