@@ -13,9 +13,17 @@
 //!   Backward: the output gradient is whole on every rank (all-gathered from the token shards
 //!   under sequence parallelism), so every rank computes the same bias gradient.
 //!
-//! Collectives run in the activations' 16-bit dtype on the group's stream. FP8 casts use each
+//! Collectives run on the group's stream in the activations' 16-bit dtype, except the
+//! sequence-parallel all-gather of a norm output the norm cast to FP8 with scales every rank
+//! shares (1 byte an element, TE's FP8 all-gather: under delayed scaling whose amaxes the
+//! autocast scope reduces over a group holding the tensor-parallel ranks). FP8 casts use each
 //! rank's own amaxes unless the autocast scope reduces them (`Fp8Autocast::fp8_group`: pass the
 //! group of all ranks, as TE's default `fp8_group` is).
+//!
+//! Blocks whose GEMMs' modes are fixed ([`TpConfig`]): `LayerNormMLP`, `MultiheadAttention`,
+//! `TransformerLayer`; the parameter gradients of their norms under sequence parallelism are
+//! summed over the group, and every parameter says whether it is a slice
+//! (`Param::tensor_parallel`, which `AdamW::with_tensor_parallel` counts in its norm).
 
 use super::params::{LinearParams, ParamsInit};
 use crate::dist::shard::{ParallelMode, Split, TpRank};
