@@ -400,3 +400,44 @@ fn tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges() {
         }
     });
 }
+
+/// Four ranks as TP=2 × DP=2 (Megatron-LM's layout: tensor-parallel pairs (0, 1) and (2, 3),
+/// data-parallel groups (0, 2) and (1, 3)): each pair reads its shard of the batch, and the run
+/// follows one GPU on the whole batch. Needs four GPUs (skipped with fewer, even when multi-GPU
+/// tests are required: the 2-GPU machines run the tests above).
+#[test]
+fn tensor_and_data_parallel_training_follows_one_gpu() {
+    if te_runtime::device::device_count() < 4 && std::env::var("TE_MULTI_GPU_TEST").is_err() {
+        eprintln!("skipping: four GPUs needed");
+        return;
+    }
+    let test = "multi_gpu_tp::tensor_and_data_parallel_training_follows_one_gpu";
+    on_ranks(test, 4, Layout::OneNode, |env, dev, pg| {
+        use te::train::{train, CheckpointOptions, Precision, TrainConfig};
+        use te_runtime::models::gpt::GptConfig;
+        use te_runtime::parallel::Parallel;
+        let corpus = crate::train::corpus();
+        let base = crate::train::config(30);
+        let base = TrainConfig {
+            grad_accum: 1,
+            eval_interval: 10,
+            model: GptConfig { hidden_dropout: 0.0, ..base.model.clone() },
+            ..base
+        };
+        let mut parallel = Parallel::new(Arc::new(pg), 2, false).unwrap();
+        let r = env.rank;
+        assert_eq!((parallel.tensor_rank(), parallel.data_rank()), ((r % 2, 2), (r / 2, 2)));
+        let none = CheckpointOptions::default();
+        let per_rank = TrainConfig { batch: 4, ..base.clone() };
+        let ranks = train(dev, &corpus, &per_rank, Precision::Bf16, &none, &mut parallel, |_, _| {}).unwrap();
+        let whole = TrainConfig { batch: 8, ..base };
+        let one = train(dev, &corpus, &whole, Precision::Bf16, &none, &mut Parallel::default(), |_, _| {}).unwrap();
+        assert_eq!(ranks.ranks, 4);
+        for (x, y) in ranks.records.iter().zip(&one.records) {
+            let d = (x.train_loss - y.train_loss).abs() / y.train_loss;
+            assert!(d < 5e-2, "rank {r}: step {} loss {} vs {}", x.step, x.train_loss, y.train_loss);
+        }
+        let first = &ranks.records[0];
+        assert!((first.train_loss - one.records[0].train_loss).abs() / one.records[0].train_loss < 5e-3);
+    });
+}
