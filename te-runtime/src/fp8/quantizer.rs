@@ -96,6 +96,25 @@ pub trait Quantizer: fmt::Debug + Send + Sync {
     fn block_scale(&self) -> Option<BlockScale> {
         None
     }
+
+    /// [`Quantizer::quantize`] for a quantizer whose scale comes from the tensor's own amax
+    /// (current scaling), with `reduce_amax` run on that amax (`[1]` f32, on the device's stream)
+    /// before the scale is taken from it: a tensor-parallel group all-reduces it (max), so every
+    /// rank casts its part with the scale of the whole (TE's amax reduction before the FP8
+    /// all-gather of current scaling). `None` for the others, whose scale does not come from
+    /// the tensor being cast.
+    ///
+    /// # Errors
+    /// As [`Quantizer::quantize`]; `reduce_amax`'s.
+    fn quantize_with_amax(
+        &self,
+        x: &Tensor,
+        columnwise: bool,
+        reduce_amax: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
+    ) -> Result<Option<Float8Tensor>> {
+        let _ = (x, columnwise, reduce_amax);
+        Ok(None)
+    }
 }
 
 /// Runs a kernel that produces a `shape` tensor and returns it in FP8 through `q`: the kernel
@@ -252,11 +271,21 @@ impl Float8CurrentScalingQuantizer {
 
     /// The amax of all of `xs` and the scale (and `scale_inv`) it gives.
     fn scaled(&self, xs: &[&Tensor]) -> Result<Fp8Meta> {
+        self.scaled_reduced(xs, &mut |_| Ok(()))
+    }
+
+    /// [`Float8CurrentScalingQuantizer::scaled`] with `reduce_amax` run on the amax first.
+    fn scaled_reduced(
+        &self,
+        xs: &[&Tensor],
+        reduce_amax: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
+    ) -> Result<Fp8Meta> {
         let dev = &self.dev;
         let mut meta = Fp8Meta::new(dev, 1.0)?;
         for x in xs {
             ops::cast::amax(dev, x, &mut meta.amax.as_view_mut())?;
         }
+        reduce_amax(&mut meta.amax)?;
         let fp8_max = self.dtype.fp8_max().unwrap_or(1.0);
         let r = &self.recipe;
         ops::scaling::current_scaling(
@@ -304,6 +333,17 @@ impl Quantizer for Float8CurrentScalingQuantizer {
     fn frozen(&self) -> Result<Box<dyn Quantizer>> {
         // Deterministic: the same tensor gives the same amax, so the same scale and codes.
         Ok(Box::new(self.clone()))
+    }
+
+    fn quantize_with_amax(
+        &self,
+        x: &Tensor,
+        columnwise: bool,
+        reduce_amax: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
+    ) -> Result<Option<Float8Tensor>> {
+        let mut meta = self.scaled_reduced(&[x], reduce_amax)?;
+        let (data, transpose) = cast(&self.dev, x, self.dtype, &mut meta.scaling(), columnwise, None)?;
+        Ok(Some(Float8Tensor::from_parts(data, transpose, Arc::new(meta.scale_inv))?))
     }
 }
 

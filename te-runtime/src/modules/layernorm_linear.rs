@@ -268,11 +268,23 @@ impl LayerNormLinear {
                 let (ln8, stats) = self.norm.forward_fp8(x, q, false)?;
                 (LinearInput::Fp8(tp.all_gather_fp8(&ln8, grad)?), stats, None)
             }
-            // Sequence parallel: the norm on this rank's tokens, all-gathered, then the GEMM.
-            (_, Some(tp)) => {
+            // Sequence parallel: the norm on this rank's tokens, all-gathered (as FP8 codes under
+            // current scaling, cast with the whole's amax), then the GEMM.
+            (q, Some(tp)) => {
                 let (ln, stats) = self.norm.forward(x, x.dtype())?;
-                let whole = tp.all_gather(&ln)?;
-                (LinearInput::High(whole), stats, self.cfg.return_layernorm_output.then_some(ln))
+                let codes = match q {
+                    Some(q) => {
+                        let (tokens, _) = x.as_2d(MODULE)?;
+                        self.core.check_fp8_dims(tokens * tp.group.size(), grad)?;
+                        tp.all_gather_cast(&ln, q, grad)?
+                    }
+                    None => None,
+                };
+                let input = match codes {
+                    Some(f) => LinearInput::Fp8(f),
+                    None => LinearInput::High(tp.all_gather(&ln)?),
+                };
+                (input, stats, self.cfg.return_layernorm_output.then_some(ln))
             }
             (Some(q), None) if !self.cfg.return_layernorm_output => {
                 let (tokens, _) = x.as_2d(MODULE)?;

@@ -336,12 +336,20 @@ impl LayerNormMLP {
                 let (ln8, stats) = self.norm.forward_fp8(x, q, false)?;
                 (LinearInput::Fp8(column.all_gather_fp8(&ln8, grad)?), stats)
             }
-            // Sequence parallel: the norm on this rank's tokens, all-gathered, then fc1.
-            (_, Some(column)) => {
+            // Sequence parallel: the norm on this rank's tokens, all-gathered (as FP8 codes under
+            // current scaling, cast with the whole's amax), then fc1.
+            (q, Some(column)) => {
                 let (ln, stats) = self.norm.forward(x, dt)?;
-                let whole = column.all_gather(&ln)?;
+                let codes = match q {
+                    Some(q) => column.all_gather_cast(&ln, q, grad)?,
+                    None => None,
+                };
+                let input = match codes {
+                    Some(f) => LinearInput::Fp8(f),
+                    None => LinearInput::High(column.all_gather(&ln)?),
+                };
                 ln_out = self.cfg.return_layernorm_output.then_some(ln);
-                (LinearInput::High(whole), stats)
+                (input, stats)
             }
             (Some(q), None) if !self.cfg.return_layernorm_output => {
                 let (ln8, stats) = self.norm.forward_fp8(x, q, grad)?;

@@ -16,7 +16,8 @@
 //! Collectives run on the group's stream in the activations' 16-bit dtype, except the
 //! sequence-parallel all-gather of a norm output the norm cast to FP8 with scales every rank
 //! shares (1 byte an element, TE's FP8 all-gather: under delayed scaling whose amaxes the
-//! autocast scope reduces over a group holding the tensor-parallel ranks). FP8 casts use each
+//! autocast scope reduces over a group holding the tensor-parallel ranks, and under current
+//! scaling, whose shards' amax is all-reduced before the cast). FP8 casts use each
 //! rank's own amaxes unless the autocast scope reduces them (`Fp8Autocast::fp8_group`: pass the
 //! group of all ranks, as TE's default `fp8_group` is).
 //!
@@ -235,6 +236,28 @@ impl TensorParallel {
     /// group). Otherwise the 16-bit input is gathered and cast whole.
     pub(crate) fn gathers_fp8(&self, q: &dyn Quantizer) -> bool {
         self.gathers_input() && q.fuses_cast() && scales_shared_over(&self.group)
+    }
+
+    /// The whole tokens of a sequence-parallel shard `x` (16-bit) as FP8 codes cast by `q`, when
+    /// `q` takes its scale from the tensor (current scaling): the amax of this rank's shard is
+    /// all-reduced (max) over the group, every rank casts its shard with the whole's scale, and
+    /// the codes are all-gathered (1 byte an element, TE's FP8 all-gather), with the whole's
+    /// transpose with `transpose`. `None` for another quantizer (gather the 16-bit `x`).
+    ///
+    /// # Errors
+    /// NCCL, cast and allocation errors.
+    pub(crate) fn all_gather_cast(
+        &self,
+        x: &Tensor,
+        q: &dyn Quantizer,
+        transpose: bool,
+    ) -> Result<Option<Float8Tensor>> {
+        let group = &self.group;
+        let shard = q.quantize_with_amax(x, false, &mut |amax| {
+            group.all_reduce(amax, ReduceOp::Max)?;
+            group.wait()
+        })?;
+        shard.map(|s| self.all_gather_fp8(&s, transpose)).transpose()
     }
 
     /// The whole tokens of a sequence-parallel shard of FP8 codes: `x`'s codes of every rank
