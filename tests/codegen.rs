@@ -110,3 +110,28 @@ fn compile_errors_name_kernel_options_log_and_source() {
     assert!(log.contains("undefined_thing"), "{log}");
     assert!(std::fs::read_to_string(source_path).unwrap().contains("undefined_thing"));
 }
+
+#[test]
+fn grouped_gemm_compiles_on_hopper_and_is_refused_elsewhere() {
+    use te_codegen::spec::{GroupedGemmSpec, GroupedSplit};
+    let c = compiler(DiskCache::disabled());
+    let grouped: Vec<KernelSpec> =
+        spec_catalog(Arch::Sm90a).into_iter().filter(|s| matches!(s, KernelSpec::GroupedGemm(_))).collect();
+    assert!(grouped.len() >= 20, "{} grouped specs", grouped.len());
+    for spec in &grouped {
+        let (bin, _) = c.compile(spec).unwrap_or_else(|e| panic!("{}: {e}", spec.name()));
+        assert!(contains(&bin.bytes, spec.name().as_bytes()), "{}", spec.name());
+    }
+    // Ada has no wgmma; 8-bit operands are K-major only; accumulation is into f32.
+    let bad = [
+        GroupedGemmSpec::new(GroupedSplit::Rows, DType::BF16, DType::BF16, DType::BF16, Arch::Sm89),
+        GroupedGemmSpec::new(GroupedSplit::Rows, DType::E4M3, DType::E4M3, DType::BF16, Arch::Sm90a)
+            .with_major(true, false),
+        GroupedGemmSpec::new(GroupedSplit::Rows, DType::BF16, DType::BF16, DType::BF16, Arch::Sm90a).accumulating(true),
+        GroupedGemmSpec::new(GroupedSplit::Rows, DType::E5M2, DType::E5M2, DType::BF16, Arch::Sm90a),
+    ];
+    for spec in bad {
+        let err = c.compile(&spec.into()).unwrap_err();
+        assert!(matches!(err, te_codegen::Error::InvalidSpec { .. }), "{err}");
+    }
+}

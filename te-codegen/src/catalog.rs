@@ -147,5 +147,28 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             v.push(MoeRouterSpec::new(dtype, experts, arch).into());
         }
     }
+    // The grouped GEMM (Hopper): every split, operand order, FP8 pair and output.
+    if arch == Arch::Sm90a {
+        use GroupedSplit::{Reduction, Rows};
+        for t in [DType::BF16, DType::F16] {
+            for out in [t, DType::F32] {
+                v.push(GroupedGemmSpec::new(Rows, t, t, out, arch).into());
+                v.push(GroupedGemmSpec::new(Rows, t, t, out, arch).with_major(true, false).into());
+            }
+            for (a_k, b_k) in [(false, false), (true, true)] {
+                for acc in [false, true] {
+                    let s = GroupedGemmSpec::new(Reduction, t, t, DType::F32, arch).with_major(a_k, b_k);
+                    v.push(s.accumulating(acc).into());
+                }
+                v.push(GroupedGemmSpec::new(Reduction, t, t, t, arch).with_major(a_k, b_k).into());
+            }
+        }
+        for (a, b) in [(DType::E4M3, DType::E4M3), (DType::E5M2, DType::E4M3), (DType::E4M3, DType::E5M2)] {
+            for out in [DType::BF16, DType::F32] {
+                v.push(GroupedGemmSpec::new(Rows, a, b, out, arch).into());
+                v.push(GroupedGemmSpec::new(Reduction, a, b, out, arch).accumulating(out == DType::F32).into());
+            }
+        }
+    }
     crate::prewarm::sorted(v)
 }

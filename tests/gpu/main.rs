@@ -28,6 +28,7 @@ mod generate;
 mod gpt;
 mod gpt_reference;
 mod graph;
+mod grouped_gemm;
 mod grouped_linear;
 mod head_dim_v;
 mod jit;

@@ -37,6 +37,7 @@ mod embedding;
 mod flash_attention;
 #[cfg(test)]
 mod fuzz;
+mod grouped_gemm;
 mod moe;
 mod moe_router;
 mod norm;
@@ -57,6 +58,7 @@ pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use embedding::EmbeddingSpec;
 pub use flash_attention::{FlashAttnSpec, FLASH_HEAD_DIMS};
+pub use grouped_gemm::{GroupedGemmSpec, GroupedSplit};
 pub use moe::MoePermuteSpec;
 pub use moe_router::MoeRouterSpec;
 pub use norm::{NormKind, NormSpec};
@@ -198,6 +200,8 @@ kernel_families! {
     /// Family 18: MoE top-k softmax router and auxiliary load-balancing loss, forward and
     /// backward.
     MoeRouter(MoeRouterSpec) => ["moe_router.cu.tera"],
+    /// Family 19: grouped GEMM with the group sizes on the device (Hopper wgmma).
+    GroupedGemm(GroupedGemmSpec) => ["grouped_gemm.cu.tera"],
 }
 
 impl KernelSpec {

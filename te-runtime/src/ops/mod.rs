@@ -14,6 +14,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod flash_attention;
 pub mod flash_attention_fp8;
+pub mod grouped_gemm;
 mod launch;
 pub mod moe;
 pub mod moe_router;
