@@ -23,6 +23,7 @@ mod dropout;
 mod elementwise;
 mod gemm;
 mod generate;
+mod grouped_gemm;
 mod gpt;
 mod jit;
 mod linear;
@@ -51,7 +52,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 18] = [
+        let families: [fn(&mut Bench); 19] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -63,6 +64,7 @@ fn main() {
             rope::run,
             dropout::run,
             gemm::run,
+            grouped_gemm::run,
             moe::run,
             linear::run,
             attention::run,

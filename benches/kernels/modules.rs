@@ -97,6 +97,16 @@ pub fn run(b: &mut Bench) {
             m.mark();
         });
         record_passes(b, "grouped_linear", &shape, gemm, gemm, "ours fp8 delayed, weights cached", &st);
+        // The same splits on the device: one grouped launch per pass (family 19), no host sync.
+        let splits: Vec<i32> = GROUPED_SPLITS.iter().map(|&m| m as i32).collect();
+        let splits = dev.stream().clone_htod(&splits).unwrap();
+        let st = b.time_phases(WARMUP, ITERS, 2, |m| {
+            let (_, ctx) = experts.forward_device(&x, &splits).unwrap();
+            m.mark();
+            experts.backward(ctx, &dy).unwrap();
+            m.mark();
+        });
+        record_passes(b, "grouped_linear", &shape, gemm, 0, "ours bf16, device m_splits (grouped kernel)", &st);
     }
     if b.enabled("transformer_layer") {
         const SEQ: usize = 2048;

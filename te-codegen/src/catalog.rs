@@ -160,7 +160,9 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                     let s = GroupedGemmSpec::new(Reduction, t, t, DType::F32, arch).with_major(a_k, b_k);
                     v.push(s.accumulating(acc).into());
                 }
-                v.push(GroupedGemmSpec::new(Reduction, t, t, t, arch).with_major(a_k, b_k).into());
+                for acc in [false, true] {
+                    v.push(GroupedGemmSpec::new(Reduction, t, t, t, arch).with_major(a_k, b_k).accumulating(acc).into());
+                }
             }
         }
         for (a, b) in [(DType::E4M3, DType::E4M3), (DType::E5M2, DType::E4M3), (DType::E4M3, DType::E5M2)] {

@@ -151,6 +151,7 @@ fn reduction_split_matches_the_f64_product() {
         (DType::BF16, false, DType::F32, false),
         (DType::BF16, false, DType::F32, true),
         (DType::BF16, false, DType::BF16, false),
+        (DType::BF16, false, DType::BF16, true),
         (DType::F16, false, DType::F32, true),
     ] {
         let a = rounded(t, randn(3, total * m, 1.0));

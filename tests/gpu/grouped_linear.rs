@@ -4,7 +4,7 @@
 //! expert that receives no rows; the CPU reference (`reference::moe::grouped_forward`) at bf16
 //! tolerance; parameter names; the typed errors.
 
-use crate::common::{assert_close, bf16, device, randn, upload};
+use crate::common::{assert_close, bf16, device, host, randn, upload};
 use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 use te_runtime::modules::{GroupedLinear, GroupedLinearConfig, Linear, LinearConfig, Module, ParamKind};
 use te_runtime::reference::moe::grouped_forward;
@@ -160,4 +160,69 @@ fn grouped_linear_errors_are_typed() {
     assert!(matches!(e, Error::Context { .. }), "{e}");
     let e = GroupedLinear::new(&dev, GroupedLinearConfig::new(0, IN, OUT)).unwrap_err();
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("num_gemms"), "{e}");
+}
+
+/// The device-splits path (one grouped launch per pass) against the host-splits path (one
+/// cuBLASLt GEMM per expert) with the same weights: outputs, dx and accumulated weight gradients
+/// at bf16 tolerance (different summation orders), the rows past `Σ m_splits` zero, then a CUDA
+/// graph of forward + backward replayed with other splits written into the same device buffer.
+#[test]
+fn device_m_splits_follow_host_m_splits_and_replay_in_a_graph() {
+    use te_runtime::graph::Graph;
+    use te_runtime::{DType, Tensor};
+    let Some(dev) = device() else { return };
+    let (inf, outf) = (96, 160);
+    let cfg = GroupedLinearConfig { bias: false, seed: 3, ..GroupedLinearConfig::new(4, inf, outf) };
+    let mut on_device = GroupedLinear::new(&dev, cfg.clone()).unwrap();
+    let mut on_host = GroupedLinear::new(&dev, cfg).unwrap();
+    let rows = 200; // the splits route at most 200 rows; those past them must come out zero
+    let x = Tensor::from_f32(&dev, DType::BF16, &[rows, inf], &bf16(&randn(1, rows * inf, 1.0))).unwrap();
+    let dy = Tensor::from_f32(&dev, DType::BF16, &[rows, outf], &bf16(&randn(2, rows * outf, 0.1))).unwrap();
+    let run_device = |m: &mut GroupedLinear, splits: &cudarc::driver::CudaSlice<i32>| {
+        let (y, ctx) = m.forward_device(&x, splits)?;
+        let dx = m.backward(ctx, &dy)?;
+        Ok::<_, Error>((y, dx))
+    };
+    let check = |step: &str, y: &Tensor, dx: &Tensor, host: &mut GroupedLinear, splits: &[usize]| {
+        let used: usize = splits.iter().sum();
+        let (xh, dyh) = (x.narrow(&dev, 0..used).unwrap(), dy.narrow(&dev, 0..used).unwrap());
+        let (yh, ctx) = host.forward(&xh, splits).unwrap();
+        let dxh = host.backward(ctx, &dyh).unwrap();
+        let (yd, dxd) = (y.to_f32(&dev).unwrap(), dx.to_f32(&dev).unwrap());
+        assert_close(&format!("{step}: y"), &yd[..used * outf], &yh.to_f32(&dev).unwrap(), 1e-2, 1e-2);
+        assert_close(&format!("{step}: dx"), &dxd[..used * inf], &dxh.to_f32(&dev).unwrap(), 1e-2, 1e-3);
+        assert!(yd[used * outf..].iter().chain(&dxd[used * inf..]).all(|&v| v == 0.0), "{step}: rows past the splits");
+    };
+    // Eager: two steps, the second accumulating the weight gradients.
+    let first = [64usize, 0, 96, 32];
+    let mut splits = dev.stream().clone_htod(&first.map(|m| m as i32)).unwrap();
+    for step in ["eager 1", "eager 2"] {
+        let (y, dx) = run_device(&mut on_device, &splits).unwrap();
+        check(step, &y, &dx, &mut on_host, &first);
+    }
+    on_device.check_device_splits().unwrap();
+    // Captured once, replayed with other routings (an empty expert, all rows, fewer rows).
+    let (graph, (y, dx)) = Graph::capture(&dev, || run_device(&mut on_device, &splits)).unwrap();
+    for s in [[16usize, 112, 0, 72], [50, 50, 50, 50], [0, 0, 8, 0]] {
+        dev.stream().memcpy_htod(&s.map(|m| m as i32), &mut splits).unwrap();
+        graph.replay().unwrap();
+        check(&format!("replay {s:?}"), &y, &dx, &mut on_host, &s);
+    }
+    on_device.check_device_splits().unwrap();
+    // 2 eager steps and 3 replays accumulated alike.
+    for i in 0..4 {
+        let (gd, gh) = (on_device.params(i).unwrap().weight_grad(), on_host.params(i).unwrap().weight_grad());
+        assert_close(&format!("dW_{i}"), &host(&dev, gd), &host(&dev, gh), 2e-2, 2e-2);
+    }
+    // Splits that sum past the rows are clamped and reported.
+    dev.stream().memcpy_htod(&[150i32, 150, 0, 0], &mut splits).unwrap();
+    on_device.infer_device(&x, &splits).unwrap();
+    assert!(on_device.check_device_splits().is_err());
+    // The device path's typed errors: FP8, a bias, a wrong split count.
+    let e = fp8_autocast(true, DelayedScaling::default(), || on_device.forward_device(&x, &splits)).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }), "{e}");
+    let mut biased = GroupedLinear::new(&dev, GroupedLinearConfig::new(4, inf, outf)).unwrap();
+    assert!(matches!(biased.forward_device(&x, &splits).unwrap_err(), Error::Config { .. }));
+    let three = dev.stream().clone_htod(&[1i32, 2, 3]).unwrap();
+    assert!(matches!(on_device.forward_device(&x, &three).unwrap_err(), Error::Shape { .. }));
 }

@@ -44,7 +44,7 @@ impl GroupedSplit {
 ///   `scale_inv` multiply the product (A: one value; B: `b_scale_inv[g]`, or `[0]` with
 ///   [`GroupedSplit::Reduction`]).
 /// - D: bf16, f16 or f32, row-major `[rows, n]` ([`GroupedSplit::Rows`]; rows past `Σ m_g` are
-///   written with zeros) or `[m, n]` per group; `accumulate` adds to D (f32 `main_grad`).
+///   written with zeros) or `[m, n]` per group; `accumulate` adds to D (in f32, rounded once).
 ///
 /// Limits the launcher checks on the host: `k` and `n` multiples of 16 (16-byte rows), `m` of 16
 /// with MN-major A. On the device, per launch: a negative size, sizes summing past the rows, or
@@ -69,7 +69,8 @@ pub struct GroupedGemmSpec {
     pub b_k_major: bool,
     /// D's element type: bf16, f16 or f32.
     pub out: DType,
-    /// D += the product instead of D = (f32 wgrad accumulation).
+    /// D += the product instead of D = (wgrad accumulation: into an f32 `main_grad`, or a
+    /// 16-bit gradient, summed in f32 and rounded once).
     pub accumulate: bool,
     /// Target architecture (sm_90a only).
     pub arch: Arch,
@@ -212,9 +213,6 @@ impl Family for GroupedGemmSpec {
         }
         if !matches!(self.out, DType::BF16 | DType::F16 | DType::F32) {
             return Err(format!("output {}: expected bf16, f16 or f32", self.out));
-        }
-        if self.accumulate && self.out != DType::F32 {
-            return Err("accumulation is into an f32 main_grad: output f32".into());
         }
         Ok(())
     }

@@ -11,13 +11,19 @@
 //! their own and the outputs copied back together (one read and one write of the activations
 //! each way, ≈ 5 % of an FP8 expert layer at 4096 → 14336); the GEMMs run one after the other
 //! on the device's stream.
+//!
+//! With `m_splits` on the device ([`GroupedLinear::forward_device`], 16-bit): one grouped GEMM
+//! launch per pass (`ops::grouped_gemm`, Hopper), no copies and no host synchronization, so a
+//! CUDA graph can capture the layer and replay it with other routings.
 
 use super::linear::gemm_core::{LinearCore, LinearInput, Saved};
 use super::linear::{check_input, ForwardOptions};
 use super::params::{fp8_dim, LinearParams, ParamsInit};
 use super::{next_module_id, Stamp};
 use crate::fp8::{fp8_mode, Fp8Mode, Fp8StateSlot, ScalingState};
+use crate::ops::grouped_gemm::{grouped_gemm_reduction, grouped_gemm_rows, GroupedPtrs, GroupedStatus, GroupedWeights};
 use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
 
@@ -69,6 +75,33 @@ pub struct GroupedLinearCtx {
     m_splits: Vec<usize>,
     /// What each GEMM saved; `None` for a GEMM that received no rows.
     saved: Vec<Option<Saved>>,
+    /// The device-splits path's input and its copy of the splits.
+    device: Option<DeviceCtx>,
+}
+
+/// What [`GroupedLinear::forward_device`] saves: the input and the splits (copied on the
+/// device, so the caller may route the next batch into its buffer before this backward).
+#[derive(Debug)]
+struct DeviceCtx {
+    x: Tensor,
+    m_splits: CudaSlice<i32>,
+}
+
+/// The device-splits path's address tables (one pair per GEMM of a step, so that steady-state
+/// calls upload nothing) and its status flag.
+#[derive(Debug)]
+struct DeviceTables {
+    fprop: [GroupedPtrs; 2],
+    dgrad: [GroupedPtrs; 2],
+    wgrad: [GroupedPtrs; 2],
+    status: GroupedStatus,
+}
+
+impl DeviceTables {
+    fn new(dev: &Device, groups: usize) -> Result<Self> {
+        let pair = || -> Result<[GroupedPtrs; 2]> { Ok([GroupedPtrs::new(dev, groups)?, GroupedPtrs::new(dev, groups)?]) };
+        Ok(Self { fprop: pair()?, dgrad: pair()?, wgrad: pair()?, status: GroupedStatus::new(dev)? })
+    }
 }
 
 impl GroupedLinearCtx {
@@ -77,7 +110,8 @@ impl GroupedLinearCtx {
         self.saved.iter().flatten().map(Saved::bytes).sum()
     }
 
-    /// The rows of each GEMM, as the forward got them.
+    /// The rows of each GEMM, as the forward got them (empty after
+    /// [`GroupedLinear::forward_device`]: the splits stayed on the device).
     pub fn m_splits(&self) -> &[usize] {
         &self.m_splits
     }
@@ -112,6 +146,7 @@ pub struct GroupedLinear {
     cfg: GroupedLinearConfig,
     id: u64,
     gemms: Vec<LinearCore>,
+    tables: Option<DeviceTables>,
 }
 
 impl GroupedLinear {
@@ -142,7 +177,7 @@ impl GroupedLinear {
                 Ok(LinearCore::new(LinearParams::new(dev, MODULE, init)?, MODULE, true, true))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), gemms })
+        Ok(Self { dev: dev.clone(), cfg, id: next_module_id(), gemms, tables: None })
     }
 
     /// The configuration.
@@ -199,7 +234,7 @@ impl GroupedLinear {
         opts: ForwardOptions,
     ) -> Result<(Tensor, GroupedLinearCtx)> {
         let (y, saved) = self.run(x, m_splits, opts, true)?;
-        let ctx = GroupedLinearCtx { stamp: self.stamp(), m_splits: m_splits.to_vec(), saved };
+        let ctx = GroupedLinearCtx { stamp: self.stamp(), m_splits: m_splits.to_vec(), saved, device: None };
         Ok((y, ctx))
     }
 
@@ -286,6 +321,9 @@ impl GroupedLinear {
     /// GEMM has no `main_grad`; GEMM and kernel failures.
     pub fn backward(&mut self, ctx: GroupedLinearCtx, grad_output: &Tensor) -> Result<Tensor> {
         ctx.stamp.check(MODULE, self.stamp())?;
+        if let Some(d) = ctx.device {
+            return self.backward_device(d, grad_output);
+        }
         let tokens: usize = ctx.m_splits.iter().sum();
         crate::ops::check_shape(MODULE, "grad_output", grad_output, &[tokens, self.cfg.out_features])?;
         let dys = grad_output.split_rows(&self.dev, &ctx.m_splits)?;
@@ -302,5 +340,147 @@ impl GroupedLinear {
             true => Tensor::zeros(&self.dev, grad_output.dtype(), &[tokens, self.cfg.in_features]),
             false => Tensor::cat_rows(&self.dev, &dxs),
         }
+    }
+
+    /// Forward for training with `m_splits` on the device (i32 `[num_gemms]`, what
+    /// [`crate::ops::moe::routing_map`] writes): the rows of group `g` are `x[o_g .. o_g +
+    /// m_splits[g]]`, and the output rows past `Σ m_splits` (a routing's dropped slots) are
+    /// zeros. One grouped GEMM launch per pass and no host synchronization: a CUDA graph can
+    /// capture it and replay it with other splits. 16-bit (bf16/f16 input, weights converted to
+    /// it), no bias, Hopper.
+    ///
+    /// Sizes on the device cannot be checked on the host: negative splits, or splits summing past
+    /// the rows, are clamped by the kernel and reported by
+    /// [`GroupedLinear::check_device_splits`].
+    ///
+    /// # Errors
+    /// [`Error::Config`] under an enabled (or calibrating) `fp8_autocast` (pass `m_splits` on the
+    /// host for FP8), with `bias`, or for `in_features`/`out_features` not multiples of 16;
+    /// [`Error::Shape`] when `x` is not `[tokens, in_features]`, `m_splits` does not have
+    /// `num_gemms` entries, or the device is not Hopper; [`Error::DType`] for an input that is
+    /// not bf16/f16; kernel failures.
+    pub fn forward_device(&mut self, x: &Tensor, m_splits: &CudaSlice<i32>) -> Result<(Tensor, GroupedLinearCtx)> {
+        let y = self.run_device(x, m_splits)?;
+        let mut copy = self.dev.stream().alloc_zeros::<i32>(m_splits.len())?;
+        self.dev.stream().memcpy_dtod(m_splits, &mut copy)?;
+        let device = Some(DeviceCtx { x: x.clone(), m_splits: copy });
+        Ok((y, GroupedLinearCtx { stamp: self.stamp(), m_splits: Vec::new(), saved: Vec::new(), device }))
+    }
+
+    /// Forward for inference with `m_splits` on the device ([`GroupedLinear::forward_device`]
+    /// without the context).
+    ///
+    /// # Errors
+    /// As [`GroupedLinear::forward_device`].
+    pub fn infer_device(&mut self, x: &Tensor, m_splits: &CudaSlice<i32>) -> Result<Tensor> {
+        self.run_device(x, m_splits)
+    }
+
+    /// Reads (one synchronization) and clears the flag the device-splits kernels set when the
+    /// splits they got were negative or summed past the input's rows.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when a call since the last check had such splits (its outputs and
+    /// gradients are not those of the splits given); driver failures.
+    pub fn check_device_splits(&mut self) -> Result<()> {
+        match &mut self.tables {
+            Some(t) => t.status.check(&self.dev),
+            None => Ok(()),
+        }
+    }
+
+    fn check_device_path(&self, x: &Tensor, m_splits: &CudaSlice<i32>) -> Result<()> {
+        check_input(MODULE, x, self.cfg.in_features)?;
+        crate::ops::check_dtype(MODULE, "x", x, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
+        if x.shape().len() != 2 || m_splits.len() != self.cfg.num_gemms {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!(
+                    "the input must be [tokens, in_features] and m_splits i32 [num_gemms = {}]; got {:?} and {} splits",
+                    self.cfg.num_gemms,
+                    x.shape(),
+                    m_splits.len()
+                ),
+            });
+        }
+        let why = if !matches!(fp8_mode(), Fp8Mode::HighPrecision) {
+            Some("runs in 16 bits: under fp8_autocast pass m_splits on the host (forward)".to_string())
+        } else if self.cfg.bias {
+            Some("takes no bias: build the layer with bias = false, or pass m_splits on the host".to_string())
+        } else if self.cfg.in_features % 16 != 0 || self.cfg.out_features % 16 != 0 {
+            Some(format!(
+                "needs in_features ({}) and out_features ({}) that are multiples of 16",
+                self.cfg.in_features, self.cfg.out_features
+            ))
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(Error::Config { module: MODULE, message: format!("the device-m_splits path {why}") }),
+            None => Ok(()),
+        }
+    }
+
+    fn tables(&mut self) -> Result<&mut DeviceTables> {
+        if self.tables.is_none() {
+            self.tables = Some(DeviceTables::new(&self.dev, self.cfg.num_gemms)?);
+        }
+        self.tables.as_mut().ok_or_else(|| Error::internal(MODULE, "no device tables after creating them"))
+    }
+
+    fn weights(&self, dtype: DType) -> Result<Vec<Tensor>> {
+        self.gemms.iter().map(|g| g.params.weight_high(dtype)).collect()
+    }
+
+    fn run_device(&mut self, x: &Tensor, m_splits: &CudaSlice<i32>) -> Result<Tensor> {
+        self.check_device_path(x, m_splits)?;
+        let weights = self.weights(x.dtype())?;
+        let refs: Vec<&Tensor> = weights.iter().collect();
+        let mut y = Tensor::empty(&self.dev, x.dtype(), &[x.shape()[0], self.cfg.out_features])?;
+        let dev = self.dev.clone();
+        let t = self.tables()?;
+        let w = GroupedWeights { tensors: &refs, k_major: true, scale_inv: None };
+        grouped_gemm_rows(&dev, x, None, &w, m_splits, &mut y, 1.0, (&mut t.fprop, &mut t.status))?;
+        Ok(y)
+    }
+
+    /// dgrad `dx = dy · W_g` (the weights read MN-major) and wgrad `dW_g (+)= dy_gᵀ · x_g` (both
+    /// read MN-major), one grouped launch each.
+    fn backward_device(&mut self, ctx: DeviceCtx, dy: &Tensor) -> Result<Tensor> {
+        let tokens = ctx.x.shape()[0];
+        crate::ops::check_shape(MODULE, "grad_output", dy, &[tokens, self.cfg.out_features])?;
+        crate::ops::check_dtype(MODULE, "grad_output", dy, |d| d == ctx.x.dtype(), ctx.x.dtype().name())?;
+        let dev = self.dev.clone();
+        let weights = self.weights(dy.dtype())?;
+        let refs: Vec<&Tensor> = weights.iter().collect();
+        let mut dx = Tensor::empty(&dev, dy.dtype(), &[tokens, self.cfg.in_features])?;
+        {
+            let t = self.tables()?;
+            let w = GroupedWeights { tensors: &refs, k_major: false, scale_inv: None };
+            grouped_gemm_rows(&dev, dy, None, &w, &ctx.m_splits, &mut dx, 1.0, (&mut t.dgrad, &mut t.status))?;
+        }
+        drop(refs);
+        // Every expert accumulates, or none: fresh gradients are zeros when another one has
+        // accumulated already (the one launch has one mode).
+        let accumulate = self.gemms.iter().any(|g| g.params.wgrad_accumulates());
+        let mut tables = self.tables.take().ok_or_else(|| Error::internal(MODULE, "no device tables"))?;
+        let result = (|| {
+            let mut targets = Vec::with_capacity(self.gemms.len());
+            for g in &mut self.gemms {
+                targets.push(g.params.wgrad_target(accumulate)?.0);
+            }
+            grouped_gemm_reduction(
+                &dev,
+                (dy, false, None),
+                (&ctx.x, false, None),
+                &ctx.m_splits,
+                &mut targets,
+                (1.0, accumulate),
+                (&mut tables.wgrad, &mut tables.status),
+            )
+        })();
+        self.tables = Some(tables);
+        result?;
+        Ok(dx)
     }
 }

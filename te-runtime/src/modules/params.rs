@@ -372,16 +372,30 @@ impl LinearParams {
     ) -> Result<()> {
         let dev = self.dev.clone();
         let epilogue = bgrad.map_or(Epilogue::None, |bgrad| Epilogue::BgradB { bgrad });
-        let shape = [self.out_features, self.in_features];
+        let (target, accumulate) = self.wgrad_target(false)?;
+        let cfg = GemmConfig { accumulate, epilogue, ..Default::default() };
+        gemm(&dev, a, b, GemmOut::new(target), &cfg)
+    }
+
+    /// Where wgrad goes and whether it accumulates there: the `main_grad` (f32, accumulating),
+    /// the weight gradient accumulated so far, or a new `[out, in]` `params_dtype` gradient
+    /// (zeros to accumulate into with `zeroed`, else uninitialized for wgrad to overwrite).
+    pub(crate) fn wgrad_target(&mut self, zeroed: bool) -> Result<(&mut Tensor, bool)> {
         self.check_main_grad()?;
-        let (target, accumulate) = match (self.fuse_wgrad_accumulation, &mut self.main_grad, &mut self.weight_grad) {
+        let shape = [self.out_features, self.in_features];
+        Ok(match (self.fuse_wgrad_accumulation, &mut self.main_grad, &mut self.weight_grad) {
             (true, Some(m), _) => (m, true),
             (true, None, _) => return Err(Error::internal(self.module, "no main_grad after check_main_grad")),
             (false, _, Some(g)) => (g, true),
-            (false, _, g @ None) => (g.insert(Tensor::empty(&dev, self.params_dtype, &shape)?), false),
-        };
-        let cfg = GemmConfig { accumulate, epilogue, ..Default::default() };
-        gemm(&dev, a, b, GemmOut::new(target), &cfg)
+            (false, _, g @ None) if zeroed => (g.insert(Tensor::zeros(&self.dev, self.params_dtype, &shape)?), true),
+            (false, _, g @ None) => (g.insert(Tensor::empty(&self.dev, self.params_dtype, &shape)?), false),
+        })
+    }
+
+    /// Whether wgrad accumulates into something that exists (a `main_grad`, or a weight
+    /// gradient since the last [`LinearParams::zero_grad`]).
+    pub(crate) fn wgrad_accumulates(&self) -> bool {
+        self.fuse_wgrad_accumulation || self.weight_grad.is_some()
     }
 
     /// A zero gradient where none has accumulated yet: the weight's (unless wgrad goes to the
