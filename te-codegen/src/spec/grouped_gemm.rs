@@ -51,8 +51,9 @@ impl GroupedSplit {
 /// (8-bit [`GroupedSplit::Reduction`]) a size not a multiple of 16 sets `status` to 1 and is
 /// clamped (nothing outside the tensors is touched).
 ///
-/// Tiles: 128 × 128 outputs per block of [`GroupedGemmSpec::THREADS`] (two warpgroups of 64
-/// rows), 128-byte k slices in [`GroupedGemmSpec::STAGES`] cp.async stages (128B swizzle); one
+/// Tiles: 128 × 256 outputs per block of [`GroupedGemmSpec::THREADS`] (two warpgroups of 64
+/// rows, `wgmma` m64n256), 128-byte k slices in [`GroupedGemmSpec::STAGES`] cp.async stages
+/// (128B swizzle), the output staged through shared memory for 16-byte stores; one
 /// flat grid of the tiles of every group, `m`-tiles fastest within chunks of
 /// [`GroupedGemmSpec::GROUP_M`] so the blocks in flight share their B tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -79,12 +80,14 @@ pub struct GroupedGemmSpec {
 impl GroupedGemmSpec {
     /// Threads per block: two consumer warpgroups.
     pub const THREADS: usize = 256;
-    /// Output rows and columns of a block's tile.
-    pub const TILE: usize = 128;
-    /// cp.async stages of 32 KiB (A and B tiles of 16 KiB).
+    /// Output rows of a block's tile.
+    pub const TILE_M: usize = 128;
+    /// Output columns of a block's tile.
+    pub const TILE_N: usize = 256;
+    /// cp.async stages of 48 KiB (a 16 KiB A tile and a 32 KiB B tile: 128 bytes of k a row).
     pub const STAGES: usize = 4;
     /// Dynamic shared memory per block: the stages plus 1 KiB for the 1024-byte alignment.
-    pub const SHARED_BYTES: usize = Self::STAGES * 32 * 1024 + 1024;
+    pub const SHARED_BYTES: usize = Self::STAGES * (Self::TILE_M + Self::TILE_N) * 128 + 1024;
     /// M-tiles per chunk of the tile order.
     pub const GROUP_M: usize = 16;
 
@@ -127,14 +130,14 @@ impl GroupedGemmSpec {
 
     /// Blocks of a launch: an upper bound of the tiles of every group (Rows: `⌈total/128⌉ +
     /// groups` row tiles, the tail of zeros included; Reduction: `groups · ⌈m/128⌉`) times
-    /// `⌈n/128⌉`. Blocks past the tiles the sizes give return at once.
+    /// `⌈n/256⌉`. Blocks past the tiles the sizes give return at once.
     pub fn blocks(&self, total: usize, m: usize, n: usize, groups: usize) -> usize {
-        let t = Self::TILE;
+        let t = Self::TILE_M;
         let m_tiles = match self.split {
             GroupedSplit::Rows => total.div_ceil(t) + groups,
             GroupedSplit::Reduction => groups * m.div_ceil(t),
         };
-        m_tiles * n.div_ceil(t)
+        m_tiles * n.div_ceil(Self::TILE_N)
     }
 }
 
@@ -188,6 +191,10 @@ impl Family for GroupedGemmSpec {
         ctx.insert("threads", &Self::THREADS);
         ctx.insert("stages", &Self::STAGES);
         ctx.insert("group_m", &Self::GROUP_M);
+        ctx.insert("tile_n", &Self::TILE_N);
+        // Accumulator registers of a thread (64 × TILE_N f32 over 128 threads), in 8-column tiles.
+        ctx.insert("acc_regs", &(Self::TILE_N / 2));
+        ctx.insert("acc_tiles", &(Self::TILE_N / 8));
     }
     fn validate(&self) -> Result<(), String> {
         if self.arch != Arch::Sm90a {
