@@ -7,7 +7,9 @@
 
 use crate::harness::{random_bytes, Bench};
 use te_runtime::gemm::{gemm, GemmConfig, Operand, Output};
-use te_runtime::ops::grouped_gemm::{grouped_gemm_reduction, grouped_gemm_rows, GroupedPtrs, GroupedStatus, GroupedWeights};
+use te_runtime::ops::grouped_gemm::{
+    grouped_gemm_reduction, grouped_gemm_rows, GroupedPtrs, GroupedStatus, GroupedWeights,
+};
 use te_runtime::{DType, Tensor};
 
 /// `(rows per expert, in_features, out_features)`.
@@ -63,7 +65,8 @@ fn one_shape(b: &mut Bench, per_expert: &[usize], k: usize, n: usize) {
     });
     b.record_flops("grouped_gemm dgrad bf16, device splits", &shape, st, flops);
 
-    let mut dw: Vec<Tensor> = (0..per_expert.len()).map(|_| Tensor::zeros(&dev, DType::BF16, &[n, k]).unwrap()).collect();
+    let mut dw: Vec<Tensor> =
+        (0..per_expert.len()).map(|_| Tensor::zeros(&dev, DType::BF16, &[n, k]).unwrap()).collect();
     for accumulate in [false, true] {
         let st = b.time(3, 20, |_| {
             let mut targets: Vec<&mut Tensor> = dw.iter_mut().collect();

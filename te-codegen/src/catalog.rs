@@ -161,7 +161,9 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                     v.push(s.accumulating(acc).into());
                 }
                 for acc in [false, true] {
-                    v.push(GroupedGemmSpec::new(Reduction, t, t, t, arch).with_major(a_k, b_k).accumulating(acc).into());
+                    v.push(
+                        GroupedGemmSpec::new(Reduction, t, t, t, arch).with_major(a_k, b_k).accumulating(acc).into(),
+                    );
                 }
             }
         }

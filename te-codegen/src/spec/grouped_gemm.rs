@@ -224,3 +224,38 @@ impl Family for GroupedGemmSpec {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every split's tiles fit the launch: `Σ_g ⌈m_g/128⌉ + ⌈tail/128⌉` row tiles never exceed
+    /// `⌈total/128⌉ + groups`, whatever the splits.
+    #[test]
+    fn the_grid_bounds_the_tiles_of_any_splits() {
+        let spec = GroupedGemmSpec::new(GroupedSplit::Rows, DType::BF16, DType::BF16, DType::BF16, Arch::Sm90a);
+        let t = GroupedGemmSpec::TILE_M;
+        for (total, splits) in [
+            (1000usize, vec![1usize, 1, 1, 1]),
+            (1000, vec![129, 0, 255, 1, 257]),
+            (512, vec![128, 128, 128, 128]),
+            (300, vec![0, 0, 0]),
+            (4097, vec![4097]),
+        ] {
+            let used: usize = splits.iter().sum();
+            let tiles: usize = splits.iter().map(|m| m.div_ceil(t)).sum::<usize>() + (total - used).div_ceil(t);
+            let n_tiles = 3;
+            assert!(tiles * n_tiles <= spec.blocks(total, 0, 3 * GroupedGemmSpec::TILE_N, splits.len()), "{splits:?}");
+        }
+        let red = GroupedGemmSpec { split: GroupedSplit::Reduction, ..spec };
+        assert_eq!(red.blocks(5000, 300, 300, 4), 4 * 3 * 2);
+    }
+
+    #[test]
+    fn names_say_split_orders_and_accumulation() {
+        let s = GroupedGemmSpec::new(GroupedSplit::Reduction, DType::BF16, DType::BF16, DType::F32, Arch::Sm90a)
+            .with_major(false, false)
+            .accumulating(true);
+        assert_eq!(crate::spec::KernelSpec::from(s).name(), "te_grouped_gemm_red_bf16mn_bf16mn_f32_acc_sm_90a");
+    }
+}

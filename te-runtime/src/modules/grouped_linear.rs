@@ -99,7 +99,8 @@ struct DeviceTables {
 
 impl DeviceTables {
     fn new(dev: &Device, groups: usize) -> Result<Self> {
-        let pair = || -> Result<[GroupedPtrs; 2]> { Ok([GroupedPtrs::new(dev, groups)?, GroupedPtrs::new(dev, groups)?]) };
+        let pair =
+            || -> Result<[GroupedPtrs; 2]> { Ok([GroupedPtrs::new(dev, groups)?, GroupedPtrs::new(dev, groups)?]) };
         Ok(Self { fprop: pair()?, dgrad: pair()?, wgrad: pair()?, status: GroupedStatus::new(dev)? })
     }
 }

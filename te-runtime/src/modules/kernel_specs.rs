@@ -64,9 +64,30 @@ impl LinearConfig {
 
 impl GroupedLinearConfig {
     /// The kernels a `GroupedLinear` of this config runs for `target`: those of one of its
-    /// GEMMs ([`LinearConfig::kernel_specs`]; the row groups move by copies, no kernel).
+    /// GEMMs ([`LinearConfig::kernel_specs`]; the row groups move by copies, no kernel), and on
+    /// Hopper, for a layer the device-`m_splits` path takes (no bias, 16-bit, features multiples
+    /// of 16), its grouped GEMMs: fprop, dgrad (the weights MN-major) and wgrad (written or
+    /// accumulated into the gradients' dtype, or the f32 `main_grad`).
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         linear(&target.with_dtype(self.params_dtype), self.in_features, self.out_features, self.bias, specs);
+        let t = self.params_dtype;
+        let device_path = !self.bias
+            && matches!(t, DType::BF16 | DType::F16)
+            && self.in_features % 16 == 0
+            && self.out_features % 16 == 0;
+        if target.arch == te_codegen::Arch::Sm90a && device_path {
+            use te_codegen::spec::{GroupedGemmSpec, GroupedSplit};
+            let rows = GroupedGemmSpec::new(GroupedSplit::Rows, t, t, t, target.arch);
+            specs.push(rows.into());
+            specs.push(rows.with_major(true, false).into());
+            let wgrad_dtype = if self.fuse_wgrad_accumulation { DType::F32 } else { self.params_dtype };
+            let wgrad =
+                GroupedGemmSpec::new(GroupedSplit::Reduction, t, t, wgrad_dtype, target.arch).with_major(false, false);
+            specs.push(wgrad.accumulating(true).into());
+            if !self.fuse_wgrad_accumulation {
+                specs.push(wgrad.into());
+            }
+        }
     }
 }
 
