@@ -4,9 +4,11 @@
 //! write 1 B) and the MoE permutation of 8192 tokens × 4096 hidden to top-2 of 8 experts
 //! (permute: read 2 B, write 2 × 2 B per token element; unpermute with probabilities: read
 //! 2 × 2 B, write 2 B), and the top-k softmax router forward of 8192 tokens × 64 experts to the
-//! top 8 (read 2 B and write the 4 B score per logit, write 8 B per slot).
+//! top 8 (read 2 B and write the 4 B score per logit, write 8 B per slot); and `MoeMLP` (the
+//! block) at `moe-small`'s layer shape with the rows per expert on the host or the device.
 
 use crate::harness::{random_bytes, Bench};
+use te_runtime::modules::{MoeMLP, MoeMLPConfig};
 use te_runtime::ops::block_quantize::{
     block_dbias_workspace_len, quantize, quantize_dbias, BlockFp8, BlockQuantizeParams,
 };
@@ -77,5 +79,28 @@ pub fn run(b: &mut Bench) {
         let st = b.time(5, 50, |_| topk_router(&dev, &logits, &mut out).unwrap());
         let bytes = (tokens * experts * (2 + 4) + tokens * k * (4 + 4)) as u64;
         b.record("moe_router top-k softmax fwd bf16", &format!("{tokens}x{experts} top{k}"), st, Some(bytes), None);
+    }
+    if b.enabled("moe_mlp") {
+        // `moe-small`'s MoE block without biases (8 × 1024 tokens, hidden 768, 8 experts of
+        // ffn 1536, top-2), BF16, forward + backward: the rows per expert copied to the host (one
+        // synchronization a forward, then one cuBLASLt GEMM per expert) against kept on the device
+        // (one grouped launch per pass, no synchronization).
+        let (tokens, h, f) = (8192, 768, 1536);
+        let (x, dy) = (bf16(tokens, h, 5), bf16(tokens, h, 6));
+        let gemm = (2 * 2 * tokens * 2 * h * f) as u64; // fc1 and fc2 of the top-2 slots
+        for device_m_splits in [false, true] {
+            let cfg = MoeMLPConfig { bias: false, device_m_splits, ..MoeMLPConfig::new(h, f, 8, 2) };
+            let mut m = MoeMLP::new(&dev, cfg).unwrap();
+            let st = b.time_phases(3, 20, 2, |marks| {
+                let (_, ctx) = m.forward(&x).unwrap();
+                marks.mark();
+                m.backward(ctx, &dy).unwrap();
+                marks.mark();
+            });
+            let variant = if device_m_splits { "device m_splits" } else { "host m_splits" };
+            let shape = format!("{tokens}x{h} ffn{f} e8 top2");
+            b.record_flops(&format!("moe_mlp fwd bf16, {variant}"), &shape, st.phases[0], gemm);
+            b.record_flops(&format!("moe_mlp fwd+bwd bf16, {variant}"), &shape, st.total, 3 * gemm);
+        }
     }
 }

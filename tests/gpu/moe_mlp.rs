@@ -414,3 +414,66 @@ fn moe_gpt_gradients_match_finite_differences_of_the_loss() {
         assert!(checked > 0, "{path}: every probed step changed the routing");
     }
 }
+
+/// `device_m_splits`: the rows per expert stay on the device and the experts run one grouped
+/// launch per pass. Against the same block on the host's splits (same seeds, no biases): the
+/// output, dx and every gradient at bf16 tolerance, over two steps (the second accumulating);
+/// the device's rows per expert are the host's; FP8 takes the host's splits; a config the
+/// grouped GEMM cannot run is a typed error. (Experts without rows: `grouped_linear`'s test.)
+#[test]
+fn device_m_splits_follow_the_host_splits() {
+    let Some(dev) = device() else { return };
+    let (h, f) = (64, 96);
+    for activation in [Activation::Gelu, Activation::Swiglu] {
+        let cfg = MoeMLPConfig { bias: false, activation, seed: 9, ..MoeMLPConfig::new(h, f, E, 2) };
+        let mut on_host = MoeMLP::new(&dev, cfg.clone()).unwrap();
+        let mut on_device = MoeMLP::new(&dev, MoeMLPConfig { device_m_splits: true, ..cfg }).unwrap();
+        let router: Vec<f32> = bf16(&(0..E).flat_map(|e| randn(60 + e as u64, h, 0.3)).collect::<Vec<_>>());
+        for m in [&mut on_host, &mut on_device] {
+            m.router_mut().params_mut().set_weight(upload(&dev, &router, &[E, h])).unwrap();
+        }
+        let x = upload(&dev, &bf16(&randn(7, T * h, 1.0)), &[T, h]);
+        let dy = upload(&dev, &bf16(&randn(8, T * h, 1.0)), &[T, h]);
+        for step in 0..2 {
+            let what = format!("{activation:?} step {step}");
+            let (yh, ch) = on_host.forward(&x).unwrap();
+            let (yd, cd) = on_device.forward(&x).unwrap();
+            assert!(cd.tokens_per_expert().is_empty(), "{what}: the splits stay on the device");
+            let splits = ch.tokens_per_expert().to_vec();
+            let on_gpu = dev.stream().clone_dtoh(cd.device_tokens_per_expert()).unwrap();
+            assert_eq!(on_gpu.iter().map(|&m| m as usize).collect::<Vec<_>>(), splits, "{what}: rows per expert");
+            check(false, &format!("{what} y"), &host(&dev, Some(&yd)), &host(&dev, Some(&yh)), false);
+            let (dxh, dxd) = (on_host.backward(ch, &dy).unwrap(), on_device.backward(cd, &dy).unwrap());
+            check(false, &format!("{what} dx"), &host(&dev, Some(&dxd)), &host(&dev, Some(&dxh)), true);
+            let (r_h, r_d) = (on_host.router().params().weight_grad(), on_device.router().params().weight_grad());
+            check(false, &format!("{what} drouter"), &host(&dev, r_d), &host(&dev, r_h), true);
+            for i in 0..E {
+                for (name, gh, gd) in [
+                    (
+                        "dw1",
+                        on_host.fc1().params(i).unwrap().weight_grad(),
+                        on_device.fc1().params(i).unwrap().weight_grad(),
+                    ),
+                    (
+                        "dw2",
+                        on_host.fc2().params(i).unwrap().weight_grad(),
+                        on_device.fc2().params(i).unwrap().weight_grad(),
+                    ),
+                ] {
+                    let (gh, gd) = (host(&dev, gh), host(&dev, gd));
+                    if splits[i] == 0 {
+                        assert!(gd.iter().all(|&v| v == 0.0), "{what}: {name}[{i}] of an expert without rows");
+                    } else {
+                        check(false, &format!("{what} {name}[{i}]"), &gd, &gh, true);
+                    }
+                }
+            }
+        }
+        on_device.fc1_mut().check_device_splits().unwrap();
+        // Under FP8 the block takes the host's splits (padded to 16).
+        let (_, ctx) = fp8_autocast(true, DelayedScaling::default(), || on_device.forward(&x)).unwrap();
+        assert!(!ctx.tokens_per_expert().is_empty());
+    }
+    let e = MoeMLP::new(&dev, MoeMLPConfig { device_m_splits: true, ..MoeMLPConfig::new(h, f, E, 2) }).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("bias"), "{e}");
+}

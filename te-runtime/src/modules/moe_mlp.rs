@@ -7,7 +7,8 @@
 //! high precision: Megatron keeps the router out of FP8) → top-k softmax router
 //! ([`crate::ops::moe_router::topk_router`]) → routing map and rows per expert
 //! ([`crate::ops::moe::routing_map`]; copied to the host for the expert GEMMs' `m_splits`, as TE
-//! and Megatron do with `.tolist()`) → [`crate::ops::moe::permute`] → fc1 [`GroupedLinear`] →
+//! and Megatron do with `.tolist()`, or kept on the device with
+//! [`MoeMLPConfig::device_m_splits`]) → [`crate::ops::moe::permute`] → fc1 [`GroupedLinear`] →
 //! activation → fc2 [`GroupedLinear`] → [`crate::ops::moe::unpermute`] weighted by the routing
 //! probabilities → `[tokens, hidden]`. The residual is the caller's, as for `LayerNormMLP`.
 //!
@@ -83,6 +84,12 @@ pub struct MoeMLPConfig {
     /// Seed of the weight init: the router uses `seed`, expert `i`'s fc1 `seed + 2^32 + i`, its
     /// fc2 `seed + 2^33 + i`.
     pub seed: u64,
+    /// Keep the rows per expert on the device outside `fp8_autocast`: the expert GEMMs run as
+    /// one grouped launch per pass ([`GroupedLinear::forward_device`]) and a 16-bit forward and
+    /// backward never wait for the GPU (TE and Megatron copy `m_splits` to the host). Needs
+    /// Hopper, `bias = false` and `hidden_size`/`ffn_hidden_size` multiples of 16 (checked by
+    /// [`MoeMLP::new`]); FP8 passes and f32 inputs take the host's splits. Default false.
+    pub device_m_splits: bool,
 }
 
 impl MoeMLPConfig {
@@ -104,6 +111,7 @@ impl MoeMLPConfig {
             params_dtype: DType::BF16,
             init_std: 0.023,
             seed: 0,
+            device_m_splits: false,
         }
     }
 
@@ -159,6 +167,13 @@ impl MoeMLPConfig {
         }
         if self.hidden_size == 0 || self.ffn_hidden_size == 0 {
             return Err(config("hidden_size and ffn_hidden_size must be ≥ 1".into()));
+        }
+        if self.device_m_splits && (self.bias || self.hidden_size % 16 != 0 || self.ffn_hidden_size % 16 != 0) {
+            return Err(config(format!(
+                "device_m_splits needs bias = false and hidden_size ({}) and ffn_hidden_size ({}) multiples of 16 \
+                 (the grouped GEMM's limits); set it to false for the host's splits",
+                self.hidden_size, self.ffn_hidden_size
+            )));
         }
         Ok(())
     }
@@ -245,9 +260,16 @@ impl MoeMLPCtx {
         self.aux_loss_grad = grad;
     }
 
-    /// Rows per expert of this forward (before padding).
+    /// Rows per expert of this forward (before padding); empty when they stayed on the device
+    /// ([`MoeMLPConfig::device_m_splits`]: read [`MoeMLPCtx::device_tokens_per_expert`]).
     pub fn tokens_per_expert(&self) -> &[usize] {
         &self.m_splits
+    }
+
+    /// Rows per expert of this forward on the device (i32 `[num_experts]`, what
+    /// [`crate::ops::moe::routing_map`] wrote).
+    pub fn device_tokens_per_expert(&self) -> &CudaSlice<i32> {
+        &self.routing.m_splits
     }
 
     /// The router's output of this forward: each token's experts (i32 `[tokens, topk]`), their
@@ -300,6 +322,15 @@ impl MoeMLP {
     /// `GroupedLinear` and the norm refuse; allocation failures.
     pub fn new(dev: &Arc<Device>, cfg: MoeMLPConfig) -> Result<Self> {
         cfg.check()?;
+        if cfg.device_m_splits && dev.arch() != te_codegen::Arch::Sm90a {
+            return Err(Error::Config {
+                module: MODULE,
+                message: format!(
+                    "device_m_splits runs the experts' grouped GEMM, which needs Hopper (sm_90a), not {}; set it to false",
+                    dev.arch()
+                ),
+            });
+        }
         let (norm_cfg, router_cfg, fc1_cfg, fc2_cfg) = cfg.parts();
         let norm = NormParams::new(dev, MODULE, cfg.normalization, norm_cfg)?;
         let router = Linear::new(dev, router_cfg)?;
@@ -413,7 +444,9 @@ impl MoeMLP {
         topk_router(&dev, &logits, &mut r)?;
         let mut routing = MoeRouting::new(&dev, tokens, k, e)?;
         routing_map(&dev, &r.indices, &mut routing)?;
-        let m_splits = host_splits(&dev, &routing)?;
+        let fp8 = matches!(fp8_mode(), Fp8Mode::Fp8(_) | Fp8Mode::Calibrating(_));
+        let on_device = self.cfg.device_m_splits && !fp8 && matches!(dt, DType::BF16 | DType::F16);
+        let m_splits = if on_device { Vec::new() } else { host_splits(&dev, &routing)? };
         let mut x_perm = Tensor::empty(&dev, dt, &[routing.rows(), h])?;
         permute(&dev, &ln, &routing, None, &mut x_perm)?;
         // FP8 training: pad every expert's rows to a multiple of 16 (TE's Fp8Padding).
@@ -423,23 +456,33 @@ impl MoeMLP {
         if let Some(p) = &padded {
             x_perm = move_groups(&dev, &x_perm, &m_splits, p)?;
         }
-        let (pre_act, fc1_ctx) = match grad {
-            true => {
+        let (pre_act, fc1_ctx) = match (grad, on_device) {
+            (true, false) => {
                 let (y, c) = self.fc1.forward_with(&x_perm, splits, opts)?;
                 (y, Some(c))
             }
-            false => (self.fc1.infer(&x_perm, splits)?, None),
+            (true, true) => {
+                let (y, c) = self.fc1.forward_device(&x_perm, &routing.m_splits)?;
+                (y, Some(c))
+            }
+            (false, false) => (self.fc1.infer(&x_perm, splits)?, None),
+            (false, true) => (self.fc1.infer_device(&x_perm, &routing.m_splits)?, None),
         };
         drop(x_perm);
         let rows = pre_act.shape()[0];
         let mut act = Tensor::empty(&dev, dt, &[rows, self.cfg.ffn_hidden_size])?;
         activation::forward(&dev, self.cfg.activation, &pre_act, None, &mut act, None)?;
-        let (mut y_perm, fc2_ctx) = match grad {
-            true => {
+        let (mut y_perm, fc2_ctx) = match (grad, on_device) {
+            (true, false) => {
                 let (y, c) = self.fc2.forward_with(&act, splits, opts)?;
                 (y, Some(c))
             }
-            false => (self.fc2.infer(&act, splits)?, None),
+            (true, true) => {
+                let (y, c) = self.fc2.forward_device(&act, &routing.m_splits)?;
+                (y, Some(c))
+            }
+            (false, false) => (self.fc2.infer(&act, splits)?, None),
+            (false, true) => (self.fc2.infer_device(&act, &routing.m_splits)?, None),
         };
         drop(act);
         if let Some(p) = &padded {
