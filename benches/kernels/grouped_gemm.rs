@@ -8,7 +8,7 @@
 use crate::harness::{random_bytes, Bench};
 use te_runtime::gemm::{gemm, GemmConfig, Operand, Output};
 use te_runtime::ops::grouped_gemm::{
-    grouped_gemm_reduction, grouped_gemm_rows, GroupedPtrs, GroupedStatus, GroupedWeights,
+    grouped_gemm_reduction, grouped_gemm_rows, GroupedStatus, GroupedTables, GroupedWeights,
 };
 use te_runtime::{DType, Tensor};
 
@@ -38,7 +38,7 @@ fn one_shape(b: &mut Bench, per_expert: &[usize], k: usize, n: usize) {
     let w: Vec<Tensor> = (0..per_expert.len()).map(|g| random(DType::BF16, &[n, k], 10 + g as u64)).collect();
     let wr: Vec<&Tensor> = w.iter().collect();
     let splits = dev.stream().clone_htod(&per_expert.iter().map(|&m| m as i32).collect::<Vec<_>>()).unwrap();
-    let mut tables = [GroupedPtrs::new(&dev, 8).unwrap(), GroupedPtrs::new(&dev, 8).unwrap()];
+    let mut tables = GroupedTables::new(&dev, 8).unwrap();
     let mut status = GroupedStatus::new(&dev).unwrap();
     let flops = (2 * rows * k * n) as u64;
     let shape = format!("{rows}x{k}->{n} e{}", per_expert.len());
@@ -46,7 +46,7 @@ fn one_shape(b: &mut Bench, per_expert: &[usize], k: usize, n: usize) {
 
     let mut y = Tensor::empty(&dev, DType::BF16, &[rows, n]).unwrap();
     let st = b.time(3, 20, |_| {
-        let g = GroupedWeights { tensors: &wr, k_major: true, scale_inv: None };
+        let g = GroupedWeights { tensors: &wr, k_major: true, scale_inv: None, bias: None };
         grouped_gemm_rows(&dev, &x, None, &g, &splits, &mut y, 1.0, (&mut tables, &mut status)).unwrap()
     });
     b.record_flops("grouped_gemm fprop bf16, device splits", &shape, st, flops);
@@ -60,7 +60,7 @@ fn one_shape(b: &mut Bench, per_expert: &[usize], k: usize, n: usize) {
 
     let mut dx = Tensor::empty(&dev, DType::BF16, &[rows, k]).unwrap();
     let st = b.time(3, 20, |_| {
-        let g = GroupedWeights { tensors: &wr, k_major: false, scale_inv: None };
+        let g = GroupedWeights { tensors: &wr, k_major: false, scale_inv: None, bias: None };
         grouped_gemm_rows(&dev, &dy, None, &g, &splits, &mut dx, 1.0, (&mut tables, &mut status)).unwrap()
     });
     b.record_flops("grouped_gemm dgrad bf16, device splits", &shape, st, flops);
@@ -93,7 +93,7 @@ fn one_shape(b: &mut Bench, per_expert: &[usize], k: usize, n: usize) {
     let si = dev.stream().clone_htod(&[0.5f32]).unwrap();
     let sis: Vec<_> = (0..per_expert.len()).map(|_| si.slice(..)).collect();
     let st = b.time(3, 20, |_| {
-        let g = GroupedWeights { tensors: &w8r, k_major: true, scale_inv: Some(&sis) };
+        let g = GroupedWeights { tensors: &w8r, k_major: true, scale_inv: Some(&sis), bias: None };
         grouped_gemm_rows(&dev, &x8, Some(si.slice(..)), &g, &splits, &mut y, 1.0, (&mut tables, &mut status)).unwrap()
     });
     b.record_flops("grouped_gemm fprop e4m3, device splits", &shape, st, flops);

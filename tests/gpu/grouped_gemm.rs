@@ -8,12 +8,12 @@ use crate::common::{device, randn};
 use cudarc::driver::CudaSlice;
 use te_runtime::numerics::round_to;
 use te_runtime::ops::grouped_gemm::{
-    grouped_gemm_reduction, grouped_gemm_rows, GroupedPtrs, GroupedStatus, GroupedWeights,
+    grouped_dbias, grouped_gemm_reduction, grouped_gemm_rows, GroupedStatus, GroupedTables, GroupedWeights,
 };
 use te_runtime::{DType, Device, Error, Tensor};
 
-fn tables(dev: &Device, groups: usize) -> [GroupedPtrs; 2] {
-    [GroupedPtrs::new(dev, groups).unwrap(), GroupedPtrs::new(dev, groups).unwrap()]
+fn tables(dev: &Device, groups: usize) -> GroupedTables {
+    GroupedTables::new(dev, groups).unwrap()
 }
 
 fn rounded(dtype: DType, v: Vec<f32>) -> Vec<f32> {
@@ -60,11 +60,11 @@ fn rows_split_matches_the_f64_product() {
     let (rows, k, n) = (470, 96, 144);
     let s = [37, 0, 200, 129, 64]; // Σ 430: 40 rows of zeros after them
     let groups = s.len();
-    for (t, b_k_major, out) in [
-        (DType::BF16, true, DType::BF16),
-        (DType::BF16, false, DType::F32),
-        (DType::F16, true, DType::F16),
-        (DType::F16, false, DType::BF16),
+    for (t, b_k_major, out, with_bias) in [
+        (DType::BF16, true, DType::BF16, true),
+        (DType::BF16, false, DType::F32, true),
+        (DType::F16, true, DType::F16, false),
+        (DType::F16, false, DType::BF16, false),
     ] {
         let a = rounded(t, randn(1, rows * k, 1.0));
         let b: Vec<Vec<f32>> = (0..groups).map(|g| rounded(t, randn(10 + g as u64, n * k, 1.0))).collect();
@@ -82,14 +82,29 @@ fn rows_split_matches_the_f64_product() {
         let refs: Vec<&Tensor> = bt.iter().collect();
         let mut d = Tensor::from_f32(&dev, out, &[rows, n], &vec![7.0; rows * n]).unwrap();
         let (mut tab, mut st) = (tables(&dev, groups), GroupedStatus::new(&dev).unwrap());
-        let w = GroupedWeights { tensors: &refs, k_major: b_k_major, scale_inv: None };
+        let bias: Vec<Vec<f32>> = (0..groups).map(|g| rounded(out, randn(30 + g as u64, n, 4.0))).collect();
+        let bias_t: Vec<Tensor> = bias.iter().map(|v| Tensor::from_f32(&dev, out, &[n], v).unwrap()).collect();
+        let bias_refs: Vec<&Tensor> = bias_t.iter().collect();
+        let bias_arg = with_bias.then_some(bias_refs.as_slice());
+        let w = GroupedWeights { tensors: &refs, k_major: b_k_major, scale_inv: None, bias: bias_arg };
         grouped_gemm_rows(&dev, &at, None, &w, &splits(&dev, &s), &mut d, 0.5, (&mut tab, &mut st)).unwrap();
         st.check(&dev).unwrap();
         let got = d.to_f32(&dev).unwrap();
-        let want = rows_reference(&a, &b, &s, rows, k, n, &[0.5; 5]);
+        let mut want = rows_reference(&a, &b, &s, rows, k, n, &[0.5; 5]);
+        if with_bias {
+            let mut r0 = 0;
+            for (g, &m) in s.iter().enumerate() {
+                for r in r0..r0 + m as usize {
+                    for c in 0..n {
+                        want[r * n + c] += bias[g][c] as f64;
+                    }
+                }
+                r0 += m as usize;
+            }
+        }
         let err = rel_fro(&got, &want);
         let tol = if out == DType::F32 { 1e-5 } else { 4e-3 };
-        assert!(err < tol, "{t} b_k_major {b_k_major} -> {out}: relative error {err}");
+        assert!(err < tol, "{t} b_k_major {b_k_major} -> {out} bias {with_bias}: relative error {err}");
         assert!(got[430 * n..].iter().all(|&v| v == 0.0), "{t}: the tail past the groups must be zeros");
     }
 }
@@ -112,7 +127,7 @@ fn rows_split_in_fp8_applies_the_scale_invs() {
         let b_views: Vec<_> = b_si.iter().map(|v| v.slice(..)).collect();
         let mut d = Tensor::zeros(&dev, DType::BF16, &[rows, n]).unwrap();
         let (mut tab, mut st) = (tables(&dev, groups), GroupedStatus::new(&dev).unwrap());
-        let w = GroupedWeights { tensors: &refs, k_major: true, scale_inv: Some(&b_views) };
+        let w = GroupedWeights { tensors: &refs, k_major: true, scale_inv: Some(&b_views), bias: None };
         let sp = splits(&dev, &s);
         grouped_gemm_rows(&dev, &at, Some(a_si.slice(..)), &w, &sp, &mut d, 1.0, (&mut tab, &mut st)).unwrap();
         st.check(&dev).unwrap();
@@ -237,7 +252,7 @@ fn bad_sizes_are_flagged_and_bad_shapes_are_typed_errors() {
     let at = Tensor::from_f32(&dev, DType::BF16, &[rows, k], &randn(7, rows * k, 1.0)).unwrap();
     let bt = Tensor::from_f32(&dev, DType::BF16, &[n, k], &randn(8, n * k, 1.0)).unwrap();
     let refs = [&bt, &bt];
-    let w = GroupedWeights { tensors: &refs, k_major: true, scale_inv: None };
+    let w = GroupedWeights { tensors: &refs, k_major: true, scale_inv: None, bias: None };
     let (mut tab, mut st) = (tables(&dev, 2), GroupedStatus::new(&dev).unwrap());
     let mut d = Tensor::zeros(&dev, DType::BF16, &[rows, n]).unwrap();
     for bad in [[-1, 8], [40, 40]] {
@@ -266,13 +281,62 @@ fn bad_sizes_are_flagged_and_bad_shapes_are_typed_errors() {
     let a_odd = Tensor::zeros(&dev, DType::BF16, &[rows, 24]).unwrap();
     let b_odd = Tensor::zeros(&dev, DType::BF16, &[n, 24]).unwrap();
     let odd = [&b_odd, &b_odd];
-    let w_odd = GroupedWeights { tensors: &odd, k_major: true, scale_inv: None };
+    let w_odd = GroupedWeights { tensors: &odd, k_major: true, scale_inv: None, bias: None };
     let e = grouped_gemm_rows(&dev, &a_odd, None, &w_odd, &splits(&dev, &[32, 32]), &mut d, 1.0, (&mut tab, &mut st));
     assert!(e.unwrap_err().to_string().contains("multiple of 16"));
     let e = grouped_gemm_rows(&dev, &at, None, &w, &splits(&dev, &[64]), &mut d, 1.0, (&mut tab, &mut st));
     assert!(e.unwrap_err().to_string().contains("m_splits"));
     let mixed = [&bt, &b_odd];
-    let w_mixed = GroupedWeights { tensors: &mixed, k_major: true, scale_inv: None };
+    let w_mixed = GroupedWeights { tensors: &mixed, k_major: true, scale_inv: None, bias: None };
     let e = grouped_gemm_rows(&dev, &at, None, &w_mixed, &splits(&dev, &[32, 32]), &mut d, 1.0, (&mut tab, &mut st));
     assert!(e.unwrap_err().to_string().contains("group 1"));
+}
+
+/// The bias gradient of the rows split: each group's column sums of dy, written and accumulated
+/// in bf16 and f32, an empty group, rows past the groups ignored; the same bits every run.
+#[test]
+fn dbias_sums_each_groups_rows() {
+    let Some(dev) = device() else { return };
+    let (total, m) = (300, 208);
+    let s = [70, 0, 129, 33]; // Σ 232
+    let dy = rounded(DType::BF16, randn(9, total * m, 1.0));
+    let dyt = Tensor::from_f32(&dev, DType::BF16, &[total, m], &dy).unwrap();
+    let mut want = vec![vec![0.0f64; m]; s.len()];
+    let mut r0 = 0;
+    for (g, &rows) in s.iter().enumerate() {
+        for r in r0..r0 + rows as usize {
+            for c in 0..m {
+                want[g][c] += dy[r * m + c] as f64;
+            }
+        }
+        r0 += rows as usize;
+    }
+    let mut tab = tables(&dev, s.len());
+    for (out, accumulate) in [(DType::BF16, false), (DType::F32, false), (DType::F32, true), (DType::BF16, true)] {
+        let start = 2.0f32;
+        let mut d: Vec<Tensor> =
+            (0..s.len()).map(|_| Tensor::from_f32(&dev, out, &[m], &vec![start; m]).unwrap()).collect();
+        let mut refs: Vec<&mut Tensor> = d.iter_mut().collect();
+        grouped_dbias(&dev, &dyt, &splits(&dev, &s), &mut refs, accumulate, &mut tab).unwrap();
+        let first: Vec<Vec<u8>> = d.iter().map(|t| t.to_bytes(&dev).unwrap()).collect();
+        for (g, dg) in d.iter().enumerate() {
+            let got = dg.to_f32(&dev).unwrap();
+            let base = if accumulate { start as f64 } else { 0.0 };
+            let tol = if out == DType::F32 { 1e-4 } else { 1e-2 };
+            for (c, (&x, &w)) in got.iter().zip(&want[g]).enumerate() {
+                let w = w + base;
+                assert!(
+                    (x as f64 - w).abs() <= tol * (1.0 + w.abs()),
+                    "{out} acc {accumulate}: group {g} col {c}: {x} vs {w}"
+                );
+            }
+        }
+        if !accumulate {
+            let mut refs: Vec<&mut Tensor> = d.iter_mut().collect();
+            grouped_dbias(&dev, &dyt, &splits(&dev, &s), &mut refs, false, &mut tab).unwrap();
+            for (g, dg) in d.iter().enumerate() {
+                assert_eq!(dg.to_bytes(&dev).unwrap(), first[g], "{out}: group {g} deterministic");
+            }
+        }
+    }
 }

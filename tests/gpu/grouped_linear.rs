@@ -163,18 +163,33 @@ fn grouped_linear_errors_are_typed() {
 }
 
 /// The device-splits path (one grouped launch per pass) against the host-splits path (one
-/// cuBLASLt GEMM per expert) with the same weights: outputs, dx and accumulated weight gradients
-/// at bf16 tolerance (different summation orders), the rows past `Σ m_splits` zero, then a CUDA
-/// graph of forward + backward replayed with other splits written into the same device buffer.
+/// cuBLASLt GEMM per expert) with the same weights, without and with biases: outputs, dx and
+/// accumulated weight and bias gradients at bf16 tolerance (different summation orders), the rows
+/// past `Σ m_splits` zero, then a CUDA graph of forward + backward replayed with other splits
+/// written into the same device buffer.
 #[test]
 fn device_m_splits_follow_host_m_splits_and_replay_in_a_graph() {
+    let Some(dev) = device() else { return };
+    for bias in [false, true] {
+        device_splits_case(&dev, bias);
+    }
+}
+
+fn device_splits_case(dev: &std::sync::Arc<Device>, bias: bool) {
     use te_runtime::graph::Graph;
     use te_runtime::{DType, Tensor};
-    let Some(dev) = device() else { return };
+    let dev = dev.clone();
     let (inf, outf) = (96, 160);
-    let cfg = GroupedLinearConfig { bias: false, seed: 3, ..GroupedLinearConfig::new(4, inf, outf) };
+    let cfg = GroupedLinearConfig { bias, seed: 3, ..GroupedLinearConfig::new(4, inf, outf) };
     let mut on_device = GroupedLinear::new(&dev, cfg.clone()).unwrap();
     let mut on_host = GroupedLinear::new(&dev, cfg).unwrap();
+    if bias {
+        for i in 0..4 {
+            let b = upload(&dev, &bf16(&randn(40 + i as u64, outf, 0.5)), &[outf]);
+            on_device.params_mut(i).unwrap().set_bias(b.clone()).unwrap();
+            on_host.params_mut(i).unwrap().set_bias(b).unwrap();
+        }
+    }
     let rows = 200; // the splits route at most 200 rows; those past them must come out zero
     let x = Tensor::from_f32(&dev, DType::BF16, &[rows, inf], &bf16(&randn(1, rows * inf, 1.0))).unwrap();
     let dy = Tensor::from_f32(&dev, DType::BF16, &[rows, outf], &bf16(&randn(2, rows * outf, 0.1))).unwrap();
@@ -211,18 +226,21 @@ fn device_m_splits_follow_host_m_splits_and_replay_in_a_graph() {
     on_device.check_device_splits().unwrap();
     // 2 eager steps and 3 replays accumulated alike.
     for i in 0..4 {
-        let (gd, gh) = (on_device.params(i).unwrap().weight_grad(), on_host.params(i).unwrap().weight_grad());
-        assert_close(&format!("dW_{i}"), &host(&dev, gd), &host(&dev, gh), 2e-2, 2e-2);
+        let (pd, ph) = (on_device.params(i).unwrap(), on_host.params(i).unwrap());
+        assert_close(&format!("dW_{i}"), &host(&dev, pd.weight_grad()), &host(&dev, ph.weight_grad()), 2e-2, 2e-2);
+        if bias {
+            assert_close(&format!("db_{i}"), &host(&dev, pd.bias_grad()), &host(&dev, ph.bias_grad()), 2e-2, 2e-2);
+        }
     }
     // Splits that sum past the rows are clamped and reported.
     dev.stream().memcpy_htod(&[150i32, 150, 0, 0], &mut splits).unwrap();
     on_device.infer_device(&x, &splits).unwrap();
     assert!(on_device.check_device_splits().is_err());
-    // The device path's typed errors: FP8, a bias, a wrong split count.
+    // The device path's typed errors: FP8, features not multiples of 16, a wrong split count.
     let e = fp8_autocast(true, DelayedScaling::default(), || on_device.forward_device(&x, &splits)).unwrap_err();
     assert!(matches!(e, Error::Config { .. }), "{e}");
-    let mut biased = GroupedLinear::new(&dev, GroupedLinearConfig::new(4, inf, outf)).unwrap();
-    assert!(matches!(biased.forward_device(&x, &splits).unwrap_err(), Error::Config { .. }));
+    let mut odd = GroupedLinear::new(&dev, GroupedLinearConfig::new(4, inf, 40)).unwrap();
+    assert!(matches!(odd.forward_device(&x, &splits).unwrap_err(), Error::Config { .. }));
     let three = dev.stream().clone_htod(&[1i32, 2, 3]).unwrap();
     assert!(matches!(on_device.forward_device(&x, &three).unwrap_err(), Error::Shape { .. }));
 }

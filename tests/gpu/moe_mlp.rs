@@ -416,7 +416,8 @@ fn moe_gpt_gradients_match_finite_differences_of_the_loss() {
 }
 
 /// `device_m_splits`: the rows per expert stay on the device and the experts run one grouped
-/// launch per pass. Against the same block on the host's splits (same seeds, no biases): the
+/// launch per pass. Against the same block on the host's splits (same seeds; with and without
+/// biases): the
 /// output, dx and every gradient at bf16 tolerance, over two steps (the second accumulating);
 /// the device's rows per expert are the host's; FP8 takes the host's splits; a config the
 /// grouped GEMM cannot run is a typed error. (Experts without rows: `grouped_linear`'s test.)
@@ -424,13 +425,20 @@ fn moe_gpt_gradients_match_finite_differences_of_the_loss() {
 fn device_m_splits_follow_the_host_splits() {
     let Some(dev) = device() else { return };
     let (h, f) = (64, 96);
-    for activation in [Activation::Gelu, Activation::Swiglu] {
-        let cfg = MoeMLPConfig { bias: false, activation, seed: 9, ..MoeMLPConfig::new(h, f, E, 2) };
+    for (activation, bias) in [(Activation::Gelu, true), (Activation::Swiglu, false)] {
+        let cfg = MoeMLPConfig { bias, activation, seed: 9, ..MoeMLPConfig::new(h, f, E, 2) };
         let mut on_host = MoeMLP::new(&dev, cfg.clone()).unwrap();
         let mut on_device = MoeMLP::new(&dev, MoeMLPConfig { device_m_splits: true, ..cfg }).unwrap();
         let router: Vec<f32> = bf16(&(0..E).flat_map(|e| randn(60 + e as u64, h, 0.3)).collect::<Vec<_>>());
         for m in [&mut on_host, &mut on_device] {
             m.router_mut().params_mut().set_weight(upload(&dev, &router, &[E, h])).unwrap();
+            for i in (0..E).filter(|_| bias) {
+                let fc1 = m.fc1_mut().params_mut(i).unwrap();
+                let n = fc1.out_features();
+                fc1.set_bias(upload(&dev, &bf16(&randn(70 + i as u64, n, 0.1)), &[n])).unwrap();
+                let fc2 = m.fc2_mut().params_mut(i).unwrap();
+                fc2.set_bias(upload(&dev, &bf16(&randn(80 + i as u64, h, 0.1)), &[h])).unwrap();
+            }
         }
         let x = upload(&dev, &bf16(&randn(7, T * h, 1.0)), &[T, h]);
         let dy = upload(&dev, &bf16(&randn(8, T * h, 1.0)), &[T, h]);
@@ -448,18 +456,15 @@ fn device_m_splits_follow_the_host_splits() {
             let (r_h, r_d) = (on_host.router().params().weight_grad(), on_device.router().params().weight_grad());
             check(false, &format!("{what} drouter"), &host(&dev, r_d), &host(&dev, r_h), true);
             for i in 0..E {
-                for (name, gh, gd) in [
-                    (
-                        "dw1",
-                        on_host.fc1().params(i).unwrap().weight_grad(),
-                        on_device.fc1().params(i).unwrap().weight_grad(),
-                    ),
-                    (
-                        "dw2",
-                        on_host.fc2().params(i).unwrap().weight_grad(),
-                        on_device.fc2().params(i).unwrap().weight_grad(),
-                    ),
-                ] {
+                let (h1, d1) = (on_host.fc1().params(i).unwrap(), on_device.fc1().params(i).unwrap());
+                let (h2, d2) = (on_host.fc2().params(i).unwrap(), on_device.fc2().params(i).unwrap());
+                let pairs = [
+                    ("dw1", h1.weight_grad(), d1.weight_grad()),
+                    ("dw2", h2.weight_grad(), d2.weight_grad()),
+                    ("db1", h1.bias_grad(), d1.bias_grad()),
+                    ("db2", h2.bias_grad(), d2.bias_grad()),
+                ];
+                for (name, gh, gd) in pairs.into_iter().filter(|(_, gh, _)| gh.is_some()) {
                     let (gh, gd) = (host(&dev, gh), host(&dev, gd));
                     if splits[i] == 0 {
                         assert!(gd.iter().all(|&v| v == 0.0), "{what}: {name}[{i}] of an expert without rows");
@@ -474,6 +479,6 @@ fn device_m_splits_follow_the_host_splits() {
         let (_, ctx) = fp8_autocast(true, DelayedScaling::default(), || on_device.forward(&x)).unwrap();
         assert!(!ctx.tokens_per_expert().is_empty());
     }
-    let e = MoeMLP::new(&dev, MoeMLPConfig { device_m_splits: true, ..MoeMLPConfig::new(h, f, E, 2) }).unwrap_err();
-    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("bias"), "{e}");
+    let e = MoeMLP::new(&dev, MoeMLPConfig { device_m_splits: true, ..MoeMLPConfig::new(h, 40, E, 2) }).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("multiples of 16"), "{e}");
 }

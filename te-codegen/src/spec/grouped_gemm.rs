@@ -44,7 +44,11 @@ impl GroupedSplit {
 ///   `scale_inv` multiply the product (A: one value; B: `b_scale_inv[g]`, or `[0]` with
 ///   [`GroupedSplit::Reduction`]).
 /// - D: bf16, f16 or f32, row-major `[rows, n]` ([`GroupedSplit::Rows`]; rows past `Σ m_g` are
-///   written with zeros) or `[m, n]` per group; `accumulate` adds to D (in f32, rounded once).
+///   written with zeros; each group's bias `[n]`, of D's type, added when `bias_ptrs` is not
+///   null) or `[m, n]` per group; `accumulate` adds to D (in f32, rounded once).
+/// - 16-bit specs have a second entry point, `<name>_dbias` ([`GroupedGemmSpec::DBIAS_ARGS`]):
+///   each group's column sums of `a [total, m]` into its `dbias [m]` (the bias gradient),
+///   written or accumulated, deterministic.
 ///
 /// Limits the launcher checks on the host: `k` and `n` multiples of 16 (16-byte rows), `m` of 16
 /// with MN-major A. On the device, per launch: a negative size, sizes summing past the rows, or
@@ -101,6 +105,11 @@ impl GroupedGemmSpec {
         KernelArg::read("m_splits", "const int* __restrict__", "i32 `[groups]` rows (or reduction length) per group"),
         KernelArg::read("a_scale_inv", "const float* __restrict__", "f32 `[1]` A's scale_inv (8-bit), else null"),
         KernelArg::read("b_scale_inv", "const u64* __restrict__", "`[groups]` pointers to B's f32 scale_inv (8-bit)"),
+        KernelArg::read(
+            "bias_ptrs",
+            "const u64* __restrict__",
+            "`[groups]` bias `[n]` of D's type per group (Rows), or null",
+        ),
         KernelArg::write("status", "int* __restrict__", "i32 `[1]`: set to 1 on sizes the kernel had to clamp"),
         KernelArg::scalar("total", "u64", "rows of A and D (Rows) or the reduction length (Reduction)"),
         KernelArg::scalar("m", "u64", "rows of each D_g (Reduction; unused with Rows)"),
@@ -109,6 +118,19 @@ impl GroupedGemmSpec {
         KernelArg::scalar("groups", "u64", "groups"),
         KernelArg::scalar("alpha", "float", "scale of the product"),
     ];
+
+    /// The arguments of `<name>_dbias` (16-bit A only).
+    pub const DBIAS_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("a", "const void* __restrict__", "`[total, m]` rows whose column sums are taken (dy)"),
+        KernelArg::read("m_splits", "const int* __restrict__", "i32 `[groups]` rows per group"),
+        KernelArg::read("dbias_ptrs", "const u64* __restrict__", "`[groups]` dbias `[m]` of D's type per group"),
+        KernelArg::scalar("total", "u64", "rows of a"),
+        KernelArg::scalar("m", "u64", "columns of a"),
+        KernelArg::scalar("groups", "u64", "groups"),
+    ];
+
+    /// Columns per block of `<name>_dbias` (grid `(⌈m/64⌉, groups)`, 256 threads).
+    pub const DBIAS_COLS: usize = 64;
 
     /// The kernel for a bf16/f16 forward-style product (both operands K-major).
     pub const fn new(split: GroupedSplit, a: DType, b: DType, out: DType, arch: Arch) -> Self {
@@ -171,8 +193,18 @@ impl Family for GroupedGemmSpec {
     fn arch(&self) -> Arch {
         self.arch
     }
-    fn args(&self, _entry: usize) -> &'static [KernelArg] {
-        Self::ARGS
+    fn entry_suffixes(&self) -> &'static [&'static str] {
+        if self.a.is_fp8() {
+            &[""]
+        } else {
+            &["", "_dbias"]
+        }
+    }
+    fn args(&self, entry: usize) -> &'static [KernelArg] {
+        match entry {
+            0 => Self::ARGS,
+            _ => Self::DBIAS_ARGS,
+        }
     }
     fn context(&self, ctx: &mut tera::Context) {
         let fp8 = self.a.is_fp8();

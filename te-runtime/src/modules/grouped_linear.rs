@@ -21,7 +21,9 @@ use super::linear::{check_input, ForwardOptions};
 use super::params::{fp8_dim, LinearParams, ParamsInit};
 use super::{next_module_id, Stamp};
 use crate::fp8::{fp8_mode, Fp8Mode, Fp8StateSlot, ScalingState};
-use crate::ops::grouped_gemm::{grouped_gemm_reduction, grouped_gemm_rows, GroupedPtrs, GroupedStatus, GroupedWeights};
+use crate::ops::grouped_gemm::{
+    grouped_dbias, grouped_gemm_reduction, grouped_gemm_rows, GroupedStatus, GroupedTables, GroupedWeights,
+};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
@@ -87,21 +89,20 @@ struct DeviceCtx {
     m_splits: CudaSlice<i32>,
 }
 
-/// The device-splits path's address tables (one pair per GEMM of a step, so that steady-state
+/// The device-splits path's address tables (one set per GEMM of a step, so that steady-state
 /// calls upload nothing) and its status flag.
 #[derive(Debug)]
 struct DeviceTables {
-    fprop: [GroupedPtrs; 2],
-    dgrad: [GroupedPtrs; 2],
-    wgrad: [GroupedPtrs; 2],
+    fprop: GroupedTables,
+    dgrad: GroupedTables,
+    wgrad: GroupedTables,
     status: GroupedStatus,
 }
 
 impl DeviceTables {
     fn new(dev: &Device, groups: usize) -> Result<Self> {
-        let pair =
-            || -> Result<[GroupedPtrs; 2]> { Ok([GroupedPtrs::new(dev, groups)?, GroupedPtrs::new(dev, groups)?]) };
-        Ok(Self { fprop: pair()?, dgrad: pair()?, wgrad: pair()?, status: GroupedStatus::new(dev)? })
+        let t = || GroupedTables::new(dev, groups);
+        Ok(Self { fprop: t()?, dgrad: t()?, wgrad: t()?, status: GroupedStatus::new(dev)? })
     }
 }
 
@@ -347,8 +348,8 @@ impl GroupedLinear {
     /// [`crate::ops::moe::routing_map`] writes): the rows of group `g` are `x[o_g .. o_g +
     /// m_splits[g]]`, and the output rows past `Σ m_splits` (a routing's dropped slots) are
     /// zeros. One grouped GEMM launch per pass and no host synchronization: a CUDA graph can
-    /// capture it and replay it with other splits. 16-bit (bf16/f16 input, weights converted to
-    /// it), no bias, Hopper.
+    /// capture it and replay it with other splits. 16-bit (bf16/f16 input, weights and biases
+    /// converted to it), Hopper.
     ///
     /// Sizes on the device cannot be checked on the host: negative splits, or splits summing past
     /// the rows, are clamped by the kernel and reported by
@@ -356,7 +357,7 @@ impl GroupedLinear {
     ///
     /// # Errors
     /// [`Error::Config`] under an enabled (or calibrating) `fp8_autocast` (pass `m_splits` on the
-    /// host for FP8), with `bias`, or for `in_features`/`out_features` not multiples of 16;
+    /// host for FP8), or for `in_features`/`out_features` not multiples of 16;
     /// [`Error::Shape`] when `x` is not `[tokens, in_features]`, `m_splits` does not have
     /// `num_gemms` entries, or the device is not Hopper; [`Error::DType`] for an input that is
     /// not bf16/f16; kernel failures.
@@ -406,8 +407,6 @@ impl GroupedLinear {
         }
         let why = if !matches!(fp8_mode(), Fp8Mode::HighPrecision) {
             Some("runs in 16 bits: under fp8_autocast pass m_splits on the host (forward)".to_string())
-        } else if self.cfg.bias {
-            Some("takes no bias: build the layer with bias = false, or pass m_splits on the host".to_string())
         } else if self.cfg.in_features % 16 != 0 || self.cfg.out_features % 16 != 0 {
             Some(format!(
                 "needs in_features ({}) and out_features ({}) that are multiples of 16",
@@ -437,16 +436,28 @@ impl GroupedLinear {
         self.check_device_path(x, m_splits)?;
         let weights = self.weights(x.dtype())?;
         let refs: Vec<&Tensor> = weights.iter().collect();
+        let biases = match self.cfg.bias {
+            true => self
+                .gemms
+                .iter()
+                .map(|g| {
+                    g.params.bias_as(x.dtype())?.ok_or_else(|| Error::internal(MODULE, "a layer with bias has none"))
+                })
+                .collect::<Result<Vec<_>>>()?,
+            false => Vec::new(),
+        };
+        let bias_refs: Vec<&Tensor> = biases.iter().collect();
         let mut y = Tensor::empty(&self.dev, x.dtype(), &[x.shape()[0], self.cfg.out_features])?;
         let dev = self.dev.clone();
         let t = self.tables()?;
-        let w = GroupedWeights { tensors: &refs, k_major: true, scale_inv: None };
+        let bias = (!bias_refs.is_empty()).then_some(bias_refs.as_slice());
+        let w = GroupedWeights { tensors: &refs, k_major: true, scale_inv: None, bias };
         grouped_gemm_rows(&dev, x, None, &w, m_splits, &mut y, 1.0, (&mut t.fprop, &mut t.status))?;
         Ok(y)
     }
 
-    /// dgrad `dx = dy · W_g` (the weights read MN-major) and wgrad `dW_g (+)= dy_gᵀ · x_g` (both
-    /// read MN-major), one grouped launch each.
+    /// dgrad `dx = dy · W_g` (the weights read MN-major), wgrad `dW_g (+)= dy_gᵀ · x_g` (both
+    /// read MN-major) and with biases `db_g (+)= Σ dy_g`, one grouped launch each.
     fn backward_device(&mut self, ctx: DeviceCtx, dy: &Tensor) -> Result<Tensor> {
         let tokens = ctx.x.shape()[0];
         crate::ops::check_shape(MODULE, "grad_output", dy, &[tokens, self.cfg.out_features])?;
@@ -457,7 +468,7 @@ impl GroupedLinear {
         let mut dx = Tensor::empty(&dev, dy.dtype(), &[tokens, self.cfg.in_features])?;
         {
             let t = self.tables()?;
-            let w = GroupedWeights { tensors: &refs, k_major: false, scale_inv: None };
+            let w = GroupedWeights { tensors: &refs, k_major: false, scale_inv: None, bias: None };
             grouped_gemm_rows(&dev, dy, None, &w, &ctx.m_splits, &mut dx, 1.0, (&mut t.dgrad, &mut t.status))?;
         }
         drop(refs);
@@ -480,6 +491,19 @@ impl GroupedLinear {
                 (&mut tables.wgrad, &mut tables.status),
             )
         })();
+        let result = result.and_then(|()| {
+            if !self.cfg.bias {
+                return Ok(());
+            }
+            let accumulate = self.gemms.iter().any(|g| g.params.bias_grad_accumulates());
+            let mut targets = Vec::with_capacity(self.gemms.len());
+            for g in &mut self.gemms {
+                let target = g.params.bias_grad_target(accumulate)?;
+                targets
+                    .push(target.ok_or_else(|| Error::internal(MODULE, "a layer with bias has no bias gradient"))?.0);
+            }
+            grouped_dbias(&dev, dy, &ctx.m_splits, &mut targets, accumulate, &mut tables.wgrad)
+        });
         self.tables = Some(tables);
         result?;
         Ok(dx)

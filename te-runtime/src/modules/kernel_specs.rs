@@ -65,16 +65,15 @@ impl LinearConfig {
 impl GroupedLinearConfig {
     /// The kernels a `GroupedLinear` of this config runs for `target`: those of one of its
     /// GEMMs ([`LinearConfig::kernel_specs`]; the row groups move by copies, no kernel), and on
-    /// Hopper, for a layer the device-`m_splits` path takes (no bias, 16-bit, features multiples
-    /// of 16), its grouped GEMMs: fprop, dgrad (the weights MN-major) and wgrad (written or
-    /// accumulated into the gradients' dtype, or the f32 `main_grad`).
+    /// Hopper, for a layer the device-`m_splits` path can take (16-bit, features multiples of
+    /// 16), its grouped GEMMs: fprop, dgrad (the weights MN-major) and wgrad (written or
+    /// accumulated into the gradients' dtype, or the f32 `main_grad`), and with `bias` the bias
+    /// gradient's column sums (into the `params_dtype` gradient).
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         linear(&target.with_dtype(self.params_dtype), self.in_features, self.out_features, self.bias, specs);
         let t = self.params_dtype;
-        let device_path = !self.bias
-            && matches!(t, DType::BF16 | DType::F16)
-            && self.in_features % 16 == 0
-            && self.out_features % 16 == 0;
+        let device_path =
+            matches!(t, DType::BF16 | DType::F16) && self.in_features % 16 == 0 && self.out_features % 16 == 0;
         if target.arch == te_codegen::Arch::Sm90a && device_path {
             use te_codegen::spec::{GroupedGemmSpec, GroupedSplit};
             let rows = GroupedGemmSpec::new(GroupedSplit::Rows, t, t, t, target.arch);
@@ -86,6 +85,11 @@ impl GroupedLinearConfig {
             specs.push(wgrad.accumulating(true).into());
             if !self.fuse_wgrad_accumulation {
                 specs.push(wgrad.into());
+            } else if self.bias {
+                let dbias =
+                    GroupedGemmSpec::new(GroupedSplit::Reduction, t, t, t, target.arch).with_major(false, false);
+                specs.push(dbias.accumulating(true).into());
+                specs.push(dbias.into());
             }
         }
     }

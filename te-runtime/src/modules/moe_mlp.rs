@@ -87,8 +87,8 @@ pub struct MoeMLPConfig {
     /// Keep the rows per expert on the device outside `fp8_autocast`: the expert GEMMs run as
     /// one grouped launch per pass ([`GroupedLinear::forward_device`]) and a 16-bit forward and
     /// backward never wait for the GPU (TE and Megatron copy `m_splits` to the host). Needs
-    /// Hopper, `bias = false` and `hidden_size`/`ffn_hidden_size` multiples of 16 (checked by
-    /// [`MoeMLP::new`]); FP8 passes and f32 inputs take the host's splits. Default false.
+    /// Hopper and `hidden_size`/`ffn_hidden_size` multiples of 16 (checked by [`MoeMLP::new`]);
+    /// FP8 passes and f32 inputs take the host's splits. Default false.
     pub device_m_splits: bool,
 }
 
@@ -168,10 +168,10 @@ impl MoeMLPConfig {
         if self.hidden_size == 0 || self.ffn_hidden_size == 0 {
             return Err(config("hidden_size and ffn_hidden_size must be ≥ 1".into()));
         }
-        if self.device_m_splits && (self.bias || self.hidden_size % 16 != 0 || self.ffn_hidden_size % 16 != 0) {
+        if self.device_m_splits && (self.hidden_size % 16 != 0 || self.ffn_hidden_size % 16 != 0) {
             return Err(config(format!(
-                "device_m_splits needs bias = false and hidden_size ({}) and ffn_hidden_size ({}) multiples of 16 \
-                 (the grouped GEMM's limits); set it to false for the host's splits",
+                "device_m_splits needs hidden_size ({}) and ffn_hidden_size ({}) multiples of 16 (the grouped \
+                 GEMM's 16-byte rows); set it to false for the host's splits",
                 self.hidden_size, self.ffn_hidden_size
             )));
         }

@@ -392,6 +392,25 @@ impl LinearParams {
         })
     }
 
+    /// Where the bias gradient goes and whether it accumulates there, as
+    /// [`LinearParams::wgrad_target`] for the bias (`None` without a bias).
+    pub(crate) fn bias_grad_target(&mut self, zeroed: bool) -> Result<Option<(&mut Tensor, bool)>> {
+        if self.bias.is_none() {
+            return Ok(None);
+        }
+        let shape = [self.out_features];
+        Ok(Some(match &mut self.bias_grad {
+            Some(g) => (g, true),
+            g @ None if zeroed => (g.insert(Tensor::zeros(&self.dev, self.params_dtype, &shape)?), true),
+            g @ None => (g.insert(Tensor::empty(&self.dev, self.params_dtype, &shape)?), false),
+        }))
+    }
+
+    /// Whether the bias gradient accumulates into one that exists.
+    pub(crate) fn bias_grad_accumulates(&self) -> bool {
+        self.bias_grad.is_some()
+    }
+
     /// Whether wgrad accumulates into something that exists (a `main_grad`, or a weight
     /// gradient since the last [`LinearParams::zero_grad`]).
     pub(crate) fn wgrad_accumulates(&self) -> bool {

@@ -62,6 +62,29 @@ impl GroupedPtrs {
     }
 }
 
+/// The address tables of one grouped GEMM call site: its operands' (B or D), their FP8
+/// `scale_inv`s', and its biases' (forward) or bias gradients' (wgrad).
+#[derive(Debug)]
+pub struct GroupedTables {
+    ptrs: GroupedPtrs,
+    scales: GroupedPtrs,
+    bias: GroupedPtrs,
+}
+
+impl GroupedTables {
+    /// Tables of `groups` entries.
+    ///
+    /// # Errors
+    /// Allocation failures.
+    pub fn new(dev: &Device, groups: usize) -> Result<Self> {
+        Ok(Self {
+            ptrs: GroupedPtrs::new(dev, groups)?,
+            scales: GroupedPtrs::new(dev, groups)?,
+            bias: GroupedPtrs::new(dev, groups)?,
+        })
+    }
+}
+
 /// The device flag the grouped kernels set on sizes they had to clamp (i32, 0 = fine).
 #[derive(Debug)]
 pub struct GroupedStatus(CudaSlice<i32>);
@@ -195,6 +218,8 @@ pub struct GroupedWeights<'a> {
     pub k_major: bool,
     /// FP8: each group's `scale_inv` (f32 `[1]`).
     pub scale_inv: Option<&'a [ScaleInv<'a>]>,
+    /// Each group's bias `[n]` in D's dtype, added to its rows.
+    pub bias: Option<&'a [&'a Tensor]>,
 }
 
 /// `d[o_g + i, :] = alpha · a[o_g + i, :] · B_gᵀ` for the `m_splits[g]` rows of every group `g`
@@ -216,7 +241,7 @@ pub fn grouped_gemm_rows(
     m_splits: &CudaSlice<i32>,
     d: &mut Tensor,
     alpha: f32,
-    (tables, status): (&mut [GroupedPtrs; 2], &mut GroupedStatus),
+    (tables, status): (&mut GroupedTables, &mut GroupedStatus),
 ) -> Result<()> {
     let groups = b.tensors.len();
     check_splits(m_splits, groups)?;
@@ -244,14 +269,23 @@ pub fn grouped_gemm_rows(
     multiple_of_16("k (input features)", k)?;
     multiple_of_16("n (output features)", n)?;
     check_fp8(a.dtype(), &a_scale_inv, b.scale_inv.map(<[_]>::len), groups)?;
+    if let Some(bias) = b.bias {
+        if bias.len() != groups || bias.iter().any(|t| t.dtype() != d.dtype() || t.shape() != [n]) {
+            return Err(Error::Shape {
+                op: OP,
+                message: format!("the biases must be one {} [{n}] per group ({groups})", d.dtype()),
+            });
+        }
+    }
     let spec = spec_of(dev, GroupedSplit::Rows, a.dtype(), b_dtype, (true, b.k_major), d.dtype())?;
     let f = function(dev, spec)?;
     let s = dev.stream();
     let b_addrs: Vec<u64> = b.tensors.iter().map(|t| addr(dev, t)).collect();
     let scale_addrs: Vec<u64> = b.scale_inv.unwrap_or(&[]).iter().map(|v| v.device_ptr(s).0).collect();
-    let [bt, st] = tables;
-    let b_table = bt.refresh(dev, &b_addrs)?;
-    let s_table = if scale_addrs.is_empty() { None } else { Some(st.refresh(dev, &scale_addrs)?) };
+    let bias_addrs: Vec<u64> = b.bias.unwrap_or(&[]).iter().map(|t| addr(dev, t)).collect();
+    let b_table = tables.ptrs.refresh(dev, &b_addrs)?;
+    let s_table = if scale_addrs.is_empty() { None } else { Some(tables.scales.refresh(dev, &scale_addrs)?) };
+    let bias_table = if bias_addrs.is_empty() { None } else { Some(tables.bias.refresh(dev, &bias_addrs)?) };
     let (null, sizes) = (0u64, [rows as u64, 0u64, n as u64, k as u64, groups as u64]);
     let cfg = grid(spec.blocks(rows, 0, n, groups))?;
     let mut l = Launch::new(OP, s, &f, &spec, 0);
@@ -261,12 +295,16 @@ pub fn grouped_gemm_rows(
         (Some(av), Some(tb)) => l.ptr("a_scale_inv", av).ptr("b_scale_inv", tb),
         _ => l.ptr("a_scale_inv", &null).ptr("b_scale_inv", &null),
     };
+    match bias_table {
+        Some(t) => l.ptr("bias_ptrs", t),
+        None => l.ptr("bias_ptrs", &null),
+    };
     l.ptr("status", &mut status.0);
     l.scalar("total", &sizes[0]).scalar("m", &sizes[1]).scalar("n", &sizes[2]).scalar("k", &sizes[3]);
     l.scalar("groups", &sizes[4]).scalar("alpha", &alpha);
-    // SAFETY: a is [rows, k], d [rows, n] and every B_g [n, k] or [k, n] of the spec's dtypes
-    // (checked); the tables hold those tensors' addresses and scale_invs (refreshed above); the
-    // kernel clamps the device sizes to the rows, so it stays inside the tensors.
+    // SAFETY: a is [rows, k], d [rows, n], every B_g [n, k] or [k, n] and every bias [n] of the
+    // spec's dtypes (checked); the tables hold those tensors' addresses and scale_invs (refreshed
+    // above); the kernel clamps the device sizes to the rows, so it stays inside the tensors.
     unsafe { l.launch(cfg) }
 }
 
@@ -287,7 +325,7 @@ pub fn grouped_gemm_reduction(
     m_splits: &CudaSlice<i32>,
     d: &mut [&mut Tensor],
     (alpha, accumulate): (f32, bool),
-    (tables, status): (&mut [GroupedPtrs; 2], &mut GroupedStatus),
+    (tables, status): (&mut GroupedTables, &mut GroupedStatus),
 ) -> Result<()> {
     let groups = d.len();
     check_splits(m_splits, groups)?;
@@ -331,12 +369,11 @@ pub fn grouped_gemm_reduction(
     for t in d.iter_mut() {
         d_addrs.push(t.data_mut()?.device_ptr_mut(s).0);
     }
-    let [dt, st] = tables;
-    let d_table = dt.refresh(dev, &d_addrs)?;
+    let d_table = tables.ptrs.refresh(dev, &d_addrs)?;
     // With the reduction split the kernel reads B's scale_inv through `b_scale_inv[0]`: a
     // one-entry table holding its address.
     let b_scale_cell = match &b_scale_inv {
-        Some(v) => Some(st.refresh(dev, &[v.device_ptr(s).0])?),
+        Some(v) => Some(tables.scales.refresh(dev, &[v.device_ptr(s).0])?),
         None => None,
     };
     let (null, sizes) = (0u64, [total as u64, m as u64, n as u64, 0u64, groups as u64]);
@@ -348,12 +385,58 @@ pub fn grouped_gemm_reduction(
         (Some(av), Some(cell)) => l.ptr("a_scale_inv", av).ptr("b_scale_inv", cell),
         _ => l.ptr("a_scale_inv", &null).ptr("b_scale_inv", &null),
     };
-    l.ptr("status", &mut status.0);
+    l.ptr("bias_ptrs", &null).ptr("status", &mut status.0);
     l.scalar("total", &sizes[0]).scalar("m", &sizes[1]).scalar("n", &sizes[2]).scalar("k", &sizes[3]);
     l.scalar("groups", &sizes[4]).scalar("alpha", &alpha);
     // SAFETY: a and b hold `total` reduction rows of m and n columns in the declared orders, and
     // every D_g is [m, n] of the output dtype (checked); the table holds the D_g addresses
     // (refreshed above) and the one-entry cell B's scale_inv address; the kernel clamps the
     // device sizes to `total`.
+    unsafe { l.launch(cfg) }
+}
+
+/// The bias gradient of a rows-split forward: `dbias_g[c] (+)= Σ_{t ∈ group g} dy[t, c]` for
+/// `dy [total, m]` (bf16/f16) and each `dbias[g]` `[m]` (bf16, f16 or f32), summed in f32 in a
+/// fixed order (the same bits every run); a group of no rows writes zeros (or leaves an
+/// accumulated gradient as it is). Uses `tables`' bias table.
+///
+/// # Errors
+/// [`Error::Shape`] for a device that is not Hopper, `m` not a positive multiple of 16, or
+/// gradients of another shape or dtypes; [`Error::DType`] for an FP8 `dy`; compile and launch
+/// failures. Bad device sizes are clamped (the status flag of the GEMMs reports them).
+pub fn grouped_dbias(
+    dev: &Device,
+    dy: &Tensor,
+    m_splits: &CudaSlice<i32>,
+    dbias: &mut [&mut Tensor],
+    accumulate: bool,
+    tables: &mut GroupedTables,
+) -> Result<()> {
+    let groups = dbias.len();
+    check_splits(m_splits, groups)?;
+    check_dtype(OP, "dy", dy, |t| matches!(t, DType::BF16 | DType::F16), "bf16 or f16")?;
+    let (total, m) = dy.as_2d(OP)?;
+    multiple_of_16("m (bias features)", m)?;
+    let out = dbias[0].dtype();
+    if dbias.iter().any(|t| t.dtype() != out || t.shape() != [m]) {
+        return Err(Error::Shape { op: OP, message: format!("every group's dbias must be {out} [{m}]") });
+    }
+    let spec =
+        spec_of(dev, GroupedSplit::Reduction, dy.dtype(), dy.dtype(), (false, false), out)?.accumulating(accumulate);
+    let f = dev.function(&KernelSpec::GroupedGemm(spec), 1)?;
+    let s = dev.stream();
+    let mut addrs = Vec::with_capacity(groups);
+    for t in dbias.iter_mut() {
+        addrs.push(t.data_mut()?.device_ptr_mut(s).0);
+    }
+    let table = tables.bias.refresh(dev, &addrs)?;
+    let sizes = [total as u64, m as u64, groups as u64];
+    let blocks = u32::try_from(m.div_ceil(GroupedGemmSpec::DBIAS_COLS)).unwrap_or(u32::MAX);
+    let cfg = LaunchConfig { grid_dim: (blocks, groups as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let mut l = Launch::new(OP, s, &f, &spec, 1);
+    l.ptr("a", dy.data()).ptr("m_splits", m_splits).ptr("dbias_ptrs", table);
+    l.scalar("total", &sizes[0]).scalar("m", &sizes[1]).scalar("groups", &sizes[2]);
+    // SAFETY: dy is [total, m] 16-bit and every dbias [m] of the spec's output dtype (checked);
+    // the table holds their addresses (refreshed above); the kernel clamps the sizes to `total`.
     unsafe { l.launch(cfg) }
 }
