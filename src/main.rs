@@ -299,6 +299,11 @@ struct TrainArgs {
     /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does).
     #[arg(long)]
     fp8_lm_head: bool,
+    /// MoE presets (moe-small) on a Hopper GPU: keep each layer's rows per expert on the device,
+    /// so the expert GEMMs run as one grouped launch per pass and a step never waits for the GPU
+    /// (TE and Megatron copy them to the host). FP8 passes take the host's splits.
+    #[arg(long)]
+    moe_device_splits: bool,
     /// Steps with a NaN or infinite loss or gradient norm to skip (weights not updated) before
     /// the run stops; 0 (the default): the first one stops it, naming the step and the last good
     /// checkpoint (Megatron-LM's skipped iterations).
@@ -384,6 +389,18 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     let dist = DistEnv::from_env().map_err(|e| e.to_string())?.filter(|e| e.world_size > 1);
     let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
     let on_gpu = gpu && !a.cpu;
+    if a.moe_device_splits {
+        match model.moe.as_mut() {
+            Some(moe) if on_gpu => moe.device_m_splits = true,
+            Some(_) => return Err("--moe-device-splits runs the experts' grouped GEMM on a Hopper GPU".into()),
+            None => {
+                return Err(format!(
+                    "--moe-device-splits needs a mixture-of-experts preset (moe-small), not `{preset}`"
+                )
+                .into())
+            }
+        }
+    }
     if dist.is_some() && !on_gpu {
         return Err("this process is a rank of a multi-process run (WORLD_SIZE > 1), which trains on GPUs; the CPU \
                     path runs one process"

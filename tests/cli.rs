@@ -381,6 +381,9 @@ fn train_refuses_what_it_cannot_run() {
     assert!(!o.status.success() && text(&o).contains("--tensor-parallel 2 needs as many ranks"), "{}", text(&o));
     let o = run(&["--cpu", "--sequence-parallel", "--steps", "1"]);
     assert!(!o.status.success() && text(&o).contains("--sequence-parallel needs"), "{}", text(&o));
+    // Device m_splits: a mixture-of-experts preset on the GPU.
+    let o = run(&["--cpu", "--moe-device-splits", "--steps", "1"]);
+    assert!(!o.status.success() && text(&o).contains("needs a mixture-of-experts preset"), "{}", text(&o));
     // A rank of a multi-process run (WORLD_SIZE > 1) on the CPU path is refused, not run alone.
     let o = te().args(["train", "--cpu"]).env("WORLD_SIZE", "2").env("RANK", "1").output().unwrap();
     assert!(!o.status.success() && text(&o).contains("multi-process run"), "{}", text(&o));

@@ -206,13 +206,17 @@ pub struct MoeConfig {
     pub aux_loss_coeff: f32,
     /// Softmax before the top-k (default false).
     pub pre_softmax: bool,
+    /// Keep each layer's rows per expert on the device ([`MoeMLPConfig::device_m_splits`]: one
+    /// grouped GEMM launch per expert pass, no host synchronization; Hopper). Default false.
+    #[serde(default)]
+    pub device_m_splits: bool,
 }
 
 impl MoeConfig {
     /// `num_experts` experts, `topk` per token, aux loss coefficient 1e-2, softmax after the
-    /// top-k.
+    /// top-k, the rows per expert copied to the host.
     pub const fn new(num_experts: usize, topk: usize) -> Self {
-        Self { num_experts, topk, aux_loss_coeff: 1e-2, pre_softmax: false }
+        Self { num_experts, topk, aux_loss_coeff: 1e-2, pre_softmax: false, device_m_splits: false }
     }
 }
 

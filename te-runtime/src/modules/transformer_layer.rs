@@ -151,6 +151,7 @@ impl TransformerLayerConfig {
             Some(moe) => MlpConfig::Moe(MoeMLPConfig {
                 aux_loss_coeff: moe.aux_loss_coeff,
                 pre_softmax: moe.pre_softmax,
+                device_m_splits: moe.device_m_splits,
                 eps: cfg.layernorm_epsilon,
                 normalization: cfg.normalization,
                 zero_centered_gamma: cfg.zero_centered_gamma,
