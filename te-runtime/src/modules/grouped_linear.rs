@@ -383,7 +383,8 @@ impl GroupedLinear {
     ///
     /// # Errors
     /// [`Error::Shape`] when a call since the last check had such splits (its outputs and
-    /// gradients are not those of the splits given); driver failures.
+    /// gradients are not those of the splits given); [`Error::Capture`] inside a CUDA graph
+    /// capture (check after a replay); driver failures.
     pub fn check_device_splits(&mut self) -> Result<()> {
         match &mut self.tables {
             Some(t) => t.status.check(&self.dev),

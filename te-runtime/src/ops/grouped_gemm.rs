@@ -15,6 +15,7 @@
 
 use super::check_dtype;
 use super::launch::Launch;
+use crate::graph::HostCopies;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig};
@@ -103,9 +104,10 @@ impl GroupedStatus {
     /// # Errors
     /// [`Error::Shape`] when a launch since the last check got sizes that were negative, summed
     /// past the rows of its tensors, or (FP8 wgrad) were not multiples of 16: its outputs are not
-    /// the product of the sizes given. Driver failures.
+    /// the product of the sizes given. [`Error::Capture`] inside a CUDA graph capture (a read to
+    /// the host cannot be recorded: check after the replay). Driver failures.
     pub fn check(&mut self, dev: &Device) -> Result<()> {
-        let v = dev.stream().clone_dtoh(&self.0)?;
+        let v = dev.stream().dtoh(&self.0)?;
         if v.first().copied().unwrap_or(0) != 0 {
             dev.stream().memset_zeros(&mut self.0)?;
             return Err(Error::Shape {
