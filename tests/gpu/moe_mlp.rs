@@ -482,3 +482,48 @@ fn device_m_splits_follow_the_host_splits() {
     let e = MoeMLP::new(&dev, MoeMLPConfig { device_m_splits: true, ..MoeMLPConfig::new(h, 40, E, 2) }).unwrap_err();
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("multiples of 16"), "{e}");
 }
+
+/// On device splits a `MoeMLP` step has no host transfer (the aux loss's gradient is a memset):
+/// a CUDA graph captures forward + backward and its replays on new inputs compute what the eager
+/// calls of a twin block compute, gradients accumulating alike.
+#[test]
+fn a_moe_mlp_step_on_device_splits_replays_in_a_graph() {
+    use te_runtime::graph::Graph;
+    let Some(dev) = device() else { return };
+    let (h, f) = (64, 96);
+    let cfg = MoeMLPConfig { device_m_splits: true, seed: 4, ..MoeMLPConfig::new(h, f, E, 2) };
+    let mut graphed = MoeMLP::new(&dev, cfg.clone()).unwrap();
+    let mut eager = MoeMLP::new(&dev, cfg).unwrap();
+    let router = bf16(&(0..E).flat_map(|e| randn(90 + e as u64, h, 0.3)).collect::<Vec<_>>());
+    for m in [&mut graphed, &mut eager] {
+        m.router_mut().params_mut().set_weight(upload(&dev, &router, &[E, h])).unwrap();
+    }
+    let up = |seed, std| upload(&dev, &bf16(&randn(seed, T * h, std)), &[T, h]);
+    let (x, dy) = (up(1, 1.0), up(2, 1.0));
+    let step = |m: &mut MoeMLP, x: &Tensor, dy: &Tensor| -> te_runtime::Result<(Tensor, Tensor)> {
+        let (y, ctx) = m.forward(x)?;
+        let dx = m.backward(ctx, dy)?;
+        Ok((y, dx))
+    };
+    // Two warm-ups: every kernel loaded and GEMM algorithm chosen, the gradients allocated.
+    for _ in 0..2 {
+        step(&mut graphed, &x, &dy).unwrap();
+        step(&mut eager, &x, &dy).unwrap();
+    }
+    let (graph, (y, dx)) = Graph::capture(&dev, || step(&mut graphed, &x, &dy)).unwrap();
+    for seed in [10, 20] {
+        let (xs, dys) = (up(seed, 1.0), up(seed + 1, 1.0));
+        x.copy_from(&xs).unwrap();
+        dy.copy_from(&dys).unwrap();
+        graph.replay().unwrap();
+        let (want_y, want_dx) = step(&mut eager, &xs, &dys).unwrap();
+        check(false, &format!("replay {seed}: y"), &host(&dev, Some(&y)), &host(&dev, Some(&want_y)), false);
+        check(false, &format!("replay {seed}: dx"), &host(&dev, Some(&dx)), &host(&dev, Some(&want_dx)), true);
+    }
+    let (g, e) = (graphed.router().params().weight_grad(), eager.router().params().weight_grad());
+    check(false, "router gradient after 4 steps", &host(&dev, g), &host(&dev, e), true);
+    for i in 0..E {
+        let (g, e) = (graphed.fc1().params(i).unwrap().weight_grad(), eager.fc1().params(i).unwrap().weight_grad());
+        check(false, &format!("fc1 dW[{i}] after 4 steps"), &host(&dev, g), &host(&dev, e), true);
+    }
+}

@@ -86,7 +86,8 @@ pub struct MoeMLPConfig {
     pub seed: u64,
     /// Keep the rows per expert on the device outside `fp8_autocast`: the expert GEMMs run as
     /// one grouped launch per pass ([`GroupedLinear::forward_device`]) and a 16-bit forward and
-    /// backward never wait for the GPU (TE and Megatron copy `m_splits` to the host). Needs
+    /// backward never wait for the GPU (TE and Megatron copy `m_splits` to the host), so a CUDA
+    /// graph ([`crate::graph::Graph`]) can capture them. Needs
     /// Hopper and `hidden_size`/`ffn_hidden_size` multiples of 16 (checked by [`MoeMLP::new`]);
     /// FP8 passes and f32 inputs take the host's splits. Default false.
     pub device_m_splits: bool,
@@ -562,13 +563,28 @@ impl MoeMLP {
         // Router: the probabilities' gradient, plus the aux loss's, into the logits.
         let mut d_logits = Tensor::empty(&dev, dt, &[tokens, self.cfg.num_experts])?;
         topk_router_backward(&dev, &ctx.router, &d_probs, &mut d_logits)?;
-        let d_aux = dev.stream().htod(&[ctx.aux_loss_grad])?;
+        let d_aux = device_scalar(&dev, ctx.aux_loss_grad)?;
         let coeff = self.cfg.aux_loss_coeff;
         aux_loss_backward(&dev, &ctx.router, &ctx.routing.m_splits, coeff, &d_aux, &mut d_logits, true)?;
         let d_ln_router = convert(&dev, self.router.backward(ctx.router_ctx, &d_logits)?, dt)?;
         add_assign(&dev, &mut d_ln, &d_ln_router)?;
         self.norm.backward(&d_ln.reshape(ctx.x.shape())?, &ctx.x, &ctx.stats)
     }
+}
+
+/// `[value]` on the device, written by a memset (no host upload: a CUDA graph captures it with
+/// the value).
+fn device_scalar(dev: &Device, value: f32) -> Result<CudaSlice<f32>> {
+    use cudarc::driver::DevicePtrMut;
+    let stream = dev.stream();
+    let mut out = stream.alloc_zeros::<f32>(1)?;
+    {
+        let (ptr, _guard) = out.device_ptr_mut(stream);
+        // SAFETY: `ptr` is a live allocation of one f32; the memset writes those 4 bytes, ordered
+        // on the stream every op of this crate uses.
+        unsafe { cudarc::driver::sys::cuMemsetD32Async(ptr, value.to_bits(), 1, stream.cu_stream()) }.result()?;
+    }
+    Ok(out)
 }
 
 /// Rows per expert of `routing`, copied to the host (one stream synchronization).
