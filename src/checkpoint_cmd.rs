@@ -1,6 +1,6 @@
 //! `te checkpoint split|merge`: a `te train` checkpoint (a `step-NNNNNNN` directory) split into
 //! the files of the ranks of a tensor-parallel group, and merged back
-//! ([`te_runtime::checkpoint::tp`]): `model.safetensors` and `optimizer.safetensors` become
+//! ([`te_nn::checkpoint::tp`]): `model.safetensors` and `optimizer.safetensors` become
 //! `model.tp-<rank>-of-<size>.safetensors` and `optimizer.tp-…`, `trainer.toml` records
 //! `tensor_parallel = <size>`, `history.csv` is copied. A merge gives back the files of the
 //! single-GPU checkpoint bit for bit, so a tensor-parallel run's checkpoint resumes or samples on
@@ -8,8 +8,8 @@
 
 use crate::run_checkpoint::{read_latest, Latest};
 use std::path::{Path, PathBuf};
-use te_runtime::checkpoint::tp::{merge_files, shard_path, split_file};
-use te_runtime::dist::shard::TpLayout;
+use te_nn::checkpoint::tp::{merge_files, shard_path, split_file};
+use te_nn::parallel::shard::TpLayout;
 
 /// The files of a checkpoint that split; `history.csv` is copied as it is.
 const FILES: [&str; 2] = ["model.safetensors", "optimizer.safetensors"];

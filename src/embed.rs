@@ -31,9 +31,7 @@ use crate::hf::{self, BertTokenizer, HfError};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use te_runtime::models::bert::{
-    cosine, ActivationScaling, Bert, BertConfig, BertError, BertWeights, Fp8Gemms, WeightPrecision,
-};
+use te_models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertError, BertWeights, Fp8Gemms, WeightPrecision};
 
 /// Errors of `te embed`.
 #[derive(Debug, thiserror::Error)]
@@ -273,7 +271,7 @@ impl Engine {
     fn embed(&mut self, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, EmbedError> {
         match self {
             Engine::Device(m) => Ok(m.embed(seqs)?),
-            Engine::Cpu(b) => Ok(te_runtime::cpu::bert::embed_many(&b.0, &b.1, seqs, threads())?),
+            Engine::Cpu(b) => Ok(te_models::cpu::bert::embed_many(&b.0, &b.1, seqs, threads())?),
         }
     }
 }
@@ -421,7 +419,7 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
         report.pass_s = Some(s / n.max(1) as f64);
     }
     if a.compare_reference {
-        let reference = te_runtime::cpu::bert::embed_many(&cfg, &weights, &ids, threads())?;
+        let reference = te_models::cpu::bert::embed_many(&cfg, &weights, &ids, threads())?;
         let cos: Vec<f64> = embeddings.iter().zip(&reference).map(|(x, y)| cosine(x, y)).collect();
         let min = cos.iter().copied().fold(f64::INFINITY, f64::min);
         let mean = cos.iter().sum::<f64>() / cos.len() as f64;

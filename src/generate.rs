@@ -3,10 +3,10 @@
 //! The checkpoint's `trainer.toml` names the model (its `[model]` section: architecture,
 //! precision, FP8 recipe) and `model.safetensors` holds its weights and FP8 scaling states. The
 //! prompt's bytes are the first tokens (the models of `te train` are byte-level); each new
-//! token is drawn with the sampler of [`te_runtime::generate::SamplingConfig`] (temperature,
+//! token is drawn with the sampler of [`te_models::generate::SamplingConfig`] (temperature,
 //! top-k, top-p, Hugging Face `generate`'s order) from the Philox stream of `--seed`, so a
 //! seed gives the same text every time. The decode runs over a KV cache
-//! ([`te_runtime::cpu::gpt::KvCache`]): the prompt in one prefill, then one token per sample
+//! ([`te_models::cpu::gpt::KvCache`]): the prompt in one prefill, then one token per sample
 //! per step. Prefill and decode speed go to stderr.
 //!
 //! On a GPU it runs the GPU model ([`Gpt::generate`]: BF16, the prompt through the fused
@@ -20,11 +20,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use te_runtime::checkpoint::{self, LoadOptions};
-use te_runtime::cpu::gpt::{GemmPrecision, GptRef, KvCache};
-use te_runtime::generate::{SamplingConfig, Utf8Stream};
-use te_runtime::models::{GenerateOptions, Gpt, GptConfig};
-use te_runtime::modules::InferenceParams;
+use te_models::cpu::gpt::{GemmPrecision, GptRef, KvCache};
+use te_models::generate::{SamplingConfig, Utf8Stream};
+use te_models::{GenerateOptions, Gpt, GptConfig};
+use te_nn::checkpoint::{self, LoadOptions};
+use te_nn::modules::InferenceParams;
 use te_runtime::Device;
 
 /// Tokens `te generate` draws when `--max-new-tokens` is not given (fewer when the model's
@@ -439,7 +439,7 @@ mod tests {
 
     fn latest(dir: &str, model: bool) -> Latest {
         let cfg = crate::train::TrainConfig {
-            model: te_runtime::models::gpt::GptConfig::tiny(),
+            model: te_models::gpt::GptConfig::tiny(),
             steps: 1,
             batch: 1,
             grad_accum: 1,

@@ -17,10 +17,10 @@ use std::sync::Arc;
 use te_codegen::prewarm::{prewarm, sorted};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler, KernelSpec};
-use te_runtime::fp8::{AmaxComputeAlgo, DelayedScaling, Float8BlockScaling, Format, Recipe};
-use te_runtime::models::gpt::GptConfig;
-use te_runtime::optim::AdamW;
-use te_runtime::prewarm::{override_recipe, parse_fp8_format, KernelTarget, ModelConfig};
+use te_models::gpt::GptConfig;
+use te_nn::fp8::{AmaxComputeAlgo, DelayedScaling, Float8BlockScaling, Format, Recipe};
+use te_nn::prewarm::{override_recipe, parse_fp8_format, KernelTarget, ModelConfig};
+use te_train::optim::AdamW;
 
 #[derive(Parser)]
 #[command(name = "te", version, about = "Transformer Engine for Rust: FP8 kernels, JIT-compiled and cached")]
@@ -357,8 +357,8 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     use te::plot::plot_losses;
     use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig, TrainError};
     use te::train_cpu::train_cpu;
+    use te_nn::parallel::Parallel;
     use te_runtime::dist::{DistEnv, ProcessGroup};
-    use te_runtime::parallel::Parallel;
     let gpu = te_runtime::device::gpu_available();
     if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
         return Err(

@@ -1,8 +1,8 @@
 //! Checkpoints of a `te train` run, on the GPU and on the CPU path alike.
 //!
 //! A checkpoint of a run is a directory `<checkpoint_dir>/<precision>/step-NNNNNNN/` holding
-//! `model.safetensors` (weights and FP8 state, [`te_runtime::checkpoint`]),
-//! `optimizer.safetensors` ([`te_runtime::optim::AdamW::save_state`]), `history.csv` (the loss
+//! `model.safetensors` (weights and FP8 state, [`te_nn::checkpoint`]),
+//! `optimizer.safetensors` ([`te_train::optim::AdamW::save_state`]), `history.csv` (the loss
 //! curve so far) and `trainer.toml` (the step, the dropout stream position, the settings the
 //! run must be resumed with, and the model: its architecture, precision and FP8 recipe, what
 //! `te generate` rebuilds it from); `<checkpoint_dir>/<precision>/latest.toml`, a copy of the
@@ -17,9 +17,9 @@
 use crate::train::{CheckpointOptions, Precision, Record, TrainConfig, TrainError};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use te_runtime::checkpoint::write_atomic;
-use te_runtime::fp8::{DelayedScaling, Float8BlockScaling};
-use te_runtime::models::gpt::GptConfig;
+use te_models::gpt::GptConfig;
+use te_nn::checkpoint::write_atomic;
+use te_nn::fp8::{DelayedScaling, Float8BlockScaling};
 
 /// The model and its optimizer as a checkpoint saves and restores them: the GPU's `Gpt` and
 /// `AdamW`, or the CPU path's `GptRef` and `GptAdamW`.

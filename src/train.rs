@@ -19,15 +19,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-use te_runtime::checkpoint::tp::{shard_path, TP_RANK_KEY, TP_SIZE_KEY};
-use te_runtime::checkpoint::{self, LoadOptions, SaveOptions};
-use te_runtime::fp8::{DelayedScaling, Float8BlockScaling, Fp8Autocast, Recipe, ScalingState};
-use te_runtime::models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
-use te_runtime::modules::TpConfig;
-use te_runtime::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
-use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
-use te_runtime::parallel::Parallel;
-use te_runtime::{Device, Module};
+use te_models::gpt::{Gpt, GptConfig, GptLoss, MicroBatch};
+use te_nn::checkpoint::tp::{shard_path, TP_RANK_KEY, TP_SIZE_KEY};
+use te_nn::checkpoint::{self, LoadOptions, SaveOptions};
+use te_nn::fp8::{DelayedScaling, Float8BlockScaling, Fp8Autocast, Recipe, ScalingState};
+use te_nn::modules::TpConfig;
+use te_nn::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
+use te_nn::parallel::Parallel;
+use te_nn::Module;
+use te_runtime::Device;
+use te_train::optim::{AdamW, AdamWConfig, LrSchedule};
 
 /// Errors of the job.
 #[derive(Debug, thiserror::Error)]

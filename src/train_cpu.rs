@@ -15,8 +15,8 @@ use crate::train::{
 };
 use std::path::Path;
 use std::time::Instant;
-use te_runtime::checkpoint::{LoadOptions, SaveOptions};
-use te_runtime::cpu::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
+use te_models::cpu::gpt::{GemmPrecision, GptAdamW, GptAdamWConfig, GptRef};
+use te_nn::checkpoint::{LoadOptions, SaveOptions};
 
 /// Trains `cfg.model` on `corpus` on the CPU in `precision` (emulated, see the module docs),
 /// calling `progress(step, loss)` after each step. Validation runs without dropout (the GPU
@@ -186,8 +186,8 @@ fn peak_rss() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use te_runtime::fp8::DelayedScaling;
-    use te_runtime::models::gpt::GptConfig;
+    use te_models::gpt::GptConfig;
+    use te_nn::fp8::DelayedScaling;
     use te_runtime::DType;
 
     fn small() -> (Corpus, TrainConfig) {
@@ -243,7 +243,7 @@ mod tests {
     #[test]
     fn blockwise_fp8_trains_and_is_recorded() {
         let (corpus, cfg) = small();
-        let cfg = TrainConfig { block_scaling: Some(te_runtime::fp8::Float8BlockScaling::default()), ..cfg };
+        let cfg = TrainConfig { block_scaling: Some(te_nn::fp8::Float8BlockScaling::default()), ..cfg };
         let dir = tempfile::tempdir().unwrap();
         let ckpt = CheckpointOptions { dir: Some(dir.path().to_path_buf()), ..Default::default() };
         let run = train_cpu(&corpus, &cfg, Precision::Fp8, &ckpt, |_, _| {}).unwrap();

@@ -11,8 +11,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use te::hf::{self, BertTokenizer};
-use te_runtime::cpu::bert as reference;
-use te_runtime::models::bert::{cosine, BertConfig, BertWeights};
+use te_models::bert::{cosine, BertConfig, BertWeights};
+use te_models::cpu::bert as reference;
 
 /// The model directory, or `None` (skip) when it cannot be found or fetched.
 fn model_dir() -> Option<PathBuf> {

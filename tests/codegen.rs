@@ -8,7 +8,7 @@ use te_codegen::catalog::spec_catalog;
 use te_codegen::prewarm::prewarm;
 use te_codegen::spec::{CastSpec, KernelSpec};
 use te_codegen::{Arch, BinaryKind, CompileOutcome, DType, DiskCache, KernelCompiler};
-use te_runtime::prewarm::ModelConfig;
+use te_nn::prewarm::ModelConfig;
 
 fn compiler(cache: DiskCache) -> KernelCompiler {
     KernelCompiler::new(cache)

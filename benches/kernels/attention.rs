@@ -11,7 +11,7 @@
 //! not), so these are TFLOP/s of dense attention work.
 
 use crate::harness::{random_bytes, Bench, Work};
-use te_runtime::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_nn::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
 use te_runtime::{DType, Tensor};
 
 /// `(batch, seq, heads, kv heads, head_dim, causal)`: the shapes.

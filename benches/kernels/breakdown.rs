@@ -8,8 +8,8 @@
 
 use crate::harness::{random_bytes, Bench, Marks};
 use cudarc::driver::CudaSlice;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Recipe};
-use te_runtime::modules::{
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Recipe};
+use te_nn::modules::{
     AttnMaskType, DotProductAttention, DotProductAttentionConfig, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP,
     LayerNormMLPConfig, Linear, LinearConfig,
 };

@@ -12,8 +12,8 @@
 
 use crate::harness::{Bench, Stats};
 use std::time::Instant;
-use te_runtime::generate::SamplingConfig;
-use te_runtime::models::gpt::{GenerateOptions, Gpt, GptConfig};
+use te_models::generate::SamplingConfig;
+use te_models::gpt::{GenerateOptions, Gpt, GptConfig};
 
 const NEW_TOKENS: usize = 64;
 

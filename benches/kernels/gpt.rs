@@ -1,4 +1,4 @@
-//! One training step of the GPT presets (`te_runtime::models::gpt`), as `te train` does it:
+//! One training step of the GPT presets (`te_models::gpt`), as `te train` does it:
 //! `forward_loss_with` (the loss stays on the device), `backward`, `AdamW::step` (FP32 masters, global-norm clipping at 1.0) and
 //! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults; with `fp8_dpa`, attention in
 //! FP8 where the kernels take it: head_dim 128 on Hopper; with `fp8_mha`, its output handed to the
@@ -16,11 +16,11 @@
 use crate::harness::{Bench, Work};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
-use te_runtime::models::gpt::{Gpt, GptConfig, MicroBatch};
-use te_runtime::modules::TokenIds;
-use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
-use te_runtime::Module;
+use te_models::gpt::{Gpt, GptConfig, MicroBatch};
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
+use te_nn::modules::TokenIds;
+use te_nn::Module;
+use te_train::optim::{AdamW, AdamWConfig, LrSchedule};
 
 /// Optimizer bytes per parameter (see the module doc).
 pub const OPTIMIZER_BYTES_PER_PARAM: u64 = 30;

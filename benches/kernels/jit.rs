@@ -6,7 +6,7 @@ use crate::harness::{Bench, Stats, Target};
 use std::time::Instant;
 use te_codegen::prewarm::prewarm;
 use te_codegen::{Arch, DiskCache, KernelCompiler};
-use te_runtime::prewarm::ModelConfig;
+use te_nn::prewarm::ModelConfig;
 
 pub fn run(b: &mut Bench) {
     if !b.enabled("jit") {

@@ -2,8 +2,8 @@
 //! forward and backward, is in `modules.rs`.
 
 use crate::harness::{random_bytes, Bench};
-use te_runtime::fp8::{fp8_autocast, fp8_model_init, DelayedScaling};
-use te_runtime::modules::{Linear, LinearConfig};
+use te_nn::fp8::{fp8_autocast, fp8_model_init, DelayedScaling};
+use te_nn::modules::{Linear, LinearConfig};
 use te_runtime::{DType, Tensor};
 
 const TOKENS: usize = 8192;

@@ -17,8 +17,8 @@
 //! backward in FP8 against BF16.
 
 use crate::harness::{random_bytes, Bench, Marks, PhaseStats, Work};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
-use te_runtime::modules::{
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
+use te_nn::modules::{
     ForwardOptions, GroupedLinear, GroupedLinearConfig, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP,
     LayerNormMLPConfig, Linear, LinearConfig, TransformerLayer, TransformerLayerConfig,
 };

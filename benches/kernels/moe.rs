@@ -8,7 +8,7 @@
 //! block) at `moe-small`'s layer shape with the rows per expert on the host or the device.
 
 use crate::harness::{random_bytes, Bench};
-use te_runtime::modules::{MoeMLP, MoeMLPConfig};
+use te_nn::modules::{MoeMLP, MoeMLPConfig};
 use te_runtime::ops::block_quantize::{
     block_dbias_workspace_len, quantize, quantize_dbias, BlockFp8, BlockQuantizeParams,
 };

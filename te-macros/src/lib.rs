@@ -1,9 +1,9 @@
 //! Derive macros of the Transformer Engine for Rust.
 //!
-//! `#[derive(Module)]` implements `te_runtime::modules::Module` for a model struct: one
+//! `#[derive(Module)]` implements `te_nn::modules::Module` for a model struct: one
 //! path-keyed traversal of its parameters and FP8 scaling states that checkpoints, parameter
 //! counts, optimizers and `zero_grad` are built on, and the list of kernels the model runs (for
-//! `te prewarm`). Use it through `te_runtime::Module`, which
+//! `te prewarm`). Use it through `te_nn::Module`, which
 //! re-exports both the trait and this derive.
 
 use proc_macro::TokenStream;
@@ -13,7 +13,7 @@ use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 use syn::{parse_macro_input, Attribute, Data, DeriveInput, Error, Index, Member};
 
-/// Implements `te_runtime::modules::Module` for a struct whose fields are modules (TE layers,
+/// Implements `te_nn::modules::Module` for a struct whose fields are modules (TE layers,
 /// other derived structs, `Vec`s, `Option`s, arrays and `Box`es of them).
 ///
 /// Each field is visited in declaration order under its name (`prefix.field`; a tuple struct's
@@ -49,7 +49,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
         visited.push((member, name, &field.ty));
     }
 
-    let krate = quote!(::te_runtime::modules);
+    let krate = quote!(::te_nn::modules);
     let mut generics = input.generics.clone();
     if !generics.params.is_empty() {
         let clause = generics.make_where_clause();
@@ -64,19 +64,19 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
     // Spanned at the field's type, so a field that is not a Module is reported there.
     let visit = visited.iter().map(|(member, name, ty)| {
         quote_spanned! {ty.span()=>
-            ::te_runtime::modules::Module::visit(
-                &self.#member, &::te_runtime::modules::join_path(prefix, #name), visitor)?;
+            ::te_nn::modules::Module::visit(
+                &self.#member, &::te_nn::modules::join_path(prefix, #name), visitor)?;
         }
     });
     let visit_mut = visited.iter().map(|(member, name, ty)| {
         quote_spanned! {ty.span()=>
-            ::te_runtime::modules::Module::visit_mut(
-                &mut self.#member, &::te_runtime::modules::join_path(prefix, #name), visitor)?;
+            ::te_nn::modules::Module::visit_mut(
+                &mut self.#member, &::te_nn::modules::join_path(prefix, #name), visitor)?;
         }
     });
     let kernel_specs = visited.iter().map(|(member, _, ty)| {
         quote_spanned! {ty.span()=>
-            ::te_runtime::modules::Module::kernel_specs(&self.#member, target, specs);
+            ::te_nn::modules::Module::kernel_specs(&self.#member, target, specs);
         }
     });
     Ok(quote! {
@@ -86,7 +86,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
                 &self,
                 prefix: &::core::primitive::str,
                 visitor: &mut dyn #krate::ModuleVisitor,
-            ) -> ::te_runtime::Result<()> {
+            ) -> ::te_nn::Result<()> {
                 #unused
                 #(#visit)*
                 ::core::result::Result::Ok(())
@@ -96,7 +96,7 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
                 &mut self,
                 prefix: &::core::primitive::str,
                 visitor: &mut dyn #krate::ModuleVisitorMut,
-            ) -> ::te_runtime::Result<()> {
+            ) -> ::te_nn::Result<()> {
                 #unused
                 #(#visit_mut)*
                 ::core::result::Result::Ok(())

@@ -294,7 +294,7 @@ impl Device {
     ///
     /// # Errors
     /// Upload failures.
-    pub(crate) fn upload_cached(&self, key: &[u64], build: impl FnOnce() -> Vec<u8>) -> Result<Arc<CudaSlice<u8>>> {
+    pub fn upload_cached(&self, key: &[u64], build: impl FnOnce() -> Vec<u8>) -> Result<Arc<CudaSlice<u8>>> {
         let mut slot = self.last_upload.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((k, bytes)) = slot.as_ref() {
             if k == key {
@@ -313,5 +313,19 @@ impl Device {
     pub fn synchronize(&self) -> Result<()> {
         crate::graph::refuse_in_capture(&self.stream, "a synchronization")?;
         Ok(self.stream.synchronize()?)
+    }
+
+    /// Fails with [`Error::OutOfMemory`] (`what`, the estimate, the free and total memory) when
+    /// `needed` bytes exceed the device's free memory (`cuMemGetInfo`): the check before a run
+    /// allocates anything.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`]; driver failures reading the free memory.
+    pub fn check_free_memory(&self, needed: u64, what: impl FnOnce() -> String) -> Result<()> {
+        let (free, total) = self.memory_info()?;
+        if needed > free {
+            return Err(Error::OutOfMemory { what: what(), requested: needed, free, total });
+        }
+        Ok(())
     }
 }

@@ -129,7 +129,7 @@ impl Graph {
 ///
 /// # Errors
 /// That error; driver failures of the query.
-pub(crate) fn refuse_in_capture(stream: &CudaStream, what: &str) -> Result<()> {
+pub fn refuse_in_capture(stream: &CudaStream, what: &str) -> Result<()> {
     match stream.capture_status()? {
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => Ok(()),
         _ => Err(Error::Capture { rule: CaptureRule::NoHostTransfers, detail: what.to_string() }),
@@ -138,7 +138,7 @@ pub(crate) fn refuse_in_capture(stream: &CudaStream, what: &str) -> Result<()> {
 
 /// cudarc's host copies with [`refuse_in_capture`] first: the crate's only way to move data
 /// between host and device.
-pub(crate) trait HostCopies {
+pub trait HostCopies {
     /// A device copy of `src` (`clone_htod`).
     fn htod<T: DeviceRepr, Src: HostSlice<T> + ?Sized>(&self, src: &Src) -> Result<CudaSlice<T>>;
     /// A host copy of `src` (`clone_dtoh`, synchronous).

@@ -41,7 +41,7 @@ impl KernelCache {
     }
 
     /// The specs loaded so far, sorted: what a run used (a prediction such as
-    /// [`crate::Module::kernel_specs_for`] must contain them all).
+    /// `te_nn::Module::kernel_specs_for` must contain them all).
     pub fn loaded_specs(&self) -> Vec<KernelSpec> {
         let map = self.modules.lock().unwrap_or_else(|p| p.into_inner());
         let mut specs: Vec<KernelSpec> = map

@@ -1,42 +1,29 @@
-//! Runtime of the Transformer Engine for Rust: the device, JIT-loaded kernels, device tensors,
-//! the fused FP8 ops, a CPU reference of every op ([`mod@reference`]: the oracle of the GPU tests and
-//! the path CI checks numerics on), and CPU models built on it ([`cpu`]: the GPT of
-//! `te train --preset tiny` without a GPU, the f32 BERT embedder); [`generate`] holds the host
-//! side of text generation (the sampler, UTF-8 streaming).
+//! Runtime of the Transformer Engine for Rust, the lowest GPU layer: the device and its stream
+//! ([`Device`]), JIT-loaded kernels ([`kernels`]: spec → loaded module, compiled by `te-codegen`),
+//! device tensors ([`Tensor`]), CUDA graphs ([`graph`]), cuBLASLt GEMMs ([`gemm`]), one launcher per
+//! fused kernel family ([`ops`]), host element conversions ([`numerics`]), the host Philox stream
+//! of the dropout kernels ([`philox`]) and multi-process communication ([`dist`]: the launch
+//! environment, the rendezvous, NCCL process groups).
+//!
+//! The layers above it are crates of their own: `te-nn` (FP8 recipes and quantizers, TE's modules,
+//! parallel layers), `te-models` (GPT, BERT, generation, checkpoints), `te-train` (optimizers, the
+//! trainer) and `te-reference` (the CPU oracle of every kernel family).
 //!
 //! Every GPU entry point returns a typed [`Error`] instead of panicking: a missing driver or
 //! NVRTC, a GPU without FP8, bad shapes and dtype mismatches all say what to change.
 
-pub mod checkpoint;
-pub mod cpu;
 pub mod device;
 pub mod dist;
-pub mod fp8;
-#[cfg(test)]
-mod fuzz;
 pub mod gemm;
-pub mod generate;
 pub mod graph;
 pub mod kernels;
-pub mod models;
-pub mod modules;
 pub mod numerics;
 pub mod ops;
-pub mod optim;
-pub mod parallel;
 pub mod philox;
-pub mod prewarm;
-pub mod reference;
 pub mod tensor;
 
-// `#[derive(Module)]` names `::te_runtime`; this lets the crate's own models use it.
-extern crate self as te_runtime;
-
 pub use device::Device;
-pub use modules::Module;
 pub use te_codegen::{Arch, DType};
-/// `#[derive(Module)]`: the path-keyed traversal of a model struct (see [`modules::Module`]).
-pub use te_macros::Module;
 pub use tensor::Tensor;
 
 /// Errors of the runtime.
@@ -227,7 +214,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// An [`Error::Internal`]: `op` found that `message` did not hold.
-    pub(crate) fn internal(op: &'static str, message: impl Into<String>) -> Self {
+    pub fn internal(op: &'static str, message: impl Into<String>) -> Self {
         Error::Internal { op, message: message.into() }
     }
 }

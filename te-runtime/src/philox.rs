@@ -1,7 +1,7 @@
 //! Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3",
 //! SC'11), the counter-based generator of curand's `Philox4_32_10` and of the dropout kernels
 //! (`te-codegen/templates/philox.cuh.tera`), bit for bit, on the host: what the CPU reference's
-//! dropout masks and the generation sampler ([`crate::generate`]) draw from.
+//! dropout masks and the generation sampler (`te_models::generate`) draw from.
 
 /// Round multipliers and Weyl key increments of Philox4x32.
 const M0: u32 = 0xD251_1F53;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use te_codegen::DType;
 
 /// A contiguous row-major device tensor. FP8 tensors hold their codes; their scales travel
-/// separately (see [`crate::ops::Fp8Scaling`] and [`crate::fp8::Float8Tensor`]).
+/// separately (see [`crate::ops::Fp8Scaling`] and `te_nn::fp8::Float8Tensor`).
 ///
 /// Cloning is cheap and shares the storage, as a `torch.Tensor` reference does (a module keeps
 /// its input for backward this way without a copy). Writing through [`Tensor::data_mut`] copies
@@ -90,7 +90,7 @@ impl Tensor {
     }
 
     /// As [`Tensor::from_bytes`], on `stream` (the stream of a tensor this one replaces).
-    pub(crate) fn from_bytes_on(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
+    pub fn from_bytes_on(stream: &Arc<CudaStream>, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
         let want = numel(shape) * dtype.size_bytes();
         if bytes.len() != want {
             return Err(Error::Shape {

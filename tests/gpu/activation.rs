@@ -15,9 +15,9 @@
 
 use crate::common::{assert_close, device, randn};
 use te_codegen::spec::Activation;
+use te_reference::{activation as ref_act, cast as ref_cast};
 use te_runtime::numerics;
 use te_runtime::ops::{activation, Fp8Meta};
-use te_runtime::reference::{activation as ref_act, cast as ref_cast};
 use te_runtime::{DType, Error, Tensor};
 
 const ROWS: [usize; 3] = [1, 33, 1000];

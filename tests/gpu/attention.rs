@@ -1,5 +1,5 @@
 //! `DotProductAttention` on the GPU against the f64 CPU reference
-//! (`te_runtime::reference::attention`): forward and the three gradients for bshd and sbhd, GQA
+//! (`te_reference::attention`): forward and the three gradients for bshd and sbhd, GQA
 //! (8 heads, 2 groups), MQA (1 group) and MHA, every mask type, `sq != sk` where the mask allows
 //! it, lengths that are not multiples of 8 (sq = 77, padding lengths [77, 50]), head_dim 64 and
 //! 128, f16 and f32 once each; padded positions exactly zero; the padding-mask cache; typed errors.
@@ -16,9 +16,9 @@
 //! f32 1e-4 (the GEMMs compute in pure f32; the softmax's `ex2.approx` errs by ~2 ulps).
 
 use crate::common::{device, randn};
-use te_runtime::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_nn::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_reference::attention::{self as reference, AttentionCase};
 use te_runtime::numerics::round_to;
-use te_runtime::reference::attention::{self as reference, AttentionCase};
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// `(frobenius, rtol, atol as a fraction of max |want|)`; see the module docs.
@@ -332,7 +332,7 @@ fn errors_are_typed_and_say_what_to_do() {
     let t = |dtype, shape: &[usize]| Tensor::zeros(&dev, dtype, shape).unwrap();
     let (q, kv) = (t(DType::BF16, &[2, 16, 8, 64]), t(DType::BF16, &[2, 24, 2, 64]));
     // Shapes: q heads, k groups, v unlike k, a 3-D q, head_dim.
-    let shape_err = |r: te_runtime::Result<(Tensor, te_runtime::modules::AttentionCtx)>, what: &str| {
+    let shape_err = |r: te_runtime::Result<(Tensor, te_nn::modules::AttentionCtx)>, what: &str| {
         let e = r.unwrap_err();
         assert!(matches!(e, Error::Shape { .. }), "{what}: {e}");
         e.to_string()

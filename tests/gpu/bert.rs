@@ -13,10 +13,10 @@ use crate::common::device;
 use std::path::{Path, PathBuf};
 use te::embed::{buckets, speeches};
 use te::hf::{self, BertTokenizer};
-use te_runtime::cpu::bert as reference;
-use te_runtime::fp8::Float8Tensor;
-use te_runtime::models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertWeights, Fp8Gemms, WeightPrecision};
-use te_runtime::modules::TokenIds;
+use te_models::bert::{cosine, ActivationScaling, Bert, BertConfig, BertWeights, Fp8Gemms, WeightPrecision};
+use te_models::cpu::bert as reference;
+use te_nn::fp8::Float8Tensor;
+use te_nn::modules::TokenIds;
 use te_runtime::ops::embedding::embedding_forward_fp8;
 use te_runtime::{DType, Tensor};
 
@@ -209,8 +209,8 @@ fn fp8_embedding_lookup_dequantizes_rows() {
 /// scaling, with a padding mask.
 #[test]
 fn transformer_layer_infer_matches_forward() {
-    use te_runtime::fp8::{fp8_autocast, Float8CurrentScaling};
-    use te_runtime::modules::{
+    use te_nn::fp8::{fp8_autocast, Float8CurrentScaling};
+    use te_nn::modules::{
         Activation, AttentionInputs, AttnMaskType, QkvFormat, TransformerLayer, TransformerLayerConfig,
     };
     let Some(dev) = device() else { return };

@@ -8,16 +8,16 @@
 //! FP8 GEMMs that read them.
 
 use crate::common::{device, randn};
-use te_runtime::fp8::{Float8BlockQuantizer, Float8BlockScaling, Quantizer};
+use te_nn::fp8::{Float8BlockQuantizer, Float8BlockScaling, Quantizer};
+use te_reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
+use te_reference::gemm::gemm_tn;
+use te_reference::linear::{rel_frobenius, transpose};
 use te_runtime::gemm::{gemm, BlockScale, GemmConfig, Operand, Output};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::block_quantize::{
     block_dbias_workspace_len, quantize, quantize_dbias, scale_shape, BlockCodes, BlockFp8, BlockQuantizeParams,
 };
 use te_runtime::ops::cast_transpose::{dbias_workspace_len, DbiasOut};
-use te_runtime::reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
-use te_runtime::reference::gemm::gemm_tn;
-use te_runtime::reference::linear::{rel_frobenius, transpose};
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// Values spanning many magnitudes (each row its own), with a zero row, an infinity, a NaN, a

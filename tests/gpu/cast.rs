@@ -1,9 +1,9 @@
 //! Family 1 on the GPU: quantize bit-exact (special values included), dequantize, amax.
 
 use crate::common::{assert_bits_eq, assert_close, device, randn};
+use te_reference::cast as ref_cast;
 use te_runtime::numerics;
 use te_runtime::ops::{cast, Fp8Meta};
-use te_runtime::reference::cast as ref_cast;
 use te_runtime::{DType, Error, Tensor};
 
 /// Values that probe rounding, saturation, subnormals and NaN/inf.

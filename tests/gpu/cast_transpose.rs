@@ -8,12 +8,12 @@ use crate::common::{assert_bits_eq, assert_close, device, randn};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use te_codegen::spec::{Activation, CastTransposeSpec};
+use te_reference::cast_transpose::{cast_transpose as reference, transpose, CastTransposeRef};
 use te_runtime::numerics;
 use te_runtime::ops::cast_transpose::{
     cast_transpose, cast_transpose_dact, dbias_workspace_len, transpose_fp8, DbiasOut,
 };
 use te_runtime::ops::Fp8Meta;
-use te_runtime::reference::cast_transpose::{cast_transpose as reference, transpose, CastTransposeRef};
 use te_runtime::{Arch, DType, Device, Error, Tensor};
 
 /// Shapes: tile multiples, rows and cols not multiples of the 64 x 128 tile (and rows % 16 != 0,

@@ -5,13 +5,14 @@
 
 use crate::common::{assert_bits_eq, device, randn, Fp8States};
 use std::sync::Arc;
-use te_runtime::checkpoint::{load, save, LoadOptions, LoadReport, SaveOptions};
-use te_runtime::fp8::{fp8_autocast, fp8_model_init, DelayedScaling};
-use te_runtime::modules::{
+use te_nn::checkpoint::{load, save, LoadOptions, LoadReport, SaveOptions};
+use te_nn::fp8::{fp8_autocast, fp8_model_init, DelayedScaling};
+use te_nn::modules::{
     LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, Norm, NormConfig,
     Param, ParamKind, ParamMut,
 };
-use te_runtime::{DType, Device, Error, Module, Result, Tensor};
+use te_nn::Module;
+use te_runtime::{DType, Device, Error, Result, Tensor};
 
 const T: usize = 32;
 const H: usize = 64;
@@ -105,7 +106,7 @@ fn weights(dev: &Device, m: &Model) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-fn states(m: &Model) -> Vec<(String, te_runtime::fp8::ScalingSnapshot)> {
+fn states(m: &Model) -> Vec<(String, te_nn::fp8::ScalingSnapshot)> {
     let mut s = Fp8States::default();
     m.visit("", &mut s).unwrap();
     s.0.into_iter().map(|(p, st)| (p, st.snapshot().unwrap())).collect()
@@ -251,7 +252,7 @@ fn a_bf16_checkpoint_loads_with_fresh_fp8_state_and_trains_in_fp8() {
 /// fresh (a model with trained states has them reset).
 #[test]
 fn another_recipe_is_refused_or_converted_explicitly() {
-    use te_runtime::fp8::{Float8BlockScaling, Recipe};
+    use te_nn::fp8::{Float8BlockScaling, Recipe};
     let Some(dev) = device() else { return };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("delayed.safetensors");

@@ -71,19 +71,19 @@ pub fn assert_bits_eq(what: &str, got: &[u8], want: &[u8]) {
 
 /// A visitor that collects the FP8 scaling states of a model by path.
 #[derive(Default)]
-pub struct Fp8States(pub Vec<(String, Arc<te_runtime::fp8::ScalingState>)>);
+pub struct Fp8States(pub Vec<(String, Arc<te_nn::fp8::ScalingState>)>);
 
-impl te_runtime::modules::ModuleVisitor for Fp8States {
+impl te_nn::modules::ModuleVisitor for Fp8States {
     fn param(
         &mut self,
         _: &str,
-        _: te_runtime::modules::ParamKind,
-        _: &dyn te_runtime::modules::Param,
+        _: te_nn::modules::ParamKind,
+        _: &dyn te_nn::modules::Param,
     ) -> te_runtime::Result<()> {
         Ok(())
     }
 
-    fn fp8_state(&mut self, path: &str, state: &Arc<te_runtime::fp8::ScalingState>) -> te_runtime::Result<()> {
+    fn fp8_state(&mut self, path: &str, state: &Arc<te_nn::fp8::ScalingState>) -> te_runtime::Result<()> {
         self.0.push((path.to_owned(), state.clone()));
         Ok(())
     }

@@ -8,9 +8,9 @@
 use crate::attention::check;
 use crate::common::{device, randn};
 use te_codegen::spec::{AttnMaskType, QkvFormat};
+use te_reference::attention::{self as reference, AttentionCase};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::decode_attention::{append_kv, decode, DecodeParams, Strided};
-use te_runtime::reference::attention::{self as reference, AttentionCase};
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// One decode step: the cache holds `lens[b] − 1` tokens of random keys and values, the new

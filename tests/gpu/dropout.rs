@@ -8,9 +8,9 @@
 
 use crate::common::{assert_bits_eq, device, randn};
 use cudarc::driver::CudaSlice;
+use te_reference::dropout as reference;
 use te_runtime::numerics;
 use te_runtime::ops::dropout::{bias_dropout_add, dropout, dropout_backward, mask_bytes, DropoutParams};
-use te_runtime::reference::dropout as reference;
 use te_runtime::{DType, Device, Error, Tensor};
 
 const HIGH_PRECISION: [DType; 3] = [DType::F32, DType::BF16, DType::F16];

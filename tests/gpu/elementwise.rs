@@ -4,9 +4,9 @@
 //! the GPU writes the canonical NaN, see `reference::elementwise`); and typed errors.
 
 use crate::common::{assert_bits_eq, device, randn};
+use te_reference::elementwise as reference;
 use te_runtime::numerics;
 use te_runtime::ops::elementwise::{add, add_assign};
-use te_runtime::reference::elementwise as reference;
 use te_runtime::{DType, Error, Tensor};
 
 /// Sizes: one element (tail only), less than one vector, and vector multiples plus 3.

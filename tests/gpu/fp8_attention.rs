@@ -7,7 +7,7 @@
 use crate::attention::check;
 use crate::common::{device, randn};
 use crate::fused_attention::{check_lse, host_window_forward};
-use te_runtime::modules::QkvFormat;
+use te_nn::modules::QkvFormat;
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides};
 use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8Operand, Fp8Operands};

@@ -8,7 +8,7 @@
 
 use crate::common::randn;
 use crate::fp8_attention::{hopper, key_of_k, params, to_format};
-use te_runtime::modules::QkvFormat;
+use te_nn::modules::QkvFormat;
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{self as fa, FlashAttnParams, HeadStrides, Qkv};
 use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};

@@ -10,9 +10,9 @@
 use crate::common::{randn, Fp8States};
 use crate::fp8_attention::hopper;
 use std::sync::Arc;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
-use te_runtime::modules::QkvFormat;
-use te_runtime::modules::{AttentionCtx, DotProductAttention, DotProductAttentionConfig, Module};
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
+use te_nn::modules::QkvFormat;
+use te_nn::modules::{AttentionCtx, DotProductAttention, DotProductAttentionConfig, Module};
 use te_runtime::numerics::round_to;
 use te_runtime::{DType, Device, Result, Tensor};
 

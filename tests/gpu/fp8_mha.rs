@@ -8,8 +8,8 @@
 
 use crate::common::randn;
 use crate::fp8_attention::{hopper, params, to_format};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Recipe};
-use te_runtime::modules::{AttnMaskType, MultiheadAttention, MultiheadAttentionConfig, QkvFormat};
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8CurrentScaling, Recipe};
+use te_nn::modules::{AttnMaskType, MultiheadAttention, MultiheadAttentionConfig, QkvFormat};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{FlashAttnParams, Qkv};
 use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};

@@ -7,12 +7,12 @@
 
 use crate::attention::{check, check_case, check_padded_zeros, Case, Inputs};
 use crate::common::{device, randn};
-use te_runtime::modules::{
+use te_nn::modules::{
     AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat, ThdSeqlens,
 };
+use te_reference::attention::{self as reference, AttentionCase};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides, Qkv};
-use te_runtime::reference::attention::{self as reference, AttentionCase};
 use te_runtime::{DType, Error, Tensor};
 
 fn fused(c: Case) -> Case {

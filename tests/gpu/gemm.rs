@@ -21,9 +21,9 @@
 
 use crate::common::{device, randn};
 use cudarc::driver::CudaSlice;
+use te_reference::{cast as ref_cast, gemm as ref_gemm};
 use te_runtime::gemm::{gemm, gemm_strided_batched, Epilogue, GemmConfig, MatrixView, Operand, Output, StridedBatch};
 use te_runtime::numerics;
-use te_runtime::reference::{cast as ref_cast, gemm as ref_gemm};
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// A GEMM input on the device and the f32 values the GPU reads from it.

@@ -6,12 +6,13 @@
 //! is reused across calls; typed errors.
 
 use crate::common::device;
-use te_runtime::cpu::gpt::{GemmPrecision, GptRef};
-use te_runtime::generate::SamplingConfig;
-use te_runtime::models::{GenerateOptions, Gpt, GptConfig};
-use te_runtime::modules::{InferenceParams, Param, ParamKind, TokenIds};
-use te_runtime::reference::linear::rel_frobenius;
-use te_runtime::{DType, Device, Module, Result};
+use te_models::cpu::gpt::{GemmPrecision, GptRef};
+use te_models::generate::SamplingConfig;
+use te_models::{GenerateOptions, Gpt, GptConfig};
+use te_nn::modules::{InferenceParams, Param, ParamKind, TokenIds};
+use te_nn::Module;
+use te_reference::linear::rel_frobenius;
+use te_runtime::{DType, Device, Result};
 
 fn config() -> GptConfig {
     GptConfig {

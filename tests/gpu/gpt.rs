@@ -7,15 +7,16 @@
 use crate::common::{assert_bits_eq, assert_close, device, randn};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
-use te_runtime::models::{Gpt, GptConfig, IGNORE_INDEX};
-use te_runtime::modules::{Embedding, EmbeddingConfig, Param, ParamKind, ParamMut, TokenIds};
+use te_models::{Gpt, GptConfig, IGNORE_INDEX};
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
+use te_nn::modules::{Embedding, EmbeddingConfig, Param, ParamKind, ParamMut, TokenIds};
+use te_nn::Module;
+use te_reference::cross_entropy as ce_ref;
+use te_reference::embedding as emb_ref;
 use te_runtime::numerics::{encode, round_to};
 use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use te_runtime::ops::embedding::{embedding_backward, embedding_forward};
-use te_runtime::reference::cross_entropy as ce_ref;
-use te_runtime::reference::embedding as emb_ref;
-use te_runtime::{DType, Device, Error, Module, Result, Tensor};
+use te_runtime::{DType, Device, Error, Result, Tensor};
 
 const HIGH_PRECISION: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 

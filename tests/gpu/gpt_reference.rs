@@ -4,11 +4,12 @@
 //! Philox masks and so the same loss.
 
 use crate::common::device;
-use te_runtime::cpu::gpt::GptRef;
-use te_runtime::models::{Gpt, GptConfig, IGNORE_INDEX};
-use te_runtime::modules::{Param, ParamKind, TokenIds};
-use te_runtime::reference::linear::rel_frobenius;
-use te_runtime::{DType, Device, Module, Result};
+use te_models::cpu::gpt::GptRef;
+use te_models::{Gpt, GptConfig, IGNORE_INDEX};
+use te_nn::modules::{Param, ParamKind, TokenIds};
+use te_nn::Module;
+use te_reference::linear::rel_frobenius;
+use te_runtime::{DType, Device, Result};
 
 fn config(hidden_dropout: f32) -> GptConfig {
     GptConfig {

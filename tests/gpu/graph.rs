@@ -4,8 +4,8 @@
 //! it, and the device works on afterwards.
 
 use crate::common::{assert_bits_eq, device, randn};
+use te_nn::modules::{LayerNormMLP, LayerNormMLPConfig};
 use te_runtime::graph::{CaptureRule, Graph};
-use te_runtime::modules::{LayerNormMLP, LayerNormMLPConfig};
 use te_runtime::{DType, Error, Tensor};
 
 const T: usize = 192;

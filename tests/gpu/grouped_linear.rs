@@ -5,9 +5,9 @@
 //! tolerance; parameter names; the typed errors.
 
 use crate::common::{assert_close, bf16, device, host, randn, upload};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
-use te_runtime::modules::{GroupedLinear, GroupedLinearConfig, Linear, LinearConfig, Module, ParamKind};
-use te_runtime::reference::moe::grouped_forward;
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
+use te_nn::modules::{GroupedLinear, GroupedLinearConfig, Linear, LinearConfig, Module, ParamKind};
+use te_reference::moe::grouped_forward;
 use te_runtime::{Device, Error};
 
 /// Rows per expert: uneven, one empty, multiples of 16 (FP8 training), 256 in all.
@@ -41,7 +41,7 @@ fn steps(dev: &Device, g: &mut GroupedLinear, linears: &mut [Linear], x: &[f32],
     let (y, ctx) = g.forward(&xt, &SPLITS).unwrap();
     assert_eq!(ctx.m_splits(), SPLITS);
     let dx = g.backward(ctx, &dyt).unwrap();
-    let grads = |p: &te_runtime::modules::LinearParams| {
+    let grads = |p: &te_nn::modules::LinearParams| {
         (
             p.weight_grad().map_or(Vec::new(), |t| t.to_f32(dev).unwrap()),
             p.bias_grad().map_or(Vec::new(), |t| t.to_f32(dev).unwrap()),
@@ -125,7 +125,7 @@ fn grouped_linear_matches_the_reference_and_names_its_parameters() {
     assert_close("grouped y", &got, &want, 1.6e-2, 1e-2 * amax);
 
     let mut names = Vec::new();
-    g.visit("experts", &mut |path: &str, kind: ParamKind, _: &dyn te_runtime::modules::Param| {
+    g.visit("experts", &mut |path: &str, kind: ParamKind, _: &dyn te_nn::modules::Param| {
         names.push((path.to_owned(), kind));
         Ok(())
     })

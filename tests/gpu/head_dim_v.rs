@@ -7,10 +7,10 @@
 use crate::attention::check;
 use crate::common::randn;
 use crate::fp8_attention::hopper;
-use te_runtime::modules::{AttnMaskType, QkvFormat};
+use te_nn::modules::{AttnMaskType, QkvFormat};
+use te_reference::attention::{self as reference, AttentionCase};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides, Qkv};
-use te_runtime::reference::attention::{self as reference, AttentionCase};
 use te_runtime::{DType, Error, Tensor};
 
 /// A call of `(batch, sq, sk)`, `heads` over `groups`, head dims `(d, dv)`, every tensor dense in
@@ -140,7 +140,7 @@ fn head_dims_the_kernels_refuse_are_typed_errors() {
 /// the fused QKV tensor, which holds one head dim, is refused with a typed error.
 #[test]
 fn dot_product_attention_runs_a_head_dim_v_of_its_own_on_both_backends() {
-    use te_runtime::modules::{AttentionBackend, DotProductAttention, DotProductAttentionConfig};
+    use te_nn::modules::{AttentionBackend, DotProductAttention, DotProductAttentionConfig};
     let Some(dev) = hopper() else { return };
     let (batch, sq, sk, heads, groups, d, dv) = (2, 77, 130, 8, 2, 128, 64);
     let vals = |s, n| -> Vec<f32> { randn(s, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };

@@ -3,11 +3,12 @@
 //! (what `te prewarm --preset` compiles), and the device-free `GptConfig::kernel_specs` agrees.
 
 use crate::common::device;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
-use te_runtime::models::gpt::{Gpt, GptConfig};
-use te_runtime::modules::{KernelTarget, TokenIds};
-use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
-use te_runtime::{Device, Module, Result};
+use te_models::gpt::{Gpt, GptConfig};
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
+use te_nn::modules::{KernelTarget, TokenIds};
+use te_nn::Module;
+use te_runtime::{Device, Result};
+use te_train::optim::{AdamW, AdamWConfig, LrSchedule};
 
 /// Training steps of a GPT of `cfg` on a device of its own (its kernel cache then holds what
 /// these steps load, nothing of the other tests): one step per entry of `recipes` (`None`: BF16),
@@ -81,7 +82,7 @@ fn a_moe_gpt_training_step_loads_only_predicted_kernels() {
         num_attention_heads: 4,
         ffn_hidden_size: 128,
         seq_length: 32,
-        moe: Some(te_runtime::modules::MoeConfig::new(4, 2)),
+        moe: Some(te_nn::modules::MoeConfig::new(4, 2)),
         ..GptConfig::tiny()
     };
     let s = cfg.seq_length;
@@ -93,6 +94,6 @@ fn a_moe_gpt_training_step_loads_only_predicted_kernels() {
     let used = dev.kernels().loaded_specs();
     let missing: Vec<String> = used.iter().filter(|s| !predicted.contains(s)).map(|s| s.name()).collect();
     assert!(missing.is_empty(), "loaded but not predicted: {missing:?}");
-    assert!(used.iter().any(|s| matches!(s, te_runtime::modules::KernelSpec::MoeRouter(_))));
+    assert!(used.iter().any(|s| matches!(s, te_nn::modules::KernelSpec::MoeRouter(_))));
     assert_eq!(gpt.all_kernel_specs(&target), cfg.kernel_specs(&target), "the device-free list agrees");
 }

@@ -1,16 +1,16 @@
-//! `Linear` on the GPU against the CPU reference (`te_runtime::reference::linear`): FP8 with
+//! `Linear` on the GPU against the CPU reference (`te_reference::linear`): FP8 with
 //! delayed and current scaling, the high-precision path, scale updates through autocast scopes,
 //! wgrad fusion into `main_grad`, the micro-batch weight cache, FP8-only inference weights and
 //! the typed errors.
 
 use crate::common::{amax, assert_close, bf16, device, randn, upload};
-use te_runtime::fp8::{
+use te_nn::fp8::{
     fp8_autocast, fp8_model_init, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Fp8Autocast, Recipe,
 };
-use te_runtime::modules::{BackwardOptions, ForwardOptions, Linear, LinearConfig, Output};
-use te_runtime::reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
-use te_runtime::reference::linear::{self as reference, rel_frobenius, Fp8Step};
-use te_runtime::reference::scaling::current_scale;
+use te_nn::modules::{BackwardOptions, ForwardOptions, Linear, LinearConfig, Output};
+use te_reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
+use te_reference::linear::{self as reference, rel_frobenius, Fp8Step};
+use te_reference::scaling::current_scale;
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// tokens, in_features, out_features: multiples of 16, not of the GEMM tiles.

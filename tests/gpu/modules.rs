@@ -1,17 +1,17 @@
 //! `LayerNorm`/`RMSNorm`, `LayerNormLinear` and `LayerNormMLP` on the GPU against the exact CPU
-//! reference (`te_runtime::reference::modules`): BF16 at TE's bf16 tolerances; FP8 with delayed
+//! reference (`te_reference::modules`): BF16 at TE's bf16 tolerances; FP8 with delayed
 //! (second step, scales from the first), current and blockwise scaling within bounds of the FP8
 //! rounding.
 
 use crate::common::{amax, assert_close, bf16, device, host, randn, upload};
 use std::sync::Arc;
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
-use te_runtime::modules::{
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
+use te_nn::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, LinearParams, Norm,
     NormConfig, NormKind, NormParams,
 };
-use te_runtime::reference::linear::rel_frobenius;
-use te_runtime::reference::modules::{self as reference, DenseRef, NormRef};
+use te_reference::linear::rel_frobenius;
+use te_reference::modules::{self as reference, DenseRef, NormRef};
 use te_runtime::{Device, Error};
 
 const T: usize = 112;
@@ -298,9 +298,9 @@ fn module_errors_are_typed() {
 
 mod transformer {
     use super::*;
-    use te_runtime::modules::{AttnMaskType, QkvFormat, TransformerLayer, TransformerLayerConfig};
-    use te_runtime::reference::attention::AttentionCase;
-    use te_runtime::reference::transformer::{LayerRef, MhaRef};
+    use te_nn::modules::{AttnMaskType, QkvFormat, TransformerLayer, TransformerLayerConfig};
+    use te_reference::attention::AttentionCase;
+    use te_reference::transformer::{LayerRef, MhaRef};
 
     const S: usize = 48;
     const B: usize = 2;
@@ -325,7 +325,7 @@ mod transformer {
     /// gradient and the weight gradients, in BF16 and under each FP8 recipe, with MQA.
     #[test]
     fn fused_and_unfused_attention_agree_on_a_layer_step() {
-        use te_runtime::modules::AttentionBackend;
+        use te_nn::modules::AttentionBackend;
         let Some(dev) = device() else { return };
         let x = bf16(&randn(60, S * B * HID, 1.0));
         let dy = bf16(&randn(61, S * B * HID, 1e-2));
@@ -463,7 +463,7 @@ mod transformer {
     /// TE's state-dict names through the derive's traversal, pre-LN and post-LN.
     #[test]
     fn layer_parameters_have_te_names() {
-        use te_runtime::Module;
+        use te_nn::Module;
         let Some(dev) = device() else { return };
         let layer = TransformerLayer::new(&dev, config(2)).unwrap();
         let names: Vec<String> = layer.named_parameters().into_iter().map(|p| p.path).collect();

@@ -5,9 +5,9 @@
 //! anything, typed errors.
 
 use crate::common::{device, randn};
+use te_reference::moe;
 use te_runtime::numerics::round_to;
 use te_runtime::ops::moe::{permute, routing_map, unpermute, unpermute_dprobs, MoeRouting};
-use te_runtime::reference::moe;
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// `row_id_map` and `m_splits` of `indices` by the rule (dropped slots -1).

@@ -9,13 +9,14 @@
 
 use crate::common::{amax, assert_close, bf16, device, host, randn, upload};
 use crate::gpt::{batch, config, param_and_grad, poke, sgd_losses};
-use te_runtime::fp8::{fp8_autocast, DelayedScaling, Recipe};
-use te_runtime::models::{Gpt, GptConfig};
-use te_runtime::modules::{Activation, ForwardOptions, MoeConfig, MoeMLP, MoeMLPConfig, MoeMLPCtx, NormKind};
-use te_runtime::reference::linear::rel_frobenius;
-use te_runtime::reference::modules::{DenseRef, NormRef};
-use te_runtime::reference::moe_mlp::{MoeMlpGrads, MoeMlpRef};
-use te_runtime::{DType, Device, Error, Module, Tensor};
+use te_models::{Gpt, GptConfig};
+use te_nn::fp8::{fp8_autocast, DelayedScaling, Recipe};
+use te_nn::modules::{Activation, ForwardOptions, MoeConfig, MoeMLP, MoeMLPConfig, MoeMLPCtx, NormKind};
+use te_nn::Module;
+use te_reference::linear::rel_frobenius;
+use te_reference::modules::{DenseRef, NormRef};
+use te_reference::moe_mlp::{MoeMlpGrads, MoeMlpRef};
+use te_runtime::{DType, Device, Error, Tensor};
 
 /// Tokens: not a multiple of 16.
 const T: usize = 37;

@@ -7,11 +7,11 @@
 //! multiples of the 8 tokens of a block, 8 to 512 experts, k 1, 2 and 8, typed errors.
 
 use crate::common::{assert_close, device, randn};
+use te_reference::moe::{self, Routing};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::moe::{routing_map, MoeRouting};
 use te_runtime::ops::moe_router::{aux_loss, aux_loss_backward, topk_router, topk_router_backward};
 use te_runtime::ops::moe_router::{RouterConfig, RouterOutput};
-use te_runtime::reference::moe::{self, Routing};
 use te_runtime::{DType, Device, Error, Tensor};
 
 fn cfg(k: usize, pre_softmax: bool, scaling_factor: f32) -> RouterConfig {

@@ -14,12 +14,13 @@ use crate::common::{amax, bf16, randn};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use te_models::gpt::{Gpt, GptConfig, MicroBatch};
+use te_nn::fp8::{DelayedScaling, Fp8Autocast};
+use te_nn::modules::{Linear, LinearConfig, ModuleVisitor, Param, ParamKind, TokenIds};
+use te_nn::parallel::{DataParallel, Parallel};
+use te_nn::Module;
 use te_runtime::dist::{nccl_available, DistEnv, ProcessGroup, ReduceOp};
-use te_runtime::fp8::{DelayedScaling, Fp8Autocast};
-use te_runtime::models::gpt::{Gpt, GptConfig, MicroBatch};
-use te_runtime::modules::{Linear, LinearConfig, ModuleVisitor, Param, ParamKind, TokenIds};
-use te_runtime::parallel::{DataParallel, Parallel};
-use te_runtime::{DType, Device, Module, Tensor};
+use te_runtime::{DType, Device, Tensor};
 
 /// The variable that marks a child process: the test it runs as a rank.
 const CHILD: &str = "TE_MULTI_GPU_TEST";
@@ -412,9 +413,9 @@ pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 #[test]
 fn tensor_parallel_linear_equals_the_whole_layer() {
     on_ranks("multi_gpu::tensor_parallel_linear_equals_the_whole_layer", 2, Layout::OneNode, |env, dev, pg| {
-        use te_runtime::dist::shard::ParallelMode;
-        use te_runtime::fp8::{fp8_autocast, Float8CurrentScaling, Recipe};
-        use te_runtime::modules::TensorParallel;
+        use te_nn::fp8::{fp8_autocast, Float8CurrentScaling, Recipe};
+        use te_nn::modules::TensorParallel;
+        use te_nn::parallel::shard::ParallelMode;
         let (r, n) = (env.rank, env.world_size);
         let group = Arc::new(pg);
         let (tokens, n_in, n_out) = (96, 64, 160);

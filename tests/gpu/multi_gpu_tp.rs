@@ -10,14 +10,15 @@
 use crate::common::{bf16, randn};
 use crate::multi_gpu::{on_ranks, rel_err, Layout};
 use std::sync::Arc;
-use te_runtime::dist::ProcessGroup;
-use te_runtime::fp8::{DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
-use te_runtime::modules::{
+use te_nn::fp8::{DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
+use te_nn::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, ModuleVisitor,
     MultiheadAttention, MultiheadAttentionConfig, Param, ParamKind, TensorParallel, TpConfig, TransformerLayer,
     TransformerLayerConfig,
 };
-use te_runtime::{DType, Device, Module, Tensor};
+use te_nn::Module;
+use te_runtime::dist::ProcessGroup;
+use te_runtime::{DType, Device, Tensor};
 
 /// Sizes of the blocks: `[s, b, hidden]` hidden states, 4 query heads in 2 groups of 16
 /// channels, an ffn of 96 (48 a rank).
@@ -319,11 +320,15 @@ fn tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges() {
     let test = "multi_gpu_tp::tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges";
     on_ranks(test, 2, Layout::OneNode, |env, dev, pg| {
         use te::train::{train, CheckpointOptions, Precision, TrainConfig};
-        use te_runtime::checkpoint::{self, tp::merge_files, tp::shard_path, LoadOptions};
-        use te_runtime::dist::shard::TpLayout;
-        use te_runtime::models::gpt::{Gpt, GptConfig};
-        use te_runtime::modules::TokenIds;
-        use te_runtime::parallel::Parallel;
+        use te_models::gpt::{Gpt, GptConfig};
+        use te_nn::checkpoint::{
+            self,
+            tp::{merge_files, shard_path},
+            LoadOptions,
+        };
+        use te_nn::modules::TokenIds;
+        use te_nn::parallel::shard::TpLayout;
+        use te_nn::parallel::Parallel;
         let corpus = crate::train::corpus();
         let world = Arc::new(pg);
         let base = crate::train::config(40);
@@ -414,8 +419,8 @@ fn tensor_and_data_parallel_training_follows_one_gpu() {
     let test = "multi_gpu_tp::tensor_and_data_parallel_training_follows_one_gpu";
     on_ranks(test, 4, Layout::OneNode, |env, dev, pg| {
         use te::train::{train, CheckpointOptions, Precision, TrainConfig};
-        use te_runtime::models::gpt::GptConfig;
-        use te_runtime::parallel::Parallel;
+        use te_models::gpt::GptConfig;
+        use te_nn::parallel::Parallel;
         let corpus = crate::train::corpus();
         let base = crate::train::config(30);
         let base = TrainConfig {

@@ -10,10 +10,10 @@
 use crate::common::{assert_bits_eq, assert_close, device, randn};
 use cudarc::driver::CudaSlice;
 use te_codegen::spec::{Direction, NormKind, NormSpec};
+use te_reference::norm as ref_norm;
 use te_runtime::numerics;
 use te_runtime::ops::norm::{norm_bwd, norm_fwd, NormBwdArgs, NormBwdOut, NormFwdArgs, NormFwdOut};
 use te_runtime::ops::Fp8Meta;
-use te_runtime::reference::norm as ref_norm;
 use te_runtime::DType;
 use te_runtime::{Device, Error, Tensor};
 

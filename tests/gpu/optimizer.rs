@@ -6,13 +6,14 @@
 
 use crate::common::{device, randn};
 use std::sync::Arc;
-use te_runtime::modules::{Linear, LinearConfig};
+use te_nn::modules::{Linear, LinearConfig};
+use te_nn::Module;
+use te_reference::optimizer as reference;
 use te_runtime::numerics;
+use te_runtime::ops::optimizer::scalars::{AdamWHyper, AdamWScalars};
 use te_runtime::ops::optimizer::{adamw_step, adamw_step_reduced, AdamWArgs, AdamWTensor, CHUNK};
-use te_runtime::optim::scalars::{AdamWHyper, AdamWScalars};
-use te_runtime::optim::{AdamW, AdamWConfig, LrSchedule};
-use te_runtime::reference::optimizer as reference;
-use te_runtime::{DType, Device, Error, Module, Tensor};
+use te_runtime::{DType, Device, Error, Tensor};
+use te_train::optim::{AdamW, AdamWConfig, LrSchedule};
 
 /// `(elements, grad dtype, param dtype, weight decay, the tensor's first step)`.
 const CASES: [(usize, DType, DType, f32, u64); 6] = [
@@ -206,7 +207,7 @@ fn backward(dev: &Device, m: &mut Mlp) {
 /// Every parameter and gradient of the model, as f32, in traversal order.
 fn snapshot(dev: &Device, m: &Mlp) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let (mut p, mut g) = (Vec::new(), Vec::new());
-    m.visit("", &mut |_: &str, _, t: &dyn te_runtime::modules::Param| -> te_runtime::Result<()> {
+    m.visit("", &mut |_: &str, _, t: &dyn te_nn::modules::Param| -> te_runtime::Result<()> {
         p.push(t.tensor().unwrap().to_f32(dev)?);
         g.push(t.grad().unwrap().to_f32(dev)?);
         Ok(())

@@ -10,9 +10,9 @@
 //! (rtol 2^-7 bf16, 2^-10 f16, 1e-6 f32). Channels past d2 are copies: compared bit for bit.
 
 use crate::common::{assert_close, device, randn};
+use te_reference::rope as reference;
 use te_runtime::numerics;
 use te_runtime::ops::rope::{backward, forward, RopeFormat};
-use te_runtime::reference::rope as reference;
 use te_runtime::{DType, Device, Error, Tensor};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];

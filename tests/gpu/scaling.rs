@@ -4,8 +4,8 @@
 
 use crate::common::{device, randn};
 use te_codegen::spec::AmaxComputeAlgo;
+use te_reference::scaling::{self as reference, HostScalingGroup};
 use te_runtime::ops::scaling::{self, DelayedScalingTable, ScalingGroup};
-use te_runtime::reference::scaling::{self as reference, HostScalingGroup};
 use te_runtime::{Device, Error};
 
 fn bits(v: &[f32]) -> Vec<u32> {

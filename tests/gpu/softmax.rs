@@ -12,9 +12,9 @@ use crate::common::{assert_close, device, randn};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use te_codegen::spec::MaskKind;
+use te_reference::softmax as ref_softmax;
 use te_runtime::numerics;
 use te_runtime::ops::softmax::{self, Mask};
-use te_runtime::reference::softmax as ref_softmax;
 use te_runtime::{DType, Device, Error, Tensor};
 
 const SCALE: f32 = 0.35;

@@ -7,9 +7,9 @@
 use crate::common::device;
 use te::data::Corpus;
 use te::train::{train, CheckpointOptions, Precision, Record, TrainConfig, TrainError};
-use te_runtime::fp8::DelayedScaling;
-use te_runtime::models::{Gpt, GptConfig};
-use te_runtime::parallel::Parallel;
+use te_models::{Gpt, GptConfig};
+use te_nn::fp8::DelayedScaling;
+use te_nn::parallel::Parallel;
 
 /// Deterministic text of a few hundred kilobytes with some structure to learn.
 pub(crate) fn corpus() -> Corpus {

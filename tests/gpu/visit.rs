@@ -4,12 +4,13 @@
 
 use crate::common::{device, randn, Fp8States};
 use std::sync::Arc;
-use te_runtime::fp8::{fp8_autocast, fp8_model_init, DelayedScaling, ScalingSnapshot};
-use te_runtime::modules::{
+use te_nn::fp8::{fp8_autocast, fp8_model_init, DelayedScaling, ScalingSnapshot};
+use te_nn::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, Linear, LinearConfig, Norm,
     NormConfig, Param, ParamKind, ParamMut,
 };
-use te_runtime::{DType, Device, Module, Result, Tensor};
+use te_nn::Module;
+use te_runtime::{DType, Device, Result, Tensor};
 
 const T: usize = 32;
 const H: usize = 64;

@@ -1,18 +1,18 @@
 //! Multi-process runs (the multi-GPU issue): the launch environment ([`DistEnv`], `torchrun`'s
 //! variables) and the rendezvous that hands rank 0's bytes (the NCCL unique id) to every rank
-//! ([`rendezvous::broadcast_bytes`], bounded by a timeout); the tensor-parallel sharding
-//! arithmetic (which slice of each weight a rank holds, [`shard`]); the NCCL process group
+//! ([`rendezvous::broadcast_bytes`], bounded by a timeout); the NCCL process group
 //! ([`ProcessGroup`]: all-reduce, all-gather, reduce-scatter, broadcast, barrier on the device's
 //! stream, sub-groups by `ncclCommSplit`; [`reduce_amax_max`], TE's amax reduction), which checks
 //! that NCCL loads before using it ([`nccl_available`]). Processes are one a GPU; nodes are
-//! described by the same variables, so multi-node runs need no other code.
+//! described by the same variables, so multi-node runs need no other code. The
+//! tensor-parallel sharding arithmetic (which slice of each weight a rank holds) is `te-nn`'s
+//! `parallel::shard`.
 
 mod env;
 mod nccl;
 mod nccl_args;
 mod nccl_lib;
 pub mod rendezvous;
-pub mod shard;
 
 pub use env::DistEnv;
 pub use nccl::{reduce_amax_max, ProcessGroup};

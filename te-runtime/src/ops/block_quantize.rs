@@ -1,7 +1,7 @@
 //! Family 16's launcher: blockwise FP8 quantization (TE 2.x `Float8BlockScaling`,
 //! DeepSeek-V3's recipe): one f32 scale per 1×128 tile (with a 128×1-tiled transposed copy) or
 //! per 128×128 block, the scales in the layouts cuBLASLt's block-scaled FP8 GEMMs read (TE's
-//! `GEMM_READY`). The numerics are [`crate::reference::block_scaling`]'s, bit for bit.
+//! `GEMM_READY`). The numerics are `te_reference::block_scaling`'s, bit for bit.
 //! [`quantize_dbias`] also gives the bias gradient from the same read, in two deterministic
 //! passes.
 

@@ -106,7 +106,7 @@ pub enum Qkv<T> {
 
 impl<T: std::ops::Deref<Target = Tensor>> Qkv<T> {
     /// `(tensor, element offset)` of q, k and v.
-    pub(crate) fn parts(&self) -> [(&Tensor, usize); 3] {
+    pub fn parts(&self) -> [(&Tensor, usize); 3] {
         match self {
             Qkv::Apart([q, k, v]) => [(q, 0), (k, 0), (v, 0)],
             Qkv::Packed(t, [a, b, c]) => [(t, *a), (t, *b), (t, *c)],

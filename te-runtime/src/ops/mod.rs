@@ -83,7 +83,7 @@ impl Fp8Meta {
 }
 
 /// Fails unless `t` has a dtype accepted by `ok`.
-pub(crate) fn check_dtype(
+pub fn check_dtype(
     op: &'static str,
     arg: &'static str,
     t: &Tensor,
@@ -98,7 +98,7 @@ pub(crate) fn check_dtype(
 }
 
 /// Fails unless `t` has exactly `shape`.
-pub(crate) fn check_shape(op: &'static str, arg: &str, t: &Tensor, shape: &[usize]) -> Result<()> {
+pub fn check_shape(op: &'static str, arg: &str, t: &Tensor, shape: &[usize]) -> Result<()> {
     if t.shape() == shape {
         Ok(())
     } else {
@@ -107,7 +107,7 @@ pub(crate) fn check_shape(op: &'static str, arg: &str, t: &Tensor, shape: &[usiz
 }
 
 /// Fails for a tensor with no elements.
-pub(crate) fn check_nonempty(op: &'static str, arg: &str, t: &Tensor) -> Result<()> {
+pub fn check_nonempty(op: &'static str, arg: &str, t: &Tensor) -> Result<()> {
     if t.numel() > 0 {
         Ok(())
     } else {

@@ -4,7 +4,7 @@
 //! (`m_splits`, what the expert GEMMs of a `GroupedLinear` take), [`permute`] gathers each
 //! token's row once per slot next to the other rows of its expert, [`unpermute`] sums them back
 //! weighted by the routing probabilities, and [`unpermute_dprobs`] is the probabilities'
-//! gradient. The numerics are [`crate::reference::moe`]'s (rows grouped by expert in ascending
+//! gradient. The numerics are `te_reference::moe`'s (rows grouped by expert in ascending
 //! order, in token order within an expert; `row_id_map` `[k, tokens]`).
 
 use super::check_dtype;

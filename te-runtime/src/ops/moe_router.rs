@@ -11,8 +11,8 @@
 //! scores); [`topk_router_backward`] is the logits' gradient from the probabilities' gradient;
 //! [`aux_loss`] is the loss of the scores and the tokens per expert (`m_splits` of
 //! [`super::moe::MoeRouting`]), [`aux_loss_backward`] adds its gradient to the logits'. The
-//! numerics are [`crate::reference::moe`]'s ([`crate::reference::moe::topk_router`],
-//! [`crate::reference::moe::aux_loss`]): softmaxes in f64 rounded to f32, the top k by
+//! numerics are `te_reference::moe`'s (`te_reference::moe::topk_router`,
+//! `te_reference::moe::aux_loss`): softmaxes in f64 rounded to f32, the top k by
 //! `f32::total_cmp` with ties to the lower expert, the loss summed in f64.
 
 use super::check_dtype;
@@ -158,7 +158,7 @@ fn check_len(what: &str, len: usize, want: usize, layout: &str) -> Result<()> {
 /// Routes each token of `logits` (`[tokens, experts]` bf16, f16 or f32, leading dims folded) to
 /// its `k` best experts into `out` ([`RouterOutput::new`]), as TE's
 /// `fused_topk_with_score_function(logits, topk, use_pre_softmax, None, None, scaling_factor,
-/// "softmax")`, in [`crate::reference::moe::topk_router`]'s numerics:
+/// "softmax")`, in `te_reference::moe::topk_router`'s numerics:
 /// - `scores[t, e]`: the softmax over all experts, in f64 rounded to f32;
 /// - `indices[t, j]`: the `k` best logits (`pre_softmax` false) or scores (true), best first,
 ///   ordered by `f32::total_cmp` with ties to the lower expert;
@@ -241,7 +241,7 @@ fn check_aux(r: &RouterOutput, tokens_per_expert: &CudaSlice<i32>, coeff: f32, w
 
 /// The auxiliary load-balancing loss of `r`'s scores into `loss` (f32 `[1]`), as TE's
 /// `fused_moe_aux_loss(probs=r.scores, tokens_per_expert, total_num_tokens=tokens,
-/// num_experts=experts, topk=k, coeff)` and [`crate::reference::moe::aux_loss`]:
+/// num_experts=experts, topk=k, coeff)` and `te_reference::moe::aux_loss`:
 ///
 /// `loss = coeff · E / (k · T²) · Σ_e tokens_per_expert[e] · Σ_t scores[t, e]`
 ///
@@ -282,7 +282,7 @@ pub fn aux_loss(
 /// The gradient of [`aux_loss`] with respect to the logits, through the softmax of the scores
 /// (TE's `fused_moe_aux_loss` backward, then the backward of the aux-loss scores'
 /// softmax): with `s` a token's scores and `g_e = d_loss · (f32)(C · tokens_per_expert[e])`,
-/// `C = coeff · E / (k · T²)` (the gradient [`crate::reference::moe::aux_loss`] returns),
+/// `C = coeff · E / (k · T²)` (the gradient `te_reference::moe::aux_loss` returns),
 ///
 /// `d_logits[t, i] = s_i · (g_i − Σ_e s_e · g_e)`,
 ///

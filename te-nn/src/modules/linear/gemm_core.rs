@@ -1,0 +1,394 @@
+//! The GEMM part of `Linear`, `LayerNormLinear` and `LayerNormMLP` (TE `_Linear`'s autograd
+//! function): parameters, FP8 scaling, and forward/backward of `y = x · Wᵀ + b`.
+//!
+//! The FP8 dataflow is described in the parent module's docs.
+
+use super::super::params::{convert, fp8_dim, LinearParams};
+use super::super::Output;
+use super::ForwardOptions;
+use crate::fp8::{Float8Tensor, ForwardQuantizers, Fp8Mode, Fp8StateSlot, GemmScaling, GradScaling, Quantizer};
+use crate::fp8::{Recipe, ScalingState};
+use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+use te_codegen::DType;
+use te_runtime::gemm::{gemm, Epilogue, Fp8Output, GemmConfig, Operand, Output as GemmOut};
+use te_runtime::ops::cast_transpose::{dbias_workspace_len, DbiasOut};
+use te_runtime::{ops, Device, Error, Result, Tensor};
+
+/// The input of a GEMM layer's forward: high precision, or already FP8 (a fused producer, e.g.
+/// the norm of `LayerNormLinear`, cast it with the layer's input quantizer; with its transpose
+/// when backward will run).
+#[derive(Debug)]
+pub(crate) enum LinearInput {
+    High(Tensor),
+    Fp8(Float8Tensor),
+}
+
+/// What a GEMM layer's forward runs in, decided once per forward from the autocast scope.
+#[derive(Debug)]
+pub(crate) enum Pass {
+    /// GEMMs in the parameters' precision.
+    High,
+    /// High-precision GEMMs; the input's and weight's amaxes are recorded.
+    Calibrating(ForwardQuantizers),
+    /// FP8 GEMMs.
+    Fp8(Fp8Pass),
+}
+
+/// An FP8 forward: its quantizers and the recipe they came from (which backward reuses).
+#[derive(Debug)]
+pub(crate) struct Fp8Pass {
+    q: ForwardQuantizers,
+    recipe: Recipe,
+}
+
+impl Pass {
+    /// The quantizer of the GEMM input in an FP8 pass.
+    pub(crate) fn fp8_input(&self) -> Option<&dyn Quantizer> {
+        match self {
+            Pass::Fp8(p) => Some(&*p.q.input),
+            _ => None,
+        }
+    }
+}
+
+/// What an FP8 forward saved for backward.
+#[derive(Debug)]
+pub(crate) struct Fp8Saved {
+    /// `x8ᵀ [in, tokens]`; `None` when the owner recomputes it before backward (see
+    /// [`LinearCore::recompute_input`]).
+    pub input_t: Option<Float8Tensor>,
+    /// `W8` with its transpose.
+    pub weight: Float8Tensor,
+    /// The gradient casts of backward.
+    pub grad: GradScaling,
+}
+
+/// What a GEMM layer's forward saved for backward.
+#[derive(Debug)]
+pub(crate) enum Saved {
+    /// FP8 GEMMs.
+    Fp8(Fp8Saved),
+    /// High-precision GEMMs: the input and weight (shared, not copied).
+    High { input: Tensor, weight: Tensor },
+}
+
+impl Saved {
+    /// Device bytes held only for backward (the FP8 input transpose; high-precision tensors are
+    /// shared with the caller and the parameters).
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Saved::Fp8(s) => s.input_t.as_ref().map_or(0, Float8Tensor::num_bytes),
+            Saved::High { .. } => 0,
+        }
+    }
+}
+
+/// The bias gradient a gradient cast computes on the way (TE `cast_transpose_dbias`): the
+/// `[cols]` output and the kernel's f32 workspace.
+#[derive(Debug)]
+pub(crate) struct DbiasBuffers {
+    dbias: Tensor,
+    workspace: CudaSlice<f32>,
+}
+
+impl DbiasBuffers {
+    /// Buffers for the column sums of a `[rows, cols]` gradient of `dtype`.
+    pub(crate) fn new(dev: &Device, dtype: DType, rows: usize, cols: usize) -> Result<Self> {
+        let dbias = Tensor::empty(dev, dtype, &[cols])?;
+        // SAFETY: f32 has no invalid bit patterns; the workspace is scratch the kernel writes
+        // before it reads it (`DbiasOut::workspace`).
+        let workspace = unsafe { dev.stream().alloc::<f32>(dbias_workspace_len(rows, cols)) }?;
+        Ok(Self { dbias, workspace })
+    }
+
+    /// The outputs for the cast.
+    pub(crate) fn out(&mut self) -> DbiasOut<'_> {
+        DbiasOut { dbias: &mut self.dbias, workspace: self.workspace.as_view_mut() }
+    }
+
+    /// The bias gradient `[cols]`.
+    pub(crate) fn into_dbias(self) -> Tensor {
+        self.dbias
+    }
+}
+
+/// The GEMM part of `Linear`, `LayerNormLinear` and `LayerNormMLP`.
+#[derive(Debug)]
+pub(crate) struct LinearCore {
+    pub params: LinearParams,
+    module: &'static str,
+    /// The GEMM adds the bias (false for `return_bias`).
+    bias_fwd: bool,
+    /// Backward computes the bias gradient (false for `return_bias`).
+    bias_bwd: bool,
+    /// FP8 forward saves the input transpose (false: the owner recomputes it before backward).
+    save_input: bool,
+    scaling: GemmScaling,
+}
+
+impl LinearCore {
+    pub(crate) fn new(params: LinearParams, module: &'static str, bias_fwd: bool, bias_bwd: bool) -> Self {
+        let scaling = GemmScaling::new(params.device());
+        Self { params, module, bias_fwd, bias_bwd, save_input: true, scaling }
+    }
+
+    /// FP8 forwards stop saving the input transpose; the owner recomputes it and hands it back
+    /// with [`Fp8Saved::input_t`] before backward (activation recomputation).
+    pub(crate) fn recompute_input(&mut self) {
+        self.save_input = false;
+    }
+
+    fn internal(&self, message: &str) -> Error {
+        Error::internal(self.module, message)
+    }
+
+    fn dev(&self) -> Arc<Device> {
+        self.params.device().clone()
+    }
+
+    /// The pass a forward in `mode` runs: its quantizers built from the module's scaling state.
+    pub(crate) fn pass(&mut self, mode: Fp8Mode) -> Result<Pass> {
+        Ok(match mode {
+            Fp8Mode::HighPrecision => Pass::High,
+            Fp8Mode::Calibrating(r) => Pass::Calibrating(self.scaling.forward(&r)?),
+            Fp8Mode::Fp8(recipe) => Pass::Fp8(Fp8Pass { q: self.scaling.forward(&recipe)?, recipe }),
+        })
+    }
+
+    /// The forward delayed-scaling state (input, weight, output slots).
+    pub(crate) fn fwd_state(&self) -> Option<&Arc<ScalingState>> {
+        self.scaling.fwd_state()
+    }
+
+    /// The backward delayed-scaling state (the output gradient's slot).
+    pub(crate) fn bwd_state(&self) -> Option<&Arc<ScalingState>> {
+        self.scaling.bwd_state_opt()
+    }
+
+    /// The forward and backward state slots, for a writable traversal.
+    pub(crate) fn state_slots(&mut self) -> [Fp8StateSlot<'_>; 2] {
+        self.scaling.state_slots()
+    }
+
+    /// Checks the GEMM dims under FP8: features always, tokens when transposes are made.
+    pub(crate) fn check_fp8_dims(&self, tokens: usize, grad: bool) -> Result<()> {
+        fp8_dim(self.module, "in_features", self.params.in_features())?;
+        fp8_dim(self.module, "out_features", self.params.out_features())?;
+        if grad {
+            fp8_dim(self.module, "tokens (the product of the input's leading dims)", tokens)?;
+        }
+        Ok(())
+    }
+
+    /// Forward of `pass`; `shape` is the input's shape, `dtype` the output's.
+    pub(crate) fn forward(
+        &mut self,
+        x: LinearInput,
+        shape: &[usize],
+        dtype: DType,
+        pass: &Pass,
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(Output, Option<Saved>)> {
+        match (pass, x) {
+            (Pass::Fp8(p), x) => {
+                let tokens = shape.split_last().map_or(0, |(_, lead)| lead.iter().product());
+                self.check_fp8_dims(tokens, grad)?;
+                self.forward_fp8(x, shape, dtype, p, opts, grad)
+            }
+            (Pass::Calibrating(q), LinearInput::High(x)) => {
+                q.input.calibrate(&x)?;
+                self.params.calibrate_weight(&*q.weight)?;
+                self.forward_high(&x, grad)
+            }
+            (Pass::High, LinearInput::High(x)) => self.forward_high(&x, grad),
+            (_, LinearInput::Fp8(_)) => Err(self.internal("an FP8 input outside an FP8 pass")),
+        }
+    }
+
+    fn forward_high(&mut self, x: &Tensor, grad: bool) -> Result<(Output, Option<Saved>)> {
+        let dev = self.dev();
+        let w = self.params.weight_high(x.dtype())?;
+        let mut y = Tensor::empty(&dev, x.dtype(), &out_shape(x.shape(), self.params.out_features()))?;
+        let bias = self.added_bias(x.dtype())?;
+        let cfg = GemmConfig { epilogue: bias.as_ref().map_or(Epilogue::None, Epilogue::Bias), ..Default::default() };
+        gemm(&dev, Operand::new(x), Operand::new(&w), GemmOut::new(&mut y), &cfg)?;
+        let saved = grad.then(|| Saved::High { input: x.clone(), weight: w });
+        Ok((Output::High(y), saved))
+    }
+
+    /// The bias the forward adds (none with `return_bias`), in `dtype`.
+    fn added_bias(&self, dtype: DType) -> Result<Option<Tensor>> {
+        if self.bias_fwd {
+            self.params.bias_as(dtype)
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn forward_fp8(
+        &mut self,
+        x: LinearInput,
+        shape: &[usize],
+        dtype: DType,
+        pass: &Fp8Pass,
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(Output, Option<Saved>)> {
+        let (dev, q) = (self.dev(), &pass.q);
+        let x8 = match x {
+            LinearInput::Fp8(f) => f,
+            LinearInput::High(x) => q.input.quantize(&x, grad && self.save_input, None)?,
+        };
+        let w8 = self.params.fp8_weight_for(&*q.weight, opts.is_first_microbatch, grad)?;
+        // cuBLASLt's FP8 GEMMs take a bf16 bias for an f32 output (the output dtype otherwise).
+        let bias = self.added_bias(if dtype == DType::F32 { DType::BF16 } else { dtype })?;
+        let cfg = GemmConfig {
+            // TE's fprop uses the fast accumulator; block-scaled GEMMs have only the precise one.
+            fast_accum: x8.block_scale().is_none(),
+            epilogue: bias.as_ref().map_or(Epilogue::None, Epilogue::Bias),
+            ..Default::default()
+        };
+        let shape = out_shape(shape, self.params.out_features());
+        let operands = || (x8.operand(), w8.operand());
+        let out = if !opts.fp8_output {
+            let mut y = Tensor::empty(&dev, dtype, &shape)?;
+            let (a, b) = operands();
+            gemm(&dev, a, b, GemmOut::new(&mut y), &cfg)?;
+            Output::High(y)
+        } else if q.output.fuses_cast() {
+            // The GEMM epilogue scales and casts the output and writes its amax.
+            let mut y = Tensor::empty(&dev, q.output.dtype(), &shape)?;
+            let scale_inv = q.output.fused_cast(&mut |s| {
+                let fp8 = Fp8Output { scale: s.scale.slice(0..1), amax: s.amax.slice_mut(0..1) };
+                let (a, b) = operands();
+                gemm(&dev, a, b, GemmOut { tensor: &mut y, fp8: Some(fp8) }, &cfg)
+            })?;
+            Output::Fp8(Float8Tensor::from_parts(y, None, scale_inv)?)
+        } else {
+            // The output's scale needs its amax first: GEMM to high precision, then cast.
+            let mut y = Tensor::empty(&dev, dtype, &shape)?;
+            let (a, b) = operands();
+            gemm(&dev, a, b, GemmOut::new(&mut y), &cfg)?;
+            Output::Fp8(q.output.quantize(&y, false, None)?)
+        };
+        if !grad {
+            return Ok((out, None));
+        }
+        let input_t = match self.save_input {
+            true => Some(x8.into_transposed().ok_or_else(|| self.internal("the FP8 input has no transpose"))?),
+            false => None,
+        };
+        let grad = self.scaling.grad(&pass.recipe)?;
+        Ok((out, Some(Saved::Fp8(Fp8Saved { input_t, weight: w8, grad }))))
+    }
+
+    /// The quantizer of the output gradient of a backward whose forward kept `g`.
+    pub(crate) fn grad_quantizer(&mut self, g: &GradScaling) -> Result<Box<dyn Quantizer>> {
+        self.scaling.grad_output(g)
+    }
+
+    /// Backward: `dy` `[..., out]` → `dx` (`input_shape`, `dy`'s dtype) when asked; wgrad and
+    /// bgrad accumulate into the parameters.
+    pub(crate) fn backward(
+        &mut self,
+        saved: Saved,
+        dy: &Tensor,
+        input_shape: &[usize],
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        ops::check_dtype(self.module, "grad_output", dy, DType::is_high_precision, "f32, bf16 or f16")?;
+        ops::check_shape(self.module, "grad_output", dy, &out_shape(input_shape, self.params.out_features()))?;
+        self.params.check_main_grad()?;
+        match saved {
+            Saved::Fp8(s) => {
+                let q = self.grad_quantizer(&s.grad)?;
+                let (tokens, n_out) = dy.as_2d(self.module)?;
+                let mut dbias = match self.params.bias().is_some() && self.bias_bwd {
+                    true => Some(DbiasBuffers::new(&self.dev(), dy.dtype(), tokens, n_out)?),
+                    false => None,
+                };
+                let dy8 = q.quantize(dy, true, dbias.as_mut().map(DbiasBuffers::out))?;
+                let dbias = dbias.map(DbiasBuffers::into_dbias);
+                self.backward_fp8(&dy8, dbias, s, input_shape, dy.dtype(), input_grad)
+            }
+            Saved::High { input, weight } => self.backward_high(dy, &input, &weight, input_grad),
+        }
+    }
+
+    /// FP8 backward from an already cast `dy8` (with transpose) and its bias gradient: dgrad
+    /// when asked, wgrad and bgrad into the parameters; then the forward's gradient scaling is
+    /// done with. A fused producer (the dact cast of `LayerNormMLP`) calls it directly.
+    pub(crate) fn backward_fp8(
+        &mut self,
+        dy8: &Float8Tensor,
+        dbias: Option<Tensor>,
+        saved: Fp8Saved,
+        input_shape: &[usize],
+        dtype: DType,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        let input_t = saved.input_t.ok_or_else(|| self.internal("the FP8 input was not restored"))?;
+        let dx = match input_grad {
+            true => Some(self.fp8_dgrad(dy8, &saved.weight, input_shape, dtype)?),
+            false => None,
+        };
+        let a = dy8.transpose_operand().ok_or_else(|| self.internal("the grad_output cast made no transpose"))?;
+        self.params.accumulate_wgrad(a, input_t.operand(), None)?;
+        if let Some(d) = dbias {
+            self.params.accumulate_bias_grad(d)?;
+        }
+        saved.grad.finish()?;
+        Ok(dx)
+    }
+
+    /// FP8 dgrad `dx = dy8 · (W8ᵀ)ᵀ` with the split accumulator (TE).
+    fn fp8_dgrad(
+        &self,
+        dy8: &Float8Tensor,
+        weight: &Float8Tensor,
+        input_shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let dev = self.dev();
+        let w_t = weight.transpose_operand().ok_or_else(|| self.internal("the saved FP8 weight has no transpose"))?;
+        let mut dx = Tensor::empty(&dev, dtype, input_shape)?;
+        gemm(&dev, dy8.operand(), w_t, GemmOut::new(&mut dx), &GemmConfig::default())?;
+        Ok(dx)
+    }
+
+    fn backward_high(&mut self, dy: &Tensor, x: &Tensor, w: &Tensor, input_grad: bool) -> Result<Option<Tensor>> {
+        let dev = self.dev();
+        let dy = convert(&dev, dy.clone(), x.dtype())?;
+        let dx = if input_grad {
+            // dx [t, in] = dy [t, out] · W [out, in]: B = Wᵀ as stored transposed.
+            let mut dx = Tensor::empty(&dev, x.dtype(), x.shape())?;
+            gemm(&dev, Operand::new(&dy), Operand::new(w).transposed(), GemmOut::new(&mut dx), &GemmConfig::default())?;
+            Some(dx)
+        } else {
+            None
+        };
+        // dW [out, in] = dyᵀ [out, t] · x [t, in]; the bias gradient Σ_t dy comes from the same
+        // GEMM's BGRADB epilogue (TE's non-FP8 wgrad with `grad = true`).
+        let (_, n_out) = dy.as_2d(self.module)?;
+        let mut dbias = match (self.params.bias(), self.bias_bwd) {
+            (Some(_), true) => Some(Tensor::empty(&dev, x.dtype(), &[n_out])?),
+            _ => None,
+        };
+        self.params.accumulate_wgrad(Operand::new(&dy).transposed(), Operand::new(x).transposed(), dbias.as_mut())?;
+        if let Some(d) = dbias {
+            self.params.accumulate_bias_grad(d)?;
+        }
+        Ok(dx)
+    }
+}
+
+/// `[..., out]` for an input `[..., in]`.
+pub(crate) fn out_shape(input: &[usize], out: usize) -> Vec<usize> {
+    let mut s = input.to_vec();
+    if let Some(last) = s.last_mut() {
+        *last = out;
+    }
+    s
+}

@@ -1,0 +1,601 @@
+//! `MultiheadAttention` (TE `pytorch/attention/multi_head_attention.py`): fused QKV projection
+//! (behind the input norm when `input_layernorm`), rotary embedding of q and k, dot-product
+//! attention, output projection.
+//!
+//! The QKV weight is `[(h + 2g) · d, hidden]` with rows `[q heads | k heads | v heads]`. Without
+//! RoPE its output goes to `DotProductAttention::forward_packed` as it is (the fused backend reads
+//! the heads in place and writes one fused gradient); with RoPE, q, k and v are copied apart
+//! (RoPE writes new q and k) and their gradients concatenated back.
+//!
+//! Under a recipe with `fp8_mha` (TE's FP8 MHA) the attention hands its output to the output
+//! projection as E4M3 codes cast with the projection's input scale (see
+//! [`super::attention`]); the QKV projection's output stays 16-bit, because the FP8 attention's
+//! `_quantize` writes Vᵀ in its kernel's key order, which a GEMM epilogue cannot.
+
+use super::attention::{
+    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, Fp8OutputRequest,
+    QkvFormat,
+};
+use super::inference::KvLayer;
+use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
+use super::linear::{Linear, LinearConfig, LinearCtx, LinearInput};
+use super::norm::NormKind;
+use super::tensor_parallel::TpConfig;
+use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
+use super::{next_module_id, ForwardOptions, LinearParams, NormParams, Output};
+use super::{KernelSpec, KernelTarget};
+use crate::fp8::{fp8_mode, Fp8Mode};
+use crate::parallel::shard::Split;
+use std::sync::Arc;
+use te_codegen::DType;
+use te_runtime::ops::decode_attention::{append_kv, decode, Strided};
+use te_runtime::ops::rope::{self, RopeFormat};
+use te_runtime::{Device, Error, Result, Tensor};
+
+const MODULE: &str = "MultiheadAttention";
+
+/// Arguments of [`MultiheadAttention::new`] (TE `MultiheadAttention(hidden_size,
+/// num_attention_heads, ...)`).
+#[derive(Debug, Clone)]
+pub struct MultiheadAttentionConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Channels per head; `None` = `hidden_size / num_attention_heads` (which must divide).
+    pub kv_channels: Option<usize>,
+    /// Key/value heads (GQA; 1 = MQA); `None` = `num_attention_heads`.
+    pub num_gqa_groups: Option<usize>,
+    /// The QKV projection has the input norm fused (TE `input_layernorm`; default false, the
+    /// `TransformerLayer` sets it).
+    pub input_layernorm: bool,
+    /// LayerNorm or RMSNorm for the input norm.
+    pub normalization: NormKind,
+    /// Norm epsilon.
+    pub layernorm_epsilon: f32,
+    /// TE `zero_centered_gamma`.
+    pub zero_centered_gamma: bool,
+    /// The mask. TE's default: causal.
+    pub attn_mask_type: AttnMaskType,
+    /// Sliding window `(left, right)` of the mask (TE `window_size`; see
+    /// [`DotProductAttentionConfig::window_size`]). `None`: no window.
+    pub window_size: Option<(i64, i64)>,
+    /// The attention backend ([`AttentionBackend::Auto`] by default; see
+    /// `DotProductAttentionConfig::backend`).
+    pub attention_backend: AttentionBackend,
+    /// Dropout on the attention probabilities (see `DotProductAttention`).
+    pub attention_dropout: f32,
+    /// Layout of the hidden states: `[s, b, hidden]` (sbhd, TE's default) or `[b, s, hidden]`.
+    pub qkv_format: QkvFormat,
+    /// QKV and output projections have biases.
+    pub bias: bool,
+    /// Parameter dtype.
+    pub params_dtype: DType,
+    /// Weight-init seed (the projections use `seed` and `seed + 1`).
+    pub seed: u64,
+    /// Tensor parallelism (TE `tp_group`, `sequence_parallel`, `set_parallel_mode=True`; see
+    /// [`TpConfig`]): the QKV projection column-parallel with the heads split (each rank its
+    /// `h / tp` query heads and `g / tp` key/value groups), attention over the rank's heads, the
+    /// output projection row-parallel. Sizes stay the whole block's; `tp` must divide the heads
+    /// and the groups. Under sequence parallelism the hidden states in and out are this rank's
+    /// shard of the first dim (`[s / tp, b, hidden]` in sbhd). Default `None`.
+    pub tp: Option<TpConfig>,
+}
+
+impl MultiheadAttentionConfig {
+    /// TE's defaults (except `attention_dropout`, 0 here).
+    pub fn new(hidden_size: usize, num_attention_heads: usize) -> Self {
+        Self {
+            hidden_size,
+            num_attention_heads,
+            kv_channels: None,
+            num_gqa_groups: None,
+            input_layernorm: false,
+            normalization: NormKind::LayerNorm,
+            layernorm_epsilon: 1e-5,
+            zero_centered_gamma: false,
+            attn_mask_type: AttnMaskType::Causal,
+            window_size: None,
+            attention_backend: AttentionBackend::Auto,
+            attention_dropout: 0.0,
+            qkv_format: QkvFormat::Sbhd,
+            bias: true,
+            params_dtype: DType::BF16,
+            seed: 0,
+            tp: None,
+        }
+    }
+
+    /// The configurations of the parts a [`MultiheadAttention`] of this config is built from:
+    /// the one derivation [`MultiheadAttention::new`] builds them by and
+    /// [`MultiheadAttentionConfig::kernel_specs`] lists their kernels by.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the heads do not divide the hidden size (without `kv_channels`),
+    /// the groups do not divide the heads, or the tensor-parallel size does not divide the heads
+    /// or the groups.
+    pub(crate) fn parts(&self) -> Result<MultiheadAttentionParts> {
+        let cfg = self;
+        let config = |message: String| Error::Config { module: MODULE, message };
+        let h = cfg.num_attention_heads;
+        if h == 0 {
+            return Err(config("num_attention_heads must be ≥ 1".into()));
+        }
+        let d = match cfg.kv_channels {
+            Some(d) => d,
+            None if cfg.hidden_size % h == 0 => cfg.hidden_size / h,
+            None => {
+                return Err(config(format!(
+                    "hidden_size = {} is not divisible by num_attention_heads = {h}; choose a head count that divides \
+                     it or set kv_channels",
+                    cfg.hidden_size
+                )))
+            }
+        };
+        let g = cfg.num_gqa_groups.unwrap_or(h);
+        if g == 0 || h % g != 0 {
+            return Err(config(format!("num_gqa_groups = {g} must divide num_attention_heads = {h}")));
+        }
+        let qkv_out = (h + 2 * g) * d;
+        // Under tensor parallelism each rank holds its heads of q, k and v.
+        let (h_local, g_local) = match &cfg.tp {
+            None => (h, g),
+            Some(tp) => (tp.split(MODULE, "num_attention_heads", h)?, tp.split(MODULE, "num_gqa_groups", g)?),
+        };
+        let qkv = if cfg.input_layernorm {
+            QkvProjConfig::Norm(LayerNormLinearConfig {
+                eps: cfg.layernorm_epsilon,
+                normalization: cfg.normalization,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed,
+                tp: cfg.tp.as_ref().map(TpConfig::column),
+                ..LayerNormLinearConfig::new(cfg.hidden_size, qkv_out)
+            })
+        } else {
+            QkvProjConfig::Plain(LinearConfig {
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed,
+                tp: cfg.tp.as_ref().map(TpConfig::column),
+                ..LinearConfig::new(cfg.hidden_size, qkv_out)
+            })
+        };
+        let attention = DotProductAttentionConfig {
+            num_gqa_groups: Some(g_local),
+            attention_dropout: cfg.attention_dropout,
+            qkv_format: cfg.qkv_format,
+            attn_mask_type: cfg.attn_mask_type,
+            window_size: cfg.window_size,
+            backend: cfg.attention_backend,
+            ..DotProductAttentionConfig::new(h_local, d)
+        };
+        let proj = LinearConfig {
+            bias: cfg.bias,
+            params_dtype: cfg.params_dtype,
+            seed: cfg.seed + 1,
+            tp: cfg.tp.as_ref().map(TpConfig::row),
+            ..LinearConfig::new(h * d, cfg.hidden_size)
+        };
+        let qkv_split = Split::Qkv { heads: h, groups: g, head_dim: d };
+        Ok(MultiheadAttentionParts { qkv, qkv_split, attention, proj })
+    }
+
+    /// The RoPE kernels' layout of q and k: that of the hidden states.
+    pub(crate) fn rope_format(&self) -> RopeFormat {
+        match self.qkv_format {
+            QkvFormat::Sbhd => RopeFormat::Sbhd,
+            QkvFormat::Bshd => RopeFormat::Bshd,
+        }
+    }
+}
+
+/// The configurations of a [`MultiheadAttention`]'s parts ([`MultiheadAttentionConfig::parts`]).
+#[derive(Debug, Clone)]
+pub(crate) struct MultiheadAttentionParts {
+    /// The QKV projection `hidden → (h + 2g)·d`.
+    pub(crate) qkv: QkvProjConfig,
+    /// How its weight splits under tensor parallelism: by heads of q, k and v.
+    pub(crate) qkv_split: Split,
+    /// The dot-product attention.
+    pub(crate) attention: DotProductAttentionConfig,
+    /// The output projection `h·d → hidden`.
+    pub(crate) proj: LinearConfig,
+}
+
+/// The QKV projection's configuration: behind the input norm (`input_layernorm`) or plain.
+#[derive(Debug, Clone)]
+pub(crate) enum QkvProjConfig {
+    /// A `LayerNormLinear`.
+    Norm(LayerNormLinearConfig),
+    /// A `Linear`.
+    Plain(LinearConfig),
+}
+
+/// Per-call inputs beyond the hidden states.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttentionInputs<'a> {
+    /// Valid length of each sequence, for padding masks.
+    pub seq_lens: Option<&'a [usize]>,
+    /// Rotary angles, f32 `[s, d2]` (or `[s, 1, 1, d2]`), applied to q and k (TE
+    /// `rotary_pos_emb`); `None` for none.
+    pub rotary_pos_emb: Option<&'a Tensor>,
+    /// Gradient accumulation: passed to every projection (and, in a `TransformerLayer`, to the
+    /// MLP) as [`ForwardOptions::is_first_microbatch`] — `Some(true)` casts the FP8 weights and
+    /// caches them, `Some(false)` reuses the cache (TE's `is_first_microbatch`).
+    pub is_first_microbatch: Option<bool>,
+}
+
+#[derive(Debug)]
+enum QkvProj {
+    Norm(Box<LayerNormLinear>),
+    Plain(Box<Linear>),
+}
+
+#[derive(Debug)]
+enum QkvCtx {
+    Norm(LayerNormLinearCtx),
+    Plain(LinearCtx),
+}
+
+/// What [`MultiheadAttention::forward`] saves for backward.
+#[derive(Debug)]
+pub struct MultiheadAttentionCtx {
+    module_id: u64,
+    qkv: QkvCtx,
+    attn: AttentionCtx,
+    proj: LinearCtx,
+    rotary: Option<Tensor>,
+}
+
+impl MultiheadAttentionCtx {
+    /// The attention's context (its backend and FP8 flags).
+    pub fn attention(&self) -> &AttentionCtx {
+        &self.attn
+    }
+}
+
+/// Self-attention over hidden states `[s, b, hidden]` (or `[b, s, hidden]`), output of the same
+/// shape and dtype.
+#[derive(Debug)]
+pub struct MultiheadAttention {
+    dev: Arc<Device>,
+    id: u64,
+    cfg: MultiheadAttentionConfig,
+    qkv: QkvProj,
+    attention: DotProductAttention,
+    proj: Linear,
+}
+
+impl MultiheadAttention {
+    /// A block initialized as TE does.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the heads do not divide the hidden size (without `kv_channels`) or
+    /// the groups do not divide the heads, and the errors of the projections and attention.
+    pub fn new(dev: &Arc<Device>, cfg: MultiheadAttentionConfig) -> Result<Self> {
+        let parts = cfg.parts()?;
+        let split = Some(parts.qkv_split);
+        let qkv = match parts.qkv {
+            QkvProjConfig::Norm(c) => QkvProj::Norm(Box::new(LayerNormLinear::with_split(dev, c, split)?)),
+            QkvProjConfig::Plain(c) => QkvProj::Plain(Box::new(Linear::with_split(dev, c, split)?)),
+        };
+        let attention = DotProductAttention::new(dev, parts.attention)?;
+        let proj = Linear::new(dev, parts.proj)?;
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, qkv, attention, proj })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MultiheadAttentionConfig {
+        &self.cfg
+    }
+
+    /// Training mode (the default) or evaluation mode (no attention dropout); see
+    /// [`DotProductAttention::set_training`].
+    pub fn set_training(&mut self, training: bool) {
+        self.attention.set_training(training);
+    }
+
+    /// The QKV projection's weight `[(h + 2g)·d, hidden]` and bias.
+    pub fn qkv_params(&self) -> &LinearParams {
+        match &self.qkv {
+            QkvProj::Norm(m) => m.params(),
+            QkvProj::Plain(m) => m.params(),
+        }
+    }
+
+    /// The QKV projection's parameters, mutably.
+    pub fn qkv_params_mut(&mut self) -> &mut LinearParams {
+        match &mut self.qkv {
+            QkvProj::Norm(m) => m.params_mut(),
+            QkvProj::Plain(m) => m.params_mut(),
+        }
+    }
+
+    /// The input norm's parameters (with `input_layernorm`).
+    pub fn norm_params(&self) -> Option<&NormParams> {
+        match &self.qkv {
+            QkvProj::Norm(m) => Some(m.norm_params()),
+            QkvProj::Plain(_) => None,
+        }
+    }
+
+    /// The input norm's parameters, mutably.
+    pub fn norm_params_mut(&mut self) -> Option<&mut NormParams> {
+        match &mut self.qkv {
+            QkvProj::Norm(m) => Some(m.norm_params_mut()),
+            QkvProj::Plain(_) => None,
+        }
+    }
+
+    /// The output projection `[hidden, h·d]`.
+    pub fn proj_params(&self) -> &LinearParams {
+        self.proj.params()
+    }
+
+    /// The output projection, mutably.
+    pub fn proj_params_mut(&mut self) -> &mut LinearParams {
+        self.proj.params_mut()
+    }
+
+    fn rope_format(&self) -> RopeFormat {
+        self.cfg.rope_format()
+    }
+
+    /// The first dim of the attention's input: `x`'s, times the tensor-parallel size under
+    /// sequence parallelism (the QKV projection all-gathers the shards).
+    fn whole_first_dim(&self, a: usize) -> usize {
+        match &self.cfg.tp {
+            Some(tp) if tp.sequence_parallel => a * tp.size(),
+            _ => a,
+        }
+    }
+
+    /// Self-attention of `x` with no padding and no rotary embedding.
+    ///
+    /// # Errors
+    /// As [`MultiheadAttention::forward_with`].
+    pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, MultiheadAttentionCtx)> {
+        self.forward_with(x, AttentionInputs::default())
+    }
+
+    /// Self-attention of `x: [s, b, hidden]` (sbhd) or `[b, s, hidden]` (bshd).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x` is not 3-D with last dim `hidden_size`; the errors of the
+    /// projections (FP8 dims), of the attention (mask and `seq_lens`) and of RoPE (`freqs`).
+    pub fn forward_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<(Tensor, MultiheadAttentionCtx)> {
+        let &[a, b, _] = x.shape() else {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("hidden states must be 3-D [s, b, hidden] or [b, s, hidden], got {:?}", x.shape()),
+            });
+        };
+        let opts = ForwardOptions { is_first_microbatch: inputs.is_first_microbatch, fp8_output: false };
+        let (qkv, qkv_ctx) = match &mut self.qkv {
+            QkvProj::Norm(m) => {
+                let (y, c) = m.forward_with(x, opts)?;
+                (y.out.into_high(&self.dev, x.dtype())?, QkvCtx::Norm(c))
+            }
+            QkvProj::Plain(m) => {
+                let (y, c) = m.forward_with(x, opts)?;
+                (y.into_high(&self.dev, x.dtype())?, QkvCtx::Plain(c))
+            }
+        };
+        let a = self.whole_first_dim(a);
+        let (y, proj, attn) = self.attend_project(&qkv, [a, b], &inputs, opts, true)?;
+        let proj = proj.ok_or_else(|| Error::internal(MODULE, "a training forward of the projection saved nothing"))?;
+        let y = y.into_high(&self.dev, x.dtype())?;
+        let ctx = MultiheadAttentionCtx {
+            module_id: self.id,
+            qkv: qkv_ctx,
+            attn,
+            proj,
+            rotary: inputs.rotary_pos_emb.cloned(),
+        };
+        Ok((y, ctx))
+    }
+
+    /// Attention over the QKV projection's output (`[a·b, (h + 2g)·d]` or `[a, b, ..]`), then the
+    /// output projection: the projection's output, its context (with `grad`) and the attention's.
+    /// Attention runs in place on the fused QKV tensor without RoPE, on q, k, v copied apart (and
+    /// rotated) with it. Under a recipe with `fp8_mha` the projection's input quantizer is handed
+    /// to the attention, whose FP8 forward writes its output as E4M3 codes the projection's GEMM
+    /// reads (TE's FP8 MHA; the attention falls back to a 16-bit output where it cannot).
+    fn attend_project(
+        &mut self,
+        qkv: &Tensor,
+        [a, b]: [usize; 2],
+        inputs: &AttentionInputs<'_>,
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(Output, Option<LinearCtx>, AttentionCtx)> {
+        let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
+        let mha = matches!(fp8_mode(), Fp8Mode::Fp8(r) if r.fp8_mha());
+        let (dev, rope_format, attention) = (&self.dev, self.rope_format(), &mut self.attention);
+        self.proj.forward_produced(qkv.dtype(), opts, grad, |quantizer| {
+            let request = quantizer.filter(|_| mha).map(|quantizer| Fp8OutputRequest { quantizer, backward: grad });
+            let (out, ctx) = match inputs.rotary_pos_emb {
+                None => attention.forward_packed_to(&qkv, inputs.seq_lens, request)?,
+                Some(freqs) => {
+                    let [q, k, v] = split_rope(dev, attention, rope_format, &qkv, freqs)?;
+                    attention.forward_to(&q, &k, &v, inputs.seq_lens, request)?
+                }
+            };
+            let input = match out {
+                Output::High(t) => LinearInput::High(t),
+                Output::Fp8(mut f) => {
+                    if grad {
+                        f.ensure_transpose(dev)?;
+                    }
+                    LinearInput::Fp8(f)
+                }
+            };
+            Ok((input, ctx))
+        })
+    }
+
+    /// Self-attention for inference (TE under `torch.no_grad()`): the projections run through
+    /// their `infer` paths (no transposes, FP8-only weights allowed), nothing is kept for
+    /// backward. Same shapes as [`MultiheadAttention::forward_with`].
+    ///
+    /// # Errors
+    /// As [`MultiheadAttention::forward_with`].
+    pub fn infer_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<Tensor> {
+        let &[a, b, _] = x.shape() else {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("hidden states must be 3-D [s, b, hidden] or [b, s, hidden], got {:?}", x.shape()),
+            });
+        };
+        let qkv = match &mut self.qkv {
+            QkvProj::Norm(m) => m.infer(x)?,
+            QkvProj::Plain(m) => m.infer(x)?,
+        };
+        let a = self.whole_first_dim(a);
+        let (y, _, _) = self.attend_project(&qkv, [a, b], &inputs, ForwardOptions::default(), false)?;
+        y.into_high(&self.dev, x.dtype())
+    }
+
+    /// Self-attention of `s` new tokens per sequence over a KV cache, for generation (TE's
+    /// `forward(..., inference_params=...)`): `x` `[s, b, hidden]` (sbhd) of the tokens at
+    /// positions `kv.past..kv.past + s`. Their keys and values are appended to `kv`; the first
+    /// step of a cache (`past = 0`, the prompt) runs the normal causal attention over them, each
+    /// later step (one token per sequence) the decode kernels over the cache. Nothing is kept
+    /// for backward; the projections run their `infer` paths. Output `[s, b, hidden]`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a module the cache does not serve (bshd hidden states, a mask other
+    /// than causal or a sliding window, a separate `head_dim_v`, tensor parallelism); [`Error::Shape`] for `x` not `[s,
+    /// b, hidden]` with `s` the step's tokens and `b` the cache's batch, or `s > 1` after the
+    /// prompt (chunked prefill is not supported); the errors of the parts.
+    pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        let a = self.attention.config();
+        let causal = matches!(a.attn_mask_type, AttnMaskType::Causal | AttnMaskType::CausalBottomRight);
+        if self.cfg.qkv_format != QkvFormat::Sbhd || !causal || a.window_size.is_some() || a.head_dim_v.is_some() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "a KV cache serves sbhd hidden states with a causal mask, no sliding window and one head \
+                          dim for q, k and v"
+                    .into(),
+            });
+        }
+        if self.cfg.tp.is_some() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "generation with a KV cache under tensor parallelism is not supported yet: make the \
+                          model for generation without tp"
+                    .into(),
+            });
+        }
+        let (h, g, d) = (a.num_attention_heads, a.groups(), a.kv_channels);
+        let p = kv.params(h, a.scale());
+        let shape = |message: String| Err(Error::Shape { op: MODULE, message });
+        let &[s, b, _] = x.shape() else {
+            return shape(format!("hidden states must be [s, b, hidden], got {:?}", x.shape()));
+        };
+        if s != kv.new || b != p.batch || g != p.groups || d != p.head_dim {
+            return shape(format!(
+                "hidden states {:?} with {g} groups of {d} channels do not fit the step of {} tokens of a cache \
+                 {:?}",
+                x.shape(),
+                kv.new,
+                kv.shape
+            ));
+        }
+        if kv.past > 0 && s != 1 {
+            return shape(format!(
+                "{s} new tokens per sequence after {} cached: steps after the prompt take one token",
+                kv.past
+            ));
+        }
+        let qkv = match &mut self.qkv {
+            QkvProj::Norm(m) => m.infer(x)?,
+            QkvProj::Plain(m) => m.infer(x)?,
+        };
+        let row = (h + 2 * g) * d;
+        let new = |offset| Strided { tensor: &qkv, offset, row };
+        append_kv(&self.dev, &p, s, [new(h * d), new((h + g) * d)], kv.seqlens, [&mut *kv.k, &mut *kv.v])?;
+        let ctx_out = if kv.past == 0 {
+            self.attention.forward_packed(&qkv.reshape(&[s, b, row])?, None)?.0
+        } else {
+            let mut out = Tensor::empty(&self.dev, qkv.dtype(), &[s, b, h * d])?;
+            decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut out, h * d))?;
+            out
+        };
+        self.proj.infer(&ctx_out)
+    }
+
+    /// Backward: `dx` for `d_out`; every parameter gradient accumulates.
+    ///
+    /// # Errors
+    /// [`Error::Context`] for another module's or a stale context; the errors of the parts.
+    pub fn backward(&mut self, ctx: MultiheadAttentionCtx, d_out: &Tensor) -> Result<Tensor> {
+        if ctx.module_id != self.id {
+            return Err(Error::Context { module: MODULE, message: "the context was made by another module".into() });
+        }
+        let d_ctx = self.proj.backward(ctx.proj, d_out)?;
+        let d_qkv = match &ctx.rotary {
+            None => self.attention.backward_packed(ctx.attn, &d_ctx)?,
+            Some(freqs) => {
+                let (mut dq, mut dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
+                for t in [&mut dq, &mut dk] {
+                    let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
+                    rope::backward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
+                    *t = out;
+                }
+                self.attention.concat_packed([&dq, &dk, &dv])?
+            }
+        };
+        match (&mut self.qkv, ctx.qkv) {
+            (QkvProj::Norm(m), QkvCtx::Norm(c)) => m.backward(c, &d_qkv),
+            (QkvProj::Plain(m), QkvCtx::Plain(c)) => m.backward(c, &d_qkv),
+            _ => Err(Error::internal(MODULE, "a QKV context of the other projection kind")),
+        }
+    }
+}
+
+impl Module for MultiheadAttention {
+    /// TE's names: `layernorm_qkv.*` (with `input_layernorm`) or `qkv.*`, then `proj.*`.
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        match &self.qkv {
+            QkvProj::Norm(m) => m.visit(&join_path(prefix, "layernorm_qkv"), visitor)?,
+            QkvProj::Plain(m) => m.visit(&join_path(prefix, "qkv"), visitor)?,
+        }
+        self.attention.visit(&join_path(prefix, "core_attention"), visitor)?;
+        self.proj.visit(&join_path(prefix, "proj"), visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        match &mut self.qkv {
+            QkvProj::Norm(m) => m.visit_mut(&join_path(prefix, "layernorm_qkv"), visitor)?,
+            QkvProj::Plain(m) => m.visit_mut(&join_path(prefix, "qkv"), visitor)?,
+        }
+        self.attention.visit_mut(&join_path(prefix, "core_attention"), visitor)?;
+        self.proj.visit_mut(&join_path(prefix, "proj"), visitor)
+    }
+
+    /// [`MultiheadAttentionConfig::kernel_specs`] of its config.
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        self.cfg.kernel_specs(target, specs);
+    }
+}
+
+/// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused projection's output
+/// `[a, b, (h + 2g)·d]`, with the rotary embedding applied to q and k.
+fn split_rope(
+    dev: &Device,
+    attention: &DotProductAttention,
+    format: RopeFormat,
+    qkv: &Tensor,
+    freqs: &Tensor,
+) -> Result<[Tensor; 3]> {
+    let [mut q, mut k, v] = attention.split_packed(qkv)?;
+    for t in [&mut q, &mut k] {
+        let mut out = Tensor::empty(dev, t.dtype(), t.shape())?;
+        rope::forward(dev, format, t, freqs, &mut out)?;
+        *t = out;
+    }
+    Ok([q, k, v])
+}

@@ -1,0 +1,555 @@
+//! `TransformerLayer` (TE `pytorch/transformer.py`): self-attention and MLP, each followed by
+//! dropout and a residual add (Megatron's fused `bias_dropout_add`).
+//!
+//! GPT-style pre-LN by default: `h = x + drop(attn(ln1(x)))`, `y = h + drop(mlp(ln2(h)))`, the
+//! norms fused into the QKV projection and `LayerNormMLP`. BERT-style post-LN with
+//! `output_layernorm` and `apply_residual_connection_post_layernorm` (as TE's BERT recipe):
+//! `a = x + drop(attn(x))`, `h = ln2(a)`, `y = ln3(h + drop(mlp(h)))`.
+
+use super::attention::{AttentionBackend, AttnMaskType, QkvFormat};
+use super::inference::KvLayer;
+use super::layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};
+use super::moe_mlp::{MoeConfig, MoeMLP, MoeMLPConfig, MoeMLPCtx};
+use super::multihead_attention::{
+    AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
+};
+use super::norm::{Norm, NormConfig, NormCtx, NormKind};
+use super::tensor_parallel::TpConfig;
+use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
+use super::{next_module_id, Activation, BackwardOptions, ForwardOptions, KernelSpec, KernelTarget};
+use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+use te_codegen::DType;
+use te_runtime::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
+use te_runtime::ops::elementwise::{add, add_assign};
+use te_runtime::{Device, Error, Result, Tensor};
+
+const MODULE: &str = "TransformerLayer";
+
+/// Arguments of [`TransformerLayer::new`] (TE `TransformerLayer(hidden_size, ffn_hidden_size,
+/// num_attention_heads, ...)`).
+#[derive(Debug, Clone)]
+pub struct TransformerLayerConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub ffn_hidden_size: usize,
+    /// Query heads (must divide `hidden_size`).
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA); `None` = `num_attention_heads`.
+    pub num_gqa_groups: Option<usize>,
+    /// Norm epsilon. TE default 1e-5.
+    pub layernorm_epsilon: f32,
+    /// Dropout after the attention and MLP blocks. TE default 0.1.
+    pub hidden_dropout: f32,
+    /// Dropout on attention probabilities (TE default 0.1; 0 here by default).
+    pub attention_dropout: f32,
+    /// TE `self_attn_mask_type`. Default causal.
+    pub self_attn_mask_type: AttnMaskType,
+    /// Sliding window `(left, right)` of the self-attention (TE `window_size`; see
+    /// `DotProductAttentionConfig::window_size`). `None`: no window.
+    pub window_size: Option<(i64, i64)>,
+    /// The self-attention's backend ([`AttentionBackend::Auto`] by default: fused where it
+    /// applies; see `DotProductAttentionConfig::backend`).
+    pub attention_backend: AttentionBackend,
+    /// LayerNorm or RMSNorm.
+    pub normalization: NormKind,
+    /// MLP activation. Default GELU.
+    pub activation: Activation,
+    /// Take residuals after the norms (TE `apply_residual_connection_post_layernorm`); supported
+    /// with `output_layernorm` (BERT).
+    pub apply_residual_connection_post_layernorm: bool,
+    /// Post-LN: no norm in front of the attention, a norm on the output (TE `output_layernorm`).
+    pub output_layernorm: bool,
+    /// TE `zero_centered_gamma`.
+    pub zero_centered_gamma: bool,
+    /// Layout of the hidden states. Default `[s, b, hidden]`.
+    pub qkv_format: QkvFormat,
+    /// Projections have biases.
+    pub bias: bool,
+    /// Parameter dtype.
+    pub params_dtype: DType,
+    /// Weight-init seed; also the dropout seed.
+    pub seed: u64,
+    /// A mixture-of-experts MLP ([`MoeMLP`], each expert `ffn_hidden_size` wide) instead of
+    /// `LayerNormMLP`. Default `None`. Pre-LN only (not with
+    /// `apply_residual_connection_post_layernorm`).
+    pub moe: Option<MoeConfig>,
+    /// Tensor parallelism (TE `tp_group`, `sequence_parallel`, `set_parallel_mode=True`; see
+    /// [`TpConfig`]): the attention's heads and the MLP's ffn features split over the group
+    /// (Megatron-LM's layout, [`MultiheadAttentionConfig::tp`], [`LayerNormMLPConfig::tp`]).
+    /// Under sequence parallelism the layer's input and output are this rank's shard of the
+    /// first dim (`[s / tp, b, hidden]` in sbhd); the residuals, dropout and norms run on it
+    /// (each rank's dropout masks its own tokens). Dense MLPs only. Default `None`.
+    pub tp: Option<TpConfig>,
+}
+
+impl TransformerLayerConfig {
+    /// TE's defaults (except `attention_dropout`, 0 here).
+    pub fn new(hidden_size: usize, ffn_hidden_size: usize, num_attention_heads: usize) -> Self {
+        Self {
+            hidden_size,
+            ffn_hidden_size,
+            num_attention_heads,
+            num_gqa_groups: None,
+            layernorm_epsilon: 1e-5,
+            hidden_dropout: 0.1,
+            attention_dropout: 0.0,
+            self_attn_mask_type: AttnMaskType::Causal,
+            window_size: None,
+            attention_backend: AttentionBackend::Auto,
+            normalization: NormKind::LayerNorm,
+            activation: Activation::Gelu,
+            apply_residual_connection_post_layernorm: false,
+            output_layernorm: false,
+            zero_centered_gamma: false,
+            qkv_format: QkvFormat::Sbhd,
+            bias: true,
+            params_dtype: DType::BF16,
+            seed: 0,
+            moe: None,
+            tp: None,
+        }
+    }
+
+    /// The configurations of the parts a [`TransformerLayer`] of this config is built from: the
+    /// one derivation [`TransformerLayer::new`] builds them by and
+    /// [`TransformerLayerConfig::kernel_specs`] lists their kernels by.
+    pub(crate) fn parts(&self) -> TransformerLayerParts {
+        let cfg = self;
+        let attention = MultiheadAttentionConfig {
+            num_gqa_groups: cfg.num_gqa_groups,
+            input_layernorm: !cfg.output_layernorm,
+            normalization: cfg.normalization,
+            layernorm_epsilon: cfg.layernorm_epsilon,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+            attn_mask_type: cfg.self_attn_mask_type,
+            window_size: cfg.window_size,
+            attention_backend: cfg.attention_backend,
+            attention_dropout: cfg.attention_dropout,
+            qkv_format: cfg.qkv_format,
+            bias: cfg.bias,
+            params_dtype: cfg.params_dtype,
+            seed: cfg.seed,
+            tp: cfg.tp.clone(),
+            ..MultiheadAttentionConfig::new(cfg.hidden_size, cfg.num_attention_heads)
+        };
+        let dense = LayerNormMLPConfig {
+            eps: cfg.layernorm_epsilon,
+            normalization: cfg.normalization,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+            activation: cfg.activation,
+            bias: cfg.bias,
+            return_layernorm_output: cfg.apply_residual_connection_post_layernorm,
+            params_dtype: cfg.params_dtype,
+            seed: cfg.seed + 2,
+            tp: cfg.tp.clone(),
+            ..LayerNormMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size)
+        };
+        let mlp = match cfg.moe {
+            None => MlpConfig::Dense(dense),
+            Some(moe) => MlpConfig::Moe(MoeMLPConfig {
+                aux_loss_coeff: moe.aux_loss_coeff,
+                pre_softmax: moe.pre_softmax,
+                device_m_splits: moe.device_m_splits,
+                eps: cfg.layernorm_epsilon,
+                normalization: cfg.normalization,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                activation: cfg.activation,
+                bias: cfg.bias,
+                params_dtype: cfg.params_dtype,
+                seed: cfg.seed + 2,
+                ..MoeMLPConfig::new(cfg.hidden_size, cfg.ffn_hidden_size, moe.num_experts, moe.topk)
+            }),
+        };
+        let output_norm = cfg.output_layernorm.then(|| {
+            let norm_cfg = NormConfig {
+                eps: cfg.layernorm_epsilon,
+                zero_centered_gamma: cfg.zero_centered_gamma,
+                params_dtype: cfg.params_dtype,
+                ..NormConfig::new(cfg.hidden_size)
+            };
+            (cfg.normalization, norm_cfg)
+        });
+        TransformerLayerParts { attention, mlp, output_norm }
+    }
+}
+
+/// The configurations of a [`TransformerLayer`]'s parts ([`TransformerLayerConfig::parts`]).
+#[derive(Debug, Clone)]
+pub(crate) struct TransformerLayerParts {
+    /// The self-attention block (its input norm fused in pre-LN).
+    pub(crate) attention: MultiheadAttentionConfig,
+    /// The MLP with its norm.
+    pub(crate) mlp: MlpConfig,
+    /// The output norm's kind and config (post-LN, `output_layernorm`).
+    pub(crate) output_norm: Option<(NormKind, NormConfig)>,
+}
+
+/// The config of a layer's MLP: dense or mixture-of-experts.
+#[derive(Debug, Clone)]
+pub(crate) enum MlpConfig {
+    /// `LayerNormMLP`.
+    Dense(LayerNormMLPConfig),
+    /// `MoeMLP`.
+    Moe(MoeMLPConfig),
+}
+
+/// A layer's MLP block.
+#[derive(Debug)]
+enum Mlp {
+    Dense(Box<LayerNormMLP>),
+    Moe(Box<MoeMLP>),
+}
+
+/// What a layer's MLP saved for backward.
+#[derive(Debug)]
+enum MlpCtx {
+    Dense(Box<LayerNormMLPCtx>),
+    Moe(Box<MoeMLPCtx>),
+}
+
+/// What [`TransformerLayer::forward`] saves for backward.
+#[derive(Debug)]
+pub struct TransformerLayerCtx {
+    module_id: u64,
+    attn: MultiheadAttentionCtx,
+    mask1: CudaSlice<u8>,
+    mlp: MlpCtx,
+    mask2: CudaSlice<u8>,
+    out_norm: Option<NormCtx>,
+    /// The hidden dropout probability the forward applied (0 in evaluation mode).
+    p: f32,
+}
+
+impl TransformerLayerCtx {
+    /// The MoE load-balancing loss of this forward (f32 `[1]` on the device, its coefficient
+    /// included); `None` for a dense MLP.
+    pub fn aux_loss(&self) -> Option<&CudaSlice<f32>> {
+        match &self.mlp {
+            MlpCtx::Moe(c) => Some(c.aux_loss()),
+            MlpCtx::Dense(_) => None,
+        }
+    }
+
+    /// The MoE aux loss's gradient the backward propagates ([`MoeMLPCtx::set_aux_loss_grad`];
+    /// default 1); nothing for a dense MLP.
+    pub fn set_aux_loss_grad(&mut self, grad: f32) {
+        if let MlpCtx::Moe(c) = &mut self.mlp {
+            c.set_aux_loss_grad(grad);
+        }
+    }
+
+    /// The MoE block's context, `None` for a dense MLP.
+    pub fn moe_ctx(&self) -> Option<&MoeMLPCtx> {
+        match &self.mlp {
+            MlpCtx::Moe(c) => Some(c),
+            MlpCtx::Dense(_) => None,
+        }
+    }
+}
+
+/// One transformer block over hidden states `[s, b, hidden]` (or `[b, s, hidden]`).
+#[derive(Debug)]
+pub struct TransformerLayer {
+    dev: Arc<Device>,
+    id: u64,
+    cfg: TransformerLayerConfig,
+    attention: MultiheadAttention,
+    mlp: Mlp,
+    out_norm: Option<Norm>,
+    /// Dropout stream counter: each training-mode call draws fresh masks.
+    calls: u64,
+    /// Training mode (dropout on), PyTorch's `module.training`.
+    training: bool,
+}
+
+impl TransformerLayer {
+    /// A layer initialized as TE does.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for heads that do not divide the hidden size, a dropout outside `[0, 1]`,
+    /// `apply_residual_connection_post_layernorm` without `output_layernorm` or with `moe`, `moe`
+    /// with `tp`; the errors of the parts.
+    pub fn new(dev: &Arc<Device>, cfg: TransformerLayerConfig) -> Result<Self> {
+        let config = |message: String| Error::Config { module: MODULE, message };
+        if !(0.0..=1.0).contains(&cfg.hidden_dropout) {
+            return Err(config(format!("hidden_dropout must be in [0, 1], got {}", cfg.hidden_dropout)));
+        }
+        if cfg.apply_residual_connection_post_layernorm && !cfg.output_layernorm {
+            return Err(config(
+                "apply_residual_connection_post_layernorm is supported with output_layernorm (BERT-style); for a \
+                 pre-LN block leave it false"
+                    .into(),
+            ));
+        }
+        if cfg.apply_residual_connection_post_layernorm && cfg.moe.is_some() {
+            return Err(config(
+                "a MoE MLP does not return its norm's output: apply_residual_connection_post_layernorm is for dense \
+                 layers"
+                    .into(),
+            ));
+        }
+        if cfg.moe.is_some() && cfg.tp.is_some() {
+            return Err(config(
+                "a MoE MLP under tensor parallelism is not supported yet: leave tp unset for MoE layers".into(),
+            ));
+        }
+        let parts = cfg.parts();
+        let attention = MultiheadAttention::new(dev, parts.attention)?;
+        let mlp = match parts.mlp {
+            MlpConfig::Dense(c) => Mlp::Dense(Box::new(LayerNormMLP::new(dev, c)?)),
+            MlpConfig::Moe(c) => Mlp::Moe(Box::new(MoeMLP::new(dev, c)?)),
+        };
+        let mut out_norm = parts.output_norm.map(|(kind, c)| Norm::new(dev, kind, c)).transpose()?;
+        if let (Some(norm), Some(tp)) = (out_norm.as_mut(), &cfg.tp) {
+            norm.set_sequence_parallel(tp.sequence_group());
+        }
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0, training: true })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TransformerLayerConfig {
+        &self.cfg
+    }
+
+    /// Training mode (the default: hidden and attention dropout apply) or evaluation mode (no
+    /// dropout, the dropout streams do not advance); PyTorch's `module.train(mode)`.
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+        self.attention.set_training(training);
+    }
+
+    /// Hidden-dropout masks drawn so far: the Philox offset of the next forward (the layer's
+    /// seed is `config().seed`). Saved with a training checkpoint, so a resumed run draws the
+    /// masks it would have drawn.
+    pub fn dropout_offset(&self) -> u64 {
+        self.calls
+    }
+
+    /// Sets the offset [`TransformerLayer::dropout_offset`] reports (a resumed run).
+    pub fn set_dropout_offset(&mut self, offset: u64) {
+        self.calls = offset;
+    }
+
+    /// The self-attention block.
+    pub fn self_attention(&self) -> &MultiheadAttention {
+        &self.attention
+    }
+
+    /// The self-attention block, mutably.
+    pub fn self_attention_mut(&mut self) -> &mut MultiheadAttention {
+        &mut self.attention
+    }
+
+    /// The dense MLP block (with its norm); `None` for a MoE layer.
+    pub fn layernorm_mlp(&self) -> Option<&LayerNormMLP> {
+        match &self.mlp {
+            Mlp::Dense(m) => Some(m),
+            Mlp::Moe(_) => None,
+        }
+    }
+
+    /// The dense MLP block, mutably; `None` for a MoE layer.
+    pub fn layernorm_mlp_mut(&mut self) -> Option<&mut LayerNormMLP> {
+        match &mut self.mlp {
+            Mlp::Dense(m) => Some(m),
+            Mlp::Moe(_) => None,
+        }
+    }
+
+    /// The mixture-of-experts MLP block (config `moe`); `None` for a dense layer.
+    pub fn moe_mlp(&self) -> Option<&MoeMLP> {
+        match &self.mlp {
+            Mlp::Moe(m) => Some(m),
+            Mlp::Dense(_) => None,
+        }
+    }
+
+    /// The MoE block, mutably.
+    pub fn moe_mlp_mut(&mut self) -> Option<&mut MoeMLP> {
+        match &mut self.mlp {
+            Mlp::Moe(m) => Some(m),
+            Mlp::Dense(_) => None,
+        }
+    }
+
+    /// The output norm (post-LN).
+    pub fn output_norm(&self) -> Option<&Norm> {
+        self.out_norm.as_ref()
+    }
+
+    /// The output norm, mutably.
+    pub fn output_norm_mut(&mut self) -> Option<&mut Norm> {
+        self.out_norm.as_mut()
+    }
+
+    /// The hidden dropout probability of a forward in the current mode.
+    fn hidden_dropout(&self) -> f32 {
+        if self.training {
+            self.cfg.hidden_dropout
+        } else {
+            0.0
+        }
+    }
+
+    /// `out = residual + dropout(x)` with a fresh mask.
+    fn residual_dropout(&mut self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, CudaSlice<u8>)> {
+        let p = self.hidden_dropout();
+        self.calls += u64::from(p > 0.0);
+        // Under sequence parallelism each rank's masks are its own (its tokens differ).
+        let rank = self.cfg.tp.as_ref().filter(|tp| tp.sequence_parallel).map_or(0, |tp| tp.group.rank());
+        let seed = self.cfg.seed.wrapping_add((rank as u64) << 32);
+        let params = DropoutParams { p, seed, offset: self.calls };
+        let mut out = Tensor::empty(&self.dev, residual.dtype(), residual.shape())?;
+        // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
+        let mut mask = unsafe { self.dev.stream().alloc::<u8>(mask_bytes(x.numel()).max(1)) }?;
+        bias_dropout_add(&self.dev, x, None, residual, params, &mut out, &mut mask)?;
+        Ok((out, mask))
+    }
+
+    /// The layer on `x` with no padding and no rotary embedding.
+    ///
+    /// # Errors
+    /// As [`TransformerLayer::forward_with`].
+    pub fn forward(&mut self, x: &Tensor) -> Result<(Tensor, TransformerLayerCtx)> {
+        self.forward_with(x, AttentionInputs::default())
+    }
+
+    /// The layer on `x: [s, b, hidden]` (or `[b, s, hidden]`) with padding lengths and rotary
+    /// angles for the attention.
+    ///
+    /// # Errors
+    /// The errors of the parts (shapes, FP8 dims, masks).
+    pub fn forward_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<(Tensor, TransformerLayerCtx)> {
+        let opts = ForwardOptions { is_first_microbatch: inputs.is_first_microbatch, fp8_output: false };
+        let (a, attn) = self.attention.forward_with(x, inputs)?;
+        let (h1, mask1) = self.residual_dropout(&a, x)?;
+        // The MLP returns its norm's output exactly when the residual is taken after it (post-LN).
+        let (m_out, ln_out, mlp) = match &mut self.mlp {
+            Mlp::Dense(d) => {
+                let (m, c) = d.forward_with(&h1, opts)?;
+                (m.out.into_high(&self.dev, x.dtype())?, m.ln_out, MlpCtx::Dense(Box::new(c)))
+            }
+            Mlp::Moe(moe) => {
+                let (y, c) = moe.forward_with(&h1, opts)?;
+                (y, None, MlpCtx::Moe(Box::new(c)))
+            }
+        };
+        let (y, mask2) = self.residual_dropout(&m_out, ln_out.as_ref().unwrap_or(&h1))?;
+        let (y, out_norm) = match &mut self.out_norm {
+            Some(n) => {
+                let (y, c) = n.forward(&y)?;
+                (y, Some(c))
+            }
+            None => (y, None),
+        };
+        let p = self.hidden_dropout();
+        Ok((y, TransformerLayerCtx { module_id: self.id, attn, mask1, mlp, mask2, out_norm, p }))
+    }
+
+    /// The layer for inference (TE under `torch.no_grad()`, dropout off): every GEMM through its
+    /// `infer` path (no transposes, FP8-only weights from `fp8_model_init` allowed), residual
+    /// adds without dropout, nothing kept for backward. `x: [s, b, hidden]` (or `[b, s,
+    /// hidden]`), output of the same shape and dtype.
+    ///
+    /// # Errors
+    /// The errors of the parts (shapes, FP8 dims, masks).
+    pub fn infer_with(&mut self, x: &Tensor, inputs: AttentionInputs<'_>) -> Result<Tensor> {
+        let a = self.attention.infer_with(x, inputs)?;
+        self.finish_infer(x, &a)
+    }
+
+    /// The layer for generation over a KV cache (TE's `inference_params`): as
+    /// [`TransformerLayer::infer_with`], the attention through
+    /// [`super::MultiheadAttention::infer_cached`] (`x`: `[s, b, hidden]`, the step's new tokens).
+    ///
+    /// # Errors
+    /// The errors of the parts (the cache's, shapes, FP8 dims).
+    pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        let a = self.attention.infer_cached(x, kv)?;
+        self.finish_infer(x, &a)
+    }
+
+    /// The residual, MLP and output norm of [`TransformerLayer::infer_with`] after the attention
+    /// output `a` of `x`.
+    fn finish_infer(&mut self, x: &Tensor, a: &Tensor) -> Result<Tensor> {
+        let mut h1 = Tensor::empty(&self.dev, x.dtype(), x.shape())?;
+        add(&self.dev, a, x, &mut h1)?;
+        let (mut y, ln_out) = match &mut self.mlp {
+            Mlp::Dense(d) => {
+                let m = d.infer_with(&h1, ForwardOptions::default())?;
+                (m.out.into_high(&self.dev, x.dtype())?, m.ln_out)
+            }
+            Mlp::Moe(moe) => (moe.infer(&h1)?, None),
+        };
+        add_assign(&self.dev, &mut y, ln_out.as_ref().unwrap_or(&h1))?;
+        match &self.out_norm {
+            Some(n) => n.infer(&y),
+            None => Ok(y),
+        }
+    }
+
+    /// Backward: `dx` for `d_out`; every parameter gradient accumulates.
+    ///
+    /// # Errors
+    /// [`Error::Context`] for another module's context; the errors of the parts.
+    pub fn backward(&mut self, ctx: TransformerLayerCtx, d_out: &Tensor) -> Result<Tensor> {
+        if ctx.module_id != self.id {
+            return Err(Error::Context { module: MODULE, message: "the context was made by another layer".into() });
+        }
+        let p = ctx.p;
+        let d_y = match (&mut self.out_norm, ctx.out_norm) {
+            (Some(n), Some(c)) => n.backward(c, d_out)?,
+            _ => d_out.clone(),
+        };
+        // y = residual + drop(mlp): the residual takes d_y as is.
+        let mut d_m = Tensor::empty(&self.dev, d_y.dtype(), d_y.shape())?;
+        dropout_backward(&self.dev, &d_y, &ctx.mask2, p, &mut d_m)?;
+        // The residual took the MLP's norm output (post-LN) or its input (pre-LN).
+        let post = self.cfg.apply_residual_connection_post_layernorm;
+        let opts = BackwardOptions { grad_ln_out: post.then_some(&d_y), ..Default::default() };
+        let mut d_h1 = match (&mut self.mlp, ctx.mlp) {
+            (Mlp::Dense(d), MlpCtx::Dense(c)) => d
+                .backward_with(*c, &d_m, opts)?
+                .ok_or_else(|| Error::internal(MODULE, "no MLP input gradient with input_grad = true"))?,
+            (Mlp::Moe(moe), MlpCtx::Moe(c)) => moe.backward(*c, &d_m)?,
+            _ => return Err(Error::internal(MODULE, "the MLP context does not match the MLP")),
+        };
+        if !post {
+            add_assign(&self.dev, &mut d_h1, &d_y)?;
+        }
+        let mut d_a = Tensor::empty(&self.dev, d_h1.dtype(), d_h1.shape())?;
+        dropout_backward(&self.dev, &d_h1, &ctx.mask1, p, &mut d_a)?;
+        let d_x = self.attention.backward(ctx.attn, &d_a)?;
+        add_assign(&self.dev, &mut d_h1, &d_x)?;
+        Ok(d_h1)
+    }
+}
+
+impl Module for TransformerLayer {
+    /// TE's names: `self_attention.*`, `layernorm_mlp.*` (or, MoE, Megatron's `mlp.*`: see
+    /// [`MoeMLP`]'s names), and `layernorm.*` (post-LN).
+    fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
+        self.attention.visit(&join_path(prefix, "self_attention"), visitor)?;
+        match &self.mlp {
+            Mlp::Dense(m) => m.visit(&join_path(prefix, "layernorm_mlp"), visitor)?,
+            Mlp::Moe(m) => m.visit(&join_path(prefix, "mlp"), visitor)?,
+        }
+        self.out_norm.visit(&join_path(prefix, "layernorm"), visitor)
+    }
+
+    fn visit_mut(&mut self, prefix: &str, visitor: &mut dyn ModuleVisitorMut) -> Result<()> {
+        self.attention.visit_mut(&join_path(prefix, "self_attention"), visitor)?;
+        match &mut self.mlp {
+            Mlp::Dense(m) => m.visit_mut(&join_path(prefix, "layernorm_mlp"), visitor)?,
+            Mlp::Moe(m) => m.visit_mut(&join_path(prefix, "mlp"), visitor)?,
+        }
+        self.out_norm.visit_mut(&join_path(prefix, "layernorm"), visitor)
+    }
+
+    /// [`TransformerLayerConfig::kernel_specs`] of its config.
+    fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        self.cfg.kernel_specs(target, specs);
+    }
+}

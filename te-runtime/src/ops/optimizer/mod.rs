@@ -1,0 +1,274 @@
+//! Family 11 launchers: one fused optimizer step over many tensors: the global gradient norm
+//! and PyTorch's clip coefficient (on the device), then AdamW with FP32 master weights, each in
+//! one launch over a device table of chunks (apex `multi_tensor_apply`: a block per chunk of
+//! [`CHUNK`] elements of one tensor).
+
+pub mod scalars;
+
+use super::launch::Launch;
+use super::launch_1d;
+use crate::graph::HostCopies;
+use crate::ops::optimizer::scalars::{AdamWHyper, AdamWScalars};
+use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
+use te_codegen::spec::OptimizerSpec;
+use te_codegen::{DType, KernelSpec};
+
+/// The kernels of one optimizer step on `arch`: the gradient norm (clipping) and AdamW (what
+/// `te prewarm` compiles for an optimizer).
+pub fn kernel_specs(arch: te_codegen::Arch) -> [KernelSpec; 2] {
+    [OptimizerSpec::grad_norm(arch).into(), OptimizerSpec::adamw(arch).into()]
+}
+
+const OP: &str = "adamw_step";
+
+/// Elements per chunk (one block each). A multiple of the kernels' 4-element accesses, so every
+/// chunk starts aligned.
+pub const CHUNK: usize = 32 * 1024;
+
+/// One tensor of an AdamW step.
+#[derive(Debug)]
+pub struct AdamWTensor<'a> {
+    /// Read: the gradient, f32, bf16 or f16, any shape with the parameter's element count.
+    pub grad: &'a Tensor,
+    /// Written: the model's parameter, f32, bf16 or f16: the new master rounded to its type.
+    pub param: &'a mut Tensor,
+    /// Updated: the f32 master weight, one per element.
+    pub master: &'a mut CudaSlice<f32>,
+    /// Updated: the f32 first moment (`exp_avg`).
+    pub exp_avg: &'a mut CudaSlice<f32>,
+    /// Updated: the f32 second moment (`exp_avg_sq`).
+    pub exp_avg_sq: &'a mut CudaSlice<f32>,
+    /// Decoupled weight decay of this tensor (0 to exclude it).
+    pub weight_decay: f32,
+    /// This tensor's step number, 1 for its first update (bias correction).
+    pub step: u64,
+    /// Its gradient counts in the global norm. `false` for a copy another rank counts: a
+    /// parameter replicated over a tensor-parallel group counts on its rank 0 only, so the sum
+    /// of the ranks' partial norms is the model's (Megatron-LM's
+    /// `param_is_not_tensor_parallel_duplicate`).
+    pub in_norm: bool,
+}
+
+/// The hyper-parameters shared by every tensor of a step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWArgs {
+    /// Learning rate of this step.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to the bias-corrected `sqrt(v)`.
+    pub eps: f32,
+    /// Clip the gradients to this global L2 norm (`f32::INFINITY`: no clipping).
+    pub max_grad_norm: f32,
+    /// A NaN or infinite gradient norm skips the whole update on the device: masters and
+    /// moments stay, each parameter is rewritten from its master (Megatron-LM's skipped
+    /// iteration). `false`: PyTorch's arithmetic, which spreads the NaN.
+    pub skip_nonfinite: bool,
+}
+
+/// One chunk entry of the device table, laid out as the kernels' `Chunk` (64 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ChunkEntry {
+    grad: u64,
+    param: u64,
+    master: u64,
+    exp_avg: u64,
+    exp_avg_sq: u64,
+    n: u32,
+    dtypes: u32,
+    decay: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    norm_weight: f32,
+}
+
+// SAFETY: plain `repr(C)` data without implicit padding (5 × u64 + 2 × u32 + 4 × f32 =
+// 64 bytes, the layout `static_assert`ed by the kernels); any bit pattern is valid.
+unsafe impl DeviceRepr for ChunkEntry {}
+
+/// The kernels' type code of a high-precision dtype.
+fn type_code(dt: DType) -> Option<u32> {
+    match dt {
+        DType::F32 => Some(0),
+        DType::BF16 => Some(1),
+        DType::F16 => Some(2),
+        _ => None,
+    }
+}
+
+/// One fused AdamW step of every tensor (PyTorch `torch.optim.AdamW` arithmetic with FP32
+/// masters, after `clip_grad_norm_(max_grad_norm)`), all on the device's stream, no host sync:
+///
+/// 1. the global L2 norm of all gradients, deterministic run to run (per-chunk f32 partials,
+///    then one block sums them in a fixed order), into `norm_out[0]`;
+/// 2. `clip_coef = min(1, max_grad_norm / (norm + 1e-6))` into `norm_out[1]`;
+/// 3. unless `skip_nonfinite` and the norm is NaN or infinite (then each parameter is only
+///    rewritten from its unchanged master), per element, with `g = grad * clip_coef` (f32;
+///    apex-style: the scaled gradient is not
+///    rounded to the gradient's type, unlike PyTorch's in-place `grad.mul_`), the update of
+///    `te_reference::optimizer::adamw_step` with the scalars of
+///    [`AdamWScalars::new`] for each tensor's `weight_decay` and `step`; the new master is
+///    rounded to the parameter's type.
+///
+/// Three launches (norm, finalize, AdamW) whatever the number of tensors. The chunk table
+/// (64 bytes per [`CHUNK`] elements) is uploaded from pageable memory, which may synchronize
+/// with the stream (see [`super::scaling::DelayedScalingTable::new`]); it and the partials are
+/// freed stream-ordered after the launches.
+///
+/// # Errors
+/// [`Error::Shape`] for an empty list, an empty tensor, or a grad, param, master or moment whose
+/// element counts differ (the message names the tensor's index); [`Error::DType`] for a grad or
+/// param that is not f32, bf16 or f16; [`Error::Argument`] unless `max_grad_norm > 0` (inf
+/// allowed) or unless `norm_out` holds 2 floats; compile, allocation and launch failures.
+pub fn adamw_step(
+    dev: &Device,
+    tensors: &mut [AdamWTensor<'_>],
+    args: &AdamWArgs,
+    norm_out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    adamw_step_reduced(dev, tensors, args, norm_out, &mut |_| Ok(()))
+}
+
+/// [`adamw_step`] whose per-chunk partial sums of squares go through `reduce` (issued on the
+/// device's stream between the norm and the finalize launches) before they are summed: a
+/// tensor-parallel run all-reduces them over its group, so every rank clips by the norm of the
+/// whole model (each rank's tensors must then make the same chunks: the same shapes).
+///
+/// # Errors
+/// As [`adamw_step`]; `reduce`'s.
+pub fn adamw_step_reduced(
+    dev: &Device,
+    tensors: &mut [AdamWTensor<'_>],
+    args: &AdamWArgs,
+    norm_out: &mut CudaSlice<f32>,
+    reduce: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
+) -> Result<()> {
+    if tensors.is_empty() {
+        return Err(Error::Shape { op: OP, message: "no tensors to update; pass at least one".into() });
+    }
+    if args.max_grad_norm.is_nan() || args.max_grad_norm <= 0.0 || norm_out.len() != 2 {
+        return Err(Error::Argument {
+            op: OP,
+            message: format!(
+                "max_grad_norm must be > 0 (inf: no clipping), got {}; norm_out must hold 2 floats, got {}",
+                args.max_grad_norm,
+                norm_out.len()
+            ),
+        });
+    }
+    let stream = dev.stream();
+    let mut entries = Vec::new();
+    // The guards of the buffers' device pointers: they live until the launches are queued.
+    let mut guards = Vec::with_capacity(5 * tensors.len());
+    for (i, t) in tensors.iter_mut().enumerate() {
+        let n = t.param.numel();
+        let counts = [t.grad.numel(), t.master.len(), t.exp_avg.len(), t.exp_avg_sq.len()];
+        if n == 0 || counts.iter().any(|&c| c != n) {
+            return Err(Error::Shape {
+                op: OP,
+                message: format!(
+                    "tensor {i}: param, grad, master, exp_avg and exp_avg_sq must hold the same non-zero number of \
+                     elements, got {n}, {counts:?}"
+                ),
+            });
+        }
+        let code =
+            |arg, dt| type_code(dt).ok_or(Error::DType { op: OP, arg, expected: "f32, bf16 or f16".into(), got: dt });
+        let dtypes = code("grad", t.grad.dtype())? | code("param", t.param.dtype())? << 8;
+        let h = AdamWHyper {
+            lr: args.lr,
+            beta1: args.beta1,
+            beta2: args.beta2,
+            eps: args.eps,
+            weight_decay: t.weight_decay,
+            step: t.step,
+        };
+        let s = AdamWScalars::new(&h);
+        let (g_bytes, p_bytes) = (t.grad.dtype().size_bytes() as u64, t.param.dtype().size_bytes() as u64);
+        let (grad, g_guard) = t.grad.data().device_ptr(stream);
+        let (param, p_guard) = t.param.data_mut()?.device_ptr_mut(stream);
+        let (master, ms_guard) = t.master.device_ptr_mut(stream);
+        let (exp_avg, m_guard) = t.exp_avg.device_ptr_mut(stream);
+        let (exp_avg_sq, v_guard) = t.exp_avg_sq.device_ptr_mut(stream);
+        guards.extend([g_guard, p_guard, ms_guard, m_guard, v_guard]);
+        entries.extend((0..n).step_by(CHUNK).map(|start| {
+            let off = start as u64;
+            ChunkEntry {
+                grad: grad + off * g_bytes,
+                param: param + off * p_bytes,
+                master: master + off * 4,
+                exp_avg: exp_avg + off * 4,
+                exp_avg_sq: exp_avg_sq + off * 4,
+                n: (n - start).min(CHUNK) as u32,
+                dtypes,
+                decay: s.decay,
+                step_size: s.step_size,
+                bc2_sqrt: s.bc2_sqrt,
+                norm_weight: if t.in_norm { 1.0 } else { 0.0 },
+            }
+        }));
+    }
+    // The kernel-wide scalars (betas, eps) do not depend on a tensor's step or decay.
+    let s = AdamWScalars::new(&AdamWHyper {
+        lr: args.lr,
+        beta1: args.beta1,
+        beta2: args.beta2,
+        eps: args.eps,
+        weight_decay: 0.0,
+        step: 1,
+    });
+    if entries.len() > i32::MAX as usize {
+        return Err(Error::Shape {
+            op: OP,
+            message: format!("{} chunks exceed one launch's grid; split the tensors over several steps", entries.len()),
+        });
+    }
+    let chunks = stream.htod(&entries)?;
+    let mut partials = stream.alloc_zeros::<f32>(entries.len())?;
+
+    let norm_spec = OptimizerSpec::grad_norm(dev.arch());
+    let norm = dev.function(&KernelSpec::Optimizer(norm_spec), 0)?;
+    let mut b = Launch::new("adamw_step", stream, &norm, &norm_spec, 0);
+    b.ptr("chunks", &chunks).ptr("partials", &mut partials);
+    // SAFETY: the arguments follow the GradNorm signature documented on `OptimizerKind`: one
+    // entry per block, each pointing at `n` elements of its grad type inside a tensor checked
+    // above and borrowed for this call; `partials` holds one float per block.
+    unsafe { b.launch(launch_1d(entries.len(), norm_spec.threads, 0)) }?;
+    reduce(&mut partials)?;
+
+    let finalize = dev.function(&KernelSpec::Optimizer(norm_spec), 1)?;
+    let n_partials = entries.len() as u64;
+    let mut b = Launch::new("adamw_step", stream, &finalize, &norm_spec, 1);
+    b.ptr("partials", &partials)
+        .scalar("n_partials", &n_partials)
+        .ptr("out", &mut *norm_out)
+        .scalar("max_norm", &args.max_grad_norm);
+    // SAFETY: the finalize signature documented on `OptimizerKind`: `partials` holds
+    // `n_partials` floats, `norm_out` 2 (checked above); one block.
+    unsafe { b.launch(launch_1d(1, norm_spec.threads, 0)) }?;
+
+    let adam_spec = OptimizerSpec::adamw(dev.arch());
+    let adam = dev.function(&KernelSpec::Optimizer(adam_spec), 0)?;
+    let skip = i32::from(args.skip_nonfinite);
+    let mut b = Launch::new("adamw_step", stream, &adam, &adam_spec, 0);
+    b.ptr("chunks", &chunks)
+        .scalar("beta1", &s.beta1)
+        .scalar("one_minus_beta1", &s.one_minus_beta1)
+        .scalar("beta2", &s.beta2)
+        .scalar("one_minus_beta2", &s.one_minus_beta2)
+        .scalar("eps", &s.eps)
+        .ptr("norm_clip", &*norm_out)
+        .scalar("skip_nonfinite", &skip);
+    // SAFETY: the AdamW signature documented on `OptimizerKind`: each entry points at `n`
+    // elements of its grad and param types and `n` floats of master and moments, all inside
+    // buffers checked above and borrowed (the writable ones mutably) for this call, so no two
+    // entries overlap in what they write; `norm_out` holds the 2 floats the finalize launch
+    // wrote before this one on the same stream.
+    unsafe { b.launch(launch_1d(entries.len(), adam_spec.threads, 0)) }?;
+    drop(guards);
+    Ok(())
+}

@@ -1,0 +1,367 @@
+//! AdamW over a model's parameters (Loshchilov & Hutter 2019; PyTorch `torch.optim.AdamW` with
+//! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
+
+use super::LrSchedule;
+use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+use te_codegen::DType;
+use te_nn::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
+use te_runtime::dist::{ProcessGroup, ReduceOp};
+use te_runtime::graph::HostCopies;
+use te_runtime::ops::optimizer::{adamw_step_reduced, AdamWArgs, AdamWTensor};
+use te_runtime::{Device, Error, Result, Tensor};
+
+const MODULE: &str = "AdamW";
+
+/// AdamW's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// The learning rate per step.
+    pub lr: LrSchedule,
+    /// `(beta1, beta2)`, each in `[0, 1)`. PyTorch's default `(0.9, 0.999)`.
+    pub betas: (f32, f32),
+    /// Added to the bias-corrected `sqrt(v)`, ≥ 0. PyTorch's default `1e-8`.
+    pub eps: f32,
+    /// Decoupled weight decay, ≥ 0. PyTorch's default `0.01`.
+    pub weight_decay: f32,
+    /// Clip the gradients to this global L2 norm (> 0) before the update; `None`: no clipping.
+    pub max_grad_norm: Option<f32>,
+    /// Apply weight decay to biases and norm parameters too (PyTorch: `true`, one group);
+    /// `false` decays only GEMM weights ([`ParamKind::Weight`]), as Megatron-LM and nanoGPT do.
+    pub decay_biases_and_norms: bool,
+    /// Skip a step whose gradient norm is NaN or infinite (Megatron-LM's skipped iteration):
+    /// decided on the device, nothing is updated and the step does not count
+    /// ([`StepStats::skipped`]). PyTorch's default `false` updates with the NaN.
+    pub skip_nonfinite: bool,
+}
+
+impl AdamWConfig {
+    /// PyTorch's defaults with the given schedule: betas `(0.9, 0.999)`, eps `1e-8`, weight
+    /// decay `0.01` on every parameter, no clipping.
+    pub fn new(lr: LrSchedule) -> Self {
+        Self {
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            max_grad_norm: None,
+            decay_biases_and_norms: true,
+            skip_nonfinite: false,
+        }
+    }
+
+    /// Checks every field's range.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        self.lr.validate()?;
+        let bad = |message: String| Err(Error::Argument { op: MODULE, message });
+        let (b1, b2) = self.betas;
+        if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
+            return bad(format!("betas must be in [0, 1), got ({b1}, {b2})"));
+        }
+        let non_negative = |x: f32| x.is_finite() && x >= 0.0;
+        if !non_negative(self.eps) || !non_negative(self.weight_decay) {
+            return bad(format!(
+                "eps and weight_decay must be finite and ≥ 0, got {} and {}",
+                self.eps, self.weight_decay
+            ));
+        }
+        match self.max_grad_norm {
+            Some(m) if m.is_nan() || m <= 0.0 => bad(format!("max_grad_norm must be > 0 (None: no clipping), got {m}")),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What one [`AdamW::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// The global L2 norm of the gradients before clipping.
+    pub grad_norm: f32,
+    /// The factor the gradients were scaled by: `min(1, max_grad_norm / (grad_norm + 1e-6))`,
+    /// 1 without clipping.
+    pub clip_coef: f32,
+    /// The learning rate of the step.
+    pub lr: f32,
+    /// The optimizer's step number (1 after the first step).
+    pub step: u64,
+    /// Parameters updated (those with a gradient).
+    pub params_updated: usize,
+    /// The step was skipped ([`AdamWConfig::skip_nonfinite`] and a non-finite `grad_norm`):
+    /// parameters, masters and moments are as before it, and `step` did not advance.
+    pub skipped: bool,
+}
+
+/// The optimizer state of one parameter.
+#[derive(Debug)]
+pub struct ParamState {
+    /// The parameter's path in the model.
+    pub path: String,
+    /// Weight, bias, norm weight or norm bias.
+    pub kind: ParamKind,
+    /// Shape as stored.
+    pub shape: Vec<usize>,
+    /// The model's dtype of the parameter.
+    pub dtype: DType,
+    /// Updates of this parameter so far (its bias-correction step; a step without a gradient
+    /// does not count, as in PyTorch).
+    pub step: u64,
+    /// f32 master weight, one per element.
+    pub master: CudaSlice<f32>,
+    /// f32 first moment.
+    pub exp_avg: CudaSlice<f32>,
+    /// f32 second moment.
+    pub exp_avg_sq: CudaSlice<f32>,
+    /// A tensor-parallel slice ([`Param::tensor_parallel`]): it counts in the gradient norm on
+    /// every rank of the group; a replicated parameter on the group's rank 0 only.
+    pub tensor_parallel: bool,
+}
+
+/// AdamW with FP32 master weights for a [`Module`]'s parameters: global-norm clipping, then one
+/// fused multi-tensor update (PyTorch `torch.optim.AdamW` arithmetic, see
+/// [`te_runtime::ops::optimizer::adamw_step`]), after which each updated parameter is the new master
+/// rounded to its dtype.
+///
+/// ```no_run
+/// use te_nn::modules::{Linear, LinearConfig};
+/// use te_train::optim::{AdamW, AdamWConfig, LrSchedule};
+/// use te_nn::Module;
+/// use te_runtime::Device;
+///
+/// #[derive(Module)]
+/// struct Mlp {
+///     fc1: Linear,
+///     fc2: Linear,
+/// }
+///
+/// # fn main() -> te_runtime::Result<()> {
+/// let dev = Device::new(0)?;
+/// let mut model = Mlp {
+///     fc1: Linear::new(&dev, LinearConfig::new(1024, 4096))?,
+///     fc2: Linear::new(&dev, LinearConfig::new(4096, 1024))?,
+/// };
+/// let lr = LrSchedule::WarmupCosine { peak: 6e-4, warmup_steps: 100, total_steps: 10_000, min_lr: 6e-5 };
+/// let mut opt = AdamW::new(&dev, &model, AdamWConfig { max_grad_norm: Some(1.0), ..AdamWConfig::new(lr) })?;
+/// // ... forward and backward ...
+/// let stats = opt.step(&mut model)?;
+/// println!("grad norm {} lr {}", stats.grad_norm, stats.lr);
+/// model.zero_grad();
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct AdamW {
+    pub(super) dev: Arc<Device>,
+    config: AdamWConfig,
+    pub(super) step: u64,
+    pub(super) params: Vec<ParamState>,
+    /// `[grad_norm, clip_coef]` of the last step, on the device.
+    norm_out: CudaSlice<f32>,
+    /// The tensor-parallel group the model's layers split over: the gradient norm sums every
+    /// rank's part ([`AdamW::with_tensor_parallel`]).
+    tensor_parallel: Option<Arc<ProcessGroup>>,
+}
+
+impl AdamW {
+    /// Allocates the state of every parameter of `model`, in traversal order: the f32 master
+    /// copied from the parameter (a host round trip, once) and zeroed moments (3 × 4 bytes per
+    /// parameter element). The masters are the source of truth afterwards: a parameter changed
+    /// behind the optimizer's back (a checkpoint load) is overwritten by the next step; build a
+    /// new optimizer then.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a config out of range ([`AdamWConfig::validate`]);
+    /// [`Error::Config`] for a model without parameters or with an FP8-only weight
+    /// ([`te_nn::fp8::fp8_model_init`]: it has no high-precision value to train); allocation and
+    /// copy failures.
+    pub fn new<M: Module + ?Sized>(dev: &Arc<Device>, model: &M, config: AdamWConfig) -> Result<Self> {
+        config.validate()?;
+        let stream = dev.stream();
+        let mut params = Vec::new();
+        model.visit("", &mut |path: &str, kind: ParamKind, p: &dyn Param| -> Result<()> {
+            let t = p.tensor().ok_or_else(|| Error::Config {
+                module: MODULE,
+                message: format!("{path} is an FP8-only weight (fp8_model_init); train a high-precision model"),
+            })?;
+            let master = stream.htod(&t.to_f32(dev)?)?;
+            params.push(ParamState {
+                path: path.to_owned(),
+                kind,
+                shape: p.shape().to_vec(),
+                dtype: p.dtype(),
+                step: 0,
+                master,
+                exp_avg: stream.alloc_zeros(p.numel())?,
+                exp_avg_sq: stream.alloc_zeros(p.numel())?,
+                tensor_parallel: p.tensor_parallel(),
+            });
+            Ok(())
+        })?;
+        if params.is_empty() {
+            return Err(Error::Config { module: MODULE, message: "the model has no parameters to optimize".into() });
+        }
+        Ok(Self { dev: dev.clone(), config, step: 0, params, norm_out: stream.alloc_zeros(2)?, tensor_parallel: None })
+    }
+
+    /// This optimizer for one rank of a model whose layers split over `group` (tensor
+    /// parallelism, [`te_nn::modules::TpConfig`]): the clipping norm is the whole model's, the
+    /// same on every rank (each rank's slices, and the replicated parameters once: Megatron-LM's
+    /// `clip_grad_norm` over the model-parallel group), so the replicated parameters stay
+    /// equal. Every rank of the group steps together.
+    pub fn with_tensor_parallel(self, group: Arc<ProcessGroup>) -> Self {
+        Self { tensor_parallel: Some(group), ..self }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// Steps taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The state of every parameter, in traversal order.
+    pub fn states(&self) -> &[ParamState] {
+        &self.params
+    }
+
+    /// One optimizer step: gathers each parameter's gradient (its `main_grad` when it has one,
+    /// else its `grad`; a parameter with neither is skipped: its state and value stay as they
+    /// are, as PyTorch skips `grad = None`), computes the global norm of those gradients and the
+    /// clip coefficient on the device, updates masters and moments with the step's rate
+    /// (`lr.lr(step)`) in one fused launch, and writes each updated parameter back through
+    /// [`ParamMut::set`] (a new tensor of its dtype; the layer's version is bumped, so contexts
+    /// saved before are stale and a cached FP8 weight is cast anew). Gradients are not cleared:
+    /// call the model's `zero_grad`.
+    ///
+    /// Host synchronization: reading the norm for [`StepStats`] waits for the step's kernels
+    /// (the update itself never waits: clipping reads the coefficient on the device).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the model's parameters (paths, shapes, dtypes, order) are not the
+    /// ones the optimizer was built for, or when no parameter has a gradient (run a backward
+    /// first); kernel, allocation and copy failures. The step counts only when it succeeds and
+    /// is not skipped ([`AdamWConfig::skip_nonfinite`]).
+    pub fn step<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<StepStats> {
+        let grads = self.gather_grads(model)?;
+        let dev = self.dev.clone();
+        let step = self.step + 1;
+        let lr = self.config.lr.lr(step);
+        let mut new_params: Vec<Option<Tensor>> = Vec::with_capacity(self.params.len());
+        for (s, g) in self.params.iter().zip(&grads) {
+            new_params.push(g.as_ref().map(|_| Tensor::empty(&dev, s.dtype, &s.shape)).transpose()?);
+        }
+        let updated = grads.iter().filter(|g| g.is_some()).count();
+        if updated == 0 {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "no parameter has a gradient (grad or main_grad); run a backward before step".into(),
+            });
+        }
+        let (weight_decay, decay_all) = (self.config.weight_decay, self.config.decay_biases_and_norms);
+        let counts_copies = self.tensor_parallel.as_ref().is_none_or(|g| g.rank() == 0);
+        let mut tensors = Vec::with_capacity(updated);
+        for ((s, g), p) in self.params.iter_mut().zip(&grads).zip(&mut new_params) {
+            if let (Some(grad), Some(param)) = (g, p.as_mut()) {
+                let decays = decay_all || s.kind == ParamKind::Weight;
+                tensors.push(AdamWTensor {
+                    grad,
+                    param,
+                    master: &mut s.master,
+                    exp_avg: &mut s.exp_avg,
+                    exp_avg_sq: &mut s.exp_avg_sq,
+                    weight_decay: if decays { weight_decay } else { 0.0 },
+                    step: s.step + 1,
+                    in_norm: s.tensor_parallel || counts_copies,
+                });
+            }
+        }
+        let (beta1, beta2) = self.config.betas;
+        let max_grad_norm = self.config.max_grad_norm.unwrap_or(f32::INFINITY);
+        let skip_nonfinite = self.config.skip_nonfinite;
+        let args = AdamWArgs { lr, beta1, beta2, eps: self.config.eps, max_grad_norm, skip_nonfinite };
+        let group = self.tensor_parallel.clone();
+        adamw_step_reduced(&dev, &mut tensors, &args, &mut self.norm_out, &mut |partials| match &group {
+            Some(g) => {
+                g.all_reduce(partials, ReduceOp::Sum)?;
+                g.wait()
+            }
+            None => Ok(()),
+        })?;
+        drop(tensors);
+        self.write_back(model, new_params)?;
+        let out = dev.stream().dtoh(&self.norm_out)?;
+        let skipped = skip_nonfinite && !out[0].is_finite();
+        if !skipped {
+            for (s, g) in self.params.iter_mut().zip(&grads) {
+                s.step += u64::from(g.is_some());
+            }
+            self.step = step;
+        }
+        let step = self.step;
+        Ok(StepStats { grad_norm: out[0], clip_coef: out[1], lr, step, params_updated: updated, skipped })
+    }
+
+    /// Each parameter's gradient (main_grad first), checking the model's parameter list.
+    fn gather_grads<M: Module + ?Sized>(&self, model: &M) -> Result<Vec<Option<Tensor>>> {
+        let mut grads = Vec::with_capacity(self.params.len());
+        model.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            self.check_param(grads.len(), path, p.shape(), p.dtype())?;
+            grads.push(p.main_grad().or(p.grad()).cloned());
+            Ok(())
+        })?;
+        if grads.len() != self.params.len() {
+            return Err(self.mismatch(format!("the model has {} parameters", grads.len())));
+        }
+        Ok(grads)
+    }
+
+    /// Hands each new parameter to the model.
+    fn write_back<M: Module + ?Sized>(&self, model: &mut M, new_params: Vec<Option<Tensor>>) -> Result<()> {
+        let mut values = new_params.into_iter();
+        let mut i = 0;
+        model.visit_mut("", &mut |path: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
+            self.check_param(i, path, p.shape(), p.dtype())?;
+            i += 1;
+            match values.next().flatten() {
+                Some(v) => p.set(v),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// Fails unless parameter `i` of the model is the one the optimizer holds state for.
+    fn check_param(&self, i: usize, path: &str, shape: &[usize], dtype: DType) -> Result<()> {
+        match self.params.get(i) {
+            Some(s) if s.path == path && s.shape == shape && s.dtype == dtype => Ok(()),
+            Some(s) => Err(self.mismatch(format!(
+                "parameter {i} is {path} {shape:?} {dtype}, the optimizer's is {} {:?} {}",
+                s.path, s.shape, s.dtype
+            ))),
+            None => Err(self.mismatch(format!("parameter {i} ({path}) is new"))),
+        }
+    }
+
+    fn mismatch(&self, what: String) -> Error {
+        Error::Config {
+            module: MODULE,
+            message: format!(
+                "the model's parameters changed since the optimizer was built ({} parameters): {what}; build a new \
+                 AdamW for the new model",
+                self.params.len()
+            ),
+        }
+    }
+}
+
+impl AdamW {
+    /// Adds the kernels a step runs (the gradient norm for clipping, AdamW) for `target` to
+    /// `specs`: a training job prewarms them with its model's
+    /// ([`Module::kernel_specs_for`](te_nn::modules::Module::kernel_specs_for)).
+    pub fn kernel_specs(target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
+        specs.extend(te_runtime::ops::optimizer::kernel_specs(target.arch));
+    }
+}
