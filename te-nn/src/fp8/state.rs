@@ -84,7 +84,7 @@ impl ScalingState {
     }
 
     /// The device the buffers live on.
-    pub fn device(&self) -> &Arc<Device> {
+    pub(crate) fn device(&self) -> &Arc<Device> {
         &self.dev
     }
 

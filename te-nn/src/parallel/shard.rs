@@ -122,7 +122,7 @@ impl Split {
     }
 
     /// The split dimension (0 for Qkv and Parts), or `None` when replicated.
-    pub fn dim(&self) -> Option<usize> {
+    pub(crate) fn dim(&self) -> Option<usize> {
         match *self {
             Split::Replicated => None,
             Split::Dim(d) => Some(d),
