@@ -8,7 +8,7 @@
 //! bf16/f16. A caller may instead run the 16-bit backward after the FP8 forward (TE's
 //! `NVTE_FP8_DPA_BWD=0`): it recomputes P from the 16-bit q, k and the LSE this forward saves.
 
-use super::attention_shape::QkvLayout;
+use super::attention_shape::{AttentionShape, QkvLayout};
 use super::flash_attention::{
     addresses, addresses_mut, capacity, check_call, check_extent, check_grads, check_len, check_offset, check_params,
     dkdv_grid, dot_do_o, dq_grid, function, grid, push_cu, reach, CuSeqlens, FlashAttnParams, HeadStrides, Qkv,
@@ -18,7 +18,7 @@ use super::launch::Launch;
 use super::Fp8Scaling;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
-use te_codegen::spec::{FlashAttnSpec, QkvFormat};
+use te_codegen::spec::FlashAttnSpec;
 use te_codegen::{Arch, DType};
 
 /// Keys per Vᵀ row are padded to a multiple of this (the kernel's key tile).
@@ -77,9 +77,9 @@ impl Fp8Operands {
     pub fn new(dev: &Device, p: &FlashAttnParams) -> Result<Self> {
         let sh = &p.shape;
         Ok(Self {
-            q: Tensor::empty(dev, DType::E4M3, &[sh.batch, sh.sq, sh.heads, sh.head_dim])?,
-            k: Tensor::empty(dev, DType::E4M3, &[sh.batch, sh.sk, sh.groups, sh.head_dim])?,
-            vt: Tensor::empty(dev, DType::E4M3, &[sh.batch, sh.groups, sh.head_dim, trow(sh.sk)])?,
+            q: Tensor::empty(dev, DType::E4M3, &dense(sh, Side::Q))?,
+            k: Tensor::empty(dev, DType::E4M3, &dense(sh, Side::Kv))?,
+            vt: Tensor::empty(dev, DType::E4M3, &transposed(sh, Side::Kv))?,
             backward: None,
         })
     }
@@ -92,9 +92,9 @@ impl Fp8Operands {
         let sh = &p.shape;
         Ok(Self {
             backward: Some(Fp8BackwardOperands {
-                qt: Tensor::empty(dev, DType::E4M3, &[sh.batch, sh.heads, sh.head_dim, trow(sh.sq)])?,
-                kt: Tensor::empty(dev, DType::E4M3, &[sh.batch, sh.groups, sh.head_dim, trow(sh.sk)])?,
-                v: Tensor::empty(dev, DType::E4M3, &[sh.batch, sh.sk, sh.groups, sh.head_dim])?,
+                qt: Tensor::empty(dev, DType::E4M3, &transposed(sh, Side::Q))?,
+                kt: Tensor::empty(dev, DType::E4M3, &transposed(sh, Side::Kv))?,
+                v: Tensor::empty(dev, DType::E4M3, &dense(sh, Side::Kv))?,
             }),
             ..Self::new(dev, p)?
         })
@@ -128,8 +128,8 @@ impl Fp8Grad {
             });
         }
         Ok(Self {
-            d_o: Tensor::empty(dev, dtype, &[sh.batch, sh.sq, sh.heads, sh.head_dim])?,
-            d_ot: Tensor::empty(dev, dtype, &[sh.batch, sh.heads, sh.head_dim, trow(sh.sq)])?,
+            d_o: Tensor::empty(dev, dtype, &dense(sh, Side::Q))?,
+            d_ot: Tensor::empty(dev, dtype, &transposed(sh, Side::Q))?,
         })
     }
 }
@@ -137,6 +137,34 @@ impl Fp8Grad {
 /// Positions per transposed row: `seq` rounded up to the kernels' 128-position tile.
 fn trow(seq: usize) -> usize {
     seq.div_ceil(KEY_TILE) * KEY_TILE
+}
+
+/// The query side (q, dO: `sq` positions of `heads` heads) or the key/value side (k, v: `sk` of
+/// `groups`) of a call.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    Q,
+    Kv,
+}
+
+/// `(positions, heads)` of one side of `sh`.
+fn side(sh: &AttentionShape, side: Side) -> (usize, usize) {
+    match side {
+        Side::Q => (sh.sq, sh.heads),
+        Side::Kv => (sh.sk, sh.groups),
+    }
+}
+
+/// The dense FP8 codes of one side: `[batch, seq, heads, head_dim]`.
+fn dense(sh: &AttentionShape, which: Side) -> Vec<usize> {
+    let (seq, heads) = side(sh, which);
+    vec![sh.batch, seq, heads, sh.head_dim]
+}
+
+/// The transposed FP8 codes of one side: `[batch, heads, head_dim, seq rounded up to 128]`.
+fn transposed(sh: &AttentionShape, which: Side) -> Vec<usize> {
+    let (seq, heads) = side(sh, which);
+    vec![sh.batch, heads, sh.head_dim, trow(seq)]
 }
 
 /// Why the FP8 forward cannot run this call on `arch`, or `None` when it can.
@@ -335,12 +363,8 @@ fn launch_forward(
     }
     check_operands(p, operands)?;
     // The kernel reads q and k densely (checked as the operands' shapes).
-    let p8 = FlashAttnParams {
-        q: HeadStrides::dense(QkvFormat::Bshd, sh.batch, sh.sq, sh.heads, sh.head_dim),
-        kv: HeadStrides::dense(QkvFormat::Bshd, sh.batch, sh.sk, sh.groups, sh.head_dim),
-        v: HeadStrides::dense(QkvFormat::Bshd, sh.batch, sh.sk, sh.groups, sh.head_dim),
-        ..*p
-    };
+    let bshd = FlashAttnParams::dense(AttentionShape { layout: QkvLayout::Bshd, ..*sh });
+    let p8 = FlashAttnParams { q: bshd.q, kv: bshd.kv, v: bshd.v, ..*p };
     check_call(&p8, cu)?;
     let (batch, sq, _) = reach(p);
     check_extent("out", out, 0, p.o, batch, sq, sh.heads, sh.head_dim)?;
@@ -543,14 +567,14 @@ fn check_operands(p: &FlashAttnParams, o: &Fp8Operands) -> Result<()> {
     let sh = &p.shape;
     check_one_head_dim(p)?;
     let mut want = vec![
-        ("q", &o.q, vec![sh.batch, sh.sq, sh.heads, sh.head_dim]),
-        ("k", &o.k, vec![sh.batch, sh.sk, sh.groups, sh.head_dim]),
-        ("vt", &o.vt, vec![sh.batch, sh.groups, sh.head_dim, trow(sh.sk)]),
+        ("q", &o.q, dense(sh, Side::Q)),
+        ("k", &o.k, dense(sh, Side::Kv)),
+        ("vt", &o.vt, transposed(sh, Side::Kv)),
     ];
     if let Some(b) = &o.backward {
-        want.push(("qt", &b.qt, vec![sh.batch, sh.heads, sh.head_dim, trow(sh.sq)]));
-        want.push(("kt", &b.kt, vec![sh.batch, sh.groups, sh.head_dim, trow(sh.sk)]));
-        want.push(("v", &b.v, vec![sh.batch, sh.sk, sh.groups, sh.head_dim]));
+        want.push(("qt", &b.qt, transposed(sh, Side::Q)));
+        want.push(("kt", &b.kt, transposed(sh, Side::Kv)));
+        want.push(("v", &b.v, dense(sh, Side::Kv)));
     }
     for (name, t, shape) in want {
         if t.dtype() != DType::E4M3 || t.shape() != shape.as_slice() {
@@ -573,10 +597,7 @@ fn check_grad(p: &FlashAttnParams, g: &Fp8Grad) -> Result<()> {
     let sh = &p.shape;
     check_one_head_dim(p)?;
     let dtype = g.d_o.dtype();
-    let want = [
-        ("d_o", &g.d_o, vec![sh.batch, sh.sq, sh.heads, sh.head_dim]),
-        ("d_ot", &g.d_ot, vec![sh.batch, sh.heads, sh.head_dim, trow(sh.sq)]),
-    ];
+    let want = [("d_o", &g.d_o, dense(sh, Side::Q)), ("d_ot", &g.d_ot, transposed(sh, Side::Q))];
     for (name, t, shape) in want {
         if !matches!(dtype, DType::E5M2 | DType::E4M3) || t.dtype() != dtype || t.shape() != shape.as_slice() {
             return Err(Error::Shape {
