@@ -112,28 +112,15 @@ fn fused(b: &mut Bench, s: FusedShape, format: QkvFormat, p: f32, variant: &str)
 /// the FP8 backward (E5M2 dO and dS): its kernels alone (`bwd`, 2.5× the forward's FLOPs) and the
 /// whole training step with every cast (`fwd+bwd`, `ours fp8 + quantize`).
 fn fp8_forward(b: &mut Bench, s: FusedShape) {
-    use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides, Qkv};
+    use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
+    use te_runtime::ops::flash_attention::{FlashAttnParams, Qkv};
     use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
     use te_runtime::ops::Fp8Meta;
     let dev = b.dev().clone();
     let FusedShape { batch, seq, heads, groups, d, causal } = s;
-    let p = FlashAttnParams {
-        batch,
-        sq: seq,
-        sk: seq,
-        heads,
-        groups,
-        head_dim: d,
-        head_dim_v: d,
-        scale: 1.0 / (d as f32).sqrt(),
-        window: if causal { (-1, 0) } else { (-1, -1) },
-        bottom_right: false,
-        dropout: None,
-        q: HeadStrides::dense(QkvFormat::Bshd, batch, seq, heads, d),
-        kv: HeadStrides::dense(QkvFormat::Bshd, batch, seq, groups, d),
-        v: HeadStrides::dense(QkvFormat::Bshd, batch, seq, groups, d),
-        o: HeadStrides::dense(QkvFormat::Bshd, batch, seq, heads, d),
-    };
+    let mask = if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask };
+    let shape = AttentionShape::new(QkvLayout::Bshd, batch, (seq, seq), (heads, groups), d).with_mask(mask, None);
+    let p = FlashAttnParams::dense(shape);
     let bf16 = |shape: &[usize], seed| {
         let n = shape.iter().product();
         Tensor::from_bytes(&dev, DType::BF16, shape, &random_bytes(DType::BF16, n, seed)).unwrap()

@@ -2,9 +2,10 @@
 //! embedding) and of the pre-LN `TransformerLayer` without dropout, over hidden states
 //! `[s, b, hidden]` (sbhd), composed of the exact references of its parts.
 
-use super::attention::{self, AttentionCase};
+use super::attention;
 use super::modules::{self, DenseRef, MlpGrads, NormRef};
 use te_codegen::spec::Activation;
+use te_runtime::ops::attention_shape::AttentionShape;
 
 /// The attention block: input norm, QKV `[(h + 2g)·d, hidden]` with rows `[q | k | v]`,
 /// attention, output projection.
@@ -16,8 +17,8 @@ pub struct MhaRef<'a> {
     pub qkv: DenseRef<'a>,
     /// Output projection `[hidden, h·d]`.
     pub proj: DenseRef<'a>,
-    /// Sizes, mask and scale (format sbhd, `sq = sk = s`).
-    pub case: AttentionCase<'a>,
+    /// The attention problem (layout sbhd, `sq = sk = s`, no padding mask).
+    pub shape: AttentionShape,
 }
 
 /// Gradients of the attention block.
@@ -40,19 +41,19 @@ fn columns(x: &[f32], cols: usize, from: usize, width: usize) -> Vec<f32> {
 
 impl MhaRef<'_> {
     fn rows(&self) -> usize {
-        self.case.sq * self.case.batch
+        self.shape.sq * self.shape.batch
     }
 
     /// `(q, k, v, attention output)` for `x: [s·b, hidden]`.
     fn parts(&self, x: &[f32]) -> [Vec<f32>; 4] {
-        let c = &self.case;
+        let c = &self.shape;
         let (h, g, d) = (c.heads, c.groups, c.head_dim);
         let (qkv, _) = modules::layernorm_linear_forward(&self.norm, &self.qkv, x, self.rows());
         let w = (h + 2 * g) * d;
         let q = columns(&qkv, w, 0, h * d);
         let k = columns(&qkv, w, h * d, g * d);
         let v = columns(&qkv, w, (h + g) * d, g * d);
-        let o = attention::forward(c, &q, &k, &v).out;
+        let o = attention::forward(c, None, &q, &k, &v).out;
         [q, k, v, o]
     }
 
@@ -64,11 +65,11 @@ impl MhaRef<'_> {
 
     /// Gradients for `dy: [s·b, hidden]`.
     pub fn backward(&self, dy: &[f32], x: &[f32]) -> MhaGrads {
-        let c = &self.case;
+        let c = &self.shape;
         let (h, g, d) = (c.heads, c.groups, c.head_dim);
         let [q, k, v, o] = self.parts(x);
         let (d_o, dw_proj, db_proj) = self.proj.backward(dy, &o, self.rows());
-        let gr = attention::backward(c, &q, &k, &v, &d_o);
+        let gr = attention::backward(c, None, &q, &k, &v, &d_o);
         let d_qkv: Vec<f32> = (0..self.rows())
             .flat_map(|r| {
                 let q = &gr.dq[r * h * d..(r + 1) * h * d];

@@ -17,8 +17,9 @@
 
 use crate::common::{device, randn};
 use te_nn::modules::{AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
-use te_reference::attention::{self as reference, AttentionCase};
+use te_reference::attention as reference;
 use te_runtime::numerics::round_to;
+use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// `(frobenius, rtol, atol as a fraction of max |want|)`; see the module docs.
@@ -94,21 +95,19 @@ impl Case {
         }
     }
 
-    pub fn reference(&self) -> AttentionCase<'_> {
-        AttentionCase {
-            format: self.format,
-            batch: self.batch,
-            sq: self.sq,
-            sk: self.sk,
-            heads: self.heads,
-            groups: self.groups,
-            head_dim: self.head_dim,
-            head_dim_v: self.head_dim,
-            mask: self.mask,
-            seq_lens: self.seq_lens.as_deref(),
-            scale: 1.0 / (self.head_dim as f32).sqrt(),
-            window: self.mask.window(self.window).unwrap(),
-        }
+    /// The problem the reference runs (scale `1 / √head_dim`, the mask's resolved window); the
+    /// padding lengths are [`Case::seq_lens`].
+    pub fn reference(&self) -> AttentionShape {
+        let shape = AttentionShape::new(
+            self.format.into(),
+            self.batch,
+            (self.sq, self.sk),
+            (self.heads, self.groups),
+            self.head_dim,
+        )
+        .with_mask(self.mask, self.window);
+        shape.validate("test").unwrap();
+        shape
     }
 }
 
@@ -181,8 +180,9 @@ pub(crate) fn check_case(dev: &std::sync::Arc<Device>, c: &Case, seed: u64) -> (
 
 pub(crate) fn compare(c: &Case, x: &Inputs, got: &Results) {
     let r = c.reference();
-    let f = reference::forward(&r, &x.q, &x.k, &x.v);
-    let g = reference::backward(&r, &x.q, &x.k, &x.v, &x.d_out);
+    let lens = c.seq_lens.as_deref();
+    let f = reference::forward(&r, lens, &x.q, &x.k, &x.v);
+    let g = reference::backward(&r, lens, &x.q, &x.k, &x.v, &x.d_out);
     let what = format!(
         "{} {:?} {} window {:?} {} b{} sq{} sk{} h{} g{} d{} lens {:?}",
         c.backend.name(),

@@ -7,17 +7,17 @@
 
 use crate::attention::check;
 use crate::common::{device, randn};
-use te_codegen::spec::{AttnMaskType, QkvFormat};
-use te_reference::attention::{self as reference, AttentionCase};
+use te_reference::attention as reference;
 use te_runtime::numerics::round_to;
-use te_runtime::ops::decode_attention::{append_kv, decode, DecodeParams, Strided};
+use te_runtime::ops::attention_shape::AttentionShape;
+use te_runtime::ops::decode_attention::{append_kv, cache_shape, decode, Strided};
 use te_runtime::{DType, Device, Error, Tensor};
 
 /// One decode step: the cache holds `lens[b] − 1` tokens of random keys and values, the new
 /// token's q, k and v are rows of a fused `[batch, (heads + 2·groups)·d]` tensor; append, then
 /// attend; compare the output with the reference over the cache as the host writes it.
-fn check_step(dev: &Device, dtype: DType, p: DecodeParams, lens: &[usize], seed: u64) {
-    let (b, h, g, d, cap) = (p.batch, p.heads, p.groups, p.head_dim, p.capacity);
+fn check_step(dev: &Device, dtype: DType, p: AttentionShape, lens: &[usize], seed: u64) {
+    let (b, h, g, d, cap) = (p.batch, p.heads, p.groups, p.head_dim, p.sk);
     let vals = |seed, n| -> Vec<f32> { randn(seed, n, 1.0).into_iter().map(|x| round_to(dtype, x)).collect() };
     let mut k = vals(seed, b * cap * g * d);
     let mut v = vals(seed + 1, b * cap * g * d);
@@ -37,7 +37,7 @@ fn check_step(dev: &Device, dtype: DType, p: DecodeParams, lens: &[usize], seed:
             v[at..at + d].copy_from_slice(&qkv[src..src + d]);
         }
     }
-    let shape = p.cache_shape();
+    let shape = cache_shape(&p);
     let mut k_cache = Tensor::from_f32(dev, dtype, &shape, &host_k).unwrap();
     let mut v_cache = Tensor::from_f32(dev, dtype, &shape, &host_v).unwrap();
     let qkv_t = Tensor::from_f32(dev, dtype, &[b, row], &qkv).unwrap();
@@ -51,21 +51,9 @@ fn check_step(dev: &Device, dtype: DType, p: DecodeParams, lens: &[usize], seed:
     decode(dev, &p, new(0), [&k_cache, &v_cache], &seqlens, (&mut out, h * d)).unwrap();
     let got = out.to_f32(dev).unwrap();
     let q: Vec<f32> = (0..b).flat_map(|j| qkv[j * row..j * row + h * d].to_vec()).collect();
-    let case = AttentionCase {
-        format: QkvFormat::Bshd,
-        batch: b,
-        sq: 1,
-        sk: cap,
-        heads: h,
-        groups: g,
-        head_dim: d,
-        head_dim_v: d,
-        mask: AttnMaskType::PaddingCausalBottomRight,
-        seq_lens: Some(lens),
-        scale: p.scale,
-        window: (-1, -1),
-    };
-    let want = reference::forward(&case, &q, &k, &v).out;
+    // The decode problem is the reference's padding_causal_bottom_right with sq = 1 over the
+    // cache (the same shape the kernels ran).
+    let want = reference::forward(&p, Some(lens), &q, &k, &v).out;
     let what = format!("{dtype} d{d} b{b} h{h}/g{g} capacity {cap} lens {lens:?}");
     check(&what, dtype, &got, &want);
     for (j, &len) in lens.iter().enumerate() {
@@ -75,8 +63,8 @@ fn check_step(dev: &Device, dtype: DType, p: DecodeParams, lens: &[usize], seed:
     }
 }
 
-fn params(batch: usize, heads: usize, groups: usize, head_dim: usize, capacity: usize) -> DecodeParams {
-    DecodeParams { batch, heads, groups, head_dim, capacity, scale: 1.0 / (head_dim as f32).sqrt() }
+fn params(batch: usize, heads: usize, groups: usize, head_dim: usize, capacity: usize) -> AttentionShape {
+    AttentionShape::decode(batch, heads, groups, head_dim, capacity, 1.0 / (head_dim as f32).sqrt())
 }
 
 #[test]
@@ -100,11 +88,11 @@ fn decode_matches_the_reference_over_head_dims_and_lengths() {
 fn decode_refuses_bad_calls() {
     let Some(dev) = device() else { return };
     let p = params(2, 4, 2, 64, 16);
-    let cache = Tensor::zeros(&dev, DType::BF16, &p.cache_shape()).unwrap();
+    let cache = Tensor::zeros(&dev, DType::BF16, &cache_shape(&p)).unwrap();
     let q = Tensor::zeros(&dev, DType::BF16, &[2, 4 * 64]).unwrap();
     let seqlens = dev.stream().clone_htod(&[1i32, 2]).unwrap();
     let mut out = Tensor::zeros(&dev, DType::BF16, &[2, 4 * 64]).unwrap();
-    let run = |p: &DecodeParams, q: Strided<'_>, cache: &Tensor, out: &mut Tensor| {
+    let run = |p: &AttentionShape, q: Strided<'_>, cache: &Tensor, out: &mut Tensor| {
         decode(&dev, p, q, [cache, cache], &seqlens, (out, 4 * 64))
     };
     let q_at = |offset, row| Strided { tensor: &q, offset, row };
@@ -116,8 +104,10 @@ fn decode_refuses_bad_calls() {
     assert!(shape(run(&p, q_at(8, 256), &cache, &mut out)), "q too small for its rows");
     let short = Tensor::zeros(&dev, DType::BF16, &[2, 8, 2, 64]).unwrap();
     assert!(shape(run(&p, q_at(0, 256), &short, &mut out)), "a cache of another shape");
-    let f16 = Tensor::zeros(&dev, DType::F16, &p.cache_shape()).unwrap();
+    let f16 = Tensor::zeros(&dev, DType::F16, &cache_shape(&p)).unwrap();
     assert!(matches!(run(&p, q_at(0, 256), &f16, &mut out), Err(Error::DType { .. })));
+    let e = run(&AttentionShape { sq: 2, ..p }, q_at(0, 256), &cache, &mut out).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("AttentionShape::decode"), "{e}");
     let one = dev.stream().clone_htod(&[1i32]).unwrap();
     let e = decode(&dev, &p, q_at(0, 256), [&cache, &cache], &one, (&mut out, 256)).unwrap_err();
     assert!(e.to_string().contains("lengths"), "{e}");

@@ -7,8 +7,9 @@
 use crate::attention::check;
 use crate::common::{device, randn};
 use crate::fused_attention::{check_lse, host_window_forward};
-use te_nn::modules::QkvFormat;
+use te_nn::modules::{AttnMaskType, QkvFormat};
 use te_runtime::numerics::round_to;
+use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::ops::flash_attention::{FlashAttnParams, HeadStrides};
 use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8Operand, Fp8Operands};
 use te_runtime::ops::Fp8Meta;
@@ -47,46 +48,29 @@ pub(crate) fn hopper() -> Option<std::sync::Arc<te_runtime::Device>> {
 }
 
 /// The call of `batch` sequences of `sq` queries (`heads` of `d`) and `sk` keys (`groups`) with
-/// `window` (causal: `(-1, 0)`), q, k, v in `format`, the output dense bshd.
-#[allow(clippy::too_many_arguments)]
+/// `mask` (no window), q, k, v in `format`, the output dense bshd.
 pub(crate) fn params(
     (batch, sq, sk): (usize, usize, usize),
     (heads, groups, d): (usize, usize, usize),
-    window: (i64, i64),
-    bottom_right: bool,
+    mask: AttnMaskType,
     format: QkvFormat,
 ) -> FlashAttnParams {
-    FlashAttnParams {
-        batch,
-        sq,
-        sk,
-        heads,
-        groups,
-        head_dim: d,
-        head_dim_v: d,
-        scale: 1.0 / (d as f32).sqrt(),
-        window,
-        bottom_right,
-        dropout: None,
-        q: HeadStrides::dense(format, batch, sq, heads, d),
-        kv: HeadStrides::dense(format, batch, sk, groups, d),
-        v: HeadStrides::dense(format, batch, sk, groups, d),
-        o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-    }
+    let shape = AttentionShape::new(format.into(), batch, (sq, sk), (heads, groups), d).with_mask(mask, None);
+    FlashAttnParams { o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d), ..FlashAttnParams::dense(shape) }
 }
 
 #[test]
 fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
     let Some(dev) = hopper() else { return };
     let (batch, heads, groups) = (2, 4, 2);
-    for (sq, sk, window, bottom_right, d, format, seed) in [
-        (200, 333, (-1, -1), false, 128, QkvFormat::Bshd, 300),
-        (333, 333, (-1, 0), false, 128, QkvFormat::Sbhd, 301),
-        (77, 300, (-1, 0), true, 256, QkvFormat::Bshd, 302),
-        (129, 64, (-1, -1), false, 128, QkvFormat::Bshd, 303),
+    for (sq, sk, mask, d, format, seed) in [
+        (200, 333, AttnMaskType::NoMask, 128, QkvFormat::Bshd, 300),
+        (333, 333, AttnMaskType::Causal, 128, QkvFormat::Sbhd, 301),
+        (77, 300, AttnMaskType::CausalBottomRight, 256, QkvFormat::Bshd, 302),
+        (129, 64, AttnMaskType::NoMask, 128, QkvFormat::Bshd, 303),
     ] {
-        let p = params((batch, sq, sk), (heads, groups, d), window, bottom_right, format);
-        let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right} d {d} {format:?}");
+        let p = params((batch, sq, sk), (heads, groups, d), mask, format);
+        let what = format!("sq {sq} sk {sk} {} d {d} {format:?}", mask.name());
         let vals = |s, n, sd| -> Vec<f32> { randn(s, n, sd).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
         let (hq, hk, hv) = (
             vals(seed, batch * sq * heads * d, 1.0),
@@ -158,23 +142,7 @@ fn fp8_forward_matches_the_reference_of_its_quantized_inputs() {
 fn fp8_errors_are_typed() {
     let Some(dev) = device() else { return };
     let (batch, sq, heads, d) = (1, 64, 2, 64);
-    let p = FlashAttnParams {
-        batch,
-        sq,
-        sk: sq,
-        heads,
-        groups: heads,
-        head_dim: d,
-        head_dim_v: d,
-        scale: 0.125,
-        window: (-1, -1),
-        bottom_right: false,
-        dropout: None,
-        q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-        kv: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-        v: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-        o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-    };
+    let p = params((batch, sq, sq), (heads, heads, d), AttnMaskType::NoMask, QkvFormat::Bshd);
     let x = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
     let mut ops = Fp8Operands::new(&dev, &p).unwrap();
     let mut meta = Fp8Meta::new(&dev, 1.0).unwrap();
@@ -184,15 +152,7 @@ fn fp8_errors_are_typed() {
     let msg = e.to_string();
     assert!(msg.contains("head_dim 128 or 256") || msg.contains("sm_90a"), "{msg}");
     // Operands of other sizes, an empty scale_inv, a short lse, x smaller than its strides.
-    let p128 = FlashAttnParams {
-        head_dim: 128,
-        head_dim_v: 128,
-        q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
-        kv: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
-        v: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
-        o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, 128),
-        ..p
-    };
+    let p128 = params((batch, sq, sq), (heads, heads, 128), AttnMaskType::NoMask, QkvFormat::Bshd);
     let mut out = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, 128]).unwrap();
     let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
     if dev.arch() == Arch::Sm90a {

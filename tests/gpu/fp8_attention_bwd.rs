@@ -8,7 +8,7 @@
 
 use crate::common::randn;
 use crate::fp8_attention::{hopper, key_of_k, params, to_format};
-use te_nn::modules::QkvFormat;
+use te_nn::modules::{AttnMaskType, QkvFormat};
 use te_runtime::numerics::round_to;
 use te_runtime::ops::flash_attention::{self as fa, FlashAttnParams, HeadStrides, Qkv};
 use te_runtime::ops::flash_attention_fp8::{self as fp8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
@@ -54,8 +54,9 @@ fn pow2_scale(max: f32, amax: f32) -> f32 {
 /// Max |dS| in f64 over the visible scores, `dS = P ⊙ (dP − delta)`, all bshd.
 #[allow(clippy::too_many_arguments)]
 fn host_ds_amax(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32], o: &[f32]) -> f64 {
+    let p = &p.shape;
     let (b, sq, sk, h, g, d) = (p.batch, p.sq, p.sk, p.heads, p.groups, p.head_dim);
-    let off = if p.bottom_right { sk as i64 - sq as i64 } else { 0 };
+    let off = if p.bottom_right() { sk as i64 - sq as i64 } else { 0 };
     let seen = |i: usize, j: usize| {
         let (i, j) = (i as i64, j as i64);
         (p.window.0 < 0 || j >= i + off - p.window.0) && (p.window.1 < 0 || j <= i + off + p.window.1)
@@ -94,15 +95,15 @@ fn host_ds_amax(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32
 fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
     let Some(dev) = hopper() else { return };
     let (batch, heads, groups, d) = (2, 4, 2, 128);
-    for (sq, sk, window, bottom_right, format, grad, seed) in [
-        (200, 333, (-1, -1), false, QkvFormat::Bshd, DType::E5M2, 400),
-        (333, 333, (-1, 0), false, QkvFormat::Sbhd, DType::E5M2, 401),
-        (77, 300, (-1, 0), true, QkvFormat::Bshd, DType::E4M3, 402),
-        (129, 64, (-1, -1), false, QkvFormat::Bshd, DType::E5M2, 403),
+    for (sq, sk, mask, format, grad, seed) in [
+        (200, 333, AttnMaskType::NoMask, QkvFormat::Bshd, DType::E5M2, 400),
+        (333, 333, AttnMaskType::Causal, QkvFormat::Sbhd, DType::E5M2, 401),
+        (77, 300, AttnMaskType::CausalBottomRight, QkvFormat::Bshd, DType::E4M3, 402),
+        (129, 64, AttnMaskType::NoMask, QkvFormat::Bshd, DType::E5M2, 403),
     ] {
-        let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right} {format:?} {grad}");
+        let what = format!("sq {sq} sk {sk} {} {format:?} {grad}", mask.name());
         let dense = |s, h| HeadStrides::dense(QkvFormat::Bshd, batch, s, h, d);
-        let p = params((batch, sq, sk), (heads, groups, d), window, bottom_right, format);
+        let p = params((batch, sq, sk), (heads, groups, d), mask, format);
         let pd = FlashAttnParams { q: dense(sq, heads), kv: dense(sk, groups), v: dense(sk, groups), ..p };
         // Inputs already on the FP8 grids of power-of-two scales: quantization is exact, and the
         // dequantized values are the 16-bit reference's inputs (bshd on the host).
@@ -199,7 +200,7 @@ fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
 fn fp8_backward_errors_are_typed() {
     let Some(dev) = hopper() else { return };
     let (batch, sq, heads, d) = (1, 64, 2, 128);
-    let p = params((batch, sq, sq), (heads, heads, d), (-1, -1), false, QkvFormat::Bshd);
+    let p = params((batch, sq, sq), (heads, heads, d), AttnMaskType::NoMask, QkvFormat::Bshd);
     let x = Tensor::zeros(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
     let meta = Fp8Meta::new(&dev, 1.0).unwrap();
     let mut ds = Fp8Meta::new(&dev, 1.0).unwrap();
@@ -215,8 +216,8 @@ fn fp8_backward_errors_are_typed() {
     assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("with_backward"), "{e}");
     // Attention dropout, and gradient codes that are not FP8.
     let ops = Fp8Operands::with_backward(&dev, &p).unwrap();
-    let drop =
-        FlashAttnParams { dropout: Some(te_runtime::ops::dropout::DropoutParams { p: 0.1, seed: 1, offset: 1 }), ..p };
+    let dropout = te_runtime::ops::dropout::DropoutParams { p: 0.1, seed: 1, offset: 1 };
+    let drop = FlashAttnParams { shape: p.shape.with_dropout(Some(dropout)), ..p };
     let [a, b, c] = &mut t;
     let e = fp8::backward(&dev, &drop, (&ops, &g8), si, &mut ds.scaling(), (&x, &x), &lse, None, Qkv::Apart([a, b, c]))
         .unwrap_err();

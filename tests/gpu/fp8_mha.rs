@@ -41,12 +41,12 @@ fn amax(x: &[f32]) -> f32 {
 /// bf16 q, k, v of `p` in `format` (host values bshd), cast to the FP8 operands (with the
 /// backward's codes) with the scales of their amax; the operands and the metas.
 fn operands(dev: &Device, p: &FlashAttnParams, format: QkvFormat, seed: u64) -> (Fp8Operands, [Fp8Meta; 3]) {
-    let (b, d) = (p.batch, p.head_dim);
+    let (b, d) = (p.shape.batch, p.shape.head_dim);
     let mut ops = Fp8Operands::with_backward(dev, p).unwrap();
     let shapes = [
-        (Fp8Operand::Q, p.sq, p.heads, 1.0),
-        (Fp8Operand::K, p.sk, p.groups, 2.0),
-        (Fp8Operand::V, p.sk, p.groups, 0.5),
+        (Fp8Operand::Q, p.shape.sq, p.shape.heads, 1.0),
+        (Fp8Operand::K, p.shape.sk, p.shape.groups, 2.0),
+        (Fp8Operand::V, p.shape.sk, p.shape.groups, 0.5),
     ];
     let metas = shapes.map(|(which, s, h, std)| {
         let host: Vec<f32> =
@@ -64,13 +64,13 @@ fn operands(dev: &Device, p: &FlashAttnParams, format: QkvFormat, seed: u64) -> 
 fn fp8_output_is_the_cast_of_the_16_bit_output() {
     let Some(dev) = hopper() else { return };
     let (batch, heads, groups) = (2, 4, 2);
-    for (sq, sk, window, bottom_right, d, format, seed) in [
-        (200, 333, (-1, -1), false, 128, QkvFormat::Bshd, 500),
-        (333, 333, (-1, 0), false, 128, QkvFormat::Sbhd, 510),
-        (77, 300, (-1, 0), true, 256, QkvFormat::Bshd, 520),
+    for (sq, sk, mask, d, format, seed) in [
+        (200, 333, AttnMaskType::NoMask, 128, QkvFormat::Bshd, 500),
+        (333, 333, AttnMaskType::Causal, 128, QkvFormat::Sbhd, 510),
+        (77, 300, AttnMaskType::CausalBottomRight, 256, QkvFormat::Bshd, 520),
     ] {
-        let what = format!("sq {sq} sk {sk} window {window:?} d {d} {format:?}");
-        let p = params((batch, sq, sk), (heads, groups, d), window, bottom_right, format);
+        let what = format!("sq {sq} sk {sk} {} d {d} {format:?}", mask.name());
+        let p = params((batch, sq, sk), (heads, groups, d), mask, format);
         let (ops, metas) = operands(&dev, &p, format, seed);
         let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
         let mut out = Tensor::empty(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();
@@ -105,11 +105,11 @@ fn fp8_output_is_the_cast_of_the_16_bit_output() {
 fn fp8_backward_reads_the_e4m3_output() {
     let Some(dev) = hopper() else { return };
     let (batch, heads, groups, d) = (2, 4, 2, 128);
-    for (sq, sk, window, format, seed) in
-        [(200, 333, (-1, -1), QkvFormat::Bshd, 600), (333, 333, (-1, 0), QkvFormat::Sbhd, 610)]
+    for (sq, sk, mask, format, seed) in
+        [(200, 333, AttnMaskType::NoMask, QkvFormat::Bshd, 600), (333, 333, AttnMaskType::Causal, QkvFormat::Sbhd, 610)]
     {
-        let what = format!("sq {sq} sk {sk} window {window:?} {format:?}");
-        let p = params((batch, sq, sk), (heads, groups, d), window, false, format);
+        let what = format!("sq {sq} sk {sk} {} {format:?}", mask.name());
+        let p = params((batch, sq, sk), (heads, groups, d), mask, format);
         let (ops, metas) = operands(&dev, &p, format, seed);
         let si = [&metas[0].scale_inv, &metas[1].scale_inv, &metas[2].scale_inv];
         let mut out = Tensor::empty(&dev, DType::BF16, &[batch, sq, heads, d]).unwrap();

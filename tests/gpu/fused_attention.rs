@@ -10,8 +10,9 @@ use crate::common::{device, randn};
 use te_nn::modules::{
     AttentionBackend, AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat, ThdSeqlens,
 };
-use te_reference::attention::{self as reference, AttentionCase};
+use te_reference::attention as reference;
 use te_runtime::numerics::round_to;
+use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
 use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides, Qkv};
 use te_runtime::{DType, Error, Tensor};
 
@@ -85,7 +86,7 @@ fn head_dim_256_runs_fused_in_inference_and_unfused_in_training() {
     attn.set_training(false);
     let (out, ctx) = attn.forward(&q, &k, &v, None).unwrap();
     assert_eq!(ctx.backend(), AttentionBackend::Fused);
-    let want = reference::forward(&c.reference(), &x.q, &x.k, &x.v);
+    let want = reference::forward(&c.reference(), None, &x.q, &x.k, &x.v);
     check("d256 inference out", c.dtype, &out.to_f32(&dev).unwrap(), &want.out);
     attn.set_training(true);
     let (_, ctx) = attn.forward(&q, &k, &v, None).unwrap();
@@ -129,9 +130,10 @@ pub(crate) fn check_lse(what: &str, got: &[f32], want: &[f32]) {
 
 /// Host f64 forward of one dense bshd call with a window: `(out [b, sq, h, d], lse [b, h, sq])`.
 pub(crate) fn host_window_forward(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let p = &p.shape;
     let (d, hpg) = (p.head_dim, p.heads / p.groups);
     let (lq, lk) = (p.sq as i64, p.sk as i64);
-    let off = if p.bottom_right { lk - lq } else { 0 };
+    let off = if p.bottom_right() { lk - lq } else { 0 };
     let (left, right) = p.window;
     let mut out = vec![0f32; p.batch * p.sq * p.heads * d];
     let mut lse = vec![f32::INFINITY; p.batch * p.heads * p.sq];
@@ -171,29 +173,19 @@ pub(crate) fn host_window_forward(p: &FlashAttnParams, q: &[f32], k: &[f32], v: 
 fn sliding_windows_and_bottom_right_diagonals_match_a_host_forward() {
     let Some(dev) = device() else { return };
     let (batch, heads, groups, d) = (2, 4, 2, 64);
-    for ((sq, sk), window, bottom_right, seed) in [
-        ((100, 150), (16, 0), true, 250),
-        ((150, 100), (-1, 0), true, 251),
-        ((130, 130), (8, 8), false, 252),
-        ((77, 200), (-1, 40), false, 253),
+    // TE's masks and windows: bottom-right causal with and without a window (sq < sk, sq > sk),
+    // and two-sided windows without a causal mask (bottom-right aligned, TE's default), one
+    // reaching past the last key.
+    for ((sq, sk), mask, window, seed) in [
+        ((100, 150), AttnMaskType::CausalBottomRight, Some((16, 0)), 250),
+        ((150, 100), AttnMaskType::CausalBottomRight, None, 251),
+        ((130, 130), AttnMaskType::NoMask, Some((8, 8)), 252),
+        ((77, 200), AttnMaskType::NoMask, Some((150, 40)), 253),
     ] {
-        let p = FlashAttnParams {
-            batch,
-            sq,
-            sk,
-            heads,
-            groups,
-            head_dim: d,
-            head_dim_v: d,
-            scale: 0.125,
-            window,
-            bottom_right,
-            dropout: None,
-            q: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-            kv: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
-            v: HeadStrides::dense(QkvFormat::Bshd, batch, sk, groups, d),
-            o: HeadStrides::dense(QkvFormat::Bshd, batch, sq, heads, d),
-        };
+        let shape = AttentionShape::new(QkvLayout::Bshd, batch, (sq, sk), (heads, groups), d)
+            .with_mask(mask, window)
+            .with_scale(0.125);
+        let p = FlashAttnParams::dense(shape);
         let vals = |s, n| -> Vec<f32> { randn(s, n, 1.0).into_iter().map(|x| round_to(DType::BF16, x)).collect() };
         let (hq, hk, hv) = (
             vals(seed, batch * sq * heads * d),
@@ -207,7 +199,7 @@ fn sliding_windows_and_bottom_right_diagonals_match_a_host_forward() {
         let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
         flash_attention::forward(&dev, &p, Qkv::Apart([&q, &k, &v]), None, &mut out, &mut lse).unwrap();
         let (want_out, want_lse) = host_window_forward(&p, &hq, &hk, &hv);
-        let what = format!("sq {sq} sk {sk} window {window:?} bottom_right {bottom_right}");
+        let what = format!("sq {sq} sk {sk} {} window {:?}", mask.name(), shape.window);
         check(&format!("{what}: out"), DType::BF16, &out.to_f32(&dev).unwrap(), &want_out);
         check_lse(&what, &dev.stream().clone_dtoh(&lse).unwrap(), &want_lse);
     }
@@ -217,24 +209,11 @@ fn sliding_windows_and_bottom_right_diagonals_match_a_host_forward() {
 fn ops_errors_are_typed() {
     let Some(dev) = device() else { return };
     let (b, s, h, d) = (1, 32, 2, 64);
-    let dense = HeadStrides::dense(QkvFormat::Bshd, b, s, h, d);
-    let base = FlashAttnParams {
-        batch: b,
-        sq: s,
-        sk: s,
-        heads: h,
-        groups: h,
-        head_dim: d,
-        head_dim_v: d,
-        scale: 0.125,
-        window: (-1, 0),
-        bottom_right: false,
-        dropout: None,
-        q: dense,
-        kv: dense,
-        v: dense,
-        o: dense,
-    };
+    let shape = AttentionShape::new(QkvLayout::Bshd, b, (s, s), (h, h), d)
+        .with_mask(AttnMaskType::Causal, None)
+        .with_scale(0.125);
+    let base = FlashAttnParams::dense(shape);
+    let dense = base.q;
     let t = |dtype| Tensor::zeros(&dev, dtype, &[b, s, h, d]).unwrap();
     let (q, f32t) = (t(DType::BF16), t(DType::F32));
     let mut out = t(DType::BF16);
@@ -243,16 +222,24 @@ fn ops_errors_are_typed() {
         flash_attention::forward(&dev, &p, Qkv::Apart([q, q, q]), None, &mut out, &mut lse)
     };
     assert!(matches!(run(base, &f32t).unwrap_err(), Error::DType { arg: "q", .. }));
-    let e = run(FlashAttnParams { head_dim: 80, head_dim_v: 80, ..base }, &q).unwrap_err();
+    let e = run(FlashAttnParams { shape: AttentionShape { head_dim: 80, head_dim_v: 80, ..shape }, ..base }, &q)
+        .unwrap_err();
     assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("head_dim = 80"), "{e}");
     let e = run(FlashAttnParams { q: HeadStrides { row: 132, ..dense }, ..base }, &q).unwrap_err();
     assert!(e.to_string().contains("multiples of 8"), "{e}");
-    let e = run(FlashAttnParams { sq: 64, ..base }, &q).unwrap_err();
+    let e = run(FlashAttnParams { shape: AttentionShape { sq: 64, ..shape }, ..base }, &q).unwrap_err();
     assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("reach"), "{e}");
-    let e = run(FlashAttnParams { window: (-2, 0), ..base }, &q).unwrap_err();
+    let e = run(FlashAttnParams { shape: AttentionShape { window: (-2, 0), ..shape }, ..base }, &q).unwrap_err();
     assert!(matches!(e, Error::Argument { .. }), "{e}");
-    let e = run(FlashAttnParams { groups: 3, ..base }, &q).unwrap_err();
+    // A causal mask whose window sees past the diagonal: the shape's TE rule refuses it.
+    let e = run(FlashAttnParams { shape: AttentionShape { window: (-1, -1), ..shape }, ..base }, &q).unwrap_err();
+    assert!(matches!(e, Error::Argument { .. }) && e.to_string().contains("resolves window"), "{e}");
+    let e = run(FlashAttnParams { shape: AttentionShape { groups: 3, ..shape }, ..base }, &q).unwrap_err();
     assert!(e.to_string().contains("groups dividing heads"), "{e}");
+    // A padding mask without cu_seqlens.
+    let padded = shape.with_mask(AttnMaskType::PaddingCausal, None);
+    let e = run(FlashAttnParams { shape: padded, ..base }, &q).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("needs cu_seqlens"), "{e}");
     run(base, &q).unwrap();
     let mut short = dev.stream().alloc_zeros::<f32>(3).unwrap();
     let e = flash_attention::forward(&dev, &base, Qkv::Apart([&q, &q, &q]), None, &mut out, &mut short).unwrap_err();
@@ -389,20 +376,9 @@ fn thd_matches_the_reference_per_sequence() {
             if lq == 0 {
                 continue;
             }
-            let case = AttentionCase {
-                format: QkvFormat::Bshd,
-                batch: 1,
-                sq: lq,
-                sk: lk.max(1),
-                heads: h,
-                groups: g,
-                head_dim: d,
-                head_dim_v: d,
-                mask: if mask.is_padding() { AttnMaskType::CausalBottomRight } else { mask },
-                seq_lens: None,
-                scale: 1.0 / (d as f32).sqrt(),
-                window: mask.window(window).unwrap(),
-            };
+            // One sequence of the batch: no padding left, the diagonal placed by its own lengths.
+            let one = if mask.is_padding() { AttnMaskType::CausalBottomRight } else { mask };
+            let case = AttentionShape::new(QkvLayout::Bshd, 1, (lq, lk.max(1)), (h, g), d).with_mask(one, window);
             let what = format!("{} {window:?} pad {pad} sequence {b} ({lq} × {lk})", mask.name());
             let sl = |x: &[f32], start: usize, n: usize, row: usize| x[start * row..(start + n) * row].to_vec();
             if lk == 0 {
@@ -411,8 +387,8 @@ fn thd_matches_the_reference_per_sequence() {
             }
             let (q_b, k_b, v_b, do_b) =
                 (sl(&hq, sq0, lq, rq), sl(&hk, sk0, lk, rk), sl(&hv, sk0, lk, rk), sl(&hdo, sq0, lq, rq));
-            let f = reference::forward(&case, &q_b, &k_b, &v_b);
-            let gr = reference::backward(&case, &q_b, &k_b, &v_b, &do_b);
+            let f = reference::forward(&case, None, &q_b, &k_b, &v_b);
+            let gr = reference::backward(&case, None, &q_b, &k_b, &v_b, &do_b);
             // With one visible key per query, dq and dk are 0 in exact arithmetic (dS = P · (dP −
             // rowsum(dP ⊙ P)) = 0): only rounding is left, so bound it absolutely there.
             let compare = |name: &str, got: &[f32], want: &[f32]| {

@@ -8,9 +8,10 @@ use crate::attention::check;
 use crate::common::randn;
 use crate::fp8_attention::hopper;
 use te_nn::modules::{AttnMaskType, QkvFormat};
-use te_reference::attention::{self as reference, AttentionCase};
+use te_reference::attention as reference;
 use te_runtime::numerics::round_to;
-use te_runtime::ops::flash_attention::{self, FlashAttnParams, HeadStrides, Qkv};
+use te_runtime::ops::attention_shape::AttentionShape;
+use te_runtime::ops::flash_attention::{self, FlashAttnParams, Qkv};
 use te_runtime::{DType, Error, Tensor};
 
 /// A call of `(batch, sq, sk)`, `heads` over `groups`, head dims `(d, dv)`, every tensor dense in
@@ -22,23 +23,11 @@ fn params(
     format: QkvFormat,
     causal: bool,
 ) -> FlashAttnParams {
-    FlashAttnParams {
-        batch,
-        sq,
-        sk,
-        heads,
-        groups,
-        head_dim: d,
-        head_dim_v: dv,
-        scale: 1.0 / (d as f32).sqrt(),
-        window: if causal { (-1, 0) } else { (-1, -1) },
-        bottom_right: false,
-        dropout: None,
-        q: HeadStrides::dense(format, batch, sq, heads, d),
-        kv: HeadStrides::dense(format, batch, sk, groups, d),
-        v: HeadStrides::dense(format, batch, sk, groups, dv),
-        o: HeadStrides::dense(format, batch, sq, heads, dv),
-    }
+    let mask = if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask };
+    let shape = AttentionShape::new(format.into(), batch, (sq, sk), (heads, groups), d)
+        .with_head_dim_v(dv)
+        .with_mask(mask, None);
+    FlashAttnParams::dense(shape)
 }
 
 #[test]
@@ -67,22 +56,10 @@ fn forward_and_gradients_match_the_reference_with_a_head_dim_v_of_its_own() {
         let mut out = Tensor::empty(&dev, DType::BF16, &format.shape(batch, sq, heads, dv)).unwrap();
         let mut lse = dev.stream().alloc_zeros::<f32>(batch * heads * sq).unwrap();
         flash_attention::forward(&dev, &p, Qkv::Apart([&q, &k, &v]), None, &mut out, &mut lse).unwrap();
-        let case = AttentionCase {
-            format,
-            batch,
-            sq,
-            sk,
-            heads,
-            groups,
-            head_dim: d,
-            head_dim_v: dv,
-            mask: if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask },
-            seq_lens: None,
-            scale: p.scale,
-            window: (-1, -1),
-        };
+        // The reference runs the same problem.
+        let case = p.shape;
         let what = format!("d {d} dv {dv} {sq} × {sk} {format:?} causal {causal}");
-        let want = reference::forward(&case, &hq, &hk, &hv);
+        let want = reference::forward(&case, None, &hq, &hk, &hv);
         check(&format!("{what}: out"), DType::BF16, &out.to_f32(&dev).unwrap(), &want.out);
         if !training {
             continue;
@@ -93,7 +70,7 @@ fn forward_and_gradients_match_the_reference_with_a_head_dim_v_of_its_own() {
         let mut dv_t = Tensor::empty(&dev, DType::BF16, v.shape()).unwrap();
         let grads = Qkv::Apart([&mut dq, &mut dk, &mut dv_t]);
         flash_attention::backward(&dev, &p, Qkv::Apart([&q, &k, &v]), &out, &d_out, &lse, None, grads).unwrap();
-        let g = reference::backward(&case, &hq, &hk, &hv, &hdo);
+        let g = reference::backward(&case, None, &hq, &hk, &hv, &hdo);
         check(&format!("{what}: dq"), DType::BF16, &dq.to_f32(&dev).unwrap(), &g.dq);
         check(&format!("{what}: dk"), DType::BF16, &dk.to_f32(&dev).unwrap(), &g.dk);
         check(&format!("{what}: dv"), DType::BF16, &dv_t.to_f32(&dev).unwrap(), &g.dv);
@@ -150,22 +127,11 @@ fn dot_product_attention_runs_a_head_dim_v_of_its_own_on_both_backends() {
         vals(802, batch * sk * groups * dv),
         vals(803, batch * sq * heads * dv),
     );
-    let case = AttentionCase {
-        format: QkvFormat::Bshd,
-        batch,
-        sq,
-        sk,
-        heads,
-        groups,
-        head_dim: d,
-        head_dim_v: dv,
-        mask: AttnMaskType::CausalBottomRight,
-        seq_lens: None,
-        scale: 1.0 / (d as f32).sqrt(),
-        window: (-1, 0),
-    };
-    let want = reference::forward(&case, &hq, &hk, &hv);
-    let grads = reference::backward(&case, &hq, &hk, &hv, &hdo);
+    let case = AttentionShape::new(QkvFormat::Bshd.into(), batch, (sq, sk), (heads, groups), d)
+        .with_head_dim_v(dv)
+        .with_mask(AttnMaskType::CausalBottomRight, None);
+    let want = reference::forward(&case, None, &hq, &hk, &hv);
+    let grads = reference::backward(&case, None, &hq, &hk, &hv, &hdo);
     let up = |v: &[f32], s: &[usize]| Tensor::from_f32(&dev, DType::BF16, s, v).unwrap();
     let q = up(&hq, &[batch, sq, heads, d]);
     let (k, v) = (up(&hk, &[batch, sk, groups, d]), up(&hv, &[batch, sk, groups, dv]));

@@ -298,9 +298,9 @@ fn module_errors_are_typed() {
 
 mod transformer {
     use super::*;
-    use te_nn::modules::{AttnMaskType, QkvFormat, TransformerLayer, TransformerLayerConfig};
-    use te_reference::attention::AttentionCase;
+    use te_nn::modules::{AttnMaskType, TransformerLayer, TransformerLayerConfig};
     use te_reference::transformer::{LayerRef, MhaRef};
+    use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
 
     const S: usize = 48;
     const B: usize = 2;
@@ -389,26 +389,14 @@ mod transformer {
                 };
                 step(&mut layer);
                 let (y, dx) = step(&mut layer);
-                let case = AttentionCase {
-                    format: QkvFormat::Sbhd,
-                    batch: B,
-                    sq: S,
-                    sk: S,
-                    heads: HEADS,
-                    groups,
-                    head_dim: HID / HEADS,
-                    head_dim_v: HID / HEADS,
-                    mask: AttnMaskType::Causal,
-                    seq_lens: None,
-                    scale: 1.0 / ((HID / HEADS) as f32).sqrt(),
-                    window: (-1, 0),
-                };
+                let shape = AttentionShape::new(QkvLayout::Sbhd, B, (S, S), (HEADS, groups), HID / HEADS)
+                    .with_mask(AttnMaskType::Causal, None);
                 let r = LayerRef {
                     mha: MhaRef {
                         norm: ln_ref(&g1, &b1),
                         qkv: DenseRef { w: &wqkv, b: Some(&bqkv) },
                         proj: DenseRef { w: &wp, b: Some(&bp) },
-                        case,
+                        shape,
                     },
                     norm2: ln_ref(&g2, &b2),
                     fc1: DenseRef { w: &w1, b: Some(&bb1) },

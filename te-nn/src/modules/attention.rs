@@ -48,6 +48,7 @@
 //! Both give a query that sees no key (a padded query) a zero output and zero gradients.
 
 mod backend;
+mod config;
 mod fp8;
 mod fused;
 mod mask;
@@ -60,13 +61,13 @@ use super::visit::{visit_slots, visit_states, Module, ModuleVisitor, ModuleVisit
 use super::{next_module_id, KernelSpec, KernelTarget, Output};
 use crate::fp8::ScalingState;
 pub use backend::AttentionBackend;
+pub use config::DotProductAttentionConfig;
 pub(crate) use fp8::Fp8OutputRequest;
-use mask::{check_seq_lens, MaskCache};
-use plan::Dims;
+use mask::MaskCache;
 use std::sync::Arc;
-use te_codegen::spec::MaskKind;
 pub use te_codegen::spec::{AttnMaskType, QkvFormat};
-use te_codegen::{Arch, DType};
+use te_codegen::DType;
+use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::ops::dropout::DropoutParams;
 use te_runtime::ops::flash_attention::Qkv;
 use te_runtime::ops::softmax::MAX_SK;
@@ -84,124 +85,6 @@ fn high(out: Output) -> Result<Tensor> {
 
 const MODULE: &str = "DotProductAttention";
 
-/// Arguments of [`DotProductAttention::new`] (TE `DotProductAttention(num_attention_heads,
-/// kv_channels, num_gqa_groups, attention_dropout, qkv_format, attn_mask_type, softmax_scale)`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct DotProductAttentionConfig {
-    /// Query heads `h`.
-    pub num_attention_heads: usize,
-    /// Channels per head `d` (head_dim) of q and k, and of v unless `head_dim_v` says otherwise.
-    pub kv_channels: usize,
-    /// Channels per head of v and the output (TE's `kv_channels = (head_dim_qk, head_dim_v)`,
-    /// multi-head latent attention's 192 / 128 for instance); `None` = `kv_channels`. The fused
-    /// backend takes it on Hopper ([`te_runtime::ops::flash_attention::FlashAttnParams::head_dim_v`]),
-    /// the unfused one everywhere; FP8 attention and the fused QKV tensor need one head dim.
-    pub head_dim_v: Option<usize>,
-    /// Key/value heads `g` (GQA; 1 = MQA); `None` = `num_attention_heads`. Must divide
-    /// `num_attention_heads`: query head `i` reads key/value head `i / (h / g)`.
-    pub num_gqa_groups: Option<usize>,
-    /// Dropout probability on the attention probabilities, in `[0, 1]` (Philox keep mask kept
-    /// for backward; TE `attention_dropout`).
-    pub attention_dropout: f32,
-    /// Layout of q, k, v and the output. TE's default: [`QkvFormat::Sbhd`].
-    pub qkv_format: QkvFormat,
-    /// The mask. TE's default: [`AttnMaskType::Causal`].
-    pub attn_mask_type: AttnMaskType,
-    /// Sliding window `(left, right)` (TE `window_size`): query `i` sees keys `j` with `t − left
-    /// <= j <= t + right` around its diagonal `t` ([`AttnMaskType`] says which); −1 means
-    /// unbounded. `None` (TE's default) is no window. Causal masks take `(left, 0)`; the others
-    /// `(left, right)` with both bounds ≥ 0 ([`AttnMaskType::window`] has TE's rules).
-    pub window_size: Option<(i64, i64)>,
-    /// Multiplies `Q · Kᵀ` before the softmax; `None` = `1 / sqrt(kv_channels)`.
-    pub softmax_scale: Option<f32>,
-    /// Which backend runs: [`AttentionBackend::Auto`] (the default) picks the fused kernels
-    /// wherever they apply, unless the environment says `NVTE_FUSED_ATTN=0` or
-    /// `NVTE_FLASH_ATTN=0`.
-    pub backend: AttentionBackend,
-}
-
-impl DotProductAttentionConfig {
-    /// TE's defaults for `num_attention_heads` heads of `kv_channels`: no GQA, no dropout,
-    /// `sbhd`, causal, scale `1 / sqrt(kv_channels)`.
-    pub fn new(num_attention_heads: usize, kv_channels: usize) -> Self {
-        Self {
-            num_attention_heads,
-            kv_channels,
-            head_dim_v: None,
-            num_gqa_groups: None,
-            attention_dropout: 0.0,
-            qkv_format: QkvFormat::Sbhd,
-            attn_mask_type: AttnMaskType::Causal,
-            window_size: None,
-            softmax_scale: None,
-            backend: AttentionBackend::Auto,
-        }
-    }
-
-    /// The sliding window of the mask, `(−1, −1)` or `(−1, 0)` (causal) when there is none; a
-    /// window [`DotProductAttentionConfig::validate`] refuses reads as none (no module runs it).
-    pub(crate) fn window(&self) -> (i64, i64) {
-        let mask = self.attn_mask_type;
-        mask.window(self.window_size).unwrap_or(if mask.is_causal() { (-1, 0) } else { (-1, -1) })
-    }
-
-    /// The unfused softmax kernel's mask ([`mask::kernel_mask`]).
-    pub(crate) fn softmax_mask(&self) -> MaskKind {
-        mask::kernel_mask(self.attn_mask_type, self.window())
-    }
-
-    /// Channels per head of v and the output.
-    pub(crate) fn kv_channels_v(&self) -> usize {
-        self.head_dim_v.unwrap_or(self.kv_channels)
-    }
-
-    /// Key/value heads.
-    pub(crate) fn groups(&self) -> usize {
-        self.num_gqa_groups.unwrap_or(self.num_attention_heads)
-    }
-
-    /// The softmax scale.
-    pub(crate) fn scale(&self) -> f32 {
-        self.softmax_scale.unwrap_or(1.0 / (self.kv_channels as f32).sqrt())
-    }
-
-    /// Whether training calls in `dtype` on `arch` run on the fused backend.
-    pub(crate) fn runs_fused(&self, dtype: DType, arch: Arch) -> bool {
-        matches!(backend::select(self, dtype, arch, true), Ok(AttentionBackend::Fused))
-    }
-
-    /// Fails for a configuration the module cannot run.
-    fn validate(&self) -> Result<()> {
-        let config = |message: String| Err(Error::Config { module: MODULE, message });
-        let (h, d) = (self.num_attention_heads, self.kv_channels);
-        if h == 0 || d == 0 || self.kv_channels_v() == 0 {
-            return config(format!(
-                "num_attention_heads, kv_channels and head_dim_v must be ≥ 1, got {h}, {d} and {}",
-                self.kv_channels_v()
-            ));
-        }
-        let g = self.groups();
-        if g == 0 || h % g != 0 {
-            return config(format!(
-                "num_gqa_groups = {g} must divide num_attention_heads = {h} (each key/value head serves h / g query \
-                 heads); use a divisor of {h}, or None for one key/value head per query head"
-            ));
-        }
-        if !(0.0..=1.0).contains(&self.attention_dropout) {
-            return config(format!("attention_dropout must be in [0, 1], got {}", self.attention_dropout));
-        }
-        if let Err(message) = self.attn_mask_type.window(self.window_size) {
-            return config(message);
-        }
-        if let Some(s) = self.softmax_scale {
-            if !(s.is_finite() && s > 0.0) {
-                return config(format!("softmax_scale must be finite and > 0, got {s}"));
-            }
-        }
-        Ok(())
-    }
-}
-
 /// The context a [`DotProductAttention::forward`] (or `forward_packed`) saves for its
 /// backward: q, k, v (shared with the caller's tensors, not copied; the fused QKV tensor on the
 /// fused backend) and the backend's state: the output and `softmax_lse` (fused), or the
@@ -212,7 +95,8 @@ impl DotProductAttentionConfig {
 #[derive(Debug)]
 pub struct AttentionCtx {
     module_id: u64,
-    dims: Dims,
+    /// The forward's problem (its dropout stream included).
+    shape: AttentionShape,
     inputs: Inputs,
     /// Made by `forward_packed`: the gradient is one fused `d_qkv`.
     packed: bool,
@@ -254,15 +138,15 @@ impl Inputs {
         }
     }
 
-    /// The fused kernels' view of the inputs.
+    /// The kernels' view of the inputs: apart (dense or `thd`, as the shape's layout says), or the
+    /// heads inside the fused QKV tensor.
     ///
     /// # Errors
     /// [`Error::Internal`] for released inputs.
-    fn fused(&self, dims: &Dims) -> Result<(Qkv<&Tensor>, fused::Layout)> {
+    fn fused(&self, shape: &AttentionShape) -> Result<Qkv<&Tensor>> {
         Ok(match self {
-            Inputs::Apart([q, k, v]) => (Qkv::Apart([q, k, v]), fused::Layout::Dense),
-            Inputs::Packed(t) => (Qkv::Packed(t, packed::strides(dims).1), fused::Layout::Packed),
-            Inputs::Thd([q, k, v]) => (Qkv::Apart([q, k, v]), fused::Layout::Thd),
+            Inputs::Apart([q, k, v]) | Inputs::Thd([q, k, v]) => Qkv::Apart([q, k, v]),
+            Inputs::Packed(t) => Qkv::Packed(t, packed::strides(shape).1),
             Inputs::Released(_) => return Err(Error::internal(MODULE, "q, k, v were released after the forward")),
         })
     }
@@ -448,16 +332,17 @@ impl DotProductAttention {
         seq_lens: Option<&[usize]>,
         out_fp8: Option<fp8::Fp8OutputRequest<'_>>,
     ) -> Result<(Output, AttentionCtx)> {
-        let dims = self.dims(q, k, v)?;
-        self.run_forward(dims, Inputs::Apart([q.clone(), k.clone(), v.clone()]), seq_lens, false, out_fp8)
+        let shape = self.problem(q, k, v)?;
+        self.run_forward(shape, Inputs::Apart([q.clone(), k.clone(), v.clone()]), seq_lens, false, out_fp8)
     }
 
-    /// The forward on the backend [`backend::select`] picks; packed inputs are split apart for
-    /// the unfused backend. The output is E4M3 where `out_fp8` asks for it and the FP8 forward
-    /// can write it ([`fp8::Fp8OutputRequest::takes`]).
+    /// The forward of the problem `shape` (the configuration's, for the inputs' sizes) on the
+    /// backend [`backend::select`] picks, with the next dropout stream; packed inputs are split
+    /// apart for the unfused backend. The output is E4M3 where `out_fp8` asks for it and the FP8
+    /// forward can write it ([`fp8::Fp8OutputRequest::takes`]).
     fn run_forward(
         &mut self,
-        dims: Dims,
+        shape: AttentionShape,
         inputs: Inputs,
         seq_lens: Option<&[usize]>,
         packed: bool,
@@ -466,25 +351,23 @@ impl DotProductAttention {
         let dtype = inputs.dtype();
         let backend = backend::select(&self.cfg, dtype, self.dev.arch(), self.training)?;
         let drop = self.next_dropout();
+        let shape = shape.with_dropout((drop.p > 0.0).then_some(drop));
         let fp8 = if backend == AttentionBackend::Fused {
-            self.scaling.forward(&self.dev, &inputs, &dims, self.training, drop.p > 0.0)?
+            self.scaling.forward(&self.dev, &inputs, &shape, self.training, shape.dropout.is_some())?
         } else {
             None
         };
-        self.log_backend(backend, fp8.is_some(), &dims, dtype);
-        let mask = (self.cfg.attn_mask_type, self.cfg.window());
-        let out_shape = dims.out_shape().to_vec();
+        self.log_backend(backend, fp8.is_some(), &shape, dtype);
+        let out_shape = plan::out_shape(&shape)?;
         let (out, saved, inputs) = if backend == AttentionBackend::Fused {
-            let lens = check_seq_lens(self.cfg.attn_mask_type, seq_lens, &dims)?;
-            let seqs = lens.map(|lens| fused::padding_seqlens(&self.dev, lens, &dims)).transpose()?;
+            shape.check_seq_lens(MODULE, seq_lens)?;
+            let seqs = seq_lens.map(|lens| fused::padding_seqlens(&self.dev, lens, &shape)).transpose()?;
             let (out, saved) = fused::forward(
                 &self.dev,
-                &dims,
-                (mask, drop),
+                &shape,
                 seqs,
-                inputs.fused(&dims)?,
+                inputs.fused(&shape)?,
                 &out_shape,
-                self.cfg.scale(),
                 fp8.as_ref().map(|f| fused::Fp8Call {
                     quantizer: &*f.quantizer,
                     keep: f.backward.is_some(),
@@ -495,31 +378,31 @@ impl DotProductAttention {
             let inputs = if saved.has_fp8_backward() { Inputs::Released(dtype) } else { inputs };
             (out, Saved::Fused(Box::new(saved)), inputs)
         } else {
-            if dims.sk > MAX_SK {
+            if shape.sk > MAX_SK {
                 return Err(Error::Shape {
                     op: MODULE,
                     message: format!(
                         "sk = {} keys exceed the unfused softmax kernel's limit of {MAX_SK} (TE's unfused limit too): \
                          shorten the key sequence, or use the fused backend (bf16/f16, head_dim in {:?})",
-                        dims.sk,
+                        shape.sk,
                         te_codegen::spec::FLASH_HEAD_DIMS
                     ),
                 });
             }
             let [q, k, v] = match inputs {
                 Inputs::Apart(qkv) | Inputs::Thd(qkv) => qkv,
-                Inputs::Packed(t) => packed::split(&self.dev, &t, &dims)?,
+                Inputs::Packed(t) => packed::split(&self.dev, &t, &shape)?,
                 Inputs::Released(_) => return Err(Error::internal(MODULE, "a forward of released inputs")),
             };
-            let mask = self.masks.mask(&self.dev, mask.0, mask.1, seq_lens, &dims)?;
-            let (out, probs, dropout) = unfused::forward(&self.dev, &dims, [&q, &k, &v], mask, self.cfg.scale(), drop)?;
+            let mask = self.masks.mask(&self.dev, &shape, seq_lens)?;
+            let (out, probs, dropout) = unfused::forward(&self.dev, &shape, [&q, &k, &v], mask)?;
             (Output::High(out), Saved::Unfused { probs, dropout }, Inputs::Apart([q, k, v]))
         };
         let (fp8, fp8_backward) = match fp8 {
             Some(f) => (true, f.backward),
             None => (false, None),
         };
-        let ctx = AttentionCtx { module_id: self.id, dims, inputs, packed, out_shape, saved, fp8, fp8_backward };
+        let ctx = AttentionCtx { module_id: self.id, shape, inputs, packed, out_shape, saved, fp8, fp8_backward };
         Ok((out, ctx))
     }
 
@@ -532,14 +415,14 @@ impl DotProductAttention {
     }
 
     /// Logs the backend at debug level when it changes (TE's debug log).
-    fn log_backend(&mut self, backend: AttentionBackend, fp8: bool, dims: &Dims, dtype: DType) {
+    fn log_backend(&mut self, backend: AttentionBackend, fp8: bool, shape: &AttentionShape, dtype: DType) {
         if self.last_backend != Some((backend, fp8)) {
             tracing::debug!(
                 "DotProductAttention: {} backend{} (d = {}, dv = {}, {}, {})",
                 backend.name(),
                 if fp8 { " in FP8 (E4M3 q, k, v)" } else { "" },
-                dims.head_dim,
-                dims.head_dim_v,
+                shape.head_dim,
+                shape.head_dim_v,
                 dtype,
                 self.cfg.attn_mask_type.name()
             );
@@ -561,11 +444,11 @@ impl DotProductAttention {
     /// [`Error::DType`] when `d_out` does not have the output's shape and dtype; GEMM and kernel
     /// failures.
     pub fn backward(&mut self, ctx: AttentionCtx, d_out: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let dims = ctx.dims;
+        let shape = ctx.shape;
         match self.run_backward(ctx, d_out)? {
             Qkv::Apart([dq, dk, dv]) => Ok((dq, dk, dv)),
             Qkv::Packed(d_qkv, _) => {
-                let [dq, dk, dv] = packed::split(&self.dev, &d_qkv, &dims)?;
+                let [dq, dk, dv] = packed::split(&self.dev, &d_qkv, &shape)?;
                 Ok((dq, dk, dv))
             }
         }
@@ -582,25 +465,24 @@ impl DotProductAttention {
         let dtype = ctx.inputs.dtype();
         check_dtype(MODULE, "d_out", d_out, |d| d == dtype, &format!("{dtype} (the dtype of the forward's q)"))?;
         check_shape(MODULE, "d_out", d_out, &ctx.out_shape)?;
-        let mask = (self.cfg.attn_mask_type, self.cfg.window());
-        let (dims, scale) = (&ctx.dims, self.cfg.scale());
+        let shape = &ctx.shape;
         match &ctx.saved {
             Saved::Fused(saved) => {
                 let Some(b) = ctx.fp8_backward else {
-                    let qkv = ctx.inputs.fused(dims)?;
-                    return fused::backward(&self.dev, dims, mask, qkv, saved, d_out, scale);
+                    let qkv = ctx.inputs.fused(shape)?;
+                    return fused::backward(&self.dev, shape, qkv, saved, d_out);
                 };
                 if !saved.has_fp8_backward() {
                     return Err(Error::internal(MODULE, "an FP8 backward planned without the forward's codes"));
                 }
                 let (d_o, ds) = self.scaling.backward(&b)?;
-                let grads = fused::backward_fp8(&self.dev, dims, mask, saved, d_out, scale, (&*d_o, &*ds))?;
+                let grads = fused::backward_fp8(&self.dev, shape, saved, d_out, (&*d_o, &*ds))?;
                 b.finish()?;
                 Ok(grads)
             }
-            Saved::Unfused { probs, dropout } => match ctx.inputs.fused(dims)?.0 {
+            Saved::Unfused { probs, dropout } => match ctx.inputs.fused(shape)? {
                 Qkv::Apart(qkv) => {
-                    let (dq, dk, dv) = unfused::backward(&self.dev, dims, qkv, probs, dropout.as_ref(), d_out, scale)?;
+                    let (dq, dk, dv) = unfused::backward(&self.dev, shape, qkv, probs, dropout.as_ref(), d_out)?;
                     Ok(Qkv::Apart([dq, dk, dv]))
                 }
                 Qkv::Packed(..) => {
@@ -610,8 +492,8 @@ impl DotProductAttention {
         }
     }
 
-    /// Checks q, k, v against the configuration and each other; their dimensions.
-    fn dims(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+    /// Checks q, k, v against the configuration and each other; the problem they pose.
+    fn problem(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttentionShape> {
         check_dtype(MODULE, "q", q, DType::is_high_precision, "f32, bf16 or f16")?;
         let same = format!("{} (the dtype of `q`)", q.dtype());
         check_dtype(MODULE, "k", k, |d| d == q.dtype(), &same)?;
@@ -653,10 +535,9 @@ impl DotProductAttention {
                 v.shape()
             ));
         }
-        if batch == 0 || sq == 0 || sk == 0 {
-            return shape_error(format!("batch, sq and sk must be ≥ 1, got {batch}, {sq} and {sk}"));
-        }
-        Ok(Dims { format, batch, sq, sk, heads: h, groups: g, head_dim: d, head_dim_v: dv })
+        let shape = self.cfg.shape(batch, (sq, sk));
+        shape.validate(MODULE)?;
+        Ok(shape)
     }
 }
 
@@ -674,56 +555,5 @@ impl Module for DotProductAttention {
     /// [`DotProductAttentionConfig::kernel_specs`] of its config.
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         self.cfg.kernel_specs(target, specs);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config_error(cfg: DotProductAttentionConfig) -> String {
-        match cfg.validate() {
-            Err(Error::Config { module: MODULE, message }) => message,
-            other => panic!("expected a config error, got {other:?}"),
-        }
-    }
-
-    #[test]
-    fn defaults_follow_te() {
-        let cfg = DotProductAttentionConfig::new(32, 128);
-        assert_eq!((cfg.qkv_format, cfg.attn_mask_type), (QkvFormat::Sbhd, AttnMaskType::Causal));
-        assert_eq!((cfg.groups(), cfg.scale()), (32, 1.0 / 128f32.sqrt()));
-        cfg.validate().unwrap();
-        let gqa = DotProductAttentionConfig { num_gqa_groups: Some(8), softmax_scale: Some(0.5), ..cfg };
-        gqa.validate().unwrap();
-        assert_eq!((gqa.groups(), gqa.scale()), (8, 0.5));
-    }
-
-    #[test]
-    fn bad_configs_say_what_to_change() {
-        let cfg = DotProductAttentionConfig::new(8, 64);
-        let e = config_error(DotProductAttentionConfig { num_gqa_groups: Some(3), ..cfg.clone() });
-        assert!(e.contains("num_gqa_groups = 3 must divide num_attention_heads = 8"), "{e}");
-        let e = config_error(DotProductAttentionConfig { num_gqa_groups: Some(0), ..cfg.clone() });
-        assert!(e.contains("num_gqa_groups = 0"), "{e}");
-        let e = config_error(DotProductAttentionConfig { attention_dropout: 1.5, ..cfg.clone() });
-        assert!(e.contains("attention_dropout must be in [0, 1], got 1.5"), "{e}");
-        let e = config_error(DotProductAttentionConfig { attention_dropout: f32::NAN, ..cfg.clone() });
-        assert!(e.contains("attention_dropout"), "{e}");
-        let e = config_error(DotProductAttentionConfig { softmax_scale: Some(f32::INFINITY), ..cfg.clone() });
-        assert!(e.contains("softmax_scale"), "{e}");
-        let e = config_error(DotProductAttentionConfig { head_dim_v: Some(0), ..cfg.clone() });
-        assert!(e.contains("head_dim_v must be ≥ 1"), "{e}");
-        let e = config_error(DotProductAttentionConfig::new(0, 64));
-        assert!(e.contains("≥ 1"), "{e}");
-        let e = config_error(DotProductAttentionConfig { window_size: Some((4, 4)), ..cfg.clone() });
-        assert!(e.contains("window_size must be (left, 0)"), "{e}");
-        let no_mask = DotProductAttentionConfig { attn_mask_type: AttnMaskType::NoMask, ..cfg.clone() };
-        let e = config_error(DotProductAttentionConfig { window_size: Some((-1, 0)), ..no_mask.clone() });
-        assert!(e.contains("set attn_mask_type = causal"), "{e}");
-        let windowed = DotProductAttentionConfig { window_size: Some((16, 0)), ..cfg };
-        windowed.validate().unwrap();
-        assert_eq!((windowed.window(), windowed.softmax_mask()), ((16, 0), MaskKind::Padding));
-        assert_eq!((no_mask.window(), no_mask.softmax_mask()), ((-1, -1), MaskKind::None));
     }
 }

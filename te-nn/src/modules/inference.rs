@@ -12,7 +12,7 @@
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
-use te_runtime::ops::decode_attention::DecodeParams;
+use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::{Device, Error, Result, Tensor};
 
 const OP: &str = "InferenceParams";
@@ -54,10 +54,11 @@ pub struct KvLayer<'a> {
 }
 
 impl KvLayer<'_> {
-    /// The decode kernels' sizes for `heads` query heads with `scale`.
-    pub(crate) fn params(&self, heads: usize, scale: f32) -> DecodeParams {
+    /// The decode kernels' problem ([`AttentionShape::decode`]) for `heads` query heads with
+    /// `scale`.
+    pub(crate) fn params(&self, heads: usize, scale: f32) -> AttentionShape {
         let [batch, capacity, groups, head_dim] = self.shape;
-        DecodeParams { batch, heads, groups, head_dim, capacity, scale }
+        AttentionShape::decode(batch, heads, groups, head_dim, capacity, scale)
     }
 }
 

@@ -9,6 +9,7 @@
 //! `InferenceParams` keeps `[max_seq, batch, groups, head_dim]`; batch-major keeps each
 //! sequence's keys contiguous for the split reads).
 
+use super::attention_shape::AttentionShape;
 use super::flash_attention::addresses;
 use super::launch::Launch;
 use super::{check_dtype, launch_1d};
@@ -18,23 +19,6 @@ use te_codegen::spec::{DecodeAttnSpec, DECODE_MAX_HEAD_DIM};
 use te_codegen::{DType, KernelSpec};
 
 const OP: &str = "decode attention";
-
-/// The sizes of a decode call.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DecodeParams {
-    /// Sequences.
-    pub batch: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads (divides `heads`; query head `j` reads group `j / (heads / groups)`).
-    pub groups: usize,
-    /// Channels per head: a multiple of 8, at most 256.
-    pub head_dim: usize,
-    /// Positions per sequence in the cache.
-    pub capacity: usize,
-    /// `softmax_scale` (`1 / √head_dim` in TE by default).
-    pub scale: f32,
-}
 
 /// A tensor read or written from an element offset with a stride: element `x` of head `h` of
 /// row `r` is at `offset + r · row + h · head_dim + x` (rows are sequences for queries and
@@ -50,46 +34,53 @@ pub struct Strided<'a> {
     pub row: usize,
 }
 
-impl DecodeParams {
-    fn check(&self) -> Result<()> {
-        let shape = |message: String| Err(Error::Shape { op: OP, message });
-        if self.batch == 0 || self.heads == 0 || self.capacity == 0 {
-            return shape(format!(
-                "batch = {}, heads = {} and capacity = {} must all be ≥ 1",
-                self.batch, self.heads, self.capacity
-            ));
-        }
-        if self.groups == 0 || self.heads % self.groups != 0 {
-            return shape(format!("groups = {} must divide heads = {}", self.groups, self.heads));
-        }
-        if self.batch * self.heads > 65_535 || self.capacity > i32::MAX as usize {
-            return shape(format!(
-                "batch · heads = {} must be at most 65 535 and the capacity at most 2³¹ − 1",
-                self.batch * self.heads
-            ));
-        }
-        if !self.scale.is_finite() {
-            return Err(Error::Argument { op: OP, message: format!("softmax_scale = {} is not finite", self.scale) });
-        }
-        if self.head_dim == 0 || self.head_dim % 8 != 0 || self.head_dim > DECODE_MAX_HEAD_DIM {
-            return shape(format!("head_dim = {} must be a multiple of 8 up to {DECODE_MAX_HEAD_DIM}", self.head_dim));
-        }
-        Ok(())
+/// Checks a decode call's shape: valid ([`AttentionShape::validate`]) and the decode problem
+/// ([`AttentionShape::decode`]: one query per sequence over its cached keys), within the
+/// kernels' grid and head dims.
+fn check(p: &AttentionShape) -> Result<()> {
+    p.validate(OP)?;
+    let shape = |message: String| Err(Error::Shape { op: OP, message });
+    let decode = AttentionShape::decode(p.batch, p.heads, p.groups, p.head_dim, p.sk, p.scale);
+    if *p != decode {
+        return shape(format!(
+            "the decode kernels attend one query per sequence over its cached keys: sq = 1, the bshd cache's capacity \
+             as sk, one head dim, padding_causal_bottom_right without a window, no dropout (AttentionShape::decode); \
+             got sq = {}, head_dim_v = {} (head_dim {}), {} {} window {:?}, dropout {:?}",
+            p.sq,
+            p.head_dim_v,
+            p.head_dim,
+            p.layout.name(),
+            p.mask.name(),
+            p.window,
+            p.dropout
+        ));
     }
+    if p.batch * p.heads > 65_535 || p.sk > i32::MAX as usize {
+        return shape(format!(
+            "batch · heads = {} must be at most 65 535 and the capacity at most 2³¹ − 1",
+            p.batch * p.heads
+        ));
+    }
+    if p.head_dim % 8 != 0 || p.head_dim > DECODE_MAX_HEAD_DIM {
+        return shape(format!("head_dim = {} must be a multiple of 8 up to {DECODE_MAX_HEAD_DIM}", p.head_dim));
+    }
+    Ok(())
+}
 
-    /// The cache's shape: `[batch, capacity, groups, head_dim]`.
-    pub fn cache_shape(&self) -> [usize; 4] {
-        [self.batch, self.capacity, self.groups, self.head_dim]
-    }
+/// The cache of one layer for a decode shape: `k` and `v` each `[batch, capacity, groups,
+/// head_dim]` (`capacity` = the shape's `sk`).
+pub fn cache_shape(p: &AttentionShape) -> [usize; 4] {
+    [p.batch, p.sk, p.groups, p.head_dim]
+}
 
-    /// `(splits, chunk)`: key chunks per query and keys per chunk, so that `batch · heads ·
-    /// splits` blocks fill the GPU about twice, with chunks of at least 32 keys.
-    pub fn splits(&self, sm_count: usize) -> (usize, usize) {
-        let queries = self.batch * self.heads;
-        let want = (2 * sm_count).div_ceil(queries).max(1);
-        let splits = want.min((self.capacity / 32).max(1));
-        (splits, self.capacity.div_ceil(splits))
-    }
+/// `(splits, chunk)` of a decode shape: key chunks per query and keys per chunk, so that `batch ·
+/// heads · splits` blocks fill the GPU of `sm_count` SMs about twice, with chunks of at least 32
+/// keys (of the `capacity = sk` cached positions).
+pub fn splits(p: &AttentionShape, sm_count: usize) -> (usize, usize) {
+    let queries = p.batch * p.heads;
+    let want = (2 * sm_count).div_ceil(queries.max(1)).max(1);
+    let splits = want.min((p.sk / 32).max(1));
+    (splits, p.sk.div_ceil(splits))
 }
 
 /// Checks that `t` holds `rows` rows of `width` elements from its offset at its row stride, at
@@ -119,16 +110,16 @@ fn check_strided(arg: &str, t: &Strided<'_>, rows: usize, width: usize) -> Resul
     Ok(())
 }
 
-fn check_cache(p: &DecodeParams, dtype: DType, k: &Tensor, v: &Tensor) -> Result<()> {
+fn check_cache(p: &AttentionShape, dtype: DType, k: &Tensor, v: &Tensor) -> Result<()> {
     let same = format!("{dtype} (the dtype of the queries and keys)");
     for (arg, t) in [("k_cache", k), ("v_cache", v)] {
         check_dtype(OP, arg, t, |d| d == dtype, &same)?;
-        if t.shape() != p.cache_shape() {
+        if t.shape() != cache_shape(p) {
             return Err(Error::Shape {
                 op: OP,
                 message: format!(
                     "`{arg}` must be [batch, capacity, groups, head_dim] = {:?}, got {:?}",
-                    p.cache_shape(),
+                    cache_shape(p),
                     t.shape()
                 ),
             });
@@ -137,7 +128,7 @@ fn check_cache(p: &DecodeParams, dtype: DType, k: &Tensor, v: &Tensor) -> Result
     Ok(())
 }
 
-fn check_seqlens(p: &DecodeParams, seqlens: &CudaSlice<i32>) -> Result<()> {
+fn check_seqlens(p: &AttentionShape, seqlens: &CudaSlice<i32>) -> Result<()> {
     if seqlens.len() < p.batch {
         return Err(Error::Shape {
             op: OP,
@@ -147,18 +138,22 @@ fn check_seqlens(p: &DecodeParams, seqlens: &CudaSlice<i32>) -> Result<()> {
     Ok(())
 }
 
-/// Writes `s` new tokens per sequence into the cache `[k_cache, v_cache]`: the keys of token `i`
-/// of sequence `b` (`k_new` row `i · batch + b`, `groups · head_dim` elements) and likewise the
-/// values go to position `seqlens[b] − s + i` (`seqlens`: the lengths *after* the append;
-/// positions outside `[0, capacity)` are skipped).
+/// Writes `s` new tokens per sequence into the cache `[k_cache, v_cache]` of the decode shape `p`
+/// ([`AttentionShape::decode`], `capacity = p.sk`): the keys of token `i` of sequence `b` (`k_new`
+/// row `i · batch + b`, `groups · head_dim` elements) and likewise the values go to position
+/// `seqlens[b] − s + i` (`seqlens`: the lengths *after* the append; positions outside `[0,
+/// capacity)` are skipped).
 ///
 /// # Errors
-/// [`Error::DType`] for dtypes other than bf16/f16 or that differ; [`Error::Shape`] for caches
-/// not `[batch, capacity, groups, head_dim]`, strides or offsets not multiples of 8, tensors
-/// smaller than their strides reach, too few lengths, `s = 0`; compile and launch failures.
+/// [`Error::DType`] for dtypes other than bf16/f16 or that differ; [`Error::Shape`] for a shape
+/// that is not valid or not the decode problem (one query per sequence, one head dim, the cache's
+/// mask, no dropout; `groups` dividing `heads`, a head dim a multiple of 8 up to 256), caches not
+/// `[batch, capacity, groups, head_dim]`, strides or offsets not multiples of 8, tensors smaller
+/// than their strides reach, too few lengths, `s = 0`; [`Error::Argument`] for a `scale` that is
+/// not finite and positive; compile and launch failures.
 pub fn append_kv(
     dev: &Device,
-    p: &DecodeParams,
+    p: &AttentionShape,
     s: usize,
     [k_new, v_new]: [Strided<'_>; 2],
     seqlens: &CudaSlice<i32>,
@@ -167,7 +162,7 @@ pub fn append_kv(
     let dtype = k_new.tensor.dtype();
     check_dtype(OP, "k_new", k_new.tensor, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     check_dtype(OP, "v_new", v_new.tensor, |d| d == dtype, &dtype.to_string())?;
-    p.check()?;
+    check(p)?;
     if s == 0 || k_new.row != v_new.row {
         return Err(Error::Shape {
             op: OP,
@@ -182,7 +177,7 @@ pub fn append_kv(
     let width = p.groups * p.head_dim;
     check_strided("k_new", &k_new, s * p.batch, width)?;
     check_strided("v_new", &v_new, s * p.batch, width)?;
-    let spec = DecodeAttnSpec::new(dtype, p.head_dim, dev.arch());
+    let spec = p.decode_spec(dtype, dev.arch());
     let f = dev.function(&KernelSpec::DecodeAttn(spec), 2)?;
     let threads = DecodeAttnSpec::THREADS;
     let chunks = s * p.batch * p.groups * (p.head_dim / 8);
@@ -190,7 +185,7 @@ pub fn append_kv(
     let stream = dev.stream();
     let ([k_addr, v_addr], _guards) = addresses(stream, [(k_new.tensor, k_new.offset), (v_new.tensor, v_new.offset)]);
     let (row, batch, groups, capacity, s_arg) =
-        (k_new.row as u64, p.batch as u32, p.groups as u32, p.capacity as u32, s as u32);
+        (k_new.row as u64, p.batch as u32, p.groups as u32, p.sk as u32, s as u32);
     let mut l = Launch::new(OP, stream, &f, &spec, 2);
     l.ptr("k_new", &k_addr).ptr("v_new", &v_addr).ptr("seqlens", seqlens);
     l.ptr("k_cache", k_cache.data_mut()?).ptr("v_cache", v_cache.data_mut()?);
@@ -204,7 +199,8 @@ pub fn append_kv(
     unsafe { l.launch(cfg) }
 }
 
-/// `o = softmax(scale · q · Kᵀ) · V` of one query per sequence and head over the sequence's
+/// `o = softmax(scale · q · Kᵀ) · V` (the decode shape `p`, [`AttentionShape::decode`]) of one
+/// query per sequence and head over the sequence's
 /// `seqlens[b]` cached tokens (positions `0..seqlens[b]` of the cache, capped by its capacity;
 /// a sequence of length 0 gets zeros). `q` and `out` (with its row stride): rows are sequences,
 /// `heads · head_dim` elements each (head `h` at `h · head_dim`). Math in f32; the splits'
@@ -212,11 +208,10 @@ pub fn append_kv(
 /// 2)`).
 ///
 /// # Errors
-/// As [`append_kv`], for `q` and `out` (`out` of q's dtype); [`Error::Argument`] for a
-/// non-finite `scale`.
+/// As [`append_kv`], for `q` and `out` (`out` of q's dtype).
 pub fn decode(
     dev: &Device,
-    p: &DecodeParams,
+    p: &AttentionShape,
     q: Strided<'_>,
     [k_cache, v_cache]: [&Tensor; 2],
     seqlens: &CudaSlice<i32>,
@@ -225,23 +220,23 @@ pub fn decode(
     let dtype = q.tensor.dtype();
     check_dtype(OP, "q", q.tensor, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     check_dtype(OP, "out", out, |d| d == dtype, &dtype.to_string())?;
-    p.check()?;
+    check(p)?;
     check_cache(p, dtype, k_cache, v_cache)?;
     check_seqlens(p, seqlens)?;
     let width = p.heads * p.head_dim;
     check_strided("q", &q, p.batch, width)?;
     check_strided("out", &Strided { tensor: out, offset: 0, row: out_row }, p.batch, width)?;
-    let spec = DecodeAttnSpec::new(dtype, p.head_dim, dev.arch());
+    let spec = p.decode_spec(dtype, dev.arch());
     let kernel = KernelSpec::DecodeAttn(spec);
     let (split_f, combine_f) = (dev.function(&kernel, 0)?, dev.function(&kernel, 1)?);
-    let (splits, chunk) = p.splits(dev.sm_count());
+    let (splits, chunk) = splits(p, dev.sm_count());
     let queries = p.batch * p.heads;
     let stream = dev.stream();
     // SAFETY: f32 has no invalid bit patterns; the split kernel writes every element (each block
     // its split's head_dim outputs and two scalars) before the combine kernel reads them.
     let mut o_partial = unsafe { stream.alloc::<f32>(queries * splits * p.head_dim) }?;
     let mut ml_partial = unsafe { stream.alloc::<f32>(queries * splits * 2) }?;
-    let (q_row, heads, groups, capacity) = (q.row as u64, p.heads as u32, p.groups as u32, p.capacity as u32);
+    let (q_row, heads, groups, capacity) = (q.row as u64, p.heads as u32, p.groups as u32, p.sk as u32);
     let (splits_arg, chunk_arg, scale_log2) = (splits as u32, chunk as u32, p.scale * std::f32::consts::LOG2_E);
     let threads = DecodeAttnSpec::THREADS as u32;
     {
@@ -273,17 +268,35 @@ pub fn decode(
 
 #[cfg(test)]
 mod tests {
+    use super::super::attention_shape::QkvLayout;
     use super::*;
+    use te_codegen::spec::AttnMaskType;
 
     #[test]
     fn splits_fill_the_gpu_with_chunks_of_32_keys_or_more() {
-        let p = DecodeParams { batch: 1, heads: 12, groups: 12, head_dim: 64, capacity: 1024, scale: 0.125 };
-        assert_eq!(p.splits(132), (22, 47));
-        let p = DecodeParams { batch: 32, ..p };
-        assert_eq!(p.splits(132), (1, 1024));
-        let p = DecodeParams { capacity: 40, ..p };
-        assert_eq!(p.splits(132), (1, 40));
-        let p = DecodeParams { batch: 1, capacity: 100, ..p };
-        assert_eq!(p.splits(132), (3, 34));
+        let p = AttentionShape::decode(1, 12, 12, 64, 1024, 0.125);
+        assert_eq!(splits(&p, 132), (22, 47));
+        let p = AttentionShape { batch: 32, ..p };
+        assert_eq!(splits(&p, 132), (1, 1024));
+        let p = AttentionShape { sk: 40, ..p };
+        assert_eq!(splits(&p, 132), (1, 40));
+        let p = AttentionShape { batch: 1, sk: 100, ..p };
+        assert_eq!(splits(&p, 132), (3, 34));
+        assert_eq!(cache_shape(&p), [1, 100, 12, 64]);
+    }
+
+    #[test]
+    fn only_the_decode_problem_is_taken() {
+        let p = AttentionShape::decode(2, 8, 2, 64, 300, 0.125);
+        check(&p).unwrap();
+        let e = |p: AttentionShape| check(&p).unwrap_err().to_string();
+        assert!(e(AttentionShape { sq: 2, ..p }).contains("sq = 2"));
+        assert!(e(p.with_head_dim_v(32)).contains("head_dim_v = 32"));
+        assert!(e(p.with_mask(AttnMaskType::Padding, None)).contains("padding window"));
+        assert!(e(AttentionShape { layout: QkvLayout::Sbhd, ..p }).contains("sbhd"));
+        assert!(e(AttentionShape { groups: 3, ..p }).contains("groups dividing heads"));
+        assert!(e(AttentionShape { head_dim: 60, head_dim_v: 60, ..p }).contains("multiple of 8"));
+        assert!(e(AttentionShape { batch: 10_000, ..p }).contains("65 535"));
+        assert!(e(p.with_scale(f32::INFINITY)).contains("softmax_scale"));
     }
 }

@@ -3,85 +3,38 @@
 //! formats and backend selection is `DotProductAttention`; this layer takes strides, so that q,
 //! k and v may be any `bshd`/`sbhd` tensors (or heads inside a fused QKV tensor).
 
+pub use super::attention_shape::HeadStrides;
+use super::attention_shape::{AttentionShape, QkvLayout};
 use super::check_dtype;
-use super::dropout::{keep_scale, keep_threshold, DropoutParams};
+use super::dropout::{keep_scale, keep_threshold};
 use super::launch::Launch;
 use super::tma::TensorMap;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use std::sync::Arc;
-use te_codegen::spec::{ArgCond, Direction, FlashAttnSpec, QkvFormat, FLASH_HEAD_DIMS};
+use te_codegen::spec::{ArgCond, Direction, FlashAttnSpec, FLASH_HEAD_DIMS};
 use te_codegen::{Arch, DType, KernelSpec};
 
 pub(super) const OP: &str = "flash attention";
 
-/// Where the heads of one tensor sit: element `x` of head `h` at position `s` of sequence `b` is
-/// element `b · batch + s · row + h · head + x` (all in elements).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeadStrides {
-    /// Between sequences.
-    pub batch: usize,
-    /// Between positions of one sequence.
-    pub row: usize,
-    /// Between heads of one position.
-    pub head: usize,
-}
-
-impl HeadStrides {
-    /// A dense `[batch, seq, heads, head_dim]` (bshd) or `[seq, batch, heads, head_dim]` (sbhd)
-    /// tensor.
-    pub fn dense(format: QkvFormat, batch: usize, seq: usize, heads: usize, head_dim: usize) -> Self {
-        let hd = heads * head_dim;
-        match format {
-            QkvFormat::Bshd => Self { batch: seq * hd, row: hd, head: head_dim },
-            QkvFormat::Sbhd => Self { batch: hd, row: batch * hd, head: head_dim },
-        }
-    }
-
-    /// One past the largest element index read for `batch` sequences of `seq` positions and
-    /// `heads` heads of `head_dim`.
-    fn extent(&self, batch: usize, seq: usize, heads: usize, head_dim: usize) -> usize {
-        (batch - 1) * self.batch + (seq - 1) * self.row + (heads - 1) * self.head + head_dim
-    }
-}
-
-/// The sizes, mask and layout of one fused attention call.
+/// One fused attention call: its problem ([`AttentionShape`]: sizes, layout, mask, window,
+/// scale, dropout) and where the heads of q, k, v and the output sit ([`HeadStrides`], in
+/// elements; [`FlashAttnParams::dense`] for tensors dense in the shape's layout, other strides for
+/// heads inside a fused QKV tensor).
 ///
-/// Query `i` of sequence `b` (valid lengths `lq`, `lk`: from the `cu_seqlens` when given, else
-/// `sq`, `sk`) sees key `j` iff `i < lq`, `j < lk`, `left < 0 || j >= i + off − left` and `right <
-/// 0 || j <= i + off + right`, where `(left, right) = window` and `off = lk − lq` when
-/// `bottom_right`, else 0 (TE's `window_size` and `*_bottom_right` masks; causal is `(−1, 0)`).
+/// The kernels take the mask as the shape's resolved window and diagonal: query `i` of sequence
+/// `b` (valid lengths `lq`, `lk`: from the `cu_seqlens` when given, else `sq`, `sk`) sees key `j`
+/// iff [`AttentionShape::attends`] says so (TE's `window_size` and `*_bottom_right` masks; causal is
+/// the window `(−1, 0)`). Attention dropout ([`AttentionShape::dropout`]) draws element `i` of a
+/// dense `[batch, heads, sq, sk]` tensor by [`crate::ops::dropout`]'s rule, so that the unfused
+/// backend and `reference::dropout` draw the same mask; the backward takes the forward's.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FlashAttnParams {
-    /// Sequences.
-    pub batch: usize,
-    /// Queries per sequence (padded length).
-    pub sq: usize,
-    /// Keys per sequence (padded length).
-    pub sk: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads (divides `heads`).
-    pub groups: usize,
-    /// Channels per head of q and k: one of [`FLASH_HEAD_DIMS`].
-    pub head_dim: usize,
-    /// Channels per head of v and o (TE's `kv_channels = (head_dim_qk, head_dim_v)`):
-    /// `head_dim`, or on Hopper (sm_90a, bf16/f16) another of 64, 128 and 256 with `head_dim`
-    /// one of them too (the backward: both up to 128), as FlashAttention-3 and cuDNN take it.
-    pub head_dim_v: usize,
-    /// `softmax_scale`.
-    pub scale: f32,
-    /// `(left, right)` keys a query sees before / after its diagonal; −1 = unbounded.
-    pub window: (i64, i64),
-    /// Aligns the diagonal bottom-right (`off = lk − lq`) instead of top-left.
-    pub bottom_right: bool,
-    /// Attention dropout (`p` in `(0, 1]`; `None`: none): the probabilities are dropped after
-    /// the softmax's normalization and the kept ones scaled by `1 / (1 − p)`, with element `i`
-    /// of a dense `[batch, heads, sq, sk]` tensor kept by [`crate::ops::dropout`]'s rule for the
-    /// stream `(seed, offset)`, so that the unfused backend and `reference::dropout` draw the
-    /// same mask. The backward takes the forward's.
-    pub dropout: Option<DropoutParams>,
+    /// The problem. Head dims: `head_dim` one of [`FLASH_HEAD_DIMS`]; `head_dim_v` the same, or on
+    /// Hopper (sm_90a, bf16/f16) another of 64, 128 and 256 with `head_dim` one of them too (the
+    /// backward: both up to 128), as FlashAttention-3 and cuDNN take it.
+    pub shape: AttentionShape,
     /// q and dq.
     pub q: HeadStrides,
     /// k and dk.
@@ -90,6 +43,14 @@ pub struct FlashAttnParams {
     pub v: HeadStrides,
     /// o and d_o.
     pub o: HeadStrides,
+}
+
+impl FlashAttnParams {
+    /// A call on q, k, v and the output each dense in the shape's layout
+    /// ([`AttentionShape::q_strides`] and its siblings).
+    pub fn dense(shape: AttentionShape) -> Self {
+        Self { shape, q: shape.q_strides(), kv: shape.k_strides(), v: shape.v_strides(), o: shape.o_strides() }
+    }
 }
 
 /// q, k and v (or their gradients dq, dk, dv): three tensors, or the heads of one fused QKV
@@ -180,11 +141,6 @@ pub fn unsupported_reason(
     None
 }
 
-/// The kernels of a checked call.
-fn spec(p: &FlashAttnParams, dtype: DType, dir: Direction, arch: Arch) -> FlashAttnSpec {
-    FlashAttnSpec::new(dir, dtype, p.head_dim, arch).with_head_dim_v(p.head_dim_v).with_dropout(p.dropout.is_some())
-}
-
 /// `out = softmax(scale · Q · Kᵀ, masked) · V` per (sequence, head) and `lse = ln Σ_j exp(scale ·
 /// s_ij)` over the visible keys.
 ///
@@ -197,11 +153,13 @@ fn spec(p: &FlashAttnParams, dtype: DType, dir: Direction, arch: Arch) -> FlashA
 /// - `lse`: f32 `[batch, heads, sq]`; `+inf` where a row sees no key.
 ///
 /// # Errors
-/// [`Error::DType`] for other dtypes; [`Error::Shape`] for head dims the kernels do not take
-/// ([`unsupported_reason`]),
-/// `groups` not dividing `heads`, a tensor smaller than its strides reach from its offset,
-/// strides or offsets not 16-byte aligned, `cu_seqlens` or `lse` too short; compile and launch
-/// failures.
+/// [`Error::DType`] for other dtypes; the shape's errors ([`AttentionShape::validate`]: sizes,
+/// `groups` not dividing `heads` as [`Error::Shape`], scale, dropout and a window the mask does not
+/// take as [`Error::Argument`]); [`Error::Shape`] for head dims the kernels do not take
+/// ([`unsupported_reason`]), more than 65535 heads or sequences, a tensor smaller than its strides
+/// reach from its offset, strides or offsets not 16-byte aligned, `cu_seqlens` or `lse` too short;
+/// sequence tables the layout and mask do not take ([`AttentionShape::check_tables`]: a padding
+/// mask without `cu_seqlens` is an [`Error::Config`]); compile and launch failures.
 pub fn forward(
     dev: &Device,
     p: &FlashAttnParams,
@@ -212,24 +170,28 @@ pub fn forward(
 ) -> Result<()> {
     let parts = qkv.parts();
     check(p, parts, cu, Direction::Fwd, dev.arch())?;
+    let sh = &p.shape;
     let q = parts[0].0;
     check_same(out, q, "out")?;
-    let (batch, sq, _) = reach(p, cu);
-    check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim_v)?;
-    check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
+    let (batch, sq, _) = reach(p);
+    check_extent("out", out, 0, p.o, batch, sq, sh.heads, sh.head_dim_v)?;
+    check_len("lse", lse.len(), sh.lse_len())?;
     let [(k, k_off), (v, v_off)] = [parts[1], parts[2]];
-    let total_q = capacity(q, parts[0].1, p.q, p.heads, p.head_dim).min(capacity(out, 0, p.o, p.heads, p.head_dim_v));
-    let total_kv = capacity(k, k_off, p.kv, p.groups, p.head_dim).min(capacity(v, v_off, p.v, p.groups, p.head_dim_v));
-    let spec = spec(p, q.dtype(), Direction::Fwd, dev.arch());
+    let total_q =
+        capacity(q, parts[0].1, p.q, sh.heads, sh.head_dim).min(capacity(out, 0, p.o, sh.heads, sh.head_dim_v));
+    let total_kv =
+        capacity(k, k_off, p.kv, sh.groups, sh.head_dim).min(capacity(v, v_off, p.v, sh.groups, sh.head_dim_v));
+    let spec = sh.flash_spec(Direction::Fwd, q.dtype(), dev.arch());
     let f = function(dev, &spec, 0)?;
-    let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
+    let cfg = grid(sh.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
     let s = Scalars::new(p, [total_q, total_kv]);
     let stream = dev.stream();
     let q_dtype = q.dtype();
     let ([q, k, v], _guards) = addresses(stream, parts);
     let input = |base, strides, seq, heads, width| TmaInput { base, strides, seq, heads, width };
-    let qk = [input(q, p.q, p.sq, p.heads, p.head_dim), input(k, p.kv, p.sk, p.groups, p.head_dim)];
-    let maps = TmaMaps::new(&spec, cu, p.batch, q_dtype, qk, TmaV::Heads(input(v, p.v, p.sk, p.groups, p.head_dim_v)));
+    let qk = [input(q, p.q, sh.sq, sh.heads, sh.head_dim), input(k, p.kv, sh.sk, sh.groups, sh.head_dim)];
+    let v_input = TmaV::Heads(input(v, p.v, sh.sk, sh.groups, sh.head_dim_v));
+    let maps = TmaMaps::new(&spec, cu, sh.batch, q_dtype, qk, v_input);
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
     l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("o", out.data_mut()?).ptr("lse", &*lse);
     maps.push(&mut l);
@@ -395,9 +357,9 @@ pub fn backward(
     check(p, parts, cu, Direction::Bwd, dev.arch())?;
     let q = parts[0].0;
     check_same(out, q, "out")?;
-    let totals = check_grads(p, cu, (out, d_out), &grads, parts.map(Some))?;
-    check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
-    let spec = spec(p, q.dtype(), Direction::Bwd, dev.arch());
+    let totals = check_grads(p, (out, d_out), &grads, parts.map(Some))?;
+    check_len("lse", lse.len(), p.shape.lse_len())?;
+    let spec = p.shape.flash_spec(Direction::Bwd, q.dtype(), dev.arch());
     let s = Scalars::new(p, totals);
     let stream = dev.stream();
     let ([q, k, v], _in_guards) = addresses(stream, parts);
@@ -427,14 +389,14 @@ pub fn backward(
 
 /// The launch of a backward spec's `_dkdv` (a block per `block_n` keys of a key/value head).
 pub(super) fn dkdv_grid(p: &FlashAttnParams, spec: &FlashAttnSpec) -> LaunchConfig {
-    let mut cfg = grid(p.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
-    cfg.grid_dim.1 = p.groups as u32;
+    let mut cfg = grid(p.shape.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
+    cfg.grid_dim.1 = p.shape.groups as u32;
     cfg
 }
 
 /// The launch of a backward spec's `_dq` (a block per `block_m` queries of a head).
 pub(super) fn dq_grid(p: &FlashAttnParams, spec: &FlashAttnSpec) -> LaunchConfig {
-    grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(2))
+    grid(p.shape.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(2))
 }
 
 /// The backward's checks of the forward's output and its gradient (`(out, d_out)`, 16-bit at the
@@ -443,19 +405,19 @@ pub(super) fn dq_grid(p: &FlashAttnParams, spec: &FlashAttnSpec) -> LaunchConfig
 /// inputs `ins` read at the gradients' strides.
 pub(super) fn check_grads(
     p: &FlashAttnParams,
-    cu: Option<CuSeqlens<'_>>,
     (out, d_out): (&Tensor, &Tensor),
     grads: &Qkv<&mut Tensor>,
     ins: [Option<(&Tensor, usize)>; 3],
 ) -> Result<[u64; 2]> {
-    let (batch, sq, sk) = reach(p, cu);
+    let (batch, sq, sk) = reach(p);
+    let sh = &p.shape;
     let mut total_q = u64::MAX;
     let mut total_kv = u64::MAX;
     check_dtype(OP, "out", out, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     for (name, t) in [("out", out), ("d_out", d_out)] {
         check_same(t, out, name)?;
-        check_extent(name, t, 0, p.o, batch, sq, p.heads, p.head_dim_v)?;
-        total_q = total_q.min(capacity(t, 0, p.o, p.heads, p.head_dim_v));
+        check_extent(name, t, 0, p.o, batch, sq, sh.heads, sh.head_dim_v)?;
+        total_q = total_q.min(capacity(t, 0, p.o, sh.heads, sh.head_dim_v));
     }
     let g = match grads {
         Qkv::Apart([a, b, c]) => Qkv::Apart([&**a, &**b, &**c]),
@@ -464,7 +426,11 @@ pub(super) fn check_grads(
     for (((name, (t, offset)), (s, seq, heads, d)), input) in ["dq", "dk", "dv"]
         .into_iter()
         .zip(g.parts())
-        .zip([(p.q, sq, p.heads, p.head_dim), (p.kv, sk, p.groups, p.head_dim), (p.v, sk, p.groups, p.head_dim_v)])
+        .zip([
+            (p.q, sq, sh.heads, sh.head_dim),
+            (p.kv, sk, sh.groups, sh.head_dim),
+            (p.v, sk, sh.groups, sh.head_dim_v),
+        ])
         .zip(ins)
     {
         check_same(t, out, name)?;
@@ -494,9 +460,9 @@ pub(super) fn dot_do_o(
     s: &Scalars,
 ) -> Result<CudaSlice<f32>> {
     // SAFETY: f32 has no invalid bit patterns; `_dot_do_o` writes every element.
-    let mut delta = unsafe { dev.stream().alloc::<f32>(p.batch * p.heads * p.sq) }?;
+    let mut delta = unsafe { dev.stream().alloc::<f32>(p.shape.lse_len()) }?;
     let f = function(dev, spec, 0)?;
-    let cfg = grid(p.sq.div_ceil(8), p, 256, 0);
+    let cfg = grid(p.shape.sq.div_ceil(8), p, 256, 0);
     let mut l = Launch::new(OP, dev.stream(), &f, spec, 0);
     l.ptr("o", out.data()).ptr("d_o", d_out.data()).ptr("delta", &mut delta);
     match o_scale_inv {
@@ -533,12 +499,13 @@ pub(super) fn push_cu<'a>(l: &mut Launch<'a>, cu: Option<CuSeqlens<'a>>) {
 }
 
 /// `(batch, sq, sk)` the strides must reach: the call's, or for `thd` one row (the kernels
-/// clamp the token offsets to the rows the tensors hold).
-pub(super) fn reach(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> (usize, usize, usize) {
-    if CuSeqlens::thd(cu) {
+/// clamp the token offsets to the rows the tensors hold; [`check_call`] makes sure the tables of
+/// `thd` come with it).
+pub(super) fn reach(p: &FlashAttnParams) -> (usize, usize, usize) {
+    if p.shape.layout == QkvLayout::Thd {
         (1, 1, 1)
     } else {
-        (p.batch, p.sq, p.sk)
+        (p.shape.batch, p.shape.sq, p.shape.sk)
     }
 }
 
@@ -561,18 +528,19 @@ pub(super) struct Scalars {
 impl Scalars {
     pub(super) fn new(p: &FlashAttnParams, totals: [u64; 2]) -> Self {
         let s = |h: HeadStrides| [h.batch as u64, h.row as u64, h.head as u64];
+        let sh = &p.shape;
         Self {
             q: s(p.q),
             kv: s(p.kv),
             v: s(p.v),
             o: s(p.o),
-            sizes: [p.sq as u64, p.sk as u64, p.heads as u64, (p.heads / p.groups) as u64],
+            sizes: [sh.sq as u64, sh.sk as u64, sh.heads as u64, sh.heads_per_group() as u64],
             totals,
-            dropout: p.dropout.map_or([0; 3], |d| [d.seed, d.offset, keep_threshold(d.p)]),
-            keep_scale: p.dropout.map_or(1.0, |d| keep_scale(d.p)),
-            scale: p.scale,
-            window: [p.window.0, p.window.1],
-            bottom_right: i32::from(p.bottom_right),
+            dropout: sh.dropout.map_or([0; 3], |d| [d.seed, d.offset, keep_threshold(d.p)]),
+            keep_scale: sh.dropout.map_or(1.0, |d| keep_scale(d.p)),
+            scale: sh.scale,
+            window: [sh.window.0, sh.window.1],
+            bottom_right: i32::from(sh.bottom_right()),
         }
     }
     pub(super) fn push_q<'a>(&'a self, l: &mut Launch<'a>) -> &'a Self {
@@ -616,7 +584,7 @@ pub(super) fn function(dev: &Device, spec: &FlashAttnSpec, entry: usize) -> Resu
 /// Grid (`blocks`, heads, batch) of `threads` threads.
 pub(super) fn grid(blocks: usize, p: &FlashAttnParams, threads: usize, shared: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (blocks.max(1) as u32, p.heads as u32, p.batch as u32),
+        grid_dim: (blocks.max(1) as u32, p.shape.heads as u32, p.shape.batch as u32),
         block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: shared as u32,
     }
@@ -634,50 +602,27 @@ pub(super) fn check(
     check_dtype(OP, "q", q, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     check_same(k, q, "k")?;
     check_same(v, q, "v")?;
-    if let Some(why) = unsupported_reason(arch, q.dtype(), p.head_dim, p.head_dim_v, dir == Direction::Bwd) {
+    let sh = &p.shape;
+    if let Some(why) = unsupported_reason(arch, q.dtype(), sh.head_dim, sh.head_dim_v, dir == Direction::Bwd) {
         return Err(Error::Shape { op: OP, message: why });
     }
     check_call(p, cu)?;
     for (name, offset) in [("q", q_off), ("k", k_off), ("v", v_off)] {
         check_offset(name, offset)?;
     }
-    let (batch, sq, sk) = reach(p, cu);
-    check_extent("q", q, q_off, p.q, batch, sq, p.heads, p.head_dim)?;
-    check_extent("k", k, k_off, p.kv, batch, sk, p.groups, p.head_dim)?;
-    check_extent("v", v, v_off, p.v, batch, sk, p.groups, p.head_dim_v)
+    let (batch, sq, sk) = reach(p);
+    check_extent("q", q, q_off, p.q, batch, sq, sh.heads, sh.head_dim)?;
+    check_extent("k", k, k_off, p.kv, batch, sk, sh.groups, sh.head_dim)?;
+    check_extent("v", v, v_off, p.v, batch, sk, sh.groups, sh.head_dim_v)
 }
 
-/// The sizes, scale, dropout, window, strides and sequence tables of a call.
-pub(super) fn check_call(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> Result<()> {
+/// The shape ([`AttentionShape::validate`]), the kernels' grid limits and the strides of a call.
+pub(super) fn check_params(p: &FlashAttnParams) -> Result<()> {
+    let sh = &p.shape;
+    sh.validate(OP)?;
     let shape = |message: String| Err(Error::Shape { op: OP, message });
-    if p.batch == 0 || p.sq == 0 || p.sk == 0 || p.heads == 0 || p.groups == 0 || p.heads % p.groups != 0 {
-        return shape(format!(
-            "batch, sq, sk, heads and groups must be ≥ 1 with groups dividing heads, got {}, {}, {}, {} and {}",
-            p.batch, p.sq, p.sk, p.heads, p.groups
-        ));
-    }
-    if p.heads > 65535 || p.batch > 65535 || p.sq > i32::MAX as usize || p.sk > i32::MAX as usize {
-        return shape(format!("at most 65535 heads and sequences, got {} and {}", p.heads, p.batch));
-    }
-    if !(p.scale.is_finite() && p.scale > 0.0) {
-        return Err(Error::Argument {
-            op: OP,
-            message: format!("softmax_scale must be finite and > 0, got {}", p.scale),
-        });
-    }
-    if let Some(d) = p.dropout {
-        if !(d.p > 0.0 && d.p <= 1.0) {
-            return Err(Error::Argument {
-                op: OP,
-                message: format!("attention dropout p must be in (0, 1] (None for no dropout), got {}", d.p),
-            });
-        }
-    }
-    if p.window.0 < -1 || p.window.1 < -1 {
-        return Err(Error::Argument {
-            op: OP,
-            message: format!("window_size bounds must be ≥ 0, or −1 for unbounded, got {:?}", p.window),
-        });
+    if sh.heads > 65535 || sh.batch > 65535 || sh.sq > i32::MAX as usize || sh.sk > i32::MAX as usize {
+        return shape(format!("at most 65535 heads and sequences, got {} and {}", sh.heads, sh.batch));
     }
     for (name, s) in [("q", p.q), ("kv", p.kv), ("v", p.v), ("o", p.o)] {
         if [s.batch, s.row, s.head].iter().any(|x| x % 8 != 0) {
@@ -686,12 +631,21 @@ pub(super) fn check_call(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> Resu
             ));
         }
     }
+    Ok(())
+}
+
+/// [`check_params`] and the sequence tables of a call: those the shape's layout and mask need
+/// ([`AttentionShape::check_tables`]), each `batch + 1` entries.
+pub(super) fn check_call(p: &FlashAttnParams, cu: Option<CuSeqlens<'_>>) -> Result<()> {
+    check_params(p)?;
+    p.shape.check_tables(OP, cu.is_some(), CuSeqlens::thd(cu))?;
     if let Some(c) = cu {
-        check_len("cu_seqlens_q", c.q.len(), p.batch + 1)?;
-        check_len("cu_seqlens_kv", c.kv.len(), p.batch + 1)?;
+        let n = p.shape.batch + 1;
+        check_len("cu_seqlens_q", c.q.len(), n)?;
+        check_len("cu_seqlens_kv", c.kv.len(), n)?;
         if let Some((q, kv)) = c.offsets {
-            check_len("seq_offsets_q", q.len(), p.batch + 1)?;
-            check_len("seq_offsets_kv", kv.len(), p.batch + 1)?;
+            check_len("seq_offsets_q", q.len(), n)?;
+            check_len("seq_offsets_kv", kv.len(), n)?;
         }
     }
     Ok(())

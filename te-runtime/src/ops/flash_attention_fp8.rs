@@ -8,16 +8,17 @@
 //! bf16/f16. A caller may instead run the 16-bit backward after the FP8 forward (TE's
 //! `NVTE_FP8_DPA_BWD=0`): it recomputes P from the 16-bit q, k and the LSE this forward saves.
 
+use super::attention_shape::{AttentionShape, QkvLayout};
 use super::flash_attention::{
-    addresses, addresses_mut, capacity, check_call, check_extent, check_grads, check_len, check_offset, dkdv_grid,
-    dot_do_o, dq_grid, function, grid, push_cu, reach, CuSeqlens, FlashAttnParams, HeadStrides, Qkv, Scalars, TmaInput,
-    TmaMaps, TmaV, NULL, OP,
+    addresses, addresses_mut, capacity, check_call, check_extent, check_grads, check_len, check_offset, check_params,
+    dkdv_grid, dot_do_o, dq_grid, function, grid, push_cu, reach, CuSeqlens, FlashAttnParams, HeadStrides, Qkv,
+    Scalars, TmaInput, TmaMaps, TmaV, NULL, OP,
 };
 use super::launch::Launch;
 use super::Fp8Scaling;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
-use te_codegen::spec::{FlashAttnSpec, QkvFormat};
+use te_codegen::spec::FlashAttnSpec;
 use te_codegen::{Arch, DType};
 
 /// Keys per Vᵀ row are padded to a multiple of this (the kernel's key tile).
@@ -74,10 +75,11 @@ impl Fp8Operands {
     /// # Errors
     /// Allocation failures.
     pub fn new(dev: &Device, p: &FlashAttnParams) -> Result<Self> {
+        let sh = &p.shape;
         Ok(Self {
-            q: Tensor::empty(dev, DType::E4M3, &[p.batch, p.sq, p.heads, p.head_dim])?,
-            k: Tensor::empty(dev, DType::E4M3, &[p.batch, p.sk, p.groups, p.head_dim])?,
-            vt: Tensor::empty(dev, DType::E4M3, &[p.batch, p.groups, p.head_dim, trow(p.sk)])?,
+            q: Tensor::empty(dev, DType::E4M3, &dense(sh, Side::Q))?,
+            k: Tensor::empty(dev, DType::E4M3, &dense(sh, Side::Kv))?,
+            vt: Tensor::empty(dev, DType::E4M3, &transposed(sh, Side::Kv))?,
             backward: None,
         })
     }
@@ -87,11 +89,12 @@ impl Fp8Operands {
     /// # Errors
     /// Allocation failures.
     pub fn with_backward(dev: &Device, p: &FlashAttnParams) -> Result<Self> {
+        let sh = &p.shape;
         Ok(Self {
             backward: Some(Fp8BackwardOperands {
-                qt: Tensor::empty(dev, DType::E4M3, &[p.batch, p.heads, p.head_dim, trow(p.sq)])?,
-                kt: Tensor::empty(dev, DType::E4M3, &[p.batch, p.groups, p.head_dim, trow(p.sk)])?,
-                v: Tensor::empty(dev, DType::E4M3, &[p.batch, p.sk, p.groups, p.head_dim])?,
+                qt: Tensor::empty(dev, DType::E4M3, &transposed(sh, Side::Q))?,
+                kt: Tensor::empty(dev, DType::E4M3, &transposed(sh, Side::Kv))?,
+                v: Tensor::empty(dev, DType::E4M3, &dense(sh, Side::Kv))?,
             }),
             ..Self::new(dev, p)?
         })
@@ -115,6 +118,7 @@ impl Fp8Grad {
     /// # Errors
     /// [`Error::DType`] for another dtype; allocation failures.
     pub fn new(dev: &Device, p: &FlashAttnParams, dtype: DType) -> Result<Self> {
+        let sh = &p.shape;
         if !matches!(dtype, DType::E5M2 | DType::E4M3) {
             return Err(Error::DType {
                 op: OP,
@@ -124,8 +128,8 @@ impl Fp8Grad {
             });
         }
         Ok(Self {
-            d_o: Tensor::empty(dev, dtype, &[p.batch, p.sq, p.heads, p.head_dim])?,
-            d_ot: Tensor::empty(dev, dtype, &[p.batch, p.heads, p.head_dim, trow(p.sq)])?,
+            d_o: Tensor::empty(dev, dtype, &dense(sh, Side::Q))?,
+            d_ot: Tensor::empty(dev, dtype, &transposed(sh, Side::Q))?,
         })
     }
 }
@@ -133,6 +137,34 @@ impl Fp8Grad {
 /// Positions per transposed row: `seq` rounded up to the kernels' 128-position tile.
 fn trow(seq: usize) -> usize {
     seq.div_ceil(KEY_TILE) * KEY_TILE
+}
+
+/// The query side (q, dO: `sq` positions of `heads` heads) or the key/value side (k, v: `sk` of
+/// `groups`) of a call.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    Q,
+    Kv,
+}
+
+/// `(positions, heads)` of one side of `sh`.
+fn side(sh: &AttentionShape, side: Side) -> (usize, usize) {
+    match side {
+        Side::Q => (sh.sq, sh.heads),
+        Side::Kv => (sh.sk, sh.groups),
+    }
+}
+
+/// The dense FP8 codes of one side: `[batch, seq, heads, head_dim]`.
+fn dense(sh: &AttentionShape, which: Side) -> Vec<usize> {
+    let (seq, heads) = side(sh, which);
+    vec![sh.batch, seq, heads, sh.head_dim]
+}
+
+/// The transposed FP8 codes of one side: `[batch, heads, head_dim, seq rounded up to 128]`.
+fn transposed(sh: &AttentionShape, which: Side) -> Vec<usize> {
+    let (seq, heads) = side(sh, which);
+    vec![sh.batch, heads, sh.head_dim, trow(seq)]
 }
 
 /// Why the FP8 forward cannot run this call on `arch`, or `None` when it can.
@@ -171,12 +203,13 @@ pub fn quantize(
     scaling: &mut Fp8Scaling<'_>,
     out: &mut Fp8Operands,
 ) -> Result<()> {
+    let sh = &p.shape;
     check_operands(p, out)?;
     let bwd = out.backward.as_mut();
     let (strides, seq, heads, y, yt) = match which {
-        Fp8Operand::Q => (p.q, p.sq, p.heads, Some(&mut out.q), bwd.map(|b| &mut b.qt)),
-        Fp8Operand::K => (p.kv, p.sk, p.groups, Some(&mut out.k), bwd.map(|b| &mut b.kt)),
-        Fp8Operand::V => (p.v, p.sk, p.groups, bwd.map(|b| &mut b.v), Some(&mut out.vt)),
+        Fp8Operand::Q => (p.q, sh.sq, sh.heads, Some(&mut out.q), bwd.map(|b| &mut b.qt)),
+        Fp8Operand::K => (p.kv, sh.sk, sh.groups, Some(&mut out.k), bwd.map(|b| &mut b.kt)),
+        Fp8Operand::V => (p.v, sh.sk, sh.groups, bwd.map(|b| &mut b.v), Some(&mut out.vt)),
     };
     launch_quantize(dev, p, x, (strides, seq, heads), (y, yt), scaling, 0)
 }
@@ -194,9 +227,10 @@ pub fn quantize_grad(
     scaling: &mut Fp8Scaling<'_>,
     out: &mut Fp8Grad,
 ) -> Result<()> {
+    let sh = &p.shape;
     check_grad(p, out)?;
     let e5m2 = i32::from(out.d_o.dtype() == DType::E5M2);
-    let seq = (p.o, p.sq, p.heads);
+    let seq = (p.o, sh.sq, sh.heads);
     launch_quantize(dev, p, (d_out, 0), seq, (Some(&mut out.d_o), Some(&mut out.d_ot)), scaling, e5m2)
 }
 
@@ -211,14 +245,15 @@ fn launch_quantize(
     scaling: &mut Fp8Scaling<'_>,
     e5m2: i32,
 ) -> Result<()> {
+    let sh = &p.shape;
     let dtype = t.dtype();
-    if let Some(why) = unsupported_reason(dev.arch(), dtype, p.head_dim, false) {
+    if let Some(why) = unsupported_reason(dev.arch(), dtype, sh.head_dim, false) {
         return Err(Error::Shape { op: OP, message: why });
     }
-    check_call(p, None)?;
+    check_params(p)?;
     check_offset("x", offset)?;
-    check_extent("x", t, offset, strides, p.batch, seq, heads, p.head_dim)?;
-    let spec = FlashAttnSpec::fp8_forward(dtype, p.head_dim, dev.arch());
+    check_extent("x", t, offset, strides, sh.batch, seq, heads, sh.head_dim)?;
+    let spec = sh.flash_fp8_quantize_spec(dtype, dev.arch());
     let f = function(dev, &spec, 1)?;
     let stream = dev.stream();
     let ([src, _, _], _guards) = addresses(stream, [(t, offset); 3]);
@@ -239,7 +274,7 @@ fn launch_quantize(
     l.scalar("seq", &sizes[0]).scalar("heads", &sizes[1]).scalar("y_row", &sizes[2]);
     l.scalar("e5m2", &e5m2);
     let cfg = LaunchConfig {
-        grid_dim: (seq.div_ceil(KEY_TILE) as u32, heads as u32, p.batch as u32),
+        grid_dim: (seq.div_ceil(KEY_TILE) as u32, heads as u32, sh.batch as u32),
         block_dim: (256, 1, 1),
         shared_mem_bytes: spec.shared_bytes(1) as u32,
     };
@@ -316,7 +351,8 @@ fn launch_forward(
     (out, dtype, o_scaling): (&mut Tensor, DType, Option<&mut Fp8Scaling<'_>>),
     lse: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    if let Some(why) = unsupported_reason(dev.arch(), dtype, p.head_dim, CuSeqlens::thd(cu)) {
+    let sh = &p.shape;
+    if let Some(why) = unsupported_reason(dev.arch(), dtype, sh.head_dim, sh.layout == QkvLayout::Thd) {
         return Err(Error::Shape { op: OP, message: why });
     }
     for (name, s) in ["q", "k", "v"].into_iter().zip(scale_inv) {
@@ -327,29 +363,25 @@ fn launch_forward(
     }
     check_operands(p, operands)?;
     // The kernel reads q and k densely (checked as the operands' shapes).
-    let p8 = FlashAttnParams {
-        q: HeadStrides::dense(QkvFormat::Bshd, p.batch, p.sq, p.heads, p.head_dim),
-        kv: HeadStrides::dense(QkvFormat::Bshd, p.batch, p.sk, p.groups, p.head_dim),
-        v: HeadStrides::dense(QkvFormat::Bshd, p.batch, p.sk, p.groups, p.head_dim),
-        ..*p
-    };
+    let bshd = FlashAttnParams::dense(AttentionShape { layout: QkvLayout::Bshd, ..*sh });
+    let p8 = FlashAttnParams { q: bshd.q, kv: bshd.kv, v: bshd.v, ..*p };
     check_call(&p8, cu)?;
-    let (batch, sq, _) = reach(p, cu);
-    check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim)?;
-    check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
-    let spec = FlashAttnSpec::fp8_forward(dtype, p.head_dim, dev.arch()).with_dropout(p.dropout.is_some());
+    let (batch, sq, _) = reach(p);
+    check_extent("out", out, 0, p.o, batch, sq, sh.heads, sh.head_dim)?;
+    check_len("lse", lse.len(), sh.lse_len())?;
+    let spec = sh.flash_fp8_forward_spec(dtype, dev.arch());
     let f = function(dev, &spec, 0)?;
-    let cfg = grid(p.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
-    let totals = [(p.batch * p.sq) as u64, (p.batch * p.sk) as u64];
-    let total_o = capacity(out, 0, p.o, p.heads, p.head_dim);
+    let cfg = grid(sh.sq.div_ceil(spec.block_m), p, spec.threads_m(), spec.shared_bytes(0));
+    let totals = [(sh.batch * sh.sq) as u64, (sh.batch * sh.sk) as u64];
+    let total_o = capacity(out, 0, p.o, sh.heads, sh.head_dim);
     let s = Scalars::new(&p8, [totals[0].min(total_o), totals[1]]);
-    let vt_row = trow(p.sk) as u64;
+    let vt_row = trow(sh.sk) as u64;
     let stream = dev.stream();
     let ([q, k, vt], _guards) = addresses(stream, [(&operands.q, 0), (&operands.k, 0), (&operands.vt, 0)]);
-    let input = |base, strides, seq, heads| TmaInput { base, strides, seq, heads, width: p.head_dim };
-    let qk = [input(q, p8.q, p.sq, p.heads), input(k, p8.kv, p.sk, p.groups)];
-    let vt_map = TmaV::Transposed { base: vt, groups: p.groups, vt_row: trow(p.sk) };
-    let maps = TmaMaps::new(&spec, cu, p.batch, DType::E4M3, qk, vt_map);
+    let input = |base, strides, seq, heads| TmaInput { base, strides, seq, heads, width: sh.head_dim };
+    let qk = [input(q, p8.q, sh.sq, sh.heads), input(k, p8.kv, sh.sk, sh.groups)];
+    let vt_map = TmaV::Transposed { base: vt, groups: sh.groups, vt_row: trow(sh.sk) };
+    let maps = TmaMaps::new(&spec, cu, sh.batch, DType::E4M3, qk, vt_map);
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
     l.ptr("q", &q).ptr("k", &k).ptr("v", &vt);
     l.ptr("o", out.data_mut()?).ptr("lse", &*lse);
@@ -437,8 +469,10 @@ pub fn backward(
     cu: Option<CuSeqlens<'_>>,
     mut grads: Qkv<&mut Tensor>,
 ) -> Result<()> {
+    let sh = &p.shape;
     let dtype = d_out.dtype();
-    let why = backward_unsupported_reason(dev.arch(), dtype, p.head_dim, CuSeqlens::thd(cu), p.dropout.is_some());
+    let why =
+        backward_unsupported_reason(dev.arch(), dtype, sh.head_dim, sh.layout == QkvLayout::Thd, sh.dropout.is_some());
     if let Some(why) = why {
         return Err(Error::Shape { op: OP, message: why });
     }
@@ -459,7 +493,7 @@ pub fn backward(
     }
     check_call(p, cu)?;
     let totals = match scale_inv.o {
-        None => check_grads(p, cu, (out, d_out), &grads, [None; 3])?,
+        None => check_grads(p, (out, d_out), &grads, [None; 3])?,
         Some(_) => {
             // E4M3 output codes: d_out carries the 16-bit checks, out its own extent.
             if out.dtype() != DType::E4M3 {
@@ -470,16 +504,16 @@ pub fn backward(
                     expected: "e4m3 codes with an output scale_inv (or no scale_inv for a 16-bit output)".into(),
                 });
             }
-            let (batch, sq, _) = reach(p, cu);
-            check_extent("out", out, 0, p.o, batch, sq, p.heads, p.head_dim)?;
-            let [total_q, total_kv] = check_grads(p, cu, (d_out, d_out), &grads, [None; 3])?;
-            [total_q.min(capacity(out, 0, p.o, p.heads, p.head_dim)), total_kv]
+            let (batch, sq, _) = reach(p);
+            check_extent("out", out, 0, p.o, batch, sq, sh.heads, sh.head_dim)?;
+            let [total_q, total_kv] = check_grads(p, (d_out, d_out), &grads, [None; 3])?;
+            [total_q.min(capacity(out, 0, p.o, sh.heads, sh.head_dim)), total_kv]
         }
     };
-    check_len("lse", lse.len(), p.batch * p.heads * p.sq)?;
-    let spec = FlashAttnSpec::fp8_backward(dtype, p.head_dim, dev.arch(), grad.d_o.dtype() == DType::E5M2);
+    check_len("lse", lse.len(), sh.lse_len())?;
+    let spec = sh.flash_fp8_backward_spec(dtype, dev.arch(), grad.d_o.dtype() == DType::E5M2);
     let s = Scalars::new(p, totals);
-    let trows = [trow(p.sq) as u64, trow(p.sk) as u64];
+    let trows = [trow(sh.sq) as u64, trow(sh.sk) as u64];
     let stream = dev.stream();
     let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
     let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), scale_inv.o, &s)?;
@@ -516,12 +550,13 @@ pub fn backward(
 /// The operands' dtypes and shapes are those of `p`.
 /// The FP8 kernels take one head dim for q, k and v.
 fn check_one_head_dim(p: &FlashAttnParams) -> Result<()> {
-    if p.head_dim_v != p.head_dim {
+    let sh = &p.shape;
+    if sh.head_dim_v != sh.head_dim {
         return Err(Error::Shape {
             op: OP,
             message: format!(
                 "FP8 attention takes one head dim for q, k and v, got {} and head_dim_v {} (run the call in bf16/f16)",
-                p.head_dim, p.head_dim_v
+                sh.head_dim, sh.head_dim_v
             ),
         });
     }
@@ -529,16 +564,17 @@ fn check_one_head_dim(p: &FlashAttnParams) -> Result<()> {
 }
 
 fn check_operands(p: &FlashAttnParams, o: &Fp8Operands) -> Result<()> {
+    let sh = &p.shape;
     check_one_head_dim(p)?;
     let mut want = vec![
-        ("q", &o.q, vec![p.batch, p.sq, p.heads, p.head_dim]),
-        ("k", &o.k, vec![p.batch, p.sk, p.groups, p.head_dim]),
-        ("vt", &o.vt, vec![p.batch, p.groups, p.head_dim, trow(p.sk)]),
+        ("q", &o.q, dense(sh, Side::Q)),
+        ("k", &o.k, dense(sh, Side::Kv)),
+        ("vt", &o.vt, transposed(sh, Side::Kv)),
     ];
     if let Some(b) = &o.backward {
-        want.push(("qt", &b.qt, vec![p.batch, p.heads, p.head_dim, trow(p.sq)]));
-        want.push(("kt", &b.kt, vec![p.batch, p.groups, p.head_dim, trow(p.sk)]));
-        want.push(("v", &b.v, vec![p.batch, p.sk, p.groups, p.head_dim]));
+        want.push(("qt", &b.qt, transposed(sh, Side::Q)));
+        want.push(("kt", &b.kt, transposed(sh, Side::Kv)));
+        want.push(("v", &b.v, dense(sh, Side::Kv)));
     }
     for (name, t, shape) in want {
         if t.dtype() != DType::E4M3 || t.shape() != shape.as_slice() {
@@ -558,12 +594,10 @@ fn check_operands(p: &FlashAttnParams, o: &Fp8Operands) -> Result<()> {
 
 /// The gradient codes' dtypes and shapes are those of `p`.
 fn check_grad(p: &FlashAttnParams, g: &Fp8Grad) -> Result<()> {
+    let sh = &p.shape;
     check_one_head_dim(p)?;
     let dtype = g.d_o.dtype();
-    let want = [
-        ("d_o", &g.d_o, vec![p.batch, p.sq, p.heads, p.head_dim]),
-        ("d_ot", &g.d_ot, vec![p.batch, p.heads, p.head_dim, trow(p.sq)]),
-    ];
+    let want = [("d_o", &g.d_o, dense(sh, Side::Q)), ("d_ot", &g.d_ot, transposed(sh, Side::Q))];
     for (name, t, shape) in want {
         if !matches!(dtype, DType::E5M2 | DType::E4M3) || t.dtype() != dtype || t.shape() != shape.as_slice() {
             return Err(Error::Shape {

@@ -8,13 +8,14 @@
 //! scale of history 1 from the most recent amax, as TE's recipe table for `Float8CurrentScaling`
 //! attention says (`dot_product_attention.py`: "creates a new FP8DS recipe for S, dP").
 
-use super::{plan::Dims, Inputs, MODULE};
+use super::{Inputs, MODULE};
 use crate::fp8::{
     fp8_mode, AmaxComputeAlgo, DelayedScaling, Fp8Mode, Fp8StateSlot, GemmScaling, GradScaling, Quantizer, Recipe,
     ScalingState, FWD_INPUT,
 };
 use std::sync::Arc;
 use te_codegen::DType;
+use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::ops::flash_attention_fp8;
 use te_runtime::{Device, Result};
 
@@ -108,7 +109,7 @@ impl Fp8Scalings {
         &mut self,
         dev: &Device,
         inputs: &Inputs,
-        dims: &Dims,
+        dims: &AttentionShape,
         training: bool,
         dropout: bool,
     ) -> Result<Option<Fp8Forward>> {

@@ -3,16 +3,15 @@
 //! context keeps the output and the f32 `softmax_lse [batch, heads, sq]` (4 bytes per query and
 //! head, instead of the unfused backend's `[batch, heads, sq, sk]` probabilities).
 
-use super::plan::Dims;
-use super::{packed, AttnMaskType, MODULE};
+use super::{packed, MODULE};
 use crate::fp8::{Float8Tensor, Quantizer};
 use crate::modules::Output;
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::graph::HostCopies;
-use te_runtime::ops::dropout::DropoutParams;
-use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, HeadStrides, Qkv};
+use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
+use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
 use te_runtime::ops::flash_attention_fp8::{self as fa8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
 use te_runtime::{Device, Error, Result, Tensor};
 
@@ -61,21 +60,19 @@ pub(super) struct FusedSaved {
     lse: CudaSlice<f32>,
     /// The sequence lengths of a padding mask or of `thd`.
     seqs: Option<DeviceSeqlens>,
-    /// The forward's attention dropout (its stream replayed by the backward).
-    dropout: Option<DropoutParams>,
     /// An FP8 forward's codes for the FP8 backward ([`backward_fp8`]).
     fp8: Option<Fp8Saved>,
 }
 
 /// What an FP8 forward keeps for the FP8 backward: the codes of q, k, v (with the backward's
-/// transposed ones) and their one `scale_inv`, and the shapes and layout of the gradients (the
-/// 16-bit q, k, v themselves are not needed: the module releases them).
+/// transposed ones) and their one `scale_inv`, and the shapes of the gradients (apart, or one
+/// fused tensor and the heads' offsets; the 16-bit q, k, v themselves are not needed: the module
+/// releases them).
 #[derive(Debug)]
 struct Fp8Saved {
     operands: Fp8Operands,
     scale_inv: Arc<CudaSlice<f32>>,
     grads: Qkv<Vec<usize>>,
-    layout: Layout,
 }
 
 impl FusedSaved {
@@ -106,70 +103,25 @@ impl FusedSaved {
     }
 }
 
-/// Where q, k, v and the output sit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Layout {
-    /// Tensors of their own in `dims.format`.
-    Dense,
-    /// Inside one fused QKV tensor in `dims.format` ([`packed`]).
-    Packed,
-    /// `thd`: `[tokens, heads, head_dim]`, sequences one after another.
-    Thd,
-}
-
-/// The kernels' parameters for a call: q, k, v and the output where `layout` puts them, the
-/// mask as its resolved window (causal: right bound 0) and diagonal alignment.
-fn params(
-    dims: &Dims,
-    (mask, window): (AttnMaskType, (i64, i64)),
-    dropout: Option<DropoutParams>,
-    scale: f32,
-    layout: Layout,
-) -> FlashAttnParams {
-    let (d, dv) = (dims.head_dim, dims.head_dim_v);
-    let dense = |seq, heads, w| HeadStrides::dense(dims.format, dims.batch, seq, heads, w);
-    let tokens = |heads: usize, w: usize| HeadStrides { batch: 0, row: heads * w, head: w };
-    let (q, kv, v, o) = match layout {
-        Layout::Dense => (
-            dense(dims.sq, dims.heads, d),
-            dense(dims.sk, dims.groups, d),
-            dense(dims.sk, dims.groups, dv),
-            dense(dims.sq, dims.heads, dv),
-        ),
-        // One head dim (`forward_packed` checks it).
-        Layout::Packed => {
-            let s = packed::strides(dims).0;
-            (s, s, s, dense(dims.sq, dims.heads, d))
-        }
-        Layout::Thd => (tokens(dims.heads, d), tokens(dims.groups, d), tokens(dims.groups, dv), tokens(dims.heads, dv)),
-    };
-    FlashAttnParams {
-        batch: dims.batch,
-        sq: dims.sq,
-        sk: dims.sk,
-        heads: dims.heads,
-        groups: dims.groups,
-        head_dim: d,
-        head_dim_v: dv,
-        scale,
-        window,
-        bottom_right: mask.is_bottom_right(),
-        dropout,
-        q,
-        kv,
-        v,
-        o,
+/// The kernels' parameters for the call `shape`: q, k, v and the output dense in its layout, or
+/// with q, k and v inside one fused QKV tensor (`packed`, [`packed::strides`]; one head dim).
+fn params(shape: &AttentionShape, packed: bool) -> FlashAttnParams {
+    let dense = FlashAttnParams::dense(*shape);
+    if !packed {
+        return dense;
     }
+    let s = packed::strides(shape).0;
+    FlashAttnParams { q: s, kv: s, v: s, ..dense }
 }
 
-/// `cu_seqlens_q` / `_kv` for padding lengths: sequence `b` has `min(len, sq)` valid queries and
-/// `min(len, sk)` valid keys (the unfused byte mask's rule).
-pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> Result<DeviceSeqlens> {
-    let prefix = |cap: usize| -> Result<Vec<i32>> {
+/// `cu_seqlens_q` / `_kv` for padding lengths: sequence `b` has the valid queries and keys
+/// [`AttentionShape::valid_lengths`] gives it (the unfused byte mask's rule).
+pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], shape: &AttentionShape) -> Result<DeviceSeqlens> {
+    let prefix = |side: fn((usize, usize)) -> usize| -> Result<Vec<i32>> {
         let mut cu = vec![0i32];
         let mut total = 0usize;
         for &len in seq_lens {
-            total += len.min(cap);
+            total += side(shape.valid_lengths(Some(len)));
             cu.push(i32::try_from(total).map_err(|_| Error::Shape {
                 op: MODULE,
                 message: format!("the valid positions of the batch, {total}, exceed i32 cu_seqlens: split the batch"),
@@ -177,39 +129,36 @@ pub(super) fn padding_seqlens(dev: &Device, seq_lens: &[usize], dims: &Dims) -> 
         }
         Ok(cu)
     };
-    DeviceSeqlens::upload(dev, [&prefix(dims.sq)?, &prefix(dims.sk)?], None)
+    DeviceSeqlens::upload(dev, [&prefix(|(q, _)| q)?, &prefix(|(_, k)| k)?], None)
 }
 
-/// `out = softmax(scale · Q · Kᵀ, mask) · V` (dense `[.., heads · head_dim]` in the layout's
-/// order, `out_shape`) and the saved state; `seqs` checked and uploaded by the caller. With
-/// `fp8` the forward runs on E4M3 q, k, v ([`Fp8Call`]; the caller checked that the FP8 kernels
-/// take the call), keeps the codes of the FP8 backward ([`backward_fp8`]) when asked, and writes
-/// the output in E4M3 when asked (an [`Output::Fp8`]); else it serves the 16-bit backward.
-#[allow(clippy::too_many_arguments)]
+/// `out = softmax(scale · Q · Kᵀ, mask) · V` for the call `shape` (mask, window, scale and
+/// dropout included; dense `[.., heads · head_dim_v]` in the layout's order, `out_shape`) and the
+/// saved state; `seqs` checked and uploaded by the caller. With `fp8` the forward runs on E4M3 q,
+/// k, v ([`Fp8Call`]; the caller checked that the FP8 kernels take the call), keeps the codes of
+/// the FP8 backward ([`backward_fp8`]) when asked, and writes the output in E4M3 when asked (an
+/// [`Output::Fp8`]); else it serves the 16-bit backward.
 pub(super) fn forward(
     dev: &Device,
-    dims: &Dims,
-    (mask, drop): ((AttnMaskType, (i64, i64)), DropoutParams),
+    shape: &AttentionShape,
     seqs: Option<DeviceSeqlens>,
-    (qkv, layout): (Qkv<&Tensor>, Layout),
+    qkv: Qkv<&Tensor>,
     out_shape: &[usize],
-    scale: f32,
     fp8: Option<Fp8Call<'_>>,
 ) -> Result<(Output, FusedSaved)> {
-    let dropout = (drop.p > 0.0).then_some(drop);
-    let p = params(dims, mask, dropout, scale, layout);
+    let p = params(shape, matches!(qkv, Qkv::Packed(..)));
     let dtype = match &qkv {
         Qkv::Apart([q, _, _]) | Qkv::Packed(q, _) => q.dtype(),
     };
     let out_dtype = fp8.and_then(|f| f.out).map_or(dtype, |q| q.dtype());
     // thd: tokens between padded sequences are not written by the kernel; zeros there.
-    let mut out = if layout == Layout::Thd {
+    let mut out = if shape.layout == QkvLayout::Thd {
         Tensor::zeros(dev, out_dtype, out_shape)?
     } else {
         Tensor::empty(dev, out_dtype, out_shape)?
     };
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
-    let mut lse = unsafe { dev.stream().alloc::<f32>(dims.batch * dims.heads * dims.sq) }?;
+    let mut lse = unsafe { dev.stream().alloc::<f32>(shape.lse_len()) }?;
     let cu = seqs.as_ref().map(DeviceSeqlens::get);
     let (fp8, out_scale_inv) = match fp8 {
         None => {
@@ -220,14 +169,14 @@ pub(super) fn forward(
             let grads = shapes(&qkv);
             let (operands, scale_inv, out_scale_inv) =
                 forward_fp8(dev, &p, qkv, cu, (&mut out, dtype, &mut lse), call)?;
-            (call.keep.then_some(Fp8Saved { operands, scale_inv, grads, layout }), out_scale_inv)
+            (call.keep.then_some(Fp8Saved { operands, scale_inv, grads }), out_scale_inv)
         }
     };
     let output = match &out_scale_inv {
         Some(si) => Output::Fp8(Float8Tensor::from_parts(out.clone(), None, si.clone())?),
         None => Output::High(out.clone()),
     };
-    Ok((output, FusedSaved { out, out_scale_inv, lse, seqs, dropout, fp8 }))
+    Ok((output, FusedSaved { out, out_scale_inv, lse, seqs, fp8 }))
 }
 
 /// The FP8 forward: q, k and v cast to their E4M3 operands with one scale (`call.quantizer`'s:
@@ -268,20 +217,19 @@ fn forward_fp8(
     Ok((operands, scale_inv, out_scale_inv))
 }
 
-/// The gradients of q, k and v from the forward's tensors and state: `(dq, dk, dv)` in q's, k's
-/// and v's shapes for inputs apart, one fused `d_qkv` ([`packed::shape`]) for packed inputs.
+/// The gradients of q, k and v from the forward's tensors and state (`shape` the forward's, its
+/// dropout stream replayed): `(dq, dk, dv)` in q's, k's and v's shapes for inputs apart, one fused
+/// `d_qkv` ([`packed::shape`]) for packed inputs.
 pub(super) fn backward(
     dev: &Device,
-    dims: &Dims,
-    mask: (AttnMaskType, (i64, i64)),
-    (qkv, layout): (Qkv<&Tensor>, Layout),
+    shape: &AttentionShape,
+    qkv: Qkv<&Tensor>,
     saved: &FusedSaved,
     d_out: &Tensor,
-    scale: f32,
 ) -> Result<Qkv<Tensor>> {
-    let p = params(dims, mask, saved.dropout, scale, layout);
+    let p = params(shape, matches!(qkv, Qkv::Packed(..)));
     let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
-    let mut grads = new_grads(dev, out.dtype(), &shapes(&qkv), layout)?;
+    let mut grads = new_grads(dev, out.dtype(), &shapes(&qkv), shape.layout)?;
     flash_attention::backward(dev, &p, qkv, out, d_out, lse, cu, grads_mut(&mut grads))?;
     Ok(grads)
 }
@@ -291,20 +239,18 @@ pub(super) fn backward(
 /// recorded); the gradients as [`backward`] gives them, from the codes alone.
 pub(super) fn backward_fp8(
     dev: &Device,
-    dims: &Dims,
-    mask: (AttnMaskType, (i64, i64)),
+    shape: &AttentionShape,
     saved: &FusedSaved,
     d_out: &Tensor,
-    scale: f32,
     (d_o, ds): (&dyn Quantizer, &dyn Quantizer),
 ) -> Result<Qkv<Tensor>> {
     let fp8 =
         saved.fp8.as_ref().ok_or_else(|| Error::internal(MODULE, "the FP8 backward of a forward without codes"))?;
-    let p = params(dims, mask, saved.dropout, scale, fp8.layout);
+    let p = params(shape, matches!(fp8.grads, Qkv::Packed(..)));
     let (out, lse, cu) = (&saved.out, &saved.lse, saved.seqs.as_ref().map(DeviceSeqlens::get));
     let mut g8 = Fp8Grad::new(dev, &p, d_o.dtype())?;
     let d_o_scale_inv = d_o.cast_inputs(&[d_out], &mut |s| fa8::quantize_grad(dev, &p, d_out, s, &mut g8))?;
-    let mut grads = new_grads(dev, d_out.dtype(), &fp8.grads, fp8.layout)?;
+    let mut grads = new_grads(dev, d_out.dtype(), &fp8.grads, shape.layout)?;
     let scale_inv =
         Fp8BwdScaleInv { qkv: [&*fp8.scale_inv; 3], d_o: &d_o_scale_inv, o: saved.out_scale_inv.as_deref() };
     ds.fused_cast(&mut |s| {
@@ -324,9 +270,9 @@ fn shapes(qkv: &Qkv<&Tensor>) -> Qkv<Vec<usize>> {
 
 /// Uninitialized gradients of `shapes` (zeros for `thd`, whose gaps between sequences the
 /// kernels do not write).
-fn new_grads(dev: &Device, dtype: DType, shapes: &Qkv<Vec<usize>>, layout: Layout) -> Result<Qkv<Tensor>> {
+fn new_grads(dev: &Device, dtype: DType, shapes: &Qkv<Vec<usize>>, layout: QkvLayout) -> Result<Qkv<Tensor>> {
     let new = |shape: &Vec<usize>| {
-        if layout == Layout::Thd {
+        if layout == QkvLayout::Thd {
             Tensor::zeros(dev, dtype, shape)
         } else {
             Tensor::empty(dev, dtype, shape)
@@ -348,26 +294,28 @@ fn grads_mut(g: &mut Qkv<Tensor>) -> Qkv<&mut Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::modules::attention::QkvFormat;
+    use te_codegen::spec::AttnMaskType;
+    use te_runtime::ops::flash_attention::HeadStrides;
 
     #[test]
-    fn dense_strides_follow_the_format() {
-        let dims =
-            Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 7, heads: 4, groups: 2, head_dim: 64, head_dim_v: 64 };
-        let p = params(&dims, (AttnMaskType::Causal, (-1, 0)), None, 0.125, Layout::Dense);
+    fn strides_follow_the_layout() {
+        let dims = AttentionShape::new(QkvLayout::Sbhd, 3, (5, 7), (4, 2), 64).with_mask(AttnMaskType::Causal, None);
+        let p = params(&dims, false);
         assert_eq!(p.q, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 128, row: 3 * 128, head: 64 });
-        assert_eq!((p.window, p.bottom_right), ((-1, 0), false));
-        let bshd = Dims { format: QkvFormat::Bshd, ..dims };
-        let p = params(&bshd, (AttnMaskType::PaddingCausalBottomRight, (4, 0)), None, 0.125, Layout::Dense);
+        assert_eq!((p.shape.window, p.shape.bottom_right()), ((-1, 0), false));
+        let bshd = AttentionShape { layout: QkvLayout::Bshd, ..dims }
+            .with_mask(AttnMaskType::PaddingCausalBottomRight, Some((4, 0)));
+        let p = params(&bshd, false);
         assert_eq!(p.q, HeadStrides { batch: 5 * 256, row: 256, head: 64 });
         assert_eq!(p.kv, HeadStrides { batch: 7 * 128, row: 128, head: 64 });
-        assert_eq!((p.window, p.bottom_right), ((4, 0), true));
-        let packed = Dims { sk: 5, ..dims };
-        let p = params(&packed, (AttnMaskType::Causal, (-1, 0)), None, 0.125, Layout::Packed);
+        assert_eq!((p.shape.window, p.shape.bottom_right()), ((4, 0), true));
+        let packed = AttentionShape { sk: 5, ..dims };
+        let p = params(&packed, true);
         assert_eq!((p.q, p.kv), (packed::strides(&packed).0, packed::strides(&packed).0));
         assert_eq!(p.o, HeadStrides { batch: 256, row: 3 * 256, head: 64 });
-        let p = params(&dims, (AttnMaskType::PaddingCausal, (-1, 0)), None, 0.125, Layout::Thd);
+        let thd = AttentionShape { layout: QkvLayout::Thd, ..dims }.with_mask(AttnMaskType::PaddingCausal, None);
+        let p = params(&thd, false);
         assert_eq!(
             (p.q, p.kv, p.o),
             (

@@ -4,50 +4,58 @@
 //! in place and writes `dq`, `dk`, `dv` into one such gradient; the unfused backend and RoPE work
 //! on q, k, v copied apart ([`split`]) and concatenate their gradients back ([`concat`]).
 
-use super::plan::Dims;
 use super::{
-    check_dtype, check_shape, high, AttentionCtx, DType, DotProductAttention, Fp8OutputRequest, Inputs, Output, Qkv,
-    MODULE,
+    check_dtype, check_shape, high, AttentionCtx, DType, DotProductAttention, DotProductAttentionConfig,
+    Fp8OutputRequest, Inputs, Output, Qkv, QkvFormat, MODULE,
 };
+use te_runtime::ops::attention_shape::{AttentionShape, HeadStrides};
 use te_runtime::ops::copy::copy_columns;
-use te_runtime::ops::flash_attention::HeadStrides;
 use te_runtime::{Device, Error, Result, Tensor};
 
 /// Elements per position of the fused tensor: `(h + 2g) · d`.
-pub(super) fn width(dims: &Dims) -> usize {
+pub(super) fn width(dims: &AttentionShape) -> usize {
     (dims.heads + 2 * dims.groups) * dims.head_dim
 }
 
-/// The shape of the fused tensor (and of its gradient) for `dims` (self-attention: `sq = sk`).
-pub(super) fn shape(dims: &Dims) -> [usize; 3] {
-    let [a, b, _, _] = dims.format.shape(dims.batch, dims.sq, 1, 1);
-    [a, b, width(dims)]
+/// The shape of the fused tensor (and of its gradient) for `dims` (self-attention: `sq = sk`;
+/// bshd or sbhd).
+///
+/// # Errors
+/// [`Error::Internal`] for `thd`, which has no fused QKV tensor.
+pub(super) fn shape(dims: &AttentionShape) -> Result<[usize; 3]> {
+    let [a, b, _, _] = format(dims)?.shape(dims.batch, dims.sq, 1, 1);
+    Ok([a, b, width(dims)])
+}
+
+/// The format of the fused tensor.
+///
+/// # Errors
+/// [`Error::Internal`] for `thd`, which has no fused QKV tensor.
+fn format(dims: &AttentionShape) -> Result<QkvFormat> {
+    dims.layout.format().ok_or_else(|| Error::internal(MODULE, "a fused QKV tensor in thd"))
 }
 
 /// Where the heads of q, k and v sit in the fused tensor: one set of strides for all three (rows
-/// [`width`] apart), and the element offsets of q's, k's and v's first head.
-pub(super) fn strides(dims: &Dims) -> (HeadStrides, [usize; 3]) {
+/// [`width`] apart), and the element offsets of q's, k's and v's first head. (A `thd` shape, which
+/// has no fused tensor, reads as bshd.)
+pub(super) fn strides(dims: &AttentionShape) -> (HeadStrides, [usize; 3]) {
     let (w, d) = (width(dims), dims.head_dim);
-    let strides = match dims.format {
-        super::QkvFormat::Bshd => HeadStrides { batch: dims.sq * w, row: w, head: d },
-        super::QkvFormat::Sbhd => HeadStrides { batch: w, row: dims.batch * w, head: d },
+    let strides = match dims.layout.format() {
+        Some(QkvFormat::Sbhd) => HeadStrides { batch: w, row: dims.batch * w, head: d },
+        Some(QkvFormat::Bshd) | None => HeadStrides { batch: dims.sq * w, row: w, head: d },
     };
     (strides, [0, dims.heads * d, (dims.heads + dims.groups) * d])
 }
 
-/// The sizes of self-attention over the fused `qkv` with `heads` query heads, `groups`
-/// key/value heads of `head_dim`.
+/// The problem of self-attention over the fused `qkv` for the module's configuration: its
+/// heads, groups and head dim, format, mask, window and scale (`DotProductAttentionConfig::shape`),
+/// `sq = sk` the positions of `qkv`; checked ([`AttentionShape::validate`]).
 ///
 /// # Errors
 /// [`Error::Shape`] when `qkv` is not 3-D with last dim `(heads + 2 · groups) · head_dim`, or a
 /// batch or sequence of 0.
-pub(super) fn dims(
-    qkv: &Tensor,
-    format: super::QkvFormat,
-    heads: usize,
-    groups: usize,
-    head_dim: usize,
-) -> Result<Dims> {
+pub(super) fn problem(qkv: &Tensor, cfg: &DotProductAttentionConfig) -> Result<AttentionShape> {
+    let (heads, groups, head_dim) = (cfg.num_attention_heads, cfg.groups(), cfg.kv_channels);
     let want = (heads + 2 * groups) * head_dim;
     let &[a, b, w] = qkv.shape() else {
         return Err(Error::Shape {
@@ -67,22 +75,24 @@ pub(super) fn dims(
             ),
         });
     }
-    let (batch, seq) = format.batch_seq([a, b, 1, 1]);
+    let (batch, seq) = cfg.qkv_format.batch_seq([a, b, 1, 1]);
     if batch == 0 || seq == 0 {
         return Err(Error::Shape {
             op: MODULE,
             message: format!("batch and sequence must be ≥ 1, got {batch} and {seq}"),
         });
     }
-    Ok(Dims { format, batch, sq: seq, sk: seq, heads, groups, head_dim, head_dim_v: head_dim })
+    let dims = AttentionShape { head_dim_v: head_dim, ..cfg.shape(batch, (seq, seq)) };
+    dims.validate(MODULE)?;
+    Ok(dims)
 }
 
 /// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused `qkv`.
 ///
 /// # Errors
 /// Allocation and copy failures.
-pub(super) fn split(dev: &Device, qkv: &Tensor, dims: &Dims) -> Result<[Tensor; 3]> {
-    let [a, b, _] = shape(dims);
+pub(super) fn split(dev: &Device, qkv: &Tensor, dims: &AttentionShape) -> Result<[Tensor; 3]> {
+    let [a, b, _] = shape(dims)?;
     let d = dims.head_dim;
     let (_, offsets) = strides(dims);
     let part = |offset: usize, heads: usize| -> Result<Tensor> {
@@ -97,8 +107,8 @@ pub(super) fn split(dev: &Device, qkv: &Tensor, dims: &Dims) -> Result<[Tensor; 
 ///
 /// # Errors
 /// Allocation and copy failures.
-pub(super) fn concat(dev: &Device, [dq, dk, dv]: [&Tensor; 3], dims: &Dims) -> Result<Tensor> {
-    let [a, b, w] = shape(dims);
+pub(super) fn concat(dev: &Device, [dq, dk, dv]: [&Tensor; 3], dims: &AttentionShape) -> Result<Tensor> {
+    let [a, b, w] = shape(dims)?;
     let d = dims.head_dim;
     let (_, offsets) = strides(dims);
     let mut d_qkv = Tensor::empty(dev, dq.dtype(), &[a, b, w])?;
@@ -147,7 +157,7 @@ impl DotProductAttention {
                 ),
             });
         }
-        let dims = dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
+        let dims = problem(qkv, cfg)?;
         self.run_forward(dims, Inputs::Packed(qkv.clone()), seq_lens, true, out_fp8)
     }
 
@@ -166,7 +176,7 @@ impl DotProductAttention {
                 message: "the context was made by forward (q, k, v apart): take its gradients with backward".into(),
             });
         }
-        let dims = ctx.dims;
+        let dims = ctx.shape;
         match self.run_backward(ctx, d_out)? {
             Qkv::Apart([dq, dk, dv]) => concat(&self.dev, [&dq, &dk, &dv], &dims),
             Qkv::Packed(d_qkv, _) => Ok(d_qkv),
@@ -179,9 +189,7 @@ impl DotProductAttention {
     /// # Errors
     /// As [`DotProductAttention::forward_packed`]'s shape checks; allocation and copy failures.
     pub(crate) fn split_packed(&self, qkv: &Tensor) -> Result<[Tensor; 3]> {
-        let cfg = &self.cfg;
-        let dims = dims(qkv, cfg.qkv_format, cfg.num_attention_heads, cfg.groups(), cfg.kv_channels)?;
-        split(&self.dev, qkv, &dims)
+        split(&self.dev, qkv, &problem(qkv, &self.cfg)?)
     }
 
     /// The fused QKV gradient `[a, b, (h + 2g) · d]` of `dq`, `dk`, `dv` (shapes of
@@ -195,16 +203,7 @@ impl DotProductAttention {
             return Err(Error::Shape { op: MODULE, message: format!("dq must be 4-D, got {:?}", dq.shape()) });
         };
         let (batch, seq) = self.cfg.qkv_format.batch_seq([a, b, 1, 1]);
-        let dims = Dims {
-            format: self.cfg.qkv_format,
-            batch,
-            sq: seq,
-            sk: seq,
-            heads: h,
-            groups: g,
-            head_dim: d,
-            head_dim_v: d,
-        };
+        let dims = AttentionShape { head_dim_v: d, ..self.cfg.shape(batch, (seq, seq)) };
         check_shape(MODULE, "dq", dq, &self.cfg.qkv_format.shape(batch, seq, h, d))?;
         for (name, t) in [("dk", dk), ("dv", dv)] {
             check_shape(MODULE, name, t, &self.cfg.qkv_format.shape(batch, seq, g, d))?;
@@ -215,18 +214,19 @@ impl DotProductAttention {
 
 #[cfg(test)]
 mod tests {
-    use super::super::QkvFormat;
     use super::*;
+    use te_runtime::ops::attention_shape::QkvLayout;
 
     #[test]
     fn heads_sit_at_their_columns() {
-        let dims =
-            Dims { format: QkvFormat::Sbhd, batch: 3, sq: 5, sk: 5, heads: 4, groups: 2, head_dim: 8, head_dim_v: 8 };
-        assert_eq!((width(&dims), shape(&dims)), (64, [5, 3, 64]));
+        let dims = AttentionShape::new(QkvLayout::Sbhd, 3, (5, 5), (4, 2), 8);
+        assert_eq!((width(&dims), shape(&dims).unwrap()), (64, [5, 3, 64]));
         let (s, offsets) = strides(&dims);
         assert_eq!((s, offsets), (HeadStrides { batch: 64, row: 192, head: 8 }, [0, 32, 48]));
-        let bshd = Dims { format: QkvFormat::Bshd, ..dims };
-        assert_eq!(shape(&bshd), [3, 5, 64]);
+        let bshd = AttentionShape { layout: QkvLayout::Bshd, ..dims };
+        assert_eq!(shape(&bshd).unwrap(), [3, 5, 64]);
         assert_eq!(strides(&bshd).0, HeadStrides { batch: 320, row: 64, head: 8 });
+        let thd = AttentionShape { layout: QkvLayout::Thd, ..dims };
+        assert!(matches!(shape(&thd), Err(Error::Internal { .. })));
     }
 }

@@ -10,27 +10,12 @@
 //! such a run of pairs, for each `r` (and each batch in bshd). Scores `[batch, heads, sq, sk]` are
 //! dense, pairs `hpg · sq · sk` apart.
 
-use super::QkvFormat;
+use super::{QkvFormat, MODULE};
 use te_runtime::gemm::{MatrixView, StridedBatch};
+use te_runtime::ops::attention_shape::AttentionShape;
+use te_runtime::{Error, Result};
 
-/// The sizes of one attention call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Dims {
-    pub format: QkvFormat,
-    pub batch: usize,
-    pub sq: usize,
-    pub sk: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads (divides `heads`).
-    pub groups: usize,
-    /// Channels per head of q and k.
-    pub head_dim: usize,
-    /// Channels per head of v and the output.
-    pub head_dim_v: usize,
-}
-
-/// The per-head products, each `D = A · Bᵀ` on head matrices of `w` channels ([`Dims::calls`]).
+/// The per-head products, each `D = A · Bᵀ` on head matrices of `w` channels ([`calls`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Product {
     /// `[sq, sk] = [sq, w] · [sk, w]ᵀ` per query head: `S = Q · Kᵀ` (`w = head_dim`), `dP = dO ·
@@ -53,88 +38,92 @@ pub(super) struct Call {
     pub accumulate: bool,
 }
 
-impl Dims {
-    /// Query heads per key/value head.
-    pub fn heads_per_group(&self) -> usize {
-        self.heads / self.groups
-    }
+/// The dense format of the unfused backend's call.
+///
+/// # Errors
+/// [`Error::Internal`] for `thd`, which only the fused backend runs (the module refuses it before).
+pub(super) fn format(s: &AttentionShape) -> Result<QkvFormat> {
+    s.layout.format().ok_or_else(|| Error::internal(MODULE, "a thd call reached the unfused backend"))
+}
 
-    /// `[batch, heads, sq, sk]`: scores, probabilities and their gradients.
-    pub fn scores_shape(&self) -> [usize; 4] {
-        [self.batch, self.heads, self.sq, self.sk]
-    }
+/// `[batch, sq, heads · head_dim_v]` (bshd) or `[sq, batch, heads · head_dim_v]` (sbhd): the
+/// output, laid out as q.
+///
+/// # Errors
+/// As [`format`].
+pub(super) fn out_shape(s: &AttentionShape) -> Result<Vec<usize>> {
+    let [a, b, h, d] = format(s)?.shape(s.batch, s.sq, s.heads, s.head_dim_v);
+    Ok(vec![a, b, h * d])
+}
 
-    /// `[batch, sq, heads · head_dim_v]` (bshd) or `[sq, batch, heads · head_dim_v]` (sbhd): the
-    /// output, laid out as q.
-    pub fn out_shape(&self) -> Vec<usize> {
-        let [a, b, h, d] = self.format.shape(self.batch, self.sq, self.heads, self.head_dim_v);
-        vec![a, b, h * d]
-    }
+/// The shape of k (`w = head_dim`) or v (`head_dim_v`).
+///
+/// # Errors
+/// As [`format`].
+pub(super) fn kv_shape(s: &AttentionShape, w: usize) -> Result<[usize; 4]> {
+    Ok(format(s)?.shape(s.batch, s.sk, s.groups, w))
+}
 
-    /// The shape of k (`w = head_dim`) or v (`head_dim_v`).
-    pub fn kv_shape(&self, w: usize) -> [usize; 4] {
-        self.format.shape(self.batch, self.sk, self.groups, w)
-    }
+/// The `[seq, w]` matrices of a tensor of `n` heads of `w` channels over `seq` positions, from
+/// head `head` of batch `batch` on, consecutive matrices `step` heads apart.
+fn heads(
+    s: &AttentionShape,
+    format: QkvFormat,
+    (seq, n, w): (usize, usize, usize),
+    (batch, head, step): (usize, usize, usize),
+) -> MatrixView {
+    let (batch_offset, row_stride) = match format {
+        QkvFormat::Bshd => (batch * seq * n * w, n * w),
+        QkvFormat::Sbhd => (batch * n * w, s.batch * n * w),
+    };
+    MatrixView { offset: batch_offset + head * w, rows: seq, cols: w, row_stride, batch_stride: step * w }
+}
 
-    /// The `[seq, w]` matrices of a tensor of `n` heads of `w` channels over `seq` positions, from
-    /// head `head` of batch `batch` on, consecutive matrices `step` heads apart.
-    fn heads(&self, seq: usize, n: usize, w: usize, batch: usize, head: usize, step: usize) -> MatrixView {
-        let (batch_offset, row_stride) = match self.format {
-            QkvFormat::Bshd => (batch * seq * n * w, n * w),
-            QkvFormat::Sbhd => (batch * n * w, self.batch * n * w),
-        };
-        MatrixView { offset: batch_offset + head * w, rows: seq, cols: w, row_stride, batch_stride: step * w }
+/// Scores of query heads `r` of each group, from batch `batch` on.
+fn scores(s: &AttentionShape, batch: usize, r: usize) -> MatrixView {
+    let plane = s.sq * s.sk;
+    MatrixView {
+        offset: (batch * s.heads + r) * plane,
+        rows: s.sq,
+        cols: s.sk,
+        row_stride: s.sk,
+        batch_stride: s.heads_per_group() * plane,
     }
+}
 
-    /// Query heads `r` of each group (q, the output, their gradients), from batch `batch` on.
-    fn query(&self, batch: usize, r: usize, w: usize) -> MatrixView {
-        self.heads(self.sq, self.heads, w, batch, r, self.heads_per_group())
+/// Runs of (batch, group) pairs at constant strides: `(first batch, pairs)`.
+fn runs(s: &AttentionShape, format: QkvFormat) -> Vec<(usize, usize)> {
+    match format {
+        QkvFormat::Sbhd => vec![(0, s.batch * s.groups)],
+        QkvFormat::Bshd => (0..s.batch).map(|b| (b, s.groups)).collect(),
     }
+}
 
-    /// Key/value heads (k, v, their gradients), from batch `batch` on.
-    fn key(&self, batch: usize, w: usize) -> MatrixView {
-        self.heads(self.sk, self.groups, w, batch, 0, 1)
-    }
-
-    /// Scores of query heads `r` of each group, from batch `batch` on.
-    fn scores(&self, batch: usize, r: usize) -> MatrixView {
-        let plane = self.sq * self.sk;
-        MatrixView {
-            offset: (batch * self.heads + r) * plane,
-            rows: self.sq,
-            cols: self.sk,
-            row_stride: self.sk,
-            batch_stride: self.heads_per_group() * plane,
+/// The GEMMs of `product` on head matrices of `w` channels: operands `a`, `b` and output as the
+/// product's doc says, query heads `r` of each group (q, the output, their gradients) against the
+/// key/value heads (k, v, their gradients).
+///
+/// # Errors
+/// As [`format`].
+pub(super) fn calls(s: &AttentionShape, product: Product, w: usize) -> Result<Vec<Call>> {
+    let format = format(s)?;
+    let mut calls = Vec::new();
+    for (batch, count) in runs(s, format) {
+        for r in 0..s.heads_per_group() {
+            let q = heads(s, format, (s.sq, s.heads, w), (batch, r, s.heads_per_group()));
+            let k = heads(s, format, (s.sk, s.groups, w), (batch, 0, 1));
+            let d_scores = scores(s, batch, r);
+            let (a, a_transposed, b, b_transposed, d) = match product {
+                Product::QueryKeyT => (q, false, k, false, d_scores),
+                // B = the key matrix `[sk, d]` read as `[d, sk]`: stored transposed.
+                Product::ScoresKey => (d_scores, false, k, true, q),
+                Product::ScoresTQuery => (d_scores, true, q, true, k),
+            };
+            let batch = StridedBatch { count, a, a_transposed, b, b_transposed, d };
+            calls.push(Call { batch, accumulate: product == Product::ScoresTQuery && r > 0 });
         }
     }
-
-    /// Runs of (batch, group) pairs at constant strides: `(first batch, pairs)`.
-    fn runs(&self) -> Vec<(usize, usize)> {
-        match self.format {
-            QkvFormat::Sbhd => vec![(0, self.batch * self.groups)],
-            QkvFormat::Bshd => (0..self.batch).map(|b| (b, self.groups)).collect(),
-        }
-    }
-
-    /// The GEMMs of `product` on head matrices of `w` channels: operands `a`, `b` and output as
-    /// the product's doc says.
-    pub fn calls(&self, product: Product, w: usize) -> Vec<Call> {
-        let mut calls = Vec::new();
-        for (batch, count) in self.runs() {
-            for r in 0..self.heads_per_group() {
-                let (q, k, s) = (self.query(batch, r, w), self.key(batch, w), self.scores(batch, r));
-                let (a, a_transposed, b, b_transposed, d) = match product {
-                    Product::QueryKeyT => (q, false, k, false, s),
-                    // B = the key matrix `[sk, d]` read as `[d, sk]`: stored transposed.
-                    Product::ScoresKey => (s, false, k, true, q),
-                    Product::ScoresTQuery => (s, true, q, true, k),
-                };
-                let batch = StridedBatch { count, a, a_transposed, b, b_transposed, d };
-                calls.push(Call { batch, accumulate: product == Product::ScoresTQuery && r > 0 });
-            }
-        }
-        calls
-    }
+    Ok(calls)
 }
 
 #[cfg(test)]
@@ -145,18 +134,19 @@ mod tests {
     use crate::modules::init::normal;
     use te_codegen::spec::MaskKind;
     use te_codegen::DType;
-    use te_reference::attention::{self as reference, AttentionCase};
+    use te_reference::attention as reference;
     use te_reference::gemm::gemm_strided_batched;
     use te_reference::softmax;
     use te_runtime::numerics;
+    use te_runtime::ops::attention_shape::QkvLayout;
 
     fn values(seed: u64, n: usize) -> Vec<f32> {
         normal(n, 1.0, seed)
     }
 
     /// Runs the calls of `product` on host slices.
-    fn run(dims: &Dims, product: Product, w: usize, a: &[f32], b: &[f32], d: &mut [f32]) {
-        for call in dims.calls(product, w) {
+    fn run(dims: &AttentionShape, product: Product, w: usize, a: &[f32], b: &[f32], d: &mut [f32]) {
+        for call in calls(dims, product, w).unwrap() {
             gemm_strided_batched(a, b, d, &call.batch, 1.0, call.accumulate);
         }
     }
@@ -165,17 +155,8 @@ mod tests {
     /// rounded to `dtype`, as the GPU stores it; key gradients of groups in f32), against the
     /// f64 reference: relative Frobenius error below `rtol`, and elementwise `|got - want| <=
     /// rtol · |want| + atol · max |want|`.
-    fn check(case: &AttentionCase<'_>, dtype: DType, rtol: f32, atol: f32) {
-        let dims = Dims {
-            format: case.format,
-            batch: case.batch,
-            sq: case.sq,
-            sk: case.sk,
-            heads: case.heads,
-            groups: case.groups,
-            head_dim: case.head_dim,
-            head_dim_v: case.head_dim_v,
-        };
+    fn check((case, seq_lens): &(AttentionShape, Option<&[usize]>), dtype: DType, rtol: f32, atol: f32) {
+        let (dims, seq_lens) = (case, *seq_lens);
         let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| numerics::round_to(dtype, x)).collect() };
         let (d, dv_w) = (dims.head_dim, dims.head_dim_v);
         let (q_len, out_len) = (case.q_len(), case.out_len());
@@ -185,27 +166,27 @@ mod tests {
             (round(values(1, q_len)), round(values(2, kv_len)), round(values(3, v_len)), round(values(4, out_len)));
         let kind = kernel_mask(case.mask, case.window);
         let mask = match kind {
-            MaskKind::Padding => byte_mask(case.mask, case.window, case.seq_lens, dims.batch, dims.sq, dims.sk),
+            MaskKind::Padding => byte_mask(case, seq_lens),
             MaskKind::None | MaskKind::Causal => Vec::new(),
         };
         let mut s = vec![f32::NAN; s_len];
-        run(&dims, Product::QueryKeyT, d, &q, &k, &mut s);
+        run(dims, Product::QueryKeyT, d, &q, &k, &mut s);
         let p = round(softmax::forward(&round(s), kind, &mask, dims.heads, dims.sq, dims.sk, case.scale));
         let mut out = vec![f32::NAN; out_len];
-        run(&dims, Product::ScoresKey, dv_w, &p, &v, &mut out);
+        run(dims, Product::ScoresKey, dv_w, &p, &v, &mut out);
         let mut dv = vec![f32::NAN; v_len];
-        run(&dims, Product::ScoresTQuery, dv_w, &p, &d_out, &mut dv);
+        run(dims, Product::ScoresTQuery, dv_w, &p, &d_out, &mut dv);
         let mut dp = vec![f32::NAN; s_len];
-        run(&dims, Product::QueryKeyT, dv_w, &d_out, &v, &mut dp);
+        run(dims, Product::QueryKeyT, dv_w, &d_out, &v, &mut dp);
         let ds = round(softmax::backward(&round(dp), &p, dims.sk, case.scale));
         let mut dq = vec![f32::NAN; q_len];
-        run(&dims, Product::ScoresKey, d, &ds, &k, &mut dq);
+        run(dims, Product::ScoresKey, d, &ds, &k, &mut dq);
         let mut dk = vec![f32::NAN; kv_len];
-        run(&dims, Product::ScoresTQuery, d, &ds, &q, &mut dk);
+        run(dims, Product::ScoresTQuery, d, &ds, &q, &mut dk);
 
-        let want = reference::forward(case, &q, &k, &v);
-        let grads = reference::backward(case, &q, &k, &v, &d_out);
-        let what = format!("{:?} {} groups {}", case.format, case.mask.name(), case.groups);
+        let want = reference::forward(case, seq_lens, &q, &k, &v);
+        let grads = reference::backward(case, seq_lens, &q, &k, &v, &d_out);
+        let what = format!("{:?} {} groups {}", case.layout, case.mask.name(), case.groups);
         for (name, got, want) in [
             ("out", round(out), &want.out),
             ("dq", round(dq), &grads.dq),
@@ -231,35 +212,25 @@ mod tests {
         (sq, sk): (usize, usize),
         groups: &[usize],
         (head_dim, head_dim_v): (usize, usize),
-    ) -> Vec<AttentionCase<'a>> {
+    ) -> Vec<(AttentionShape, Option<&'a [usize]>)> {
         let mut cases = Vec::new();
         for format in [QkvFormat::Bshd, QkvFormat::Sbhd] {
             let padded = seq_lens[0];
             for (mask, sq, sk, window) in [
-                (AttnMaskType::NoMask, sq, sk, (-1, -1)),
-                (AttnMaskType::Causal, sk, sq, (-1, 0)),
-                (AttnMaskType::CausalBottomRight, sq, sk, (-1, 0)),
-                (AttnMaskType::CausalBottomRight, sk, sq, (2, 0)),
-                (AttnMaskType::NoMask, sq, sk, (1, 2)),
-                (AttnMaskType::Padding, padded, padded, (-1, -1)),
-                (AttnMaskType::PaddingCausal, padded, padded, (-1, 0)),
-                (AttnMaskType::PaddingCausalBottomRight, padded, padded, (3, 0)),
+                (AttnMaskType::NoMask, sq, sk, None),
+                (AttnMaskType::Causal, sk, sq, None),
+                (AttnMaskType::CausalBottomRight, sq, sk, None),
+                (AttnMaskType::CausalBottomRight, sk, sq, Some((2, 0))),
+                (AttnMaskType::NoMask, sq, sk, Some((1, 2))),
+                (AttnMaskType::Padding, padded, padded, None),
+                (AttnMaskType::PaddingCausal, padded, padded, None),
+                (AttnMaskType::PaddingCausalBottomRight, padded, padded, Some((3, 0))),
             ] {
                 for &groups in groups {
-                    cases.push(AttentionCase {
-                        format,
-                        batch: seq_lens.len(),
-                        sq,
-                        sk,
-                        heads: 4,
-                        groups,
-                        head_dim,
-                        head_dim_v,
-                        mask,
-                        seq_lens: mask.is_padding().then_some(seq_lens),
-                        scale: 1.0 / (head_dim as f32).sqrt(),
-                        window,
-                    });
+                    let shape = AttentionShape::new(format.into(), seq_lens.len(), (sq, sk), (4, groups), head_dim)
+                        .with_head_dim_v(head_dim_v)
+                        .with_mask(mask, window);
+                    cases.push((shape, mask.is_padding().then_some(seq_lens)));
                 }
             }
         }
@@ -295,10 +266,10 @@ mod tests {
     #[test]
     fn calls_cover_every_head_once() {
         for format in [QkvFormat::Bshd, QkvFormat::Sbhd] {
-            let dims = Dims { format, batch: 3, sq: 5, sk: 7, heads: 6, groups: 2, head_dim: 4, head_dim_v: 4 };
+            let dims = AttentionShape::new(QkvLayout::from(format), 3, (5, 7), (6, 2), 4);
             let q_len = 3 * 5 * 6 * 4;
             let mut written = vec![0u32; q_len];
-            for call in dims.calls(Product::ScoresKey, 4) {
+            for call in calls(&dims, Product::ScoresKey, 4).unwrap() {
                 assert!(!call.accumulate);
                 let v = call.batch.d;
                 for i in 0..call.batch.count {
@@ -310,7 +281,7 @@ mod tests {
                 }
             }
             assert!(written.iter().all(|&n| n == 1), "{format:?}: {written:?}");
-            let calls = dims.calls(Product::ScoresTQuery, 4);
+            let calls = calls(&dims, Product::ScoresTQuery, 4).unwrap();
             let counts: Vec<(usize, bool)> = calls.iter().map(|c| (c.batch.count, c.accumulate)).collect();
             // Three query heads per group: the first writes, the others add.
             let per_run = [false, true, true];

@@ -2,11 +2,11 @@
 //! TE's `cu_seqlens_q` / `cu_seqlens_kv` and their `_padded` variants, checked on the host before
 //! they reach the kernels.
 
-use super::plan::Dims;
 use super::{
     backend, check_dtype, check_shape, fused, high, AttentionBackend, AttentionCtx, DType, DotProductAttention, Inputs,
-    QkvFormat, Saved, MODULE,
+    Saved, MODULE,
 };
+use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
 use te_runtime::{Error, Result, Tensor};
 
 /// The sequences of a `thd` call: host prefix sums of `batch + 1` entries starting at 0 (TE's
@@ -182,37 +182,30 @@ impl DotProductAttention {
                 ),
             });
         }
-        let dims = Dims {
-            format: QkvFormat::Bshd,
-            batch: c.batch,
-            sq: c.max_q.max(1),
-            sk: c.max_kv.max(1),
-            heads: h,
-            groups: g,
-            head_dim: d,
-            head_dim_v: dv,
-        };
-        let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
+        // The longest sequences as sq and sk (at least 1: a batch of empty sequences still
+        // launches), the lengths from the tables.
+        let shape =
+            AttentionShape { layout: QkvLayout::Thd, ..self.cfg.shape(c.batch, (c.max_q.max(1), c.max_kv.max(1))) };
+        shape.validate(MODULE)?;
         let drop = self.next_dropout();
-        let fp8 = self.scaling.forward(&self.dev, &inputs, &dims, self.training, drop.p > 0.0)?;
-        self.log_backend(backend, fp8.is_some(), &dims, q.dtype());
+        let shape = shape.with_dropout((drop.p > 0.0).then_some(drop));
+        let inputs = Inputs::Thd([q.clone(), k.clone(), v.clone()]);
+        let fp8 = self.scaling.forward(&self.dev, &inputs, &shape, self.training, shape.dropout.is_some())?;
+        self.log_backend(backend, fp8.is_some(), &shape, q.dtype());
         let seqs = fused::DeviceSeqlens::upload(&self.dev, [&c.cu[0], &c.cu[1]], Some([&c.offsets[0], &c.offsets[1]]))?;
         let out_shape = vec![tokens_q, h * dv];
-        let mask = (self.cfg.attn_mask_type, self.cfg.window());
         let (out, saved) = fused::forward(
             &self.dev,
-            &dims,
-            (mask, drop),
+            &shape,
             Some(seqs),
-            inputs.fused(&dims)?,
+            inputs.fused(&shape)?,
             &out_shape,
-            self.cfg.scale(),
             fp8.as_ref().map(|f| fused::Fp8Call { quantizer: &*f.quantizer, keep: f.backward.is_some(), out: None }),
         )?;
         let out = high(out)?;
         let ctx = AttentionCtx {
             module_id: self.id,
-            dims,
+            shape,
             inputs,
             packed: false,
             out_shape,

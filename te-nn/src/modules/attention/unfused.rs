@@ -3,10 +3,11 @@
 //! `[batch, heads, sq, sk]` materialized in the inputs' dtype. The GEMMs run with alpha 1; the
 //! softmax kernels apply the scale, forward and backward alike.
 
-use super::plan::{Dims, Product};
+use super::plan::{self, Product};
 use cudarc::driver::CudaSlice;
 use te_codegen::DType;
 use te_runtime::gemm::{gemm_strided_batched, GemmConfig};
+use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::ops::dropout::{dropout, dropout_backward, mask_bytes, DropoutParams};
 use te_runtime::ops::elementwise;
 use te_runtime::ops::softmax::{self, Mask};
@@ -26,28 +27,27 @@ impl ProbsDropout {
     }
 }
 
-/// `out = dropout(softmax(scale · Q · Kᵀ, mask)) · V` per head; returns `(out, P, dropout)`: the
-/// output in [`Dims::out_shape`], the probabilities `[batch, heads, sq, sk]` before dropout (q's
-/// dtype), and the dropout mask when `drop.p > 0`.
+/// `out = dropout(softmax(scale · Q · Kᵀ, mask)) · V` per head for the call `dims` (its scale
+/// and dropout); returns `(out, P, dropout)`: the output in [`plan::out_shape`], the
+/// probabilities `[batch, heads, sq, sk]` before dropout (q's dtype), and the dropout mask with
+/// dropout.
 pub(super) fn forward(
     dev: &Device,
-    dims: &Dims,
+    dims: &AttentionShape,
     [q, k, v]: [&Tensor; 3],
     mask: Mask<'_>,
-    scale: f32,
-    drop: DropoutParams,
 ) -> Result<(Tensor, Tensor, Option<ProbsDropout>)> {
     let dtype = q.dtype();
     let mut scores = Tensor::empty(dev, dtype, &dims.scores_shape())?;
     products(dev, dims, Product::QueryKeyT, dims.head_dim, q, k, &mut scores)?;
     let mut probs = Tensor::empty(dev, dtype, &dims.scores_shape())?;
-    softmax::forward(dev, &scores, mask, scale, &mut probs)?;
-    let mut out = Tensor::empty(dev, dtype, &dims.out_shape())?;
-    if drop.p == 0.0 {
+    softmax::forward(dev, &scores, mask, dims.scale, &mut probs)?;
+    let mut out = Tensor::empty(dev, dtype, &plan::out_shape(dims)?)?;
+    let Some(drop) = dims.dropout else {
         std::mem::drop(scores);
         products(dev, dims, Product::ScoresKey, dims.head_dim_v, &probs, v, &mut out)?;
         return Ok((out, probs, None));
-    }
+    };
     // The scores buffer takes the dropped probabilities.
     // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
     let mut keep = unsafe { dev.stream().alloc::<u8>(mask_bytes(probs.numel())) }?;
@@ -56,16 +56,15 @@ pub(super) fn forward(
     Ok((out, probs, Some(ProbsDropout { params: drop, mask: keep })))
 }
 
-/// `(dq, dk, dv)` from the forward's q, k, v, probabilities `probs` and the output gradient
-/// `d_out` (checked by the caller).
+/// `(dq, dk, dv)` of the call `dims` (its scale) from the forward's q, k, v, probabilities
+/// `probs`, dropout mask and the output gradient `d_out` (checked by the caller).
 pub(super) fn backward(
     dev: &Device,
-    dims: &Dims,
+    dims: &AttentionShape,
     [q, k, v]: [&Tensor; 3],
     probs: &Tensor,
     drop: Option<&ProbsDropout>,
     d_out: &Tensor,
-    scale: f32,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dtype = q.dtype();
     let mut dp = Tensor::empty(dev, dtype, &dims.scores_shape())?;
@@ -84,7 +83,7 @@ pub(super) fn backward(
         dp = kept;
     }
     let mut ds = Tensor::empty(dev, dtype, &dims.scores_shape())?;
-    softmax::backward(dev, &dp, probs, scale, &mut ds)?;
+    softmax::backward(dev, &dp, probs, dims.scale, &mut ds)?;
     std::mem::drop(dp);
     let mut dq = Tensor::empty(dev, dtype, q.shape())?;
     products(dev, dims, Product::ScoresKey, dims.head_dim, &ds, k, &mut dq)?;
@@ -95,14 +94,22 @@ pub(super) fn backward(
 /// `Σ_r scores_rᵀ · query_r` over the query heads `r` of each group: a key (`w = head_dim`) or
 /// value (`head_dim_v`) gradient in k's or v's shape and `dtype`, summed in f32 when groups have
 /// several heads (rounded once after).
-fn key_grad(dev: &Device, dims: &Dims, w: usize, scores: &Tensor, query: &Tensor, dtype: DType) -> Result<Tensor> {
+fn key_grad(
+    dev: &Device,
+    dims: &AttentionShape,
+    w: usize,
+    scores: &Tensor,
+    query: &Tensor,
+    dtype: DType,
+) -> Result<Tensor> {
     let sum_dtype = if dims.heads_per_group() > 1 { DType::F32 } else { dtype };
-    let mut sum = Tensor::empty(dev, sum_dtype, &dims.kv_shape(w))?;
+    let kv_shape = plan::kv_shape(dims, w)?;
+    let mut sum = Tensor::empty(dev, sum_dtype, &kv_shape)?;
     products(dev, dims, Product::ScoresTQuery, w, scores, query, &mut sum)?;
     if sum_dtype == dtype {
         return Ok(sum);
     }
-    let mut grad = Tensor::zeros(dev, dtype, &dims.kv_shape(w))?;
+    let mut grad = Tensor::zeros(dev, dtype, &kv_shape)?;
     elementwise::add_assign(dev, &mut grad, &sum)?;
     Ok(grad)
 }
@@ -110,14 +117,14 @@ fn key_grad(dev: &Device, dims: &Dims, w: usize, scores: &Tensor, query: &Tensor
 /// Runs the GEMMs of `product` on head matrices of `w` channels with operands `a`, `b` into `d`.
 fn products(
     dev: &Device,
-    dims: &Dims,
+    dims: &AttentionShape,
     product: Product,
     w: usize,
     a: &Tensor,
     b: &Tensor,
     d: &mut Tensor,
 ) -> Result<()> {
-    for call in dims.calls(product, w) {
+    for call in plan::calls(dims, product, w)? {
         let cfg = GemmConfig { accumulate: call.accumulate, ..Default::default() };
         gemm_strided_batched(dev, a, b, d, &call.batch, &cfg)?;
     }
