@@ -15,27 +15,21 @@
 //! optimizer states split alike. Sources: Megatron-LM `core/tensor_parallel/layers.py`
 //! (`ColumnParallelLinear`, `RowParallelLinear`), TE `pytorch/module/linear.py`
 //! (`parallel_mode`).
+//!
+//! The GEMM modules slice their initial weights by the same [`Split`]s
+//! ([`super::GemmParallel::shard_weight`]), so a tensor-parallel model starts from the slices of
+//! the single-GPU model's weights, and its checkpoints split and merge by [`TpLayout`]
+//! (`crate::checkpoint::tp`).
 
 use te_runtime::{Error, Result};
 
 /// One rank's place in a tensor-parallel group of `size` ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TpRank {
     /// `0..size`.
     pub rank: usize,
     /// Ranks in the group.
     pub size: usize,
-}
-
-/// How a GEMM layer splits over the group (TE's `parallel_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ParallelMode {
-    /// Output features split; the input is whole on every rank (all-gathered under sequence
-    /// parallelism); the output stays split.
-    Column,
-    /// Input features split (the previous column-parallel output as is); the partial outputs are
-    /// all-reduced (reduce-scattered under sequence parallelism).
-    Row,
 }
 
 /// How one tensor splits over the group.
