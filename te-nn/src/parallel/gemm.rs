@@ -282,3 +282,29 @@ impl GemmParallel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The single-GPU hook is the identity: whole features and parameters, every rank adds the
+    /// bias, nothing gathered or reduced, the layer keeps its own init (the whole weight is not
+    /// even made), FP8 outputs allowed.
+    #[test]
+    fn the_single_gpu_hook_is_the_identity() {
+        let one = GemmParallel::default();
+        assert!(one.is_single() && one.mode().is_none() && one.tensor_parallel().is_none());
+        assert_eq!(one.tp_rank(), TpRank { rank: 0, size: 1 });
+        assert_eq!(one.local_features("Linear", 64, 33).unwrap(), (64, 33));
+        assert_eq!(one.split_count("LayerNormMLP", "ffn_hidden_size", 99).unwrap(), 99);
+        assert_eq!(one.param_split(), [false, false]);
+        assert!(one.adds_bias());
+        assert!(!one.gathers_input() && !one.reduces_output());
+        assert_eq!(one.input_tokens(96), 96);
+        assert!(one.check_fp8_output("Linear", true).is_ok());
+        let whole = one.shard_weight("Linear", [4, 4], None, || unreachable!("a whole GEMM keeps its init"));
+        assert_eq!(whole.unwrap(), None);
+        assert!(!one.sequence().is_sharded());
+        assert!(GemmParallel::new(None, ParallelMode::Row).is_single());
+    }
+}
