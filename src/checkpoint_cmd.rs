@@ -9,7 +9,7 @@
 use crate::run_checkpoint::{read_latest, Latest};
 use std::path::{Path, PathBuf};
 use te_nn::checkpoint::tp::{merge_files, shard_path, split_file};
-use te_nn::parallel::shard::TpLayout;
+use te_nn::parallel::TpLayout;
 
 /// The files of a checkpoint that split; `history.csv` is copied as it is.
 const FILES: [&str; 2] = ["model.safetensors", "optimizer.safetensors"];

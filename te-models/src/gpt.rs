@@ -22,9 +22,10 @@ use te_codegen::DType;
 use te_nn::fp8::{fp8_autocast, Recipe};
 use te_nn::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
-    LinearConfig, LinearCtx, Module, MoeConfig, MoeMLPConfig, Norm, NormConfig, NormCtx, NormKind, TensorParallel,
-    TokenIds, TpConfig, TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
+    LinearConfig, LinearCtx, Module, MoeConfig, MoeMLPConfig, Norm, NormConfig, NormCtx, NormKind, TokenIds,
+    TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
 };
+use te_nn::parallel::{SequenceParallel, TpConfig};
 use te_runtime::graph::HostCopies;
 use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use te_runtime::ops::elementwise::add;
@@ -316,6 +317,9 @@ pub struct Gpt {
     /// The layers' tensor parallelism (see [`Gpt::with_tensor_parallel`]).
     #[module(skip)]
     tp: Option<TpConfig>,
+    /// The token shards of the layers and the final norm (sequence parallelism; none without).
+    #[module(skip)]
+    sequence: SequenceParallel,
     #[module(skip)]
     dev: Arc<Device>,
 }
@@ -364,13 +368,14 @@ impl Gpt {
         )?;
         let layer = |i| TransformerLayer::new(dev, TransformerLayerConfig { tp: tp.clone(), ..cfg.layer_config(i) });
         let layers = (0..cfg.num_layers).map(layer).collect::<Result<Vec<_>>>()?;
+        let sequence = SequenceParallel::of(tp.as_ref());
         let mut final_norm = Norm::layer_norm(dev, NormConfig { params_dtype: dt, ..NormConfig::new(h) })?;
-        final_norm.set_sequence_parallel(tp.as_ref().and_then(TpConfig::sequence_group));
+        final_norm.set_sequence_parallel(sequence.clone());
         let lm_head = Linear::new(
             dev,
             LinearConfig { bias: false, params_dtype: dt, seed: seed + 2, ..LinearConfig::new(h, cfg.vocab_size) },
         )?;
-        Ok(Self { embedding, position_embedding, layers, final_norm, lm_head, cfg, tp, dev: dev.clone() })
+        Ok(Self { embedding, position_embedding, layers, final_norm, lm_head, cfg, tp, sequence, dev: dev.clone() })
     }
 
     /// The configuration.
@@ -381,25 +386,6 @@ impl Gpt {
     /// The layers' tensor parallelism, `None` for a model on one GPU.
     pub fn tensor_parallel(&self) -> Option<&TpConfig> {
         self.tp.as_ref()
-    }
-
-    /// Under sequence parallelism, the group and this rank's part `[s·r/n, s·(r+1)/n)` of `s`
-    /// positions.
-    ///
-    /// # Errors
-    /// [`Error::Shape`] for `s` not a multiple of the group's size.
-    fn sequence_shard(&self, s: usize) -> Result<Option<(TensorParallel, std::ops::Range<usize>)>> {
-        let Some(tp) = self.tp.as_ref().filter(|tp| tp.sequence_parallel) else { return Ok(None) };
-        let (r, n) = (tp.group.rank(), tp.size());
-        if s % n != 0 {
-            return Err(Error::Shape {
-                op: MODEL,
-                message: format!(
-                    "sequence parallelism splits the sequence length {s} over {n} ranks: make it a multiple of {n}"
-                ),
-            });
-        }
-        Ok(Some((tp.column(), r * s / n..(r + 1) * s / n)))
     }
 
     /// Every kernel [`Gpt::forward_loss`] and [`Gpt::backward`] run for `target`, and the decode
@@ -490,10 +476,8 @@ impl Gpt {
         let (wpe, positions) = self.position_embedding.forward(&pos)?;
         let mut x = Tensor::empty(&self.dev, self.cfg.params_dtype, &[s, b, h])?;
         add(&self.dev, &tok, &wpe, &mut x)?;
-        let sequence = self.sequence_shard(s)?;
-        if let Some((_, part)) = &sequence {
-            x = x.narrow(&self.dev, part.clone())?;
-        }
+        // Sequence parallel: the layers run on this rank's positions `[s·r/n, s·(r+1)/n)`.
+        x = self.sequence.scatter(MODEL, &self.dev, &x)?;
         let mut layers = Vec::with_capacity(self.layers.len());
         let mut aux = match self.cfg.moe {
             Some(_) => Some(self.dev.stream().alloc_zeros::<f32>(self.layers.len())?),
@@ -510,10 +494,9 @@ impl Gpt {
             layers.push(c);
             x = y;
         }
-        let (mut y, final_norm) = self.final_norm.forward(&x)?;
-        if let Some((tp, _)) = &sequence {
-            y = tp.all_gather(&y)?;
-        }
+        let (y, final_norm) = self.final_norm.forward(&x)?;
+        // The LM head (replicated) takes every position.
+        let y = self.sequence.gather(&y)?;
         let opts = ForwardOptions { is_first_microbatch, fp8_output: false };
         let y = y.reshape(&[s * b, h])?;
         let lm_head = &mut self.lm_head;
@@ -561,23 +544,17 @@ impl Gpt {
     ) -> Result<()> {
         let d = self.lm_head.backward(ctx.lm_head, &ctx.dlogits)?;
         grads_ready(&mut self.lm_head)?;
-        let mut d = d.reshape(&ctx.shape)?;
         // Sequence parallel: the LM head's input gradient is whole on every rank; this rank's
         // positions go back through its shard of the layers, whose input gradients are
         // all-gathered for the (replicated) embeddings.
-        let sequence = self.sequence_shard(ctx.shape[0])?;
-        if let Some((_, part)) = &sequence {
-            d = d.narrow(&self.dev, part.clone())?;
-        }
+        let d = self.sequence.scatter(MODEL, &self.dev, &d.reshape(&ctx.shape)?)?;
         let mut d = self.final_norm.backward(ctx.final_norm, &d)?;
         grads_ready(&mut self.final_norm)?;
         for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
             d = layer.backward(c, &d)?;
             grads_ready(layer)?;
         }
-        if let Some((tp, _)) = &sequence {
-            d = tp.all_gather(&d)?;
-        }
+        let d = self.sequence.gather(&d)?;
         self.embedding.backward(ctx.tokens, &d)?;
         grads_ready(&mut self.embedding)?;
         self.position_embedding.backward(ctx.positions, &d)?;

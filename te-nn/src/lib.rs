@@ -2,8 +2,9 @@
 //! recipes, FP8 tensors, scaling state and `fp8_autocast` ([`fp8`]); TE's modules with explicit
 //! forward/backward ([`modules`]: `Linear`, `LayerNormLinear`, `LayerNormMLP`,
 //! `DotProductAttention`, `MultiheadAttention`, `TransformerLayer`, `GroupedLinear`, `MoeMLP`, ...)
-//! and their `#[derive(Module)]` traversal; parallel layers and layouts ([`parallel`]: data
-//! parallelism, the tensor × data-parallel layout, the sharding arithmetic); checkpoints of any
+//! and their `#[derive(Module)]` traversal; parallelism, below the modules ([`parallel`]: the
+//! device mesh, the tensor-parallel config, the hooks the modules call around their GEMMs and
+//! token shards, the sharding arithmetic, data parallelism); checkpoints of any
 //! [`Module`] ([`checkpoint`]: safetensors with TE's names and the FP8 state, the optimizer's
 //! state file, tensor-parallel split and merge); and what to compile ahead of time for a layer
 //! configuration ([`prewarm`]).

@@ -414,8 +414,7 @@ pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 fn tensor_parallel_linear_equals_the_whole_layer() {
     on_ranks("multi_gpu::tensor_parallel_linear_equals_the_whole_layer", 2, Layout::OneNode, |env, dev, pg| {
         use te_nn::fp8::{fp8_autocast, Float8CurrentScaling, Recipe};
-        use te_nn::modules::TensorParallel;
-        use te_nn::parallel::shard::ParallelMode;
+        use te_nn::parallel::{ParallelMode, TpConfig};
         let (r, n) = (env.rank, env.world_size);
         let group = Arc::new(pg);
         let (tokens, n_in, n_out) = (96, 64, 160);
@@ -430,8 +429,8 @@ fn tensor_parallel_linear_equals_the_whole_layer() {
                     let what = format!("{mode:?} sp={sp} {recipe:?} rank {r}");
                     let cfg = LinearConfig { seed: 11, ..LinearConfig::new(n_in, n_out) };
                     let mut whole = Linear::new(dev, cfg.clone()).unwrap();
-                    let tp = TensorParallel { mode, group: group.clone(), sequence_parallel: sp };
-                    let mut part = Linear::new(dev, LinearConfig { tp: Some(tp), ..cfg }).unwrap();
+                    let tp = TpConfig::new(group.clone()).with_sequence_parallel(sp);
+                    let mut part = Linear::new(dev, LinearConfig { tp: Some(tp), parallel_mode: mode, ..cfg }).unwrap();
                     let bias = randn(12, n_out, 0.5);
                     whole.params_mut().set_bias(up(&bias, &[n_out])).unwrap();
                     let (o, i) = (n_out / n, n_in / n);
@@ -511,7 +510,7 @@ fn tensor_parallel_linear_equals_the_whole_layer() {
             }
         }
         // A split that does not divide is a typed error naming the dimension.
-        let odd = LinearConfig { tp: Some(TensorParallel::column(group.clone())), ..LinearConfig::new(64, 33) };
+        let odd = LinearConfig { tp: Some(TpConfig::new(group.clone())), ..LinearConfig::new(64, 33) };
         let e = Linear::new(dev, odd).unwrap_err().to_string();
         assert!(e.contains("out_features = 33") && e.contains("2 tensor-parallel ranks"), "{e}");
     });

@@ -13,9 +13,9 @@ use std::sync::Arc;
 use te_nn::fp8::{DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
 use te_nn::modules::{
     Activation, LayerNormLinear, LayerNormLinearConfig, LayerNormMLP, LayerNormMLPConfig, ModuleVisitor,
-    MultiheadAttention, MultiheadAttentionConfig, Param, ParamKind, TensorParallel, TpConfig, TransformerLayer,
-    TransformerLayerConfig,
+    MultiheadAttention, MultiheadAttentionConfig, Param, ParamKind, TransformerLayer, TransformerLayerConfig,
 };
+use te_nn::parallel::TpConfig;
 use te_nn::Module;
 use te_runtime::dist::ProcessGroup;
 use te_runtime::{DType, Device, Tensor};
@@ -213,11 +213,7 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
         let group = Arc::new(pg);
         let hidden_shape = [S, B, HIDDEN];
         let ln_linear = |tp: Option<TpConfig>| {
-            let cfg = LayerNormLinearConfig {
-                seed: 5,
-                tp: tp.map(|t| t.column()),
-                ..LayerNormLinearConfig::new(HIDDEN, FFN)
-            };
+            let cfg = LayerNormLinearConfig { seed: 5, tp, ..LayerNormLinearConfig::new(HIDDEN, FFN) };
             LayerNormLinear::new(dev, cfg).unwrap()
         };
         compare(
@@ -288,7 +284,7 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
             &group,
         );
 
-        // Splits that do not divide, and a row-parallel LayerNormLinear, are typed errors.
+        // Splits that do not divide are typed errors.
         let tp = || Some(TpConfig::new(group.clone()));
         let e =
             MultiheadAttention::new(dev, MultiheadAttentionConfig { tp: tp(), ..MultiheadAttentionConfig::new(48, 3) })
@@ -303,12 +299,10 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
             .unwrap_err()
             .to_string();
         assert!(e.contains("ffn_hidden_size = 99"), "{e}");
-        let row = LayerNormLinearConfig {
-            tp: Some(TensorParallel::row(group.clone())),
-            ..LayerNormLinearConfig::new(64, 64)
-        };
-        let e = LayerNormLinear::new(dev, row).unwrap_err().to_string();
-        assert!(e.contains("column-parallel only"), "{e}");
+        let e = LayerNormLinear::new(dev, LayerNormLinearConfig { tp: tp(), ..LayerNormLinearConfig::new(64, 33) })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("out_features = 33") && e.contains("2 tensor-parallel ranks"), "{e}");
     });
 }
 
@@ -327,8 +321,7 @@ fn tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges() {
             LoadOptions,
         };
         use te_nn::modules::TokenIds;
-        use te_nn::parallel::shard::TpLayout;
-        use te_nn::parallel::Parallel;
+        use te_nn::parallel::{Parallel, TpLayout};
         let corpus = crate::train::corpus();
         let world = Arc::new(pg);
         let base = crate::train::config(40);

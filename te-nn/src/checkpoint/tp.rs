@@ -1,13 +1,13 @@
 //! Tensor-parallel checkpoint files: a checkpoint file (a model's, or its optimizer's state) split
 //! into one file per rank of a tensor-parallel group, each rank's slices
-//! (`te_nn::parallel::shard::TpLayout`), and merged back, bit for bit. A rank's file is an ordinary
+//! (`te_nn::parallel::TpLayout`), and merged back, bit for bit. A rank's file is an ordinary
 //! safetensors file of the same tensor names (`model.safetensors` → `model.tp-1-of-2.safetensors`)
 //! with the source's `__metadata__` plus `te_tp_rank` and `te_tp_size`; a TP=2 run's checkpoint
 //! merges into the file a single GPU loads, and a single GPU's splits for TP=2.
 
 use super::atomic::{io_error, write_atomic};
 use super::format::parse;
-use crate::parallel::shard::{TpLayout, TpRank};
+use crate::parallel::{TpLayout, TpRank};
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use std::collections::HashMap;

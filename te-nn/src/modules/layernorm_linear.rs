@@ -5,13 +5,13 @@
 //! over the high-precision activation; with current scaling it is cast after the norm.
 
 use super::linear::check_input;
-use super::linear::gemm_core::{LinearCore, LinearInput, Saved};
+use super::linear::gemm_core::{LinearCore, Saved};
+use super::linear::norm_input::norm_gemm_input;
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{LinearParams, ParamsInit};
-use super::tensor_parallel::TensorParallel;
 use super::{next_module_id, BackwardOptions, ForwardOptions, Output, Stamp};
 use crate::fp8::{fp8_mode, Fp8StateSlot, ScalingState};
-use crate::parallel::shard::{ParallelMode, Split};
+use crate::parallel::{GemmParallel, ParallelMode, Split, TpConfig};
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::{Device, Error, Result, Tensor};
@@ -46,13 +46,14 @@ pub struct LayerNormLinearConfig {
     pub init_std: f32,
     /// Seed of the weight init.
     pub seed: u64,
-    /// Tensor parallelism (TE `parallel_mode="column"`, `tp_group`, `sequence_parallel`; see
-    /// [`TensorParallel`]): column-parallel only. `in_features`/`out_features` stay the whole
+    /// Tensor parallelism (TE `tp_group`, `sequence_parallel` with `parallel_mode="column"`; see
+    /// [`TpConfig`]): always column-parallel (the norm needs the whole input features; a
+    /// row-parallel `Linear` goes after it). `in_features`/`out_features` stay the whole
     /// layer's; each rank holds its slice of the output features. The norm runs on the whole
     /// input, or under sequence parallelism on this rank's token shard (its output is then
-    /// all-gathered in the activations' 16-bit dtype, and the norm's gradients are summed over
-    /// the group). Default `None`.
-    pub tp: Option<TensorParallel>,
+    /// all-gathered, as FP8 codes where the ranks share the scale, and the norm's gradients are
+    /// summed over the group). Default `None`.
+    pub tp: Option<TpConfig>,
 }
 
 impl LayerNormLinearConfig {
@@ -125,7 +126,7 @@ impl LayerNormLinear {
     }
 
     /// [`LayerNormLinear::new`] whose weight splits under tensor parallelism as `split` says (a
-    /// fused QKV projection by heads; see [`TensorParallel::params`]); `None`: by rows.
+    /// fused QKV projection by heads; see [`GemmParallel::shard_weight`]); `None`: by rows.
     pub(crate) fn with_split(dev: &Arc<Device>, cfg: LayerNormLinearConfig, split: Option<Split>) -> Result<Self> {
         let norm_cfg = NormConfig {
             hidden_size: cfg.in_features,
@@ -143,28 +144,21 @@ impl LayerNormLinear {
             init_std: cfg.init_std,
             seed: cfg.seed,
         };
-        let params = match &cfg.tp {
-            None => LinearParams::new(dev, MODULE, init)?,
-            Some(tp) if tp.mode == ParallelMode::Row => {
-                return Err(Error::Config {
-                    module: MODULE,
-                    message: "LayerNormLinear is column-parallel only: its norm needs the whole input features; \
-                              use a row-parallel Linear after a column-parallel layer"
-                        .into(),
-                })
-            }
-            Some(tp) => {
-                norm.set_sequence_group(tp.sequence_parallel.then(|| tp.group.clone()));
-                tp.params(dev, MODULE, init, split)?
-            }
-        };
-        let core = LinearCore::new(params, MODULE, !cfg.return_bias, !cfg.return_bias);
+        let comm = GemmParallel::new(cfg.tp.as_ref(), ParallelMode::Column);
+        let params = LinearParams::for_gemm(dev, MODULE, init, &comm, split)?;
+        norm.set_sequence_parallel(comm.sequence());
+        let core = LinearCore::with_comm(params, MODULE, comm, !cfg.return_bias, !cfg.return_bias);
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, norm, core })
     }
 
     /// The configuration.
     pub fn config(&self) -> &LayerNormLinearConfig {
         &self.cfg
+    }
+
+    /// The GEMM's parallelism hook (column-parallel over `tp`, or the whole GEMM).
+    pub(crate) fn gemm_parallel(&self) -> &GemmParallel {
+        self.core.comm()
     }
 
     /// The norm's gamma/beta (TE `layer_norm_weight`, `layer_norm_bias`) and gradients.
@@ -258,50 +252,16 @@ impl LayerNormLinear {
     ) -> Result<(LayerNormLinearOutput, NormStats, Option<Saved>, Vec<usize>)> {
         check_input(MODULE, x, self.cfg.in_features)?;
         let pass = self.core.pass(fp8_mode())?;
-        let gather = self.cfg.tp.as_ref().filter(|tp| tp.gathers_input());
-        let (input, stats, ln_out) = match (pass.fp8_input(), gather) {
-            // Sequence parallel under FP8 with shared scales: the norm casts this rank's tokens,
-            // their codes are all-gathered (TE's FP8 all-gather) and transposed whole for wgrad.
-            (Some(q), Some(tp)) if !self.cfg.return_layernorm_output && tp.gathers_fp8(q) => {
-                let (tokens, _) = x.as_2d(MODULE)?;
-                self.core.check_fp8_dims(tokens * tp.group.size(), grad)?;
-                let (ln8, stats) = self.norm.forward_fp8(x, q, false)?;
-                (LinearInput::Fp8(tp.all_gather_fp8(&ln8, grad)?), stats, None)
-            }
-            // Sequence parallel: the norm on this rank's tokens, all-gathered (as FP8 codes under
-            // current scaling, cast with the whole's amax), then the GEMM.
-            (q, Some(tp)) => {
-                let (ln, stats) = self.norm.forward(x, x.dtype())?;
-                let codes = match q {
-                    Some(q) => {
-                        let (tokens, _) = x.as_2d(MODULE)?;
-                        self.core.check_fp8_dims(tokens * tp.group.size(), grad)?;
-                        tp.all_gather_cast(&ln, q, grad)?
-                    }
-                    None => None,
-                };
-                let input = match codes {
-                    Some(f) => LinearInput::Fp8(f),
-                    None => LinearInput::High(tp.all_gather(&ln)?),
-                };
-                (input, stats, self.cfg.return_layernorm_output.then_some(ln))
-            }
-            (Some(q), None) if !self.cfg.return_layernorm_output => {
-                let (tokens, _) = x.as_2d(MODULE)?;
-                self.core.check_fp8_dims(tokens, grad)?;
-                let (ln8, stats) = self.norm.forward_fp8(x, q, grad)?;
-                (LinearInput::Fp8(ln8), stats, None)
-            }
-            _ => {
-                let (ln, stats) = self.norm.forward(x, x.dtype())?;
-                let ret = self.cfg.return_layernorm_output.then(|| ln.clone());
-                (LinearInput::High(ln), stats, ret)
-            }
-        };
-        let gemm_shape = match &input {
-            LinearInput::High(t) => t.shape().to_vec(),
-            LinearInput::Fp8(f) => f.shape().to_vec(),
-        };
+        if pass.fp8_input().is_some() {
+            let (tokens, _) = x.as_2d(MODULE)?;
+            self.core.check_fp8_dims(self.core.comm().input_tokens(tokens), grad)?;
+        }
+        // The norm's output as the GEMM's input: cast to FP8 by the norm kernel where it can,
+        // gathered from the ranks' token shards under sequence parallelism.
+        let ret = self.cfg.return_layernorm_output;
+        let n = norm_gemm_input(&self.norm, x, pass.fp8_input(), self.core.comm(), ret, grad)?;
+        let gemm_shape = n.gemm_shape();
+        let (input, stats, ln_out) = (n.input, n.stats, n.ln_out);
         let (out, saved) = self.core.forward(input, &gemm_shape, x.dtype(), &pass, opts, grad)?;
         Ok((LayerNormLinearOutput { out, ln_out }, stats, saved, gemm_shape))
     }
@@ -329,16 +289,12 @@ impl LayerNormLinear {
         opts: BackwardOptions<'_>,
     ) -> Result<Option<Tensor>> {
         ctx.stamp.check(MODULE, self.stamp())?;
+        // Under tensor parallelism the core sums the ranks' dgrads (reduce-scattered back to the
+        // token shards under sequence parallelism).
         let d_ln = self
             .core
             .backward(ctx.saved, grad_output, &ctx.gemm_shape, true)?
             .ok_or_else(|| Error::internal(MODULE, "no dgrad with input_grad = true"))?;
-        // Each rank's dgrad is its output slice's part: summed over the ranks (reduce-scattered
-        // back to the token shards under sequence parallelism).
-        let d_ln = match &self.cfg.tp {
-            Some(tp) => tp.reduce(MODULE, d_ln)?,
-            None => d_ln,
-        };
         let dx = self.norm.backward_sum(d_ln, opts.grad_ln_out, &ctx.x, &ctx.stats)?;
         Ok(opts.input_grad.then_some(dx))
     }

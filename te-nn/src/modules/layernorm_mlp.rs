@@ -12,13 +12,13 @@
 
 use super::linear::check_input;
 use super::linear::gemm_core::{out_shape, DbiasBuffers, LinearCore, LinearInput, Saved};
+use super::linear::norm_input::norm_gemm_input;
 use super::norm::{NormConfig, NormKind, NormParams, NormStats};
 use super::params::{convert, LinearParams, ParamsInit};
-use super::tensor_parallel::{TensorParallel, TpConfig};
 use super::{next_module_id, BackwardOptions, ForwardOptions, Output, Stamp};
 use crate::fp8::quantizer::produce_fp8;
 use crate::fp8::{fp8_mode, Float8Tensor, Fp8StateSlot, Quantizer, ScalingState};
-use crate::parallel::shard::Split;
+use crate::parallel::{GemmParallel, ParallelMode, Split, TpConfig};
 use std::sync::Arc;
 use te_codegen::spec::Activation;
 use te_codegen::DType;
@@ -142,8 +142,6 @@ pub struct LayerNormMLP {
     fc2: LinearCore,
     /// This rank's ffn features (`ffn_hidden_size / tp`).
     ffn_local: usize,
-    /// fc1 column- and fc2 row-parallel (with `tp`).
-    tp: Option<[TensorParallel; 2]>,
 }
 
 impl LayerNormMLP {
@@ -169,26 +167,19 @@ impl LayerNormMLP {
             init_std: cfg.init_std,
             seed,
         };
-        let gated = cfg.activation.is_gated();
-        let fc1_out = if gated { 2 * f } else { f };
-        let (fc1, fc2, ffn_local, tp) = match &cfg.tp {
-            None => {
-                let fc1 = LinearParams::new(dev, MODULE, init(h, fc1_out, cfg.seed))?;
-                (fc1, LinearParams::new(dev, MODULE, init(f, h, cfg.seed + 1))?, f, None)
-            }
-            Some(tp) => {
-                let ffn_local = tp.split(MODULE, "ffn_hidden_size", f)?;
-                let (column, row) = (tp.column(), tp.row());
-                let fc1_split = Split::Parts(fc1_out / f);
-                let fc1 = column.params(dev, MODULE, init(h, fc1_out, cfg.seed), Some(fc1_split))?;
-                let fc2 = row.params(dev, MODULE, init(f, h, cfg.seed + 1), None)?;
-                norm.set_sequence_group(tp.sequence_group());
-                (fc1, fc2, ffn_local, Some([column, row]))
-            }
-        };
-        // Of the row-parallel fc2's ranks, rank 0 adds the bias (the partial outputs are summed).
-        let fc2_bias = tp.as_ref().is_none_or(|[_, row]| row.adds_bias());
-        let mut fc2 = LinearCore::new(fc2, MODULE, fc2_bias, true);
+        // fc1 column-parallel (a gated fc1 split by halves: each rank gates its own features),
+        // fc2 row-parallel; the identity on one GPU.
+        let parts = if cfg.activation.is_gated() { 2 } else { 1 };
+        let (fc1_comm, fc2_comm) = (
+            GemmParallel::new(cfg.tp.as_ref(), ParallelMode::Column),
+            GemmParallel::new(cfg.tp.as_ref(), ParallelMode::Row),
+        );
+        let ffn_local = fc1_comm.split_count(MODULE, "ffn_hidden_size", f)?;
+        let fc1 =
+            LinearParams::for_gemm(dev, MODULE, init(h, parts * f, cfg.seed), &fc1_comm, Some(Split::Parts(parts)))?;
+        let fc2 = LinearParams::for_gemm(dev, MODULE, init(f, h, cfg.seed + 1), &fc2_comm, None)?;
+        norm.set_sequence_parallel(fc1_comm.sequence());
+        let mut fc2 = LinearCore::with_comm(fc2, MODULE, fc2_comm, true, true);
         if cfg.recompute_activation {
             fc2.recompute_input();
         }
@@ -197,10 +188,9 @@ impl LayerNormMLP {
             id: next_module_id(),
             cfg,
             norm,
-            fc1: LinearCore::new(fc1, MODULE, true, true),
+            fc1: LinearCore::with_comm(fc1, MODULE, fc1_comm, true, true),
             fc2,
             ffn_local,
-            tp,
         })
     }
 
@@ -309,62 +299,23 @@ impl LayerNormMLP {
         grad: bool,
     ) -> Result<(LayerNormMLPOutput, Option<LayerNormMLPCtx>)> {
         check_input(MODULE, x, self.cfg.hidden_size)?;
-        if opts.fp8_output && self.tp.is_some() {
-            return Err(Error::Config {
-                module: MODULE,
-                message: "fp8_output with tensor parallelism: fc2's partial outputs are summed in 16 bits; ask for \
-                          a 16-bit output"
-                    .into(),
-            });
-        }
+        // fc2's output: refuse one the ranks would have to sum before anything runs.
+        self.fc2.comm().check_fp8_output(MODULE, opts.fp8_output)?;
         let mode = fp8_mode();
         let dt = x.dtype();
         let (pass1, pass2) = (self.fc1.pass(mode)?, self.fc2.pass(mode)?);
-        let gather = self.tp.as_ref().map(|[column, _]| column).filter(|c| c.gathers_input());
         if pass1.fp8_input().is_some() {
             let (tokens, _) = x.as_2d(MODULE)?;
-            let tokens = tokens * gather.map_or(1, |c| c.group.size());
+            let tokens = self.fc1.comm().input_tokens(tokens);
             self.fc1.check_fp8_dims(tokens, grad)?;
             self.fc2.check_fp8_dims(tokens, grad)?;
         }
-        // Norm → fc1 input (through fc1's input quantizer under FP8).
-        let mut ln_out = None;
-        let (fc1_in, stats) = match (pass1.fp8_input(), gather) {
-            // Sequence parallel under FP8 with shared scales: the norm casts this rank's tokens,
-            // their codes are all-gathered (TE's FP8 all-gather) and transposed whole for wgrad.
-            (Some(q), Some(column)) if !self.cfg.return_layernorm_output && column.gathers_fp8(q) => {
-                let (ln8, stats) = self.norm.forward_fp8(x, q, false)?;
-                (LinearInput::Fp8(column.all_gather_fp8(&ln8, grad)?), stats)
-            }
-            // Sequence parallel: the norm on this rank's tokens, all-gathered (as FP8 codes under
-            // current scaling, cast with the whole's amax), then fc1.
-            (q, Some(column)) => {
-                let (ln, stats) = self.norm.forward(x, dt)?;
-                let codes = match q {
-                    Some(q) => column.all_gather_cast(&ln, q, grad)?,
-                    None => None,
-                };
-                let input = match codes {
-                    Some(f) => LinearInput::Fp8(f),
-                    None => LinearInput::High(column.all_gather(&ln)?),
-                };
-                ln_out = self.cfg.return_layernorm_output.then_some(ln);
-                (input, stats)
-            }
-            (Some(q), None) if !self.cfg.return_layernorm_output => {
-                let (ln8, stats) = self.norm.forward_fp8(x, q, grad)?;
-                (LinearInput::Fp8(ln8), stats)
-            }
-            _ => {
-                let (ln, stats) = self.norm.forward(x, dt)?;
-                ln_out = self.cfg.return_layernorm_output.then(|| ln.clone());
-                (LinearInput::High(ln), stats)
-            }
-        };
-        let gemm_shape = match &fc1_in {
-            LinearInput::High(t) => t.shape().to_vec(),
-            LinearInput::Fp8(f) => f.shape().to_vec(),
-        };
+        // Norm → fc1 input (through fc1's input quantizer under FP8; gathered from the ranks'
+        // token shards under sequence parallelism).
+        let ret = self.cfg.return_layernorm_output;
+        let n = norm_gemm_input(&self.norm, x, pass1.fp8_input(), self.fc1.comm(), ret, grad)?;
+        let gemm_shape = n.gemm_shape();
+        let (fc1_in, stats, ln_out) = (n.input, n.stats, n.ln_out);
         let fc1_opts = ForwardOptions { fp8_output: false, ..opts };
         let (pre_act, fc1_saved) = self.fc1.forward(fc1_in, &gemm_shape, dt, &pass1, fc1_opts, grad)?;
         let Output::High(pre_act) = pre_act else {
@@ -391,13 +342,9 @@ impl LayerNormMLP {
                 LinearInput::High(y)
             }
         };
+        // Under tensor parallelism fc2's core sums the ranks' partial outputs (reduce-scattered
+        // to the token shards under sequence parallelism).
         let (out, fc2_saved) = self.fc2.forward(fc2_in, &act_shape, dt, &pass2, opts, grad)?;
-        // The ranks' partial outputs summed (reduce-scattered to the token shards under sequence
-        // parallelism).
-        let out = match &self.tp {
-            Some([_, row]) => Output::High(row.reduce(MODULE, out.into_high(&dev, dt)?)?),
-            None => out,
-        };
         let ctx = match (fc1_saved, fc2_saved) {
             (Some(fc1), Some(fc2)) => Some(LayerNormMLPCtx {
                 stamp: self.stamp(),
@@ -438,11 +385,6 @@ impl LayerNormMLP {
     ) -> Result<Option<Tensor>> {
         ctx.stamp.check(MODULE, self.stamp())?;
         let act_shape = out_shape(&ctx.gemm_shape, self.ffn_local);
-        let dy = match &self.tp {
-            Some([_, row]) if row.gathers_grad_output() => row.all_gather(grad_output)?,
-            _ => grad_output.clone(),
-        };
-        let grad_output = &dy;
         let no_grad = |what: &str| Error::internal(MODULE, format!("no {what} dgrad with input_grad = true"));
         let mut fc2_saved = ctx.fc2;
         if let Saved::Fp8(s) = &mut fc2_saved {
@@ -453,6 +395,8 @@ impl LayerNormMLP {
                 s.input_t = Some(self.recompute_act_t(&ctx.pre_act, q)?);
             }
         }
+        // fc2's core gathers a token shard of the output gradient (sequence parallelism); fc1's
+        // sums the ranks' dgrads (reduce-scattered back to the token shards).
         let d_act = self.fc2.backward(fc2_saved, grad_output, &act_shape, true)?.ok_or_else(|| no_grad("fc2"))?;
         let act = self.cfg.activation;
         let d_ln = match ctx.fc1 {
@@ -470,12 +414,6 @@ impl LayerNormMLP {
             }
         }
         .ok_or_else(|| no_grad("fc1"))?;
-        // Each rank's fc1 dgrad is its ffn slice's part: summed over the ranks (reduce-scattered
-        // back to the token shards under sequence parallelism).
-        let d_ln = match &self.tp {
-            Some([column, _]) => column.reduce(MODULE, d_ln)?,
-            None => d_ln,
-        };
         let dx = self.norm.backward_sum(d_ln, opts.grad_ln_out, &ctx.x, &ctx.stats)?;
         Ok(opts.input_grad.then_some(dx))
     }

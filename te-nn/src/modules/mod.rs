@@ -1,6 +1,11 @@
 //! TE's modules with explicit autograd: `forward` returns the output and a saved context,
 //! `backward` consumes the context, returns the input gradients and accumulates the parameter
 //! gradients (TE's `torch.autograd.Function`s, made explicit).
+//!
+//! Their parallelism is [`crate::parallel`]'s: a module's config takes a
+//! [`crate::parallel::TpConfig`], every GEMM holds a [`crate::parallel::GemmParallel`] its core
+//! calls around the GEMM, and the norms and residuals between GEMMs ask a
+//! [`crate::parallel::SequenceParallel`] about token shards; both are the identity on one GPU.
 
 pub mod attention;
 pub mod embedding;
@@ -16,7 +21,6 @@ pub mod moe_mlp;
 pub mod multihead_attention;
 pub mod norm;
 mod params;
-pub mod tensor_parallel;
 pub mod token_ids;
 pub mod transformer_layer;
 pub mod visit;
@@ -40,7 +44,6 @@ pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNo
 pub use params::LinearParams;
 pub use te_codegen::spec::Activation;
 pub use te_codegen::KernelSpec;
-pub use tensor_parallel::{TensorParallel, TpConfig};
 pub use token_ids::TokenIds;
 pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
 pub use visit::{

@@ -20,12 +20,11 @@ use super::inference::KvLayer;
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
 use super::linear::{Linear, LinearConfig, LinearCtx, LinearInput};
 use super::norm::NormKind;
-use super::tensor_parallel::TpConfig;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, ForwardOptions, LinearParams, NormParams, Output};
 use super::{KernelSpec, KernelTarget};
 use crate::fp8::{fp8_mode, Fp8Mode};
-use crate::parallel::shard::Split;
+use crate::parallel::{GemmParallel, ParallelMode, Split, TpConfig};
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::ops::decode_attention::{append_kv, decode, Strided};
@@ -137,11 +136,10 @@ impl MultiheadAttentionConfig {
             return Err(config(format!("num_gqa_groups = {g} must divide num_attention_heads = {h}")));
         }
         let qkv_out = (h + 2 * g) * d;
-        // Under tensor parallelism each rank holds its heads of q, k and v.
-        let (h_local, g_local) = match &cfg.tp {
-            None => (h, g),
-            Some(tp) => (tp.split(MODULE, "num_attention_heads", h)?, tp.split(MODULE, "num_gqa_groups", g)?),
-        };
+        // The QKV projection column-parallel: each rank holds its heads of q, k and v.
+        let qkv_comm = GemmParallel::new(cfg.tp.as_ref(), ParallelMode::Column);
+        let h_local = qkv_comm.split_count(MODULE, "num_attention_heads", h)?;
+        let g_local = qkv_comm.split_count(MODULE, "num_gqa_groups", g)?;
         let qkv = if cfg.input_layernorm {
             QkvProjConfig::Norm(LayerNormLinearConfig {
                 eps: cfg.layernorm_epsilon,
@@ -150,7 +148,7 @@ impl MultiheadAttentionConfig {
                 bias: cfg.bias,
                 params_dtype: cfg.params_dtype,
                 seed: cfg.seed,
-                tp: cfg.tp.as_ref().map(TpConfig::column),
+                tp: cfg.tp.clone(),
                 ..LayerNormLinearConfig::new(cfg.hidden_size, qkv_out)
             })
         } else {
@@ -158,7 +156,8 @@ impl MultiheadAttentionConfig {
                 bias: cfg.bias,
                 params_dtype: cfg.params_dtype,
                 seed: cfg.seed,
-                tp: cfg.tp.as_ref().map(TpConfig::column),
+                tp: cfg.tp.clone(),
+                parallel_mode: ParallelMode::Column,
                 ..LinearConfig::new(cfg.hidden_size, qkv_out)
             })
         };
@@ -175,7 +174,8 @@ impl MultiheadAttentionConfig {
             bias: cfg.bias,
             params_dtype: cfg.params_dtype,
             seed: cfg.seed + 1,
-            tp: cfg.tp.as_ref().map(TpConfig::row),
+            tp: cfg.tp.clone(),
+            parallel_mode: ParallelMode::Row,
             ..LinearConfig::new(h * d, cfg.hidden_size)
         };
         let qkv_split = Split::Qkv { heads: h, groups: g, head_dim: d };
@@ -343,13 +343,14 @@ impl MultiheadAttention {
         self.cfg.rope_format()
     }
 
-    /// The first dim of the attention's input: `x`'s, times the tensor-parallel size under
-    /// sequence parallelism (the QKV projection all-gathers the shards).
+    /// The first dim of the attention's input: `x`'s, times the tensor-parallel size when `x`
+    /// is this rank's token shard (the QKV projection gathers the shards).
     fn whole_first_dim(&self, a: usize) -> usize {
-        match &self.cfg.tp {
-            Some(tp) if tp.sequence_parallel => a * tp.size(),
-            _ => a,
-        }
+        let qkv = match &self.qkv {
+            QkvProj::Norm(m) => m.gemm_parallel(),
+            QkvProj::Plain(m) => m.gemm_parallel(),
+        };
+        qkv.input_tokens(a)
     }
 
     /// Self-attention of `x` with no padding and no rotary embedding.

@@ -5,10 +5,10 @@ use super::params::accumulate;
 use super::{next_module_id, Stamp};
 use crate::fp8::quantizer::produce_fp8;
 use crate::fp8::{Float8Tensor, Quantizer};
+use crate::parallel::SequenceParallel;
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
-use te_runtime::dist::{ProcessGroup, ReduceOp};
 use te_runtime::ops;
 use te_runtime::ops::norm::{norm_bwd, norm_fwd, NormBwdArgs, NormBwdOut, NormFwdArgs, NormFwdOut};
 use te_runtime::{Device, Error, Result, Tensor};
@@ -63,7 +63,7 @@ pub struct NormParams {
     version: u64,
     /// Sequence parallelism: the group over whose ranks the tokens are split; the gradients of
     /// gamma and beta are summed over it (Megatron-LM's all-reduce of the norms' gradients).
-    sequence_group: Option<Arc<ProcessGroup>>,
+    sequence: SequenceParallel,
 }
 
 impl NormParams {
@@ -95,15 +95,15 @@ impl NormParams {
             dgamma: None,
             dbeta: None,
             version: 0,
-            sequence_group: None,
+            sequence: SequenceParallel::none(),
         })
     }
 
-    /// Runs on token shards split over `group` (sequence parallelism): each backward sums the
-    /// gamma and beta gradients over the group before they accumulate, so every rank holds the
-    /// whole batch's. `None`: the tokens are whole.
-    pub(crate) fn set_sequence_group(&mut self, group: Option<Arc<ProcessGroup>>) {
-        self.sequence_group = group;
+    /// Runs on `sequence`'s token shards (sequence parallelism): each backward sums the gamma
+    /// and beta gradients over its group before they accumulate, so every rank holds the whole
+    /// batch's. [`SequenceParallel::none`]: the tokens are whole.
+    pub(crate) fn set_sequence_parallel(&mut self, sequence: SequenceParallel) {
+        self.sequence = sequence;
     }
 
     /// LayerNorm or RMSNorm.
@@ -273,13 +273,11 @@ impl NormParams {
             zero_centered_gamma: self.cfg.zero_centered_gamma,
         };
         norm_bwd(&self.dev, &args, NormBwdOut { dx: &mut dx, dgamma: &mut dgamma, dbeta: dbeta.as_mut() })?;
-        if let Some(group) = &self.sequence_group {
-            // One NCCL launch for both.
-            group.grouped(|| {
-                group.all_reduce(&mut dgamma, ReduceOp::Sum)?;
-                dbeta.as_mut().map_or(Ok(()), |db| group.all_reduce(db, ReduceOp::Sum))
-            })?;
-            group.wait()?;
+        // Token shards: each gives part of the gradients, summed over the group (one NCCL launch
+        // for both); nothing for whole tokens.
+        match dbeta.as_mut() {
+            Some(db) => self.sequence.sum_grads(&mut [&mut dgamma, db])?,
+            None => self.sequence.sum_grads(&mut [&mut dgamma])?,
         }
         accumulate(&self.dev, &mut self.dgamma, dgamma)?;
         if let Some(db) = dbeta {
@@ -328,11 +326,11 @@ impl Norm {
     }
 
     /// Sequence parallelism (TE `LayerNorm(..., sequence_parallel=True)` in a tensor-parallel
-    /// model): the norm runs on this rank's token shard of `group`'s ranks, and its backward
+    /// model): the norm runs on this rank's token shard of `sequence`'s ranks, and its backward
     /// sums the gamma and beta gradients over the group (each rank's shard gives part of
-    /// them). `None` (the default): the tokens are whole.
-    pub fn set_sequence_parallel(&mut self, group: Option<Arc<ProcessGroup>>) {
-        self.params.set_sequence_group(group);
+    /// them). [`SequenceParallel::none`] (the default): the tokens are whole.
+    pub fn set_sequence_parallel(&mut self, sequence: SequenceParallel) {
+        self.params.set_sequence_parallel(sequence);
     }
 
     /// TE `LayerNorm(hidden_size, eps, zero_centered_gamma)`.

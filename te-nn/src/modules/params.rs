@@ -3,6 +3,7 @@
 
 use super::init;
 use crate::fp8::{is_fp8_model_init, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Tensor, Quantizer};
+use crate::parallel::{GemmParallel, Split};
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::gemm::{gemm, BlockScale, Epilogue, GemmConfig, Operand, Output as GemmOut};
@@ -103,6 +104,35 @@ impl LinearParams {
         })
     }
 
+    /// The parameters of a GEMM whose whole sizes are `init`'s, as `comm` places them on this
+    /// rank: for a whole GEMM [`LinearParams::new`]; for a tensor-parallel one this rank's slice,
+    /// the whole layer's weight initialized from `init.seed` and sliced as `split` says
+    /// ([`GemmParallel::shard_weight`]; `None`: the mode's dim), so the weights do not depend on
+    /// the group's size, the bias (0) of the slice's size, and the slices marked
+    /// ([`LinearParams::tensor_parallel`]).
+    ///
+    /// # Errors
+    /// [`GemmParallel::check_init`]'s and [`GemmParallel::local_features`]' [`Error::Config`];
+    /// [`Error::Dist`] for a `split` that does not divide; the errors of [`LinearParams::new`].
+    pub(crate) fn for_gemm(
+        dev: &Arc<Device>,
+        module: &'static str,
+        p: ParamsInit,
+        comm: &GemmParallel,
+        split: Option<Split>,
+    ) -> Result<Self> {
+        comm.check_init(module, dev)?;
+        let (w_in, w_out) = (p.in_features, p.out_features);
+        let (n_in, n_out) = comm.local_features(module, w_in, w_out)?;
+        let mut params = Self::new(dev, module, ParamsInit { in_features: n_in, out_features: n_out, ..p })?;
+        let whole = || init::normal(w_in * w_out, p.init_std, p.seed);
+        if let Some(slice) = comm.shard_weight(module, [w_out, w_in], split, whole)? {
+            params.set_weight(Tensor::from_f32(dev, p.params_dtype, &[n_out, n_in], &slice)?)?;
+        }
+        params.tensor_parallel = comm.param_split();
+        Ok(params)
+    }
+
     /// The device the parameters live on.
     pub(crate) fn device(&self) -> &Arc<Device> {
         &self.dev
@@ -167,11 +197,6 @@ impl LinearParams {
     /// the bias of a column-parallel one), rather than whole on every rank.
     pub fn tensor_parallel(&self) -> [bool; 2] {
         self.tensor_parallel
-    }
-
-    /// Marks the weight and the bias as tensor-parallel slices or not.
-    pub(crate) fn set_tensor_parallel(&mut self, split: [bool; 2]) {
-        self.tensor_parallel = split;
     }
 
     /// Replaces the bias.

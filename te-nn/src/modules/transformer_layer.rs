@@ -14,9 +14,9 @@ use super::multihead_attention::{
     AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx,
 };
 use super::norm::{Norm, NormConfig, NormCtx, NormKind};
-use super::tensor_parallel::TpConfig;
 use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, Activation, BackwardOptions, ForwardOptions, KernelSpec, KernelTarget};
+use crate::parallel::{SequenceParallel, TpConfig};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
@@ -258,6 +258,8 @@ pub struct TransformerLayer {
     attention: MultiheadAttention,
     mlp: Mlp,
     out_norm: Option<Norm>,
+    /// The token shards of the residual stream (sequence parallelism; none without).
+    sequence: SequenceParallel,
     /// Dropout stream counter: each training-mode call draws fresh masks.
     calls: u64,
     /// Training mode (dropout on), PyTorch's `module.training`.
@@ -301,11 +303,22 @@ impl TransformerLayer {
             MlpConfig::Dense(c) => Mlp::Dense(Box::new(LayerNormMLP::new(dev, c)?)),
             MlpConfig::Moe(c) => Mlp::Moe(Box::new(MoeMLP::new(dev, c)?)),
         };
+        let sequence = SequenceParallel::of(cfg.tp.as_ref());
         let mut out_norm = parts.output_norm.map(|(kind, c)| Norm::new(dev, kind, c)).transpose()?;
-        if let (Some(norm), Some(tp)) = (out_norm.as_mut(), &cfg.tp) {
-            norm.set_sequence_parallel(tp.sequence_group());
+        if let Some(norm) = out_norm.as_mut() {
+            norm.set_sequence_parallel(sequence.clone());
         }
-        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, attention, mlp, out_norm, calls: 0, training: true })
+        Ok(Self {
+            dev: dev.clone(),
+            id: next_module_id(),
+            cfg,
+            attention,
+            mlp,
+            out_norm,
+            sequence,
+            calls: 0,
+            training: true,
+        })
     }
 
     /// The configuration.
@@ -397,9 +410,9 @@ impl TransformerLayer {
     fn residual_dropout(&mut self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, CudaSlice<u8>)> {
         let p = self.hidden_dropout();
         self.calls += u64::from(p > 0.0);
-        // Under sequence parallelism each rank's masks are its own (its tokens differ).
-        let rank = self.cfg.tp.as_ref().filter(|tp| tp.sequence_parallel).map_or(0, |tp| tp.group.rank());
-        let seed = self.cfg.seed.wrapping_add((rank as u64) << 32);
+        // Under sequence parallelism each rank's masks are its own (its tokens differ); rank 0's,
+        // and those of whole tokens, are the layer's seed's.
+        let seed = self.cfg.seed.wrapping_add((self.sequence.rank() as u64) << 32);
         let params = DropoutParams { p, seed, offset: self.calls };
         let mut out = Tensor::empty(&self.dev, residual.dtype(), residual.shape())?;
         // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.

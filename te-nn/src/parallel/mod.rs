@@ -1,13 +1,48 @@
-//! Parallel training built on modules and process groups: data parallelism
-//! ([`DataParallel`]: gradients averaged over the ranks in buckets on a side stream, overlapped
-//! with the backward; parameters broadcast from rank 0) and the layout of a run that combines it
-//! with tensor parallelism ([`Parallel`]; the tensor-parallel layers themselves are the modules'
-//! [`crate::modules::TpConfig`]). The collectives are in [`te_runtime::dist`]; the amax reduction of
-//! FP8 scaling is the autocast scope's ([`crate::fp8::Fp8Autocast::fp8_group`]).
+//! Parallelism, below the modules: the one home of how a run spreads over ranks.
+//!
+//! - **The mesh** ([`MeshShape`], [`DeviceMesh`]): the run's ranks as a grid of named axes
+//!   ([`MeshAxis`]: tensor, context, expert, ZeRO, data) in Megatron-LM's rank layout (tensor
+//!   ranks consecutive), the rank → group-color arithmetic, and one process group per axis in
+//!   use. [`Parallel`] is a run's TP × DP mesh with its data-parallel averaging and its
+//!   tensor-parallel config.
+//! - **Tensor parallelism** ([`TpConfig`]): the group and `sequence_parallel`, the one config
+//!   every tensor-parallel module and the GPT take; how a GEMM splits ([`ParallelMode`]) is
+//!   given where the split is chosen.
+//! - **The hooks** the modules call unconditionally, whose single-GPU forms are the identity:
+//!   [`GemmParallel`] around every GEMM (the input gathered, the output reduced, the output
+//!   gradient gathered, the dgrad reduced, who adds the bias, this rank's features and weight
+//!   slice) and [`SequenceParallel`] for the token shards between GEMMs (scatter, gather, and
+//!   the sum of the norms' parameter gradients).
+//! - **The sharding arithmetic** ([`shard`]: [`Split`], [`TpRank`], [`TpLayout`]): which slice
+//!   of each tensor a rank holds, shared by the modules' init and checkpoint split and merge.
+//! - **Data parallelism** ([`DataParallel`]): gradients averaged over the ranks in buckets on a
+//!   side stream, overlapped with the backward; parameters broadcast from rank 0 (it walks the
+//!   modules' parameters, so it is the one part above them).
+//!
+//! The collectives are `te_runtime::dist`'s; the amax reduction of FP8 scaling is the autocast
+//! scope's ([`crate::fp8::Fp8Autocast::with_group`]). Context parallelism, expert parallelism
+//! and ZeRO come next on the same mesh: their axes and group arithmetic are here already
+//! ([`MeshAxis::Context`], [`MeshAxis::Expert`], [`MeshAxis::Zero`]); context parallelism will be
+//! a hook beside [`SequenceParallel`] the attention calls, expert parallelism the token dispatch
+//! of `MoeMLP` over the expert axis, ZeRO the optimizer state sharded over the ZeRO axis.
 
+mod collectives;
 mod data_parallel;
+mod device_mesh;
+mod gemm;
 mod layout;
+mod mesh;
+mod mode;
+mod sequence;
 pub mod shard;
+pub mod tensor_parallel;
 
 pub use data_parallel::DataParallel;
+pub use device_mesh::DeviceMesh;
+pub use gemm::GemmParallel;
 pub use layout::Parallel;
+pub use mesh::{MeshAxis, MeshShape};
+pub use mode::ParallelMode;
+pub use sequence::SequenceParallel;
+pub use shard::{Split, TpLayout, TpRank};
+pub use tensor_parallel::TpConfig;

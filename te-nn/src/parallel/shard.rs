@@ -15,27 +15,21 @@
 //! optimizer states split alike. Sources: Megatron-LM `core/tensor_parallel/layers.py`
 //! (`ColumnParallelLinear`, `RowParallelLinear`), TE `pytorch/module/linear.py`
 //! (`parallel_mode`).
+//!
+//! The GEMM modules slice their initial weights by the same [`Split`]s
+//! ([`super::GemmParallel::shard_weight`]), so a tensor-parallel model starts from the slices of
+//! the single-GPU model's weights, and its checkpoints split and merge by [`TpLayout`]
+//! (`crate::checkpoint::tp`).
 
 use te_runtime::{Error, Result};
 
 /// One rank's place in a tensor-parallel group of `size` ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TpRank {
     /// `0..size`.
     pub rank: usize,
     /// Ranks in the group.
     pub size: usize,
-}
-
-/// How a GEMM layer splits over the group (TE's `parallel_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ParallelMode {
-    /// Output features split; the input is whole on every rank (all-gathered under sequence
-    /// parallelism); the output stays split.
-    Column,
-    /// Input features split (the previous column-parallel output as is); the partial outputs are
-    /// all-reduced (reduce-scattered under sequence parallelism).
-    Row,
 }
 
 /// How one tensor splits over the group.
@@ -245,6 +239,10 @@ pub struct TpLayout {
     pub head_dim: usize,
     /// MLP width.
     pub ffn_hidden_size: usize,
+    /// Parts of `fc1`'s output features, each split separately ([`Split::Parts`]): 2 for a
+    /// gated activation (SwiGLU, GeGLU: `fc1` is `[a | b]`, `[2·ffn, hidden]`, and each rank
+    /// gates its own features, as `LayerNormMLP` slices it), 1 otherwise.
+    pub fc1_parts: usize,
     /// Ranks in the group.
     pub size: usize,
 }
@@ -270,7 +268,12 @@ impl TpLayout {
                 ));
             }
         }
-        Ok(Self { heads, groups, head_dim, ffn_hidden_size, size })
+        Ok(Self { heads, groups, head_dim, ffn_hidden_size, fc1_parts: 1, size })
+    }
+
+    /// This layout for MLPs with a gated activation (`fc1` split by halves) or not.
+    pub fn with_gated_fc1(self, gated: bool) -> Self {
+        Self { fc1_parts: if gated { 2 } else { 1 }, ..self }
     }
 
     /// How the tensor `name` splits: a parameter (`layers.0.layernorm_mlp.fc1_weight`), an
@@ -287,6 +290,7 @@ impl TpLayout {
         match (module_leaf, leaf) {
             ("layernorm_qkv" | "qkv", "weight" | "bias") => qkv,
             ("proj", "weight") => Split::Dim(1),
+            (_, "fc1_weight" | "fc1_bias") if self.fc1_parts > 1 => Split::Parts(self.fc1_parts),
             (_, "fc1_weight" | "fc1_bias") => Split::Dim(0),
             (_, "fc2_weight") => Split::Dim(1),
             _ => Split::Replicated,
@@ -409,6 +413,18 @@ mod tests {
         ] {
             assert_eq!(l.split_of(name), want, "{name}");
         }
+    }
+
+    /// A gated MLP's fc1 (and its optimizer states) splits by halves, as `LayerNormMLP` slices
+    /// its initial weight (`Split::Parts(2)`: each rank gates its own features); fc2 is split as
+    /// for any MLP.
+    #[test]
+    fn a_gated_fc1_splits_by_halves() {
+        let gated = TpLayout::new(4, 4, 8, 64, 2).unwrap().with_gated_fc1(true);
+        assert_eq!(gated.split_of("layers.0.layernorm_mlp.fc1_weight"), Split::Parts(2));
+        assert_eq!(gated.split_of("layers.0.layernorm_mlp.fc1_bias.exp_avg"), Split::Parts(2));
+        assert_eq!(gated.split_of("layers.0.layernorm_mlp.fc2_weight"), Split::Dim(1));
+        assert_eq!(gated.with_gated_fc1(false).split_of("layers.0.layernorm_mlp.fc1_weight"), Split::Dim(0));
     }
 
     /// Sizes that do not divide the heads, the groups or the MLP are refused naming them;

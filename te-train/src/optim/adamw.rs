@@ -205,7 +205,7 @@ impl AdamW {
     }
 
     /// This optimizer for one rank of a model whose layers split over `group` (tensor
-    /// parallelism, [`te_nn::modules::TpConfig`]): the clipping norm is the whole model's, the
+    /// parallelism, [`te_nn::parallel::TpConfig`]): the clipping norm is the whole model's, the
     /// same on every rank (each rank's slices, and the replicated parameters once: Megatron-LM's
     /// `clip_grad_norm` over the model-parallel group), so the replicated parameters stay
     /// equal. Every rank of the group steps together.

@@ -1,5 +1,9 @@
 //! The GEMM part of `Linear`, `LayerNormLinear` and `LayerNormMLP` (TE `_Linear`'s autograd
-//! function): parameters, FP8 scaling, and forward/backward of `y = x · Wᵀ + b`.
+//! function): parameters, FP8 scaling, and forward/backward of `y = x · Wᵀ + b`, with the
+//! GEMM's parallelism hook ([`GemmParallel`]) called around it: the output reduced at the end of
+//! the forward, the output gradient gathered at the start of the backward and the dgrad reduced
+//! at its end (the identity on a single GPU). The input is the caller's to gather (a norm in
+//! front may gather it as FP8 codes: `norm_input`).
 //!
 //! The FP8 dataflow is described in the parent module's docs.
 
@@ -8,6 +12,7 @@ use super::super::Output;
 use super::ForwardOptions;
 use crate::fp8::{Float8Tensor, ForwardQuantizers, Fp8Mode, Fp8StateSlot, GemmScaling, GradScaling, Quantizer};
 use crate::fp8::{Recipe, ScalingState};
+use crate::parallel::GemmParallel;
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
@@ -118,7 +123,10 @@ impl DbiasBuffers {
 pub(crate) struct LinearCore {
     pub params: LinearParams,
     module: &'static str,
-    /// The GEMM adds the bias (false for `return_bias`).
+    /// The GEMM's parallelism: the collectives around it.
+    comm: GemmParallel,
+    /// The GEMM adds the bias (false for `return_bias`, and for the row-parallel ranks that
+    /// leave it to rank 0).
     bias_fwd: bool,
     /// Backward computes the bias gradient (false for `return_bias`).
     bias_bwd: bool,
@@ -128,9 +136,30 @@ pub(crate) struct LinearCore {
 }
 
 impl LinearCore {
+    /// The core of a whole GEMM on this GPU: the forward adds the bias with `bias_fwd`, the
+    /// backward computes its gradient with `bias_bwd`.
     pub(crate) fn new(params: LinearParams, module: &'static str, bias_fwd: bool, bias_bwd: bool) -> Self {
+        Self::with_comm(params, module, GemmParallel::single(), bias_fwd, bias_bwd)
+    }
+
+    /// The core of `params` placed by `comm` (see [`LinearParams::for_gemm`]): the forward adds
+    /// the bias with `bias_fwd` where `comm` says this rank adds it, the backward computes its
+    /// gradient with `bias_bwd`.
+    pub(crate) fn with_comm(
+        params: LinearParams,
+        module: &'static str,
+        comm: GemmParallel,
+        bias_fwd: bool,
+        bias_bwd: bool,
+    ) -> Self {
         let scaling = GemmScaling::new(params.device());
-        Self { params, module, bias_fwd, bias_bwd, save_input: true, scaling }
+        let bias_fwd = bias_fwd && comm.adds_bias();
+        Self { params, module, comm, bias_fwd, bias_bwd, save_input: true, scaling }
+    }
+
+    /// The GEMM's parallelism hook.
+    pub(crate) fn comm(&self) -> &GemmParallel {
+        &self.comm
     }
 
     /// FP8 forwards stop saving the input transpose; the owner recomputes it and hands it back
@@ -181,8 +210,33 @@ impl LinearCore {
         Ok(())
     }
 
-    /// Forward of `pass`; `shape` is the input's shape, `dtype` the output's.
+    /// Forward of `pass`; `x` is the GEMM's input (gathered, when the hook gathers it), `shape`
+    /// its shape, `dtype` the output's. The output is the layer's: the ranks' sum for a
+    /// row-parallel GEMM ([`GemmParallel::reduce_output`]).
+    ///
+    /// # Errors
+    /// [`GemmParallel::check_fp8_output`]'s; FP8 dims; GEMM, kernel and NCCL failures.
     pub(crate) fn forward(
+        &mut self,
+        x: LinearInput,
+        shape: &[usize],
+        dtype: DType,
+        pass: &Pass,
+        opts: ForwardOptions,
+        grad: bool,
+    ) -> Result<(Output, Option<Saved>)> {
+        self.comm.check_fp8_output(self.module, opts.fp8_output)?;
+        let (out, saved) = self.forward_local(x, shape, dtype, pass, opts, grad)?;
+        // An FP8 output is never one to reduce (`check_fp8_output`).
+        let out = match out {
+            Output::High(y) => Output::High(self.comm.reduce_output(self.module, y)?),
+            fp8 @ Output::Fp8(_) => fp8,
+        };
+        Ok((out, saved))
+    }
+
+    /// This rank's GEMM of [`LinearCore::forward`].
+    fn forward_local(
         &mut self,
         x: LinearInput,
         shape: &[usize],
@@ -289,9 +343,29 @@ impl LinearCore {
         self.scaling.grad_output(g)
     }
 
-    /// Backward: `dy` `[..., out]` → `dx` (`input_shape`, `dy`'s dtype) when asked; wgrad and
-    /// bgrad accumulate into the parameters.
+    /// Backward: `dy` `[..., out]` (this rank's token shard of it for a row-parallel GEMM
+    /// under sequence parallelism: gathered first) → `dx` (`input_shape`, `dy`'s dtype; the
+    /// ranks' sum for a column-parallel GEMM) when asked; wgrad and bgrad accumulate into the
+    /// parameters.
     pub(crate) fn backward(
+        &mut self,
+        saved: Saved,
+        dy: &Tensor,
+        input_shape: &[usize],
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        let dy = self.comm.gather_grad_output(dy)?;
+        let dx = self.backward_local(saved, &dy, input_shape, input_grad)?;
+        self.reduce_dgrad(dx)
+    }
+
+    /// The layer's input gradient from this rank's dgrad ([`GemmParallel::reduce_dgrad`]).
+    fn reduce_dgrad(&self, dx: Option<Tensor>) -> Result<Option<Tensor>> {
+        dx.map(|dx| self.comm.reduce_dgrad(self.module, dx)).transpose()
+    }
+
+    /// This rank's GEMMs of [`LinearCore::backward`].
+    fn backward_local(
         &mut self,
         saved: Saved,
         dy: &Tensor,
@@ -311,16 +385,32 @@ impl LinearCore {
                 };
                 let dy8 = q.quantize(dy, true, dbias.as_mut().map(DbiasBuffers::out))?;
                 let dbias = dbias.map(DbiasBuffers::into_dbias);
-                self.backward_fp8(&dy8, dbias, s, input_shape, dy.dtype(), input_grad)
+                self.backward_fp8_local(&dy8, dbias, s, input_shape, dy.dtype(), input_grad)
             }
             Saved::High { input, weight } => self.backward_high(dy, &input, &weight, input_grad),
         }
     }
 
-    /// FP8 backward from an already cast `dy8` (with transpose) and its bias gradient: dgrad
-    /// when asked, wgrad and bgrad into the parameters; then the forward's gradient scaling is
-    /// done with. A fused producer (the dact cast of `LayerNormMLP`) calls it directly.
+    /// FP8 backward from an already cast `dy8` (with transpose; the whole output gradient, as
+    /// [`LinearCore::backward`] gathers it) and its bias gradient: dgrad when asked (the ranks'
+    /// sum for a column-parallel GEMM), wgrad and bgrad into the parameters; then the forward's
+    /// gradient scaling is done with. A fused producer (the dact cast of `LayerNormMLP`) calls it
+    /// directly.
     pub(crate) fn backward_fp8(
+        &mut self,
+        dy8: &Float8Tensor,
+        dbias: Option<Tensor>,
+        saved: Fp8Saved,
+        input_shape: &[usize],
+        dtype: DType,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        let dx = self.backward_fp8_local(dy8, dbias, saved, input_shape, dtype, input_grad)?;
+        self.reduce_dgrad(dx)
+    }
+
+    /// This rank's GEMMs of [`LinearCore::backward_fp8`].
+    fn backward_fp8_local(
         &mut self,
         dy8: &Float8Tensor,
         dbias: Option<Tensor>,

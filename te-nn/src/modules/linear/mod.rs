@@ -19,14 +19,14 @@
 //! Without FP8 the same GEMMs run in the parameters' precision on the saved high-precision input.
 
 pub(crate) mod gemm_core;
+pub(crate) mod norm_input;
 
 pub(crate) use self::gemm_core::LinearInput;
 use self::gemm_core::{LinearCore, Saved};
 use super::params::{LinearParams, ParamsInit};
-use super::tensor_parallel::TensorParallel;
 use super::{next_module_id, Output, Stamp};
 use crate::fp8::{fp8_mode, Fp8StateSlot, Quantizer, ScalingState};
-use crate::parallel::shard::{ParallelMode, Split};
+use crate::parallel::{GemmParallel, ParallelMode, Split, TpConfig};
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::{ops, Device, Error, Result, Tensor};
@@ -55,11 +55,14 @@ pub struct LinearConfig {
     pub init_std: f32,
     /// Seed of the weight init.
     pub seed: u64,
-    /// Tensor parallelism (TE `parallel_mode`, `tp_group`, `sequence_parallel`; see
-    /// [`TensorParallel`]): `in_features` and `out_features` stay the whole layer's, each rank
-    /// holds its slice of the weight (initialized as the whole layer's, then sliced). Default
-    /// `None`: the whole layer on this GPU.
-    pub tp: Option<TensorParallel>,
+    /// Tensor parallelism (TE `tp_group`, `sequence_parallel`; see [`TpConfig`]), split as
+    /// [`LinearConfig::parallel_mode`] says: `in_features` and `out_features` stay the whole
+    /// layer's, each rank holds its slice of the weight (initialized as the whole layer's, then
+    /// sliced). Default `None`: the whole layer on this GPU.
+    pub tp: Option<TpConfig>,
+    /// How the layer splits over `tp`'s group (TE `parallel_mode`): column (output features) or
+    /// row (input features). Read only with `tp`. Default column.
+    pub parallel_mode: ParallelMode,
 }
 
 impl LinearConfig {
@@ -75,14 +78,20 @@ impl LinearConfig {
             init_std: 0.023,
             seed: 0,
             tp: None,
+            parallel_mode: ParallelMode::Column,
         }
+    }
+
+    /// The layer's parallelism hook: `tp` split as `parallel_mode` says, or the whole GEMM.
+    pub fn gemm_parallel(&self) -> GemmParallel {
+        GemmParallel::new(self.tp.as_ref(), self.parallel_mode)
     }
 
     /// This rank's `(in_features, out_features)`: the whole layer's without `tp`, its slice's
     /// with (the whole layer's when the split does not divide: `Linear::new` refuses that).
     pub fn local_features(&self) -> (usize, usize) {
         let whole = (self.in_features, self.out_features);
-        self.tp.as_ref().map_or(whole, |tp| tp.local_features(MODULE, whole.0, whole.1).unwrap_or(whole))
+        self.gemm_parallel().local_features(MODULE, whole.0, whole.1).unwrap_or(whole)
     }
 }
 
@@ -174,7 +183,7 @@ impl Linear {
     }
 
     /// [`Linear::new`] whose weight splits under tensor parallelism as `split` says (see
-    /// [`TensorParallel::params`]; a fused QKV projection by heads); `None`: the mode's dim.
+    /// [`GemmParallel::shard_weight`]; a fused QKV projection by heads); `None`: the mode's dim.
     pub(crate) fn with_split(dev: &Arc<Device>, cfg: LinearConfig, split: Option<Split>) -> Result<Self> {
         let init = ParamsInit {
             in_features: cfg.in_features,
@@ -185,18 +194,20 @@ impl Linear {
             init_std: cfg.init_std,
             seed: cfg.seed,
         };
-        let params = match &cfg.tp {
-            None => LinearParams::new(dev, MODULE, init)?,
-            Some(tp) => tp.params(dev, MODULE, init, split)?,
-        };
-        let bias_fwd = !cfg.return_bias && cfg.tp.as_ref().is_none_or(TensorParallel::adds_bias);
-        let core = LinearCore::new(params, MODULE, bias_fwd, !cfg.return_bias);
+        let comm = cfg.gemm_parallel();
+        let params = LinearParams::for_gemm(dev, MODULE, init, &comm, split)?;
+        let core = LinearCore::with_comm(params, MODULE, comm, !cfg.return_bias, !cfg.return_bias);
         Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, core })
     }
 
     /// The configuration.
     pub fn config(&self) -> &LinearConfig {
         &self.cfg
+    }
+
+    /// The layer's parallelism hook.
+    pub(crate) fn gemm_parallel(&self) -> &GemmParallel {
+        self.core.comm()
     }
 
     /// Weight, bias and their gradients.
@@ -248,52 +259,27 @@ impl Linear {
     /// multiple of 16, naming the dim and what to pad to; [`Error::DType`] for a non-f32/bf16/f16
     /// input; GEMM and kernel failures.
     ///
-    /// With [`LinearConfig::tp`]: column-parallel takes the whole input (a token shard under
-    /// sequence parallelism, all-gathered first) and returns its slice of the output features;
-    /// row-parallel takes its slice of the input features and returns the whole output (the
-    /// ranks' partial products summed; under sequence parallelism its token shard).
+    /// With [`LinearConfig::tp`] (see [`GemmParallel`]): column-parallel takes the whole input
+    /// (a token shard under sequence parallelism, all-gathered first) and returns its slice of
+    /// the output features; row-parallel takes its slice of the input features and returns the
+    /// whole output (the ranks' partial products summed; under sequence parallelism its token
+    /// shard).
     /// [`Error::Config`] for `fp8_output` with row parallelism (the partial outputs are summed in
     /// 16 bits).
     pub fn forward_with(&mut self, input: &Tensor, opts: ForwardOptions) -> Result<(Output, LinearCtx)> {
-        let x = self.tp_input(input, opts)?;
+        let x = self.gemm_input(input, opts)?;
         let (out, saved) = self.run(&x, opts, true)?;
         let saved = saved.ok_or_else(|| Error::internal(MODULE, "a training forward saved nothing"))?;
-        let out = self.tp_output(out, input.dtype())?;
         Ok((out, LinearCtx { stamp: self.stamp(), input_shape: x.shape().to_vec(), saved }))
     }
 
-    /// The input of this rank's GEMM: all-gathered token shards (column, sequence parallel),
-    /// else `input`. Refuses an FP8 output the ranks would have to sum (row).
-    fn tp_input(&self, input: &Tensor, opts: ForwardOptions) -> Result<Tensor> {
-        self.check_tp_output(opts)?;
-        match &self.cfg.tp {
-            Some(tp) if tp.gathers_input() => tp.all_gather(input),
-            _ => Ok(input.clone()),
-        }
-    }
-
-    /// Refuses an FP8 output the ranks would have to sum (row parallelism).
-    fn check_tp_output(&self, opts: ForwardOptions) -> Result<()> {
-        match &self.cfg.tp {
-            Some(tp) if opts.fp8_output && tp.mode == ParallelMode::Row => Err(Error::Config {
-                module: MODULE,
-                message: "fp8_output with row parallelism: the ranks' partial outputs are summed in 16 bits, \
-                          then cast; ask for a 16-bit output"
-                    .into(),
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    /// The layer's output from this rank's GEMM output: the ranks' sum (row; this rank's token
-    /// shard of it under sequence parallelism), else `out`.
-    fn tp_output(&self, out: Output, dtype: DType) -> Result<Output> {
-        match &self.cfg.tp {
-            Some(tp) if tp.mode == ParallelMode::Row => {
-                Ok(Output::High(tp.reduce(MODULE, out.into_high(&self.dev, dtype)?)?))
-            }
-            _ => Ok(out),
-        }
+    /// The input of this rank's GEMM ([`GemmParallel::gather_input`]: the whole tokens of the
+    /// ranks' shards when it gathers them). Refuses an FP8 output the ranks would have to sum
+    /// before any collective runs.
+    fn gemm_input(&self, input: &Tensor, opts: ForwardOptions) -> Result<Tensor> {
+        let comm = self.core.comm();
+        comm.check_fp8_output(MODULE, opts.fp8_output)?;
+        comm.gather_input(input)
     }
 
     /// Forward for inference (TE under `torch.no_grad()`): no context, no transposes; an FP8
@@ -310,9 +296,8 @@ impl Linear {
     /// # Errors
     /// As [`Linear::infer`].
     pub fn infer_with(&mut self, input: &Tensor, opts: ForwardOptions) -> Result<Output> {
-        let x = self.tp_input(input, opts)?;
-        let out = self.run(&x, opts, false)?.0;
-        self.tp_output(out, input.dtype())
+        let x = self.gemm_input(input, opts)?;
+        Ok(self.run(&x, opts, false)?.0)
     }
 
     /// Forward of an input a producer writes (TE `fp8_mha`: the attention writes its output in
@@ -330,8 +315,8 @@ impl Linear {
         grad: bool,
         produce: impl FnOnce(Option<&dyn Quantizer>) -> Result<(LinearInput, T)>,
     ) -> Result<(Output, Option<LinearCtx>, T)> {
-        self.check_tp_output(opts)?;
-        if self.cfg.tp.as_ref().is_some_and(TensorParallel::gathers_input) {
+        self.core.comm().check_fp8_output(MODULE, opts.fp8_output)?;
+        if self.core.comm().gathers_input() {
             return Err(Error::Config {
                 module: MODULE,
                 message: "a produced input (fp8_mha) of a column-parallel layer under sequence parallelism is not \
@@ -359,7 +344,6 @@ impl Linear {
             }
         };
         let (out, saved) = self.core.forward(input, &shape, dtype, &pass, opts, grad)?;
-        let out = self.tp_output(out, dtype)?;
         let ctx = match saved {
             Some(saved) => Some(LinearCtx { stamp: self.stamp(), input_shape: shape, saved }),
             None if grad => return Err(Error::internal(MODULE, "a training forward saved nothing")),
@@ -409,17 +393,9 @@ impl Linear {
                     .into(),
             });
         }
-        let dy = match &self.cfg.tp {
-            Some(tp) if tp.gathers_grad_output() => tp.all_gather(grad_output)?,
-            _ => grad_output.clone(),
-        };
-        let dx = self.core.backward(ctx.saved, &dy, &ctx.input_shape, opts.input_grad)?;
-        match (&self.cfg.tp, dx) {
-            // Each rank's dgrad is its slice's part of the input gradient: summed over the ranks
-            // (under sequence parallelism, reduce-scattered back to the token shards).
-            (Some(tp), Some(dx)) if tp.mode == ParallelMode::Column => Ok(Some(tp.reduce(MODULE, dx)?)),
-            (_, dx) => Ok(dx),
-        }
+        // The core gathers a token shard of the output gradient and sums the ranks' dgrads
+        // (its hook's collectives).
+        self.core.backward(ctx.saved, grad_output, &ctx.input_shape, opts.input_grad)
     }
 }
 

@@ -1,0 +1,131 @@
+//! The tensor-parallel configuration of a module: TE's `tp_group` and `sequence_parallel`
+//! (Megatron-LM's `ColumnParallelLinear` / `RowParallelLinear`, TE
+//! `pytorch/module/linear.py`). It is the one config every tensor-parallel module takes
+//! (`LinearConfig::tp`, `LayerNormLinearConfig::tp`, `LayerNormMLPConfig::tp`,
+//! `MultiheadAttentionConfig::tp`, `TransformerLayerConfig::tp`, `Gpt::with_tensor_parallel`);
+//! how each GEMM splits over the group ([`ParallelMode`], TE's `parallel_mode`) is a value given
+//! where the split is chosen: [`TpConfig::gemm`] makes the GEMM's hook ([`GemmParallel`]).
+//! A layer's config holds the whole layer's sizes; each rank keeps its slice of the weight
+//! ([`super::shard`]'s layout):
+//!
+//! - **column**: output features split. The input is whole on every rank (under sequence
+//!   parallelism each rank holds `1/tp` of the tokens, all-gathered before the GEMM); the output
+//!   stays split (`[tokens, out / tp]`), the bias too. Backward: the partial input gradients are
+//!   all-reduced (reduce-scattered back to the token shards under sequence parallelism).
+//! - **row**: input features split (the column-parallel layer's output as it is). The partial
+//!   outputs are all-reduced (reduce-scattered to the token shards under sequence
+//!   parallelism); the bias is whole, added once (by rank 0's GEMM epilogue, before the sum).
+//!   Backward: the output gradient is whole on every rank (all-gathered from the token shards
+//!   under sequence parallelism), so every rank computes the same bias gradient.
+//!
+//! Collectives run on the group's stream in the activations' 16-bit dtype, except the
+//! sequence-parallel all-gather of a norm output the norm cast to FP8 with scales every rank
+//! shares (1 byte an element, TE's FP8 all-gather: under delayed scaling whose amaxes the
+//! autocast scope reduces over a group holding the tensor-parallel ranks, and under current
+//! scaling, whose shards' amax is all-reduced before the cast). FP8 casts use each
+//! rank's own amaxes unless the autocast scope reduces them (`Fp8Autocast::fp8_group`: pass the
+//! group of all ranks, as TE's default `fp8_group` is).
+//!
+//! Blocks fix their GEMMs' modes (TE's `set_parallel_mode = True`): `LayerNormMLP` (fc1
+//! column, fc2 row), `MultiheadAttention` (QKV column with the heads split, projection row),
+//! `TransformerLayer` (both). Under sequence parallelism a block's input and output are the
+//! rank's token shard `[tokens / tp, hidden]` (sbhd: `[s / tp, b, hidden]`), its norms run on
+//! the shard and their parameter gradients are summed over the group ([`SequenceParallel`]);
+//! every parameter says whether it is a slice (`Param::tensor_parallel`, which
+//! `AdamW::with_tensor_parallel` counts in its norm).
+
+use super::shard::TpRank;
+use super::{GemmParallel, ParallelMode, SequenceParallel};
+use std::sync::Arc;
+use te_runtime::dist::ProcessGroup;
+use te_runtime::{Error, Result};
+
+/// The tensor-parallel group of a module and whether the tokens between its GEMMs are split
+/// over it (TE's `tp_group`, `sequence_parallel`); see the module docs.
+#[derive(Debug, Clone)]
+pub struct TpConfig {
+    /// The tensor-parallel group (TE `tp_group`); its size is TE's `tp_size`.
+    pub group: Arc<ProcessGroup>,
+    /// Inputs of column-parallel layers and outputs of row-parallel layers are split over the
+    /// ranks along the first (token or sequence) dim (TE `sequence_parallel`, Megatron-LM's
+    /// sequence parallelism); the norms and dropout between them then run on the shards.
+    pub sequence_parallel: bool,
+}
+
+impl TpConfig {
+    /// Tensor parallelism over `group`, without sequence parallelism.
+    pub fn new(group: Arc<ProcessGroup>) -> Self {
+        Self { group, sequence_parallel: false }
+    }
+
+    /// This with sequence parallelism on or off.
+    pub fn with_sequence_parallel(self, sequence_parallel: bool) -> Self {
+        Self { sequence_parallel, ..self }
+    }
+
+    /// TE's `tp_size`.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank in the group (TE's `tp_rank`).
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// This rank's place in the group, as the sharding arithmetic takes it.
+    pub fn tp_rank(&self) -> TpRank {
+        TpRank { rank: self.rank(), size: self.size() }
+    }
+
+    /// The hook of a GEMM split over this group as `mode` says.
+    pub fn gemm(&self, mode: ParallelMode) -> GemmParallel {
+        GemmParallel::new(Some(self), mode)
+    }
+
+    /// The token shards between the GEMMs: over this group with sequence parallelism, else
+    /// none.
+    pub fn sequence(&self) -> SequenceParallel {
+        SequenceParallel::of(Some(self))
+    }
+
+    /// `count` (heads, features) split over the group: `count / tp_size`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `module` and `what` when it does not divide.
+    pub fn split_count(&self, module: &'static str, what: &str, count: usize) -> Result<usize> {
+        split_count(module, what, count, self.size())
+    }
+}
+
+/// `count` split over `size` ranks.
+///
+/// # Errors
+/// [`Error::Config`] naming `module` and `what` when `size` does not divide it (or is 0).
+pub(crate) fn split_count(module: &'static str, what: &str, count: usize, size: usize) -> Result<usize> {
+    if size == 0 || count % size != 0 {
+        return Err(Error::Config {
+            module,
+            message: format!(
+                "{what} = {count} does not split over {size} tensor-parallel ranks: choose a tensor-parallel size \
+                 that divides it"
+            ),
+        });
+    }
+    Ok(count / size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Heads and features split evenly or not at all: the error names the count and the size.
+    #[test]
+    fn counts_split_evenly_or_are_typed_errors() {
+        assert_eq!(split_count("m", "num_attention_heads", 16, 4).unwrap(), 4);
+        assert_eq!(split_count("m", "ffn_hidden_size", 96, 1).unwrap(), 96);
+        let e = split_count("MultiheadAttention", "num_attention_heads", 3, 2).unwrap_err().to_string();
+        assert!(e.contains("num_attention_heads = 3") && e.contains("2 tensor-parallel ranks"), "{e}");
+        assert!(split_count("m", "ffn_hidden_size", 8, 0).is_err());
+    }
+}
