@@ -246,7 +246,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     use te_nn::parallel::Parallel;
     use te_runtime::dist::{DistEnv, ProcessGroup};
     use te_train::data::Corpus;
-    use te_train::{Backend, CheckpointOptions, Precision, TrainError, Trainer};
+    use te_train::{cpu_gemm_precision, Backend, CheckpointOptions, Precision, TrainError, Trainer};
     let gpu = te_runtime::device::gpu_available();
     if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
         return Err(
@@ -311,6 +311,16 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         )
         .into());
     }
+    let cfg = train_config(a, model, on_gpu)?;
+    let precisions = match a.precision.as_str() {
+        "fp8" => vec![Precision::Fp8],
+        "bf16" => vec![Precision::Bf16],
+        _ => vec![Precision::Fp8, Precision::Bf16],
+    };
+    if !on_gpu && precisions.contains(&Precision::Fp8) {
+        // Before any run: the recipe the CPU path cannot emulate fails the FP8 run up front.
+        cpu_gemm_precision(Precision::Fp8, &cfg.recipe).map_err(|e| e.to_string())?;
+    }
     let parallel = match (&dist, &dev) {
         (Some(env), Some(dev)) => {
             let group = Arc::new(ProcessGroup::init(dev, env).map_err(|e| e.to_string())?);
@@ -320,17 +330,6 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     };
     // Rank 0 reports and writes the results; every rank trains.
     let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
-    let text = match &a.data {
-        Some(p) => read_text(p).map_err(|e| e.to_string()),
-        None => corpus_file().and_then(|w| read_plays(&w)).map_err(|e| e.to_string()),
-    }?;
-    let corpus = Corpus::split(text, 0.05);
-    let cfg = train_config(a, model, on_gpu)?;
-    let precisions = match a.precision.as_str() {
-        "fp8" => vec![Precision::Fp8],
-        "bf16" => vec![Precision::Bf16],
-        _ => vec![Precision::Fp8, Precision::Bf16],
-    };
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let ckpt = CheckpointOptions {
         dir: (!a.no_checkpoint).then(|| a.out.join("checkpoints")),
@@ -359,6 +358,11 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         .and_then(|t| t.with_checkpoints(ckpt).with_parallel(parallel))
         .map_err(|e| e.to_string())?;
     let cfg = trainer.config().clone();
+    let text = match &a.data {
+        Some(p) => read_text(p).map_err(|e| e.to_string()),
+        None => corpus_file().and_then(|w| read_plays(&w)).map_err(|e| e.to_string()),
+    }?;
+    let corpus = Corpus::split(text, 0.05);
     let (_, dp) = trainer.parallel().data_rank();
     if rank0 {
         println!(
