@@ -312,6 +312,8 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         .into());
     }
     let cfg = train_config(a, model, on_gpu)?;
+    // Settings out of range are refused before anything is created.
+    cfg.validate().map_err(|e| e.to_string())?;
     let precisions = match a.precision.as_str() {
         "fp8" => vec![Precision::Fp8],
         "bf16" => vec![Precision::Bf16],

@@ -216,14 +216,15 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> Result
 
 /// What the CPU path emulates for `recipe`, as the first line of `te train` and the summary say.
 pub fn cpu_path(recipe: &Recipe) -> String {
-    let scaling = match recipe {
-        Recipe::Delayed(_) => "delayed",
-        Recipe::Current(_) => "current",
-        Recipe::Block(_) => "blockwise",
+    let emulated = match recipe {
+        Recipe::Delayed(_) => "FP8 with delayed scaling and BF16 are",
+        Recipe::Block(_) => "FP8 with blockwise scaling and BF16 are",
+        // Refused for FP8 runs before they start (`te_train::cpu_gemm_precision`).
+        Recipe::Current(_) => "BF16 is",
     };
     format!(
-        "CPU reference path (no GPU: FP8 with {scaling} scaling and BF16 are emulated by rounding the GEMM inputs; \
-         f32 elsewhere; slow, for trying the job out)"
+        "CPU reference path (no GPU: {emulated} emulated by rounding the GEMM inputs; f32 elsewhere; slow, for trying \
+         the job out)"
     )
 }
 
@@ -365,6 +366,11 @@ mod tests {
         assert!(e.contains("--fp8-dpa"), "{e}");
         assert!(cpu_path(&cpu.recipe).contains("FP8 with delayed scaling"));
         assert!(cpu_path(&Float8BlockScaling::default().into()).contains("blockwise scaling"));
+        assert!(cpu_path(&Float8CurrentScaling::default().into()).contains("no GPU: BF16 is emulated"));
+        let default =
+            "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the GEMM \
+                       inputs; f32 elsewhere; slow, for trying the job out)";
+        assert_eq!(cpu_path(&cpu.recipe), default, "the line of the default run is unchanged");
     }
 
     #[test]

@@ -392,10 +392,13 @@ fn train_refuses_what_it_cannot_run() {
         (&["--cpu", "--recipe", "current", "--steps", "1"], "does not emulate FP8 with current scaling"),
         (&["--cpu", "--eval-interval", "0", "--steps", "1"], "invalid training configuration: eval_interval"),
     ];
+    let out = tempfile::tempdir().unwrap();
+    let out = out.path().join("out");
     for (args, want) in refused {
-        let o = run(args);
+        let o = te().arg("train").args(args).arg("--out").arg(&out).output().unwrap();
         assert!(!o.status.success() && text(&o).contains(want), "{args:?}: {}", text(&o));
         assert!(!text(&o).contains("CPU reference path"), "refused before the run starts: {}", text(&o));
+        assert!(!out.exists(), "{args:?}: refused before anything is written");
     }
     // A rank of a multi-process run (WORLD_SIZE > 1) on the CPU path is refused, not run alone.
     let o = te().args(["train", "--cpu"]).env("WORLD_SIZE", "2").env("RANK", "1").output().unwrap();
