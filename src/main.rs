@@ -311,7 +311,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         )
         .into());
     }
-    let cfg = train_config(a, model, on_gpu)?;
+    let cfg = train_config(a, model, on_gpu).map_err(|e| e.to_string())?;
     // Settings out of range are refused before anything is created.
     cfg.validate().map_err(|e| e.to_string())?;
     let precisions = match a.precision.as_str() {

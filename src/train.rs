@@ -130,18 +130,44 @@ pub fn pick_preset(preset: &str, gpu: bool) -> Result<(&'static str, GptConfig),
     }
 }
 
+/// A recipe flag `te train` cannot apply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecipeFlagError {
+    /// A flag for a field the recipe does not have.
+    #[error("{flag} does not apply to --recipe {recipe}: {why}")]
+    NotApplicable {
+        /// The flag given.
+        flag: &'static str,
+        /// The recipe named by `--recipe`.
+        recipe: String,
+        /// Why, and what to use instead.
+        why: &'static str,
+    },
+    /// A value the flag does not know.
+    #[error("{flag} {value}: expected {expected}")]
+    Unknown {
+        /// The flag.
+        flag: &'static str,
+        /// Its value.
+        value: String,
+        /// The values it takes.
+        expected: &'static str,
+    },
+}
+
 /// The FP8 recipe `--recipe` names, with the flags that apply to it: `--amax-history-len` and
 /// `--amax-compute-algo` to delayed scaling (TE's defaults otherwise), `--fp8-dpa` and
 /// `--fp8-mha` to delayed and current scaling.
 ///
 /// # Errors
-/// A message naming a flag the recipe has no field for (or an unknown recipe or algorithm).
-pub fn recipe(a: &TrainArgs) -> Result<Recipe, String> {
+/// [`RecipeFlagError::NotApplicable`] naming a flag the recipe has no field for;
+/// [`RecipeFlagError::Unknown`] for an unknown recipe or algorithm.
+pub fn recipe(a: &TrainArgs) -> Result<Recipe, RecipeFlagError> {
     let amax_flags =
         [("--amax-history-len", a.amax_history_len.is_some()), ("--amax-compute-algo", a.amax_compute_algo.is_some())];
     let attention_flags = [("--fp8-dpa", a.fp8_dpa), ("--fp8-mha", a.fp8_mha)];
-    let refuse = |flags: &[(&str, bool)], why: &str| match flags.iter().find(|(_, given)| *given) {
-        Some((flag, _)) => Err(format!("{flag} does not apply to --recipe {}: {why}", a.recipe)),
+    let refuse = |flags: &[(&'static str, bool)], why: &'static str| match flags.iter().find(|(_, given)| *given) {
+        Some((flag, _)) => Err(RecipeFlagError::NotApplicable { flag, recipe: a.recipe.clone(), why }),
         None => Ok(()),
     };
     match a.recipe.as_str() {
@@ -149,7 +175,13 @@ pub fn recipe(a: &TrainArgs) -> Result<Recipe, String> {
             let amax_compute_algo = match a.amax_compute_algo.as_deref() {
                 None | Some("max") => AmaxComputeAlgo::Max,
                 Some("most_recent") => AmaxComputeAlgo::MostRecent,
-                Some(other) => return Err(format!("--amax-compute-algo {other}: expected max or most_recent")),
+                Some(other) => {
+                    return Err(RecipeFlagError::Unknown {
+                        flag: "--amax-compute-algo",
+                        value: other.into(),
+                        expected: "max or most_recent",
+                    })
+                }
             };
             let default = DelayedScaling::default();
             Ok(DelayedScaling {
@@ -178,7 +210,11 @@ pub fn recipe(a: &TrainArgs) -> Result<Recipe, String> {
             )?;
             Ok(Float8BlockScaling::default().into())
         }
-        other => Err(format!("--recipe {other}: expected delayed, current or block")),
+        other => Err(RecipeFlagError::Unknown {
+            flag: "--recipe",
+            value: other.into(),
+            expected: "delayed, current or block",
+        }),
     }
 }
 
@@ -191,7 +227,7 @@ pub fn recipe(a: &TrainArgs) -> Result<Recipe, String> {
 ///
 /// # Errors
 /// [`recipe`]'s.
-pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> Result<TrainConfig, String> {
+pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> Result<TrainConfig, RecipeFlagError> {
     model.seed = a.seed;
     model.fp8_lm_head = a.fp8_lm_head;
     if let Some(s) = a.seq_length {
@@ -345,8 +381,15 @@ mod tests {
         ];
         for (flags, want) in refused {
             let e = recipe(&args(flags)).unwrap_err();
-            assert!(e.contains(want), "{flags:?}: {e}");
+            assert!(
+                matches!(e, RecipeFlagError::NotApplicable { .. }) && e.to_string().contains(want),
+                "{flags:?}: {e}"
+            );
         }
+        let unknown = TrainArgs { recipe: "mxfp8".into(), ..args(&[]) };
+        assert!(matches!(recipe(&unknown), Err(RecipeFlagError::Unknown { flag: "--recipe", .. })));
+        let algo = TrainArgs { amax_compute_algo: Some("mean".into()), ..args(&[]) };
+        assert_eq!(recipe(&algo).unwrap_err().to_string(), "--amax-compute-algo mean: expected max or most_recent");
         assert!(Cli::try_parse_from(["te-train", "--recipe", "mxfp8"]).is_err(), "unknown recipes are refused by clap");
     }
 
@@ -363,7 +406,7 @@ mod tests {
         let gpu = train_config(&args(&["--steps", "100", "--eval-interval", "7"]), GptConfig::small(), true).unwrap();
         assert_eq!((gpu.steps, gpu.batch, gpu.eval_interval, gpu.warmup_steps), (100, 8, 7, 5));
         let e = train_config(&args(&["--recipe", "block", "--fp8-dpa"]), GptConfig::tiny(), false).unwrap_err();
-        assert!(e.contains("--fp8-dpa"), "{e}");
+        assert!(matches!(e, RecipeFlagError::NotApplicable { flag: "--fp8-dpa", .. }), "{e}");
         assert!(cpu_path(&cpu.recipe).contains("FP8 with delayed scaling"));
         assert!(cpu_path(&Float8BlockScaling::default().into()).contains("blockwise scaling"));
         assert!(cpu_path(&Float8CurrentScaling::default().into()).contains("no GPU: BF16 is emulated"));
