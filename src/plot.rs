@@ -3,11 +3,11 @@
 //! Text is set in DejaVu Sans, embedded in the binary (assets/, Bitstream Vera license), so the
 //! plot needs no system fonts.
 
-use crate::train::{Precision, RunSummary};
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 use std::path::Path;
 use std::sync::Once;
+use te_train::{Precision, RunSummary};
 
 /// The embedded font's family name, as `plotters` looks it up.
 const FONT: &str = "sans-serif";
@@ -102,7 +102,7 @@ pub fn plot_losses(path: &Path, title: &str, runs: &[RunSummary]) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::Record;
+    use te_train::Record;
 
     fn run(precision: Precision, offset: f32) -> RunSummary {
         let records = (1..=50)

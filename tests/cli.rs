@@ -384,6 +384,22 @@ fn train_refuses_what_it_cannot_run() {
     // Device m_splits: a mixture-of-experts preset on the GPU.
     let o = run(&["--cpu", "--moe-device-splits", "--steps", "1"]);
     assert!(!o.status.success() && text(&o).contains("needs a mixture-of-experts preset"), "{}", text(&o));
+    // FP8 recipes: the flags a recipe has no field for, current scaling on the CPU path (not
+    // emulated yet), and settings out of range are refused before any run starts.
+    let refused: [(&[&str], &str); 4] = [
+        (&["--cpu", "--recipe", "block", "--fp8-dpa", "--steps", "1"], "--fp8-dpa does not apply to --recipe block"),
+        (&["--cpu", "--recipe", "current", "--amax-history-len", "16"], "--amax-history-len does not apply"),
+        (&["--cpu", "--recipe", "current", "--steps", "1"], "does not emulate FP8 with current scaling"),
+        (&["--cpu", "--eval-interval", "0", "--steps", "1"], "invalid training configuration: eval_interval"),
+    ];
+    let out = tempfile::tempdir().unwrap();
+    let out = out.path().join("out");
+    for (args, want) in refused {
+        let o = te().arg("train").args(args).arg("--out").arg(&out).output().unwrap();
+        assert!(!o.status.success() && text(&o).contains(want), "{args:?}: {}", text(&o));
+        assert!(!text(&o).contains("CPU reference path"), "refused before the run starts: {}", text(&o));
+        assert!(!out.exists(), "{args:?}: refused before anything is written");
+    }
     // A rank of a multi-process run (WORLD_SIZE > 1) on the CPU path is refused, not run alone.
     let o = te().args(["train", "--cpu"]).env("WORLD_SIZE", "2").env("RANK", "1").output().unwrap();
     assert!(!o.status.success() && text(&o).contains("multi-process run"), "{}", text(&o));

@@ -357,7 +357,7 @@ fn data_parallel_gradients_equal_the_whole_batch() {
 fn data_parallel_training_follows_one_gpu_at_twice_the_batch() {
     let test = "multi_gpu::data_parallel_training_follows_one_gpu_at_twice_the_batch";
     on_ranks(test, 2, Layout::OneNode, |env, dev, pg| {
-        use te::train::{train, CheckpointOptions, Precision, TrainConfig};
+        use crate::train::{train, CheckpointOptions, Precision, TrainConfig};
         let corpus = crate::train::corpus();
         let group = Arc::new(pg);
         let base = crate::train::config(60);
@@ -389,7 +389,7 @@ fn data_parallel_training_follows_one_gpu_at_twice_the_batch() {
                     assert!((u - v).abs() / v < 2e-2, "{what}: step {} validation loss {u} vs {v}", x.step);
                 }
             }
-            let tail = |r: &[te::train::Record]| r[r.len() - 10..].iter().map(|r| r.train_loss).sum::<f32>() / 10.0;
+            let tail = |r: &[crate::train::Record]| r[r.len() - 10..].iter().map(|r| r.train_loss).sum::<f32>() / 10.0;
             let (ta, tb) = (tail(a), tail(b));
             assert!((ta - tb).abs() / tb < 2e-2, "{what}: mean loss of the last 10 steps {ta} vs {tb}");
             assert!(ta < a[0].train_loss * 0.8, "{what}: it learns ({} -> {ta})", a[0].train_loss);

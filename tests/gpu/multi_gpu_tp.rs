@@ -313,7 +313,7 @@ fn tensor_parallel_blocks_equal_the_whole_blocks() {
 fn tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges() {
     let test = "multi_gpu_tp::tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges";
     on_ranks(test, 2, Layout::OneNode, |env, dev, pg| {
-        use te::train::{train, CheckpointOptions, Precision, TrainConfig};
+        use crate::train::{train, CheckpointOptions, Precision, TrainConfig};
         use te_models::gpt::{Gpt, GptConfig};
         use te_nn::checkpoint::{
             self,
@@ -389,7 +389,8 @@ fn tensor_parallel_training_follows_one_gpu_and_its_checkpoint_merges() {
             // for bit.
             let resume = CheckpointOptions { resume: true, ..ckpt.clone() };
             let resumed = train(dev, &corpus, &base, precision, &resume, &mut parallel, |_, _| {}).unwrap();
-            let bits = |r: &[te::train::Record]| r.iter().map(|r| (r.step, r.train_loss.to_bits())).collect::<Vec<_>>();
+            let bits =
+                |r: &[crate::train::Record]| r.iter().map(|r| (r.step, r.train_loss.to_bits())).collect::<Vec<_>>();
             assert_eq!(bits(&resumed.records), bits(&tp.records), "{what}: resumed at step 20");
             world.barrier().unwrap();
         }
@@ -411,7 +412,7 @@ fn tensor_and_data_parallel_training_follows_one_gpu() {
     }
     let test = "multi_gpu_tp::tensor_and_data_parallel_training_follows_one_gpu";
     on_ranks(test, 4, Layout::OneNode, |env, dev, pg| {
-        use te::train::{train, CheckpointOptions, Precision, TrainConfig};
+        use crate::train::{train, CheckpointOptions, Precision, TrainConfig};
         use te_models::gpt::GptConfig;
         use te_nn::parallel::Parallel;
         let corpus = crate::train::corpus();

@@ -1,15 +1,36 @@
-//! The training job on the GPU (`te::train`): a run resumed from a checkpoint continues bit for
+//! The training job on the GPU (`te_train::Trainer` on `Backend::Gpu`): a run resumed from a checkpoint continues bit for
 //! bit as if it had never stopped (weights, FP8 state, optimizer state, dropout stream and data
 //! order all restored), in FP8 and BF16, with gradient accumulation through
 //! `is_first_microbatch`; a checkpoint made with other settings is refused; evaluation does not
 //! move the training run; the peak memory is counted per run.
 
 use crate::common::device;
-use te::data::Corpus;
-use te::train::{train, CheckpointOptions, Precision, Record, TrainConfig, TrainError};
+use std::sync::Arc;
 use te_models::{Gpt, GptConfig};
 use te_nn::fp8::DelayedScaling;
 use te_nn::parallel::Parallel;
+use te_runtime::Device;
+use te_train::data::Corpus;
+use te_train::{Backend, RunSummary, Trainer};
+pub(crate) use te_train::{CheckpointOptions, Precision, Record, TrainConfig, TrainError};
+
+/// One run of `cfg` in `precision` on `dev` through the [`Trainer`], as rank `parallel` of a
+/// parallel run (given back to `parallel` afterwards), calling `progress(step, loss)`.
+pub(crate) fn train(
+    dev: &Arc<Device>,
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    precision: Precision,
+    ckpt: &CheckpointOptions,
+    parallel: &mut Parallel,
+    mut progress: impl FnMut(u64, f32),
+) -> Result<RunSummary, TrainError> {
+    let trainer = Trainer::new(cfg.clone(), Backend::Gpu(dev.clone()))?.with_checkpoints(ckpt.clone());
+    let mut trainer = trainer.with_parallel(std::mem::take(parallel))?;
+    let run = trainer.train(corpus, precision, |p| progress(p.step, p.train_loss));
+    *parallel = trainer.into_parallel();
+    run
+}
 
 /// Deterministic text of a few hundred kilobytes with some structure to learn.
 pub(crate) fn corpus() -> Corpus {
@@ -36,8 +57,7 @@ pub(crate) fn config(steps: u64) -> TrainConfig {
         eval_interval: 3,
         eval_batches: 2,
         data_seed: 7,
-        recipe: DelayedScaling::default(),
-        block_scaling: None,
+        recipe: DelayedScaling::default().into(),
         skip_nonfinite_steps: 0,
     }
 }

@@ -88,8 +88,9 @@ impl Default for DelayedScaling {
 
 /// Current (just-in-time) scaling (TE `Float8CurrentScaling`): each tensor's amax is computed
 /// right before its cast, `scale = fp8_max / max(amax, amax_epsilon)` (1 when the amax is 0, inf
-/// or NaN). Costs one extra read of every tensor; keeps no state.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+/// or NaN). Costs one extra read of every tensor; keeps no state. In config files (a training
+/// checkpoint's `trainer.toml`) a table of these fields.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct Float8CurrentScaling {
     /// FP8 formats. TE default [`Format::Hybrid`].
     pub fp8_format: Format,

@@ -1,0 +1,241 @@
+//! The checkpointing of one run: resuming at its start, saving after its steps (atomically,
+//! keeping the one before), the newest good checkpoint for error messages.
+
+use super::history::{read_history, write_history, write_text};
+use super::latest::{read_latest, Latest, ModelSection};
+use super::CheckpointOptions;
+use crate::config::{Precision, TrainConfig};
+use crate::error::TrainError;
+use crate::summary::Record;
+use std::path::{Path, PathBuf};
+
+/// The model and its optimizer as a checkpoint saves and restores them: the GPU's `Gpt` and
+/// `AdamW`, or the CPU path's `GptRef` and `GptAdamW`.
+pub(crate) trait RunState {
+    /// Writes `model.safetensors` (with `step` in its metadata) and `optimizer.safetensors`
+    /// into `dir`.
+    fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError>;
+    /// Restores model and optimizer from `dir`; returns the optimizer's step count.
+    fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError>;
+    /// The dropout stream position.
+    fn dropout_offset(&self) -> u64;
+    /// Moves the dropout stream to `offset`.
+    fn set_dropout_offset(&mut self, offset: u64) -> Result<(), TrainError>;
+    /// The paths of FP8 scaling states holding a NaN or infinite value.
+    fn nonfinite_states(&self) -> Result<Vec<String>, TrainError>;
+    /// Waits until every rank that writes a part of the checkpoint (the ranks of a
+    /// tensor-parallel group) has written its files; nothing for a single writer.
+    fn files_written(&self) -> Result<(), TrainError> {
+        Ok(())
+    }
+}
+
+/// The checkpointing of one run.
+#[derive(Debug)]
+pub(crate) struct Checkpointer<'a> {
+    opts: &'a CheckpointOptions,
+    cfg: &'a TrainConfig,
+    precision: Precision,
+    /// `<dir>/<precision>`, with a checkpoint directory.
+    run_dir: Option<PathBuf>,
+    last: Option<PathBuf>,
+    /// Ranks of the data-parallel run (1: a single GPU).
+    data_parallel: usize,
+    /// Ranks of the tensor-parallel group (1: none): each writes its files of every checkpoint.
+    tensor_parallel: usize,
+    /// Whether this process writes checkpoint files (rank 0 of a data-parallel run, each
+    /// tensor-parallel rank of it; every rank resumes from them).
+    writes: bool,
+    /// Whether it also writes `latest.toml` and the loss history (the writer of tensor-parallel
+    /// rank 0, once every writer's files are written).
+    writes_latest: bool,
+}
+
+impl<'a> Checkpointer<'a> {
+    /// The checkpointing `opts` asks for, of a run of `cfg` in `precision`.
+    pub(crate) fn new(opts: &'a CheckpointOptions, cfg: &'a TrainConfig, precision: Precision) -> Self {
+        let run_dir = opts.dir.as_ref().map(|d| d.join(precision.name()));
+        Self {
+            opts,
+            cfg,
+            precision,
+            run_dir,
+            last: None,
+            data_parallel: 1,
+            tensor_parallel: 1,
+            writes: true,
+            writes_latest: true,
+        }
+    }
+
+    /// The checkpointing of rank `rank` of a data-parallel run of `size` ranks: rank 0 writes
+    /// the checkpoints (recording `size`), every rank resumes from them, and a checkpoint of
+    /// another data-parallel size is refused (its data order differs).
+    pub(crate) fn data_parallel(self, rank: usize, size: usize) -> Self {
+        Self { data_parallel: size.max(1), writes: self.writes && rank == 0, ..self }
+    }
+
+    /// The checkpointing of rank `rank` of a tensor-parallel group of `size` ranks: each rank
+    /// writes its own files (`model.tp-<rank>-of-<size>.safetensors`, its optimizer state
+    /// likewise; [`RunState::save_files`]), rank 0 the step's `latest.toml` once all are
+    /// written (recording `size`), and a checkpoint of another tensor-parallel size is refused
+    /// (`te checkpoint merge|split` reshards it).
+    pub(crate) fn tensor_parallel(self, rank: usize, size: usize) -> Self {
+        Self { tensor_parallel: size.max(1), writes_latest: self.writes_latest && rank == 0, ..self }
+    }
+
+    /// The newest good checkpoint: the one resumed from, then each one saved.
+    pub(crate) fn last(&self) -> Option<&Path> {
+        self.last.as_deref()
+    }
+
+    /// With `resume` and a checkpoint in the run's directory: restores `state` and the loss
+    /// curve (`records`) from it and returns the steps it had done; else 0.
+    ///
+    /// # Errors
+    /// [`TrainError::Resume`] for a checkpoint made with other settings or inconsistent files;
+    /// runtime errors loading them.
+    pub(crate) fn resume(&mut self, state: &mut dyn RunState, records: &mut Vec<Record>) -> Result<u64, TrainError> {
+        let Some(run_dir) = self.run_dir.as_ref().filter(|_| self.opts.resume) else { return Ok(0) };
+        let path = run_dir.join("latest.toml");
+        let Some(latest) = read_latest(&path)? else { return Ok(0) };
+        let cfg = self.cfg;
+        let err = |message: String| TrainError::Resume { path: path.clone(), message };
+        let want = [
+            ("batch", latest.batch.to_string(), cfg.batch.to_string()),
+            ("grad_accum", latest.grad_accum.to_string(), cfg.grad_accum.to_string()),
+            ("seq_length", latest.seq_length.to_string(), cfg.model.seq_length.to_string()),
+            ("lr", latest.lr.to_string(), cfg.lr.to_string()),
+            ("seed", latest.data_seed.to_string(), cfg.data_seed.to_string()),
+            ("model seed", latest.model_seed.to_string(), cfg.model.seed.to_string()),
+            ("data-parallel size", latest.data_parallel.unwrap_or(1).to_string(), self.data_parallel.to_string()),
+        ];
+        let mut differ: Vec<String> =
+            want.iter().filter(|(_, a, b)| a != b).map(|(n, a, b)| format!("{n} {a} (checkpoint) vs {b}")).collect();
+        if let Some(m) = &latest.model {
+            let now = ModelSection::new(cfg, self.precision);
+            if !m.same_run(&now) {
+                differ.push(format!("the model or its recipe: {m:?} (checkpoint) vs {now:?}"));
+            }
+        }
+        if !differ.is_empty() {
+            return Err(err(format!(
+                "the run was made with other settings: {}; resume with the checkpoint's, or use another --out \
+                 (CheckpointOptions::dir)",
+                differ.join(", ")
+            )));
+        }
+        if latest.step > cfg.steps {
+            return Err(err(format!("it is at step {}, beyond --steps {}", latest.step, cfg.steps)));
+        }
+        let n = latest.tensor_parallel.unwrap_or(1);
+        if n != self.tensor_parallel {
+            return Err(err(format!(
+                "it holds the files of {n} tensor-parallel rank(s) and this run has {}: reshard it (te checkpoint \
+                 merge, then split) or resume with --tensor-parallel {n}",
+                self.tensor_parallel
+            )));
+        }
+        let dir = run_dir.join(&latest.dir);
+        let steps = state.load_files(&dir)?;
+        if steps != latest.step {
+            return Err(err(format!("optimizer.safetensors is at step {steps}, latest.toml at {}", latest.step)));
+        }
+        state.set_dropout_offset(latest.dropout_offset)?;
+        *records = read_history(&dir.join("history.csv"))?;
+        self.last = Some(dir);
+        Ok(latest.step)
+    }
+
+    /// After step `step`: saves a checkpoint when one is due (every `interval` steps, at the
+    /// last step, and when `stop` was requested: [`CheckpointOptions::stop_requested`], agreed
+    /// by every rank of a data-parallel run), then ends the run with
+    /// [`TrainError::Interrupted`] when a stop was requested before the last step. A rank that
+    /// does not write ([`Checkpointer::data_parallel`]) points at rank 0's checkpoint of the step.
+    ///
+    /// # Errors
+    /// That stop; [`TrainError::NonFinite`] for an FP8 scaling state that is not finite (the
+    /// checkpoint is not written); I/O and runtime errors of the save.
+    pub(crate) fn after_step(
+        &mut self,
+        step: u64,
+        state: &dyn RunState,
+        records: &[Record],
+        stop: bool,
+    ) -> Result<(), TrainError> {
+        let stop = stop && step < self.cfg.steps;
+        let interval = self.opts.interval;
+        if let Some(run_dir) = &self.run_dir {
+            if (interval > 0 && step % interval == 0) || step == self.cfg.steps || stop {
+                self.last = Some(match self.writes {
+                    true => self.save(run_dir, step, state, records)?,
+                    false => run_dir.join(format!("step-{step:07}")),
+                });
+            }
+        }
+        if stop {
+            return Err(TrainError::Interrupted { step, checkpoint: self.last.clone() });
+        }
+        Ok(())
+    }
+
+    /// Saves step `step` of a run into `run_dir`, then (the writer of `latest.toml`, once every
+    /// writer's files are written) points `latest.toml` at it and removes the checkpoints older
+    /// than the previous one.
+    fn save(&self, run_dir: &Path, step: u64, state: &dyn RunState, records: &[Record]) -> Result<PathBuf, TrainError> {
+        let (cfg, precision) = (self.cfg, self.precision);
+        let bad = state.nonfinite_states()?;
+        if let Some(path) = bad.first() {
+            return Err(TrainError::NonFinite {
+                step,
+                message: format!(
+                    "the FP8 scaling state {path} holds a NaN or infinite value ({} states in all); the checkpoint \
+                     was not written. The previous checkpoint is kept: continue from it with --resume, with a lower \
+                     --lr",
+                    bad.len()
+                ),
+            });
+        }
+        let name = format!("step-{step:07}");
+        let dir = run_dir.join(&name);
+        std::fs::create_dir_all(&dir).map_err(|source| TrainError::Output { path: dir.clone(), source })?;
+        state.save_files(&dir, step)?;
+        state.files_written()?;
+        if !self.writes_latest {
+            return Ok(dir);
+        }
+        write_history(&dir.join("history.csv"), records)?;
+        let latest = Latest {
+            dir: name.clone(),
+            step,
+            dropout_offset: state.dropout_offset(),
+            batch: cfg.batch,
+            grad_accum: cfg.grad_accum,
+            seq_length: cfg.model.seq_length,
+            lr: cfg.lr,
+            data_seed: cfg.data_seed,
+            model_seed: cfg.model.seed,
+            tensor_parallel: (self.tensor_parallel > 1).then_some(self.tensor_parallel),
+            data_parallel: (self.data_parallel > 1).then_some(self.data_parallel),
+            model: Some(ModelSection::new(cfg, precision)),
+        };
+        let path = run_dir.join("latest.toml");
+        let previous = read_latest(&path)?.map(|l| l.dir);
+        let text =
+            toml::to_string(&latest).map_err(|e| TrainError::Resume { path: path.clone(), message: e.to_string() })?;
+        // The step's own copy (to resume from it by copying it over latest.toml), then the pointer.
+        for file in [dir.join("trainer.toml"), path] {
+            write_text(&file, &text)?;
+        }
+        // Keep the newest and the one before it; older ones are no longer needed.
+        let entries =
+            std::fs::read_dir(run_dir).map_err(|source| TrainError::Output { path: run_dir.into(), source })?;
+        for entry in entries.flatten() {
+            let n = entry.file_name().to_string_lossy().into_owned();
+            if n.starts_with("step-") && n != name && Some(&n) != previous.as_ref() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        Ok(dir)
+    }
+}

@@ -1,0 +1,284 @@
+//! The GPU backend: `te_models::Gpt` trained in FP8 (under `fp8_autocast` with the config's
+//! recipe) or BF16, with AdamW (FP32 master weights, global-norm clipping, warmup + cosine LR)
+//! and gradient accumulation (`is_first_microbatch`), reporting step time, tokens/s, peak GPU
+//! memory and train/validation loss, saving checkpoints and resuming from them bit for bit.
+//!
+//! Data parallel (one process a GPU): each rank reads its shard of every global batch of
+//! `N × batch` sequences, the gradients are averaged over the ranks while the backward runs
+//! ([`te_nn::parallel::DataParallel`]), the FP8 amaxes are reduced over them (`fp8_group`), so
+//! every rank takes the same step; rank 0 writes the checkpoints, in the single-GPU format.
+//! Tensor parallel: the layers split over the tensor-parallel group, each rank writing its
+//! files of every checkpoint.
+
+use crate::checkpoint::{CheckpointOptions, Checkpointer, RunState};
+use crate::config::{Precision, TrainConfig};
+use crate::data::{Batcher, Corpus};
+use crate::error::TrainError;
+use crate::nonfinite::NonFiniteGuard;
+use crate::optim::AdamW;
+use crate::summary::{median, Progress, Record, RunSummary};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use te_models::gpt::{Gpt, GptLoss, MicroBatch};
+use te_nn::checkpoint::tp::{shard_path, TP_RANK_KEY, TP_SIZE_KEY};
+use te_nn::checkpoint::{self, LoadOptions, SaveOptions};
+use te_nn::fp8::{Fp8Autocast, Recipe, ScalingState};
+use te_nn::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
+use te_nn::parallel::Parallel;
+use te_nn::parallel::TpConfig;
+use te_nn::Module;
+use te_runtime::Device;
+
+/// Trains `cfg.model` on `corpus` in `precision` on `dev`, calling `progress` after each step;
+/// saves and resumes checkpoints as `ckpt` says. With `parallel`, as one rank of a data- and/or
+/// tensor-parallel run: every rank calls it with the same settings; the loss `progress` gets
+/// and the records hold are the mean over the ranks.
+///
+/// # Errors
+/// Data, runtime, device (out of memory, from the estimate before allocating) and checkpoint
+/// errors; [`TrainError::Resume`] for a checkpoint made with other settings;
+/// [`TrainError::NonFinite`] past `cfg.skip_nonfinite_steps` non-finite steps (or for a
+/// non-finite FP8 scaling state at a checkpoint); [`TrainError::Interrupted`] after the step
+/// during which `ckpt.stop` was set, its checkpoint written.
+pub(super) fn train(
+    dev: &Arc<Device>,
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    precision: Precision,
+    ckpt: &CheckpointOptions,
+    parallel: &mut Parallel,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<RunSummary, TrainError> {
+    dev.synchronize()?;
+    let fp8 = precision == Precision::Fp8;
+    let (_, tp_size) = parallel.tensor_rank();
+    dev.check_free_memory(Gpt::tensor_parallel_training_bytes(&cfg.model, cfg.batch, fp8, tp_size), || {
+        let m = &cfg.model;
+        format!(
+            "training a {}-layer GPT of hidden size {} ({} parameters) on micro-batches of {} × {} tokens in {} (the \
+             weights, AdamW state and activations, estimated before allocating)",
+            m.num_layers,
+            m.hidden_size,
+            m.num_parameters(),
+            cfg.batch,
+            m.seq_length,
+            if fp8 { "FP8" } else { "BF16" }
+        )
+    })?;
+    dev.reset_peak_memory()?;
+    let tp = parallel.tensor().cloned();
+    let mut model = match &tp {
+        Some(tp) => Gpt::with_tensor_parallel(dev, cfg.model.clone(), tp.clone())?,
+        None => Gpt::new(dev, cfg.model.clone())?,
+    };
+    if let Some(dp) = parallel.data() {
+        // Every rank builds the model from the same seed; the broadcast makes sure.
+        dp.broadcast_parameters(&mut model)?;
+    }
+    let mut opt = AdamW::new(dev, &model, cfg.adamw_config())?;
+    if let Some(tp) = &tp {
+        opt = opt.with_tensor_parallel(tp.group.clone());
+    }
+    let (tp_rank, tp_size) = parallel.tensor_rank();
+    let recipe = fp8.then_some(cfg.recipe);
+    let mut run = GpuRun { model, opt, tp, recipe };
+    let seq = cfg.model.seq_length;
+    // The ranks of a tensor-parallel group read the same data; data-parallel ranks their shards.
+    let (rank, world) = parallel.data_rank();
+    let mut train_batches = Batcher::sharded(cfg.data_seed, seq, cfg.batch, rank, world);
+    let mut records = Vec::new();
+    let mut checkpoints =
+        Checkpointer::new(ckpt, cfg, precision).data_parallel(rank, world).tensor_parallel(tp_rank, tp_size);
+    let done = checkpoints.resume(&mut run, &mut records)?;
+    train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
+    // The amaxes are reduced over every rank (TE's default fp8_group): one set of scales.
+    let autocast = Fp8Autocast::new(cfg.recipe).with_group(parallel.world().cloned());
+    let mut times = Vec::new();
+    let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
+    for step in done + 1..=cfg.steps {
+        let start = Instant::now();
+        let mut losses = Vec::with_capacity(cfg.grad_accum);
+        for micro in 0..cfg.grad_accum {
+            let batch = train_batches.next(&corpus.train, "train")?;
+            let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
+            let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
+            let mb = MicroBatch {
+                is_first_microbatch: (cfg.grad_accum > 1).then_some(micro == 0),
+                grad_scale: 1.0 / cfg.grad_accum as f32,
+            };
+            let (loss, ctx) = match precision {
+                Precision::Fp8 => autocast.clone().run(|| run.model.forward_loss_with(&ids, &targets, mb))?,
+                Precision::Bf16 => run.model.forward_loss_with(&ids, &targets, mb)?,
+            };
+            match parallel.data() {
+                // The last micro-batch's backward reduces each part's gradients as they complete.
+                Some(dp) if micro + 1 == cfg.grad_accum => {
+                    run.model.backward_with(ctx, &mut |part| dp.reduce_grads(part))?;
+                    dp.finish()?;
+                }
+                _ => run.model.backward(ctx)?,
+            }
+            losses.push(loss);
+        }
+        let stats = run.opt.step(&mut run.model)?;
+        // Read after the step was issued: the host never waited for the device mid-step.
+        let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
+        let mut train_loss = loss_sum / cfg.grad_accum as f32;
+        // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together).
+        train_loss = parallel.mean(train_loss)?;
+        guard.check(step, (train_loss, stats.grad_norm, stats.skipped), checkpoints.last())?;
+        run.model.zero_grad();
+        dev.synchronize()?;
+        let step_ms = start.elapsed().as_secs_f64() * 1e3;
+        times.push(step_ms);
+        let val_loss = if step % cfg.eval_interval == 0 || step == cfg.steps {
+            Some(evaluate(dev, &mut run.model, corpus, cfg, precision, &autocast)?)
+        } else {
+            None
+        };
+        records.push(Record { step, train_loss, val_loss, step_ms });
+        progress(&Progress {
+            precision,
+            step,
+            steps: cfg.steps,
+            train_loss,
+            val_loss,
+            grad_norm: stats.grad_norm,
+            lr: stats.lr,
+            step_ms,
+        });
+        // A stop requested on any rank stops every rank after this step.
+        let stop = parallel.mean(f32::from(u8::from(ckpt.stop_requested())))? > 0.0;
+        checkpoints.after_step(step, &run, &records, stop)?;
+    }
+    let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
+    let median_ms = median(&mut after_first);
+    let tokens = (seq * cfg.batch * cfg.grad_accum * world) as f64;
+    Ok(RunSummary {
+        precision,
+        records,
+        tokens_per_s: tokens / (median_ms / 1e3),
+        ranks: parallel.world_size(),
+        peak_memory: dev.peak_memory()?,
+        // The whole model's, also when each rank holds a tensor-parallel slice of it.
+        parameters: cfg.model.num_parameters(),
+    })
+}
+
+/// The GPU run's model and optimizer, the tensor-parallel group its layers split over, and the
+/// FP8 recipe it trains with (recorded in its checkpoints, checked when they load).
+struct GpuRun {
+    model: Gpt,
+    opt: AdamW,
+    tp: Option<TpConfig>,
+    recipe: Option<Recipe>,
+}
+
+impl GpuRun {
+    /// `dir/<name>.safetensors`, or this tensor-parallel rank's file of it
+    /// (`<name>.tp-<rank>-of-<size>.safetensors`, the files `te checkpoint merge` reads).
+    fn file(&self, dir: &Path, name: &str) -> PathBuf {
+        let path = dir.join(format!("{name}.safetensors"));
+        match &self.tp {
+            Some(tp) => shard_path(&path, tp.group.rank(), tp.size()),
+            None => path,
+        }
+    }
+}
+
+impl RunState for GpuRun {
+    fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError> {
+        let mut options = SaveOptions { recipe: self.recipe, ..SaveOptions::default() };
+        options.metadata.insert("step".into(), step.to_string());
+        if let Some(tp) = &self.tp {
+            options.metadata.insert(TP_RANK_KEY.into(), tp.group.rank().to_string());
+            options.metadata.insert(TP_SIZE_KEY.into(), tp.size().to_string());
+        }
+        checkpoint::save(&self.model, self.file(dir, "model"), &options)?;
+        self.opt.save_state(self.file(dir, "optimizer"))?;
+        Ok(())
+    }
+
+    fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError> {
+        let (model, optimizer) = (self.file(dir, "model"), self.file(dir, "optimizer"));
+        checkpoint::load(&mut self.model, model, &LoadOptions { recipe: self.recipe, ..LoadOptions::default() })?;
+        self.opt.load_state(optimizer)?;
+        Ok(self.opt.step_count())
+    }
+
+    fn files_written(&self) -> Result<(), TrainError> {
+        if let Some(tp) = &self.tp {
+            tp.group.barrier()?;
+        }
+        Ok(())
+    }
+
+    fn dropout_offset(&self) -> u64 {
+        self.model.dropout_offset()
+    }
+
+    fn set_dropout_offset(&mut self, offset: u64) -> Result<(), TrainError> {
+        self.model.set_dropout_offset(offset);
+        Ok(())
+    }
+
+    fn nonfinite_states(&self) -> Result<Vec<String>, TrainError> {
+        let mut bad = Vec::new();
+        self.model.visit("", &mut FiniteStates(&mut bad))?;
+        Ok(bad)
+    }
+}
+
+/// Collects the paths of FP8 scaling states that are not all finite.
+struct FiniteStates<'a>(&'a mut Vec<String>);
+
+impl ModuleVisitor for FiniteStates<'_> {
+    fn param(&mut self, _: &str, _: ParamKind, _: &dyn Param) -> te_runtime::Result<()> {
+        Ok(())
+    }
+
+    fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> te_runtime::Result<()> {
+        let s = state.snapshot()?;
+        if !s.amax_history.iter().chain(&s.scale).chain(&s.scale_inv).all(|x| x.is_finite()) {
+            self.0.push(path.to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// Mean validation loss over `cfg.eval_batches` fixed batches (the same for every evaluation),
+/// in evaluation mode (no dropout; the training run's dropout stream does not move). FP8 runs
+/// evaluate under `autocast` (the run's recipe and amax reduction group: every rank of a
+/// data-parallel run evaluates the same batches, and their scales stay equal).
+fn evaluate(
+    dev: &Arc<Device>,
+    model: &mut Gpt,
+    corpus: &Corpus,
+    cfg: &TrainConfig,
+    precision: Precision,
+    autocast: &Fp8Autocast,
+) -> Result<f32, TrainError> {
+    let seq = cfg.model.seq_length;
+    let mut batches = cfg.eval_batcher();
+    model.set_training(false);
+    let mut run = || -> Result<f32, TrainError> {
+        let mut sum = 0.0f32;
+        for _ in 0..cfg.eval_batches {
+            let batch = batches.next(&corpus.val, "validation")?;
+            let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
+            let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
+            // The language-model loss alone: a MoE model's aux losses are left out of validation.
+            let mb = MicroBatch::default();
+            let (loss, _ctx) = match precision {
+                Precision::Fp8 => autocast.clone().run(|| model.forward_loss_with(&ids, &targets, mb))?,
+                Precision::Bf16 => model.forward_loss_with(&ids, &targets, mb)?,
+            };
+            sum += loss.lm_value()?;
+        }
+        Ok(sum / cfg.eval_batches as f32)
+    };
+    let mean = run();
+    model.set_training(true);
+    mean
+}

@@ -1,0 +1,162 @@
+//! [`Trainer`]: trains a GPT ([`TrainConfig::model`]) on a [`Corpus`] in FP8 or BF16, on a GPU
+//! ([`Backend::Gpu`], optionally one rank of a data- and/or tensor-parallel run) or on the CPU
+//! ([`Backend::Cpu`], the CPU twin of the model with the GPU's GEMM numerics emulated), with
+//! checkpoints that a stopped run resumes from bit for bit.
+//!
+//! ```no_run
+//! use te_models::gpt::GptConfig;
+//! use te_train::data::Corpus;
+//! use te_train::{Backend, Precision, TrainConfig, Trainer};
+//!
+//! let corpus = Corpus::from_path(std::path::Path::new("input.txt"), 0.05)?;
+//! let config = TrainConfig { batch: 4, ..TrainConfig::new(GptConfig::tiny(), 200) };
+//! let mut trainer = Trainer::new(config, Backend::detect()?)?;
+//! let run = trainer.train(&corpus, Precision::Fp8, |p| println!("step {} loss {:.4}", p.step, p.train_loss))?;
+//! println!("validation loss {:?}", run.final_val_loss());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod cpu;
+mod gpu;
+
+pub use cpu::cpu_gemm_precision;
+
+use crate::checkpoint::CheckpointOptions;
+use crate::config::{Precision, TrainConfig};
+use crate::data::Corpus;
+use crate::error::TrainError;
+use crate::summary::{Progress, RunSummary};
+use std::sync::Arc;
+use te_nn::parallel::Parallel;
+use te_runtime::Device;
+
+/// Where a [`Trainer`] runs.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// The GPU model (`te_models::Gpt`) and the fused AdamW on this device.
+    Gpu(Arc<Device>),
+    /// The CPU twin of the model (`te_models::cpu::gpt::GptRef`, f32 with the GEMM inputs
+    /// rounded as the GPU's FP8 or BF16 GEMMs read them) and its AdamW: slow, for the `tiny`
+    /// preset and tests; one process, no parallelism.
+    Cpu,
+}
+
+impl Backend {
+    /// GPU 0 when a CUDA GPU is present, else the CPU.
+    ///
+    /// # Errors
+    /// [`TrainError::Runtime`] when a GPU is present but its context cannot be created.
+    pub fn detect() -> Result<Backend, TrainError> {
+        if te_runtime::device::gpu_available() {
+            Ok(Backend::Gpu(Device::new(0)?))
+        } else {
+            Ok(Backend::Cpu)
+        }
+    }
+
+    /// Whether this is the GPU backend.
+    pub fn is_gpu(&self) -> bool {
+        matches!(self, Backend::Gpu(_))
+    }
+}
+
+/// A training job: a validated [`TrainConfig`] on a [`Backend`], with its checkpointing and
+/// (on the GPU) its data / tensor parallel layout. [`Trainer::train`] runs it once per
+/// precision (the FP8 and BF16 runs of `te train` share the seed, initial weights, data order
+/// and dropout masks).
+#[derive(Debug)]
+pub struct Trainer {
+    config: TrainConfig,
+    backend: Backend,
+    checkpoints: CheckpointOptions,
+    parallel: Parallel,
+}
+
+impl Trainer {
+    /// A trainer of `config` on `backend`, without checkpoints, on a single GPU or the CPU.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] / [`TrainError::Runtime`] for a setting out of its range
+    /// ([`TrainConfig::validate`]).
+    pub fn new(config: TrainConfig, backend: Backend) -> Result<Self, TrainError> {
+        config.validate()?;
+        Ok(Self { config, backend, checkpoints: CheckpointOptions::default(), parallel: Parallel::default() })
+    }
+
+    /// The same trainer saving (and, with `resume`, resuming from) checkpoints as `checkpoints`
+    /// says, honouring its stop flag.
+    pub fn with_checkpoints(self, checkpoints: CheckpointOptions) -> Self {
+        Self { checkpoints, ..self }
+    }
+
+    /// The same trainer as one rank of the data- and/or tensor-parallel run `parallel` lays out
+    /// (every rank builds its trainer with the same config and calls [`Trainer::train`] with
+    /// the same arguments).
+    ///
+    /// # Errors
+    /// [`TrainError::Unsupported`] on the CPU backend for a layout of more than one rank.
+    pub fn with_parallel(self, parallel: Parallel) -> Result<Self, TrainError> {
+        if !self.backend.is_gpu() && parallel.world_size() > 1 {
+            return Err(TrainError::Unsupported {
+                message: format!(
+                    "the CPU backend trains in one process, and this layout has {} ranks: train data or tensor \
+                     parallel on GPUs (Backend::Gpu)",
+                    parallel.world_size()
+                ),
+            });
+        }
+        Ok(Self { parallel, ..self })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Where it runs.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// The checkpointing.
+    pub fn checkpoints(&self) -> &CheckpointOptions {
+        &self.checkpoints
+    }
+
+    /// The parallel layout of this rank ([`Parallel::default`]: one GPU, or the CPU).
+    pub fn parallel(&self) -> &Parallel {
+        &self.parallel
+    }
+
+    /// Gives the parallel layout back (to build another trainer on the same groups).
+    pub fn into_parallel(self) -> Parallel {
+        self.parallel
+    }
+
+    /// Trains the model from its seed (or from the newest checkpoint, resuming) on `corpus` in
+    /// `precision`, calling `progress` after each step (on every rank of a parallel run, with
+    /// the ranks' mean loss). Returns the loss curve and throughput of the run.
+    ///
+    /// # Errors
+    /// [`TrainError::Data`] for a split shorter than one window; [`TrainError::Runtime`] for
+    /// device, kernel, model and checkpoint-file errors (out of GPU memory, estimated before
+    /// allocating); [`TrainError::Unsupported`] for a recipe the CPU backend does not emulate
+    /// ([`cpu_gemm_precision`]); [`TrainError::HostMemory`] for a CPU configuration the host
+    /// cannot hold; [`TrainError::Resume`] for a checkpoint made with other settings;
+    /// [`TrainError::NonFinite`] past [`TrainConfig::skip_nonfinite_steps`] non-finite steps, or
+    /// for a non-finite FP8 scaling state at a checkpoint; [`TrainError::Interrupted`] after the
+    /// step during which the stop flag ([`CheckpointOptions::stop`]) was set, its checkpoint
+    /// written; [`TrainError::Output`] for checkpoint directories that cannot be written.
+    pub fn train(
+        &mut self,
+        corpus: &Corpus,
+        precision: Precision,
+        mut progress: impl FnMut(&Progress),
+    ) -> Result<RunSummary, TrainError> {
+        let (cfg, ckpt) = (&self.config, &self.checkpoints);
+        match &self.backend {
+            Backend::Gpu(dev) => gpu::train(dev, corpus, cfg, precision, ckpt, &mut self.parallel, &mut progress),
+            Backend::Cpu => cpu::train(corpus, cfg, precision, ckpt, &mut progress),
+        }
+    }
+}
