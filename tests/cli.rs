@@ -103,6 +103,28 @@ fn bad_configs_fail_with_a_message() {
     assert!(text(&o).contains("bad.toml") && text(&o).contains("ffn_hidden_size"), "{}", text(&o));
 }
 
+/// `--recipe` takes the recipe parser's names (short or TE's class names); the recipe flags
+/// apply on top, and a flag the recipe does not have fails before anything is compiled.
+#[test]
+fn prewarm_recipe_flags_go_through_the_recipe_parser() {
+    let dir = tempfile::tempdir().unwrap();
+    let fails = |extra: &[&str], want: &[&str]| {
+        let o = prewarm(dir.path(), extra).output().unwrap();
+        assert!(!o.status.success() && !text(&o).contains("prewarmed"), "{extra:?}: {}", text(&o));
+        for w in want {
+            assert!(text(&o).contains(w), "{extra:?}: no `{w}` in {}", text(&o));
+        }
+    };
+    fails(&["--recipe", "mxfp8"], &["unknown recipe `mxfp8`", "delayed, current or block", "Float8BlockScaling"]);
+    fails(&["--recipe", "Float8BlockScaling", "--fp8-dpa"], &["Float8BlockScaling (block) has no fp8_dpa"]);
+    fails(&["--recipe", "current", "--amax-compute-algo", "most_recent"], &["has no amax_compute_algo"]);
+    fails(&["--fp8-format", "e5m2"], &["expected hybrid or e4m3"]);
+    let cfg = dir.path().join("model.toml");
+    std::fs::write(&cfg, "hidden_size = 256\nffn_hidden_size = 1024\nnum_attention_heads = 4\nfp8_dpa = true\n")
+        .unwrap();
+    fails(&["--config", cfg.to_str().unwrap(), "--recipe", "block"], &["model.toml", "has no fp8_dpa"]);
+}
+
 #[test]
 fn info_reports_nvrtc_and_cache() {
     let dir = tempfile::tempdir().unwrap();
