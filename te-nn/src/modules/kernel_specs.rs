@@ -343,6 +343,14 @@ mod tests {
         );
         // ... and the FP8 backward (E5M2 gradients under HYBRID), but not with attention dropout.
         assert!(specs.contains(&FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true).into()), "{specs:?}");
+        // Under current scaling dS keeps a delayed scale of history 1 from the most recent amax.
+        let most_recent: KernelSpec =
+            ScalingSpec::delayed(te_codegen::spec::AmaxComputeAlgo::MostRecent, Arch::Sm90a).into();
+        assert!(!specs.contains(&most_recent));
+        specs.clear();
+        let current = KernelTarget { recipe: Float8CurrentScaling { fp8_dpa: true, ..Default::default() }.into(), ..t };
+        DotProductAttentionConfig::new(8, 128).kernel_specs(&current, &mut specs);
+        assert!(specs.contains(&most_recent) && specs.contains(&ScalingSpec::current(false, Arch::Sm90a).into()));
         specs.clear();
         let dropout = DotProductAttentionConfig { attention_dropout: 0.1, ..DotProductAttentionConfig::new(8, 128) };
         dropout.kernel_specs(&fp8_dpa, &mut specs);
