@@ -18,8 +18,8 @@ use te_codegen::prewarm::{prewarm, sorted};
 use te_codegen::spec::{Activation, NormKind};
 use te_codegen::{Arch, DType, DiskCache, KernelCompiler, KernelSpec};
 use te_models::gpt::GptConfig;
-use te_nn::fp8::{Format, Recipe};
-use te_nn::prewarm::{override_recipe, parse_fp8_format, KernelTarget, ModelConfig};
+use te_nn::fp8::{parse_amax_compute_algo, AmaxComputeAlgo, Format, Recipe, RecipeOverrides};
+use te_nn::prewarm::{KernelTarget, ModelConfig};
 use te_train::optim::AdamW;
 
 #[derive(Parser)]
@@ -75,16 +75,25 @@ struct PrewarmArgs {
     /// Parameter dtype: f32, bf16 or f16.
     #[arg(long)]
     params_dtype: Option<DType>,
-    /// FP8 recipe: delayed, current or block.
-    #[arg(long, value_parser = parse_recipe)]
-    recipe: Option<String>,
+    /// FP8 recipe: delayed, current or block (or TE's class names: DelayedScaling,
+    /// Float8CurrentScaling, Float8BlockScaling), with TE's defaults; the flags below and a
+    /// config file's recipe keys apply on top.
+    #[arg(long)]
+    recipe: Option<Recipe>,
     /// FP8 format: hybrid or e4m3.
-    #[arg(long, value_parser = parse_format)]
+    #[arg(long)]
     fp8_format: Option<Format>,
+    /// Delayed scaling: scale from the max of the amax history, or its most recent entry
+    /// (max, most_recent).
+    #[arg(long, value_parser = parse_amax_compute_algo)]
+    amax_compute_algo: Option<AmaxComputeAlgo>,
     /// Include attention's FP8 forward (TE's fp8_dpa; Hopper, head_dim 128 or 256), as
     /// `te train --fp8-dpa` runs it.
     #[arg(long)]
     fp8_dpa: bool,
+    /// TE's fp8_mha (implies --fp8-dpa), as `te train --fp8-mha` runs it.
+    #[arg(long)]
+    fp8_mha: bool,
     /// MLP activation: gelu, relu, swiglu, geglu.
     #[arg(long)]
     activation: Option<Activation>,
@@ -102,27 +111,27 @@ struct PrewarmArgs {
     cache_dir: Option<PathBuf>,
 }
 
-/// A recipe family `override_recipe` knows (`delayed`, `current`, `block`), kept as its name.
-fn parse_recipe(s: &str) -> Result<String, String> {
-    override_recipe(Recipe::default(), Some(s), None).map(|_| s.to_owned())
+/// The recipe keys of `--fp8-format`, `--amax-compute-algo`, `--fp8-dpa` and `--fp8-mha`.
+fn recipe_overrides(a: &PrewarmArgs) -> RecipeOverrides {
+    RecipeOverrides {
+        fp8_format: a.fp8_format,
+        amax_compute_algo: a.amax_compute_algo,
+        fp8_dpa: a.fp8_dpa.then_some(true),
+        fp8_mha: a.fp8_mha.then_some(true),
+        ..RecipeOverrides::default()
+    }
 }
 
-/// An FP8 format name (`parse_fp8_format`), in any case.
-fn parse_format(s: &str) -> Result<Format, String> {
-    parse_fp8_format(&s.to_ascii_lowercase())
-}
-
-/// `recipe` with the `--recipe`, `--fp8-format` and `--fp8-dpa` of `a` applied.
-fn recipe_flags(a: &PrewarmArgs, recipe: Recipe) -> Result<Recipe, String> {
-    let recipe = override_recipe(recipe, a.recipe.as_deref(), a.fp8_format)?;
-    Ok(if a.fp8_dpa { recipe.with_fp8_dpa(true) } else { recipe })
+/// The recipe of `--recipe` (TE's default without it) with the recipe flags applied.
+fn recipe_flags(a: &PrewarmArgs) -> Result<Recipe, String> {
+    a.recipe.unwrap_or_default().with_overrides(&recipe_overrides(a)).map_err(|e| e.to_string())
 }
 
 fn model_config(a: &PrewarmArgs) -> Result<ModelConfig, String> {
     let mut cfg = match &a.config {
-        Some(path) => ModelConfig::from_file(path).map_err(|e| e.to_string())?,
+        Some(path) => ModelConfig::from_file_with(path, a.recipe, &recipe_overrides(a)).map_err(|e| e.to_string())?,
         None => match (a.hidden_size, a.ffn_hidden_size, a.num_attention_heads) {
-            (Some(h), Some(f), Some(n)) => ModelConfig::new(h, f, n),
+            (Some(h), Some(f), Some(n)) => ModelConfig { recipe: recipe_flags(a)?, ..ModelConfig::new(h, f, n) },
             _ => return Err("give --config FILE, or --hidden-size, --ffn-hidden-size and --num-attention-heads".into()),
         },
     };
@@ -135,7 +144,6 @@ fn model_config(a: &PrewarmArgs) -> Result<ModelConfig, String> {
     layer.activation = a.activation.unwrap_or(layer.activation);
     layer.normalization = a.normalization.unwrap_or(layer.normalization);
     cfg.seq_length = a.seq_length.unwrap_or(cfg.seq_length);
-    cfg.recipe = recipe_flags(a, cfg.recipe)?;
     cfg.check()?;
     Ok(cfg)
 }
@@ -150,8 +158,7 @@ fn preset_kernel_specs(a: &PrewarmArgs, preset: &str) -> Result<Vec<KernelSpec>,
     if model.params_dtype.is_fp8() {
         return Err(format!("params_dtype must be f32, bf16 or f16, not {}", model.params_dtype));
     }
-    let target = KernelTarget::new(model.seq_length, a.arch);
-    let target = KernelTarget { recipe: recipe_flags(a, target.recipe)?, ..target };
+    let target = KernelTarget { recipe: recipe_flags(a)?, ..KernelTarget::new(model.seq_length, a.arch) };
     let mut specs = model.kernel_specs(&target);
     AdamW::kernel_specs(&target, &mut specs);
     Ok(sorted(specs))
@@ -320,7 +327,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         _ => vec![Precision::Fp8, Precision::Bf16],
     };
     if !on_gpu && precisions.contains(&Precision::Fp8) {
-        // Before any run: the recipe the CPU path cannot emulate fails the FP8 run up front.
+        // Before any run: a recipe the CPU path cannot emulate fails the FP8 run up front.
         cpu_gemm_precision(Precision::Fp8, &cfg.recipe).map_err(|e| e.to_string())?;
     }
     let parallel = match (&dist, &dev) {

@@ -6,7 +6,7 @@ use crate::launch::LaunchArgs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use te_models::gpt::GptConfig;
-use te_nn::fp8::{AmaxComputeAlgo, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
+use te_nn::fp8::{parse_amax_compute_algo, AmaxComputeAlgo, Recipe, RecipeOverrides};
 use te_train::{RunSummary, TrainConfig, TrainError};
 
 /// The options of `te train`.
@@ -62,18 +62,18 @@ pub struct TrainArgs {
     #[arg(long)]
     pub cpu: bool,
     /// FP8 runs: the recipe, delayed (TE's DelayedScaling, per-tensor scales from an amax
-    /// history), current (Float8CurrentScaling, per-tensor scales from each tensor's own amax;
-    /// GPUs only for now) or block (Float8BlockScaling, DeepSeek-V3's blockwise scales; Hopper
-    /// GPUs, or --cpu).
-    #[arg(long, default_value = "delayed", value_parser = ["delayed", "current", "block"])]
-    pub recipe: String,
+    /// history), current (Float8CurrentScaling, per-tensor scales from each tensor's own amax)
+    /// or block (Float8BlockScaling, DeepSeek-V3's blockwise scales; Hopper GPUs, or --cpu); TE's
+    /// class names are accepted too. The same parser as `te prewarm --recipe`.
+    #[arg(long, default_value = "delayed")]
+    pub recipe: Recipe,
     /// FP8 runs with --recipe delayed: length of the amax history (default: TE's 1024).
     #[arg(long)]
     pub amax_history_len: Option<usize>,
     /// FP8 runs with --recipe delayed: scale from the max of the amax history (the default), or
     /// its most recent entry.
-    #[arg(long, value_parser = ["max", "most_recent"])]
-    pub amax_compute_algo: Option<String>,
+    #[arg(long, value_parser = parse_amax_compute_algo)]
+    pub amax_compute_algo: Option<AmaxComputeAlgo>,
     /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does).
     #[arg(long)]
     pub fp8_lm_head: bool,
@@ -130,92 +130,23 @@ pub fn pick_preset(preset: &str, gpu: bool) -> Result<(&'static str, GptConfig),
     }
 }
 
-/// A recipe flag `te train` cannot apply.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RecipeFlagError {
-    /// A flag for a field the recipe does not have.
-    #[error("{flag} does not apply to --recipe {recipe}: {why}")]
-    NotApplicable {
-        /// The flag given.
-        flag: &'static str,
-        /// The recipe named by `--recipe`.
-        recipe: String,
-        /// Why, and what to use instead.
-        why: &'static str,
-    },
-    /// A value the flag does not know.
-    #[error("{flag} {value}: expected {expected}")]
-    Unknown {
-        /// The flag.
-        flag: &'static str,
-        /// Its value.
-        value: String,
-        /// The values it takes.
-        expected: &'static str,
-    },
-}
-
-/// The FP8 recipe `--recipe` names, with the flags that apply to it: `--amax-history-len` and
-/// `--amax-compute-algo` to delayed scaling (TE's defaults otherwise), `--fp8-dpa` and
-/// `--fp8-mha` to delayed and current scaling.
+/// The FP8 recipe `--recipe` names (TE's defaults) with the recipe flags applied
+/// ([`Recipe::with_overrides`], as `te prewarm` applies its flags): `--amax-history-len` and
+/// `--amax-compute-algo` where the recipe keeps an amax history (delayed scaling), `--fp8-dpa`
+/// and `--fp8-mha` where its attention can run in FP8 (delayed and current scaling).
 ///
 /// # Errors
-/// [`RecipeFlagError::NotApplicable`] naming a flag the recipe has no field for;
-/// [`RecipeFlagError::Unknown`] for an unknown recipe or algorithm.
-pub fn recipe(a: &TrainArgs) -> Result<Recipe, RecipeFlagError> {
-    let amax_flags =
-        [("--amax-history-len", a.amax_history_len.is_some()), ("--amax-compute-algo", a.amax_compute_algo.is_some())];
-    let attention_flags = [("--fp8-dpa", a.fp8_dpa), ("--fp8-mha", a.fp8_mha)];
-    let refuse = |flags: &[(&'static str, bool)], why: &'static str| match flags.iter().find(|(_, given)| *given) {
-        Some((flag, _)) => Err(RecipeFlagError::NotApplicable { flag, recipe: a.recipe.clone(), why }),
-        None => Ok(()),
+/// [`te_runtime::Error::Recipe`] naming a flag's field the recipe does not have, and the recipes
+/// that have it.
+pub fn recipe(a: &TrainArgs) -> te_runtime::Result<Recipe> {
+    let overrides = RecipeOverrides {
+        amax_history_len: a.amax_history_len,
+        amax_compute_algo: a.amax_compute_algo,
+        fp8_dpa: a.fp8_dpa.then_some(true),
+        fp8_mha: a.fp8_mha.then_some(true),
+        ..RecipeOverrides::default()
     };
-    match a.recipe.as_str() {
-        "delayed" => {
-            let amax_compute_algo = match a.amax_compute_algo.as_deref() {
-                None | Some("max") => AmaxComputeAlgo::Max,
-                Some("most_recent") => AmaxComputeAlgo::MostRecent,
-                Some(other) => {
-                    return Err(RecipeFlagError::Unknown {
-                        flag: "--amax-compute-algo",
-                        value: other.into(),
-                        expected: "max or most_recent",
-                    })
-                }
-            };
-            let default = DelayedScaling::default();
-            Ok(DelayedScaling {
-                amax_history_len: a.amax_history_len.unwrap_or(default.amax_history_len),
-                amax_compute_algo,
-                fp8_dpa: a.fp8_dpa,
-                fp8_mha: a.fp8_mha,
-                ..default
-            }
-            .into())
-        }
-        "current" => {
-            refuse(
-                &amax_flags,
-                "current scaling keeps no amax history (each tensor is scaled by its own amax); use --recipe delayed",
-            )?;
-            Ok(Float8CurrentScaling { fp8_dpa: a.fp8_dpa, fp8_mha: a.fp8_mha, ..Float8CurrentScaling::default() }
-                .into())
-        }
-        "block" => {
-            refuse(&amax_flags, "blockwise scaling keeps no amax history (each block is scaled by its own amax)")?;
-            refuse(
-                &attention_flags,
-                "under blockwise scaling attention stays in 16 bits (TE's Float8BlockScaling has no fp8_dpa); use \
-                 --recipe delayed or current",
-            )?;
-            Ok(Float8BlockScaling::default().into())
-        }
-        other => Err(RecipeFlagError::Unknown {
-            flag: "--recipe",
-            value: other.into(),
-            expected: "delayed, current or block",
-        }),
-    }
+    a.recipe.with_overrides(&overrides)
 }
 
 /// The run `a` asks for on this machine (`on_gpu`) with the preset's `model`: the model's seed,
@@ -227,7 +158,7 @@ pub fn recipe(a: &TrainArgs) -> Result<Recipe, RecipeFlagError> {
 ///
 /// # Errors
 /// [`recipe`]'s.
-pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> Result<TrainConfig, RecipeFlagError> {
+pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_runtime::Result<TrainConfig> {
     model.seed = a.seed;
     model.fp8_lm_head = a.fp8_lm_head;
     if let Some(s) = a.seq_length {
@@ -252,12 +183,7 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> Result
 
 /// What the CPU path emulates for `recipe`, as the first line of `te train` and the summary say.
 pub fn cpu_path(recipe: &Recipe) -> String {
-    let emulated = match recipe {
-        Recipe::Delayed(_) => "FP8 with delayed scaling and BF16 are",
-        Recipe::Block(_) => "FP8 with blockwise scaling and BF16 are",
-        // Refused for FP8 runs before they start (`te_train::cpu_gemm_precision`).
-        Recipe::Current(_) => "BF16 is",
-    };
+    let emulated = format!("FP8 with {} and BF16 are", recipe.description());
     format!(
         "CPU reference path (no GPU: {emulated} emulated by rounding the GEMM inputs; f32 elsewhere; slow, for trying \
          the job out)"
@@ -339,6 +265,7 @@ fn date() -> String {
 mod tests {
     use super::*;
     use clap::Parser;
+    use te_nn::fp8::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling};
     use te_train::{Precision, Record};
 
     #[derive(Parser)]
@@ -352,10 +279,10 @@ mod tests {
     }
 
     /// Each recipe takes the flags it has fields for, with TE's defaults for the rest, and
-    /// refuses the others, naming the flag and what to use.
+    /// refuses the others, naming the field and the recipes that have it.
     #[test]
     fn the_recipe_flags_apply_where_the_recipe_has_the_fields() {
-        assert_eq!(recipe(&args(&[])), Ok(Recipe::default()));
+        assert_eq!(recipe(&args(&[])).unwrap(), Recipe::default());
         let delayed = recipe(&args(&["--amax-history-len", "16", "--amax-compute-algo", "most_recent", "--fp8-mha"]));
         let want = DelayedScaling {
             amax_history_len: 16,
@@ -363,34 +290,25 @@ mod tests {
             fp8_mha: true,
             ..DelayedScaling::default()
         };
-        assert_eq!(delayed, Ok(want.into()));
-        let current = recipe(&args(&["--recipe", "current", "--fp8-dpa"]));
-        assert_eq!(current, Ok(Float8CurrentScaling { fp8_dpa: true, ..Default::default() }.into()));
-        assert_eq!(recipe(&args(&["--recipe", "block"])), Ok(Float8BlockScaling::default().into()));
+        assert_eq!(delayed.unwrap(), want.into());
+        let current = recipe(&args(&["--recipe", "current", "--fp8-dpa"])).unwrap();
+        assert_eq!(current, Float8CurrentScaling { fp8_dpa: true, ..Default::default() }.into());
+        assert_eq!(recipe(&args(&["--recipe", "block"])).unwrap(), Float8BlockScaling::default().into());
+        assert_eq!(recipe(&args(&["--recipe", "Float8BlockScaling"])).unwrap(), Float8BlockScaling::default().into());
         let refused: [(&[&str], &str); 4] = [
-            (
-                &["--recipe", "current", "--amax-history-len", "16"],
-                "--amax-history-len does not apply to --recipe current",
-            ),
-            (
-                &["--recipe", "block", "--amax-compute-algo", "max"],
-                "--amax-compute-algo does not apply to --recipe block",
-            ),
-            (&["--recipe", "block", "--fp8-dpa"], "--fp8-dpa does not apply to --recipe block"),
-            (&["--recipe", "block", "--fp8-mha"], "use --recipe delayed or current"),
+            (&["--recipe", "current", "--amax-history-len", "16"], "has no amax_history_len"),
+            (&["--recipe", "block", "--amax-compute-algo", "max"], "has no amax_compute_algo"),
+            (&["--recipe", "block", "--fp8-dpa"], "has no fp8_dpa"),
+            (&["--recipe", "block", "--fp8-mha"], "use a recipe that has it (delayed, current)"),
         ];
         for (flags, want) in refused {
             let e = recipe(&args(flags)).unwrap_err();
-            assert!(
-                matches!(e, RecipeFlagError::NotApplicable { .. }) && e.to_string().contains(want),
-                "{flags:?}: {e}"
-            );
+            assert!(matches!(e, te_runtime::Error::Recipe { .. }) && e.to_string().contains(want), "{flags:?}: {e}");
         }
-        let unknown = TrainArgs { recipe: "mxfp8".into(), ..args(&[]) };
-        assert!(matches!(recipe(&unknown), Err(RecipeFlagError::Unknown { flag: "--recipe", .. })));
-        let algo = TrainArgs { amax_compute_algo: Some("mean".into()), ..args(&[]) };
-        assert_eq!(recipe(&algo).unwrap_err().to_string(), "--amax-compute-algo mean: expected max or most_recent");
-        assert!(Cli::try_parse_from(["te-train", "--recipe", "mxfp8"]).is_err(), "unknown recipes are refused by clap");
+        for bad in [["--recipe", "mxfp8"], ["--amax-compute-algo", "mean"]] {
+            let e = Cli::try_parse_from(std::iter::once("te-train").chain(bad)).err().unwrap().to_string();
+            assert!(e.contains(bad[1]) && (e.contains("delayed") || e.contains("most_recent")), "{e}");
+        }
     }
 
     /// The config of the flags: the CPU and GPU defaults, the model's fields from the flags.
@@ -406,10 +324,10 @@ mod tests {
         let gpu = train_config(&args(&["--steps", "100", "--eval-interval", "7"]), GptConfig::small(), true).unwrap();
         assert_eq!((gpu.steps, gpu.batch, gpu.eval_interval, gpu.warmup_steps), (100, 8, 7, 5));
         let e = train_config(&args(&["--recipe", "block", "--fp8-dpa"]), GptConfig::tiny(), false).unwrap_err();
-        assert!(matches!(e, RecipeFlagError::NotApplicable { flag: "--fp8-dpa", .. }), "{e}");
+        assert!(e.to_string().contains("has no fp8_dpa"), "{e}");
         assert!(cpu_path(&cpu.recipe).contains("FP8 with delayed scaling"));
         assert!(cpu_path(&Float8BlockScaling::default().into()).contains("blockwise scaling"));
-        assert!(cpu_path(&Float8CurrentScaling::default().into()).contains("no GPU: BF16 is emulated"));
+        assert!(cpu_path(&Float8CurrentScaling::default().into()).contains("FP8 with current scaling"));
         let default =
             "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the GEMM \
                        inputs; f32 elsewhere; slow, for trying the job out)";

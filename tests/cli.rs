@@ -103,6 +103,28 @@ fn bad_configs_fail_with_a_message() {
     assert!(text(&o).contains("bad.toml") && text(&o).contains("ffn_hidden_size"), "{}", text(&o));
 }
 
+/// `--recipe` takes the recipe parser's names (short or TE's class names); the recipe flags
+/// apply on top, and a flag the recipe does not have fails before anything is compiled.
+#[test]
+fn prewarm_recipe_flags_go_through_the_recipe_parser() {
+    let dir = tempfile::tempdir().unwrap();
+    let fails = |extra: &[&str], want: &[&str]| {
+        let o = prewarm(dir.path(), extra).output().unwrap();
+        assert!(!o.status.success() && !text(&o).contains("prewarmed"), "{extra:?}: {}", text(&o));
+        for w in want {
+            assert!(text(&o).contains(w), "{extra:?}: no `{w}` in {}", text(&o));
+        }
+    };
+    fails(&["--recipe", "mxfp8"], &["unknown recipe `mxfp8`", "delayed, current or block", "Float8BlockScaling"]);
+    fails(&["--recipe", "Float8BlockScaling", "--fp8-dpa"], &["Float8BlockScaling (block) has no fp8_dpa"]);
+    fails(&["--recipe", "current", "--amax-compute-algo", "most_recent"], &["has no amax_compute_algo"]);
+    fails(&["--fp8-format", "e5m2"], &["expected hybrid or e4m3"]);
+    let cfg = dir.path().join("model.toml");
+    std::fs::write(&cfg, "hidden_size = 256\nffn_hidden_size = 1024\nnum_attention_heads = 4\nfp8_dpa = true\n")
+        .unwrap();
+    fails(&["--config", cfg.to_str().unwrap(), "--recipe", "block"], &["model.toml", "has no fp8_dpa"]);
+}
+
 #[test]
 fn info_reports_nvrtc_and_cache() {
     let dir = tempfile::tempdir().unwrap();
@@ -138,6 +160,24 @@ fn train_tiny_runs_on_the_cpu_and_writes_its_results() {
     }
     generate_samples_from_the_checkpoint(&out);
     split_and_merge_the_checkpoint(&out);
+    // Current scaling on the CPU path too (each GEMM operand scaled by its own amax); its
+    // checkpoint samples with the recipe it records.
+    let current = dir.path().join("current");
+    let o = te()
+        .args(["train", "--cpu", "--preset", "tiny", "--steps", "2", "--batch", "2", "--seq-length", "32"])
+        .args(["--recipe", "current", "--precision", "fp8", "--data"])
+        .arg(dir.path().join("text.txt"))
+        .arg("--out")
+        .arg(&current)
+        .output()
+        .unwrap();
+    assert!(o.status.success() && text(&o).contains("FP8 with current scaling"), "{}", text(&o));
+    let o = te()
+        .args(["generate", "--cpu", "--max-new-tokens", "4", "--prompt", "to be", "--checkpoint"])
+        .arg(current.join("checkpoints/fp8/latest"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
 }
 
 /// `te checkpoint split` into 2 tensor-parallel ranks' files and `merge` back: the merged
@@ -384,12 +424,11 @@ fn train_refuses_what_it_cannot_run() {
     // Device m_splits: a mixture-of-experts preset on the GPU.
     let o = run(&["--cpu", "--moe-device-splits", "--steps", "1"]);
     assert!(!o.status.success() && text(&o).contains("needs a mixture-of-experts preset"), "{}", text(&o));
-    // FP8 recipes: the flags a recipe has no field for, current scaling on the CPU path (not
-    // emulated yet), and settings out of range are refused before any run starts.
-    let refused: [(&[&str], &str); 4] = [
-        (&["--cpu", "--recipe", "block", "--fp8-dpa", "--steps", "1"], "--fp8-dpa does not apply to --recipe block"),
-        (&["--cpu", "--recipe", "current", "--amax-history-len", "16"], "--amax-history-len does not apply"),
-        (&["--cpu", "--recipe", "current", "--steps", "1"], "does not emulate FP8 with current scaling"),
+    // FP8 recipes: the flags a recipe has no field for and settings out of range are refused
+    // before any run starts.
+    let refused: [(&[&str], &str); 3] = [
+        (&["--cpu", "--recipe", "block", "--fp8-dpa", "--steps", "1"], "Float8BlockScaling (block) has no fp8_dpa"),
+        (&["--cpu", "--recipe", "current", "--amax-history-len", "16"], "has no amax_history_len"),
         (&["--cpu", "--eval-interval", "0", "--steps", "1"], "invalid training configuration: eval_interval"),
     ];
     let out = tempfile::tempdir().unwrap();

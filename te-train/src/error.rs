@@ -20,8 +20,7 @@ pub enum TrainError {
         /// What is wrong and what to set instead.
         message: String,
     },
-    /// The backend cannot run what was asked (a recipe the CPU path does not emulate, data or
-    /// tensor parallelism on the CPU).
+    /// The backend cannot run what was asked (data or tensor parallelism on the CPU).
     #[error("{message}")]
     Unsupported {
         /// What is not supported and what to do instead.

@@ -39,6 +39,16 @@ pub enum ActivationScaling {
     Calibrated,
 }
 
+impl ActivationScaling {
+    /// The recipe of the layers' FP8 GEMMs: TE's `Float8CurrentScaling()` or `DelayedScaling()`.
+    pub fn recipe(self) -> Recipe {
+        match self {
+            ActivationScaling::Current => Float8CurrentScaling::default().into(),
+            ActivationScaling::Calibrated => DelayedScaling::default().into(),
+        }
+    }
+}
+
 /// The word-embedding table: BF16, or E4M3 codes with a per-tensor scale (1 byte per entry; the
 /// lookup dequantizes to BF16).
 #[derive(Debug)]
@@ -273,10 +283,7 @@ impl Bert {
     }
 
     fn recipe(&self) -> Recipe {
-        match self.scaling {
-            ActivationScaling::Current => Recipe::Current(Float8CurrentScaling::default()),
-            ActivationScaling::Calibrated => Recipe::Delayed(DelayedScaling::default()),
-        }
+        self.scaling.recipe()
     }
 
     /// Final hidden states `[b, s, hidden]` (BF16) for `ids: [b, s]` (row-major, padded with
@@ -461,8 +468,7 @@ impl Bert {
             self.calibrated = true;
             return Ok(());
         }
-        let recipe = DelayedScaling::default();
-        let guard = Fp8Autocast::calibrating(recipe).enter()?;
+        let guard = Fp8Autocast::calibrating(ActivationScaling::Calibrated.recipe()).enter()?;
         for b in batches {
             let (ids, batch, seq, lens) = pad_batch(b, self.cfg.max_position_embeddings)?;
             self.check_input(&ids, batch, seq, &lens)?;

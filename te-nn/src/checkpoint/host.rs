@@ -232,6 +232,38 @@ mod tests {
         }
     }
 
+    /// Every recipe is recorded under TE's class name (`te_fp8_recipe`, the names existing
+    /// checkpoints hold), which the recipe parser reads back; a file loads under its own recipe
+    /// and is refused under each other one, naming both.
+    #[test]
+    fn recipes_are_recorded_under_te_class_names() {
+        use super::super::format::RECIPE_KEY;
+        use crate::fp8::Recipe;
+        let dir = tempfile::tempdir().unwrap();
+        let params = [HostParam { path: "b", dtype: DType::F32, shape: &[3], values: &[1.0; 3] }];
+        let entries = [Entry::Param { path: "b".into(), dtype: DType::F32, shape: vec![3], fp8: false }];
+        let names = ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"];
+        for (recipe, name) in Recipe::all().into_iter().zip(names) {
+            let path = dir.path().join(format!("{name}.safetensors"));
+            save_host(&params, &[], &path, &SaveOptions { recipe: Some(recipe), ..SaveOptions::default() }).unwrap();
+            let bytes = std::fs::read(&path).unwrap();
+            let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            let recorded = header.metadata().as_ref().unwrap()[RECIPE_KEY].clone();
+            assert_eq!(recorded, name);
+            assert_eq!(recorded.parse::<Recipe>().unwrap(), recipe);
+            for other in Recipe::all() {
+                let got = load_host(&path, &entries, &LoadOptions { recipe: Some(other), ..LoadOptions::default() });
+                if other == recipe {
+                    got.unwrap();
+                } else {
+                    let e = got.unwrap_err().to_string();
+                    let want = format!("trained with the FP8 recipe {name}, and the model will run {}", other.name());
+                    assert!(e.contains(&want) && e.contains("convert_recipe: true"), "{e}");
+                }
+            }
+        }
+    }
+
     /// A file of another model is refused with what does not match; values that do not fill
     /// their shape and duplicate names are refused when saving.
     #[test]

@@ -107,7 +107,7 @@ impl Fp8Autocast {
     /// scaling recipe (which keep no amax to calibrate).
     pub fn enter(self) -> Result<Fp8AutocastGuard> {
         self.recipe.validate()?;
-        if self.calibrating && !self.enabled && !matches!(self.recipe, Recipe::Delayed(_)) {
+        if self.calibrating && !self.enabled && !self.recipe.calibrates() {
             return Err(Error::Recipe {
                 message: "calibration records amax histories, which only DelayedScaling keeps; calibrate with a \
                           DelayedScaling recipe (Float8CurrentScaling and Float8BlockScaling need no calibration)"
@@ -211,10 +211,7 @@ pub fn fp8_mode() -> Fp8Mode {
 /// The group a scope's amaxes are reduced over: its `fp8_group` under delayed scaling with
 /// `reduce_amax`, when the group has more than one rank.
 fn reduction_group(frame: &Fp8Autocast) -> Option<Arc<ProcessGroup>> {
-    match frame.recipe {
-        Recipe::Delayed(d) if d.reduce_amax => frame.fp8_group.clone().filter(|g| g.size() > 1),
-        _ => None,
-    }
+    frame.recipe.reduces_amax().then(|| frame.fp8_group.clone().filter(|g| g.size() > 1)).flatten()
 }
 
 /// Whether the current scope's amaxes are reduced over a group holding every rank of `group`

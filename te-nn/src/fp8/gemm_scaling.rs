@@ -1,13 +1,13 @@
 //! The FP8 scaling of one GEMM of a module (TE `fp8_meta["scaling_fwd"]`, `["scaling_bwd"]`):
-//! its delayed-scaling states and the quantizers each pass builds from the autocast scope's
-//! recipe. This is the one place that turns a [`Recipe`] into quantizers.
+//! its scaling states and the quantizers each pass gets from the autocast scope's recipe. The
+//! recipe decides ([`super::ScalingRecipe::forward_quantizer`] and the rest); this file
+//! matches on none.
 
-use super::autocast::{backward_ticket, register_forward, BackwardTicket};
-use super::quantizer::{DelayedScalingQuantizer, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Quantizer};
-use super::{DelayedScaling, Recipe, ScalingState};
+use super::autocast::{backward_ticket, BackwardTicket};
+use super::quantizer::Quantizer;
 use super::{Fp8Direction, Fp8StateSlot};
+use super::{Recipe, ScalingState};
 use std::sync::Arc;
-use te_codegen::DType;
 use te_runtime::{Device, Result};
 
 /// Forward slot of the GEMM input (TE `FP8FwdTensors.GEMM1_INPUT`).
@@ -25,6 +25,28 @@ pub(crate) const BWD_GRAD_OUTPUT: usize = 0;
 /// version 1 hold that unused slot; loading drops it.)
 pub(crate) const BWD_SLOTS: usize = 1;
 
+/// Which forward tensor of a GEMM a quantizer casts (TE `FP8FwdTensors`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmTensor {
+    /// The input `x` (attention casts q, k and v through it).
+    Input,
+    /// The weight `W`.
+    Weight,
+    /// The output `y`, when the next op takes FP8 (the next layer's input).
+    Output,
+}
+
+impl GemmTensor {
+    /// Its slot in a forward scaling state.
+    pub(crate) fn slot(self) -> usize {
+        match self {
+            GemmTensor::Input => FWD_INPUT,
+            GemmTensor::Weight => FWD_WEIGHT,
+            GemmTensor::Output => FWD_OUTPUT,
+        }
+    }
+}
+
 /// The quantizers of one forward of a GEMM: its input `x`, its weight `W` and its output `y`.
 #[derive(Debug)]
 pub(crate) struct ForwardQuantizers {
@@ -37,8 +59,9 @@ pub(crate) struct ForwardQuantizers {
 }
 
 /// What a training forward under FP8 keeps for its backward's gradient casts: the recipe it ran
-/// with (backward uses its forward's recipe, wherever it is called) and, with delayed scaling, its
-/// ticket of the scope's backward group (the last backward updates the gradient scales).
+/// with (backward uses its forward's recipe, wherever it is called) and, for a recipe with a
+/// backward state, its ticket of the scope's backward group (the last backward updates the
+/// gradient scales).
 #[derive(Debug)]
 pub(crate) struct GradScaling {
     recipe: Recipe,
@@ -58,14 +81,15 @@ impl GradScaling {
     }
 }
 
-/// The FP8 scaling of one GEMM: the delayed-scaling states (made at the first FP8 pass with a
-/// delayed recipe, conformed to the recipe of each later pass), and the quantizers built from
-/// them.
+/// The FP8 scaling of one GEMM of a module: its device, and the forward and backward scaling
+/// states of the recipes that keep one (made at the first FP8 pass with such a recipe,
+/// conformed to the recipe of each later pass). Modules hold one per GEMM; recipes make
+/// quantizers from it ([`super::ScalingRecipe::forward_quantizer`]).
 #[derive(Debug)]
-pub(crate) struct GemmScaling {
-    dev: Arc<Device>,
-    fwd: Option<Arc<ScalingState>>,
-    bwd: Option<Arc<ScalingState>>,
+pub struct GemmScaling {
+    pub(crate) dev: Arc<Device>,
+    pub(crate) fwd: Option<Arc<ScalingState>>,
+    pub(crate) bwd: Option<Arc<ScalingState>>,
 }
 
 impl GemmScaling {
@@ -78,60 +102,29 @@ impl GemmScaling {
     /// registered with the autocast scope, whose exit updates its scales.
     pub(crate) fn forward(&mut self, recipe: &Recipe) -> Result<ForwardQuantizers> {
         Ok(ForwardQuantizers {
-            input: self.forward_slot(recipe, FWD_INPUT)?,
-            weight: self.forward_slot(recipe, FWD_WEIGHT)?,
-            output: self.forward_slot(recipe, FWD_OUTPUT)?,
+            input: self.forward_tensor(recipe, GemmTensor::Input)?,
+            weight: self.forward_tensor(recipe, GemmTensor::Weight)?,
+            output: self.forward_tensor(recipe, GemmTensor::Output)?,
         })
     }
 
-    /// The quantizer of forward slot `slot` ([`FWD_INPUT`], [`FWD_WEIGHT`], [`FWD_OUTPUT`])
-    /// under `recipe`, registered as [`GemmScaling::forward`] does: what a module with an
-    /// op of its own uses (attention casts q, k and v through [`FWD_INPUT`]).
-    pub(crate) fn forward_slot(&mut self, recipe: &Recipe, slot: usize) -> Result<Box<dyn Quantizer>> {
-        let dtype = recipe.format().forward_dtype();
-        match recipe {
-            Recipe::Delayed(r) => {
-                let s = conform(&mut self.fwd, &self.dev, FWD_SLOTS, dtype, r)?;
-                register_forward(&s);
-                Ok(Box::new(DelayedScalingQuantizer::new(s, slot)?))
-            }
-            Recipe::Current(c) => Ok(Box::new(Float8CurrentScalingQuantizer::new(&self.dev, dtype, *c)?)),
-            // The output is the next layer's input: tiled as inputs are.
-            Recipe::Block(b) => {
-                let dim = if slot == FWD_WEIGHT { b.w_block_scaling_dim } else { b.x_block_scaling_dim };
-                Ok(Box::new(Float8BlockQuantizer::new(&self.dev, dtype, dim, b)?))
-            }
-        }
+    /// The quantizer of forward tensor `tensor` under `recipe`, registered as
+    /// [`GemmScaling::forward`] does: what a module with an op of its own uses (attention casts
+    /// q, k and v through [`GemmTensor::Input`]).
+    pub(crate) fn forward_tensor(&mut self, recipe: &Recipe, tensor: GemmTensor) -> Result<Box<dyn Quantizer>> {
+        recipe.scaling().forward_quantizer(self, tensor)
     }
 
     /// What the backward of a training forward under `recipe` needs for its gradient casts.
     pub(crate) fn grad(&mut self, recipe: &Recipe) -> Result<GradScaling> {
-        let ticket = match recipe {
-            Recipe::Delayed(r) => Some(backward_ticket(&self.bwd_state(r)?)),
-            Recipe::Current(_) | Recipe::Block(_) => None,
-        };
+        let ticket = recipe.scaling().backward_state(self)?.map(|s| backward_ticket(&s));
         Ok(GradScaling { recipe: *recipe, ticket })
     }
 
     /// The quantizer of the output gradient `dy` in the backward of a forward that kept `g`
     /// (E5M2 under HYBRID).
     pub(crate) fn grad_output(&mut self, g: &GradScaling) -> Result<Box<dyn Quantizer>> {
-        match &g.recipe {
-            Recipe::Delayed(r) => Ok(Box::new(DelayedScalingQuantizer::new(self.bwd_state(r)?, BWD_GRAD_OUTPUT)?)),
-            Recipe::Current(c) => {
-                Ok(Box::new(Float8CurrentScalingQuantizer::new(&self.dev, c.fp8_format.backward_dtype(), *c)?))
-            }
-            Recipe::Block(b) => Ok(Box::new(Float8BlockQuantizer::new(
-                &self.dev,
-                b.fp8_format.backward_dtype(),
-                b.grad_block_scaling_dim,
-                b,
-            )?)),
-        }
-    }
-
-    fn bwd_state(&mut self, r: &DelayedScaling) -> Result<Arc<ScalingState>> {
-        conform(&mut self.bwd, &self.dev, BWD_SLOTS, r.fp8_format.backward_dtype(), r)
+        g.recipe.scaling().grad_output_quantizer(self)
     }
 
     /// The forward state (input, weight, output slots), once a delayed-scaling pass made it.
@@ -150,22 +143,5 @@ impl GemmScaling {
             Fp8StateSlot::new(&mut self.fwd, &self.dev, FWD_SLOTS, Fp8Direction::Forward),
             Fp8StateSlot::new(&mut self.bwd, &self.dev, BWD_SLOTS, Fp8Direction::Backward),
         ]
-    }
-}
-
-/// The state of `slot` for this recipe and format: created on first use, conformed after.
-fn conform(
-    slot: &mut Option<Arc<ScalingState>>,
-    dev: &Arc<Device>,
-    n: usize,
-    dtype: DType,
-    r: &DelayedScaling,
-) -> Result<Arc<ScalingState>> {
-    match slot {
-        Some(s) => {
-            s.conform(r, dtype)?;
-            Ok(s.clone())
-        }
-        None => Ok(slot.insert(ScalingState::new(dev, n, dtype, r)?).clone()),
     }
 }

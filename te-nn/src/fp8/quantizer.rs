@@ -1,28 +1,30 @@
 //! Quantizers: how one tensor is cast to FP8 under a recipe (TE `pytorch/tensor/quantized_tensor.py`
-//! `Quantizer`; `float8_tensor.py` `Float8Quantizer`, `Float8CurrentScalingQuantizer`).
+//! `Quantizer`; `float8_tensor.py` `Float8Quantizer`).
 //!
 //! There is one quantizer type per way of choosing the scale, and modules ask a quantizer instead
 //! of matching recipes. A module builds its quantizers once per pass from the autocast scope's
-//! recipe and its own scaling state (`GemmScaling`, `fp8/gemm_scaling.rs`); the quantizer then
-//! owns everything recipe-specific about a cast:
+//! recipe and its own scaling state (`GemmScaling`, `fp8/gemm_scaling.rs`, asking the recipe's
+//! [`super::ScalingRecipe`]); the quantizer then owns everything recipe-specific about a cast:
 //! - the cast itself: plain ([`Quantizer::quantize`]), fused with the transpose and the bias
 //!   gradient, or fused into the kernel that produces the tensor (a norm, an activation, a GEMM
 //!   epilogue: [`Quantizer::fused_cast`]);
 //! - the FP8 tensor's `scale_inv`;
 //! - amax recording (delayed scaling, calibration).
 //!
-//! A new recipe adds a quantizer here and its line in `GemmScaling`; no module changes.
+//! This file holds the trait, the casts the quantizers share and [`Float8Quantizer`] (a given
+//! scale, no recipe); each recipe's quantizer lives with its recipe (`fp8/recipe/*.rs`:
+//! [`super::DelayedScalingQuantizer`], [`super::Float8CurrentScalingQuantizer`],
+//! [`super::Float8BlockQuantizer`]).
 
-use super::{Float8BlockScaling, Float8CurrentScaling, Float8Tensor, ScalingState};
+use super::Float8Tensor;
 use cudarc::driver::CudaSlice;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use te_codegen::DType;
 use te_runtime::gemm::BlockScale;
 use te_runtime::graph::HostCopies;
-use te_runtime::ops::block_quantize::{self, BlockFp8, BlockQuantizeParams};
 use te_runtime::ops::cast_transpose::DbiasOut;
-use te_runtime::ops::{self, Fp8Meta, Fp8Scaling};
+use te_runtime::ops::{self, Fp8Scaling};
 use te_runtime::{Device, Error, Result, Tensor};
 
 /// A kernel that writes its FP8 output itself, given the scaling views to cast with (the scale
@@ -31,9 +33,9 @@ pub type FusedCastKernel<'k> = dyn FnMut(&mut Fp8Scaling<'_>) -> Result<()> + 'k
 
 /// How one tensor is cast to FP8 (TE `Quantizer`).
 ///
-/// Implementations: [`DelayedScalingQuantizer`] (a slot of a module's amax history),
-/// [`Float8CurrentScalingQuantizer`] (the tensor's own amax), [`Float8Quantizer`] (a given scale),
-/// [`Float8BlockQuantizer`] (each block's own amax).
+/// Implementations: [`super::DelayedScalingQuantizer`] (a slot of a module's amax history),
+/// [`super::Float8CurrentScalingQuantizer`] (the tensor's own amax), [`Float8Quantizer`] (a
+/// given scale), [`super::Float8BlockQuantizer`] (each block's own amax).
 pub trait Quantizer: fmt::Debug + Send + Sync {
     /// The FP8 format of the codes (E4M3 or E5M2).
     fn dtype(&self) -> DType;
@@ -92,7 +94,7 @@ pub trait Quantizer: fmt::Debug + Send + Sync {
     fn frozen(&self) -> Result<Box<dyn Quantizer>>;
 
     /// The layout of the block scales of the tensors it makes; `None` for one scale per tensor
-    /// (every quantizer but [`Float8BlockQuantizer`]).
+    /// (every quantizer but [`super::Float8BlockQuantizer`]).
     fn block_scale(&self) -> Option<BlockScale> {
         None
     }
@@ -149,7 +151,7 @@ pub(crate) fn produce_fp8(
 
 /// The cast itself: cast_transpose (with dbias) when a transpose or a dbias is asked for, else a
 /// plain quantize. `scaling.scale_inv` is written.
-fn cast(
+pub(crate) fn cast(
     dev: &Device,
     x: &Tensor,
     dtype: DType,
@@ -171,7 +173,7 @@ fn cast(
 
 /// A fresh `[1]` f32 holding `src[0]`: the `scale_inv` of an output whose producer may not write
 /// it (4 bytes, stream-ordered).
-fn copy_of(dev: &Device, src: &cudarc::driver::CudaView<'_, f32>) -> Result<CudaSlice<f32>> {
+pub(crate) fn copy_of(dev: &Device, src: &cudarc::driver::CudaView<'_, f32>) -> Result<CudaSlice<f32>> {
     let s = dev.stream();
     // SAFETY: f32 has no invalid bit patterns; the copy below fills the one element.
     let mut out = unsafe { s.alloc::<f32>(1) }?;
@@ -179,172 +181,9 @@ fn copy_of(dev: &Device, src: &cudarc::driver::CudaView<'_, f32>) -> Result<Cuda
     Ok(out)
 }
 
-fn not_fusable(op: &'static str) -> Error {
+/// The error of `fused_cast` on a quantizer that cannot fuse its cast.
+pub(crate) fn not_fusable(op: &'static str) -> Error {
     Error::internal(op, "fused_cast on a quantizer that cannot fuse its cast (check Quantizer::fuses_cast first)")
-}
-
-/// Delayed scaling (TE `Float8Quantizer` over `fp8_meta`): one slot of a module's
-/// [`ScalingState`]. Casts with the slot's scale (from the amax history of earlier steps) and
-/// maxes each tensor's `|x|` into the slot's newest amax; the autocast scope updates the scale.
-#[derive(Debug, Clone)]
-pub struct DelayedScalingQuantizer {
-    state: Arc<ScalingState>,
-    slot: usize,
-}
-
-impl DelayedScalingQuantizer {
-    /// Slot `slot` of `state`.
-    ///
-    /// # Errors
-    /// [`Error::Internal`] for a slot the state does not have.
-    pub(crate) fn new(state: Arc<ScalingState>, slot: usize) -> Result<Self> {
-        if slot >= state.slots() {
-            return Err(Error::internal(
-                "DelayedScalingQuantizer",
-                format!("slot {slot} of a state with {} slots", state.slots()),
-            ));
-        }
-        Ok(Self { state, slot })
-    }
-}
-
-impl Quantizer for DelayedScalingQuantizer {
-    fn dtype(&self) -> DType {
-        self.state.dtype()
-    }
-
-    fn fuses_cast(&self) -> bool {
-        true
-    }
-
-    fn quantize(&self, x: &Tensor, columnwise: bool, dbias: Option<DbiasOut<'_>>) -> Result<Float8Tensor> {
-        let dev = self.state.device();
-        let mut b = self.state.lock();
-        let dtype = b.dtype;
-        let mut scale_inv = dev.stream().alloc_zeros::<f32>(1)?;
-        let mut scaling = b.scaling(self.slot, &mut scale_inv);
-        let (data, transpose) = cast(dev, x, dtype, &mut scaling, columnwise, dbias)?;
-        Float8Tensor::from_parts(data, transpose, Arc::new(scale_inv))
-    }
-
-    fn fused_cast(&self, kernel: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
-        let dev = self.state.device();
-        let mut b = self.state.lock();
-        let mut scale_inv = copy_of(dev, &b.scale_inv.slice(self.slot..self.slot + 1))?;
-        kernel(&mut b.scaling(self.slot, &mut scale_inv))?;
-        Ok(Arc::new(scale_inv))
-    }
-
-    fn calibrate(&self, x: &Tensor) -> Result<()> {
-        let mut b = self.state.lock();
-        let h = self.slot * b.history_len;
-        ops::cast::amax(self.state.device(), x, &mut b.amax_history.slice_mut(h..h + 1))
-    }
-
-    fn frozen(&self) -> Result<Box<dyn Quantizer>> {
-        let dev = self.state.device();
-        let b = self.state.lock();
-        let (i, j) = (self.slot, self.slot + 1);
-        let (scale, scale_inv) = (copy_of(dev, &b.scale.slice(i..j))?, copy_of(dev, &b.scale_inv.slice(i..j))?);
-        Ok(Box::new(Float8Quantizer::from_device(dev, b.dtype, scale, scale_inv)?))
-    }
-}
-
-/// Current scaling (TE `Float8CurrentScalingQuantizer`): each tensor's own amax, then its scale
-/// `fp8_max / max(amax, amax_epsilon)`, then the cast: three launches, no state.
-#[derive(Debug, Clone)]
-pub struct Float8CurrentScalingQuantizer {
-    dev: Arc<Device>,
-    dtype: DType,
-    recipe: Float8CurrentScaling,
-}
-
-impl Float8CurrentScalingQuantizer {
-    /// Casts to `dtype` (E4M3 or E5M2) with `recipe`'s epsilon and power-of-2 rule.
-    ///
-    /// # Errors
-    /// [`Error::Argument`] for a `dtype` that is not FP8.
-    pub fn new(dev: &Arc<Device>, dtype: DType, recipe: Float8CurrentScaling) -> Result<Self> {
-        check_fp8("Float8CurrentScalingQuantizer::new", dtype)?;
-        Ok(Self { dev: dev.clone(), dtype, recipe })
-    }
-
-    /// The amax of all of `xs` and the scale (and `scale_inv`) it gives.
-    fn scaled(&self, xs: &[&Tensor]) -> Result<Fp8Meta> {
-        self.scaled_reduced(xs, &mut |_| Ok(()))
-    }
-
-    /// [`Float8CurrentScalingQuantizer::scaled`] with `reduce_amax` run on the amax first.
-    fn scaled_reduced(
-        &self,
-        xs: &[&Tensor],
-        reduce_amax: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
-    ) -> Result<Fp8Meta> {
-        let dev = &self.dev;
-        let mut meta = Fp8Meta::new(dev, 1.0)?;
-        for x in xs {
-            ops::cast::amax(dev, x, &mut meta.amax.as_view_mut())?;
-        }
-        reduce_amax(&mut meta.amax)?;
-        let fp8_max = self.dtype.fp8_max().unwrap_or(1.0);
-        let r = &self.recipe;
-        ops::scaling::current_scaling(
-            dev,
-            &meta.amax,
-            &mut meta.scale,
-            &mut meta.scale_inv,
-            fp8_max,
-            r.amax_epsilon,
-            r.power_2_scale,
-        )?;
-        Ok(meta)
-    }
-}
-
-impl Quantizer for Float8CurrentScalingQuantizer {
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    fn fuses_cast(&self) -> bool {
-        false
-    }
-
-    fn quantize(&self, x: &Tensor, columnwise: bool, dbias: Option<DbiasOut<'_>>) -> Result<Float8Tensor> {
-        let mut meta = self.scaled(&[x])?;
-        let (data, transpose) = cast(&self.dev, x, self.dtype, &mut meta.scaling(), columnwise, dbias)?;
-        Float8Tensor::from_parts(data, transpose, Arc::new(meta.scale_inv))
-    }
-
-    fn fused_cast(&self, _: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
-        Err(not_fusable("Float8CurrentScalingQuantizer::fused_cast"))
-    }
-
-    fn cast_inputs(&self, inputs: &[&Tensor], kernel: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
-        let mut meta = self.scaled(inputs)?;
-        kernel(&mut meta.scaling())?;
-        Ok(Arc::new(meta.scale_inv))
-    }
-
-    fn calibrate(&self, _: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn frozen(&self) -> Result<Box<dyn Quantizer>> {
-        // Deterministic: the same tensor gives the same amax, so the same scale and codes.
-        Ok(Box::new(self.clone()))
-    }
-
-    fn quantize_with_amax(
-        &self,
-        x: &Tensor,
-        columnwise: bool,
-        reduce_amax: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
-    ) -> Result<Option<Float8Tensor>> {
-        let mut meta = self.scaled_reduced(&[x], reduce_amax)?;
-        let (data, transpose) = cast(&self.dev, x, self.dtype, &mut meta.scaling(), columnwise, None)?;
-        Ok(Some(Float8Tensor::from_parts(data, transpose, Arc::new(meta.scale_inv))?))
-    }
 }
 
 /// A given scale (TE `Float8Quantizer` with its own `scale` tensor): `q = fp8(x * scale)`. The
@@ -376,7 +215,12 @@ impl Float8Quantizer {
     }
 
     /// From device buffers `[1]` f32 holding the scale and its inverse.
-    fn from_device(dev: &Arc<Device>, dtype: DType, scale: CudaSlice<f32>, scale_inv: CudaSlice<f32>) -> Result<Self> {
+    pub(crate) fn from_device(
+        dev: &Arc<Device>,
+        dtype: DType,
+        scale: CudaSlice<f32>,
+        scale_inv: CudaSlice<f32>,
+    ) -> Result<Self> {
         check_fp8("Float8Quantizer", dtype)?;
         let amax = Mutex::new(dev.stream().alloc_zeros::<f32>(1)?);
         Ok(Self { dev: dev.clone(), dtype, scale, scale_inv, amax })
@@ -431,99 +275,8 @@ impl Quantizer for Float8Quantizer {
     }
 }
 
-/// Blockwise scaling (TE `Float8BlockQuantizer`, [`Float8BlockScaling`]): each 1×128 tile
-/// (activations, gradients) or 128×128 block (weights) cast with the scale of its own amax, in
-/// one pass ([`block_quantize::quantize`]); with `columnwise` the transpose is quantized in the
-/// same pass from the high-precision values in 128×1 tiles (or the same 128×128 blocks). No
-/// state; the cast cannot be fused into a producer, whose output is cast after it.
-#[derive(Debug, Clone)]
-pub struct Float8BlockQuantizer {
-    dev: Arc<Device>,
-    params: BlockQuantizeParams,
-}
-
-impl Float8BlockQuantizer {
-    /// Casts to `dtype` in blocks of `block_dim` (1: 1×128, 2: 128×128) with `recipe`'s epsilon
-    /// and power-of-2 rule.
-    ///
-    /// # Errors
-    /// [`Error::Recipe`] on a GPU other than Hopper (cuBLASLt's block-scaled GEMMs are sm_90
-    /// only); [`Error::DType`] / [`Error::Config`] for a `dtype` that is not FP8 or a
-    /// `block_dim` other than 1 or 2 ([`BlockQuantizeParams::validate`]).
-    pub fn new(dev: &Arc<Device>, dtype: DType, block_dim: usize, recipe: &Float8BlockScaling) -> Result<Self> {
-        if dev.arch() != te_codegen::Arch::Sm90a {
-            return Err(Error::Recipe {
-                message: format!(
-                    "Float8BlockScaling needs a Hopper GPU (sm_90): cuBLASLt has no block-scaled FP8 GEMMs on {}; \
-                     use DelayedScaling or Float8CurrentScaling here",
-                    dev.arch()
-                ),
-            });
-        }
-        let params =
-            BlockQuantizeParams { dtype, block_dim, epsilon: recipe.amax_epsilon, power_2: recipe.power_2_scale };
-        params.validate()?;
-        Ok(Self { dev: dev.clone(), params })
-    }
-}
-
-impl Quantizer for Float8BlockQuantizer {
-    fn dtype(&self) -> DType {
-        self.params.dtype
-    }
-
-    fn fuses_cast(&self) -> bool {
-        false
-    }
-
-    fn quantize(&self, x: &Tensor, columnwise: bool, dbias: Option<DbiasOut<'_>>) -> Result<Float8Tensor> {
-        const OP: &str = "Float8BlockQuantizer::quantize";
-        ops::check_dtype(
-            OP,
-            "x",
-            x,
-            |d| matches!(d, DType::BF16 | DType::F16),
-            "bf16 or f16 (Float8BlockScaling \
-             casts 16-bit activations and gradients: run the module with params_dtype bf16)",
-        )?;
-        let (rows, cols) = x.as_2d(OP)?;
-        let columnwise = columnwise || dbias.is_some();
-        let mut q = BlockFp8::new(&self.dev, [rows, cols], &self.params, true, columnwise)?;
-        match dbias {
-            // 1×128 tiles: the column sums come from the column-wise pass of the same read (the
-            // workspace a module sizes for cast_transpose, 64-row tiles, holds the 128-row one).
-            Some(d) if self.params.block_dim == 1 => {
-                block_quantize::quantize_dbias(&self.dev, x, &self.params, &mut q, d)?
-            }
-            // 128×128 blocks (`grad_block_scaling_dim` 2) have no per-column pass: a ones GEMM.
-            Some(d) => {
-                block_quantize::quantize(&self.dev, x, &self.params, &mut q)?;
-                ops::cast_transpose::dbias(&self.dev, x, d.dbias)?;
-            }
-            None => block_quantize::quantize(&self.dev, x, &self.params, &mut q)?,
-        }
-        Float8Tensor::from_block(q, x.shape())
-    }
-
-    fn fused_cast(&self, _: &mut FusedCastKernel<'_>) -> Result<Arc<CudaSlice<f32>>> {
-        Err(not_fusable("Float8BlockQuantizer::fused_cast"))
-    }
-
-    fn calibrate(&self, _: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    fn frozen(&self) -> Result<Box<dyn Quantizer>> {
-        // Deterministic: the same tensor gives the same block amaxes, scales and codes.
-        Ok(Box::new(self.clone()))
-    }
-
-    fn block_scale(&self) -> Option<BlockScale> {
-        Some(if self.params.block_dim == 1 { BlockScale::Vec128 } else { BlockScale::Blk128x128 })
-    }
-}
-
-fn check_fp8(op: &'static str, dtype: DType) -> Result<()> {
+/// `Ok` for an FP8 `dtype`; else the typed error of `op`.
+pub(crate) fn check_fp8(op: &'static str, dtype: DType) -> Result<()> {
     if dtype.is_fp8() {
         Ok(())
     } else {

@@ -16,10 +16,9 @@ use super::{
     LayerNormMLPConfig, LinearConfig, MoeMLPConfig, MultiheadAttentionConfig, NormConfig, NormKind,
     TransformerLayerConfig,
 };
-use crate::fp8::Recipe;
 use te_codegen::spec::{
-    ActivationSpec, AmaxComputeAlgo, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec,
-    FlashAttnSpec, MaskKind, MoePermuteSpec, MoeRouterSpec, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
+    ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, FlashAttnSpec, MaskKind,
+    MoePermuteSpec, MoeRouterSpec, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
 };
 use te_codegen::DType;
 use te_runtime::ops::flash_attention_fp8;
@@ -196,14 +195,14 @@ impl DotProductAttentionConfig {
             if target.recipe.fp8_dpa() && fp8_takes {
                 specs.push(FlashAttnSpec::fp8_forward(dt, d, arch).with_dropout(dropout).into());
                 target.fp8_common(specs);
-                // The FP8 backward where its kernels take the call; dS's delayed scale (history 1,
-                // most recent amax under current scaling).
+                // The FP8 backward where its kernels take the call; dS's delayed scale update
+                // (the recipe's dS recipe: the run's own under delayed scaling, history 1 from
+                // the most recent amax under current scaling).
                 if flash_attention_fp8::backward_unsupported_reason(arch, dt, d, false, dropout).is_none() {
                     let e5m2 = target.bwd_fp8() == DType::E5M2;
                     specs.push(FlashAttnSpec::fp8_backward(dt, d, arch, e5m2).into());
-                    if let Recipe::Current(_) = target.recipe {
-                        specs.push(ScalingSpec::delayed(AmaxComputeAlgo::MostRecent, arch).into());
-                    }
+                    let ds = target.recipe.attention_ds_recipe();
+                    specs.push(ScalingSpec::delayed(ds.amax_compute_algo, arch).into());
                 }
             }
             return;
@@ -344,6 +343,14 @@ mod tests {
         );
         // ... and the FP8 backward (E5M2 gradients under HYBRID), but not with attention dropout.
         assert!(specs.contains(&FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true).into()), "{specs:?}");
+        // Under current scaling dS keeps a delayed scale of history 1 from the most recent amax.
+        let most_recent: KernelSpec =
+            ScalingSpec::delayed(te_codegen::spec::AmaxComputeAlgo::MostRecent, Arch::Sm90a).into();
+        assert!(!specs.contains(&most_recent));
+        specs.clear();
+        let current = KernelTarget { recipe: Float8CurrentScaling { fp8_dpa: true, ..Default::default() }.into(), ..t };
+        DotProductAttentionConfig::new(8, 128).kernel_specs(&current, &mut specs);
+        assert!(specs.contains(&most_recent) && specs.contains(&ScalingSpec::current(false, Arch::Sm90a).into()));
         specs.clear();
         let dropout = DotProductAttentionConfig { attention_dropout: 0.1, ..DotProductAttentionConfig::new(8, 128) };
         dropout.kernel_specs(&fp8_dpa, &mut specs);

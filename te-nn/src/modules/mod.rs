@@ -32,8 +32,6 @@ pub use attention::{
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
 pub use grouped_linear::{GroupedLinear, GroupedLinearConfig, GroupedLinearCtx};
 pub use inference::{InferenceParams, KvLayer};
-#[cfg(test)]
-pub(crate) use kernel_target::block_quantize_specs;
 pub use kernel_target::KernelTarget;
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx, LayerNormLinearOutput};
 pub use layernorm_mlp::{LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx};

@@ -2,7 +2,7 @@
 //! a [`TransformerLayerConfig`] and a [`KernelTarget`].
 
 use super::KernelTarget;
-use crate::fp8::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Recipe};
+use crate::fp8::{parse_amax_compute_algo, Format, Recipe, RecipeOverrides};
 use crate::modules::{Activation, AttnMaskType, NormKind, TransformerLayerConfig};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -42,10 +42,12 @@ pub enum PositionEmbedding {
 /// num_gqa_groups = 32          # = num_attention_heads
 /// seq_length = 2048
 /// params_dtype = "bf16"
-/// recipe = "delayed"           # or "current"
+/// recipe = "delayed"           # "current", "block", or TE's class names ("DelayedScaling", ...)
 /// fp8_format = "hybrid"        # or "e4m3"
-/// amax_compute_algo = "max"    # or "most_recent"
-/// fp8_dpa = false              # true: attention's FP8 forward too (TE's fp8_dpa)
+/// amax_history_len = 1024      # delayed only
+/// amax_compute_algo = "max"    # or "most_recent"; delayed only
+/// fp8_dpa = false              # true: attention's FP8 forward too (TE's fp8_dpa); not block
+/// fp8_mha = false              # TE's fp8_mha (implies fp8_dpa); not block
 /// activation = "gelu"          # gelu_erf, relu, swiglu, geglu
 /// normalization = "layernorm"  # or "rmsnorm"
 /// zero_centered_gamma = false
@@ -53,8 +55,10 @@ pub enum PositionEmbedding {
 /// position_embedding_type = "rope"  # or "learned_absolute", "none"
 /// ```
 ///
-/// The layer keys left out keep [`TransformerLayerConfig::new`]'s defaults and the recipe keys
-/// [`Recipe::default`]'s (TE's `DelayedScaling()`); unknown keys are errors.
+/// The layer keys left out keep [`TransformerLayerConfig::new`]'s defaults. The recipe is
+/// `recipe` parsed by name (its TE defaults; [`Recipe::default`], TE's `DelayedScaling()`,
+/// without the key) with the other recipe keys applied ([`Recipe::with_overrides`]): a key the
+/// recipe does not have is an error, as are unknown keys.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(try_from = "ModelConfigFile")]
 pub struct ModelConfig {
@@ -64,8 +68,8 @@ pub struct ModelConfig {
     pub layer: TransformerLayerConfig,
     /// Sequence length (the softmax kernels specialize the key length). Default 2048.
     pub seq_length: usize,
-    /// FP8 recipe: `recipe` (its family), `fp8_format`, `amax_compute_algo` (delayed
-    /// scaling's history reduction) and `fp8_dpa`.
+    /// FP8 recipe: `recipe` (its name) with `fp8_format`, `amax_history_len`,
+    /// `amax_compute_algo`, `fp8_dpa` and `fp8_mha` applied.
     pub recipe: Recipe,
     /// Position embedding: RoPE adds its kernels for `head_dim = hidden / heads`.
     pub position_embedding_type: PositionEmbedding,
@@ -82,11 +86,14 @@ struct ModelConfigFile {
     seq_length: Option<usize>,
     params_dtype: Option<DType>,
     #[serde(default, deserialize_with = "recipe_key")]
-    recipe: Option<String>,
+    recipe: Option<Recipe>,
     #[serde(default, deserialize_with = "fp8_format_key")]
     fp8_format: Option<Format>,
+    amax_history_len: Option<usize>,
+    #[serde(default, deserialize_with = "amax_compute_algo_key")]
     amax_compute_algo: Option<AmaxComputeAlgo>,
     fp8_dpa: Option<bool>,
+    fp8_mha: Option<bool>,
     activation: Option<Activation>,
     normalization: Option<NormKind>,
     zero_centered_gamma: Option<bool>,
@@ -99,6 +106,47 @@ impl TryFrom<ModelConfigFile> for ModelConfig {
 
     /// The file's keys over [`ModelConfig::new`]'s defaults.
     fn try_from(f: ModelConfigFile) -> std::result::Result<Self, String> {
+        ModelConfig::from_keys(f, None, &RecipeOverrides::default())
+    }
+}
+
+impl ModelConfigFile {
+    /// The recipe keys other than `recipe`.
+    fn recipe_overrides(&self) -> RecipeOverrides {
+        RecipeOverrides {
+            fp8_format: self.fp8_format,
+            amax_history_len: self.amax_history_len,
+            amax_compute_algo: self.amax_compute_algo,
+            fp8_dpa: self.fp8_dpa,
+            fp8_mha: self.fp8_mha,
+        }
+    }
+}
+
+/// A `recipe` key, parsed as it is read (`Recipe`'s `FromStr`: so that the parser's error
+/// points at it).
+fn recipe_key<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Recipe>, D::Error> {
+    String::deserialize(d)?.parse().map(Some).map_err(D::Error::custom)
+}
+
+/// An `fp8_format` key, parsed as it is read ([`Format`]'s `FromStr`).
+fn fp8_format_key<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Format>, D::Error> {
+    String::deserialize(d)?.parse().map(Some).map_err(D::Error::custom)
+}
+
+/// An `amax_compute_algo` key, parsed as it is read ([`parse_amax_compute_algo`]).
+fn amax_compute_algo_key<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<AmaxComputeAlgo>, D::Error> {
+    parse_amax_compute_algo(&String::deserialize(d)?).map(Some).map_err(D::Error::custom)
+}
+
+impl ModelConfig {
+    /// `f`'s keys over [`ModelConfig::new`]'s defaults, with the recipe `recipe` (else the
+    /// file's) and the recipe keys of `overrides` over the file's.
+    fn from_keys(
+        f: ModelConfigFile,
+        recipe: Option<Recipe>,
+        overrides: &RecipeOverrides,
+    ) -> std::result::Result<Self, String> {
         let mut cfg = ModelConfig::new(f.hidden_size, f.ffn_hidden_size, f.num_attention_heads);
         let layer = &mut cfg.layer;
         layer.num_gqa_groups = f.num_gqa_groups.or(layer.num_gqa_groups);
@@ -113,80 +161,13 @@ impl TryFrom<ModelConfigFile> for ModelConfig {
                 MaskKind::Padding => AttnMaskType::Padding,
             };
         }
-        if let (Some(algo), Recipe::Delayed(r)) = (f.amax_compute_algo, &mut cfg.recipe) {
-            r.amax_compute_algo = algo;
-        }
-        cfg.recipe = override_recipe(cfg.recipe, f.recipe.as_deref(), f.fp8_format)?;
-        cfg.recipe = cfg.recipe.with_fp8_dpa(f.fp8_dpa.unwrap_or(cfg.recipe.fp8_dpa()));
+        let recipe = recipe.or(f.recipe).unwrap_or_default();
+        cfg.recipe = recipe.with_overrides(&overrides.or(f.recipe_overrides())).map_err(|e| e.to_string())?;
         cfg.seq_length = f.seq_length.unwrap_or(cfg.seq_length);
         cfg.position_embedding_type = f.position_embedding_type.unwrap_or(cfg.position_embedding_type);
         Ok(cfg)
     }
-}
 
-/// A `recipe` key: a family [`override_recipe`] knows, checked as it is read (so that the
-/// parser's error points at it).
-fn recipe_key<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<String>, D::Error> {
-    let name = String::deserialize(d)?;
-    override_recipe(Recipe::default(), Some(&name), None).map(|_| Some(name)).map_err(D::Error::custom)
-}
-
-/// An `fp8_format` key, parsed as it is read ([`parse_fp8_format`]).
-fn fp8_format_key<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<Format>, D::Error> {
-    parse_fp8_format(&String::deserialize(d)?).map(Some).map_err(D::Error::custom)
-}
-
-/// The FP8 format a config file's `fp8_format` and `te prewarm --fp8-format` name: `hybrid`
-/// ([`Format::Hybrid`]) or `e4m3` ([`Format::E4M3`]).
-///
-/// # Errors
-/// "unknown FP8 format \`NAME\`: expected hybrid or e4m3".
-pub fn parse_fp8_format(name: &str) -> std::result::Result<Format, String> {
-    match name {
-        "hybrid" => Ok(Format::Hybrid),
-        "e4m3" => Ok(Format::E4M3),
-        _ => Err(format!("unknown FP8 format `{name}`: expected hybrid or e4m3")),
-    }
-}
-
-/// `recipe` switched to the family `family` names, `delayed` ([`DelayedScaling`]), `current`
-/// ([`Float8CurrentScaling`]) or `block` ([`Float8BlockScaling`]), and to `format`, as a config file's `recipe` and `fp8_format` and
-/// `te prewarm --recipe` and `--fp8-format` do: `None` keeps the family or the format. A
-/// recipe that stays in its family keeps its knobs; one switched takes the new family's TE
-/// defaults but keeps `fp8_dpa` and (between delayed and current) the format (besides the format and `fp8_dpa`, the knobs that change the
-/// kernels are delayed scaling's `amax_compute_algo` and current scaling's `power_2_scale`).
-///
-/// # Errors
-/// "unknown recipe \`FAMILY\`: expected delayed, current or block".
-pub fn override_recipe(
-    recipe: Recipe,
-    family: Option<&str>,
-    format: Option<Format>,
-) -> std::result::Result<Recipe, String> {
-    let (fp8_dpa, old_format) = (recipe.fp8_dpa(), recipe.format());
-    let recipe = match (family, recipe) {
-        (None, r)
-        | (Some("delayed"), r @ Recipe::Delayed(_))
-        | (Some("current"), r @ Recipe::Current(_))
-        | (Some("block"), r @ Recipe::Block(_)) => r,
-        (Some("delayed"), _) => DelayedScaling::default().into(),
-        (Some("current"), _) => Float8CurrentScaling::default().into(),
-        (Some("block"), _) => Float8BlockScaling::default().into(),
-        (Some(other), _) => return Err(format!("unknown recipe `{other}`: expected delayed, current or block")),
-    };
-    // Delayed and current scaling keep the format across a switch; blockwise scaling takes its
-    // own default (E4M3 both ways) unless one is named.
-    let format = format.or((recipe.block().is_none()).then_some(old_format));
-    let recipe: Recipe = match (recipe, format) {
-        (r, None) => r,
-        (Recipe::Delayed(r), Some(fp8_format)) => DelayedScaling { fp8_format, ..r }.into(),
-        (Recipe::Current(r), Some(fp8_format)) => Float8CurrentScaling { fp8_format, ..r }.into(),
-        (Recipe::Block(r), Some(fp8_format)) => Float8BlockScaling { fp8_format, ..r }.into(),
-    };
-    Ok(recipe.with_fp8_dpa(fp8_dpa))
-}
-
-impl ModelConfig {
     /// A config with the given sizes and every other field at its default: the layer at
     /// [`TransformerLayerConfig::new`]'s, TE's default recipe, 2048 positions with RoPE.
     pub fn new(hidden_size: usize, ffn_hidden_size: usize, num_attention_heads: usize) -> Self {
@@ -202,15 +183,29 @@ impl ModelConfig {
     ///
     /// # Errors
     /// [`Error::Config`] naming the file and what is wrong: unreadable, not TOML, an unknown key,
-    /// a missing size, a value outside those listed at [`ModelConfig`], or sizes
-    /// [`ModelConfig::check`] rejects.
+    /// a missing size, a value outside those listed at [`ModelConfig`], a recipe key the recipe
+    /// does not have, or sizes [`ModelConfig::check`] rejects.
     pub fn from_file(path: &Path) -> Result<Self> {
+        Self::from_file_with(path, None, &RecipeOverrides::default())
+    }
+
+    /// [`ModelConfig::from_file`] with the recipe `recipe` instead of the file's (when given)
+    /// and the recipe keys of `overrides` over the file's: what `te prewarm --config FILE
+    /// --recipe NAME --fp8-format ...` reads. The recipe is `recipe` (else the file's `recipe`,
+    /// else TE's default) with the file's and the flags' keys applied, so a flag naming another
+    /// recipe keeps the file's keys: one the new recipe does not have is an error (say
+    /// `amax_compute_algo` with `--recipe current`).
+    ///
+    /// # Errors
+    /// As [`ModelConfig::from_file`].
+    pub fn from_file_with(path: &Path, recipe: Option<Recipe>, overrides: &RecipeOverrides) -> Result<Self> {
         let error = |message: String| Error::Config {
             module: "ModelConfig",
             message: format!("{}: {message}", path.display()),
         };
         let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
-        let cfg: Self = toml::from_str(&text).map_err(|e| error(e.to_string()))?;
+        let file: ModelConfigFile = toml::from_str(&text).map_err(|e| error(e.to_string()))?;
+        let cfg = Self::from_keys(file, recipe, overrides).map_err(error)?;
         cfg.check().map_err(error)?;
         Ok(cfg)
     }
@@ -277,6 +272,7 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fp8::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling};
     use crate::modules::DotProductAttentionConfig;
     use te_codegen::spec::*;
 
@@ -357,38 +353,70 @@ mod tests {
         assert_eq!(parse("").recipe, Recipe::default());
         let current = parse("recipe = \"current\"\nfp8_format = \"e4m3\"").recipe;
         assert_eq!(current, Float8CurrentScaling { fp8_format: Format::E4M3, ..Default::default() }.into());
-        let delayed = parse("amax_compute_algo = \"most_recent\"").recipe;
-        let most_recent = DelayedScaling { amax_compute_algo: AmaxComputeAlgo::MostRecent, ..Default::default() };
+        assert_eq!(parse("recipe = \"Float8CurrentScaling\"\nfp8_format = \"E4M3\"").recipe, current);
+        let delayed = parse("amax_compute_algo = \"most_recent\"\namax_history_len = 16").recipe;
+        let most_recent = DelayedScaling {
+            amax_compute_algo: AmaxComputeAlgo::MostRecent,
+            amax_history_len: 16,
+            ..Default::default()
+        };
         assert_eq!(delayed, most_recent.into());
-        // The flags keep what they do not name.
-        assert_eq!(
-            override_recipe(delayed, None, Some(Format::E4M3)),
-            Ok(DelayedScaling { fp8_format: Format::E4M3, ..most_recent }.into())
-        );
-        assert_eq!(
-            override_recipe(current, Some("delayed"), None),
-            Ok(DelayedScaling { fp8_format: Format::E4M3, ..Default::default() }.into())
-        );
         let block = parse("recipe = \"block\"").recipe;
         assert_eq!(block, Float8BlockScaling::default().into());
-        assert_eq!(override_recipe(current, Some("block"), None), Ok(block));
-        assert_eq!(
-            override_recipe(block, None, Some(Format::Hybrid)),
-            Ok(Float8BlockScaling { fp8_format: Format::Hybrid, ..Default::default() }.into())
-        );
-        // fp8_dpa survives a family switch; the key adds the FP8 attention forward at head_dim 128.
+        let hybrid = parse("recipe = \"block\"\nfp8_format = \"hybrid\"").recipe;
+        assert_eq!(hybrid, Float8BlockScaling { fp8_format: Format::Hybrid, ..Default::default() }.into());
+        let mha = parse("recipe = \"current\"\nfp8_mha = true").recipe;
+        assert!(mha.fp8_mha() && mha.fp8_dpa());
+        // The key adds the FP8 attention forward at head_dim 128.
         let dpa = parse("fp8_dpa = true").recipe;
-        assert!(dpa.fp8_dpa() && override_recipe(dpa, Some("current"), None).unwrap().fp8_dpa());
         let fp8_fwd = |r: Recipe| {
             let cfg = ModelConfig { recipe: r, ..ModelConfig::new(4096, 16384, 32) };
             cfg.kernel_specs(Arch::Sm90a).iter().any(|s| matches!(s, KernelSpec::FlashAttn(f) if f.fp8))
         };
         assert!(fp8_fwd(dpa) && !fp8_fwd(Recipe::default()));
-        let bad = toml::from_str::<ModelConfig>(
-            "hidden_size = 64\nffn_hidden_size = 256\nnum_attention_heads = 4\nrecipe = \"mxfp8\"",
-        );
-        assert!(bad.unwrap_err().to_string().contains("expected delayed, current or block"));
-        assert!(parse_fp8_format("e5m2").unwrap_err().contains("expected hybrid or e4m3"));
+        // A key the recipe does not have, an unknown recipe or format: errors saying what to do.
+        let refused = |extra: &str| {
+            toml::from_str::<ModelConfig>(&format!(
+                "hidden_size = 64\nffn_hidden_size = 256\nnum_attention_heads = 4\n{extra}"
+            ))
+            .unwrap_err()
+            .to_string()
+        };
+        let e = refused("recipe = \"block\"\nfp8_dpa = true");
+        assert!(e.contains("Float8BlockScaling (block) has no fp8_dpa") && e.contains("(delayed, current)"), "{e}");
+        let e = refused("recipe = \"current\"\namax_history_len = 4");
+        assert!(e.contains("has no amax_history_len"), "{e}");
+        assert!(refused("amax_history_len = 0").contains("at least 1"));
+        assert!(refused("recipe = \"mxfp8\"").contains("expected delayed, current or block"));
+        assert!(refused("fp8_format = \"e5m2\"").contains("expected hybrid or e4m3"));
+        assert!(refused("amax_compute_algo = \"mean\"").contains("expected max"));
+    }
+
+    /// Flags over a file: another recipe keeps the file's recipe keys (refusing one it does not
+    /// have), and the flags' keys win.
+    #[test]
+    fn flags_apply_over_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.toml");
+        let sizes = "hidden_size = 1024\nffn_hidden_size = 2816\nnum_attention_heads = 16\n";
+        std::fs::write(&path, format!("{sizes}fp8_format = \"e4m3\"\nfp8_dpa = true\n")).unwrap();
+        let none = RecipeOverrides::default();
+        let current = ModelConfig::from_file_with(&path, Some("current".parse().unwrap()), &none).unwrap();
+        let want = Float8CurrentScaling { fp8_format: Format::E4M3, fp8_dpa: true, ..Default::default() };
+        assert_eq!(current.recipe, want.into());
+        let hybrid = RecipeOverrides { fp8_format: Some(Format::Hybrid), ..Default::default() };
+        let delayed = ModelConfig::from_file_with(&path, None, &hybrid).unwrap();
+        assert_eq!(delayed.recipe, DelayedScaling { fp8_dpa: true, ..Default::default() }.into());
+        assert_eq!(ModelConfig::from_file(&path).unwrap().recipe.format(), Format::E4M3);
+        let e = ModelConfig::from_file_with(&path, Some("block".parse().unwrap()), &none).unwrap_err();
+        assert!(matches!(e, Error::Config { .. }), "{e:?}");
+        let e = e.to_string();
+        assert!(e.contains("model.toml") && e.contains("has no fp8_dpa"), "{e}");
+        std::fs::write(&path, format!("{sizes}recipe = \"block\"\n")).unwrap();
+        let block = ModelConfig::from_file_with(&path, None, &hybrid).unwrap();
+        assert_eq!(block.recipe, Float8BlockScaling { fp8_format: Format::Hybrid, ..Default::default() }.into());
+        let dpa = RecipeOverrides { fp8_dpa: Some(true), ..Default::default() };
+        assert!(ModelConfig::from_file_with(&path, None, &dpa).unwrap_err().to_string().contains("has no fp8_dpa"));
     }
 
     /// The list `ModelConfig::kernel_specs` returned before the building blocks, verbatim but for
@@ -491,7 +519,7 @@ mod tests {
         match cfg.recipe {
             Recipe::Delayed(r) => v.push(ScalingSpec::delayed(r.amax_compute_algo, arch).into()),
             Recipe::Current(_) => v.push(ScalingSpec::current(false, arch).into()),
-            Recipe::Block(b) => v.extend(crate::modules::block_quantize_specs(&b, dt, arch)),
+            Recipe::Block(b) => v.extend(b.quantize_specs(dt, arch)),
         }
 
         v.sort();

@@ -9,4 +9,4 @@
 mod config;
 
 pub use crate::modules::KernelTarget;
-pub use config::{override_recipe, parse_fp8_format, ModelConfig, PositionEmbedding};
+pub use config::{ModelConfig, PositionEmbedding};

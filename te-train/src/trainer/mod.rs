@@ -140,8 +140,7 @@ impl Trainer {
     /// # Errors
     /// [`TrainError::Data`] for a split shorter than one window; [`TrainError::Runtime`] for
     /// device, kernel, model and checkpoint-file errors (out of GPU memory, estimated before
-    /// allocating); [`TrainError::Unsupported`] for a recipe the CPU backend does not emulate
-    /// ([`cpu_gemm_precision`]); [`TrainError::HostMemory`] for a CPU configuration the host
+    /// allocating, and recipes that do not validate); [`TrainError::HostMemory`] for a CPU configuration the host
     /// cannot hold; [`TrainError::Resume`] for a checkpoint made with other settings;
     /// [`TrainError::NonFinite`] past [`TrainConfig::skip_nonfinite_steps`] non-finite steps, or
     /// for a non-finite FP8 scaling state at a checkpoint; [`TrainError::Interrupted`] after the

@@ -94,11 +94,10 @@ impl GptRef {
         let dtype = self.cfg.params_dtype;
         let params: Vec<HostParam<'_>> =
             self.params.iter().map(|p| HostParam { path: &p.name, dtype, shape: &p.shape, values: &p.value }).collect();
-        let len = self.history_len();
         let mut states: Vec<(String, ScalingSnapshot)> = Vec::new();
         for (g, s) in self.fp8.iter().enumerate() {
             let prefix = state_prefix(g, self.cfg.num_layers);
-            let [fwd, bwd] = s.snapshots(FWD_SLOTS, len);
+            let [fwd, bwd] = s.snapshots(FWD_SLOTS);
             states.push((format!("{prefix}fp8_fwd"), fwd));
             states.push((format!("{prefix}fp8_bwd"), bwd));
         }
@@ -122,15 +121,14 @@ impl GptRef {
                 p.value = v;
             }
         }
-        let len = self.history_len();
         let nl = self.cfg.num_layers;
         for (g, s) in self.fp8.iter_mut().enumerate() {
             let prefix = state_prefix(g, nl);
             for (direction, name) in ["fp8_fwd", "fp8_bwd"].into_iter().enumerate() {
                 let path = format!("{prefix}{name}");
                 match ck.states.get(&path) {
-                    Some(snap) => s.restore(direction, Some(snap), len),
-                    None if ck.fresh.contains(&path) => s.restore(direction, None, len),
+                    Some(snap) => s.restore(direction, Some(snap)),
+                    None if ck.fresh.contains(&path) => s.restore(direction, None),
                     None => {}
                 }
             }
@@ -141,25 +139,16 @@ impl GptRef {
     /// The paths of the FP8 scaling states (as [`GptRef::save`] names them) holding a NaN or
     /// infinite amax, scale or scale_inv: what a checkpoint must not keep.
     pub fn nonfinite_fp8_states(&self) -> Vec<String> {
-        let len = self.history_len();
         let mut out = Vec::new();
         for (g, s) in self.fp8.iter().enumerate() {
             let prefix = state_prefix(g, self.cfg.num_layers);
-            for (name, snap) in ["fp8_fwd", "fp8_bwd"].into_iter().zip(s.snapshots(FWD_SLOTS, len)) {
+            for (name, snap) in ["fp8_fwd", "fp8_bwd"].into_iter().zip(s.snapshots(FWD_SLOTS)) {
                 if !snap.amax_history.iter().chain(&snap.scale).chain(&snap.scale_inv).all(|x| x.is_finite()) {
                     out.push(format!("{prefix}{name}"));
                 }
             }
         }
         out
-    }
-
-    /// The amax history length of the FP8 recipe (1 without FP8: no states are written).
-    fn history_len(&self) -> usize {
-        match self.precision {
-            super::GemmPrecision::Fp8(r) => r.amax_history_len,
-            _ => 1,
-        }
     }
 }
 

@@ -19,12 +19,13 @@
 //! the CPU reference's ([`te_reference::modules::NormRef`], [`te_reference::embedding`],
 //! [`te_reference::dropout`], [`te_reference::cross_entropy`],
 //! [`te_reference::scaling`], [`te_reference::optimizer`]). [`GemmPrecision`] emulates the
-//! GPU's GEMM numerics on the GEMM *inputs*: rounded to BF16, or fake-quantized to FP8 with
-//! delayed scaling per operand as TE's `DelayedScaling` does (E4M3 inputs and weights, E5M2
-//! output gradients under HYBRID; amax history, `max` or newest, margin; initial scale 1;
-//! forward scales updated after each [`GptRef::forward_loss`], gradient scales after each
-//! [`GptRef::backward`]; the casts equal [`te_runtime::numerics::round_to`] bit for bit).
-//! Everything else stays f32 (the GPU keeps activations in BF16).
+//! GPU's GEMM numerics on the GEMM *inputs*: rounded to BF16, or fake-quantized to FP8 as the
+//! recipe's quantizers cast them ([`te_nn::fp8::ScalingRecipe`]'s host casts: delayed scaling
+//! per operand as TE's `DelayedScaling` does, with amax histories, forward scales updated
+//! after each [`GptRef::forward_loss`] and gradient scales after each [`GptRef::backward`];
+//! current scaling with each operand's own amax; blockwise scaling; E4M3 inputs and weights,
+//! E5M2 output gradients under HYBRID; the casts equal [`te_runtime::numerics::round_to`] bit
+//! for bit). Everything else stays f32 (the GPU keeps activations in BF16).
 //!
 //! Hidden dropout: the GPU's Philox masks (seed of layer `l` = `seed + 16·(l + 1)`, offsets
 //! `2n + 1` and `2n + 2` for the `n`-th [`GptRef::forward_loss`]), so a GPU model and its twin
@@ -37,7 +38,7 @@
 //!
 //! Files: this one holds the model and its forward/backward orchestration; `params` the
 //! parameter layout, init and loading; `math` the f32 GEMM, attention and GELU pieces;
-//! `precision` the BF16/FP8 GEMM-input emulation with delayed scaling; `adamw` [`GptAdamW`];
+//! `precision` the BF16/FP8 GEMM-input emulation under each recipe; `adamw` [`GptAdamW`];
 //! `generate` the decode loop.
 
 mod adamw;
@@ -58,7 +59,7 @@ pub use precision::GemmPrecision;
 use crate::gpt::{GptConfig, IGNORE_INDEX};
 use math::{attention_backward, attention_forward, column_sums, dgelu, gelu_tanh, gemm, linear, par_fill, View};
 use params::PER_LAYER;
-use precision::{cast, GemmScaling, Operands};
+use precision::Operands;
 use te_codegen::DType;
 use te_nn::modules::NormKind;
 use te_reference::cross_entropy::cross_entropy;
@@ -121,8 +122,9 @@ pub struct GptRef {
     cfg: GptConfig,
     params: Vec<NamedParam>,
     precision: GemmPrecision,
-    /// One per GEMM (`4·l + {qkv, proj, fc1, fc2}`, then the LM head) under FP8, else empty.
-    fp8: Vec<GemmScaling>,
+    /// One per GEMM (`4·l + {qkv, proj, fc1, fc2}`, then the LM head) under an FP8 recipe that
+    /// keeps scaling state (delayed scaling), else empty.
+    fp8: Vec<te_nn::fp8::HostScalingState>,
     forwards: u64,
 }
 
@@ -370,8 +372,8 @@ impl GptRef {
         amaxes: &mut Vec<f32>,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let (c_dgrad, c_wgrad) = self.grad_casts(g, dy, n_out, amaxes);
-        let dyq = cast(dy, c_dgrad);
-        let dyq_w = c_wgrad.map(|c| cast(dy, c));
+        let dyq = c_dgrad.apply(dy);
+        let dyq_w = c_wgrad.map(|c| c.apply(dy));
         let mut dx = vec![0.0; t * n_in];
         gemm(t, n_out, n_in, View::rows(&dyq, n_out), View::rows(&ops.w, n_in), 0.0, &mut dx);
         let mut dw = vec![0.0; n_out * n_in];

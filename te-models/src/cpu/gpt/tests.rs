@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::generate::SamplingConfig;
-use te_nn::fp8::{DelayedScaling, Float8BlockScaling};
+use te_nn::fp8::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling};
 
 fn micro() -> GptConfig {
     GptConfig {
@@ -98,10 +98,28 @@ fn train_losses(precision: GemmPrecision, dropout: f32, steps: usize) -> Vec<f32
 fn adamw_learns_a_repeating_pattern_in_every_precision() {
     let fp8 = GemmPrecision::Fp8(DelayedScaling { amax_history_len: 16, ..Default::default() });
     let block = GemmPrecision::Fp8Block(Float8BlockScaling::default());
-    for (precision, dropout) in [(GemmPrecision::F32, 0.0), (GemmPrecision::Bf16, 0.1), (fp8, 0.1), (block, 0.1)] {
+    let current = GemmPrecision::Fp8Current(Float8CurrentScaling::default());
+    let precisions = [(GemmPrecision::F32, 0.0), (GemmPrecision::Bf16, 0.1), (fp8, 0.1), (block, 0.1), (current, 0.1)];
+    for (precision, dropout) in precisions {
         let losses = train_losses(precision, dropout, 30);
         assert!(losses.iter().all(|l| l.is_finite()), "{precision:?}: {losses:?}");
         assert!(losses[29] < 0.5 * losses[0], "{precision:?}: {} → {}", losses[0], losses[29]);
+    }
+}
+
+/// A few steps under current scaling (from its recipe, TE's defaults and power-of-2 scales):
+/// finite losses, each below the first, different from BF16's (the casts are on).
+#[test]
+fn current_scaling_trains_a_few_steps() {
+    let bf16 = train_losses(GemmPrecision::Bf16, 0.0, 6);
+    for recipe in [Float8CurrentScaling::default(), Float8CurrentScaling { power_2_scale: true, ..Default::default() }]
+    {
+        let precision = GemmPrecision::from_recipe(&recipe.into()).unwrap();
+        assert_eq!(precision, GemmPrecision::Fp8Current(recipe));
+        let losses = train_losses(precision, 0.0, 6);
+        assert!(losses.iter().all(|l| l.is_finite()), "{recipe:?}: {losses:?}");
+        assert!(losses[1..].iter().all(|&l| l < losses[0]) && losses[5] < losses[1], "{recipe:?}: {losses:?}");
+        assert_ne!(losses, bf16, "{recipe:?}");
     }
 }
 

@@ -1,18 +1,17 @@
 //! FP8 attention in the module (TE's `fp8_dpa`): which fused calls run in FP8, the quantizers of
 //! q, k, v and of the backward's dO and dS, and the delayed-scaling states they keep.
 //!
-//! Slots, as TE's `fp8_meta` of `DotProductAttention`: q, k, v share the forward slot
-//! [`FWD_INPUT`] (TE's `META_QKV`, visited as `fp8_fwd`); dO the backward slot of the same
-//! state pair (`fp8_bwd`, delayed scaling only); dS its own backward state (TE's `META_DP`,
-//! `fp8_dp`). Under current scaling q, k, v and dO take their current amax and dS a delayed
-//! scale of history 1 from the most recent amax, as TE's recipe table for `Float8CurrentScaling`
-//! attention says (`dot_product_attention.py`: "creates a new FP8DS recipe for S, dP").
+//! Slots, as TE's `fp8_meta` of `DotProductAttention`: q, k, v share the forward input slot
+//! ([`GemmTensor::Input`], TE's `META_QKV`, visited as `fp8_fwd`); dO the backward slot of the
+//! same state pair (`fp8_bwd`, delayed scaling only); dS its own backward state (TE's `META_DP`,
+//! `fp8_dp`) under the recipe's [`crate::fp8::ScalingRecipe::attention_ds_recipe`]: the run's
+//! own delayed scaling, or under current scaling (q, k, v and dO take their current amax) a
+//! delayed scale of history 1 from the most recent amax, as TE's recipe table for
+//! `Float8CurrentScaling` attention says (`dot_product_attention.py`: "creates a new FP8DS
+//! recipe for S, dP").
 
 use super::{Inputs, MODULE};
-use crate::fp8::{
-    fp8_mode, AmaxComputeAlgo, DelayedScaling, Fp8Mode, Fp8StateSlot, GemmScaling, GradScaling, Quantizer, Recipe,
-    ScalingState, FWD_INPUT,
-};
+use crate::fp8::{fp8_mode, Fp8Mode, Fp8StateSlot, GemmScaling, GemmTensor, GradScaling, Quantizer, ScalingState};
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::ops::attention_shape::AttentionShape;
@@ -22,7 +21,7 @@ use te_runtime::{Device, Result};
 /// The FP8 scaling of one `DotProductAttention`.
 #[derive(Debug)]
 pub(super) struct Fp8Scalings {
-    /// Forward: q, k, v (slot [`FWD_INPUT`]); backward: dO.
+    /// Forward: q, k, v ([`GemmTensor::Input`]); backward: dO.
     qkv: GemmScaling,
     /// Backward: dS (TE's dP quantizer).
     dp: GemmScaling,
@@ -80,20 +79,6 @@ fn env_keeps_16_bit_backward() -> bool {
     std::env::var("NVTE_FP8_DPA_BWD").is_ok_and(|v| v.trim() == "0")
 }
 
-/// dS's recipe: the run's delayed scaling, or under current scaling a delayed one of history 1
-/// from the most recent amax in the run's format (TE).
-fn dp_recipe(recipe: &Recipe) -> Recipe {
-    match recipe {
-        Recipe::Delayed(r) => Recipe::Delayed(*r),
-        r @ (Recipe::Current(_) | Recipe::Block(_)) => Recipe::Delayed(DelayedScaling {
-            fp8_format: r.format(),
-            amax_history_len: 1,
-            amax_compute_algo: AmaxComputeAlgo::MostRecent,
-            ..DelayedScaling::default()
-        }),
-    }
-}
-
 impl Fp8Scalings {
     pub(super) fn new(dev: &Arc<Device>) -> Self {
         Self { qkv: GemmScaling::new(dev), dp: GemmScaling::new(dev) }
@@ -130,7 +115,7 @@ impl Fp8Scalings {
             tracing::debug!("{MODULE}: fp8_dpa is set, the forward stays 16-bit: {why}");
             return Ok(None);
         }
-        let quantizer = self.qkv.forward_slot(&recipe, FWD_INPUT)?;
+        let quantizer = self.qkv.forward_tensor(&recipe, GemmTensor::Input)?;
         if calibrating {
             for t in inputs.tensors() {
                 quantizer.calibrate(t)?;
@@ -148,7 +133,7 @@ impl Fp8Scalings {
             tracing::debug!("{MODULE}: the backward stays 16-bit: {why}");
             None
         } else {
-            Some(Fp8Backward { d_o: self.qkv.grad(&recipe)?, ds: self.dp.grad(&dp_recipe(&recipe))? })
+            Some(Fp8Backward { d_o: self.qkv.grad(&recipe)?, ds: self.dp.grad(&recipe.attention_ds_recipe().into())? })
         };
         Ok(Some(Fp8Forward { quantizer, backward }))
     }

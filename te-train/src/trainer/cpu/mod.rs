@@ -23,22 +23,15 @@ mod tests;
 
 /// How the CPU model ([`GptRef`]) emulates the GEMMs of a run in `precision` with the FP8
 /// `recipe`: BF16-rounded inputs for [`Precision::Bf16`]; for [`Precision::Fp8`] the inputs
-/// fake-quantized with delayed scaling ([`GemmPrecision::Fp8`]) or blockwise
-/// ([`GemmPrecision::Fp8Block`]).
+/// fake-quantized as the recipe casts them ([`GemmPrecision::from_recipe`]: delayed, current or
+/// blockwise scaling).
 ///
 /// # Errors
-/// [`TrainError::Unsupported`] for an FP8 run with `Float8CurrentScaling`, which the CPU path
-/// does not emulate yet.
+/// [`TrainError::Runtime`] for a recipe that does not validate.
 pub fn cpu_gemm_precision(precision: Precision, recipe: &Recipe) -> Result<GemmPrecision, TrainError> {
-    match (precision, recipe) {
-        (Precision::Bf16, _) => Ok(GemmPrecision::Bf16),
-        (Precision::Fp8, Recipe::Delayed(r)) => Ok(GemmPrecision::Fp8(*r)),
-        (Precision::Fp8, Recipe::Block(r)) => Ok(GemmPrecision::Fp8Block(*r)),
-        (Precision::Fp8, Recipe::Current(_)) => Err(TrainError::Unsupported {
-            message: "the CPU path does not emulate FP8 with current scaling (Float8CurrentScaling) yet: train it on \
-                      a GPU, or on the CPU with delayed or blockwise scaling (te train --recipe delayed|block)"
-                .into(),
-        }),
+    match precision {
+        Precision::Bf16 => Ok(GemmPrecision::Bf16),
+        Precision::Fp8 => Ok(GemmPrecision::from_recipe(recipe)?),
     }
 }
 
@@ -49,8 +42,7 @@ pub fn cpu_gemm_precision(precision: Precision, recipe: &Recipe) -> Result<GemmP
 /// on the GPU.
 ///
 /// # Errors
-/// [`TrainError::Unsupported`] for a recipe the CPU path does not emulate
-/// ([`cpu_gemm_precision`]); [`TrainError::HostMemory`] for a configuration the host cannot
+/// [`TrainError::HostMemory`] for a configuration the host cannot
 /// hold; [`TrainError::Data`] when a split is shorter than one window; [`TrainError::Runtime`]
 /// for a model configuration the CPU model refuses (heads that do not divide the hidden size,
 /// ...); [`TrainError::Resume`], [`TrainError::NonFinite`] and [`TrainError::Interrupted`] as on
