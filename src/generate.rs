@@ -504,7 +504,7 @@ mod tests {
         let (_, precision, recipe) = model_config(&located).unwrap();
         assert_eq!((precision, recipe), (Precision::Fp8, cfg.recipe));
         let gemms = te_train::cpu_gemm_precision(precision, &recipe).unwrap();
-        assert!(matches!(gemms, te_models::cpu::gpt::GemmPrecision::Fp8Current(_)), "{gemms:?}");
+        assert!(matches!(gemms, te_models::cpu::gpt::GemmPrecision::Fp8(te_nn::fp8::Recipe::Current(_))), "{gemms:?}");
     }
 
     /// A checkpoint written before the model section cannot be rebuilt: the error says what to

@@ -266,9 +266,10 @@ mod tests {
     #[test]
     fn save_load_resume_is_bit_exact() {
         let dir = tempfile::tempdir().unwrap();
-        for precision in
-            [GemmPrecision::Fp8(DelayedScaling { amax_history_len: 4, ..Default::default() }), GemmPrecision::Bf16]
-        {
+        for precision in [
+            GemmPrecision::Fp8(DelayedScaling { amax_history_len: 4, ..Default::default() }.into()),
+            GemmPrecision::Bf16,
+        ] {
             let c = cfg(DType::BF16);
             let mut a = GptRef::new(&c).unwrap();
             a.set_precision(precision).unwrap();

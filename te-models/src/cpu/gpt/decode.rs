@@ -220,7 +220,7 @@ mod tests {
     /// not 1); the cache can be cleared and reused.
     #[test]
     fn cached_logits_equal_the_full_prefix() {
-        let fp8 = GemmPrecision::Fp8(DelayedScaling { amax_history_len: 2, ..Default::default() });
+        let fp8 = GemmPrecision::Fp8(DelayedScaling { amax_history_len: 2, ..Default::default() }.into());
         for precision in [GemmPrecision::F32, GemmPrecision::Bf16, fp8] {
             let mut m = model(precision);
             let b = 3;

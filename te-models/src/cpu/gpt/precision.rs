@@ -9,7 +9,7 @@
 //! pass.
 
 use super::GptRef;
-use te_nn::fp8::{host_amax, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, HostCast, Recipe};
+use te_nn::fp8::{host_amax, HostCast, Recipe};
 use te_runtime::Result;
 
 /// How the GEMM inputs are rounded before each f32 GEMM.
@@ -19,49 +19,33 @@ pub enum GemmPrecision {
     F32,
     /// Inputs rounded to BF16 (round to nearest even), as a BF16 model's GEMMs read them.
     Bf16,
-    /// Inputs fake-quantized to FP8 with delayed scaling per operand, as under
-    /// [`te_nn::fp8::fp8_autocast`] with this recipe: amax histories per GEMM (`max` or newest,
-    /// margin; initial scale 1), forward scales updated after each [`GptRef::forward_loss`],
-    /// gradient scales after each [`GptRef::backward`].
-    Fp8(DelayedScaling),
-    /// Inputs fake-quantized to FP8 blockwise ([`Float8BlockScaling`], DeepSeek-V3's recipe):
-    /// the forward's input in 1×128 tiles along its features and the weight in 128×128 blocks
-    /// (the recipe's block dims); the backward's output gradient in 1×128 tiles along its
-    /// features for the dgrad GEMM and along the tokens for the wgrad GEMM, which reads the
-    /// forward input quantized along the tokens too ([`te_reference::block_scaling`]:
-    /// TE re-quantizes the transposed operands rather than transposing codes). Stateless.
-    Fp8Block(Float8BlockScaling),
-    /// Inputs fake-quantized to FP8 with current scaling ([`Float8CurrentScaling`]): each
-    /// operand cast with the scale of its own amax, `fp8_max / max(amax, amax_epsilon)` (1 when
-    /// the amax is 0, inf or NaN; rounded down to a power of 2 with `power_2_scale`), E4M3
-    /// inputs and weights, E5M2 output gradients under HYBRID; the wgrad GEMMs read the same
-    /// codes. Stateless.
-    Fp8Current(Float8CurrentScaling),
+    /// Inputs fake-quantized to FP8 as the recipe's quantizers cast them on the GPU (the
+    /// recipe's own CPU emulation, `te_nn::fp8::ScalingRecipe::host_forward_casts` /
+    /// `host_grad_casts` / `host_state`): delayed scaling's amax histories per GEMM (`max` or
+    /// newest, margin; initial scale 1; forward scales updated after each
+    /// [`GptRef::forward_loss`], gradient scales after each [`GptRef::backward`]); current
+    /// scaling's per-operand amax (`fp8_max / max(amax, amax_epsilon)`); blockwise scaling's
+    /// 1×128 tiles and 128×128 blocks (the wgrad GEMM reading the input re-quantized along the
+    /// tokens, as TE does). E4M3 inputs and weights, E5M2 output gradients under HYBRID.
+    Fp8(Recipe),
 }
 
 impl GemmPrecision {
-    /// The precision that emulates `recipe`: delayed scaling → [`GemmPrecision::Fp8`],
-    /// blockwise → [`GemmPrecision::Fp8Block`], current → [`GemmPrecision::Fp8Current`] (what a
-    /// trainer running FP8 on the CPU asks for).
+    /// The precision that emulates `recipe` ([`GemmPrecision::Fp8`], what a trainer running FP8
+    /// on the CPU asks for), once the recipe validates.
     ///
     /// # Errors
     /// [`te_runtime::Error::Recipe`] for a recipe [`Recipe::validate`] refuses.
     pub fn from_recipe(recipe: &Recipe) -> Result<GemmPrecision> {
         recipe.validate()?;
-        Ok(match *recipe {
-            Recipe::Delayed(r) => GemmPrecision::Fp8(r),
-            Recipe::Current(r) => GemmPrecision::Fp8Current(r),
-            Recipe::Block(r) => GemmPrecision::Fp8Block(r),
-        })
+        Ok(GemmPrecision::Fp8(*recipe))
     }
 
     /// The FP8 recipe emulated (`None`: F32 or BF16).
     pub fn recipe(&self) -> Option<Recipe> {
         match *self {
             GemmPrecision::F32 | GemmPrecision::Bf16 => None,
-            GemmPrecision::Fp8(r) => Some(r.into()),
-            GemmPrecision::Fp8Block(r) => Some(r.into()),
-            GemmPrecision::Fp8Current(r) => Some(r.into()),
+            GemmPrecision::Fp8(r) => Some(r),
         }
     }
 
@@ -224,7 +208,7 @@ mod tests {
     use super::*;
     use crate::gpt::GptConfig;
     use te_codegen::DType;
-    use te_nn::fp8::Format;
+    use te_nn::fp8::{DelayedScaling, Float8CurrentScaling, Format};
     use te_runtime::numerics::round_to;
 
     /// Calibration sets every FP8 GEMM's forward scales from a high-precision pass (the weight
@@ -245,7 +229,7 @@ mod tests {
         bf16.set_precision(GemmPrecision::Bf16).unwrap();
         let want = bf16.logits(&ids, 16, 2).unwrap();
         let mut fp8 = bf16.clone();
-        fp8.set_precision(GemmPrecision::Fp8(DelayedScaling::default())).unwrap();
+        fp8.set_precision(GemmPrecision::Fp8(DelayedScaling::default().into())).unwrap();
         let err = |m: &GptRef| {
             let got = m.logits(&ids, 16, 2).unwrap();
             let num: f32 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
@@ -273,14 +257,14 @@ mod tests {
             assert_eq!(p.recipe(), Some(recipe));
         }
         let current = Float8CurrentScaling { power_2_scale: true, ..Default::default() };
-        assert_eq!(GemmPrecision::from_recipe(&current.into()).unwrap(), GemmPrecision::Fp8Current(current));
+        assert_eq!(GemmPrecision::from_recipe(&current.into()).unwrap(), GemmPrecision::Fp8(current.into()));
         assert_eq!(GemmPrecision::Bf16.recipe(), None);
         let bad = Recipe::from(Float8CurrentScaling { amax_epsilon: f32::NAN, ..Default::default() });
         let e = GemmPrecision::from_recipe(&bad).unwrap_err();
         assert!(matches!(e, te_runtime::Error::Recipe { .. }) && e.to_string().contains("amax_epsilon"), "{e}");
         let mut m = GptRef::new(&GptConfig { num_layers: 1, ..GptConfig::tiny() }).unwrap();
         assert!(m
-            .set_precision(GemmPrecision::Fp8Current(Float8CurrentScaling { amax_epsilon: -1.0, ..current }))
+            .set_precision(GemmPrecision::Fp8(Float8CurrentScaling { amax_epsilon: -1.0, ..current }.into()))
             .is_err());
     }
 
@@ -325,7 +309,7 @@ mod tests {
         // E4M3 gradients under the E4M3 format.
         let e4m3 = Float8CurrentScaling { fp8_format: Format::E4M3, ..Default::default() };
         let mut m4 = m.clone();
-        m4.set_precision(GemmPrecision::Fp8Current(e4m3)).unwrap();
+        m4.set_precision(GemmPrecision::Fp8(e4m3.into())).unwrap();
         assert_eq!(m4.grad_casts(2, &dy, cfg.ffn_hidden_size, &mut amaxes).0.apply(&dy), by_hand(&dy, DType::E4M3));
         // The LM head stays BF16 without fp8_lm_head.
         assert!(!m.fp8_gemm(4) && m.fp8_gemm(3));

@@ -96,9 +96,9 @@ fn train_losses(precision: GemmPrecision, dropout: f32, steps: usize) -> Vec<f32
 
 #[test]
 fn adamw_learns_a_repeating_pattern_in_every_precision() {
-    let fp8 = GemmPrecision::Fp8(DelayedScaling { amax_history_len: 16, ..Default::default() });
-    let block = GemmPrecision::Fp8Block(Float8BlockScaling::default());
-    let current = GemmPrecision::Fp8Current(Float8CurrentScaling::default());
+    let fp8 = GemmPrecision::Fp8(DelayedScaling { amax_history_len: 16, ..Default::default() }.into());
+    let block = GemmPrecision::Fp8(Float8BlockScaling::default().into());
+    let current = GemmPrecision::Fp8(Float8CurrentScaling::default().into());
     let precisions = [(GemmPrecision::F32, 0.0), (GemmPrecision::Bf16, 0.1), (fp8, 0.1), (block, 0.1), (current, 0.1)];
     for (precision, dropout) in precisions {
         let losses = train_losses(precision, dropout, 30);
@@ -115,7 +115,7 @@ fn current_scaling_trains_a_few_steps() {
     for recipe in [Float8CurrentScaling::default(), Float8CurrentScaling { power_2_scale: true, ..Default::default() }]
     {
         let precision = GemmPrecision::from_recipe(&recipe.into()).unwrap();
-        assert_eq!(precision, GemmPrecision::Fp8Current(recipe));
+        assert_eq!(precision, GemmPrecision::Fp8(recipe.into()));
         let losses = train_losses(precision, 0.0, 6);
         assert!(losses.iter().all(|l| l.is_finite()), "{recipe:?}: {losses:?}");
         assert!(losses[1..].iter().all(|&l| l < losses[0]) && losses[5] < losses[1], "{recipe:?}: {losses:?}");
@@ -131,7 +131,7 @@ fn bf16_and_fp8_gemms_perturb_the_loss_slightly() {
     let exact = m.loss(&ids, &targets, s, b).unwrap();
     m.set_precision(GemmPrecision::Bf16).unwrap();
     let bf16 = m.loss(&ids, &targets, s, b).unwrap();
-    m.set_precision(GemmPrecision::Fp8(DelayedScaling::default())).unwrap();
+    m.set_precision(GemmPrecision::Fp8(DelayedScaling::default().into())).unwrap();
     // The first forward casts with scale 1 and records the amaxes; the second uses scales
     // fitted to them.
     m.forward_loss(&ids, &targets, s, b).unwrap();
@@ -160,7 +160,7 @@ fn blockwise_fp8_gemms_perturb_the_loss_and_gradients_slightly() {
             ..Default::default()
         },
     ] {
-        m.set_precision(GemmPrecision::Fp8Block(recipe)).unwrap();
+        m.set_precision(GemmPrecision::Fp8(recipe.into())).unwrap();
         let (loss, ctx) = m.forward_loss(&ids, &targets, s, b).unwrap();
         let g = m.backward(ctx).unwrap();
         assert!(loss != exact && (loss - exact).abs() < 5e-2 * exact, "{recipe:?}: {loss} vs exact {exact}");
@@ -170,7 +170,7 @@ fn blockwise_fp8_gemms_perturb_the_loss_and_gradients_slightly() {
         }
     }
     let bad = Float8BlockScaling { x_block_scaling_dim: 3, ..Default::default() };
-    assert!(matches!(m.set_precision(GemmPrecision::Fp8Block(bad)), Err(Error::Recipe { .. })));
+    assert!(matches!(m.set_precision(GemmPrecision::Fp8(bad.into())), Err(Error::Recipe { .. })));
 }
 
 #[test]
@@ -257,8 +257,8 @@ mod fuzz {
         prop_oneof![
             Just(GemmPrecision::F32),
             Just(GemmPrecision::Bf16),
-            Just(GemmPrecision::Fp8(DelayedScaling { amax_history_len: 2, ..Default::default() })),
-            Just(GemmPrecision::Fp8Block(Float8BlockScaling::default())),
+            Just(GemmPrecision::Fp8(DelayedScaling { amax_history_len: 2, ..Default::default() }.into())),
+            Just(GemmPrecision::Fp8(Float8BlockScaling::default().into())),
         ]
     }
 
