@@ -3,11 +3,13 @@
 //! side of text generation ([`generate`]: the sampler, UTF-8 streaming, the decode loop) and
 //! the CPU twins of the models
 //! ([`cpu`]: the GPT of `te train --preset tiny` without a GPU, the f32 BERT embedder), built on
-//! the CPU oracle `te-reference`.
+//! the CPU oracle `te-reference`, and the tokenizers of decoder LLMs from Hugging Face and GGUF
+//! files ([`tokenizer`]).
 
 pub mod bert;
 pub mod cpu;
 pub mod generate;
 pub mod gpt;
+pub mod tokenizer;
 
 pub use gpt::{GenerateOptions, Gpt, GptConfig, GptCtx, GptLoss, MicroBatch, IGNORE_INDEX};

@@ -1,5 +1,5 @@
-//! Streaming UTF-8: the bytes a byte-level model emits, printed as text as soon as each
-//! character is complete.
+//! Streaming UTF-8: the bytes a byte-level model emits (or the pieces of a tokenizer's tokens,
+//! `crate::tokenizer::DecodeStream`), printed as text as soon as each character is complete.
 
 /// Turns a stream of bytes into text as it comes: [`Utf8Stream::push`] returns what the byte
 /// completes (nothing while a multi-byte character is unfinished), with U+FFFD (the replacement
@@ -19,7 +19,13 @@ impl Utf8Stream {
 
     /// Adds `byte`; returns the text it completes ("" while a character is unfinished).
     pub fn push(&mut self, byte: u8) -> String {
-        self.pending.push(byte);
+        self.push_bytes(&[byte])
+    }
+
+    /// Adds `bytes` (a token's piece); returns the text they complete, as many [`Utf8Stream::push`]
+    /// calls would.
+    pub fn push_bytes(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
         let mut out = String::new();
         loop {
             match std::str::from_utf8(&self.pending) {

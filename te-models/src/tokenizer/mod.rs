@@ -1,0 +1,270 @@
+//! Tokenizers of decoder LLMs: text ↔ token ids for the models imported from Hugging Face
+//! directories and GGUF files (Llama, Qwen, Gemma 3), behind one [`Tokenizer`].
+//!
+//! Sources:
+//! - **Hugging Face** ([`Tokenizer::from_hf_dir`], [`Tokenizer::from_hf_files`]): `tokenizer.json`
+//!   through the `tokenizers` crate, the BOS/EOS flags and ids from `tokenizer_config.json` and
+//!   `generation_config.json` when present (module `hf`).
+//! - **GGUF SentencePiece** (`tokenizer.ggml.model = "llama"`: Llama 2, Gemma; [`Tokenizer::from_spm`]
+//!   of an [`SpmVocab`]): this crate's implementation of llama.cpp's SPM tokenizer
+//!   (src/llama-vocab.cpp, `llm_tokenizer_spm_session`): special and user-defined tokens matched
+//!   whole first (`tokenizer_st_partition`), spaces as U+2581, the best-scoring adjacent pair
+//!   merged first (ties: leftmost) through a priority queue, byte-token fallback. Hugging Face's
+//!   own GGUF conversion is not used (it drops Gemma 3's BOS and splits words).
+//! - **GGUF byte-level BPE** (`tokenizer.ggml.model = "gpt2"`: Llama 3, Qwen; [`Tokenizer::from_bpe`]
+//!   of a [`BpeVocab`]): the `tokenizers` crate's BPE model from the tokens and merges, with the
+//!   pre-tokenizer regexes llama.cpp picks from `tokenizer.ggml.pre`.
+//!
+//! Encoding ([`Tokenizer::encode`]) always matches special tokens written in the text (`<bos>`,
+//! `<start_of_turn>`: Hugging Face's `encode` and llama.cpp's `parse_special`), so chat templates
+//! are plain text; `add_special` adds BOS/EOS as the vocabulary's flags ask. Decoding concatenates
+//! the pieces (▁ → space, byte tokens reassembled into UTF-8, lossy only at invalid sequences),
+//! leaving control tokens out when `skip_special`; [`DecodeStream`] does it token by token.
+
+mod bpe;
+mod error;
+mod hf;
+mod specials;
+mod spm;
+mod stream;
+mod vocab;
+
+#[cfg(test)]
+mod tests;
+
+pub use bpe::BpeVocab;
+pub use error::{TokenizerError, TokenizerResult};
+pub use spm::{SpmVocab, SPACE_MARK};
+pub use stream::DecodeStream;
+pub use vocab::{eog_ids_by_text, TokenType, EOG_TEXTS};
+
+use std::path::Path;
+
+use spm::SpmModel;
+use vocab::Specials;
+
+/// A tokenizer of a decoder LLM: encode text to ids, decode ids to text, its BOS and EOS ids.
+/// Cheap to share (`Send + Sync`); building it indexes the vocabulary once.
+pub struct Tokenizer {
+    backend: Backend,
+    specials: Specials,
+    vocab_size: usize,
+}
+
+enum Backend {
+    Spm(Box<SpmModel>),
+    Hf(Box<tokenizers::Tokenizer>),
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.backend {
+            Backend::Spm(_) => "SentencePiece (llama.cpp SPM)",
+            Backend::Hf(_) => "tokenizers crate",
+        };
+        f.debug_struct("Tokenizer")
+            .field("kind", &kind)
+            .field("vocab_size", &self.vocab_size)
+            .field("bos", &self.specials.bos)
+            .field("eos_ids", &self.specials.eos_ids)
+            .field("add_bos", &self.specials.add_bos)
+            .field("add_eos", &self.specials.add_eos)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// A SentencePiece tokenizer of GGUF metadata (`tokenizer.ggml.model = "llama"`).
+    ///
+    /// # Errors
+    /// [`TokenizerError::EmptyVocab`], [`TokenizerError::LengthMismatch`] (scores or types not
+    /// one per token), [`TokenizerError::BadTokenType`], [`TokenizerError::NanScore`],
+    /// [`TokenizerError::DuplicateToken`], [`TokenizerError::BadByteToken`],
+    /// [`TokenizerError::SpecialIdOutOfRange`], [`TokenizerError::MissingSpecial`] (`add_bos`
+    /// without a BOS id).
+    pub fn from_spm(vocab: SpmVocab) -> TokenizerResult<Self> {
+        let (model, specials) = SpmModel::new(vocab)?;
+        let vocab_size = model.vocab_size();
+        Ok(Self { backend: Backend::Spm(Box::new(model)), specials, vocab_size })
+    }
+
+    /// A byte-level BPE tokenizer of GGUF metadata (`tokenizer.ggml.model = "gpt2"`).
+    ///
+    /// # Errors
+    /// As [`Tokenizer::from_spm`]; [`TokenizerError::BadMerge`]; [`TokenizerError::Unsupported`]
+    /// for a `tokenizer.ggml.pre` without a known pre-tokenizer; [`TokenizerError::Hf`] when the
+    /// `tokenizers` crate refuses the merges (a merge of tokens not in the vocabulary).
+    pub fn from_bpe(vocab: BpeVocab) -> TokenizerResult<Self> {
+        let vocab_size = vocab.tokens.len();
+        let (tok, specials) = bpe::build(vocab)?;
+        Ok(Self { backend: Backend::Hf(Box::new(tok)), specials, vocab_size })
+    }
+
+    /// The tokenizer of a Hugging Face model directory: `tokenizer.json`, with
+    /// `tokenizer_config.json` and `generation_config.json` when they exist.
+    ///
+    /// # Errors
+    /// As [`Tokenizer::from_hf_files`].
+    pub fn from_hf_dir(dir: &Path) -> TokenizerResult<Self> {
+        let optional = |name: &str| Some(dir.join(name)).filter(|p| p.exists());
+        let (config, generation) = (optional("tokenizer_config.json"), optional("generation_config.json"));
+        Self::from_hf_files(&dir.join("tokenizer.json"), config.as_deref(), generation.as_deref())
+    }
+
+    /// The tokenizer of a `tokenizer.json`, its flags and special tokens from the configuration
+    /// files given (see the `hf` module's rules when they are absent).
+    ///
+    /// # Errors
+    /// [`TokenizerError::MissingFile`], [`TokenizerError::Io`]; [`TokenizerError::HfLoad`] for a
+    /// `tokenizer.json` the `tokenizers` crate refuses; [`TokenizerError::Json`] for malformed
+    /// configuration files or fields of the wrong type; [`TokenizerError::SpecialNotInVocab`],
+    /// [`TokenizerError::SpecialIdOutOfRange`], [`TokenizerError::MissingSpecial`].
+    pub fn from_hf_files(
+        tokenizer_json: &Path,
+        tokenizer_config: Option<&Path>,
+        generation_config: Option<&Path>,
+    ) -> TokenizerResult<Self> {
+        let (tok, specials, vocab_size) = hf::load(tokenizer_json, tokenizer_config, generation_config)?;
+        Ok(Self { backend: Backend::Hf(Box::new(tok)), specials, vocab_size })
+    }
+
+    /// Adds end-of-generation ids (e.g. a chat model's end-of-turn token) to [`Tokenizer::eos_ids`].
+    ///
+    /// # Errors
+    /// [`TokenizerError::SpecialIdOutOfRange`].
+    pub fn with_eos_ids(mut self, ids: &[u32]) -> TokenizerResult<Self> {
+        for &id in ids {
+            vocab::check_id("end-of-generation", Some(id), self.vocab_size)?;
+            if !self.specials.eos_ids.contains(&id) {
+                self.specials.eos_ids.push(id);
+            }
+        }
+        Ok(self)
+    }
+
+    /// The ids of `text`. Special tokens written in the text are matched whole; with
+    /// `add_special`, BOS is prepended when [`Tokenizer::add_bos`] and EOS appended when
+    /// [`Tokenizer::add_eos`] (an empty text then gives `[BOS]`).
+    ///
+    /// # Errors
+    /// [`TokenizerError::Unencodable`] for a character a SentencePiece vocabulary without byte
+    /// tokens or unknown token cannot represent; a `tokenizers` failure.
+    pub fn encode(&self, text: &str, add_special: bool) -> TokenizerResult<Vec<u32>> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+        if add_special && self.specials.add_bos {
+            ids.extend(self.specials.bos);
+        }
+        match &self.backend {
+            Backend::Spm(m) => m.encode(text, &mut ids)?,
+            Backend::Hf(t) => {
+                let enc = t.encode_fast(text, false).map_err(|e| TokenizerError::Hf { message: e.to_string() })?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+        }
+        if add_special && self.specials.add_eos {
+            ids.extend(self.specials.eos);
+        }
+        Ok(ids)
+    }
+
+    /// The text of `ids`: the pieces concatenated (▁ as space, byte tokens as their bytes, one
+    /// U+FFFD per invalid UTF-8 sequence); control and unknown tokens left out when
+    /// `skip_special`, else written as their text. A SentencePiece vocabulary with
+    /// `add_space_prefix` drops the space its encoder put before the first piece.
+    ///
+    /// # Errors
+    /// [`TokenizerError::IdOutOfRange`]; a `tokenizers` failure.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> TokenizerResult<String> {
+        for &id in ids {
+            self.check_id(id)?;
+        }
+        match &self.backend {
+            Backend::Spm(_) => {
+                let mut stream = self.decode_stream(skip_special);
+                let mut text = String::new();
+                for &id in ids {
+                    text.push_str(&stream.push(id)?);
+                }
+                text.push_str(&stream.finish()?);
+                Ok(text)
+            }
+            Backend::Hf(t) => t.decode(ids, skip_special).map_err(|e| TokenizerError::Hf { message: e.to_string() }),
+        }
+    }
+
+    /// A streaming decoder of a text from its start (what [`Tokenizer::decode`] of all its ids gives).
+    pub fn decode_stream(&self, skip_special: bool) -> DecodeStream<'_> {
+        DecodeStream::new(self, skip_special)
+    }
+
+    /// A streaming decoder of the ids that follow `context` (the prompt): the text of the new
+    /// ids only, continuing the context's (a leading space is kept, a character the context
+    /// began is finished).
+    ///
+    /// # Errors
+    /// [`TokenizerError::IdOutOfRange`] for a context id outside the vocabulary; a `tokenizers` failure.
+    pub fn decode_stream_after(&self, context: &[u32], skip_special: bool) -> TokenizerResult<DecodeStream<'_>> {
+        DecodeStream::after(self, skip_special, context)
+    }
+
+    /// The BOS id, if the vocabulary has one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.specials.bos
+    }
+
+    /// The EOS id appended by `encode` when [`Tokenizer::add_eos`].
+    pub fn eos_id(&self) -> Option<u32> {
+        self.specials.eos
+    }
+
+    /// Every id that ends generation: the EOS first, then the others configured (Gemma's
+    /// `<end_of_turn>`, Llama 3's `<|eot_id|>`).
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.specials.eos_ids
+    }
+
+    /// Whether `id` ends generation.
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.specials.eos_ids.contains(&id)
+    }
+
+    /// Whether `encode(.., add_special = true)` prepends BOS.
+    pub fn add_bos(&self) -> bool {
+        self.specials.add_bos
+    }
+
+    /// Whether `encode(.., add_special = true)` appends EOS.
+    pub fn add_eos(&self) -> bool {
+        self.specials.add_eos
+    }
+
+    /// The number of ids (the largest id + 1).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The id of a token's text (`<end_of_turn>`), if it is one token.
+    pub fn token_to_id(&self, text: &str) -> Option<u32> {
+        match &self.backend {
+            Backend::Spm(m) => m.token_to_id(text),
+            Backend::Hf(t) => t.token_to_id(text),
+        }
+    }
+
+    /// The text of a token as the vocabulary stores it (`▁The`, `<0x0A>`, `Ġthe`).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        match &self.backend {
+            Backend::Spm(m) => m.id_to_token(id).map(str::to_string),
+            Backend::Hf(t) => t.id_to_token(id),
+        }
+    }
+
+    /// Errs when `id` is outside the vocabulary.
+    fn check_id(&self, id: u32) -> TokenizerResult<()> {
+        if (id as usize) < self.vocab_size {
+            Ok(())
+        } else {
+            Err(TokenizerError::IdOutOfRange { id, vocab_size: self.vocab_size })
+        }
+    }
+}
