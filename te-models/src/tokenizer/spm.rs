@@ -6,7 +6,9 @@
 //! its bytes `<0xXX>`.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
+
+use ahash::{AHashMap, AHashSet};
 
 use super::error::{TokenizerError, TokenizerResult};
 use super::specials::{Fragment, SpecialMatcher};
@@ -56,7 +58,11 @@ pub struct SpmVocab {
 #[derive(Debug, Clone)]
 pub(crate) struct SpmModel {
     tokens: Vec<String>,
-    pieces: HashMap<Box<str>, u32>,
+    pieces: AHashMap<Box<str>, u32>,
+    /// Every pair of adjacent characters inside a token: where two characters of the text are
+    /// no such pair, no merge can ever cross between them, so the text is tokenized in
+    /// independent runs there (the same result as one session over all of it, with small queues).
+    bigrams: AHashSet<u64>,
     scores: Vec<f32>,
     types: Vec<TokenType>,
     /// What each token decodes to (llama.cpp's `token_to_piece`): normal tokens with ▁ as spaces,
@@ -73,6 +79,10 @@ impl SpmModel {
     /// Checks and indexes `v`; returns the model and its special tokens.
     pub fn new(v: SpmVocab) -> TokenizerResult<(Self, Specials)> {
         let pieces = vocab::piece_map(&v.tokens)?;
+        let mut bigrams = AHashSet::new();
+        for t in &v.tokens {
+            bigrams.extend(t.chars().zip(t.chars().skip(1)).map(|(a, b)| char_pair(a, b)));
+        }
         let types = vocab::token_types(&v.tokens, &v.token_types)?;
         let n = v.tokens.len();
         let scores = if v.scores.is_empty() { vec![0.0; n] } else { v.scores };
@@ -112,6 +122,7 @@ impl SpmModel {
         let model = Self {
             tokens: v.tokens,
             pieces,
+            bigrams,
             scores,
             types,
             decoded,
@@ -154,6 +165,7 @@ impl SpmModel {
         // llama.cpp prefixes a space at the start and after every special token.
         let mut after_special = true;
         let mut escaped = String::new();
+        let mut scratch = Scratch::default();
         for fragment in fragments {
             match fragment {
                 Fragment::Token(id) => {
@@ -166,7 +178,7 @@ impl SpmModel {
                         escaped.push(SPACE_MARK);
                     }
                     escaped.extend(t.chars().map(|c| if c == ' ' { SPACE_MARK } else { c }));
-                    self.encode_piece(&escaped, out)?;
+                    self.encode_fragment(&escaped, out, &mut scratch)?;
                     after_special = false;
                 }
             }
@@ -174,25 +186,49 @@ impl SpmModel {
         Ok(())
     }
 
-    /// llama.cpp's `llm_tokenizer_spm_session::tokenize` of one escaped fragment.
-    fn encode_piece(&self, text: &str, out: &mut Vec<u32>) -> TokenizerResult<()> {
-        let mut symbols: Vec<Symbol> = text
-            .char_indices()
-            .map(|(start, c)| Symbol { start, end: start + c.len_utf8(), prev: NONE, next: NONE })
-            .collect();
+    /// One escaped fragment, cut where no merge can cross, each run through [`Self::session`].
+    fn encode_fragment(&self, text: &str, out: &mut Vec<u32>, scratch: &mut Scratch) -> TokenizerResult<()> {
+        let mut start = 0;
+        let mut prev = None;
+        for (at, c) in text.char_indices() {
+            if prev.is_some_and(|p| !self.bigrams.contains(&char_pair(p, c))) {
+                self.session(&text[start..at], out, scratch)?;
+                start = at;
+            }
+            prev = Some(c);
+        }
+        if start < text.len() {
+            self.session(&text[start..], out, scratch)?;
+        }
+        Ok(())
+    }
+
+    /// llama.cpp's `llm_tokenizer_spm_session::tokenize` of one escaped run of text.
+    fn session(&self, text: &str, out: &mut Vec<u32>, scratch: &mut Scratch) -> TokenizerResult<()> {
+        let Scratch { symbols, queue } = scratch;
+        symbols.clear();
+        queue.clear();
+        symbols.extend(text.char_indices().map(|(start, c)| Symbol {
+            start,
+            end: start + c.len_utf8(),
+            prev: NONE,
+            next: NONE,
+        }));
         let n = symbols.len();
         for (i, s) in symbols.iter_mut().enumerate() {
             s.prev = if i == 0 { NONE } else { i - 1 };
             s.next = if i + 1 == n { NONE } else { i + 1 };
         }
-        let mut queue = BinaryHeap::with_capacity(n);
         for i in 1..n {
-            self.push_pair(&mut queue, &symbols, text, i - 1, i);
+            self.push_pair(queue, symbols, text, i - 1);
         }
         while let Some(pair) = queue.pop() {
-            let (l, r) = (pair.left, pair.right);
-            // Stale: one side was merged away or grew since the pair was queued.
-            if symbols[l].is_empty() || symbols[r].is_empty() || symbols[l].len() + symbols[r].len() != pair.len {
+            let l = pair.left;
+            let r = symbols[l].next;
+            // Stale: the left symbol was merged away, or one side grew since the pair was
+            // queued (a symbol only grows by taking its right neighbour, so the sum of the two
+            // lengths changes whenever either side changed; llama.cpp's check).
+            if symbols[l].is_empty() || r == NONE || symbols[l].len() + symbols[r].len() != pair.len as usize {
                 continue;
             }
             symbols[l].end = symbols[r].end;
@@ -202,9 +238,11 @@ impl SpmModel {
             if let Some(next) = symbols.get_mut(after) {
                 next.prev = l;
             }
-            let (prev, next) = (symbols[l].prev, symbols[l].next);
-            self.push_pair(&mut queue, &symbols, text, prev, l);
-            self.push_pair(&mut queue, &symbols, text, l, next);
+            let prev = symbols[l].prev;
+            if prev != NONE {
+                self.push_pair(queue, symbols, text, prev);
+            }
+            self.push_pair(queue, symbols, text, l);
         }
         let mut i = if n == 0 { NONE } else { 0 };
         while let Some(s) = symbols.get(i) {
@@ -214,13 +252,16 @@ impl SpmModel {
         Ok(())
     }
 
-    /// Queues the pair `left`, `right` when their concatenation is a token (llama.cpp's
-    /// `try_add_bigram`: any token, whatever its type).
-    fn push_pair(&self, queue: &mut BinaryHeap<Pair>, symbols: &[Symbol], text: &str, left: usize, right: usize) {
-        let (Some(l), Some(r)) = (symbols.get(left), symbols.get(right)) else { return };
+    /// Queues the pair of symbol `left` and its right neighbour when their concatenation is a
+    /// token (llama.cpp's `try_add_bigram`: any token, whatever its type).
+    fn push_pair(&self, queue: &mut BinaryHeap<Pair>, symbols: &[Symbol], text: &str, left: usize) {
+        let l = &symbols[left];
+        let Some(r) = symbols.get(l.next) else { return };
         let joined = &text[l.start..r.end];
         if let Some(&id) = self.pieces.get(joined) {
-            queue.push(Pair { score: self.scores[id as usize], left, right, len: joined.len() });
+            // A token longer than 4 GiB cannot exist; saturating keeps the pair stale if it did.
+            let len = u32::try_from(joined.len()).unwrap_or(u32::MAX);
+            queue.push(Pair { score: self.scores[id as usize], len, left });
         }
     }
 
@@ -297,13 +338,25 @@ impl Symbol {
     }
 }
 
-/// A candidate merge (llama.cpp's `llm_bigram_spm`): the highest score first, then the leftmost.
+/// A candidate merge (llama.cpp's `llm_bigram_spm`) of symbol `left` and its right neighbour,
+/// `len` bytes together when queued: the highest score first, then the leftmost.
 #[derive(Debug, Clone, Copy)]
 struct Pair {
     score: f32,
+    len: u32,
     left: usize,
-    right: usize,
-    len: usize,
+}
+
+/// The buffers of [`SpmModel::session`], reused across the runs of one encode.
+#[derive(Debug, Default)]
+struct Scratch {
+    symbols: Vec<Symbol>,
+    queue: BinaryHeap<Pair>,
+}
+
+/// Two characters as one key.
+fn char_pair(a: char, b: char) -> u64 {
+    (u64::from(a) << 32) | u64::from(b)
 }
 
 impl Ord for Pair {

@@ -1,7 +1,7 @@
 //! What GGUF vocabularies share, whatever their model: token types, the checks of the per-token
 //! arrays and of the special ids, and llama.cpp's end-of-generation tokens found by text.
 
-use std::collections::HashMap;
+use ahash::AHashMap;
 
 use super::error::{TokenizerError, TokenizerResult};
 
@@ -89,11 +89,11 @@ pub(crate) fn check_len(field: &'static str, expected: usize, got: usize) -> Tok
 
 /// Text → id of every non-empty token (an empty token can never be matched; llama.cpp renames
 /// it), erring on a text held by two ids.
-pub(crate) fn piece_map(tokens: &[String]) -> TokenizerResult<HashMap<Box<str>, u32>> {
+pub(crate) fn piece_map(tokens: &[String]) -> TokenizerResult<AHashMap<Box<str>, u32>> {
     if tokens.is_empty() {
         return Err(TokenizerError::EmptyVocab);
     }
-    let mut map = HashMap::with_capacity(tokens.len());
+    let mut map = AHashMap::with_capacity(tokens.len());
     for (text, id) in tokens.iter().zip(0u32..) {
         if text.is_empty() {
             continue;

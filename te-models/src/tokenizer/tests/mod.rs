@@ -4,6 +4,7 @@
 mod bpe;
 mod hf;
 mod perf;
+mod reference;
 mod roundtrip;
 mod spm;
 
