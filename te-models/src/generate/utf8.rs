@@ -101,5 +101,21 @@ mod tests {
             prop_assert_eq!(stream(&bytes).concat(), String::from_utf8_lossy(&bytes).into_owned());
             prop_assert_eq!(stream(text.as_bytes()).concat(), text);
         }
+
+        #[test]
+        fn chunks_match_bytes(bytes in prop::collection::vec(any::<u8>(), 0..40), cuts in prop::collection::vec(0usize..40, 0..6)) {
+            // The same bytes pushed in pieces (a tokenizer's tokens) give the same text.
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(bytes.len())).collect();
+            cuts.sort_unstable();
+            let mut s = Utf8Stream::new();
+            let mut text = String::new();
+            let mut at = 0;
+            for c in cuts.into_iter().chain([bytes.len()]) {
+                text.push_str(&s.push_bytes(&bytes[at..c]));
+                at = c;
+            }
+            text.push_str(&s.finish());
+            prop_assert_eq!(text, String::from_utf8_lossy(&bytes).into_owned());
+        }
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! Without a configuration the tokenizer's own post-processor decides: the special tokens it puts
 //! around an empty text give the BOS (the first) and whether encode adds it; the EOS ids then are
-//! the vocabulary's [`EOG_TEXTS`](super::EOG_TEXTS) plus `</s>` and `<eos>`.
+//! the vocabulary's [`EOG_TEXTS`](super::EOG_TEXTS).
 
 use std::path::Path;
 
@@ -45,8 +45,14 @@ pub(crate) fn load(
     generation_config: Option<&Path>,
 ) -> TokenizerResult<(tokenizers::Tokenizer, Specials, usize)> {
     let bytes = read(tokenizer_json)?;
-    let tok = tokenizers::Tokenizer::from_bytes(&bytes)
-        .map_err(|e| TokenizerError::HfLoad { path: tokenizer_json.to_path_buf(), message: e.to_string() })?;
+    let load_err = |e: Box<dyn std::error::Error + Send + Sync>| TokenizerError::HfLoad {
+        path: tokenizer_json.to_path_buf(),
+        message: e.to_string(),
+    };
+    let mut tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(load_err)?;
+    // Padding and truncation saved in the file would change a prompt's ids: encode gives the
+    // text's ids only, the caller decides about lengths.
+    tok.with_padding(None).with_truncation(None).map_err(load_err)?;
     // The largest id + 1: added tokens may sit past the model's vocabulary.
     let vocab_size = tok.get_vocab(true).values().map(|&id| id as usize + 1).max().unwrap_or(0);
     if vocab_size == 0 {
@@ -69,7 +75,7 @@ pub(crate) fn load(
     let add_bos = cfg.add_bos.unwrap_or_else(|| bos.is_some() && template.first() == bos.as_ref());
     let mut eos_ids = cfg.eos_ids;
     if eos_ids.is_empty() {
-        eos_ids.extend(["</s>", "<eos>"].iter().chain(super::EOG_TEXTS.iter()).filter_map(|t| tok.token_to_id(t)));
+        eos_ids.extend(super::EOG_TEXTS.iter().filter_map(|t| tok.token_to_id(t)));
     }
     let eos = cfg.eos.or_else(|| eos_ids.first().copied());
     // A template that is only the BOS says nothing of EOS.

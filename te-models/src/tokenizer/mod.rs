@@ -9,8 +9,9 @@
 //!   of an [`SpmVocab`]): this crate's implementation of llama.cpp's SPM tokenizer
 //!   (src/llama-vocab.cpp, `llm_tokenizer_spm_session`): special and user-defined tokens matched
 //!   whole first (`tokenizer_st_partition`), spaces as U+2581, the best-scoring adjacent pair
-//!   merged first (ties: leftmost) through a priority queue, byte-token fallback. Hugging Face's
-//!   own GGUF conversion is not used (it drops Gemma 3's BOS and splits words).
+//!   merged first (ties: leftmost) through a priority queue, byte-token fallback; the text is cut
+//!   where no token can span two characters, so each queue stays small. Hugging Face's own GGUF
+//!   conversion is not used (it drops Gemma 3's BOS and splits words).
 //! - **GGUF byte-level BPE** (`tokenizer.ggml.model = "gpt2"`: Llama 3, Qwen; [`Tokenizer::from_bpe`]
 //!   of a [`BpeVocab`]): the `tokenizers` crate's BPE model from the tokens and merges, with the
 //!   pre-tokenizer regexes llama.cpp picks from `tokenizer.ggml.pre`.
@@ -44,7 +45,7 @@ use spm::SpmModel;
 use vocab::Specials;
 
 /// A tokenizer of a decoder LLM: encode text to ids, decode ids to text, its BOS and EOS ids.
-/// Cheap to share (`Send + Sync`); building it indexes the vocabulary once.
+/// Build it once (building indexes the vocabulary) and share it by reference: it is `Send + Sync`.
 pub struct Tokenizer {
     backend: Backend,
     specials: Specials,

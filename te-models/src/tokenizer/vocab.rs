@@ -49,10 +49,26 @@ impl TokenType {
 }
 
 /// The texts llama.cpp treats as end of generation whatever the metadata says
-/// (`llama_vocab::impl::load`, `special_eog_ids`: `<|eot_id|>`, `<|im_end|>`, `<|end|>`,
-/// `<end_of_turn>`, `<|endoftext|>`, `<|eom_id|>`, `<EOT>`).
-pub const EOG_TEXTS: [&str; 7] =
-    ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>"];
+/// (`llama_vocab::impl::load`, `special_eog_ids`), less those it only keeps under per-model
+/// workarounds (gpt-oss's `<|return|>`/`<|call|>`, Solar's `<|flush|>`/`<|calls|>`, Gemma 4's
+/// `<turn|>`/`<|tool_response>`, MiniMax's `[e~[`).
+pub const EOG_TEXTS: [&str; 15] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+];
 
 /// The ids of `tokens` whose text is one of [`EOG_TEXTS`], in id order: the end-of-generation
 /// tokens llama.cpp adds to the EOS of a GGUF vocabulary (Gemma's `<end_of_turn>`, Llama 3's

@@ -39,6 +39,26 @@ fn write_bpe(dir: &Path) {
     tok.save(dir.join("tokenizer.json"), false).unwrap();
 }
 
+#[test]
+fn saved_padding_and_truncation_are_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    write_bpe(dir.path());
+    let path = dir.path().join("tokenizer.json");
+    let mut tok = tokenizers::Tokenizer::from_file(&path).unwrap();
+    tok.with_padding(Some(tokenizers::PaddingParams {
+        strategy: tokenizers::PaddingStrategy::Fixed(16),
+        pad_id: 1,
+        pad_token: "</s>".into(),
+        ..Default::default()
+    }))
+    .with_truncation(Some(tokenizers::TruncationParams { max_length: 2, ..Default::default() }))
+    .unwrap();
+    tok.save(&path, false).unwrap();
+    let t = Tokenizer::from_hf_dir(dir.path()).unwrap();
+    // <s> Hello Ġ w o r l d: neither cut to 2 nor padded to 16.
+    assert_eq!(t.encode("Hello world", true).unwrap().len(), 8);
+}
+
 fn write(dir: &Path, name: &str, text: &str) {
     std::fs::write(dir.join(name), text).unwrap();
 }
