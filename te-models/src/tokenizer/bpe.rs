@@ -3,9 +3,13 @@
 //! merges in rank order, control and user-defined tokens as added tokens, and the pre-tokenizer
 //! llama.cpp picks from `tokenizer.ggml.pre` (src/llama-vocab.cpp, `llm_tokenizer_bpe`: its regexes
 //! split the text, each in turn, keeping matches and the text between them; then every byte is
-//! mapped to GPT-2's printable alphabet, `ByteLevel`). Decoding is `ByteLevel`'s (the bytes back
-//! from the alphabet, lossy only at invalid UTF-8). llama.cpp's `clean_spaces` post-pass of
-//! `detokenize` (" ." → ".") is not applied, as Hugging Face's `tokenizers` does not.
+//! mapped to GPT-2's printable alphabet, `ByteLevel`). Decoding is llama.cpp's `token_to_piece`:
+//! normal tokens back from the alphabet to their bytes, control and user-defined tokens their text
+//! as it is (the `tokenizers` crate would push those through the alphabet too, turning a
+//! user-defined "ü" into the byte 0xFC), byte and unused tokens nothing; a character outside the
+//! alphabet keeps its UTF-8 bytes (llama.cpp writes `[UNK_BYTE_0x..]`). llama.cpp's
+//! `clean_spaces` post-pass of `detokenize` (" ." → ".") is not applied, as Hugging Face's
+//! `tokenizers` does not.
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Merges, Vocab, BPE};
@@ -16,6 +20,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use super::error::{TokenizerError, TokenizerResult};
+use super::pieces::Pieces;
 use super::vocab::{self, Specials, TokenType};
 
 /// A byte-level BPE vocabulary as plain vectors, what GGUF metadata holds (`tokenizer.ggml.*`);
@@ -64,6 +69,8 @@ fn pre_tokenizer(pre: Option<&str>) -> TokenizerResult<(Vec<&'static str>, bool,
         "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" => {
             (vec![r"\p{N}", GPT2], false, false)
         }
+        "falcon" => (vec![r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"], false, false),
+        "deepseek-coder" => (vec!["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"], false, false),
         "default" => (
             vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
             false,
@@ -72,15 +79,16 @@ fn pre_tokenizer(pre: Option<&str>) -> TokenizerResult<(Vec<&'static str>, bool,
         other => {
             return Err(TokenizerError::Unsupported {
                 message: format!(
-                    "GGUF `tokenizer.ggml.pre` {other:?} (BPE pre-tokenizer); supported: llama-bpe/llama3, qwen2, gpt-2 and their aliases, starcoder-like, default"
+                    "GGUF `tokenizer.ggml.pre` {other:?} (BPE pre-tokenizer); supported: llama-bpe/llama3, qwen2, gpt-2, starcoder, falcon, deepseek-coder, their aliases and default"
                 ),
             })
         }
     })
 }
 
-/// Builds the `tokenizers` BPE of `v` and its special tokens.
-pub(crate) fn build(v: BpeVocab) -> TokenizerResult<(tokenizers::Tokenizer, Specials)> {
+/// Builds the `tokenizers` BPE of `v` (for encoding), its pieces (for decoding) and its special
+/// tokens.
+pub(crate) fn build(v: BpeVocab) -> TokenizerResult<(tokenizers::Tokenizer, Pieces, Specials)> {
     vocab::piece_map(&v.tokens)?;
     let types = vocab::token_types(&v.tokens, &v.token_types)?;
     let (regexes, ignore_merges, default_add_bos) = pre_tokenizer(v.pre.as_deref())?;
@@ -137,5 +145,41 @@ pub(crate) fn build(v: BpeVocab) -> TokenizerResult<(tokenizers::Tokenizer, Spec
         v.add_eos.unwrap_or(false),
         v.tokens.len(),
     )?;
-    Ok((tok, specials))
+    let alphabet = byte_alphabet();
+    let pieces = Pieces::new(&v.tokens, types, false, |_, text, ty| {
+        Ok(match ty {
+            TokenType::Normal => byte_level_bytes(&alphabet, text).into(),
+            TokenType::Control | TokenType::Unknown | TokenType::UserDefined => text.as_bytes().into(),
+            TokenType::Byte | TokenType::Unused | TokenType::Undefined => Box::new([]),
+        })
+    })?;
+    Ok((tok, pieces, specials))
+}
+
+/// GPT-2's `bytes_to_unicode` inverted: the byte of each character code of the alphabet
+/// (printable Latin-1 stands for itself, U+0100 onwards for the other bytes in order).
+fn byte_alphabet() -> Vec<Option<u8>> {
+    let printable = |b: u8| matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut table = vec![None; 256];
+    for b in 0..=255u8 {
+        if printable(b) {
+            table[usize::from(b)] = Some(b);
+        } else {
+            table.push(Some(b));
+        }
+    }
+    table
+}
+
+/// The bytes of a byte-level text: each character of the alphabet is one byte, any other
+/// character its own UTF-8.
+fn byte_level_bytes(alphabet: &[Option<u8>], text: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len());
+    for c in text.chars() {
+        match alphabet.get(c as usize).copied().flatten() {
+            Some(b) => out.push(b),
+            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+        }
+    }
+    out
 }

@@ -14,7 +14,13 @@
 //!   conversion is not used (it drops Gemma 3's BOS and splits words).
 //! - **GGUF byte-level BPE** (`tokenizer.ggml.model = "gpt2"`: Llama 3, Qwen; [`Tokenizer::from_bpe`]
 //!   of a [`BpeVocab`]): the `tokenizers` crate's BPE model from the tokens and merges, with the
-//!   pre-tokenizer regexes llama.cpp picks from `tokenizer.ggml.pre`.
+//!   pre-tokenizer regexes llama.cpp picks from `tokenizer.ggml.pre`, for encoding; decoding by
+//!   llama.cpp's `token_to_piece` rules (user-defined tokens as their text).
+//!
+//! Checked against llama.cpp's own fixtures (`models/ggml-vocab-*.gguf` with their `.inp`/`.out`:
+//! Llama 2 and Phi-3 SentencePiece, GPT-2, MPT, StarCoder, Refact, Falcon, DeepSeek Coder BPE; all
+//! 46 texts of each give llama.cpp's ids and decode back) when `TE_LLAMA_CPP_VOCABS` names a
+//! directory holding them.
 //!
 //! Encoding ([`Tokenizer::encode`]) always matches special tokens written in the text (`<bos>`,
 //! `<start_of_turn>`: Hugging Face's `encode` and llama.cpp's `parse_special`), so chat templates
@@ -25,6 +31,7 @@
 mod bpe;
 mod error;
 mod hf;
+mod pieces;
 mod specials;
 mod spm;
 mod stream;
@@ -41,6 +48,7 @@ pub use vocab::{eog_ids_by_text, TokenType, EOG_TEXTS};
 
 use std::path::Path;
 
+use pieces::Pieces;
 use spm::SpmModel;
 use vocab::Specials;
 
@@ -53,15 +61,38 @@ pub struct Tokenizer {
 }
 
 enum Backend {
+    /// GGUF SentencePiece: this module's encoder and pieces.
     Spm(Box<SpmModel>),
+    /// GGUF byte-level BPE: the `tokenizers` crate encodes, the pieces decode.
+    GgufBpe(Box<tokenizers::Tokenizer>, Box<Pieces>),
+    /// Hugging Face `tokenizer.json`: the `tokenizers` crate both ways.
     Hf(Box<tokenizers::Tokenizer>),
+}
+
+/// What decodes a backend's ids.
+enum Decoder<'a> {
+    /// The pieces of a GGUF vocabulary.
+    Pieces(&'a Pieces),
+    /// The `tokenizers` crate's decoder of a `tokenizer.json`.
+    Hf(&'a tokenizers::Tokenizer),
+}
+
+impl Backend {
+    fn decoder(&self) -> Decoder<'_> {
+        match self {
+            Backend::Spm(m) => Decoder::Pieces(m.pieces()),
+            Backend::GgufBpe(_, p) => Decoder::Pieces(p),
+            Backend::Hf(t) => Decoder::Hf(t),
+        }
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.backend {
-            Backend::Spm(_) => "SentencePiece (llama.cpp SPM)",
-            Backend::Hf(_) => "tokenizers crate",
+            Backend::Spm(_) => "GGUF SentencePiece (llama.cpp's SPM)",
+            Backend::GgufBpe(..) => "GGUF byte-level BPE",
+            Backend::Hf(_) => "Hugging Face tokenizer.json",
         };
         f.debug_struct("Tokenizer")
             .field("kind", &kind)
@@ -97,8 +128,8 @@ impl Tokenizer {
     /// `tokenizers` crate refuses the merges (a merge of tokens not in the vocabulary).
     pub fn from_bpe(vocab: BpeVocab) -> TokenizerResult<Self> {
         let vocab_size = vocab.tokens.len();
-        let (tok, specials) = bpe::build(vocab)?;
-        Ok(Self { backend: Backend::Hf(Box::new(tok)), specials, vocab_size })
+        let (tok, pieces, specials) = bpe::build(vocab)?;
+        Ok(Self { backend: Backend::GgufBpe(Box::new(tok), Box::new(pieces)), specials, vocab_size })
     }
 
     /// The tokenizer of a Hugging Face model directory: `tokenizer.json`, with
@@ -157,7 +188,7 @@ impl Tokenizer {
         }
         match &self.backend {
             Backend::Spm(m) => m.encode(text, &mut ids)?,
-            Backend::Hf(t) => {
+            Backend::GgufBpe(t, _) | Backend::Hf(t) => {
                 let enc = t.encode_fast(text, false).map_err(|e| TokenizerError::Hf { message: e.to_string() })?;
                 ids.extend_from_slice(enc.get_ids());
             }
@@ -179,8 +210,8 @@ impl Tokenizer {
         for &id in ids {
             self.check_id(id)?;
         }
-        match &self.backend {
-            Backend::Spm(_) => {
+        match self.backend.decoder() {
+            Decoder::Pieces(_) => {
                 let mut stream = self.decode_stream(skip_special);
                 let mut text = String::new();
                 for &id in ids {
@@ -189,7 +220,7 @@ impl Tokenizer {
                 text.push_str(&stream.finish()?);
                 Ok(text)
             }
-            Backend::Hf(t) => t.decode(ids, skip_special).map_err(|e| TokenizerError::Hf { message: e.to_string() }),
+            Decoder::Hf(t) => t.decode(ids, skip_special).map_err(|e| TokenizerError::Hf { message: e.to_string() }),
         }
     }
 
@@ -248,7 +279,7 @@ impl Tokenizer {
     pub fn token_to_id(&self, text: &str) -> Option<u32> {
         match &self.backend {
             Backend::Spm(m) => m.token_to_id(text),
-            Backend::Hf(t) => t.token_to_id(text),
+            Backend::GgufBpe(t, _) | Backend::Hf(t) => t.token_to_id(text),
         }
     }
 
@@ -256,7 +287,7 @@ impl Tokenizer {
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         match &self.backend {
             Backend::Spm(m) => m.id_to_token(id).map(str::to_string),
-            Backend::Hf(t) => t.id_to_token(id),
+            Backend::GgufBpe(t, _) | Backend::Hf(t) => t.id_to_token(id),
         }
     }
 

@@ -11,6 +11,7 @@ use std::collections::BinaryHeap;
 use ahash::{AHashMap, AHashSet};
 
 use super::error::{TokenizerError, TokenizerResult};
+use super::pieces::Pieces;
 use super::specials::{Fragment, SpecialMatcher};
 use super::vocab::{self, Specials, TokenType};
 
@@ -64,10 +65,9 @@ pub(crate) struct SpmModel {
     /// independent runs there (the same result as one session over all of it, with small queues).
     bigrams: AHashSet<u64>,
     scores: Vec<f32>,
-    types: Vec<TokenType>,
     /// What each token decodes to (llama.cpp's `token_to_piece`): normal tokens with ▁ as spaces,
     /// byte tokens their byte, special and user-defined tokens their text, unused nothing.
-    decoded: Vec<Box<[u8]>>,
+    pieces_out: Pieces,
     /// The token `<0xXX>` of each byte, for the fallback.
     byte_ids: [Option<u32>; 256],
     unk: Option<u32>,
@@ -92,13 +92,6 @@ impl SpmModel {
         {
             return Err(TokenizerError::NanScore { id, text: text.clone() });
         }
-        let decoded = v
-            .tokens
-            .iter()
-            .zip(&types)
-            .zip(0u32..)
-            .map(|((text, &ty), id)| decode_piece(id, text, ty))
-            .collect::<TokenizerResult<Vec<_>>>()?;
         let mut byte_ids = [None; 256];
         for (b, slot) in (0u8..=255).zip(byte_ids.iter_mut()) {
             // llama_vocab::byte_to_token: `<0xXX>`, upper-case hex. (Its second try, the byte as
@@ -119,18 +112,10 @@ impl SpmModel {
         )?;
         let eog = v.eog.iter().copied().chain(vocab::eog_ids_by_text(&v.tokens));
         let specials = Specials::new(v.bos, v.eos, eog, v.add_bos.unwrap_or(true), v.add_eos.unwrap_or(false), n)?;
-        let model = Self {
-            tokens: v.tokens,
-            pieces,
-            bigrams,
-            scores,
-            types,
-            decoded,
-            byte_ids,
-            unk,
-            matcher,
-            add_space_prefix: v.add_space_prefix.unwrap_or(true),
-        };
+        let add_space_prefix = v.add_space_prefix.unwrap_or(true);
+        let pieces_out = Pieces::new(&v.tokens, types, add_space_prefix, decode_piece)?;
+        let model =
+            Self { tokens: v.tokens, pieces, bigrams, scores, pieces_out, byte_ids, unk, matcher, add_space_prefix };
         Ok((model, specials))
     }
 
@@ -149,9 +134,9 @@ impl SpmModel {
         self.tokens.get(id as usize).map(String::as_str)
     }
 
-    /// The type of a token.
-    pub fn token_type(&self, id: u32) -> Option<TokenType> {
-        self.types.get(id as usize).copied()
+    /// What each token decodes to.
+    pub fn pieces(&self) -> &Pieces {
+        &self.pieces_out
     }
 
     /// The ids of `text`, special tokens matched first, no BOS/EOS (llama.cpp's
@@ -279,21 +264,6 @@ impl SpmModel {
             (None, None) => return Err(TokenizerError::Unencodable { text: piece.replace(SPACE_MARK, " ") }),
         }
         Ok(())
-    }
-
-    /// The bytes of `id` (llama.cpp's `token_to_piece`), `None` when skipped or out of range.
-    pub fn piece_bytes(&self, id: u32, skip_special: bool) -> Option<&[u8]> {
-        let ty = self.types.get(id as usize)?;
-        if skip_special && ty.is_special() {
-            return None;
-        }
-        self.decoded.get(id as usize).map(|b| &b[..])
-    }
-
-    /// Whether `decode` drops the space the encoder prepended (SentencePiece's decoder removes
-    /// the dummy prefix of the first piece; llama.cpp's `detokenize` strips one leading space).
-    pub fn strips_leading_space(&self, id: u32) -> bool {
-        self.add_space_prefix && self.token_type(id) == Some(TokenType::Normal)
     }
 }
 

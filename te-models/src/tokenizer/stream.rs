@@ -3,7 +3,8 @@
 //! character, a byte-fallback sequence, a piece a decoder may still rewrite).
 
 use super::error::{TokenizerError, TokenizerResult};
-use super::{Backend, Tokenizer};
+use super::pieces::Pieces;
+use super::{Decoder, Tokenizer};
 use crate::generate::Utf8Stream;
 
 /// How many ids of the context a continuing stream keeps: enough for a 4-byte character in byte
@@ -15,8 +16,8 @@ const CONTEXT_IDS: usize = 8;
 /// [`Tokenizer::decode_stream_after`] (a continuation of ids already shown, e.g. the prompt: no
 /// start-of-text rule, such as dropping SentencePiece's dummy-prefix space, applies).
 ///
-/// SentencePiece vocabularies push each token's bytes through a [`Utf8Stream`] (lossy only at
-/// invalid UTF-8). Tokenizers of the `tokenizers` crate use its prefix method
+/// GGUF vocabularies push each token's bytes through a [`Utf8Stream`] (lossy only at invalid
+/// UTF-8). Hugging Face tokenizers (decoded by the `tokenizers` crate) use its prefix method
 /// (`tokenizers::DecodeStream`): the ids since the last emitted text are decoded with the piece
 /// before them and the new text is the part past that piece's, emitted once it does not end in
 /// U+FFFD; [`DecodeStream::finish`] flushes what is still held.
@@ -24,21 +25,24 @@ const CONTEXT_IDS: usize = 8;
 pub struct DecodeStream<'t> {
     tok: &'t Tokenizer,
     skip_special: bool,
-    state: State,
+    state: State<'t>,
 }
 
 #[derive(Debug)]
-enum State {
-    Spm { utf8: Utf8Stream, at_start: bool },
-    Hf { ids: Vec<u32>, prefix: String, prefix_index: usize },
+enum State<'t> {
+    /// A GGUF vocabulary: its pieces' bytes; `at_start` until the first visible piece.
+    Pieces { pieces: &'t Pieces, utf8: Utf8Stream, at_start: bool },
+    /// A Hugging Face tokenizer: the ids since (and including) those of the last text emitted,
+    /// that text, and where the ids after it begin.
+    Hf { tok: &'t tokenizers::Tokenizer, ids: Vec<u32>, prefix: String, prefix_index: usize },
 }
 
 impl<'t> DecodeStream<'t> {
     /// A stream of a text from its start.
     pub(crate) fn new(tok: &'t Tokenizer, skip_special: bool) -> Self {
-        let state = match &tok.backend {
-            Backend::Spm(_) => State::Spm { utf8: Utf8Stream::new(), at_start: true },
-            Backend::Hf(_) => State::Hf { ids: Vec::new(), prefix: String::new(), prefix_index: 0 },
+        let state = match tok.backend.decoder() {
+            Decoder::Pieces(pieces) => State::Pieces { pieces, utf8: Utf8Stream::new(), at_start: true },
+            Decoder::Hf(t) => State::Hf { tok: t, ids: Vec::new(), prefix: String::new(), prefix_index: 0 },
         };
         Self { tok, skip_special, state }
     }
@@ -49,21 +53,22 @@ impl<'t> DecodeStream<'t> {
         for &id in tail {
             tok.check_id(id)?;
         }
-        let state = match &tok.backend {
-            Backend::Spm(m) => {
+        let state = match tok.backend.decoder() {
+            Decoder::Pieces(pieces) => {
                 let mut utf8 = Utf8Stream::new();
                 // The context's bytes, shown already: only an unfinished character stays pending.
+                let mut at_start = false;
                 for &id in tail {
-                    utf8.push_bytes(m.piece_bytes(id, skip_special).unwrap_or_default());
+                    utf8.push_bytes(pieces.visible(id, skip_special, &mut at_start));
                 }
-                State::Spm { utf8, at_start: false }
+                State::Pieces { pieces, utf8, at_start }
             }
-            Backend::Hf(t) => {
+            Decoder::Hf(t) => {
                 let ids = tail.to_vec();
                 let mut prefix = if ids.is_empty() { String::new() } else { hf_decode(t, &ids, skip_special)? };
                 // A context ending inside a character: the text from that character on is new.
                 prefix.truncate(prefix.trim_end_matches(char::REPLACEMENT_CHARACTER).len());
-                State::Hf { prefix_index: ids.len(), ids, prefix }
+                State::Hf { tok: t, prefix_index: ids.len(), ids, prefix }
             }
         };
         Ok(Self { tok, skip_special, state })
@@ -75,28 +80,20 @@ impl<'t> DecodeStream<'t> {
     /// [`TokenizerError::IdOutOfRange`] for an id outside the vocabulary; a `tokenizers` failure.
     pub fn push(&mut self, id: u32) -> TokenizerResult<String> {
         self.tok.check_id(id)?;
-        match (&mut self.state, &self.tok.backend) {
-            (State::Spm { utf8, at_start }, Backend::Spm(m)) => {
-                let mut bytes = m.piece_bytes(id, self.skip_special).unwrap_or_default();
-                if *at_start && m.strips_leading_space(id) {
-                    bytes = bytes.strip_prefix(b" ").unwrap_or(bytes);
-                }
-                if !bytes.is_empty() {
-                    *at_start = false;
-                }
-                Ok(utf8.push_bytes(bytes))
-            }
-            (State::Hf { ids, prefix, prefix_index }, Backend::Hf(t)) => {
+        let skip = self.skip_special;
+        match &mut self.state {
+            State::Pieces { pieces, utf8, at_start } => Ok(utf8.push_bytes(pieces.visible(id, skip, at_start))),
+            State::Hf { tok, ids, prefix, prefix_index } => {
                 // tokenizers' step_decode_stream: `ids` = [piece already emitted | new ids].
                 if prefix.is_empty() && !ids.is_empty() {
-                    let p = hf_decode(t, ids, self.skip_special)?;
+                    let p = hf_decode(tok, ids, skip)?;
                     if !p.ends_with(char::REPLACEMENT_CHARACTER) {
                         *prefix = p;
                         *prefix_index = ids.len();
                     }
                 }
                 ids.push(id);
-                let text = hf_decode(t, ids, self.skip_special)?;
+                let text = hf_decode(tok, ids, skip)?;
                 if text.len() <= prefix.len() || text.ends_with(char::REPLACEMENT_CHARACTER) {
                     return Ok(String::new());
                 }
@@ -110,11 +107,10 @@ impl<'t> DecodeStream<'t> {
                 let new = new.to_string();
                 let kept = ids.len() - *prefix_index;
                 ids.drain(..*prefix_index);
-                *prefix = hf_decode(t, ids, self.skip_special)?;
+                *prefix = hf_decode(tok, ids, skip)?;
                 *prefix_index = kept;
                 Ok(new)
             }
-            _ => Err(TokenizerError::Hf { message: "a decode stream used with another backend".into() }),
         }
     }
 
@@ -123,18 +119,17 @@ impl<'t> DecodeStream<'t> {
     /// # Errors
     /// A `tokenizers` failure.
     pub fn finish(&mut self) -> TokenizerResult<String> {
-        match (&mut self.state, &self.tok.backend) {
-            (State::Spm { utf8, .. }, _) => Ok(utf8.finish()),
-            (State::Hf { ids, prefix, prefix_index }, Backend::Hf(t)) => {
-                let text =
-                    if ids.len() > *prefix_index { hf_decode(t, ids, self.skip_special)? } else { String::new() };
+        let skip = self.skip_special;
+        match &mut self.state {
+            State::Pieces { utf8, .. } => Ok(utf8.finish()),
+            State::Hf { tok, ids, prefix, prefix_index } => {
+                let text = if ids.len() > *prefix_index { hf_decode(tok, ids, skip)? } else { String::new() };
                 let rest = text.strip_prefix(prefix.as_str()).unwrap_or_default().to_string();
                 ids.clear();
                 prefix.clear();
                 *prefix_index = 0;
                 Ok(rest)
             }
-            (State::Hf { .. }, _) => Ok(String::new()),
         }
     }
 }

@@ -8,6 +8,9 @@ use super::*;
 
 const SPECIALS: [&str; 3] = ["<|begin_of_text|>", "<|eot_id|>", "<|im_start|>"];
 const MERGED: [&str; 10] = ["He", "ll", "Hell", "Hello", "Ġw", "12", "123", "45", "Ġworld", "<tool>"];
+/// The token of byte 0xFC (never in UTF-8), "ü" in the alphabet, typed user-defined: a token in
+/// plain text, as deepseek-coder's vocabulary has.
+const U_UMLAUT: u32 = 3 + 0xFC;
 const MERGES: [&str; 8] = ["H e", "l l", "He ll", "Hell o", "Ġ w", "1 2", "12 3", "4 5"];
 
 /// The id of the byte of ASCII character `c`.
@@ -25,6 +28,7 @@ fn vocab(pre: Option<&str>) -> BpeVocab {
     let mut token_types = vec![NORMAL; tokens.len()];
     token_types[..3].fill(CONTROL);
     token_types[m("<tool>") as usize] = USER;
+    token_types[U_UMLAUT as usize] = USER;
     BpeVocab {
         tokens,
         token_types,
@@ -70,6 +74,11 @@ fn control_and_user_defined_tokens_match_whole() {
     assert_eq!(ids, [2, b('u'), b('s'), b('e'), m("<tool>")]);
     assert_eq!(t.decode(&ids, true).unwrap(), "use<tool>");
     assert_eq!(t.decode(&ids, false).unwrap(), "<|im_start|>use<tool>");
+    // A user-defined token decodes to its text as it is, as llama.cpp's token_to_piece (through
+    // the byte alphabet "ü" would be the byte 0xFC, not UTF-8).
+    let ids = t.encode("Führer", false).unwrap();
+    assert_eq!(ids, [b('F'), U_UMLAUT, b('h'), b('r'), b('e'), b('r')]);
+    assert_eq!(t.decode(&ids, true).unwrap(), "Führer");
     // <|eot_id|> ends generation (the EOS here, and by its text).
     assert_eq!(t.eos_ids(), [1]);
 }

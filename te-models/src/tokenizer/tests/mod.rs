@@ -3,6 +3,7 @@
 
 mod bpe;
 mod hf;
+mod llama_cpp;
 mod perf;
 mod reference;
 mod roundtrip;

@@ -207,6 +207,17 @@ fn decode_drops_the_dummy_prefix() {
 }
 
 #[test]
+fn only_the_first_piece_loses_the_dummy_prefix() {
+    let mut vocab = spm_vocab(&[("▁", 0.0, NORMAL), ("a", 0.0, NORMAL), ("▁a", 1.0, NORMAL)], true);
+    vocab.add_space_prefix = Some(true);
+    let t = Tokenizer::from_spm(vocab).unwrap();
+    // " a" → "▁▁a": ▁▁ is no token, ▁a is → ▁ ▁a; the first piece's space goes, the second's stays.
+    let ids = t.encode(" a", false).unwrap();
+    assert_eq!(texts(&t, &ids), ["▁", "▁a"]);
+    assert_eq!(t.decode(&ids, true).unwrap(), " a");
+}
+
+#[test]
 fn the_stream_holds_bytes_until_a_character_is_complete() {
     let t = tok(&[("a", 0.0, NORMAL)]);
     let ids = t.encode("a😀a", false).unwrap();
