@@ -1,0 +1,1 @@
+//! Tests of the GGUF reader, dequantizers and writer.
