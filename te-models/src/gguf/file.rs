@@ -329,13 +329,17 @@ impl Parser<'_> {
             return Err(self.error(format!("tensor `{name}` has dims {dims:?}, more elements than i64 holds")));
         };
         let ne0 = dims.first().copied().unwrap_or(1);
-        let n_bytes = ggml_type.bytes_of(n).filter(|_| ne0 % ggml_type.block_size() == 0);
-        let Some(n_bytes) = n_bytes else {
+        if ne0 % ggml_type.block_size() != 0 {
             return Err(self.error(format!(
                 "tensor `{name}` of type {ggml_type} has rows of {ne0} elements (dims {dims:?}), not a whole number of \
                  its {}-element blocks",
                 ggml_type.block_size()
             )));
+        }
+        let Some(n_bytes) = ggml_type.bytes_of(n) else {
+            return Err(
+                self.error(format!("tensor `{name}` of type {ggml_type} has dims {dims:?}, more bytes than u64 holds"))
+            );
         };
         Ok(TensorInfo { name, dims, ggml_type, offset, n_bytes })
     }

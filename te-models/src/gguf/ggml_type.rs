@@ -79,10 +79,15 @@ pub enum GgmlType {
     TQ2_0,
     /// Microscaling FP4: 32 E2M1 elements under one E8M0 scale (id 39).
     MXFP4,
+    /// NVIDIA FP4: 64 E2M1 elements with FP8 sub-block scales (id 40; sizes from gguf-py's
+    /// `GGML_QUANT_SIZES`, newer than the ggml sources cited above).
+    NVFP4,
+    /// 1-bit quants, 128 per block (id 41; sizes from gguf-py's `GGML_QUANT_SIZES`).
+    Q1_0,
 }
 
 /// Every type ggml defines, in id order.
-pub const ALL: [GgmlType; 32] = [
+pub const ALL: [GgmlType; 34] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Q4_0,
@@ -115,6 +120,8 @@ pub const ALL: [GgmlType; 32] = [
     GgmlType::TQ1_0,
     GgmlType::TQ2_0,
     GgmlType::MXFP4,
+    GgmlType::NVFP4,
+    GgmlType::Q1_0,
 ];
 
 /// The types [`GgmlType::can_dequantize`] accepts, in id order.
@@ -182,6 +189,8 @@ impl GgmlType {
             GgmlType::TQ1_0 => (34, "tq1_0", 256, 54),
             GgmlType::TQ2_0 => (35, "tq2_0", 256, 66),
             GgmlType::MXFP4 => (39, "mxfp4", 32, 17),
+            GgmlType::NVFP4 => (40, "nvfp4", 64, 36),
+            GgmlType::Q1_0 => (41, "q1_0", 128, 18),
         }
     }
 
@@ -242,7 +251,7 @@ mod tests {
         ids.sort_unstable();
         ids.dedup();
         assert_eq!(ids.len(), ALL.len());
-        for gone in [4, 5, 31, 32, 33, 36, 37, 38, 40, u32::MAX] {
+        for gone in [4, 5, 31, 32, 33, 36, 37, 38, 42, u32::MAX] {
             assert_eq!(GgmlType::from_id(gone), None);
         }
     }

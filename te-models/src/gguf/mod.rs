@@ -18,7 +18,7 @@
 //! - **Types.** Every ggml type is known ([`GgmlType`]) so any file lists and bounds-checks;
 //!   F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and Q8_K decode (the types of
 //!   the common `Q4_K_M`, `Q5_K_M`, `Q6_K`, `Q8_0` files); the others (Q2_K, Q3_K, the IQ and
-//!   TQ families, MXFP4) are refused with an error naming the tensor and its type.
+//!   TQ families, the FP4 formats, Q1_0) are refused with an error naming the tensor and its type.
 //!
 //! ```no_run
 //! # fn main() -> te_runtime::Result<()> {
