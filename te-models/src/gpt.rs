@@ -45,7 +45,7 @@ pub const IGNORE_INDEX: i32 = -1;
 /// training checkpoint's `trainer.toml`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptConfig {
-    /// Vocabulary: 256 for bytes. At most 65536 (the cross-entropy kernel's limit).
+    /// Vocabulary: 256 for bytes; up to `i32::MAX` (the targets are `i32`).
     pub vocab_size: usize,
     /// Model width.
     pub hidden_size: usize,
@@ -329,7 +329,7 @@ impl Gpt {
     /// layer init, LM head `N(0, 0.023)`).
     ///
     /// # Errors
-    /// [`Error::Config`] for a vocabulary outside `[1, 65536]`, no layers or positions, and the
+    /// [`Error::Config`] for a vocabulary outside `[1, i32::MAX]`, no layers or positions, and the
     /// errors of the parts (heads that do not divide the hidden size, a dropout outside
     /// `[0, 1]`, a non-high-precision dtype).
     pub fn new(dev: &Arc<Device>, cfg: GptConfig) -> Result<Self> {
@@ -630,8 +630,12 @@ mod tests {
 
     #[test]
     fn bad_configs_are_refused_before_any_allocation() {
-        let e = GptConfig { vocab_size: 70_000, ..GptConfig::tiny() }.check().unwrap_err();
-        assert!(e.to_string().contains("vocab_size = 70000"), "{e}");
+        let e = GptConfig { vocab_size: 0, ..GptConfig::tiny() }.check().unwrap_err();
+        assert!(e.to_string().contains("vocab_size = 0"), "{e}");
+        // Gemma 3's 262,144 classes are fine; past i32::MAX the targets cannot name them.
+        GptConfig { vocab_size: 262_144, ..GptConfig::tiny() }.check().unwrap();
+        let e = GptConfig { vocab_size: i32::MAX as usize + 1, ..GptConfig::tiny() }.check().unwrap_err();
+        assert!(e.to_string().contains("vocab_size = 2147483648"), "{e}");
         let e = GptConfig { num_layers: 0, ..GptConfig::tiny() }.check().unwrap_err();
         assert!(e.to_string().contains("num_layers"), "{e}");
     }

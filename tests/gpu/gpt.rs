@@ -15,7 +15,7 @@ use te_reference::cross_entropy as ce_ref;
 use te_reference::embedding as emb_ref;
 use te_runtime::numerics::{encode, round_to};
 use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
-use te_runtime::ops::embedding::{embedding_backward, embedding_forward};
+use te_runtime::ops::embedding::{embedding_backward, embedding_forward, EmbeddingGradIndex};
 use te_runtime::{DType, Device, Error, Result, Tensor};
 
 const HIGH_PRECISION: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -39,9 +39,12 @@ fn ids(seed: u64, n: usize, vocab: usize) -> Vec<i32> {
 #[test]
 fn embedding_kernels_are_bit_exact() {
     let Some(dev) = device() else { return };
-    for (vocab, hidden, tokens) in [(256, 80, 37), (256, 1100, 301), (50257, 64, 1001)] {
+    // Byte-level, GPT-2's and Gemma 3's vocabularies (262,144: the backward's cost does not
+    // grow with the vocabulary).
+    for (vocab, hidden, tokens) in [(256, 80, 37), (256, 1100, 301), (50257, 64, 1001), (262_144, 64, 4099)] {
         let id = ids(vocab as u64 + tokens as u64, tokens, vocab);
         let ids_dev = dev.stream().clone_htod(&id).unwrap();
+        let index = EmbeddingGradIndex::from_host(&dev, &id).unwrap();
         for dt in HIGH_PRECISION {
             let table = rounded(dt, randn(1, vocab * hidden, 1.0));
             let table_dev = Tensor::from_f32(&dev, dt, &[vocab, hidden], &table).unwrap();
@@ -57,7 +60,7 @@ fn embedding_kernels_are_bit_exact() {
                 for step in 0..2 {
                     let dout = rounded(dt, randn(3 + step, tokens * hidden, 1.0));
                     let dout_dev = Tensor::from_f32(&dev, dt, &[tokens, hidden], &dout).unwrap();
-                    embedding_backward(&dev, &dout_dev, &ids_dev, &mut dtable).unwrap();
+                    embedding_backward(&dev, &dout_dev, &index, &mut dtable).unwrap();
                     emb_ref::backward(&dout, &id, &mut want, grad_dt, hidden);
                 }
                 let what = format!("embedding bwd {dt} -> {grad_dt} vocab {vocab} hidden {hidden} tokens {tokens}");
@@ -70,7 +73,7 @@ fn embedding_kernels_are_bit_exact() {
 #[test]
 fn cross_entropy_matches_reference() {
     let Some(dev) = device() else { return };
-    for (vocab, tokens) in [(256, 37), (50257, 19), (1000, 301)] {
+    for (vocab, tokens) in [(256, 37), (50257, 19), (1000, 301), (262_144, 9)] {
         let mut targets = ids(tokens as u64, tokens, vocab);
         // -1 is the ignore index; the out-of-range targets are data bugs: NaN loss, zero grad.
         targets[0] = IGNORE_INDEX;
@@ -117,8 +120,14 @@ fn kernel_errors_are_typed() {
     let e = embedding_forward(&dev, &table, &ids_dev, &mut out).unwrap_err();
     assert!(matches!(e, Error::DType { arg: "out", .. }), "{e}");
     let mut flat = Tensor::zeros(&dev, DType::F32, &[32]).unwrap();
-    let e = embedding_backward(&dev, &out, &ids_dev, &mut flat).unwrap_err();
+    let mut index = EmbeddingGradIndex::from_host(&dev, &[0, 1, 2]).unwrap();
+    let e = embedding_backward(&dev, &out, &index, &mut flat).unwrap_err();
     assert!(e.to_string().contains("[vocab, hidden]"), "{e}");
+    let e = index.update(&dev, &[0, 1]).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }) && e.to_string().contains("2 ids for an index of 3"), "{e}");
+    let mut dtable = Tensor::zeros(&dev, DType::F32, &[4, 8]).unwrap();
+    let short = Tensor::zeros(&dev, DType::F32, &[2, 8]).unwrap();
+    assert!(embedding_backward(&dev, &short, &index, &mut dtable).is_err(), "dout of 2 tokens for an index of 3");
 
     let logits = Tensor::zeros(&dev, DType::BF16, &[3, 8]).unwrap();
     let mut loss = dev.stream().alloc_zeros::<f32>(2).unwrap();

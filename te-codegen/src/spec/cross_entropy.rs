@@ -37,9 +37,10 @@ pub struct CrossEntropySpec {
 }
 
 impl CrossEntropySpec {
-    /// Largest vocabulary a launch takes (the targets are `i32`; the bound keeps a row within a
-    /// block's reach in two passes).
-    pub const MAX_VOCAB: usize = 65536;
+    /// Largest vocabulary a launch takes: the targets are `i32`, so every class must be an
+    /// `i32` (the kernel indexes in 64 bits; a block takes a row of any length in two passes,
+    /// Gemma 3's 262,144 classes included).
+    pub const MAX_VOCAB: usize = i32::MAX as usize;
 
     /// The loss (and with `grad` the gradient) of `dtype` logits, 256 threads per row.
     pub fn new(dtype: DType, grad: bool, arch: Arch) -> Self {

@@ -20,12 +20,12 @@ use serde::{Deserialize, Serialize};
 /// Backward: `dtable[v, c] = round(f32(dtable[v, c]) + Σ_{t: ids[t] = v} f32(dout[t, c]))`: the
 /// sum over tokens in f32, in token order, added once to the gradient (which keeps its dtype, so
 /// repeated backwards accumulate like `add_assign`); ids outside `[0, vocab)` are skipped.
-/// Deterministic, without atomics or sorting: blocks stride over the vocabulary rows, and the
-/// block owning row `v` scans all ids (staged through shared memory `threads` at a time), each
-/// thread accumulating [`EmbeddingSpec::COLS_PER_THREAD`] columns in registers. Cost: every block
-/// reads the whole id list once per `threads * COLS_PER_THREAD` columns, `O(vocab * tokens)` id
-/// reads (from L2), which is small for a byte-level vocabulary and acceptable at 50k. Arguments:
-/// [`EmbeddingSpec::BWD_ARGS`].
+/// Deterministic, without atomics: the ids come with their grouping by id (`index`, built on
+/// the host: the token positions sorted stably by id, where each id's run starts, and the ids
+/// present), blocks stride over the ids present and the block owning id `v` sums its tokens in
+/// token order, each thread accumulating [`EmbeddingSpec::COLS_PER_THREAD`] columns in
+/// registers. Cost: `O(tokens * hidden)` whatever the vocabulary (a 262,144-entry vocabulary
+/// costs what a byte-level one does). Arguments: [`EmbeddingSpec::BWD_ARGS`].
 ///
 /// Sources followed: PyTorch `embedding_dense_backward` (sum per row of the table, no
 /// `padding_idx` here: out-of-range ids are skipped instead); Megatron's `VocabParallelEmbedding`
@@ -99,7 +99,13 @@ impl EmbeddingSpec {
     /// Arguments of the `bwd` entry point.
     pub const BWD_ARGS: &'static [KernelArg] = &[
         KernelArg::read("dout", "const void* __restrict__", "`[tokens, hidden]` output gradient"),
-        KernelArg::read("ids", "const int* __restrict__", "`[tokens]` i32 ids"),
+        KernelArg::read(
+            "index",
+            "const int* __restrict__",
+            "`[3 * tokens + 2]` i32: the count `n` of ids present, the token positions sorted stably by id \
+             `[tokens]`, where each id's run starts `[tokens + 1]` (`n + 1` used), the ids present `[tokens]` \
+             (`n` used)",
+        ),
         KernelArg::read_write("dtable", "void* __restrict__", "`[vocab, hidden]` table gradient, accumulated into"),
         KernelArg::scalar("tokens", "u64", "tokens"),
         KernelArg::scalar("vocab", "u64", "table rows"),

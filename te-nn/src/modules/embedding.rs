@@ -9,7 +9,7 @@ use super::{next_module_id, KernelSpec, KernelTarget, Stamp};
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use te_codegen::DType;
-use te_runtime::ops::embedding::{embedding_backward, embedding_forward};
+use te_runtime::ops::embedding::{embedding_backward, embedding_forward, EmbeddingGradIndex};
 use te_runtime::ops::{check_dtype, check_shape};
 use te_runtime::{Device, Error, Result, Tensor};
 
@@ -42,6 +42,7 @@ impl EmbeddingConfig {
 pub struct EmbeddingCtx {
     stamp: Stamp<1>,
     ids: TokenIds,
+    index: Arc<EmbeddingGradIndex>,
 }
 
 /// A lookup table: `forward(ids [..]) = weight[ids] [.., embedding_dim]` in `params_dtype`
@@ -124,7 +125,13 @@ impl Embedding {
         shape.push(self.cfg.embedding_dim);
         let mut out = Tensor::empty(&self.dev, self.cfg.params_dtype, &shape)?;
         embedding_forward(&self.dev, &self.weight, ids.data(), &mut out)?;
-        Ok((out, EmbeddingCtx { stamp: Stamp::new(self.id, [self.version]), ids: ids.clone() }))
+        // The backward sums each id's tokens from the ids grouped by id (built and uploaded here
+        // unless the ids bring it: `TokenIds::with_grad_index`).
+        let index = match ids.grad_index() {
+            Some(index) => index.clone(),
+            None => Arc::new(EmbeddingGradIndex::from_host(&self.dev, ids.host())?),
+        };
+        Ok((out, EmbeddingCtx { stamp: Stamp::new(self.id, [self.version]), ids: ids.clone(), index }))
     }
 
     /// `weight[ids]` for inference: as [`Embedding::forward`], nothing kept (the ids are not
@@ -155,7 +162,7 @@ impl Embedding {
             Some(g) => g,
             None => self.grad.insert(Tensor::zeros(&self.dev, self.cfg.params_dtype, self.weight.shape())?),
         };
-        embedding_backward(&self.dev, grad_output, ctx.ids.data(), grad)
+        embedding_backward(&self.dev, grad_output, &ctx.index, grad)
     }
 }
 

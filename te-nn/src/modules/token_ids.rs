@@ -5,16 +5,20 @@
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_runtime::graph::HostCopies;
+use te_runtime::ops::embedding::EmbeddingGradIndex;
 use te_runtime::{Device, Error, Result};
 
 /// `i32` token ids with their shape, on the device (shared: cloning is cheap, contexts keep
 /// them for backward) and on the host (ids are small; the model counts targets and builds
-/// position ids from the host copy without a device round trip).
+/// position ids from the host copy without a device round trip); optionally with their grouping
+/// by id for an embedding's backward ([`TokenIds::with_grad_index`], else the embedding's
+/// forward builds it).
 #[derive(Debug, Clone)]
 pub struct TokenIds {
     host: Arc<[i32]>,
     data: Arc<CudaSlice<i32>>,
     shape: Vec<usize>,
+    grad_index: Option<Arc<EmbeddingGradIndex>>,
 }
 
 impl TokenIds {
@@ -32,11 +36,28 @@ impl TokenIds {
             });
         }
         let data = dev.stream().htod(ids)?;
-        Ok(Self { host: ids.into(), data: Arc::new(data), shape: shape.to_vec() })
+        Ok(Self { host: ids.into(), data: Arc::new(data), shape: shape.to_vec(), grad_index: None })
+    }
+
+    /// These ids with their grouping by id uploaded now ([`EmbeddingGradIndex`], what an
+    /// [`super::Embedding`]'s backward reads): a forward + backward captured in a CUDA graph
+    /// then makes no host upload, and [`TokenIds::update`] refreshes the grouping with the ids.
+    ///
+    /// # Errors
+    /// Allocation and copy failures.
+    pub fn with_grad_index(mut self, dev: &Device) -> Result<Self> {
+        self.grad_index = Some(Arc::new(EmbeddingGradIndex::from_host(dev, &self.host)?));
+        Ok(self)
+    }
+
+    /// The grouping of the ids by id, when built ([`TokenIds::with_grad_index`]).
+    pub fn grad_index(&self) -> Option<&Arc<EmbeddingGradIndex>> {
+        self.grad_index.as_ref()
     }
 
     /// Overwrites the ids in place (the device buffer keeps its address: a CUDA graph's static
-    /// input, refilled before each replay). A host upload: not inside a graph capture.
+    /// input, refilled before each replay), and their grouping by id when built. A host upload:
+    /// not inside a graph capture.
     ///
     /// # Errors
     /// [`Error::Shape`] for another number of ids; [`Error::Argument`] while a context (or a
@@ -50,12 +71,17 @@ impl TokenIds {
         }
         let stream = dev.stream();
         te_runtime::graph::refuse_in_capture(stream, "TokenIds::update")?;
-        let Some(data) = Arc::get_mut(&mut self.data) else {
-            return Err(Error::Argument {
-                op: "TokenIds::update",
-                message: "the ids are shared (a context or clone holds them): update a buffer of its own".into(),
-            });
+        let shared = || Error::Argument {
+            op: "TokenIds::update",
+            message: "the ids are shared (a context or clone holds them): update a buffer of its own".into(),
         };
+        if Arc::strong_count(&self.data) > 1 || self.grad_index.as_ref().is_some_and(|i| Arc::strong_count(i) > 1) {
+            return Err(shared());
+        }
+        if let Some(index) = self.grad_index.as_mut().and_then(Arc::get_mut) {
+            index.update(dev, ids)?;
+        }
+        let data = Arc::get_mut(&mut self.data).ok_or_else(shared)?;
         stream.memcpy_htod(ids, data)?;
         self.host = ids.into();
         Ok(())

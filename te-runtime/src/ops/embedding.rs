@@ -5,6 +5,7 @@
 
 use super::launch::Launch;
 use super::{check_dtype, check_nonempty, grid_stride_blocks, launch_1d};
+use crate::graph::HostCopies;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::CudaSlice;
 use te_codegen::spec::EmbeddingSpec;
@@ -132,21 +133,109 @@ pub fn embedding_forward_fp8(
     Ok(())
 }
 
+/// The ids of a batch grouped by id, on the device: what [`embedding_backward`] reads to sum
+/// each id's tokens without scanning every id per vocabulary row (`O(tokens * hidden)` whatever
+/// the vocabulary). Built on the host from the ids ([`EmbeddingGradIndex::layout`]: the token
+/// positions sorted stably by id, so each id's tokens stay in token order, where each id's run
+/// starts, and the ids present; negative ids, padding, are left out) and uploaded as one
+/// `[3 * tokens + 2]` i32 buffer.
+#[derive(Debug)]
+pub struct EmbeddingGradIndex {
+    data: CudaSlice<i32>,
+    tokens: usize,
+}
+
+impl EmbeddingGradIndex {
+    /// The grouping of `ids` (one per token, any shape flattened) uploaded.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for no ids or more than `i32::MAX`; allocation and copy failures.
+    pub fn from_host(dev: &Device, ids: &[i32]) -> Result<Self> {
+        let packed = Self::packed(ids)?;
+        Ok(Self { data: dev.stream().htod(&packed)?, tokens: ids.len() })
+    }
+
+    /// Refills the buffer in place with the grouping of `ids` (as many as before): the address
+    /// stays, so a CUDA graph that reads it replays with the new batch. A host upload: not
+    /// inside a capture.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for another number of ids; [`Error::Capture`] inside a capture; copy
+    /// failures.
+    pub fn update(&mut self, dev: &Device, ids: &[i32]) -> Result<()> {
+        if ids.len() != self.tokens {
+            return Err(Error::Shape {
+                op: "EmbeddingGradIndex::update",
+                message: format!("{} ids for an index of {} tokens", ids.len(), self.tokens),
+            });
+        }
+        let packed = Self::packed(ids)?;
+        crate::graph::refuse_in_capture(dev.stream(), "EmbeddingGradIndex::update")?;
+        dev.stream().memcpy_htod(&packed, &mut self.data)?;
+        Ok(())
+    }
+
+    /// Tokens indexed.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The grouping of `ids`: `(order, starts, rows)` with `order` the positions `t` of the ids
+    /// `≥ 0` sorted stably by `ids[t]`, `rows` the distinct ids in ascending order and
+    /// `order[starts[s]..starts[s + 1]]` the positions of `rows[s]` (ascending).
+    pub fn layout(ids: &[i32]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+        let mut order: Vec<i32> = (0..ids.len()).filter(|&t| ids[t] >= 0).map(|t| t as i32).collect();
+        // Stable: equal ids keep their token order, the order the kernel sums in.
+        order.sort_by_key(|&t| ids[t as usize]);
+        let (mut starts, mut rows) = (Vec::new(), Vec::new());
+        for (i, &t) in order.iter().enumerate() {
+            let id = ids[t as usize];
+            if rows.last() != Some(&id) {
+                rows.push(id);
+                starts.push(i as i32);
+            }
+        }
+        starts.push(order.len() as i32);
+        (order, starts, rows)
+    }
+
+    /// `[n, order (padded to tokens), starts (tokens + 1), rows (tokens)]`.
+    fn packed(ids: &[i32]) -> Result<Vec<i32>> {
+        let tokens = ids.len();
+        if tokens == 0 || tokens > i32::MAX as usize {
+            return Err(Error::Shape {
+                op: "EmbeddingGradIndex",
+                message: format!("{tokens} ids: an index holds 1 to {} tokens", i32::MAX),
+            });
+        }
+        let (order, starts, rows) = Self::layout(ids);
+        let mut packed = vec![0i32; 3 * tokens + 2];
+        packed[0] = rows.len() as i32;
+        packed[1..1 + order.len()].copy_from_slice(&order);
+        packed[1 + tokens..1 + tokens + starts.len()].copy_from_slice(&starts);
+        packed[2 + 2 * tokens..2 + 2 * tokens + rows.len()].copy_from_slice(&rows);
+        Ok(packed)
+    }
+}
+
 /// `dtable[v, :] += Σ_{t: ids[t] = v} dout[t, :]`, summed in f32 in token order and added once
-/// per row, rounded to `dtable`'s dtype: deterministic (no atomics), see [`EmbeddingSpec`].
+/// per row, rounded to `dtable`'s dtype: deterministic (no atomics), see [`EmbeddingSpec`]. The
+/// ids come grouped ([`EmbeddingGradIndex`]), so the cost does not grow with the vocabulary.
 ///
-/// `dout`: f32/bf16/f16, any shape with last dim `hidden` and `tokens * hidden` elements; `ids`:
-/// `[tokens]` i32; `dtable`: `[vocab, hidden]`, f32/bf16/f16 (rows no id names are untouched).
+/// `dout`: f32/bf16/f16, any shape with last dim `hidden` and `tokens * hidden` elements;
+/// `index`: the grouping of the forward's `[tokens]` ids; `dtable`: `[vocab, hidden]`,
+/// f32/bf16/f16 (rows no id names are untouched; ids outside `[0, vocab)` are skipped).
 ///
 /// # Errors
 /// [`Error::DType`] for FP8 tensors, [`Error::Shape`] for a `dtable` that is not
-/// `[vocab, hidden]`, no ids, or a `dout` that does not fit; compile and launch failures.
-pub fn embedding_backward(dev: &Device, dout: &Tensor, ids: &CudaSlice<i32>, dtable: &mut Tensor) -> Result<()> {
+/// `[vocab, hidden]`, or a `dout` that does not fit the index's tokens; compile and launch
+/// failures.
+pub fn embedding_backward(dev: &Device, dout: &Tensor, index: &EmbeddingGradIndex, dtable: &mut Tensor) -> Result<()> {
     const OP: &str = "embedding_backward";
     check_dtype(OP, "dout", dout, DType::is_high_precision, HIGH_PRECISION)?;
     check_dtype(OP, "dtable", dtable, DType::is_high_precision, HIGH_PRECISION)?;
     let (vocab, hidden) = table_dims(OP, "dtable", dtable)?;
-    let tokens = ids.len();
+    let tokens = index.tokens;
     check_rows(OP, "dout", dout, tokens, hidden)?;
     check_nonempty(OP, "dout", dout)?;
     let spec = EmbeddingSpec::backward(dout.dtype(), dtable.dtype(), dev.arch());
@@ -155,15 +244,42 @@ pub fn embedding_backward(dev: &Device, dout: &Tensor, ids: &CudaSlice<i32>, dta
     let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
     builder
         .ptr("dout", dout.data())
-        .ptr("ids", ids)
+        .ptr("index", &index.data)
         .ptr("dtable", dtable.data_mut()?)
         .scalar("tokens", &t)
         .scalar("vocab", &v)
         .scalar("hidden", &h);
     // SAFETY: the arguments follow the backward signature documented on `EmbeddingSpec`: `dout`
-    // holds `tokens * hidden` elements, `ids` `tokens` i32, `dtable` `vocab * hidden` elements
-    // of their dtypes (checked above); the kernel writes `dtable` rows `< vocab` only, and
-    // `dtable` is a distinct allocation from `dout` (`&mut` vs `&`).
-    unsafe { builder.launch(launch_1d(grid_stride_blocks(dev, vocab * spec.threads, spec.threads), spec.threads, 0)) }?;
+    // holds `tokens * hidden` elements (checked above), `index` `3 * tokens + 2` i32 packed by
+    // `EmbeddingGradIndex::packed` (its count `n ≤ tokens`, positions `< tokens`, run starts
+    // ascending within `[0, tokens]`), `dtable` `vocab * hidden` elements of its dtype; the
+    // kernel writes `dtable` rows `< vocab` only, and `dtable` is a distinct allocation from
+    // `dout` (`&mut` vs `&`). One block per id present at most: the grid covers `tokens`.
+    unsafe {
+        builder.launch(launch_1d(grid_stride_blocks(dev, tokens * spec.threads, spec.threads), spec.threads, 0))
+    }?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Equal ids keep their token order; negative ids are left out; runs cover the order.
+    #[test]
+    fn the_layout_groups_ids_stably() {
+        let (order, starts, rows) = EmbeddingGradIndex::layout(&[5, -1, 2, 5, 0, 2, 5]);
+        assert_eq!(order, [4, 2, 5, 0, 3, 6]);
+        assert_eq!(rows, [0, 2, 5]);
+        assert_eq!(starts, [0, 1, 3, 6]);
+        let packed = EmbeddingGradIndex::packed(&[5, -1, 2, 5, 0, 2, 5]).unwrap();
+        assert_eq!(packed.len(), 3 * 7 + 2);
+        assert_eq!(packed[0], 3);
+        assert_eq!(&packed[1..7], &[4, 2, 5, 0, 3, 6]);
+        assert_eq!(&packed[8..12], &[0, 1, 3, 6]);
+        assert_eq!(&packed[16..19], &[0, 2, 5]);
+        let (order, starts, rows) = EmbeddingGradIndex::layout(&[-1, -3]);
+        assert!(order.is_empty() && rows.is_empty() && starts == [0]);
+        assert!(EmbeddingGradIndex::packed(&[]).is_err());
+    }
 }
