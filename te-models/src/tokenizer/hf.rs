@@ -6,7 +6,7 @@
 //!
 //! Without a configuration the tokenizer's own post-processor decides: the special tokens it puts
 //! around an empty text give the BOS (the first) and whether encode adds it; the EOS ids then are
-//! the vocabulary's [`EOG_TEXTS`](super::EOG_TEXTS).
+//! the special tokens among the vocabulary's [`EOG_TEXTS`](super::EOG_TEXTS) and `</s>`.
 
 use std::path::Path;
 
@@ -75,7 +75,11 @@ pub(crate) fn load(
     let add_bos = cfg.add_bos.unwrap_or_else(|| bos.is_some() && template.first() == bos.as_ref());
     let mut eos_ids = cfg.eos_ids;
     if eos_ids.is_empty() {
-        eos_ids.extend(super::EOG_TEXTS.iter().filter_map(|t| tok.token_to_id(t)));
+        // Only tokens the file marks special: Gemma's `</s>` is a plain (HTML) added token.
+        let special = tok.get_added_tokens_decoder();
+        let is_special = |id: &u32| special.get(id).is_some_and(|t| t.special);
+        let texts = super::EOG_TEXTS.iter().chain(&["</s>"]);
+        eos_ids.extend(texts.filter_map(|t| tok.token_to_id(t)).filter(is_special));
     }
     let eos = cfg.eos.or_else(|| eos_ids.first().copied());
     // A template that is only the BOS says nothing of EOS.

@@ -20,7 +20,8 @@
 //! Checked against llama.cpp's own fixtures (`models/ggml-vocab-*.gguf` with their `.inp`/`.out`:
 //! Llama 2 and Phi-3 SentencePiece, GPT-2, MPT, StarCoder, Refact, Falcon, DeepSeek Coder BPE; all
 //! 46 texts of each give llama.cpp's ids and decode back) when `TE_LLAMA_CPP_VOCABS` names a
-//! directory holding them.
+//! directory holding them, and against Gemma 3 270M's GGUF when `.data/` holds it
+//! (`scripts/fill-gemma`): "The capital of France is" → `[2, 818, 5279, 529, 7001, 563]`.
 //!
 //! Encoding ([`Tokenizer::encode`]) always matches special tokens written in the text (`<bos>`,
 //! `<start_of_turn>`: Hugging Face's `encode` and llama.cpp's `parse_special`), so chat templates

@@ -51,14 +51,15 @@ impl TokenType {
 /// The texts llama.cpp treats as end of generation whatever the metadata says
 /// (`llama_vocab::impl::load`, `special_eog_ids`), less those it only keeps under per-model
 /// workarounds (gpt-oss's `<|return|>`/`<|call|>`, Solar's `<|flush|>`/`<|calls|>`, Gemma 4's
-/// `<turn|>`/`<|tool_response>`, MiniMax's `[e~[`).
-pub const EOG_TEXTS: [&str; 15] = [
+/// `<turn|>`/`<|tool_response>`, MiniMax's `[e~[`) and less `</s>` (PaddleOCR's there), which
+/// Gemma 3's vocabulary holds as a user-defined HTML tag (strikethrough's end): generation must
+/// not stop at it. Where `</s>` is the EOS (Llama 2), `tokenizer.ggml.eos_token_id` names it.
+pub const EOG_TEXTS: [&str; 14] = [
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
     "<end_of_turn>",
     "<|endoftext|>",
-    "</s>",
     "<|eom_id|>",
     "<EOT>",
     "_<EOT>",

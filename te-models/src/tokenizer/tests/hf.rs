@@ -160,6 +160,8 @@ fn write_metaspace(dir: &Path) {
         true,
     )));
     tok.add_special_tokens(&[AddedToken::from("<s>", true)]);
+    // An HTML tag, as in Gemma's vocabulary: a plain added token, no end of generation.
+    tok.add_tokens(&[AddedToken::from("</s>", false)]);
     tok.save(dir.join("tokenizer.json"), false).unwrap();
 }
 
@@ -169,6 +171,7 @@ fn a_stream_after_the_prompt_keeps_the_space() {
     write_metaspace(dir.path());
     write(dir.path(), "tokenizer_config.json", r#"{"add_bos_token": true, "bos_token": "<s>"}"#);
     let t = Tokenizer::from_hf_dir(dir.path()).unwrap();
+    assert_eq!((t.eos_ids(), t.token_to_id("</s>")), (&[][..], Some(4)));
     let ids = t.encode("the cat", true).unwrap();
     assert_eq!(ids, [1, 2, 3]);
     assert_eq!(t.decode(&ids, true).unwrap(), "the cat");

@@ -1,8 +1,11 @@
-//! llama.cpp's own tokenizer fixtures: `models/ggml-vocab-<name>.gguf` (vocabulary-only GGUF
-//! files) with `.gguf.inp` (texts separated by `\n__ggml_vocab_test__\n`) and `.gguf.out` (the
-//! ids llama.cpp gives each text, `add_special` false; tests/test-tokenizer-0.cpp). The files are
-//! not part of this repository: set `TE_LLAMA_CPP_VOCABS` to a directory holding them (e.g. a
-//! llama.cpp checkout's `models/`) to run the comparison; without it the test only says so.
+//! Real GGUF vocabularies, when present (neither is part of this repository; without them the
+//! tests only say so):
+//! - llama.cpp's own tokenizer fixtures: `models/ggml-vocab-<name>.gguf` (vocabulary-only GGUF
+//!   files) with `.gguf.inp` (texts separated by `\n__ggml_vocab_test__\n`) and `.gguf.out` (the
+//!   ids llama.cpp gives each text, `add_special` false; tests/test-tokenizer-0.cpp): set
+//!   `TE_LLAMA_CPP_VOCABS` to a directory holding them (a llama.cpp checkout's `models/`);
+//! - Gemma 3 270M's GGUF, issue 33's model (`scripts/fill-gemma` puts it in `.data/`, or set
+//!   `TE_GEMMA3_GGUF`): llama.cpp's ids for "The capital of France is".
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -188,4 +191,49 @@ fn llama_cpp_fixtures() {
         all_bad.extend(bad);
     }
     assert!(all_bad.is_empty(), "{}", all_bad.join("\n"));
+}
+
+/// Gemma 3 270M's GGUF (issue 33's model, `scripts/fill-gemma`): `TE_GEMMA3_GGUF`, else the
+/// workspace's `.data/gemma3-270m/gemma-3-270m-q4_k_m.gguf`.
+fn gemma3_path() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("TE_GEMMA3_GGUF")
+        .map(Into::into)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.data/gemma3-270m/gemma-3-270m-q4_k_m.gguf"));
+    path.exists().then_some(path)
+}
+
+#[test]
+fn gemma3_vocabulary() {
+    use std::io::Read;
+    let Some(path) = gemma3_path() else {
+        eprintln!("no Gemma 3 GGUF (scripts/fill-gemma, or TE_GEMMA3_GGUF): not compared");
+        return;
+    };
+    // The metadata is at the start: the tokenizer's arrays are a few MB of the 253 MB.
+    let mut head = Vec::new();
+    std::fs::File::open(&path).unwrap().take(32 << 20).read_to_end(&mut head).unwrap();
+    let meta = read_metadata(&head);
+    let start = std::time::Instant::now();
+    let t = tokenizer(&meta).unwrap();
+    let build = start.elapsed();
+    assert_eq!((t.vocab_size(), t.bos_id(), t.add_bos(), t.add_eos()), (262_144, Some(2), true, false));
+    // <eos> and <end_of_turn>; not the user-defined HTML tag </s> (212).
+    assert_eq!(t.eos_ids(), [1, 106]);
+    // llama.cpp's tokenization of issue 33's prompt.
+    let ids = t.encode("The capital of France is", true).unwrap();
+    assert_eq!(ids, [2, 818, 5279, 529, 7001, 563]);
+    assert_eq!(texts(&t, &ids), ["<bos>", "The", "▁capital", "▁of", "▁France", "▁is"]);
+    assert_eq!(t.decode(&ids, true).unwrap(), "The capital of France is");
+    // A chat turn: control tokens written in the text are matched whole.
+    let chat = t.encode("<start_of_turn>user\nHi<end_of_turn>\n", false).unwrap();
+    assert_eq!((chat[0], chat[chat.len() - 2]), (105, 106));
+
+    let paragraph = "Gemma 3 reads <b>HTML</b> too; naïve café façade — 東京は日本の首都です。 \
+                     Привет, мир! 1234567 + 89 = 1234656.\n\t  indented   spaces 😀🦙\n";
+    let text = paragraph.repeat(if cfg!(debug_assertions) { 1_000 } else { 10_000 });
+    let start = std::time::Instant::now();
+    let ids = t.encode(&text, false).unwrap();
+    let encode = start.elapsed();
+    assert_eq!(t.decode(&ids, true).unwrap(), text);
+    eprintln!("Gemma 3: build {build:?}; {} bytes → {} ids in {encode:?}", text.len(), ids.len());
 }
