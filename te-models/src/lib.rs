@@ -1,5 +1,7 @@
 //! Whole models of the Transformer Engine for Rust, built from `te-nn`'s modules: the GPT of the
-//! training job ([`gpt`]), BERT encoders loaded from Hugging Face checkpoints ([`bert`]), the host
+//! training job ([`gpt`]), BERT encoders loaded from Hugging Face checkpoints ([`bert`]), the
+//! decoder LLM family (Llama, Qwen2, Qwen3, Gemma 3: configuration and Hugging Face import,
+//! [`decoder`]), the host
 //! side of text generation ([`generate`]: the sampler, UTF-8 streaming, the decode loop) and
 //! the CPU twins of the models
 //! ([`cpu`]: the GPT of `te train --preset tiny` without a GPU, the f32 BERT embedder), built on
@@ -7,6 +9,7 @@
 
 pub mod bert;
 pub mod cpu;
+pub mod decoder;
 pub mod generate;
 pub mod gpt;
 
