@@ -266,6 +266,9 @@ fn rope_params(f: &Fields<'_>, default_theta: f64) -> DecoderResult<RopeConfig> 
 
 /// `(global, local)` RoPE from either layout (see the module docs).
 fn rope(f: &Fields<'_>, fam: &Family) -> DecoderResult<(RopeConfig, Option<RopeConfig>)> {
+    if f.number("partial_rotary_factor", None)?.is_some_and(|p| p != 1.0) {
+        return Err(f.bad("partial_rotary_factor", "1 (partial rotary embeddings are not supported)"));
+    }
     let local_theta = f.number("rope_local_base_freq", Some(10000.0))?.unwrap_or(10000.0);
     if let Some(p) = f.get("rope_parameters") {
         if !p.is_object() {
@@ -363,10 +366,12 @@ fn parse(f: &Fields<'_>, arch: HfArchitecture, outer: &Fields<'_>) -> DecoderRes
     let attention_bias = f.boolean("attention_bias", false)?;
     let (rope, rope_local) = rope(f, &fam)?;
     let layer_types = layer_types(f, &fam, num_layers)?;
-    let sliding_window = match f.get("sliding_window") {
-        _ if !layer_types.contains(&LayerAttention::Sliding) => None,
-        None => None,
-        Some(_) => Some(f.size("sliding_window", None)?),
+    // Gemma3TextConfig and Qwen2Config / Qwen3Config default the window to 4096.
+    let default_window = (fam.gemma || fam.qwen2 || fam.qwen3).then_some(4096);
+    let sliding_window = match layer_types.contains(&LayerAttention::Sliding) {
+        false => None,
+        true if f.get("sliding_window").is_none() => default_window,
+        true => Some(f.size("sliding_window", None)?),
     };
     // Special tokens sit at the top level of a multimodal config.
     let tokens = if nested_gemma && f.v.get("eos_token_id").is_none() { outer } else { f };

@@ -58,10 +58,14 @@
 
 mod config;
 mod hf_config;
+#[cfg(test)]
+mod hf_config_tests;
 mod names;
 mod rope;
 mod safetensors_dir;
 mod weights;
+#[cfg(test)]
+mod weights_tests;
 
 pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM};
 pub use hf_config::HfArchitecture;
