@@ -11,6 +11,13 @@ use te_runtime::numerics::round_to;
 /// The largest head dimension the family takes (Gemma 3's 256; the fused attention kernels' limit).
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// The largest value of any size field (vocabulary, widths, contexts): 2²⁶, far above any model,
+/// low enough that no configuration asks for an absurd allocation.
+pub const MAX_SIZE: usize = 1 << 26;
+
+/// The most layers a configuration may have.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// The MLP's activation (Megatron's names). Gated ones read `fc1`'s output `[gate | up]` and
 /// compute `act(gate) · up` (transformers' `down_proj(act_fn(gate_proj(x)) * up_proj(x))`,
 /// TE's `swiglu` / `geglu` layout).
@@ -252,6 +259,12 @@ impl DecoderConfig {
         if let Some((field, _)) = sizes.iter().find(|(_, n)| *n == 0) {
             return bad(field, "0; must be ≥ 1".into());
         }
+        if let Some((field, n)) = sizes.iter().find(|(_, n)| *n > MAX_SIZE) {
+            return bad(field, format!("{n}; at most {MAX_SIZE}"));
+        }
+        if self.num_layers > MAX_LAYERS {
+            return bad("num_hidden_layers", format!("{}; at most {MAX_LAYERS}", self.num_layers));
+        }
         if self.num_attention_heads % self.num_gqa_groups != 0 {
             return bad(
                 "num_key_value_heads",
@@ -319,17 +332,23 @@ impl DecoderConfig {
         Ok(())
     }
 
-    /// Parameters of the model (the embedding once when tied).
-    pub fn num_parameters(&self) -> usize {
-        let (h, v) = (self.hidden_size, self.vocab_size);
+    /// Parameters of the model (the embedding once when tied), computed in u128 and saturated.
+    pub fn num_parameters(&self) -> u64 {
+        let [h, v, f, d] = [self.hidden_size, self.vocab_size, self.ffn_hidden_size, self.head_dim].map(|x| x as u128);
+        let [qkv, attn, fc1] = [self.qkv_size(), self.attention_size(), self.fc1_size()].map(|x| x as u128);
         let norm = if self.normalization == NormKind::LayerNorm { 2 * h } else { h };
-        let mut layer =
-            self.qkv_size() * h + self.attention_size() * h + self.fc1_size() * h + h * self.ffn_hidden_size;
-        layer += 2 * norm + if self.sandwich_norm { 2 * norm } else { 0 };
-        layer += if self.qk_norm { 2 * self.head_dim } else { 0 };
-        layer += if self.qkv_bias { self.qkv_size() } else { 0 } + if self.proj_bias { h } else { 0 };
-        layer += if self.mlp_bias { self.fc1_size() + h } else { 0 };
-        v * h * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + norm
+        let flag = |on: bool, n: u128| if on { n } else { 0 };
+        let layer = (qkv + attn + fc1) * h
+            + h * f
+            + 2 * norm
+            + flag(self.sandwich_norm, 2 * norm)
+            + flag(self.qk_norm, 2 * d)
+            + flag(self.qkv_bias, qkv)
+            + flag(self.proj_bias, h)
+            + flag(self.mlp_bias, fc1 + h);
+        let embeddings = v * h * if self.tie_word_embeddings { 1 } else { 2 };
+        let total = embeddings + self.num_layers as u128 * layer + norm;
+        u64::try_from(total).unwrap_or(u64::MAX)
     }
 }
 
@@ -386,7 +405,7 @@ pub(crate) mod tests {
         assert_eq!(unscaled.embedding_scale(DType::BF16), 1.0);
         // Embedding (tied) + 3 layers + final norm.
         let layer = 128 * 32 + 64 * 32 + 96 * 32 + 32 * 48 + 4 * 32 + 2 * 16;
-        assert_eq!(c.num_parameters(), 64 * 32 + 3 * layer + 32);
+        assert_eq!(c.num_parameters(), (64 * 32 + 3 * layer + 32) as u64);
         assert!(DecoderActivation::ALL.iter().filter(|a| a.is_gated()).count() == 4);
         assert_eq!(DecoderActivation::Geglu.te_activation(), Some(te_codegen::spec::Activation::Geglu));
         assert_eq!((DecoderActivation::Silu.function())(0.0), 0.0);
@@ -400,6 +419,8 @@ pub(crate) mod tests {
         assert!(err(DecoderConfig { head_dim: 15, ..c.clone() }).contains("head_dim"));
         assert!(err(DecoderConfig { head_dim: 512, ..c.clone() }).contains("at most 256"));
         assert!(err(DecoderConfig { hidden_size: 0, ..c.clone() }).contains("hidden_size"));
+        assert!(err(DecoderConfig { vocab_size: MAX_SIZE + 1, ..c.clone() }).contains("vocab_size"));
+        assert!(err(DecoderConfig { num_layers: MAX_LAYERS + 1, ..c.clone() }).contains("num_hidden_layers"));
         assert!(err(DecoderConfig { sliding_window: Some(0), ..c.clone() }).contains("sliding_window"));
         assert!(err(DecoderConfig { sliding_window: None, ..c.clone() }).contains("sliding_window"));
         assert!(err(DecoderConfig { layer_types: vec![LayerAttention::Global], ..c.clone() }).contains("layer_types"));

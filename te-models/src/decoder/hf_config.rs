@@ -11,7 +11,7 @@
 //! transformers does. A nested Gemma 3 `text_config` takes `Gemma3TextConfig`'s defaults for the
 //! sizes too, since transformers writes it without them.
 
-use super::config::{DecoderActivation, DecoderConfig, LayerAttention};
+use super::config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_LAYERS, MAX_SIZE};
 use super::rope::{RopeConfig, RopeScaling};
 use super::{read_file, DecoderError, DecoderResult};
 use serde_json::Value;
@@ -132,8 +132,8 @@ impl Fields<'_> {
         match self.get(field) {
             None => default.ok_or_else(|| DecoderError::config(self.name(field), "missing: the model's size needs it")),
             Some(x) => match x.as_u64() {
-                Some(n) if n > 0 => Ok(n as usize),
-                _ => Err(self.bad(field, "a positive integer")),
+                Some(n) if n > 0 && n <= MAX_SIZE as u64 => Ok(n as usize),
+                _ => Err(self.bad(field, &format!("a positive integer of at most {MAX_SIZE}"))),
             },
         }
     }
@@ -341,6 +341,9 @@ fn parse(f: &Fields<'_>, arch: HfArchitecture, outer: &Fields<'_>) -> DecoderRes
     let hidden_size = size("hidden_size", 2304)?;
     let heads = size("num_attention_heads", 8)?;
     let num_layers = size("num_hidden_layers", 26)?;
+    if num_layers > MAX_LAYERS {
+        return Err(f.bad("num_hidden_layers", &format!("at most {MAX_LAYERS} layers")));
+    }
     let head_dim = match (f.get("head_dim"), fam.head_dim) {
         (Some(_), _) => f.size("head_dim", None)?,
         (None, Some(d)) => d,

@@ -214,3 +214,44 @@ fn config_files_are_read_from_a_path_or_directory() {
     let e = DecoderConfig::from_hf_config(dir.path()).unwrap_err().to_string();
     assert!(e.contains("config.json") && e.contains(dir.path().to_str().unwrap()), "{e}");
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// A mutated `config.json` (a field set to another JSON value, bytes flipped) parses to a
+        /// configuration that validates, or is refused with a typed error; never a panic.
+        #[test]
+        fn mutated_configs_parse_or_are_refused(
+            field in prop::sample::select(vec![
+                "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_hidden_layers", "vocab_size", "rms_norm_eps", "hidden_act", "rope_theta", "rope_scaling",
+                "eos_token_id", "layer_types", "sliding_window", "architectures", "tie_word_embeddings",
+            ]),
+            value in prop_oneof![
+                any::<i64>().prop_map(|v| v.to_string()),
+                any::<f64>().prop_map(|v| format!("{v:e}")),
+                Just("null".to_string()),
+                Just("\"silu\"".to_string()),
+                Just("[\"sliding_attention\"]".to_string()),
+                Just("{\"rope_type\": \"linear\", \"factor\": 0}".to_string()),
+                Just("[]".to_string()),
+            ],
+            flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+        ) {
+            let mut v = llama();
+            v[field] = serde_json::from_str(&value).unwrap_or(Value::Null);
+            let mut bytes = v.to_string().into_bytes();
+            for (i, x) in flips {
+                let i = i % bytes.len();
+                bytes[i] ^= x;
+            }
+            if let Ok(cfg) = DecoderConfig::from_hf_json(&String::from_utf8_lossy(&bytes)) {
+                prop_assert!(cfg.validate().is_ok());
+            }
+        }
+    }
+}

@@ -67,7 +67,7 @@ mod weights;
 #[cfg(test)]
 mod weights_tests;
 
-pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM};
+pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE};
 pub use hf_config::HfArchitecture;
 pub use names::{hf_layout, ParamSource};
 pub use rope::{RopeConfig, RopeScaling};

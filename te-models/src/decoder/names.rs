@@ -152,7 +152,10 @@ mod tests {
     fn gemma_layout_maps_the_sandwich_norms_and_fuses_qkv_and_fc1() {
         let cfg = gemma_like();
         let layout = hf_layout(&cfg);
-        assert_eq!(layout.iter().map(|p| p.shape.iter().product::<usize>()).sum::<usize>(), cfg.num_parameters());
+        assert_eq!(
+            layout.iter().map(|p| p.shape.iter().product::<usize>()).sum::<usize>() as u64,
+            cfg.num_parameters()
+        );
         let get = |name: &str| layout.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("{name}"));
         let qkv = get("layers.1.self_attention.layernorm_qkv.weight");
         assert_eq!(qkv.shape, [128, 32]);
@@ -197,7 +200,10 @@ mod tests {
             ..gemma_like()
         };
         let layout = hf_layout(&cfg);
-        assert_eq!(layout.iter().map(|p| p.shape.iter().product::<usize>()).sum::<usize>(), cfg.num_parameters());
+        assert_eq!(
+            layout.iter().map(|p| p.shape.iter().product::<usize>()).sum::<usize>() as u64,
+            cfg.num_parameters()
+        );
         let get = |name: &str| layout.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("{name}"));
         assert_eq!(
             get("layers.0.layernorm_mlp.layer_norm_weight").hf[0].0,

@@ -229,3 +229,29 @@ fn corrupt_files_are_named() {
     let e = DecoderWeights::from_hf_dir(dir.path()).unwrap_err();
     assert!(matches!(&e, DecoderError::Safetensors { path: p, .. } if p == &path), "{e}");
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// A mutated `model.safetensors` (bytes flipped, cut short, or other bytes) imports or is
+        /// refused with a typed error; never a panic.
+        #[test]
+        fn mutated_weight_files_import_or_are_refused(m in te_nn::checkpoint::fuzz::mutation()) {
+            let (dir, _, tensors) = gemma_dir();
+            let path = dir.path().join(SINGLE);
+            write_file(&path, &tensors, DType::BF16, str::to_string);
+            let bytes = std::fs::read(&path).unwrap();
+            std::fs::write(&path, m.apply(bytes)).unwrap();
+            if let Err(e) = DecoderWeights::from_hf_dir(dir.path()) {
+                prop_assert!(
+                    matches!(e, DecoderError::Safetensors { .. } | DecoderError::Weights { .. }),
+                    "{e}"
+                );
+            }
+        }
+    }
+}
