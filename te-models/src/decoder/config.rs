@@ -169,10 +169,12 @@ pub struct DecoderConfig {
     /// `cap · tanh(logits / cap)` on the final logits (`final_logit_softcapping`).
     pub final_logit_softcapping: Option<f32>,
     /// `cap · tanh(scores / cap)` on the attention scores before the mask
-    /// (`attn_logit_softcapping`).
+    /// (`attn_logit_softcapping`, Gemma 2's). [`DecoderConfig::from_hf_config`] leaves it unset
+    /// for Gemma 3, whose `Gemma3Attention` reads the field and does not apply it.
     pub attn_logit_softcapping: Option<f32>,
-    /// The context the model was trained for (`max_position_embeddings`): the default window of
-    /// perplexity; RoPE itself has no limit.
+    /// The context the model was trained for (`max_position_embeddings`): a natural
+    /// `max_length` for perplexity. Informational: RoPE has no table, and nothing here refuses
+    /// longer sequences.
     pub max_position_embeddings: usize,
     /// Beginning-of-sequence token (`bos_token_id`).
     pub bos_token_id: Option<u32>,

@@ -8,8 +8,11 @@
 //!
 //! Token ids → embedding (× `√hidden` when [`DecoderConfig::scale_embeddings`]) → `num_layers`
 //! pre-norm layers → final norm → LM head (the embedding when tied) → `cap · tanh(logits / cap)`
-//! when [`DecoderConfig::final_logit_softcapping`] is set. Layer `l` (transformers'
-//! `LlamaDecoderLayer`, `Qwen2DecoderLayer`, `Qwen3DecoderLayer`, `Gemma3DecoderLayer`):
+//! when [`DecoderConfig::final_logit_softcapping`] is set (`Gemma3ForCausalLM.forward`). Layer `l`
+//! (transformers' `LlamaDecoderLayer` in `modeling_llama.py`, `Qwen2DecoderLayer` in
+//! `modeling_qwen2.py`, `Qwen3DecoderLayer` in `modeling_qwen3.py`, `Gemma3DecoderLayer` in
+//! `modeling_gemma3.py`; attention as their `eager_attention_forward`, the sliding mask as
+//! `masking_utils.sliding_window_overlay`):
 //!
 //! ```text
 //! q|k|v = norm₁(x) · W_qkvᵀ (+ b_qkv)          [tokens, (heads + 2·groups)·head_dim]
@@ -22,8 +25,10 @@
 //! x     = x + post_mlp_norm(m · W_fc2ᵀ (+ b))
 //! ```
 //!
-//! Norms are RMSNorm (`x / √(mean(x²) + ε) · γ`, or `· (1 + γ)` with
-//! [`DecoderConfig::zero_centered_gamma`]) or LayerNorm.
+//! Norms are RMSNorm (`x / √(mean(x²) + ε) · γ`: `LlamaRMSNorm`, `Qwen2RMSNorm`, `Qwen3RMSNorm`;
+//! `· (1 + γ)` with [`DecoderConfig::zero_centered_gamma`]: `Gemma3RMSNorm`) or LayerNorm. RoPE is
+//! [`RopeConfig`] (`modeling_rope_utils.py`), the embedding multiplier Gemma's
+//! `Gemma3TextScaledWordEmbedding`.
 //!
 //! # Parameter names
 //!
