@@ -4,6 +4,8 @@ Hugging Face transformers' own modeling code: for Llama, Qwen2, Qwen3 and Gemma 
 with random weights (created from a config, weights rounded to BF16 (Qwen2: F16) and saved with
 `save_pretrained`: config.json + model.safetensors in that dtype), and `reference.safetensors`
 with the f32 logits transformers computes on fixed token ids and its greedy continuations.
+Qwen2 is saved in shards, so the import of a sharded directory is tested on transformers' own
+index.
 The Rust tests (te-models/tests/decoder_hf.rs) read these files; CI needs no Python.
 
 Regenerate (CPU is enough; a few seconds):
@@ -150,7 +152,9 @@ def main():
                     pad_token_id=0,
                 )[0, len(s):]
                 greedy[j, : len(gen)] = gen.to(torch.int32)
-        model.to(dtype).save_pretrained(out)
+        # Qwen2 is saved in shards (model.safetensors.index.json + model-0000i-of-0000n.safetensors).
+        shard = "60KB" if name == "qwen2" else "50GB"
+        model.to(dtype).save_pretrained(out, max_shard_size=shard)
         # The config keeps `dtype`; drop fields irrelevant here to keep the file small and stable.
         save_file(
             {
