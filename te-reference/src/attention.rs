@@ -73,6 +73,18 @@ fn forward_f64(
     k: &[f64],
     v: &[f64],
 ) -> (Vec<f64>, Vec<f64>) {
+    forward_f64_capped(c, seq_lens, q, k, v, None)
+}
+
+/// `(out, probs)` in f64, the scores `cap · tanh(score / cap)` when `softcap` is given.
+fn forward_f64_capped(
+    c: &AttentionShape,
+    seq_lens: Option<&[usize]>,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    softcap: Option<f64>,
+) -> (Vec<f64>, Vec<f64>) {
     let (d, dv, hpg, scale) = (c.head_dim, c.head_dim_v, c.heads_per_group(), c.scale as f64);
     let (qs, ks, vs, os) = (c.q_strides(), c.k_strides(), c.v_strides(), c.o_strides());
     let mut out = vec![0.0; c.out_len()];
@@ -86,7 +98,8 @@ fn forward_f64(
                     .map(|j| {
                         c.attends(lengths, i, j).then(|| {
                             let dot: f64 = (0..d).map(|x| q[qs.index(b, i, h, x)] * k[ks.index(b, j, g, x)]).sum();
-                            scale * dot
+                            let score = scale * dot;
+                            softcap.map_or(score, |cap| cap * (score / cap).tanh())
                         })
                     })
                     .collect();
@@ -165,6 +178,26 @@ fn backward_f64(
 pub fn forward(shape: &AttentionShape, seq_lens: Option<&[usize]>, q: &[f32], k: &[f32], v: &[f32]) -> Forward {
     check(shape, seq_lens, [q.len(), k.len(), v.len()]);
     let (out, probs) = forward_f64(shape, seq_lens, &widen(q), &widen(k), &widen(v));
+    Forward { out: narrow(&out), probs: narrow(&probs) }
+}
+
+/// [`forward`] with the scores soft-capped before the mask and the softmax: `cap · tanh(scale ·
+/// q·k / cap)` (Gemma 2's `attn_logit_softcapping`, transformers' `eager_attention_forward`
+/// with `softcap`; the fused kernels have no softcap). Forward only.
+///
+/// # Panics
+/// As [`forward`], or if `cap` is not finite and > 0 (caller bugs).
+pub fn forward_softcapped(
+    shape: &AttentionShape,
+    seq_lens: Option<&[usize]>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    cap: f32,
+) -> Forward {
+    check(shape, seq_lens, [q.len(), k.len(), v.len()]);
+    assert!(cap.is_finite() && cap > 0.0, "the softcap must be finite and > 0, got {cap}");
+    let (out, probs) = forward_f64_capped(shape, seq_lens, &widen(q), &widen(k), &widen(v), Some(f64::from(cap)));
     Forward { out: narrow(&out), probs: narrow(&probs) }
 }
 
@@ -328,6 +361,28 @@ mod tests {
     }
 
     /// With q = 0 every attended key scores the same: the output is the mean of their values.
+    /// Soft-capping squashes the scores through `cap · tanh(s / cap)` before the softmax: with
+    /// one key per query the output is v whatever the cap, with two the probabilities are the
+    /// softmax of the capped scores, and a huge cap changes nothing.
+    #[test]
+    fn softcapped_scores_go_through_tanh() {
+        let c = AttentionShape::new(QkvFormat::Bshd.into(), 1, (2, 2), (1, 1), 2)
+            .with_scale(1.0)
+            .with_mask(AttnMaskType::Causal, None);
+        let (q, k, v) = ([3.0f32, 1.0, 2.0, 0.0], [1.0f32, 2.0, 4.0, -1.0], [1.0f32, 10.0, -2.0, 6.0]);
+        let capped = forward_softcapped(&c, None, &q, &k, &v, 2.0);
+        assert_eq!(&capped.out[..2], &v[..2], "the first query sees one key");
+        let (s0, s1) = (2.0f64 * (2.0f64 / 2.0).tanh(), 2.0f64 * (8.0f64 / 2.0).tanh());
+        let p1 = 1.0 / (1.0 + (s0 - s1).exp());
+        assert!((f64::from(capped.probs[3]) - p1).abs() < 1e-6, "{:?}", capped.probs);
+        let plain = forward(&c, None, &q, &k, &v);
+        assert_ne!(plain.probs[3], capped.probs[3]);
+        let loose = forward_softcapped(&c, None, &q, &k, &v, 1e9);
+        for (a, b) in loose.out.iter().zip(&plain.out) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+
     #[test]
     fn equal_scores_give_uniform_attention() {
         for format in FORMATS {

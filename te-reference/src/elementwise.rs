@@ -1,4 +1,4 @@
-//! Family 8 reference: element-wise add and in-place add.
+//! Family 8 reference: element-wise add and in-place add; soft-capping ([`softcap`]).
 //!
 //! Mirrors `te-codegen/templates/elementwise.cu.tera`: both operands (already values of their dtypes) are
 //! added in f32 and the sum is rounded once, to nearest even, to the output type. Finite and
@@ -28,9 +28,28 @@ pub fn add_assign(dst: &mut [f32], dst_dtype: DType, src: &[f32]) {
     }
 }
 
+/// `cap · tanh(x / cap)` of each element in f32, in transformers' order (`x / cap`, `tanh`, `·
+/// cap`): Gemma's `final_logit_softcapping` on the logits.
+///
+/// # Panics
+/// If `cap` is not finite and > 0 (a caller bug).
+pub fn softcap(x: &[f32], cap: f32) -> Vec<f32> {
+    assert!(cap.is_finite() && cap > 0.0, "the softcap must be finite and > 0, got {cap}");
+    x.iter().map(|&v| (v / cap).tanh() * cap).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn softcap_squashes_into_the_cap_and_keeps_small_values() {
+        let y = softcap(&[0.0, 1e-3, 30.0, -1e6, f32::INFINITY], 30.0);
+        assert_eq!(y[0], 0.0);
+        assert!((y[1] - 1e-3).abs() < 1e-9, "near 0 it is the identity");
+        assert!((y[2] - 30.0 * 1f32.tanh()).abs() < 1e-5);
+        assert_eq!((y[3], y[4]), (-30.0, 30.0));
+    }
 
     #[test]
     fn the_sum_is_rounded_once_to_nearest_even() {
