@@ -62,9 +62,11 @@
 //! TE's `zero_centered_gamma` stores them too).
 
 mod config;
+mod gguf;
 mod hf_config;
 #[cfg(test)]
 mod hf_config_tests;
+mod load;
 mod names;
 mod rope;
 mod safetensors_dir;
@@ -74,6 +76,7 @@ mod weights_tests;
 
 pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE};
 pub use hf_config::HfArchitecture;
+pub use load::{load_model, LoadedModel, ModelSource};
 pub use names::{hf_layout, ParamSource};
 pub use rope::{RopeConfig, RopeScaling};
 pub use weights::{DecoderWeights, WeightReport, WeightTensor};
@@ -152,9 +155,12 @@ pub enum DecoderError {
         /// What is wrong and what to change.
         message: String,
     },
-    /// An error of the sampler or another runtime piece.
+    /// An error of the sampler, the GGUF reader or another runtime piece.
     #[error(transparent)]
     Runtime(#[from] te_runtime::Error),
+    /// The model's tokenizer could not be read.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
 }
 
 impl DecoderError {

@@ -139,6 +139,10 @@ pub enum TokenizerError {
         /// The flag (`add_bos`, `add_eos`).
         flag: &'static str,
     },
+    /// A GGUF file's tokenizer keys that are missing or of the wrong type (the reader's error
+    /// names the file and the key).
+    #[error(transparent)]
+    Gguf(#[from] te_runtime::Error),
     /// A GGUF tokenizer variant this layer does not implement.
     #[error("unsupported tokenizer: {message}")]
     Unsupported {

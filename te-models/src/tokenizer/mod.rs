@@ -31,6 +31,7 @@
 
 mod bpe;
 mod error;
+mod gguf;
 mod hf;
 mod pieces;
 mod specials;

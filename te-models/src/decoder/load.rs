@@ -1,0 +1,73 @@
+//! A decoder LLM and its tokenizer from what users have on disk: a GGUF file (llama.cpp,
+//! Ollama) or a Hugging Face model directory (`config.json`, `*.safetensors`,
+//! `tokenizer.json`) — [`load_model`].
+
+use super::{DecoderError, DecoderResult, DecoderWeights};
+use crate::gguf::GgufFile;
+use crate::tokenizer::Tokenizer;
+use std::path::{Path, PathBuf};
+
+/// Where a [`LoadedModel`] came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A GGUF file: its path and the ggml types its tensors were stored in (`Q4_K`, `Q8_0`, ...).
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// The distinct ggml types of its tensors, sorted.
+        types: Vec<String>,
+    },
+    /// A Hugging Face model directory.
+    HuggingFace {
+        /// The directory.
+        dir: PathBuf,
+    },
+}
+
+/// A decoder's weights (f32, Hugging Face layout mapped onto TE names) with its tokenizer.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// The configuration and weights.
+    pub weights: DecoderWeights,
+    /// The tokenizer (`tokenizer.json` of the directory, or the GGUF file's vocabulary).
+    pub tokenizer: Tokenizer,
+    /// Where it came from.
+    pub source: ModelSource,
+}
+
+/// Loads the decoder at `path`: a `.gguf` file ([`DecoderWeights::from_gguf`],
+/// [`Tokenizer::from_gguf`]) or a Hugging Face directory ([`DecoderWeights::from_hf_dir`],
+/// [`Tokenizer::from_hf_dir`]). The tokenizer's vocabulary must cover the model's.
+///
+/// # Errors
+/// [`DecoderError::MissingFile`] for a path that is neither; the errors of the readers (each
+/// naming the file, key or tensor); [`DecoderError::Tokenizer`]; [`DecoderError::Config`] when
+/// the tokenizer has more tokens than the embedding has rows.
+pub fn load_model(path: &Path) -> DecoderResult<LoadedModel> {
+    let (weights, tokenizer, source) = if path.is_dir() {
+        let weights = DecoderWeights::from_hf_dir(path)?;
+        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        (weights, tokenizer, ModelSource::HuggingFace { dir: path.to_path_buf() })
+    } else if path.is_file() {
+        let file = GgufFile::open(path)?;
+        let weights = DecoderWeights::from_gguf(&file)?;
+        let tokenizer = Tokenizer::from_gguf(file.metadata())?;
+        let mut types: Vec<String> = file.tensors().iter().map(|t| format!("{:?}", t.ggml_type())).collect();
+        types.sort();
+        types.dedup();
+        (weights, tokenizer, ModelSource::Gguf { path: path.to_path_buf(), types })
+    } else {
+        return Err(DecoderError::MissingFile { path: path.to_path_buf() });
+    };
+    let vocab = weights.config().vocab_size;
+    if tokenizer.vocab_size() > vocab {
+        return Err(DecoderError::config(
+            "vocab_size",
+            format!(
+                "the tokenizer has {} tokens and the model's embedding {vocab} rows: they are not of the same model",
+                tokenizer.vocab_size()
+            ),
+        ));
+    }
+    Ok(LoadedModel { weights, tokenizer, source })
+}
