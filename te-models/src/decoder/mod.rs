@@ -66,6 +66,7 @@ mod gguf;
 mod hf_config;
 #[cfg(test)]
 mod hf_config_tests;
+mod lm;
 mod load;
 mod names;
 mod rope;
@@ -76,6 +77,7 @@ mod weights_tests;
 
 pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE};
 pub use hf_config::HfArchitecture;
+pub use lm::{CausalLm, DecodeOptions, Perplexity};
 pub use load::{load_model, LoadedModel, ModelSource};
 pub use names::{hf_layout, ParamSource};
 pub use rope::{RopeConfig, RopeScaling};

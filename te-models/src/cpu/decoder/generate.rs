@@ -7,28 +7,8 @@
 //! configuration stops there (the EOS is its last token) while the others go on.
 
 use super::DecoderRef;
+use crate::decoder::DecodeOptions;
 use crate::decoder::{DecoderError, DecoderResult};
-use crate::generate::SamplingConfig;
-
-/// How [`DecoderRef::generate`] continues the prompts.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DecodeOptions {
-    /// New tokens per sequence at most.
-    pub max_new_tokens: usize,
-    /// How each token is drawn.
-    pub sampling: SamplingConfig,
-    /// The Philox stream of the draws.
-    pub seed: u64,
-    /// Stop a sequence at an end-of-sequence token of the configuration (`eos_token_ids`).
-    pub stop_at_eos: bool,
-}
-
-impl DecodeOptions {
-    /// Greedy decoding of up to `max_new_tokens` tokens, stopping at EOS.
-    pub fn greedy(max_new_tokens: usize) -> Self {
-        Self { max_new_tokens, sampling: SamplingConfig::greedy(), seed: 0, stop_at_eos: true }
-    }
-}
 
 impl DecoderRef {
     /// Continues each prompt of `prompts` (token ids, any lengths ≥ 1; a BOS is the caller's to

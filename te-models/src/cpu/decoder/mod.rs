@@ -31,9 +31,8 @@ mod perplexity;
 #[cfg(test)]
 mod tests;
 
+pub use crate::decoder::{DecodeOptions, Perplexity};
 pub use cache::DecoderKvCache;
-pub use generate::DecodeOptions;
-pub use perplexity::Perplexity;
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights};
 use layer::Layer;
@@ -301,5 +300,32 @@ impl DecoderRef {
             .iter()
             .map(|s| if s.is_empty() { Vec::new() } else { rows_iter.next().map_or_else(Vec::new, <[f32]>::to_vec) })
             .collect())
+    }
+}
+
+impl crate::decoder::CausalLm for DecoderRef {
+    fn config(&self) -> &DecoderConfig {
+        DecoderRef::config(self)
+    }
+
+    fn describe(&self) -> String {
+        let precision = match self.precision {
+            DecoderPrecision::F32 => "f32",
+            DecoderPrecision::Bf16 => "bf16 GEMM inputs",
+        };
+        format!("CPU ({} threads), {precision}", rayon::current_num_threads())
+    }
+
+    fn generate(
+        &mut self,
+        prompts: &[Vec<i32>],
+        opts: &DecodeOptions,
+        on_token: &mut dyn FnMut(usize, i32) -> DecoderResult<()>,
+    ) -> DecoderResult<Vec<Vec<i32>>> {
+        DecoderRef::generate(self, prompts, opts, on_token)
+    }
+
+    fn perplexity(&mut self, tokens: &[i32], max_length: usize, stride: usize) -> DecoderResult<Perplexity> {
+        DecoderRef::perplexity(self, tokens, max_length, stride)
     }
 }

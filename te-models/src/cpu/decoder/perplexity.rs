@@ -6,23 +6,11 @@
 //! runs on blocks of rows, so the logits of a whole window are never held at once.
 
 use super::DecoderRef;
-use crate::decoder::{DecoderError, DecoderResult};
+use crate::decoder::{DecoderError, DecoderResult, Perplexity};
 use crate::gpt::IGNORE_INDEX;
 
 /// Rows of logits computed at once.
 const ROWS: usize = 32;
-
-/// The result of [`DecoderRef::perplexity`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Perplexity {
-    /// Mean negative log-likelihood per scored token (nats).
-    pub mean_nll: f64,
-    /// `exp(mean_nll)`.
-    pub perplexity: f64,
-    /// Tokens scored: every token but the first, and but the first of each window when windows
-    /// are disjoint (`stride = max_length`: such a token has no context in its window).
-    pub tokens: usize,
-}
 
 impl DecoderRef {
     /// The perplexity of `tokens` (see the module docs): each token is scored at most once,
