@@ -22,6 +22,7 @@ mod cast_transpose;
 mod dropout;
 mod elementwise;
 mod gemm;
+mod decoder;
 mod generate;
 mod gpt;
 mod grouped_gemm;
@@ -52,7 +53,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 19] = [
+        let families: [fn(&mut Bench); 20] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -71,6 +72,7 @@ fn main() {
             modules::run,
             gpt::run,
             generate::run,
+            decoder::run,
             breakdown::run,
         ];
         for run in families {

@@ -59,6 +59,9 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
         for &j in &hp {
             v.push(EmbeddingSpec::backward(i, j, arch).into());
             v.push(ElementwiseSpec::add_assign(i, j, arch).into());
+            if i == j {
+                v.push(ElementwiseSpec::scale_assign(i, arch).into());
+            }
             for &o in &hp {
                 v.push(ElementwiseSpec::add(i, j, o, arch).into());
             }
@@ -91,6 +94,15 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                 if d.max(dv) <= 128 {
                     v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).with_head_dim_v(dv).into());
                 }
+            }
+        }
+    }
+    for &i in &hp {
+        // The fused qkv + RoPE + cache step: the largest head dim of the dtype, a small one, and
+        // each norm option.
+        for d in [64, QkvRopeSpec::max_d(i)] {
+            for (qk_norm, zc) in [(false, false), (true, false), (true, true)] {
+                v.push(QkvRopeSpec::new(i, d, qk_norm, zc, arch).into());
             }
         }
     }

@@ -23,6 +23,7 @@ pub mod moe;
 pub mod moe_mlp;
 pub mod norm;
 pub mod optimizer;
+pub mod qkv_rope;
 pub mod rope;
 pub mod scaling;
 pub mod softmax;

@@ -3,7 +3,7 @@
 //! `padding_causal_bottom_right` mask with `sq = 1`), at the tolerances of `attention`: head
 //! dims 32 to 256 (96: idle lanes), bf16 and f16, GQA and MQA, one split and many (a long cache
 //! on few queries), lengths 0 (zeros), 1, not multiples of anything, and the full capacity; q, k
-//! and v read from a fused QKV projection's rows; and typed errors.
+//! and v read from a fused QKV projection's rows; sliding windows (`(left, 0)`); and typed errors.
 
 use crate::attention::check;
 use crate::common::{device, randn};
@@ -82,6 +82,12 @@ fn decode_matches_the_reference_over_head_dims_and_lengths() {
     check_step(&dev, DType::F16, params(2, 4, 1, 128, 40), &[0, 40], 12);
     let lens: Vec<usize> = (0..32).map(|j| 1 + j * 29 % 128).collect();
     check_step(&dev, DType::BF16, params(32, 4, 4, 64, 128), &lens, 13);
+    // Sliding windows (Gemma 3's local layers: MQA, d 256): a window shorter than the cache, one
+    // longer than a sequence, and a window of a single key (left 0).
+    let window = |p: AttentionShape, left| p.with_sliding_window(Some((left, 0)));
+    check_step(&dev, DType::BF16, window(params(3, 4, 1, 256, 1024), 511), &[1000, 300, 512], 14);
+    check_step(&dev, DType::F16, window(params(1, 8, 2, 128, 2048), 100), &[1777], 15);
+    check_step(&dev, DType::BF16, window(params(2, 4, 2, 64, 64), 0), &[64, 9], 16);
 }
 
 #[test]

@@ -47,6 +47,8 @@ pub enum ArgCond {
     Padding,
     /// TMA tensor maps of the inputs (the warp-specialized attention forward).
     Tma,
+    /// The per-head q and k norms' weights and epsilon (the fused qkv + RoPE step).
+    QkNorm,
 }
 
 /// One parameter of a kernel entry point.

@@ -87,6 +87,11 @@ impl DecodeAttnSpec {
         KernelArg::scalar("splits", "u32", "key chunks per query"),
         KernelArg::scalar("chunk", "u32", "keys per chunk"),
         KernelArg::scalar("scale_log2", "float", "softmax_scale · log2(e)"),
+        KernelArg::scalar(
+            "window_left",
+            "int",
+            "sliding window: the query at position `len − 1` sees keys from `len − 1 − window_left`; −1: all",
+        ),
     ];
 
     /// Arguments of the combine kernel (entry point 1).

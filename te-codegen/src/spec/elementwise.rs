@@ -13,6 +13,8 @@ pub enum ElementwiseOp {
     Add,
     /// `dst += src` in place.
     AddAssign,
+    /// `dst *= alpha` in place (`ElementwiseSpec::scale_assign`: Gemma's embedding multiplier).
+    ScaleAssign,
 }
 
 impl ElementwiseOp {
@@ -21,6 +23,7 @@ impl ElementwiseOp {
         match self {
             ElementwiseOp::Add => "add",
             ElementwiseOp::AddAssign => "add_assign",
+            ElementwiseOp::ScaleAssign => "scale_assign",
         }
     }
 }
@@ -70,6 +73,11 @@ impl ElementwiseSpec {
 
     /// Default tuning: 16-byte accesses of the widest of the three types (8 or 4 bytes of the
     /// narrower ones), 4 vectors per operand in flight per thread, 256 threads per block.
+    /// `dst *= alpha` in place: `dst[i] = round(f32(dst[i]) · alpha)`.
+    pub fn scale_assign(dst: DType, arch: Arch) -> Self {
+        Self::with_defaults(ElementwiseOp::ScaleAssign, dst, dst, dst, arch)
+    }
+
     fn with_defaults(op: ElementwiseOp, a: DType, b: DType, out: DType, arch: Arch) -> Self {
         let widest = a.size_bytes().max(b.size_bytes()).max(out.size_bytes());
         Self { op, a, b, out, vec: 16 / widest, unroll: 4, threads: 256, arch }
@@ -93,6 +101,13 @@ impl ElementwiseSpec {
         KernelArg::read("src", "const void* __restrict__", "`[n]` added"),
         KernelArg::scalar("n", "u64", "elements"),
     ];
+
+    /// Arguments of the in-place scale.
+    pub const SCALE_ASSIGN_ARGS: &'static [KernelArg] = &[
+        KernelArg::read_write("dst", "void* __restrict__", "`[n]` updated in place: `dst *= alpha`"),
+        KernelArg::scalar("n", "u64", "elements"),
+        KernelArg::scalar("alpha", "float", "the factor"),
+    ];
 }
 
 impl Family for ElementwiseSpec {
@@ -100,6 +115,7 @@ impl Family for ElementwiseSpec {
         match self.op {
             ElementwiseOp::Add => Self::ADD_ARGS,
             ElementwiseOp::AddAssign => Self::ADD_ASSIGN_ARGS,
+            ElementwiseOp::ScaleAssign => Self::SCALE_ASSIGN_ARGS,
         }
     }
     fn family(&self) -> &'static str {
@@ -116,6 +132,7 @@ impl Family for ElementwiseSpec {
             ElementwiseOp::AddAssign => {
                 format!("{}_{}_v{}_u{}_t{}", self.a, self.b, self.vec, self.unroll, self.threads)
             }
+            ElementwiseOp::ScaleAssign => format!("{}_v{}_u{}_t{}", self.a, self.vec, self.unroll, self.threads),
         }
     }
     fn arch(&self) -> Arch {
@@ -134,6 +151,7 @@ impl Family for ElementwiseSpec {
         let (a, b) = match self.op {
             ElementwiseOp::Add => ("a", "b"),
             ElementwiseOp::AddAssign => ("dst", "src"),
+            ElementwiseOp::ScaleAssign => ("dst", "dst"),
         };
         for (arg, dt) in [(a, self.a), (b, self.b), ("out", self.out)] {
             if !dt.is_high_precision() {
@@ -142,6 +160,9 @@ impl Family for ElementwiseSpec {
                     self.op.name()
                 ));
             }
+        }
+        if self.op == ElementwiseOp::ScaleAssign && (self.b != self.a || self.out != self.a) {
+            return Err(format!("scale_assign reads and writes `dst` ({}) only", self.a));
         }
         if self.op == ElementwiseOp::AddAssign && self.out != self.a {
             return Err(format!(

@@ -42,6 +42,7 @@ mod moe;
 mod moe_router;
 mod norm;
 mod optimizer;
+mod qkv_rope;
 mod rope;
 mod scaling;
 mod softmax;
@@ -63,6 +64,7 @@ pub use moe::MoePermuteSpec;
 pub use moe_router::MoeRouterSpec;
 pub use norm::{NormKind, NormSpec};
 pub use optimizer::{OptimizerKind, OptimizerSpec};
+pub use qkv_rope::QkvRopeSpec;
 pub use rope::{RopeFormat, RopeSpec};
 pub use scaling::{AmaxComputeAlgo, ScalingKind, ScalingSpec};
 pub use softmax::{MaskKind, SoftmaxSpec};
@@ -202,6 +204,9 @@ kernel_families! {
     MoeRouter(MoeRouterSpec) => ["moe_router.cu.tera"],
     /// Family 19: grouped GEMM with the group sizes on the device (Hopper wgmma).
     GroupedGemm(GroupedGemmSpec) => ["grouped_gemm.cu.tera"],
+    /// Family 20: the attention input of a generation step fused: qk-norm, RoPE at each token's
+    /// position, queries out and keys and values appended to the KV cache.
+    QkvRope(QkvRopeSpec) => ["qkv_rope.cu.tera"],
 }
 
 impl KernelSpec {

@@ -63,6 +63,7 @@
 
 mod config;
 mod gguf;
+pub mod gpu;
 mod hf_config;
 #[cfg(test)]
 mod hf_config_tests;
@@ -77,6 +78,7 @@ mod weights_tests;
 
 pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE};
 pub use hf_config::HfArchitecture;
+pub use gpu::{Decoder, DecoderCache, GpuPrecision};
 pub use lm::{CausalLm, DecodeOptions, Perplexity};
 pub use load::{load_model, LoadedModel, ModelSource};
 pub use names::{hf_layout, ParamSource};

@@ -108,6 +108,15 @@ impl AttentionShape {
             .with_mask(AttnMaskType::PaddingCausalBottomRight, None)
     }
 
+    /// With the sliding window `(left, 0)` of a causal mask (transformers' `sliding_window = left
+    /// + 1`), or none: the decode kernels take this one window kind.
+    pub fn with_sliding_window(self, window: Option<(i64, i64)>) -> Self {
+        match window {
+            Some(w) => self.with_mask(self.mask, Some(w)),
+            None => self,
+        }
+    }
+
     /// With `mask` and TE's `window_size` resolved for it ([`AttnMaskType::window`]: `None` is no
     /// window, `(left, 0)` for causal masks). A window TE refuses is kept as given, so that
     /// [`AttentionShape::validate`] says why.

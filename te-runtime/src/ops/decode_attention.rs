@@ -40,11 +40,14 @@ pub struct Strided<'a> {
 fn check(p: &AttentionShape) -> Result<()> {
     p.validate(OP)?;
     let shape = |message: String| Err(Error::Shape { op: OP, message });
-    let decode = AttentionShape::decode(p.batch, p.heads, p.groups, p.head_dim, p.sk, p.scale);
+    // A sliding window (left, 0) of the causal mask is taken: the split kernel starts there.
+    let window = if p.window.0 >= 0 && p.window.1 == 0 { Some(p.window) } else { None };
+    let decode =
+        AttentionShape::decode(p.batch, p.heads, p.groups, p.head_dim, p.sk, p.scale).with_sliding_window(window);
     if *p != decode {
         return shape(format!(
             "the decode kernels attend one query per sequence over its cached keys: sq = 1, the bshd cache's capacity \
-             as sk, one head dim, padding_causal_bottom_right without a window, no dropout (AttentionShape::decode); \
+             as sk, one head dim, padding_causal_bottom_right with no window or a sliding one (left, 0), no dropout (AttentionShape::decode); \
              got sq = {}, head_dim_v = {} (head_dim {}), {} {} window {:?}, dropout {:?}",
             p.sq,
             p.head_dim_v,
@@ -246,7 +249,8 @@ pub fn decode(
         l.ptr("o_partial", &mut o_partial).ptr("ml_partial", &mut ml_partial);
         l.scalar("q_batch", &q_row).scalar("heads", &heads).scalar("groups", &groups);
         l.scalar("capacity", &capacity).scalar("splits", &splits_arg).scalar("chunk", &chunk_arg);
-        l.scalar("scale_log2", &scale_log2);
+        let window_left = if p.window.0 >= 0 { p.window.0.min(i64::from(i32::MAX)) as i32 } else { -1 };
+        l.scalar("scale_log2", &scale_log2).scalar("window_left", &window_left);
         let cfg = LaunchConfig {
             grid_dim: (splits as u32, queries as u32, 1),
             block_dim: (threads, 1, 1),

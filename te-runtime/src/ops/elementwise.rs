@@ -68,6 +68,32 @@ pub fn add_assign(dev: &Device, dst: &mut Tensor, src: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `dst *= alpha` in place: `dst[i] = round(f32(dst[i]) · alpha)` (f32 math, rounded once to
+/// `dst`'s dtype; `alpha` as given: Gemma's embedding multiplier is passed already rounded to the
+/// model's dtype, as transformers does).
+///
+/// # Errors
+/// [`crate::Error::DType`] for an FP8 `dst`, [`crate::Error::Shape`] for an empty one,
+/// [`crate::Error::Argument`] for a non-finite `alpha`; compile and launch failures.
+pub fn scale_assign(dev: &Device, dst: &mut Tensor, alpha: f32) -> Result<()> {
+    const OP: &str = "scale_assign";
+    check_dtype(OP, "dst", dst, DType::is_high_precision, HIGH_PRECISION)?;
+    check_nonempty(OP, "dst", dst)?;
+    if !alpha.is_finite() {
+        return Err(crate::Error::Argument { op: OP, message: format!("alpha = {alpha} must be finite") });
+    }
+    let spec = ElementwiseSpec::scale_assign(dst.dtype(), dev.arch());
+    let f = dev.function(&KernelSpec::Elementwise(spec), 0)?;
+    let numel = dst.numel();
+    let n = numel as u64;
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder.ptr("dst", dst.data_mut()?).scalar("n", &n).scalar("alpha", &alpha);
+    // SAFETY: the arguments follow the scale_assign signature documented on `ElementwiseSpec`:
+    // `dst` holds `n` elements of the spec's dtype (checked above).
+    unsafe { builder.launch(launch_config(dev, &spec, numel)) }?;
+    Ok(())
+}
+
 /// Enough blocks for each thread to have `unroll` vectors in flight, capped by the grid-stride
 /// limit; at least one block (for the tail when `n < vec`).
 fn launch_config(dev: &Device, spec: &ElementwiseSpec, n: usize) -> LaunchConfig {

@@ -21,6 +21,7 @@ pub mod moe;
 pub mod moe_router;
 pub mod norm;
 pub mod optimizer;
+pub mod qkv_rope;
 pub mod rope;
 pub mod scaling;
 pub mod softmax;

@@ -1,0 +1,166 @@
+//! Generation and perplexity on [`Decoder`], and its [`CausalLm`] implementation: the same
+//! conventions as the CPU twin ([`crate::cpu::decoder::DecoderRef`]): prompts of any lengths in
+//! one prefill, one token per unfinished sequence per step, each drawn by
+//! [`crate::generate::SamplingConfig`] from the Philox stream `(seed, position)` row `j`, EOS
+//! ending a sequence; perplexity with transformers' sliding windows, the loss from the fused
+//! cross-entropy kernel (or on the host when the model soft-caps its logits).
+
+use super::Decoder;
+use crate::decoder::{CausalLm, DecodeOptions, DecoderConfig, DecoderError, DecoderResult, Perplexity};
+use crate::gpt::IGNORE_INDEX;
+use te_runtime::graph::HostCopies;
+use te_runtime::ops::cross_entropy::cross_entropy;
+
+/// Rows of logits computed at once in perplexity.
+const ROWS: usize = 512;
+
+impl Decoder {
+    /// Continues each prompt (see [`CausalLm::generate`]).
+    ///
+    /// # Errors
+    /// As [`CausalLm::generate`].
+    pub fn generate(
+        &mut self,
+        prompts: &[Vec<i32>],
+        opts: &DecodeOptions,
+        on_token: &mut dyn FnMut(usize, i32) -> DecoderResult<()>,
+    ) -> DecoderResult<Vec<Vec<i32>>> {
+        opts.sampling.validate()?;
+        if prompts.is_empty() {
+            return Err(DecoderError::input("no prompt: generation needs a batch of at least one"));
+        }
+        if let Some(j) = prompts.iter().position(Vec::is_empty) {
+            return Err(DecoderError::input(format!("prompt {j} is empty: give at least one token (e.g. BOS)")));
+        }
+        self.check_ids(prompts)?;
+        let b = prompts.len();
+        let mut out: Vec<Vec<i32>> = vec![Vec::with_capacity(opts.max_new_tokens); b];
+        if opts.max_new_tokens == 0 {
+            return Ok(out);
+        }
+        let capacity = prompts.iter().map(Vec::len).max().unwrap_or(1) + opts.max_new_tokens;
+        let mut cache = self.cache(b, capacity)?;
+        let eos: Vec<i32> = self.cfg.eos_token_ids.iter().map(|&e| e as i32).collect();
+        // The prefill: the last position of each prompt.
+        let hidden = self.forward_step(&mut cache, prompts)?;
+        let mut last = Vec::with_capacity(b);
+        let mut acc = 0;
+        for p in prompts {
+            acc += p.len();
+            last.push(acc - 1);
+        }
+        let mut rows = self.gather_rows(&hidden, &last)?;
+        drop(hidden);
+        let mut active = vec![true; b];
+        let v = self.cfg.vocab_size;
+        for step in 0..opts.max_new_tokens {
+            let mut logits = self.head(&rows)?.to_f32(&self.dev)?;
+            self.softcap(&mut logits);
+            let mut next: Vec<Vec<i32>> = vec![Vec::new(); b];
+            for j in 0..b {
+                // Finished sequences keep stepping with their last token (their draws unused), so
+                // every step is one token per sequence: the decode kernels' shape.
+                let prev = *out[j].last().unwrap_or(&prompts[j][prompts[j].len() - 1]);
+                if !active[j] {
+                    next[j].push(prev);
+                    continue;
+                }
+                let position = prompts[j].len() + out[j].len();
+                let token = opts.sampling.sample(&logits[j * v..(j + 1) * v], opts.seed, position as u64, j as u64)? as i32;
+                out[j].push(token);
+                on_token(j, token)?;
+                if opts.stop_at_eos && eos.contains(&token) {
+                    active[j] = false;
+                }
+                next[j].push(token);
+            }
+            if step + 1 == opts.max_new_tokens || !active.contains(&true) {
+                break;
+            }
+            rows = self.forward_step(&mut cache, &next)?;
+        }
+        Ok(out)
+    }
+
+    /// The perplexity of `tokens` (see [`CausalLm::perplexity`]).
+    ///
+    /// # Errors
+    /// As [`CausalLm::perplexity`].
+    pub fn perplexity(&mut self, tokens: &[i32], max_length: usize, stride: usize) -> DecoderResult<Perplexity> {
+        if tokens.len() < 2 {
+            return Err(DecoderError::input("perplexity needs at least 2 tokens (the first is never scored)"));
+        }
+        if max_length < 2 || stride == 0 || stride > max_length {
+            return Err(DecoderError::input(format!(
+                "perplexity needs max_length ≥ 2 and 1 ≤ stride ≤ max_length, got max_length {max_length}, stride \
+                 {stride}"
+            )));
+        }
+        self.check_ids(&[tokens])?;
+        let mut cache = self.cache(1, max_length.min(tokens.len()))?;
+        let (mut total, mut scored, mut prev_end) = (0.0f64, 0usize, 1usize);
+        let mut begin = 0;
+        loop {
+            let end = (begin + max_length).min(tokens.len());
+            let window = &tokens[begin..end];
+            cache.clear();
+            let hidden = self.forward_step(&mut cache, &[window])?;
+            let first_row = prev_end.max(begin + 1) - begin - 1;
+            for r0 in (first_row..window.len() - 1).step_by(ROWS) {
+                let r1 = (r0 + ROWS).min(window.len() - 1);
+                let rows: Vec<usize> = (r0..r1).collect();
+                let logits = self.head(&self.gather_rows(&hidden, &rows)?)?;
+                let targets = &tokens[begin + r0 + 1..begin + r1 + 1];
+                total += self.loss_sum(&logits, targets)?;
+                scored += r1 - r0;
+            }
+            prev_end = end;
+            if end == tokens.len() {
+                break;
+            }
+            begin += stride;
+        }
+        let mean_nll = total / scored as f64;
+        Ok(Perplexity { mean_nll, perplexity: mean_nll.exp(), tokens: scored })
+    }
+
+    /// Σ of the per-token cross-entropy of `logits: [rows, vocab]` against `targets`: the fused
+    /// kernel, or the host reference after soft-capping when the model caps its logits.
+    fn loss_sum(&self, logits: &te_runtime::Tensor, targets: &[i32]) -> DecoderResult<f64> {
+        if self.cfg.final_logit_softcapping.is_some() {
+            let mut host = logits.to_f32(&self.dev)?;
+            self.softcap(&mut host);
+            let (loss, _) = te_reference::cross_entropy::cross_entropy(&host, self.cfg.vocab_size, targets, IGNORE_INDEX, 0.0);
+            return Ok(loss.iter().map(|&l| f64::from(l)).sum());
+        }
+        let stream = self.dev.stream();
+        let targets_dev = stream.htod(targets)?;
+        // SAFETY: f32 has no invalid bit patterns; the kernel writes one loss per row.
+        let mut loss = unsafe { stream.alloc::<f32>(targets.len()) }.map_err(te_runtime::Error::from)?;
+        cross_entropy(&self.dev, logits, &targets_dev, IGNORE_INDEX, &mut loss, None)?;
+        Ok(stream.dtoh(&loss)?.iter().map(|&l| f64::from(l)).sum())
+    }
+}
+
+impl CausalLm for Decoder {
+    fn config(&self) -> &DecoderConfig {
+        Decoder::config(self)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (GPU), {}", self.dev.name(), self.precision.describe())
+    }
+
+    fn generate(
+        &mut self,
+        prompts: &[Vec<i32>],
+        opts: &DecodeOptions,
+        on_token: &mut dyn FnMut(usize, i32) -> DecoderResult<()>,
+    ) -> DecoderResult<Vec<Vec<i32>>> {
+        Decoder::generate(self, prompts, opts, on_token)
+    }
+
+    fn perplexity(&mut self, tokens: &[i32], max_length: usize, stride: usize) -> DecoderResult<Perplexity> {
+        Decoder::perplexity(self, tokens, max_length, stride)
+    }
+}

@@ -1,0 +1,277 @@
+//! One layer of [`super::Decoder`] on the GPU: its modules (te-nn `Norm` and `Linear`, so FP8
+//! GEMMs and `fp8_model_init` weights come with them) and its forward over the packed tokens of a
+//! step (the formula of the [`crate::decoder`] docs): norm → QKV GEMM → the fused qk-norm + RoPE +
+//! cache append (`ops::qkv_rope`) → attention over the cache (the fused attention for a prefill,
+//! the split-K decode kernels for one token per sequence) → projection → (sandwich norm) →
+//! residual → norm → fc1 → activation → fc2 → (sandwich norm) → residual.
+
+use super::cache::{Step, StepAttention};
+use super::{upload, Tensors};
+use crate::decoder::{DecoderConfig, DecoderError, DecoderResult};
+use std::sync::Arc;
+use te_codegen::DType;
+use te_nn::fp8::{fp8_model_init, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Tensor, Quantizer};
+use te_nn::modules::{Activation, Linear, LinearConfig, Norm, NormConfig, NormKind};
+use te_runtime::ops::activation;
+use te_runtime::ops::decode_attention::{decode, Strided};
+use te_runtime::ops::elementwise::add_assign;
+use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
+use te_runtime::ops::qkv_rope::{qkv_rope, QkNorm};
+use te_runtime::{Device, Tensor};
+
+/// A norm module of `cfg`'s kind with the weight (and LayerNorm's bias) under `weight` / `bias`.
+pub(super) fn norm(
+    dev: &Arc<Device>,
+    cfg: &DecoderConfig,
+    t: &mut Tensors,
+    (weight, bias): (&str, &str),
+    hidden: usize,
+) -> DecoderResult<Norm> {
+    let nc = NormConfig {
+        hidden_size: hidden,
+        eps: cfg.layernorm_epsilon,
+        zero_centered_gamma: cfg.zero_centered_gamma,
+        params_dtype: DType::BF16,
+    };
+    let mut m = Norm::new(dev, cfg.normalization, nc)?;
+    m.params_mut().set_weight(upload(dev, t, weight, &[hidden])?)?;
+    if cfg.normalization == NormKind::LayerNorm {
+        m.params_mut().set_bias(upload(dev, t, bias, &[hidden])?)?;
+    }
+    Ok(m)
+}
+
+/// A GEMM `[n_out, n_in]` with an optional bias from `t`; FP8-only (E4M3, its own current
+/// scale) with `fp8`, as TE's `fp8_model_init`.
+pub(super) fn linear(
+    dev: &Arc<Device>,
+    t: &mut Tensors,
+    (weight, bias): (&str, Option<&str>),
+    (n_out, n_in): (usize, usize),
+    fp8: bool,
+) -> DecoderResult<Linear> {
+    let w = upload(dev, t, weight, &[n_out, n_in])?;
+    let b = bias.map(|b| upload(dev, t, b, &[n_out])).transpose()?;
+    linear_from(dev, w, b, fp8)
+}
+
+/// A GEMM of the weight `w: [n_out, n_in]` BF16 (shared, not copied, when kept BF16) and an
+/// optional bias; FP8-only with `fp8`.
+pub(super) fn linear_from(dev: &Arc<Device>, w: Tensor, bias: Option<Tensor>, fp8: bool) -> DecoderResult<Linear> {
+    let (n_out, n_in) = (w.shape()[0], w.shape()[1]);
+    let lc = LinearConfig { bias: bias.is_some(), params_dtype: DType::BF16, init_std: 0.0, ..LinearConfig::new(n_in, n_out) };
+    let mut m = if fp8 { fp8_model_init(true, || Linear::new(dev, lc))? } else { Linear::new(dev, lc)? };
+    if fp8 {
+        m.params_mut().set_fp8_weight(quantize_e4m3(dev, &w)?)?;
+    } else {
+        m.params_mut().set_weight(w)?;
+    }
+    finish(m, bias)
+}
+
+/// A GEMM of the FP8-only weight `w` (shared, not copied), without bias.
+pub(super) fn linear_fp8(dev: &Arc<Device>, w: Float8Tensor) -> DecoderResult<Linear> {
+    let (n_out, n_in) = (w.shape()[0], w.shape()[1]);
+    let lc = LinearConfig { bias: false, params_dtype: DType::BF16, init_std: 0.0, ..LinearConfig::new(n_in, n_out) };
+    let mut m = fp8_model_init(true, || Linear::new(dev, lc))?;
+    m.params_mut().set_fp8_weight(w)?;
+    Ok(m)
+}
+
+fn finish(mut m: Linear, bias: Option<Tensor>) -> DecoderResult<Linear> {
+    if let Some(b) = bias {
+        m.params_mut().set_bias(b)?;
+    }
+    Ok(m)
+}
+
+/// `w` in E4M3 scaled by its own amax (current scaling).
+pub(super) fn quantize_e4m3(dev: &Arc<Device>, w: &Tensor) -> DecoderResult<Float8Tensor> {
+    let q = Float8CurrentScalingQuantizer::new(dev, DType::E4M3, Float8CurrentScaling::default())?;
+    Ok(q.quantize(w, false, None)?)
+}
+
+/// Layer `l`'s modules.
+#[derive(Debug)]
+pub(super) struct Layer {
+    norm1: Norm,
+    qkv: Linear,
+    /// q and k norms' weights `[head_dim]`.
+    qk_norm: Option<[Tensor; 2]>,
+    proj: Linear,
+    post_attn_norm: Option<Norm>,
+    norm2: Norm,
+    fc1: Linear,
+    fc2: Linear,
+    post_mlp_norm: Option<Norm>,
+    /// Index of the layer's RoPE table in the model's.
+    pub rope: usize,
+    /// The sliding window `(left, 0)`, or `None` for a global layer.
+    pub window: Option<(i64, i64)>,
+    activation: Activation,
+}
+
+impl Layer {
+    /// Takes layer `l`'s parameters out of `t` onto the device.
+    pub fn new(
+        dev: &Arc<Device>,
+        cfg: &DecoderConfig,
+        l: usize,
+        t: &mut Tensors,
+        (rope, fp8): (usize, bool),
+    ) -> DecoderResult<Self> {
+        let p = |name: &str| format!("layers.{l}.{name}");
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let activation = cfg.activation.te_activation().ok_or_else(|| {
+            DecoderError::config(
+                "activation",
+                format!("the GPU path has no fused kernel for {} yet: run it with --cpu", cfg.activation.name()),
+            )
+        })?;
+        let (sa, mlp) = ("self_attention", "layernorm_mlp");
+        let qkv_norm = (p(&format!("{sa}.layernorm_qkv.layer_norm_weight")), p(&format!("{sa}.layernorm_qkv.layer_norm_bias")));
+        let norm1 = norm(dev, cfg, t, (&qkv_norm.0, &qkv_norm.1), h)?;
+        let qkv_b = p(&format!("{sa}.layernorm_qkv.bias"));
+        let qkv = linear(
+            dev,
+            t,
+            (&p(&format!("{sa}.layernorm_qkv.weight")), cfg.qkv_bias.then_some(qkv_b.as_str())),
+            (cfg.qkv_size(), h),
+            fp8,
+        )?;
+        let qk_norm = if cfg.qk_norm {
+            let q = upload(dev, t, &p(&format!("{sa}.q_layernorm.weight")), &[d])?;
+            let k = upload(dev, t, &p(&format!("{sa}.k_layernorm.weight")), &[d])?;
+            Some([q, k])
+        } else {
+            None
+        };
+        let proj_b = p(&format!("{sa}.proj.bias"));
+        let proj = linear(
+            dev,
+            t,
+            (&p(&format!("{sa}.proj.weight")), cfg.proj_bias.then_some(proj_b.as_str())),
+            (h, cfg.attention_size()),
+            fp8,
+        )?;
+        let sandwich = |t: &mut Tensors, name: &str| -> DecoderResult<Option<Norm>> {
+            if cfg.sandwich_norm {
+                let (w, b) = (p(&format!("{name}.weight")), p(&format!("{name}.bias")));
+                Ok(Some(norm(dev, cfg, t, (&w, &b), h)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let post_attn_norm = sandwich(t, "post_attention_layernorm")?;
+        let mlp_norm = (p(&format!("{mlp}.layer_norm_weight")), p(&format!("{mlp}.layer_norm_bias")));
+        let norm2 = norm(dev, cfg, t, (&mlp_norm.0, &mlp_norm.1), h)?;
+        let (fc1_b, fc2_b) = (p(&format!("{mlp}.fc1_bias")), p(&format!("{mlp}.fc2_bias")));
+        let fc1 = linear(
+            dev,
+            t,
+            (&p(&format!("{mlp}.fc1_weight")), cfg.mlp_bias.then_some(fc1_b.as_str())),
+            (cfg.fc1_size(), h),
+            fp8,
+        )?;
+        let fc2 = linear(
+            dev,
+            t,
+            (&p(&format!("{mlp}.fc2_weight")), cfg.mlp_bias.then_some(fc2_b.as_str())),
+            (h, cfg.ffn_hidden_size),
+            fp8,
+        )?;
+        let post_mlp_norm = sandwich(t, "post_mlp_layernorm")?;
+        Ok(Self {
+            norm1,
+            qkv,
+            qk_norm,
+            proj,
+            post_attn_norm,
+            norm2,
+            fc1,
+            fc2,
+            post_mlp_norm,
+            rope,
+            window: cfg.layer_window(l),
+            activation,
+        })
+    }
+
+    /// Bytes of the layer's parameters on the device.
+    pub fn parameter_bytes(&self) -> usize {
+        let norms = [Some(&self.norm1), Some(&self.norm2), self.post_attn_norm.as_ref(), self.post_mlp_norm.as_ref()];
+        let norm_bytes: usize = norms.into_iter().flatten().map(|n| n.params().weight().num_bytes() + n.params().bias().map_or(0, Tensor::num_bytes)).sum();
+        let qk: usize = self.qk_norm.iter().flatten().map(Tensor::num_bytes).sum();
+        let gemms: usize =
+            [&self.qkv, &self.proj, &self.fc1, &self.fc2].iter().map(|m| m.params().parameter_bytes()).sum();
+        norm_bytes + qk + gemms
+    }
+
+    /// The layer's forward over the step's packed tokens `x: [tokens, hidden]` (updated in
+    /// place), appending the step's keys and values to layer `l`'s cache.
+    pub fn forward(
+        &mut self,
+        dev: &Arc<Device>,
+        cfg: &DecoderConfig,
+        x: &mut Tensor,
+        step: &mut Step<'_>,
+        (l, inv_freq): (usize, &Tensor),
+    ) -> DecoderResult<()> {
+        let (heads, groups, d) = (cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim);
+        let tokens = x.shape()[0];
+        let n1 = self.norm1.infer(x)?;
+        let qkv = self.qkv.infer(&n1)?;
+        drop(n1);
+        let mut q = Tensor::empty(dev, DType::BF16, &[tokens, heads, d])?;
+        let norm = self.qk_norm.as_ref().map(|[q, k]| QkNorm {
+            q_gamma: q,
+            k_gamma: k,
+            eps: cfg.layernorm_epsilon,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+        });
+        let [k_cache, v_cache] = step.cache.layer_mut(l);
+        qkv_rope(dev, &qkv, (heads, groups, d), norm, inv_freq, step.rows, &mut q, [k_cache, v_cache])?;
+        drop(qkv);
+        let mut o = Tensor::empty(dev, DType::BF16, &[tokens, heads * d])?;
+        let [k_cache, v_cache] = step.cache.layer(l);
+        match &mut step.attention {
+            StepAttention::Decode { seqlens } => {
+                let p = step.shape.decode_shape(cfg, self.window);
+                let qs = Strided { tensor: &q, offset: 0, row: heads * d };
+                decode(dev, &p, qs, [k_cache, v_cache], seqlens, (&mut o, heads * d))?;
+            }
+            StepAttention::Prefill { cu_q, cu_kv, off_kv, lse } => {
+                let shape = step.shape.prefill_shape(cfg, self.window);
+                let p = FlashAttnParams {
+                    shape,
+                    q: shape.q_strides(),
+                    kv: shape.k_strides(),
+                    v: shape.v_strides(),
+                    o: shape.o_strides(),
+                };
+                let cu = CuSeqlens { q: cu_q, kv: cu_kv, offsets: Some((cu_q, off_kv)) };
+                flash_attention::forward(dev, &p, Qkv::Apart([&q, k_cache, v_cache]), Some(cu), &mut o, lse)?;
+            }
+        }
+        drop(q);
+        let mut a = self.proj.infer(&o)?;
+        drop(o);
+        if let Some(n) = &self.post_attn_norm {
+            a = n.infer(&a)?;
+        }
+        add_assign(dev, x, &a)?;
+        drop(a);
+        let n2 = self.norm2.infer(x)?;
+        let f = self.fc1.infer(&n2)?;
+        drop(n2);
+        let mut act = Tensor::empty(dev, DType::BF16, &[tokens, cfg.ffn_hidden_size])?;
+        activation::forward(dev, self.activation, &f, None, &mut act, None)?;
+        drop(f);
+        let mut m = self.fc2.infer(&act)?;
+        if let Some(n) = &self.post_mlp_norm {
+            m = n.infer(&m)?;
+        }
+        add_assign(dev, x, &m)?;
+        Ok(())
+    }
+}

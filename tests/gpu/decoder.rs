@@ -1,0 +1,208 @@
+//! The decoder family on the GPU (`te_models::decoder::Decoder`) against transformers and its CPU
+//! twin: the tiny random Llama, Qwen2, Qwen3 and Gemma 3 models transformers saved
+//! (`te-models/tests/fixtures/decoder/*`: GQA, MQA, biases, qk-norm, sandwich norms, sliding
+//! windows, local and global RoPE with linear and Llama-3 scaling, soft-capping), their logits
+//! against transformers' f32 ones; the one-token decode steps (split-K kernels over the cache,
+//! sliding windows included) against the prefill's logits; prompts of different lengths batched
+//! against each alone; FP8 GEMMs against BF16; typed errors; and, when `TE_GEMMA_GGUF` names the
+//! real Gemma 3 270M GGUF, greedy text and agreement with the CPU model.
+//!
+//! Tolerance: the GPU model rounds every activation to BF16 where transformers' f32 reference
+//! keeps f32, so logits differ by BF16 rounding carried through the layers (≈ 1e-2 on these
+//! logits of magnitude ≤ 10): max |Δ| ≤ 0.05 + 0.02·|logit|; a top-1 token may differ only where
+//! the reference's best two are within 0.05.
+
+use crate::common::device;
+use std::path::Path;
+use te_models::cpu::decoder::{DecoderPrecision, DecoderRef};
+use te_models::decoder::{load_model, DecodeOptions, Decoder, DecoderWeights, GpuPrecision};
+use te_models::generate::SamplingConfig;
+use te_nn::fp8::Recipe;
+
+const MODELS: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
+
+fn fixture(model: &str) -> DecoderWeights {
+    DecoderWeights::from_hf_dir(&Path::new("te-models/tests/fixtures/decoder").join(model)).unwrap()
+}
+
+/// transformers' sequences and f32 logits `[T, vocab]`.
+fn reference(model: &str) -> (Vec<Vec<i32>>, Vec<f32>) {
+    let path = Path::new("te-models/tests/fixtures/decoder").join(model).join("reference.safetensors");
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ints = |name: &str| -> Vec<i32> {
+        st.tensor(name).unwrap().data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    let (ids, lens) = (ints("ids"), ints("lens"));
+    let mut seqs = Vec::new();
+    let mut at = 0;
+    for &n in &lens {
+        seqs.push(ids[at..at + n as usize].to_vec());
+        at += n as usize;
+    }
+    let logits = te_runtime::numerics::decode(te_runtime::DType::F32, st.tensor("logits").unwrap().data());
+    (seqs, logits)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0
+}
+
+/// Max |Δ| within `0.05 + 0.02·|want|`, and the top-1 tokens equal unless `want`'s best two are
+/// within 0.05.
+fn check_logits(what: &str, got: &[f32], want: &[f32], vocab: usize) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = 0f32;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: logit {i} is {g}");
+        let excess = (g - w).abs() - (0.05 + 0.02 * w.abs());
+        assert!(excess <= 0.0, "{what}: logit {i} (row {}) is {g}, transformers {w}", i / vocab);
+        worst = worst.max((g - w).abs());
+    }
+    for (r, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let (a, b) = (argmax(g), argmax(w));
+        if a != b {
+            assert!((w[a] - w[b]).abs() < 0.05, "{what}: row {r} picks {a}, transformers {b} ({} vs {})", w[a], w[b]);
+        }
+    }
+    eprintln!("{what}: max |Δ| {worst:.4}");
+}
+
+#[test]
+fn decoder_matches_transformers_on_the_fixtures() {
+    let Some(dev) = device() else { return };
+    for model in MODELS {
+        let (seqs, want) = reference(model);
+        let mut m = Decoder::new(&dev, fixture(model), GpuPrecision::Bf16).unwrap();
+        let vocab = m.config().vocab_size;
+        // Both sequences in one batch (packed, lengths 7 and 13), then each alone.
+        let got = m.logits(&seqs).unwrap();
+        check_logits(&format!("{model} batched"), &got, &want, vocab);
+        let mut at = 0;
+        for s in &seqs {
+            let alone = m.logits(&[s]).unwrap();
+            let part = &got[at * vocab..(at + s.len()) * vocab];
+            let worst = alone.iter().zip(part).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 2e-2, "{model}: a sequence alone differs from it batched by {worst}");
+            at += s.len();
+        }
+    }
+}
+
+/// Greedy decode steps (one token per sequence, the split-K kernels over the cache) pick the
+/// tokens the prefill's logits over the whole continuation pick, past the sliding window.
+#[test]
+fn decode_steps_agree_with_the_prefill() {
+    let Some(dev) = device() else { return };
+    for model in MODELS {
+        let (seqs, _) = reference(model);
+        let mut m = Decoder::new(&dev, fixture(model), GpuPrecision::Bf16).unwrap();
+        let vocab = m.config().vocab_size;
+        let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(12) };
+        let out = m.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap();
+        for (j, (s, new)) in seqs.iter().zip(&out).enumerate() {
+            assert_eq!(new.len(), 12, "{model}: sequence {j} drew every token");
+            let full: Vec<i32> = s.iter().chain(new).copied().collect();
+            let logits = m.logits(&[&full]).unwrap();
+            for (i, &t) in new.iter().enumerate() {
+                let row = &logits[(s.len() - 1 + i) * vocab..(s.len() + i) * vocab];
+                let best = argmax(row);
+                assert!(
+                    best == t as usize || (row[best] - row[t as usize]).abs() < 0.05,
+                    "{model}: sequence {j} new token {i} is {t}, the prefill's best {best} ({} vs {})",
+                    row[t as usize],
+                    row[best]
+                );
+            }
+        }
+        // Sampling: the same seed draws the same tokens.
+        let sampled = DecodeOptions { sampling: SamplingConfig { temperature: 0.9, top_k: Some(20), top_p: Some(0.9) }, seed: 7, ..opts };
+        let a = m.generate(&seqs, &sampled, &mut |_, _| Ok(())).unwrap();
+        let b = m.generate(&seqs, &sampled, &mut |_, _| Ok(())).unwrap();
+        assert_eq!(a, b, "{model}: a seed gives the same sample");
+    }
+}
+
+/// FP8 GEMMs (E4M3 weights, current scaling of the activations) stay close to BF16: mean KL of
+/// the next-token distributions ≤ 0.02 on these models.
+#[test]
+fn fp8_tracks_bf16() {
+    let Some(dev) = device() else { return };
+    for model in MODELS {
+        let (seqs, _) = reference(model);
+        let mut bf16 = Decoder::new(&dev, fixture(model), GpuPrecision::Bf16).unwrap();
+        let fp8 = GpuPrecision::Fp8 { recipe: Recipe::default(), lm_head: false };
+        let mut q = Decoder::new(&dev, fixture(model), fp8).unwrap();
+        assert!(q.parameter_bytes() < bf16.parameter_bytes(), "{model}: FP8 weights are smaller");
+        let vocab = bf16.config().vocab_size;
+        let (a, b) = (bf16.logits(&seqs).unwrap(), q.logits(&seqs).unwrap());
+        let kl = mean_kl(&a, &b, vocab);
+        eprintln!("{model}: FP8 vs BF16 mean KL {kl:.5}");
+        assert!(kl.is_finite() && kl <= 0.02, "{model}: FP8 mean KL {kl}");
+    }
+}
+
+fn mean_kl(p_logits: &[f32], q_logits: &[f32], vocab: usize) -> f64 {
+    let log_softmax = |r: &[f32]| -> Vec<f64> {
+        let m = r.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let z = r.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
+        r.iter().map(|&x| x as f64 - z).collect()
+    };
+    let rows = p_logits.len() / vocab;
+    let mut total = 0.0;
+    for (p, q) in p_logits.chunks(vocab).zip(q_logits.chunks(vocab)) {
+        let (lp, lq) = (log_softmax(p), log_softmax(q));
+        total += lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum::<f64>();
+    }
+    total / rows as f64
+}
+
+#[test]
+fn decoder_refuses_bad_calls() {
+    let Some(dev) = device() else { return };
+    let mut m = Decoder::new(&dev, fixture("qwen3"), GpuPrecision::Bf16).unwrap();
+    let vocab = m.config().vocab_size as i32;
+    let e = m.logits(&[vec![1, vocab]]).unwrap_err().to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    let e = m.generate(&[vec![]], &DecodeOptions::greedy(2), &mut |_, _| Ok(())).unwrap_err().to_string();
+    assert!(e.contains("empty"), "{e}");
+    let e = m.generate(&[vec![1]], &DecodeOptions::greedy(100_000), &mut |_, _| Ok(())).unwrap_err().to_string();
+    assert!(e.contains("max_position_embeddings"), "{e}");
+    let e = m.perplexity(&[1, 2, 3], 1, 1).unwrap_err().to_string();
+    assert!(e.contains("max_length"), "{e}");
+    let mut cache = m.cache(2, 4).unwrap();
+    let e = m.forward_step(&mut cache, &[vec![1, 2, 3, 4, 5], vec![1]]).unwrap_err().to_string();
+    assert!(e.contains("capacity"), "{e}");
+}
+
+/// The real Gemma 3 270M (Q4_K_M GGUF, dequantized): greedy text on the GPU, and teacher-forced
+/// top-1 agreement with the CPU model (f32) over a paragraph. Runs when `TE_GEMMA_GGUF` names
+/// the file.
+#[test]
+fn gemma3_270m_gguf_on_the_gpu() {
+    let Some(dev) = device() else { return };
+    let Ok(path) = std::env::var("TE_GEMMA_GGUF") else {
+        eprintln!("TE_GEMMA_GGUF is not set: skipping the real model");
+        return;
+    };
+    let loaded = load_model(Path::new(&path)).unwrap();
+    let tok = loaded.tokenizer;
+    let cpu = DecoderRef::new(loaded.weights.clone(), DecoderPrecision::F32).unwrap();
+    let mut gpu = Decoder::new(&dev, loaded.weights, GpuPrecision::Bf16).unwrap();
+    let ids: Vec<i32> = tok.encode("The capital of France is", true).unwrap().into_iter().map(|x| x as i32).collect();
+    assert_eq!(ids, [2, 818, 5279, 529, 7001, 563]);
+    let out = gpu.generate(&[ids.clone()], &DecodeOptions::greedy(24), &mut |_, _| Ok(())).unwrap();
+    let text = tok.decode(&out[0].iter().map(|&x| x as u32).collect::<Vec<_>>(), true).unwrap();
+    eprintln!("GPU greedy: The capital of France is{text}");
+    assert!(text.contains("France") || text.contains("Paris"), "{text}");
+    let para = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg \
+                combined movable metal type, oil-based ink and a screw press. Books became cheaper, literacy \
+                spread across Europe, and ideas travelled faster than ever before.";
+    let ids: Vec<i32> = tok.encode(para, true).unwrap().into_iter().map(|x| x as i32).collect();
+    let vocab = gpu.config().vocab_size;
+    let (g, c) = (gpu.logits(&[&ids]).unwrap(), cpu.logits(&[&ids]).unwrap());
+    let agree = g.chunks(vocab).zip(c.chunks(vocab)).filter(|(a, b)| argmax(a) == argmax(b)).count();
+    let kl = mean_kl(&c, &g, vocab);
+    eprintln!("Gemma 3 270M GPU bf16 vs CPU f32: top-1 {agree}/{} KL {kl:.5}", ids.len());
+    assert!(agree * 100 >= ids.len() * 95 && kl < 0.02, "top-1 {agree}/{}, KL {kl}", ids.len());
+}
