@@ -16,7 +16,7 @@ DIR/<model>/ for llama, qwen2, qwen3 and gemma3:
                                                          max_new_tokens=8) of each sequence alone,
                                                          -1 after an EOS stopped it
 The models (vocab 512, hidden 64, random weights, seeded):
-  llama   LlamaForCausalLM, 2 layers, GQA 4 heads : 2 KV heads, head_dim 16, rope llama3 scaling
+  llama   LlamaForCausalLM, 2 layers, GQA 4 heads : 2 KV heads, head_dim 32 (the fused attention's smallest), rope llama3 scaling
           (factor 8, low/high freq factors 1/4, original context 32: all three frequency bands)
   qwen2   Qwen2ForCausalLM, 3 layers, q/k/v bias, GQA 4:2, untied head
   qwen3   Qwen3ForCausalLM, 2 layers, q/k RMSNorm, head_dim 32 (heads × head_dim = 128 ≠ hidden)
@@ -46,7 +46,7 @@ def models():
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=256,
                   num_attention_heads=4, num_key_value_heads=2)
     yield "llama", LlamaForCausalLM, LlamaConfig(
-        **common, num_hidden_layers=2, head_dim=16, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        **common, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2,
         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=32),

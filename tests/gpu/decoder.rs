@@ -13,21 +13,36 @@
 //! the reference's best two are within 0.05.
 
 use crate::common::device;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use te_models::cpu::decoder::{DecoderPrecision, DecoderRef};
 use te_models::decoder::{load_model, DecodeOptions, Decoder, DecoderWeights, GpuPrecision};
 use te_models::generate::SamplingConfig;
 use te_nn::fp8::Recipe;
 
-const MODELS: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
+/// The models: the repository's fixtures the fused kernels take (the Llama one has head_dim 16,
+/// below the fused attention's 32: `decoder_refuses_bad_calls`), and the ones
+/// `benches/anchors/hf_tiny_models.py` made with transformers on this machine when
+/// `TE_HF_TINY` names its output (Llama with head_dim 32, Qwen2, Qwen3, Gemma 3).
+fn models() -> Vec<(String, PathBuf)> {
+    let repo = Path::new("te-models/tests/fixtures/decoder");
+    let mut v: Vec<(String, PathBuf)> = ["qwen2", "qwen3", "gemma3"].iter().map(|m| (m.to_string(), repo.join(m))).collect();
+    if let Ok(dir) = std::env::var("TE_HF_TINY") {
+        for m in ["llama", "qwen2", "qwen3", "gemma3"] {
+            v.push((format!("{m} (made here)"), Path::new(&dir).join(m)));
+        }
+    } else {
+        eprintln!("TE_HF_TINY is not set: only the repository's fixtures");
+    }
+    v
+}
 
-fn fixture(model: &str) -> DecoderWeights {
-    DecoderWeights::from_hf_dir(&Path::new("te-models/tests/fixtures/decoder").join(model)).unwrap()
+fn fixture(dir: &Path) -> DecoderWeights {
+    DecoderWeights::from_hf_dir(dir).unwrap()
 }
 
 /// transformers' sequences and f32 logits `[T, vocab]`.
-fn reference(model: &str) -> (Vec<Vec<i32>>, Vec<f32>) {
-    let path = Path::new("te-models/tests/fixtures/decoder").join(model).join("reference.safetensors");
+fn reference(dir: &Path) -> (Vec<Vec<i32>>, Vec<f32>) {
+    let path = dir.join("reference.safetensors");
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let ints = |name: &str| -> Vec<i32> {
@@ -71,9 +86,9 @@ fn check_logits(what: &str, got: &[f32], want: &[f32], vocab: usize) {
 #[test]
 fn decoder_matches_transformers_on_the_fixtures() {
     let Some(dev) = device() else { return };
-    for model in MODELS {
-        let (seqs, want) = reference(model);
-        let mut m = Decoder::new(&dev, fixture(model), GpuPrecision::Bf16).unwrap();
+    for (model, dir) in models() {
+        let (seqs, want) = reference(&dir);
+        let mut m = Decoder::new(&dev, fixture(&dir), GpuPrecision::Bf16).unwrap();
         let vocab = m.config().vocab_size;
         // Both sequences in one batch (packed, lengths 7 and 13), then each alone.
         let got = m.logits(&seqs).unwrap();
@@ -94,9 +109,9 @@ fn decoder_matches_transformers_on_the_fixtures() {
 #[test]
 fn decode_steps_agree_with_the_prefill() {
     let Some(dev) = device() else { return };
-    for model in MODELS {
-        let (seqs, _) = reference(model);
-        let mut m = Decoder::new(&dev, fixture(model), GpuPrecision::Bf16).unwrap();
+    for (model, dir) in models() {
+        let (seqs, _) = reference(&dir);
+        let mut m = Decoder::new(&dev, fixture(&dir), GpuPrecision::Bf16).unwrap();
         let vocab = m.config().vocab_size;
         let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(12) };
         let out = m.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap();
@@ -128,11 +143,11 @@ fn decode_steps_agree_with_the_prefill() {
 #[test]
 fn fp8_tracks_bf16() {
     let Some(dev) = device() else { return };
-    for model in MODELS {
-        let (seqs, _) = reference(model);
-        let mut bf16 = Decoder::new(&dev, fixture(model), GpuPrecision::Bf16).unwrap();
+    for (model, dir) in models() {
+        let (seqs, _) = reference(&dir);
+        let mut bf16 = Decoder::new(&dev, fixture(&dir), GpuPrecision::Bf16).unwrap();
         let fp8 = GpuPrecision::Fp8 { recipe: Recipe::default(), lm_head: false };
-        let mut q = Decoder::new(&dev, fixture(model), fp8).unwrap();
+        let mut q = Decoder::new(&dev, fixture(&dir), fp8).unwrap();
         assert!(q.parameter_bytes() < bf16.parameter_bytes(), "{model}: FP8 weights are smaller");
         let vocab = bf16.config().vocab_size;
         let (a, b) = (bf16.logits(&seqs).unwrap(), q.logits(&seqs).unwrap());
@@ -160,7 +175,10 @@ fn mean_kl(p_logits: &[f32], q_logits: &[f32], vocab: usize) -> f64 {
 #[test]
 fn decoder_refuses_bad_calls() {
     let Some(dev) = device() else { return };
-    let mut m = Decoder::new(&dev, fixture("qwen3"), GpuPrecision::Bf16).unwrap();
+    let repo = Path::new("te-models/tests/fixtures/decoder");
+    let e = Decoder::new(&dev, fixture(&repo.join("llama")), GpuPrecision::Bf16).unwrap_err().to_string();
+    assert!(e.contains("head_dim = 16"), "{e}");
+    let mut m = Decoder::new(&dev, fixture(&repo.join("qwen3")), GpuPrecision::Bf16).unwrap();
     let vocab = m.config().vocab_size as i32;
     let e = m.logits(&[vec![1, vocab]]).unwrap_err().to_string();
     assert!(e.contains("outside the vocabulary"), "{e}");

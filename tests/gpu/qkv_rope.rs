@@ -60,7 +60,14 @@ fn run(dev: &Device, c: &Case, seed: u64) {
         DType::F16 => 2f32.powi(-10),
         _ => 1e-6,
     };
-    let atol = if c.positions.iter().any(|&p| p > 100) { 1e-3 } else { 2e-5 };
+    // With the norm, the kernel and the host may round the normalized value (a bf16 of magnitude
+    // ≲ 1) to neighbouring values when their rsqrt differ by an ulp; RoPE's cancellation then
+    // leaves that ulp as an absolute error: atol one ulp at magnitude 1.
+    let atol = match (c.norm, c.positions.iter().any(|&p| p > 100)) {
+        (Some(_), _) => rtol.max(1e-3),
+        (None, true) => 1e-3,
+        (None, false) => 2e-5,
+    };
     assert_close(&format!("{what}: q"), &q.to_f32(dev).unwrap(), &want_q, rtol, atol);
     assert_close(&format!("{what}: k cache"), &k.to_f32(dev).unwrap(), &k_host, rtol, atol);
     assert_eq!(v.to_f32(dev).unwrap(), v_host, "{what}: v copied into its rows, the rest untouched");
