@@ -33,22 +33,30 @@ use te_train::Precision;
 /// context ends first).
 pub const DEFAULT_NEW_TOKENS: usize = 256;
 
-/// The options of `te generate`.
+/// The options of `te generate`: a `te train` checkpoint (`--checkpoint`) or a decoder LLM
+/// (`--model`, [`crate::model_generate`]), exactly one.
 #[derive(Debug, Clone, clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["checkpoint", "model"])))]
 pub struct GenerateArgs {
     /// A `te train` checkpoint: a run's directory (`train-out/checkpoints/fp8`), its `latest`
     /// (`latest.toml`), one `step-NNNNNNN` directory, or `train-out` / `train-out/checkpoints`
     /// (with both runs there, --precision picks one).
     #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// The text to continue.
+    pub checkpoint: Option<PathBuf>,
+    /// A decoder LLM (Llama, Qwen2, Qwen3, Gemma 3): a `.gguf` file or a Hugging Face model
+    /// directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The text to continue; with --model, repeat it for a batch of prompts of any lengths (each
+    /// sample printed under a header once all have finished).
     #[arg(long, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
-    pub prompt: Option<String>,
-    /// A file whose bytes are the text to continue.
+    pub prompt: Vec<String>,
+    /// A file whose contents are the text to continue (its bytes for a checkpoint, UTF-8 text
+    /// for --model).
     #[arg(long)]
     pub prompt_file: Option<PathBuf>,
-    /// Tokens (bytes) to draw per sample (default: 256, or what fits the model's context after
-    /// the prompt).
+    /// Tokens to draw per sample (default: 256, or what fits the model's context after the
+    /// prompt); with --model a sample also ends at an end-of-sequence token.
     #[arg(long)]
     pub max_new_tokens: Option<usize>,
     /// Softmax temperature; 0 is greedy decoding.
@@ -64,13 +72,14 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Samples of the prompt, drawn together as a batch (the first is streamed, the others
-    /// printed after it).
+    /// printed after it); with --model, samples of each prompt, all printed under headers.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// GEMM precision: fp8 (with the checkpoint's FP8 scales, or scales calibrated on the
     /// prompt for a BF16 checkpoint; the CPU path only for now) or bf16; default: the run's on
-    /// the CPU, bf16 on a GPU.
-    #[arg(long, value_parser = ["fp8", "bf16"])]
+    /// the CPU, bf16 on a GPU. With --model: f32 (the CPU default), bf16, or fp8 (the GPU path
+    /// only).
+    #[arg(long, value_parser = ["fp8", "bf16", "f32"])]
     pub precision: Option<String>,
     /// Run on the CPU reference path even when a GPU is present.
     #[arg(long)]
@@ -309,11 +318,15 @@ impl Backend {
 
 /// The prompt's bytes: `--prompt`, or `--prompt-file`'s contents.
 fn prompt_bytes(a: &GenerateArgs) -> Result<Vec<u8>, GenerateError> {
-    match (&a.prompt, &a.prompt_file) {
-        (Some(p), _) => Ok(p.as_bytes().to_vec()),
-        (None, Some(f)) => std::fs::read(f)
+    match (a.prompt.as_slice(), &a.prompt_file) {
+        ([p], _) => Ok(p.as_bytes().to_vec()),
+        ([_, _, ..], _) => Err(GenerateError::Request(
+            "several --prompt are for --model: a checkpoint continues one prompt (--batch N draws N samples of it)"
+                .into(),
+        )),
+        ([], Some(f)) => std::fs::read(f)
             .map_err(|source| GenerateError::Io { what: format!("cannot read {}", f.display()), source }),
-        (None, None) => Err(GenerateError::Request("give --prompt TEXT or --prompt-file FILE".into())),
+        ([], None) => Err(GenerateError::Request("give --prompt TEXT or --prompt-file FILE".into())),
     }
 }
 
@@ -325,7 +338,10 @@ fn prompt_bytes(a: &GenerateArgs) -> Result<Vec<u8>, GenerateError> {
 /// context with the tokens asked for, a batch of 0, bad sampling options, I/O.
 pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, GenerateError> {
     let asked = a.precision.as_deref().map(Precision::from_name).transpose().map_err(GenerateError::Request)?;
-    let located = locate(&a.checkpoint, asked)?;
+    let Some(checkpoint) = &a.checkpoint else {
+        return Err(GenerateError::Request("give --checkpoint DIR (or --model PATH for a decoder LLM)".into()));
+    };
+    let located = locate(checkpoint, asked)?;
     let (cfg, _, _) = model_config(&located)?;
     let gpu = !a.cpu && te_runtime::device::gpu_available();
     if gpu && asked == Some(Precision::Fp8) {

@@ -1,14 +1,18 @@
 //! Application code of the `te` command-line tool: `te train`'s flags, default corpus and
 //! reports (the training itself is `te-train`'s `Trainer`), the multi-process launcher, `te
-//! generate`, `te checkpoint`, and `te embed` (BERT sentence embeddings: model fetching,
-//! tokenizer, CLI).
+//! generate`, `te checkpoint`, `te embed` (BERT sentence embeddings: model fetching,
+//! tokenizer, CLI), and the decoder LLMs of `te generate --model` and `te eval` (`model`,
+//! `model_generate`, `eval`).
 
 pub mod checkpoint_cmd;
 pub mod data;
 pub mod embed;
+pub mod eval;
 pub mod generate;
 pub mod hf;
 pub mod launch;
+pub mod model;
+pub mod model_generate;
 pub mod plot;
 pub mod train;
 

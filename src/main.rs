@@ -5,7 +5,9 @@
 //!   not wait for NVRTC.
 //! - `te info`: the device, its arch, the driver and NVRTC versions, and the kernel cache.
 //! - `te train`: a byte-level GPT trained on Shakespeare in FP8 and in BF16, compared.
-//! - `te generate`: text sampled from a `te train` checkpoint.
+//! - `te generate`: text sampled from a `te train` checkpoint, or from a decoder LLM (`--model`:
+//!   a `.gguf` file or a Hugging Face directory).
+//! - `te eval`: the perplexity of a decoder LLM on text files.
 //! - `te checkpoint split|merge`: a checkpoint split for tensor parallelism, or merged back.
 
 use clap::{Args, Parser, Subcommand};
@@ -37,8 +39,11 @@ enum Command {
     Info,
     /// Train a byte-level GPT on Shakespeare (or your text) in FP8 and in BF16 and compare them.
     Train(te::train::TrainArgs),
-    /// Sample text from a `te train` checkpoint (streamed; prefill and decode speed on stderr).
+    /// Sample text from a `te train` checkpoint or a decoder LLM (.gguf or Hugging Face
+    /// directory), streamed; prefill and decode speed on stderr.
     Generate(te::generate::GenerateArgs),
+    /// Perplexity of a decoder LLM (.gguf or Hugging Face directory) on text files.
+    Eval(te::eval::EvalArgs),
     /// Split a te train checkpoint for tensor parallelism, or merge one back.
     #[command(subcommand)]
     Checkpoint(te::checkpoint_cmd::CheckpointCommand),
@@ -428,6 +433,11 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
 
 fn run_generate(a: &te::generate::GenerateArgs) -> Result<(), Failure> {
     let mut stdout = std::io::stdout().lock();
+    if let Some(model) = &a.model {
+        let report = te::model_generate::run(a, model, &mut stdout).map_err(|e| e.to_string())?;
+        eprintln!("{}", report.speeds());
+        return Ok(());
+    }
     let report = te::generate::run(a, &mut stdout).map_err(|e| e.to_string())?;
     eprintln!("{}", report.speeds());
     Ok(())
@@ -482,6 +492,9 @@ fn main() -> ExitCode {
         Command::Info => run_info().map_err(Failure::from),
         Command::Train(a) => run_train(a),
         Command::Generate(a) => run_generate(a),
+        Command::Eval(a) => te::eval::run(a)
+            .map(|r| if a.json { println!("{}", r.to_json()) } else { println!("{}", r.line()) })
+            .map_err(|e| Failure::from(e.to_string())),
         Command::Checkpoint(c) => te::checkpoint_cmd::run(c).map(|line| println!("{line}")).map_err(Failure::from),
         Command::Embed(a) => {
             te::embed::run(a).map(|r| eprintln!("embed: {}", r.to_json())).map_err(|e| Failure::from(e.to_string()))

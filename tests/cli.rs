@@ -1,10 +1,14 @@
-//! The `te` tool: concurrent prewarm processes sharing one cache, counts, errors, `te info`.
+//! The `te` tool: concurrent prewarm processes sharing one cache, counts, errors, `te info`;
+//! `te generate --model` and `te eval` in the `model` module.
 
 // Test code: a panic (unwrap, expect) is how a test reports a failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
+
+#[path = "cli/model.rs"]
+mod model;
 
 /// The `te` binary: cargo's, or the packed one on the GPU machine (which has no cargo tree).
 fn te() -> Command {

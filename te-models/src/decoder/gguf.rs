@@ -218,7 +218,9 @@ impl DecoderWeights {
             }
             tensors.insert(hf, WeightTensor { shape, data });
         }
-        DecoderWeights::from_hf_tensors(cfg, tensors)
+        let mut weights = DecoderWeights::from_hf_tensors(cfg, tensors)?;
+        weights.architecture = Some(arch);
+        Ok(weights)
     }
 }
 

@@ -123,7 +123,7 @@ fn assemble(layout: Vec<ParamSource>, values: &mut BTreeMap<String, Vec<f32>>) -
 #[derive(Debug, Clone)]
 pub struct DecoderWeights {
     cfg: DecoderConfig,
-    architecture: Option<HfArchitecture>,
+    pub(super) architecture: Option<HfArchitecture>,
     tensors: BTreeMap<String, WeightTensor>,
 }
 
@@ -236,7 +236,8 @@ impl DecoderWeights {
         &self.cfg
     }
 
-    /// The Hugging Face architecture of the directory they came from (`None` when built in code).
+    /// The Hugging Face architecture of the directory or GGUF file they came from (`None` when
+    /// built in code).
     pub fn architecture(&self) -> Option<HfArchitecture> {
         self.architecture
     }

@@ -1,0 +1,242 @@
+//! Decoder LLMs for `te generate --model` and `te eval --model`: [`open_causal_lm`] opens a
+//! `.gguf` file or a Hugging Face model directory ([`te_models::decoder::load_model`]) as a
+//! [`CausalLm`] on the device that runs it, with its [`Tokenizer`]; [`ModelError`] is what can go
+//! wrong, for both commands.
+//!
+//! Today the CPU decoder ([`DecoderRef`]) runs every model: f32 by default, `--precision bf16`
+//! rounds the GEMM inputs to BF16. The GPU decoder (`te_models::decoder::gpu`) is being written;
+//! it goes into the one marked `match` arm of [`open_causal_lm`].
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use te_models::cpu::decoder::{DecoderPrecision, DecoderRef};
+use te_models::decoder::{
+    load_model, CausalLm, DecoderError, DecoderWeights, HfArchitecture, LoadedModel, ModelSource,
+};
+use te_models::tokenizer::{Tokenizer, TokenizerError};
+
+/// The precision a decoder runs in (`--precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelPrecision {
+    /// f32 GEMM inputs (the CPU path's default).
+    F32,
+    /// BF16 GEMM inputs.
+    Bf16,
+    /// FP8 GEMMs (the GPU path only).
+    Fp8,
+}
+
+impl ModelPrecision {
+    /// The precision of a `--precision` value: `f32`, `bf16` or `fp8`.
+    ///
+    /// # Errors
+    /// [`ModelError::Request`] for another name.
+    pub fn from_name(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            "fp8" => Ok(Self::Fp8),
+            p => Err(ModelError::Request(format!("precision `{p}`: expected f32, bf16 or fp8"))),
+        }
+    }
+
+    /// The name `--precision` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::Fp8 => "fp8",
+        }
+    }
+}
+
+/// How [`open_causal_lm`] runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ModelOptions {
+    /// Run on the CPU even when a GPU is present (`--cpu`).
+    pub cpu: bool,
+    /// The precision (`--precision`); `None`: the device's default (f32 on the CPU).
+    pub precision: Option<ModelPrecision>,
+}
+
+/// Errors of `te generate --model` and `te eval`: each says what was wrong and what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `--model` names nothing.
+    #[error(
+        "model {}: no such file or directory: give a .gguf file or a Hugging Face model directory \
+         (config.json, *.safetensors, tokenizer.json)",
+        path.display()
+    )]
+    NotFound {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// The model could not be loaded: a missing file (`config.json`, weights, `tokenizer.json`),
+    /// an unsupported architecture, a bad configuration or tensors that do not match it.
+    #[error("model {}: {source}", path.display())]
+    Load {
+        /// The path given.
+        path: PathBuf,
+        /// What the loader said.
+        source: Box<DecoderError>,
+    },
+    /// `--precision fp8` where the CPU decoder runs.
+    #[error("--precision fp8 needs the GPU path: the CPU decoder runs f32 (the default) or bf16 (--precision bf16)")]
+    Fp8OnCpu,
+    /// A request the model or the command cannot take (an empty prompt, one beyond the model's
+    /// context, bad sampling or window settings).
+    #[error("{0}")]
+    Request(String),
+    /// The model failed while running.
+    #[error(transparent)]
+    Decoder(Box<DecoderError>),
+    /// Encoding or decoding text.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// Reading a prompt or data file, or writing the output.
+    #[error("{what}: {source}")]
+    Io {
+        /// What failed.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+impl From<DecoderError> for ModelError {
+    fn from(e: DecoderError) -> Self {
+        ModelError::Decoder(Box::new(e))
+    }
+}
+
+/// Where [`open_causal_lm`] runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Cpu,
+    Gpu,
+}
+
+/// The CPU decoder's precision for `precision` (`None`: f32).
+///
+/// # Errors
+/// [`ModelError::Fp8OnCpu`].
+fn cpu_precision(precision: Option<ModelPrecision>) -> Result<DecoderPrecision, ModelError> {
+    match precision {
+        None | Some(ModelPrecision::F32) => Ok(DecoderPrecision::F32),
+        Some(ModelPrecision::Bf16) => Ok(DecoderPrecision::Bf16),
+        Some(ModelPrecision::Fp8) => Err(ModelError::Fp8OnCpu),
+    }
+}
+
+/// The CPU decoder of `weights`.
+fn cpu_model(weights: DecoderWeights, precision: Option<ModelPrecision>) -> Result<Box<dyn CausalLm>, ModelError> {
+    Ok(Box::new(DecoderRef::new(weights, cpu_precision(precision)?)?))
+}
+
+/// `weights` whose configuration also stops at the tokenizer's end-of-generation ids
+/// (`generation_config.json`'s `eos_token_id` list, Gemma's `<end_of_turn>`), as transformers'
+/// `generate` does.
+fn with_tokenizer_eos(weights: DecoderWeights, tokenizer: &Tokenizer) -> Result<DecoderWeights, DecoderError> {
+    let vocab = weights.config().vocab_size;
+    let extra: Vec<u32> = tokenizer
+        .eos_ids()
+        .iter()
+        .copied()
+        .filter(|&id| (id as usize) < vocab && !weights.config().eos_token_ids.contains(&id))
+        .collect();
+    if extra.is_empty() {
+        return Ok(weights);
+    }
+    let (mut cfg, tensors) = weights.into_parts();
+    cfg.eos_token_ids.extend(extra);
+    DecoderWeights::from_tensors(cfg, tensors)
+}
+
+/// One line about a loaded model: its file or directory, architecture, size and context.
+fn describe_source(
+    path: &Path,
+    weights: &DecoderWeights,
+    arch: Option<HfArchitecture>,
+    source: &ModelSource,
+) -> String {
+    let cfg = weights.config();
+    let arch = arch.map_or("decoder", |a| a.class_name());
+    let params = cfg.num_parameters() as f64;
+    let size = if params >= 1e9 { format!("{:.2} B", params / 1e9) } else { format!("{:.1} M", params / 1e6) };
+    let kind = match source {
+        ModelSource::Gguf { types, .. } => format!("GGUF, {}", types.join(" ")),
+        ModelSource::HuggingFace { .. } => "Hugging Face directory".to_string(),
+    };
+    format!(
+        "{} ({kind}): {arch}, {size} parameters, {} layers, hidden {}, vocabulary {}, context {}",
+        path.display(),
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.max_position_embeddings
+    )
+}
+
+/// Opens the decoder LLM at `path` (a `.gguf` file or a Hugging Face directory: `config.json`,
+/// `*.safetensors`, `tokenizer.json`) on the device `opts` picks, with its tokenizer. Its
+/// configuration stops generation at the tokenizer's end-of-generation ids as well as its own.
+///
+/// Without `opts.cpu` it runs on the GPU when there is one; without one it runs on the CPU and
+/// says so on stderr. It writes a line about the model (file, architecture, size, load time) to
+/// stderr.
+///
+/// # Errors
+/// [`ModelError::NotFound`]; [`ModelError::Fp8OnCpu`] (checked before loading);
+/// [`ModelError::Load`] for a directory without `config.json`, weights or `tokenizer.json`, an
+/// unsupported architecture, a bad configuration or mismatched tensors.
+pub fn open_causal_lm(path: &Path, opts: &ModelOptions) -> Result<(Box<dyn CausalLm>, Tokenizer), ModelError> {
+    if !path.exists() {
+        return Err(ModelError::NotFound { path: path.to_path_buf() });
+    }
+    let target = if opts.cpu {
+        Target::Cpu
+    } else if te_runtime::device::gpu_available() {
+        Target::Gpu
+    } else {
+        eprintln!("no GPU found: running on the CPU path (--cpu says so and skips this check)");
+        Target::Cpu
+    };
+    if target == Target::Cpu {
+        // Before the (slow) load.
+        cpu_precision(opts.precision)?;
+    }
+    let start = Instant::now();
+    let load = |source| ModelError::Load { path: path.to_path_buf(), source: Box::new(source) };
+    let LoadedModel { weights, tokenizer, source } = load_model(path).map_err(load)?;
+    let arch = weights.architecture();
+    let weights = with_tokenizer_eos(weights, &tokenizer).map_err(load)?;
+    let about = describe_source(path, &weights, arch, &source);
+    eprintln!("model: {about}; loaded in {:.2} s", start.elapsed().as_secs_f64());
+    let model = match target {
+        // The GPU path: the GPU decoder (`te_models::decoder::gpu`) goes here, from `weights` in
+        // `opts.precision` (default bf16; fp8 only here). Until it exists the CPU decoder runs.
+        Target::Gpu => {
+            eprintln!("the GPU decoder of this model family is not built yet: running on the CPU path");
+            cpu_model(weights, opts.precision)?
+        }
+        Target::Cpu => cpu_model(weights, opts.precision)?,
+    };
+    Ok((model, tokenizer))
+}
+
+/// The ids of `text` with the tokenizer's BOS when it adds one (`add_bos_token`), and not twice
+/// when the text starts with the BOS's own text.
+///
+/// # Errors
+/// [`ModelError::Tokenizer`] for text the vocabulary cannot encode.
+pub fn encode_with_bos(tokenizer: &Tokenizer, text: &str) -> Result<Vec<i32>, ModelError> {
+    let mut ids = tokenizer.encode(text, true)?;
+    if let (true, Some(bos)) = (tokenizer.add_bos(), tokenizer.bos_id()) {
+        if ids.len() >= 2 && ids[0] == bos && ids[1] == bos {
+            ids.remove(0);
+        }
+    }
+    // Ids are below the vocabulary size, which load_model checked against the embedding's rows.
+    Ok(ids.into_iter().map(|id| id as i32).collect())
+}
