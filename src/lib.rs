@@ -8,6 +8,7 @@ pub mod checkpoint_cmd;
 pub mod data;
 pub mod embed;
 pub mod eval;
+pub mod export;
 pub mod generate;
 pub mod hf;
 pub mod launch;

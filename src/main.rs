@@ -49,6 +49,8 @@ enum Command {
     Checkpoint(te::checkpoint_cmd::CheckpointCommand),
     /// Sentence embeddings with a BERT model (all-MiniLM-L6-v2 by default) in FP8, BF16 or on the CPU.
     Embed(te::embed::EmbedArgs),
+    /// Write a decoder LLM (GGUF file or Hugging Face directory) as a Hugging Face directory.
+    Export(te::export::ExportArgs),
 }
 
 #[derive(Args)]
@@ -499,6 +501,7 @@ fn main() -> ExitCode {
         Command::Embed(a) => {
             te::embed::run(a).map(|r| eprintln!("embed: {}", r.to_json())).map_err(|e| Failure::from(e.to_string()))
         }
+        Command::Export(a) => te::export::run(a).map(|line| println!("{line}")).map_err(Failure::from),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -449,3 +449,23 @@ fn train_refuses_what_it_cannot_run() {
     let o = te().args(["train", "--cpu"]).env("WORLD_SIZE", "2").env("RANK", "5").output().unwrap();
     assert!(!o.status.success() && text(&o).contains("RANK"), "{}", text(&o));
 }
+
+#[test]
+fn export_writes_a_hugging_face_directory() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("te-models/tests/fixtures/decoder/gemma3");
+    let root = tempfile::tempdir().unwrap();
+    let out = root.path().join("gemma-hf");
+    let export = |extra: &[&str]| {
+        te().arg("export").arg("--model").arg(&fixture).arg("--out").arg(&out).args(extra).output().unwrap()
+    };
+    let o = export(&["--dtype", "f32"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("as Gemma3ForCausalLM") && text(&o).contains("model.safetensors"), "{}", text(&o));
+    let original = te_models::decoder::DecoderWeights::from_hf_dir(&fixture).unwrap();
+    let back = te_models::decoder::DecoderWeights::from_hf_dir(&out).unwrap();
+    assert_eq!((back.config(), back.tensors()), (original.config(), original.tensors()));
+    let o = export(&[]);
+    assert!(!o.status.success() && text(&o).contains("--force"), "a second export needs --force: {}", text(&o));
+    let o = export(&["--force", "--dtype", "bf16"]);
+    assert!(o.status.success() && text(&o).contains("BF16"), "{}", text(&o));
+}

@@ -60,8 +60,41 @@
 //!
 //! Norm weights are stored as the checkpoint has them (`γ − 1` under zero-centered gamma, as
 //! TE's `zero_centered_gamma` stores them too).
+//!
+//! # Export
+//!
+//! [`DecoderWeights::save_hf_dir`] and [`LoadedModel::save_hf_dir`] write the table backwards: a
+//! Hugging Face directory that transformers loads (`AutoModelForCausalLM.from_pretrained(dir)`,
+//! `AutoTokenizer.from_pretrained(dir)`) and that [`DecoderWeights::from_hf_dir`] /
+//! [`load_model`] read back to the same configuration and weights (`te export` on the command
+//! line). It holds:
+//!
+//! - `config.json`: the configuration as `LlamaForCausalLM`, `Qwen2ForCausalLM`,
+//!   `Qwen3ForCausalLM` or `Gemma3ForCausalLM` (the multimodal Gemma's text model as the latter)
+//!   writes it (module `export_config`): it parses back to the same [`DecoderConfig`], or
+//!   the export is refused naming the field the class cannot express.
+//! - `model.safetensors` (metadata `format: pt`), or above [`ExportOptions::max_shard_bytes`] the
+//!   shards `model-00001-of-0000N.safetensors` with `model.safetensors.index.json`
+//!   (`metadata.total_size`, `weight_map`), as transformers' `save_pretrained` shards: every
+//!   tensor under its Hugging Face name in BF16, F16 or F32 (rounded to nearest even), the
+//!   inverse of the import ([`hf_layout`]): the fused q|k|v rows split into `q_proj`,
+//!   `k_proj`, `v_proj`, fc1's `[gate | up]` into `gate_proj`, `up_proj`; no `lm_head.weight`
+//!   when tied. Norm weights follow the class's convention: Gemma's `γ` applied as `1 + γ`
+//!   (`Gemma3RMSNorm`), so the `1 + γ` a GGUF Gemma stores has 1 subtracted.
+//! - the tokenizer: a Hugging Face source's files copied (`tokenizer.json`,
+//!   `tokenizer_config.json`, `special_tokens_map.json`, `tokenizer.model`, chat templates...), a
+//!   GGUF vocabulary written by [`crate::tokenizer::Tokenizer::to_hf_files`] with the file's
+//!   padding token (`tokenizer.ggml.padding_token_id`) and chat template
+//!   (`tokenizer.chat_template`).
+//! - `generation_config.json`: a Hugging Face source's; for a GGUF file `bos_token_id`, every
+//!   end-of-generation id of the tokenizer as `eos_token_id` (Gemma: `<eos>` and
+//!   `<end_of_turn>`) and `pad_token_id`.
 
 mod config;
+mod export;
+mod export_config;
+#[cfg(test)]
+mod export_tests;
 mod gguf;
 pub mod gpu;
 mod hf_config;
@@ -77,6 +110,7 @@ mod weights;
 mod weights_tests;
 
 pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE};
+pub use export::{ExportOptions, ExportReport, DEFAULT_MAX_SHARD_BYTES};
 pub use hf_config::HfArchitecture;
 pub use gpu::{Decoder, DecoderCache, GpuPrecision};
 pub use lm::{CausalLm, DecodeOptions, Perplexity};
@@ -162,9 +196,30 @@ pub enum DecoderError {
     /// An error of the sampler, the GGUF reader or another runtime piece.
     #[error(transparent)]
     Runtime(#[from] te_runtime::Error),
-    /// The model's tokenizer could not be read.
+    /// The model's tokenizer could not be read or written.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    /// An export's target directory holds files and overwriting was not asked for.
+    #[error(
+        "{path} exists and is not empty: choose a new directory, or ask to overwrite (`te export --force`, \
+         ExportOptions::overwrite) to replace the model files in it"
+    )]
+    OutputExists {
+        /// The target directory.
+        path: PathBuf,
+    },
+    /// An export's target directory is the Hugging Face directory the model was loaded from.
+    #[error("{path} is the directory the model was loaded from: export into another directory")]
+    OutputIsSource {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// An export dtype that Hugging Face checkpoints are not written in.
+    #[error("cannot export in {dtype}: the checkpoint is written in bf16, f16 or f32")]
+    ExportDtype {
+        /// The dtype asked for.
+        dtype: te_codegen::DType,
+    },
 }
 
 impl DecoderError {

@@ -23,6 +23,10 @@
 //! directory holding them, and against Gemma 3 270M's GGUF when `.data/` holds it
 //! (`scripts/fill-gemma`): "The capital of France is" → `[2, 818, 5279, 529, 7001, 563]`.
 //!
+//! Export ([`Tokenizer::to_hf_files`], module `export`): any of them as the `tokenizer.json` and
+//! `tokenizer_config.json` of a Hugging Face directory; a GGUF SentencePiece vocabulary becomes
+//! the byte-fallback BPE Hugging Face writes for Gemma and Llama 2, merges derived from the scores.
+//!
 //! Encoding ([`Tokenizer::encode`]) always matches special tokens written in the text (`<bos>`,
 //! `<start_of_turn>`: Hugging Face's `encode` and llama.cpp's `parse_special`), so chat templates
 //! are plain text; `add_special` adds BOS/EOS as the vocabulary's flags ask. Decoding concatenates
@@ -31,6 +35,7 @@
 
 mod bpe;
 mod error;
+mod export;
 mod gguf;
 mod hf;
 mod pieces;
@@ -44,6 +49,7 @@ mod tests;
 
 pub use bpe::BpeVocab;
 pub use error::{TokenizerError, TokenizerResult};
+pub use export::HfTokenizerExtras;
 pub use spm::{SpmVocab, SPACE_MARK};
 pub use stream::DecodeStream;
 pub use vocab::{eog_ids_by_text, TokenType, EOG_TEXTS};

@@ -33,6 +33,11 @@ impl Pieces {
         Ok(Self { types, bytes, strip_first_space })
     }
 
+    /// The type of every token.
+    pub fn types(&self) -> &[TokenType] {
+        &self.types
+    }
+
     /// The bytes token `id` adds to a text: nothing when skipped (control and unknown tokens
     /// under `skip_special`, llama.cpp's `attr_special`) or out of range; `at_start` (no visible
     /// piece yet) drops the dummy-prefix space and is cleared by the first visible piece

@@ -139,6 +139,12 @@ impl SpmModel {
         &self.pieces_out
     }
 
+    /// What a Hugging Face export needs: the tokens, their scores and types, the unknown token
+    /// and whether a space is prefixed.
+    pub fn export_view(&self) -> (&[String], &[f32], &[TokenType], Option<u32>, bool) {
+        (&self.tokens, &self.scores, self.pieces_out.types(), self.unk, self.add_space_prefix)
+    }
+
     /// The ids of `text`, special tokens matched first, no BOS/EOS (llama.cpp's
     /// `llama_vocab::impl::tokenize`, the SPM case, with `parse_special`).
     pub fn encode(&self, text: &str, out: &mut Vec<u32>) -> TokenizerResult<()> {

@@ -2,6 +2,7 @@
 //! by hand in the comments (llama.cpp's rules), and the round trip of random text.
 
 mod bpe;
+mod export;
 mod hf;
 mod llama_cpp;
 mod perf;
