@@ -14,7 +14,6 @@
 //! ```
 
 use clap::Parser;
-use std::fmt::Write as _;
 use std::path::PathBuf;
 use te_models::cpu::decoder::{DecoderPrecision, DecoderRef};
 use te_models::decoder::{load_model, CausalLm, DecodeOptions, Decoder, GpuPrecision};
@@ -34,7 +33,7 @@ struct Args {
     /// `name=TEXT`: a prompt to continue greedily (repeatable).
     #[arg(long)]
     prompt: Vec<String>,
-    /// bf16, fp8 (the layers' GEMMs) or fp8-head (and the LM head).
+    /// bf16, fp8 (the layers' GEMMs, current scaling) or fp8-head (and the LM head).
     #[arg(long, default_value = "bf16")]
     precision: String,
     /// Run the CPU model (f32) instead of the GPU one.
@@ -53,8 +52,8 @@ struct Args {
 
 /// The model on the CPU or the GPU.
 enum Runner {
-    Cpu(DecoderRef),
-    Gpu(Decoder),
+    Cpu(Box<DecoderRef>),
+    Gpu(Box<Decoder>),
 }
 
 fn split(kv: &str) -> (String, String) {
@@ -93,33 +92,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect::<Result<_, Box<dyn std::error::Error>>>()?;
     let prompts: Vec<(String, Vec<i32>)> =
         a.prompt.iter().map(|kv| split(kv)).map(|(n, p)| Ok((n, encode(&p)?))).collect::<Result<_, Box<dyn std::error::Error>>>()?;
-    let list = |v: &[(String, Vec<i32>)]| -> String {
-        let items: Vec<String> = v.iter().map(|(n, ids)| format!("{{\"name\": {}, \"ids\": {:?}}}", serde_json::to_string(n).unwrap(), ids)).collect();
-        format!("[{}]", items.join(", "))
+    let list = |v: &[(String, Vec<i32>)]| -> Vec<serde_json::Value> {
+        v.iter().map(|(n, ids)| serde_json::json!({"name": n, "ids": ids})).collect()
     };
-    std::fs::write(a.out.join("ids.json"), format!("{{\"texts\": {}, \"prompts\": {}}}\n", list(&texts), list(&prompts)))?;
+    let ids_json = serde_json::json!({"texts": list(&texts), "prompts": list(&prompts)});
+    std::fs::write(a.out.join("ids.json"), ids_json.to_string())?;
 
     let mut runner = if a.cpu {
-        Runner::Cpu(DecoderRef::new(loaded.weights, DecoderPrecision::F32)?)
+        Runner::Cpu(Box::new(DecoderRef::new(loaded.weights, DecoderPrecision::F32)?))
     } else {
         let precision = match a.precision.as_str() {
             "bf16" => GpuPrecision::Bf16,
-            "fp8" => GpuPrecision::Fp8 { recipe: Recipe::default(), lm_head: false },
-            "fp8-head" => GpuPrecision::Fp8 { recipe: Recipe::default(), lm_head: true },
+            "fp8" => GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: false },
+            "fp8-head" => GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: true },
             other => return Err(format!("--precision {other}: give bf16, fp8 or fp8-head").into()),
         };
         let dev = te_runtime::Device::new(0)?;
         let m = Decoder::new(&dev, loaded.weights, precision)?;
         eprintln!("parameters on the GPU: {:.1} MB", m.parameter_bytes() as f64 / 1e6);
-        Runner::Gpu(m)
+        Runner::Gpu(Box::new(m))
     };
     let model: &mut dyn CausalLm = match &mut runner {
-        Runner::Cpu(m) => m,
-        Runner::Gpu(m) => m,
+        Runner::Cpu(m) => m.as_mut(),
+        Runner::Gpu(m) => m.as_mut(),
     };
     eprintln!("{}", model.describe());
     let vocab = model.config().vocab_size;
-    let mut ppl = String::new();
+    let mut ppl = serde_json::Map::new();
     for (name, ids) in &texts {
         let head = &ids[..ids.len().min(a.max_length)];
         let logits = match &mut runner {
@@ -128,34 +127,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         npy(&a.out.join(format!("logits_{name}.npy")), &logits, head.len(), vocab)?;
         let model: &mut dyn CausalLm = match &mut runner {
-            Runner::Cpu(m) => m,
-            Runner::Gpu(m) => m,
+            Runner::Cpu(m) => m.as_mut(),
+            Runner::Gpu(m) => m.as_mut(),
         };
         let p = model.perplexity(ids, a.max_length, a.stride)?;
         eprintln!("{name}: {} tokens, perplexity {:.4}", ids.len(), p.perplexity);
-        if !ppl.is_empty() {
-            ppl.push_str(", ");
-        }
-        write!(ppl, "{}: {{\"mean_nll\": {}, \"perplexity\": {}, \"tokens\": {}}}", serde_json::to_string(name)?, p.mean_nll, p.perplexity, p.tokens)?;
+        ppl.insert(name.clone(), serde_json::json!({"mean_nll": p.mean_nll, "perplexity": p.perplexity, "tokens": p.tokens}));
     }
     let model: &mut dyn CausalLm = match &mut runner {
-        Runner::Cpu(m) => m,
-        Runner::Gpu(m) => m,
+        Runner::Cpu(m) => m.as_mut(),
+        Runner::Gpu(m) => m.as_mut(),
     };
-    let mut greedy = String::new();
+    let mut greedy = serde_json::Map::new();
     let batch: Vec<Vec<i32>> = prompts.iter().map(|(_, ids)| ids.clone()).collect();
     if !batch.is_empty() {
         let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(a.new_tokens) };
         let out = model.generate(&batch, &opts, &mut |_, _| Ok(()))?;
         for ((name, _), new) in prompts.iter().zip(&out) {
-            if !greedy.is_empty() {
-                greedy.push_str(", ");
-            }
-            write!(greedy, "{}: {:?}", serde_json::to_string(name)?, new)?;
+            greedy.insert(name.clone(), serde_json::json!(new));
             let text = tok.decode(&new.iter().map(|&x| x as u32).collect::<Vec<_>>(), true)?;
             eprintln!("{name}: {text:?}");
         }
     }
-    std::fs::write(a.out.join("result.json"), format!("{{\"perplexity\": {{{ppl}}}, \"greedy\": {{{greedy}}}}}\n"))?;
+    std::fs::write(a.out.join("result.json"), serde_json::json!({"perplexity": ppl, "greedy": greedy}).to_string())?;
     Ok(())
 }

@@ -3,16 +3,18 @@
 //! [`CausalLm`] on the device that runs it, with its [`Tokenizer`]; [`ModelError`] is what can go
 //! wrong, for both commands.
 //!
-//! Today the CPU decoder ([`DecoderRef`]) runs every model: f32 by default, `--precision bf16`
-//! rounds the GEMM inputs to BF16. The GPU decoder (`te_models::decoder::gpu`) is being written;
-//! it goes into the one marked `match` arm of [`open_causal_lm`].
+//! On a GPU the GPU decoder ([`Decoder`]) runs the model, BF16 by default or FP8
+//! (`--precision fp8`); with `--cpu` (or without a GPU) the CPU decoder ([`DecoderRef`]), f32 by
+//! default or with BF16 GEMM inputs (`--precision bf16`).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use te_models::cpu::decoder::{DecoderPrecision, DecoderRef};
 use te_models::decoder::{
-    load_model, CausalLm, DecoderError, DecoderWeights, HfArchitecture, LoadedModel, ModelSource,
+    load_model, CausalLm, Decoder, DecoderError, DecoderWeights, GpuPrecision, HfArchitecture, LoadedModel,
+    ModelSource,
 };
+use te_nn::fp8::Recipe;
 use te_models::tokenizer::{Tokenizer, TokenizerError};
 
 /// The precision a decoder runs in (`--precision`).
@@ -134,6 +136,27 @@ fn cpu_model(weights: DecoderWeights, precision: Option<ModelPrecision>) -> Resu
     Ok(Box::new(DecoderRef::new(weights, cpu_precision(precision)?)?))
 }
 
+/// The GPU decoder of `weights` on GPU 0: BF16 by default, `fp8` with E4M3 one-byte weights
+/// and current scaling of the activations (TE's `Float8CurrentScaling`: per-tensor scales from
+/// each tensor's own amax, no history to warm up, which inference wants).
+///
+/// # Errors
+/// [`ModelError::Request`] for `--precision f32` (the GPU decoder runs bf16 or fp8); the
+/// device's and the model's errors (a configuration the GPU path does not run names `--cpu`).
+fn gpu_model(weights: DecoderWeights, precision: Option<ModelPrecision>) -> Result<Box<dyn CausalLm>, ModelError> {
+    let precision = match precision {
+        None | Some(ModelPrecision::Bf16) => GpuPrecision::Bf16,
+        Some(ModelPrecision::Fp8) => GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: false },
+        Some(ModelPrecision::F32) => {
+            return Err(ModelError::Request(
+                "--precision f32 runs on the CPU path only (add --cpu); the GPU decoder runs bf16 or fp8".into(),
+            ))
+        }
+    };
+    let dev = te_runtime::Device::new(0).map_err(DecoderError::from)?;
+    Ok(Box::new(Decoder::new(&dev, weights, precision)?))
+}
+
 /// `weights` whose configuration also stops at the tokenizer's end-of-generation ids
 /// (`generation_config.json`'s `eos_token_id` list, Gemma's `<end_of_turn>`), as transformers'
 /// `generate` does.
@@ -214,12 +237,7 @@ pub fn open_causal_lm(path: &Path, opts: &ModelOptions) -> Result<(Box<dyn Causa
     let about = describe_source(path, &weights, arch, &source);
     eprintln!("model: {about}; loaded in {:.2} s", start.elapsed().as_secs_f64());
     let model = match target {
-        // The GPU path: the GPU decoder (`te_models::decoder::gpu`) goes here, from `weights` in
-        // `opts.precision` (default bf16; fp8 only here). Until it exists the CPU decoder runs.
-        Target::Gpu => {
-            eprintln!("the GPU decoder of this model family is not built yet: running on the CPU path");
-            cpu_model(weights, opts.precision)?
-        }
+        Target::Gpu => gpu_model(weights, opts.precision)?,
         Target::Cpu => cpu_model(weights, opts.precision)?,
     };
     Ok((model, tokenizer))

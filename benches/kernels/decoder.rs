@@ -3,7 +3,7 @@
 //! the split-K decode kernels; greedy sampling on the host) for Gemma 3 270M — the real GGUF when
 //! `TE_GEMMA_GGUF` names it, else its architecture with random weights (the speed does not
 //! depend on them) — at batch 1, 8 and 32 with prompts of 128 and 1024 tokens, 128 new tokens,
-//! BF16 and FP8 (E4M3 weights, current scaling). Wall-clock time, as `te generate` runs:
+//! BF16 and FP8 (E4M3 weights, current scaling; with the LM head in FP8 too). Wall-clock time, as `te generate` runs:
 //! prefill tokens/s (the prompts and the first token) and decode tokens/s (all sequences) over
 //! the other 127 steps. The decode floor: every weight read once (the 262k-row LM head is most of
 //! it) plus the cached keys and values at the mean length, over this run's copy bandwidth.
@@ -59,8 +59,8 @@ pub fn run(b: &mut Bench) {
     let kv_row_bytes = (cfg.num_layers * 2 * cfg.num_gqa_groups * cfg.head_dim * 2) as u64;
     for (label, precision) in [
         ("bf16", GpuPrecision::Bf16),
-        ("fp8", GpuPrecision::Fp8 { recipe: Recipe::default(), lm_head: false }),
-        ("fp8 + fp8 lm head", GpuPrecision::Fp8 { recipe: Recipe::default(), lm_head: true }),
+        ("fp8", GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: false }),
+        ("fp8 + fp8 lm head", GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: true }),
     ] {
         let mut model = Decoder::new(&dev, w.clone(), precision).unwrap();
         // Every parameter once: the tied head reads the embedding's table whole.
