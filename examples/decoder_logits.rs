@@ -90,8 +90,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Ok((name, encode(&std::fs::read_to_string(file)?)?))
         })
         .collect::<Result<_, Box<dyn std::error::Error>>>()?;
-    let prompts: Vec<(String, Vec<i32>)> =
-        a.prompt.iter().map(|kv| split(kv)).map(|(n, p)| Ok((n, encode(&p)?))).collect::<Result<_, Box<dyn std::error::Error>>>()?;
+    let prompts: Vec<(String, Vec<i32>)> = a
+        .prompt
+        .iter()
+        .map(|kv| split(kv))
+        .map(|(n, p)| Ok((n, encode(&p)?)))
+        .collect::<Result<_, Box<dyn std::error::Error>>>()?;
     let list = |v: &[(String, Vec<i32>)]| -> Vec<serde_json::Value> {
         v.iter().map(|(n, ids)| serde_json::json!({"name": n, "ids": ids})).collect()
     };
@@ -132,7 +136,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let p = model.perplexity(ids, a.max_length, a.stride)?;
         eprintln!("{name}: {} tokens, perplexity {:.4}", ids.len(), p.perplexity);
-        ppl.insert(name.clone(), serde_json::json!({"mean_nll": p.mean_nll, "perplexity": p.perplexity, "tokens": p.tokens}));
+        ppl.insert(
+            name.clone(),
+            serde_json::json!({"mean_nll": p.mean_nll, "perplexity": p.perplexity, "tokens": p.tokens}),
+        );
     }
     let model: &mut dyn CausalLm = match &mut runner {
         Runner::Cpu(m) => m.as_mut(),

@@ -11,11 +11,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use te_models::cpu::decoder::{DecoderPrecision, DecoderRef};
 use te_models::decoder::{
-    load_model, CausalLm, Decoder, DecoderError, DecoderWeights, GpuPrecision, HfArchitecture, LoadedModel,
-    ModelSource,
+    load_model, CausalLm, Decoder, DecoderError, DecoderWeights, GpuPrecision, HfArchitecture, LoadedModel, ModelSource,
 };
-use te_nn::fp8::Recipe;
 use te_models::tokenizer::{Tokenizer, TokenizerError};
+use te_nn::fp8::Recipe;
 
 /// The precision a decoder runs in (`--precision`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,7 +13,9 @@ use crate::harness::{Bench, Stats};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
-use te_models::decoder::{load_model, DecodeOptions, Decoder, DecoderConfig, DecoderWeights, GpuPrecision, WeightTensor};
+use te_models::decoder::{
+    load_model, DecodeOptions, Decoder, DecoderConfig, DecoderWeights, GpuPrecision, WeightTensor,
+};
 use te_nn::fp8::Recipe;
 
 const NEW_TOKENS: usize = 128;
@@ -41,7 +43,8 @@ fn weights() -> (DecoderWeights, &'static str) {
         let n: usize = shape.iter().product();
         // A cheap deterministic fill of ±0.02 (norm weights near 0: Gemma stores γ − 1).
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let data = (0..n).map(|i| ((((i as u64).wrapping_mul(2654435761) ^ seed) % 2001) as f32 - 1000.0) * 2e-5).collect();
+        let data =
+            (0..n).map(|i| ((((i as u64).wrapping_mul(2654435761) ^ seed) % 2001) as f32 - 1000.0) * 2e-5).collect();
         tensors.insert(name, WeightTensor { shape, data });
     }
     (DecoderWeights::from_tensors(cfg, tensors).unwrap(), "random weights")
@@ -102,7 +105,11 @@ pub fn run(b: &mut Bench) {
             let floor_us = (weight_bytes + kv_bytes) as f64 / (b.copy_gbps * 1e3);
             b.record_ratio(&format!("{work} {shape}: prefill tokens/s"), prefill_tps, None);
             b.record_ratio(&format!("{work} {shape}: decode tokens/s"), decode_tps, None);
-            b.record_ratio(&format!("{work} {shape}: decode step ÷ floor"), step.median_us / floor_us, Some((false, 3.0)));
+            b.record_ratio(
+                &format!("{work} {shape}: decode step ÷ floor"),
+                step.median_us / floor_us,
+                Some((false, 3.0)),
+            );
             println!(
                 "{work} {shape}: prefill {prefill_tps:.0} tokens/s, decode {decode_tps:.0} tokens/s ({:.1} µs a step, \
                  floor {floor_us:.1} µs)",

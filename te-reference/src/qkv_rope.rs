@@ -94,9 +94,16 @@ mod tests {
         assert_eq!((q[1], q[3]), (1.0, 3.0), "a zero frequency leaves its pair");
         // The norm makes each head's mean square 1 (γ = 1 as 1 + 0).
         let zeros = [0.0; 4];
-        let q = qkv_rope(&qkv, (h, g, d), Some((&zeros, &zeros, 0.0, true)), &[0.0, 0.0], &[5], &[0], DType::F32, [
-            &mut k, &mut v,
-        ]);
+        let q = qkv_rope(
+            &qkv,
+            (h, g, d),
+            Some((&zeros, &zeros, 0.0, true)),
+            &[0.0, 0.0],
+            &[5],
+            &[0],
+            DType::F32,
+            [&mut k, &mut v],
+        );
         for head in q.chunks(d) {
             let ms: f32 = head.iter().map(|x| x * x).sum::<f32>() / d as f32;
             assert!((ms - 1.0).abs() < 1e-5);

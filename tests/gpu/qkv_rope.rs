@@ -41,8 +41,7 @@ fn run(dev: &Device, c: &Case, seed: u64) {
     let mut v_host = vals(seed + 4, c.cache_rows * g * d, 1.0);
     let (k0, v0) = (k_host.clone(), v_host.clone());
     let norm_ref = c.norm.map(|zc| (&qg[..], &kg[..], 1e-6, zc));
-    let want_q =
-        reference(&qkv, (h, g, d), norm_ref, &freq, &c.positions, &c.rows, dt, [&mut k_host, &mut v_host]);
+    let want_q = reference(&qkv, (h, g, d), norm_ref, &freq, &c.positions, &c.rows, dt, [&mut k_host, &mut v_host]);
 
     let qkv_t = Tensor::from_f32(dev, dt, &[tokens, (h + 2 * g) * d], &qkv).unwrap();
     let (qg_t, kg_t) = (Tensor::from_f32(dev, dt, &[d], &qg).unwrap(), Tensor::from_f32(dev, dt, &[d], &kg).unwrap());
@@ -103,11 +102,24 @@ fn qkv_rope_matches_the_reference() {
     // Decode: one token per sequence at scattered positions, far along.
     let positions = vec![4000, 17, 511, 0];
     let rows: Vec<i32> = positions.iter().enumerate().map(|(j, &p)| (j * 4096) as i32 + p).collect();
-    let case = Case { dtype: DType::BF16, heads: 4, groups: 1, d: 256, norm: Some(true), positions, rows, cache_rows: 4 * 4096 };
+    let case = Case {
+        dtype: DType::BF16,
+        heads: 4,
+        groups: 1,
+        d: 256,
+        norm: Some(true),
+        positions,
+        rows,
+        cache_rows: 4 * 4096,
+    };
     run(&dev, &case, 99);
     // More head rows than the grid holds at once (grid-stride).
     let (positions, rows) = prefill(&[3000, 2100], 3000);
-    run(&dev, &Case { dtype: DType::BF16, heads: 16, groups: 8, d: 128, norm: None, positions, rows, cache_rows: 6000 }, 7);
+    run(
+        &dev,
+        &Case { dtype: DType::BF16, heads: 16, groups: 8, d: 128, norm: None, positions, rows, cache_rows: 6000 },
+        7,
+    );
 }
 
 #[test]

@@ -153,7 +153,8 @@ mod tests {
         assert!(QkvRopeSpec::new(DType::F32, 256, false, false, Arch::Sm89).validate().unwrap_err().contains("128"));
         assert!(QkvRopeSpec::new(DType::BF16, 72, true, false, Arch::Sm89).validate().unwrap_err().contains("16"));
         assert!(QkvRopeSpec::new(DType::E4M3, 64, true, false, Arch::Sm89).validate().unwrap_err().contains("e4m3"));
-        let s = QkvRopeSpec { zero_centered_gamma: true, ..QkvRopeSpec::new(DType::BF16, 64, false, false, Arch::Sm89) };
+        let s =
+            QkvRopeSpec { zero_centered_gamma: true, ..QkvRopeSpec::new(DType::BF16, 64, false, false, Arch::Sm89) };
         assert!(s.validate().unwrap_err().contains("qk_norm"));
     }
 }

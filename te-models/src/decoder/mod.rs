@@ -111,8 +111,8 @@ mod weights_tests;
 
 pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE};
 pub use export::{ExportOptions, ExportReport, DEFAULT_MAX_SHARD_BYTES};
-pub use hf_config::HfArchitecture;
 pub use gpu::{Decoder, DecoderCache, GpuPrecision};
+pub use hf_config::HfArchitecture;
 pub use lm::{CausalLm, DecodeOptions, Perplexity};
 pub use load::{load_model, LoadedModel, ModelSource};
 pub use names::{hf_layout, ParamSource};

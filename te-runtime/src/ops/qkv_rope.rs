@@ -140,13 +140,7 @@ pub fn qkv_rope(
     if heads == 0 || groups == 0 || heads % groups != 0 {
         return shape(format!("groups = {groups} must divide heads = {heads}, both ≥ 1"));
     }
-    let spec = QkvRopeSpec::new(
-        dtype,
-        d,
-        norm.is_some(),
-        norm.is_some_and(|n| n.zero_centered_gamma),
-        dev.arch(),
-    );
+    let spec = QkvRopeSpec::new(dtype, d, norm.is_some(), norm.is_some_and(|n| n.zero_centered_gamma), dev.arch());
     if let Err(reason) = KernelSpec::QkvRope(spec).validate() {
         return shape(reason.to_string());
     }

@@ -40,7 +40,9 @@ impl DecoderCache {
     /// `max_position_embeddings`; out of memory.
     pub fn new(dev: &Arc<Device>, cfg: &DecoderConfig, batch: usize, capacity: usize) -> DecoderResult<Self> {
         if batch == 0 || capacity == 0 {
-            return Err(DecoderError::input(format!("a KV cache needs batch ≥ 1 and capacity ≥ 1, got {batch}, {capacity}")));
+            return Err(DecoderError::input(format!(
+                "a KV cache needs batch ≥ 1 and capacity ≥ 1, got {batch}, {capacity}"
+            )));
         }
         if capacity > cfg.max_position_embeddings {
             return Err(DecoderError::input(format!(
@@ -109,8 +111,15 @@ impl StepShape {
 
     /// The decode kernels' problem: one query per sequence over the cache.
     pub fn decode_shape(&self, cfg: &DecoderConfig, window: Option<(i64, i64)>) -> AttentionShape {
-        AttentionShape::decode(self.batch, cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim, self.capacity, cfg.softmax_scale())
-            .with_sliding_window(window)
+        AttentionShape::decode(
+            self.batch,
+            cfg.num_attention_heads,
+            cfg.num_gqa_groups,
+            cfg.head_dim,
+            self.capacity,
+            cfg.softmax_scale(),
+        )
+        .with_sliding_window(window)
     }
 
     /// The fused attention's problem: packed queries over the sequences' cached keys, causal
@@ -182,10 +191,12 @@ pub(super) fn plan(
     } else {
         let prefix = |v: &mut dyn Iterator<Item = usize>| -> Vec<i32> {
             let mut acc = 0;
-            std::iter::once(0).chain(v.map(|x| {
-                acc += x as i32;
-                acc
-            })).collect()
+            std::iter::once(0)
+                .chain(v.map(|x| {
+                    acc += x as i32;
+                    acc
+                }))
+                .collect()
         };
         let cu_q = prefix(&mut new.iter().copied());
         let cu_kv = prefix(&mut totals.iter().copied());

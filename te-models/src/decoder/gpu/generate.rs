@@ -66,7 +66,8 @@ impl Decoder {
                     continue;
                 }
                 let position = prompts[j].len() + out[j].len();
-                let token = opts.sampling.sample(&logits[j * v..(j + 1) * v], opts.seed, position as u64, j as u64)? as i32;
+                let token =
+                    opts.sampling.sample(&logits[j * v..(j + 1) * v], opts.seed, position as u64, j as u64)? as i32;
                 out[j].push(token);
                 on_token(j, token)?;
                 if opts.stop_at_eos && eos.contains(&token) {
@@ -130,7 +131,8 @@ impl Decoder {
         if self.cfg.final_logit_softcapping.is_some() {
             let mut host = logits.to_f32(&self.dev)?;
             self.softcap(&mut host);
-            let (loss, _) = te_reference::cross_entropy::cross_entropy(&host, self.cfg.vocab_size, targets, IGNORE_INDEX, 0.0);
+            let (loss, _) =
+                te_reference::cross_entropy::cross_entropy(&host, self.cfg.vocab_size, targets, IGNORE_INDEX, 0.0);
             return Ok(loss.iter().map(|&l| f64::from(l)).sum());
         }
         let stream = self.dev.stream();

@@ -59,7 +59,12 @@ pub(super) fn linear(
 /// optional bias; FP8-only with `fp8`.
 pub(super) fn linear_from(dev: &Arc<Device>, w: Tensor, bias: Option<Tensor>, fp8: bool) -> DecoderResult<Linear> {
     let (n_out, n_in) = (w.shape()[0], w.shape()[1]);
-    let lc = LinearConfig { bias: bias.is_some(), params_dtype: DType::BF16, init_std: 0.0, ..LinearConfig::new(n_in, n_out) };
+    let lc = LinearConfig {
+        bias: bias.is_some(),
+        params_dtype: DType::BF16,
+        init_std: 0.0,
+        ..LinearConfig::new(n_in, n_out)
+    };
     let mut m = if fp8 { fp8_model_init(true, || Linear::new(dev, lc))? } else { Linear::new(dev, lc)? };
     if fp8 {
         m.params_mut().set_fp8_weight(quantize_e4m3(dev, &w)?)?;
@@ -129,7 +134,8 @@ impl Layer {
             )
         })?;
         let (sa, mlp) = ("self_attention", "layernorm_mlp");
-        let qkv_norm = (p(&format!("{sa}.layernorm_qkv.layer_norm_weight")), p(&format!("{sa}.layernorm_qkv.layer_norm_bias")));
+        let qkv_norm =
+            (p(&format!("{sa}.layernorm_qkv.layer_norm_weight")), p(&format!("{sa}.layernorm_qkv.layer_norm_bias")));
         let norm1 = norm(dev, cfg, t, (&qkv_norm.0, &qkv_norm.1), h)?;
         let qkv_b = p(&format!("{sa}.layernorm_qkv.bias"));
         let qkv = linear(
@@ -200,7 +206,11 @@ impl Layer {
     /// Bytes of the layer's parameters on the device.
     pub fn parameter_bytes(&self) -> usize {
         let norms = [Some(&self.norm1), Some(&self.norm2), self.post_attn_norm.as_ref(), self.post_mlp_norm.as_ref()];
-        let norm_bytes: usize = norms.into_iter().flatten().map(|n| n.params().weight().num_bytes() + n.params().bias().map_or(0, Tensor::num_bytes)).sum();
+        let norm_bytes: usize = norms
+            .into_iter()
+            .flatten()
+            .map(|n| n.params().weight().num_bytes() + n.params().bias().map_or(0, Tensor::num_bytes))
+            .sum();
         let qk: usize = self.qk_norm.iter().flatten().map(Tensor::num_bytes).sum();
         let gemms: usize =
             [&self.qkv, &self.proj, &self.fc1, &self.fc2].iter().map(|m| m.params().parameter_bytes()).sum();

@@ -134,7 +134,13 @@ impl Decoder {
                 "the fused attention has no logit soft-capping (Gemma 2): run the model with --cpu",
             ));
         }
-        if let Some(reason) = te_runtime::ops::flash_attention::unsupported_reason(dev.arch(), DType::BF16, cfg.head_dim, cfg.head_dim, false) {
+        if let Some(reason) = te_runtime::ops::flash_attention::unsupported_reason(
+            dev.arch(),
+            DType::BF16,
+            cfg.head_dim,
+            cfg.head_dim,
+            false,
+        ) {
             return Err(DecoderError::config("head_dim", format!("the GPU path cannot run this model: {reason}")));
         }
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
@@ -189,7 +195,8 @@ impl Decoder {
     /// Bytes of the parameters on the device: the embedding, every layer, the final norm and an
     /// untied LM head (a tied head shares the embedding's table).
     pub fn parameter_bytes(&self) -> usize {
-        let norm = self.final_norm.params().weight().num_bytes() + self.final_norm.params().bias().map_or(0, Tensor::num_bytes);
+        let norm = self.final_norm.params().weight().num_bytes()
+            + self.final_norm.params().bias().map_or(0, Tensor::num_bytes);
         self.embedding.num_bytes()
             + self.layers.iter().map(Layer::parameter_bytes).sum::<usize>()
             + norm
@@ -209,7 +216,9 @@ impl Decoder {
         let v = self.cfg.vocab_size;
         for (j, s) in sequences.iter().enumerate() {
             if let Some(&id) = s.as_ref().iter().find(|&&id| id < 0 || id as usize >= v) {
-                return Err(DecoderError::input(format!("sequence {j} holds the id {id}, outside the vocabulary of {v}")));
+                return Err(DecoderError::input(format!(
+                    "sequence {j} holds the id {id}, outside the vocabulary of {v}"
+                )));
             }
         }
         Ok(())
