@@ -18,7 +18,7 @@ DIR/<model>/ for llama, qwen2, qwen3 and gemma3:
 The models (vocab 512, hidden 64, random weights, seeded):
   llama   LlamaForCausalLM, 2 layers, GQA 4 heads : 2 KV heads, head_dim 32 (the fused attention's smallest), rope llama3 scaling
           (factor 8, low/high freq factors 1/4, original context 32: all three frequency bands)
-  qwen2   Qwen2ForCausalLM, 3 layers, q/k/v bias, GQA 4:2, untied head
+  qwen2   Qwen2ForCausalLM, 3 layers, q/k/v bias, GQA 4:2, head_dim 32, untied head
   qwen3   Qwen3ForCausalLM, 2 layers, q/k RMSNorm, head_dim 32 (heads × head_dim = 128 ≠ hidden)
   gemma3  Gemma3ForCausalLM, 4 layers sliding, sliding, full, sliding; sliding_window 4, head_dim
           32, GQA 4:2, query_pre_attn_scalar 48, final_logit_softcapping 3.0, local/global rope
@@ -52,7 +52,7 @@ def models():
                              high_freq_factor=4.0, original_max_position_embeddings=32),
     )
     yield "qwen2", Qwen2ForCausalLM, Qwen2Config(
-        **common, num_hidden_layers=3, tie_word_embeddings=False, eos_token_id=3,
+        **common, num_hidden_layers=3, head_dim=32, tie_word_embeddings=False, eos_token_id=3,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
     )
     yield "qwen3", Qwen3ForCausalLM, Qwen3Config(

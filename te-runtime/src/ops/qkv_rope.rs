@@ -115,7 +115,7 @@ pub struct QkNorm<'a> {
 ///
 /// # Errors
 /// [`Error::DType`] for FP8 or mismatched dtypes, an `inv_freq` that is not f32;
-/// [`Error::Shape`] for a head dim the kernel does not take ([`QkvRopeSpec::validate`]), `groups`
+/// [`Error::Shape`] for a head dim the kernel does not take ([`QkvRopeSpec`]'s `validate`), `groups`
 /// not dividing `heads`, tensors of other shapes, caches with fewer rows than `rows` was made
 /// for; compile and launch failures.
 #[allow(clippy::too_many_arguments)]
