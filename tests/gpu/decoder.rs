@@ -130,8 +130,9 @@ fn decoder_matches_transformers_on_the_fixtures() {
     }
 }
 
-/// Greedy decode steps (one token per sequence, the split-K kernels over the cache) pick the
-/// tokens the prefill's logits over the whole continuation pick, past the sliding window.
+/// Greedy decode steps (one token per sequence, the split-K kernels over the cache, replayed from
+/// a CUDA graph) pick the tokens the prefill's logits over the whole continuation pick, past the
+/// sliding window, and the same tokens as eager steps.
 #[test]
 fn decode_steps_agree_with_the_prefill() {
     let Some(dev) = device() else { return };
@@ -156,6 +157,13 @@ fn decode_steps_agree_with_the_prefill() {
                 );
             }
         }
+        // The decode steps replayed from a CUDA graph (the default) draw exactly the eager steps'
+        // tokens, and the capture worked.
+        assert!(m.graph_fallback().is_none(), "{model}: the decode step was not captured: {:?}", m.graph_fallback());
+        m.set_cuda_graph(false);
+        let eager = m.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap();
+        m.set_cuda_graph(true);
+        assert_eq!(eager, out, "{model}: graph replays and eager steps draw the same tokens");
         // Sampling: the same seed draws the same tokens.
         let sampled = DecodeOptions {
             sampling: SamplingConfig { temperature: 0.9, top_k: Some(20), top_p: Some(0.9) },

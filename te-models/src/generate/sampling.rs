@@ -192,7 +192,8 @@ mod tests {
     fn the_fast_paths_keep_the_sorted_order() {
         // Logits with many ties (few distinct values), greedy and top-k of several sizes.
         for seed in 0..20u64 {
-            let logits: Vec<f32> = (0..997).map(|i| (((i as u64 * 2654435761) ^ (seed * 97)) % 13) as f32 * 0.5).collect();
+            let logits: Vec<f32> =
+                (0..997).map(|i| (((i as u64 * 2654435761) ^ (seed * 97)) % 13) as f32 * 0.5).collect();
             let g = SamplingConfig::greedy();
             assert_eq!(support(g, &logits), by_full_sort(g, &logits), "greedy, seed {seed}");
             for k in [1, 2, 7, 100, 996, 997, 5000] {

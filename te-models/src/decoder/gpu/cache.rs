@@ -147,7 +147,66 @@ pub(super) struct Step<'a> {
     pub cache: &'a mut DecoderCache,
     pub rows: &'a TokenRows,
     pub shape: StepShape,
+    pub attention: &'a mut StepAttention,
+}
+
+/// The device tables of a decode step (one new token per sequence) kept across steps at fixed
+/// addresses, so that a CUDA graph captured over them replays every later step: the token ids,
+/// their positions and cache rows, the lengths after the step. [`DecodeTables::update`] refills
+/// them (host copies, before a replay).
+#[derive(Debug)]
+pub(super) struct DecodeTables {
+    pub ids: CudaSlice<i32>,
+    pub rows: TokenRows,
+    pub shape: StepShape,
     pub attention: StepAttention,
+}
+
+/// Positions, cache rows and lengths after the step of one token per sequence of `cache`.
+fn decode_rows(cache: &DecoderCache) -> DecoderResult<(Vec<i32>, Vec<i32>, Vec<i32>)> {
+    if let Some(j) = cache.lens.iter().position(|&l| l + 1 > cache.capacity) {
+        return Err(DecoderError::input(format!(
+            "sequence {j}: {} cached tokens fill the cache's capacity of {}",
+            cache.lens[j], cache.capacity
+        )));
+    }
+    let positions: Vec<i32> = cache.lens.iter().map(|&l| l as i32).collect();
+    let rows = cache.lens.iter().enumerate().map(|(j, &l)| (j * cache.capacity + l) as i32).collect();
+    let seqlens = cache.lens.iter().map(|&l| l as i32 + 1).collect();
+    Ok((positions, rows, seqlens))
+}
+
+impl DecodeTables {
+    /// The tables of the next step of `cache` with the token `ids[j]` for sequence `j`.
+    pub fn new(dev: &Device, cache: &DecoderCache, ids: &[i32]) -> DecoderResult<Self> {
+        if ids.len() != cache.batch {
+            return Err(DecoderError::input(format!("{} tokens for a cache of batch {}", ids.len(), cache.batch)));
+        }
+        let (positions, rows, seqlens) = decode_rows(cache)?;
+        let stream = dev.stream();
+        let shape = StepShape { batch: cache.batch, max_new: 1, max_total: 0, capacity: cache.capacity };
+        Ok(Self {
+            ids: stream.htod(ids)?,
+            rows: TokenRows::from_host(dev, &positions, &rows, cache.batch * cache.capacity)?,
+            shape,
+            attention: StepAttention::Decode { seqlens: stream.htod(&seqlens)? },
+        })
+    }
+
+    /// Refills the tables in place for the next step of `cache` with the tokens `ids`.
+    pub fn update(&mut self, dev: &Device, cache: &DecoderCache, ids: &[i32]) -> DecoderResult<()> {
+        if ids.len() != cache.batch {
+            return Err(DecoderError::input(format!("{} tokens for a cache of batch {}", ids.len(), cache.batch)));
+        }
+        let (positions, rows, seqlens) = decode_rows(cache)?;
+        te_runtime::graph::refuse_in_capture(dev.stream(), "DecodeTables::update")?;
+        dev.stream().memcpy_htod(ids, &mut self.ids).map_err(te_runtime::Error::from)?;
+        self.rows.update(dev, &positions, &rows)?;
+        if let StepAttention::Decode { seqlens: s } = &mut self.attention {
+            dev.stream().memcpy_htod(&seqlens, s).map_err(te_runtime::Error::from)?;
+        }
+        Ok(())
+    }
 }
 
 /// The host tables of a step of `new[j]` tokens for sequence `j` after `cache.lens()[j]`:

@@ -5,11 +5,21 @@
 //! ending a sequence; perplexity with transformers' sliding windows, the loss from the fused
 //! cross-entropy kernel (or on the host when the model soft-caps its logits).
 
-use super::Decoder;
+use super::cache::{self, DecodeTables};
+use super::{Decoder, DecoderCache};
 use crate::decoder::{CausalLm, DecodeOptions, DecoderConfig, DecoderError, DecoderResult, Perplexity};
 use crate::gpt::IGNORE_INDEX;
-use te_runtime::graph::HostCopies;
+use te_runtime::graph::{Graph, HostCopies};
 use te_runtime::ops::cross_entropy::cross_entropy;
+use te_runtime::Tensor;
+
+/// The decode steps of one generation: their tables, the captured graph with its logits, the
+/// eager steps run.
+struct DecodeSteps {
+    tables: Option<DecodeTables>,
+    graph: Option<(Graph, Tensor)>,
+    eager: usize,
+}
 
 /// Rows of logits computed at once in perplexity.
 const ROWS: usize = 512;
@@ -49,20 +59,22 @@ impl Decoder {
             acc += p.len();
             last.push(acc - 1);
         }
-        let mut rows = self.gather_rows(&hidden, &last)?;
+        let mut logits_dev = self.head(&self.gather_rows(&hidden, &last)?)?;
         drop(hidden);
         let mut active = vec![true; b];
         let v = self.cfg.vocab_size;
+        let mut steps = DecodeSteps { tables: None, graph: None, eager: 0 };
+        self.graph_fallback = None;
         for step in 0..opts.max_new_tokens {
-            let mut logits = self.head(&rows)?.to_f32(&self.dev)?;
+            let mut logits = logits_dev.to_f32(&self.dev)?;
             self.softcap(&mut logits);
-            let mut next: Vec<Vec<i32>> = vec![Vec::new(); b];
+            let mut next = Vec::with_capacity(b);
             for j in 0..b {
                 // Finished sequences keep stepping with their last token (their draws unused), so
-                // every step is one token per sequence: the decode kernels' shape.
+                // every step is one token per sequence: the decode kernels' shape, one graph.
                 let prev = *out[j].last().unwrap_or(&prompts[j][prompts[j].len() - 1]);
                 if !active[j] {
-                    next[j].push(prev);
+                    next.push(prev);
                     continue;
                 }
                 let position = prompts[j].len() + out[j].len();
@@ -73,14 +85,66 @@ impl Decoder {
                 if opts.stop_at_eos && eos.contains(&token) {
                     active[j] = false;
                 }
-                next[j].push(token);
+                next.push(token);
             }
             if step + 1 == opts.max_new_tokens || !active.contains(&true) {
                 break;
             }
-            rows = self.forward_step(&mut cache, &next)?;
+            logits_dev = self.decode_step(&mut cache, &mut steps, &next)?;
         }
         Ok(out)
+    }
+
+    /// One decode step of the tokens `next` (one per sequence): eagerly the first time (it loads
+    /// every kernel and picks every GEMM algorithm), captured into a CUDA graph the second time,
+    /// replayed after (when [`Decoder::set_cuda_graph`] is on; a capture that fails falls back
+    /// to eager steps and says why in [`Decoder::graph_fallback`]). Returns the logits `[batch,
+    /// vocab]`, valid until the next step.
+    fn decode_step(
+        &mut self,
+        cache: &mut DecoderCache,
+        steps: &mut DecodeSteps,
+        next: &[i32],
+    ) -> DecoderResult<Tensor> {
+        match &mut steps.tables {
+            Some(t) => t.update(&self.dev, cache, next)?,
+            None => steps.tables = Some(DecodeTables::new(&self.dev, cache, next)?),
+        }
+        let Some(tables) = steps.tables.as_mut() else {
+            return Err(DecoderError::input("no decode tables"));
+        };
+        let logits = match &steps.graph {
+            Some((graph, logits)) => {
+                graph.replay()?;
+                logits.clone()
+            }
+            None if self.cuda_graph && steps.eager > 0 && self.graph_fallback.is_none() => {
+                let dev = self.dev.clone();
+                let captured = Graph::capture(&dev, || {
+                    self.decode_logits(cache, tables).map_err(|e| match e {
+                        DecoderError::Runtime(e) => e,
+                        other => te_runtime::Error::internal("Decoder::decode_step", other.to_string()),
+                    })
+                });
+                match captured {
+                    Ok((graph, logits)) => {
+                        graph.replay()?;
+                        steps.graph = Some((graph, logits.clone()));
+                        logits
+                    }
+                    Err(e) => {
+                        self.graph_fallback = Some(e.to_string());
+                        self.decode_logits(cache, tables)?
+                    }
+                }
+            }
+            None => {
+                steps.eager += 1;
+                self.decode_logits(cache, tables)?
+            }
+        };
+        cache::advance(cache, &vec![1; next.len()]);
+        Ok(logits)
     }
 
     /// The perplexity of `tokens` (see [`CausalLm::perplexity`]).
@@ -127,7 +191,7 @@ impl Decoder {
 
     /// Σ of the per-token cross-entropy of `logits: [rows, vocab]` against `targets`: the fused
     /// kernel, or the host reference after soft-capping when the model caps its logits.
-    fn loss_sum(&self, logits: &te_runtime::Tensor, targets: &[i32]) -> DecoderResult<f64> {
+    fn loss_sum(&self, logits: &Tensor, targets: &[i32]) -> DecoderResult<f64> {
         if self.cfg.final_logit_softcapping.is_some() {
             let mut host = logits.to_f32(&self.dev)?;
             self.softcap(&mut host);

@@ -116,6 +116,10 @@ pub struct Decoder {
     lm_head: Linear,
     /// f32 `[head_dim / 2]` inverse frequencies of each distinct RoPE of the layers.
     inv_freq: Vec<Tensor>,
+    /// Replay decode steps from a CUDA graph.
+    cuda_graph: bool,
+    /// Why the last generation could not capture its decode step.
+    graph_fallback: Option<String>,
 }
 
 impl Decoder {
@@ -174,7 +178,18 @@ impl Decoder {
             (Table::Bf16(embedding), linear(dev, &mut t, ("lm_head.weight", None), (v, h), fp8_head)?)
         };
         let inv_freq = ropes.into_iter().map(|(_, t)| t).collect();
-        Ok(Self { dev: dev.clone(), cfg, precision, embedding, layers, final_norm, lm_head, inv_freq })
+        Ok(Self {
+            dev: dev.clone(),
+            cfg,
+            precision,
+            embedding,
+            layers,
+            final_norm,
+            lm_head,
+            inv_freq,
+            cuda_graph: true,
+            graph_fallback: None,
+        })
     }
 
     /// The configuration.
@@ -235,17 +250,25 @@ impl Decoder {
     pub fn forward_step<S: AsRef<[i32]>>(&mut self, cache: &mut DecoderCache, new: &[S]) -> DecoderResult<Tensor> {
         self.check_ids(new)?;
         let counts: Vec<usize> = new.iter().map(|s| s.as_ref().len()).collect();
-        let (rows, shape, attention) = cache::plan(&self.dev, cache, &counts)?;
+        let (rows, shape, mut attention) = cache::plan(&self.dev, cache, &counts)?;
         let ids: Vec<i32> = new.iter().flat_map(|s| s.as_ref().iter().copied()).collect();
+        let ids_dev = self.dev.stream().htod(&ids)?;
+        let step = cache::Step { cache, rows: &rows, shape, attention: &mut attention };
+        let hidden = self.run(&ids_dev, step)?;
+        cache::advance(cache, &counts);
+        Ok(hidden)
+    }
+
+    /// The embedding of `ids` (device, one per token of `step`), every layer and the final norm:
+    /// device work only (no host transfer), so a decode step can be captured in a CUDA graph.
+    fn run(&mut self, ids: &cudarc::driver::CudaSlice<i32>, mut step: cache::Step<'_>) -> DecoderResult<Tensor> {
         let dev = self.dev.clone();
-        let ids_dev = dev.stream().htod(&ids)?;
         let mut x = Tensor::empty(&dev, DType::BF16, &[ids.len(), self.cfg.hidden_size])?;
-        self.embedding.lookup(&dev, &ids_dev, &mut x)?;
+        self.embedding.lookup(&dev, ids, &mut x)?;
         let scale = self.cfg.embedding_scale(DType::BF16);
         if scale != 1.0 {
             scale_assign(&dev, &mut x, scale)?;
         }
-        let mut step = cache::Step { cache, rows: &rows, shape, attention };
         let guard = match self.precision.fp8() {
             Some(recipe) => Some(Fp8Autocast::new(recipe).enter()?),
             None => None,
@@ -256,8 +279,28 @@ impl Decoder {
         if let Some(g) = guard {
             g.exit()?;
         }
-        cache::advance(step.cache, &counts);
         Ok(self.final_norm.infer(&x)?)
+    }
+
+    /// The logits `[batch, vocab]` of a decode step over `tables` (one token per sequence of
+    /// `cache`, the tables filled for it); the cache's lengths are the caller's to advance.
+    fn decode_logits(&mut self, cache: &mut DecoderCache, tables: &mut cache::DecodeTables) -> DecoderResult<Tensor> {
+        let step = cache::Step { cache, rows: &tables.rows, shape: tables.shape, attention: &mut tables.attention };
+        let hidden = self.run(&tables.ids, step)?;
+        self.head(&hidden)
+    }
+
+    /// Whether [`Decoder::generate`] replays its decode steps from a CUDA graph (captured at the
+    /// second step; the first runs eagerly and loads every kernel). Default true; a step that
+    /// cannot be captured runs eagerly ([`Decoder::graph_fallback`] says why).
+    pub fn set_cuda_graph(&mut self, on: bool) {
+        self.cuda_graph = on;
+    }
+
+    /// Why the last generation's decode steps ran eagerly although CUDA graphs were on, if they
+    /// did.
+    pub fn graph_fallback(&self) -> Option<&str> {
+        self.graph_fallback.as_deref()
     }
 
     /// The LM head over `hidden` rows `[rows, hidden]`: logits `[rows, vocab]` BF16 (before any
