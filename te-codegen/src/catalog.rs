@@ -98,6 +98,7 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
         }
     }
     for &i in &hp {
+        v.push(ArgmaxSpec::new(i, arch).into());
         // The fused qkv + RoPE + cache step: the largest head dim of the dtype, a small one, and
         // each norm option.
         for d in [64, QkvRopeSpec::max_d(i)] {

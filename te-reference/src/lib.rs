@@ -8,6 +8,7 @@
 //! (`scripts/check-layers` checks it). Whole CPU models built from it live in `te_models::cpu`.
 
 pub mod activation;
+pub mod argmax;
 pub mod attention;
 pub mod block_scaling;
 pub mod cast;

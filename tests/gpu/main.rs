@@ -8,6 +8,7 @@
 mod common;
 
 mod activation;
+mod argmax;
 mod attention;
 mod bert;
 mod block_quantize;

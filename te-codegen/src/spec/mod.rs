@@ -24,6 +24,7 @@
 //!    checks their rendered signatures against the declarations.
 
 mod activation;
+mod argmax;
 mod args;
 mod attention;
 mod block_quantize;
@@ -48,6 +49,7 @@ mod scaling;
 mod softmax;
 
 pub use activation::{Activation, ActivationSpec};
+pub use argmax::ArgmaxSpec;
 pub use args::{ArgCond, ArgRole, KernelArg, TMA_DESC};
 pub use attention::{AttnMaskType, QkvFormat};
 pub use block_quantize::BlockQuantizeSpec;
@@ -207,6 +209,8 @@ kernel_families! {
     /// Family 20: the attention input of a generation step fused: qk-norm, RoPE at each token's
     /// position, queries out and keys and values appended to the KV cache.
     QkvRope(QkvRopeSpec) => ["qkv_rope.cu.tera"],
+    /// Family 21: row-wise argmax (greedy decoding on the device).
+    Argmax(ArgmaxSpec) => ["argmax.cu.tera"],
 }
 
 impl KernelSpec {

@@ -3,6 +3,7 @@
 //! launches it on the device's stream. Outputs are caller-allocated, as in TE's `nvte_*` API.
 
 pub mod activation;
+pub mod argmax;
 pub mod attention_shape;
 pub mod block_quantize;
 pub mod cast;

@@ -1,8 +1,9 @@
 //! Generation and perplexity on [`Decoder`], and its [`CausalLm`] implementation: the same
 //! conventions as the CPU twin ([`crate::cpu::decoder::DecoderRef`]): prompts of any lengths in
 //! one prefill, one token per unfinished sequence per step, each drawn by
-//! [`crate::generate::SamplingConfig`] from the Philox stream `(seed, position)` row `j`, EOS
-//! ending a sequence; perplexity with transformers' sliding windows, the loss from the fused
+//! [`crate::generate::SamplingConfig`] from the Philox stream `(seed, position)` row `j` (greedy
+//! picks on the device, `ops::argmax`), EOS ending a sequence; the decode steps replayed from a
+//! CUDA graph; perplexity with transformers' sliding windows, the loss from the fused
 //! cross-entropy kernel (or on the host when the model soft-caps its logits).
 
 use super::cache::{self, DecodeTables};
@@ -10,6 +11,7 @@ use super::{Decoder, DecoderCache};
 use crate::decoder::{CausalLm, DecodeOptions, DecoderConfig, DecoderError, DecoderResult, Perplexity};
 use crate::gpt::IGNORE_INDEX;
 use te_runtime::graph::{Graph, HostCopies};
+use te_runtime::ops::argmax::argmax;
 use te_runtime::ops::cross_entropy::cross_entropy;
 use te_runtime::Tensor;
 
@@ -65,9 +67,17 @@ impl Decoder {
         let v = self.cfg.vocab_size;
         let mut steps = DecodeSteps { tables: None, graph: None, eager: 0 };
         self.graph_fallback = None;
+        // Greedy decoding picks on the device (one i32 a sequence comes back, not its 262k
+        // logits); soft-capping is monotonic, so it does not change the pick.
+        let greedy = opts.sampling.temperature == 0.0;
         for step in 0..opts.max_new_tokens {
-            let mut logits = logits_dev.to_f32(&self.dev)?;
-            self.softcap(&mut logits);
+            let (logits, picks) = if greedy {
+                (Vec::new(), self.argmax_rows(&logits_dev)?)
+            } else {
+                let mut logits = logits_dev.to_f32(&self.dev)?;
+                self.softcap(&mut logits);
+                (logits, Vec::new())
+            };
             let mut next = Vec::with_capacity(b);
             for j in 0..b {
                 // Finished sequences keep stepping with their last token (their draws unused), so
@@ -78,8 +88,18 @@ impl Decoder {
                     continue;
                 }
                 let position = prompts[j].len() + out[j].len();
-                let token =
-                    opts.sampling.sample(&logits[j * v..(j + 1) * v], opts.seed, position as u64, j as u64)? as i32;
+                let token = if greedy {
+                    match picks[j] {
+                        -1 => {
+                            return Err(DecoderError::input(format!(
+                                "sequence {j}: a logit at position {position} is NaN: the model's output is not finite"
+                            )))
+                        }
+                        t => t,
+                    }
+                } else {
+                    opts.sampling.sample(&logits[j * v..(j + 1) * v], opts.seed, position as u64, j as u64)? as i32
+                };
                 out[j].push(token);
                 on_token(j, token)?;
                 if opts.stop_at_eos && eos.contains(&token) {
@@ -93,6 +113,16 @@ impl Decoder {
             logits_dev = self.decode_step(&mut cache, &mut steps, &next)?;
         }
         Ok(out)
+    }
+
+    /// Each row's argmax of `logits: [rows, vocab]` on the device (`-1` for a row with a NaN).
+    fn argmax_rows(&self, logits: &Tensor) -> DecoderResult<Vec<i32>> {
+        let stream = self.dev.stream();
+        let rows = logits.shape()[0];
+        // SAFETY: i32 has no invalid bit patterns; the kernel writes one value a row.
+        let mut out = unsafe { stream.alloc::<i32>(rows) }.map_err(te_runtime::Error::from)?;
+        argmax(&self.dev, logits, &mut out)?;
+        Ok(stream.dtoh(&out)?)
     }
 
     /// One decode step of the tokens `next` (one per sequence): eagerly the first time (it loads
