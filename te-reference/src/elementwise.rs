@@ -28,6 +28,13 @@ pub fn add_assign(dst: &mut [f32], dst_dtype: DType, src: &[f32]) {
     }
 }
 
+/// `dst[i] · alpha` in f32, rounded to `dst_dtype` (`ops::elementwise::scale_assign`).
+pub fn scale_assign(dst: &mut [f32], dst_dtype: DType, alpha: f32) {
+    for d in dst.iter_mut() {
+        *d = round_to(dst_dtype, *d * alpha);
+    }
+}
+
 /// `cap · tanh(x / cap)` of each element in f32, in transformers' order (`x / cap`, `tanh`, `·
 /// cap`): Gemma's `final_logit_softcapping` on the logits.
 ///

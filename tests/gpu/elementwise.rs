@@ -6,7 +6,7 @@
 use crate::common::{assert_bits_eq, device, randn};
 use te_reference::elementwise as reference;
 use te_runtime::numerics;
-use te_runtime::ops::elementwise::{add, add_assign};
+use te_runtime::ops::elementwise::{add, add_assign, scale_assign};
 use te_runtime::{DType, Error, Tensor};
 
 /// Sizes: one element (tail only), less than one vector, and vector multiples plus 3.
@@ -79,6 +79,33 @@ fn add_assign_is_bit_exact_for_every_dst_src_pair() {
             }
         }
     }
+}
+
+/// `scale_assign` (Gemma's embedding multiplier, 25.25 in BF16) bit for bit, every dtype and
+/// size, with the specials (overflow to inf, subnormals, signed zeros); a non-finite alpha is
+/// refused.
+#[test]
+fn scale_assign_is_bit_exact() {
+    let Some(dev) = device() else { return };
+    let (a, _) = specials();
+    for dtype in HIGH_PRECISION {
+        for (i, &n) in SIZES.iter().enumerate() {
+            for alpha in [25.25f32, -0.5, 3e-3] {
+                let mut want = input(dtype, 50 + i as u64, n, &a);
+                let mut t = Tensor::from_f32(&dev, dtype, &[n], &want).unwrap();
+                scale_assign(&dev, &mut t, alpha).unwrap();
+                reference::scale_assign(&mut want, dtype, alpha);
+                let want_t = Tensor::from_f32(&dev, dtype, &[n], &want).unwrap();
+                assert_bits_eq(
+                    &format!("scale_assign {dtype} n={n} alpha={alpha}"),
+                    &t.to_bytes(&dev).unwrap(),
+                    &want_t.to_bytes(&dev).unwrap(),
+                );
+            }
+        }
+    }
+    let mut t = Tensor::zeros(&dev, DType::BF16, &[4]).unwrap();
+    assert!(matches!(scale_assign(&dev, &mut t, f32::NAN).unwrap_err(), Error::Argument { .. }));
 }
 
 #[test]
