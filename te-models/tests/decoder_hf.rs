@@ -194,6 +194,42 @@ fn bf16_gemm_inputs_stay_close() {
     }
 }
 
+/// The FP8 emulation (the GPU decoder's FP8 GEMMs: current scaling, and block scaling) moves the
+/// logits more than BF16 but keeps them close: finite, the top-1 of most rows, within a third of
+/// the logits' scale; each recipe's casts differ from the BF16 ones and from each other; delayed
+/// scaling (amax histories) is refused with the recipes that work named.
+#[test]
+fn fp8_emulation_stays_close_and_refuses_delayed_scaling() {
+    use te_nn::fp8::Recipe;
+    for model in MODELS {
+        let w = DecoderWeights::from_hf_dir(&dir(model)).unwrap();
+        let r = reference(model);
+        let bf16 = DecoderRef::new(w.clone(), DecoderPrecision::Bf16).unwrap().logits(&r.seqs).unwrap();
+        let v = w.config().vocab_size;
+        let scale = r.logits.iter().map(|x| x.abs()).fold(0.0f32, f32::max);
+        let mut outs = Vec::new();
+        for recipe in ["current", "block"] {
+            let recipe: Recipe = recipe.parse().unwrap();
+            let m = DecoderRef::new(w.clone(), DecoderPrecision::Fp8(recipe)).unwrap();
+            let got = m.logits(&r.seqs).unwrap();
+            assert!(got.iter().all(|x| x.is_finite()), "{model} {}: a logit is not finite", recipe.name());
+            let same = got.chunks_exact(v).zip(r.logits.chunks_exact(v)).filter(|(x, y)| argmax(x) == argmax(y)).count();
+            let rows = got.len() / v;
+            assert!(same * 10 >= rows * 6, "{model} {}: top-1 agrees on {same} of {rows} rows", recipe.name());
+            let worst = got.iter().zip(&r.logits).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(worst < scale / 3.0, "{model} {}: FP8 moved logits by {worst} (scale {scale})", recipe.name());
+            assert_ne!(got, bf16, "{model} {}: the FP8 casts ran", recipe.name());
+            outs.push(got);
+        }
+        assert_ne!(outs[0], outs[1], "{model}: current and block scaling cast differently");
+    }
+    let delayed: Recipe = "delayed".parse().unwrap();
+    let e = DecoderRef::new(DecoderWeights::from_hf_dir(&dir("llama")).unwrap(), DecoderPrecision::Fp8(delayed))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("current or block"), "{e}");
+}
+
 /// Perplexity of a sequence in one window equals exp of the mean cross-entropy of transformers'
 /// logits; sliding windows score every token once.
 #[test]

@@ -39,16 +39,16 @@ pub(super) struct Layer {
 }
 
 impl Layer {
-    /// Takes layer `l`'s parameters out of `t`, GEMM weights through `round`.
+    /// Takes layer `l`'s parameters out of `t`, GEMM weights `[n_out, n_in]` through `weight(w, n_out)`.
     pub fn take(
         cfg: &DecoderConfig,
         l: usize,
         t: &mut Tensors,
-        round: &dyn Fn(Vec<f32>) -> Vec<f32>,
+        weight: &dyn Fn(Vec<f32>, usize) -> Vec<f32>,
     ) -> DecoderResult<Self> {
         let p = |name: &str| format!("layers.{l}.{name}");
         let dense = |t: &mut Tensors, w: &str, b: Option<&str>, n_out: usize| -> DecoderResult<Dense> {
-            let w = round(take(t, &p(w))?);
+            let w = weight(take(t, &p(w))?, n_out);
             let b = b.map(|b| take(t, &p(b))).transpose()?;
             Ok(Dense { w, b, n_out })
         };
@@ -114,7 +114,7 @@ impl Layer {
         let (heads, groups, d) = (cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim);
         let (qw, kw) = (heads * d, groups * d);
         let a = m.norm(&self.norm1).forward(&x);
-        let qkv = m.linear(&a, t, &self.qkv);
+        let qkv = m.layer_linear(&a, t, &self.qkv);
         let (mut q, mut k, mut v) =
             (Vec::with_capacity(t * qw), Vec::with_capacity(t * kw), Vec::with_capacity(t * kw));
         for row in qkv.chunks_exact(qw + 2 * kw) {
@@ -160,17 +160,17 @@ impl Layer {
         for out in outs {
             o.extend(out?);
         }
-        let attn = m.linear(&o, t, &self.proj);
+        let attn = m.layer_linear(&o, t, &self.proj);
         let x = Self::residual(m, &x, attn, &self.post_attn_norm);
         let n2 = m.norm(&self.norm2).forward(&x);
-        let pre = m.linear(&n2, t, &self.fc1);
+        let pre = m.layer_linear(&n2, t, &self.fc1);
         let (f, act) = (cfg.ffn_hidden_size, cfg.activation.function());
         let hidden: Vec<f32> = if cfg.activation.is_gated() {
             pre.chunks_exact(2 * f).flat_map(|r| (0..f).map(move |c| act(r[c]) * r[f + c])).collect()
         } else {
             pre.iter().map(|&v| act(v)).collect()
         };
-        let mlp = m.linear(&hidden, t, &self.fc2);
+        let mlp = m.layer_linear(&hidden, t, &self.fc2);
         debug_assert_eq!(mlp.len(), t * h);
         Ok(Self::residual(m, &x, mlp, &self.post_mlp_norm))
     }

@@ -40,10 +40,11 @@ use rayon::prelude::*;
 use std::path::Path;
 use te_codegen::DType;
 use te_reference::modules::NormRef;
+use te_nn::fp8::{HostCast, Recipe};
 use te_runtime::numerics::round_to;
 
 /// How the GEMMs read their inputs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum DecoderPrecision {
     /// f32 inputs (the model as stored, widened): the reference against transformers in f32.
     #[default]
@@ -51,14 +52,28 @@ pub enum DecoderPrecision {
     /// Inputs rounded to BF16 (weights once, activations at each GEMM) and the embedding
     /// multiplier rounded to BF16: what the GPU's BF16 GEMMs read.
     Bf16,
+    /// The GPU decoder's FP8 GEMMs emulated (`GpuPrecision::Fp8` without the FP8 LM head): every
+    /// layer GEMM reads its BF16 weight and input cast as the recipe's quantizers cast them
+    /// (`te_nn::fp8::ScalingRecipe::host_forward_casts`: current scaling's per-tensor amax,
+    /// blockwise scaling's 1×128 tiles and 128×128 blocks); the embedding and the LM head stay
+    /// BF16. Delayed scaling keeps amax histories across steps and is not emulated here.
+    Fp8(Recipe),
 }
 
 impl DecoderPrecision {
-    /// The dtype the GEMM inputs are rounded to.
+    /// The dtype the GEMM inputs are rounded to (BF16 before any FP8 cast).
     pub fn dtype(self) -> DType {
         match self {
             Self::F32 => DType::F32,
-            Self::Bf16 => DType::BF16,
+            Self::Bf16 | Self::Fp8(_) => DType::BF16,
+        }
+    }
+
+    /// How a layer GEMM of `dims = [tokens, n_out, n_in]` reads its input and weight under FP8.
+    fn fp8_casts(self, dims: [usize; 3]) -> Option<[HostCast; 2]> {
+        match self {
+            Self::Fp8(recipe) => Some(recipe.scaling().host_forward_casts(None, dims).0),
+            _ => None,
         }
     }
 }
@@ -108,6 +123,17 @@ impl DecoderRef {
     /// (not for weights from [`DecoderWeights`]' constructors, which check them).
     pub fn new(weights: DecoderWeights, precision: DecoderPrecision) -> DecoderResult<Self> {
         let (cfg, mut t) = weights.into_parts();
+        if let DecoderPrecision::Fp8(recipe) = precision {
+            if recipe.scaling().host_state().is_some() {
+                return Err(DecoderError::config(
+                    "precision",
+                    format!(
+                        "{} keeps amax histories across steps: emulate FP8 inference with current or block scaling",
+                        recipe.name()
+                    ),
+                ));
+            }
+        }
         let dtype = precision.dtype();
         let round = |mut v: Vec<f32>| {
             if dtype != DType::F32 {
@@ -115,10 +141,15 @@ impl DecoderRef {
             }
             v
         };
+        // A layer GEMM's weight `[n_out, n_in]`: rounded, then cast as the FP8 recipe casts it.
+        let weight = |v: Vec<f32>, n_out: usize| match precision.fp8_casts([1, n_out, v.len() / n_out.max(1)]) {
+            Some([_, w]) => w.apply(&round(v)),
+            None => round(v),
+        };
         let embedding = round(take(&mut t, "embedding.weight")?);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            layers.push(Layer::take(&cfg, l, &mut t, &round)?);
+            layers.push(Layer::take(&cfg, l, &mut t, &weight)?);
         }
         let final_norm = layer::take_final_norm(&cfg, &mut t)?;
         let lm_head = if cfg.tie_word_embeddings {
@@ -163,9 +194,24 @@ impl DecoderRef {
     /// split over the rayon pool (each block is the oracle's own product, so the result does not
     /// depend on the split).
     fn gemm(&self, x: &[f32], rows: usize, w: &[f32], b: Option<&[f32]>, n_out: usize) -> Vec<f32> {
+        self.gemm_cast(x, rows, (w, b, n_out), None)
+    }
+
+    /// [`DecoderRef::gemm`] with the input cast by `cast` after its rounding (a layer GEMM under
+    /// FP8).
+    fn gemm_cast(
+        &self,
+        x: &[f32],
+        rows: usize,
+        (w, b, n_out): (&[f32], Option<&[f32]>, usize),
+        cast: Option<HostCast>,
+    ) -> Vec<f32> {
         let dtype = self.precision.dtype();
-        let xr: Vec<f32> =
+        let mut xr: Vec<f32> =
             if dtype == DType::F32 { x.to_vec() } else { x.iter().map(|&v| round_to(dtype, v)).collect() };
+        if let Some(c) = cast {
+            xr = c.apply(&xr);
+        }
         let (n, k) = (n_out, w.len() / n_out.max(1));
         let block = n.div_ceil(4 * rayon::current_num_threads()).max(16);
         let starts: Vec<usize> = (0..n).step_by(block).collect();
@@ -192,6 +238,13 @@ impl DecoderRef {
     /// [`DecoderRef::gemm`] of a [`Dense`] layer.
     fn linear(&self, x: &[f32], rows: usize, d: &Dense) -> Vec<f32> {
         self.gemm(x, rows, &d.w, d.b.as_deref(), d.n_out)
+    }
+
+    /// A layer's GEMM: [`DecoderRef::linear`] with the input cast as the FP8 recipe casts it
+    /// (the weight was cast at construction).
+    fn layer_linear(&self, x: &[f32], rows: usize, d: &Dense) -> Vec<f32> {
+        let cast = self.precision.fp8_casts([rows, d.n_out, d.w.len() / d.n_out.max(1)]).map(|[x, _]| x);
+        self.gemm_cast(x, rows, (&d.w, d.b.as_deref(), d.n_out), cast)
     }
 
     /// Checks token ids against the vocabulary.
@@ -310,8 +363,9 @@ impl crate::decoder::CausalLm for DecoderRef {
 
     fn describe(&self) -> String {
         let precision = match self.precision {
-            DecoderPrecision::F32 => "f32",
-            DecoderPrecision::Bf16 => "bf16 GEMM inputs",
+            DecoderPrecision::F32 => "f32".to_string(),
+            DecoderPrecision::Bf16 => "bf16 GEMM inputs".to_string(),
+            DecoderPrecision::Fp8(r) => format!("fp8 GEMM inputs emulated ({})", r.name()),
         };
         format!("CPU ({} threads), {precision}", rayon::current_num_threads())
     }
