@@ -9,10 +9,9 @@
 //! it) plus the cached keys and values at the mean length, over this run's copy bandwidth.
 //! `benches/anchors/decoder_generate.py` runs transformers' Gemma 3 on the same shapes.
 
-use crate::harness::{Bench, Stats};
+use crate::harness::{time_generation, Bench};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Instant;
 use te_models::decoder::{
     load_model, DecodeOptions, Decoder, DecoderConfig, DecoderWeights, GpuPrecision, WeightTensor,
 };
@@ -74,26 +73,14 @@ pub fn run(b: &mut Bench) {
                 .map(|j| (0..prompt).map(|i| (3 + (i * 7919 + j * 104_729) % 200_000) as i32).collect())
                 .collect();
             let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(NEW_TOKENS) };
-            let mut runs = Vec::new();
-            for _ in 0..3 {
-                let start = Instant::now();
-                let mut first = None;
+            let (prefill, step) = time_generation(NEW_TOKENS, |mark| {
                 model
-                    .generate(&prompts, &opts, &mut |j, _| {
-                        if j == 0 && first.is_none() {
-                            first = Some(Instant::now());
-                        }
+                    .generate(&prompts, &opts, &mut |_, _| {
+                        mark();
                         Ok(())
                     })
                     .unwrap();
-                let end = Instant::now();
-                let first = first.unwrap_or(end);
-                runs.push(((first - start).as_secs_f64() * 1e6, (end - first).as_secs_f64() * 1e6));
-            }
-            let timed = &runs[1..];
-            let prefill = Stats::from_samples(timed.iter().map(|r| r.0).collect());
-            let steps = (NEW_TOKENS - 1) as f64;
-            let step = Stats::from_samples(timed.iter().map(|r| r.1 / steps).collect());
+            });
             let shape = format!("{label} b{batch} prompt {prompt}");
             let mean_len = (prompt + NEW_TOKENS / 2) as u64;
             // The embedding table is read by the lookup only for the rows used; the tied head reads it whole.

@@ -10,8 +10,7 @@
 //! runs Hugging Face `GPT2LMHeadModel` of the same sizes (eager, and static cache +
 //! `torch.compile`).
 
-use crate::harness::{Bench, Stats};
-use std::time::Instant;
+use crate::harness::{time_generation, Bench};
 use te_models::generate::SamplingConfig;
 use te_models::gpt::{GenerateOptions, Gpt, GptConfig};
 
@@ -34,27 +33,16 @@ pub fn run(b: &mut Bench) {
             (0..batch).map(|j| (0..prompt).map(|i| ((i * 31 + j * 7) % 256) as i32).collect()).collect();
         let mut params = model.inference_params(batch, prompt + NEW_TOKENS).unwrap();
         let options = GenerateOptions { cuda_graph: true, ..Default::default() };
-        // The first run loads the kernels and captures the graph; the next ones are timed.
-        let mut runs = Vec::new();
-        for _ in 0..3 {
-            let start = Instant::now();
-            let mut first = None;
+        let (prefill, step) = time_generation(NEW_TOKENS, |mark| {
             model
                 .generate(&mut params, &prompts, NEW_TOKENS, (&greedy, 0), options, |i, _| {
                     if i == 0 {
-                        first = Some(Instant::now());
+                        mark();
                     }
                     Ok(())
                 })
                 .unwrap();
-            let end = Instant::now();
-            let first = first.unwrap_or(end);
-            runs.push(((first - start).as_secs_f64() * 1e6, (end - first).as_secs_f64() * 1e6));
-        }
-        let timed = &runs[1..];
-        let prefill = Stats::from_samples(timed.iter().map(|r| r.0).collect());
-        let steps = (NEW_TOKENS - 1) as f64;
-        let step = Stats::from_samples(timed.iter().map(|r| r.1 / steps).collect());
+        });
         let shape = format!("b{batch} prompt {prompt}");
         let mean_len = (prompt + NEW_TOKENS / 2) as u64;
         let kv_bytes = (layers * batch) as u64 * mean_len * 2 * h as u64 * 2;

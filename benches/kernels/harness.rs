@@ -24,6 +24,30 @@ impl Stats {
     }
 }
 
+/// Times 3 generations of `new_tokens` tokens, the first a warm-up (it loads the kernels and
+/// captures the graphs): `generate(mark)` runs one and calls `mark()` when the first new token
+/// is drawn. Returns the prefill time (the prompts and the first token) and the time a step
+/// over the other `new_tokens − 1` steps, in µs.
+pub fn time_generation(new_tokens: usize, mut generate: impl FnMut(&mut dyn FnMut())) -> (Stats, Stats) {
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        let mut first = None;
+        generate(&mut || {
+            first.get_or_insert_with(std::time::Instant::now);
+        });
+        let end = std::time::Instant::now();
+        let first = first.unwrap_or(end);
+        runs.push(((first - start).as_secs_f64() * 1e6, (end - first).as_secs_f64() * 1e6));
+    }
+    let timed = &runs[1..];
+    let steps = new_tokens.saturating_sub(1).max(1) as f64;
+    (
+        Stats::from_samples(timed.iter().map(|r| r.0).collect()),
+        Stats::from_samples(timed.iter().map(|r| r.1 / steps).collect()),
+    )
+}
+
 /// One result row.
 #[derive(Debug, Clone)]
 pub struct Row {

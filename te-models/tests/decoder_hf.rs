@@ -213,7 +213,8 @@ fn fp8_emulation_stays_close_and_refuses_delayed_scaling() {
             let m = DecoderRef::new(w.clone(), DecoderPrecision::Fp8(recipe)).unwrap();
             let got = m.logits(&r.seqs).unwrap();
             assert!(got.iter().all(|x| x.is_finite()), "{model} {}: a logit is not finite", recipe.name());
-            let same = got.chunks_exact(v).zip(r.logits.chunks_exact(v)).filter(|(x, y)| argmax(x) == argmax(y)).count();
+            let same =
+                got.chunks_exact(v).zip(r.logits.chunks_exact(v)).filter(|(x, y)| argmax(x) == argmax(y)).count();
             let rows = got.len() / v;
             assert!(same * 10 >= rows * 6, "{model} {}: top-1 agrees on {same} of {rows} rows", recipe.name());
             let worst = got.iter().zip(&r.logits).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);

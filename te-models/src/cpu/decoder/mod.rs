@@ -39,8 +39,8 @@ use layer::Layer;
 use rayon::prelude::*;
 use std::path::Path;
 use te_codegen::DType;
-use te_reference::modules::NormRef;
 use te_nn::fp8::{HostCast, Recipe};
+use te_reference::modules::NormRef;
 use te_runtime::numerics::round_to;
 
 /// How the GEMMs read their inputs.
