@@ -41,6 +41,10 @@ pub struct EvalArgs {
     /// Run on the CPU even when a GPU is present.
     #[arg(long)]
     pub cpu: bool,
+    /// With --precision fp8: the LM head's GEMM in FP8 too (one E4M3 table for the tied
+    /// embedding and head).
+    #[arg(long)]
+    pub fp8_lm_head: bool,
     /// Print the result as one JSON object on stdout instead of a sentence.
     #[arg(long)]
     pub json: bool,
@@ -141,7 +145,8 @@ pub fn run(a: &EvalArgs) -> Result<EvalReport, ModelError> {
         return Err(ModelError::Request("the data is empty: give text files to score".into()));
     }
     let precision = a.precision.as_deref().map(ModelPrecision::from_name).transpose()?;
-    let (mut model, tokenizer) = open_causal_lm(&a.model, &ModelOptions { cpu: a.cpu, precision })?;
+    let (mut model, tokenizer) =
+        open_causal_lm(&a.model, &ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head })?;
     let device = model.describe();
     eprintln!("running on {device}");
     let context = model.config().max_position_embeddings;

@@ -84,6 +84,10 @@ pub struct GenerateArgs {
     /// Run on the CPU reference path even when a GPU is present.
     #[arg(long)]
     pub cpu: bool,
+    /// With --model and --precision fp8: the LM head's GEMM in FP8 too (one E4M3 table for the
+    /// tied embedding and head).
+    #[arg(long, requires = "model")]
+    pub fp8_lm_head: bool,
 }
 
 /// Errors of `te generate`.

@@ -58,6 +58,9 @@ pub struct ModelOptions {
     pub cpu: bool,
     /// The precision (`--precision`); `None`: the device's default (f32 on the CPU).
     pub precision: Option<ModelPrecision>,
+    /// With `--precision fp8` on the GPU, the LM head's GEMM in FP8 too, the tied embedding kept
+    /// as one E4M3 table (`--fp8-lm-head`: half the BF16 weight bytes).
+    pub fp8_lm_head: bool,
 }
 
 /// Errors of `te generate --model` and `te eval`: each says what was wrong and what to change.
@@ -142,10 +145,12 @@ fn cpu_model(weights: DecoderWeights, precision: Option<ModelPrecision>) -> Resu
 /// # Errors
 /// [`ModelError::Request`] for `--precision f32` (the GPU decoder runs bf16 or fp8); the
 /// device's and the model's errors (a configuration the GPU path does not run names `--cpu`).
-fn gpu_model(weights: DecoderWeights, precision: Option<ModelPrecision>) -> Result<Box<dyn CausalLm>, ModelError> {
-    let precision = match precision {
+fn gpu_model(weights: DecoderWeights, opts: &ModelOptions) -> Result<Box<dyn CausalLm>, ModelError> {
+    let precision = match opts.precision {
         None | Some(ModelPrecision::Bf16) => GpuPrecision::Bf16,
-        Some(ModelPrecision::Fp8) => GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: false },
+        Some(ModelPrecision::Fp8) => {
+            GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: opts.fp8_lm_head }
+        }
         Some(ModelPrecision::F32) => {
             return Err(ModelError::Request(
                 "--precision f32 runs on the CPU path only (add --cpu); the GPU decoder runs bf16 or fp8".into(),
@@ -216,6 +221,9 @@ pub fn open_causal_lm(path: &Path, opts: &ModelOptions) -> Result<(Box<dyn Causa
     if !path.exists() {
         return Err(ModelError::NotFound { path: path.to_path_buf() });
     }
+    if opts.fp8_lm_head && opts.precision != Some(ModelPrecision::Fp8) {
+        return Err(ModelError::Request("--fp8-lm-head goes with --precision fp8 (on the GPU path)".into()));
+    }
     let target = if opts.cpu {
         Target::Cpu
     } else if te_runtime::device::gpu_available() {
@@ -236,7 +244,7 @@ pub fn open_causal_lm(path: &Path, opts: &ModelOptions) -> Result<(Box<dyn Causa
     let about = describe_source(path, &weights, arch, &source);
     eprintln!("model: {about}; loaded in {:.2} s", start.elapsed().as_secs_f64());
     let model = match target {
-        Target::Gpu => gpu_model(weights, opts.precision)?,
+        Target::Gpu => gpu_model(weights, opts)?,
         Target::Cpu => cpu_model(weights, opts.precision)?,
     };
     Ok((model, tokenizer))

@@ -122,7 +122,8 @@ pub fn run(a: &GenerateArgs, model_path: &Path, out: &mut dyn Write) -> Result<M
         return Err(ModelError::Request(format!("the prompt{which} is empty: give at least one character")));
     }
     let precision = a.precision.as_deref().map(ModelPrecision::from_name).transpose()?;
-    let (mut model, tokenizer) = open_causal_lm(model_path, &ModelOptions { cpu: a.cpu, precision })?;
+    let (mut model, tokenizer) =
+        open_causal_lm(model_path, &ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head })?;
     let device = model.describe();
     eprintln!("running on {device}");
     let context = model.config().max_position_embeddings;

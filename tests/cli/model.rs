@@ -260,6 +260,7 @@ fn generate_and_eval_refuse_what_they_cannot_run() {
         .unwrap();
     fails(&refs(&gen(&["--model", gpt2.path().to_str().unwrap(), "--prompt", "x"])), 1, "is not supported");
     fails(&refs(&gen(&["--model", d, "--prompt", "x", "--precision", "fp8"])), 1, "fp8 needs the GPU path");
+    fails(&refs(&gen(&["--model", d, "--prompt", "x", "--fp8-lm-head"])), 1, "--fp8-lm-head goes with --precision fp8");
     fails(&refs(&gen(&["--model", d, "--prompt", ""])), 1, "the prompt is empty");
     fails(&refs(&gen(&["--model", d, "--prompt", "x", "--prompt", ""])), 1, "the prompt 2 is empty");
     let long = "a".repeat(300);
@@ -275,6 +276,7 @@ fn generate_and_eval_refuse_what_they_cannot_run() {
     std::fs::write(&data, "Hello world, hello world.").unwrap();
     let f = data.to_str().unwrap();
     fails(&["eval", "--model", d, "--data", f, "--cpu", "--precision", "fp8"], 1, "fp8 needs the GPU path");
+    fails(&["eval", "--model", d, "--data", f, "--fp8-lm-head"], 1, "--fp8-lm-head goes with --precision fp8");
     fails(
         &["eval", "--model", d, "--data", f, "--cpu", "--max-length", "8", "--stride", "9"],
         1,
