@@ -81,6 +81,9 @@ pub fn run(b: &mut Bench) {
                     })
                     .unwrap();
             });
+            if let Some(why) = model.graph_fallback() {
+                println!("{work} {label} b{batch} prompt {prompt}: decode steps ran eagerly: {why}");
+            }
             let shape = format!("{label} b{batch} prompt {prompt}");
             let mean_len = (prompt + NEW_TOKENS / 2) as u64;
             // The embedding table is read by the lookup only for the rows used; the tied head reads it whole.

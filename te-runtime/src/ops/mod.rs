@@ -66,6 +66,17 @@ impl Fp8Meta {
         Ok(Self { scale: s.htod(&[scale])?, amax: s.alloc_zeros(1)?, scale_inv: s.alloc_zeros(1)? })
     }
 
+    /// State with scale, amax and scale_inv all 0, for a kernel that writes the scale before any
+    /// cast reads it (current scaling: amax, then `ops::scaling::current_scaling`). Memsets only,
+    /// no host upload, so it may be called inside a CUDA graph capture.
+    ///
+    /// # Errors
+    /// Allocation failures.
+    pub fn zeroed(dev: &Device) -> Result<Self> {
+        let s = dev.stream();
+        Ok(Self { scale: s.alloc_zeros(1)?, amax: s.alloc_zeros(1)?, scale_inv: s.alloc_zeros(1)? })
+    }
+
     /// Views for an op.
     pub fn scaling(&mut self) -> Fp8Scaling<'_> {
         Fp8Scaling {

@@ -151,7 +151,8 @@ impl Float8CurrentScalingQuantizer {
         reduce_amax: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
     ) -> Result<Fp8Meta> {
         let dev = &self.dev;
-        let mut meta = Fp8Meta::new(dev, 1.0)?;
+        // `current_scaling` writes the scale below: no upload, so a decode step stays capturable.
+        let mut meta = Fp8Meta::zeroed(dev)?;
         for x in xs {
             ops::cast::amax(dev, x, &mut meta.amax.as_view_mut())?;
         }
