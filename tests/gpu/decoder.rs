@@ -191,6 +191,50 @@ fn decode_steps_agree_with_the_prefill() {
     }
 }
 
+/// The sliding-window layers keep only `window + chunk` rows a sequence (a chunk of 3 tokens on
+/// the Gemma 3 models, whose window is 4): the rows move to the front as the sequences grow,
+/// prompts run in chunks, and the logits and the greedy tokens (CUDA-graph decode steps over the
+/// moved rows) are those of the cache that keeps every position.
+#[test]
+fn sliding_layers_keep_only_their_window() {
+    let Some(dev) = device() else { return };
+    let mut ran = 0;
+    for (model, dir) in models().into_iter().filter(|(m, _)| m.starts_with("gemma3")) {
+        let (seqs, _) = reference(&dir);
+        let Some(mut full) = gpu_model(&dev, &model, &dir, GpuPrecision::Bf16) else { continue };
+        let Some(mut small) = gpu_model(&dev, &model, &dir, GpuPrecision::Bf16) else { continue };
+        let window = full.config().sliding_window.unwrap();
+        let vocab = full.config().vocab_size;
+        small.set_prefill_chunk(3).unwrap();
+        let (big, little) = (full.cache(2, 40).unwrap(), small.cache(2, 40).unwrap());
+        assert_eq!(big.sliding_capacity(), None, "{model}: the default chunk keeps every position at 40");
+        assert_eq!(little.sliding_capacity(), Some(window + 3), "{model}: window + chunk rows");
+        assert!(little.bytes() < big.bytes(), "{model}: {} vs {} bytes", little.bytes(), big.bytes());
+        // Teacher-forced logits: the 13-token sequence runs in 5 chunks with 3 moves of its rows.
+        let (a, b) = (full.logits(&seqs).unwrap(), small.logits(&seqs).unwrap());
+        let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst < 2e-2, "{model}: chunked with moved rows differs by {worst}");
+        // Greedy decoding past several moves, replayed from a CUDA graph.
+        let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(12) };
+        let out = small.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap();
+        assert!(small.graph_fallback().is_none(), "{model}: {:?}", small.graph_fallback());
+        for (j, (s, new)) in seqs.iter().zip(&out).enumerate() {
+            let whole: Vec<i32> = s.iter().chain(new).copied().collect();
+            let logits = full.logits(&[&whole]).unwrap();
+            for (i, &t) in new.iter().enumerate() {
+                let row = &logits[(s.len() - 1 + i) * vocab..(s.len() + i) * vocab];
+                let best = argmax(row);
+                assert!(
+                    best == t as usize || near(row[best], row[t as usize]),
+                    "{model}: sequence {j} token {i} is {t}, the full cache's best {best}"
+                );
+            }
+        }
+        ran += 1;
+    }
+    assert!(ran > 0, "no Gemma 3 model ran");
+}
+
 /// FP8 GEMMs (E4M3 weights, activations by current scaling) stay close to BF16 (mean KL of the
 /// next-token distributions ≤ 0.1 on these random models), and their decode steps are captured.
 #[test]

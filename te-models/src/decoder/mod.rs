@@ -111,7 +111,7 @@ mod weights_tests;
 
 pub use config::{DecoderActivation, DecoderConfig, LayerAttention, MAX_HEAD_DIM, MAX_LAYERS, MAX_SIZE};
 pub use export::{ExportOptions, ExportReport, DEFAULT_MAX_SHARD_BYTES};
-pub use gpu::{Decoder, DecoderCache, GpuPrecision};
+pub use gpu::{Decoder, DecoderCache, GpuPrecision, DEFAULT_PREFILL_CHUNK};
 pub use hf_config::HfArchitecture;
 pub use lm::{CausalLm, DecodeOptions, Perplexity};
 pub use load::{load_model, LoadedModel, ModelSource};

@@ -136,6 +136,8 @@ impl Decoder {
         steps: &mut DecodeSteps,
         next: &[i32],
     ) -> DecoderResult<Tensor> {
+        // Outside any capture: a sliding-window layer's rows may move to the front here.
+        cache.make_room(&self.dev, &vec![1; next.len()])?;
         match &mut steps.tables {
             Some(t) => t.update(&self.dev, cache, next)?,
             None => steps.tables = Some(DecodeTables::new(&self.dev, cache, next)?),

@@ -239,19 +239,21 @@ impl Layer {
             eps: cfg.layernorm_epsilon,
             zero_centered_gamma: cfg.zero_centered_gamma,
         });
+        // The layer's view of the cache: its own rows (a sliding-window layer's may be fewer).
+        let view = step.tables.for_layer(self.window);
         let [k_cache, v_cache] = step.cache.layer_mut(l);
-        qkv_rope(dev, &qkv, (heads, groups, d), norm, inv_freq, step.rows, &mut q, [k_cache, v_cache])?;
+        qkv_rope(dev, &qkv, (heads, groups, d), norm, inv_freq, &view.rows, &mut q, [k_cache, v_cache])?;
         drop(qkv);
         let mut o = Tensor::empty(dev, DType::BF16, &[tokens, heads * d])?;
         let [k_cache, v_cache] = step.cache.layer(l);
-        match &mut step.attention {
+        match &mut view.attention {
             StepAttention::Decode { seqlens } => {
-                let p = step.shape.decode_shape(cfg, self.window);
+                let p = view.shape.decode_shape(cfg, self.window);
                 let qs = Strided { tensor: &q, offset: 0, row: heads * d };
                 decode(dev, &p, qs, [k_cache, v_cache], seqlens, (&mut o, heads * d))?;
             }
             StepAttention::Prefill { cu_q, cu_kv, off_kv, lse } => {
-                let shape = step.shape.prefill_shape(cfg, self.window);
+                let shape = view.shape.prefill_shape(cfg, self.window);
                 let p = FlashAttnParams {
                     shape,
                     q: shape.q_strides(),

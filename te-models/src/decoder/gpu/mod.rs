@@ -16,7 +16,7 @@ mod cache;
 mod generate;
 mod layer;
 
-pub use cache::DecoderCache;
+pub use cache::{DecoderCache, DEFAULT_PREFILL_CHUNK};
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights, WeightTensor};
 use layer::{linear, linear_fp8, linear_from, norm, quantize_e4m3, Layer};
@@ -120,6 +120,9 @@ pub struct Decoder {
     cuda_graph: bool,
     /// Why the last generation could not capture its decode step.
     graph_fallback: Option<String>,
+    /// The most tokens a step feeds a sequence when the sliding-window layers keep only their
+    /// window ([`DecoderCache::with_chunk`]).
+    prefill_chunk: usize,
 }
 
 impl Decoder {
@@ -189,6 +192,7 @@ impl Decoder {
             inv_freq,
             cuda_graph: true,
             graph_fallback: None,
+            prefill_chunk: cache::DEFAULT_PREFILL_CHUNK,
         })
     }
 
@@ -223,7 +227,22 @@ impl Decoder {
     /// # Errors
     /// As [`DecoderCache::new`].
     pub fn cache(&self, batch: usize, capacity: usize) -> DecoderResult<DecoderCache> {
-        DecoderCache::new(&self.dev, &self.cfg, batch, capacity)
+        DecoderCache::with_chunk(&self.dev, &self.cfg, batch, capacity, self.prefill_chunk)
+    }
+
+    /// The most tokens a step feeds one sequence when the sliding-window layers keep only their
+    /// window (default [`DEFAULT_PREFILL_CHUNK`]): their caches hold `window + chunk` rows
+    /// a sequence (when fewer than the capacity), longer prompts run in chunks of `chunk` tokens.
+    /// Smaller saves memory at long contexts; larger runs long prompts in fewer steps.
+    ///
+    /// # Errors
+    /// [`DecoderError::Input`] for 0.
+    pub fn set_prefill_chunk(&mut self, chunk: usize) -> DecoderResult<()> {
+        if chunk == 0 {
+            return Err(DecoderError::input("the prefill chunk must be ≥ 1 token"));
+        }
+        self.prefill_chunk = chunk;
+        Ok(())
     }
 
     /// Checks token ids against the vocabulary.
@@ -249,12 +268,49 @@ impl Decoder {
     /// device's errors.
     pub fn forward_step<S: AsRef<[i32]>>(&mut self, cache: &mut DecoderCache, new: &[S]) -> DecoderResult<Tensor> {
         self.check_ids(new)?;
+        let longest = new.iter().map(|s| s.as_ref().len()).max().unwrap_or(0);
+        let chunk = match cache.max_step_tokens() {
+            Some(c) if longest > c => c,
+            _ => return self.forward_chunk(cache, new),
+        };
+        // The sliding-window layers take `chunk` tokens a sequence at a time: chunk i feeds
+        // tokens [i·chunk, (i+1)·chunk) of every sequence, and the hidden states are put back in
+        // the packed order of `new`.
+        let parts = longest.div_ceil(chunk);
+        let mut per_seq: Vec<Vec<Tensor>> = vec![Vec::with_capacity(parts); new.len()];
+        for i in 0..parts {
+            let pieces: Vec<&[i32]> = new
+                .iter()
+                .map(|s| {
+                    let s = s.as_ref();
+                    &s[(i * chunk).min(s.len())..((i + 1) * chunk).min(s.len())]
+                })
+                .collect();
+            let hidden = self.forward_chunk(cache, &pieces)?;
+            let sizes: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+            for (j, part) in hidden.split_rows(&self.dev, &sizes)?.into_iter().enumerate() {
+                per_seq[j].push(part);
+            }
+        }
+        Ok(Tensor::cat_rows(&self.dev, &per_seq.into_iter().flatten().collect::<Vec<_>>())?)
+    }
+
+    /// One step of at most [`DecoderCache::max_step_tokens`] new tokens a sequence (see
+    /// [`Decoder::forward_step`]).
+    fn forward_chunk<S: AsRef<[i32]>>(&mut self, cache: &mut DecoderCache, new: &[S]) -> DecoderResult<Tensor> {
         let counts: Vec<usize> = new.iter().map(|s| s.as_ref().len()).collect();
-        let (rows, shape, mut attention) = cache::plan(&self.dev, cache, &counts)?;
+        if counts.len() != cache.batch() {
+            return Err(DecoderError::input(format!(
+                "{} sequences for a cache of batch {}",
+                counts.len(),
+                cache.batch()
+            )));
+        }
+        cache.make_room(&self.dev, &counts)?;
+        let mut tables = cache::plan(&self.dev, cache, &counts)?;
         let ids: Vec<i32> = new.iter().flat_map(|s| s.as_ref().iter().copied()).collect();
         let ids_dev = self.dev.stream().htod(&ids)?;
-        let step = cache::Step { cache, rows: &rows, shape, attention: &mut attention };
-        let hidden = self.run(&ids_dev, step)?;
+        let hidden = self.run(&ids_dev, cache::Step { cache, tables: &mut tables })?;
         cache::advance(cache, &counts);
         Ok(hidden)
     }
@@ -285,8 +341,7 @@ impl Decoder {
     /// The logits `[batch, vocab]` of a decode step over `tables` (one token per sequence of
     /// `cache`, the tables filled for it); the cache's lengths are the caller's to advance.
     fn decode_logits(&mut self, cache: &mut DecoderCache, tables: &mut cache::DecodeTables) -> DecoderResult<Tensor> {
-        let step = cache::Step { cache, rows: &tables.rows, shape: tables.shape, attention: &mut tables.attention };
-        let hidden = self.run(&tables.ids, step)?;
+        let hidden = self.run(&tables.ids, cache::Step { cache, tables: &mut tables.tables })?;
         self.head(&hidden)
     }
 
