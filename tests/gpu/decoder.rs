@@ -255,9 +255,17 @@ fn fp8_tracks_bf16() {
         // their replays draw the eager steps' tokens.
         let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(6) };
         let graphed = q.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap();
-        assert!(q.graph_fallback().is_none(), "{model}: the FP8 decode step was not captured: {:?}", q.graph_fallback());
+        assert!(
+            q.graph_fallback().is_none(),
+            "{model}: the FP8 decode step was not captured: {:?}",
+            q.graph_fallback()
+        );
         q.set_cuda_graph(false);
-        assert_eq!(q.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap(), graphed, "{model}: FP8 replays and eager steps");
+        assert_eq!(
+            q.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap(),
+            graphed,
+            "{model}: FP8 replays and eager steps"
+        );
     }
 }
 

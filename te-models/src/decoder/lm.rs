@@ -1,7 +1,7 @@
 //! [`CausalLm`]: what `te generate --model` and `te eval --model` need of a decoder, whichever
 //! device runs it — the CPU model ([`crate::cpu::decoder::DecoderRef`]) or the GPU one.
 
-use super::{DecoderConfig, DecoderResult};
+use super::{DecoderConfig, DecoderError, DecoderResult};
 use crate::generate::SamplingConfig;
 
 /// How [`CausalLm::generate`] continues the prompts.
@@ -72,4 +72,66 @@ pub trait CausalLm {
     /// [`super::DecoderError::Input`] for fewer than 2 tokens, `max_length < 2`, a `stride` of 0
     /// or above `max_length`, an id outside the vocabulary; the device's errors.
     fn perplexity(&mut self, tokens: &[i32], max_length: usize, stride: usize) -> DecoderResult<Perplexity>;
+}
+
+/// transformers' perplexity recipe for a text longer than the model's window ("Perplexity of
+/// fixed-length models"), shared by the CPU and GPU models: windows of at most `max_length`
+/// tokens starting every `stride` tokens, each scoring only the tokens no earlier window scored,
+/// with the window's earlier tokens as their context. `score(window, rows)` runs the model on
+/// `window` (from position 0) and returns the Σ of the negative log-likelihoods (nats, f64) of
+/// window rows `rows` (row `r` predicts `window[r + 1]`).
+///
+/// # Errors
+/// [`DecoderError::Input`] for fewer than 2 tokens, `max_length < 2`, a `stride` of 0 or above
+/// `max_length`; `score`'s errors.
+pub(crate) fn windowed_perplexity<F>(
+    tokens: &[i32],
+    (max_length, stride): (usize, usize),
+    mut score: F,
+) -> DecoderResult<Perplexity>
+where
+    F: FnMut(&[i32], std::ops::Range<usize>) -> DecoderResult<f64>,
+{
+    if tokens.len() < 2 {
+        return Err(DecoderError::input("perplexity needs at least 2 tokens (the first is never scored)"));
+    }
+    if max_length < 2 || stride == 0 || stride > max_length {
+        return Err(DecoderError::input(format!(
+            "perplexity needs max_length ≥ 2 and 1 ≤ stride ≤ max_length, got max_length {max_length}, stride {stride}"
+        )));
+    }
+    let (mut total, mut scored, mut prev_end) = (0.0f64, 0usize, 1usize);
+    let mut begin = 0;
+    loop {
+        let end = (begin + max_length).min(tokens.len());
+        let window = &tokens[begin..end];
+        // Score the tokens prev_end..end that have context in the window (not its first token).
+        let first_row = prev_end.max(begin + 1) - begin - 1;
+        total += score(window, first_row..window.len() - 1)?;
+        scored += window.len() - 1 - first_row;
+        prev_end = end;
+        if end == tokens.len() {
+            break;
+        }
+        begin += stride;
+    }
+    let mean_nll = total / scored as f64;
+    Ok(Perplexity { mean_nll, perplexity: mean_nll.exp(), tokens: scored })
+}
+
+/// The checks every [`CausalLm::generate`] makes first: the sampling settings, at least one
+/// prompt, no empty prompt.
+///
+/// # Errors
+/// [`DecoderError::Runtime`] for bad sampling settings; [`DecoderError::Input`] for no prompt or
+/// an empty one.
+pub(crate) fn check_prompts(prompts: &[Vec<i32>], opts: &DecodeOptions) -> DecoderResult<()> {
+    opts.sampling.validate()?;
+    if prompts.is_empty() {
+        return Err(DecoderError::input("no prompt: generation needs a batch of at least one"));
+    }
+    if let Some(j) = prompts.iter().position(Vec::is_empty) {
+        return Err(DecoderError::input(format!("prompt {j} is empty: give at least one token (e.g. BOS)")));
+    }
+    Ok(())
 }

@@ -100,7 +100,7 @@ pub mod gpu;
 mod hf_config;
 #[cfg(test)]
 mod hf_config_tests;
-mod lm;
+pub(crate) mod lm;
 mod load;
 mod names;
 mod rope;

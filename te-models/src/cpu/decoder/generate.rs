@@ -7,8 +7,9 @@
 //! configuration stops there (the EOS is its last token) while the others go on.
 
 use super::DecoderRef;
+use crate::decoder::lm::check_prompts;
 use crate::decoder::DecodeOptions;
-use crate::decoder::{DecoderError, DecoderResult};
+use crate::decoder::DecoderResult;
 
 impl DecoderRef {
     /// Continues each prompt of `prompts` (token ids, any lengths ≥ 1; a BOS is the caller's to
@@ -17,21 +18,15 @@ impl DecoderRef {
     /// it returns ends the generation. Returns the new tokens of each prompt.
     ///
     /// # Errors
-    /// [`DecoderError::Input`] for no prompt, an empty one or an id outside the vocabulary;
-    /// [`DecoderError::Runtime`] for bad sampling settings; `on_token`'s errors.
+    /// [`crate::decoder::DecoderError::Input`] for no prompt, an empty one or an id outside the vocabulary;
+    /// [`crate::decoder::DecoderError::Runtime`] for bad sampling settings; `on_token`'s errors.
     pub fn generate(
         &self,
         prompts: &[Vec<i32>],
         opts: &DecodeOptions,
         mut on_token: impl FnMut(usize, i32) -> DecoderResult<()>,
     ) -> DecoderResult<Vec<Vec<i32>>> {
-        opts.sampling.validate()?;
-        if prompts.is_empty() {
-            return Err(DecoderError::input("no prompt: generation needs a batch of at least one"));
-        }
-        if let Some(j) = prompts.iter().position(Vec::is_empty) {
-            return Err(DecoderError::input(format!("prompt {j} is empty: give at least one token (e.g. BOS)")));
-        }
+        check_prompts(prompts, opts)?;
         let b = prompts.len();
         let mut out: Vec<Vec<i32>> = vec![Vec::with_capacity(opts.max_new_tokens); b];
         if opts.max_new_tokens == 0 {

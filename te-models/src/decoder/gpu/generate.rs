@@ -8,6 +8,7 @@
 
 use super::cache::{self, DecodeTables};
 use super::{Decoder, DecoderCache};
+use crate::decoder::lm::{check_prompts, windowed_perplexity};
 use crate::decoder::{CausalLm, DecodeOptions, DecoderConfig, DecoderError, DecoderResult, Perplexity};
 use crate::gpt::IGNORE_INDEX;
 use te_runtime::graph::{Graph, HostCopies};
@@ -37,13 +38,7 @@ impl Decoder {
         opts: &DecodeOptions,
         on_token: &mut dyn FnMut(usize, i32) -> DecoderResult<()>,
     ) -> DecoderResult<Vec<Vec<i32>>> {
-        opts.sampling.validate()?;
-        if prompts.is_empty() {
-            return Err(DecoderError::input("no prompt: generation needs a batch of at least one"));
-        }
-        if let Some(j) = prompts.iter().position(Vec::is_empty) {
-            return Err(DecoderError::input(format!("prompt {j} is empty: give at least one token (e.g. BOS)")));
-        }
+        check_prompts(prompts, opts)?;
         self.check_ids(prompts)?;
         let b = prompts.len();
         let mut out: Vec<Vec<i32>> = vec![Vec::with_capacity(opts.max_new_tokens); b];
@@ -184,41 +179,19 @@ impl Decoder {
     /// # Errors
     /// As [`CausalLm::perplexity`].
     pub fn perplexity(&mut self, tokens: &[i32], max_length: usize, stride: usize) -> DecoderResult<Perplexity> {
-        if tokens.len() < 2 {
-            return Err(DecoderError::input("perplexity needs at least 2 tokens (the first is never scored)"));
-        }
-        if max_length < 2 || stride == 0 || stride > max_length {
-            return Err(DecoderError::input(format!(
-                "perplexity needs max_length ≥ 2 and 1 ≤ stride ≤ max_length, got max_length {max_length}, stride \
-                 {stride}"
-            )));
-        }
         self.check_ids(&[tokens])?;
-        let mut cache = self.cache(1, max_length.min(tokens.len()))?;
-        let (mut total, mut scored, mut prev_end) = (0.0f64, 0usize, 1usize);
-        let mut begin = 0;
-        loop {
-            let end = (begin + max_length).min(tokens.len());
-            let window = &tokens[begin..end];
+        let mut cache = self.cache(1, max_length.min(tokens.len()).max(1))?;
+        windowed_perplexity(tokens, (max_length, stride), |window, rows| {
             cache.clear();
             let hidden = self.forward_step(&mut cache, &[window])?;
-            let first_row = prev_end.max(begin + 1) - begin - 1;
-            for r0 in (first_row..window.len() - 1).step_by(ROWS) {
-                let r1 = (r0 + ROWS).min(window.len() - 1);
-                let rows: Vec<usize> = (r0..r1).collect();
-                let logits = self.head(&self.gather_rows(&hidden, &rows)?)?;
-                let targets = &tokens[begin + r0 + 1..begin + r1 + 1];
-                total += self.loss_sum(&logits, targets)?;
-                scored += r1 - r0;
+            let mut total = 0.0;
+            for r0 in rows.clone().step_by(ROWS) {
+                let r1 = (r0 + ROWS).min(rows.end);
+                let logits = self.head(&self.gather_rows(&hidden, &(r0..r1).collect::<Vec<_>>())?)?;
+                total += self.loss_sum(&logits, &window[r0 + 1..r1 + 1])?;
             }
-            prev_end = end;
-            if end == tokens.len() {
-                break;
-            }
-            begin += stride;
-        }
-        let mean_nll = total / scored as f64;
-        Ok(Perplexity { mean_nll, perplexity: mean_nll.exp(), tokens: scored })
+            Ok(total)
+        })
     }
 
     /// Σ of the per-token cross-entropy of `logits: [rows, vocab]` against `targets`: the fused
