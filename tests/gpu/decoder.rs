@@ -235,6 +235,34 @@ fn sliding_layers_keep_only_their_window() {
     assert!(ran > 0, "no Gemma 3 model ran");
 }
 
+/// Perplexity over windows (transformers' recipe: windows of 8 every 4 tokens over both fixture
+/// sequences joined) scores the same tokens as the CPU twin's, with a mean NLL within BF16 noise
+/// (the twin in BF16 GEMM inputs; 2 % relative).
+#[test]
+fn perplexity_matches_the_cpu_twin() {
+    let Some(dev) = device() else { return };
+    for (model, dir) in models() {
+        let (seqs, _) = reference(&dir);
+        let Some(mut m) = gpu_model(&dev, &model, &dir, GpuPrecision::Bf16) else { continue };
+        let tokens: Vec<i32> = seqs.concat();
+        let twin = DecoderRef::new(fixture(&dir), DecoderPrecision::Bf16).unwrap();
+        for (max_length, stride) in [(8, 4), (8, 8), (64, 64)] {
+            let (got, want) = (
+                m.perplexity(&tokens, max_length, stride).unwrap(),
+                twin.perplexity(&tokens, max_length, stride).unwrap(),
+            );
+            assert_eq!(got.tokens, want.tokens, "{model} {max_length}/{stride}: tokens scored");
+            let rel = (got.mean_nll - want.mean_nll).abs() / want.mean_nll;
+            assert!(
+                rel < 0.02,
+                "{model} {max_length}/{stride}: mean NLL {} vs the twin's {}",
+                got.mean_nll,
+                want.mean_nll
+            );
+        }
+    }
+}
+
 /// FP8 GEMMs (E4M3 weights, activations by current scaling) stay close to BF16 (mean KL of the
 /// next-token distributions ≤ 0.1 on these random models), and their decode steps are captured.
 #[test]
