@@ -74,7 +74,10 @@ pub enum DataError {
         name: &'static str,
     },
     /// No data was given.
-    #[error("no data sources given: pass text files, directories (of {exts} files) or .jsonl files", exts = DOCUMENT_EXTENSIONS.join("/"))]
+    #[error(
+        "no data sources given: pass text files, .jsonl files or directories (of {exts} files)",
+        exts = DOCUMENT_EXTENSIONS.join("/")
+    )]
     NoSources,
     /// The sources hold no document.
     #[error(

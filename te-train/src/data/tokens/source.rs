@@ -1,6 +1,6 @@
-//! Where documents come from: text files (one document each), directories (their
-//! [`DOCUMENT_EXTENSIONS`] files, recursively, in path order) and `.jsonl` files (one document a
-//! line, its `"text"` field).
+//! Where documents come from: text files (one document each), `.jsonl` files (one document a
+//! line, its `"text"` field) and directories (their [`DOCUMENT_EXTENSIONS`] files, recursively,
+//! in path order).
 
 use std::path::{Path, PathBuf};
 
@@ -9,9 +9,10 @@ use serde_json::Value;
 
 use crate::data::DataError;
 
-/// The extensions (case-insensitive) of the files a directory contributes, one document each;
-/// other files under it are left out. A file named directly is read whatever its extension.
-pub const DOCUMENT_EXTENSIONS: [&str; 2] = ["txt", "md"];
+/// The extensions (case-insensitive) of the files a directory contributes: `txt` and `md` as one
+/// document each, `jsonl` as JSON Lines (a dataset's shards); other files under it are left out.
+/// A file named directly is read whatever its extension (JSON Lines when it is `.jsonl`).
+pub const DOCUMENT_EXTENSIONS: [&str; 3] = ["txt", "md", "jsonl"];
 
 /// How a file's bytes become documents.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -53,7 +54,7 @@ fn has_extension(path: &Path, exts: &[&str]) -> bool {
 
 /// The files of `sources`, in order: a `.jsonl` file (case-insensitive) as
 /// [`SourceFormat::Jsonl`], any other file as [`SourceFormat::Text`], a directory as its
-/// [`DOCUMENT_EXTENSIONS`] files (recursively, sorted by path) as text.
+/// [`DOCUMENT_EXTENSIONS`] files (recursively, sorted by path), each read as its extension says.
 ///
 /// # Errors
 /// [`DataError::NoSources`] for an empty list; [`DataError::Io`] for a path that does not exist
@@ -65,9 +66,9 @@ pub fn source_files<P: AsRef<Path>>(sources: &[P]) -> Result<Vec<SourceFile>, Da
     let mut files = Vec::new();
     for source in sources {
         let source = source.as_ref();
+        let format = |p: &Path| if has_extension(p, &["jsonl"]) { SourceFormat::Jsonl } else { SourceFormat::Text };
         if !std::fs::metadata(source).map_err(io(source))?.is_dir() {
-            let format = if has_extension(source, &["jsonl"]) { SourceFormat::Jsonl } else { SourceFormat::Text };
-            files.push(SourceFile { path: source.to_path_buf(), format });
+            files.push(SourceFile { path: source.to_path_buf(), format: format(source) });
             continue;
         }
         let mut found = Vec::new();
@@ -83,7 +84,7 @@ pub fn source_files<P: AsRef<Path>>(sources: &[P]) -> Result<Vec<SourceFile>, Da
             }
         }
         found.sort();
-        files.extend(found.into_iter().map(|path| SourceFile { path, format: SourceFormat::Text }));
+        files.extend(found.into_iter().map(|path| SourceFile { format: format(&path), path }));
     }
     Ok(files)
 }
