@@ -93,7 +93,10 @@ pub fn source_files<P: AsRef<Path>>(sources: &[P]) -> Result<Vec<SourceFile>, Da
 /// order.
 ///
 /// # Errors
-/// As [`source_files`] and [`file_documents`]; [`DataError::NoDocuments`] when there is none.
+/// As [`source_files`]; [`DataError::Io`] for an unreadable file; [`DataError::NotUtf8`] for a
+/// text file that is not UTF-8; [`DataError::Jsonl`] (naming `file:line`) for a line of a
+/// `.jsonl` file that is not a JSON object with a string `"text"`; [`DataError::NoDocuments`]
+/// when there is none.
 pub fn read_documents<P: AsRef<Path>>(sources: &[P]) -> Result<Vec<Document>, DataError> {
     let mut docs = Vec::new();
     for file in source_files(sources)? {

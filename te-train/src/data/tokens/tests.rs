@@ -179,7 +179,7 @@ fn the_cache_is_reused_until_the_data_or_tokenizer_changes() {
     let first = TokenDataset::build(&[&data], &tok, Some(&cache)).unwrap();
     assert_eq!(first.cache_status(), &CacheStatus::Written);
     let path = first.cache_path().unwrap().to_path_buf();
-    assert_eq!(cache_files(&cache), [path.clone()], "one file, no temporary left behind");
+    assert_eq!(cache_files(&cache), std::slice::from_ref(&path), "one file, no temporary left behind");
     assert!(path.file_name().unwrap().to_str().unwrap().starts_with("tokens-"));
 
     let again = TokenDataset::build(&[&data], &tok, Some(&cache)).unwrap();
