@@ -92,15 +92,25 @@ impl Batcher {
         Batcher { rng: StdRng::seed_from_u64(seed), seq, batch, shard: Shard::new(shard, shards) }
     }
 
-    /// The next batch from `data` (`split` names it in errors).
-    ///
-    /// # Errors
-    /// [`DataError::TooShort`] when `data` is shorter than one window.
-    pub fn next<T: TokenId>(&mut self, data: &[T], split: &'static str) -> Result<Batch, DataError> {
+    /// Errs on a window or batch of 0 or `data` shorter than one window; returns `seq + 1`.
+    fn window<T>(&self, data: &[T], split: &'static str) -> Result<usize, DataError> {
+        if self.seq == 0 || self.batch == 0 {
+            return Err(DataError::Zero { name: if self.seq == 0 { "seq" } else { "batch" } });
+        }
         let need = self.seq + 1;
         if data.len() < need {
             return Err(DataError::TooShort { split, len: data.len(), need });
         }
+        Ok(need)
+    }
+
+    /// The next batch from `data` (`split` names it in errors).
+    ///
+    /// # Errors
+    /// [`DataError::TooShort`] when `data` is shorter than one window; [`DataError::Zero`] for
+    /// `seq` or `batch` 0.
+    pub fn next<T: TokenId>(&mut self, data: &[T], split: &'static str) -> Result<Batch, DataError> {
+        let need = self.window(data, split)?;
         let all: Vec<usize> =
             (0..self.shard.global(self.batch)).map(|_| self.rng.random_range(0..=data.len() - need)).collect();
         let starts = &all[self.shard.part(self.batch)];
@@ -121,10 +131,7 @@ impl Batcher {
     /// # Errors
     /// [`DataError::TooShort`] as [`Batcher::next`].
     pub fn skip<T: TokenId>(&mut self, data: &[T], batches: u64, split: &'static str) -> Result<(), DataError> {
-        let need = self.seq + 1;
-        if data.len() < need {
-            return Err(DataError::TooShort { split, len: data.len(), need });
-        }
+        let need = self.window(data, split)?;
         for _ in 0..batches * self.shard.global(self.batch) as u64 {
             self.rng.random_range(0..=data.len() - need);
         }
@@ -155,6 +162,10 @@ mod tests {
         assert!(e.to_string().contains("validation") && e.to_string().contains("301"), "{e}");
         let e = Batcher::new(0, 300, 1).skip(&data, 1, "train").unwrap_err();
         assert!(matches!(e, DataError::TooShort { split: "train", len: 200, need: 301 }), "{e}");
+        let e = Batcher::new(0, 0, 1).next(&data, "train").unwrap_err();
+        assert!(matches!(e, DataError::Zero { name: "seq" }), "{e}");
+        let e = Batcher::new(0, 4, 0).skip(&data, 1, "train").unwrap_err();
+        assert!(matches!(e, DataError::Zero { name: "batch" }), "{e}");
     }
 
     /// The batches of a seed are pinned: the generator (rand's `StdRng`) and the window

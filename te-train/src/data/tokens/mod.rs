@@ -270,7 +270,10 @@ impl TokenDataset {
     /// ([`CacheStatus::Hit`]) instead of tokenizing, any change of the data or the tokenizer
     /// gives another key and tokenizes again, and a file that fails its checks is rebuilt with a
     /// warning ([`CacheStatus::Rebuilt`]). The sources are read whole (to hash them) whether or
-    /// not the cache holds them.
+    /// not the cache holds them; their paths are keyed as given (the same data named from
+    /// another working directory is tokenized once more). The ranks of a data-parallel run may
+    /// build at once: each writes its own temporary file and renames it into place, atomically,
+    /// with the same contents.
     ///
     /// # Errors
     /// [`DataError::NoSources`], [`DataError::Io`], [`DataError::NoDocuments`], and those of

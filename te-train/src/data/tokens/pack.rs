@@ -121,25 +121,45 @@ impl ThdBatch {
 
 /// First fit over rows of `cap` free tokens: a max-tree of the free space, so the first row with
 /// room is found in `O(log rows)`.
-struct FirstFit {
+pub(super) struct FirstFit {
+    cap: usize,
     leaves: usize,
     free: Vec<usize>,
 }
 
 impl FirstFit {
-    /// `rows` rows (enough for every piece alone) of `cap` tokens.
-    fn new(rows: usize, cap: usize) -> FirstFit {
-        let leaves = rows.next_power_of_two();
-        let mut free = vec![0; 2 * leaves];
-        free[leaves..leaves + rows].fill(cap);
-        for i in (1..leaves).rev() {
-            free[i] = free[2 * i].max(free[2 * i + 1]);
+    /// Rows of `cap` tokens for `tokens` tokens. First fit leaves at most one row at most half
+    /// full (a later row's pieces would have fit in an earlier half-empty one), so it needs
+    /// fewer than `2 · tokens / cap + 1` rows; the tree grows if it ever runs out.
+    pub(super) fn new(tokens: usize, cap: usize) -> FirstFit {
+        let leaves = (2 * tokens.div_ceil(cap) + 1).next_power_of_two();
+        let mut fit = FirstFit { cap, leaves, free: vec![0; 2 * leaves] };
+        fit.free[leaves..].fill(cap);
+        fit.rebuild();
+        fit
+    }
+
+    fn rebuild(&mut self) {
+        for i in (1..self.leaves).rev() {
+            self.free[i] = self.free[2 * i].max(self.free[2 * i + 1]);
         }
-        FirstFit { leaves, free }
+    }
+
+    /// Twice the rows, the new ones empty.
+    fn grow(&mut self) {
+        let leaves = 2 * self.leaves;
+        let mut free = vec![0; 2 * leaves];
+        free[leaves..leaves + self.leaves].copy_from_slice(&self.free[self.leaves..]);
+        free[leaves + self.leaves..].fill(self.cap);
+        (self.leaves, self.free) = (leaves, free);
+        self.rebuild();
     }
 
     /// Places `len` tokens (at most `cap`) in the first row with room; returns it.
-    fn place(&mut self, len: usize) -> usize {
+    pub(super) fn place(&mut self, len: usize) -> usize {
+        while self.free[1] < len {
+            self.grow();
+        }
         let mut i = 1;
         while i < self.leaves {
             i = if self.free[2 * i] >= len { 2 * i } else { 2 * i + 1 };
@@ -176,7 +196,7 @@ impl Plan {
             .iter()
             .flat_map(|&d| (offsets[d]..offsets[d + 1]).step_by(seq).map(move |s| s..(s + seq).min(offsets[d + 1])))
             .collect();
-        let mut fit = FirstFit::new(pieces.len(), seq);
+        let mut fit = FirstFit::new(docs.num_tokens(), seq);
         let row_of: Vec<usize> = pieces.iter().map(|p| fit.place(p.len())).collect();
         let n_rows = row_of.iter().max().map_or(0, |&r| r + 1);
         // Pieces grouped by row, each row's in the order placed (a counting sort).

@@ -187,7 +187,7 @@ fn the_cache_is_reused_until_the_data_or_tokenizer_changes() {
     assert_eq!(again.docs(), first.docs());
     assert_eq!(again.cache_path(), Some(path.as_path()));
     assert_eq!(again.vocab_size(), tok.vocab_size());
-    // The same tokens as without a cache; a cache in another directory is another file.
+    // The same tokens as without a cache.
     assert_eq!(TokenDataset::build(&[&data], &tok, None).unwrap().docs(), first.docs());
 
     // Any change of the data or of the tokenizer: another key, tokenized again.
@@ -493,4 +493,13 @@ fn packing_errors_say_what_to_fix() {
     let rows = pack_thd(&holes, 4, 0, "train").unwrap();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].cu_seqlens, [0, 2]);
+}
+
+#[test]
+fn first_fit_takes_the_first_row_with_room_and_grows_past_its_bound() {
+    // Sized for no tokens: one row, then more as pieces come.
+    let mut fit = pack::FirstFit::new(0, 4);
+    let rows: Vec<usize> = [3, 3, 1, 4, 2, 1, 1].into_iter().map(|len| fit.place(len)).collect();
+    // Free after each: [1], [1, 1], [0, 1], [0, 1, 0], [0, 1, 0, 2], [0, 0, 0, 2], [0, 0, 0, 1].
+    assert_eq!(rows, [0, 1, 0, 2, 3, 1, 3]);
 }
