@@ -299,6 +299,86 @@ impl Tokenizer {
         }
     }
 
+    /// A blake3 hash of everything that decides the ids [`Tokenizer::encode`] gives: the kind of
+    /// tokenizer; for a GGUF SentencePiece vocabulary its tokens, scores, types, unknown token and
+    /// `add_space_prefix`; for the `tokenizers`-backed ones (GGUF byte-level BPE, Hugging Face
+    /// `tokenizer.json`) the `tokenizers` crate's JSON serialization (the model's vocabulary and
+    /// merges in id and rank order, added tokens, normalizer, pre-tokenizer, post-processor);
+    /// then the vocabulary size, BOS, EOS, every end-of-generation id, `add_bos` and `add_eos`.
+    /// Two tokenizers with the same fingerprint encode every text to the same ids; caches of
+    /// tokenized data are keyed by it. Stable across runs and machines, not across versions of
+    /// this crate or of `tokenizers` that change the serialization (a changed fingerprint only
+    /// costs a re-tokenization).
+    pub fn fingerprint(&self) -> [u8; 32] {
+        fn put_len(h: &mut blake3::Hasher, n: usize) {
+            h.update(&(n as u64).to_le_bytes());
+        }
+        fn put_id(h: &mut blake3::Hasher, id: Option<u32>) {
+            match id {
+                Some(id) => h.update(&[1]).update(&id.to_le_bytes()),
+                None => h.update(&[0]),
+            };
+        }
+        fn put_hf(h: &mut blake3::Hasher, t: &tokenizers::Tokenizer) {
+            match t.to_string(false) {
+                Ok(json) => {
+                    put_len(h, json.len());
+                    h.update(json.as_bytes());
+                }
+                // Never seen (every component serializes); the vocabulary then still separates
+                // tokenizers, in id order.
+                Err(e) => {
+                    h.update(b"unserializable\0").update(e.to_string().as_bytes());
+                    let mut vocab: Vec<(String, u32)> = t.get_vocab(true).into_iter().collect();
+                    vocab.sort_unstable_by_key(|&(_, id)| id);
+                    for (text, id) in vocab {
+                        put_len(h, text.len());
+                        h.update(text.as_bytes()).update(&id.to_le_bytes());
+                    }
+                }
+            }
+        }
+        let mut h = blake3::Hasher::new();
+        h.update(b"te-models tokenizer fingerprint 1\0");
+        match &self.backend {
+            Backend::Spm(m) => {
+                h.update(b"gguf-spm\0");
+                let (tokens, scores, types, unk, add_space_prefix) = m.export_view();
+                put_len(&mut h, tokens.len());
+                for t in tokens {
+                    put_len(&mut h, t.len());
+                    h.update(t.as_bytes());
+                }
+                for s in scores {
+                    h.update(&s.to_bits().to_le_bytes());
+                }
+                for &ty in types {
+                    h.update(&[ty as u8]);
+                }
+                put_id(&mut h, unk);
+                h.update(&[u8::from(add_space_prefix)]);
+            }
+            Backend::GgufBpe(t, _) => {
+                h.update(b"gguf-bpe\0");
+                put_hf(&mut h, t);
+            }
+            Backend::Hf(t) => {
+                h.update(b"hf\0");
+                put_hf(&mut h, t);
+            }
+        }
+        let s = &self.specials;
+        put_len(&mut h, self.vocab_size);
+        put_id(&mut h, s.bos);
+        put_id(&mut h, s.eos);
+        put_len(&mut h, s.eos_ids.len());
+        for &id in &s.eos_ids {
+            h.update(&id.to_le_bytes());
+        }
+        h.update(&[u8::from(s.add_bos), u8::from(s.add_eos)]);
+        *h.finalize().as_bytes()
+    }
+
     /// Errs when `id` is outside the vocabulary.
     fn check_id(&self, id: u32) -> TokenizerResult<()> {
         if (id as usize) < self.vocab_size {
@@ -306,5 +386,79 @@ impl Tokenizer {
         } else {
             Err(TokenizerError::IdOutOfRange { id, vocab_size: self.vocab_size })
         }
+    }
+}
+
+#[cfg(test)]
+mod fingerprint_tests {
+    use super::tests::{byte_level_tokens, spm_vocab, NORMAL, USER};
+    use super::*;
+
+    fn spm(edit: impl FnOnce(&mut SpmVocab)) -> [u8; 32] {
+        let mut v = spm_vocab(&[("▁a", -1.0, NORMAL), ("▁ab", -2.0, NORMAL)], true);
+        edit(&mut v);
+        Tokenizer::from_spm(v).unwrap().fingerprint()
+    }
+
+    fn bpe(edit: impl FnOnce(&mut BpeVocab)) -> Tokenizer {
+        let mut v = BpeVocab {
+            tokens: byte_level_tokens(&["<s>", "</s>"], &["ab", "abc"]),
+            merges: vec!["a b".into(), "ab c".into()],
+            pre: Some("gpt-2".into()),
+            bos: Some(0),
+            eos: Some(1),
+            ..BpeVocab::default()
+        };
+        edit(&mut v);
+        Tokenizer::from_bpe(v).unwrap()
+    }
+
+    #[test]
+    fn the_fingerprint_follows_what_changes_the_ids() {
+        let base = spm(|_| {});
+        assert_eq!(base, spm(|_| {}), "the same vocabulary, the same fingerprint");
+        let changed = [
+            spm(|v| v.scores[4] = -3.0),
+            spm(|v| v.tokens[5] = "▁ac".into()),
+            spm(|v| v.token_types[4] = USER),
+            spm(|v| v.add_bos = Some(false)),
+            spm(|v| v.add_eos = Some(true)),
+            spm(|v| v.add_space_prefix = Some(true)),
+            spm(|v| v.eos = Some(0)),
+            spm(|v| {
+                v.bos = None;
+                v.add_bos = Some(false);
+            }),
+        ];
+        for (i, f) in changed.iter().enumerate() {
+            assert_ne!(*f, base, "change {i} must change the fingerprint");
+            for (j, g) in changed.iter().enumerate().skip(i + 1) {
+                assert_ne!(f, g, "changes {i} and {j}");
+            }
+        }
+
+        let b = bpe(|_| {}).fingerprint();
+        assert_eq!(b, bpe(|_| {}).fingerprint());
+        assert_ne!(b, bpe(|v| v.merges.truncate(1)).fingerprint(), "merges");
+        assert_ne!(b, bpe(|v| v.pre = Some("qwen2".into())).fingerprint(), "pre-tokenizer");
+        assert_ne!(b, bpe(|v| v.add_bos = Some(true)).fingerprint(), "add_bos");
+    }
+
+    #[test]
+    fn a_saved_hugging_face_tokenizer_has_a_stable_fingerprint() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("tokenizer.json");
+        std::fs::write(&json, bpe(|_| {}).to_hf_json().unwrap()).unwrap();
+        let load = |config: Option<&str>| {
+            let cfg = dir.path().join("tokenizer_config.json");
+            if let Some(c) = config {
+                std::fs::write(&cfg, c).unwrap();
+            }
+            Tokenizer::from_hf_files(&json, config.map(|_| cfg.as_path()), None).unwrap().fingerprint()
+        };
+        let hf = load(None);
+        assert_eq!(hf, load(None), "loading twice gives the same fingerprint");
+        assert_ne!(hf, bpe(|_| {}).fingerprint(), "another backend");
+        assert_ne!(hf, load(Some(r#"{"add_eos_token": true, "eos_token": "</s>"}"#)), "add_eos");
     }
 }

@@ -3,28 +3,77 @@
 use super::DataError;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::ops::Range;
 
-/// Random windows of `seq + 1` bytes from a split, from a seeded generator: the same seed gives
-/// the same batches (FP8 and BF16 runs see the same data order). Sharded over the ranks of a
-/// data-parallel run ([`Batcher::sharded`]), each rank reads its own part of every global batch.
+/// A token a [`Batcher`] reads: a byte (the byte-level GPT's whole vocabulary) or a tokenizer's
+/// `u32` id ([`TokenDocs`](super::TokenDocs)).
+pub trait TokenId: Copy {
+    /// The id as the model's `i32` input. Ids past `i32::MAX` (no vocabulary has them) saturate
+    /// there rather than wrap to a negative id, which the loss would read as ignored.
+    fn id(self) -> i32;
+}
+
+impl TokenId for u8 {
+    fn id(self) -> i32 {
+        i32::from(self)
+    }
+}
+
+impl TokenId for u32 {
+    fn id(self) -> i32 {
+        i32::try_from(self).unwrap_or(i32::MAX)
+    }
+}
+
+/// The data-parallel sharding rule, for every loader of this module: a global batch holds
+/// `shards × batch` items (windows, packed rows) drawn as a single-GPU run of batch
+/// `shards × batch` would draw them; rank `shard` reads items `shard × batch .. (shard + 1) ×
+/// batch` of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shard {
+    /// This rank's shard, `0..shards`.
+    shard: usize,
+    /// Ranks the global batch is split over (at least 1).
+    shards: usize,
+}
+
+impl Shard {
+    /// Rank `shard` of `shards` (at least 1); `shard` is taken modulo `shards`.
+    pub(crate) fn new(shard: usize, shards: usize) -> Shard {
+        let shards = shards.max(1);
+        Shard { shard: shard % shards, shards }
+    }
+
+    /// The items of a global batch of ranks of `batch` items each.
+    pub(crate) fn global(self, batch: usize) -> usize {
+        batch * self.shards
+    }
+
+    /// The items of a global batch this rank reads.
+    pub(crate) fn part(self, batch: usize) -> Range<usize> {
+        self.shard * batch..(self.shard + 1) * batch
+    }
+}
+
+/// Random windows of `seq + 1` tokens from a split (bytes, or a tokenizer's ids: any
+/// [`TokenId`]), from a seeded generator: the same seed gives the same batches (FP8 and BF16 runs
+/// see the same data order). Sharded over the ranks of a data-parallel run
+/// ([`Batcher::sharded`]), each rank reads its own part of every global batch.
 #[derive(Debug, Clone)]
 pub struct Batcher {
     rng: StdRng,
     seq: usize,
     batch: usize,
-    /// This rank's shard, `0..shards`.
-    shard: usize,
-    /// Ranks the global batch is split over.
-    shards: usize,
+    shard: Shard,
 }
 
 /// One batch: token ids and next-token targets, both `[seq, batch]` row-major (sequence-major, as
 /// the model's `[s, b, hidden]` layout).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
-    /// Input bytes, `[seq, batch]`.
+    /// Input tokens, `[seq, batch]`.
     pub ids: Vec<i32>,
-    /// The bytes that follow them, `[seq, batch]`.
+    /// The tokens that follow them, `[seq, batch]`.
     pub targets: Vec<i32>,
 }
 
@@ -40,28 +89,37 @@ impl Batcher {
     /// each thus sees the data of a single-GPU run of batch `shards × batch`, rank by rank.
     /// `shard` is taken modulo `shards` (at least 1).
     pub fn sharded(seed: u64, seq: usize, batch: usize, shard: usize, shards: usize) -> Batcher {
-        let shards = shards.max(1);
-        Batcher { rng: StdRng::seed_from_u64(seed), seq, batch, shard: shard % shards, shards }
+        Batcher { rng: StdRng::seed_from_u64(seed), seq, batch, shard: Shard::new(shard, shards) }
+    }
+
+    /// Errs on a window or batch of 0 or `data` shorter than one window; returns `seq + 1`.
+    fn window<T>(&self, data: &[T], split: &'static str) -> Result<usize, DataError> {
+        if self.seq == 0 || self.batch == 0 {
+            return Err(DataError::Zero { name: if self.seq == 0 { "seq" } else { "batch" } });
+        }
+        let need = self.seq + 1;
+        if data.len() < need {
+            return Err(DataError::TooShort { split, len: data.len(), need });
+        }
+        Ok(need)
     }
 
     /// The next batch from `data` (`split` names it in errors).
     ///
     /// # Errors
-    /// [`DataError::TooShort`] when `data` is shorter than one window.
-    pub fn next(&mut self, data: &[u8], split: &'static str) -> Result<Batch, DataError> {
-        let need = self.seq + 1;
-        if data.len() < need {
-            return Err(DataError::TooShort { split, len: data.len(), need });
-        }
+    /// [`DataError::TooShort`] when `data` is shorter than one window; [`DataError::Zero`] for
+    /// `seq` or `batch` 0.
+    pub fn next<T: TokenId>(&mut self, data: &[T], split: &'static str) -> Result<Batch, DataError> {
+        let need = self.window(data, split)?;
         let all: Vec<usize> =
-            (0..self.batch * self.shards).map(|_| self.rng.random_range(0..=data.len() - need)).collect();
-        let starts = &all[self.shard * self.batch..(self.shard + 1) * self.batch];
+            (0..self.shard.global(self.batch)).map(|_| self.rng.random_range(0..=data.len() - need)).collect();
+        let starts = &all[self.shard.part(self.batch)];
         let mut ids = vec![0i32; self.seq * self.batch];
         let mut targets = vec![0i32; self.seq * self.batch];
         for (b, &s) in starts.iter().enumerate() {
             for t in 0..self.seq {
-                ids[t * self.batch + b] = i32::from(data[s + t]);
-                targets[t * self.batch + b] = i32::from(data[s + t + 1]);
+                ids[t * self.batch + b] = data[s + t].id();
+                targets[t * self.batch + b] = data[s + t + 1].id();
             }
         }
         Ok(Batch { ids, targets })
@@ -72,12 +130,9 @@ impl Batcher {
     ///
     /// # Errors
     /// [`DataError::TooShort`] as [`Batcher::next`].
-    pub fn skip(&mut self, data: &[u8], batches: u64, split: &'static str) -> Result<(), DataError> {
-        let need = self.seq + 1;
-        if data.len() < need {
-            return Err(DataError::TooShort { split, len: data.len(), need });
-        }
-        for _ in 0..batches * (self.batch * self.shards) as u64 {
+    pub fn skip<T: TokenId>(&mut self, data: &[T], batches: u64, split: &'static str) -> Result<(), DataError> {
+        let need = self.window(data, split)?;
+        for _ in 0..batches * self.shard.global(self.batch) as u64 {
             self.rng.random_range(0..=data.len() - need);
         }
         Ok(())
@@ -107,6 +162,10 @@ mod tests {
         assert!(e.to_string().contains("validation") && e.to_string().contains("301"), "{e}");
         let e = Batcher::new(0, 300, 1).skip(&data, 1, "train").unwrap_err();
         assert!(matches!(e, DataError::TooShort { split: "train", len: 200, need: 301 }), "{e}");
+        let e = Batcher::new(0, 0, 1).next(&data, "train").unwrap_err();
+        assert!(matches!(e, DataError::Zero { name: "seq" }), "{e}");
+        let e = Batcher::new(0, 4, 0).skip(&data, 1, "train").unwrap_err();
+        assert!(matches!(e, DataError::Zero { name: "batch" }), "{e}");
     }
 
     /// The batches of a seed are pinned: the generator (rand's `StdRng`) and the window
