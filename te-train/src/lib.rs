@@ -7,7 +7,11 @@
 //!   ([`Progress`]), the non-finite policy ([`NonFiniteGuard`]), and atomic checkpoints that a
 //!   stopped run (a stop flag set by a signal handler) resumes from bit for bit
 //!   ([`checkpoint`]).
-//! - [`data`]: the corpus, its validation split and the seeded, data-parallel-sharded batches.
+//! - [`data`]: the corpus, its validation split and the seeded, data-parallel-sharded batches;
+//!   for a pretrained model's tokenizer, documents from text files, directories and `.jsonl`
+//!   tokenized into a cached [`data::TokenDataset`], split by documents, and packed into
+//!   fixed-length windows or `thd` rows with `cu_seqlens` ([`data::ThdPacker`]). The decoder-family
+//!   Trainer that consumes them is not built yet (issue 35).
 //! - [`optim`]: AdamW with FP32 master weights and one fused multi-tensor kernel, and
 //!   learning-rate schedules.
 //!
