@@ -33,6 +33,18 @@ pub struct TrainArgs {
     /// Peak learning rate.
     #[arg(long, default_value_t = 6e-4)]
     pub lr: f32,
+    /// Learning rate at the end of the cosine decay (default: a tenth of --lr).
+    #[arg(long)]
+    pub min_lr: Option<f32>,
+    /// Steps of linear warmup to --lr (default: the first 5% of the steps, at least 1).
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// AdamW's decoupled weight decay on the GEMM weights.
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f32,
+    /// Clip the gradients' global norm to this (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f32,
     /// Runs: fp8, bf16 or both (same model seed and data order).
     #[arg(long, default_value = "both", value_parser = ["fp8", "bf16", "both"])]
     pub precision: String,
@@ -152,8 +164,8 @@ pub fn recipe(a: &TrainArgs) -> te_runtime::Result<Recipe> {
 /// The run `a` asks for on this machine (`on_gpu`) with the preset's `model`: the model's seed,
 /// sequence length and LM head from the flags, the steps, batch and evaluation interval
 /// defaulting by where it runs (2000 steps of 8 sequences, evaluating every twentieth, on a
-/// GPU; 200 of 4, every fourth, on the CPU), warmup over the first 5% of the steps, clipping at
-/// 1.0, 8 validation batches, the data order seeded with `--seed`, and the FP8 recipe of
+/// GPU; 200 of 4, every fourth, on the CPU), the optimizer's flags (warmup over the first 5% of
+/// the steps, decay to a tenth of the peak, weight decay 0.1, clipping at 1.0 unless set; `--grad-clip 0`: none), 8 validation batches, the data order seeded with `--seed`, and the FP8 recipe of
 /// [`recipe`].
 ///
 /// # Errors
@@ -171,8 +183,10 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_run
         batch: a.batch.unwrap_or(if on_gpu { 8 } else { 4 }),
         grad_accum: a.grad_accum,
         lr: a.lr,
-        warmup_steps: (steps / 20).max(1),
-        max_grad_norm: 1.0,
+        warmup_steps: a.warmup_steps.unwrap_or((steps / 20).max(1)),
+        min_lr: a.min_lr,
+        weight_decay: a.weight_decay,
+        max_grad_norm: if a.grad_clip == 0.0 { f32::INFINITY } else { a.grad_clip },
         eval_interval: a.eval_interval.unwrap_or((steps / if on_gpu { 20 } else { 4 }).max(1)),
         eval_batches: 8,
         data_seed: a.seed,
@@ -323,6 +337,15 @@ mod tests {
         cpu.validate().unwrap();
         let gpu = train_config(&args(&["--steps", "100", "--eval-interval", "7"]), GptConfig::small(), true).unwrap();
         assert_eq!((gpu.steps, gpu.batch, gpu.eval_interval, gpu.warmup_steps), (100, 8, 7, 5));
+        assert_eq!((gpu.min_lr, gpu.weight_decay, gpu.max_grad_norm), (None, 0.1, 1.0));
+        // The optimizer's flags; --grad-clip 0 turns clipping off.
+        let flags = ["--warmup-steps", "3", "--min-lr", "1e-5", "--weight-decay", "0", "--grad-clip", "0"];
+        let set = train_config(&args(&flags), GptConfig::tiny(), false).unwrap();
+        assert_eq!((set.warmup_steps, set.min_lr, set.weight_decay), (3, Some(1e-5), 0.0));
+        assert_eq!(set.adamw_config().max_grad_norm, None);
+        set.validate().unwrap();
+        let over = train_config(&args(&["--min-lr", "1e-2"]), GptConfig::tiny(), false).unwrap();
+        assert!(over.validate().unwrap_err().to_string().contains("min_lr"));
         let e = train_config(&args(&["--recipe", "block", "--fp8-dpa"]), GptConfig::tiny(), false).unwrap_err();
         assert!(e.to_string().contains("has no fp8_dpa"), "{e}");
         assert!(cpu_path(&cpu.recipe).contains("FP8 with delayed scaling"));

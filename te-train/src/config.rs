@@ -42,10 +42,11 @@ impl Precision {
 
 /// Settings of one training run (the same for its FP8 and BF16 runs).
 ///
-/// The optimizer is AdamW with FP32 master weights, betas (0.9, 0.95), weight decay 0.1 on GEMM
-/// weights only, global-norm clipping at `max_grad_norm`, and a learning rate warming up
-/// linearly to `lr` over `warmup_steps`, then decaying along a cosine to `lr / 10` at `steps`
-/// (nanoGPT's GPT-2 recipe; [`TrainConfig::adamw_config`]).
+/// The optimizer is AdamW with FP32 master weights, betas (0.9, 0.95), decoupled weight decay
+/// `weight_decay` on GEMM weights only, global-norm clipping at `max_grad_norm`, and a learning
+/// rate warming up linearly to `lr` over `warmup_steps`, then decaying along a cosine to `min_lr`
+/// at `steps` (nanoGPT's GPT-2 recipe by default: decay 0.1, `min_lr = lr / 10`;
+/// [`TrainConfig::adamw_config`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {
     /// The model (its `seed` seeds the initial weights and the dropout stream).
@@ -61,7 +62,12 @@ pub struct TrainConfig {
     pub lr: f32,
     /// Linear warmup steps, ≤ `steps`.
     pub warmup_steps: u64,
-    /// Global-norm clipping threshold, > 0.
+    /// The learning rate at the end of the cosine decay (at `steps`), finite, in `[0, lr]`;
+    /// `None`: a tenth of `lr`.
+    pub min_lr: Option<f32>,
+    /// AdamW's decoupled weight decay on the GEMM weights (Loshchilov & Hutter), finite and ≥ 0.
+    pub weight_decay: f32,
+    /// Global-norm clipping threshold, > 0 (`f32::INFINITY`: no clipping).
     pub max_grad_norm: f32,
     /// Evaluate every this many steps (and at the last), ≥ 1.
     pub eval_interval: u64,
@@ -81,8 +87,8 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// `steps` steps of `model` with `te train`'s GPU defaults: batch 8, no gradient
-    /// accumulation, peak learning rate 6e-4 warming up over the first 5% of the steps,
-    /// clipping at 1.0, an evaluation of 8 batches every 5% of the steps, the data order seeded
+    /// accumulation, peak learning rate 6e-4 warming up over the first 5% of the steps and
+    /// decaying to a tenth of it, weight decay 0.1, clipping at 1.0, an evaluation of 8 batches every 5% of the steps, the data order seeded
     /// with the model's seed, TE's default `DelayedScaling`, and no non-finite step skipped.
     pub fn new(model: GptConfig, steps: u64) -> Self {
         let twentieth = (steps / 20).max(1);
@@ -94,6 +100,8 @@ impl TrainConfig {
             grad_accum: 1,
             lr: 6e-4,
             warmup_steps: twentieth,
+            min_lr: None,
+            weight_decay: 0.1,
             max_grad_norm: 1.0,
             eval_interval: twentieth,
             eval_batches: 8,
@@ -137,6 +145,18 @@ impl TrainConfig {
                 ),
             );
         }
+        if let Some(m) = self.min_lr.filter(|m| !(m.is_finite() && (0.0..=self.lr).contains(m))) {
+            return bad(
+                "min_lr",
+                format!(
+                    "the final learning rate must be finite and in [0, lr = {}], got {m}: decay to at most the peak",
+                    self.lr
+                ),
+            );
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("weight_decay", format!("the weight decay must be finite and ≥ 0, got {}", self.weight_decay));
+        }
         if self.max_grad_norm.is_nan() || self.max_grad_norm <= 0.0 {
             return bad("max_grad_norm", format!("the clipping threshold must be > 0, got {}", self.max_grad_norm));
         }
@@ -150,20 +170,19 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The run's AdamW: betas (0.9, 0.95), weight decay 0.1 on GEMM weights only, clipping at
-    /// `max_grad_norm`, warmup then cosine decay to a tenth of the peak (nanoGPT's GPT-2
-    /// recipe), and non-finite steps skipped on the device (the [`crate::NonFiniteGuard`]
+    /// The run's AdamW: betas (0.9, 0.95), `weight_decay` on GEMM weights only, clipping at
+    /// `max_grad_norm` (none when infinite), warmup then cosine decay to `min_lr`, and non-finite steps skipped on the device (the [`crate::NonFiniteGuard`]
     /// decides whether the run goes on).
     pub fn adamw_config(&self) -> AdamWConfig {
         let schedule = LrSchedule::WarmupCosine {
             peak: self.lr,
             warmup_steps: self.warmup_steps,
             total_steps: self.steps,
-            min_lr: self.lr / 10.0,
+            min_lr: self.min_lr.unwrap_or(self.lr / 10.0),
         };
         AdamWConfig {
-            max_grad_norm: Some(self.max_grad_norm),
-            weight_decay: 0.1,
+            max_grad_norm: Some(self.max_grad_norm).filter(|m| m.is_finite()),
+            weight_decay: self.weight_decay,
             betas: (0.9, 0.95),
             decay_biases_and_norms: false,
             // A non-finite step leaves the weights alone; `NonFiniteGuard` decides whether to go on.
@@ -197,6 +216,12 @@ mod tests {
         assert_eq!((adamw.betas, adamw.weight_decay, adamw.max_grad_norm), ((0.9, 0.95), 0.1, Some(1.0)));
         assert!(adamw.skip_nonfinite && !adamw.decay_biases_and_norms);
         assert_eq!(adamw.lr.lr(cfg.steps), cfg.lr / 10.0, "cosine decay to a tenth");
+        // The flags' settings reach the optimizer; an infinite threshold is no clipping.
+        let set = TrainConfig { min_lr: Some(0.0), weight_decay: 0.0, max_grad_norm: f32::INFINITY, ..cfg };
+        set.validate().unwrap();
+        let adamw = set.adamw_config();
+        adamw.validate().unwrap();
+        assert_eq!((adamw.weight_decay, adamw.max_grad_norm, adamw.lr.lr(set.steps)), (0.0, None, 0.0));
     }
 
     /// Each out-of-range setting is refused, naming its field.
@@ -212,6 +237,10 @@ mod tests {
             (TrainConfig { lr: -1.0, ..ok.clone() }, "lr"),
             (TrainConfig { warmup_steps: 21, ..ok.clone() }, "warmup_steps"),
             (TrainConfig { max_grad_norm: 0.0, ..ok.clone() }, "max_grad_norm"),
+            (TrainConfig { min_lr: Some(1.0), ..ok.clone() }, "min_lr"),
+            (TrainConfig { min_lr: Some(-1e-5), ..ok.clone() }, "min_lr"),
+            (TrainConfig { weight_decay: f32::NAN, ..ok.clone() }, "weight_decay"),
+            (TrainConfig { weight_decay: -0.1, ..ok.clone() }, "weight_decay"),
             (TrainConfig { eval_interval: 0, ..ok.clone() }, "eval_interval"),
             (TrainConfig { eval_batches: 0, ..ok.clone() }, "eval_batches"),
         ];

@@ -53,6 +53,8 @@ pub(crate) fn config(steps: u64) -> TrainConfig {
         grad_accum: 2,
         lr: 1e-3,
         warmup_steps: 2,
+        min_lr: None,
+        weight_decay: 0.1,
         max_grad_norm: 1.0,
         eval_interval: 3,
         eval_batches: 2,

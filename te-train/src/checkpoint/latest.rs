@@ -126,6 +126,8 @@ mod tests {
             grad_accum: 2,
             lr: 6e-4,
             warmup_steps: 1,
+            min_lr: None,
+            weight_decay: 0.1,
             max_grad_norm: 1.0,
             eval_interval: 5,
             eval_batches: 1,

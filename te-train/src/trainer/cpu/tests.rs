@@ -29,6 +29,8 @@ fn small() -> (Corpus, TrainConfig) {
         grad_accum: 2,
         lr: 1e-2,
         warmup_steps: 2,
+        min_lr: None,
+        weight_decay: 0.1,
         max_grad_norm: 1.0,
         eval_interval: 6,
         eval_batches: 2,
