@@ -4,8 +4,11 @@ anchor time ratios, TFLOP/s (tokens/s for GPT steps) and the roofline floor of e
   python3 benches/compare.py DIR       # DIR holds bench-kernels.json and anchor-*.json
 
 Inputs (written by `scripts/bench` under $OUT): `bench-kernels.json` (benches/kernels, "side":
-"ours"), `anchor-gemm.json`, `anchor-modules.json`, `anchor-gpt.json` (benches/anchors, "side":
-"anchor") and, optionally, `device.txt` (nvidia-smi's name, driver, memory). Rows with a
+"ours"), `anchor-gemm.json`, `anchor-attention.json`, `anchor-modules.json`, `anchor-gpt.json`
+(benches/anchors, "side": "anchor") and, when their stages ran, `anchor-generate.json` (GPT
+`small` in Hugging Face GPT-2) and `anchor-decoder-generate.json` (Gemma 3 270M in transformers):
+section "generate", whose rows show tokens/s (prefill: prompt tokens, decode step: sequences);
+optionally `device.txt` (nvidia-smi's name, driver, memory). Rows with a
 `section` join on (work, shape, pass); the row fields are described in benches/anchors/common.py.
 
 Roofline floor of a row, from figures measured in the same run:
@@ -27,8 +30,12 @@ import json
 import os
 import sys
 
-SECTIONS = ("gemm", "attention", "modules", "gpt")
+SECTIONS = ("gemm", "attention", "modules", "gpt", "generate")
 ANCHOR_FILES = ("anchor-gemm.json", "anchor-attention.json", "anchor-modules.json", "anchor-gpt.json")
+# Read when present: their stages are not in scripts/bench's default set (minutes each).
+OPTIONAL_ANCHOR_FILES = ("anchor-generate.json", "anchor-decoder-generate.json")
+# Passes that are a whole unit of work, for the summary.
+WHOLE_PASSES = {"gemm", "fwd+bwd", "step", "prefill", "decode step"}
 
 
 class Problems:
@@ -130,9 +137,9 @@ def section_table(section, ours, anchors, peaks, copy_gbps, problems):
         if k in seen:
             problems(f"two rows for {k}")
         seen.add(k)
-    gpt = section == "gpt"
+    rate = section in ("gpt", "generate")
     header = ["work", "shape", "pass", "implementation", "median µs", "min–max µs", "TFLOP/s"]
-    header += ["tokens/s"] if gpt else []
+    header += ["tokens/s"] if rate else []
     header += ["floor µs", "% roofline"] + [f"÷ {v}" for v in anchor_variants]
     lines = []
     for k, rows in by_key.items():
@@ -142,8 +149,9 @@ def section_table(section, ours, anchors, peaks, copy_gbps, problems):
             fl = floor_us(r, peaks, copy_gbps)
             line = [*k, r["variant"], fmt(m, 1), f"{fmt(r['min_us'], 1)}–{fmt(r['max_us'], 1)}",
                     fmt(r["flops"] / m / 1e6) if r.get("flops") else ""]
-            if gpt:
-                line.append(fmt(r["tokens"] / (m * 1e-6)) if r.get("tokens") and r["pass"] == "step" else "")
+            if rate:
+                counted = r["pass"] == "step" or section == "generate"
+                line.append(fmt(r["tokens"] / (m * 1e-6)) if r.get("tokens") and counted else "")
             line += [fmt(fl, 1), pct(fl, m)]
             for v in anchor_variants:
                 a = anchor_of.get(v)
@@ -156,10 +164,9 @@ def section_table(section, ours, anchors, peaks, copy_gbps, problems):
 
 def summary(ours, anchors):
     """One line per work and shape: our fastest variant ÷ the fastest anchor, for the whole
-    step (gemm, fwd+bwd, GPT step)."""
+    step (gemm, fwd+bwd, GPT step, a generation's prefill and decode step)."""
     lines = []
-    whole = {"gemm", "fwd+bwd", "step"}
-    for k in dict.fromkeys(key(r) for r in ours if r.get("section") and r["pass"] in whole):
+    for k in dict.fromkeys(key(r) for r in ours if r.get("section") and r["pass"] in WHOLE_PASSES):
         mine = min((r for r in ours if r.get("section") and key(r) == k), key=lambda r: r["median_us"])
         theirs = [r for r in anchors if key(r) == k]
         if not theirs:
@@ -197,8 +204,11 @@ def main(argv):
     our_doc = load(os.path.join(out_dir, "bench-kernels.json"), problems)
     ours = [dict(r, side="ours") for r in our_doc["rows"]] if our_doc else []
     anchor_docs = {}
-    for name in ANCHOR_FILES:
-        doc = load(os.path.join(out_dir, name), problems)
+    for name in ANCHOR_FILES + OPTIONAL_ANCHOR_FILES:
+        path = os.path.join(out_dir, name)
+        if name in OPTIONAL_ANCHOR_FILES and not os.path.exists(path):
+            continue
+        doc = load(path, problems)
         if doc:
             anchor_docs[name] = doc
     anchors = []

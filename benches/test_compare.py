@@ -101,6 +101,40 @@ def main():
         write(d, "anchor-gpt.json", [], side="anchor")
         code, out, err = run(d)
         assert code == 0 and err == "", (code, err)
+
+        # Generation (section "generate", optional anchor files): tokens/s on every pass, our
+        # variants against each anchor variant, and the summary's fastest against fastest.
+        w = "gemma3 270m generate"
+        ours += [
+            ours_row(w, "b1 prompt 128", "prefill", "ours bf16", "bf16", 2000.0, 0, 0, "generate", tokens=128),
+            ours_row(w, "b1 prompt 128", "decode step", "ours bf16", "bf16", 1000.0, 0, 0, "generate",
+                     bytes_=536 * 10**6, tokens=1),
+            ours_row(w, "b1 prompt 128", "decode step", "ours fp8", "fp8", 1500.0, 0, 0, "generate", tokens=1),
+        ]
+        write(d, "bench-kernels.json", ours, side="ours", copy_gbps=2 * 2**30 / 500e-6 / 1e9, driver="CUDA 13.0",
+              ratios=ratios)
+        write(d, "anchor-decoder-generate.json", [
+            anchor_row(w, "b1 prompt 128", "prefill", "hf eager", "bf16", 30000.0, 0, 0, "generate", tokens=128),
+            anchor_row(w, "b1 prompt 128", "decode step", "hf eager", "bf16", 26000.0, 0, 0, "generate", tokens=1),
+            anchor_row(w, "b1 prompt 128", "decode step", "hf static cache + compile", "bf16", 2500.0, 0, 0,
+                       "generate", tokens=1),
+        ], side="anchor")
+        code, out, err = run(d)
+        assert code == 0 and err == "", (code, err)
+        c = cells(out, f"| {w} | b1 prompt 128 | decode step | ours bf16 |")
+        # 1 000 tokens/s; 536 MB over 4 295 GB/s = 124.8 µs floor; ÷ eager 1000/26000, ÷ compiled 1000/2500
+        assert c[7] == "1 000" and c[8:] == ["124.8", "12%", "0.04", "0.40"], c
+        c = cells(out, f"| {w} | b1 prompt 128 | prefill | ours bf16 |")
+        assert c[7] == "64 000" and c[10] == "0.07", c
+        c = cells(out.split("### summary")[1], f"| {w} | b1 prompt 128 | decode step |")
+        assert c[3:] == ["ours bf16", "1 000.0", "hf static cache + compile", "2 500.0", "0.40"], c
+        # A generate anchor row without a row of ours is a problem, as in every section.
+        write(d, "anchor-generate.json", [
+            anchor_row("gpt small generate", "b1 prompt 128", "decode step", "hf eager", "bf16", 1.0, 0, 0,
+                       "generate", tokens=1),
+        ], side="anchor")
+        code, out, err = run(d)
+        assert code == 1 and "'gpt small generate'" in err, (code, err)
     print("compare.py: ok")
 
 

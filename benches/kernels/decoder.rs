@@ -9,7 +9,7 @@
 //! it) plus the cached keys and values at the mean length, over this run's copy bandwidth.
 //! `benches/anchors/decoder_generate.py` runs transformers' Gemma 3 on the same shapes.
 
-use crate::harness::{time_generation, Bench};
+use crate::harness::{time_generation, Bench, Work};
 use std::collections::BTreeMap;
 use std::path::Path;
 use te_models::decoder::{
@@ -88,8 +88,19 @@ pub fn run(b: &mut Bench) {
             let mean_len = (prompt + NEW_TOKENS / 2) as u64;
             // The embedding table is read by the lookup only for the rows used; the tied head reads it whole.
             let kv_bytes = batch as u64 * mean_len * kv_row_bytes;
-            b.record(&format!("{work} prefill (prompt + first token)"), &shape, prefill, None, None);
-            b.record(&format!("{work} decode step"), &shape, step, Some(weight_bytes + kv_bytes), None);
+            // Rows beside `decoder_generate.py`'s (compare.py's section "generate").
+            let row = |pass, tokens| Work {
+                section: "generate",
+                work: work.into(),
+                pass,
+                variant: format!("ours {label}"),
+                precision: if label == "bf16" { "bf16" } else { "fp8" },
+                flops_fp8: 0,
+                tokens: Some(tokens as u64),
+            };
+            let anchor_shape = format!("b{batch} prompt {prompt}");
+            b.record_work(&anchor_shape, prefill, 0, None, row("prefill", batch * prompt));
+            b.record_work(&anchor_shape, step, 0, Some(weight_bytes + kv_bytes), row("decode step", batch));
             let prefill_tps = (batch * prompt) as f64 / (prefill.median_us * 1e-6);
             let decode_tps = batch as f64 / (step.median_us * 1e-6);
             let floor_us = (weight_bytes + kv_bytes) as f64 / (b.copy_gbps * 1e3);

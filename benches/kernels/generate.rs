@@ -10,7 +10,7 @@
 //! runs Hugging Face `GPT2LMHeadModel` of the same sizes (eager, and static cache +
 //! `torch.compile`).
 
-use crate::harness::{time_generation, Bench};
+use crate::harness::{time_generation, Bench, Work};
 use te_models::generate::SamplingConfig;
 use te_models::gpt::{GenerateOptions, Gpt, GptConfig};
 
@@ -46,8 +46,18 @@ pub fn run(b: &mut Bench) {
         let shape = format!("b{batch} prompt {prompt}");
         let mean_len = (prompt + NEW_TOKENS / 2) as u64;
         let kv_bytes = (layers * batch) as u64 * mean_len * 2 * h as u64 * 2;
-        b.record(&format!("{work} prefill (prompt + first token)"), &shape, prefill, None, None);
-        b.record(&format!("{work} decode step"), &shape, step, Some(weight_bytes + kv_bytes), None);
+        // Rows beside `generate.py`'s (compare.py's section "generate").
+        let row = |pass, tokens| Work {
+            section: "generate",
+            work: work.into(),
+            pass,
+            variant: "ours bf16".into(),
+            precision: "bf16",
+            flops_fp8: 0,
+            tokens: Some(tokens as u64),
+        };
+        b.record_work(&shape, prefill, 0, None, row("prefill", batch * prompt));
+        b.record_work(&shape, step, 0, Some(weight_bytes + kv_bytes), row("decode step", batch));
         let prefill_tps = (batch * prompt) as f64 / (prefill.median_us * 1e-6);
         let decode_tps = batch as f64 / (step.median_us * 1e-6);
         let floor_us = (weight_bytes + kv_bytes) as f64 / (b.copy_gbps * 1e3);

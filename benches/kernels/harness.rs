@@ -68,11 +68,11 @@ pub struct Row {
 /// and `pass`. The anchors write the same fields (`benches/anchors/common.py`).
 #[derive(Debug, Clone)]
 pub struct Work {
-    /// `gemm`, `modules` or `gpt`: the table the row goes to.
+    /// `gemm`, `attention`, `modules`, `gpt` or `generate`: the table the row goes to.
     pub section: &'static str,
     /// What runs: `linear`, `layernorm_mlp`, `gpt small`, `gemm`, ...
     pub work: String,
-    /// `fwd`, `bwd`, `fwd+bwd`, `optimizer`, `step` or `gemm`.
+    /// `fwd`, `bwd`, `fwd+bwd`, `optimizer`, `step`, `gemm`, `prefill` or `decode step`.
     pub pass: &'static str,
     /// Which implementation: `ours bf16`, `ours fp8 delayed`, `ours fp8 current`, ...
     pub variant: String,
@@ -81,7 +81,7 @@ pub struct Work {
     /// FLOPs of the row that run at the FP8 GEMM rate; the rest of `Row::flops` runs at the
     /// BF16 rate (compare.py's roofline floor).
     pub flops_fp8: u64,
-    /// Tokens processed (GPT steps: tokens/s).
+    /// Tokens processed (GPT steps, a generation's prefill; sequences of a decode step): tokens/s.
     pub tokens: Option<u64>,
 }
 
