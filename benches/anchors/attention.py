@@ -23,6 +23,14 @@ SHAPES = [
     (1, 16384, 32, 32, 128, True),
     (256, 128, 12, 12, 32, False),
     (8, 1024, 12, 12, 64, True),
+    # Issue 34's shape classes (the same list as benches/kernels/attention.rs FUSED_SHAPES):
+    # head_dim 64 long, GQA 8:1, MQA, Gemma 3's head_dim 256 with one KV head, a no-mask encoder
+    # shape of a length that is no tile multiple.
+    (4, 4096, 32, 32, 64, True),
+    (2, 8192, 32, 4, 128, True),
+    (4, 4096, 32, 1, 128, True),
+    (4, 4096, 8, 1, 256, True),
+    (16, 1000, 16, 16, 64, False),
 ]
 BACKENDS = [
     ("torch sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
