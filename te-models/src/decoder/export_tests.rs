@@ -484,6 +484,10 @@ fn gguf_models_export_with_their_tokenizers() {
             assert!(report.files.iter().any(|x| x == f), "{arch}: {f} in {:?}", report.files);
         }
         let back = load_model(&dir).unwrap();
+        // The tokenizer alone, without the weights, is the model's (GGUF and directory).
+        for (p, t) in [(&path, &loaded.tokenizer), (&dir, &back.tokenizer)] {
+            assert_eq!(load_tokenizer(p).unwrap().fingerprint(), t.fingerprint(), "{arch}: {}", p.display());
+        }
         let gemma = arch == "gemma3";
         let class = back.weights.architecture().unwrap().class_name();
         assert!(class.to_lowercase().starts_with(&arch[..4]), "{arch}: {class}");
@@ -556,4 +560,10 @@ fn gemma3_270m_exports_with_the_same_logits() {
     let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     let run = |w: &DecoderWeights| DecoderRef::new(w.clone(), DecoderPrecision::F32).unwrap().logits(&[&ids]).unwrap();
     assert_eq!(run(&back.weights), run(&model.weights));
+}
+
+#[test]
+fn load_tokenizer_names_a_missing_path() {
+    let e = load_tokenizer(std::path::Path::new("/nonexistent/model.gguf")).unwrap_err();
+    assert!(matches!(e, DecoderError::MissingFile { .. }) && e.to_string().contains("/nonexistent/model.gguf"), "{e}");
 }

@@ -35,6 +35,23 @@ pub struct LoadedModel {
     pub source: ModelSource,
 }
 
+/// The tokenizer of the model at `path` without its weights (what tokenizing a dataset needs): a
+/// `.gguf` file's vocabulary ([`Tokenizer::from_gguf`]; the file's metadata is read, its tensors
+/// are not) or a Hugging Face directory's `tokenizer.json` ([`Tokenizer::from_hf_dir`]).
+///
+/// # Errors
+/// [`DecoderError::MissingFile`] for a path that is neither; the GGUF reader's errors;
+/// [`DecoderError::Tokenizer`].
+pub fn load_tokenizer(path: &Path) -> DecoderResult<Tokenizer> {
+    if path.is_dir() {
+        Ok(Tokenizer::from_hf_dir(path)?)
+    } else if path.is_file() {
+        Ok(Tokenizer::from_gguf(GgufFile::open(path)?.metadata())?)
+    } else {
+        Err(DecoderError::MissingFile { path: path.to_path_buf() })
+    }
+}
+
 /// Loads the decoder at `path`: a `.gguf` file ([`DecoderWeights::from_gguf`],
 /// [`Tokenizer::from_gguf`]) or a Hugging Face directory ([`DecoderWeights::from_hf_dir`],
 /// [`Tokenizer::from_hf_dir`]). The tokenizer's vocabulary must cover the model's.
