@@ -260,7 +260,9 @@ impl Decoder {
 
     /// One step: `new[j]` (possibly empty) tokens of sequence `j` after the cached ones, through
     /// the embedding and every layer (appending to the cache) and the final norm. Returns the
-    /// hidden states `[Σ new_j, hidden]` BF16 (packed, sequence after sequence).
+    /// hidden states `[Σ new_j, hidden]` BF16 (packed, sequence after sequence). When the cache's
+    /// sliding-window layers take fewer tokens a step ([`DecoderCache::max_step_tokens`]), the
+    /// tokens run in chunks of that many and the hidden states come back in the same order.
     ///
     /// # Errors
     /// [`DecoderError::Input`] for another number of sequences than the cache's batch, no new
