@@ -107,6 +107,26 @@ fn check_logits(what: &str, got: &[f32], want: &[f32], twin: &[f32], vocab: usiz
     Ok(())
 }
 
+/// Each greedy token of `out[j]` (the continuation of `seqs[j]`) is the best of `m`'s prefill
+/// logits over the prompt and the tokens before it, or within [`near`] of the best.
+fn assert_greedy_is_the_prefills(model: &str, m: &mut Decoder, seqs: &[Vec<i32>], out: &[Vec<i32>]) {
+    let vocab = m.config().vocab_size;
+    for (j, (s, new)) in seqs.iter().zip(out).enumerate() {
+        let whole: Vec<i32> = s.iter().chain(new).copied().collect();
+        let logits = m.logits(&[&whole]).unwrap();
+        for (i, &t) in new.iter().enumerate() {
+            let row = &logits[(s.len() - 1 + i) * vocab..(s.len() + i) * vocab];
+            let best = argmax(row);
+            assert!(
+                best == t as usize || near(row[best], row[t as usize]),
+                "{model}: sequence {j} new token {i} is {t}, the prefill's best {best} ({} vs {})",
+                row[t as usize],
+                row[best]
+            );
+        }
+    }
+}
+
 /// The GPU decoder of `dir`, or `None` (said on stderr) for a model whose head dim the fused
 /// attention does not take (the refusal itself is `decoder_refuses_bad_calls`').
 fn gpu_model(dev: &std::sync::Arc<te_runtime::Device>, model: &str, dir: &Path, p: GpuPrecision) -> Option<Decoder> {
@@ -154,24 +174,12 @@ fn decode_steps_agree_with_the_prefill() {
     for (model, dir) in models() {
         let (seqs, _) = reference(&dir);
         let Some(mut m) = gpu_model(&dev, &model, &dir, GpuPrecision::Bf16) else { continue };
-        let vocab = m.config().vocab_size;
         let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(12) };
         let out = m.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap();
-        for (j, (s, new)) in seqs.iter().zip(&out).enumerate() {
+        for (j, new) in out.iter().enumerate() {
             assert_eq!(new.len(), 12, "{model}: sequence {j} drew every token");
-            let full: Vec<i32> = s.iter().chain(new).copied().collect();
-            let logits = m.logits(&[&full]).unwrap();
-            for (i, &t) in new.iter().enumerate() {
-                let row = &logits[(s.len() - 1 + i) * vocab..(s.len() + i) * vocab];
-                let best = argmax(row);
-                assert!(
-                    best == t as usize || near(row[best], row[t as usize]),
-                    "{model}: sequence {j} new token {i} is {t}, the prefill's best {best} ({} vs {})",
-                    row[t as usize],
-                    row[best]
-                );
-            }
         }
+        assert_greedy_is_the_prefills(&model, &mut m, &seqs, &out);
         // The decode steps replayed from a CUDA graph (the default) draw exactly the eager steps'
         // tokens, and the capture worked.
         assert!(m.graph_fallback().is_none(), "{model}: the decode step was not captured: {:?}", m.graph_fallback());
@@ -204,7 +212,6 @@ fn sliding_layers_keep_only_their_window() {
         let Some(mut full) = gpu_model(&dev, &model, &dir, GpuPrecision::Bf16) else { continue };
         let Some(mut small) = gpu_model(&dev, &model, &dir, GpuPrecision::Bf16) else { continue };
         let window = full.config().sliding_window.unwrap();
-        let vocab = full.config().vocab_size;
         small.set_prefill_chunk(3).unwrap();
         let (big, little) = (full.cache(2, 40).unwrap(), small.cache(2, 40).unwrap());
         assert_eq!(big.sliding_capacity(), None, "{model}: the default chunk keeps every position at 40");
@@ -218,18 +225,7 @@ fn sliding_layers_keep_only_their_window() {
         let opts = DecodeOptions { stop_at_eos: false, ..DecodeOptions::greedy(12) };
         let out = small.generate(&seqs, &opts, &mut |_, _| Ok(())).unwrap();
         assert!(small.graph_fallback().is_none(), "{model}: {:?}", small.graph_fallback());
-        for (j, (s, new)) in seqs.iter().zip(&out).enumerate() {
-            let whole: Vec<i32> = s.iter().chain(new).copied().collect();
-            let logits = full.logits(&[&whole]).unwrap();
-            for (i, &t) in new.iter().enumerate() {
-                let row = &logits[(s.len() - 1 + i) * vocab..(s.len() + i) * vocab];
-                let best = argmax(row);
-                assert!(
-                    best == t as usize || near(row[best], row[t as usize]),
-                    "{model}: sequence {j} token {i} is {t}, the full cache's best {best}"
-                );
-            }
-        }
+        assert_greedy_is_the_prefills(&model, &mut full, &seqs, &out);
         ran += 1;
     }
     assert!(ran > 0, "no Gemma 3 model ran");
