@@ -71,7 +71,8 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
         for d in FLASH_HEAD_DIMS {
             for dropout in [false, true] {
                 v.push(FlashAttnSpec::new(Direction::Fwd, dtype, d, arch).with_dropout(dropout).into());
-                if d <= 128 {
+                // The backward above head dim 128 is Hopper's (wgmma) only.
+                if d <= 128 || arch == Arch::Sm90a {
                     v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).with_dropout(dropout).into());
                 }
                 // The FP8 forward (Hopper only, head dims 128 and 256).
@@ -86,14 +87,12 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                 }
             }
         }
-        // head_dim_v other than head_dim (Hopper only): each way round, and past the backward's
-        // 128 in the forward.
+        // head_dim_v other than head_dim (Hopper only): each way round, and past 128 (the
+        // backward's channel split).
         if arch == Arch::Sm90a {
             for (d, dv) in [(128, 64), (64, 128), (128, 256), (256, 128)] {
                 v.push(FlashAttnSpec::new(Direction::Fwd, dtype, d, arch).with_head_dim_v(dv).into());
-                if d.max(dv) <= 128 {
-                    v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).with_head_dim_v(dv).into());
-                }
+                v.push(FlashAttnSpec::new(Direction::Bwd, dtype, d, arch).with_head_dim_v(dv).into());
             }
         }
     }

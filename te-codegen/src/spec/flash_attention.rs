@@ -177,9 +177,10 @@ impl FlashAttnSpec {
     /// head dim 64, 32 above; dQ blocks of 64 rows against 64-key tiles (128-row or 128-key
     /// blocks measured no faster).
     pub fn new(direction: Direction, dtype: DType, head_dim: usize, arch: Arch) -> Self {
-        let wgmma = arch == Arch::Sm90a && head_dim % 64 == 0 && (direction == Direction::Fwd || head_dim <= 128);
+        let wgmma = arch == Arch::Sm90a && head_dim % 64 == 0;
         let (block_m, block_n) = match (direction, head_dim) {
             (Direction::Bwd, 64) if wgmma => (64, 64),
+            (Direction::Bwd, d) if wgmma && d > 128 => (64, 64),
             (Direction::Bwd, _) if wgmma => (128, 128),
             (Direction::Fwd, 64) if wgmma => (64, 128),
             (Direction::Fwd, 128) if wgmma => (128, 128),
@@ -189,8 +190,9 @@ impl FlashAttnSpec {
             (Direction::Fwd, _) => (64, 32),
             (Direction::Bwd, _) => (64, 64),
         };
-        // Warp-specialized where two consumer warpgroups share the producer (128 query rows).
-        let warp_specialized = wgmma && block_m == 128;
+        // Warp-specialized where two consumer warpgroups share the producer (128 query rows, or
+        // the backward's channel halves above head dim 128).
+        let warp_specialized = wgmma && (block_m == 128 || (direction == Direction::Bwd && head_dim > 128));
         Self {
             direction,
             dtype,
@@ -280,16 +282,30 @@ impl FlashAttnSpec {
         Self { dropout, ..self }
     }
 
-    /// Threads of a forward or dQ block: 32 per 16 query rows (and a producer warpgroup when
-    /// warp-specialized).
+    /// Threads of a forward or dQ block: 32 per 16 query rows times the
+    /// [`FlashAttnSpec::channel_split`] (and a producer warpgroup when warp-specialized).
     pub const fn threads_m(&self) -> usize {
-        self.block_m / 16 * 32 + if self.warp_specialized { 128 } else { 0 }
+        self.block_m / 16 * 32 * self.channel_split() + if self.warp_specialized { 128 } else { 0 }
     }
 
-    /// Threads of a dK/dV block: 32 per 16 keys (and a producer warpgroup when
-    /// warp-specialized).
+    /// Threads of a dK/dV block: 32 per 16 keys times the [`FlashAttnSpec::channel_split`] (and a
+    /// producer warpgroup when warp-specialized).
     pub const fn threads_n(&self) -> usize {
-        self.block_n / 16 * 32 + if self.warp_specialized { 128 } else { 0 }
+        self.block_n / 16 * 32 * self.channel_split() + if self.warp_specialized { 128 } else { 0 }
+    }
+
+    /// Consumer warpgroups that share each 64 rows of a backward block: 2 for the Hopper backward
+    /// above head dim 128 (FlashAttention-3's d256 tiling), else 1. With 2, each owns half the
+    /// channels of the gradient accumulators (dK and dV, or dQ: 64 f32 registers a thread each
+    /// instead of 128) and half the columns of the S-like products; the probabilities and dS pass
+    /// between them through shared memory.
+    pub const fn channel_split(&self) -> usize {
+        let d = if self.head_dim > self.head_dim_v { self.head_dim } else { self.head_dim_v };
+        if matches!(self.direction, Direction::Bwd) && self.wgmma && !self.fp8 && d > 128 {
+            2
+        } else {
+            1
+        }
     }
 
     /// Query rows per tile of the dK/dV kernel's loop.
@@ -305,7 +321,7 @@ impl FlashAttnSpec {
     /// head_dim 128 (one block per SM either way; the loads run two items ahead), else two
     /// (a third would cost the smaller tiles a block per SM).
     pub const fn dkdv_stages(&self) -> usize {
-        if self.wgmma && self.head_dim > 64 {
+        if self.wgmma && self.head_dim > 64 && self.channel_split() == 1 {
             3
         } else {
             2
@@ -341,7 +357,7 @@ impl FlashAttnSpec {
                 ((self.block_m + 2 * self.block_n) * d + 2 * self.block_n * dv) * elem + 1024 + self.barrier_bytes()
             }
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
-            (Direction::Bwd, 0) => 0,
+            (Direction::Bwd, 0) | (Direction::Bwd, 3) => 0,
             // FP8: K, V and the stages of Q, dO, Qᵀ, dOᵀ (bytes), LSE and delta.
             (Direction::Bwd, 1) if self.fp8 => {
                 let q_side = self.dkdv_stages() * self.dkdv_tile_m();
@@ -349,15 +365,20 @@ impl FlashAttnSpec {
             }
             // FP8: Q, dO and two stages of K, V, Kᵀ (bytes).
             (Direction::Bwd, _) if self.fp8 => (2 * self.block_m + 6 * self.block_n) * self.head_dim + 1024,
-            // K, V and the stages of Q, dO, LSE and delta.
+            // K, V and the stages of Q, dO, LSE and delta (+ Pᵀ and dSᵀ tiles with a channel split).
             (Direction::Bwd, 1) if self.wgmma => {
                 let rows = self.block_n + self.dkdv_stages() * self.dkdv_tile_m();
                 let lse_delta = 2 * self.dkdv_stages() * self.dkdv_tile_m() * 4;
-                rows * (self.head_dim + self.head_dim_v) * 2 + lse_delta + 1024 + self.barrier_bytes()
+                let exchange = if self.channel_split() > 1 { 2 * self.block_n * self.dkdv_tile_m() * 2 } else { 0 };
+                rows * (self.head_dim + self.head_dim_v) * 2 + lse_delta + exchange + 1024 + self.barrier_bytes()
             }
-            // Q, dO and two stages of K and V.
+            // Q, dO and two stages of K and V (+ a dS tile with a channel split).
             (Direction::Bwd, _) if self.wgmma => {
-                (self.block_m + 2 * self.block_n) * (self.head_dim + self.head_dim_v) * 2 + 1024 + self.barrier_bytes()
+                let exchange = if self.channel_split() > 1 { self.block_m * self.block_n * 2 } else { 0 };
+                (self.block_m + 2 * self.block_n) * (self.head_dim + self.head_dim_v) * 2
+                    + exchange
+                    + 1024
+                    + self.barrier_bytes()
             }
             // K and V tiles, two stages of the Q and dO tiles and of their LSE and delta.
             (Direction::Bwd, 1) => (2 * self.block_n + 4 * self.dkdv_tile_m()) * row + 4 * self.dkdv_tile_m() * 4,
@@ -491,8 +512,24 @@ impl FlashAttnSpec {
         KernelArg::read("d_o", "const void* __restrict__", "output gradient, at the o strides"),
         KernelArg::read("lse", "const float* __restrict__", "`[batch, heads, sq]` forward softmax_lse"),
         KernelArg::read("delta", "const float* __restrict__", "`[batch, heads, sq]` from `_dot_do_o`"),
+        KernelArg::write("dk", "void* __restrict__", "key gradient, at the kv strides (kv_splits = 1)"),
+        KernelArg::write("dv", "void* __restrict__", "value gradient, at the v strides (kv_splits = 1)"),
+        KernelArg::write(
+            "dkdv_acc",
+            "float* __restrict__",
+            "kv_splits > 1: f32 partial sums `[kv_splits, batch, groups, sk, head_dim + head_dim_v]` (dK unscaled, then dV)",
+        ),
+        KernelArg::scalar("kv_splits", "u64", "blocks per key block that split the query heads of a group (≥ 1)"),
+    );
+
+    /// Arguments of the backward's `_dkdv_sum` entry point: dK = scale · Σ_split and dV = Σ_split
+    /// of `_dkdv`'s partial sums, in split order (deterministic), rows `[0, rows of the
+    /// sequence)` of each key/value head.
+    pub const BWD_DKDV_SUM_ARGS: &'static [KernelArg] = flash_args!(
+        KernelArg::read("dkdv_acc", "const float* __restrict__", "`_dkdv`'s partial sums"),
         KernelArg::write("dk", "void* __restrict__", "key gradient, at the kv strides"),
         KernelArg::write("dv", "void* __restrict__", "value gradient, at the v strides"),
+        KernelArg::scalar("kv_splits", "u64", "partial sums per key (≥ 2)"),
     );
 
     /// Arguments of the backward's `_dq` entry point.
@@ -560,14 +597,16 @@ impl Family for FlashAttnSpec {
             (Direction::Bwd, 1) if self.fp8 => Self::BWD_FP8_DKDV_ARGS,
             (Direction::Bwd, _) if self.fp8 => Self::BWD_FP8_DQ_ARGS,
             (Direction::Bwd, 1) => Self::BWD_DKDV_ARGS,
-            (Direction::Bwd, _) => Self::BWD_DQ_ARGS,
+            (Direction::Bwd, 2) => Self::BWD_DQ_ARGS,
+            (Direction::Bwd, _) => Self::BWD_DKDV_SUM_ARGS,
         }
     }
     fn entry_suffixes(&self) -> &'static [&'static str] {
         match self.direction {
             Direction::Fwd if self.fp8 => &["", "_quantize"],
             Direction::Fwd => &[""],
-            Direction::Bwd => &["_dot_do_o", "_dkdv", "_dq"],
+            Direction::Bwd if self.fp8 => &["_dot_do_o", "_dkdv", "_dq"],
+            Direction::Bwd => &["_dot_do_o", "_dkdv", "_dq", "_dkdv_sum"],
         }
     }
     fn family(&self) -> &'static str {
@@ -622,7 +661,7 @@ impl Family for FlashAttnSpec {
         let ping_pong = self.warp_specialized && self.direction == Direction::Fwd && self.block_m == 128 && !self.fp8;
         ctx.insert("ping_pong", &ping_pong);
         // setmaxnreg budget of each consumer thread (a multiple of 8, at most 240).
-        let consumers = self.block_m / 16 * 32;
+        let consumers = self.block_m / 16 * 32 * self.channel_split();
         // The block starts with the registers its launch got (64 K / threads, a multiple of 8, per
         // thread); setmaxnreg only moves them: an increase beyond that pool never returns. The
         // backward's producer keeps 24, the forward's 40 (fewer spill its loads).
@@ -641,16 +680,23 @@ impl Family for FlashAttnSpec {
         ctx.insert("fp8_pairs", &pairs);
         // The wgmma shapes the kernels use, as (n, n / 8): S-like products (both operands in shared
         // memory) and P·V-like ones (A in registers).
+        // With a channel split: each warpgroup's half of the S-like columns, and the P·V-like
+        // products from shared memory (B MN-major) on its half of the channels.
+        let cs = self.channel_split();
+        ctx.insert("csplit", &cs);
         let mut ss = match self.direction {
             Direction::Fwd => vec![self.block_n],
-            Direction::Bwd => vec![self.dkdv_tile_m(), self.block_n],
+            Direction::Bwd => vec![self.dkdv_tile_m() / cs, self.block_n / cs],
         };
         ss.dedup();
         let shapes = |ns: Vec<usize>| ns.into_iter().map(|n| (n, n / 8)).collect::<Vec<_>>();
         ctx.insert("wgmma_ss_n", &shapes(ss));
         let mut rs = vec![self.head_dim, self.head_dim_v];
         rs.dedup();
-        ctx.insert("wgmma_rs_n", &shapes(rs));
+        let mut ss_t = if cs > 1 { vec![self.head_dim / cs, self.head_dim_v / cs] } else { vec![] };
+        ss_t.dedup();
+        ctx.insert("wgmma_rs_n", &shapes(if cs > 1 { vec![] } else { rs }));
+        ctx.insert("wgmma_ss_t_n", &shapes(ss_t));
     }
     fn validate(&self) -> Result<(), String> {
         if !matches!(self.dtype, DType::BF16 | DType::F16) {
@@ -659,19 +705,30 @@ impl Family for FlashAttnSpec {
         if !FLASH_HEAD_DIMS.contains(&self.head_dim) {
             return Err(format!("head_dim = {} is not one of {FLASH_HEAD_DIMS:?}", self.head_dim));
         }
-        if self.direction == Direction::Bwd && self.head_dim > 128 {
+        if self.direction == Direction::Bwd && self.head_dim.max(self.head_dim_v) > 128 && !self.wgmma {
             return Err(format!(
-                "the fused backward takes head_dim up to 128, got {} (use the unfused backend)",
-                self.head_dim
+                "the fused backward takes head dims above 128 only on sm_90a (wgmma), got {} (q, k) and {} (v) on {} \
+                 (use the unfused backend)",
+                self.head_dim, self.head_dim_v, self.arch
             ));
         }
-        if self.head_dim_v != self.head_dim {
-            let max_v = if self.direction == Direction::Bwd { 128 } else { 256 };
-            if !(self.wgmma && !self.fp8 && self.head_dim_v % 64 == 0 && self.head_dim_v <= max_v) {
+        if self.head_dim_v != self.head_dim
+            && !(self.wgmma && !self.fp8 && self.head_dim_v % 64 == 0 && self.head_dim_v <= 256)
+        {
+            return Err(format!(
+                "head_dim_v = {} other than head_dim = {} is a setting of the 16-bit sm_90a (wgmma) kernels, with \
+                 head_dim_v a multiple of 64 up to 256 (use the unfused backend)",
+                self.head_dim_v, self.head_dim
+            ));
+        }
+        if self.channel_split() > 1 {
+            // Each warpgroup's channel half starts at a 64-channel column block of the tiles.
+            let (d, dv) = (self.head_dim, self.head_dim_v);
+            if d % 128 != 0 || dv % 128 != 0 || !self.warp_specialized || self.block_n != 64 || self.block_m != 64 {
                 return Err(format!(
-                    "head_dim_v = {} other than head_dim = {} is a setting of the 16-bit sm_90a (wgmma) kernels, with \
-                     head_dim_v a multiple of 64 up to {max_v} (use the unfused backend)",
-                    self.head_dim_v, self.head_dim
+                    "the backward above head dim 128 splits the channels of both gradients in halves of whole \
+                     64-channel blocks: head_dim and head_dim_v 128 or 256 (got {d} and {dv}), warp-specialized, 64 × 64 \
+                     blocks (use the unfused backend)"
                 ));
             }
         }
@@ -706,11 +763,13 @@ impl Family for FlashAttnSpec {
             ));
         }
         if self.warp_specialized
-            && !(self.wgmma && self.block_m == 128 && !(self.fp8 && self.direction == Direction::Bwd))
+            && !(self.wgmma
+                && (self.block_m == 128 || self.channel_split() > 1)
+                && !(self.fp8 && self.direction == Direction::Bwd))
         {
             return Err(
                 "warp specialization is a setting of the 16-bit wgmma kernels and the FP8 forward with 128-row \
-                        blocks"
+                        blocks (or the backward's channel split above head dim 128)"
                     .into(),
             );
         }
@@ -750,14 +809,42 @@ mod tests {
                 if d <= 128 {
                     FlashAttnSpec::new(Direction::Bwd, dtype, d, Arch::Sm89).validate().unwrap();
                 }
+                FlashAttnSpec::new(Direction::Bwd, dtype, d, Arch::Sm90a).validate().unwrap();
             }
         }
         let e = FlashAttnSpec::new(Direction::Fwd, DType::F32, 64, Arch::Sm90a).validate().unwrap_err();
         assert!(e.contains("bf16 or f16"), "{e}");
         let e = FlashAttnSpec::new(Direction::Fwd, DType::BF16, 80, Arch::Sm90a).validate().unwrap_err();
         assert!(e.contains("head_dim = 80"), "{e}");
-        let e = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 256, Arch::Sm90a).validate().unwrap_err();
-        assert!(e.contains("up to 128"), "{e}");
+        let e = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 256, Arch::Sm89).validate().unwrap_err();
+        assert!(e.contains("above 128 only on sm_90a"), "{e}");
+    }
+
+    #[test]
+    fn backward_above_head_dim_128_splits_the_channels_over_two_warpgroups() {
+        let bwd = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 256, Arch::Sm90a);
+        assert!(bwd.wgmma && bwd.warp_specialized && bwd.channel_split() == 2);
+        assert_eq!((bwd.block_m, bwd.block_n, bwd.dkdv_tile_m(), bwd.dkdv_stages()), (64, 64, 64, 2));
+        // Two consumer warpgroups on the same 64 rows, and the producer.
+        assert_eq!((bwd.threads_m(), bwd.threads_n()), (384, 384));
+        // K, V, two stages of Q and dO, Pᵀ and dSᵀ, LSE and delta: within an SM's 227 KiB.
+        assert_eq!(bwd.shared_bytes(1), (64 + 2 * 64) * 512 * 2 + 2 * 64 * 64 * 2 + 2 * 2 * 64 * 4 + 1024 + 128);
+        assert_eq!(bwd.shared_bytes(2), (64 + 2 * 64) * 512 * 2 + 64 * 64 * 2 + 1024 + 128);
+        assert!(bwd.shared_bytes(1) <= 227 * 1024);
+        // 128 (q, k) with 256 (v) takes the split too; below, none does.
+        assert_eq!(bwd.with_head_dim_v(128).channel_split(), 2);
+        let mixed = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 128, Arch::Sm90a).with_head_dim_v(256);
+        assert_eq!(mixed.channel_split(), 2);
+        crate::spec::KernelSpec::from(mixed).validate().unwrap();
+        assert_eq!(FlashAttnSpec::new(Direction::Bwd, DType::BF16, 128, Arch::Sm90a).channel_split(), 1);
+        assert_eq!(FlashAttnSpec::new(Direction::Fwd, DType::BF16, 256, Arch::Sm90a).channel_split(), 1);
+        // Halves of whole 64-channel blocks only: 64 with 256 is refused.
+        let e = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).with_head_dim_v(256).validate();
+        assert!(e.unwrap_err().contains("halves"));
+        // The 16-bit backward has the split sum of dK and dV; the FP8 one does not.
+        assert_eq!(crate::spec::Family::entry_suffixes(&bwd).len(), 4);
+        let fp8 = FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true);
+        assert_eq!(crate::spec::Family::entry_suffixes(&fp8).len(), 3);
     }
 
     #[test]

@@ -32,8 +32,9 @@ pub(super) const OP: &str = "flash attention";
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FlashAttnParams {
     /// The problem. Head dims: `head_dim` one of [`FLASH_HEAD_DIMS`]; `head_dim_v` the same, or on
-    /// Hopper (sm_90a, bf16/f16) another of 64, 128 and 256 with `head_dim` one of them too (the
-    /// backward: both up to 128), as FlashAttention-3 and cuDNN take it.
+    /// Hopper (sm_90a, bf16/f16) another of 64, 128 and 256 with `head_dim` one of them too, as
+    /// FlashAttention-3 and cuDNN take it. The backward above 128 is Hopper's only, with both head
+    /// dims 128 or 256.
     pub shape: AttentionShape,
     /// q and dq.
     pub q: HeadStrides,
@@ -125,12 +126,7 @@ pub fn unsupported_reason(
     if !FLASH_HEAD_DIMS.contains(&head_dim) {
         return Some(format!("head_dim = {head_dim} is not one of the fused kernels' {FLASH_HEAD_DIMS:?}"));
     }
-    if training && head_dim.max(head_dim_v) > 128 {
-        return Some(format!(
-            "the fused backward takes head dims up to 128, got {head_dim} (q, k) and {head_dim_v} (v)"
-        ));
-    }
-    if head_dim_v != head_dim {
+    if head_dim_v != head_dim || training {
         let dir = if training { Direction::Bwd } else { Direction::Fwd };
         let spec = FlashAttnSpec::new(dir, dtype, head_dim, arch).with_head_dim_v(head_dim_v);
         return KernelSpec::FlashAttn(spec).validate().err().map(|e| match e {
@@ -337,11 +333,14 @@ pub(super) fn addresses_mut<'a>(
 /// `p.q` strides, `dk` at `p.kv`, `dv` at `p.v` strides, three tensors or one fused like `qkv`; every
 /// element the strides reach is written, padded positions with zeros, nothing else).
 ///
-/// `out` and `lse` are the forward's, `d_out` the output gradient at `p.o` strides. The three
-/// kernels use no atomics: the same inputs give the same bits.
+/// `out` and `lse` are the forward's, `d_out` the output gradient at `p.o` strides. The kernels
+/// use no atomics: the same inputs give the same bits on the same GPU model. With GQA/MQA, when
+/// the key blocks alone would fill the GPU poorly, the query heads of a group are split over
+/// several blocks per key block ([`dkdv_splits`]) whose f32 partial dK/dV a fourth kernel adds in
+/// a fixed order (a workspace of `splits · batch · groups · sk · (head_dim + head_dim_v)` f32).
 ///
 /// # Errors
-/// As [`forward`], and head dims above 128.
+/// As [`forward`] (head dims above 128 on other GPUs than Hopper); the workspace's allocation.
 #[allow(clippy::too_many_arguments)] // the backward's tensors, each named as in TE
 pub fn backward(
     dev: &Device,
@@ -366,15 +365,41 @@ pub fn backward(
     let ([dq, dk, dv], _out_guards) = addresses_mut(stream, &mut grads)?;
     let delta = dot_do_o(dev, &spec, p, cu, (out, d_out), None, &s)?;
 
+    let splits = dkdv_splits(p, &spec, dev.sm_count());
+    let sh = &p.shape;
+    let acc_len = splits * sh.batch * sh.groups * sh.sk * (sh.head_dim + sh.head_dim_v);
+    // SAFETY: f32 has no invalid bit patterns; `_dkdv` writes every element `_dkdv_sum` reads
+    // (the rows below each sequence's length, every channel, every split).
+    let mut acc = if splits > 1 { Some(unsafe { stream.alloc::<f32>(acc_len) }?) } else { None };
+    let kv_splits = splits as u64;
     let f = function(dev, &spec, 1)?;
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
     l.ptr("q", &q).ptr("k", &k).ptr("v", &v).ptr("d_o", d_out.data());
     l.ptr("lse", lse).ptr("delta", &delta).ptr("dk", &dk).ptr("dv", &dv);
+    match acc.as_mut() {
+        Some(a) => l.ptr("dkdv_acc", a),
+        None => l.ptr("dkdv_acc", &NULL),
+    };
+    l.scalar("kv_splits", &kv_splits);
     push_cu(&mut l, cu);
     s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
     // SAFETY: as the forward's, for dk and dv at the kv and v strides: held `&mut` (one fused tensor
-    // or two), and the heads they write are disjoint from each other and from every input.
-    unsafe { l.launch(dkdv_grid(p, &spec)) }?;
+    // or two), and the heads they write are disjoint from each other and from every input; with
+    // splits, the workspace holds every split's rows (`acc_len`).
+    unsafe { l.launch(dkdv_grid(p, &spec, splits)) }?;
+    if let Some(a) = &acc {
+        let f = function(dev, &spec, 3)?;
+        let mut l = Launch::new(OP, dev.stream(), &f, &spec, 3);
+        l.ptr("dkdv_acc", a).ptr("dk", &dk).ptr("dv", &dv).scalar("kv_splits", &kv_splits);
+        push_cu(&mut l, cu);
+        s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
+        // A thread per 4 channels of a key row.
+        let threads = sh.sk * (sh.head_dim + sh.head_dim_v) / 4;
+        let mut cfg = grid(threads.div_ceil(256), p, 256, 0);
+        cfg.grid_dim.1 = sh.groups as u32;
+        // SAFETY: reads the workspace `_dkdv` wrote; writes dk and dv as `_dkdv` would have.
+        unsafe { l.launch(cfg) }?;
+    }
 
     let f = function(dev, &spec, 2)?;
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 2);
@@ -387,11 +412,33 @@ pub fn backward(
     unsafe { l.launch(dq_grid(p, &spec)) }
 }
 
-/// The launch of a backward spec's `_dkdv` (a block per `block_n` keys of a key/value head).
-pub(super) fn dkdv_grid(p: &FlashAttnParams, spec: &FlashAttnSpec) -> LaunchConfig {
+/// The launch of a backward spec's `_dkdv`: a block per `block_n` keys of a key/value head and
+/// split of its group's query heads.
+pub(super) fn dkdv_grid(p: &FlashAttnParams, spec: &FlashAttnSpec, splits: usize) -> LaunchConfig {
     let mut cfg = grid(p.shape.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
-    cfg.grid_dim.1 = p.shape.groups as u32;
+    cfg.grid_dim.1 = (p.shape.groups * splits) as u32;
     cfg
+}
+
+/// Largest f32 workspace of the split dK/dV sums, in bytes: fewer splits beyond it.
+const DKDV_SPLIT_BYTES: usize = 256 << 20;
+
+/// Into how many blocks `_dkdv` splits the query heads of a group (GQA/MQA): 1 when there is one
+/// query head a group or the key blocks alone give at least 4 blocks an SM (`sms` SMs), else the
+/// smallest divisor of `heads_per_group` that does, as long as the workspace stays within
+/// 256 MiB. Without a split, a block loops over every query head of its group, and an MQA grid
+/// has few, long blocks (b4 s4096 h32/kv1 d128: 128 blocks of 32 heads each).
+pub fn dkdv_splits(p: &FlashAttnParams, spec: &FlashAttnSpec, sms: usize) -> usize {
+    let sh = &p.shape;
+    let hpg = sh.heads_per_group();
+    let blocks = sh.sk.div_ceil(spec.block_n) * sh.groups * sh.batch;
+    let want = (4 * sms.max(1)).div_ceil(blocks.max(1));
+    let bytes = |s: usize| s * sh.batch * sh.groups * sh.sk * (sh.head_dim + sh.head_dim_v) * 4;
+    let mut splits = (1..=hpg).find(|&s| hpg % s == 0 && s >= want).unwrap_or(hpg);
+    while splits > 1 && bytes(splits) > DKDV_SPLIT_BYTES {
+        splits = (1..splits).rev().find(|&s| hpg % s == 0).unwrap_or(1);
+    }
+    splits
 }
 
 /// The launch of a backward spec's `_dq` (a block per `block_m` queries of a head).

@@ -531,7 +531,7 @@ pub fn backward(
     // SAFETY: the codes are the dense and transposed 8-bit tensors of `p`'s sizes (checked), dk
     // and dv reach every row their kv strides address (checked), held `&mut` and disjoint; lse
     // and delta hold batch · heads · sq f32, the cu_seqlens batch + 1 i32, the scales one f32.
-    unsafe { l.launch(dkdv_grid(p, &spec)) }?;
+    unsafe { l.launch(dkdv_grid(p, &spec, 1)) }?;
 
     let f = function(dev, &spec, 2)?;
     let mut l = Launch::new(OP, stream, &f, &spec, 2);
