@@ -2,8 +2,10 @@
 //! deterministic backward, on tensor cores through `mma.sync` / `ldmatrix` / `cp.async`; on
 //! Hopper the forward at head dims 64/128/256 runs on warpgroup MMA (`wgmma.mma_async`, the GEMMs,
 //! the softmax/P·V overlap and, at 128 query rows, the producer/consumer warp specialization of
-//! Shah et al., "FlashAttention-3" (2024)), and so does the backward at 64/128; FP8 forward and
-//! backward at 128.
+//! Shah et al., "FlashAttention-3" (2024)), and so does the backward at 64/128/256 (above 128
+//! with FlashAttention-3's split of each gradient's channels over two warpgroups); FP8 forward at
+//! 128/256 and backward at 128. The backward of GQA/MQA splits the query heads of a group over
+//! blocks and sums their partial dK/dV in a fixed order.
 //!
 //! One kernel serves every mask, sliding window, GQA ratio, layout (`bshd`, `sbhd`, q/k/v read
 //! in place from a fused QKV tensor) and padding: those are run-time arguments (strides,
@@ -52,11 +54,11 @@ pub struct FlashAttnSpec {
     pub direction: Direction,
     /// bf16 or f16 (q, k, v, o and their gradients); f32 accumulation and softmax.
     pub dtype: DType,
-    /// Channels per head of q and k: 32, 64, 96, 128 or 256 (256: forward only).
+    /// Channels per head of q and k: 32, 64, 96, 128 or 256 (the backward at 256: Hopper only).
     pub head_dim: usize,
     /// Channels per head of v and o (TE's `kv_channels = (head_dim_qk, head_dim_v)`): `head_dim`,
     /// or on the 16-bit Hopper kernels ([`FlashAttnSpec::with_head_dim_v`]) another of 64, 128
-    /// and 256 (the backward: up to 128).
+    /// and 256.
     pub head_dim_v: usize,
     /// Query rows per block: 16 per warp (forward and dQ kernels).
     pub block_m: usize,
@@ -65,7 +67,7 @@ pub struct FlashAttnSpec {
     pub block_n: usize,
     /// Target architecture.
     pub arch: Arch,
-    /// Hopper (`sm_90a`, head dims 64/128/256 forward, 64/128 backward): warpgroup MMA
+    /// Hopper (`sm_90a`, head dims 64/128/256): warpgroup MMA
     /// (`wgmma.mma_async`, the FlashAttention-3 GEMMs: S-like products from shared memory, P·V-like
     /// ones with P or dS in registers) over 128-byte-swizzled shared tiles, one warpgroup per 64
     /// rows. Otherwise `mma.sync`.
@@ -91,7 +93,8 @@ pub struct FlashAttnSpec {
     /// (2026-11-25, d128 causal, bf16): forward b4 s2048 381 → 312 µs, b1 s16384 4 630 →
     /// 3 443 µs; forward + backward b4 s2048 1 525 → 1 327 µs, b2 s8192 10 384 → 8 771 µs; FP8
     /// forward 276 → 264 µs at s2048. At d64 (one consumer warpgroup, 64 rows) slower (forward
-    /// 64 → 91 µs at b8 s1024 h12), so off there; the FP8 backward (255 registers) keeps its
+    /// 64 → 91 µs at b8 s1024 h12), so off there; on with two consumer warpgroups at each 64 rows
+    /// of the backward above head dim 128; the FP8 backward (255 registers) keeps its
     /// block barriers. The 16-bit forward's two consumer warpgroups also take turns issuing
     /// their products (ping-pong, FlashAttention-3 §3.1; numbers in `context`).
     #[serde(default)]
@@ -158,16 +161,22 @@ impl FlashAttnSpec {
     /// A spec with the default tiles for `head_dim`.
     ///
     /// Hopper forward at head dims 64, 128 and 256: wgmma, 128 query rows (two warpgroups)
-    /// against 128-key tiles at 128, 64 × 128 at 64, 64 × 64 at 256. Measured on an H100
-    /// (2026-11-25, b4 s2048 h32 d128 causal): 128 × 128 509 µs against 719 µs for 64 × 128 (one
-    /// block per SM either way, by shared memory); at d64 64 × 128 89 µs against 95 µs.
+    /// against 128-key tiles at 128, 64 × 128 at 64, 128 × 64 at 256 (warp-specialized where
+    /// 128 rows). Measured on an H100 (2026-11-25, b4 s2048 h32 d128 causal): 128 × 128 509 µs
+    /// against 719 µs for 64 × 128 (one block per SM either way, by shared memory); at d64 64 ×
+    /// 128 89 µs against 95 µs. 2026-11-27 (H100): d256 b4 s4096 h8/kv1 causal 128 × 64 489 µs
+    /// against 907 µs for 64 × 64; d64 64 × 128 against 128 × 128 and 192 × 128 (three consumer
+    /// warpgroups, FlashAttention-3's d64 tile): b8 s1024 65 / 67 / 94 µs, b4 s4096 h32 793 / 787 /
+    /// 918 µs, b16 s1000 no mask 224 / 233 / 265 µs.
     ///
-    /// Hopper backward at head dims 64 and 128: wgmma, dK/dV blocks of `block_n` keys (a
-    /// warpgroup per 64) against query tiles of 64, dQ blocks of `block_m` queries against
-    /// `block_n`-key tiles: 128 / 128 at d128, 64 / 64 at d64. Measured on an H100 (2026-11-25,
-    /// fwd+bwd causal): d128 b4 s2048 128/128 1.61 ms, 64/64 1.59, 128/64 1.67, 64/128 1.75,
-    /// 32-query tiles 1.84; at s8192 128/128 10.3 ms against 10.5–11.3; d64 b8 s1024 64/64
-    /// 270 µs against 285 µs for 128/128.
+    /// Hopper backward: wgmma, dK/dV blocks of `block_n` keys (a warpgroup per 64) against query
+    /// tiles of 64, dQ blocks of `block_m` queries against `block_n`-key tiles: 128 / 128 at
+    /// d64 and d128, warp-specialized; above 128, 64 / 64 with two warpgroups on each 64 rows
+    /// ([`FlashAttnSpec::channel_split`]). Measured on an H100 (2026-11-25, fwd+bwd causal): d128
+    /// b4 s2048 128/128 1.61 ms, 64/64 1.59, 128/64 1.67, 64/128 1.75, 32-query tiles 1.84; at
+    /// s8192 128/128 10.3 ms against 10.5–11.3. 2026-11-27 (H100, fwd+bwd): d64 128/128
+    /// warp-specialized against 64/64 with block barriers: b4 s4096 h32 causal 3.18 against 3.76
+    /// ms, b16 s1000 no mask 913 against 1 068 µs, b8 s1024 causal 264 against 277 µs.
     ///
     /// Otherwise (Ada, other head dims), forward: 64 query rows (4 warps of 16), against 64-key tiles up to head dim 64, 128-key
     /// tiles at 96 and 128, 32-key tiles at 256 (registers). Measured on an H100 (2026-11-24,
@@ -179,12 +188,11 @@ impl FlashAttnSpec {
     pub fn new(direction: Direction, dtype: DType, head_dim: usize, arch: Arch) -> Self {
         let wgmma = arch == Arch::Sm90a && head_dim % 64 == 0;
         let (block_m, block_n) = match (direction, head_dim) {
-            (Direction::Bwd, 64) if wgmma => (64, 64),
             (Direction::Bwd, d) if wgmma && d > 128 => (64, 64),
             (Direction::Bwd, _) if wgmma => (128, 128),
             (Direction::Fwd, 64) if wgmma => (64, 128),
             (Direction::Fwd, 128) if wgmma => (128, 128),
-            (Direction::Fwd, _) if wgmma => (64, 64),
+            (Direction::Fwd, _) if wgmma => (128, 64),
             (Direction::Fwd, d) if d <= 64 => (64, 64),
             (Direction::Fwd, d) if d <= 128 => (64, 128),
             (Direction::Fwd, _) => (64, 32),
@@ -257,7 +265,7 @@ impl FlashAttnSpec {
 
     /// The 16-bit kernels of head dim `head_dim` for q and k and `head_dim_v` for v and o (TE's
     /// `kv_channels = (head_dim_qk, head_dim_v)`, as FlashAttention-3 and cuDNN take it on
-    /// Hopper): sm_90a wgmma, both of 64, 128 and 256 (the backward: up to 128), with the tiles
+    /// Hopper): sm_90a wgmma, both of 64, 128 and 256 (the backward above 128: both 128 or 256), with the tiles
     /// [`FlashAttnSpec::new`] picks for the larger of the two. Elsewhere (Ada, FP8, other head
     /// dims) [`KernelSpec::validate`](crate::spec::KernelSpec) refuses a `head_dim_v` other than
     /// `head_dim`: the unfused backend runs those calls, as in TE.
@@ -874,7 +882,7 @@ mod tests {
         // Warp-specialized where two consumer warpgroups share the producer: 128-row blocks.
         let bwd = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 128, Arch::Sm90a);
         assert!(bwd.warp_specialized && bwd.threads_n() == 384 && bwd.threads_m() == 384);
-        assert!(!FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).warp_specialized);
+        assert!(FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).warp_specialized);
         assert!(!FlashAttnSpec::new(Direction::Fwd, DType::BF16, 64, Arch::Sm90a).warp_specialized);
         assert!(!FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true).warp_specialized);
         let e = FlashAttnSpec {
