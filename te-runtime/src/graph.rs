@@ -23,9 +23,11 @@
 //!
 //! A capture that breaks a rule returns [`Error::Capture`] naming it ([`CaptureRule`]); the capture
 //! is ended and discarded, and the device stays usable. Nothing hangs and no partial graph is
-//! ever replayed.
+//! ever replayed. Tensors the capture allocated may be dropped at any time, even before the first
+//! replay (when their memory does not exist yet): `graph_memory` frees them after that replay, or
+//! not at all when the graph never runs.
 
-use crate::{Device, Error, Result};
+use crate::{graph_memory, Device, Error, Result};
 use cudarc::driver::sys::{self, cudaError_enum as E, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, HostSlice};
 use std::fmt;
@@ -66,6 +68,9 @@ impl fmt::Display for CaptureRule {
 pub struct Graph {
     graph: CudaGraph,
     dev: Arc<Device>,
+    /// The capture's id in `graph_memory`.
+    id: u64,
+    launched: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Graph {
@@ -90,8 +95,11 @@ impl Graph {
         // Thread-local: this thread's unsafe calls (a synchronous allocation or copy) fail the
         // capture at once instead of corrupting it; other threads are not restricted.
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let id = graph_memory::begin_capture(stream);
         let out = f();
         let end = stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        let captured = matches!((&out, &end), (Ok(_), Ok(Some(_))));
+        graph_memory::end_capture(stream, id, captured);
         let failed = |e: Error| {
             // Drops and frees of the discarded capture may have left a driver error on the
             // context; it belongs to the capture, not to the next call.
@@ -99,7 +107,10 @@ impl Graph {
             Err(capture_error(e))
         };
         match (out, end) {
-            (Ok(value), Ok(Some(graph))) => Ok((Graph { graph, dev: dev.clone() }, value)),
+            (Ok(value), Ok(Some(graph))) => {
+                let launched = std::sync::atomic::AtomicBool::new(false);
+                Ok((Graph { graph, dev: dev.clone(), id, launched }, value))
+            }
             (Ok(_), Ok(None)) => Err(Error::internal("graph capture", "the driver ended the capture without a graph")),
             (Err(e), _) => failed(e),
             (Ok(_), Err(e)) => failed(e.into()),
@@ -113,12 +124,25 @@ impl Graph {
     /// Driver failures of the launch.
     pub fn replay(&self) -> Result<()> {
         self.graph.launch()?;
+        if !self.launched.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            // The graph's memory exists now: captured tensors dropped before are freed.
+            graph_memory::launched(self.id);
+        }
         Ok(())
     }
 
     /// The device the graph runs on.
     pub fn device(&self) -> &Arc<Device> {
         &self.dev
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if !*self.launched.get_mut() {
+            // Never launched: what it would have allocated never was.
+            graph_memory::discard(self.id);
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Runtime of the Transformer Engine for Rust, the lowest GPU layer: the device and its stream
 //! ([`Device`]), JIT-loaded kernels ([`kernels`]: spec → loaded module, compiled by `te-codegen`),
-//! device tensors ([`Tensor`]), CUDA graphs ([`graph`]), cuBLASLt GEMMs ([`gemm`]), one launcher per
+//! device tensors ([`Tensor`]), CUDA graphs ([`graph`]; [`DeviceBuffer`] for buffers a capture may
+//! allocate), cuBLASLt GEMMs ([`gemm`]), one launcher per
 //! fused kernel family ([`ops`]), host element conversions ([`numerics`]), the host Philox stream
 //! of the dropout kernels ([`philox`]) and multi-process communication ([`dist`]: the launch
 //! environment, the rendezvous, NCCL process groups).
@@ -16,6 +17,7 @@ pub mod device;
 pub mod dist;
 pub mod gemm;
 pub mod graph;
+pub mod graph_memory;
 pub mod kernels;
 pub mod numerics;
 pub mod ops;
@@ -23,6 +25,7 @@ pub mod philox;
 pub mod tensor;
 
 pub use device::Device;
+pub use graph_memory::DeviceBuffer;
 pub use te_codegen::{Arch, DType};
 pub use tensor::Tensor;
 

@@ -1,6 +1,7 @@
 //! A device tensor: contiguous bytes of one dtype and a shape, on the device's stream.
 
 use crate::graph::HostCopies;
+use crate::graph_memory::DeviceBuffer;
 use crate::numerics;
 use crate::{Device, Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -15,7 +16,7 @@ use te_codegen::DType;
 /// the storage first when it is shared (copy-on-write), so a clone never sees later writes.
 #[derive(Debug, Clone)]
 pub struct Tensor {
-    data: Arc<CudaSlice<u8>>,
+    data: Arc<DeviceBuffer>,
     dtype: DType,
     shape: Vec<usize>,
 }
@@ -32,7 +33,7 @@ impl Tensor {
     pub fn zeros(dev: &Device, dtype: DType, shape: &[usize]) -> Result<Self> {
         let bytes = numel(shape) * dtype.size_bytes();
         let data = dev.stream().alloc_zeros::<u8>(bytes.max(1)).map_err(|e| dev.alloc_error(e, bytes, dtype, shape))?;
-        Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
+        Ok(Self { data: Arc::new(DeviceBuffer::new(data)), dtype, shape: shape.to_vec() })
     }
 
     /// A tensor whose contents are unspecified until written (`torch.empty`): for outputs an op
@@ -46,7 +47,7 @@ impl Tensor {
         // and by copies into host `u8`s: unspecified contents are never undefined behaviour.
         let data =
             unsafe { dev.stream().alloc::<u8>(bytes.max(1)) }.map_err(|e| dev.alloc_error(e, bytes, dtype, shape))?;
-        Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
+        Ok(Self { data: Arc::new(DeviceBuffer::new(data)), dtype, shape: shape.to_vec() })
     }
 
     /// A tensor of ones (`torch.ones`), filled on the device by a memset of the dtype's
@@ -99,7 +100,7 @@ impl Tensor {
             });
         }
         let data = if bytes.is_empty() { stream.alloc_zeros::<u8>(1)? } else { stream.htod(bytes)? };
-        Ok(Self { data: Arc::new(data), dtype, shape: shape.to_vec() })
+        Ok(Self { data: Arc::new(DeviceBuffer::new(data)), dtype, shape: shape.to_vec() })
     }
 
     /// A tensor of `values` rounded to `dtype` (FP8 values are cast with scale 1).
@@ -115,7 +116,7 @@ impl Tensor {
     /// # Errors
     /// Driver failures, including a failed earlier kernel.
     pub fn to_bytes(&self, dev: &Device) -> Result<Vec<u8>> {
-        let mut v = dev.stream().dtoh(self.data.as_ref())?;
+        let mut v = dev.stream().dtoh(&**self.data)?;
         v.truncate(self.num_bytes());
         Ok(v)
     }
@@ -161,10 +162,11 @@ impl Tensor {
         if Arc::get_mut(&mut self.data).is_none() {
             let stream = self.data.stream().clone();
             let mut copy = stream.alloc_zeros::<u8>(self.data.len())?;
-            stream.memcpy_dtod(self.data.as_ref(), &mut copy)?;
-            self.data = Arc::new(copy);
+            stream.memcpy_dtod(&**self.data, &mut copy)?;
+            self.data = Arc::new(DeviceBuffer::new(copy));
         }
         Arc::get_mut(&mut self.data)
+            .map(|s| &mut **s)
             .ok_or_else(|| Error::internal("Tensor::data_mut", "storage is shared after the copy"))
     }
 

@@ -75,7 +75,8 @@ fn keys_beyond_the_unfused_limit_run_fused() {
 
 /// Head dim 256 (Gemma's) trains on the fused kernels (Hopper: two warpgroups split the channels of
 /// each gradient): MQA, GQA and MHA, odd lengths, both dtypes and dense formats, a padding mask and
-/// a sliding window, against the reference; `Auto` picks the fused backend in training.
+/// a sliding window, against the reference; attention dropout against the unfused backend's mask;
+/// `Auto` picks the fused backend in training.
 #[test]
 fn head_dim_256_trains_fused() {
     let Some(dev) = crate::fp8_attention::hopper() else { return };
@@ -89,6 +90,21 @@ fn head_dim_256_trains_fused() {
     ] {
         let c = Case { dtype, window, ..fused(Case::new(format, mask, lens, groups, 256)) };
         check_case(&dev, &c, seed);
+    }
+    // Attention dropout: the fused kernels (the keep mask drawn per split column) replay the
+    // unfused backend's mask in the output and every gradient.
+    let c = Case::new(Bshd, Causal, (80, 80), 2, 256);
+    let x = Inputs::new(&c, 235);
+    let mut results = Vec::new();
+    for backend in [AttentionBackend::Fused, AttentionBackend::Unfused] {
+        let c = Case { backend, ..c.clone() };
+        let cfg = DotProductAttentionConfig { attention_dropout: 0.2, ..c.config() };
+        let mut attn = DotProductAttention::new(&dev, cfg).unwrap();
+        attn.set_dropout_rng(1234, 43);
+        results.push(crate::attention::run(&dev, &mut attn, &c, &x));
+    }
+    for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+        check(&format!("d256 dropout 0.2, fused vs unfused: {name}"), DType::BF16, &results[0][i], &results[1][i]);
     }
     let c = Case { batch: 1, heads: 2, ..Case::new(QkvFormat::Bshd, AttnMaskType::Causal, (130, 130), 1, 256) };
     let x = Inputs::new(&c, 234);

@@ -6,12 +6,11 @@ use super::{next_module_id, Stamp};
 use crate::fp8::quantizer::produce_fp8;
 use crate::fp8::{Float8Tensor, Quantizer};
 use crate::parallel::SequenceParallel;
-use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::ops;
 use te_runtime::ops::norm::{norm_bwd, norm_fwd, NormBwdArgs, NormBwdOut, NormFwdArgs, NormFwdOut};
-use te_runtime::{Device, Error, Result, Tensor};
+use te_runtime::{Device, DeviceBuffer, Error, Result, Tensor};
 
 pub use te_codegen::spec::NormKind;
 
@@ -38,13 +37,13 @@ impl NormConfig {
 /// Per-row statistics the backward needs: `mu` (LayerNorm) and `rsigma`, f32 `[rows]`.
 #[derive(Debug)]
 pub(crate) struct NormStats {
-    mu: Option<CudaSlice<f32>>,
-    rsigma: CudaSlice<f32>,
+    mu: Option<DeviceBuffer<f32>>,
+    rsigma: DeviceBuffer<f32>,
 }
 
 impl NormStats {
     pub(crate) fn bytes(&self) -> usize {
-        4 * (self.rsigma.len() + self.mu.as_ref().map_or(0, CudaSlice::len))
+        4 * (self.rsigma.len() + self.mu.as_ref().map_or(0, |m| m.len()))
     }
 }
 
@@ -199,10 +198,10 @@ impl NormParams {
         // SAFETY: f32 has no invalid bit patterns; the forward kernel writes every row's stats.
         let (mu, rsigma) = unsafe {
             let mu = match self.kind {
-                NormKind::LayerNorm => Some(s.alloc::<f32>(rows)?),
+                NormKind::LayerNorm => Some(DeviceBuffer::new(s.alloc::<f32>(rows)?)),
                 NormKind::RmsNorm => None,
             };
-            (mu, s.alloc::<f32>(rows)?)
+            (mu, DeviceBuffer::new(s.alloc::<f32>(rows)?))
         };
         Ok(NormStats { mu, rsigma })
     }
@@ -212,7 +211,7 @@ impl NormParams {
         let (rows, _) = x.as_2d(self.module)?;
         let mut stats = self.stats(rows)?;
         let mut y = Tensor::empty(&self.dev, dtype, x.shape())?;
-        let out = NormFwdOut { y: &mut y, mu: stats.mu.as_mut(), rsigma: &mut stats.rsigma, fp8: None };
+        let out = NormFwdOut { y: &mut y, mu: stats.mu.as_deref_mut(), rsigma: &mut stats.rsigma, fp8: None };
         norm_fwd(&self.dev, &self.args(x), out)?;
         Ok((y, stats))
     }
@@ -229,7 +228,7 @@ impl NormParams {
         let (rows, _) = x.as_2d(self.module)?;
         let mut stats = self.stats(rows)?;
         let y = produce_fp8(q, &self.dev, x.shape(), x.dtype(), columnwise, &mut |y, fp8| {
-            let out = NormFwdOut { y, mu: stats.mu.as_mut(), rsigma: &mut stats.rsigma, fp8 };
+            let out = NormFwdOut { y, mu: stats.mu.as_deref_mut(), rsigma: &mut stats.rsigma, fp8 };
             norm_fwd(&self.dev, &self.args(x), out)
         })?;
         Ok((y, stats))
@@ -267,7 +266,7 @@ impl NormParams {
             kind: self.kind,
             dy: &dy,
             x,
-            mu: stats.mu.as_ref(),
+            mu: stats.mu.as_deref(),
             rsigma: &stats.rsigma,
             gamma: &self.gamma,
             zero_centered_gamma: self.cfg.zero_centered_gamma,

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
 use te_runtime::ops::elementwise::{add, add_assign};
-use te_runtime::{Device, Error, Result, Tensor};
+use te_runtime::{Device, DeviceBuffer, Error, Result, Tensor};
 
 const MODULE: &str = "TransformerLayer";
 
@@ -214,9 +214,9 @@ enum MlpCtx {
 pub struct TransformerLayerCtx {
     module_id: u64,
     attn: MultiheadAttentionCtx,
-    mask1: CudaSlice<u8>,
+    mask1: DeviceBuffer<u8>,
     mlp: MlpCtx,
-    mask2: CudaSlice<u8>,
+    mask2: DeviceBuffer<u8>,
     out_norm: Option<NormCtx>,
     /// The hidden dropout probability the forward applied (0 in evaluation mode).
     p: f32,
@@ -407,7 +407,7 @@ impl TransformerLayer {
     }
 
     /// `out = residual + dropout(x)` with a fresh mask.
-    fn residual_dropout(&mut self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, CudaSlice<u8>)> {
+    fn residual_dropout(&mut self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, DeviceBuffer<u8>)> {
         let p = self.hidden_dropout();
         self.calls += u64::from(p > 0.0);
         // Under sequence parallelism each rank's masks are its own (its tokens differ); rank 0's,
@@ -418,7 +418,7 @@ impl TransformerLayer {
         // SAFETY: u8 has no invalid bit patterns; the kernel writes every mask byte.
         let mut mask = unsafe { self.dev.stream().alloc::<u8>(mask_bytes(x.numel()).max(1)) }?;
         bias_dropout_add(&self.dev, x, None, residual, params, &mut out, &mut mask)?;
-        Ok((out, mask))
+        Ok((out, DeviceBuffer::new(mask)))
     }
 
     /// The layer on `x` with no padding and no rotary embedding.

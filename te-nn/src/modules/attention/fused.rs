@@ -13,7 +13,7 @@ use te_runtime::graph::HostCopies;
 use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
 use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
 use te_runtime::ops::flash_attention_fp8::{self as fa8, Fp8BwdScaleInv, Fp8Grad, Fp8Operand, Fp8Operands};
-use te_runtime::{Device, Error, Result, Tensor};
+use te_runtime::{Device, DeviceBuffer, Error, Result, Tensor};
 
 /// The valid lengths (and for `thd` the token offsets) of a call's sequences, on the device.
 #[derive(Debug)]
@@ -57,7 +57,7 @@ pub(super) struct FusedSaved {
     /// The output: 16-bit, or its E4M3 codes (`out_scale_inv` set; TE `fp8_mha`).
     out: Tensor,
     out_scale_inv: Option<Arc<CudaSlice<f32>>>,
-    lse: CudaSlice<f32>,
+    lse: DeviceBuffer<f32>,
     /// The sequence lengths of a padding mask or of `thd`.
     seqs: Option<DeviceSeqlens>,
     /// An FP8 forward's codes for the FP8 backward ([`backward_fp8`]).
@@ -158,7 +158,7 @@ pub(super) fn forward(
         Tensor::empty(dev, out_dtype, out_shape)?
     };
     // SAFETY: f32 has no invalid bit patterns; the forward writes every element.
-    let mut lse = unsafe { dev.stream().alloc::<f32>(shape.lse_len()) }?;
+    let mut lse = DeviceBuffer::new(unsafe { dev.stream().alloc::<f32>(shape.lse_len()) }?);
     let cu = seqs.as_ref().map(DeviceSeqlens::get);
     let (fp8, out_scale_inv) = match fp8 {
         None => {

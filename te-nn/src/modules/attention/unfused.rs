@@ -4,20 +4,19 @@
 //! softmax kernels apply the scale, forward and backward alike.
 
 use super::plan::{self, Product};
-use cudarc::driver::CudaSlice;
 use te_codegen::DType;
 use te_runtime::gemm::{gemm_strided_batched, GemmConfig};
 use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::ops::dropout::{dropout, dropout_backward, mask_bytes, DropoutParams};
 use te_runtime::ops::elementwise;
 use te_runtime::ops::softmax::{self, Mask};
-use te_runtime::{Device, Result, Tensor};
+use te_runtime::{Device, DeviceBuffer, Result, Tensor};
 
 /// The keep mask of the attention dropout and its parameters (TE `attention_dropout`).
 #[derive(Debug)]
 pub(super) struct ProbsDropout {
     params: DropoutParams,
-    mask: CudaSlice<u8>,
+    mask: DeviceBuffer<u8>,
 }
 
 impl ProbsDropout {
@@ -53,7 +52,7 @@ pub(super) fn forward(
     let mut keep = unsafe { dev.stream().alloc::<u8>(mask_bytes(probs.numel())) }?;
     dropout(dev, &probs, drop, &mut scores, &mut keep)?;
     products(dev, dims, Product::ScoresKey, dims.head_dim_v, &scores, v, &mut out)?;
-    Ok((out, probs, Some(ProbsDropout { params: drop, mask: keep })))
+    Ok((out, probs, Some(ProbsDropout { params: drop, mask: DeviceBuffer::new(keep) })))
 }
 
 /// `(dq, dk, dv)` of the call `dims` (its scale) from the forward's q, k, v, probabilities
