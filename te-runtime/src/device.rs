@@ -217,13 +217,30 @@ impl Device {
         Ok(engine)
     }
 
-    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    /// Device memory this process can still allocate, and the device's total, in bytes: the
+    /// driver's free memory (`cuMemGetInfo`) plus what the stream's memory pool keeps of freed
+    /// allocations (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT − USED_MEM_CURRENT`; the pool keeps
+    /// what is freed, [`Device::keep_freed_memory`], and hands it to the next allocations, so a
+    /// second run in one process — `te train --precision both` — sees the first run's memory as
+    /// available, as `torch.cuda.mem_get_info` plus the caching allocator's free blocks would).
     ///
     /// # Errors
     /// Driver failures.
     pub fn memory_info(&self) -> Result<(u64, u64)> {
         let (free, total) = self.ctx.mem_get_info()?;
-        Ok((free as u64, total as u64))
+        let reserved = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        let used = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        Ok((free as u64 + reserved.saturating_sub(used), total as u64))
+    }
+
+    /// A u64-valued attribute of the default pool.
+    fn pool_attribute(&self, attr: sys::CUmemPool_attribute) -> Result<u64> {
+        let mut value = 0u64;
+        // SAFETY: the pool is the device's default pool (it lives as long as the context); the
+        // attributes read here are u64 (cuuint64_t) values, as the driver API specifies.
+        unsafe { sys::cuMemPoolGetAttribute(self.default_mem_pool()?, attr, (&mut value as *mut u64).cast()) }
+            .result()?;
+        Ok(value)
     }
 
     /// The error of a failed allocation of `bytes` for a `dtype` tensor of `shape`:
@@ -246,18 +263,7 @@ impl Device {
     /// # Errors
     /// Driver failures.
     pub fn peak_memory(&self) -> Result<u64> {
-        let mut high = 0u64;
-        // SAFETY: the pool is the device's default pool (it lives as long as the context);
-        // USED_MEM_HIGH is read into a u64 (cuuint64_t), as the driver API specifies.
-        unsafe {
-            sys::cuMemPoolGetAttribute(
-                self.default_mem_pool()?,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut high as *mut u64).cast(),
-            )
-        }
-        .result()?;
-        Ok(high)
+        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
     }
 
     /// Restarts [`Device::peak_memory`] from the memory in use now (the driver takes only 0
@@ -316,8 +322,9 @@ impl Device {
     }
 
     /// Fails with [`Error::OutOfMemory`] (`what`, the estimate, the free and total memory) when
-    /// `needed` bytes exceed the device's free memory (`cuMemGetInfo`): the check before a run
-    /// allocates anything.
+    /// `needed` bytes exceed the memory this process can still allocate ([`Device::memory_info`]:
+    /// the driver's free memory and the pool's freed blocks): the check before a run allocates
+    /// anything.
     ///
     /// # Errors
     /// [`Error::OutOfMemory`]; driver failures reading the free memory.

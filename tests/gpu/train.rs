@@ -2,7 +2,7 @@
 //! bit as if it had never stopped (weights, FP8 state, optimizer state, dropout stream and data
 //! order all restored), in FP8 and BF16, with gradient accumulation through
 //! `is_first_microbatch`; a checkpoint made with other settings is refused; evaluation does not
-//! move the training run; the peak memory is counted per run.
+//! move the training run; the peak memory is counted per run, and given back after it.
 
 use crate::common::device;
 use std::sync::Arc;
@@ -66,6 +66,35 @@ pub(crate) fn config(steps: u64) -> TrainConfig {
 
 fn losses(records: &[Record]) -> Vec<(u64, u32, Option<u32>)> {
     records.iter().map(|r| (r.step, r.train_loss.to_bits(), r.val_loss.map(f32::to_bits))).collect()
+}
+
+/// A finished run gives its memory back: the memory this process can allocate
+/// ([`Device::memory_info`]: the driver's free memory and the memory pool's freed blocks) is back
+/// within the kernels the run loaded of where it was, so that `te train --precision both` starts
+/// its second run with the first one's memory available (its estimate once saw only the driver's
+/// free memory, and refused GPT `large`'s BF16 run after the FP8 one on an 80 GB H100).
+#[test]
+fn a_finished_run_gives_its_memory_back() {
+    let Some(dev) = device() else { return };
+    let corpus = corpus();
+    let cfg = TrainConfig { model: GptConfig { seq_length: 512, ..GptConfig::small() }, batch: 8, ..config(2) };
+    let ckpt = CheckpointOptions::default();
+    let mib = |b: u64| b >> 20;
+    for precision in [Precision::Fp8, Precision::Bf16] {
+        dev.synchronize().unwrap();
+        let (start, _) = dev.memory_info().unwrap();
+        let run = train(&dev, &corpus, &cfg, precision, &ckpt, &mut Parallel::default(), |_, _| {}).unwrap();
+        dev.synchronize().unwrap();
+        let (end, _) = dev.memory_info().unwrap();
+        let what = format!(
+            "{precision:?}: {} MiB available before, {} after, peak {}",
+            mib(start),
+            mib(end),
+            mib(run.peak_memory)
+        );
+        assert!(run.peak_memory > 1 << 30, "{what}: the run must be large enough to tell");
+        assert!(end + (256 << 20) >= start, "{what}");
+    }
 }
 
 #[test]
