@@ -45,10 +45,11 @@ pub fn run(b: &mut Bench) {
     let first = FusedShape { batch: 4, seq: 2048, heads: 32, groups: 32, d: 128, causal: true };
     fused(b, first, QkvFormat::Sbhd, 0.0, "ours fused sbhd");
     fused(b, first, QkvFormat::Bshd, 0.1, "ours fused dropout 0.1");
-    // FP8 forward and backward (fp8_dpa) on the first (tuned) shapes of head_dim 128, Hopper only
-    // (the new shape classes run through them once issue 34's FP8 work lands).
+    // FP8 forward and backward (fp8_dpa) on the first (tuned) shapes of head_dim 128, and the FP8
+    // forward at Gemma 3's head_dim 256 (the FP8 backward takes 128 only), Hopper only.
     if b.dev().arch() == te_runtime::Arch::Sm90a {
-        for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES.into_iter().take(6).filter(|s| s.4 == 128) {
+        let d256 = FUSED_SHAPES.into_iter().filter(|s| s.4 == 256);
+        for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES.into_iter().take(6).filter(|s| s.4 == 128).chain(d256) {
             fp8_forward(b, FusedShape { batch, seq, heads, groups, d, causal });
         }
     }
@@ -123,9 +124,10 @@ fn fused(b: &mut Bench, s: FusedShape, format: QkvFormat, p: f32, variant: &str)
 
 /// The FP8 forward (`ops::flash_attention_fp8`) on `s` in bshd: the attention kernel alone (E4M3
 /// operands made once) and with the quantization of q, k, v (what a step pays when the QKV GEMM
-/// emits 16-bit), as `ours fp8` and `ours fp8 + quantize`. FLOPs as the 16-bit forward's. Then
-/// the FP8 backward (E5M2 dO and dS): its kernels alone (`bwd`, 2.5× the forward's FLOPs) and the
-/// whole training step with every cast (`fwd+bwd`, `ours fp8 + quantize`).
+/// emits 16-bit), as `ours fp8` and `ours fp8 + quantize`. FLOPs as the 16-bit forward's. Then,
+/// at head_dim 128, the FP8 backward (E5M2 dO and dS): its kernels alone (`bwd`, 2.5× the
+/// forward's FLOPs) and the whole training step with every cast (`fwd+bwd`, `ours fp8 +
+/// quantize`).
 fn fp8_forward(b: &mut Bench, s: FusedShape) {
     use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
     use te_runtime::ops::flash_attention::{FlashAttnParams, Qkv};
@@ -186,6 +188,9 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
     });
     b.record_work(&shape, st, flops, None, work("ours fp8 + quantize", "fwd", flops));
 
+    if d != 128 {
+        return;
+    }
     // Training: the operands with the backward's codes, dO in E5M2.
     let mut ops = Fp8Operands::with_backward(&dev, &p).unwrap();
     let mut g8 = Fp8Grad::new(&dev, &p, DType::E5M2).unwrap();

@@ -82,9 +82,12 @@ mod tests {
         let fused = if env_disables_fused() { AttentionBackend::Unfused } else { AttentionBackend::Fused };
         assert_eq!(select(&cfg, DType::BF16, Arch::Sm90a, true).unwrap(), fused);
         assert_eq!(select(&cfg, DType::F32, Arch::Sm90a, true).unwrap(), AttentionBackend::Unfused);
+        // Head dim 256 trains fused on Hopper only; Ada runs its inference fused and its training
+        // unfused.
         let d256 = DotProductAttentionConfig::new(8, 256);
-        assert_eq!(select(&d256, DType::F16, Arch::Sm90a, true).unwrap(), AttentionBackend::Unfused);
-        assert_eq!(select(&d256, DType::F16, Arch::Sm90a, false).unwrap(), fused);
+        assert_eq!(select(&d256, DType::F16, Arch::Sm90a, true).unwrap(), fused);
+        assert_eq!(select(&d256, DType::F16, Arch::Sm89, true).unwrap(), AttentionBackend::Unfused);
+        assert_eq!(select(&d256, DType::F16, Arch::Sm89, false).unwrap(), fused);
         let forced =
             DotProductAttentionConfig { backend: AttentionBackend::Fused, ..DotProductAttentionConfig::new(8, 80) };
         match select(&forced, DType::BF16, Arch::Sm89, true) {
