@@ -667,7 +667,8 @@ impl Family for FlashAttnSpec {
         // µs; the FP8 forward is slower with it (s2048 263 → 265 µs, s16384 2 784 → 2 869 µs),
         // so it keeps the warpgroups free-running (with TMA loads too: s8192 1 432 → 1 477 µs).
         // The forward's producer keeps 40 registers: 24 measured no faster with TMA (s8192 bf16
-        // 1 747 → 1 754 µs, FP8 1 432 → 1 461 µs).
+        // 1 747 → 1 754 µs, FP8 1 432 → 1 461 µs). The FP8 forward at d256 (2026-11-27, b4 s4096
+        // h8/kv1): 342 µs free-running, 345 µs with ping-pong.
         let ping_pong = self.warp_specialized && self.direction == Direction::Fwd && self.block_m == 128 && !self.fp8;
         ctx.insert("ping_pong", &ping_pong);
         // setmaxnreg budget of each consumer thread (a multiple of 8, at most 240).
