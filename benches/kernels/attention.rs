@@ -49,7 +49,9 @@ pub fn run(b: &mut Bench) {
     // forward at Gemma 3's head_dim 256 (the FP8 backward takes 128 only), Hopper only.
     if b.dev().arch() == te_runtime::Arch::Sm90a {
         let d256 = FUSED_SHAPES.into_iter().filter(|s| s.4 == 256);
-        for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES.into_iter().take(6).filter(|s| s.4 == 128).chain(d256) {
+        for (batch, seq, heads, groups, d, causal) in
+            FUSED_SHAPES.into_iter().take(6).filter(|s| s.4 == 128).chain(d256)
+        {
             fp8_forward(b, FusedShape { batch, seq, heads, groups, d, causal });
         }
     }

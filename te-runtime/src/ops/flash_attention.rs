@@ -7,6 +7,8 @@ pub use super::attention_shape::HeadStrides;
 use super::attention_shape::{AttentionShape, QkvLayout};
 use super::check_dtype;
 use super::dropout::{keep_scale, keep_threshold};
+pub use super::flash_attention_gqa::dkdv_splits;
+use super::flash_attention_gqa::dkdv_sum;
 use super::launch::Launch;
 use super::tma::TensorMap;
 use crate::{Device, Error, Result, Tensor};
@@ -388,17 +390,7 @@ pub fn backward(
     // splits, the workspace holds every split's rows (`acc_len`).
     unsafe { l.launch(dkdv_grid(p, &spec, splits)) }?;
     if let Some(a) = &acc {
-        let f = function(dev, &spec, 3)?;
-        let mut l = Launch::new(OP, dev.stream(), &f, &spec, 3);
-        l.ptr("dkdv_acc", a).ptr("dk", &dk).ptr("dv", &dv).scalar("kv_splits", &kv_splits);
-        push_cu(&mut l, cu);
-        s.push_q(&mut l).push_kv(&mut l).push_o(&mut l).push_mask(&mut l).push_dropout(&mut l);
-        // A thread per 4 channels of a key row.
-        let threads = sh.sk * (sh.head_dim + sh.head_dim_v) / 4;
-        let mut cfg = grid(threads.div_ceil(256), p, 256, 0);
-        cfg.grid_dim.1 = sh.groups as u32;
-        // SAFETY: reads the workspace `_dkdv` wrote; writes dk and dv as `_dkdv` would have.
-        unsafe { l.launch(cfg) }?;
+        dkdv_sum(dev, &spec, p, cu, &s, (a, kv_splits), [dk, dv])?;
     }
 
     let f = function(dev, &spec, 2)?;
@@ -418,27 +410,6 @@ pub(super) fn dkdv_grid(p: &FlashAttnParams, spec: &FlashAttnSpec, splits: usize
     let mut cfg = grid(p.shape.sk.div_ceil(spec.block_n), p, spec.threads_n(), spec.shared_bytes(1));
     cfg.grid_dim.1 = (p.shape.groups * splits) as u32;
     cfg
-}
-
-/// Largest f32 workspace of the split dK/dV sums, in bytes: fewer splits beyond it.
-const DKDV_SPLIT_BYTES: usize = 256 << 20;
-
-/// Into how many blocks `_dkdv` splits the query heads of a group (GQA/MQA): 1 when there is one
-/// query head a group or the key blocks alone give at least 4 blocks an SM (`sms` SMs), else the
-/// smallest divisor of `heads_per_group` that does, as long as the workspace stays within
-/// 256 MiB. Without a split, a block loops over every query head of its group, and an MQA grid
-/// has few, long blocks (b4 s4096 h32/kv1 d128: 128 blocks of 32 heads each).
-pub fn dkdv_splits(p: &FlashAttnParams, spec: &FlashAttnSpec, sms: usize) -> usize {
-    let sh = &p.shape;
-    let hpg = sh.heads_per_group();
-    let blocks = sh.sk.div_ceil(spec.block_n) * sh.groups * sh.batch;
-    let want = (4 * sms.max(1)).div_ceil(blocks.max(1));
-    let bytes = |s: usize| s * sh.batch * sh.groups * sh.sk * (sh.head_dim + sh.head_dim_v) * 4;
-    let mut splits = (1..=hpg).find(|&s| hpg % s == 0 && s >= want).unwrap_or(hpg);
-    while splits > 1 && bytes(splits) > DKDV_SPLIT_BYTES {
-        splits = (1..splits).rev().find(|&s| hpg % s == 0).unwrap_or(1);
-    }
-    splits
 }
 
 /// The launch of a backward spec's `_dq` (a block per `block_m` queries of a head).

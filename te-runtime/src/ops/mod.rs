@@ -16,6 +16,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod flash_attention;
 pub mod flash_attention_fp8;
+mod flash_attention_gqa;
 pub mod grouped_gemm;
 mod launch;
 pub mod moe;
