@@ -379,12 +379,13 @@ impl FlashAttnSpec {
             (Direction::Bwd, 1) if self.wgmma => {
                 let rows = self.block_n + self.dkdv_stages() * self.dkdv_tile_m();
                 let lse_delta = 2 * self.dkdv_stages() * self.dkdv_tile_m() * 4;
-                let exchange = if self.channel_split() > 1 { 2 * self.block_n * self.dkdv_tile_m() * 2 } else { 0 };
+                // Two Pᵀ and two dSᵀ tiles (by item parity).
+                let exchange = if self.channel_split() > 1 { 4 * self.block_n * self.dkdv_tile_m() * 2 } else { 0 };
                 rows * (self.head_dim + self.head_dim_v) * 2 + lse_delta + exchange + 1024 + self.barrier_bytes()
             }
-            // Q, dO and two stages of K and V (+ a dS tile with a channel split).
+            // Q, dO and two stages of K and V (+ two dS tiles with a channel split).
             (Direction::Bwd, _) if self.wgmma => {
-                let exchange = if self.channel_split() > 1 { self.block_m * self.block_n * 2 } else { 0 };
+                let exchange = if self.channel_split() > 1 { 2 * self.block_m * self.block_n * 2 } else { 0 };
                 (self.block_m + 2 * self.block_n) * (self.head_dim + self.head_dim_v) * 2
                     + exchange
                     + 1024
@@ -839,8 +840,8 @@ mod tests {
         // Two consumer warpgroups on the same 64 rows, and the producer.
         assert_eq!((bwd.threads_m(), bwd.threads_n()), (384, 384));
         // K, V, two stages of Q and dO, Pᵀ and dSᵀ, LSE and delta: within an SM's 227 KiB.
-        assert_eq!(bwd.shared_bytes(1), (64 + 2 * 64) * 512 * 2 + 2 * 64 * 64 * 2 + 2 * 2 * 64 * 4 + 1024 + 128);
-        assert_eq!(bwd.shared_bytes(2), (64 + 2 * 64) * 512 * 2 + 64 * 64 * 2 + 1024 + 128);
+        assert_eq!(bwd.shared_bytes(1), (64 + 2 * 64) * 512 * 2 + 4 * 64 * 64 * 2 + 2 * 2 * 64 * 4 + 1024 + 128);
+        assert_eq!(bwd.shared_bytes(2), (64 + 2 * 64) * 512 * 2 + 2 * 64 * 64 * 2 + 1024 + 128);
         assert!(bwd.shared_bytes(1) <= 227 * 1024);
         // 128 (q, k) with 256 (v) takes the split too; below, none does.
         assert_eq!(bwd.with_head_dim_v(128).channel_split(), 2);
