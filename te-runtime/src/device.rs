@@ -219,10 +219,10 @@ impl Device {
 
     /// Device memory this process can still allocate, and the device's total, in bytes: the
     /// driver's free memory (`cuMemGetInfo`) plus what the stream's memory pool keeps of freed
-    /// allocations (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT − USED_MEM_CURRENT`; the pool keeps
-    /// what is freed, [`Device::keep_freed_memory`], and hands it to the next allocations, so a
-    /// second run in one process — `te train --precision both` — sees the first run's memory as
-    /// available, as `torch.cuda.mem_get_info` plus the caching allocator's free blocks would).
+    /// allocations (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT − USED_MEM_CURRENT`: the pool's release
+    /// threshold is the maximum, so it keeps what is freed for the next allocations). A second
+    /// run in one process (`te train --precision both`) so sees the first run's memory as
+    /// available, as `torch.cuda.mem_get_info` plus the caching allocator's free blocks would.
     ///
     /// # Errors
     /// Driver failures.
