@@ -117,6 +117,34 @@ fn graph_replayed_decode_draws_the_eager_tokens() {
     }
 }
 
+/// Generation gives its memory back: twenty requests in one process (eager and graph-replayed, a
+/// new KV cache each, the model built and dropped around them) leave the memory this process can
+/// allocate (`Device::memory_info`) where two requests before them left it.
+#[test]
+fn generation_requests_give_their_memory_back() {
+    let Some(dev) = device() else { return };
+    let prompts = vec![vec![72, 101, 108, 108, 111]; 4];
+    let run = |requests: usize| {
+        let mut gpt = Gpt::new(&dev, GptConfig { seq_length: 512, ..config() }).unwrap();
+        gpt.set_training(false);
+        for r in 0..requests {
+            let mut params = gpt.inference_params(4, 512).unwrap();
+            let options = GenerateOptions { cuda_graph: r % 2 == 1, ..Default::default() };
+            let greedy = SamplingConfig::greedy();
+            gpt.generate(&mut params, &prompts, 64, (&greedy, 5), options, |_, _| Ok(())).unwrap();
+        }
+    };
+    // Two requests load every kernel and make the GEMM engine (device state that stays).
+    run(2);
+    dev.synchronize().unwrap();
+    let (start, _) = dev.memory_info().unwrap();
+    run(20);
+    dev.synchronize().unwrap();
+    let (end, _) = dev.memory_info().unwrap();
+    let mib = |b: u64| b >> 20;
+    assert!(end + (8 << 20) >= start, "{} MiB available before 20 requests, {} after", mib(start), mib(end));
+}
+
 #[test]
 fn bad_generations_are_typed_errors() {
     let Some(dev) = device() else { return };
