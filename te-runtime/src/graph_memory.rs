@@ -18,12 +18,13 @@
 //! Source for the rules: the CUDA Programming Guide, "Graph Memory Nodes" (allocations freed
 //! outside the graph must be freed after the allocating launch).
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use std::collections::{HashMap, HashSet};
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Captures running plus addresses tracked: when 0 (almost always), a drop takes no lock.
 static TRACKED: AtomicUsize = AtomicUsize::new(0);
@@ -166,6 +167,27 @@ impl<T: Send + 'static> Deref for DeviceBuffer<T> {
 impl<T: Send + 'static> DerefMut for DeviceBuffer<T> {
     fn deref_mut(&mut self) -> &mut CudaSlice<T> {
         &mut self.0
+    }
+}
+
+impl<T: Send + 'static> DeviceSlice<T> for DeviceBuffer<T> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.0.stream()
+    }
+}
+
+impl<T: Send + 'static> DevicePtr<T> for DeviceBuffer<T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        self.0.device_ptr(stream)
+    }
+}
+
+impl<T: Send + 'static> DevicePtrMut<T> for DeviceBuffer<T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        self.0.device_ptr_mut(stream)
     }
 }
 

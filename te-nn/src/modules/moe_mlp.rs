@@ -42,7 +42,7 @@ use te_runtime::ops::moe::{permute, routing_map, unpermute, unpermute_dprobs, Mo
 use te_runtime::ops::moe_router::{
     aux_loss, aux_loss_backward, topk_router, topk_router_backward, RouterConfig, RouterOutput,
 };
-use te_runtime::{Device, Error, Result, Tensor};
+use te_runtime::{Device, DeviceBuffer, Error, Result, Tensor};
 
 const MODULE: &str = "MoeMLP";
 
@@ -239,7 +239,7 @@ pub struct MoeMLPCtx {
     fc2: GroupedLinearCtx,
     /// fc2's output without padding `[tokens · k, hidden]`: the probabilities' gradient reads it.
     y_perm: Tensor,
-    aux_loss: CudaSlice<f32>,
+    aux_loss: DeviceBuffer<f32>,
     aux_loss_grad: f32,
     dev: Arc<Device>,
 }
@@ -514,7 +514,7 @@ impl MoeMLP {
             pre_act,
             fc2,
             y_perm,
-            aux_loss: aux,
+            aux_loss: DeviceBuffer::new(aux),
             aux_loss_grad: 1.0,
             dev,
         };
@@ -589,7 +589,7 @@ fn device_scalar(dev: &Device, value: f32) -> Result<CudaSlice<f32>> {
 
 /// Rows per expert of `routing`, copied to the host (one stream synchronization).
 fn host_splits(dev: &Device, routing: &MoeRouting) -> Result<Vec<usize>> {
-    let splits = dev.stream().dtoh(&routing.m_splits)?;
+    let splits = dev.stream().dtoh(&*routing.m_splits)?;
     splits
         .into_iter()
         .map(|m| usize::try_from(m).map_err(|_| Error::internal(MODULE, format!("a negative expert row count {m}"))))

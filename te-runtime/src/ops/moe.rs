@@ -9,6 +9,7 @@
 
 use super::check_dtype;
 use super::launch::Launch;
+use crate::DeviceBuffer;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use te_codegen::spec::MoePermuteSpec;
@@ -27,9 +28,9 @@ pub struct MoeRouting {
     pub experts: usize,
     /// i32 `[k, tokens]`: the row of slot `j` of token `t` at `j · tokens + t`, or -1 for a
     /// dropped slot (one element at least: a routing of 0 tokens holds a 0).
-    pub row_id_map: CudaSlice<i32>,
+    pub row_id_map: DeviceBuffer<i32>,
     /// i32 `[experts]`: rows per expert (they sum to the slots not dropped).
-    pub m_splits: CudaSlice<i32>,
+    pub m_splits: DeviceBuffer<i32>,
 }
 
 impl MoeRouting {
@@ -79,8 +80,8 @@ impl MoeRouting {
             k,
             experts,
             // At least one element (a 0-byte allocation is refused).
-            row_id_map: stream.alloc_zeros::<i32>((tokens * k).max(1))?,
-            m_splits: stream.alloc_zeros::<i32>(experts)?,
+            row_id_map: stream.alloc_zeros::<i32>((tokens * k).max(1))?.into(),
+            m_splits: stream.alloc_zeros::<i32>(experts)?.into(),
         })
     }
 }
@@ -110,7 +111,7 @@ pub fn routing_map(dev: &Device, indices: &CudaSlice<i32>, out: &mut MoeRouting)
     let f = dev.function(&KernelSpec::MoePermute(spec), 0)?;
     let sizes = [tokens as u64, k as u64, experts as u64];
     let mut l = Launch::new(OP, stream, &f, &spec, 0);
-    l.ptr("indices", indices).ptr("row_id_map", &mut out.row_id_map).ptr("m_splits", &mut out.m_splits);
+    l.ptr("indices", indices).ptr("row_id_map", &mut *out.row_id_map).ptr("m_splits", &mut *out.m_splits);
     l.scalar("tokens", &sizes[0]).scalar("k", &sizes[1]).scalar("experts", &sizes[2]);
     // SAFETY: indices holds tokens · k i32, row_id_map as many, m_splits experts; one block per
     // expert writes its own m_splits entry and its slots' rows (block 0 the dropped ones).
@@ -213,7 +214,7 @@ fn move_rows(
     let f = dev.function(&KernelSpec::MoePermute(spec), index)?;
     let (null, sizes) = (0u64, [r.tokens as u64, r.k as u64, out_shape[1] as u64]);
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, index);
-    l.ptr(name, input.data()).ptr("row_id_map", &r.row_id_map);
+    l.ptr(name, input.data()).ptr("row_id_map", &*r.row_id_map);
     match probs {
         Some(p) => l.ptr("probs", p),
         None => l.ptr("probs", &null),
@@ -259,7 +260,7 @@ pub fn unpermute_dprobs(
     let f = dev.function(&KernelSpec::MoePermute(spec), 3)?;
     let sizes = [r.tokens as u64, r.k as u64, hidden as u64];
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 3);
-    l.ptr("d_out", d_out.data()).ptr("y", y.data()).ptr("row_id_map", &r.row_id_map).ptr("d_probs", d_probs);
+    l.ptr("d_out", d_out.data()).ptr("y", y.data()).ptr("row_id_map", &*r.row_id_map).ptr("d_probs", d_probs);
     l.scalar("tokens", &sizes[0]).scalar("k", &sizes[1]).scalar("hidden", &sizes[2]);
     // SAFETY: d_out holds tokens · hidden elements, y tokens · k · hidden, d_probs tokens · k f32
     // (checked).

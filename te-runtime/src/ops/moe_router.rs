@@ -17,6 +17,7 @@
 
 use super::check_dtype;
 use super::launch::Launch;
+use crate::DeviceBuffer;
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use te_codegen::spec::MoeRouterSpec;
@@ -55,11 +56,11 @@ pub struct RouterOutput {
     /// The options.
     pub config: RouterConfig,
     /// i32 `[tokens, k]`: token `t`'s `j`-th best expert at `t · k + j` (one element at least).
-    pub indices: CudaSlice<i32>,
+    pub indices: DeviceBuffer<i32>,
     /// f32 `[tokens, k]`: the routing probabilities of those experts (one element at least).
-    pub probs: CudaSlice<f32>,
+    pub probs: DeviceBuffer<f32>,
     /// f32 `[tokens, experts]`: the softmax over all experts (one element at least).
-    pub scores: CudaSlice<f32>,
+    pub scores: DeviceBuffer<f32>,
 }
 
 impl RouterOutput {
@@ -96,9 +97,9 @@ impl RouterOutput {
             experts,
             config,
             // At least one element each (a 0-byte allocation is refused).
-            indices: stream.alloc_zeros::<i32>((tokens * k).max(1))?,
-            probs: stream.alloc_zeros::<f32>((tokens * k).max(1))?,
-            scores: stream.alloc_zeros::<f32>(elements.max(1))?,
+            indices: stream.alloc_zeros::<i32>((tokens * k).max(1))?.into(),
+            probs: stream.alloc_zeros::<f32>((tokens * k).max(1))?.into(),
+            scores: stream.alloc_zeros::<f32>(elements.max(1))?.into(),
         })
     }
 
@@ -178,8 +179,8 @@ pub fn topk_router(dev: &Device, logits: &Tensor, out: &mut RouterOutput) -> Res
     let (sizes, grid) = (out.sizes(), out.token_grid()?);
     let (pre, sf) = (i32::from(out.config.pre_softmax), out.config.scaling_factor);
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
-    l.ptr("logits", logits.data()).ptr("indices", &mut out.indices).ptr("probs", &mut out.probs);
-    l.ptr("scores", &mut out.scores);
+    l.ptr("logits", logits.data()).ptr("indices", &mut *out.indices).ptr("probs", &mut *out.probs);
+    l.ptr("scores", &mut *out.scores);
     l.scalar("tokens", &sizes[0]).scalar("experts", &sizes[1]).scalar("k", &sizes[2]);
     l.scalar("pre_softmax", &pre).scalar("scaling_factor", &sf);
     // SAFETY: logits holds tokens · experts elements of the spec's dtype (checked), indices and
@@ -219,7 +220,7 @@ pub fn topk_router_backward(
     let (sizes, grid) = (r.sizes(), r.token_grid()?);
     let (pre, sf) = (i32::from(r.config.pre_softmax), r.config.scaling_factor);
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 1);
-    l.ptr("indices", &r.indices).ptr("scores", &r.scores).ptr("d_probs", d_probs);
+    l.ptr("indices", &*r.indices).ptr("scores", &*r.scores).ptr("d_probs", d_probs);
     l.ptr("d_logits", d_logits.data_mut()?);
     l.scalar("tokens", &sizes[0]).scalar("experts", &sizes[1]).scalar("k", &sizes[2]);
     l.scalar("pre_softmax", &pre).scalar("scaling_factor", &sf);
@@ -270,7 +271,7 @@ pub fn aux_loss(
     let f = dev.function(&KernelSpec::MoeRouter(spec), 2)?;
     let sizes = r.sizes();
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 2);
-    l.ptr("scores", &r.scores).ptr("tokens_per_expert", tokens_per_expert).ptr("loss", loss);
+    l.ptr("scores", &*r.scores).ptr("tokens_per_expert", tokens_per_expert).ptr("loss", loss);
     l.scalar("tokens", &sizes[0]).scalar("experts", &sizes[1]).scalar("k", &sizes[2]).scalar("coeff", &coeff);
     let cfg =
         LaunchConfig { grid_dim: (1, 1, 1), block_dim: (MoeRouterSpec::AUX_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
@@ -312,7 +313,7 @@ pub fn aux_loss_backward(
     let f = dev.function(&KernelSpec::MoeRouter(spec), 3)?;
     let (sizes, grid, acc) = (r.sizes(), r.token_grid()?, i32::from(accumulate));
     let mut l = Launch::new(OP, dev.stream(), &f, &spec, 3);
-    l.ptr("scores", &r.scores).ptr("tokens_per_expert", tokens_per_expert).ptr("d_loss", d_loss);
+    l.ptr("scores", &*r.scores).ptr("tokens_per_expert", tokens_per_expert).ptr("d_loss", d_loss);
     l.ptr("d_logits", d_logits.data_mut()?);
     l.scalar("tokens", &sizes[0]).scalar("experts", &sizes[1]).scalar("k", &sizes[2]);
     l.scalar("coeff", &coeff).scalar("accumulate", &acc);
