@@ -32,22 +32,23 @@ const FUSED_SHAPES: [(usize, usize, usize, usize, usize, bool); 11] = [
     (16, 1000, 16, 16, 64, false),
 ];
 
+/// The filters `attention_fused`, `attention_fp8` and `attention_unfused` pick one part;
+/// `attention` runs all three.
 pub fn run(b: &mut Bench) {
-    if !b.enabled("attention") {
-        return;
+    if b.enabled("attention_fused") {
+        for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES {
+            let shape = FusedShape { batch, seq, heads, groups, d, causal };
+            fused(b, shape, QkvFormat::Bshd, 0.0, "ours fused");
+        }
+        // The first shape again in the layer's `sbhd` layout, and with attention dropout 0.1
+        // (the keep mask drawn in the kernels): fwd+bwd rows.
+        let first = FusedShape { batch: 4, seq: 2048, heads: 32, groups: 32, d: 128, causal: true };
+        fused(b, first, QkvFormat::Sbhd, 0.0, "ours fused sbhd");
+        fused(b, first, QkvFormat::Bshd, 0.1, "ours fused dropout 0.1");
     }
-    for (batch, seq, heads, groups, d, causal) in FUSED_SHAPES {
-        let shape = FusedShape { batch, seq, heads, groups, d, causal };
-        fused(b, shape, QkvFormat::Bshd, 0.0, "ours fused");
-    }
-    // The first shape again in the layer's `sbhd` layout, and with attention dropout 0.1 (the
-    // keep mask drawn in the kernels): fwd+bwd rows.
-    let first = FusedShape { batch: 4, seq: 2048, heads: 32, groups: 32, d: 128, causal: true };
-    fused(b, first, QkvFormat::Sbhd, 0.0, "ours fused sbhd");
-    fused(b, first, QkvFormat::Bshd, 0.1, "ours fused dropout 0.1");
-    // FP8 forward and backward (fp8_dpa) on the first (tuned) shapes of head_dim 128, and the FP8
-    // forward at Gemma 3's head_dim 256 (the FP8 backward takes 128 only), Hopper only.
-    if b.dev().arch() == te_runtime::Arch::Sm90a {
+    // FP8 forward and backward (fp8_dpa) on the first (tuned) shapes of head_dim 128 and at Gemma
+    // 3's head_dim 256, Hopper only.
+    if b.enabled("attention_fp8") && b.dev().arch() == te_runtime::Arch::Sm90a {
         let d256 = FUSED_SHAPES.into_iter().filter(|s| s.4 == 256);
         for (batch, seq, heads, groups, d, causal) in
             FUSED_SHAPES.into_iter().take(6).filter(|s| s.4 == 128).chain(d256)
@@ -55,7 +56,9 @@ pub fn run(b: &mut Bench) {
             fp8_forward(b, FusedShape { batch, seq, heads, groups, d, causal });
         }
     }
-    unfused(b);
+    if b.enabled("attention_unfused") {
+        unfused(b);
+    }
 }
 
 /// One row of [`FUSED_SHAPES`].
@@ -127,7 +130,7 @@ fn fused(b: &mut Bench, s: FusedShape, format: QkvFormat, p: f32, variant: &str)
 /// The FP8 forward (`ops::flash_attention_fp8`) on `s` in bshd: the attention kernel alone (E4M3
 /// operands made once) and with the quantization of q, k, v (what a step pays when the QKV GEMM
 /// emits 16-bit), as `ours fp8` and `ours fp8 + quantize`. FLOPs as the 16-bit forward's. Then,
-/// at head_dim 128, the FP8 backward (E5M2 dO and dS): its kernels alone (`bwd`, 2.5× the
+/// the FP8 backward (E5M2 dO and dS): its kernels alone (`bwd`, 2.5× the
 /// forward's FLOPs) and the whole training step with every cast (`fwd+bwd`, `ours fp8 +
 /// quantize`).
 fn fp8_forward(b: &mut Bench, s: FusedShape) {
@@ -190,9 +193,6 @@ fn fp8_forward(b: &mut Bench, s: FusedShape) {
     });
     b.record_work(&shape, st, flops, None, work("ours fp8 + quantize", "fwd", flops));
 
-    if d != 128 {
-        return;
-    }
     // Training: the operands with the backward's codes, dO in E5M2.
     let mut ops = Fp8Operands::with_backward(&dev, &p).unwrap();
     let mut g8 = Fp8Grad::new(&dev, &p, DType::E5M2).unwrap();

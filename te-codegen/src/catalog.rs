@@ -80,8 +80,9 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
                     v.push(FlashAttnSpec::fp8_forward(dtype, d, arch).with_dropout(dropout).into());
                 }
             }
-            // The FP8 backward (Hopper only, head dim 128; no dropout), E5M2 or E4M3 gradients.
-            if arch == Arch::Sm90a && d == 128 {
+            // The FP8 backward (Hopper only, head dims 128 and 256; no dropout), E5M2 or E4M3
+            // gradients.
+            if arch == Arch::Sm90a && d % 128 == 0 {
                 for grad_e5m2 in [true, false] {
                     v.push(FlashAttnSpec::fp8_backward(dtype, d, arch, grad_e5m2).into());
                 }

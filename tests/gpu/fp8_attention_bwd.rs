@@ -3,8 +3,8 @@
 //! the host quantizer, the recorded amax of dS against an f64 host computation, and the
 //! gradients against the 16-bit fused backward of the same (dequantized) inputs: they differ by
 //! the quantization of P (E4M3) and dS (E5M2 / E4M3) only. Power-of-two scales make the
-//! dequantized inputs exact in bf16. Shapes that are not tile multiples, GQA, sbhd, causal and
-//! bottom-right; bitwise determinism; typed errors.
+//! dequantized inputs exact in bf16. Head dims 128 and 256, shapes that are not tile multiples,
+//! GQA and MQA, sbhd, causal and bottom-right; bitwise determinism; typed errors.
 
 use crate::common::randn;
 use crate::fp8_attention::{hopper, key_of_k, params, to_format};
@@ -94,14 +94,19 @@ fn host_ds_amax(p: &FlashAttnParams, q: &[f32], k: &[f32], v: &[f32], d_o: &[f32
 #[test]
 fn fp8_backward_matches_the_16_bit_backward_of_its_quantized_inputs() {
     let Some(dev) = hopper() else { return };
-    let (batch, heads, groups, d) = (2, 4, 2, 128);
-    for (sq, sk, mask, format, grad, seed) in [
-        (200, 333, AttnMaskType::NoMask, QkvFormat::Bshd, DType::E5M2, 400),
-        (333, 333, AttnMaskType::Causal, QkvFormat::Sbhd, DType::E5M2, 401),
-        (77, 300, AttnMaskType::CausalBottomRight, QkvFormat::Bshd, DType::E4M3, 402),
-        (129, 64, AttnMaskType::NoMask, QkvFormat::Bshd, DType::E5M2, 403),
+    let batch = 2;
+    // head_dim 256 (Gemma 3's): two 128-channel slabs of dK/dV per key block, 64-key dQ tiles;
+    // MQA there as in Gemma 3.
+    for (d, heads, groups, sq, sk, mask, format, grad, seed) in [
+        (128, 4, 2, 200, 333, AttnMaskType::NoMask, QkvFormat::Bshd, DType::E5M2, 400),
+        (128, 4, 2, 333, 333, AttnMaskType::Causal, QkvFormat::Sbhd, DType::E5M2, 401),
+        (128, 4, 2, 77, 300, AttnMaskType::CausalBottomRight, QkvFormat::Bshd, DType::E4M3, 402),
+        (128, 4, 2, 129, 64, AttnMaskType::NoMask, QkvFormat::Bshd, DType::E5M2, 403),
+        (256, 4, 1, 300, 300, AttnMaskType::Causal, QkvFormat::Bshd, DType::E5M2, 404),
+        (256, 4, 2, 77, 200, AttnMaskType::NoMask, QkvFormat::Sbhd, DType::E4M3, 405),
+        (256, 2, 2, 150, 333, AttnMaskType::CausalBottomRight, QkvFormat::Bshd, DType::E5M2, 406),
     ] {
-        let what = format!("sq {sq} sk {sk} {} {format:?} {grad}", mask.name());
+        let what = format!("d {d} h {heads}/{groups} sq {sq} sk {sk} {} {format:?} {grad}", mask.name());
         let dense = |s, h| HeadStrides::dense(QkvFormat::Bshd, batch, s, h, d);
         let p = params((batch, sq, sk), (heads, groups, d), mask, format);
         let pd = FlashAttnParams { q: dense(sq, heads), kv: dense(sk, groups), v: dense(sk, groups), ..p };

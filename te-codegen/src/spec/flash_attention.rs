@@ -76,7 +76,7 @@ pub struct FlashAttnSpec {
     /// 256): q, k and v in E4M3 (v transposed, see [`FlashAttnSpec::FWD_FP8_ARGS`]), the output in
     /// `dtype`; a second entry point `_quantize` ([`FlashAttnSpec::QUANTIZE_ARGS`]) makes the FP8
     /// operands of the forward and the backward. Backward ([`FlashAttnSpec::fp8_backward`], head
-    /// dim 128): every product on 8-bit wgmma, the gradients in `dtype`
+    /// dims 128 and 256): every product on 8-bit wgmma, the gradients in `dtype`
     /// ([`FlashAttnSpec::BWD_FP8_DKDV_ARGS`], [`FlashAttnSpec::BWD_FP8_DQ_ARGS`]).
     pub fp8: bool,
     /// FP8 backward: dO and dS in E5M2 (TE's HYBRID format), else E4M3.
@@ -244,10 +244,10 @@ impl FlashAttnSpec {
         }
     }
 
-    /// The FP8 backward for the same head dim and gradient dtype (head_dim 128 on sm_90a; dO and dS
-    /// in E5M2 with `grad_e5m2`, else E4M3): dK/dV blocks of 128 keys against 64-query tiles
-    /// (three stages), dQ blocks of 128 queries against 128-key tiles, as the 16-bit wgmma
-    /// backward.
+    /// The FP8 backward for the same head dim and gradient dtype (head_dim 128 or 256 on sm_90a;
+    /// dO and dS in E5M2 with `grad_e5m2`, else E4M3): dK/dV blocks of 128 keys against 64-query
+    /// tiles (three stages), each block on [`FlashAttnSpec::fp8_dkdv_channels`] channels of the
+    /// gradients; dQ blocks of 128 queries against [`FlashAttnSpec::dq_key_tile`]-key tiles.
     pub fn fp8_backward(dtype: DType, head_dim: usize, arch: Arch, grad_e5m2: bool) -> Self {
         Self {
             direction: Direction::Bwd,
@@ -318,6 +318,31 @@ impl FlashAttnSpec {
         }
     }
 
+    /// Channels of dK and dV one FP8 `_dkdv` block accumulates: at most 128, so that its dK and
+    /// dV accumulators stay 128 f32 registers a thread at head_dim 256. Above that the launch has
+    /// `head_dim / 128` blocks per key block and kv head, each recomputing Sᵀ and dPᵀ over every
+    /// channel (the contraction) and accumulating its own channel slab of the gradients: 1.5× the
+    /// dK/dV products of one pass, for the 8-bit wgmma's K-major operands leave no room for
+    /// FlashAttention-3's exchange of P and dS through shared memory without a transposed copy.
+    pub const fn fp8_dkdv_channels(&self) -> usize {
+        if self.head_dim > 128 {
+            128
+        } else {
+            self.head_dim
+        }
+    }
+
+    /// Keys per tile of the `_dq` loop: `block_n`, but 64 for the FP8 backward above head dim
+    /// 128 (its dQ accumulator is 128 f32 registers a thread there; S and dP of 64 keys keep the
+    /// rest under 255).
+    pub const fn dq_key_tile(&self) -> usize {
+        if self.fp8 && self.head_dim > 128 {
+            64
+        } else {
+            self.block_n
+        }
+    }
+
     /// Query rows per tile of the dK/dV kernel's loop.
     pub const fn dkdv_tile_m(&self) -> usize {
         if self.head_dim <= 64 || self.wgmma {
@@ -368,13 +393,17 @@ impl FlashAttnSpec {
             }
             (Direction::Fwd, _) => (self.block_m + 2 * self.block_n) * row,
             (Direction::Bwd, 0) | (Direction::Bwd, 3) => 0,
-            // FP8: K, V and the stages of Q, dO, Qᵀ, dOᵀ (bytes), LSE and delta.
+            // FP8: K, V and the stages of Q, dO, the block's channels of Qᵀ, dOᵀ (bytes), LSE and
+            // delta.
             (Direction::Bwd, 1) if self.fp8 => {
                 let q_side = self.dkdv_stages() * self.dkdv_tile_m();
-                (2 * self.block_n + 4 * q_side) * self.head_dim + 2 * q_side * 4 + 1024
+                (2 * self.block_n + 2 * q_side) * self.head_dim
+                    + 2 * q_side * self.fp8_dkdv_channels()
+                    + 2 * q_side * 4
+                    + 1024
             }
             // FP8: Q, dO and two stages of K, V, Kᵀ (bytes).
-            (Direction::Bwd, _) if self.fp8 => (2 * self.block_m + 6 * self.block_n) * self.head_dim + 1024,
+            (Direction::Bwd, _) if self.fp8 => (2 * self.block_m + 6 * self.dq_key_tile()) * self.head_dim + 1024,
             // K, V and the stages of Q, dO, LSE and delta (+ Pᵀ and dSᵀ tiles with a channel split).
             (Direction::Bwd, 1) if self.wgmma => {
                 let rows = self.block_n + self.dkdv_stages() * self.dkdv_tile_m();
@@ -656,6 +685,8 @@ impl Family for FlashAttnSpec {
         ctx.insert("block_n", &self.block_n);
         ctx.insert("dkdv_tile_m", &self.dkdv_tile_m());
         ctx.insert("dkdv_stages", &self.dkdv_stages());
+        ctx.insert("dkdv_channels", &self.fp8_dkdv_channels());
+        ctx.insert("dq_key_tile", &self.dq_key_tile());
         ctx.insert("smem_ld", &self.smem_ld());
         ctx.insert("dropout", &self.dropout);
         ctx.insert("wgmma", &self.wgmma);
@@ -698,12 +729,16 @@ impl Family for FlashAttnSpec {
         ctx.insert("csplit", &cs);
         let mut ss = match self.direction {
             Direction::Fwd => vec![self.block_n],
-            Direction::Bwd => vec![self.dkdv_tile_m() / cs, self.block_n / cs],
+            Direction::Bwd => vec![self.dkdv_tile_m() / cs, self.dq_key_tile() / cs],
         };
         ss.dedup();
         let shapes = |ns: Vec<usize>| ns.into_iter().map(|n| (n, n / 8)).collect::<Vec<_>>();
         ctx.insert("wgmma_ss_n", &shapes(ss));
         let mut rs = vec![self.head_dim, self.head_dim_v];
+        if self.fp8 && self.direction == Direction::Bwd {
+            rs.push(self.fp8_dkdv_channels());
+        }
+        rs.sort_unstable();
         rs.dedup();
         let mut ss_t = if cs > 1 { vec![self.head_dim / cs, self.head_dim_v / cs] } else { vec![] };
         ss_t.dedup();
@@ -762,10 +797,15 @@ impl Family for FlashAttnSpec {
         }
         if self.fp8
             && self.direction == Direction::Bwd
-            && !(self.wgmma && self.head_dim == 128 && self.block_m == 128 && self.block_n == 128 && !self.dropout)
+            && !(self.wgmma
+                && self.head_dim % 128 == 0
+                && self.head_dim <= 256
+                && self.block_m == 128
+                && self.block_n == 128
+                && !self.dropout)
         {
             return Err(format!(
-                "the FP8 backward is the sm_90a wgmma kernel at head_dim 128 with 128 × 128 blocks and no dropout, got \
+                "the FP8 backward is the sm_90a wgmma kernel at head_dim 128 or 256 with 128 × 128 blocks and no dropout, got \
                  {} head_dim {} blocks {} × {}{} (use the bf16/f16 backward)",
                 self.arch,
                 self.head_dim,
@@ -857,6 +897,29 @@ mod tests {
         assert_eq!(crate::spec::Family::entry_suffixes(&bwd).len(), 4);
         let fp8 = FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true);
         assert_eq!(crate::spec::Family::entry_suffixes(&fp8).len(), 3);
+    }
+
+    #[test]
+    fn fp8_backward_at_head_dim_256_keeps_head_dim_128_registers() {
+        let d128 = FlashAttnSpec::fp8_backward(DType::BF16, 128, Arch::Sm90a, true);
+        assert_eq!((d128.fp8_dkdv_channels(), d128.dq_key_tile()), (128, 128));
+        let d256 = FlashAttnSpec::fp8_backward(DType::BF16, 256, Arch::Sm90a, false);
+        crate::spec::KernelSpec::from(d256).validate().unwrap();
+        // Two 128-channel slabs of dK/dV per key block; 64-key tiles in `_dq`.
+        assert_eq!((d256.fp8_dkdv_channels(), d256.dq_key_tile()), (128, 64));
+        // K, V, three stages of Q, dO and of the slab's Qᵀ, dOᵀ, LSE and delta.
+        assert_eq!(d256.shared_bytes(1), 2 * 128 * 256 + 2 * 3 * 64 * 256 + 2 * 3 * 64 * 128 + 2 * 3 * 64 * 4 + 1024);
+        // Q, dO, two stages of 64-key K, V, Kᵀ.
+        assert_eq!(d256.shared_bytes(2), (2 * 128 + 6 * 64) * 256 + 1024);
+        assert!(d256.shared_bytes(1).max(d256.shared_bytes(2)) <= 227 * 1024);
+        // The 16-bit tiles are not the FP8 slabs': their dQ loop keeps block_n.
+        let bf16 = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 256, Arch::Sm90a);
+        assert_eq!(bf16.dq_key_tile(), bf16.block_n);
+        // Dropout and Ada stay refused.
+        let e = crate::spec::KernelSpec::from(d256.with_dropout(true)).validate().unwrap_err().to_string();
+        assert!(e.contains("no dropout"), "{e}");
+        let ada = FlashAttnSpec::fp8_backward(DType::BF16, 256, Arch::Sm89, true);
+        assert!(crate::spec::KernelSpec::from(ada).validate().is_err());
     }
 
     #[test]

@@ -16,7 +16,7 @@
 //! [`te_runtime::ops::flash_attention_fp8`]) casts q, k and v to E4M3 with one scale (the module's
 //! delayed-scaling slot, TE's `META_QKV`, visited as `fp8_fwd`; or their current amax) and runs
 //! `Q · Kᵀ` and `P · V` on E4M3 tensor cores; the output is 16-bit. In training the backward runs
-//! in FP8 too where its kernels take the call (head_dim 128, no attention dropout; TE's default
+//! in FP8 too where its kernels take the call (head_dim 128 or 256, no attention dropout; TE's default
 //! `NVTE_FP8_DPA_BWD=1`): dO cast to E5M2 under HYBRID (the module's backward slot `fp8_bwd`, or
 //! its current amax), dS quantized in the kernels with a delayed scale (`fp8_dp`, TE's dP
 //! quantizer; history 1 under current scaling, as TE), every product on 8-bit tensor cores,

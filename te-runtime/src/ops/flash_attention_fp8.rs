@@ -403,7 +403,7 @@ fn launch_forward(
 }
 
 /// Why the FP8 [`backward`] cannot run this call on `arch`, or `None` when it can: the
-/// forward's conditions ([`unsupported_reason`]), head_dim 128, no attention dropout.
+/// forward's conditions ([`unsupported_reason`]: head_dim 128 or 256), no attention dropout.
 pub fn backward_unsupported_reason(
     arch: Arch,
     dtype: DType,
@@ -413,9 +413,6 @@ pub fn backward_unsupported_reason(
 ) -> Option<String> {
     if let Some(why) = unsupported_reason(arch, dtype, head_dim, thd) {
         return Some(why);
-    }
-    if head_dim != 128 {
-        return Some(format!("the FP8 attention backward takes head_dim 128, got {head_dim}"));
     }
     if dropout {
         return Some("the FP8 attention backward takes no attention dropout".into());
@@ -531,7 +528,9 @@ pub fn backward(
     // SAFETY: the codes are the dense and transposed 8-bit tensors of `p`'s sizes (checked), dk
     // and dv reach every row their kv strides address (checked), held `&mut` and disjoint; lse
     // and delta hold batch · heads · sq f32, the cu_seqlens batch + 1 i32, the scales one f32.
-    unsafe { l.launch(dkdv_grid(p, &spec, 1)) }?;
+    // Above head dim 128 a block per 128-channel slab of dK and dV (`fp8_dkdv_channels`).
+    let slabs = spec.head_dim / spec.fp8_dkdv_channels();
+    unsafe { l.launch(dkdv_grid(p, &spec, slabs)) }?;
 
     let f = function(dev, &spec, 2)?;
     let mut l = Launch::new(OP, stream, &f, &spec, 2);

@@ -86,7 +86,7 @@ impl Fp8Scalings {
 
     /// The FP8 plan of a fused forward of `inputs`: under an `fp8_autocast` recipe with `fp8_dpa`,
     /// where the FP8 kernels take the call (else `None`: 16 bits, with a debug log saying why).
-    /// In `training` the FP8 backward follows where it takes the call (head_dim 128, no
+    /// In `training` the FP8 backward follows where it takes the call (head_dim 128 or 256, no
     /// attention dropout) and `NVTE_FP8_DPA_BWD` is not `0`; else the 16-bit backward. Under
     /// calibration the inputs' amax is recorded into the QKV slot instead, and the forward stays
     /// 16-bit.
