@@ -254,6 +254,16 @@ pub struct GptLoss {
 }
 
 impl GptLoss {
+    /// A loss of `counted` targets from their per-token losses (and the MoE aux losses).
+    pub(crate) fn new(
+        per_token: CudaSlice<f32>,
+        counted: usize,
+        aux: Option<CudaSlice<f32>>,
+        dev: Arc<Device>,
+    ) -> Self {
+        Self { per_token, counted, aux, dev }
+    }
+
     /// The mean over the counted targets (0 when none counted); copies `s · b` floats to the
     /// host, waiting for the work issued before on the stream.
     ///

@@ -18,6 +18,7 @@ mod checkpoint;
 mod copy;
 mod decode_attention;
 mod decoder;
+mod decoder_train;
 mod dropout;
 mod elementwise;
 mod fp8_attention;

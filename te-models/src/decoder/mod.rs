@@ -105,6 +105,7 @@ mod load;
 mod names;
 mod rope;
 mod safetensors_dir;
+pub mod train;
 mod weights;
 #[cfg(test)]
 mod weights_tests;

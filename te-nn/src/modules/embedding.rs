@@ -9,6 +9,7 @@ use super::{next_module_id, KernelSpec, KernelTarget, Stamp};
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use te_codegen::DType;
+use te_runtime::ops::elementwise::add_assign;
 use te_runtime::ops::embedding::{embedding_backward, embedding_forward, EmbeddingGradIndex};
 use te_runtime::ops::{check_dtype, check_shape};
 use te_runtime::{Device, Error, Result, Tensor};
@@ -108,6 +109,25 @@ impl Embedding {
         self.weight = weight;
         self.version += 1;
         Ok(())
+    }
+
+    /// Adds `g` (`[num_embeddings, embedding_dim]`, any high-precision dtype) to the accumulated
+    /// gradient: a tied LM head's weight gradient (the head's GEMM reads this table).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] / [`Error::DType`] for a `g` of another shape or an FP8 one; kernel
+    /// failures.
+    pub fn accumulate_weight_grad(&mut self, g: &Tensor) -> Result<()> {
+        check_shape(MODULE, "weight_grad", g, self.weight.shape())?;
+        match &mut self.grad {
+            Some(acc) => add_assign(&self.dev, acc, g),
+            None => {
+                let mut acc = Tensor::zeros(&self.dev, self.cfg.params_dtype, self.weight.shape())?;
+                add_assign(&self.dev, &mut acc, g)?;
+                self.grad = Some(acc);
+                Ok(())
+            }
+        }
     }
 
     /// Drops the accumulated gradient.

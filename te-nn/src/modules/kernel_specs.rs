@@ -221,8 +221,9 @@ impl DotProductAttentionConfig {
 impl MultiheadAttentionConfig {
     /// The kernels a `MultiheadAttention` of this config runs for `target` (this config's
     /// `params_dtype` applies): those of its QKV projection (behind the input norm with
-    /// `input_layernorm`), its attention, RoPE of q and k over the head dimension (forward and
-    /// backward, with [`KernelTarget::rotary`]) and its output projection. A config
+    /// `input_layernorm`), its attention, the q/k norms (with `qk_norm_type`), RoPE of q and k
+    /// over the head dimension (forward and backward, with [`KernelTarget::rotary`]) and its
+    /// output projection. A config
     /// `MultiheadAttention::new` rejects (heads or groups that do not divide) adds nothing: no
     /// such module runs.
     pub fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
@@ -233,6 +234,9 @@ impl MultiheadAttentionConfig {
         }
         let t = target.with_dtype(self.params_dtype);
         parts.attention.kernel_specs(&t, specs);
+        if let Some((kind, c)) = &parts.qk_norm {
+            c.kernel_specs(*kind, &t, specs);
+        }
         if t.rotary {
             let d = parts.attention.kv_channels;
             for dir in [Direction::Fwd, Direction::Bwd] {

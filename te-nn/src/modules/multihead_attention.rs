@@ -1,11 +1,11 @@
 //! `MultiheadAttention` (TE `pytorch/attention/multi_head_attention.py`): fused QKV projection
-//! (behind the input norm when `input_layernorm`), rotary embedding of q and k, dot-product
-//! attention, output projection.
+//! (behind the input norm when `input_layernorm`), the q/k norms (`qk_norm_type`) and rotary
+//! embedding of q and k, dot-product attention, output projection.
 //!
 //! The QKV weight is `[(h + 2g) · d, hidden]` with rows `[q heads | k heads | v heads]`. Without
-//! RoPE its output goes to `DotProductAttention::forward_packed` as it is (the fused backend reads
-//! the heads in place and writes one fused gradient); with RoPE, q, k and v are copied apart
-//! (RoPE writes new q and k) and their gradients concatenated back.
+//! RoPE or q/k norms its output goes to `DotProductAttention::forward_packed` as it is (the fused
+//! backend reads the heads in place and writes one fused gradient); with either, q, k and v are
+//! copied apart (the norms and RoPE write new q and k) and their gradients concatenated back.
 //!
 //! Under a recipe with `fp8_mha` (TE's FP8 MHA) the attention hands its output to the output
 //! projection as E4M3 codes cast with the projection's input scale (see
@@ -25,11 +25,14 @@ use super::{next_module_id, ForwardOptions, LinearParams, NormParams, Output};
 use super::{KernelSpec, KernelTarget};
 use crate::fp8::{fp8_mode, Fp8Mode};
 use crate::parallel::{GemmParallel, ParallelMode, Split, TpConfig};
+use qk::{QkCtx, QkNorm, QkPrep};
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::ops::decode_attention::{append_kv, decode, Strided};
-use te_runtime::ops::rope::{self, RopeFormat};
+use te_runtime::ops::rope::RopeFormat;
 use te_runtime::{Device, Error, Result, Tensor};
+
+mod qk;
 
 const MODULE: &str = "MultiheadAttention";
 
@@ -68,6 +71,21 @@ pub struct MultiheadAttentionConfig {
     pub qkv_format: QkvFormat,
     /// QKV and output projections have biases.
     pub bias: bool,
+    /// The QKV projection's bias apart from the output projection's (Megatron's
+    /// `add_qkv_bias`: Qwen2's q/k/v biases without an `o_proj` bias); `None` = `bias`.
+    pub qkv_bias: Option<bool>,
+    /// A norm of each head's q and of its k over the `d` channels, one weight `[d]` for all
+    /// heads (TE's `qk_norm_type`: RMSNorm for Qwen3 and Gemma 3, `zero_centered_gamma` as the
+    /// input norm's); `None` (the default): none.
+    pub qk_norm_type: Option<NormKind>,
+    /// The q/k norms' epsilon (TE's `qk_norm_eps`, default 1e-6).
+    pub qk_norm_eps: f32,
+    /// Norm q and k before RoPE (transformers' Qwen3 and Gemma 3 order) instead of after (TE's
+    /// default, `qk_norm_before_rope = False`).
+    pub qk_norm_before_rope: bool,
+    /// The softmax scale (TE `DotProductAttention`'s `softmax_scale`; Gemma's
+    /// `query_pre_attn_scalar^-½`); `None` = `1 / √d`.
+    pub softmax_scale: Option<f32>,
     /// Parameter dtype.
     pub params_dtype: DType,
     /// Weight-init seed (the projections use `seed` and `seed + 1`).
@@ -99,6 +117,11 @@ impl MultiheadAttentionConfig {
             attention_dropout: 0.0,
             qkv_format: QkvFormat::Sbhd,
             bias: true,
+            qkv_bias: None,
+            qk_norm_type: None,
+            qk_norm_eps: 1e-6,
+            qk_norm_before_rope: false,
+            softmax_scale: None,
             params_dtype: DType::BF16,
             seed: 0,
             tp: None,
@@ -140,12 +163,13 @@ impl MultiheadAttentionConfig {
         let qkv_comm = GemmParallel::new(cfg.tp.as_ref(), ParallelMode::Column);
         let h_local = qkv_comm.split_count(MODULE, "num_attention_heads", h)?;
         let g_local = qkv_comm.split_count(MODULE, "num_gqa_groups", g)?;
+        let qkv_bias = cfg.qkv_bias.unwrap_or(cfg.bias);
         let qkv = if cfg.input_layernorm {
             QkvProjConfig::Norm(LayerNormLinearConfig {
                 eps: cfg.layernorm_epsilon,
                 normalization: cfg.normalization,
                 zero_centered_gamma: cfg.zero_centered_gamma,
-                bias: cfg.bias,
+                bias: qkv_bias,
                 params_dtype: cfg.params_dtype,
                 seed: cfg.seed,
                 tp: cfg.tp.clone(),
@@ -153,7 +177,7 @@ impl MultiheadAttentionConfig {
             })
         } else {
             QkvProjConfig::Plain(LinearConfig {
-                bias: cfg.bias,
+                bias: qkv_bias,
                 params_dtype: cfg.params_dtype,
                 seed: cfg.seed,
                 tp: cfg.tp.clone(),
@@ -168,8 +192,12 @@ impl MultiheadAttentionConfig {
             attn_mask_type: cfg.attn_mask_type,
             window_size: cfg.window_size,
             backend: cfg.attention_backend,
+            softmax_scale: cfg.softmax_scale,
             ..DotProductAttentionConfig::new(h_local, d)
         };
+        let qk_norm = cfg
+            .qk_norm_type
+            .map(|kind| (kind, qk::norm_config(d, cfg.qk_norm_eps, cfg.zero_centered_gamma, cfg.params_dtype)));
         let proj = LinearConfig {
             bias: cfg.bias,
             params_dtype: cfg.params_dtype,
@@ -179,7 +207,7 @@ impl MultiheadAttentionConfig {
             ..LinearConfig::new(h * d, cfg.hidden_size)
         };
         let qkv_split = Split::Qkv { heads: h, groups: g, head_dim: d };
-        Ok(MultiheadAttentionParts { qkv, qkv_split, attention, proj })
+        Ok(MultiheadAttentionParts { qkv, qkv_split, attention, qk_norm, proj })
     }
 
     /// The RoPE kernels' layout of q and k: that of the hidden states.
@@ -200,6 +228,8 @@ pub(crate) struct MultiheadAttentionParts {
     pub(crate) qkv_split: Split,
     /// The dot-product attention.
     pub(crate) attention: DotProductAttentionConfig,
+    /// The q/k norms' kind and config (over `d` channels), with `qk_norm_type`.
+    pub(crate) qk_norm: Option<(NormKind, super::NormConfig)>,
     /// The output projection `h·d → hidden`.
     pub(crate) proj: LinearConfig,
 }
@@ -246,7 +276,8 @@ pub struct MultiheadAttentionCtx {
     qkv: QkvCtx,
     attn: AttentionCtx,
     proj: LinearCtx,
-    rotary: Option<Tensor>,
+    /// q and k's norms and RoPE (`None`: the attention ran on the packed projection).
+    qk: Option<QkCtx>,
 }
 
 impl MultiheadAttentionCtx {
@@ -255,6 +286,9 @@ impl MultiheadAttentionCtx {
         &self.attn
     }
 }
+
+/// The attention's context and, where q and k were copied apart, their norms' and RoPE's.
+type AttendCtx = (AttentionCtx, Option<QkCtx>);
 
 /// Self-attention over hidden states `[s, b, hidden]` (or `[b, s, hidden]`), output of the same
 /// shape and dtype.
@@ -265,6 +299,7 @@ pub struct MultiheadAttention {
     cfg: MultiheadAttentionConfig,
     qkv: QkvProj,
     attention: DotProductAttention,
+    qk_norm: Option<QkNorm>,
     proj: Linear,
 }
 
@@ -282,8 +317,12 @@ impl MultiheadAttention {
             QkvProjConfig::Plain(c) => QkvProj::Plain(Box::new(Linear::with_split(dev, c, split)?)),
         };
         let attention = DotProductAttention::new(dev, parts.attention)?;
+        let qk_norm = match parts.qk_norm {
+            Some((kind, c)) => Some(QkNorm::new(dev, kind, c, cfg.qk_norm_before_rope)?),
+            None => None,
+        };
         let proj = Linear::new(dev, parts.proj)?;
-        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, qkv, attention, proj })
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, qkv, attention, qk_norm, proj })
     }
 
     /// The configuration.
@@ -339,10 +378,6 @@ impl MultiheadAttention {
         self.proj.params_mut()
     }
 
-    fn rope_format(&self) -> RopeFormat {
-        self.cfg.rope_format()
-    }
-
     /// The first dim of the attention's input: `x`'s, times the tensor-parallel size when `x`
     /// is this rank's token shard (the QKV projection gathers the shards).
     fn whole_first_dim(&self, a: usize) -> usize {
@@ -385,16 +420,10 @@ impl MultiheadAttention {
             }
         };
         let a = self.whole_first_dim(a);
-        let (y, proj, attn) = self.attend_project(&qkv, [a, b], &inputs, opts, true)?;
+        let (y, proj, (attn, qk)) = self.attend_project(&qkv, [a, b], &inputs, opts, true)?;
         let proj = proj.ok_or_else(|| Error::internal(MODULE, "a training forward of the projection saved nothing"))?;
         let y = y.into_high(&self.dev, x.dtype())?;
-        let ctx = MultiheadAttentionCtx {
-            module_id: self.id,
-            qkv: qkv_ctx,
-            attn,
-            proj,
-            rotary: inputs.rotary_pos_emb.cloned(),
-        };
+        let ctx = MultiheadAttentionCtx { module_id: self.id, qkv: qkv_ctx, attn, proj, qk };
         Ok((y, ctx))
     }
 
@@ -411,17 +440,23 @@ impl MultiheadAttention {
         inputs: &AttentionInputs<'_>,
         opts: ForwardOptions,
         grad: bool,
-    ) -> Result<(Output, Option<LinearCtx>, AttentionCtx)> {
+    ) -> Result<(Output, Option<LinearCtx>, AttendCtx)> {
         let qkv = qkv.reshape(&[a, b, qkv.numel() / (a * b).max(1)])?;
         let mha = matches!(fp8_mode(), Fp8Mode::Fp8(r) if r.fp8_mha());
-        let (dev, rope_format, attention) = (&self.dev, self.rope_format(), &mut self.attention);
+        let (dev, format, attention) = (&*self.dev, self.cfg.rope_format(), &mut self.attention);
+        let qk_norm = self.qk_norm.as_mut();
         self.proj.forward_produced(qkv.dtype(), opts, grad, |quantizer| {
             let request = quantizer.filter(|_| mha).map(|quantizer| Fp8OutputRequest { quantizer, backward: grad });
-            let (out, ctx) = match inputs.rotary_pos_emb {
-                None => attention.forward_packed_to(&qkv, inputs.seq_lens, request)?,
-                Some(freqs) => {
-                    let [q, k, v] = split_rope(dev, attention, rope_format, &qkv, freqs)?;
-                    attention.forward_to(&q, &k, &v, inputs.seq_lens, request)?
+            let (out, ctx, qk) = match (inputs.rotary_pos_emb, qk_norm) {
+                (None, None) => {
+                    let (out, ctx) = attention.forward_packed_to(&qkv, inputs.seq_lens, request)?;
+                    (out, ctx, None)
+                }
+                (freqs, norm) => {
+                    let [q, k, v] = attention.split_packed(&qkv)?;
+                    let ([q, k], qk) = QkPrep { dev, norm, format }.forward([q, k], freqs)?;
+                    let (out, ctx) = attention.forward_to(&q, &k, &v, inputs.seq_lens, request)?;
+                    (out, ctx, Some(qk))
                 }
             };
             let input = match out {
@@ -433,7 +468,7 @@ impl MultiheadAttention {
                     LinearInput::Fp8(f)
                 }
             };
-            Ok((input, ctx))
+            Ok((input, (ctx, qk)))
         })
     }
 
@@ -474,11 +509,16 @@ impl MultiheadAttention {
     pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
         let a = self.attention.config();
         let causal = matches!(a.attn_mask_type, AttnMaskType::Causal | AttnMaskType::CausalBottomRight);
-        if self.cfg.qkv_format != QkvFormat::Sbhd || !causal || a.window_size.is_some() || a.head_dim_v.is_some() {
+        if self.cfg.qkv_format != QkvFormat::Sbhd
+            || !causal
+            || a.window_size.is_some()
+            || a.head_dim_v.is_some()
+            || self.qk_norm.is_some()
+        {
             return Err(Error::Config {
                 module: MODULE,
-                message: "a KV cache serves sbhd hidden states with a causal mask, no sliding window and one head \
-                          dim for q, k and v"
+                message: "a KV cache serves sbhd hidden states with a causal mask, no sliding window, no q/k norms \
+                          and one head dim for q, k and v (te_models::decoder runs the decoder family's cache)"
                     .into(),
             });
         }
@@ -537,15 +577,12 @@ impl MultiheadAttention {
             return Err(Error::Context { module: MODULE, message: "the context was made by another module".into() });
         }
         let d_ctx = self.proj.backward(ctx.proj, d_out)?;
-        let d_qkv = match &ctx.rotary {
+        let d_qkv = match ctx.qk {
             None => self.attention.backward_packed(ctx.attn, &d_ctx)?,
-            Some(freqs) => {
-                let (mut dq, mut dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
-                for t in [&mut dq, &mut dk] {
-                    let mut out = Tensor::empty(&self.dev, t.dtype(), t.shape())?;
-                    rope::backward(&self.dev, self.rope_format(), t, freqs, &mut out)?;
-                    *t = out;
-                }
+            Some(qk) => {
+                let (dq, dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
+                let prep = QkPrep { dev: &self.dev, norm: self.qk_norm.as_mut(), format: self.cfg.rope_format() };
+                let [dq, dk] = prep.backward(qk, [dq, dk])?;
                 self.attention.concat_packed([&dq, &dk, &dv])?
             }
         };
@@ -558,11 +595,15 @@ impl MultiheadAttention {
 }
 
 impl Module for MultiheadAttention {
-    /// TE's names: `layernorm_qkv.*` (with `input_layernorm`) or `qkv.*`, then `proj.*`.
+    /// TE's names: `layernorm_qkv.*` (with `input_layernorm`) or `qkv.*`, Megatron's
+    /// `q_layernorm.*`, `k_layernorm.*` (with `qk_norm_type`), then `proj.*`.
     fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
         match &self.qkv {
             QkvProj::Norm(m) => m.visit(&join_path(prefix, "layernorm_qkv"), visitor)?,
             QkvProj::Plain(m) => m.visit(&join_path(prefix, "qkv"), visitor)?,
+        }
+        if let Some(n) = &self.qk_norm {
+            n.visit(prefix, visitor)?;
         }
         self.attention.visit(&join_path(prefix, "core_attention"), visitor)?;
         self.proj.visit(&join_path(prefix, "proj"), visitor)
@@ -573,6 +614,9 @@ impl Module for MultiheadAttention {
             QkvProj::Norm(m) => m.visit_mut(&join_path(prefix, "layernorm_qkv"), visitor)?,
             QkvProj::Plain(m) => m.visit_mut(&join_path(prefix, "qkv"), visitor)?,
         }
+        if let Some(n) = &mut self.qk_norm {
+            n.visit_mut(prefix, visitor)?;
+        }
         self.attention.visit_mut(&join_path(prefix, "core_attention"), visitor)?;
         self.proj.visit_mut(&join_path(prefix, "proj"), visitor)
     }
@@ -581,22 +625,4 @@ impl Module for MultiheadAttention {
     fn kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         self.cfg.kernel_specs(target, specs);
     }
-}
-
-/// q `[a, b, h, d]`, k and v `[a, b, g, d]` copied out of the fused projection's output
-/// `[a, b, (h + 2g)·d]`, with the rotary embedding applied to q and k.
-fn split_rope(
-    dev: &Device,
-    attention: &DotProductAttention,
-    format: RopeFormat,
-    qkv: &Tensor,
-    freqs: &Tensor,
-) -> Result<[Tensor; 3]> {
-    let [mut q, mut k, v] = attention.split_packed(qkv)?;
-    for t in [&mut q, &mut k] {
-        let mut out = Tensor::empty(dev, t.dtype(), t.shape())?;
-        rope::forward(dev, format, t, freqs, &mut out)?;
-        *t = out;
-    }
-    Ok([q, k, v])
 }

@@ -1,0 +1,329 @@
+//! The decoder family trainable on the GPU ([`DecoderLm`]): Llama, Qwen2, Qwen3 and Gemma 3 as
+//! TE modules with a backward, for fine-tuning a pretrained checkpoint (TE's `te_llama`
+//! tutorial: the Hugging Face model's layers replaced by TE's, the weights copied over).
+//!
+//! The model is the formula of the [`crate::decoder`] docs over hidden states `[s, b, hidden]`
+//! (Megatron's layout, every sequence of the batch from position 0): the embedding (times
+//! [`DecoderConfig::embedding_scale`]), [`layer::DecoderLayer`]s (te-nn `MultiheadAttention`
+//! and `LayerNormMLP`, the sandwich norms), the final norm, the LM head (the embedding's table
+//! when [`DecoderConfig::tie_word_embeddings`]) and the cross-entropy of next-token prediction.
+//! Its parameters carry the family's internal names (the table of the [`crate::decoder`] docs),
+//! so [`DecoderLm::from_weights`] loads what [`DecoderWeights`] imports (a Hugging Face
+//! directory, a GGUF file) and [`DecoderLm::to_weights`] hands back what
+//! [`DecoderWeights::save_hf_dir`] exports.
+//!
+//! FP8: run [`DecoderLm::forward_loss_with`] and [`DecoderLm::backward`] under
+//! `te_nn::fp8::fp8_autocast` with a recipe, as for `crate::gpt::Gpt`; the LM head stays in
+//! high precision (Megatron's output layer is not a TE module either).
+
+mod layer;
+
+use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights, WeightTensor};
+use crate::gpt::{GptLoss, MicroBatch, IGNORE_INDEX};
+use layer::{DecoderLayer, DecoderLayerCtx};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use te_codegen::DType;
+use te_nn::fp8::{fp8_autocast, Recipe};
+use te_nn::modules::{
+    Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, Linear, LinearConfig, LinearCtx, Module, Norm,
+    NormConfig, NormCtx, Param, ParamKind, ParamMut, TokenIds,
+};
+use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
+use te_runtime::ops::elementwise::scale_assign;
+use te_runtime::{Device, Error, Result, Tensor};
+
+const MODEL: &str = "DecoderLm";
+
+/// A decoder of the family with its training forward and backward (see the module docs).
+#[derive(Debug, te_nn::Module)]
+pub struct DecoderLm {
+    embedding: Embedding,
+    layers: Vec<DecoderLayer>,
+    final_norm: Norm,
+    /// The untied LM head `[vocab, hidden]`; `None` when tied.
+    lm_head: Option<Linear>,
+    /// The tied head: a GEMM over the embedding's table (set before each forward, its weight
+    /// gradient added to the table's after each backward; not a parameter of its own).
+    #[module(skip)]
+    tied_head: Option<Linear>,
+    /// f32 `[max_position_embeddings′, head_dim]` rotary angles of each distinct RoPE of the
+    /// layers (grown on demand to the longest sequence seen).
+    #[module(skip)]
+    rope: Vec<(crate::decoder::RopeConfig, Option<Tensor>)>,
+    #[module(skip)]
+    cfg: DecoderConfig,
+    #[module(skip)]
+    dtype: DType,
+    #[module(skip)]
+    dev: Arc<Device>,
+}
+
+/// What [`DecoderLm::forward_loss_with`] saves for [`DecoderLm::backward`].
+#[derive(Debug)]
+pub struct DecoderLmCtx {
+    tokens: EmbeddingCtx,
+    layers: Vec<DecoderLayerCtx>,
+    final_norm: NormCtx,
+    lm_head: LinearCtx,
+    dlogits: Tensor,
+    shape: [usize; 3],
+}
+
+impl DecoderLm {
+    /// A model of `cfg` in `dtype` (BF16 to train, F32 for checks) with TE's initialization
+    /// (weights to be loaded with [`DecoderLm::load`]).
+    ///
+    /// # Errors
+    /// [`DecoderError::Config`] for what training on the GPU does not run: final or attention
+    /// logit soft-capping, an activation without a fused kernel, a non-high-precision dtype;
+    /// the configuration's own checks; the modules' errors (a head dim the fused attention does
+    /// not take falls back to the unfused backend).
+    pub fn new(dev: &Arc<Device>, cfg: DecoderConfig, dtype: DType) -> DecoderResult<Self> {
+        cfg.validate()?;
+        for (field, set) in [
+            ("final_logit_softcapping", cfg.final_logit_softcapping.is_some()),
+            ("attn_logit_softcapping", cfg.attn_logit_softcapping.is_some()),
+        ] {
+            if set {
+                return Err(DecoderError::config(
+                    field,
+                    "training on the GPU has no soft-capping yet (Gemma 3 has none; Gemma 2 does): set it to null to \
+                     train without it",
+                ));
+            }
+        }
+        if !dtype.is_high_precision() {
+            return Err(DecoderError::config("torch_dtype", format!("train in bf16, f16 or f32, not {dtype}")));
+        }
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embedding = Embedding::new(dev, EmbeddingConfig { params_dtype: dtype, ..EmbeddingConfig::new(v, h) })?;
+        let mut rope: Vec<(crate::decoder::RopeConfig, Option<Tensor>)> = Vec::new();
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let r = cfg.layer_rope(l);
+            let i = match rope.iter().position(|(c, _)| *c == r) {
+                Some(i) => i,
+                None => {
+                    rope.push((r, None));
+                    rope.len() - 1
+                }
+            };
+            layers.push(DecoderLayer::new(dev, &cfg, l, i, dtype)?);
+        }
+        let nc = NormConfig {
+            eps: cfg.layernorm_epsilon,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+            params_dtype: dtype,
+            ..NormConfig::new(h)
+        };
+        let final_norm = Norm::new(dev, cfg.normalization, nc)?;
+        let head =
+            |seed| Linear::new(dev, LinearConfig { bias: false, params_dtype: dtype, seed, ..LinearConfig::new(h, v) });
+        let (lm_head, tied_head) =
+            if cfg.tie_word_embeddings { (None, Some(head(1)?)) } else { (Some(head(1)?), None) };
+        Ok(Self { embedding, layers, final_norm, lm_head, tied_head, rope, cfg, dtype, dev: dev.clone() })
+    }
+
+    /// A model of `weights`' configuration holding its tensors (rounded to `dtype`).
+    ///
+    /// # Errors
+    /// As [`DecoderLm::new`] and [`DecoderLm::load`].
+    pub fn from_weights(dev: &Arc<Device>, weights: &DecoderWeights, dtype: DType) -> DecoderResult<Self> {
+        let mut m = Self::new(dev, weights.config().clone(), dtype)?;
+        m.load(weights)?;
+        Ok(m)
+    }
+
+    /// Copies every parameter from `weights` (internal names), rounded to the model's dtype.
+    ///
+    /// # Errors
+    /// [`DecoderError::Input`] for a parameter `weights` lacks or holds in another shape, or a
+    /// tensor of `weights` the model has no parameter for (nothing is kept half-loaded: the
+    /// check runs before the first copy); device errors.
+    pub fn load(&mut self, weights: &DecoderWeights) -> DecoderResult<()> {
+        let mut wanted = Vec::new();
+        self.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            wanted.push((path.to_string(), p.shape().to_vec()));
+            Ok(())
+        })?;
+        let mut problems = Vec::new();
+        for (name, shape) in &wanted {
+            match weights.get(name) {
+                None => problems.push(format!("`{name}` {shape:?} is missing")),
+                Some(t) if t.data.len() != shape.iter().product::<usize>() => {
+                    problems.push(format!("`{name}` is {:?}, the model needs {shape:?}", t.shape))
+                }
+                Some(_) => {}
+            }
+        }
+        let names: std::collections::BTreeSet<&str> = wanted.iter().map(|(n, _)| n.as_str()).collect();
+        for name in weights.tensors().keys() {
+            if !names.contains(name.as_str()) {
+                problems.push(format!("`{name}` is not a parameter of the model"));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(DecoderError::input(format!("the weights do not fit the model: {}", problems.join("; "))));
+        }
+        let (dev, dtype) = (self.dev.clone(), self.dtype);
+        self.visit_mut("", &mut |path: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
+            let t = weights.get(path).ok_or_else(|| Error::internal(MODEL, "a parameter vanished while loading"))?;
+            let shape = p.shape().to_vec();
+            p.set(Tensor::from_f32(&dev, dtype, &shape, &t.data)?)
+        })?;
+        Ok(())
+    }
+
+    /// The parameters as [`DecoderWeights`] of the model's configuration (f32 copies on the
+    /// host, internal names): what `save_hf_dir` writes as a Hugging Face directory.
+    ///
+    /// # Errors
+    /// Copy failures; the configuration's checks.
+    pub fn to_weights(&self) -> DecoderResult<DecoderWeights> {
+        let mut tensors = BTreeMap::new();
+        let dev = &self.dev;
+        self.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            let t = p.tensor().ok_or_else(|| Error::internal(MODEL, "an FP8-only parameter"))?;
+            tensors.insert(path.to_string(), WeightTensor { shape: t.shape().to_vec(), data: t.to_f32(dev)? });
+            Ok(())
+        })?;
+        DecoderWeights::from_tensors(self.cfg.clone(), tensors)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    /// Training mode (the default) or evaluation mode.
+    pub fn set_training(&mut self, training: bool) {
+        for layer in &mut self.layers {
+            layer.set_training(training);
+        }
+    }
+
+    /// The rotary angles of table `i` covering positions `0..s`.
+    fn freqs(&mut self, i: usize, s: usize) -> Result<Tensor> {
+        let d = self.cfg.head_dim;
+        let (rope, table) = &mut self.rope[i];
+        match table {
+            Some(t) if t.shape()[0] >= s => Ok(t.clone()),
+            _ => {
+                let angles = rope.angles(d, 0..s);
+                let t = Tensor::from_f32(&self.dev, DType::F32, &[s, d], &angles)?;
+                *table = Some(t.clone());
+                Ok(t)
+            }
+        }
+    }
+
+    /// The mean cross-entropy of next-token prediction over the targets that are not
+    /// [`IGNORE_INDEX`], still on the device, and the context for [`DecoderLm::backward`].
+    ///
+    /// `ids`, `targets`: `[s, b]` (each column one sequence from position 0; targets usually
+    /// the ids shifted by one). `micro` as for `Gpt::forward_loss_with`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for ids that are not `[s, b]`, `s` above `max_position_embeddings`, or
+    /// targets of another shape; the modules' errors (FP8: `s · b` not a multiple of 16).
+    pub fn forward_loss_with(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        micro: MicroBatch,
+    ) -> Result<(GptLoss, DecoderLmCtx)> {
+        let MicroBatch { is_first_microbatch, grad_scale: loss_weight } = micro;
+        let shape = |message: String| Error::Shape { op: MODEL, message };
+        let [s, b] = *ids.shape() else {
+            return Err(shape(format!("ids must be [s, b], got {:?}", ids.shape())));
+        };
+        if s > self.cfg.max_position_embeddings {
+            return Err(shape(format!(
+                "sequence length {s} exceeds max_position_embeddings = {}",
+                self.cfg.max_position_embeddings
+            )));
+        }
+        if targets.shape() != ids.shape() {
+            return Err(shape(format!(
+                "targets must have the ids' shape {:?}, got {:?}",
+                ids.shape(),
+                targets.shape()
+            )));
+        }
+        let h = self.cfg.hidden_size;
+        let (mut x, tokens) = self.embedding.forward(ids)?;
+        let scale = self.cfg.embedding_scale(self.dtype);
+        if scale != 1.0 {
+            scale_assign(&self.dev, &mut x, scale)?;
+        }
+        let freqs = (0..self.rope.len()).map(|i| self.freqs(i, s)).collect::<Result<Vec<_>>>()?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &mut self.layers {
+            let (y, c) = layer.forward(&x, &freqs[layer.rope], is_first_microbatch)?;
+            layers.push(c);
+            x = y;
+        }
+        let (y, final_norm) = self.final_norm.forward(&x)?;
+        let y = y.reshape(&[s * b, h])?;
+        if let Some(head) = &mut self.tied_head {
+            head.params_mut().set_weight(self.embedding.weight().clone())?;
+        }
+        let head = match (&mut self.lm_head, &mut self.tied_head) {
+            (Some(head), _) | (None, Some(head)) => head,
+            (None, None) => return Err(Error::internal(MODEL, "no LM head")),
+        };
+        let opts = ForwardOptions { is_first_microbatch, fp8_output: false };
+        // A disabled scope inside the caller's: the head in high precision, and so its backward.
+        let (logits, lm_head) = fp8_autocast(false, Recipe::default(), || head.forward_with(&y, opts))?;
+        let logits = logits.into_high(&self.dev, y.dtype())?;
+        let counted = targets.host().iter().filter(|&&t| t != IGNORE_INDEX).count();
+        let grad_scale = if counted == 0 { 0.0 } else { loss_weight / counted as f32 };
+        let mut dlogits = Tensor::empty(&self.dev, logits.dtype(), logits.shape())?;
+        // SAFETY: f32 has no invalid bit patterns; the kernel writes every token's loss.
+        let mut loss = unsafe { self.dev.stream().alloc::<f32>(s * b) }?;
+        let grad = CrossEntropyGrad { dlogits: &mut dlogits, grad_scale };
+        cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
+        let ctx = DecoderLmCtx { tokens, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
+        Ok((GptLoss::new(loss, counted, None, self.dev.clone()), ctx))
+    }
+
+    /// [`DecoderLm::forward_loss_with`] of one whole batch, the loss copied to the host.
+    ///
+    /// # Errors
+    /// As [`DecoderLm::forward_loss_with`].
+    pub fn forward_loss(&mut self, ids: &TokenIds, targets: &TokenIds) -> Result<(f32, DecoderLmCtx)> {
+        let (loss, ctx) = self.forward_loss_with(ids, targets, MicroBatch::default())?;
+        Ok((loss.value()?, ctx))
+    }
+
+    /// Backward of the loss: every parameter gradient accumulates (call
+    /// [`te_nn::Module::zero_grad`] between steps); a tied head's weight gradient goes to the
+    /// embedding's.
+    ///
+    /// # Errors
+    /// [`Error::Context`] for a context of another model or one made before a weight update;
+    /// the modules' errors.
+    pub fn backward(&mut self, ctx: DecoderLmCtx) -> Result<()> {
+        let head = match (&mut self.lm_head, &mut self.tied_head) {
+            (Some(head), _) | (None, Some(head)) => head,
+            (None, None) => return Err(Error::internal(MODEL, "no LM head")),
+        };
+        let d = head.backward(ctx.lm_head, &ctx.dlogits)?;
+        if let Some(tied) = &mut self.tied_head {
+            if let Some(g) = tied.params().weight_grad() {
+                self.embedding.accumulate_weight_grad(g)?;
+            }
+            tied.params_mut().zero_grad();
+        }
+        let mut d = self.final_norm.backward(ctx.final_norm, &d.reshape(&ctx.shape)?)?;
+        for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
+            d = layer.backward(c, &d)?;
+        }
+        let scale = self.cfg.embedding_scale(self.dtype);
+        if scale != 1.0 {
+            scale_assign(&self.dev, &mut d, scale)?;
+        }
+        self.embedding.backward(ctx.tokens, &d)
+    }
+}
