@@ -193,8 +193,8 @@ impl TrainConfig {
 
     /// The validation batches of every evaluation: the same fixed windows each time, on the GPU
     /// and on the CPU path.
-    pub(crate) fn eval_batcher(&self) -> Batcher {
-        Batcher::new(self.data_seed ^ 0x5eed, self.model.seq_length, self.batch)
+    pub(crate) fn eval_batcher(&self, seq: usize) -> Batcher {
+        Batcher::new(self.data_seed ^ 0x5eed, seq, self.batch)
     }
 }
 

@@ -1,5 +1,6 @@
-//! The GPU backend: `te_models::Gpt` trained in FP8 (under `fp8_autocast` with the config's
-//! recipe) or BF16, with AdamW (FP32 master weights, global-norm clipping, warmup + cosine LR)
+//! The GPU backend: `te_models::Gpt` trained from its seed, or a pretrained decoder of the family
+//! (`te_models::decoder::train::DecoderLm`) fine-tuned on tokenized text, in FP8 (under
+//! `fp8_autocast` with the config's recipe) or BF16, with AdamW (FP32 master weights, global-norm clipping, warmup + cosine LR)
 //! and gradient accumulation (`is_first_microbatch`), reporting step time, tokens/s, peak GPU
 //! memory and train/validation loss, saving checkpoints and resuming from them bit for bit.
 //!
@@ -10,9 +11,10 @@
 //! Tensor parallel: the layers split over the tensor-parallel group, each rank writing its
 //! files of every checkpoint.
 
+use super::lm::TrainLm;
 use crate::checkpoint::{CheckpointOptions, Checkpointer, RunState};
 use crate::config::{Precision, TrainConfig};
-use crate::data::{Batcher, Corpus};
+use crate::data::{Batcher, Corpus, TokenId, TokenSplit};
 use crate::error::TrainError;
 use crate::nonfinite::NonFiniteGuard;
 use crate::optim::AdamW;
@@ -20,6 +22,7 @@ use crate::summary::{median, Progress, Record, RunSummary};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
+use te_models::decoder::train::DecoderLm;
 use te_models::gpt::{Gpt, GptLoss, MicroBatch};
 use te_nn::checkpoint::tp::{shard_path, TP_RANK_KEY, TP_SIZE_KEY};
 use te_nn::checkpoint::{self, LoadOptions, SaveOptions};
@@ -27,7 +30,6 @@ use te_nn::fp8::{Fp8Autocast, Recipe, ScalingState};
 use te_nn::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
 use te_nn::parallel::Parallel;
 use te_nn::parallel::TpConfig;
-use te_nn::Module;
 use te_runtime::Device;
 
 /// Trains `cfg.model` on `corpus` in `precision` on `dev`, calling `progress` after each step;
@@ -76,14 +78,118 @@ pub(super) fn train(
         // Every rank builds the model from the same seed; the broadcast makes sure.
         dp.broadcast_parameters(&mut model)?;
     }
-    let mut opt = AdamW::new(dev, &model, cfg.adamw_config())?;
+    let data = Tokens { train: &corpus.train, val: &corpus.val, seq: cfg.model.seq_length };
+    run(dev, &mut model, tp, data, cfg, precision, ckpt, parallel, progress, cfg.model.num_parameters())
+}
+
+/// Fine-tunes `model` on `data`'s token ids in windows of `seq` tokens, as [`train`] trains a
+/// GPT (data parallel over `parallel`'s ranks; no tensor parallelism yet).
+///
+/// # Errors
+/// As [`train`]; [`TrainError::Unsupported`] for a tensor-parallel layout.
+#[allow(clippy::too_many_arguments)] // the run's settings, each named as in train
+pub(super) fn finetune(
+    dev: &Arc<Device>,
+    model: &mut DecoderLm,
+    data: &TokenSplit,
+    seq: usize,
+    cfg: &TrainConfig,
+    precision: Precision,
+    ckpt: &CheckpointOptions,
+    parallel: &mut Parallel,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<RunSummary, TrainError> {
+    if parallel.tensor().is_some() {
+        return Err(TrainError::Unsupported {
+            message: "fine-tuning a decoder of the family is data parallel only: drop --tensor-parallel".into(),
+        });
+    }
+    dev.synchronize()?;
+    dev.reset_peak_memory()?;
+    if let Some(dp) = parallel.data() {
+        dp.broadcast_parameters(model)?;
+    }
+    let parameters = model.num_parameters();
+    let tokens = Tokens { train: data.train.tokens(), val: data.val.tokens(), seq };
+    if precision == Precision::Fp8 && cfg.recipe.calibrates() {
+        calibrate(dev, model, &tokens, cfg, parallel)?;
+    }
+    run(dev, model, None, tokens, cfg, precision, ckpt, parallel, progress, parameters)
+}
+
+/// Training batches a fine-tuning run in FP8 with delayed scaling first runs under TE's
+/// calibration mode.
+pub const FP8_CALIBRATION_BATCHES: usize = 4;
+
+/// TE's FP8 calibration of a pretrained model (`fp8_autocast(enabled=False, calibrating=True)`):
+/// [`FP8_CALIBRATION_BATCHES`] forwards in high precision over training windows (drawn apart from
+/// the run's order) record every amax into the delayed-scaling histories, so the first FP8 step
+/// computes its scales from the checkpoint's activations instead of the initial scale 1.
+fn calibrate<M: TrainLm, T: TokenId>(
+    dev: &Arc<Device>,
+    model: &mut M,
+    data: &Tokens<'_, T>,
+    cfg: &TrainConfig,
+    parallel: &Parallel,
+) -> Result<(), TrainError> {
+    let (rank, world) = parallel.data_rank();
+    let mut batches = Batcher::sharded(cfg.data_seed ^ 0xca1, data.seq, cfg.batch, rank, world);
+    let scope = Fp8Autocast::calibrating(cfg.recipe).with_group(parallel.world().cloned());
+    model.set_training(false);
+    for _ in 0..FP8_CALIBRATION_BATCHES {
+        let batch = batches.next(data.train, "train")?;
+        let ids = TokenIds::from_host(dev, &[data.seq, cfg.batch], &batch.ids)?;
+        let targets = TokenIds::from_host(dev, &[data.seq, cfg.batch], &batch.targets)?;
+        scope.clone().run(|| model.forward_loss_with(&ids, &targets, MicroBatch::default()))?;
+    }
+    model.set_training(true);
+    Ok(())
+}
+
+/// The mean loss of `model` over `cfg`'s validation batches of `val` (what a run's evaluations
+/// report), in `precision` (FP8 under the recipe, its amaxes reduced over `parallel`'s ranks).
+pub(super) fn validation_loss<M: TrainLm, T: TokenId>(
+    dev: &Arc<Device>,
+    model: &mut M,
+    (val, seq): (&[T], usize),
+    cfg: &TrainConfig,
+    precision: Precision,
+    parallel: &Parallel,
+) -> Result<f32, TrainError> {
+    let autocast = Fp8Autocast::new(cfg.recipe).with_group(parallel.world().cloned());
+    evaluate(dev, model, (val, seq), cfg, precision, &autocast)
+}
+
+/// The train and validation tokens of a run and its window length.
+struct Tokens<'a, T> {
+    train: &'a [T],
+    val: &'a [T],
+    seq: usize,
+}
+
+/// The steps of a run of `model` (built, its parameters equal on every rank).
+#[allow(clippy::too_many_arguments)] // the run's settings, each named as in train
+fn run<M: TrainLm, T: TokenId>(
+    dev: &Arc<Device>,
+    model: &mut M,
+    tp: Option<TpConfig>,
+    data: Tokens<'_, T>,
+    cfg: &TrainConfig,
+    precision: Precision,
+    ckpt: &CheckpointOptions,
+    parallel: &mut Parallel,
+    progress: &mut dyn FnMut(&Progress),
+    parameters: usize,
+) -> Result<RunSummary, TrainError> {
+    let fp8 = precision == Precision::Fp8;
+    let mut opt = AdamW::new(dev, &*model, cfg.adamw_config())?;
     if let Some(tp) = &tp {
         opt = opt.with_tensor_parallel(tp.group.clone());
     }
     let (tp_rank, tp_size) = parallel.tensor_rank();
     let recipe = fp8.then_some(cfg.recipe);
     let mut run = GpuRun { model, opt, tp, recipe };
-    let seq = cfg.model.seq_length;
+    let seq = data.seq;
     // The ranks of a tensor-parallel group read the same data; data-parallel ranks their shards.
     let (rank, world) = parallel.data_rank();
     let mut train_batches = Batcher::sharded(cfg.data_seed, seq, cfg.batch, rank, world);
@@ -91,7 +197,7 @@ pub(super) fn train(
     let mut checkpoints =
         Checkpointer::new(ckpt, cfg, precision).data_parallel(rank, world).tensor_parallel(tp_rank, tp_size);
     let done = checkpoints.resume(&mut run, &mut records)?;
-    train_batches.skip(&corpus.train, done * cfg.grad_accum as u64, "train")?;
+    train_batches.skip(data.train, done * cfg.grad_accum as u64, "train")?;
     // The amaxes are reduced over every rank (TE's default fp8_group): one set of scales.
     let autocast = Fp8Autocast::new(cfg.recipe).with_group(parallel.world().cloned());
     let mut times = Vec::new();
@@ -100,7 +206,7 @@ pub(super) fn train(
         let start = Instant::now();
         let mut losses = Vec::with_capacity(cfg.grad_accum);
         for micro in 0..cfg.grad_accum {
-            let batch = train_batches.next(&corpus.train, "train")?;
+            let batch = train_batches.next(data.train, "train")?;
             let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
             let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
             let mb = MicroBatch {
@@ -117,11 +223,11 @@ pub(super) fn train(
                     run.model.backward_with(ctx, &mut |part| dp.reduce_grads(part))?;
                     dp.finish()?;
                 }
-                _ => run.model.backward(ctx)?,
+                _ => run.model.backward_with(ctx, &mut |_| Ok(()))?,
             }
             losses.push(loss);
         }
-        let stats = run.opt.step(&mut run.model)?;
+        let stats = run.opt.step(&mut *run.model)?;
         // Read after the step was issued: the host never waited for the device mid-step.
         let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
         let mut train_loss = loss_sum / cfg.grad_accum as f32;
@@ -133,7 +239,7 @@ pub(super) fn train(
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
         times.push(step_ms);
         let val_loss = if step % cfg.eval_interval == 0 || step == cfg.steps {
-            Some(evaluate(dev, &mut run.model, corpus, cfg, precision, &autocast)?)
+            Some(evaluate(dev, &mut *run.model, (data.val, seq), cfg, precision, &autocast)?)
         } else {
             None
         };
@@ -162,20 +268,20 @@ pub(super) fn train(
         ranks: parallel.world_size(),
         peak_memory: dev.peak_memory()?,
         // The whole model's, also when each rank holds a tensor-parallel slice of it.
-        parameters: cfg.model.num_parameters(),
+        parameters,
     })
 }
 
 /// The GPU run's model and optimizer, the tensor-parallel group its layers split over, and the
 /// FP8 recipe it trains with (recorded in its checkpoints, checked when they load).
-struct GpuRun {
-    model: Gpt,
+struct GpuRun<'a, M> {
+    model: &'a mut M,
     opt: AdamW,
     tp: Option<TpConfig>,
     recipe: Option<Recipe>,
 }
 
-impl GpuRun {
+impl<M> GpuRun<'_, M> {
     /// `dir/<name>.safetensors`, or this tensor-parallel rank's file of it
     /// (`<name>.tp-<rank>-of-<size>.safetensors`, the files `te checkpoint merge` reads).
     fn file(&self, dir: &Path, name: &str) -> PathBuf {
@@ -187,7 +293,7 @@ impl GpuRun {
     }
 }
 
-impl RunState for GpuRun {
+impl<M: TrainLm> RunState for GpuRun<'_, M> {
     fn save_files(&self, dir: &Path, step: u64) -> Result<(), TrainError> {
         let mut options = SaveOptions { recipe: self.recipe, ..SaveOptions::default() };
         options.metadata.insert("step".into(), step.to_string());
@@ -195,14 +301,14 @@ impl RunState for GpuRun {
             options.metadata.insert(TP_RANK_KEY.into(), tp.group.rank().to_string());
             options.metadata.insert(TP_SIZE_KEY.into(), tp.size().to_string());
         }
-        checkpoint::save(&self.model, self.file(dir, "model"), &options)?;
+        checkpoint::save(&*self.model, self.file(dir, "model"), &options)?;
         self.opt.save_state(self.file(dir, "optimizer"))?;
         Ok(())
     }
 
     fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError> {
         let (model, optimizer) = (self.file(dir, "model"), self.file(dir, "optimizer"));
-        checkpoint::load(&mut self.model, model, &LoadOptions { recipe: self.recipe, ..LoadOptions::default() })?;
+        checkpoint::load(&mut *self.model, model, &LoadOptions { recipe: self.recipe, ..LoadOptions::default() })?;
         self.opt.load_state(optimizer)?;
         Ok(self.opt.step_count())
     }
@@ -251,21 +357,20 @@ impl ModuleVisitor for FiniteStates<'_> {
 /// in evaluation mode (no dropout; the training run's dropout stream does not move). FP8 runs
 /// evaluate under `autocast` (the run's recipe and amax reduction group: every rank of a
 /// data-parallel run evaluates the same batches, and their scales stay equal).
-fn evaluate(
+fn evaluate<M: TrainLm, T: TokenId>(
     dev: &Arc<Device>,
-    model: &mut Gpt,
-    corpus: &Corpus,
+    model: &mut M,
+    (val, seq): (&[T], usize),
     cfg: &TrainConfig,
     precision: Precision,
     autocast: &Fp8Autocast,
 ) -> Result<f32, TrainError> {
-    let seq = cfg.model.seq_length;
-    let mut batches = cfg.eval_batcher();
+    let mut batches = cfg.eval_batcher(seq);
     model.set_training(false);
     let mut run = || -> Result<f32, TrainError> {
         let mut sum = 0.0f32;
         for _ in 0..cfg.eval_batches {
-            let batch = batches.next(&corpus.val, "validation")?;
+            let batch = batches.next(val, "validation")?;
             let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
             let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
             // The language-model loss alone: a MoE model's aux losses are left out of validation.

@@ -18,12 +18,15 @@
 
 mod cpu;
 mod gpu;
+mod lm;
 
 pub use cpu::cpu_gemm_precision;
+pub use gpu::FP8_CALIBRATION_BATCHES;
+pub use lm::TrainLm;
 
 use crate::checkpoint::CheckpointOptions;
 use crate::config::{Precision, TrainConfig};
-use crate::data::Corpus;
+use crate::data::{Corpus, TokenSplit};
 use crate::error::TrainError;
 use crate::summary::{Progress, RunSummary};
 use std::sync::Arc;
@@ -156,6 +159,78 @@ impl Trainer {
         match &self.backend {
             Backend::Gpu(dev) => gpu::train(dev, corpus, cfg, precision, ckpt, &mut self.parallel, &mut progress),
             Backend::Cpu => cpu::train(corpus, cfg, precision, ckpt, &mut progress),
+        }
+    }
+
+    /// Fine-tunes `model` (a pretrained decoder of the family, loaded with
+    /// `DecoderLm::from_weights`) on `data`'s token ids (made with the model's tokenizer:
+    /// [`crate::data::TokenDataset`]), in windows of `seq_length` tokens packed across
+    /// documents, in `precision` (FP8 with delayed scaling starts from
+    /// [`FP8_CALIBRATION_BATCHES`] batches of TE's calibration); the settings are this trainer's [`TrainConfig`] but its
+    /// `model` (the GPT geometry), and the run is data parallel over its layout. `progress` and
+    /// the returned summary as for [`Trainer::train`]; `model` is left trained (export it with
+    /// `DecoderLm::to_weights` and `DecoderWeights::save_hf_dir`).
+    ///
+    /// # Errors
+    /// As [`Trainer::train`]; [`TrainError::Unsupported`] on the CPU backend, with a tensor-
+    /// parallel layout, or with checkpoints (a fine-tuning run is not resumable yet: export the
+    /// model at the end); [`TrainError::Config`] for `seq_length` 0 or above the model's
+    /// `max_position_embeddings`.
+    pub fn finetune(
+        &mut self,
+        model: &mut te_models::decoder::train::DecoderLm,
+        data: &TokenSplit,
+        seq_length: usize,
+        precision: Precision,
+        mut progress: impl FnMut(&Progress),
+    ) -> Result<RunSummary, TrainError> {
+        let max = model.config().max_position_embeddings;
+        if seq_length == 0 || seq_length > max {
+            return Err(TrainError::Config {
+                field: "seq_length",
+                message: format!("{seq_length} must be in [1, {max}] (the model's max_position_embeddings)"),
+            });
+        }
+        if self.checkpoints.dir.is_some() {
+            return Err(TrainError::Unsupported {
+                message: "checkpoints of a fine-tuning run are not written yet: run without --checkpoint-dir and \
+                          export the model at the end"
+                    .into(),
+            });
+        }
+        let (cfg, ckpt) = (&self.config, &self.checkpoints);
+        match &self.backend {
+            Backend::Gpu(dev) => {
+                gpu::finetune(dev, model, data, seq_length, cfg, precision, ckpt, &mut self.parallel, &mut progress)
+            }
+            Backend::Cpu => Err(TrainError::Unsupported {
+                message: "fine-tuning a decoder of the family runs on a GPU (Backend::Gpu)".into(),
+            }),
+        }
+    }
+
+    /// The mean loss of `model` over the validation windows a run of this trainer evaluates on
+    /// (`eval_batches` batches of `batch` windows of `seq_length` tokens of `val`, the same every
+    /// time), in `precision`: the pretrained model's loss before [`Trainer::finetune`], to set its
+    /// curve against. The model is left in training mode.
+    ///
+    /// # Errors
+    /// [`TrainError::Data`] for `val` shorter than one window; [`TrainError::Unsupported`] on
+    /// the CPU backend; the model's errors.
+    pub fn validation_loss<M: TrainLm>(
+        &self,
+        model: &mut M,
+        val: &[u32],
+        seq_length: usize,
+        precision: Precision,
+    ) -> Result<f32, TrainError> {
+        match &self.backend {
+            Backend::Gpu(dev) => {
+                gpu::validation_loss(dev, model, (val, seq_length), &self.config, precision, &self.parallel)
+            }
+            Backend::Cpu => Err(TrainError::Unsupported {
+                message: "the validation loss of a TrainLm runs on a GPU (Backend::Gpu)".into(),
+            }),
         }
     }
 }

@@ -305,25 +305,58 @@ impl DecoderLm {
     /// [`Error::Context`] for a context of another model or one made before a weight update;
     /// the modules' errors.
     pub fn backward(&mut self, ctx: DecoderLmCtx) -> Result<()> {
-        let head = match (&mut self.lm_head, &mut self.tied_head) {
-            (Some(head), _) | (None, Some(head)) => head,
+        self.backward_with(ctx, &mut |_| Ok(()))
+    }
+
+    /// [`DecoderLm::backward`] that calls `grads_ready` with each part once its gradients of
+    /// this backward are complete, in the order they complete: an untied LM head, the final
+    /// norm, the layers from the last to the first, the embedding (with a tied head's share);
+    /// a data-parallel step starts each part's gradient reduction there, as `Gpt::backward_with`.
+    ///
+    /// # Errors
+    /// As [`DecoderLm::backward`]; the hook's first error (the backward stops there).
+    pub fn backward_with(
+        &mut self,
+        ctx: DecoderLmCtx,
+        grads_ready: &mut dyn FnMut(&mut dyn Module) -> Result<()>,
+    ) -> Result<()> {
+        let d = match (&mut self.lm_head, &mut self.tied_head) {
+            (Some(head), _) => {
+                let d = head.backward(ctx.lm_head, &ctx.dlogits)?;
+                grads_ready(head)?;
+                d
+            }
+            (None, Some(tied)) => {
+                let d = tied.backward(ctx.lm_head, &ctx.dlogits)?;
+                if let Some(g) = tied.params().weight_grad() {
+                    self.embedding.accumulate_weight_grad(g)?;
+                }
+                tied.params_mut().zero_grad();
+                d
+            }
             (None, None) => return Err(Error::internal(MODEL, "no LM head")),
         };
-        let d = head.backward(ctx.lm_head, &ctx.dlogits)?;
-        if let Some(tied) = &mut self.tied_head {
-            if let Some(g) = tied.params().weight_grad() {
-                self.embedding.accumulate_weight_grad(g)?;
-            }
-            tied.params_mut().zero_grad();
-        }
         let mut d = self.final_norm.backward(ctx.final_norm, &d.reshape(&ctx.shape)?)?;
+        grads_ready(&mut self.final_norm)?;
         for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
             d = layer.backward(c, &d)?;
+            grads_ready(layer)?;
         }
         let scale = self.cfg.embedding_scale(self.dtype);
         if scale != 1.0 {
             scale_assign(&self.dev, &mut d, scale)?;
         }
-        self.embedding.backward(ctx.tokens, &d)
+        self.embedding.backward(ctx.tokens, &d)?;
+        grads_ready(&mut self.embedding)
+    }
+
+    /// Parameters (the tied head counted once).
+    pub fn num_parameters(&self) -> usize {
+        let mut n = 0;
+        let _ = self.visit("", &mut |_: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            n += p.shape().iter().product::<usize>();
+            Ok(())
+        });
+        n
     }
 }

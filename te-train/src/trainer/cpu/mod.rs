@@ -178,7 +178,7 @@ impl RunState for CpuRun {
 /// Mean validation loss over `cfg.eval_batches` fixed batches (those of the GPU backend).
 fn evaluate(model: &GptRef, corpus: &Corpus, cfg: &TrainConfig) -> Result<f32, TrainError> {
     let (seq, batch) = (cfg.model.seq_length, cfg.batch);
-    let mut batches = cfg.eval_batcher();
+    let mut batches = cfg.eval_batcher(cfg.model.seq_length);
     let mut sum = 0.0f32;
     for _ in 0..cfg.eval_batches {
         let b = batches.next(&corpus.val, "validation")?;

@@ -1,0 +1,108 @@
+//! [`TrainLm`]: what the GPU training loop needs of a language model, for the byte-level GPT
+//! (`te_models::gpt::Gpt`, trained from scratch) and the decoder family
+//! (`te_models::decoder::train::DecoderLm`, fine-tuned from a checkpoint).
+
+use te_models::decoder::train::{DecoderLm, DecoderLmCtx};
+use te_models::gpt::{Gpt, GptCtx, GptLoss, MicroBatch};
+use te_nn::modules::{Module, TokenIds};
+use te_runtime::Result;
+
+/// A causal language model the GPU trainer steps: a loss forward over `[s, b]` ids and
+/// targets that saves a context, its backward with a per-part hook (the data-parallel
+/// reduction), training and evaluation modes, and the dropout stream a checkpoint keeps.
+pub trait TrainLm: Module {
+    /// What the forward saves for the backward.
+    type Ctx;
+
+    /// The micro-batch's mean next-token loss (on the device) and the context.
+    ///
+    /// # Errors
+    /// The model's shape and runtime errors.
+    fn forward_loss_with(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        micro: MicroBatch,
+    ) -> Result<(GptLoss, Self::Ctx)>;
+
+    /// The backward of that loss, calling `grads_ready` with each part as its gradients
+    /// complete.
+    ///
+    /// # Errors
+    /// The model's and the hook's errors.
+    fn backward_with(
+        &mut self,
+        ctx: Self::Ctx,
+        grads_ready: &mut dyn FnMut(&mut dyn Module) -> Result<()>,
+    ) -> Result<()>;
+
+    /// Training mode (dropout) or evaluation mode.
+    fn set_training(&mut self, training: bool);
+
+    /// The dropout stream position (0 for a model without dropout).
+    fn dropout_offset(&self) -> u64;
+
+    /// Moves the dropout stream to `offset`.
+    fn set_dropout_offset(&mut self, offset: u64);
+}
+
+impl TrainLm for Gpt {
+    type Ctx = GptCtx;
+
+    fn forward_loss_with(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        micro: MicroBatch,
+    ) -> Result<(GptLoss, GptCtx)> {
+        Gpt::forward_loss_with(self, ids, targets, micro)
+    }
+
+    fn backward_with(&mut self, ctx: GptCtx, grads_ready: &mut dyn FnMut(&mut dyn Module) -> Result<()>) -> Result<()> {
+        Gpt::backward_with(self, ctx, grads_ready)
+    }
+
+    fn set_training(&mut self, training: bool) {
+        Gpt::set_training(self, training);
+    }
+
+    fn dropout_offset(&self) -> u64 {
+        Gpt::dropout_offset(self)
+    }
+
+    fn set_dropout_offset(&mut self, offset: u64) {
+        Gpt::set_dropout_offset(self, offset);
+    }
+}
+
+impl TrainLm for DecoderLm {
+    type Ctx = DecoderLmCtx;
+
+    fn forward_loss_with(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        micro: MicroBatch,
+    ) -> Result<(GptLoss, DecoderLmCtx)> {
+        DecoderLm::forward_loss_with(self, ids, targets, micro)
+    }
+
+    fn backward_with(
+        &mut self,
+        ctx: DecoderLmCtx,
+        grads_ready: &mut dyn FnMut(&mut dyn Module) -> Result<()>,
+    ) -> Result<()> {
+        DecoderLm::backward_with(self, ctx, grads_ready)
+    }
+
+    fn set_training(&mut self, training: bool) {
+        DecoderLm::set_training(self, training);
+    }
+
+    /// The decoder family trains without dropout.
+    fn dropout_offset(&self) -> u64 {
+        0
+    }
+
+    fn set_dropout_offset(&mut self, _offset: u64) {}
+}
