@@ -31,7 +31,7 @@ const GEMMA3_270M: &str = r#"{"architectures": ["Gemma3ForCausalLM"], "model_typ
  "query_pre_attn_scalar": 256, "max_position_embeddings": 32768, "hidden_activation": "gelu_pytorch_tanh",
  "tie_word_embeddings": true, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}"#;
 
-fn weights() -> (DecoderWeights, &'static str) {
+pub(crate) fn weights() -> (DecoderWeights, &'static str) {
     if let Ok(path) = std::env::var("TE_GEMMA_GGUF") {
         return (load_model(Path::new(&path)).unwrap().weights, "gguf weights");
     }

@@ -20,6 +20,7 @@ mod breakdown;
 mod cast;
 mod cast_transpose;
 mod decoder;
+mod decoder_train;
 mod dropout;
 mod elementwise;
 mod gemm;
@@ -53,7 +54,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 20] = [
+        let families: [fn(&mut Bench); 22] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -73,6 +74,8 @@ fn main() {
             gpt::run,
             generate::run,
             decoder::run,
+            decoder_train::run,
+            decoder_train::layer_parts,
             breakdown::run,
         ];
         for run in families {
