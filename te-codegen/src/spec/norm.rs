@@ -113,14 +113,21 @@ impl NormSpec {
     pub const REDUCE_COLS: usize = 32;
     /// Groups a `_reduce` block splits the partials into: group `j` sums partial rows
     /// `j, j + G, j + 2G, ...` in order, then the group sums are added in order `0..G`.
-    pub const REDUCE_GROUPS: usize = 8;
+    pub const REDUCE_GROUPS: usize = 32;
 
     /// Most row elements one thread may hold in registers (see [`Self::iters`]).
     pub const MAX_ELEMS_PER_THREAD: usize = 128;
 
-    /// Rows each backward block handles (so `parts = ceil(rows / this)`).
+    /// Rows each backward block handles (so `parts = ceil(rows / this)`): 32, but 4 for the
+    /// one- and two-warp blocks of short rows (at most 512 16-bit elements: Gemma 3 270M's
+    /// hidden 640 is 80 vectors, one warp; the q/k norms' head_dim rows), which with 32 left
+    /// about two warps on an SM (8 192 rows: 256 blocks) and the kernel latency-bound.
     pub const fn bwd_rows_per_block(&self) -> usize {
-        32
+        if self.threads <= 64 {
+            4
+        } else {
+            32
+        }
     }
 
     /// Elements per vector access: the largest power of two dividing `hidden` with at most 16
