@@ -127,8 +127,9 @@ fn decoder_lm_loss_and_gradients_match_transformers() {
 /// `Trainer::finetune` on the tiny Gemma 3 and Qwen2 models: documents that repeat one cycle of
 /// ids, which a model learns in a few dozen steps: the validation loss falls far below the
 /// pretrained one in BF16 and in FP8 (delayed scaling, calibrated first), the two within 10 %
-/// (+ 0.02) of each other; the loss curve is finite; the model comes back trained (its exported weights
-/// differ from the loaded ones).
+/// (+ 0.02) of each other; the loss curve is finite; the model comes back trained (its exported
+/// weights differ from the loaded ones); a batch the GPU cannot hold is refused before
+/// allocating.
 #[test]
 fn finetune_learns_a_cycle_in_bf16_and_fp8() {
     use te_train::data::TokenDocs;
@@ -166,6 +167,12 @@ fn finetune_learns_a_cycle_in_bf16_and_fp8() {
             assert_ne!(tuned.get(name).unwrap().data, weights.get(name).unwrap().data, "{model}: trained in place");
             finals.push(after);
         }
+        // A batch the GPU cannot hold is refused with the estimate before anything is allocated.
+        let huge = TrainConfig { batch: 4_000_000, ..trainer.config().clone() };
+        let mut big = Trainer::new(huge, Backend::Gpu(dev.clone())).unwrap();
+        let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+        let e = big.finetune(&mut m, &split, 64, Precision::Bf16, |_| {}).unwrap_err().to_string();
+        assert!(e.contains("estimated before allocating"), "{model}: {e}");
         let (bf16, fp8) = (finals[0], finals[1]);
         // Relative, and absolute near zero (the first H100 run: Gemma 0.1441 / 0.1405, Qwen2
         // 0.0617 / 0.0561).

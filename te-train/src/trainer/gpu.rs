@@ -105,6 +105,23 @@ pub(super) fn finetune(
         });
     }
     dev.synchronize()?;
+    // The estimate less the BF16 weights already on the device.
+    let fp8 = precision == Precision::Fp8;
+    let m = model.config();
+    let resident = model.num_parameters() as u64 * 2;
+    let needed = DecoderLm::training_bytes(m, cfg.batch, seq, fp8).saturating_sub(resident);
+    dev.check_free_memory(needed, || {
+        format!(
+            "fine-tuning a {}-layer decoder of hidden size {} and vocabulary {} on micro-batches of {} × {seq} tokens in \
+             {} (the gradients, AdamW state, activations and logits, estimated before allocating; fewer tokens a batch \
+             need less)",
+            m.num_layers,
+            m.hidden_size,
+            m.vocab_size,
+            cfg.batch,
+            if fp8 { "FP8" } else { "BF16" }
+        )
+    })?;
     dev.reset_peak_memory()?;
     if let Some(dp) = parallel.data() {
         dp.broadcast_parameters(model)?;

@@ -17,6 +17,7 @@
 //! high precision (Megatron's output layer is not a TE module either).
 
 mod layer;
+mod memory;
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights, WeightTensor};
 use crate::gpt::{GptLoss, MicroBatch, IGNORE_INDEX};
