@@ -59,6 +59,9 @@ struct Args {
     /// Save the (last run's) fine-tuned model here as a Hugging Face directory.
     #[arg(long)]
     save_hf: Option<PathBuf>,
+    /// The LM head's GEMMs in FP8 too in FP8 runs.
+    #[arg(long)]
+    fp8_lm_head: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -102,6 +105,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut last = None;
     for precision in precisions {
         let mut model = DecoderLm::from_weights(&dev, &weights, DType::BF16)?;
+        model.set_fp8_lm_head(a.fp8_lm_head);
         let run = trainer.finetune(&mut model, &split, a.seq, precision, |p| {
             if let Some(v) = p.val_loss {
                 println!("  step {:>5}  train {:.4}  val {v:.4}  {:.1} ms", p.step, p.train_loss, p.step_ms);

@@ -28,6 +28,8 @@ pub struct Finetune {
     pub loaded: LoadedModel,
     /// Tokens per window.
     pub seq: usize,
+    /// The LM head's GEMMs in FP8 too in FP8 runs (`--fp8-lm-head`).
+    pub fp8_lm_head: bool,
     path: PathBuf,
 }
 
@@ -47,7 +49,7 @@ impl Finetune {
             Some(s) => s,
             None => DEFAULT_SEQ_LENGTH.min(max),
         };
-        Ok(Self { loaded, seq, path: path.to_path_buf() })
+        Ok(Self { loaded, seq, fp8_lm_head: a.fp8_lm_head, path: path.to_path_buf() })
     }
 
     /// The model's name in reports: its file or directory name.
@@ -101,7 +103,9 @@ impl Finetune {
         let te_train::Backend::Gpu(dev) = trainer.backend() else {
             return Err("--model fine-tunes on a GPU".into());
         };
-        DecoderLm::from_weights(dev, &self.loaded.weights, DType::BF16).map_err(|e| e.to_string())
+        let mut m = DecoderLm::from_weights(dev, &self.loaded.weights, DType::BF16).map_err(|e| e.to_string())?;
+        m.set_fp8_lm_head(self.fp8_lm_head);
+        Ok(m)
     }
 
     /// The pretrained model's validation loss (BF16: FP8 delayed scaling has no scales before

@@ -1,7 +1,8 @@
 //! One fine-tuning step of Gemma 3 270M (`te_models::decoder::train::DecoderLm`; the real GGUF
 //! when `TE_GEMMA_GGUF` names it, else its architecture with random weights: the speed does not
 //! depend on them) as `te train --model` runs it: `forward_loss_with`, `backward`, `AdamW::step`
-//! and `zero_grad`, batch 8 × seq 1024, in BF16 and in FP8 (DelayedScaling), each phase timed
+//! and `zero_grad`, batch 8 × seq 1024, in BF16 and in FP8 (DelayedScaling; and with the LM head
+//! in FP8 too), each phase timed
 //! with CUDA events; then the tied LM head and the cross-entropy alone (`Linear` over the
 //! embedding's table, forward, the fused loss and its gradient, backward), the part of the step
 //! the 262 144-token vocabulary costs. `benches/anchors/finetune.py` times transformers' step.
@@ -58,10 +59,12 @@ pub fn run(b: &mut Bench) {
         })
         .sum();
     let shape = format!("b{BATCH} s{SEQ}");
-    let variants: [(&str, Option<Recipe>); 2] =
-        [("ours bf16", None), ("ours fp8 delayed", Some(DelayedScaling::default().into()))];
-    for (variant, recipe) in variants {
+    let delayed: Option<Recipe> = Some(DelayedScaling::default().into());
+    let variants =
+        [("ours bf16", None, false), ("ours fp8 delayed", delayed, false), ("ours fp8 + fp8 lm head", delayed, true)];
+    for (variant, recipe, fp8_head) in variants {
         let fp8 = recipe.is_some();
+        model.set_fp8_lm_head(fp8_head);
         let st = b.time_phases(2, 8, 3, |m| {
             let mb = MicroBatch::default();
             let (_, ctx) = match recipe {
@@ -76,8 +79,12 @@ pub fn run(b: &mut Bench) {
             model.zero_grad();
             m.mark();
         });
-        // The head stays BF16 under FP8 (TE's and Megatron's default).
-        let fp8_flops = if fp8 { gemm - head } else { 0 };
+        // The head stays BF16 under FP8 (TE's and Megatron's default) unless fp8 lm head.
+        let fp8_flops = match (fp8, fp8_head) {
+            (false, _) => 0,
+            (true, false) => gemm - head,
+            (true, true) => gemm,
+        };
         let fwd = gemm + attention;
         let opt_bytes = OPTIMIZER_BYTES_PER_PARAM * params;
         let rows = [

@@ -54,6 +54,9 @@ pub struct DecoderLm {
     rope: Vec<(crate::decoder::RopeConfig, Option<Tensor>)>,
     #[module(skip)]
     cfg: DecoderConfig,
+    /// The LM head's GEMMs in FP8 too under `fp8_autocast` ([`DecoderLm::set_fp8_lm_head`]).
+    #[module(skip)]
+    fp8_lm_head: bool,
     #[module(skip)]
     dtype: DType,
     #[module(skip)]
@@ -123,7 +126,18 @@ impl DecoderLm {
             |seed| Linear::new(dev, LinearConfig { bias: false, params_dtype: dtype, seed, ..LinearConfig::new(h, v) });
         let (lm_head, tied_head) =
             if cfg.tie_word_embeddings { (None, Some(head(1)?)) } else { (Some(head(1)?), None) };
-        Ok(Self { embedding, layers, final_norm, lm_head, tied_head, rope, cfg, dtype, dev: dev.clone() })
+        Ok(Self {
+            embedding,
+            layers,
+            final_norm,
+            lm_head,
+            tied_head,
+            rope,
+            cfg,
+            fp8_lm_head: false,
+            dtype,
+            dev: dev.clone(),
+        })
     }
 
     /// A model of `weights`' configuration holding its tensors (rounded to `dtype`).
@@ -195,6 +209,13 @@ impl DecoderLm {
     /// The configuration.
     pub fn config(&self) -> &DecoderConfig {
         &self.cfg
+    }
+
+    /// Runs the LM head's GEMMs (forward, dgrad, wgrad; the tied one over the embedding's
+    /// table, cast each step) in FP8 too under `fp8_autocast` (`te train --fp8-lm-head`); off by
+    /// default, as in Megatron with TE: the logits over the whole vocabulary stay high precision.
+    pub fn set_fp8_lm_head(&mut self, on: bool) {
+        self.fp8_lm_head = on;
     }
 
     /// Training mode (the default) or evaluation mode.
@@ -275,8 +296,13 @@ impl DecoderLm {
             (None, None) => return Err(Error::internal(MODEL, "no LM head")),
         };
         let opts = ForwardOptions { is_first_microbatch, fp8_output: false };
-        // A disabled scope inside the caller's: the head in high precision, and so its backward.
-        let (logits, lm_head) = fp8_autocast(false, Recipe::default(), || head.forward_with(&y, opts))?;
+        // Without fp8_lm_head a disabled scope inside the caller's: the head in high precision,
+        // and so its backward.
+        let (logits, lm_head) = if self.fp8_lm_head {
+            head.forward_with(&y, opts)?
+        } else {
+            fp8_autocast(false, Recipe::default(), || head.forward_with(&y, opts))?
+        };
         let logits = logits.into_high(&self.dev, y.dtype())?;
         let counted = targets.host().iter().filter(|&&t| t != IGNORE_INDEX).count();
         let grad_scale = if counted == 0 { 0.0 } else { loss_weight / counted as f32 };
