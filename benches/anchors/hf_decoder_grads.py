@@ -65,7 +65,7 @@ def main():
         tensors = {"ids": ids.to(torch.int32), "loss": loss.detach().float().cpu().reshape(1), **grads}
         save_file(tensors, os.path.join(out, "grads.safetensors"),
                   metadata={"transformers": transformers.__version__, "torch": torch.__version__})
-        print(json.dumps({"model": name, "dir": out, "loss": float(loss), "params": len(grads),
+        print(json.dumps({"model": name, "dir": out, "loss": float(loss.detach()), "params": len(grads),
                           "tied": bool(getattr(model.config, "tie_word_embeddings", False)),
                           "transformers": transformers.__version__}), flush=True)
 

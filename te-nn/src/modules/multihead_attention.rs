@@ -14,7 +14,7 @@
 
 use super::attention::{
     AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, Fp8OutputRequest,
-    QkvFormat,
+    QkvFormat, ThdSeqlens,
 };
 use super::inference::KvLayer;
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearConfig, LayerNormLinearCtx};
@@ -249,8 +249,14 @@ pub struct AttentionInputs<'a> {
     /// Valid length of each sequence, for padding masks.
     pub seq_lens: Option<&'a [usize]>,
     /// Rotary angles, f32 `[s, d2]` (or `[s, 1, 1, d2]`), applied to q and k (TE
-    /// `rotary_pos_emb`); `None` for none.
+    /// `rotary_pos_emb`); `None` for none. With `thd`, each token's angles `[tokens, d2]`
+    /// (positions restarting at each document).
     pub rotary_pos_emb: Option<&'a Tensor>,
+    /// Packed documents (TE's `qkv_format = "thd"`, `cu_seqlens_q` / `cu_seqlens_kv`): the
+    /// hidden states are `[tokens, 1, hidden]` (sbhd with one column), the documents one after
+    /// another as the tables say, and each token attends within its document only (the fused
+    /// backend). `None`: every column is one sequence.
+    pub thd: Option<ThdSeqlens<'a>>,
     /// Gradient accumulation: passed to every projection (and, in a `TransformerLayer`, to the
     /// MLP) as [`ForwardOptions::is_first_microbatch`] — `Some(true)` casts the FP8 weights and
     /// caches them, `Some(false)` reuses the cache (TE's `is_first_microbatch`).
@@ -278,6 +284,8 @@ pub struct MultiheadAttentionCtx {
     proj: LinearCtx,
     /// q and k's norms and RoPE (`None`: the attention ran on the packed projection).
     qk: Option<QkCtx>,
+    /// The tokens of a `thd` call (the attention's gradient is `[tokens, h·d]`).
+    thd: Option<usize>,
 }
 
 impl MultiheadAttentionCtx {
@@ -420,10 +428,12 @@ impl MultiheadAttention {
             }
         };
         let a = self.whole_first_dim(a);
+        self.check_thd(&inputs, b)?;
         let (y, proj, (attn, qk)) = self.attend_project(&qkv, [a, b], &inputs, opts, true)?;
         let proj = proj.ok_or_else(|| Error::internal(MODULE, "a training forward of the projection saved nothing"))?;
         let y = y.into_high(&self.dev, x.dtype())?;
-        let ctx = MultiheadAttentionCtx { module_id: self.id, qkv: qkv_ctx, attn, proj, qk };
+        let thd = inputs.thd.map(|_| a);
+        let ctx = MultiheadAttentionCtx { module_id: self.id, qkv: qkv_ctx, attn, proj, qk, thd };
         Ok((y, ctx))
     }
 
@@ -447,15 +457,25 @@ impl MultiheadAttention {
         let qk_norm = self.qk_norm.as_mut();
         self.proj.forward_produced(qkv.dtype(), opts, grad, |quantizer| {
             let request = quantizer.filter(|_| mha).map(|quantizer| Fp8OutputRequest { quantizer, backward: grad });
-            let (out, ctx, qk) = match (inputs.rotary_pos_emb, qk_norm) {
-                (None, None) => {
+            let (out, ctx, qk) = match (inputs.rotary_pos_emb, qk_norm, inputs.thd) {
+                (None, None, None) => {
                     let (out, ctx) = attention.forward_packed_to(&qkv, inputs.seq_lens, request)?;
                     (out, ctx, None)
                 }
-                (freqs, norm) => {
+                (freqs, norm, thd) => {
                     let [q, k, v] = attention.split_packed(&qkv)?;
                     let ([q, k], qk) = QkPrep { dev, norm, format }.forward([q, k], freqs)?;
-                    let (out, ctx) = attention.forward_to(&q, &k, &v, inputs.seq_lens, request)?;
+                    let (out, ctx) = match thd {
+                        None => attention.forward_to(&q, &k, &v, inputs.seq_lens, request)?,
+                        Some(seqs) => {
+                            // [tokens, 1, heads, d] → [tokens, heads, d]; the output back to
+                            // [tokens, 1, heads · d].
+                            let rows = |t: &Tensor| t.reshape(&[a, t.shape()[2], t.shape()[3]]);
+                            let (out, ctx) = attention.forward_thd(&rows(&q)?, &rows(&k)?, &rows(&v)?, seqs)?;
+                            let width = out.shape()[1];
+                            (Output::High(out.reshape(&[a, 1, width])?), ctx)
+                        }
+                    };
                     (out, ctx, Some(qk))
                 }
             };
@@ -470,6 +490,23 @@ impl MultiheadAttention {
             };
             Ok((input, (ctx, qk)))
         })
+    }
+
+    /// A `thd` call takes sbhd hidden states of one column and no padding lengths.
+    fn check_thd(&self, inputs: &AttentionInputs<'_>, b: usize) -> Result<()> {
+        if inputs.thd.is_some() && (b != 1 || self.cfg.qkv_format != QkvFormat::Sbhd || inputs.seq_lens.is_some()) {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!(
+                    "packed documents (thd) take sbhd hidden states [tokens, 1, hidden] and no seq_lens, got {} \
+                     columns in {:?}{}",
+                    b,
+                    self.cfg.qkv_format,
+                    if inputs.seq_lens.is_some() { " with seq_lens" } else { "" }
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Self-attention for inference (TE under `torch.no_grad()`): the projections run through
@@ -490,6 +527,7 @@ impl MultiheadAttention {
             QkvProj::Plain(m) => m.infer(x)?,
         };
         let a = self.whole_first_dim(a);
+        self.check_thd(&inputs, b)?;
         let (y, _, _) = self.attend_project(&qkv, [a, b], &inputs, ForwardOptions::default(), false)?;
         y.into_high(&self.dev, x.dtype())
     }
@@ -580,7 +618,17 @@ impl MultiheadAttention {
         let d_qkv = match ctx.qk {
             None => self.attention.backward_packed(ctx.attn, &d_ctx)?,
             Some(qk) => {
-                let (dq, dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
+                let (dq, dk, dv) = match ctx.thd {
+                    None => self.attention.backward(ctx.attn, &d_ctx)?,
+                    Some(tokens) => {
+                        // [tokens, 1, h · d] ↔ the thd call's [tokens, h · d]; its [tokens, heads,
+                        // d] gradients back to [tokens, 1, heads, d].
+                        let d_ctx = d_ctx.reshape(&[tokens, d_ctx.numel() / tokens.max(1)])?;
+                        let (dq, dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
+                        let col = |t: Tensor| t.reshape(&[tokens, 1, t.shape()[1], t.shape()[2]]);
+                        (col(dq)?, col(dk)?, col(dv)?)
+                    }
+                };
                 let prep = QkPrep { dev: &self.dev, norm: self.qk_norm.as_mut(), format: self.cfg.rope_format() };
                 let [dq, dk] = prep.backward(qk, [dq, dk])?;
                 self.attention.concat_packed([&dq, &dk, &dv])?

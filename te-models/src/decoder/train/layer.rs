@@ -10,6 +10,7 @@ use te_codegen::DType;
 use te_nn::modules::{
     AttentionBackend, AttentionInputs, AttnMaskType, ForwardOptions, LayerNormMLP, LayerNormMLPConfig, LayerNormMLPCtx,
     MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx, Norm, NormConfig, NormCtx, QkvFormat,
+    ThdSeqlens,
 };
 use te_runtime::ops::elementwise::{add, add_assign};
 use te_runtime::{Device, Result, Tensor};
@@ -121,17 +122,18 @@ impl DecoderLayer {
     }
 
     /// `x [s, b, hidden]` → the layer's output and its context; `freqs`: the rotary angles of
-    /// positions `0..s` (f32 `[≥ s, head_dim]`).
+    /// positions `0..s` (f32 `[≥ s, head_dim]`), or with `thd` (`x` `[tokens, 1, hidden]`,
+    /// packed documents) each token's.
     ///
     /// # Errors
     /// The modules' errors.
     pub(super) fn forward(
         &mut self,
         x: &Tensor,
-        freqs: &Tensor,
+        (freqs, thd): (&Tensor, Option<ThdSeqlens<'_>>),
         is_first_microbatch: Option<bool>,
     ) -> Result<(Tensor, DecoderLayerCtx)> {
-        let inputs = AttentionInputs { rotary_pos_emb: Some(freqs), is_first_microbatch, ..Default::default() };
+        let inputs = AttentionInputs { rotary_pos_emb: Some(freqs), thd, is_first_microbatch, ..Default::default() };
         let (a, attn) = self.self_attention.forward_with(x, inputs)?;
         let (a, post_attn) = norm_forward(self.post_attention_layernorm.as_mut(), a)?;
         let mut h = Tensor::empty(&self.dev, x.dtype(), x.shape())?;

@@ -28,7 +28,7 @@ use te_codegen::DType;
 use te_nn::fp8::{fp8_autocast, Recipe};
 use te_nn::modules::{
     Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, Linear, LinearConfig, LinearCtx, Module, Norm,
-    NormConfig, NormCtx, Param, ParamKind, ParamMut, TokenIds,
+    NormConfig, NormCtx, Param, ParamKind, ParamMut, ThdSeqlens, TokenIds,
 };
 use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use te_runtime::ops::elementwise::scale_assign;
@@ -255,12 +255,59 @@ impl DecoderLm {
         targets: &TokenIds,
         micro: MicroBatch,
     ) -> Result<(GptLoss, DecoderLmCtx)> {
+        self.forward_impl(ids, targets, micro, None)
+    }
+
+    /// [`DecoderLm::forward_loss_with`] over packed documents (TE's `thd`, the `--pack thd` of
+    /// fine-tuning): `ids`, `targets` `[tokens, 1]`, the documents one after another as
+    /// `cu_seqlens` (`documents + 1` prefix sums from 0 to `tokens`) says, each attending within
+    /// itself, token `t` at RoPE position `positions[t]` (usually its index in its document).
+    /// The loss is the mean over the targets that are not [`IGNORE_INDEX`] (a document's last
+    /// token usually has none).
+    ///
+    /// # Errors
+    /// As [`DecoderLm::forward_loss_with`]; [`Error::Shape`] for ids that are not `[tokens, 1]`,
+    /// `positions` of another length or at or past `max_position_embeddings`, and the
+    /// attention's checks of `cu_seqlens`.
+    pub fn forward_loss_thd(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        (positions, cu_seqlens): (&[usize], &[usize]),
+        micro: MicroBatch,
+    ) -> Result<(GptLoss, DecoderLmCtx)> {
+        let shape = |message: String| Error::Shape { op: MODEL, message };
+        match *ids.shape() {
+            [t, 1] if positions.len() == t => {}
+            _ => {
+                return Err(shape(format!(
+                    "packed ids must be [tokens, 1] with a position each, got {:?} and {} positions",
+                    ids.shape(),
+                    positions.len()
+                )))
+            }
+        }
+        let max = self.cfg.max_position_embeddings;
+        if let Some(p) = positions.iter().find(|&&p| p >= max) {
+            return Err(shape(format!("position {p} is at or past max_position_embeddings = {max}")));
+        }
+        self.forward_impl(ids, targets, micro, Some((positions, cu_seqlens)))
+    }
+
+    /// The forward of both: dense columns, or with `thd` packed documents.
+    fn forward_impl(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        micro: MicroBatch,
+        thd: Option<(&[usize], &[usize])>,
+    ) -> Result<(GptLoss, DecoderLmCtx)> {
         let MicroBatch { is_first_microbatch, grad_scale: loss_weight } = micro;
         let shape = |message: String| Error::Shape { op: MODEL, message };
         let [s, b] = *ids.shape() else {
             return Err(shape(format!("ids must be [s, b], got {:?}", ids.shape())));
         };
-        if s > self.cfg.max_position_embeddings {
+        if thd.is_none() && s > self.cfg.max_position_embeddings {
             return Err(shape(format!(
                 "sequence length {s} exceeds max_position_embeddings = {}",
                 self.cfg.max_position_embeddings
@@ -279,10 +326,21 @@ impl DecoderLm {
         if scale != 1.0 {
             scale_assign(&self.dev, &mut x, scale)?;
         }
-        let freqs = (0..self.rope.len()).map(|i| self.freqs(i, s)).collect::<Result<Vec<_>>>()?;
+        let freqs = match thd {
+            None => (0..self.rope.len()).map(|i| self.freqs(i, s)).collect::<Result<Vec<_>>>()?,
+            // Each token's angles, from its position in its document.
+            Some((positions, _)) => {
+                let d = self.cfg.head_dim;
+                let table = |(rope, _): &(crate::decoder::RopeConfig, Option<Tensor>)| {
+                    Tensor::from_f32(&self.dev, DType::F32, &[s, d], &rope.angles(d, positions.iter().copied()))
+                };
+                self.rope.iter().map(table).collect::<Result<Vec<_>>>()?
+            }
+        };
+        let seqs = thd.map(|(_, cu)| ThdSeqlens::new(cu, cu));
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
-            let (y, c) = layer.forward(&x, &freqs[layer.rope], is_first_microbatch)?;
+            let (y, c) = layer.forward(&x, (&freqs[layer.rope], seqs), is_first_microbatch)?;
             layers.push(c);
             x = y;
         }
