@@ -22,7 +22,7 @@ use te_models::decoder::{load_model, LoadedModel};
 use te_nn::fp8::Recipe;
 use te_runtime::{DType, Device};
 use te_train::data::TokenDataset;
-use te_train::{Backend, Precision, TrainConfig, Trainer};
+use te_train::{Backend, Pack, Precision, TrainConfig, Trainer};
 
 #[derive(Parser)]
 struct Args {
@@ -62,6 +62,9 @@ struct Args {
     /// The LM head's GEMMs in FP8 too in FP8 runs.
     #[arg(long)]
     fp8_lm_head: bool,
+    /// `blocks` (windows across documents) or `thd` (whole documents packed with cu_seqlens).
+    #[arg(long, default_value = "blocks")]
+    pack: String,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -99,14 +102,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The pretrained model's validation loss (in BF16: FP8 delayed scaling has no scales before
     // calibration), the point each run's curve starts from.
     let mut model = DecoderLm::from_weights(&dev, &weights, DType::BF16)?;
-    let before = trainer.validation_loss(&mut model, split.val.tokens(), a.seq, Precision::Bf16)?;
+    let pack = match a.pack.as_str() {
+        "thd" => Pack::Thd,
+        "blocks" => Pack::Blocks,
+        p => return Err(format!("--pack {p}: expected blocks or thd").into()),
+    };
+    let before = trainer.validation_loss(&mut model, &split, (a.seq, pack), Precision::Bf16)?;
     println!("pretrained validation loss {before:.4} (perplexity {:.2})", before.exp());
     drop(model);
     let mut last = None;
     for precision in precisions {
         let mut model = DecoderLm::from_weights(&dev, &weights, DType::BF16)?;
         model.set_fp8_lm_head(a.fp8_lm_head);
-        let run = trainer.finetune(&mut model, &split, a.seq, precision, |p| {
+        let run = trainer.finetune(&mut model, &split, (a.seq, pack), precision, |p| {
             if let Some(v) = p.val_loss {
                 println!("  step {:>5}  train {:.4}  val {v:.4}  {:.1} ms", p.step, p.train_loss, p.step_ms);
             }

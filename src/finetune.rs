@@ -11,7 +11,7 @@ use te_models::decoder::{load_model, ExportOptions, LoadedModel};
 use te_models::gpt::GptConfig;
 use te_runtime::DType;
 use te_train::data::{TokenDataset, TokenSplit};
-use te_train::{Precision, Progress, RunSummary, TrainError, Trainer};
+use te_train::{Pack, Precision, Progress, RunSummary, TrainError, Trainer};
 
 /// Tokens per window when `--seq-length` is not given (capped at the model's positions).
 pub const DEFAULT_SEQ_LENGTH: usize = 1024;
@@ -30,6 +30,8 @@ pub struct Finetune {
     pub seq: usize,
     /// The LM head's GEMMs in FP8 too in FP8 runs (`--fp8-lm-head`).
     pub fp8_lm_head: bool,
+    /// How documents are packed into batches (`--pack`).
+    pub pack: Pack,
     path: PathBuf,
 }
 
@@ -49,7 +51,12 @@ impl Finetune {
             Some(s) => s,
             None => DEFAULT_SEQ_LENGTH.min(max),
         };
-        Ok(Self { loaded, seq, fp8_lm_head: a.fp8_lm_head, path: path.to_path_buf() })
+        let pack = match a.pack.as_str() {
+            "blocks" => Pack::Blocks,
+            "thd" => Pack::Thd,
+            p => return Err(format!("--pack {p}: expected blocks or thd")),
+        };
+        Ok(Self { loaded, seq, fp8_lm_head: a.fp8_lm_head, pack, path: path.to_path_buf() })
     }
 
     /// The model's name in reports: its file or directory name.
@@ -115,7 +122,7 @@ impl Finetune {
     /// As [`Finetune::model`]; the trainer's.
     pub fn pretrained_loss(&self, trainer: &Trainer, split: &TokenSplit) -> Result<f32, String> {
         let mut model = self.model(trainer)?;
-        trainer.validation_loss(&mut model, split.val.tokens(), self.seq, Precision::Bf16).map_err(|e| e.to_string())
+        trainer.validation_loss(&mut model, split, (self.seq, self.pack), Precision::Bf16).map_err(|e| e.to_string())
     }
 
     /// One run in `precision` from the pretrained weights; saves the fine-tuned model as a
@@ -133,7 +140,7 @@ impl Finetune {
         progress: impl FnMut(&Progress),
     ) -> Result<RunSummary, TrainError> {
         let mut model = self.model(trainer).map_err(|message| TrainError::Unsupported { message })?;
-        let run = trainer.finetune(&mut model, split, self.seq, precision, progress)?;
+        let run = trainer.finetune(&mut model, split, (self.seq, self.pack), precision, progress)?;
         if save {
             let dir = out.join(format!("hf-{}", precision.name()));
             let export = |e: te_models::decoder::DecoderError| TrainError::Unsupported {

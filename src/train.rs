@@ -60,6 +60,11 @@ pub struct TrainArgs {
     /// --lr 2e-5. GPU only; no checkpoints yet.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// With --model: `blocks` (windows of --seq-length tokens across documents, EOS between
+    /// them) or `thd` (TE's packed format: rows of whole documents with cu_seqlens, each
+    /// attending within itself, positions from 0).
+    #[arg(long, default_value = "blocks", value_parser = ["blocks", "thd"])]
+    pub pack: String,
     /// Where results go: loss.csv, loss.png, summary.md, checkpoints/.
     #[arg(long, default_value = "train-out")]
     pub out: PathBuf,

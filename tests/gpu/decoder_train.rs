@@ -15,7 +15,7 @@
 use crate::common::device;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use te_models::decoder::train::DecoderLm;
+use te_models::decoder::train::{DecoderLm, Packing};
 use te_models::decoder::{DecoderWeights, WeightTensor};
 use te_models::gpt::IGNORE_INDEX;
 use te_nn::modules::{Module, Param, ParamKind, TokenIds};
@@ -127,13 +127,13 @@ fn decoder_lm_loss_and_gradients_match_transformers() {
 /// `Trainer::finetune` on the tiny Gemma 3 and Qwen2 models: documents that repeat one cycle of
 /// ids, which a model learns in a few dozen steps: the validation loss falls far below the
 /// pretrained one in BF16 and in FP8 (delayed scaling, calibrated first), the two within 10 %
-/// (+ 0.02) of each other; the loss curve is finite; the model comes back trained (its exported
+/// (+ 0.02) of each other, and in BF16 with TE's `thd` packing; the loss curve is finite; the model comes back trained (its exported
 /// weights differ from the loaded ones); a batch the GPU cannot hold is refused before
 /// allocating.
 #[test]
 fn finetune_learns_a_cycle_in_bf16_and_fp8() {
     use te_train::data::TokenDocs;
-    use te_train::{Backend, Precision, TrainConfig, Trainer};
+    use te_train::{Backend, Pack, Precision, TrainConfig, Trainer};
     let Some(dev) = device() else { return };
     let Some(dir) = grads_dir() else { return };
     for model in ["gemma3", "qwen2"] {
@@ -153,11 +153,11 @@ fn finetune_learns_a_cycle_in_bf16_and_fp8() {
         };
         let mut trainer = Trainer::new(cfg, Backend::Gpu(dev.clone())).unwrap();
         let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
-        let before = trainer.validation_loss(&mut m, split.val.tokens(), 64, Precision::Bf16).unwrap();
+        let before = trainer.validation_loss(&mut m, &split, (64, Pack::Blocks), Precision::Bf16).unwrap();
         let mut finals = Vec::new();
         for precision in [Precision::Bf16, Precision::Fp8] {
             let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
-            let run = trainer.finetune(&mut m, &split, 64, precision, |_| {}).unwrap();
+            let run = trainer.finetune(&mut m, &split, (64, Pack::Blocks), precision, |_| {}).unwrap();
             assert!(run.records.iter().all(|r| r.train_loss.is_finite()), "{model} {precision:?}: finite losses");
             let after = run.final_val_loss().unwrap();
             eprintln!("{model} {}: validation loss {before:.4} → {after:.4}", precision.name());
@@ -167,11 +167,20 @@ fn finetune_learns_a_cycle_in_bf16_and_fp8() {
             assert_ne!(tuned.get(name).unwrap().data, weights.get(name).unwrap().data, "{model}: trained in place");
             finals.push(after);
         }
+        // The same in TE's thd packing (documents split into rows of 64, each piece from
+        // position 0).
+        let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+        let thd = (64, Pack::Thd);
+        let before_thd = trainer.validation_loss(&mut m, &split, thd, Precision::Bf16).unwrap();
+        let run = trainer.finetune(&mut m, &split, thd, Precision::Bf16, |_| {}).unwrap();
+        let after_thd = run.final_val_loss().unwrap();
+        eprintln!("{model} bf16 thd: validation loss {before_thd:.4} → {after_thd:.4}");
+        assert!(after_thd < 0.25 * before_thd, "{model} thd: {before_thd} → {after_thd}");
         // A batch the GPU cannot hold is refused with the estimate before anything is allocated.
         let huge = TrainConfig { batch: 4_000_000, ..trainer.config().clone() };
         let mut big = Trainer::new(huge, Backend::Gpu(dev.clone())).unwrap();
         let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
-        let e = big.finetune(&mut m, &split, 64, Precision::Bf16, |_| {}).unwrap_err().to_string();
+        let e = big.finetune(&mut m, &split, (64, Pack::Blocks), Precision::Bf16, |_| {}).unwrap_err().to_string();
         assert!(e.contains("estimated before allocating"), "{model}: {e}");
         let (bf16, fp8) = (finals[0], finals[1]);
         // Relative, and absolute near zero (the first H100 run: Gemma 0.1441 / 0.1405, Qwen2
@@ -237,7 +246,8 @@ fn packed_documents_match_the_documents_apart() {
         let ids_t = TokenIds::from_host(&dev, &[n, 1], &ids).unwrap();
         let targets_t = TokenIds::from_host(&dev, &[n, 1], &targets).unwrap();
         let micro = te_models::gpt::MicroBatch::default();
-        let (loss, ctx) = packed.forward_loss_thd(&ids_t, &targets_t, (&positions, &cu), micro).unwrap();
+        let packing = Packing { position_ids: &positions, cu_seqlens: &cu, cu_seqlens_padded: None };
+        let (loss, ctx) = packed.forward_loss_thd(&ids_t, &targets_t, packing, micro).unwrap();
         packed.backward(ctx).unwrap();
         let got_loss = f64::from(loss.value().unwrap());
         let loss_err = (got_loss - want_loss).abs() / want_loss;
@@ -255,10 +265,12 @@ fn packed_documents_match_the_documents_apart() {
         eprintln!("{model}: worst gradient relative L2 error {:.3e} ({})", worst.0, worst.1);
         assert!(worst.0 < 0.015, "{model}: {} packed gradient off by {:.3e}", worst.1, worst.0);
         // Bad tables are typed errors.
-        let e = packed.forward_loss_thd(&ids_t, &targets_t, (&positions[1..], &cu), micro).unwrap_err();
+        let short = Packing { position_ids: &positions[1..], ..packing };
+        let e = packed.forward_loss_thd(&ids_t, &targets_t, short, micro).unwrap_err();
         assert!(e.to_string().contains("a position each"), "{e}");
         let bad_cu = [0, 10, 5, n];
-        let e = packed.forward_loss_thd(&ids_t, &targets_t, (&positions, &bad_cu), micro).unwrap_err();
+        let e =
+            packed.forward_loss_thd(&ids_t, &targets_t, Packing { cu_seqlens: &bad_cu, ..packing }, micro).unwrap_err();
         assert!(matches!(e, te_runtime::Error::Shape { .. }), "{e}");
     }
 }

@@ -11,10 +11,11 @@
 //! Tensor parallel: the layers split over the tensor-parallel group, each rank writing its
 //! files of every checkpoint.
 
+use super::batches::{Pack, Tokens};
 use super::lm::TrainLm;
 use crate::checkpoint::{CheckpointOptions, Checkpointer, RunState};
 use crate::config::{Precision, TrainConfig};
-use crate::data::{Batcher, Corpus, TokenId, TokenSplit};
+use crate::data::{Corpus, TokenId, TokenSplit};
 use crate::error::TrainError;
 use crate::nonfinite::NonFiniteGuard;
 use crate::optim::AdamW;
@@ -27,7 +28,7 @@ use te_models::gpt::{Gpt, GptLoss, MicroBatch};
 use te_nn::checkpoint::tp::{shard_path, TP_RANK_KEY, TP_SIZE_KEY};
 use te_nn::checkpoint::{self, LoadOptions, SaveOptions};
 use te_nn::fp8::{Fp8Autocast, Recipe, ScalingState};
-use te_nn::modules::{ModuleVisitor, Param, ParamKind, TokenIds};
+use te_nn::modules::{ModuleVisitor, Param, ParamKind};
 use te_nn::parallel::Parallel;
 use te_nn::parallel::TpConfig;
 use te_runtime::Device;
@@ -78,7 +79,7 @@ pub(super) fn train(
         // Every rank builds the model from the same seed; the broadcast makes sure.
         dp.broadcast_parameters(&mut model)?;
     }
-    let data = Tokens { train: &corpus.train, val: &corpus.val, seq: cfg.model.seq_length };
+    let data = Tokens::Windows { train: &corpus.train[..], val: &corpus.val[..], seq: cfg.model.seq_length };
     run(dev, &mut model, tp, data, cfg, precision, ckpt, parallel, progress, cfg.model.num_parameters())
 }
 
@@ -92,7 +93,7 @@ pub(super) fn finetune(
     dev: &Arc<Device>,
     model: &mut DecoderLm,
     data: &TokenSplit,
-    seq: usize,
+    (seq, pack): (usize, Pack),
     cfg: &TrainConfig,
     precision: Precision,
     ckpt: &CheckpointOptions,
@@ -127,7 +128,10 @@ pub(super) fn finetune(
         dp.broadcast_parameters(model)?;
     }
     let parameters = model.num_parameters();
-    let tokens = Tokens { train: data.train.tokens(), val: data.val.tokens(), seq };
+    let tokens: Tokens<'_, u32> = match pack {
+        Pack::Blocks => Tokens::Windows { train: data.train.tokens(), val: data.val.tokens(), seq },
+        Pack::Thd => Tokens::Thd { train: &data.train, val: &data.val, seq },
+    };
     if precision == Precision::Fp8 && cfg.recipe.calibrates() {
         calibrate(dev, model, &tokens, cfg, parallel)?;
     }
@@ -149,15 +153,12 @@ fn calibrate<M: TrainLm, T: TokenId>(
     cfg: &TrainConfig,
     parallel: &Parallel,
 ) -> Result<(), TrainError> {
-    let (rank, world) = parallel.data_rank();
-    let mut batches = Batcher::sharded(cfg.data_seed ^ 0xca1, data.seq, cfg.batch, rank, world);
+    let mut batches = data.train(cfg.data_seed ^ 0xca1, cfg.batch, parallel.data_rank())?;
     let scope = Fp8Autocast::calibrating(cfg.recipe).with_group(parallel.world().cloned());
     model.set_training(false);
     for _ in 0..FP8_CALIBRATION_BATCHES {
-        let batch = batches.next(data.train, "train")?;
-        let ids = TokenIds::from_host(dev, &[data.seq, cfg.batch], &batch.ids)?;
-        let targets = TokenIds::from_host(dev, &[data.seq, cfg.batch], &batch.targets)?;
-        scope.clone().run(|| model.forward_loss_with(&ids, &targets, MicroBatch::default()))?;
+        let batch = batches.next(dev, data.seq(), cfg.batch)?;
+        scope.clone().run(|| batch.forward(model, MicroBatch::default()))?;
     }
     model.set_training(true);
     Ok(())
@@ -165,23 +166,20 @@ fn calibrate<M: TrainLm, T: TokenId>(
 
 /// The mean loss of `model` over `cfg`'s validation batches of `val` (what a run's evaluations
 /// report), in `precision` (FP8 under the recipe, its amaxes reduced over `parallel`'s ranks).
-pub(super) fn validation_loss<M: TrainLm, T: TokenId>(
+pub(super) fn validation_loss<M: TrainLm>(
     dev: &Arc<Device>,
     model: &mut M,
-    (val, seq): (&[T], usize),
+    (data, seq, pack): (&TokenSplit, usize, Pack),
     cfg: &TrainConfig,
     precision: Precision,
     parallel: &Parallel,
 ) -> Result<f32, TrainError> {
     let autocast = Fp8Autocast::new(cfg.recipe).with_group(parallel.world().cloned());
-    evaluate(dev, model, (val, seq), cfg, precision, &autocast)
-}
-
-/// The train and validation tokens of a run and its window length.
-struct Tokens<'a, T> {
-    train: &'a [T],
-    val: &'a [T],
-    seq: usize,
+    let tokens: Tokens<'_, u32> = match pack {
+        Pack::Blocks => Tokens::Windows { train: data.train.tokens(), val: data.val.tokens(), seq },
+        Pack::Thd => Tokens::Thd { train: &data.train, val: &data.val, seq },
+    };
+    evaluate(dev, model, &tokens, cfg, precision, &autocast)
 }
 
 /// The steps of a run of `model` (built, its parameters equal on every rank).
@@ -206,15 +204,15 @@ fn run<M: TrainLm, T: TokenId>(
     let (tp_rank, tp_size) = parallel.tensor_rank();
     let recipe = fp8.then_some(cfg.recipe);
     let mut run = GpuRun { model, opt, tp, recipe };
-    let seq = data.seq;
+    let seq = data.seq();
     // The ranks of a tensor-parallel group read the same data; data-parallel ranks their shards.
     let (rank, world) = parallel.data_rank();
-    let mut train_batches = Batcher::sharded(cfg.data_seed, seq, cfg.batch, rank, world);
+    let mut train_batches = data.train(cfg.data_seed, cfg.batch, (rank, world))?;
     let mut records = Vec::new();
     let mut checkpoints =
         Checkpointer::new(ckpt, cfg, precision).data_parallel(rank, world).tensor_parallel(tp_rank, tp_size);
     let done = checkpoints.resume(&mut run, &mut records)?;
-    train_batches.skip(data.train, done * cfg.grad_accum as u64, "train")?;
+    train_batches.skip(done * cfg.grad_accum as u64)?;
     // The amaxes are reduced over every rank (TE's default fp8_group): one set of scales.
     let autocast = Fp8Autocast::new(cfg.recipe).with_group(parallel.world().cloned());
     let mut times = Vec::new();
@@ -223,16 +221,14 @@ fn run<M: TrainLm, T: TokenId>(
         let start = Instant::now();
         let mut losses = Vec::with_capacity(cfg.grad_accum);
         for micro in 0..cfg.grad_accum {
-            let batch = train_batches.next(data.train, "train")?;
-            let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
-            let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
+            let batch = train_batches.next(dev, seq, cfg.batch)?;
             let mb = MicroBatch {
                 is_first_microbatch: (cfg.grad_accum > 1).then_some(micro == 0),
                 grad_scale: 1.0 / cfg.grad_accum as f32,
             };
             let (loss, ctx) = match precision {
-                Precision::Fp8 => autocast.clone().run(|| run.model.forward_loss_with(&ids, &targets, mb))?,
-                Precision::Bf16 => run.model.forward_loss_with(&ids, &targets, mb)?,
+                Precision::Fp8 => autocast.clone().run(|| batch.forward(&mut *run.model, mb))?,
+                Precision::Bf16 => batch.forward(&mut *run.model, mb)?,
             };
             match parallel.data() {
                 // The last micro-batch's backward reduces each part's gradients as they complete.
@@ -256,7 +252,7 @@ fn run<M: TrainLm, T: TokenId>(
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
         times.push(step_ms);
         let val_loss = if step % cfg.eval_interval == 0 || step == cfg.steps {
-            Some(evaluate(dev, &mut *run.model, (data.val, seq), cfg, precision, &autocast)?)
+            Some(evaluate(dev, &mut *run.model, &data, cfg, precision, &autocast)?)
         } else {
             None
         };
@@ -377,24 +373,22 @@ impl ModuleVisitor for FiniteStates<'_> {
 fn evaluate<M: TrainLm, T: TokenId>(
     dev: &Arc<Device>,
     model: &mut M,
-    (val, seq): (&[T], usize),
+    data: &Tokens<'_, T>,
     cfg: &TrainConfig,
     precision: Precision,
     autocast: &Fp8Autocast,
 ) -> Result<f32, TrainError> {
-    let mut batches = cfg.eval_batcher(seq);
+    let mut batches = data.val(cfg)?;
     model.set_training(false);
     let mut run = || -> Result<f32, TrainError> {
         let mut sum = 0.0f32;
         for _ in 0..cfg.eval_batches {
-            let batch = batches.next(val, "validation")?;
-            let ids = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.ids)?;
-            let targets = TokenIds::from_host(dev, &[seq, cfg.batch], &batch.targets)?;
+            let batch = batches.next(dev, data.seq(), cfg.batch)?;
             // The language-model loss alone: a MoE model's aux losses are left out of validation.
             let mb = MicroBatch::default();
             let (loss, _ctx) = match precision {
-                Precision::Fp8 => autocast.clone().run(|| model.forward_loss_with(&ids, &targets, mb))?,
-                Precision::Bf16 => model.forward_loss_with(&ids, &targets, mb)?,
+                Precision::Fp8 => autocast.clone().run(|| batch.forward(model, mb))?,
+                Precision::Bf16 => batch.forward(model, mb)?,
             };
             sum += loss.lm_value()?;
         }

@@ -2,10 +2,10 @@
 //! (`te_models::gpt::Gpt`, trained from scratch) and the decoder family
 //! (`te_models::decoder::train::DecoderLm`, fine-tuned from a checkpoint).
 
-use te_models::decoder::train::{DecoderLm, DecoderLmCtx};
+use te_models::decoder::train::{DecoderLm, DecoderLmCtx, Packing};
 use te_models::gpt::{Gpt, GptCtx, GptLoss, MicroBatch};
 use te_nn::modules::{Module, TokenIds};
-use te_runtime::Result;
+use te_runtime::{Error, Result};
 
 /// A causal language model the GPU trainer steps: a loss forward over `[s, b]` ids and
 /// targets that saves a context, its backward with a per-part hook (the data-parallel
@@ -22,6 +22,19 @@ pub trait TrainLm: Module {
         &mut self,
         ids: &TokenIds,
         targets: &TokenIds,
+        micro: MicroBatch,
+    ) -> Result<(GptLoss, Self::Ctx)>;
+
+    /// The loss forward over packed documents (`[tokens, 1]` ids and targets, TE's `thd`
+    /// tables).
+    ///
+    /// # Errors
+    /// The model's; [`Error::Config`] for a model that trains on windows only.
+    fn forward_loss_thd(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        packing: Packing<'_>,
         micro: MicroBatch,
     ) -> Result<(GptLoss, Self::Ctx)>;
 
@@ -58,6 +71,20 @@ impl TrainLm for Gpt {
         Gpt::forward_loss_with(self, ids, targets, micro)
     }
 
+    /// The byte-level GPT (learned positions, no `thd` attention path) trains on windows.
+    fn forward_loss_thd(
+        &mut self,
+        _: &TokenIds,
+        _: &TokenIds,
+        _: Packing<'_>,
+        _: MicroBatch,
+    ) -> Result<(GptLoss, GptCtx)> {
+        Err(Error::Config {
+            module: "Gpt",
+            message: "the byte-level GPT trains on windows: packed documents (thd) are the decoder family's".into(),
+        })
+    }
+
     fn backward_with(&mut self, ctx: GptCtx, grads_ready: &mut dyn FnMut(&mut dyn Module) -> Result<()>) -> Result<()> {
         Gpt::backward_with(self, ctx, grads_ready)
     }
@@ -85,6 +112,16 @@ impl TrainLm for DecoderLm {
         micro: MicroBatch,
     ) -> Result<(GptLoss, DecoderLmCtx)> {
         DecoderLm::forward_loss_with(self, ids, targets, micro)
+    }
+
+    fn forward_loss_thd(
+        &mut self,
+        ids: &TokenIds,
+        targets: &TokenIds,
+        packing: Packing<'_>,
+        micro: MicroBatch,
+    ) -> Result<(GptLoss, DecoderLmCtx)> {
+        DecoderLm::forward_loss_thd(self, ids, targets, packing, micro)
     }
 
     fn backward_with(

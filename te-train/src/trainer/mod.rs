@@ -16,10 +16,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod batches;
 mod cpu;
 mod gpu;
 mod lm;
 
+pub use batches::Pack;
 pub use cpu::cpu_gemm_precision;
 pub use gpu::FP8_CALIBRATION_BATCHES;
 pub use lm::TrainLm;
@@ -180,7 +182,7 @@ impl Trainer {
         &mut self,
         model: &mut te_models::decoder::train::DecoderLm,
         data: &TokenSplit,
-        seq_length: usize,
+        (seq_length, pack): (usize, Pack),
         precision: Precision,
         mut progress: impl FnMut(&Progress),
     ) -> Result<RunSummary, TrainError> {
@@ -201,7 +203,8 @@ impl Trainer {
         let (cfg, ckpt) = (&self.config, &self.checkpoints);
         match &self.backend {
             Backend::Gpu(dev) => {
-                gpu::finetune(dev, model, data, seq_length, cfg, precision, ckpt, &mut self.parallel, &mut progress)
+                let shape = (seq_length, pack);
+                gpu::finetune(dev, model, data, shape, cfg, precision, ckpt, &mut self.parallel, &mut progress)
             }
             Backend::Cpu => Err(TrainError::Unsupported {
                 message: "fine-tuning a decoder of the family runs on a GPU (Backend::Gpu)".into(),
@@ -220,13 +223,14 @@ impl Trainer {
     pub fn validation_loss<M: TrainLm>(
         &self,
         model: &mut M,
-        val: &[u32],
-        seq_length: usize,
+        data: &TokenSplit,
+        (seq_length, pack): (usize, Pack),
         precision: Precision,
     ) -> Result<f32, TrainError> {
         match &self.backend {
             Backend::Gpu(dev) => {
-                gpu::validation_loss(dev, model, (val, seq_length), &self.config, precision, &self.parallel)
+                let shape = (data, seq_length, pack);
+                gpu::validation_loss(dev, model, shape, &self.config, precision, &self.parallel)
             }
             Backend::Cpu => Err(TrainError::Unsupported {
                 message: "the validation loss of a TrainLm runs on a GPU (Backend::Gpu)".into(),

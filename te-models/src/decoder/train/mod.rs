@@ -36,6 +36,19 @@ use te_runtime::{Device, Error, Result, Tensor};
 
 const MODEL: &str = "DecoderLm";
 
+/// How the tokens of a [`DecoderLm::forward_loss_thd`] call are packed (TE's `thd` tables).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Packing<'a> {
+    /// Each token's position in its document (RoPE), `[tokens]`.
+    pub position_ids: &'a [usize],
+    /// The documents' lengths as prefix sums, `[documents + 1]` from 0 (TE's `cu_seqlens`).
+    pub cu_seqlens: &'a [usize],
+    /// Where each document starts when padding separates them, then the tokens
+    /// (`[documents + 1]`, TE's `cu_seqlens_padded`); padding tokens get no output and no
+    /// gradient. `None`: the documents end to end.
+    pub cu_seqlens_padded: Option<&'a [usize]>,
+}
+
 /// A decoder of the family with its training forward and backward (see the module docs).
 #[derive(Debug, te_nn::Module)]
 pub struct DecoderLm {
@@ -273,9 +286,10 @@ impl DecoderLm {
         &mut self,
         ids: &TokenIds,
         targets: &TokenIds,
-        (positions, cu_seqlens): (&[usize], &[usize]),
+        packing: Packing<'_>,
         micro: MicroBatch,
     ) -> Result<(GptLoss, DecoderLmCtx)> {
+        let positions = packing.position_ids;
         let shape = |message: String| Error::Shape { op: MODEL, message };
         match *ids.shape() {
             [t, 1] if positions.len() == t => {}
@@ -291,7 +305,7 @@ impl DecoderLm {
         if let Some(p) = positions.iter().find(|&&p| p >= max) {
             return Err(shape(format!("position {p} is at or past max_position_embeddings = {max}")));
         }
-        self.forward_impl(ids, targets, micro, Some((positions, cu_seqlens)))
+        self.forward_impl(ids, targets, micro, Some(packing))
     }
 
     /// The forward of both: dense columns, or with `thd` packed documents.
@@ -300,7 +314,7 @@ impl DecoderLm {
         ids: &TokenIds,
         targets: &TokenIds,
         micro: MicroBatch,
-        thd: Option<(&[usize], &[usize])>,
+        thd: Option<Packing<'_>>,
     ) -> Result<(GptLoss, DecoderLmCtx)> {
         let MicroBatch { is_first_microbatch, grad_scale: loss_weight } = micro;
         let shape = |message: String| Error::Shape { op: MODEL, message };
@@ -329,15 +343,19 @@ impl DecoderLm {
         let freqs = match thd {
             None => (0..self.rope.len()).map(|i| self.freqs(i, s)).collect::<Result<Vec<_>>>()?,
             // Each token's angles, from its position in its document.
-            Some((positions, _)) => {
+            Some(p) => {
                 let d = self.cfg.head_dim;
                 let table = |(rope, _): &(crate::decoder::RopeConfig, Option<Tensor>)| {
-                    Tensor::from_f32(&self.dev, DType::F32, &[s, d], &rope.angles(d, positions.iter().copied()))
+                    Tensor::from_f32(&self.dev, DType::F32, &[s, d], &rope.angles(d, p.position_ids.iter().copied()))
                 };
                 self.rope.iter().map(table).collect::<Result<Vec<_>>>()?
             }
         };
-        let seqs = thd.map(|(_, cu)| ThdSeqlens::new(cu, cu));
+        let seqs = thd.map(|p| ThdSeqlens {
+            cu_seqlens_q_padded: p.cu_seqlens_padded,
+            cu_seqlens_kv_padded: p.cu_seqlens_padded,
+            ..ThdSeqlens::new(p.cu_seqlens, p.cu_seqlens)
+        });
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
             let (y, c) = layer.forward(&x, (&freqs[layer.rope], seqs), is_first_microbatch)?;
