@@ -261,7 +261,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     use te_nn::parallel::Parallel;
     use te_runtime::dist::{DistEnv, ProcessGroup};
     use te_train::data::Corpus;
-    use te_train::{cpu_gemm_precision, Backend, CheckpointOptions, Precision, TrainError, Trainer};
+    use te_train::{cpu_gemm_precision, Backend, CheckpointOptions, Precision, Trainer};
     let gpu = te_runtime::device::gpu_available();
     if a.cpu && !matches!(a.preset.as_str(), "tiny" | "auto") {
         return Err(
@@ -408,26 +408,9 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         }
         let mut runs = Vec::new();
         for p in precisions {
-            let bar = if rank0 { ProgressBar::new(cfg.steps) } else { ProgressBar::hidden() };
-            bar.set_style(
-                ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
-                    .map_err(|e| e.to_string())?,
-            );
-            bar.set_prefix(p.name());
-            let progress = |p: &te_train::Progress| {
-                bar.set_position(p.step);
-                bar.set_message(format!("loss {:.4}", p.train_loss));
-            };
-            let run = match f.run(&mut trainer, &split, p, (&a.out, rank0), progress) {
-                Ok(run) => run,
-                Err(e @ TrainError::Interrupted { .. }) => {
-                    bar.abandon();
-                    return Err(Failure::Interrupted(e.to_string()));
-                }
-                Err(e) => return Err(e.to_string().into()),
-            };
-            bar.finish();
-            runs.push(run);
+            runs.push(with_progress_bar(rank0, cfg.steps, p, |progress| {
+                f.run(&mut trainer, &split, p, (&a.out, rank0), progress)
+            })?);
         }
         if !rank0 {
             return Ok(());
@@ -466,26 +449,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     }
     let mut runs = Vec::new();
     for p in precisions {
-        let bar = if rank0 { ProgressBar::new(cfg.steps) } else { ProgressBar::hidden() };
-        bar.set_style(
-            ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
-                .map_err(|e| e.to_string())?,
-        );
-        bar.set_prefix(p.name());
-        let progress = |p: &te_train::Progress| {
-            bar.set_position(p.step);
-            bar.set_message(format!("loss {:.4}", p.train_loss));
-        };
-        let run = match trainer.train(&corpus, p, progress) {
-            Ok(run) => run,
-            Err(e @ TrainError::Interrupted { .. }) => {
-                bar.abandon();
-                return Err(Failure::Interrupted(e.to_string()));
-            }
-            Err(e) => return Err(e.to_string().into()),
-        };
-        bar.finish();
-        runs.push(run);
+        runs.push(with_progress_bar(rank0, cfg.steps, p, |progress| trainer.train(&corpus, p, progress))?);
     }
     if !rank0 {
         return Ok(());
@@ -504,6 +468,37 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     plot_losses(&png, &title, &runs).map_err(|e| e.to_string())?;
     println!("loss curves: {} and {}; summary: {}", csv.display(), png.display(), a.out.join("summary.md").display());
     Ok(())
+}
+
+/// One run of `steps` steps in `precision` under a progress bar (shown on rank 0): `run` gets the
+/// progress callback; a stop on request is [`Failure::Interrupted`].
+fn with_progress_bar(
+    rank0: bool,
+    steps: u64,
+    precision: te_train::Precision,
+    run: impl FnOnce(&mut dyn FnMut(&te_train::Progress)) -> Result<te_train::RunSummary, te_train::TrainError>,
+) -> Result<te_train::RunSummary, Failure> {
+    let bar = if rank0 { ProgressBar::new(steps) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} {msg} [{elapsed_precise}]")
+            .map_err(|e| e.to_string())?,
+    );
+    bar.set_prefix(precision.name());
+    let mut progress = |p: &te_train::Progress| {
+        bar.set_position(p.step);
+        bar.set_message(format!("loss {:.4}", p.train_loss));
+    };
+    match run(&mut progress) {
+        Ok(summary) => {
+            bar.finish();
+            Ok(summary)
+        }
+        Err(e @ te_train::TrainError::Interrupted { .. }) => {
+            bar.abandon();
+            Err(Failure::Interrupted(e.to_string()))
+        }
+        Err(e) => Err(e.to_string().into()),
+    }
 }
 
 fn run_generate(a: &te::generate::GenerateArgs) -> Result<(), Failure> {

@@ -10,8 +10,8 @@
 //! FLOPs: forward `2·tokens·(layers·(h·qkv + attn·h + h·fc1 + ffn·h) + h·vocab)` for the GEMMs
 //! plus the attention's (causal, or its window), backward twice that.
 
-use crate::gpt::OPTIMIZER_BYTES_PER_PARAM;
-use crate::harness::{Bench, Work};
+use crate::gpt::StepRows;
+use crate::harness::Bench;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use te_models::decoder::train::DecoderLm;
@@ -85,27 +85,8 @@ pub fn run(b: &mut Bench) {
             (true, false) => gemm - head,
             (true, true) => gemm,
         };
-        let fwd = gemm + attention;
-        let opt_bytes = OPTIMIZER_BYTES_PER_PARAM * params;
-        let rows = [
-            ("fwd", st.phases[0], fwd, fp8_flops, None),
-            ("bwd", st.phases[1], 2 * fwd, 2 * fp8_flops, None),
-            ("optimizer", st.phases[2], 0, 0, Some(opt_bytes)),
-            ("step", st.total, 3 * fwd, 3 * fp8_flops, Some(opt_bytes)),
-        ];
-        for (pass, stats, flops, flops_fp8, bytes) in rows {
-            let w = Work {
-                section: "gpt",
-                work: work.into(),
-                pass,
-                variant: variant.into(),
-                precision: if fp8 { "fp8" } else { "bf16" },
-                flops_fp8,
-                tokens: Some(tokens as u64),
-            };
-            b.record_work(&shape, stats, flops, bytes, w);
-        }
-        println!("{work} {variant}: {:.0} tokens/s", tokens as f64 / (st.total.median_us * 1e-6));
+        let step = StepRows { work, shape: &shape, variant, fp8, tokens, params };
+        step.record(b, &st, gemm + attention, fp8_flops);
     }
     drop((model, opt));
     // The tied head and the loss alone: a Linear over a [vocab, hidden] table.

@@ -13,7 +13,7 @@
 //! moves at least 30 bytes per parameter (bf16 gradient read for the norm and for the update,
 //! fp32 master and both moments read and written, the bf16 parameter written).
 
-use crate::harness::{Bench, Work};
+use crate::harness::{Bench, PhaseStats, Work};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use te_models::gpt::{Gpt, GptConfig, MicroBatch};
@@ -84,8 +84,28 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
             m.mark();
         });
         let fp8_flops = if fp8 { gemm } else { 0 };
-        let fwd = gemm + attention;
-        let opt_bytes = OPTIMIZER_BYTES_PER_PARAM * params;
+        let step = StepRows { work, shape: &shape, variant, fp8, tokens, params };
+        step.record(b, &st, gemm + attention, fp8_flops);
+    }
+}
+
+/// The rows of one timed training step (phases forward, backward, optimizer; `section` gpt).
+pub struct StepRows<'a> {
+    pub work: &'a str,
+    pub shape: &'a str,
+    pub variant: &'a str,
+    /// The GEMMs run in FP8.
+    pub fp8: bool,
+    pub tokens: usize,
+    /// Parameters the optimizer updates.
+    pub params: u64,
+}
+
+impl StepRows<'_> {
+    /// Records `fwd`, `bwd` (twice the forward's FLOPs), `optimizer` and `step` rows of `st`
+    /// (`fwd` FLOPs a forward, `fp8_flops` of them at the FP8 rate) and prints the tokens/s.
+    pub fn record(&self, b: &mut Bench, st: &PhaseStats, fwd: u64, fp8_flops: u64) {
+        let opt_bytes = OPTIMIZER_BYTES_PER_PARAM * self.params;
         let rows = [
             ("fwd", st.phases[0], fwd, fp8_flops, None),
             ("bwd", st.phases[1], 2 * fwd, 2 * fp8_flops, None),
@@ -95,15 +115,16 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
         for (pass, stats, flops, flops_fp8, bytes) in rows {
             let w = Work {
                 section: "gpt",
-                work: work.into(),
+                work: self.work.into(),
                 pass,
-                variant: variant.into(),
-                precision: if fp8 { "fp8" } else { "bf16" },
+                variant: self.variant.into(),
+                precision: if self.fp8 { "fp8" } else { "bf16" },
                 flops_fp8,
-                tokens: Some(tokens as u64),
+                tokens: Some(self.tokens as u64),
             };
-            b.record_work(&shape, stats, flops, bytes, w);
+            b.record_work(self.shape, stats, flops, bytes, w);
         }
-        println!("{work} {variant}: {:.0} tokens/s", tokens as f64 / (st.total.median_us * 1e-6));
+        let (work, variant) = (self.work, self.variant);
+        println!("{work} {variant}: {:.0} tokens/s", self.tokens as f64 / (st.total.median_us * 1e-6));
     }
 }
