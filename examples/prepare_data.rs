@@ -1,5 +1,5 @@
 //! Tokenizes a corpus with a pretrained model's tokenizer and packs it for training, as `te train
-//! --model` will (issue 35): documents from text files, directories and `.jsonl` files (a
+//! --model` does: documents from text files, directories and `.jsonl` files (a
 //! `"text"` field a line), each `[BOS] + ids + [EOS]`, cached in a binary token file under
 //! `--cache` (a second run reads it back), split by documents, then packed both ways — windows of
 //! `seq + 1` tokens across documents, and `thd` rows of whole documents with `cu_seqlens` — and
