@@ -293,9 +293,6 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     // --model: fine-tuning a pretrained decoder, with its own defaults.
     let mut finetune = match &a.model {
         Some(_) if a.cpu || !gpu => return Err("--model fine-tunes on a GPU, and none is used here".into()),
-        Some(_) if a.resume => {
-            return Err("--resume: fine-tuning runs write no checkpoints yet (each saves OUT/hf-<precision>)".into())
-        }
         Some(path) => Some(Finetune::load(path, a)?),
         None => None,
     };
@@ -363,7 +360,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
     let ckpt = CheckpointOptions {
-        dir: (!a.no_checkpoint && finetune.is_none()).then(|| a.out.join("checkpoints")),
+        dir: (!a.no_checkpoint).then(|| a.out.join("checkpoints")),
         interval: a.checkpoint_interval,
         resume: a.resume,
         stop: Some(stop_on_signals()?),

@@ -57,7 +57,7 @@ pub struct TrainArgs {
     /// tokenizer (EOS between documents, cached under OUT/tokens) and packed in windows of
     /// --seq-length (default 1024) tokens; FP8 runs with delayed scaling calibrate first; each
     /// run's model is saved as a Hugging Face directory OUT/hf-<precision>. Defaults: 200 steps,
-    /// --lr 2e-5. GPU only; no checkpoints yet.
+    /// --lr 2e-5. GPU only; checkpoints and --resume as for the GPT presets.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// With --model: `blocks` (windows of --seq-length tokens across documents, EOS between

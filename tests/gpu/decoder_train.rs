@@ -274,3 +274,65 @@ fn packed_documents_match_the_documents_apart() {
         assert!(matches!(e, te_runtime::Error::Shape { .. }), "{e}");
     }
 }
+
+/// A fine-tuning run in FP8 (delayed scaling: its histories and scales are checkpointed) stopped
+/// after step 6 and resumed finishes as if it had never stopped: the same losses bit for bit and
+/// the same weights, in blocks and in thd packing.
+#[test]
+fn finetune_resumes_bit_exact() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use te_train::data::TokenDocs;
+    use te_train::{Backend, CheckpointOptions, Pack, Precision, TrainConfig, TrainError, Trainer};
+    let Some(dev) = device() else { return };
+    let Some(dir) = grads_dir() else { return };
+    let weights = DecoderWeights::from_hf_dir(&dir.join("gemma3")).unwrap();
+    let vocab = weights.config().vocab_size as u32;
+    let docs: Vec<Vec<u32>> = (0..30).map(|d| (0..200).map(|t| (t * 13 + d * 7 + 1) % vocab).collect()).collect();
+    let split = TokenDocs::from_documents(&docs).split(0.1, 1).unwrap();
+    let cfg = TrainConfig {
+        batch: 4,
+        lr: 1e-3,
+        eval_interval: 4,
+        eval_batches: 2,
+        ..TrainConfig::new(te_models::gpt::GptConfig::tiny(), 10)
+    };
+    let losses = |r: &[te_train::Record]| -> Vec<(u64, u32, Option<u32>)> {
+        r.iter().map(|r| (r.step, r.train_loss.to_bits(), r.val_loss.map(f32::to_bits))).collect()
+    };
+    for pack in [Pack::Blocks, Pack::Thd] {
+        let tmp = tempfile::tempdir().unwrap();
+        let trainer = |ckpt: CheckpointOptions| {
+            Trainer::new(cfg.clone(), Backend::Gpu(dev.clone())).unwrap().with_checkpoints(ckpt)
+        };
+        let fresh = || DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+        let shape = (48, pack);
+        // Never stopped.
+        let straight_dir = tmp.path().join("straight");
+        let ckpt = CheckpointOptions { dir: Some(straight_dir), interval: 4, ..Default::default() };
+        let mut m = fresh();
+        let straight = trainer(ckpt).finetune(&mut m, &split, shape, Precision::Fp8, |_| {}).unwrap();
+        let straight_weights = m.to_weights().unwrap();
+        // Stopped after step 6 (a SIGTERM's flag), then resumed from its checkpoint.
+        let stopped_dir = tmp.path().join("stopped");
+        let stop = Arc::new(AtomicBool::new(false));
+        let ckpt =
+            CheckpointOptions { dir: Some(stopped_dir.clone()), interval: 4, resume: false, stop: Some(stop.clone()) };
+        let mut m = fresh();
+        let e = trainer(ckpt)
+            .finetune(&mut m, &split, shape, Precision::Fp8, |p| stop.store(p.step == 6, Ordering::Relaxed))
+            .unwrap_err();
+        assert!(matches!(e, TrainError::Interrupted { step: 6, .. }), "{pack:?}: {e}");
+        let ckpt = CheckpointOptions { dir: Some(stopped_dir), interval: 4, resume: true, stop: None };
+        let mut m = fresh();
+        let resumed = trainer(ckpt).finetune(&mut m, &split, shape, Precision::Fp8, |_| {}).unwrap();
+        let tail: Vec<_> = losses(&straight.records).into_iter().filter(|r| r.0 > 6).collect();
+        let resumed_tail: Vec<_> = losses(&resumed.records).into_iter().filter(|r| r.0 > 6).collect();
+        assert!(!tail.is_empty());
+        assert_eq!(resumed_tail, tail, "{pack:?}: the resumed run's losses");
+        let resumed_weights = m.to_weights().unwrap();
+        for (name, t) in straight_weights.tensors() {
+            assert!(resumed_weights.get(name).unwrap().data == t.data, "{pack:?}: {name} differs after the resume");
+        }
+    }
+}

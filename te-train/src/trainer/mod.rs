@@ -166,17 +166,19 @@ impl Trainer {
 
     /// Fine-tunes `model` (a pretrained decoder of the family, loaded with
     /// `DecoderLm::from_weights`) on `data`'s token ids (made with the model's tokenizer:
-    /// [`crate::data::TokenDataset`]), in windows of `seq_length` tokens packed across
-    /// documents, in `precision` (FP8 with delayed scaling starts from
-    /// [`FP8_CALIBRATION_BATCHES`] batches of TE's calibration); the settings are this trainer's [`TrainConfig`] but its
-    /// `model` (the GPT geometry), and the run is data parallel over its layout. `progress` and
-    /// the returned summary as for [`Trainer::train`]; `model` is left trained (export it with
-    /// `DecoderLm::to_weights` and `DecoderWeights::save_hf_dir`).
+    /// [`crate::data::TokenDataset`]) in rows of `seq_length` tokens packed as `pack` says, in
+    /// `precision` (FP8 with delayed scaling starts from [`FP8_CALIBRATION_BATCHES`] batches of
+    /// TE's calibration). The settings are this trainer's [`TrainConfig`] but its `model` (the
+    /// GPT geometry; its checkpoints record `seq_length` and the vocabulary there); the run is
+    /// data parallel over its layout, and writes and resumes checkpoints as the trainer's
+    /// [`CheckpointOptions`] say (the model's parameters, FP8 states and AdamW state: resuming
+    /// needs the same model, data and `pack`). `progress` and the returned summary as for
+    /// [`Trainer::train`]; `model` is left trained (export it with `DecoderLm::to_weights` and
+    /// `DecoderWeights::save_hf_dir`).
     ///
     /// # Errors
-    /// As [`Trainer::train`]; [`TrainError::Unsupported`] on the CPU backend, with a tensor-
-    /// parallel layout, or with checkpoints (a fine-tuning run is not resumable yet: export the
-    /// model at the end); [`TrainError::Config`] for `seq_length` 0 or above the model's
+    /// As [`Trainer::train`]; [`TrainError::Unsupported`] on the CPU backend or with a
+    /// tensor-parallel layout; [`TrainError::Config`] for `seq_length` 0 or above the model's
     /// `max_position_embeddings`.
     pub fn finetune(
         &mut self,
@@ -193,18 +195,15 @@ impl Trainer {
                 message: format!("{seq_length} must be in [1, {max}] (the model's max_position_embeddings)"),
             });
         }
-        if self.checkpoints.dir.is_some() {
-            return Err(TrainError::Unsupported {
-                message: "checkpoints of a fine-tuning run are not written yet: run without --checkpoint-dir and \
-                          export the model at the end"
-                    .into(),
-            });
-        }
-        let (cfg, ckpt) = (&self.config, &self.checkpoints);
+        // The run's window and vocabulary where its checkpoints record and check the model's.
+        let mut cfg = self.config.clone();
+        cfg.model.seq_length = seq_length;
+        cfg.model.vocab_size = model.config().vocab_size;
+        let ckpt = &self.checkpoints;
         match &self.backend {
             Backend::Gpu(dev) => {
                 let shape = (seq_length, pack);
-                gpu::finetune(dev, model, data, shape, cfg, precision, ckpt, &mut self.parallel, &mut progress)
+                gpu::finetune(dev, model, data, shape, &cfg, precision, ckpt, &mut self.parallel, &mut progress)
             }
             Backend::Cpu => Err(TrainError::Unsupported {
                 message: "fine-tuning a decoder of the family runs on a GPU (Backend::Gpu)".into(),
