@@ -7,7 +7,8 @@ Inputs (written by `scripts/bench` under $OUT): `bench-kernels.json` (benches/ke
 "ours"), `anchor-gemm.json`, `anchor-attention.json`, `anchor-modules.json`, `anchor-gpt.json`
 (benches/anchors, "side": "anchor") and, when their stages ran, `anchor-generate.json` (GPT
 `small` in Hugging Face GPT-2) and `anchor-decoder-generate.json` (Gemma 3 270M in transformers):
-section "generate", whose rows show tokens/s (prefill: prompt tokens, decode step: sequences);
+section "generate", whose rows show tokens/s (prefill: prompt tokens, decode step: sequences), and
+`anchor-finetune.json` (Gemma 3 270M's training step in transformers, section "gpt");
 optionally `device.txt` (nvidia-smi's name, driver, memory). Rows with a
 `section` join on (work, shape, pass); the row fields are described in benches/anchors/common.py.
 
@@ -33,7 +34,7 @@ import sys
 SECTIONS = ("gemm", "attention", "modules", "gpt", "generate")
 ANCHOR_FILES = ("anchor-gemm.json", "anchor-attention.json", "anchor-modules.json", "anchor-gpt.json")
 # Read when present: their stages are not in scripts/bench's default set (minutes each).
-OPTIONAL_ANCHOR_FILES = ("anchor-generate.json", "anchor-decoder-generate.json")
+OPTIONAL_ANCHOR_FILES = ("anchor-generate.json", "anchor-decoder-generate.json", "anchor-finetune.json")
 # Passes that are a whole unit of work, for the summary.
 WHOLE_PASSES = {"gemm", "fwd+bwd", "step", "prefill", "decode step"}
 
