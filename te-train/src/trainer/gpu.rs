@@ -83,8 +83,9 @@ pub(super) fn train(
     run(dev, &mut model, tp, data, cfg, precision, ckpt, parallel, progress, cfg.model.num_parameters())
 }
 
-/// Fine-tunes `model` on `data`'s token ids in windows of `seq` tokens, as [`train`] trains a
-/// GPT (data parallel over `parallel`'s ranks; no tensor parallelism yet).
+/// Fine-tunes `model` on `data`'s token ids in rows of `seq` tokens packed as `pack` says, as
+/// [`train`] trains a GPT (data parallel over `parallel`'s ranks; no tensor parallelism yet),
+/// after checking the memory estimate and, in FP8 with delayed scaling, calibrating.
 ///
 /// # Errors
 /// As [`train`]; [`TrainError::Unsupported`] for a tensor-parallel layout.
