@@ -2,7 +2,7 @@
 //! when `TE_GEMMA_GGUF` names it, else its architecture with random weights: the speed does not
 //! depend on them) as `te train --model` runs it: `forward_loss_with`, `backward`, `AdamW::step`
 //! and `zero_grad`, batch 8 × seq 1024, in BF16 and in FP8 (DelayedScaling; and with the LM head
-//! in FP8 too), each phase timed
+//! in FP8 too), and in BF16 over the same tokens as 8 packed documents (`thd`), each phase timed
 //! with CUDA events; then the tied LM head and the cross-entropy alone (`Linear` over the
 //! embedding's table, forward, the fused loss and its gradient, backward), the part of the step
 //! the 262 144-token vocabulary costs. `benches/anchors/finetune.py` times transformers' step.
@@ -14,7 +14,7 @@ use crate::gpt::StepRows;
 use crate::harness::Bench;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_models::decoder::train::DecoderLm;
+use te_models::decoder::train::{DecoderLm, Packing};
 use te_models::gpt::{MicroBatch, IGNORE_INDEX};
 use te_nn::fp8::{fp8_autocast, DelayedScaling, Recipe};
 use te_nn::modules::{Linear, LinearConfig, TokenIds};
@@ -59,6 +59,27 @@ pub fn run(b: &mut Bench) {
         })
         .sum();
     let shape = format!("b{BATCH} s{SEQ}");
+    // The same tokens as packed documents (TE's thd): each column a document of SEQ tokens.
+    let col_major: Vec<i32> = (0..tokens).map(|t| ids[(t % SEQ) * BATCH + t / SEQ]).collect();
+    let col_targets: Vec<i32> = (0..tokens)
+        .map(|t| if t % SEQ + 1 < SEQ { ids[(t % SEQ + 1) * BATCH + t / SEQ] } else { IGNORE_INDEX })
+        .collect();
+    let thd_ids = TokenIds::from_host(&dev, &[tokens, 1], &col_major).unwrap();
+    let thd_targets = TokenIds::from_host(&dev, &[tokens, 1], &col_targets).unwrap();
+    let positions: Vec<usize> = (0..tokens).map(|t| t % SEQ).collect();
+    let cu: Vec<usize> = (0..=BATCH).map(|b| b * SEQ).collect();
+    let st = b.time_phases(2, 8, 3, |m| {
+        let packing = Packing { position_ids: &positions, cu_seqlens: &cu, cu_seqlens_padded: None };
+        let (_, ctx) = model.forward_loss_thd(&thd_ids, &thd_targets, packing, MicroBatch::default()).unwrap();
+        m.mark();
+        model.backward(ctx).unwrap();
+        m.mark();
+        opt.step(&mut model).unwrap();
+        model.zero_grad();
+        m.mark();
+    });
+    let step = StepRows { work, shape: &shape, variant: "ours bf16 thd", fp8: false, tokens, params };
+    step.record(b, &st, gemm + attention, 0);
     let delayed: Option<Recipe> = Some(DelayedScaling::default().into());
     let variants =
         [("ours bf16", None, false), ("ours fp8 delayed", delayed, false), ("ours fp8 + fp8 lm head", delayed, true)];

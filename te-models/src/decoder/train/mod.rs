@@ -32,6 +32,7 @@ use te_nn::modules::{
 };
 use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use te_runtime::ops::elementwise::scale_assign;
+use te_runtime::ops::embedding::embedding_forward;
 use te_runtime::{Device, Error, Result, Tensor};
 
 const MODEL: &str = "DecoderLm";
@@ -342,13 +343,21 @@ impl DecoderLm {
         }
         let freqs = match thd {
             None => (0..self.rope.len()).map(|i| self.freqs(i, s)).collect::<Result<Vec<_>>>()?,
-            // Each token's angles, from its position in its document.
+            // Each token's angles: its position's row of the cached table, gathered on the
+            // device (the embedding lookup), so no per-step table crosses from the host.
             Some(p) => {
+                let rows = p.position_ids.iter().max().map_or(1, |&m| m + 1);
+                let pos: Vec<i32> = p.position_ids.iter().map(|&x| x as i32).collect();
+                let pos = self.dev.stream().clone_htod(&pos)?;
                 let d = self.cfg.head_dim;
-                let table = |(rope, _): &(crate::decoder::RopeConfig, Option<Tensor>)| {
-                    Tensor::from_f32(&self.dev, DType::F32, &[s, d], &rope.angles(d, p.position_ids.iter().copied()))
-                };
-                self.rope.iter().map(table).collect::<Result<Vec<_>>>()?
+                let mut tables = Vec::with_capacity(self.rope.len());
+                for i in 0..self.rope.len() {
+                    let full = self.freqs(i, rows)?;
+                    let mut t = Tensor::empty(&self.dev, DType::F32, &[s, d])?;
+                    embedding_forward(&self.dev, &full, &pos, &mut t)?;
+                    tables.push(t);
+                }
+                tables
             }
         };
         let seqs = thd.map(|p| ThdSeqlens {
