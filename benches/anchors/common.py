@@ -132,6 +132,20 @@ def row(section, work, shape, pass_, variant, precision, us, flops=0, flops_fp8=
     }
 
 
+def add_step_rows(res, section, work, shape, variant, precision, phases, fwd, fp8, opt_bytes, tokens, **extra):
+    """The fwd, bwd (twice the forward's FLOPs), optimizer and step rows of one timed training
+    step: `phases` = ((fwd_us, bwd_us, opt_us), step_us) as phase_times returns them, `fwd` the
+    forward's FLOPs and `fp8` those of them at the FP8 rate, `opt_bytes` the optimizer's."""
+    (fwd_us, bwd_us, opt_us), step_us = phases
+    for pass_, us, flops, flops_fp8, bytes_ in [
+        ("fwd", fwd_us, fwd, fp8, None),
+        ("bwd", bwd_us, 2 * fwd, 2 * fp8, None),
+        ("optimizer", opt_us, 0, 0, opt_bytes),
+        ("step", step_us, 3 * fwd, 3 * fp8, opt_bytes),
+    ]:
+        res.add(row(section, work, shape, pass_, variant, precision, us, flops, flops_fp8, bytes_, tokens, **extra))
+
+
 def failed_row(section, work, shape, variant, error):
     """A row for a variant that raised (the run goes on; the script exits 1 at the end)."""
     return {"section": section, "work": work, "shape": shape, "pass": None, "variant": variant, "error": error}

@@ -17,7 +17,7 @@ import traceback
 import torch
 import transformers
 
-from common import Results, failed_row, first_call_s, phase_times, row
+from common import Results, add_step_rows, failed_row, first_call_s, phase_times
 
 OPTIMIZER_BYTES_PER_PARAM = 30  # as benches/kernels/gpt.rs
 VARIANTS = {"eager": "transformers eager bf16", "compile": "transformers compile bf16"}
@@ -77,21 +77,16 @@ def run(variant, args, res):
 
     first_s = first_call_s(lambda: step(lambda: None))
     torch.cuda.reset_peak_memory_stats()
-    (fwd_us, bwd_us, opt_us), step_us = phase_times(step, lambda: None, args.warmup, args.iters, 3)
+    phases = phase_times(step, lambda: None, args.warmup, args.iters, 3)
     fwd = flops(cfg, args.batch, args.seq)
     opt_bytes = OPTIMIZER_BYTES_PER_PARAM * params
     tokens = args.batch * args.seq
     extra = {"first_step_s": first_s, "parameters": params,
              "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "transformers": transformers.__version__}
     shape = f"b{args.batch} s{args.seq}"
-    for pass_, us, fl, bytes_ in [
-        ("fwd", fwd_us, fwd, None),
-        ("bwd", bwd_us, 2 * fwd, None),
-        ("optimizer", opt_us, 0, opt_bytes),
-        ("step", step_us, 3 * fwd, opt_bytes),
-    ]:
-        res.add(row("gpt", "gemma3 270m train", shape, pass_, VARIANTS[variant], "bf16", us, fl, 0, bytes_, tokens,
-                    **extra))
+    add_step_rows(res, "gpt", "gemma3 270m train", shape, VARIANTS[variant], "bf16", phases, fwd, 0, opt_bytes, tokens,
+                  **extra)
+    step_us = phases[1]
     median = sorted(step_us)[len(step_us) // 2]
     print(f"gemma3 270m train {VARIANTS[variant]}: {tokens / (median * 1e-6):.0f} tokens/s", flush=True)
 

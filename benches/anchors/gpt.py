@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import Results, failed_row, first_call_s, float8_config, phase_times, row, skipped_row, torchao_version
+from common import (Results, add_step_rows, failed_row, first_call_s, float8_config, phase_times, skipped_row,
+                    torchao_version)
 
 VOCAB = 256
 OPTIMIZER_BYTES_PER_PARAM = 30  # gpt.rs: OPTIMIZER_BYTES_PER_PARAM
@@ -145,7 +146,8 @@ def run(preset, variant, args, res):
     first_s = first_call_s(lambda: step(lambda: None))
     warmup = args.warmup + (1 if compiled else 0)
     iters = args.iters if preset == "small" else max(3, math.ceil(args.iters * 0.6))
-    (fwd_us, bwd_us, opt_us), step_us = phase_times(step, lambda: None, warmup, iters, 3)
+    phases = phase_times(step, lambda: None, warmup, iters, 3)
+    step_us = phases[1]
     h, f, L = c["hidden"], c["ffn"], c["layers"]
     n_tok = b * s
     gemm = 2 * n_tok * (L * (4 * h * h + 2 * h * f) + h * VOCAB)
@@ -157,13 +159,7 @@ def run(preset, variant, args, res):
     frames = torch._dynamo.utils.counters.get("frames", {}).get("ok")
     extra = {"first_step_s": first_s, "parameters": params, "dynamo_frames_compiled": frames}
     work, shape = f"gpt {preset}", f"b{b} s{s}"
-    for pass_, us, flops, flops_fp8, bytes_ in [
-        ("fwd", fwd_us, fwd, fp8, None),
-        ("bwd", bwd_us, 2 * fwd, 2 * fp8, None),
-        ("optimizer", opt_us, 0, 0, opt_bytes),
-        ("step", step_us, 3 * fwd, 3 * fp8, opt_bytes),
-    ]:
-        res.add(row("gpt", work, shape, pass_, variant, precision, us, flops, flops_fp8, bytes_, n_tok, **extra))
+    add_step_rows(res, "gpt", work, shape, variant, precision, phases, fwd, fp8, opt_bytes, n_tok, **extra)
     print(f"gpt {preset} {variant}: {n_tok / (sorted(step_us)[len(step_us) // 2] * 1e-6):.0f} tokens/s, "
           f"first step {first_s:.1f} s, {frames} dynamo frames compiled so far", flush=True)
 

@@ -11,10 +11,10 @@
 //! plus the attention's (causal, or its window), backward twice that.
 
 use crate::gpt::StepRows;
-use crate::harness::Bench;
+use crate::harness::{Bench, PhaseStats};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use te_models::decoder::train::{DecoderLm, Packing};
+use te_models::decoder::train::{DecoderLm, DecoderLmCtx, Packing};
 use te_models::gpt::{MicroBatch, IGNORE_INDEX};
 use te_nn::fp8::{fp8_autocast, DelayedScaling, Recipe};
 use te_nn::modules::{Linear, LinearConfig, TokenIds};
@@ -68,15 +68,9 @@ pub fn run(b: &mut Bench) {
     let thd_targets = TokenIds::from_host(&dev, &[tokens, 1], &col_targets).unwrap();
     let positions: Vec<usize> = (0..tokens).map(|t| t % SEQ).collect();
     let cu: Vec<usize> = (0..=BATCH).map(|b| b * SEQ).collect();
-    let st = b.time_phases(2, 8, 3, |m| {
+    let st = time_step(b, &mut model, &mut opt, |model| {
         let packing = Packing { position_ids: &positions, cu_seqlens: &cu, cu_seqlens_padded: None };
-        let (_, ctx) = model.forward_loss_thd(&thd_ids, &thd_targets, packing, MicroBatch::default()).unwrap();
-        m.mark();
-        model.backward(ctx).unwrap();
-        m.mark();
-        opt.step(&mut model).unwrap();
-        model.zero_grad();
-        m.mark();
+        model.forward_loss_thd(&thd_ids, &thd_targets, packing, MicroBatch::default()).unwrap().1
     });
     let step = StepRows { work, shape: &shape, variant: "ours bf16 thd", fp8: false, tokens, params };
     step.record(b, &st, gemm + attention, 0);
@@ -86,19 +80,14 @@ pub fn run(b: &mut Bench) {
     for (variant, recipe, fp8_head) in variants {
         let fp8 = recipe.is_some();
         model.set_fp8_lm_head(fp8_head);
-        let st = b.time_phases(2, 8, 3, |m| {
+        let st = time_step(b, &mut model, &mut opt, |model| {
             let mb = MicroBatch::default();
-            let (_, ctx) = match recipe {
+            match recipe {
                 Some(r) => fp8_autocast(true, r, || model.forward_loss_with(&ids_t, &targets, mb)),
                 None => model.forward_loss_with(&ids_t, &targets, mb),
             }
-            .unwrap();
-            m.mark();
-            model.backward(ctx).unwrap();
-            m.mark();
-            opt.step(&mut model).unwrap();
-            model.zero_grad();
-            m.mark();
+            .unwrap()
+            .1
         });
         // The head stays BF16 under FP8 (TE's and Megatron's default) unless fp8 lm head.
         let fp8_flops = match (fp8, fp8_head) {
@@ -129,6 +118,25 @@ pub fn run(b: &mut Bench) {
     for (i, pass) in ["lm head fwd GEMM", "cross-entropy + gradient", "lm head bwd GEMMs"].iter().enumerate() {
         b.record(&format!("{work} {pass}"), &shape, st.phases[i], None, None);
     }
+}
+
+/// The phases of a training step, `forward` giving the loss's context: forward, backward, and
+/// the optimizer with `zero_grad`.
+fn time_step(
+    b: &Bench,
+    model: &mut DecoderLm,
+    opt: &mut AdamW,
+    mut forward: impl FnMut(&mut DecoderLm) -> DecoderLmCtx,
+) -> PhaseStats {
+    b.time_phases(2, 8, 3, |m| {
+        let ctx = forward(model);
+        m.mark();
+        model.backward(ctx).unwrap();
+        m.mark();
+        opt.step(model).unwrap();
+        model.zero_grad();
+        m.mark();
+    })
 }
 
 /// One Gemma 3 270M layer's parts alone, as `DecoderLm` builds them (a sliding layer: window
