@@ -35,18 +35,24 @@ pub(crate) fn weights() -> (DecoderWeights, &'static str) {
     if let Ok(path) = std::env::var("TE_GEMMA_GGUF") {
         return (load_model(Path::new(&path)).unwrap().weights, "gguf weights");
     }
-    let cfg = DecoderConfig::from_hf_json(GEMMA3_270M).unwrap();
+    (random_weights(GEMMA3_270M), "random weights")
+}
+
+/// The weights of the model a Hugging Face `config.json` (`json`) describes, filled with a cheap
+/// deterministic pattern of ±0.02 (norm weights near 0; Gemma stores γ − 1): what a speed
+/// measurement needs, not a trained model.
+pub(crate) fn random_weights(json: &str) -> DecoderWeights {
+    let cfg = DecoderConfig::from_hf_json(json).unwrap();
     let mut tensors = BTreeMap::new();
     let mut seed = 1u64;
     for te_models::decoder::ParamSource { name, shape, .. } in te_models::decoder::hf_layout(&cfg) {
         let n: usize = shape.iter().product();
-        // A cheap deterministic fill of ±0.02 (norm weights near 0: Gemma stores γ − 1).
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let data =
             (0..n).map(|i| ((((i as u64).wrapping_mul(2654435761) ^ seed) % 2001) as f32 - 1000.0) * 2e-5).collect();
         tensors.insert(name, WeightTensor { shape, data });
     }
-    (DecoderWeights::from_tensors(cfg, tensors).unwrap(), "random weights")
+    DecoderWeights::from_tensors(cfg, tensors).unwrap()
 }
 
 pub fn run(b: &mut Bench) {

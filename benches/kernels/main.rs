@@ -54,7 +54,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 22] = [
+        let families: [fn(&mut Bench); 23] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -76,6 +76,7 @@ fn main() {
             decoder::run,
             decoder_train::run,
             decoder_train::layer_parts,
+            decoder_train::llama_1b,
             breakdown::run,
         ];
         for run in families {
