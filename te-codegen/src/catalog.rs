@@ -56,6 +56,13 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
         for grad in [false, true] {
             v.push(CrossEntropySpec::new(i, grad, arch).into());
         }
+        // The cluster forms (sm_90a): one block a row (32k), Llama 3's 128k, Gemma 3's 262k.
+        for vocab in [32_000, 128_256, 262_144] {
+            let s = CrossEntropySpec::for_vocab(i, true, vocab, arch);
+            if s.cluster > 0 {
+                v.push(s.into());
+            }
+        }
         for &j in &hp {
             v.push(EmbeddingSpec::backward(i, j, arch).into());
             v.push(ElementwiseSpec::add_assign(i, j, arch).into());

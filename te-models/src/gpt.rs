@@ -213,7 +213,7 @@ impl GptConfig {
         let (dt, arch) = (target.params_dtype, target.arch);
         specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
         for grad in [false, true] {
-            specs.push(CrossEntropySpec::new(dt, grad, arch).into());
+            specs.push(CrossEntropySpec::for_vocab(dt, grad, self.vocab_size, arch).into());
         }
         let decode = DecodeAttnSpec::new(dt, self.hidden_size / self.num_attention_heads.max(1), arch);
         if te_codegen::spec::Family::validate(&decode).is_ok() {

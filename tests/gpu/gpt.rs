@@ -7,6 +7,7 @@
 use crate::common::{assert_bits_eq, assert_close, device, randn};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use te_codegen::spec::CrossEntropySpec;
 use te_models::{Gpt, GptConfig, IGNORE_INDEX};
 use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
 use te_nn::modules::{Embedding, EmbeddingConfig, Param, ParamKind, ParamMut, TokenIds};
@@ -73,7 +74,10 @@ fn embedding_kernels_are_bit_exact() {
 #[test]
 fn cross_entropy_matches_reference() {
     let Some(dev) = device() else { return };
-    for (vocab, tokens) in [(256, 37), (50257, 19), (1000, 301), (262_144, 9)] {
+    // On sm_90a the rows from 32 KiB on are held in a thread-block cluster's shared memory
+    // (`CrossEntropySpec::for_vocab`): 40 008 splits unevenly over 2 blocks (bf16), Llama 3's
+    // 128 256 over 4, Gemma 3's 262 144 over 8.
+    for (vocab, tokens) in [(256, 37), (50257, 19), (1000, 301), (262_144, 9), (40_008, 23), (128_256, 33)] {
         let mut targets = ids(tokens as u64, tokens, vocab);
         // -1 is the ignore index; the out-of-range targets are data bugs: NaN loss, zero grad.
         targets[0] = IGNORE_INDEX;
@@ -99,11 +103,16 @@ fn cross_entropy_matches_reference() {
             let mut loss_only = dev.stream().alloc_zeros::<f32>(tokens).unwrap();
             cross_entropy(&dev, &l_dev, &t_dev, IGNORE_INDEX, &mut loss_only, None).unwrap();
             let a = dev.stream().clone_dtoh(&loss_only).unwrap();
-            assert_eq!(
-                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                got_loss.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{what}: loss-only kernel"
-            );
+            if CrossEntropySpec::for_vocab(dt, true, vocab, dev.arch()).cluster == 0 {
+                assert_eq!(
+                    a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    got_loss.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{what}: loss-only kernel"
+                );
+            } else {
+                // The cluster merges the blocks' sums in another order.
+                assert_close(&format!("{what}: loss-only kernel"), &a, &got_loss, 1e-6, 1e-6);
+            }
         }
     }
 }

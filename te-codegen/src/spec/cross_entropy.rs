@@ -19,7 +19,15 @@ use serde::{Deserialize, Serialize};
 ///
 /// Entry point `<name>` ([`CrossEntropySpec::ARGS`]). `dlogits` may be `logits` itself (each element is read, then written,
 /// by one thread; the pointers are not `__restrict__`). Launch: blocks stride over the rows;
-/// each row is read twice (max/sum, then the gradient), the second time from L2.
+/// each row is read twice (max/sum, then the gradient).
+///
+/// With `cluster` = C > 0 (sm_90+, training, rows of a multiple of 16 bytes;
+/// [`CrossEntropySpec::for_vocab`] picks it) a row is read from memory once: a thread-block
+/// cluster of C blocks (`__cluster_dims__`) holds it in shared memory, each block a chunk of
+/// `⌈vocab / (C · VEC)⌉` 16-byte vectors (VEC elements each: the launch's dynamic shared
+/// memory); the blocks exchange their (max, sum) through distributed shared memory, and each
+/// writes its chunk's gradient from shared memory. Launch: `tokens · C` blocks, one row a
+/// cluster. Traffic: the logits once and `dlogits` once, against twice and once.
 ///
 /// Sources followed: Megatron `fused_vocab_parallel_cross_entropy` / PyTorch
 /// `cross_entropy(reduction='none', ignore_index=...)` (the reduction and its `grad_scale` are
@@ -30,8 +38,12 @@ pub struct CrossEntropySpec {
     pub dtype: DType,
     /// Also write `dlogits` (training); without it only the loss (evaluation).
     pub grad: bool,
-    /// Threads per block (one block per row).
+    /// Threads per block (one block per row, or one per chunk of a row with `cluster`).
     pub threads: usize,
+    /// Blocks of the thread-block cluster that holds a row in shared memory (1, 2, 4 or 8);
+    /// 0: no cluster, the row read twice. Only with `grad`, on sm_90a.
+    #[serde(default)]
+    pub cluster: u32,
     /// Target architecture.
     pub arch: Arch,
 }
@@ -44,7 +56,42 @@ impl CrossEntropySpec {
 
     /// The loss (and with `grad` the gradient) of `dtype` logits, 256 threads per row.
     pub fn new(dtype: DType, grad: bool, arch: Arch) -> Self {
-        Self { dtype, grad, threads: 256, arch }
+        Self { dtype, grad, threads: 256, cluster: 0, arch }
+    }
+
+    /// Rows shorter than this take the plain kernel.
+    pub const MIN_CLUSTER_ROW_BYTES: usize = 32 << 10;
+
+    /// Shared memory a cluster block aims at (three blocks an SM), and the most it takes.
+    const CHUNK_BYTES: [usize; 2] = [64 << 10, 200 << 10];
+
+    /// The kernel for rows of `vocab` classes: with `grad` on sm_90a, the row held in the
+    /// shared memory of a cluster of the fewest blocks (1, 2, 4 or 8) whose chunks fit 64 KiB
+    /// each, else 200 KiB, 512 threads a block; [`CrossEntropySpec::new`] otherwise (a row
+    /// that is not a multiple of 16 bytes, shorter than [`CrossEntropySpec::MIN_CLUSTER_ROW_BYTES`]
+    /// or longer than 8 × 200 KiB, evaluation, sm_89).
+    pub fn for_vocab(dtype: DType, grad: bool, vocab: usize, arch: Arch) -> Self {
+        let plain = Self::new(dtype, grad, arch);
+        let vec = 16 / dtype.size_bytes().max(1);
+        // Short rows stay in L1 between the two passes: one block strides over many of them.
+        if !grad || arch != Arch::Sm90a || vocab % vec != 0 || vocab * dtype.size_bytes() < Self::MIN_CLUSTER_ROW_BYTES
+        {
+            return plain;
+        }
+        Self::CHUNK_BYTES
+            .iter()
+            .find_map(|&limit| [1u32, 2, 4, 8].into_iter().find(|&c| (vocab / vec).div_ceil(c as usize) * 16 <= limit))
+            .map_or(plain, |cluster| Self { threads: 512, cluster, ..plain })
+    }
+
+    /// Dynamic shared memory of a cluster launch over rows of `vocab` classes: the block's
+    /// chunk of 16-byte vectors (0 without a cluster).
+    pub fn shared_bytes(&self, vocab: usize) -> usize {
+        let vec = 16 / self.dtype.size_bytes().max(1);
+        if self.cluster == 0 {
+            return 0;
+        }
+        (vocab / vec).div_ceil(self.cluster as usize) * 16
     }
 }
 
@@ -88,7 +135,8 @@ impl Family for CrossEntropySpec {
         "cross_entropy.cu.tera"
     }
     fn name_parts(&self) -> String {
-        format!("{}_{}_t{}", if self.grad { "grad" } else { "loss" }, self.dtype, self.threads)
+        let cluster = if self.cluster > 0 { format!("_c{}", self.cluster) } else { String::new() };
+        format!("{}_{}_t{}{cluster}", if self.grad { "grad" } else { "loss" }, self.dtype, self.threads)
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -97,10 +145,19 @@ impl Family for CrossEntropySpec {
         ctx.insert("t", self.dtype.type_tag());
         ctx.insert("grad", &self.grad);
         ctx.insert("threads", &self.threads);
+        ctx.insert("cluster", &self.cluster);
     }
     fn validate(&self) -> Result<(), String> {
         if !self.dtype.is_high_precision() {
             return Err(format!("cross_entropy takes f32, bf16 or f16 logits, not {}", self.dtype));
+        }
+        if self.cluster > 0 {
+            if !matches!(self.cluster, 1 | 2 | 4 | 8) {
+                return Err(format!("cluster = {} must be 0, 1, 2, 4 or 8", self.cluster));
+            }
+            if !self.grad || self.arch != Arch::Sm90a {
+                return Err("a cluster cross_entropy writes the gradient, on sm_90a (thread-block clusters)".into());
+            }
         }
         check_threads(self.threads)
     }
@@ -122,5 +179,29 @@ mod tests {
         assert!(e.contains("not e4m3"), "{e}");
         let e = CrossEntropySpec { threads: 48, ..s }.validate().unwrap_err();
         assert!(e.contains("multiple of 32"), "{e}");
+    }
+
+    /// The cluster is the fewest blocks whose chunks fit 64 KiB (else 200 KiB), only for
+    /// training on sm_90a over rows of a multiple of 16 bytes.
+    #[test]
+    fn cluster_choice() {
+        let pick = |dt, grad, vocab, arch| CrossEntropySpec::for_vocab(dt, grad, vocab, arch);
+        let gemma = pick(DType::BF16, true, 262_144, Arch::Sm90a);
+        assert_eq!((gemma.cluster, gemma.threads, gemma.shared_bytes(262_144)), (8, 512, 64 << 10));
+        gemma.validate().unwrap();
+        assert_eq!(KernelSpec::from(gemma).name(), "te_cross_entropy_grad_bf16_t512_c8_sm_90a");
+        assert_eq!(pick(DType::BF16, true, 128_256, Arch::Sm90a).cluster, 4);
+        assert_eq!(pick(DType::BF16, true, 32_000, Arch::Sm90a).cluster, 1);
+        assert_eq!(pick(DType::F32, true, 262_144, Arch::Sm90a).cluster, 8);
+        assert_eq!(pick(DType::F32, true, 262_144, Arch::Sm90a).shared_bytes(262_144), 128 << 10);
+        assert_eq!(pick(DType::F32, true, 1 << 20, Arch::Sm90a).cluster, 0, "past 8 × 200 KiB");
+        assert_eq!(pick(DType::BF16, true, 50_257, Arch::Sm90a).cluster, 0, "not 16-byte rows");
+        assert_eq!(pick(DType::BF16, false, 262_144, Arch::Sm90a).cluster, 0, "evaluation");
+        assert_eq!(pick(DType::BF16, true, 262_144, Arch::Sm89).cluster, 0, "no clusters");
+        assert_eq!(pick(DType::BF16, true, 256, Arch::Sm90a).cluster, 0, "a short row");
+        let bad = CrossEntropySpec { cluster: 3, ..gemma }.validate().unwrap_err();
+        assert!(bad.contains("cluster = 3"), "{bad}");
+        let bad = CrossEntropySpec { arch: Arch::Sm89, ..gemma }.validate().unwrap_err();
+        assert!(bad.contains("sm_90a"), "{bad}");
     }
 }

@@ -3,6 +3,7 @@
 use super::launch::Launch;
 use super::{check_dtype, grid_stride_blocks, launch_1d};
 use crate::{Device, Error, Result, Tensor};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::CudaSlice;
 use te_codegen::spec::CrossEntropySpec;
 use te_codegen::{DType, KernelSpec};
@@ -61,8 +62,16 @@ pub fn cross_entropy(
         }
         None => None,
     };
-    let spec = CrossEntropySpec::new(dt, grad.is_some(), dev.arch());
+    // The row held in a cluster's shared memory where the spec takes one and the grid fits.
+    let spec = match CrossEntropySpec::for_vocab(dt, grad.is_some(), vocab, dev.arch()) {
+        s if s.cluster > 0 && tokens.saturating_mul(s.cluster as usize) <= i32::MAX as usize => s,
+        _ => CrossEntropySpec::new(dt, grad.is_some(), dev.arch()),
+    };
     let f = dev.function(&KernelSpec::CrossEntropy(spec), 0)?;
+    let shared = spec.shared_bytes(vocab);
+    if shared > 48 * 1024 {
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)?;
+    }
     let (t, v) = (tokens as u64, vocab as u64);
     let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
     builder.ptr("logits", logits.data()).ptr("targets", targets).ptr("loss", loss);
@@ -74,9 +83,13 @@ pub fn cross_entropy(
     // `dlogits, grad_scale` pair exactly when the spec has `grad`): `logits` and `dlogits` hold
     // `tokens * vocab` elements of the logits' dtype, `targets` and `loss` `tokens` values
     // (checked above); the kernel reads logits columns `< vocab` and the target column only for
-    // targets in `[0, vocab)`.
-    unsafe {
-        builder.launch(launch_1d(grid_stride_blocks(dev, tokens * spec.threads, spec.threads), spec.threads, 0))
-    }?;
+    // targets in `[0, vocab)`. A cluster launch has one cluster a row (`tokens · cluster`
+    // blocks, fewer than 2³¹) and its chunk's dynamic shared memory (allowed above).
+    let cfg = if spec.cluster > 0 {
+        launch_1d(tokens * spec.cluster as usize, spec.threads, shared as u32)
+    } else {
+        launch_1d(grid_stride_blocks(dev, tokens * spec.threads, spec.threads), spec.threads, 0)
+    };
+    unsafe { builder.launch(cfg) }?;
     Ok(())
 }
