@@ -112,22 +112,34 @@ impl Embedding {
     }
 
     /// Adds `g` (`[num_embeddings, embedding_dim]`, any high-precision dtype) to the accumulated
-    /// gradient: a tied LM head's weight gradient (the head's GEMM reads this table).
+    /// gradient: a tied LM head's weight gradient (the head's GEMM reads this table). Taken
+    /// over as the accumulator, without a copy, when none is held yet and `g` is of
+    /// `params_dtype`.
     ///
     /// # Errors
     /// [`Error::Shape`] / [`Error::DType`] for a `g` of another shape or an FP8 one; kernel
     /// failures.
-    pub fn accumulate_weight_grad(&mut self, g: &Tensor) -> Result<()> {
-        check_shape(MODULE, "weight_grad", g, self.weight.shape())?;
+    pub fn accumulate_weight_grad(&mut self, g: Tensor) -> Result<()> {
+        check_shape(MODULE, "weight_grad", &g, self.weight.shape())?;
         match &mut self.grad {
-            Some(acc) => add_assign(&self.dev, acc, g),
+            Some(acc) => add_assign(&self.dev, acc, &g),
+            None if g.dtype() == self.cfg.params_dtype => {
+                self.grad = Some(g);
+                Ok(())
+            }
             None => {
                 let mut acc = Tensor::zeros(&self.dev, self.cfg.params_dtype, self.weight.shape())?;
-                add_assign(&self.dev, &mut acc, g)?;
+                add_assign(&self.dev, &mut acc, &g)?;
                 self.grad = Some(acc);
                 Ok(())
             }
         }
+    }
+
+    /// Writes of the table since creation ([`Embedding::set_weight`]): a reader of the table
+    /// (a tied LM head) refreshes its copy when this changes.
+    pub fn version(&self) -> u64 {
+        self.version
     }
 
     /// Drops the accumulated gradient.

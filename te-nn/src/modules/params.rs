@@ -249,6 +249,12 @@ impl LinearParams {
         self.weight_grad.as_ref()
     }
 
+    /// Takes the weight's gradient out (leaving none, as [`LinearParams::zero_grad`] would): a
+    /// tied layer hands it to the module that owns the weight without a copy.
+    pub fn take_weight_grad(&mut self) -> Option<Tensor> {
+        self.weight_grad.take()
+    }
+
     /// Gradient of the bias `[out]`, accumulated like [`LinearParams::weight_grad`].
     pub fn bias_grad(&self) -> Option<&Tensor> {
         self.bias_grad.as_ref()

@@ -62,6 +62,11 @@ pub struct DecoderLm {
     /// gradient added to the table's after each backward; not a parameter of its own).
     #[module(skip)]
     tied_head: Option<Linear>,
+    /// The embedding's [`Embedding::version`] the tied head's weight was last set at: the head
+    /// (and its cached FP8 weight) is refreshed only after the table changed, not every
+    /// micro-batch.
+    #[module(skip)]
+    tied_at: Option<u64>,
     /// f32 `[max_position_embeddings′, head_dim]` rotary angles of each distinct RoPE of the
     /// layers (grown on demand to the longest sequence seen).
     #[module(skip)]
@@ -146,6 +151,7 @@ impl DecoderLm {
             final_norm,
             lm_head,
             tied_head,
+            tied_at: None,
             rope,
             cfg,
             fp8_lm_head: false,
@@ -373,8 +379,9 @@ impl DecoderLm {
         }
         let (y, final_norm) = self.final_norm.forward(&x)?;
         let y = y.reshape(&[s * b, h])?;
-        if let Some(head) = &mut self.tied_head {
+        if let Some(head) = self.tied_head.as_mut().filter(|_| self.tied_at != Some(self.embedding.version())) {
             head.params_mut().set_weight(self.embedding.weight().clone())?;
+            self.tied_at = Some(self.embedding.version());
         }
         let head = match (&mut self.lm_head, &mut self.tied_head) {
             (Some(head), _) | (None, Some(head)) => head,
@@ -440,10 +447,9 @@ impl DecoderLm {
             }
             (None, Some(tied)) => {
                 let d = tied.backward(ctx.lm_head, &ctx.dlogits)?;
-                if let Some(g) = tied.params().weight_grad() {
+                if let Some(g) = tied.params_mut().take_weight_grad() {
                     self.embedding.accumulate_weight_grad(g)?;
                 }
-                tied.params_mut().zero_grad();
                 d
             }
             (None, None) => return Err(Error::internal(MODEL, "no LM head")),
