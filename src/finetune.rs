@@ -51,11 +51,7 @@ impl Finetune {
             Some(s) => s,
             None => DEFAULT_SEQ_LENGTH.min(max),
         };
-        let pack = match a.pack.as_str() {
-            "blocks" => Pack::Blocks,
-            "thd" => Pack::Thd,
-            p => return Err(format!("--pack {p}: expected blocks or thd")),
-        };
+        let pack = Pack::from_name(&a.pack).map_err(|e| format!("--pack: {e}"))?;
         Ok(Self { loaded, seq, fp8_lm_head: a.fp8_lm_head, pack, path: path.to_path_buf() })
     }
 
@@ -156,5 +152,67 @@ impl Finetune {
             saved.map_err(export)?;
         }
         Ok(run)
+    }
+}
+
+/// The end of a fine-tuning report (what `te train --model` prints under its table and writes
+/// into `summary.md`): the validation loss and perplexity (exp of the mean loss) of the
+/// pretrained model (`before`) and of each run, e.g. `validation loss 4.0741 (perplexity 58.8)
+/// → FP8 3.1103 (22.4), BF16 3.0976 (22.1)`, then the Hugging Face directory each run saved
+/// under `out` and, with `checkpoints`, how to sample the first run's checkpoint.
+pub fn outcome(before: f32, runs: &[RunSummary], out: &Path, checkpoints: bool) -> String {
+    let after: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let name = r.precision.name().to_uppercase();
+            match r.final_val_loss() {
+                Some(v) => format!("{name} {v:.4} ({:.1})", v.exp()),
+                None => format!("{name} – (no evaluation)"),
+            }
+        })
+        .collect();
+    let dirs: Vec<String> =
+        runs.iter().map(|r| out.join(format!("hf-{}", r.precision.name())).display().to_string()).collect();
+    let mut text = format!(
+        "validation loss {before:.4} (perplexity {:.1}) → {}\nthe fine-tuned models: {}",
+        before.exp(),
+        after.join(", "),
+        dirs.join(", ")
+    );
+    if let (true, Some(r)) = (checkpoints, runs.first()) {
+        let dir = out.join("checkpoints").join(r.precision.name());
+        text.push_str(&format!("\nsample one: te generate --checkpoint {} --prompt \"...\"", dir.display()));
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_train::Record;
+
+    /// The report gives each run's validation loss and perplexity after the pretrained one's,
+    /// the saved directories, and the checkpoint to sample.
+    #[test]
+    fn the_outcome_gives_the_perplexity_before_and_after_each_run() {
+        let run = |precision, val| RunSummary {
+            precision,
+            records: vec![Record { step: 1, train_loss: 3.0, val_loss: val, step_ms: 1.0 }],
+            tokens_per_s: 1.0,
+            ranks: 1,
+            peak_memory: 0,
+            parameters: 1,
+        };
+        let runs = [run(Precision::Fp8, Some(3.1103)), run(Precision::Bf16, Some(3.0976))];
+        let text = outcome(4.0741, &runs, Path::new("out"), true);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "validation loss 4.0741 (perplexity 58.8) → FP8 3.1103 (22.4), BF16 3.0976 (22.1)");
+        assert_eq!(lines[1], "the fine-tuned models: out/hf-fp8, out/hf-bf16");
+        assert_eq!(lines[2], "sample one: te generate --checkpoint out/checkpoints/fp8 --prompt \"...\"");
+        let text = outcome(4.0741, &[run(Precision::Bf16, None)], Path::new("out"), false);
+        assert_eq!(
+            text,
+            "validation loss 4.0741 (perplexity 58.8) → BF16 – (no evaluation)\nthe fine-tuned models: out/hf-bf16"
+        );
     }
 }

@@ -14,7 +14,15 @@
 //! CPU reference path ([`GptRef`]: f32 arithmetic, the GEMM inputs rounded to BF16 or
 //! fake-quantized to FP8 with the checkpoint's recipe and scaling state,
 //! [`te_train::cpu_gemm_precision`]).
+//!
+//! A fine-tuning run's checkpoint (`te train --model`: a `[model.decoder]` section in its
+//! `trainer.toml`) holds a decoder LLM's weights: [`run`] samples it as `--model` samples the
+//! pretrained model it started from, with the checkpoint's weights in place of its own
+//! ([`crate::model_generate::run_with`]).
 
+use crate::model::ModelError;
+pub use crate::model_generate::Generated;
+use crate::model_generate::{fine_tuned, pretrained_model_missing};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -34,17 +42,20 @@ use te_train::Precision;
 pub const DEFAULT_NEW_TOKENS: usize = 256;
 
 /// The options of `te generate`: a `te train` checkpoint (`--checkpoint`) or a decoder LLM
-/// (`--model`, [`crate::model_generate`]), exactly one.
+/// (`--model`, [`crate::model_generate`]); both for a fine-tuning run's checkpoint whose
+/// pretrained model is no longer where the run recorded it.
 #[derive(Debug, Clone, clap::Args)]
-#[command(group(clap::ArgGroup::new("source").required(true).args(["checkpoint", "model"])))]
+#[command(group(clap::ArgGroup::new("source").required(true).multiple(true).args(["checkpoint", "model"])))]
 pub struct GenerateArgs {
     /// A `te train` checkpoint: a run's directory (`train-out/checkpoints/fp8`), its `latest`
     /// (`latest.toml`), one `step-NNNNNNN` directory, or `train-out` / `train-out/checkpoints`
-    /// (with both runs there, --precision picks one).
+    /// (with both runs there, --precision picks one). A `te train --model` run's checkpoint
+    /// samples the fine-tuned decoder as --model does (on the GPU).
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// A decoder LLM (Llama, Qwen2, Qwen3, Gemma 3): a `.gguf` file or a Hugging Face model
-    /// directory (config.json, *.safetensors, tokenizer.json).
+    /// directory (config.json, *.safetensors, tokenizer.json). With --checkpoint of a `te train
+    /// --model` run: the pretrained model the run started from, where it is now.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// The text to continue; with --model, repeat it for a batch of prompts of any lengths (each
@@ -84,9 +95,9 @@ pub struct GenerateArgs {
     /// Run on the CPU reference path even when a GPU is present.
     #[arg(long)]
     pub cpu: bool,
-    /// With --model and --precision fp8: the LM head's GEMM in FP8 too (one E4M3 table for the
-    /// tied embedding and head).
-    #[arg(long, requires = "model")]
+    /// With --model (or a `te train --model` checkpoint) and --precision fp8: the LM head's GEMM
+    /// in FP8 too (one E4M3 table for the tied embedding and head).
+    #[arg(long)]
     pub fp8_lm_head: bool,
 }
 
@@ -104,6 +115,18 @@ pub enum GenerateError {
     /// The request does not fit the model.
     #[error("{0}")]
     Request(String),
+    /// A fine-tuning run's checkpoint whose pretrained model is not recorded, or no longer
+    /// where it was.
+    #[error("checkpoint {}: {}", .checkpoint.display(), pretrained_model_missing(.recorded.as_deref()))]
+    PretrainedModel {
+        /// The checkpoint's directory.
+        checkpoint: PathBuf,
+        /// The pretrained model its `[model.decoder]` names, if it names one.
+        recorded: Option<PathBuf>,
+    },
+    /// The decoder LLM of `--model` or of a fine-tuning run's checkpoint.
+    #[error(transparent)]
+    Model(Box<ModelError>),
     /// The runtime (model, sampler).
     #[error(transparent)]
     Runtime(#[from] te_runtime::Error),
@@ -117,7 +140,13 @@ pub enum GenerateError {
     },
 }
 
-/// What one `te generate` did: tokens and times.
+impl From<ModelError> for GenerateError {
+    fn from(e: ModelError) -> Self {
+        GenerateError::Model(Box::new(e))
+    }
+}
+
+/// What one `te generate` of a `te train` GPT checkpoint did: tokens and times.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateReport {
     /// The model's precision in this run.
@@ -335,18 +364,46 @@ fn prompt_bytes(a: &GenerateArgs) -> Result<Vec<u8>, GenerateError> {
 }
 
 /// Runs `te generate`: writes the prompt and the first sample to `out` as it is drawn, then the
-/// other samples; returns what it did.
+/// other samples; returns what it did. A decoder LLM (`--model`, or a fine-tuning run's
+/// checkpoint over its pretrained model) runs [`crate::model_generate::run_with`].
 ///
 /// # Errors
 /// [`GenerateError`]: the checkpoint, a prompt that is empty or does not fit the model's
-/// context with the tokens asked for, a batch of 0, bad sampling options, I/O.
-pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, GenerateError> {
-    let asked = a.precision.as_deref().map(Precision::from_name).transpose().map_err(GenerateError::Request)?;
+/// context with the tokens asked for, a batch of 0, bad sampling options, I/O;
+/// [`GenerateError::PretrainedModel`] for a fine-tuning checkpoint without its pretrained
+/// model; [`GenerateError::Request`] for `--model` with a GPT checkpoint; the decoder's
+/// ([`GenerateError::Model`]).
+pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<Generated, GenerateError> {
     let Some(checkpoint) = &a.checkpoint else {
-        return Err(GenerateError::Request("give --checkpoint DIR (or --model PATH for a decoder LLM)".into()));
+        let Some(model) = &a.model else {
+            return Err(GenerateError::Request("give --checkpoint DIR or --model PATH".into()));
+        };
+        return Ok(Generated::Decoder(crate::model_generate::run(a, model, out)?));
     };
-    let located = locate(checkpoint, asked)?;
-    let (cfg, _, _) = model_config(&located)?;
+    // --precision picks the run where a directory holds two (f32 is a decoder's precision only).
+    let located = locate(checkpoint, a.precision.as_deref().and_then(|p| Precision::from_name(p).ok()))?;
+    if let Some((model, tuned)) = fine_tuned(&located, a.model.as_deref())? {
+        return Ok(Generated::Decoder(crate::model_generate::run_with(a, &model, Some(&tuned), out)?));
+    }
+    if a.model.is_some() {
+        return Err(GenerateError::Request(format!(
+            "{} is a te train GPT checkpoint, not a fine-tuned decoder's: --model goes with --checkpoint only to name \
+             the pretrained model of a te train --model run; drop one of them",
+            located.dir.display()
+        )));
+    }
+    run_checkpoint(a, &located, out).map(Generated::Checkpoint)
+}
+
+/// Samples the GPT of `located` (a `te train` checkpoint).
+fn run_checkpoint(a: &GenerateArgs, located: &Located, out: &mut dyn Write) -> Result<GenerateReport, GenerateError> {
+    let asked = a.precision.as_deref().map(Precision::from_name).transpose().map_err(GenerateError::Request)?;
+    if a.fp8_lm_head {
+        return Err(GenerateError::Request(
+            "--fp8-lm-head is for a decoder LLM (--model, or a te train --model checkpoint)".into(),
+        ));
+    }
+    let (cfg, _, _) = model_config(located)?;
     let gpu = !a.cpu && te_runtime::device::gpu_available();
     if gpu && asked == Some(Precision::Fp8) {
         return Err(GenerateError::Request(
@@ -393,19 +450,20 @@ pub fn run(a: &GenerateArgs, out: &mut dyn Write) -> Result<GenerateReport, Gene
     let capacity = (prompt.len() + new_tokens).min(context);
     let (mut backend, precision, device) = if gpu {
         let dev = Device::new(0)?;
-        let (cfg, _, _) = model_config(&located)?;
+        let (cfg, _, _) = model_config(located)?;
         let needed = Gpt::generation_bytes(&cfg, a.batch, prompt.len(), capacity);
         dev.check_free_memory(needed, || {
             format!(
-                "generating {} samples of {capacity} tokens (the weights, the KV cache and the prefill, estimated;                  lower --batch or --max-new-tokens)",
+                "generating {} samples of {capacity} tokens (the weights, the KV cache and the prefill, estimated; \
+                 lower --batch or --max-new-tokens)",
                 a.batch
             )
         })?;
-        let model = load_gpu_model(&dev, &located)?;
+        let model = load_gpu_model(&dev, located)?;
         let params = model.inference_params(a.batch, capacity)?;
         (Backend::Gpu(Box::new((model, params))), Precision::Bf16, format!("{} (CUDA graphs)", dev.name()))
     } else {
-        let (mut model, precision) = load_model(&located, asked)?;
+        let (mut model, precision) = load_model(located, asked)?;
         if precision == Precision::Fp8 && located.latest.model.as_ref().is_some_and(|m| m.precision != Precision::Fp8) {
             // A BF16 run has no FP8 scales: take them from the prompt's amaxes (TE's calibration).
             model.calibrate(&ids, ids.len(), 1)?;

@@ -6,7 +6,7 @@
 //! - `te info`: the device, its arch, the driver and NVRTC versions, and the kernel cache.
 //! - `te train`: a byte-level GPT trained on Shakespeare in FP8 and in BF16, compared.
 //! - `te generate`: text sampled from a `te train` checkpoint, or from a decoder LLM (`--model`:
-//!   a `.gguf` file or a Hugging Face directory).
+//!   a `.gguf` file or a Hugging Face directory; a `te train --model` checkpoint over it).
 //! - `te eval`: the perplexity of a decoder LLM on text files.
 //! - `te checkpoint split|merge`: a checkpoint split for tensor parallelism, or merged back.
 
@@ -359,11 +359,17 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     // Rank 0 reports and writes the results; every rank trains.
     let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
+    // A fine-tuning run's checkpoints name the pretrained model (te generate --checkpoint reads it).
+    let model_source = match &a.model {
+        Some(p) => Some(p.canonicalize().map_err(|e| format!("--model {}: {e}", p.display()))?),
+        None => None,
+    };
     let ckpt = CheckpointOptions {
         dir: (!a.no_checkpoint).then(|| a.out.join("checkpoints")),
         interval: a.checkpoint_interval,
         resume: a.resume,
         stop: Some(stop_on_signals()?),
+        model_source,
     };
     let where_ = match (&dev, &dist) {
         (Some(d), Some(e)) => {
@@ -413,12 +419,9 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
             return Ok(());
         }
         let summary = format!(
-            "{}\npretrained validation loss {before:.4}; the fine-tuned models: {}\n",
+            "{}\n{}\n",
             summary_table(&where_, &preset, &cfg, &runs),
-            runs.iter()
-                .map(|r| a.out.join(format!("hf-{}", r.precision.name())).display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
+            te::finetune::outcome(before, &runs, &a.out, !a.no_checkpoint)
         );
         println!("{summary}");
         std::fs::write(a.out.join("summary.md"), &summary).map_err(|e| format!("cannot write summary.md: {e}"))?;
@@ -500,11 +503,6 @@ fn with_progress_bar(
 
 fn run_generate(a: &te::generate::GenerateArgs) -> Result<(), Failure> {
     let mut stdout = std::io::stdout().lock();
-    if let Some(model) = &a.model {
-        let report = te::model_generate::run(a, model, &mut stdout).map_err(|e| e.to_string())?;
-        eprintln!("{}", report.speeds());
-        return Ok(());
-    }
     let report = te::generate::run(a, &mut stdout).map_err(|e| e.to_string())?;
     eprintln!("{}", report.speeds());
     Ok(())

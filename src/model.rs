@@ -6,15 +6,22 @@
 //! On a GPU the GPU decoder ([`Decoder`]) runs the model, BF16 by default or FP8
 //! (`--precision fp8`); with `--cpu` (or without a GPU) the CPU decoder ([`DecoderRef`]), f32 by
 //! default or with BF16 GEMM inputs (`--precision bf16`).
+//!
+//! [`open_causal_lm_with`] also puts a fine-tuning checkpoint's weights ([`FineTuned`], `te
+//! generate --checkpoint` of a `te train --model` run) over the pretrained model first.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use te_models::cpu::decoder::{DecoderPrecision, DecoderRef};
+use te_models::decoder::train::DecoderLm;
 use te_models::decoder::{
     load_model, CausalLm, Decoder, DecoderError, DecoderWeights, GpuPrecision, HfArchitecture, LoadedModel, ModelSource,
 };
 use te_models::tokenizer::{Tokenizer, TokenizerError};
+use te_nn::checkpoint::{self, LoadOptions};
 use te_nn::fp8::Recipe;
+use te_runtime::DType;
+use te_train::checkpoint::DecoderSection;
 
 /// The precision a decoder runs in (`--precision`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +70,25 @@ pub struct ModelOptions {
     pub fp8_lm_head: bool,
 }
 
+/// A fine-tuning checkpoint (of `te train --model`, `te_train::Trainer::finetune`) whose
+/// weights [`open_causal_lm_with`] loads over the pretrained model they were tuned from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FineTuned {
+    /// The checkpoint's `step-NNNNNNN` directory (`model.safetensors` inside).
+    pub dir: PathBuf,
+    /// The optimizer steps it holds.
+    pub step: u64,
+    /// The transformers class the run recorded (`[model.decoder]`'s `architecture`).
+    pub architecture: String,
+}
+
+impl FineTuned {
+    /// The weights file: `model.safetensors` of [`FineTuned::dir`].
+    pub fn file(&self) -> PathBuf {
+        self.dir.join("model.safetensors")
+    }
+}
+
 /// Errors of `te generate --model` and `te eval`: each says what was wrong and what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -84,6 +110,16 @@ pub enum ModelError {
         path: PathBuf,
         /// What the loader said.
         source: Box<DecoderError>,
+    },
+    /// A fine-tuning checkpoint's weights cannot go over the model: there is no GPU to load
+    /// them on (`--cpu`, or none found), the model is of another architecture, or its
+    /// `model.safetensors` does not fit the model.
+    #[error("checkpoint {}: {message}", path.display())]
+    Checkpoint {
+        /// The checkpoint's directory.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
     },
     /// `--precision fp8` where the CPU decoder runs.
     #[error("--precision fp8 needs the GPU path: the CPU decoder runs f32 (the default) or bf16 (--precision bf16)")]
@@ -205,6 +241,39 @@ fn describe_source(
     )
 }
 
+/// `weights` with `tuned`'s fine-tuned parameters in place of theirs: the training model of the
+/// run (BF16 on GPU 0) built from them, the checkpoint's `model.safetensors` loaded into it,
+/// its parameters copied back (the training model freed before the caller builds another).
+///
+/// # Errors
+/// [`ModelError::Checkpoint`] for a model of another architecture than the run's, or a file
+/// that does not fit it (naming the file); the device's and the model's errors.
+fn fine_tuned_weights(weights: DecoderWeights, tuned: &FineTuned) -> Result<DecoderWeights, ModelError> {
+    let bad = |message: String| ModelError::Checkpoint { path: tuned.dir.clone(), message };
+    let found = DecoderSection::architecture_of(weights.config());
+    if found != tuned.architecture {
+        return Err(bad(format!(
+            "the run fine-tuned a {} and the pretrained model is a {found}: pass the model the run started from with \
+             --model PATH",
+            tuned.architecture
+        )));
+    }
+    let dev = te_runtime::Device::new(0).map_err(DecoderError::from)?;
+    let mut lm = DecoderLm::from_weights(&dev, &weights, DType::BF16)?;
+    drop(weights);
+    let file = tuned.file();
+    checkpoint::load(&mut lm, &file, &LoadOptions::default()).map_err(|e| {
+        bad(format!(
+            "{}: {e}; the fine-tuned weights do not fit the pretrained model: pass the model the run started from \
+             with --model PATH",
+            file.display()
+        ))
+    })?;
+    let weights = lm.to_weights()?;
+    drop(lm);
+    Ok(weights)
+}
+
 /// Opens the decoder LLM at `path` (a `.gguf` file or a Hugging Face directory: `config.json`,
 /// `*.safetensors`, `tokenizer.json`) on the device `opts` picks, with its tokenizer. Its
 /// configuration stops generation at the tokenizer's end-of-generation ids as well as its own.
@@ -218,18 +287,48 @@ fn describe_source(
 /// [`ModelError::Load`] for a directory without `config.json`, weights or `tokenizer.json`, an
 /// unsupported architecture, a bad configuration or mismatched tensors.
 pub fn open_causal_lm(path: &Path, opts: &ModelOptions) -> Result<(Box<dyn CausalLm>, Tokenizer), ModelError> {
+    open_causal_lm_with(path, opts, None)
+}
+
+/// [`open_causal_lm`], with `tuned`'s fine-tuned weights over the pretrained model at `path`
+/// when given (`te generate --checkpoint` of a `te train --model` run: `path` is the model the
+/// run started from, for its configuration and tokenizer). Loading them needs the GPU (the
+/// run's training model reads its checkpoint); the model then runs as [`open_causal_lm`] runs
+/// it. It writes a line about the checkpoint (directory, step) to stderr after the model's.
+///
+/// # Errors
+/// As [`open_causal_lm`]; [`ModelError::Checkpoint`] with `tuned` and no GPU to load it on
+/// (`--cpu`, or none found; checked before loading), a model of another architecture, or a
+/// `model.safetensors` that does not fit it.
+pub fn open_causal_lm_with(
+    path: &Path,
+    opts: &ModelOptions,
+    tuned: Option<&FineTuned>,
+) -> Result<(Box<dyn CausalLm>, Tokenizer), ModelError> {
     if !path.exists() {
         return Err(ModelError::NotFound { path: path.to_path_buf() });
     }
     if opts.fp8_lm_head && opts.precision != Some(ModelPrecision::Fp8) {
         return Err(ModelError::Request("--fp8-lm-head goes with --precision fp8 (on the GPU path)".into()));
     }
-    let target = if opts.cpu {
-        Target::Cpu
-    } else if te_runtime::device::gpu_available() {
+    let gpu = !opts.cpu && te_runtime::device::gpu_available();
+    if let Some(t) = tuned.filter(|_| !gpu) {
+        let why = if opts.cpu { "--cpu asks for the CPU path" } else { "no GPU was found" };
+        return Err(ModelError::Checkpoint {
+            path: t.dir.clone(),
+            message: format!(
+                "a fine-tuning checkpoint's weights load on the GPU (into the training model that wrote them), and \
+                 {why}: sample the Hugging Face directory the run saved (OUT/hf-fp8 or OUT/hf-bf16) with --model \
+                 PATH instead, which runs on the CPU too"
+            ),
+        });
+    }
+    let target = if gpu {
         Target::Gpu
     } else {
-        eprintln!("no GPU found: running on the CPU path (--cpu says so and skips this check)");
+        if !opts.cpu {
+            eprintln!("no GPU found: running on the CPU path (--cpu says so and skips this check)");
+        }
         Target::Cpu
     };
     if target == Target::Cpu {
@@ -243,6 +342,20 @@ pub fn open_causal_lm(path: &Path, opts: &ModelOptions) -> Result<(Box<dyn Causa
     let weights = with_tokenizer_eos(weights, &tokenizer).map_err(load)?;
     let about = describe_source(path, &weights, arch, &source);
     eprintln!("model: {about}; loaded in {:.2} s", start.elapsed().as_secs_f64());
+    let weights = match tuned {
+        Some(t) => {
+            let start = Instant::now();
+            let weights = fine_tuned_weights(weights, t)?;
+            eprintln!(
+                "checkpoint: {} (step {}), its fine-tuned weights over the model; loaded in {:.2} s",
+                t.dir.display(),
+                t.step,
+                start.elapsed().as_secs_f64()
+            );
+            weights
+        }
+        None => weights,
+    };
     let model = match target {
         Target::Gpu => gpu_model(weights, opts)?,
         Target::Cpu => cpu_model(weights, opts.precision)?,

@@ -11,11 +11,15 @@
 //! several are printed, each under a header, when all have finished. Special tokens (the EOS)
 //! are not printed, nor ids past the tokenizer's vocabulary (an embedding padded beyond it, as
 //! Qwen's is: they have no text; stderr counts them).
+//!
+//! `te generate --checkpoint` of a fine-tuning run (`te train --model`: its `trainer.toml` has
+//! a `[model.decoder]` section) runs the same way over the pretrained model the run started
+//! from, its weights replaced by the checkpoint's ([`fine_tuned`], [`run_with`]).
 
-use crate::generate::{GenerateArgs, DEFAULT_NEW_TOKENS};
-use crate::model::{encode_with_bos, open_causal_lm, ModelError, ModelOptions, ModelPrecision};
+use crate::generate::{GenerateArgs, GenerateError, GenerateReport, Located, DEFAULT_NEW_TOKENS};
+use crate::model::{encode_with_bos, open_causal_lm_with, FineTuned, ModelError, ModelOptions, ModelPrecision};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use te_models::decoder::{DecodeOptions, DecoderError};
 use te_models::generate::SamplingConfig;
@@ -66,6 +70,38 @@ impl ModelGenerateReport {
     }
 }
 
+/// What [`GenerateError::PretrainedModel`] says, for the model the checkpoint records.
+pub(crate) fn pretrained_model_missing(recorded: Option<&Path>) -> String {
+    let what = match recorded {
+        Some(p) => format!("the pretrained model its fine-tuning run started from, {}, no longer exists", p.display()),
+        None => "its trainer.toml does not name the pretrained model its fine-tuning run started from".into(),
+    };
+    format!(
+        "{what}: pass that model (its .gguf file or Hugging Face directory) with --model PATH together with \
+         --checkpoint"
+    )
+}
+
+/// What one `te generate` did ([`crate::generate::run`]): a `te train` GPT checkpoint's
+/// samples, or a decoder LLM's.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Generated {
+    /// A byte-level GPT of `te train`.
+    Checkpoint(GenerateReport),
+    /// A decoder LLM: `--model`, or a fine-tuning run's checkpoint.
+    Decoder(ModelGenerateReport),
+}
+
+impl Generated {
+    /// The speeds as a line ([`GenerateReport::speeds`], [`ModelGenerateReport::speeds`]).
+    pub fn speeds(&self) -> String {
+        match self {
+            Generated::Checkpoint(r) => r.speeds(),
+            Generated::Decoder(r) => r.speeds(),
+        }
+    }
+}
+
 /// The prompts' texts: each `--prompt`, or `--prompt-file`'s contents (UTF-8).
 fn prompt_texts(a: &GenerateArgs) -> Result<Vec<String>, ModelError> {
     if let Some(f) = &a.prompt_file {
@@ -101,6 +137,27 @@ fn continuation(tokenizer: &Tokenizer, prompt: &[i32], new: &[i32]) -> Result<St
     Ok(text)
 }
 
+/// The pretrained model and the fine-tuned weights of `located` when it is a fine-tuning run's
+/// checkpoint (its `[model.decoder]` section), `None` for a GPT run's: the model is `model`
+/// (`--model`) when given, else the section's `source`.
+///
+/// # Errors
+/// [`GenerateError::PretrainedModel`] when the section names no source and `model` is not
+/// given, or names one that no longer exists.
+pub fn fine_tuned(located: &Located, model: Option<&Path>) -> Result<Option<(PathBuf, FineTuned)>, GenerateError> {
+    let Some(section) = located.latest.model.as_ref().and_then(|m| m.decoder.as_ref()) else { return Ok(None) };
+    let source = match (model, &section.source) {
+        (Some(path), _) => path.to_path_buf(),
+        (None, Some(path)) if path.exists() => path.clone(),
+        (None, recorded) => {
+            return Err(GenerateError::PretrainedModel { checkpoint: located.dir.clone(), recorded: recorded.clone() })
+        }
+    };
+    let tuned =
+        FineTuned { dir: located.dir.clone(), step: located.latest.step, architecture: section.architecture.clone() };
+    Ok(Some((source, tuned)))
+}
+
 /// Runs `te generate --model PATH`: opens the model, writes the prompt and its continuation to
 /// `out` as it is drawn (one sample), or each sample under a header once all are drawn;
 /// returns what it did.
@@ -111,6 +168,20 @@ fn continuation(tokenizer: &Tokenizer, prompt: &[i32], new: &[i32]) -> Result<St
 /// (`max_position_embeddings`), bad sampling flags or `--batch 0` (checked before the model is
 /// loaded), I/O.
 pub fn run(a: &GenerateArgs, model_path: &Path, out: &mut dyn Write) -> Result<ModelGenerateReport, ModelError> {
+    run_with(a, model_path, None, out)
+}
+
+/// [`run`] with `tuned`'s fine-tuned weights over the model at `model_path` (the pretrained
+/// model of the run: [`fine_tuned`]); `te generate --checkpoint` of a fine-tuning run.
+///
+/// # Errors
+/// As [`run`]; [`ModelError::Checkpoint`] as [`crate::model::open_causal_lm_with`] says.
+pub fn run_with(
+    a: &GenerateArgs,
+    model_path: &Path,
+    tuned: Option<&FineTuned>,
+    out: &mut dyn Write,
+) -> Result<ModelGenerateReport, ModelError> {
     let sampling = SamplingConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p };
     sampling.validate().map_err(|e| ModelError::Request(e.to_string()))?;
     if a.batch == 0 {
@@ -122,8 +193,8 @@ pub fn run(a: &GenerateArgs, model_path: &Path, out: &mut dyn Write) -> Result<M
         return Err(ModelError::Request(format!("the prompt{which} is empty: give at least one character")));
     }
     let precision = a.precision.as_deref().map(ModelPrecision::from_name).transpose()?;
-    let (mut model, tokenizer) =
-        open_causal_lm(model_path, &ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head })?;
+    let opts = ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head };
+    let (mut model, tokenizer) = open_causal_lm_with(model_path, &opts, tuned)?;
     let device = model.describe();
     eprintln!("running on {device}");
     let context = model.config().max_position_embeddings;
@@ -218,4 +289,126 @@ pub fn run(a: &GenerateArgs, model_path: &Path, out: &mut dyn Write) -> Result<M
         decode_s: (end - first).as_secs_f64(),
         samples: texts_out,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::run as generate;
+    use te_models::gpt::GptConfig;
+    use te_train::checkpoint::{DecoderSection, Latest, ModelSection};
+    use te_train::{Precision, TrainConfig};
+
+    /// `te generate` with a greedy prompt on the CPU path, `--checkpoint` and maybe `--model`.
+    fn args(checkpoint: &Path, model: Option<&Path>) -> GenerateArgs {
+        GenerateArgs {
+            checkpoint: Some(checkpoint.to_path_buf()),
+            model: model.map(Path::to_path_buf),
+            prompt: vec!["Hello".into()],
+            prompt_file: None,
+            max_new_tokens: Some(4),
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: 0,
+            batch: 1,
+            precision: None,
+            cpu: true,
+            fp8_lm_head: false,
+        }
+    }
+
+    /// A run's directory `root/fp8` whose checkpoint at step 2 is of a fine-tuning run of
+    /// `decoder` (`None`: a GPT run), written by hand (no weights: nothing gets that far).
+    fn checkpoint(root: &Path, decoder: Option<DecoderSection>) -> PathBuf {
+        let run = root.join("fp8");
+        let step = run.join("step-0000002");
+        std::fs::create_dir_all(&step).unwrap();
+        let cfg = TrainConfig::new(GptConfig { seq_length: 64, vocab_size: 300, ..GptConfig::tiny() }, 2);
+        let latest = Latest {
+            dir: "step-0000002".into(),
+            step: 2,
+            dropout_offset: 0,
+            batch: cfg.batch,
+            grad_accum: 1,
+            seq_length: 64,
+            lr: cfg.lr,
+            data_seed: 0,
+            model_seed: 0,
+            tensor_parallel: None,
+            data_parallel: None,
+            model: Some(ModelSection { decoder, ..ModelSection::new(&cfg, Precision::Fp8) }),
+        };
+        let text = toml::to_string(&latest).unwrap();
+        std::fs::write(step.join("trainer.toml"), &text).unwrap();
+        std::fs::write(run.join("latest.toml"), &text).unwrap();
+        run
+    }
+
+    fn llama(source: Option<PathBuf>) -> Option<DecoderSection> {
+        Some(DecoderSection { architecture: "LlamaForCausalLM".into(), pack: "blocks".into(), source })
+    }
+
+    /// A fine-tuning checkpoint whose pretrained model is gone, or not recorded, is a typed
+    /// error that says to pass it with --model together with --checkpoint.
+    #[test]
+    fn a_fine_tuning_checkpoint_without_its_pretrained_model_says_to_pass_it() {
+        let root = tempfile::tempdir().unwrap();
+        let gone = root.path().join("moved-away.gguf");
+        for recorded in [Some(gone.clone()), None] {
+            let run = checkpoint(root.path(), llama(recorded.clone()));
+            let e = generate(&args(&run, None), &mut Vec::new()).unwrap_err();
+            match &e {
+                GenerateError::PretrainedModel { checkpoint, recorded: r } => {
+                    assert_eq!((checkpoint, r), (&run.join("step-0000002"), &recorded));
+                }
+                _ => panic!("expected PretrainedModel, got {e}"),
+            }
+            let e = e.to_string();
+            assert!(e.contains("pass that model") && e.contains("--model PATH together with --checkpoint"), "{e}");
+            let why = if recorded.is_some() { "moved-away.gguf, no longer exists" } else { "does not name" };
+            assert!(e.contains(why), "{e}");
+        }
+    }
+
+    /// With its pretrained model (recorded, or given with --model) the checkpoint goes the
+    /// --model way, whose loading needs the GPU: on the CPU path a typed error says what to
+    /// sample instead, before anything is loaded. --model with a GPT checkpoint is refused.
+    #[test]
+    fn a_fine_tuning_checkpoint_samples_as_model_does_and_gpt_checkpoints_refuse_model() {
+        let root = tempfile::tempdir().unwrap();
+        let source = root.path().join("pretrained");
+        std::fs::create_dir_all(&source).unwrap();
+        for (recorded, model) in [(Some(source.clone()), None), (None, Some(source.as_path()))] {
+            let run = checkpoint(root.path(), llama(recorded));
+            let e = generate(&args(&run, model), &mut Vec::new()).unwrap_err();
+            assert!(
+                matches!(&e, GenerateError::Model(m) if matches!(**m, ModelError::Checkpoint { .. })),
+                "expected ModelError::Checkpoint, got {e}"
+            );
+            let e = e.to_string();
+            assert!(e.contains("load on the GPU") && e.contains("--cpu asks for the CPU path"), "{e}");
+            assert!(e.contains("OUT/hf-fp8"), "{e}");
+        }
+        let run = checkpoint(root.path(), None);
+        let e = generate(&args(&run, Some(&source)), &mut Vec::new()).unwrap_err();
+        assert!(matches!(e, GenerateError::Request(_)), "{e}");
+        assert!(e.to_string().contains("GPT checkpoint") && e.to_string().contains("drop one of them"), "{e}");
+        let found = fine_tuned(&crate::generate::locate(&run, None).unwrap(), None).unwrap();
+        assert!(found.is_none(), "a GPT run's checkpoint has no pretrained model");
+    }
+
+    /// `--checkpoint` and `--model` may come together; one of them must.
+    #[test]
+    fn checkpoint_and_model_may_come_together() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: GenerateArgs,
+        }
+        let both = Cli::try_parse_from(["te", "--checkpoint", "c", "--model", "m", "--prompt", "p"]).unwrap();
+        assert_eq!((both.a.checkpoint, both.a.model), (Some("c".into()), Some("m".into())));
+        assert!(Cli::try_parse_from(["te", "--prompt", "p"]).is_err());
+    }
 }

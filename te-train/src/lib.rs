@@ -10,8 +10,9 @@
 //! - [`data`]: the corpus, its validation split and the seeded, data-parallel-sharded batches;
 //!   for a pretrained model's tokenizer, documents from text files, directories and `.jsonl`
 //!   tokenized into a cached [`data::TokenDataset`], split by documents, and packed into
-//!   fixed-length windows or `thd` rows with `cu_seqlens` ([`data::ThdPacker`]). The decoder-family
-//!   Trainer that consumes them is not built yet (issue 35).
+//!   fixed-length windows or `thd` rows with `cu_seqlens` ([`data::ThdPacker`]), which
+//!   [`Trainer::finetune`] fine-tunes a pretrained decoder of the family on (its checkpoints
+//!   record the decoder: [`checkpoint::DecoderSection`]).
 //! - [`optim`]: AdamW with FP32 master weights and one fused multi-tensor kernel, and
 //!   learning-rate schedules.
 //!

@@ -316,14 +316,20 @@ fn finetune_resumes_bit_exact() {
         // Stopped after step 6 (a SIGTERM's flag), then resumed from its checkpoint.
         let stopped_dir = tmp.path().join("stopped");
         let stop = Arc::new(AtomicBool::new(false));
-        let ckpt =
-            CheckpointOptions { dir: Some(stopped_dir.clone()), interval: 4, resume: false, stop: Some(stop.clone()) };
+        let ckpt = CheckpointOptions {
+            dir: Some(stopped_dir.clone()),
+            interval: 4,
+            resume: false,
+            stop: Some(stop.clone()),
+            model_source: None,
+        };
         let mut m = fresh();
         let e = trainer(ckpt)
             .finetune(&mut m, &split, shape, Precision::Fp8, |p| stop.store(p.step == 6, Ordering::Relaxed))
             .unwrap_err();
         assert!(matches!(e, TrainError::Interrupted { step: 6, .. }), "{pack:?}: {e}");
-        let ckpt = CheckpointOptions { dir: Some(stopped_dir), interval: 4, resume: true, stop: None };
+        let ckpt =
+            CheckpointOptions { dir: Some(stopped_dir), interval: 4, resume: true, stop: None, model_source: None };
         let mut m = fresh();
         let resumed = trainer(ckpt).finetune(&mut m, &split, shape, Precision::Fp8, |_| {}).unwrap();
         let tail: Vec<_> = losses(&straight.records).into_iter().filter(|r| r.0 > 6).collect();
@@ -335,4 +341,135 @@ fn finetune_resumes_bit_exact() {
             assert!(resumed_weights.get(name).unwrap().data == t.data, "{pack:?}: {name} differs after the resume");
         }
     }
+}
+
+/// A byte-level BPE `tokenizer.json` without merges: `<unk>` 0, `<s>` 1 (the BOS, added by the
+/// `<s> $A` template), `</s>` 2, then the 256 bytes (GPT-2's printable characters for them).
+fn write_byte_tokenizer(dir: &Path) {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::{Vocab, BPE};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::processors::template::TemplateProcessing;
+    use tokenizers::AddedToken;
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let byte_char = |b: u8| match printable(b) {
+        true => char::from(b),
+        false => char::from_u32(256 + (0..b).filter(|&x| !printable(x)).count() as u32).unwrap(),
+    };
+    let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].iter().map(|s| s.to_string()).collect();
+    tokens.extend((0..=255u8).map(|b| byte_char(b).to_string()));
+    let vocab: Vocab = tokens.into_iter().zip(0u32..).collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, Vec::new()).build().unwrap();
+    let mut tok = tokenizers::Tokenizer::new(bpe);
+    let bos = TemplateProcessing::builder().try_single("<s> $A").unwrap().special_tokens(vec![("<s>", 1)]).build();
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
+        .with_decoder(Some(ByteLevelDecoder::default()))
+        .with_post_processor(Some(bos.unwrap()));
+    tok.add_special_tokens(&["<unk>", "<s>", "</s>"].map(|t| AddedToken::from(t, true)));
+    tok.save(dir.join("tokenizer.json"), false).unwrap();
+}
+
+/// `te generate --checkpoint` of a fine-tuning run: a tiny random Llama (TE's initialization,
+/// written as a Hugging Face directory with a byte-level tokenizer) fine-tuned 2 steps in BF16
+/// with checkpoints that record it as the run's source; the checkpoint's greedy text (through
+/// `te::generate::run`'s dispatch, with the source recorded and with it passed as --model)
+/// equals the text of the same fine-tuned weights exported as a Hugging Face directory and
+/// sampled with --model; the checkpoint's weights loaded over the pretrained model are the
+/// tuned ones, not the pretrained.
+#[test]
+fn finetune_checkpoint_generates_as_its_exported_model() {
+    use te::generate::{GenerateArgs, Generated};
+    use te_models::decoder::DecoderConfig;
+    use te_nn::checkpoint::{self, LoadOptions};
+    use te_train::data::TokenDocs;
+    use te_train::{Backend, CheckpointOptions, Pack, Precision, TrainConfig, Trainer};
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let pretrained = tmp.path().join("pretrained");
+    let config = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "bos_token_id": 1,
+        "eos_token_id": 2, "tie_word_embeddings": false}"#;
+    let cfg = DecoderConfig::from_hf_json(config).unwrap();
+    let weights = DecoderLm::new(&dev, cfg, DType::BF16).unwrap().to_weights().unwrap();
+    weights.save_hf_dir(&pretrained, DType::BF16).unwrap();
+    write_byte_tokenizer(&pretrained);
+
+    // Documents of byte ids (3 + byte) repeating a phrase, fine-tuned 2 steps with a checkpoint each.
+    let phrase: Vec<u32> = b"to be or not to be, ".iter().map(|&b| u32::from(b) + 3).collect();
+    let docs: Vec<Vec<u32>> = (0..20).map(|d| (0..120).map(|t| phrase[(t + d) % phrase.len()]).collect()).collect();
+    let split = TokenDocs::from_documents(&docs).split(0.1, 1).unwrap();
+    let train = TrainConfig {
+        batch: 4,
+        lr: 1e-2,
+        weight_decay: 0.0,
+        eval_interval: 1,
+        eval_batches: 1,
+        ..TrainConfig::new(te_models::gpt::GptConfig::tiny(), 2)
+    };
+    let ckpt = CheckpointOptions {
+        dir: Some(tmp.path().join("checkpoints")),
+        interval: 1,
+        model_source: Some(pretrained.canonicalize().unwrap()),
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(train, Backend::Gpu(dev.clone())).unwrap().with_checkpoints(ckpt);
+    let mut m = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+    trainer.finetune(&mut m, &split, (32, Pack::Blocks), Precision::Bf16, |_| {}).unwrap();
+    let tuned = m.to_weights().unwrap();
+    drop(m);
+    let run_dir = tmp.path().join("checkpoints").join("bf16");
+    let latest = te_train::checkpoint::read_latest(&run_dir.join("latest.toml")).unwrap().unwrap();
+    let section = latest.model.unwrap().decoder.unwrap();
+    assert_eq!((latest.step, section.architecture.as_str(), section.pack.as_str()), (2, "LlamaForCausalLM", "blocks"));
+    assert_eq!(section.source, Some(pretrained.canonicalize().unwrap()));
+
+    // The checkpoint's weights over the pretrained model are the tuned ones.
+    let mut overlaid = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+    checkpoint::load(&mut overlaid, run_dir.join("step-0000002").join("model.safetensors"), &LoadOptions::default())
+        .unwrap();
+    let overlaid = overlaid.to_weights().unwrap();
+    let name = "layers.0.layernorm_mlp.fc1_weight";
+    assert_eq!(overlaid.get(name).unwrap().data, tuned.get(name).unwrap().data);
+    assert_ne!(overlaid.get(name).unwrap().data, weights.get(name).unwrap().data, "the run changed the weights");
+    for (n, t) in tuned.tensors() {
+        assert!(overlaid.get(n).unwrap().data == t.data, "{n} differs from the tuned model's");
+    }
+
+    // The same fine-tuned weights as a Hugging Face directory, sampled with --model.
+    let exported = tmp.path().join("hf-bf16");
+    tuned.save_hf_dir(&exported, DType::BF16).unwrap();
+    std::fs::copy(pretrained.join("tokenizer.json"), exported.join("tokenizer.json")).unwrap();
+    let args = |checkpoint: Option<&Path>, model: Option<&Path>| GenerateArgs {
+        checkpoint: checkpoint.map(Path::to_path_buf),
+        model: model.map(Path::to_path_buf),
+        prompt: vec!["to be or".into()],
+        prompt_file: None,
+        max_new_tokens: Some(16),
+        temperature: 0.0,
+        top_k: None,
+        top_p: None,
+        seed: 0,
+        batch: 1,
+        precision: None,
+        cpu: false,
+        fp8_lm_head: false,
+    };
+    let sample = |a: GenerateArgs| -> (String, Vec<u8>) {
+        let mut out = Vec::new();
+        match te::generate::run(&a, &mut out).unwrap() {
+            Generated::Decoder(r) => (r.samples[0].clone(), out),
+            Generated::Checkpoint(_) => panic!("a fine-tuning checkpoint sampled as a GPT"),
+        }
+    };
+    let want = sample(args(None, Some(&exported)));
+    let via_model = te::model_generate::run(&args(None, Some(&exported)), &exported, &mut Vec::new()).unwrap();
+    assert_eq!(via_model.samples[0], want.0);
+    let from_checkpoint = sample(args(Some(&run_dir), None));
+    eprintln!("fine-tuned: {:?}; from the checkpoint: {:?}", want.0, from_checkpoint.0);
+    assert_eq!(from_checkpoint, want, "the checkpoint's text and the exported model's");
+    let named = sample(args(Some(&run_dir.join("step-0000002")), Some(&pretrained)));
+    assert_eq!(named, want, "the checkpoint with its pretrained model passed as --model");
+    let before = sample(args(None, Some(&pretrained)));
+    eprintln!("pretrained: {:?} ({})", before.0, if before == want { "the same" } else { "another text" });
 }

@@ -131,15 +131,21 @@ fn resume_is_bit_exact_with_never_stopping() {
         // is 3, and --resume finishes the run as if it never stopped.
         let preempted = dir.path().join("preempted");
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let ckpt =
-            CheckpointOptions { dir: Some(preempted.clone()), interval: 3, resume: false, stop: Some(stop.clone()) };
+        let ckpt = CheckpointOptions {
+            dir: Some(preempted.clone()),
+            interval: 3,
+            resume: false,
+            stop: Some(stop.clone()),
+            model_source: None,
+        };
         let request = |step: u64, _: f32| stop.store(step == 4, std::sync::atomic::Ordering::Relaxed);
         let e = train(&dev, &corpus, &cfg, precision, &ckpt, &mut Parallel::default(), request).unwrap_err();
         match &e {
             TrainError::Interrupted { step: 4, checkpoint: Some(c) } => assert!(c.ends_with("step-0000004"), "{e}"),
             _ => panic!("{run}: expected an interruption after step 4, got {e}"),
         }
-        let ckpt = CheckpointOptions { dir: Some(preempted), interval: 3, resume: true, stop: None };
+        let ckpt =
+            CheckpointOptions { dir: Some(preempted), interval: 3, resume: true, stop: None, model_source: None };
         let resumed = train(&dev, &corpus, &cfg, precision, &ckpt, &mut Parallel::default(), |_, _| {}).unwrap();
         assert_eq!(losses(&resumed.records), losses(&straight.records), "{run}: run resumed after a stop differs");
 

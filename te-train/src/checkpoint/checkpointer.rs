@@ -2,7 +2,7 @@
 //! keeping the one before), the newest good checkpoint for error messages.
 
 use super::history::{read_history, write_history, write_text};
-use super::latest::{read_latest, Latest, ModelSection};
+use super::latest::{read_latest, DecoderSection, Latest, ModelSection};
 use super::CheckpointOptions;
 use crate::config::{Precision, TrainConfig};
 use crate::error::TrainError;
@@ -49,6 +49,8 @@ pub(crate) struct Checkpointer<'a> {
     /// Whether it also writes `latest.toml` and the loss history (the writer of tensor-parallel
     /// rank 0, once every writer's files are written).
     writes_latest: bool,
+    /// The decoder of a fine-tuning run (`[model.decoder]`), `None` for a GPT run.
+    decoder: Option<DecoderSection>,
 }
 
 impl<'a> Checkpointer<'a> {
@@ -65,7 +67,19 @@ impl<'a> Checkpointer<'a> {
             tensor_parallel: 1,
             writes: true,
             writes_latest: true,
+            decoder: None,
         }
+    }
+
+    /// The checkpointing of a fine-tuning run of `decoder` (`None`: a GPT run): its checkpoints
+    /// record it, and one of another architecture or packing is refused on resume.
+    pub(crate) fn decoder(self, decoder: Option<DecoderSection>) -> Self {
+        Self { decoder, ..self }
+    }
+
+    /// The `[model]` section of this run's checkpoints.
+    fn model_section(&self) -> ModelSection {
+        ModelSection { decoder: self.decoder.clone(), ..ModelSection::new(self.cfg, self.precision) }
     }
 
     /// The checkpointing of rank `rank` of a data-parallel run of `size` ranks: rank 0 writes
@@ -113,9 +127,24 @@ impl<'a> Checkpointer<'a> {
         let mut differ: Vec<String> =
             want.iter().filter(|(_, a, b)| a != b).map(|(n, a, b)| format!("{n} {a} (checkpoint) vs {b}")).collect();
         if let Some(m) = &latest.model {
-            let now = ModelSection::new(cfg, self.precision);
-            if !m.same_run(&now) {
-                differ.push(format!("the model or its recipe: {m:?} (checkpoint) vs {now:?}"));
+            let now = self.model_section();
+            match (&m.decoder, &now.decoder) {
+                (Some(a), Some(b)) => {
+                    if a.architecture != b.architecture {
+                        differ.push(format!("the model {} (checkpoint) vs {}", a.architecture, b.architecture));
+                    }
+                    if a.pack != b.pack {
+                        differ.push(format!("the packing {} (checkpoint) vs {} (--pack)", a.pack, b.pack));
+                    }
+                }
+                (Some(a), None) => {
+                    differ.push(format!("a fine-tuning run of {} (checkpoint) vs a GPT run", a.architecture))
+                }
+                (None, _) => {}
+            }
+            let (was, is) = (ModelSection { decoder: None, ..m.clone() }, ModelSection { decoder: None, ..now });
+            if !was.same_run(&is) {
+                differ.push(format!("the model or its recipe: {was:?} (checkpoint) vs {is:?}"));
             }
         }
         if !differ.is_empty() {
@@ -183,7 +212,7 @@ impl<'a> Checkpointer<'a> {
     /// writer's files are written) points `latest.toml` at it and removes the checkpoints older
     /// than the previous one.
     fn save(&self, run_dir: &Path, step: u64, state: &dyn RunState, records: &[Record]) -> Result<PathBuf, TrainError> {
-        let (cfg, precision) = (self.cfg, self.precision);
+        let cfg = self.cfg;
         let bad = state.nonfinite_states()?;
         if let Some(path) = bad.first() {
             return Err(TrainError::NonFinite {
@@ -217,7 +246,7 @@ impl<'a> Checkpointer<'a> {
             model_seed: cfg.model.seed,
             tensor_parallel: (self.tensor_parallel > 1).then_some(self.tensor_parallel),
             data_parallel: (self.data_parallel > 1).then_some(self.data_parallel),
-            model: Some(ModelSection::new(cfg, precision)),
+            model: Some(self.model_section()),
         };
         let path = run_dir.join("latest.toml");
         let previous = read_latest(&path)?.map(|l| l.dir);
@@ -237,5 +266,75 @@ impl<'a> Checkpointer<'a> {
             }
         }
         Ok(dir)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trainer::Pack;
+    use te_models::decoder::DecoderConfig;
+    use te_models::gpt::GptConfig;
+
+    /// A run state without files: what the checkpointer writes and checks around them.
+    struct NoFiles(u64);
+
+    impl RunState for NoFiles {
+        fn save_files(&self, _: &Path, _: u64) -> Result<(), TrainError> {
+            Ok(())
+        }
+        fn load_files(&mut self, _: &Path) -> Result<u64, TrainError> {
+            Ok(self.0)
+        }
+        fn dropout_offset(&self) -> u64 {
+            0
+        }
+        fn set_dropout_offset(&mut self, _: u64) -> Result<(), TrainError> {
+            Ok(())
+        }
+        fn nonfinite_states(&self) -> Result<Vec<String>, TrainError> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// A fine-tuning run's checkpoints record its decoder (architecture, packing, source) in
+    /// `latest.toml` and the step's `trainer.toml`; resuming with the other packing, or as a GPT
+    /// run, is refused with the difference named; the same decoder from a moved file resumes.
+    #[test]
+    fn a_fine_tuning_checkpoint_records_its_decoder_and_refuses_another_packing() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig::new(GptConfig::tiny(), 2);
+        let opts = CheckpointOptions { dir: Some(dir.path().into()), resume: true, ..Default::default() };
+        let text = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}"#;
+        let model = DecoderConfig::from_hf_json(text).unwrap();
+        let section = |pack, source: &str| Some(DecoderSection::new(&model, pack, Some(source.into())));
+        let records = vec![Record { step: 2, train_loss: 1.25, val_loss: Some(1.5), step_ms: 3.0 }];
+        let mut writer = Checkpointer::new(&opts, &cfg, Precision::Bf16).decoder(section(Pack::Thd, "/models/llama"));
+        writer.after_step(2, &NoFiles(2), &records, false).unwrap();
+        let run_dir = dir.path().join("bf16");
+        for file in [run_dir.join("latest.toml"), run_dir.join("step-0000002").join("trainer.toml")] {
+            let latest = read_latest(&file).unwrap().unwrap();
+            assert_eq!(latest.model.unwrap().decoder, section(Pack::Thd, "/models/llama"), "{}", file.display());
+        }
+        let text = std::fs::read_to_string(run_dir.join("latest.toml")).unwrap();
+        assert!(text.contains("[model.decoder]") && text.contains("architecture = \"LlamaForCausalLM\""), "{text}");
+
+        let mut blocks =
+            Checkpointer::new(&opts, &cfg, Precision::Bf16).decoder(section(Pack::Blocks, "/models/llama"));
+        let e = blocks.resume(&mut NoFiles(2), &mut Vec::new()).unwrap_err();
+        assert!(matches!(e, TrainError::Resume { .. }), "{e}");
+        assert!(e.to_string().contains("the packing thd (checkpoint) vs blocks (--pack)"), "{e}");
+        assert!(!e.to_string().contains("the model or its recipe"), "only the packing differs: {e}");
+        let mut gpt = Checkpointer::new(&opts, &cfg, Precision::Bf16);
+        let e = gpt.resume(&mut NoFiles(2), &mut Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("a fine-tuning run of LlamaForCausalLM (checkpoint) vs a GPT run"), "{e}");
+
+        let mut moved = Checkpointer::new(&opts, &cfg, Precision::Bf16).decoder(section(Pack::Thd, "/elsewhere/llama"));
+        let mut resumed = Vec::new();
+        assert_eq!(moved.resume(&mut NoFiles(2), &mut resumed).unwrap(), 2);
+        assert_eq!(resumed, records);
+        assert_eq!(moved.last(), Some(run_dir.join("step-0000002").as_path()));
     }
 }

@@ -3,8 +3,10 @@
 
 use crate::config::{Precision, TrainConfig};
 use crate::error::TrainError;
+use crate::trainer::Pack;
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use te_models::decoder::{DecoderConfig, HfArchitecture};
 use te_models::gpt::GptConfig;
 use te_nn::fp8::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe};
 
@@ -31,6 +33,52 @@ pub struct ModelSection {
     /// current`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_scaling: Option<Float8CurrentScaling>,
+    /// The pretrained decoder a fine-tuning run (`Trainer::finetune`, `te train --model`)
+    /// started from (`[model.decoder]`); absent for a GPT run and in checkpoints written before
+    /// the section. `config` then holds only the run's window and vocabulary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decoder: Option<DecoderSection>,
+}
+
+/// The decoder of a fine-tuning run, as its checkpoints record it (`[model.decoder]`): what `te
+/// generate --checkpoint` rebuilds the model from (the pretrained model's configuration and
+/// tokenizer, with the checkpoint's fine-tuned weights), and what a resumed run must share.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecoderSection {
+    /// The transformers class of the model ([`DecoderSection::architecture_of`]:
+    /// `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Gemma3ForCausalLM`).
+    pub architecture: String,
+    /// How the run packed its documents: `blocks` or `thd` ([`Pack::name`]).
+    pub pack: String,
+    /// The pretrained model the run started from, absolute: a `.gguf` file or a Hugging Face
+    /// directory (`CheckpointOptions::model_source`); absent when the run did not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<PathBuf>,
+}
+
+impl DecoderSection {
+    /// The section of a fine-tuning run of a model of `cfg` packed as `pack`, started from
+    /// `source`.
+    pub fn new(cfg: &DecoderConfig, pack: Pack, source: Option<PathBuf>) -> Self {
+        Self { architecture: Self::architecture_of(cfg).to_string(), pack: pack.name().to_string(), source }
+    }
+
+    /// The transformers class of a model of `cfg`, from the features that tell the family's
+    /// members apart (as `te export` names a model built in code): sandwich norms or scaled
+    /// embeddings, Gemma 3; q/k norms, Qwen3; q/k/v biases without an output bias, Qwen2; else
+    /// Llama. The multimodal Gemma 3's text model is `Gemma3ForCausalLM`.
+    pub fn architecture_of(cfg: &DecoderConfig) -> &'static str {
+        let arch = if cfg.sandwich_norm || cfg.scale_embeddings {
+            HfArchitecture::Gemma3
+        } else if cfg.qk_norm {
+            HfArchitecture::Qwen3
+        } else if cfg.qkv_bias && !cfg.proj_bias {
+            HfArchitecture::Qwen2
+        } else {
+            HfArchitecture::Llama
+        };
+        arch.class_name()
+    }
 }
 
 impl ModelSection {
@@ -41,7 +89,7 @@ impl ModelSection {
             Recipe::Block(r) => (DelayedScaling::default(), Some(r), None),
             Recipe::Current(r) => (DelayedScaling::default(), None, Some(r)),
         };
-        Self { precision, config: cfg.model.clone(), recipe, block_scaling, current_scaling }
+        Self { precision, config: cfg.model.clone(), recipe, block_scaling, current_scaling, decoder: None }
     }
 
     /// The FP8 recipe the run trained with (FP8 runs) or would have (BF16 runs): current
@@ -55,9 +103,19 @@ impl ModelSection {
     }
 
     /// Whether a run of `other`'s model, precision and FP8 recipe continues this one (fields
-    /// of `recipe` that a block or current table replaces do not count).
+    /// of `recipe` that a block or current table replaces do not count), `self` being the
+    /// checkpoint's: a fine-tuning run's decoder must be of the same architecture and packing
+    /// (its source path does not count: a moved file is the same model). A checkpoint without
+    /// a decoder section written before the section existed is taken to be of the same
+    /// decoder; one with the section does not continue a GPT run.
     pub(crate) fn same_run(&self, other: &ModelSection) -> bool {
-        (self.precision, &self.config, self.fp8_recipe()) == (other.precision, &other.config, other.fp8_recipe())
+        let decoder = match (&self.decoder, &other.decoder) {
+            (Some(a), Some(b)) => (&a.architecture, &a.pack) == (&b.architecture, &b.pack),
+            (Some(_), None) => false,
+            (None, _) => true,
+        };
+        decoder
+            && (self.precision, &self.config, self.fp8_recipe()) == (other.precision, &other.config, other.fp8_recipe())
     }
 }
 
@@ -252,6 +310,61 @@ grad_block_scaling_dim = 1
         let model = GptConfig { seq_length: 32, seed: 1234, ..GptConfig::tiny() };
         let cfg = TrainConfig { model, recipe: Float8BlockScaling::default().into(), ..train_config() };
         assert!(section.same_run(&ModelSection::new(&cfg, Precision::Fp8)));
+    }
+
+    /// A decoder of the family: Gemma 3's features (sandwich norms, scaled embeddings).
+    fn gemma_config() -> DecoderConfig {
+        let text = r#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 512,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"]}"#;
+        DecoderConfig::from_hf_json(text).unwrap()
+    }
+
+    /// A fine-tuning run's `[model.decoder]` round-trips (architecture, packing, source); a
+    /// `[model]` table written before it still reads, without it.
+    #[test]
+    fn the_decoder_section_round_trips_and_older_files_read_without_it() {
+        let cfg = gemma_config();
+        let decoder = DecoderSection::new(&cfg, Pack::Thd, Some("/models/gemma-3-270m.gguf".into()));
+        assert_eq!((decoder.architecture.as_str(), decoder.pack.as_str()), ("Gemma3ForCausalLM", "thd"));
+        let section =
+            ModelSection { decoder: Some(decoder.clone()), ..ModelSection::new(&train_config(), Precision::Fp8) };
+        let text = toml::to_string(&latest(Some(section.clone()))).unwrap();
+        assert!(text.contains("[model.decoder]") && text.contains("source = \"/models/gemma-3-270m.gguf\""), "{text}");
+        let back: Latest = toml::from_str(&text).unwrap();
+        assert_eq!(back.model.as_ref(), Some(&section));
+        assert!(back.model.unwrap().same_run(&section));
+        // No source: the key is left out, and reads back as none.
+        let unsourced = ModelSection { decoder: Some(DecoderSection { source: None, ..decoder }), ..section };
+        let text = toml::to_string(&latest(Some(unsourced.clone()))).unwrap();
+        assert!(!text.contains("source"), "{text}");
+        assert_eq!(toml::from_str::<Latest>(&text).unwrap().model, Some(unsourced));
+        // A GPT run's section has no decoder table, and one written before it reads without it.
+        let gpt = ModelSection::new(&train_config(), Precision::Bf16);
+        let text = toml::to_string(&latest(Some(gpt.clone()))).unwrap();
+        assert!(!text.contains("[model.decoder]"), "{text}");
+        assert_eq!(toml::from_str::<Latest>(&text).unwrap().model.unwrap().decoder, None);
+    }
+
+    /// A fine-tuning run continues a checkpoint of the same architecture and packing wherever
+    /// the model file now is; another packing, another architecture or a GPT run does not; a
+    /// checkpoint written before the section continues.
+    #[test]
+    fn same_run_compares_the_decoder_but_not_its_source() {
+        let base = ModelSection::new(&train_config(), Precision::Fp8);
+        let with = |d: Option<DecoderSection>| ModelSection { decoder: d, ..base.clone() };
+        let cfg = gemma_config();
+        let ckpt = with(Some(DecoderSection::new(&cfg, Pack::Blocks, Some("/a/model.gguf".into()))));
+        assert!(ckpt.same_run(&with(Some(DecoderSection::new(&cfg, Pack::Blocks, Some("/b/moved.gguf".into()))))));
+        assert!(ckpt.same_run(&with(Some(DecoderSection::new(&cfg, Pack::Blocks, None)))));
+        assert!(!ckpt.same_run(&with(Some(DecoderSection::new(&cfg, Pack::Thd, Some("/a/model.gguf".into()))))));
+        let llama = DecoderConfig { sandwich_norm: false, scale_embeddings: false, qk_norm: false, ..cfg.clone() };
+        let other = with(Some(DecoderSection::new(&llama, Pack::Blocks, None)));
+        assert_eq!(other.decoder.as_ref().unwrap().architecture, "LlamaForCausalLM");
+        assert!(!ckpt.same_run(&other));
+        assert!(!ckpt.same_run(&base), "a GPT run does not continue a fine-tuning run");
+        assert!(base.same_run(&ckpt), "a checkpoint written before the section");
     }
 
     /// A model section unknown to this version (a field it cannot read) is an error naming it.

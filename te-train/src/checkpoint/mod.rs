@@ -5,7 +5,8 @@
 //! `optimizer.safetensors` ([`crate::optim::AdamW::save_state`]), `history.csv` (the loss
 //! curve so far) and `trainer.toml` (the step, the dropout stream position, the settings the
 //! run must be resumed with, and the model: its architecture, precision and FP8 recipe, what
-//! `te generate` rebuilds it from; [`Latest`]); `<checkpoint_dir>/<precision>/latest.toml`, a
+//! `te generate` rebuilds it from, and for a fine-tuning run the pretrained decoder and the
+//! packing ([`DecoderSection`]); [`Latest`]); `<checkpoint_dir>/<precision>/latest.toml`, a
 //! copy of the newest complete one's `trainer.toml`, is what a resumed run starts from. It is
 //! rewritten (atomically) only after the new directory is complete, and the checkpoint before
 //! stays on disk, so a crash while saving never loses the last good checkpoint; copying an
@@ -23,7 +24,7 @@ mod history;
 mod latest;
 
 pub(crate) use checkpointer::{Checkpointer, RunState};
-pub use latest::{read_latest, Latest, ModelSection};
+pub use latest::{read_latest, DecoderSection, Latest, ModelSection};
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +44,12 @@ pub struct CheckpointOptions {
     /// [`crate::TrainError::Interrupted`]. Checked between steps, on both paths; in a
     /// data-parallel run a stop requested on any rank stops every rank after the same step.
     pub stop: Option<Arc<AtomicBool>>,
+    /// The pretrained model a [`crate::Trainer::finetune`] run starts from (a `.gguf` file or a
+    /// Hugging Face directory; absolute, `te train --model` canonicalizes it), recorded in its
+    /// checkpoints' `[model.decoder]` ([`DecoderSection::source`]) so that `te generate
+    /// --checkpoint` finds the tokenizer and the architecture. Not compared on resume (a moved
+    /// file is the same model); ignored by GPT runs.
+    pub model_source: Option<PathBuf>,
 }
 
 impl CheckpointOptions {

@@ -33,6 +33,18 @@ impl Pack {
             Pack::Thd => "thd",
         }
     }
+
+    /// The packing [`Pack::name`] names (`te train --pack`, a checkpoint's `[model.decoder]`).
+    ///
+    /// # Errors
+    /// Another name, with the ones expected.
+    pub fn from_name(name: &str) -> Result<Self, String> {
+        match name {
+            "blocks" => Ok(Pack::Blocks),
+            "thd" => Ok(Pack::Thd),
+            p => Err(format!("packing `{p}`: expected blocks or thd")),
+        }
+    }
 }
 
 /// A run's train and validation data and its row length.

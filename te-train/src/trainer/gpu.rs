@@ -13,7 +13,7 @@
 
 use super::batches::{Pack, Tokens};
 use super::lm::TrainLm;
-use crate::checkpoint::{CheckpointOptions, Checkpointer, RunState};
+use crate::checkpoint::{CheckpointOptions, Checkpointer, DecoderSection, RunState};
 use crate::config::{Precision, TrainConfig};
 use crate::data::{Corpus, TokenId, TokenSplit};
 use crate::error::TrainError;
@@ -80,6 +80,7 @@ pub(super) fn train(
         dp.broadcast_parameters(&mut model)?;
     }
     let data = Tokens::Windows { train: &corpus.train[..], val: &corpus.val[..], seq: cfg.model.seq_length };
+    let ckpt = (ckpt, None);
     run(dev, &mut model, tp, data, cfg, precision, ckpt, parallel, progress, cfg.model.num_parameters())
 }
 
@@ -136,7 +137,9 @@ pub(super) fn finetune(
     if precision == Precision::Fp8 && cfg.recipe.calibrates() {
         calibrate(dev, model, &tokens, cfg, parallel)?;
     }
-    run(dev, model, None, tokens, cfg, precision, ckpt, parallel, progress, parameters)
+    // What its checkpoints record of the decoder, and a resumed run must share.
+    let decoder = DecoderSection::new(model.config(), pack, ckpt.model_source.clone());
+    run(dev, model, None, tokens, cfg, precision, (ckpt, Some(decoder)), parallel, progress, parameters)
 }
 
 /// Training batches a fine-tuning run in FP8 with delayed scaling first runs under TE's
@@ -183,7 +186,8 @@ pub(super) fn validation_loss<M: TrainLm>(
     evaluate(dev, model, &tokens, cfg, precision, &autocast)
 }
 
-/// The steps of a run of `model` (built, its parameters equal on every rank).
+/// The steps of a run of `model` (built, its parameters equal on every rank), checkpointed as
+/// `ckpt` says with the fine-tuned decoder it records (`None`: a GPT run).
 #[allow(clippy::too_many_arguments)] // the run's settings, each named as in train
 fn run<M: TrainLm, T: TokenId>(
     dev: &Arc<Device>,
@@ -192,7 +196,7 @@ fn run<M: TrainLm, T: TokenId>(
     data: Tokens<'_, T>,
     cfg: &TrainConfig,
     precision: Precision,
-    ckpt: &CheckpointOptions,
+    (ckpt, decoder): (&CheckpointOptions, Option<DecoderSection>),
     parallel: &mut Parallel,
     progress: &mut dyn FnMut(&Progress),
     parameters: usize,
@@ -210,8 +214,10 @@ fn run<M: TrainLm, T: TokenId>(
     let (rank, world) = parallel.data_rank();
     let mut train_batches = data.train(cfg.data_seed, cfg.batch, (rank, world))?;
     let mut records = Vec::new();
-    let mut checkpoints =
-        Checkpointer::new(ckpt, cfg, precision).data_parallel(rank, world).tensor_parallel(tp_rank, tp_size);
+    let mut checkpoints = Checkpointer::new(ckpt, cfg, precision)
+        .data_parallel(rank, world)
+        .tensor_parallel(tp_rank, tp_size)
+        .decoder(decoder);
     let done = checkpoints.resume(&mut run, &mut records)?;
     train_batches.skip(done * cfg.grad_accum as u64)?;
     // The amaxes are reduced over every rank (TE's default fp8_group): one set of scales.

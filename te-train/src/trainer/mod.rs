@@ -171,9 +171,12 @@ impl Trainer {
     /// TE's calibration). The settings are this trainer's [`TrainConfig`] but its `model` (the
     /// GPT geometry; its checkpoints record `seq_length` and the vocabulary there); the run is
     /// data parallel over its layout, and writes and resumes checkpoints as the trainer's
-    /// [`CheckpointOptions`] say (the model's parameters, FP8 states and AdamW state: resuming
-    /// needs the same model, data and `pack`). `progress` and the returned summary as for
-    /// [`Trainer::train`]; `model` is left trained (export it with `DecoderLm::to_weights` and
+    /// [`CheckpointOptions`] say (the model's parameters, FP8 states and AdamW state; their
+    /// `[model.decoder]` records the architecture, `pack` and
+    /// [`CheckpointOptions::model_source`], what `te generate --checkpoint` samples from:
+    /// resuming needs the same model, data and `pack`, and a checkpoint of another architecture
+    /// or packing is refused). `progress` and the returned summary as for [`Trainer::train`];
+    /// `model` is left trained (export it with `DecoderLm::to_weights` and
     /// `DecoderWeights::save_hf_dir`).
     ///
     /// # Errors

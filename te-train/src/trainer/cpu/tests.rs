@@ -195,6 +195,7 @@ fn a_resumed_run_equals_the_straight_run() {
             interval: 2,
             resume: true,
             stop: Some(stop.clone()),
+            model_source: None,
         };
         let request = |p: &Progress| stop.store(p.step == 5, Ordering::Relaxed);
         let e = run(&corpus, &cfg, precision, &ckpt, request).unwrap_err();
@@ -230,7 +231,13 @@ fn an_inconsistent_checkpoint_is_refused() {
     let (corpus, cfg) = small();
     let cfg = TrainConfig { steps: 4, ..cfg };
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = CheckpointOptions { dir: Some(dir.path().to_path_buf()), interval: 2, resume: true, stop: None };
+    let ckpt = CheckpointOptions {
+        dir: Some(dir.path().to_path_buf()),
+        interval: 2,
+        resume: true,
+        stop: None,
+        model_source: None,
+    };
     run(&corpus, &cfg, Precision::Bf16, &ckpt, |_| {}).unwrap();
     let run_dir = dir.path().join("bf16");
     // latest.toml of step 4 pointing at the step-2 files.
