@@ -473,3 +473,67 @@ fn finetune_checkpoint_generates_as_its_exported_model() {
     let before = sample(args(None, Some(&pretrained)));
     eprintln!("pretrained: {:?} ({})", before.0, if before == want { "the same" } else { "another text" });
 }
+
+/// An FP8 LM head over a vocabulary of 32 768 (64 KiB BF16 rows: the cross-entropy's cluster
+/// kernel) reads the E5M2 gradient the loss writes (no cast): its loss and every gradient stay
+/// within FP8's error of the BF16 model's on the same weights and tokens, over two delayed-
+/// scaling steps (the first at the initial scales, the second at the recorded ones), tied and
+/// untied.
+#[test]
+fn fp8_lm_head_reads_the_losss_fp8_gradient() {
+    use te_models::decoder::DecoderConfig;
+    use te_nn::fp8::{fp8_autocast, DelayedScaling};
+    let Some(dev) = device() else { return };
+    for tied in [true, false] {
+        let config = format!(
+            r#"{{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32768,
+            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "bos_token_id": 1,
+            "eos_token_id": 2, "tie_word_embeddings": {tied}}}"#
+        );
+        let cfg = DecoderConfig::from_hf_json(&config).unwrap();
+        let weights = DecoderLm::new(&dev, cfg, DType::BF16).unwrap().to_weights().unwrap();
+        let (s, b) = (96, 4);
+        let ids: Vec<i32> = (0..s * b).map(|i| ((i * 7919 + 13) % 32768) as i32).collect();
+        let targets: Vec<i32> = (0..s * b).map(|i| ((i * 104_729 + 5) % 32768) as i32).collect();
+        let ids = TokenIds::from_host(&dev, &[s, b], &ids).unwrap();
+        let targets = TokenIds::from_host(&dev, &[s, b], &targets).unwrap();
+        let mut bf16 = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+        let (want_loss, ctx) = bf16.forward_loss(&ids, &targets).unwrap();
+        assert_eq!(ctx.dlogits_dtype(), DType::BF16);
+        bf16.backward(ctx).unwrap();
+        let mut fp8 = DecoderLm::from_weights(&dev, &weights, DType::BF16).unwrap();
+        fp8.set_fp8_lm_head(true);
+        for step in 0..2 {
+            let what = format!("tied {tied} step {step}");
+            fp8.zero_grad();
+            let recipe = DelayedScaling::default();
+            let loss = fp8_autocast(true, recipe, || {
+                let (loss, ctx) = fp8.forward_loss(&ids, &targets)?;
+                assert_eq!(ctx.dlogits_dtype(), DType::E5M2, "{what}: the head reads the loss's FP8 codes");
+                fp8.backward(ctx)?;
+                Ok(loss)
+            })
+            .unwrap();
+            let loss_err = (f64::from(loss) - f64::from(want_loss)).abs() / f64::from(want_loss);
+            assert!(loss_err < 2e-2, "{what}: loss {loss} against BF16's {want_loss}");
+            let mut seen = 0;
+            fp8.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| {
+                let g = p.grad().unwrap_or_else(|| panic!("{what}: {path} has no gradient")).to_f32(&dev)?;
+                let mut want = None;
+                bf16.visit("", &mut |q: &str, _: ParamKind, r: &dyn Param| {
+                    if q == path {
+                        want = Some(r.grad().unwrap().to_f32(&dev)?);
+                    }
+                    Ok(())
+                })?;
+                let e = rel_l2(&g, &want.unwrap());
+                assert!(e < 0.15, "{what}: {path} gradient relative L2 error {e:.3e} against BF16's");
+                seen += 1;
+                Ok(())
+            })
+            .unwrap();
+            assert!(seen >= 8, "{what}: {seen} gradients");
+        }
+    }
+}

@@ -99,6 +99,24 @@ fn cross_entropy_matches_reference() {
             let tol = grad_scale * if dt == DType::F32 { 1e-6 } else { 1e-4 };
             let rtol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
             assert_close(&format!("{what} dlogits"), &dlogits.to_f32(&dev).unwrap(), &want_grad, rtol, tol);
+            // FP8 (E5M2) dlogits where the cluster kernel runs: the same gradient within E5M2's
+            // rounding (2 mantissa bits) once divided by the scale that maps its bound to 57344.
+            if CrossEntropySpec::for_vocab(dt, true, vocab, dev.arch()).cluster > 0 {
+                let scale = (57344.0 / grad_scale).log2().floor().exp2();
+                let mut codes = Tensor::zeros(&dev, DType::E5M2, &[tokens, vocab]).unwrap();
+                let mut loss8 = dev.stream().alloc_zeros::<f32>(tokens).unwrap();
+                let grad = CrossEntropyGrad { dlogits: &mut codes, grad_scale: grad_scale * scale };
+                cross_entropy(&dev, &l_dev, &t_dev, IGNORE_INDEX, &mut loss8, Some(grad)).unwrap();
+                let got: Vec<f32> = codes.to_f32(&dev).unwrap().iter().map(|c| c / scale).collect();
+                // Below E5M2's smallest subnormal (2^-16 of the scaled value) a value may flush.
+                assert_close(&format!("{what} e5m2 dlogits"), &got, &want_grad, 0.126, grad_scale * 2e-5);
+                let l8 = dev.stream().clone_dtoh(&loss8).unwrap();
+                assert_eq!(
+                    l8.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    got_loss.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{what}: the loss does not depend on the gradient's dtype"
+                );
+            }
             // The loss-only kernel gives the same losses.
             let mut loss_only = dev.stream().alloc_zeros::<f32>(tokens).unwrap();
             cross_entropy(&dev, &l_dev, &t_dev, IGNORE_INDEX, &mut loss_only, None).unwrap();
@@ -147,6 +165,11 @@ fn kernel_errors_are_typed() {
     let grad = CrossEntropyGrad { dlogits: &mut d, grad_scale: 1.0 };
     let e = cross_entropy(&dev, &logits, &ids_dev, -1, &mut loss, Some(grad)).unwrap_err();
     assert!(matches!(e, Error::DType { arg: "dlogits", .. }), "{e}");
+    // FP8 dlogits of rows the cluster kernel does not take (8 classes).
+    let mut d8 = Tensor::zeros(&dev, DType::E5M2, &[3, 8]).unwrap();
+    let grad = CrossEntropyGrad { dlogits: &mut d8, grad_scale: 1.0 };
+    let e = cross_entropy(&dev, &logits, &ids_dev, -1, &mut loss, Some(grad)).unwrap_err();
+    assert!(matches!(e, Error::DType { arg: "dlogits", .. }) && e.to_string().contains("cluster kernel"), "{e}");
     let q = Tensor::zeros(&dev, DType::E4M3, &[3, 16]).unwrap();
     let e = cross_entropy(&dev, &q, &ids_dev, -1, &mut loss, None).unwrap_err();
     assert!(matches!(e, Error::DType { arg: "logits", .. }), "{e}");

@@ -5,7 +5,8 @@
 
 use crate::common::{amax, assert_close, bf16, device, randn, upload};
 use te_nn::fp8::{
-    fp8_autocast, fp8_model_init, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Fp8Autocast, Recipe,
+    fp8_autocast, fp8_model_init, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8Tensor, Format,
+    Fp8Autocast, Recipe,
 };
 use te_nn::modules::{BackwardOptions, ForwardOptions, Linear, LinearConfig, Output};
 use te_reference::block_scaling::{dequantize_blockwise, quantize_blockwise, BlockParams, BlockTiling};
@@ -381,4 +382,53 @@ fn calibration_runs_high_precision_and_records_amax() {
     let y8 = fp8_autocast(true, DelayedScaling::default(), || lin.infer(&x)).unwrap().to_f32(&dev).unwrap();
     let st = Fp8Step { input: s.scale[0], weight: s.scale[1], grad_output: 1.0, grad_dtype: DType::E5M2 };
     check("y after calibration", &y8, &reference::forward(&d.x, &d.w, Some(&d.b), T, Some(&st)));
+}
+
+/// `backward_fp8` from an output gradient cast outside the layer (E5M2 codes with their
+/// transpose and scale) gives exactly what `backward` gives when its own cast uses the same
+/// scale (the first delayed-scaling step's: 1): dgrad and wgrad bit for bit; and it refuses a
+/// high-precision forward, a layer with a bias and a gradient without its transpose.
+#[test]
+fn backward_fp8_takes_a_gradient_cast_outside_the_layer() {
+    let Some(dev) = device() else { return };
+    let cfg = LinearConfig { bias: false, ..LinearConfig::new(IN, OUT) };
+    let (mut a, d) = layer(&dev, cfg.clone(), 40);
+    let (mut b, _) = layer(&dev, cfg, 40);
+    let x = upload(&dev, &d.x, &[T, IN]);
+    let dy = upload(&dev, &d.dy, &[T, OUT]);
+    let (dx_a, dx_b) = fp8_autocast(true, DelayedScaling::default(), || {
+        let (_, ca) = a.forward(&x)?;
+        let (_, cb) = b.forward(&x)?;
+        assert!(ca.takes_fp8_grad() && cb.takes_fp8_grad());
+        let dx_a = a.backward(ca, &dy)?;
+        let dy8 = Float8Tensor::quantize(&dev, &dy, DType::E5M2, 1.0, true)?;
+        let dx_b = b.backward_fp8(cb, &dy8, DType::BF16)?;
+        Ok((dx_a.to_f32(&dev)?, dx_b.to_f32(&dev)?))
+    })
+    .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&dx_a), bits(&dx_b), "dgrad");
+    let wgrad = |l: &Linear| l.params().weight_grad().unwrap().to_f32(&dev).unwrap();
+    assert_eq!(bits(&wgrad(&a)), bits(&wgrad(&b)), "wgrad");
+    assert!(dx_b.iter().any(|&v| v != 0.0), "a gradient flowed");
+
+    let dy8 = Float8Tensor::quantize(&dev, &dy, DType::E5M2, 1.0, true).unwrap();
+    let (_, high) = b.forward(&x).unwrap();
+    assert!(!high.takes_fp8_grad());
+    let e = b.backward_fp8(high, &dy8, DType::BF16).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("high-precision grad_output"), "{e}");
+    let no_t = Float8Tensor::quantize(&dev, &dy, DType::E5M2, 1.0, false).unwrap();
+    let e = fp8_autocast(true, DelayedScaling::default(), || {
+        let (_, c) = b.forward(&x)?;
+        b.backward_fp8(c, &no_t, DType::BF16)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("transpose"), "{e}");
+    let (mut biased, _) = layer(&dev, LinearConfig::new(IN, OUT), 41);
+    let e = fp8_autocast(true, DelayedScaling::default(), || {
+        let (_, c) = biased.forward(&x)?;
+        biased.backward_fp8(c, &dy8, DType::BF16)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("bias"), "{e}");
 }

@@ -26,8 +26,13 @@ use serde::{Deserialize, Serialize};
 /// cluster of C blocks (`__cluster_dims__`) holds it in shared memory, each block a chunk of
 /// `⌈vocab / (C · VEC)⌉` 16-byte vectors (VEC elements each: the launch's dynamic shared
 /// memory); the blocks exchange their (max, sum) through distributed shared memory, and each
-/// writes its chunk's gradient from shared memory. Launch: `tokens · C` blocks, one row a
-/// cluster. Traffic: the logits once and `dlogits` once, against twice and once.
+/// writes its chunk's gradient from shared memory. Its math: the chunk's max first, then
+/// `exp2f(x·log₂e − max·log₂e)` (one FMA and one `ex2` a logit) for the sum and likewise for
+/// the softmax, the one-hot subtracted in the target's vector only. Launch: `tokens · C`
+/// blocks, one row a cluster. Traffic: the logits once and `dlogits` once, against twice and
+/// once. With `grad_fp8`, `dlogits` are FP8 codes (the caller's `grad_scale` includes their
+/// scale: the gradient is bounded by `grad_scale`, so a fixed power of two fits it), half the
+/// bytes written, and no cast of them before an FP8 GEMM.
 ///
 /// Sources followed: Megatron `fused_vocab_parallel_cross_entropy` / PyTorch
 /// `cross_entropy(reduction='none', ignore_index=...)` (the reduction and its `grad_scale` are
@@ -44,6 +49,11 @@ pub struct CrossEntropySpec {
     /// 0: no cluster, the row read twice. Only with `grad`, on sm_90a.
     #[serde(default)]
     pub cluster: u32,
+    /// `dlogits` as FP8 codes of this dtype (E4M3 or E5M2; `grad_scale` then carries the
+    /// quantization scale) instead of the logits' dtype: what an FP8 LM head's backward reads
+    /// without a cast. Only with `cluster`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_fp8: Option<DType>,
     /// Target architecture.
     pub arch: Arch,
 }
@@ -56,7 +66,7 @@ impl CrossEntropySpec {
 
     /// The loss (and with `grad` the gradient) of `dtype` logits, 256 threads per row.
     pub fn new(dtype: DType, grad: bool, arch: Arch) -> Self {
-        Self { dtype, grad, threads: 256, cluster: 0, arch }
+        Self { dtype, grad, threads: 256, cluster: 0, grad_fp8: None, arch }
     }
 
     /// Rows shorter than this take the plain kernel.
@@ -136,7 +146,8 @@ impl Family for CrossEntropySpec {
     }
     fn name_parts(&self) -> String {
         let cluster = if self.cluster > 0 { format!("_c{}", self.cluster) } else { String::new() };
-        format!("{}_{}_t{}{cluster}", if self.grad { "grad" } else { "loss" }, self.dtype, self.threads)
+        let fp8 = self.grad_fp8.map_or(String::new(), |g| format!("_g{g}"));
+        format!("{}_{}_t{}{cluster}{fp8}", if self.grad { "grad" } else { "loss" }, self.dtype, self.threads)
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -146,6 +157,7 @@ impl Family for CrossEntropySpec {
         ctx.insert("grad", &self.grad);
         ctx.insert("threads", &self.threads);
         ctx.insert("cluster", &self.cluster);
+        ctx.insert("g", self.grad_fp8.unwrap_or(self.dtype).type_tag());
     }
     fn validate(&self) -> Result<(), String> {
         if !self.dtype.is_high_precision() {
@@ -157,6 +169,14 @@ impl Family for CrossEntropySpec {
             }
             if !self.grad || self.arch != Arch::Sm90a {
                 return Err("a cluster cross_entropy writes the gradient, on sm_90a (thread-block clusters)".into());
+            }
+        }
+        if let Some(g) = self.grad_fp8 {
+            if !g.is_fp8() || self.cluster == 0 {
+                return Err(format!(
+                    "grad_fp8 = {g}: FP8 dlogits are E4M3 or E5M2 codes, written by the cluster kernel only \
+                     (CrossEntropySpec::for_vocab)"
+                ));
             }
         }
         check_threads(self.threads)
@@ -199,6 +219,13 @@ mod tests {
         assert_eq!(pick(DType::BF16, false, 262_144, Arch::Sm90a).cluster, 0, "evaluation");
         assert_eq!(pick(DType::BF16, true, 262_144, Arch::Sm89).cluster, 0, "no clusters");
         assert_eq!(pick(DType::BF16, true, 256, Arch::Sm90a).cluster, 0, "a short row");
+        let fp8 = CrossEntropySpec { grad_fp8: Some(DType::E5M2), ..gemma };
+        fp8.validate().unwrap();
+        assert_eq!(KernelSpec::from(fp8).name(), "te_cross_entropy_grad_bf16_t512_c8_ge5m2_sm_90a");
+        let bad = CrossEntropySpec { grad_fp8: Some(DType::E5M2), ..CrossEntropySpec::new(DType::BF16, true, Arch::Sm90a) };
+        assert!(bad.validate().unwrap_err().contains("cluster kernel only"));
+        let bad = CrossEntropySpec { grad_fp8: Some(DType::BF16), ..gemma }.validate().unwrap_err();
+        assert!(bad.contains("E4M3 or E5M2"), "{bad}");
         let bad = CrossEntropySpec { cluster: 3, ..gemma }.validate().unwrap_err();
         assert!(bad.contains("cluster = 3"), "{bad}");
         let bad = CrossEntropySpec { arch: Arch::Sm89, ..gemma }.validate().unwrap_err();

@@ -11,9 +11,14 @@ use te_codegen::{DType, KernelSpec};
 /// The gradient [`cross_entropy`] writes next to the loss.
 #[derive(Debug)]
 pub struct CrossEntropyGrad<'a> {
-    /// Written: `[tokens, vocab]` in the logits' dtype, `(softmax - onehot) * grad_scale`.
+    /// Written: `[tokens, vocab]` in the logits' dtype, `(softmax - onehot) * grad_scale`; or
+    /// FP8 codes (E4M3 / E5M2, saturated to their largest finite value) of it where
+    /// [`CrossEntropySpec::for_vocab`] picks the cluster kernel (sm_90a, rows of a multiple of
+    /// 16 bytes from 32 KiB).
     pub dlogits: &'a mut Tensor,
-    /// Multiplies the gradient: `1 / counted tokens` for a mean loss, `1` for a sum.
+    /// Multiplies the gradient: `1 / counted tokens` for a mean loss, `1` for a sum; for FP8
+    /// `dlogits` times their scale (`|gradient| ≤ grad_scale / scale`: the scale that maps
+    /// that bound to the format's largest value uses the whole range).
     pub grad_scale: f32,
 }
 
@@ -54,18 +59,34 @@ pub fn cross_entropy(
         }
     }
     let dt = logits.dtype();
-    let mut grad = match grad {
-        Some(g) => {
-            check_dtype(OP, "dlogits", g.dlogits, |d| d == dt, &format!("{dt} (the logits' dtype)"))?;
-            super::check_shape(OP, "dlogits", g.dlogits, logits.shape())?;
-            Some((g.dlogits.data_mut()?, g.grad_scale))
-        }
-        None => None,
-    };
     // The row held in a cluster's shared memory where the spec takes one and the grid fits.
     let spec = match CrossEntropySpec::for_vocab(dt, grad.is_some(), vocab, dev.arch()) {
         s if s.cluster > 0 && tokens.saturating_mul(s.cluster as usize) <= i32::MAX as usize => s,
         _ => CrossEntropySpec::new(dt, grad.is_some(), dev.arch()),
+    };
+    let (spec, mut grad) = match grad {
+        Some(g) => {
+            let gd = g.dlogits.dtype();
+            let spec = match gd {
+                d if d == dt => spec,
+                d if d.is_fp8() && spec.cluster > 0 => CrossEntropySpec { grad_fp8: Some(d), ..spec },
+                d => {
+                    let why = if d.is_fp8() {
+                        format!(
+                            "{dt} (the logits' dtype): FP8 dlogits are written by the sm_90a cluster kernel only, for \
+                             rows of a multiple of 16 bytes from {} KiB to 1.6 MiB (CrossEntropySpec::for_vocab)",
+                            CrossEntropySpec::MIN_CLUSTER_ROW_BYTES >> 10
+                        )
+                    } else {
+                        format!("{dt} (the logits' dtype) or FP8 codes")
+                    };
+                    return Err(Error::DType { op: OP, arg: "dlogits", expected: why, got: d });
+                }
+            };
+            super::check_shape(OP, "dlogits", g.dlogits, logits.shape())?;
+            (spec, Some((g.dlogits.data_mut()?, g.grad_scale)))
+        }
+        None => (spec, None),
     };
     let f = dev.function(&KernelSpec::CrossEntropy(spec), 0)?;
     let shared = spec.shared_bytes(vocab);

@@ -24,8 +24,9 @@ use crate::gpt::{GptLoss, MicroBatch, IGNORE_INDEX};
 use layer::{DecoderLayer, DecoderLayerCtx};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use te_codegen::spec::CrossEntropySpec;
 use te_codegen::DType;
-use te_nn::fp8::{fp8_autocast, Recipe};
+use te_nn::fp8::{fp8_autocast, Float8Tensor, Recipe};
 use te_nn::modules::{
     Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, Linear, LinearConfig, LinearCtx, Module, Norm,
     NormConfig, NormCtx, Param, ParamKind, ParamMut, ThdSeqlens, TokenIds,
@@ -89,8 +90,30 @@ pub struct DecoderLmCtx {
     layers: Vec<DecoderLayerCtx>,
     final_norm: NormCtx,
     lm_head: LinearCtx,
-    dlogits: Tensor,
+    dlogits: Dlogits,
     shape: [usize; 3],
+}
+
+impl DecoderLmCtx {
+    /// The dtype of the logits' gradient the LM head's backward will read: the logits' own,
+    /// or E5M2 where an FP8 head (`set_fp8_lm_head` under per-tensor FP8 scaling) reads the
+    /// codes the cross-entropy writes (sm_90a, vocabularies of 16 384 classes and more in BF16).
+    pub fn dlogits_dtype(&self) -> DType {
+        match &self.dlogits {
+            Dlogits::High(d) => d.dtype(),
+            Dlogits::Fp8 { dy8, .. } => dy8.dtype(),
+        }
+    }
+}
+
+/// The loss's gradient of the logits the LM head's backward reads.
+#[derive(Debug)]
+enum Dlogits {
+    /// In the logits' dtype.
+    High(Tensor),
+    /// E5M2 codes written by the cross-entropy itself (an FP8 head: `set_fp8_lm_head`), the
+    /// hidden states' gradient to come out in `dtype`.
+    Fp8 { dy8: Float8Tensor, dtype: DType },
 }
 
 impl DecoderLm {
@@ -234,6 +257,9 @@ impl DecoderLm {
     /// Runs the LM head's GEMMs (forward, dgrad, wgrad; the tied one over the embedding's
     /// table, cast each step) in FP8 too under `fp8_autocast` (`te train --fp8-lm-head`); off by
     /// default, as in Megatron with TE: the logits over the whole vocabulary stay high precision.
+    /// With delayed or current scaling on sm_90a the loss writes the logits' gradient as E5M2
+    /// codes for the head's backward ([`DecoderLmCtx::dlogits_dtype`]): no cast of it, half
+    /// its bytes.
     pub fn set_fp8_lm_head(&mut self, on: bool) {
         self.fp8_lm_head = on;
     }
@@ -398,11 +424,28 @@ impl DecoderLm {
         let logits = logits.into_high(&self.dev, y.dtype())?;
         let counted = targets.host().iter().filter(|&&t| t != IGNORE_INDEX).count();
         let grad_scale = if counted == 0 { 0.0 } else { loss_weight / counted as f32 };
-        let mut dlogits = Tensor::empty(&self.dev, logits.dtype(), logits.shape())?;
         // SAFETY: f32 has no invalid bit patterns; the kernel writes every token's loss.
         let mut loss = unsafe { self.dev.stream().alloc::<f32>(s * b) }?;
-        let grad = CrossEntropyGrad { dlogits: &mut dlogits, grad_scale };
-        cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
+        // An FP8 head (per-tensor scales) reads E5M2 dlogits the loss writes where its cluster
+        // kernel runs: |dlogits| ≤ grad_scale, so the power of two that maps the bound to E5M2's
+        // largest value is their scale (no amax, no cast of 4 GB of BF16 gradients).
+        let fp8_grad = self.fp8_lm_head
+            && lm_head.takes_fp8_grad()
+            && CrossEntropySpec::for_vocab(logits.dtype(), true, self.cfg.vocab_size, self.dev.arch()).cluster > 0;
+        let dlogits = if fp8_grad {
+            let e5m2 = DType::E5M2.fp8_max().unwrap_or(57344.0);
+            let scale = if grad_scale > 0.0 { (e5m2 / grad_scale).log2().floor().exp2() } else { 1.0 };
+            let mut codes = Tensor::empty(&self.dev, DType::E5M2, logits.shape())?;
+            let grad = CrossEntropyGrad { dlogits: &mut codes, grad_scale: grad_scale * scale };
+            cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
+            let scale_inv = Arc::new(self.dev.stream().clone_htod(&[1.0 / scale])?);
+            Dlogits::Fp8 { dy8: Float8Tensor::from_parts(codes, None, scale_inv)?, dtype: logits.dtype() }
+        } else {
+            let mut dlogits = Tensor::empty(&self.dev, logits.dtype(), logits.shape())?;
+            let grad = CrossEntropyGrad { dlogits: &mut dlogits, grad_scale };
+            cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
+            Dlogits::High(dlogits)
+        };
         let ctx = DecoderLmCtx { tokens, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
         Ok((GptLoss::new(loss, counted, None, self.dev.clone()), ctx))
     }
@@ -439,14 +482,21 @@ impl DecoderLm {
         ctx: DecoderLmCtx,
         grads_ready: &mut dyn FnMut(&mut dyn Module) -> Result<()>,
     ) -> Result<()> {
+        let head_backward = |head: &mut Linear, dlogits: Dlogits, lm_head: LinearCtx| match dlogits {
+            Dlogits::High(d) => head.backward(lm_head, &d),
+            Dlogits::Fp8 { mut dy8, dtype } => {
+                dy8.ensure_transpose(&self.dev)?;
+                head.backward_fp8(lm_head, &dy8, dtype)
+            }
+        };
         let d = match (&mut self.lm_head, &mut self.tied_head) {
             (Some(head), _) => {
-                let d = head.backward(ctx.lm_head, &ctx.dlogits)?;
+                let d = head_backward(head, ctx.dlogits, ctx.lm_head)?;
                 grads_ready(head)?;
                 d
             }
             (None, Some(tied)) => {
-                let d = tied.backward(ctx.lm_head, &ctx.dlogits)?;
+                let d = head_backward(tied, ctx.dlogits, ctx.lm_head)?;
                 if let Some(g) = tied.params_mut().take_weight_grad() {
                     self.embedding.accumulate_weight_grad(g)?;
                 }

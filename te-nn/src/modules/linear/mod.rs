@@ -25,7 +25,7 @@ pub(crate) use self::gemm_core::LinearInput;
 use self::gemm_core::{LinearCore, Saved};
 use super::params::{LinearParams, ParamsInit};
 use super::{next_module_id, Output, Stamp};
-use crate::fp8::{fp8_mode, Fp8StateSlot, Quantizer, ScalingState};
+use crate::fp8::{fp8_mode, Float8Tensor, Fp8StateSlot, Quantizer, ScalingState};
 use crate::parallel::{GemmParallel, ParallelMode, Split, TpConfig};
 use std::sync::Arc;
 use te_codegen::DType;
@@ -137,6 +137,12 @@ impl LinearCtx {
     /// Device bytes this context holds only for backward (the FP8 input transpose).
     pub fn saved_bytes(&self) -> usize {
         self.saved.bytes()
+    }
+
+    /// Whether the forward ran FP8 GEMMs with per-tensor scales (delayed or current scaling):
+    /// then [`Linear::backward_fp8`] takes an output gradient already cast to FP8.
+    pub fn takes_fp8_grad(&self) -> bool {
+        matches!(&self.saved, Saved::Fp8(s) if s.weight.block_scale().is_none())
     }
 }
 
@@ -396,6 +402,61 @@ impl Linear {
         // The core gathers a token shard of the output gradient and sums the ranks' dgrads
         // (its hook's collectives).
         self.core.backward(ctx.saved, grad_output, &ctx.input_shape, opts.input_grad)
+    }
+}
+
+impl Linear {
+    /// Backward of an FP8 forward ([`LinearCtx::takes_fp8_grad`]) from an output gradient
+    /// already in FP8: `grad_output` `[..., out_features]` E4M3/E5M2 codes with their transpose
+    /// `[out_features, tokens]` and one per-tensor `scale_inv` (for example the FP8 `dlogits`
+    /// of `te_runtime::ops::cross_entropy::cross_entropy` and `transpose_fp8`), so no cast runs
+    /// (TE's modules take a `Float8Tensor` gradient the same way). dgrad `[..., in_features]` in
+    /// `dtype` and wgrad (into the parameters) are FP8 GEMMs; the gradient's amax is not
+    /// recorded (its producer chose the scale).
+    ///
+    /// # Errors
+    /// [`Error::Context`] as [`Linear::backward_with`]; [`Error::Config`] for a forward in high
+    /// precision or with block scaling, a layer with a bias (its gradient comes from a
+    /// high-precision `grad_output`) or split for tensor parallelism, a `grad_output` without
+    /// its transpose or with block scales; [`Error::Shape`] / [`Error::DType`] for a
+    /// `grad_output` not of the output's shape, or a `dtype` that is not f32/bf16/f16; GEMM
+    /// failures.
+    pub fn backward_fp8(&mut self, ctx: LinearCtx, grad_output: &Float8Tensor, dtype: DType) -> Result<Tensor> {
+        ctx.stamp.check(MODULE, self.stamp())?;
+        let config = |message: &str| Error::Config { module: MODULE, message: message.into() };
+        let saved = match ctx.saved {
+            Saved::Fp8(s) if s.weight.block_scale().is_none() => s,
+            _ => {
+                return Err(config(
+                    "backward_fp8 takes the context of an FP8 forward with per-tensor scales (delayed or current \
+                     scaling): pass a high-precision grad_output to backward instead",
+                ))
+            }
+        };
+        if self.core.params.bias().is_some() {
+            return Err(config("a layer with a bias takes its bias gradient from a high-precision grad_output: use backward"));
+        }
+        if self.core.params.tensor_parallel()[0] {
+            return Err(config("a tensor-parallel layer gathers and reduces high-precision gradients: use backward"));
+        }
+        if grad_output.transpose().is_none() || grad_output.block_scale().is_some() {
+            return Err(config(
+                "grad_output must carry its transpose (Float8Tensor::ensure_transpose) and one per-tensor scale_inv",
+            ));
+        }
+        if !dtype.is_high_precision() {
+            return Err(Error::DType { op: MODULE, arg: "dtype", expected: "f32, bf16 or f16".into(), got: dtype });
+        }
+        let want = gemm_core::out_shape(&ctx.input_shape, self.core.params.out_features());
+        if grad_output.shape() != want.as_slice() {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("grad_output {:?} must be the output's shape {want:?}", grad_output.shape()),
+            });
+        }
+        self.core
+            .backward_fp8(grad_output, None, saved, &ctx.input_shape, dtype, true)?
+            .ok_or_else(|| Error::internal(MODULE, "no input gradient with input_grad = true"))
     }
 }
 
