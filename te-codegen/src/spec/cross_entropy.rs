@@ -222,7 +222,8 @@ mod tests {
         let fp8 = CrossEntropySpec { grad_fp8: Some(DType::E5M2), ..gemma };
         fp8.validate().unwrap();
         assert_eq!(KernelSpec::from(fp8).name(), "te_cross_entropy_grad_bf16_t512_c8_ge5m2_sm_90a");
-        let bad = CrossEntropySpec { grad_fp8: Some(DType::E5M2), ..CrossEntropySpec::new(DType::BF16, true, Arch::Sm90a) };
+        let bad =
+            CrossEntropySpec { grad_fp8: Some(DType::E5M2), ..CrossEntropySpec::new(DType::BF16, true, Arch::Sm90a) };
         assert!(bad.validate().unwrap_err().contains("cluster kernel only"));
         let bad = CrossEntropySpec { grad_fp8: Some(DType::BF16), ..gemma }.validate().unwrap_err();
         assert!(bad.contains("E4M3 or E5M2"), "{bad}");

@@ -434,7 +434,9 @@ impl Linear {
             }
         };
         if self.core.params.bias().is_some() {
-            return Err(config("a layer with a bias takes its bias gradient from a high-precision grad_output: use backward"));
+            return Err(config(
+                "a layer with a bias takes its bias gradient from a high-precision grad_output: use backward",
+            ));
         }
         if self.core.params.tensor_parallel()[0] {
             return Err(config("a tensor-parallel layer gathers and reduces high-precision gradients: use backward"));
