@@ -19,6 +19,7 @@ mod copy;
 mod decode_attention;
 mod decoder;
 mod decoder_train;
+mod dist_failure;
 mod dropout;
 mod elementwise;
 mod fp8_attention;

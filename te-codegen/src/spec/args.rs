@@ -119,16 +119,16 @@ mod tests {
     fn entry_points(src: &str) -> Vec<(String, Vec<String>)> {
         let mut out = Vec::new();
         for part in src.split("extern \"C\" __global__ void").skip(1) {
-            let open = part.find('(').unwrap();
-            // Skip `__launch_bounds__(...)`: the entry point is the identifier before the next `(`.
-            let (head, rest) = if part[..open].trim_end().ends_with("__launch_bounds__") {
+            // Skip attributes with arguments (`__launch_bounds__(...)`, `__cluster_dims__(...)`):
+            // the entry point is the identifier before the next `(`.
+            let mut part = part;
+            let mut open = part.find('(').unwrap();
+            while part[..open].trim().starts_with("__") && part[..open].trim().ends_with("__") {
                 let close = part[open..].find(')').unwrap() + open;
-                let after = &part[close + 1..];
-                let p = after.find('(').unwrap();
-                (after[..p].trim().to_string(), &after[p + 1..])
-            } else {
-                (part[..open].trim().to_string(), &part[open + 1..])
-            };
+                part = &part[close + 1..];
+                open = part.find('(').unwrap();
+            }
+            let (head, rest) = (part[..open].trim().to_string(), &part[open + 1..]);
             let params = &rest[..rest.find(')').unwrap()];
             let params = params.split(',').map(|p| p.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
             out.push((head, params));

@@ -3,7 +3,8 @@
 //! ([`rendezvous::broadcast_bytes`], bounded by a timeout); the NCCL process group
 //! ([`ProcessGroup`]: all-reduce, all-gather, reduce-scatter, broadcast, barrier on the device's
 //! stream, sub-groups by `ncclCommSplit`; [`reduce_amax_max`], TE's amax reduction), which checks
-//! that NCCL loads before using it ([`nccl_available`]). Processes are one a GPU; nodes are
+//! that NCCL loads before using it ([`nccl_available`]), with a watchdog that aborts a group
+//! whose collective never completes (a rank died) after `TE_DIST_TIMEOUT_S` ([`watchdog`]). Processes are one a GPU; nodes are
 //! described by the same variables, so multi-node runs need no other code. The
 //! tensor-parallel sharding arithmetic (which slice of each weight a rank holds) is `te-nn`'s
 //! `parallel::shard`.
@@ -13,6 +14,7 @@ mod nccl;
 mod nccl_args;
 mod nccl_lib;
 pub mod rendezvous;
+pub mod watchdog;
 
 pub use env::DistEnv;
 pub use nccl::{reduce_amax_max, ProcessGroup};

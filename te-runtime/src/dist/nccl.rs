@@ -19,12 +19,14 @@
 
 use super::nccl_args::{check_concat, check_root, group_members, reducible, CommBuffer, ReduceOp};
 use super::nccl_lib::{nccl_available, nccl_error};
+use super::watchdog::Watchdog;
 use super::{rendezvous, DistEnv};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::{sys as cuda, CudaSlice, CudaStream};
 use cudarc::nccl::result::{self, NcclError, NcclStatus};
 use cudarc::nccl::sys;
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// An NCCL communicator handle; used under the group's lock (NCCL's communicators are not
@@ -47,7 +49,15 @@ unsafe impl Send for RawComm {}
 #[derive(Debug)]
 pub struct ProcessGroup {
     /// Dropped before `dev` (fields drop in order): the context outlives the communicator.
-    comm: Mutex<RawComm>,
+    /// Null after `Drop`, [`ProcessGroup::abort`] or the watchdog's abort.
+    comm: Arc<Mutex<RawComm>>,
+    /// The same communicator for the watchdog, which aborts it without the lock (a thread
+    /// blocked inside an NCCL call holds that; NCCL's abort is made for this): whoever swaps
+    /// it to null first aborts or destroys it.
+    handle: Arc<AtomicPtr<sys::ncclComm>>,
+    /// Times out collectives that never complete ([`super::watchdog`]); `None` in a group of
+    /// one process.
+    watchdog: Option<Watchdog>,
     /// Where the collectives run: the device's stream, or a side stream of this group's own.
     stream: Arc<CudaStream>,
     /// `stream` is a side stream: each collective first waits for the device stream.
@@ -112,15 +122,47 @@ impl ProcessGroup {
         // the id is rank 0's, as NCCL requires. NCCL takes the current device (bound above).
         unsafe { result::comm_init_rank(&mut comm, env.world_size as c_int, id, env.rank as c_int) }
             .map_err(|e| nccl_error("ncclCommInitRank", e, None))?;
-        Ok(Self {
-            comm: Mutex::new(RawComm(comm)),
+        Ok(Self::from_comm(comm, dev, env.rank, (0..env.world_size).collect()))
+    }
+
+    /// The group of the live communicator `comm` on the device's stream, rank `rank` of the
+    /// global `ranks`, watched when it has more than one rank.
+    fn from_comm(comm: sys::ncclComm_t, dev: &Arc<Device>, rank: usize, ranks: Vec<usize>) -> Self {
+        let handle = Arc::new(AtomicPtr::new(comm));
+        let comm = Arc::new(Mutex::new(RawComm(comm)));
+        let watchdog = (ranks.len() > 1)
+            .then(|| {
+                let who = format!("rank {rank} of a group of {} (global ranks {ranks:?})", ranks.len());
+                let (slot, ptr, ctx) = (comm.clone(), handle.clone(), dev.context().clone());
+                let abort = Box::new(move || {
+                    let raw = ptr.swap(std::ptr::null_mut(), Ordering::SeqCst);
+                    if raw.is_null() {
+                        return; // dropped or aborted already
+                    }
+                    // Unreachable for later calls when the lock is free; a thread blocked in an
+                    // NCCL call holds it, and NCCL's abort ends that call.
+                    if let Ok(mut c) = slot.try_lock() {
+                        c.0 = std::ptr::null_mut();
+                    }
+                    let _ = ctx.bind_to_thread();
+                    // SAFETY: the communicator was live (this swap took it first); ncclCommAbort
+                    // may run while another thread is inside a call on it.
+                    let _ = unsafe { result::comm_abort(raw) };
+                });
+                Watchdog::start(dev.context().clone(), who, rendezvous::timeout_from_env(), abort)
+            })
+            .flatten();
+        Self {
+            comm,
+            handle,
+            watchdog,
             stream: dev.stream().clone(),
             side: false,
             in_flight: Mutex::default(),
             dev: dev.clone(),
-            rank: env.rank,
-            ranks: (0..env.world_size).collect(),
-        })
+            rank,
+            ranks,
+        }
     }
 
     /// A group of this process alone (world size 1; no TCP): every collective is the identity
@@ -178,7 +220,7 @@ impl ProcessGroup {
         // Members of this rank's new group, by rank in this group (the key keeps that order).
         let members: Vec<usize> = (0..self.size()).filter(|&r| mine.is_some() && colors[r] == mine).collect();
         let mut new: sys::ncclComm_t = std::ptr::null_mut();
-        let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        let comm = self.live_comm(op)?;
         self.dev.context().bind_to_thread()?;
         // SAFETY: the communicator is live (owned by self, used under its lock); `new` is a
         // valid out-pointer; a null config makes the child inherit the parent's.
@@ -189,15 +231,10 @@ impl ProcessGroup {
         if mine.is_none() || new.is_null() {
             return Ok(None);
         }
-        let group = ProcessGroup {
-            comm: Mutex::new(RawComm(new)),
-            stream: self.stream.clone(),
-            side: self.side,
-            in_flight: Mutex::default(),
-            dev: self.dev.clone(),
-            rank: members.iter().position(|&r| r == self.rank).unwrap_or(0),
-            ranks: members.iter().map(|&r| self.ranks[r]).collect(),
-        };
+        let rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let mut group = ProcessGroup::from_comm(new, &self.dev, rank, members.iter().map(|&r| self.ranks[r]).collect());
+        group.stream = self.stream.clone();
+        group.side = self.side;
         // SAFETY: `new` is the live communicator NCCL just made.
         let (count, user_rank) = unsafe { (result::comm_count(new), result::comm_user_rank(new)) };
         let (count, user_rank) = (
@@ -292,14 +329,43 @@ impl ProcessGroup {
         op: &'static str,
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<NcclStatus, NcclError>,
     ) -> Result<()> {
-        let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        let comm = self.live_comm(op)?;
         self.dev.context().bind_to_thread()?;
         if self.side {
             let ready = self.dev.stream().record_event(Some(cuda::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
             self.stream.wait(&ready)?;
         }
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
-        call(comm.0, stream).map(|_| ()).map_err(|e| nccl_error(op, e, Some(comm.0)))
+        call(comm.0, stream).map(|_| ()).map_err(|e| nccl_error(op, e, Some(comm.0)))?;
+        drop(comm);
+        self.watch(op)
+    }
+
+    /// The communicator under its lock; [`Error::Dist`] once the watchdog aborted it (or it was
+    /// aborted otherwise).
+    fn live_comm(&self, op: &'static str) -> Result<std::sync::MutexGuard<'_, RawComm>> {
+        if let Some(w) = &self.watchdog {
+            w.check()?;
+        }
+        let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        if comm.0.is_null() || self.handle.load(Ordering::SeqCst).is_null() {
+            if let Some(w) = &self.watchdog {
+                w.check()?;
+            }
+            return Err(Error::Dist {
+                message: format!("{op}: the group's communicator was aborted: make a new group"),
+            });
+        }
+        Ok(comm)
+    }
+
+    /// Hands the collective just issued to the watchdog (not inside a CUDA graph capture, whose
+    /// events belong to the graph).
+    fn watch(&self, op: &'static str) -> Result<()> {
+        match &self.watchdog {
+            Some(w) if !self.dev.capturing() => w.watch(&self.stream, op),
+            _ => Ok(()),
+        }
     }
 
     /// Runs `f`, whose collectives (of this group, from this thread) become one NCCL group
@@ -316,7 +382,11 @@ impl ProcessGroup {
         let out = f();
         let end = result::group_end().map_err(|e| nccl_error("ncclGroupEnd", e, None));
         let v = out?;
-        end.map(|_| v)
+        end?;
+        // The events of the calls inside were recorded before NCCL launched them (at the end
+        // of the group): this one follows them.
+        self.watch("ncclGroupEnd")?;
+        Ok(v)
     }
 
     /// Checks that `buf` lives on this group's GPU.
@@ -484,7 +554,8 @@ impl ProcessGroup {
     pub fn abort(self) {
         let comm = {
             let mut slot = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
-            std::mem::replace(&mut slot.0, std::ptr::null_mut())
+            slot.0 = std::ptr::null_mut();
+            self.handle.swap(std::ptr::null_mut(), Ordering::SeqCst)
         };
         if !comm.is_null() {
             let _ = self.dev.context().bind_to_thread();
@@ -496,7 +567,13 @@ impl ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
-        let comm = self.comm.get_mut().unwrap_or_else(PoisonError::into_inner).0;
+        // Taken out under the lock and destroyed after it; a watchdog that took it first
+        // aborts it instead.
+        let comm = {
+            let mut slot = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+            slot.0 = std::ptr::null_mut();
+            self.handle.swap(std::ptr::null_mut(), Ordering::SeqCst)
+        };
         if comm.is_null() {
             return;
         }
