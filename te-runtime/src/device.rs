@@ -266,6 +266,17 @@ impl Device {
         self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
     }
 
+    /// Device memory the stream's allocations hold now (bytes): the default memory pool's
+    /// `CU_MEMPOOL_ATTR_USED_MEM_CURRENT`, every tensor, workspace and optimizer state
+    /// allocated through the stream (PyTorch's `torch.cuda.memory_allocated`). Read after a
+    /// [`Device::synchronize`] for a settled value.
+    ///
+    /// # Errors
+    /// Driver failures.
+    pub fn memory_in_use(&self) -> Result<u64> {
+        self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    }
+
     /// Restarts [`Device::peak_memory`] from the memory in use now (the driver takes only 0
     /// for USED_MEM_HIGH, which resets it to the current usage).
     ///

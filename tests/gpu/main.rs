@@ -50,6 +50,7 @@ mod optimizer;
 mod qkv_rope;
 mod rope;
 mod scaling;
+mod soak;
 mod softmax;
 mod train;
 mod visit;

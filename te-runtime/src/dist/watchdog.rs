@@ -5,7 +5,7 @@
 //! see it; this thread does.
 //!
 //! Each collective a group issues records an event after it on the group's stream
-//! ([`Watchdog::watch`]); a thread of the group polls the oldest unfinished one. When one has
+//! (`Watchdog::watch`); a thread of the group polls the oldest unfinished one. When one has
 //! not completed `TE_DIST_TIMEOUT_S` seconds (default 300, [`super::rendezvous::timeout_from_env`])
 //! after it was issued, the thread prints what happened and what to do, aborts the communicator
 //! (`ncclCommAbort`: NCCL's kernels see the abort flag and return, so the host's wait ends),
