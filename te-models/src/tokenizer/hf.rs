@@ -49,7 +49,21 @@ pub(crate) fn load(
         path: tokenizer_json.to_path_buf(),
         message: e.to_string(),
     };
-    let mut tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(load_err)?;
+    // The `tokenizers` crate (0.22) panics on some malformed files instead of returning its
+    // error (a `decoder` of no known shape: `expect("Helper")`, found by the fuzz test): the
+    // panic is caught here and refused like any bad file.
+    let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes)).map_err(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        TokenizerError::HfLoad {
+            path: tokenizer_json.to_path_buf(),
+            message: format!("the tokenizers crate failed on it ({what}): a damaged or unsupported file"),
+        }
+    })?;
+    let mut tok = parsed.map_err(load_err)?;
     // Padding and truncation saved in the file would change a prompt's ids: encode gives the
     // text's ids only, the caller decides about lengths.
     tok.with_padding(None).with_truncation(None).map_err(load_err)?;

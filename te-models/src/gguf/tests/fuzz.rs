@@ -17,6 +17,8 @@ fn file_bytes() -> Vec<u8> {
     w.add_metadata("tokenizer.ggml.tokens", vec!["<pad>".to_string(), "a".into()]).unwrap();
     w.add_metadata("tokenizer.ggml.scores", vec![0.0f32, -1.0]).unwrap();
     w.add_metadata("tokenizer.ggml.add_bos_token", true).unwrap();
+    w.add_metadata("tokenizer.ggml.model", "llama").unwrap();
+    w.add_metadata("tokenizer.ggml.token_type", vec![3i32, 1]).unwrap();
     w.add_tensor("f", &[2, 2], GgmlType::F16, &[1.0, 2.0, 3.0, 4.0]).unwrap();
     w.add_tensor("q", &[32], GgmlType::Q8_0, &[0.5; 32]).unwrap();
     w.add_raw_tensor("k", &[256], GgmlType::Q4_K, (0..144).map(|i| i as u8).collect()).unwrap();
@@ -44,6 +46,8 @@ fn parsed_or_refused(data: Vec<u8>) -> Result<(), TestCaseError> {
                 }
             }
             let m = file.metadata();
+            // The tokenizer a GGUF file carries builds or is refused (a typed error).
+            let _ = crate::tokenizer::Tokenizer::from_gguf(m);
             for r in [m.get_u32("gemma3.block_count").map(drop), m.get_str_array("tokenizer.ggml.tokens").map(drop)] {
                 if let Err(e) = r {
                     prop_assert!(matches!(&e, Error::Checkpoint { message } if message.contains("fuzzed")), "{e}");

@@ -188,3 +188,56 @@ fn a_stream_after_the_prompt_keeps_the_space() {
     let e = Tokenizer::from_hf_dir(dir.path()).unwrap_err();
     assert!(matches!(e, TokenizerError::MissingSpecial { name: "EOS", .. }), "{e}");
 }
+
+/// Damaged Hugging Face tokenizer files (te-nn's checkpoint mutations: bytes flipped, the file
+/// cut short, grown, replaced or kept) through `Tokenizer::from_hf_dir`: `tokenizer.json`,
+/// `tokenizer_config.json` and `generation_config.json` each load or are refused with a typed
+/// error, and a tokenizer that loads encodes and decodes (or refuses to) without a panic.
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use te_nn::checkpoint::fuzz::{mutation, Mutation};
+
+    const CONFIG: &str =
+        r#"{"add_bos_token": true, "bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "</s>"}"#;
+    const GENERATION: &str = r#"{"bos_token_id": 0, "eos_token_id": [1, 260]}"#;
+
+    /// The three files, the one named `damaged` through `m`.
+    fn loads_or_is_refused(damaged: &str, m: &Mutation) -> Result<(), TestCaseError> {
+        let dir = tempfile::tempdir().unwrap();
+        write_bpe(dir.path());
+        write(dir.path(), "tokenizer_config.json", CONFIG);
+        write(dir.path(), "generation_config.json", GENERATION);
+        let path = dir.path().join(damaged);
+        std::fs::write(&path, m.apply(std::fs::read(&path).unwrap())).unwrap();
+        match Tokenizer::from_hf_dir(dir.path()) {
+            Ok(t) => {
+                if let Ok(ids) = t.encode("Hello world, héllo", true) {
+                    let _ = t.decode(&ids, false);
+                }
+                let _ = t.decode(&[0, 1, 2, 260, 261, u32::MAX], true);
+            }
+            Err(e) => prop_assert!(!e.to_string().is_empty()),
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 400, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn damaged_tokenizer_json_loads_or_is_refused(m in mutation()) {
+            loads_or_is_refused("tokenizer.json", &m)?;
+        }
+
+        #[test]
+        fn damaged_tokenizer_config_loads_or_is_refused(m in mutation()) {
+            loads_or_is_refused("tokenizer_config.json", &m)?;
+        }
+
+        #[test]
+        fn damaged_generation_config_loads_or_is_refused(m in mutation()) {
+            loads_or_is_refused("generation_config.json", &m)?;
+        }
+    }
+}

@@ -503,3 +503,74 @@ fn first_fit_takes_the_first_row_with_room_and_grows_past_its_bound() {
     // Free after each: [1], [1, 1], [0, 1], [0, 1, 0], [0, 1, 0, 2], [0, 0, 0, 2], [0, 0, 0, 1].
     assert_eq!(rows, [0, 1, 0, 2, 3, 1, 3]);
 }
+
+/// Damaged data files and token caches (te-nn's checkpoint mutations: bytes flipped, the file
+/// cut short, grown, replaced or kept): a `.jsonl`, a text file and the binary cache each build
+/// a dataset or are refused with a typed error; a damaged cache is rebuilt, never trusted (its
+/// documents equal the fresh tokenization); never a panic.
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+    use te_nn::checkpoint::fuzz::{mutation, Mutation};
+
+    /// Builds `name` holding `bytes` (and a cache), returning the documents or the error.
+    fn build(name: &str, bytes: &[u8], cache: Option<&Path>) -> Result<TokenDataset, DataError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(name);
+        write(&path, bytes);
+        TokenDataset::build(&[&path], &tokenizer(), cache)
+    }
+
+    fn jsonl_case(m: &Mutation) -> Result<(), TestCaseError> {
+        let good = b"{\"text\": \"ab c\"}\n{\"text\": \"cab\", \"id\": 2}\n\n{\"text\": \"b\"}\n".to_vec();
+        match build("data.jsonl", &m.apply(good), None) {
+            Ok(d) => prop_assert!(d.docs().num_documents() >= 1),
+            Err(e) => prop_assert!(!e.to_string().is_empty()),
+        }
+        Ok(())
+    }
+
+    fn text_case(m: &Mutation) -> Result<(), TestCaseError> {
+        match build("data.txt", &m.apply(b"ab c\ncab b\n".to_vec()), None) {
+            Ok(d) => prop_assert!(d.docs().num_tokens() >= 1),
+            Err(e) => prop_assert!(!e.to_string().is_empty()),
+        }
+        Ok(())
+    }
+
+    fn cache_case(m: &Mutation) -> Result<(), TestCaseError> {
+        let dir = tempfile::tempdir().unwrap();
+        let (data, cache) = (dir.path().join("data.txt"), dir.path().join("cache"));
+        write(&data, "ab c\ncab b\n");
+        let fresh = TokenDataset::build(&[&data], &tokenizer(), Some(&cache)).unwrap();
+        let file = fresh.cache_path().unwrap().to_path_buf();
+        let damaged = m.apply(std::fs::read(&file).unwrap());
+        let unchanged = damaged == std::fs::read(&file).unwrap();
+        std::fs::write(&file, damaged).unwrap();
+        let again = TokenDataset::build(&[&data], &tokenizer(), Some(&cache)).unwrap();
+        prop_assert_eq!(again.docs(), fresh.docs());
+        if unchanged {
+            prop_assert_eq!(again.cache_status(), &CacheStatus::Hit);
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 400, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn damaged_jsonl_builds_or_is_refused(m in mutation()) {
+            jsonl_case(&m)?;
+        }
+
+        #[test]
+        fn damaged_text_builds_or_is_refused(m in mutation()) {
+            text_case(&m)?;
+        }
+
+        #[test]
+        fn a_damaged_cache_is_rebuilt_never_trusted(m in mutation()) {
+            cache_case(&m)?;
+        }
+    }
+}
