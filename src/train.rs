@@ -100,7 +100,9 @@ pub struct TrainArgs {
     /// its most recent entry.
     #[arg(long, value_parser = parse_amax_compute_algo)]
     pub amax_compute_algo: Option<AmaxComputeAlgo>,
-    /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does).
+    /// FP8 runs: run the LM head in FP8 too (default: BF16, as Megatron-LM does). Faster over
+    /// a large vocabulary (Gemma 3 270M: 1.09× the step), at a cost in accuracy (its validation
+    /// loss after 100 fine-tuning steps: 1.048× BF16's, against 1.003× with the BF16 head).
     #[arg(long)]
     pub fp8_lm_head: bool,
     /// MoE presets (moe-small) on a Hopper GPU: keep each layer's rows per expert on the device,
