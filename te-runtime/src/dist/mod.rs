@@ -13,10 +13,12 @@ mod env;
 mod nccl;
 mod nccl_args;
 mod nccl_lib;
+mod nccl_ops;
 pub mod rendezvous;
 pub mod watchdog;
 
 pub use env::DistEnv;
-pub use nccl::{reduce_amax_max, ProcessGroup};
+pub use nccl::ProcessGroup;
 pub use nccl_args::{CommBuffer, ReduceOp};
 pub use nccl_lib::{nccl_available, MIN_NCCL_VERSION};
+pub use nccl_ops::reduce_amax_max;
