@@ -1,8 +1,8 @@
 //! [`ProcessGroup`]: the ranks of a run (or a subset: a tensor- or data-parallel group) and their
 //! NCCL communicator, with the collectives TE's distributed code needs, issued on the device's
 //! stream (their code is `nccl_ops`): all-reduce (sum, max: TE's amax reduction,
-//! `reduce_amax_max`), all-gather,
-//! reduce-scatter, broadcast, barrier. PyTorch's `torch.distributed` names and semantics.
+//! `reduce_amax_max`), all-gather, reduce-scatter, broadcast, barrier. PyTorch's
+//! `torch.distributed` names and semantics.
 //!
 //! Every entry point checks first that NCCL loads ([`nccl_available`]; cudarc panics otherwise)
 //! and starts NCCL with NVLink multicast off (`NCCL_NVLS_ENABLE=0` unless the user set it: see
