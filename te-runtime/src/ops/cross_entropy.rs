@@ -16,9 +16,11 @@ pub struct CrossEntropyGrad<'a> {
     /// [`CrossEntropySpec::for_vocab`] picks the cluster kernel (sm_90a, rows of a multiple of
     /// 16 bytes from 32 KiB).
     pub dlogits: &'a mut Tensor,
-    /// Multiplies the gradient: `1 / counted tokens` for a mean loss, `1` for a sum; for FP8
-    /// `dlogits` times their scale (`|gradient| ≤ grad_scale / scale`: the scale that maps
-    /// that bound to the format's largest value uses the whole range).
+    /// Multiplies the gradient: `1 / counted tokens` for a mean loss, `1` for a sum. For FP8
+    /// `dlogits`, that times their quantization scale: the codes are `(softmax − onehot) ·
+    /// grad_scale`, bounded by `grad_scale` in magnitude, so a `grad_scale` at most the format's
+    /// largest value (57 344 for E5M2) uses its range without saturating (`DecoderLm` takes the
+    /// largest power of two that fits); `scale_inv` is `1 / scale`.
     pub grad_scale: f32,
 }
 
@@ -32,7 +34,9 @@ pub struct CrossEntropyGrad<'a> {
 /// is the caller's: pass `grad_scale = 1 / counted`.
 ///
 /// # Errors
-/// [`Error::DType`] for FP8 logits or a `dlogits` of another dtype, [`Error::Shape`] for a vocab
+/// [`Error::DType`] for FP8 logits, a `dlogits` of another dtype, or FP8 `dlogits` where the
+/// cluster kernel does not run (sm_89, rows under 32 KiB or not a multiple of 16 bytes);
+/// [`Error::Shape`] for a vocab
 /// of 0 or above the limit, targets or loss of another length than the token count, no tokens,
 /// or a `dlogits` of another shape; compile and launch failures.
 pub fn cross_entropy(
