@@ -104,6 +104,29 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             }
         }
     }
+    // The decode GEMV: each prologue and norm (storing), each epilogue (after a LayerNorm),
+    // BF16 and FP8 weights, one row and the most, a width that is not a power of two.
+    for (weight, k, rows) in [(DType::BF16, 640, 1), (DType::E4M3, 2048, 8), (DType::BF16, 8192, 4)] {
+        let base = GemvSpec::new(weight, k, rows, arch);
+        for (prologue, norm, zc) in [
+            (GemvPrologue::None, NormKind::RmsNorm, false),
+            (GemvPrologue::Norm, NormKind::RmsNorm, true),
+            (GemvPrologue::AddNorm, NormKind::RmsNorm, true),
+            (GemvPrologue::AddNorm, NormKind::LayerNorm, false),
+        ] {
+            v.push(base.with_prologue(prologue, norm, zc).into());
+        }
+        for (bias, epilogue) in [
+            (false, GemvEpilogue::Store),
+            (true, GemvEpilogue::Residual),
+            (true, GemvEpilogue::Act(Activation::Gelu)),
+            (false, GemvEpilogue::Act(Activation::Geglu)),
+            (true, GemvEpilogue::Act(Activation::Swiglu)),
+        ] {
+            let s = base.with_prologue(GemvPrologue::Norm, NormKind::LayerNorm, false);
+            v.push(s.with_epilogue(bias, epilogue).into());
+        }
+    }
     for &i in &hp {
         v.push(ArgmaxSpec::new(i, arch).into());
         // The fused qkv + RoPE + cache step: the largest head dim of the dtype, a small one, and

@@ -18,6 +18,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod gemv;
 pub mod linear;
 pub mod modules;
 pub mod moe;

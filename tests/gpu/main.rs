@@ -28,6 +28,7 @@ mod fp8_dpa;
 mod fp8_mha;
 mod fused_attention;
 mod gemm;
+mod gemv;
 mod generate;
 mod gpt;
 mod gpt_reference;

@@ -49,6 +49,16 @@ pub enum ArgCond {
     Tma,
     /// The per-head q and k norms' weights and epsilon (the fused qkv + RoPE step).
     QkNorm,
+    /// The sandwich norm's residual add before the pre-norm (the decode GEMV's `AddNorm`).
+    AddNorm,
+    /// That post-norm's LayerNorm bias.
+    AddNormBeta,
+    /// A pre-norm of the input rows (the decode GEMV's prologue).
+    PreNorm,
+    /// That pre-norm's LayerNorm bias.
+    PreNormBeta,
+    /// An FP8 weight's per-tensor `scale_inv`.
+    Fp8Weight,
 }
 
 /// One parameter of a kernel entry point.

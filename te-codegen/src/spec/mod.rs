@@ -38,6 +38,7 @@ mod embedding;
 mod flash_attention;
 #[cfg(test)]
 mod fuzz;
+mod gemv;
 mod grouped_gemm;
 mod moe;
 mod moe_router;
@@ -61,6 +62,7 @@ pub use dropout::DropoutSpec;
 pub use elementwise::{ElementwiseOp, ElementwiseSpec};
 pub use embedding::EmbeddingSpec;
 pub use flash_attention::{FlashAttnSpec, FLASH_HEAD_DIMS};
+pub use gemv::{GemvEpilogue, GemvPrologue, GemvSpec};
 pub use grouped_gemm::{GroupedGemmSpec, GroupedSplit};
 pub use moe::MoePermuteSpec;
 pub use moe_router::MoeRouterSpec;
@@ -211,6 +213,8 @@ kernel_families! {
     QkvRope(QkvRopeSpec) => ["qkv_rope.cu.tera"],
     /// Family 21: row-wise argmax (greedy decoding on the device).
     Argmax(ArgmaxSpec) => ["argmax.cu.tera"],
+    /// Family 22: the GEMV of a decode step with its norm, bias, activation and residual fused.
+    Gemv(GemvSpec) => ["gemv.cu.tera"],
 }
 
 impl KernelSpec {

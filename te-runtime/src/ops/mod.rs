@@ -17,6 +17,7 @@ pub mod embedding;
 pub mod flash_attention;
 pub mod flash_attention_fp8;
 mod flash_attention_gqa;
+pub mod gemv;
 pub mod grouped_gemm;
 mod launch;
 pub mod moe;
