@@ -65,16 +65,25 @@ pub fn run(b: &mut Bench) {
     let cfg = w.config().clone();
     println!("{work}: {source}");
     let kv_row_bytes = (cfg.num_layers * 2 * cfg.num_gqa_groups * cfg.head_dim * 2) as u64;
-    for (label, precision) in [
-        ("bf16", GpuPrecision::Bf16),
-        ("fp8", GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: false }),
-        ("fp8 + fp8 lm head", GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: true }),
+    let fp8 = |lm_head| GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head };
+    // The decode steps through the fused GEMVs (the default) and, at batch 1 and 8, as GEMMs and
+    // separate kernels ("unfused").
+    for (label, precision, fused) in [
+        ("bf16", GpuPrecision::Bf16, true),
+        ("bf16 unfused", GpuPrecision::Bf16, false),
+        ("fp8", fp8(false), true),
+        ("fp8 unfused", fp8(false), false),
+        ("fp8 + fp8 lm head", fp8(true), true),
     ] {
         let mut model = Decoder::new(&dev, w.clone(), precision).unwrap();
+        model.set_fused_decode(fused);
         // Every parameter once: the tied head reads the embedding's table whole.
         let weight_bytes = model.parameter_bytes() as u64;
         println!("{work} {label}: {:.1} MB of parameters", weight_bytes as f64 / 1e6);
         for (batch, prompt) in [(1, 128), (1, 1024), (8, 128), (8, 1024), (32, 128), (32, 1024)] {
+            if !fused && batch > 8 {
+                continue;
+            }
             let prompts: Vec<Vec<i32>> = (0..batch)
                 .map(|j| (0..prompt).map(|i| (3 + (i * 7919 + j * 104_729) % 200_000) as i32).collect())
                 .collect();
@@ -100,7 +109,7 @@ pub fn run(b: &mut Bench) {
                 work: work.into(),
                 pass,
                 variant: format!("ours {label}"),
-                precision: if label == "bf16" { "bf16" } else { "fp8" },
+                precision: if label.starts_with("bf16") { "bf16" } else { "fp8" },
                 flops_fp8: 0,
                 tokens: Some(tokens as u64),
             };

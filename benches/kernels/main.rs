@@ -24,6 +24,7 @@ mod decoder_train;
 mod dropout;
 mod elementwise;
 mod gemm;
+mod gemv;
 mod generate;
 mod gpt;
 mod grouped_gemm;
@@ -54,7 +55,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 23] = [
+        let families: [fn(&mut Bench); 24] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -73,6 +74,7 @@ fn main() {
             modules::run,
             gpt::run,
             generate::run,
+            gemv::run,
             decoder::run,
             decoder_train::run,
             decoder_train::layer_parts,

@@ -293,6 +293,54 @@ fn fp8_tracks_bf16() {
     }
 }
 
+/// A decode step through the fused GEMVs (the default at batch 1 and 2) gives the unfused
+/// step's logits within BF16 rounding; in FP8 (E4M3 weights read with BF16 activations, against
+/// FP8 GEMMs unfused) both track the BF16 step.
+#[test]
+fn fused_decode_steps_match_the_unfused() {
+    let Some(dev) = device() else { return };
+    for (model, dir) in models() {
+        let (seqs, _) = reference(&dir);
+        let fp8 = GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head: false };
+        // Both sequences (two rows a step), then the second alone (one row).
+        for batch in [&seqs[..], &seqs[1..]] {
+            let what = format!("{model} batch {}", batch.len());
+            let mut steps = Vec::new();
+            for (precision, fused) in
+                [(GpuPrecision::Bf16, true), (GpuPrecision::Bf16, false), (fp8, true), (fp8, false)]
+            {
+                let Some(mut m) = gpu_model(&dev, &model, &dir, precision) else { break };
+                m.set_fused_decode(fused);
+                let mut cache = m.cache(batch.len(), 32).unwrap();
+                m.forward_step(&mut cache, batch).unwrap();
+                // Three steps: the cache grows under both paths alike.
+                let mut logits = Vec::new();
+                for t in [5, 17, 3] {
+                    logits = m.step_logits(&mut cache, &vec![t; batch.len()]).unwrap();
+                }
+                assert!(m.step_logits(&mut cache, &[]).is_err(), "{what}: a step takes one token a sequence");
+                steps.push(logits);
+            }
+            if steps.len() < 4 {
+                break;
+            }
+            let vocab = fixture(&dir).config().vocab_size;
+            let (worst, mean) = deltas(&steps[0], &steps[1]);
+            eprintln!("{what}: fused vs unfused BF16 step max |Δ| {worst:.4}, mean {mean:.5}");
+            let scale = steps[1].iter().fold(0f32, |a, v| a.max(v.abs()));
+            assert!(
+                worst <= 2e-2 * scale.max(1.0),
+                "{what}: fused BF16 step differs by {worst} (logits up to {scale})"
+            );
+            for (i, name) in [(2, "fused"), (3, "unfused")] {
+                let kl = mean_kl(&steps[0], &steps[i], vocab);
+                eprintln!("{what}: FP8 {name} step vs BF16 mean KL {kl:.5}");
+                assert!(kl.is_finite() && kl <= 0.1, "{what}: FP8 {name} step mean KL {kl}");
+            }
+        }
+    }
+}
+
 fn mean_kl(p_logits: &[f32], q_logits: &[f32], vocab: usize) -> f64 {
     let log_softmax = |r: &[f32]| -> Vec<f64> {
         let m = r.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;

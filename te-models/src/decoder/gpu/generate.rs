@@ -110,6 +110,32 @@ impl Decoder {
         Ok(out)
     }
 
+    /// One decode step outside [`Decoder::generate`] (llama.cpp's `llama_decode` of one token a
+    /// sequence): `next[j]` appended to sequence `j` of `cache` through the path `generate`'s
+    /// steps take (the fused GEMVs unless [`Decoder::set_fused_decode`] turned them off; eager,
+    /// no graph). Returns the logits `[batch, vocab]` f32 on the host, soft-capped.
+    ///
+    /// # Errors
+    /// [`DecoderError::Input`] for another number of tokens than the cache's batch, an id
+    /// outside the vocabulary, a full cache; the device's errors.
+    pub fn step_logits(&mut self, cache: &mut DecoderCache, next: &[i32]) -> DecoderResult<Vec<f32>> {
+        if next.len() != cache.batch() {
+            return Err(DecoderError::input(format!(
+                "{} tokens for a cache of batch {}: a decode step takes one token a sequence",
+                next.len(),
+                cache.batch()
+            )));
+        }
+        self.check_ids(&[next])?;
+        cache.make_room(&self.dev, &vec![1; next.len()])?;
+        let mut tables = DecodeTables::new(&self.dev, cache, next)?;
+        let logits = self.decode_logits(cache, &mut tables)?;
+        cache::advance(cache, &vec![1; next.len()]);
+        let mut out = logits.to_f32(&self.dev)?;
+        self.softcap(&mut out);
+        Ok(out)
+    }
+
     /// Each row's argmax of `logits: [rows, vocab]` on the device (`-1` for a row with a NaN).
     fn argmax_rows(&self, logits: &Tensor) -> DecoderResult<Vec<i32>> {
         let stream = self.dev.stream();

@@ -9,6 +9,7 @@ use super::cache::{Step, StepAttention};
 use super::{upload, Tensors};
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult};
 use std::sync::Arc;
+use te_codegen::spec::GemvEpilogue;
 use te_codegen::DType;
 use te_nn::fp8::{fp8_model_init, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Tensor, Quantizer};
 use te_nn::modules::{Activation, Linear, LinearConfig, Norm, NormConfig, NormKind};
@@ -16,6 +17,7 @@ use te_runtime::ops::activation;
 use te_runtime::ops::decode_attention::{decode, Strided};
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
+use te_runtime::ops::gemv::{gemv, GemvInput, GemvNorm, GemvNormKind, GemvWeight};
 use te_runtime::ops::qkv_rope::{qkv_rope, QkNorm};
 use te_runtime::{Device, Tensor};
 
@@ -227,11 +229,88 @@ impl Layer {
         step: &mut Step<'_>,
         (l, inv_freq): (usize, &Tensor),
     ) -> DecoderResult<()> {
-        let (heads, groups, d) = (cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim);
         let tokens = x.shape()[0];
         let n1 = self.norm1.infer(x)?;
         let qkv = self.qkv.infer(&n1)?;
         drop(n1);
+        let o = self.attend(dev, cfg, qkv, step, (l, inv_freq))?;
+        let mut a = self.proj.infer(&o)?;
+        drop(o);
+        if let Some(n) = &self.post_attn_norm {
+            a = n.infer(&a)?;
+        }
+        add_assign(dev, x, &a)?;
+        drop(a);
+        let n2 = self.norm2.infer(x)?;
+        let f = self.fc1.infer(&n2)?;
+        drop(n2);
+        let mut act = Tensor::empty(dev, DType::BF16, &[tokens, cfg.ffn_hidden_size])?;
+        activation::forward(dev, self.activation, &f, None, &mut act, None)?;
+        drop(f);
+        let mut m = self.fc2.infer(&act)?;
+        if let Some(n) = &self.post_mlp_norm {
+            m = n.infer(&m)?;
+        }
+        add_assign(dev, x, &m)?;
+        Ok(())
+    }
+
+    /// The layer's forward over a decode step's few token rows through the fused GEMVs
+    /// (`ops::gemv`: four launches for the four GEMMs and the norms, bias, activation and
+    /// residual adds around them): the pre-norm (after the previous layer's pending sandwich add)
+    /// + QKV, the fused qk-norm + RoPE + cache append, the decode attention, the projection (+
+    /// residual, or stored for the sandwich norm), the MLP norm (+ the sandwich add) + fc1 +
+    /// activation, fc2 (+ residual, or left pending for the next layer's prologue). FP8 weights
+    /// are read as E4M3 codes with their scale (the activations stay BF16).
+    pub fn forward_decode(
+        &mut self,
+        dev: &Arc<Device>,
+        cfg: &DecoderConfig,
+        s: &mut DecodeStream,
+        step: &mut Step<'_>,
+        (l, inv_freq): (usize, &Tensor),
+    ) -> DecoderResult<()> {
+        let (tokens, h) = (s.x.shape()[0], cfg.hidden_size);
+        let mut qkv = Tensor::empty(dev, DType::BF16, &[tokens, cfg.qkv_size()])?;
+        s.gemv(dev, &self.norm1, (&self.qkv, GemvEpilogue::Store), &mut qkv)?;
+        let o = self.attend(dev, cfg, qkv, step, (l, inv_freq))?;
+        let proj = (gemv_weight(&self.proj)?, self.proj.params().bias());
+        match &self.post_attn_norm {
+            Some(post) => {
+                let mut a = Tensor::empty(dev, DType::BF16, &[tokens, h])?;
+                gemv(dev, GemvInput::Plain(&o), proj.0, proj.1, GemvEpilogue::Store, &mut a)?;
+                s.pending = Some((a, norm_weights(post)));
+            }
+            None => gemv(dev, GemvInput::Plain(&o), proj.0, proj.1, GemvEpilogue::Residual, &mut s.x)?,
+        }
+        drop(o);
+        let mut act = Tensor::empty(dev, DType::BF16, &[tokens, cfg.ffn_hidden_size])?;
+        s.gemv(dev, &self.norm2, (&self.fc1, GemvEpilogue::Act(self.activation)), &mut act)?;
+        let fc2 = (gemv_weight(&self.fc2)?, self.fc2.params().bias());
+        match &self.post_mlp_norm {
+            Some(post) => {
+                let mut m = Tensor::empty(dev, DType::BF16, &[tokens, h])?;
+                gemv(dev, GemvInput::Plain(&act), fc2.0, fc2.1, GemvEpilogue::Store, &mut m)?;
+                s.pending = Some((m, norm_weights(post)));
+            }
+            None => gemv(dev, GemvInput::Plain(&act), fc2.0, fc2.1, GemvEpilogue::Residual, &mut s.x)?,
+        }
+        Ok(())
+    }
+
+    /// The attention of a step from its projected `qkv: [tokens, qkv_size]`: qk-norm, RoPE and the
+    /// cache append fused, then the decode kernels (one token per sequence) or the fused
+    /// attention (a prefill) over layer `l`'s cache. Returns `o: [tokens, heads · head_dim]`.
+    fn attend(
+        &self,
+        dev: &Arc<Device>,
+        cfg: &DecoderConfig,
+        qkv: Tensor,
+        step: &mut Step<'_>,
+        (l, inv_freq): (usize, &Tensor),
+    ) -> DecoderResult<Tensor> {
+        let (heads, groups, d) = (cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim);
+        let tokens = qkv.shape()[0];
         let mut q = Tensor::empty(dev, DType::BF16, &[tokens, heads, d])?;
         let norm = self.qk_norm.as_ref().map(|[q, k]| QkNorm {
             q_gamma: q,
@@ -265,25 +344,70 @@ impl Layer {
                 flash_attention::forward(dev, &p, Qkv::Apart([&q, k_cache, v_cache]), Some(cu), &mut o, lse)?;
             }
         }
-        drop(q);
-        let mut a = self.proj.infer(&o)?;
-        drop(o);
-        if let Some(n) = &self.post_attn_norm {
-            a = n.infer(&a)?;
+        Ok(o)
+    }
+}
+
+/// A norm module's weights as the GEMV prologue reads them (`γ` and LayerNorm's `β`, shared).
+pub(super) fn norm_weights(n: &Norm) -> (Tensor, Option<Tensor>) {
+    (n.params().weight().clone(), n.params().bias().cloned())
+}
+
+/// A GEMM module's weight as the GEMV reads it: BF16, or its E4M3 codes with their scale.
+pub(super) fn gemv_weight(m: &Linear) -> DecoderResult<GemvWeight<'_>> {
+    let p = m.params();
+    match (p.weight(), p.fp8_weight()) {
+        (Some(w), _) if w.dtype() == DType::BF16 => Ok(GemvWeight::Bf16(w)),
+        (_, Some(f)) if f.block_scale().is_none() => Ok(GemvWeight::Fp8 { data: f.data(), scale_inv: f.scale_inv() }),
+        _ => Err(DecoderError::config("precision", "the decode GEMV reads BF16 or per-tensor FP8 weights only")),
+    }
+}
+
+/// The residual stream of a decode step between the fused GEMVs: the hidden rows `x: [tokens,
+/// hidden]`, and a sandwich-norm sublayer's output not yet post-normed and added, with its
+/// post-norm's weights (the next GEMV's `AddNorm` prologue adds it).
+#[derive(Debug)]
+pub(super) struct DecodeStream {
+    /// `[tokens, hidden]` BF16.
+    pub x: Tensor,
+    /// The pending sublayer output `[tokens, hidden]` and its post-norm's `γ`, `β`.
+    pub pending: Option<(Tensor, (Tensor, Option<Tensor>))>,
+    /// The model's norm options.
+    pub kind: GemvNormKind,
+}
+
+impl DecodeStream {
+    /// The stream of the embedded rows `x` for a model of `cfg`.
+    pub fn new(x: Tensor, cfg: &DecoderConfig) -> Self {
+        let kind = GemvNormKind {
+            kind: cfg.normalization,
+            eps: cfg.layernorm_epsilon,
+            zero_centered_gamma: cfg.zero_centered_gamma,
+        };
+        Self { x, pending: None, kind }
+    }
+
+    /// `out = epilogue(pre(x) · w)` for the module `m` after the pre-norm `pre`, adding the
+    /// pending sublayer output into the stream first when there is one (the GEMV's `AddNorm`).
+    pub fn gemv(
+        &mut self,
+        dev: &Arc<Device>,
+        pre: &Norm,
+        (m, epilogue): (&Linear, GemvEpilogue),
+        out: &mut Tensor,
+    ) -> DecoderResult<()> {
+        let (w, bias) = (gemv_weight(m)?, m.params().bias());
+        let norm = GemvNorm { gamma: pre.params().weight(), beta: pre.params().bias() };
+        match self.pending.take() {
+            None => gemv(dev, GemvInput::Norm { x: &self.x, kind: self.kind, norm }, w, bias, epilogue, out)?,
+            Some((a, (gamma, beta))) => {
+                let mut h = Tensor::empty(dev, DType::BF16, self.x.shape())?;
+                let post = GemvNorm { gamma: &gamma, beta: beta.as_ref() };
+                let input = GemvInput::AddNorm { x: &self.x, a: &a, kind: self.kind, post, norm, h_out: &mut h };
+                gemv(dev, input, w, bias, epilogue, out)?;
+                self.x = h;
+            }
         }
-        add_assign(dev, x, &a)?;
-        drop(a);
-        let n2 = self.norm2.infer(x)?;
-        let f = self.fc1.infer(&n2)?;
-        drop(n2);
-        let mut act = Tensor::empty(dev, DType::BF16, &[tokens, cfg.ffn_hidden_size])?;
-        activation::forward(dev, self.activation, &f, None, &mut act, None)?;
-        drop(f);
-        let mut m = self.fc2.infer(&act)?;
-        if let Some(n) = &self.post_mlp_norm {
-            m = n.infer(&m)?;
-        }
-        add_assign(dev, x, &m)?;
         Ok(())
     }
 }

@@ -19,9 +19,10 @@ mod layer;
 pub use cache::{DecoderCache, DEFAULT_PREFILL_CHUNK};
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights, WeightTensor};
-use layer::{linear, linear_fp8, linear_from, norm, quantize_e4m3, Layer};
+use layer::{linear, linear_fp8, linear_from, norm, quantize_e4m3, DecodeStream, Layer};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use te_codegen::spec::GemvEpilogue;
 use te_codegen::DType;
 use te_nn::fp8::{fp8_autocast, Float8Tensor, Fp8Autocast, Recipe};
 use te_nn::modules::{Linear, Norm};
@@ -77,6 +78,11 @@ impl GpuPrecision {
     }
 }
 
+/// The most tokens a decode step runs through the fused GEMVs: past two rows the GEMV's
+/// shared-memory reads of the rows outgrow what it saves over a GEMM (H100, Gemma 3 270M's
+/// shapes: 1.6–2.9× faster at one row, 0.8–1.2× at four, 0.4–0.7× at eight; `benches/kernels/gemv.rs`).
+const FUSED_DECODE_MAX_ROWS: usize = 2;
+
 /// The embedding table: BF16, or E4M3 with its `scale_inv` when the tied head runs in FP8.
 #[derive(Debug)]
 enum Table {
@@ -123,6 +129,8 @@ pub struct Decoder {
     /// The most tokens a step feeds a sequence when the sliding-window layers keep only their
     /// window ([`DecoderCache::with_chunk`]).
     prefill_chunk: usize,
+    /// Decode steps of at most this many tokens run through the fused GEMVs (0: never).
+    fused_decode_rows: usize,
 }
 
 impl Decoder {
@@ -193,7 +201,9 @@ impl Decoder {
             cuda_graph: true,
             graph_fallback: None,
             prefill_chunk: cache::DEFAULT_PREFILL_CHUNK,
-        })
+            fused_decode_rows: 0,
+        }
+        .with_fused_decode(true))
     }
 
     /// The configuration.
@@ -343,8 +353,59 @@ impl Decoder {
     /// The logits `[batch, vocab]` of a decode step over `tables` (one token per sequence of
     /// `cache`, the tables filled for it); the cache's lengths are the caller's to advance.
     fn decode_logits(&mut self, cache: &mut DecoderCache, tables: &mut cache::DecodeTables) -> DecoderResult<Tensor> {
-        let hidden = self.run(&tables.ids, cache::Step { cache, tables: &mut tables.tables })?;
+        let step = cache::Step { cache, tables: &mut tables.tables };
+        if tables.ids.len() <= self.fused_decode_rows {
+            return self.run_decode(&tables.ids, step);
+        }
+        let hidden = self.run(&tables.ids, step)?;
         self.head(&hidden)
+    }
+
+    /// [`Decoder::run`] and the LM head for a decode step of few tokens through the fused GEMVs
+    /// (`Layer::forward_decode`; the final norm, after the last sandwich add, is the head's
+    /// prologue). Returns the logits `[tokens, vocab]` BF16.
+    fn run_decode(&mut self, ids: &cudarc::driver::CudaSlice<i32>, mut step: cache::Step<'_>) -> DecoderResult<Tensor> {
+        let dev = self.dev.clone();
+        let mut x = Tensor::empty(&dev, DType::BF16, &[ids.len(), self.cfg.hidden_size])?;
+        self.embedding.lookup(&dev, ids, &mut x)?;
+        let scale = self.cfg.embedding_scale(DType::BF16);
+        if scale != 1.0 {
+            scale_assign(&dev, &mut x, scale)?;
+        }
+        let mut s = DecodeStream::new(x, &self.cfg);
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            layer.forward_decode(&dev, &self.cfg, &mut s, &mut step, (l, &self.inv_freq[layer.rope]))?;
+        }
+        let mut logits = Tensor::empty(&dev, DType::BF16, &[ids.len(), self.cfg.vocab_size])?;
+        s.gemv(&dev, &self.final_norm, (&self.lm_head, GemvEpilogue::Store), &mut logits)?;
+        Ok(logits)
+    }
+
+    /// Whether decode steps of one or two tokens (batch 1 or 2) run through the fused GEMVs: a layer's norms, GEMMs, bias,
+    /// activation and residual adds in four launches, FP8 weights read as E4M3 with their scale
+    /// and multiplied with BF16 activations (no activation cast). Default true; `false` runs them
+    /// as the prefill does (GEMMs and separate kernels), as before.
+    pub fn set_fused_decode(&mut self, on: bool) {
+        self.fused_decode_rows = if on { self.fused_rows() } else { 0 };
+    }
+
+    fn with_fused_decode(mut self, on: bool) -> Self {
+        self.set_fused_decode(on);
+        self
+    }
+
+    /// The most tokens a fused decode step takes: the GEMVs' row limit over the model's widths
+    /// (0 where a width is not a whole number of 16-byte weight vectors).
+    fn fused_rows(&self) -> usize {
+        let cfg = &self.cfg;
+        let fp8 = self.precision.fp8().is_some();
+        let widths = [cfg.hidden_size, cfg.attention_size(), cfg.ffn_hidden_size];
+        let vec = if fp8 { 16 } else { 8 };
+        if widths.iter().any(|k| k % vec != 0) {
+            return 0;
+        }
+        let most = widths.iter().map(|&k| te_runtime::ops::gemv::max_rows(k)).min().unwrap_or(0);
+        most.min(FUSED_DECODE_MAX_ROWS)
     }
 
     /// Whether [`Decoder::generate`] replays its decode steps from a CUDA graph (captured at the
