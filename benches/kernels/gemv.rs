@@ -9,10 +9,10 @@ use crate::harness::{Bench, Stats};
 use std::sync::Arc;
 use te_codegen::spec::{Activation, GemvEpilogue, NormKind};
 use te_nn::modules::{Linear, LinearConfig, Norm, NormConfig};
-use te_runtime::graph::Graph;
+use te_runtime::graph::{Graph, HostCopies};
 use te_runtime::ops::activation;
 use te_runtime::ops::elementwise::add_assign;
-use te_runtime::ops::gemv::{gemv, GemvInput, GemvNorm, GemvNormKind, GemvWeight};
+use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm, GemvNormKind, GemvWeight};
 use te_runtime::{DType, Device, Tensor};
 
 /// Launches a graph holds.
@@ -88,7 +88,7 @@ pub fn run(b: &mut Bench) {
             let mut out = Tensor::zeros(&dev, DType::BF16, &[m, n]).unwrap();
             let mut h_out = Tensor::zeros(&dev, DType::BF16, &[m, k]).unwrap();
             let fused = graphed(b, || {
-                let wg = GemvWeight::Bf16(&w);
+                let wg = GemvMatrix { weight: GemvWeight::Bf16(&w), bias: None, constant: true };
                 let input = match part {
                     Part::Qkv | Part::Head => {
                         GemvInput::Norm { x: &x, kind, norm: GemvNorm { gamma: n1.params().weight(), beta: None } }
@@ -108,7 +108,7 @@ pub fn run(b: &mut Bench) {
                     Part::Fc2 => GemvEpilogue::Residual,
                     _ => GemvEpilogue::Store,
                 };
-                gemv(&dev, input, wg, None, epilogue, &mut out).unwrap();
+                gemv(&dev, input, wg, epilogue, &mut out).unwrap();
             });
             let mut resid = Tensor::zeros(&dev, DType::BF16, &[m, n]).unwrap();
             let unfused = graphed(b, || match part {
@@ -142,4 +142,66 @@ pub fn run(b: &mut Bench) {
             );
         }
     }
+}
+
+/// The rest of a Gemma 3 270M decode step at batch 1, graph-replayed as the step runs it: a
+/// layer's fused qk-norm + RoPE + cache append, its decode attention (split-K and combine) over
+/// 256 and 1 152 cached positions, nine graph allocations (what a layer allocates), the argmax of
+/// a 262 144-wide row.
+pub fn decode_parts(b: &mut Bench) {
+    let work = "gemma3 270m decode parts";
+    if !b.enabled(work) {
+        return;
+    }
+    use te_runtime::ops::argmax::argmax;
+    use te_runtime::ops::attention_shape::AttentionShape;
+    use te_runtime::ops::decode_attention::{decode, Strided};
+    use te_runtime::ops::qkv_rope::{qkv_rope, QkNorm, TokenRows};
+    let dev = b.dev().clone();
+    let (heads, groups, d) = (4, 1, 256);
+    for len in [256, 1152] {
+        let capacity = len + 64;
+        let mut k_cache = Tensor::zeros(&dev, DType::BF16, &[1, capacity, groups, d]).unwrap();
+        let mut v_cache = Tensor::zeros(&dev, DType::BF16, &[1, capacity, groups, d]).unwrap();
+        let qkv = rand(&dev, &[1, (heads + 2 * groups) * d], 1.0, 3);
+        let gamma = rand(&dev, &[d], 0.1, 4);
+        let inv: Vec<f32> = (0..d / 2).map(|i| 1e4f32.powf(-(2.0 * i as f32) / d as f32)).collect();
+        let inv_freq = Tensor::from_f32(&dev, DType::F32, &[d / 2], &inv).unwrap();
+        let rows = TokenRows::from_host(&dev, &[len as i32 - 1], &[len as i32 - 1], capacity).unwrap();
+        let mut q = Tensor::zeros(&dev, DType::BF16, &[1, heads, d]).unwrap();
+        let rope = graphed(b, || {
+            let norm = QkNorm { q_gamma: &gamma, k_gamma: &gamma, eps: 1e-6, zero_centered_gamma: true };
+            qkv_rope(
+                &dev,
+                &qkv,
+                (heads, groups, d),
+                Some(norm),
+                &inv_freq,
+                &rows,
+                &mut q,
+                [&mut k_cache, &mut v_cache],
+            )
+            .unwrap();
+        });
+        let p = AttentionShape::decode(1, heads, groups, d, capacity, 0.0625);
+        let seqlens = dev.stream().htod(&[len as i32]).unwrap();
+        let mut o = Tensor::zeros(&dev, DType::BF16, &[1, heads * d]).unwrap();
+        let attn = graphed(b, || {
+            let qs = Strided { tensor: &q, offset: 0, row: heads * d };
+            decode(&dev, &p, qs, [&k_cache, &v_cache], &seqlens, (&mut o, heads * d)).unwrap();
+        });
+        println!("{work} len {len}: qkv_rope {:.2} µs, decode attention {:.2} µs", rope.median_us, attn.median_us);
+        b.record(&format!("{work} qkv_rope"), &format!("len {len}"), rope, None, None);
+        b.record(&format!("{work} decode attention"), &format!("len {len}"), attn, None, None);
+    }
+    let alloc = graphed(b, || {
+        let t: Vec<Tensor> = (0..9).map(|_| Tensor::empty(&dev, DType::BF16, &[1, 2048]).unwrap()).collect();
+        drop(t);
+    });
+    let logits = rand(&dev, &[1, 262_144], 1.0, 5);
+    let mut picks = dev.stream().htod(&[0i32]).unwrap();
+    let am = graphed(b, || argmax(&dev, &logits, &mut picks).unwrap());
+    println!("{work}: nine allocations {:.2} µs, argmax of 262 144 {:.2} µs", alloc.median_us, am.median_us);
+    b.record(&format!("{work} nine allocations"), "", alloc, None, None);
+    b.record(&format!("{work} argmax"), "[1, 262144]", am, None, None);
 }

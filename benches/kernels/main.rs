@@ -55,7 +55,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 24] = [
+        let families: [fn(&mut Bench); 25] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -75,6 +75,7 @@ fn main() {
             gpt::run,
             generate::run,
             gemv::run,
+            gemv::decode_parts,
             decoder::run,
             decoder_train::run,
             decoder_train::layer_parts,

@@ -8,7 +8,7 @@ use te_codegen::spec::{Activation, GemvEpilogue, GemvPrologue, GemvSpec, NormKin
 use te_reference::gemv::{gemv as reference, GemvInputs};
 use te_runtime::graph::HostCopies;
 use te_runtime::numerics::round_to;
-use te_runtime::ops::gemv::{gemv, max_rows, GemvInput, GemvNorm, GemvNormKind, GemvWeight};
+use te_runtime::ops::gemv::{gemv, max_rows, GemvInput, GemvMatrix, GemvNorm, GemvNormKind, GemvWeight};
 use te_runtime::{DType, Error, Tensor};
 
 struct Case {
@@ -62,7 +62,8 @@ fn run(case: &Case, seed: u64) {
             GemvInput::AddNorm { x: &xd, a: &ad, kind, post: nw(0), norm: nw(1), h_out: &mut h_out }
         }
     };
-    gemv(&dev, input, wg, bias.then_some(&bias_d), epilogue, &mut out).unwrap();
+    let matrix = GemvMatrix { weight: wg, bias: bias.then_some(&bias_d), constant: (seed / 100) % 2 == 0 };
+    gemv(&dev, input, matrix, epilogue, &mut out).unwrap();
 
     let spec = GemvSpec::new(weight, k, m, dev.arch()).with_prologue(prologue, norm, zc).with_epilogue(bias, epilogue);
     let weights = |i: usize| (gammas[i].as_slice(), layer_norm.then_some(betas[i].as_slice()));
@@ -166,6 +167,11 @@ fn gemv_matches_the_reference() {
     }
 }
 
+/// A BF16 weight without bias, not constant.
+fn plain(w: &Tensor) -> GemvMatrix<'_> {
+    GemvMatrix { weight: GemvWeight::Bf16(w), bias: None, constant: false }
+}
+
 #[test]
 fn gemv_refuses_bad_calls() {
     let Some(dev) = device() else { return };
@@ -175,29 +181,27 @@ fn gemv_refuses_bad_calls() {
     let shape = |e: Error| matches!(e, Error::Shape { .. });
     // A gated activation needs an even number of weight rows: 10 = 2 · 5 works, 9 does not.
     let w9 = Tensor::zeros(&dev, DType::BF16, &[9, 64]).unwrap();
-    let e =
-        gemv(&dev, GemvInput::Plain(&x), GemvWeight::Bf16(&w9), None, GemvEpilogue::Act(Activation::Swiglu), &mut out);
+    let e = gemv(&dev, GemvInput::Plain(&x), plain(&w9), GemvEpilogue::Act(Activation::Swiglu), &mut out);
     assert!(shape(e.unwrap_err()));
     // Too many rows for k = 16384 (at most 3).
     let big = Tensor::zeros(&dev, DType::BF16, &[4, 16384]).unwrap();
     let wb = Tensor::zeros(&dev, DType::BF16, &[10, 16384]).unwrap();
     let mut out4 = Tensor::zeros(&dev, DType::BF16, &[4, 10]).unwrap();
-    let e =
-        gemv(&dev, GemvInput::Plain(&big), GemvWeight::Bf16(&wb), None, GemvEpilogue::Store, &mut out4).unwrap_err();
+    let e = gemv(&dev, GemvInput::Plain(&big), plain(&wb), GemvEpilogue::Store, &mut out4).unwrap_err();
     assert!(e.to_string().contains("takes 1 to 3"), "{e}");
     assert_eq!(max_rows(16384), 3);
     // An RMSNorm with a β.
     let g = Tensor::zeros(&dev, DType::BF16, &[64]).unwrap();
     let kind = GemvNormKind { kind: NormKind::RmsNorm, eps: 1e-6, zero_centered_gamma: false };
     let input = GemvInput::Norm { x: &x, kind, norm: GemvNorm { gamma: &g, beta: Some(&g) } };
-    assert!(shape(gemv(&dev, input, GemvWeight::Bf16(&w), None, GemvEpilogue::Store, &mut out).unwrap_err()));
+    assert!(shape(gemv(&dev, input, plain(&w), GemvEpilogue::Store, &mut out).unwrap_err()));
     // An FP8 weight passed as BF16, and an f32 input.
     let w8 = Tensor::zeros(&dev, DType::E4M3, &[10, 64]).unwrap();
-    assert!(gemv(&dev, GemvInput::Plain(&x), GemvWeight::Bf16(&w8), None, GemvEpilogue::Store, &mut out).is_err());
+    assert!(gemv(&dev, GemvInput::Plain(&x), plain(&w8), GemvEpilogue::Store, &mut out).is_err());
     let xf = Tensor::zeros(&dev, DType::F32, &[2, 64]).unwrap();
-    let e = gemv(&dev, GemvInput::Plain(&xf), GemvWeight::Bf16(&w), None, GemvEpilogue::Store, &mut out);
+    let e = gemv(&dev, GemvInput::Plain(&xf), plain(&w), GemvEpilogue::Store, &mut out);
     assert!(matches!(e.unwrap_err(), Error::DType { .. }));
     // The output of the wrong shape.
     let mut bad = Tensor::zeros(&dev, DType::BF16, &[2, 11]).unwrap();
-    assert!(gemv(&dev, GemvInput::Plain(&x), GemvWeight::Bf16(&w), None, GemvEpilogue::Store, &mut bad).is_err());
+    assert!(gemv(&dev, GemvInput::Plain(&x), plain(&w), GemvEpilogue::Store, &mut bad).is_err());
 }

@@ -4,13 +4,13 @@
 //! A decode step at batch 1 spends its time launching kernels; this makes a transformer layer's
 //! four GEMMs and their neighbours four launches.
 
-use super::launch::Launch;
+use super::launch::PdlLaunch;
 use super::{check_dtype, check_shape, launch_1d};
 use crate::{Device, Error, Result, Tensor};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use te_codegen::spec::{Family, GemvEpilogue, GemvPrologue, GemvSpec, NormKind};
-use te_codegen::{DType, KernelSpec};
+use te_codegen::{Arch, DType, KernelSpec};
 
 const OP: &str = "gemv";
 
@@ -89,6 +89,21 @@ impl GemvWeight<'_> {
     }
 }
 
+/// The matrix side of a [`gemv`]: the weight, the bias (BF16 `[n · weight_rows]`) and whether
+/// both are constant.
+#[derive(Debug, Clone, Copy)]
+pub struct GemvMatrix<'a> {
+    /// `[n · weight_rows, k]`.
+    pub weight: GemvWeight<'a>,
+    /// BF16 `[n · weight_rows]`.
+    pub bias: Option<&'a Tensor>,
+    /// The weight, its scale and the bias are not written by the kernel launched just before
+    /// (model weights during inference): on Hopper the GEMV then starts loading the weight
+    /// before that kernel has finished (programmatic dependent launch), which hides its launch
+    /// and its first loads behind that kernel's tail.
+    pub constant: bool,
+}
+
 /// The most token rows one [`gemv`] takes for `k` input features (1 to 8; 0 for `k` beyond
 /// 49 152).
 pub fn max_rows(k: usize) -> usize {
@@ -96,10 +111,9 @@ pub fn max_rows(k: usize) -> usize {
 }
 
 /// `out[r, j] = epilogue(round(p[r] · w[j] · s + bias[j]))` for the rows `p` of `input`
-/// (BF16 `[m, k]`, `m ≤ `[`max_rows`]`(k)`), the weight `w: [n · weight_rows, k]` and `out:
-/// [m, n]` BF16; `Residual` adds into `out` in place, a gated activation reads weight (and bias)
-/// rows `j` and `n + j` (see [`GemvSpec`] for the arithmetic). `bias`: BF16 `[n ·
-/// weight_rows]`.
+/// (BF16 `[m, k]`, `m ≤ `[`max_rows`]`(k)`), the matrix's weight `w: [n · weight_rows, k]` and
+/// `out: [m, n]` BF16; `Residual` adds into `out` in place, a gated activation reads weight (and
+/// bias) rows `j` and `n + j` (see [`GemvSpec`] for the arithmetic).
 ///
 /// # Errors
 /// [`Error::DType`] for inputs or outputs other than BF16 or a weight other than BF16 or FP8;
@@ -109,11 +123,11 @@ pub fn max_rows(k: usize) -> usize {
 pub fn gemv(
     dev: &Device,
     input: GemvInput<'_>,
-    weight: GemvWeight<'_>,
-    bias: Option<&Tensor>,
+    matrix: GemvMatrix<'_>,
     epilogue: GemvEpilogue,
     out: &mut Tensor,
 ) -> Result<()> {
+    let GemvMatrix { weight, bias, constant } = matrix;
     let shape_err = |message: String| Error::Shape { op: OP, message };
     let w = weight.tensor();
     check_dtype(OP, "weight", w, |d| matches!(d, DType::BF16 | DType::E4M3 | DType::E5M2), "bf16, e4m3 or e5m2")?;
@@ -190,45 +204,48 @@ pub fn gemv(
     if shared > 48 * 1024 {
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)?;
     }
-    let (m_arg, n_arg) = (m as u32, n as u32);
-    let mut l = Launch::new(OP, dev.stream(), &f, &spec, 0);
-    l.ptr("x", x.data());
-    let mut h_out_slot = None;
-    let pre = match input {
+    let stream = dev.stream();
+    let addr = |t: &Tensor| t.data().device_ptr(stream).0;
+    let programmatic = constant && dev.arch() == Arch::Sm90a;
+    let mut l = PdlLaunch::new(OP, stream, &f, (&spec, 0), programmatic);
+    l.ptr("x", addr(x));
+    let pre = match &input {
         GemvInput::Plain(_) => None,
-        GemvInput::Norm { norm, .. } => Some(norm),
-        GemvInput::AddNorm { a, post, norm, h_out, .. } => {
-            l.ptr("a", a.data()).ptr("gamma0", post.gamma.data());
+        GemvInput::Norm { norm, .. } => Some(*norm),
+        GemvInput::AddNorm { a, post, norm, .. } => {
+            l.ptr("a", addr(a)).ptr("gamma0", addr(post.gamma));
             if let Some(b) = post.beta {
-                l.ptr("beta0", b.data());
+                l.ptr("beta0", addr(b));
             }
-            h_out_slot = Some(h_out);
-            Some(norm)
+            Some(*norm)
         }
     };
-    if let Some(h) = h_out_slot.as_mut() {
-        l.ptr("h_out", h.data_mut()?);
+    if let GemvInput::AddNorm { h_out, .. } = input {
+        l.ptr("h_out", h_out.data_mut()?.device_ptr_mut(stream).0);
     }
     if let Some(norm) = pre {
-        l.ptr("gamma1", norm.gamma.data());
+        l.ptr("gamma1", addr(norm.gamma));
         if let Some(b) = norm.beta {
-            l.ptr("beta1", b.data());
+            l.ptr("beta1", addr(b));
         }
     }
-    l.ptr("w", w.data());
+    l.ptr("w", addr(w));
     if let GemvWeight::Fp8 { scale_inv, .. } = weight {
-        l.ptr("w_scale_inv", scale_inv);
+        l.ptr("w_scale_inv", scale_inv.device_ptr(stream).0);
     }
     if let Some(b) = bias {
-        l.ptr("bias", b.data());
+        l.ptr("bias", addr(b));
     }
-    l.ptr("out", out.data_mut()?).scalar("m", &m_arg).scalar("n", &n_arg).scalar("eps", &eps);
+    l.ptr("out", out.data_mut()?.device_ptr_mut(stream).0);
+    l.scalar32("m", m as u32).scalar32("n", n as u32).scalar32("eps", eps.to_bits());
     // Enough blocks to fill the GPU, each recomputing the prologue once and striding over the
     // outputs (a warp per output).
     let blocks = n.div_ceil(GemvSpec::WARPS).min(dev.sm_count() * 8);
     // SAFETY: the arguments follow `GemvSpec::ARGS` for this spec: x (and a, h_out) hold `m · k`
     // BF16, the norms' weights `k`, w `n · weight_rows · k` elements of its dtype, the bias `n ·
     // weight_rows`, out `m · n` (all checked above); h_out and out are distinct tensors from the
-    // inputs (borrowed mutably); the dynamic shared memory is `spec.shared_bytes()`.
+    // inputs (borrowed mutably); the dynamic shared memory is `spec.shared_bytes()`. On Hopper
+    // the template waits (`griddepcontrol.wait`) after its first weight loads, before it reads
+    // the rows or writes anything.
     unsafe { l.launch(launch_1d(blocks, GemvSpec::THREADS, shared as u32)) }
 }

@@ -5,7 +5,9 @@
 //! The checks are a few comparisons per argument: no allocation, no formatting on success.
 
 use crate::{Error, Result};
+use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
 use std::sync::Arc;
 use te_codegen::spec::{ArgRole, Family, KernelArg};
 
@@ -60,6 +62,90 @@ impl<'a> Launch<'a> {
         self.check.finish().map_err(|fault| Error::internal(self.op, format!("kernel arguments: {fault}")))?;
         // SAFETY: forwarded to the caller.
         unsafe { self.builder.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// A launch with programmatic dependent launch (Hopper's PDL: the launch attribute
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, kept by stream capture as a
+/// programmatic edge of the graph): the kernel may begin while the previous kernel on the stream
+/// is finishing, so its launch and whatever it reads that no earlier kernel writes (a GEMV's
+/// weights) overlap that kernel's tail. The kernel must run `griddepcontrol.wait` before it
+/// reads anything an earlier kernel wrote and before it writes anything. Arguments are pushed by
+/// name against the declaration, as for [`Launch`]; every value travels as a 64-bit slot
+/// (device pointers, or 4-byte scalars in the low bytes: the kernel reads the declared size).
+pub(crate) struct PdlLaunch<'a> {
+    op: &'static str,
+    stream: &'a Arc<CudaStream>,
+    f: &'a CudaFunction,
+    check: ArgCheck<'a>,
+    slots: Vec<u64>,
+    programmatic: bool,
+}
+
+impl<'a> PdlLaunch<'a> {
+    /// A launch of `f`, entry point `entry` of `spec`, on `stream`, for the launcher `op`;
+    /// `programmatic`: with the PDL attribute (Hopper), else an ordinary launch (Ada has no
+    /// PDL; its template has no wait).
+    pub(crate) fn new(
+        op: &'static str,
+        stream: &'a Arc<CudaStream>,
+        f: &'a CudaFunction,
+        (spec, entry): (&'a dyn Family, usize),
+        programmatic: bool,
+    ) -> Self {
+        Self { op, stream, f, check: ArgCheck::new(spec, entry), slots: Vec::with_capacity(16), programmatic }
+    }
+
+    /// Pushes the device address declared as `name`.
+    pub(crate) fn ptr(&mut self, name: &'static str, address: CUdeviceptr) -> &mut Self {
+        if self.check.push(name, None) {
+            self.slots.push(address);
+        }
+        self
+    }
+
+    /// Pushes the 4-byte scalar declared as `name` (its bits).
+    pub(crate) fn scalar32(&mut self, name: &'static str, bits: u32) -> &mut Self {
+        if self.check.push(name, Some(4)) {
+            self.slots.push(u64::from(bits));
+        }
+        self
+    }
+
+    /// Launches with `cfg` once every declared argument was pushed in order.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] naming the first mismatch with the declaration (nothing launched);
+    /// launch failures.
+    ///
+    /// # Safety
+    /// As [`Launch::launch`], and the kernel waits (`griddepcontrol.wait`) before it touches
+    /// what earlier kernels on the stream write or read.
+    pub(crate) unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
+        self.check.finish().map_err(|fault| Error::internal(self.op, format!("kernel arguments: {fault}")))?;
+        self.stream.context().bind_to_thread()?;
+        let mut params: Vec<*mut c_void> = self.slots.iter_mut().map(|v| (v as *mut u64).cast::<c_void>()).collect();
+        // SAFETY: an all-zero launch attribute is a valid value of the plain-data C union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.programmatic),
+        };
+        // SAFETY: `params` points at one live slot per declared argument, in order (checked
+        // above); the buffers behind the addresses are the caller's to keep valid (see Safety).
+        unsafe { sys::cuLaunchKernelEx(&config, self.f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()?;
         Ok(())
     }
 }

@@ -17,7 +17,7 @@ use te_runtime::ops::activation;
 use te_runtime::ops::decode_attention::{decode, Strided};
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
-use te_runtime::ops::gemv::{gemv, GemvInput, GemvNorm, GemvNormKind, GemvWeight};
+use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm, GemvNormKind, GemvWeight};
 use te_runtime::ops::qkv_rope::{qkv_rope, QkNorm};
 use te_runtime::{Device, Tensor};
 
@@ -274,26 +274,26 @@ impl Layer {
         let mut qkv = Tensor::empty(dev, DType::BF16, &[tokens, cfg.qkv_size()])?;
         s.gemv(dev, &self.norm1, (&self.qkv, GemvEpilogue::Store), &mut qkv)?;
         let o = self.attend(dev, cfg, qkv, step, (l, inv_freq))?;
-        let proj = (gemv_weight(&self.proj)?, self.proj.params().bias());
+        let proj = matrix(&self.proj)?;
         match &self.post_attn_norm {
             Some(post) => {
                 let mut a = Tensor::empty(dev, DType::BF16, &[tokens, h])?;
-                gemv(dev, GemvInput::Plain(&o), proj.0, proj.1, GemvEpilogue::Store, &mut a)?;
+                gemv(dev, GemvInput::Plain(&o), proj, GemvEpilogue::Store, &mut a)?;
                 s.pending = Some((a, norm_weights(post)));
             }
-            None => gemv(dev, GemvInput::Plain(&o), proj.0, proj.1, GemvEpilogue::Residual, &mut s.x)?,
+            None => gemv(dev, GemvInput::Plain(&o), proj, GemvEpilogue::Residual, &mut s.x)?,
         }
         drop(o);
         let mut act = Tensor::empty(dev, DType::BF16, &[tokens, cfg.ffn_hidden_size])?;
         s.gemv(dev, &self.norm2, (&self.fc1, GemvEpilogue::Act(self.activation)), &mut act)?;
-        let fc2 = (gemv_weight(&self.fc2)?, self.fc2.params().bias());
+        let fc2 = matrix(&self.fc2)?;
         match &self.post_mlp_norm {
             Some(post) => {
                 let mut m = Tensor::empty(dev, DType::BF16, &[tokens, h])?;
-                gemv(dev, GemvInput::Plain(&act), fc2.0, fc2.1, GemvEpilogue::Store, &mut m)?;
+                gemv(dev, GemvInput::Plain(&act), fc2, GemvEpilogue::Store, &mut m)?;
                 s.pending = Some((m, norm_weights(post)));
             }
-            None => gemv(dev, GemvInput::Plain(&act), fc2.0, fc2.1, GemvEpilogue::Residual, &mut s.x)?,
+            None => gemv(dev, GemvInput::Plain(&act), fc2, GemvEpilogue::Residual, &mut s.x)?,
         }
         Ok(())
     }
@@ -353,14 +353,18 @@ pub(super) fn norm_weights(n: &Norm) -> (Tensor, Option<Tensor>) {
     (n.params().weight().clone(), n.params().bias().cloned())
 }
 
-/// A GEMM module's weight as the GEMV reads it: BF16, or its E4M3 codes with their scale.
-pub(super) fn gemv_weight(m: &Linear) -> DecoderResult<GemvWeight<'_>> {
+/// A GEMM module's weight (BF16, or its E4M3 codes with their scale) and bias as the GEMV reads
+/// them: constant while the decoder generates.
+pub(super) fn matrix(m: &Linear) -> DecoderResult<GemvMatrix<'_>> {
     let p = m.params();
-    match (p.weight(), p.fp8_weight()) {
-        (Some(w), _) if w.dtype() == DType::BF16 => Ok(GemvWeight::Bf16(w)),
-        (_, Some(f)) if f.block_scale().is_none() => Ok(GemvWeight::Fp8 { data: f.data(), scale_inv: f.scale_inv() }),
-        _ => Err(DecoderError::config("precision", "the decode GEMV reads BF16 or per-tensor FP8 weights only")),
-    }
+    let weight = match (p.weight(), p.fp8_weight()) {
+        (Some(w), _) if w.dtype() == DType::BF16 => GemvWeight::Bf16(w),
+        (_, Some(f)) if f.block_scale().is_none() => GemvWeight::Fp8 { data: f.data(), scale_inv: f.scale_inv() },
+        _ => {
+            return Err(DecoderError::config("precision", "the decode GEMV reads BF16 or per-tensor FP8 weights only"))
+        }
+    };
+    Ok(GemvMatrix { weight, bias: p.bias(), constant: true })
 }
 
 /// The residual stream of a decode step between the fused GEMVs: the hidden rows `x: [tokens,
@@ -396,15 +400,15 @@ impl DecodeStream {
         (m, epilogue): (&Linear, GemvEpilogue),
         out: &mut Tensor,
     ) -> DecoderResult<()> {
-        let (w, bias) = (gemv_weight(m)?, m.params().bias());
+        let mat = matrix(m)?;
         let norm = GemvNorm { gamma: pre.params().weight(), beta: pre.params().bias() };
         match self.pending.take() {
-            None => gemv(dev, GemvInput::Norm { x: &self.x, kind: self.kind, norm }, w, bias, epilogue, out)?,
+            None => gemv(dev, GemvInput::Norm { x: &self.x, kind: self.kind, norm }, mat, epilogue, out)?,
             Some((a, (gamma, beta))) => {
                 let mut h = Tensor::empty(dev, DType::BF16, self.x.shape())?;
                 let post = GemvNorm { gamma: &gamma, beta: beta.as_ref() };
                 let input = GemvInput::AddNorm { x: &self.x, a: &a, kind: self.kind, post, norm, h_out: &mut h };
-                gemv(dev, input, w, bias, epilogue, out)?;
+                gemv(dev, input, mat, epilogue, out)?;
                 self.x = h;
             }
         }
