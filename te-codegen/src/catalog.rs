@@ -113,6 +113,7 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             (GemvPrologue::Norm, NormKind::RmsNorm, true),
             (GemvPrologue::AddNorm, NormKind::RmsNorm, true),
             (GemvPrologue::AddNorm, NormKind::LayerNorm, false),
+            (GemvPrologue::ResidualNorm, NormKind::LayerNorm, false),
         ] {
             v.push(base.with_prologue(prologue, norm, zc).into());
         }

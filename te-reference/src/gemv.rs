@@ -28,8 +28,9 @@ pub type NormWeights<'a> = (&'a [f32], Option<&'a [f32]>);
 pub struct GemvInputs<'a> {
     /// `[m, k]`: the input rows (`AddNorm`: the residual stream).
     pub x: &'a [f32],
-    /// `AddNorm`: `[m, k]` the sublayer output, and its post-norm's weights.
-    pub add: Option<(&'a [f32], NormWeights<'a>)>,
+    /// `AddNorm` / `ResidualNorm`: `[m, k]` the sublayer output, and its post-norm's weights
+    /// (`AddNorm` only).
+    pub add: Option<(&'a [f32], Option<NormWeights<'a>>)>,
     /// The pre-norm's weights (`Norm`, `AddNorm`).
     pub norm: Option<NormWeights<'a>>,
     /// `[n · weight_rows, k]`.
@@ -69,16 +70,21 @@ pub fn gemv(spec: &GemvSpec, inp: &GemvInputs<'_>, (m, n): (usize, usize), eps: 
     let wr = spec.epilogue.weight_rows();
     assert_eq!(inp.x.len(), m * k, "x is not [{m}, {k}]");
     assert_eq!(inp.w.len(), wr * n * k, "w is not [{}, {k}]", wr * n);
-    let mut h_out = (spec.prologue == GemvPrologue::AddNorm).then(|| vec![0.0; m * k]);
+    let adds = matches!(spec.prologue, GemvPrologue::AddNorm | GemvPrologue::ResidualNorm);
+    let mut h_out = adds.then(|| vec![0.0; m * k]);
     let mut out = inp.out.to_vec();
     for r in 0..m {
         let x = &inp.x[r * k..(r + 1) * k];
         let p: Vec<f32> = match spec.prologue {
             GemvPrologue::None => x.to_vec(),
             GemvPrologue::Norm => norm_row(spec, x, inp.norm.expect("the pre-norm's weights"), eps),
-            GemvPrologue::AddNorm => {
-                let (a, post) = inp.add.expect("AddNorm's sublayer output");
-                let a = norm_row(spec, &a[r * k..(r + 1) * k], post, eps);
+            GemvPrologue::AddNorm | GemvPrologue::ResidualNorm => {
+                let (a, post) = inp.add.expect("the sublayer output");
+                let a = &a[r * k..(r + 1) * k];
+                let a = match post {
+                    Some(post) if spec.prologue == GemvPrologue::AddNorm => norm_row(spec, a, post, eps),
+                    _ => a.to_vec(),
+                };
                 let h: Vec<f32> = x.iter().zip(&a).map(|(x, a)| round_to(DType::BF16, x + a)).collect();
                 if let Some(h_out) = h_out.as_mut() {
                     h_out[r * k..(r + 1) * k].copy_from_slice(&h);
@@ -159,7 +165,7 @@ mod tests {
         let w: Vec<f32> = (0..8).map(|c| if c == 3 { 1.0 } else { 0.0 }).collect();
         let inp = GemvInputs {
             x: &x,
-            add: Some((&a, (&zeros, None))),
+            add: Some((&a, Some((&zeros, None)))),
             norm: Some((&zeros, None)),
             w: &w,
             w_scale_inv: 0.5,

@@ -1,5 +1,5 @@
 //! Family 22 on the GPU: the decode GEMV against the CPU reference — each prologue (plain, a
-//! norm, a sandwich norm's residual add then a norm), LayerNorm and RMSNorm (zero-centered γ),
+//! norm, a sandwich norm's residual add then a norm, a residual add then a norm), LayerNorm and RMSNorm (zero-centered γ),
 //! BF16, E4M3 and E5M2 weights, every epilogue (store, residual, gelu, GeGLU, SwiGLU), one to
 //! eight rows, widths that are not tile multiples and a 50k-row head; typed errors.
 
@@ -61,6 +61,7 @@ fn run(case: &Case, seed: u64) {
         GemvPrologue::AddNorm => {
             GemvInput::AddNorm { x: &xd, a: &ad, kind, post: nw(0), norm: nw(1), h_out: &mut h_out }
         }
+        GemvPrologue::ResidualNorm => GemvInput::ResidualNorm { x: &xd, a: &ad, kind, norm: nw(1), h_out: &mut h_out },
     };
     let matrix = GemvMatrix { weight: wg, bias: bias.then_some(&bias_d), constant: (seed / 100) % 2 == 0 };
     gemv(&dev, input, matrix, epilogue, &mut out).unwrap();
@@ -69,7 +70,11 @@ fn run(case: &Case, seed: u64) {
     let weights = |i: usize| (gammas[i].as_slice(), layer_norm.then_some(betas[i].as_slice()));
     let inp = GemvInputs {
         x: &x,
-        add: (prologue == GemvPrologue::AddNorm).then(|| (a.as_slice(), weights(0))),
+        add: match prologue {
+            GemvPrologue::AddNorm => Some((a.as_slice(), Some(weights(0)))),
+            GemvPrologue::ResidualNorm => Some((a.as_slice(), None)),
+            _ => None,
+        },
         norm: (prologue != GemvPrologue::None).then(|| weights(1)),
         w: &w_values,
         w_scale_inv: scale_inv,
@@ -148,6 +153,18 @@ fn gemv_matches_the_reference() {
             zc: false,
             bias: true,
             epilogue: Store,
+        },
+        // GPT's fc1 after the attention's residual add: LayerNorm, bias, gelu, two rows.
+        Case {
+            weight: DType::BF16,
+            k: 768,
+            m: 2,
+            n: 3072,
+            prologue: ResidualNorm,
+            norm: NormKind::LayerNorm,
+            zc: false,
+            bias: true,
+            epilogue: Act(Activation::Gelu),
         },
         // A head: 50k rows, RMSNorm.
         Case {

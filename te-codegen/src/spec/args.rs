@@ -49,7 +49,10 @@ pub enum ArgCond {
     Tma,
     /// The per-head q and k norms' weights and epsilon (the fused qkv + RoPE step).
     QkNorm,
-    /// The sandwich norm's residual add before the pre-norm (the decode GEMV's `AddNorm`).
+    /// A residual add before the pre-norm: the sublayer output and the sum's output (the decode
+    /// GEMV's `AddNorm` and `ResidualNorm`).
+    ResidualAdd,
+    /// The sandwich norm's post-norm of that sublayer output (the decode GEMV's `AddNorm`).
     AddNorm,
     /// That post-norm's LayerNorm bias.
     AddNormBeta,

@@ -22,7 +22,11 @@ use super::{KernelSpec, KernelTarget};
 use crate::fp8::{fp8_mode, Fp8Mode};
 use qk::{QkCtx, QkNorm, QkPrep};
 use std::sync::Arc;
+use te_codegen::spec::GemvEpilogue;
+use te_codegen::DType;
+use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::ops::decode_attention::{append_kv, decode, Strided};
+use te_runtime::ops::gemv::{gemv, max_rows, GemvInput, DECODE_MAX_ROWS};
 use te_runtime::{Device, Error, Result, Tensor};
 
 mod config;
@@ -335,6 +339,28 @@ impl MultiheadAttention {
     /// b, hidden]` with `s` the step's tokens and `b` the cache's batch, or `s > 1` after the
     /// prompt (chunked prefill is not supported); the errors of the parts.
     pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        let (p, s, [h, g, d]) = self.check_cached(x, &kv)?;
+        let b = p.batch;
+        let qkv = match &mut self.qkv {
+            QkvProj::Norm(m) => m.infer(x)?,
+            QkvProj::Plain(m) => m.infer(x)?,
+        };
+        let row = (h + 2 * g) * d;
+        let new = |offset| Strided { tensor: &qkv, offset, row };
+        append_kv(&self.dev, &p, s, [new(h * d), new((h + g) * d)], kv.seqlens, [&mut *kv.k, &mut *kv.v])?;
+        let ctx_out = if kv.past == 0 {
+            self.attention.forward_packed(&qkv.reshape(&[s, b, row])?, None)?.0
+        } else {
+            let mut out = Tensor::empty(&self.dev, qkv.dtype(), &[s, b, h * d])?;
+            decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut out, h * d))?;
+            out
+        };
+        self.proj.infer(&ctx_out)
+    }
+
+    /// The checks of [`MultiheadAttention::infer_cached`]: the decode problem, the step's tokens
+    /// per sequence and `[heads, groups, head_dim]`.
+    fn check_cached(&self, x: &Tensor, kv: &KvLayer<'_>) -> Result<(AttentionShape, usize, [usize; 3])> {
         let a = self.attention.config();
         let causal = matches!(a.attn_mask_type, AttnMaskType::Causal | AttnMaskType::CausalBottomRight);
         if self.cfg.qkv_format != QkvFormat::Sbhd
@@ -379,21 +405,56 @@ impl MultiheadAttention {
                 kv.past
             ));
         }
-        let qkv = match &mut self.qkv {
-            QkvProj::Norm(m) => m.infer(x)?,
-            QkvProj::Plain(m) => m.infer(x)?,
-        };
+        Ok((p, s, [h, g, d]))
+    }
+
+    /// Whether [`MultiheadAttention::decode_gemv`] serves the step of `x` over `kv`: one new
+    /// token for each of at most two sequences after the prompt, a pre-norm QKV projection
+    /// (`input_layernorm`), BF16 (or per-tensor FP8-only) weights, no FP8 autocast, widths the
+    /// decode GEMV takes (`ops::gemv::max_rows`).
+    pub(crate) fn decode_gemv_ok(&self, x: &Tensor, kv: &KvLayer<'_>) -> bool {
+        let Ok((p, s, [h, _, d])) = self.check_cached(x, kv) else { return false };
+        let QkvProj::Norm(ln) = &self.qkv else { return false };
+        let rows = p.batch;
+        let fits = |k: usize| k % 16 == 0 && rows <= max_rows(k);
+        kv.past > 0
+            && s == 1
+            && rows <= DECODE_MAX_ROWS
+            && fp8_mode() == Fp8Mode::HighPrecision
+            && x.dtype() == DType::BF16
+            && fits(self.cfg.hidden_size)
+            && fits(h * d)
+            && ln.norm_params().gemv_norm().is_some()
+            && ln.params().gemv_matrix().is_some()
+            && self.proj.params().gemv_matrix().is_some()
+    }
+
+    /// The attention of a decode step [`MultiheadAttention::decode_gemv_ok`] accepts, through the
+    /// fused GEMVs: the pre-norm + QKV (+ bias) in one launch, the cache append and the decode
+    /// kernels, the projection (+ bias) in one launch. Returns the output `[1, b, hidden]` before
+    /// the residual add, as [`MultiheadAttention::infer_cached`] returns it.
+    ///
+    /// # Errors
+    /// As [`MultiheadAttention::infer_cached`]; [`Error::Internal`] for a module it does not serve.
+    pub(crate) fn decode_gemv(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        let (p, s, [h, g, d]) = self.check_cached(x, &kv)?;
+        let not_served = || Error::internal(MODULE, "decode_gemv on a module decode_gemv_ok refuses");
+        let QkvProj::Norm(ln) = &self.qkv else { return Err(not_served()) };
+        let (kind, norm) = ln.norm_params().gemv_norm().ok_or_else(not_served)?;
+        let qkv_w = ln.params().gemv_matrix().ok_or_else(not_served)?;
+        let proj_w = self.proj.params().gemv_matrix().ok_or_else(not_served)?;
+        let (b, hidden) = (p.batch, self.cfg.hidden_size);
         let row = (h + 2 * g) * d;
+        let x2 = x.reshape(&[b, hidden])?;
+        let mut qkv = Tensor::empty(&self.dev, DType::BF16, &[b, row])?;
+        gemv(&self.dev, GemvInput::Norm { x: &x2, kind, norm }, qkv_w, GemvEpilogue::Store, &mut qkv)?;
         let new = |offset| Strided { tensor: &qkv, offset, row };
         append_kv(&self.dev, &p, s, [new(h * d), new((h + g) * d)], kv.seqlens, [&mut *kv.k, &mut *kv.v])?;
-        let ctx_out = if kv.past == 0 {
-            self.attention.forward_packed(&qkv.reshape(&[s, b, row])?, None)?.0
-        } else {
-            let mut out = Tensor::empty(&self.dev, qkv.dtype(), &[s, b, h * d])?;
-            decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut out, h * d))?;
-            out
-        };
-        self.proj.infer(&ctx_out)
+        let mut ctx_out = Tensor::empty(&self.dev, DType::BF16, &[b, h * d])?;
+        decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut ctx_out, h * d))?;
+        let mut out = Tensor::empty(&self.dev, DType::BF16, &[b, hidden])?;
+        gemv(&self.dev, GemvInput::Plain(&ctx_out), proj_w, GemvEpilogue::Store, &mut out)?;
+        out.reshape(&[1, b, hidden])
     }
 
     /// Backward: `dx` for `d_out`; every parameter gradient accumulates.

@@ -125,6 +125,20 @@ impl NormParams {
         self.beta.as_ref()
     }
 
+    /// The norm as the decode GEMV's prologue takes it (`ops::gemv`): its kind and options, and
+    /// its BF16 weights; `None` for f32 or f16 weights.
+    pub fn gemv_norm(&self) -> Option<(ops::gemv::GemvNormKind, ops::gemv::GemvNorm<'_>)> {
+        if self.gamma.dtype() != DType::BF16 {
+            return None;
+        }
+        let kind = ops::gemv::GemvNormKind {
+            kind: self.kind,
+            eps: self.cfg.eps,
+            zero_centered_gamma: self.cfg.zero_centered_gamma,
+        };
+        Some((kind, ops::gemv::GemvNorm { gamma: &self.gamma, beta: self.beta.as_ref() }))
+    }
+
     /// Accumulated gradient of the stored gamma.
     pub fn weight_grad(&self) -> Option<&Tensor> {
         self.dgamma.as_ref()

@@ -174,6 +174,24 @@ impl LinearParams {
         self.bias.as_ref()
     }
 
+    /// The weight and bias as the decode GEMV (`ops::gemv`) reads them: a BF16 weight, or an
+    /// FP8-only weight with a per-tensor scale (E4M3 codes multiplied with BF16 activations); a
+    /// BF16 bias. `None` for what it does not read (f32 or f16 parameters, blockwise scales).
+    /// Marked constant: the decode paths run it inside a forward, after kernels that do not
+    /// write parameters, so on Hopper it starts loading the weight early.
+    pub fn gemv_matrix(&self) -> Option<ops::gemv::GemvMatrix<'_>> {
+        use ops::gemv::{GemvMatrix, GemvWeight};
+        let weight = match &self.weight {
+            Weight::High(w) if w.dtype() == DType::BF16 => GemvWeight::Bf16(w),
+            Weight::Fp8(f) if f.block_scale().is_none() => GemvWeight::Fp8 { data: f.data(), scale_inv: f.scale_inv() },
+            _ => return None,
+        };
+        if self.bias.as_ref().is_some_and(|b| b.dtype() != DType::BF16) {
+            return None;
+        }
+        Some(GemvMatrix { weight, bias: self.bias.as_ref(), constant: true })
+    }
+
     /// Writes since creation; contexts made at another version are stale.
     pub fn version(&self) -> u64 {
         self.version

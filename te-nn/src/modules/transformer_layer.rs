@@ -19,9 +19,11 @@ use super::{next_module_id, Activation, BackwardOptions, ForwardOptions, KernelS
 use crate::parallel::{SequenceParallel, TpConfig};
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
+use te_codegen::spec::GemvEpilogue;
 use te_codegen::DType;
 use te_runtime::ops::dropout::{bias_dropout_add, dropout_backward, mask_bytes, DropoutParams};
 use te_runtime::ops::elementwise::{add, add_assign};
+use te_runtime::ops::gemv::{gemv, GemvInput};
 use te_runtime::{Device, DeviceBuffer, Error, Result, Tensor};
 
 const MODULE: &str = "TransformerLayer";
@@ -480,8 +482,54 @@ impl TransformerLayer {
     /// # Errors
     /// The errors of the parts (the cache's, shapes, FP8 dims).
     pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        if self.decode_gemv_ok(x, &kv) {
+            return self.decode_gemv(x, kv);
+        }
         let a = self.attention.infer_cached(x, kv)?;
         self.finish_infer(x, &a)
+    }
+
+    /// Whether a decode step of `x` over `kv` runs through the fused GEMVs
+    /// ([`TransformerLayer::decode_gemv`]): the attention takes it
+    /// (`MultiheadAttention::decode_gemv_ok`: one token for each of at most two sequences, BF16
+    /// or per-tensor FP8-only weights, no FP8 autocast) and the layer is pre-norm with a dense
+    /// MLP and no output norm.
+    fn decode_gemv_ok(&self, x: &Tensor, kv: &KvLayer<'_>) -> bool {
+        let Mlp::Dense(mlp) = &self.mlp else { return false };
+        let c = mlp.config();
+        let rows = kv.shape[0];
+        !self.cfg.apply_residual_connection_post_layernorm
+            && self.out_norm.is_none()
+            && c.tp.is_none()
+            && c.ffn_hidden_size % 16 == 0
+            && rows <= te_runtime::ops::gemv::max_rows(c.ffn_hidden_size)
+            && mlp.norm_params().gemv_norm().is_some()
+            && mlp.fc1().gemv_matrix().is_some()
+            && mlp.fc2().gemv_matrix().is_some()
+            && self.attention.decode_gemv_ok(x, kv)
+    }
+
+    /// A decode step through the fused GEMVs, four launches for the layer's GEMMs and what
+    /// surrounds them: the norm + QKV, the attention (cache append, decode kernels), the
+    /// projection, the residual add + MLP norm + fc1 + bias + activation, fc2 + bias + the residual
+    /// add. The same sums as [`TransformerLayer::infer_cached`]'s kernels, rounded where they round.
+    fn decode_gemv(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+        let a = self.attention.decode_gemv(x, kv)?;
+        let not_served = || Error::internal(MODULE, "decode_gemv on a layer decode_gemv_ok refuses");
+        let Mlp::Dense(mlp) = &self.mlp else { return Err(not_served()) };
+        let c = mlp.config();
+        let (kind, norm) = mlp.norm_params().gemv_norm().ok_or_else(not_served)?;
+        let (fc1, fc2) =
+            (mlp.fc1().gemv_matrix().ok_or_else(not_served)?, mlp.fc2().gemv_matrix().ok_or_else(not_served)?);
+        let [_, b, hidden] = a.shape() else { return Err(not_served()) };
+        let (b, hidden) = (*b, *hidden);
+        let (x2, a2) = (x.reshape(&[b, hidden])?, a.reshape(&[b, hidden])?);
+        let mut h = Tensor::empty(&self.dev, DType::BF16, &[b, hidden])?;
+        let mut act = Tensor::empty(&self.dev, DType::BF16, &[b, c.ffn_hidden_size])?;
+        let input = GemvInput::ResidualNorm { x: &x2, a: &a2, kind, norm, h_out: &mut h };
+        gemv(&self.dev, input, fc1, GemvEpilogue::Act(c.activation), &mut act)?;
+        gemv(&self.dev, GemvInput::Plain(&act), fc2, GemvEpilogue::Residual, &mut h)?;
+        h.reshape(&[1, b, hidden])
     }
 
     /// The residual, MLP and output norm of [`TransformerLayer::infer_with`] after the attention

@@ -35,8 +35,8 @@ pub struct GemvNormKind {
     pub zero_centered_gamma: bool,
 }
 
-/// What the GEMV multiplies: the rows `x: [m, k]` BF16 as they are, normalized, or after a
-/// sandwich norm's residual add.
+/// What the GEMV multiplies: the rows `x: [m, k]` BF16 as they are, normalized, or normalized
+/// after a residual add (a sandwich norm's, or a pre-norm layer's).
 #[derive(Debug)]
 pub enum GemvInput<'a> {
     /// `x`.
@@ -61,6 +61,20 @@ pub enum GemvInput<'a> {
         /// The sublayer's post-norm (`post_attention_layernorm`, `post_feedforward_layernorm`).
         post: GemvNorm<'a>,
         /// The next pre-norm.
+        norm: GemvNorm<'a>,
+        /// `[m, k]`: receives `h`.
+        h_out: &'a mut Tensor,
+    },
+    /// `h = x + a` is written to `h_out` (`[m, k]`, not `x`), then `norm(h)` is multiplied: a
+    /// pre-norm layer's residual add before its MLP's norm.
+    ResidualNorm {
+        /// `[m, k]`: the residual stream.
+        x: &'a Tensor,
+        /// `[m, k]`: the sublayer's output.
+        a: &'a Tensor,
+        /// The options of the norm.
+        kind: GemvNormKind,
+        /// The norm.
         norm: GemvNorm<'a>,
         /// `[m, k]`: receives `h`.
         h_out: &'a mut Tensor,
@@ -104,6 +118,12 @@ pub struct GemvMatrix<'a> {
     pub constant: bool,
 }
 
+/// The most token rows for which the decode paths run [`gemv`] instead of a GEMM: past two rows
+/// its shared-memory reads of the rows outgrow what it saves (H100, Gemma 3 270M's shapes,
+/// graph-replayed: 1.6–3.1× faster than the unfused GEMM and kernels at one row, 1.3–2.0× at
+/// two, 0.8–1.2× at four, 0.4–0.7× at eight; `benches/kernels/gemv.rs`).
+pub const DECODE_MAX_ROWS: usize = 2;
+
 /// The most token rows one [`gemv`] takes for `k` input features (1 to 8; 0 for `k` beyond
 /// 49 152).
 pub fn max_rows(k: usize) -> usize {
@@ -142,6 +162,7 @@ pub fn gemv(
         GemvInput::Plain(x) => (*x, GemvPrologue::None, None),
         GemvInput::Norm { x, kind, .. } => (*x, GemvPrologue::Norm, Some(*kind)),
         GemvInput::AddNorm { x, kind, .. } => (*x, GemvPrologue::AddNorm, Some(*kind)),
+        GemvInput::ResidualNorm { x, kind, .. } => (*x, GemvPrologue::ResidualNorm, Some(*kind)),
     };
     check_dtype(OP, "x", x, |d| d == DType::BF16, "bf16")?;
     let (m, k) = x.as_2d(OP)?;
@@ -167,6 +188,12 @@ pub fn gemv(
         check_shape(OP, "bias", b, &[w_rows])?;
     }
     let norm_kind = kind.map_or(NormKind::RmsNorm, |k| k.kind);
+    let check_residual = |a: &Tensor, h_out: &Tensor| -> Result<()> {
+        check_dtype(OP, "a", a, |d| d == DType::BF16, "bf16")?;
+        check_shape(OP, "a", a, &[m, k])?;
+        check_dtype(OP, "h_out", h_out, |d| d == DType::BF16, "bf16")?;
+        check_shape(OP, "h_out", h_out, &[m, k])
+    };
     let check_norm = |what: &str, nw: &GemvNorm<'_>| -> Result<()> {
         check_dtype(OP, "gamma", nw.gamma, |d| d == DType::BF16, "bf16")?;
         check_shape(OP, what, nw.gamma, &[k])?;
@@ -185,10 +212,11 @@ pub fn gemv(
         GemvInput::AddNorm { a, post, norm, h_out, .. } => {
             check_norm("post", post)?;
             check_norm("norm", norm)?;
-            check_dtype(OP, "a", a, |d| d == DType::BF16, "bf16")?;
-            check_shape(OP, "a", a, &[m, k])?;
-            check_dtype(OP, "h_out", h_out, |d| d == DType::BF16, "bf16")?;
-            check_shape(OP, "h_out", h_out, &[m, k])?;
+            check_residual(a, h_out)?;
+        }
+        GemvInput::ResidualNorm { a, norm, h_out, .. } => {
+            check_norm("norm", norm)?;
+            check_residual(a, h_out)?;
         }
     }
     let zc = kind.is_some_and(|k| k.zero_centered_gamma);
@@ -219,8 +247,12 @@ pub fn gemv(
             }
             Some(*norm)
         }
+        GemvInput::ResidualNorm { a, norm, .. } => {
+            l.ptr("a", addr(a));
+            Some(*norm)
+        }
     };
-    if let GemvInput::AddNorm { h_out, .. } = input {
+    if let GemvInput::AddNorm { h_out, .. } | GemvInput::ResidualNorm { h_out, .. } = input {
         l.ptr("h_out", h_out.data_mut()?.device_ptr_mut(stream).0);
     }
     if let Some(norm) = pre {

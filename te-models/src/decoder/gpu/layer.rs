@@ -17,7 +17,7 @@ use te_runtime::ops::activation;
 use te_runtime::ops::decode_attention::{decode, Strided};
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
-use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm, GemvNormKind, GemvWeight};
+use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm, GemvNormKind};
 use te_runtime::ops::qkv_rope::{qkv_rope, QkNorm};
 use te_runtime::{Device, Tensor};
 
@@ -354,17 +354,11 @@ pub(super) fn norm_weights(n: &Norm) -> (Tensor, Option<Tensor>) {
 }
 
 /// A GEMM module's weight (BF16, or its E4M3 codes with their scale) and bias as the GEMV reads
-/// them: constant while the decoder generates.
+/// them ([`te_nn::modules::LinearParams::gemv_matrix`]).
 pub(super) fn matrix(m: &Linear) -> DecoderResult<GemvMatrix<'_>> {
-    let p = m.params();
-    let weight = match (p.weight(), p.fp8_weight()) {
-        (Some(w), _) if w.dtype() == DType::BF16 => GemvWeight::Bf16(w),
-        (_, Some(f)) if f.block_scale().is_none() => GemvWeight::Fp8 { data: f.data(), scale_inv: f.scale_inv() },
-        _ => {
-            return Err(DecoderError::config("precision", "the decode GEMV reads BF16 or per-tensor FP8 weights only"))
-        }
-    };
-    Ok(GemvMatrix { weight, bias: p.bias(), constant: true })
+    m.params()
+        .gemv_matrix()
+        .ok_or_else(|| DecoderError::config("precision", "the decode GEMV reads BF16 or per-tensor FP8 weights only"))
 }
 
 /// The residual stream of a decode step between the fused GEMVs: the hidden rows `x: [tokens,

@@ -78,11 +78,6 @@ impl GpuPrecision {
     }
 }
 
-/// The most tokens a decode step runs through the fused GEMVs: past two rows the GEMV's
-/// shared-memory reads of the rows outgrow what it saves over a GEMM (H100, Gemma 3 270M's
-/// shapes: 1.6–2.9× faster at one row, 0.8–1.2× at four, 0.4–0.7× at eight; `benches/kernels/gemv.rs`).
-const FUSED_DECODE_MAX_ROWS: usize = 2;
-
 /// The embedding table: BF16, or E4M3 with its `scale_inv` when the tied head runs in FP8.
 #[derive(Debug)]
 enum Table {
@@ -405,7 +400,7 @@ impl Decoder {
             return 0;
         }
         let most = widths.iter().map(|&k| te_runtime::ops::gemv::max_rows(k)).min().unwrap_or(0);
-        most.min(FUSED_DECODE_MAX_ROWS)
+        most.min(te_runtime::ops::gemv::DECODE_MAX_ROWS)
     }
 
     /// Whether [`Decoder::generate`] replays its decode steps from a CUDA graph (captured at the
