@@ -22,6 +22,9 @@ pub enum GemvPrologue {
     /// model's residual add (Gemma 3's `post_attention_layernorm` / `post_feedforward_layernorm`)
     /// fused with the next pre-norm.
     AddNorm,
+    /// `h = x + a`, written to `h_out` by block 0, then `norm1(h)`: a pre-norm layer's residual
+    /// add after the attention fused with the MLP's norm (TE `TransformerLayer`, GPT).
+    ResidualNorm,
 }
 
 impl GemvPrologue {
@@ -31,6 +34,7 @@ impl GemvPrologue {
             GemvPrologue::None => "none",
             GemvPrologue::Norm => "norm",
             GemvPrologue::AddNorm => "add_norm",
+            GemvPrologue::ResidualNorm => "residual_norm",
         }
     }
 }
@@ -78,7 +82,8 @@ impl GemvEpilogue {
 ///   `1 + γ` (`zero_centered_gamma`); `p = round((x − mu) · rsigma · g + β)` (RMSNorm `round(x ·
 ///   rsigma · g)`), rounded to BF16 as the unfused norm writes it. `AddNorm`: `h = round(x +
 ///   round(norm0(a)))` first (the post-norm of `a` under `γ0`/`β0`, then the residual add, each
-///   rounded as the unfused kernels round), then `p = round(norm1(h))`;
+///   rounded as the unfused kernels round), then `p = round(norm1(h))`; `ResidualNorm` the same
+///   with `h = round(x + a)`;
 /// - product: f32 fused multiply-adds, each lane over the 8-element vectors `lane + 32 i`, then a
 ///   butterfly over the warp; `y = acc · s + bias` rounded to BF16 (the GEMM's output);
 /// - epilogue: `act` in f32 on the rounded `y` (gated: `act(a) · b`), rounded; `Residual`:
@@ -161,13 +166,13 @@ impl GemvSpec {
     /// Arguments of the entry point.
     pub const ARGS: &'static [KernelArg] = &[
         KernelArg::read("x", "const u16* __restrict__", "BF16 `[m, k]` input rows (`AddNorm`: the residual stream)"),
-        KernelArg::read("a", "const u16* __restrict__", "BF16 `[m, k]` sublayer output to post-norm and add")
-            .when(ArgCond::AddNorm),
+        KernelArg::read("a", "const u16* __restrict__", "BF16 `[m, k]` sublayer output to (post-norm and) add")
+            .when(ArgCond::ResidualAdd),
         KernelArg::read("gamma0", "const u16* __restrict__", "BF16 `[k]` post-norm weight").when(ArgCond::AddNorm),
         KernelArg::read("beta0", "const u16* __restrict__", "BF16 `[k]` post-norm bias (LayerNorm)")
             .when(ArgCond::AddNormBeta),
-        KernelArg::write("h_out", "u16* __restrict__", "BF16 `[m, k]` `x + norm0(a)`, written by block 0")
-            .when(ArgCond::AddNorm),
+        KernelArg::write("h_out", "u16* __restrict__", "BF16 `[m, k]` `x + (norm0)(a)`, written by block 0")
+            .when(ArgCond::ResidualAdd),
         KernelArg::read("gamma1", "const u16* __restrict__", "BF16 `[k]` pre-norm weight").when(ArgCond::PreNorm),
         KernelArg::read("beta1", "const u16* __restrict__", "BF16 `[k]` pre-norm bias (LayerNorm)")
             .when(ArgCond::PreNormBeta),
@@ -190,6 +195,7 @@ impl Family for GemvSpec {
     fn has(&self, cond: ArgCond) -> bool {
         let layer_norm = self.norm == NormKind::LayerNorm;
         match cond {
+            ArgCond::ResidualAdd => matches!(self.prologue, GemvPrologue::AddNorm | GemvPrologue::ResidualNorm),
             ArgCond::AddNorm => self.prologue == GemvPrologue::AddNorm,
             ArgCond::AddNormBeta => self.prologue == GemvPrologue::AddNorm && layer_norm,
             ArgCond::PreNorm => self.prologue != GemvPrologue::None,
