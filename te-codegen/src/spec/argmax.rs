@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 /// thread scans a strided share of the row, then a warp and a block reduction of `(value,
 /// index)` pairs.
 ///
-/// Entry point `<name>` ([`ArgmaxSpec::ARGS`]).
+/// Entry points: `<name>` ([`ArgmaxSpec::ARGS`]); for few rows, `<name>_split` ([`ArgmaxSpec::SPLIT_ARGS`]:
+/// grid `(parts, rows)`, each block the best of its `ceil(cols / parts)` columns, `-2` for a part
+/// holding a NaN) then `<name>_merge` ([`ArgmaxSpec::MERGE_ARGS`]: a block per row over its parts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ArgmaxSpec {
     /// Element type of `x`: f32, bf16 or f16.
@@ -35,12 +37,37 @@ impl ArgmaxSpec {
         KernelArg::scalar("rows", "u64", "rows"),
         KernelArg::scalar("cols", "u64", "values per row"),
     ];
+
+    /// Arguments of `<name>_split`.
+    pub const SPLIT_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("x", "const void* __restrict__", "`[rows, cols]` values"),
+        KernelArg::write("part_v", "float* __restrict__", "f32 `[rows, parts]`: each part's best value"),
+        KernelArg::write("part_i", "int* __restrict__", "i32 `[rows, parts]`: its index, −2 for a part with a NaN"),
+        KernelArg::scalar("rows", "u64", "rows"),
+        KernelArg::scalar("cols", "u64", "values per row"),
+        KernelArg::scalar("parts", "u32", "parts a row is split into (the grid's x)"),
+    ];
+
+    /// Arguments of `<name>_merge`.
+    pub const MERGE_ARGS: &'static [KernelArg] = &[
+        KernelArg::read("part_v", "const float* __restrict__", "f32 `[rows, parts]`"),
+        KernelArg::read("part_i", "const int* __restrict__", "i32 `[rows, parts]`"),
+        KernelArg::write("out", "int* __restrict__", "i32 `[rows]`: each row's argmax, −1 for a row with a NaN"),
+        KernelArg::scalar("rows", "u64", "rows"),
+        KernelArg::scalar("parts", "u32", "parts a row was split into"),
+    ];
 }
 
 impl Family for ArgmaxSpec {
     fn args(&self, entry: usize) -> &'static [KernelArg] {
-        let _ = entry;
-        Self::ARGS
+        match entry {
+            1 => Self::SPLIT_ARGS,
+            2 => Self::MERGE_ARGS,
+            _ => Self::ARGS,
+        }
+    }
+    fn entry_suffixes(&self) -> &'static [&'static str] {
+        &["", "_split", "_merge"]
     }
     fn family(&self) -> &'static str {
         "argmax"
