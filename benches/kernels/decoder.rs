@@ -3,7 +3,9 @@
 //! the split-K decode kernels; greedy sampling on the host) for Gemma 3 270M — the real GGUF when
 //! `TE_GEMMA_GGUF` names it, else its architecture with random weights (the speed does not
 //! depend on them) — at batch 1, 8 and 32 with prompts of 128 and 1024 tokens, 128 new tokens,
-//! BF16 and FP8 (E4M3 weights, current scaling; with the LM head in FP8 too). Wall-clock time, as `te generate` runs:
+//! BF16 and FP8 (E4M3 weights, current scaling; with the LM head in FP8 too), the steps of batch 1
+//! through the fused decode GEMVs and, as "unfused" at batch 1 and 8, through GEMMs and separate
+//! kernels (`Decoder::set_fused_decode(false)`). Wall-clock time, as `te generate` runs:
 //! prefill tokens/s (the prompts and the first token) and decode tokens/s (all sequences) over
 //! the other 127 steps. The decode floor: every weight read once (the 262k-row LM head is most of
 //! it) plus the cached keys and values at the mean length, over this run's copy bandwidth.
