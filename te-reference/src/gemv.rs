@@ -73,13 +73,19 @@ pub fn gemv(spec: &GemvSpec, inp: &GemvInputs<'_>, (m, n): (usize, usize), eps: 
     let adds = matches!(spec.prologue, GemvPrologue::AddNorm | GemvPrologue::ResidualNorm);
     let mut h_out = adds.then(|| vec![0.0; m * k]);
     let mut out = inp.out.to_vec();
+    let pre_norm = || match inp.norm {
+        Some(n) => n,
+        None => panic!("a {} prologue needs the pre-norm's weights", spec.prologue.name()),
+    };
     for r in 0..m {
         let x = &inp.x[r * k..(r + 1) * k];
         let p: Vec<f32> = match spec.prologue {
             GemvPrologue::None => x.to_vec(),
-            GemvPrologue::Norm => norm_row(spec, x, inp.norm.expect("the pre-norm's weights"), eps),
+            GemvPrologue::Norm => norm_row(spec, x, pre_norm(), eps),
             GemvPrologue::AddNorm | GemvPrologue::ResidualNorm => {
-                let (a, post) = inp.add.expect("the sublayer output");
+                let Some((a, post)) = inp.add else {
+                    panic!("a {} prologue needs the sublayer output", spec.prologue.name())
+                };
                 let a = &a[r * k..(r + 1) * k];
                 let a = match post {
                     Some(post) if spec.prologue == GemvPrologue::AddNorm => norm_row(spec, a, post, eps),
@@ -89,7 +95,7 @@ pub fn gemv(spec: &GemvSpec, inp: &GemvInputs<'_>, (m, n): (usize, usize), eps: 
                 if let Some(h_out) = h_out.as_mut() {
                     h_out[r * k..(r + 1) * k].copy_from_slice(&h);
                 }
-                norm_row(spec, &h, inp.norm.expect("the pre-norm's weights"), eps)
+                norm_row(spec, &h, pre_norm(), eps)
             }
         };
         for j in 0..n {

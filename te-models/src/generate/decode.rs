@@ -32,6 +32,24 @@ pub trait Decoder {
     /// # Errors
     /// The model's errors.
     fn step(&mut self, next: &[i32], position: usize) -> Result<Vec<f32>>;
+    /// [`Decoder::prefill`] for greedy decoding: each sequence's token of the largest logit (the
+    /// lowest id of ties), `[batch]`. By default the logits come to the host and are picked
+    /// there; a GPU decoder picks on the device and sends one id a sequence.
+    ///
+    /// # Errors
+    /// The model's errors; a logit that is NaN.
+    fn prefill_greedy(&mut self, ids: &[i32], len: usize, batch: usize) -> Result<Vec<i32>> {
+        let logits = self.prefill(ids, len, batch)?;
+        sample_rows(&logits, self.vocab_size(), &SamplingConfig::greedy(), 0, len)
+    }
+    /// [`Decoder::step`] for greedy decoding, as [`Decoder::prefill_greedy`].
+    ///
+    /// # Errors
+    /// As [`Decoder::prefill_greedy`].
+    fn step_greedy(&mut self, next: &[i32], position: usize) -> Result<Vec<i32>> {
+        let logits = self.step(next, position)?;
+        sample_rows(&logits, self.vocab_size(), &SamplingConfig::greedy(), 0, position + 1)
+    }
 }
 
 /// The checks of a generation: at least one prompt, all of one length ≥ 1, that length plus
@@ -112,14 +130,23 @@ pub fn generate(
     }
     let vocab = decoder.vocab_size();
     let ids: Vec<i32> = (0..len * b).map(|t| prompts[t % b][t / b]).collect();
-    let mut logits = decoder.prefill(&ids, len, b)?;
+    // Greedy decoding lets the decoder pick (on the device, one id a sequence comes back).
+    let greedy = sampling.temperature == 0.0;
+    let mut next = if greedy {
+        decoder.prefill_greedy(&ids, len, b)?
+    } else {
+        sample_rows(&decoder.prefill(&ids, len, b)?, vocab, sampling, seed, len)?
+    };
     for i in 0..max_new_tokens {
         let position = len + i;
-        let next = sample_rows(&logits, vocab, sampling, seed, position)?;
         on_tokens(i, &next)?;
         out.iter_mut().zip(&next).for_each(|(o, &t)| o.push(t));
         if i + 1 < max_new_tokens {
-            logits = decoder.step(&next, position)?;
+            next = if greedy {
+                decoder.step_greedy(&next, position)?
+            } else {
+                sample_rows(&decoder.step(&next, position)?, vocab, sampling, seed, position + 1)?
+            };
         }
     }
     Ok(out)

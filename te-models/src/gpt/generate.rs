@@ -12,7 +12,8 @@ use crate::generate::decode::{generate, Decoder};
 use crate::generate::SamplingConfig;
 use te_nn::fp8::{fp8_autocast, Recipe};
 use te_nn::modules::{InferenceParams, TokenIds};
-use te_runtime::graph::Graph;
+use te_runtime::graph::{Graph, HostCopies};
+use te_runtime::ops::argmax::argmax;
 use te_runtime::ops::elementwise::add;
 use te_runtime::{Error, Result, Tensor};
 
@@ -159,15 +160,6 @@ fn run(
     }
 }
 
-impl GpuDecoder<'_> {
-    /// The logits of the last `b` rows, on the host as f32.
-    fn last_rows(&self, logits: &Tensor, b: usize) -> Result<Vec<f32>> {
-        let all = logits.to_f32(&self.model.dev)?;
-        let v = self.model.cfg.vocab_size;
-        Ok(all[all.len() - b * v..].to_vec())
-    }
-}
-
 impl Decoder for GpuDecoder<'_> {
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
@@ -187,6 +179,55 @@ impl Decoder for GpuDecoder<'_> {
     }
 
     fn prefill(&mut self, ids: &[i32], len: usize, b: usize) -> Result<Vec<f32>> {
+        let logits = self.prefill_logits(ids, len, b)?;
+        self.last_rows(&logits, b)
+    }
+
+    fn step(&mut self, next: &[i32], position: usize) -> Result<Vec<f32>> {
+        let logits = self.step_logits(next, position)?;
+        self.last_rows(&logits, next.len())
+    }
+
+    fn prefill_greedy(&mut self, ids: &[i32], len: usize, b: usize) -> Result<Vec<i32>> {
+        let logits = self.prefill_logits(ids, len, b)?;
+        self.picks(&logits, b)
+    }
+
+    fn step_greedy(&mut self, next: &[i32], position: usize) -> Result<Vec<i32>> {
+        let logits = self.step_logits(next, position)?;
+        self.picks(&logits, next.len())
+    }
+}
+
+impl GpuDecoder<'_> {
+    /// The logits of the last `b` rows, on the host as f32.
+    fn last_rows(&self, logits: &Tensor, b: usize) -> Result<Vec<f32>> {
+        let all = logits.to_f32(&self.model.dev)?;
+        let v = self.model.cfg.vocab_size;
+        Ok(all[all.len() - b * v..].to_vec())
+    }
+
+    /// The greedy picks of the last `b` rows of `logits`, chosen on the device (kernel family 21):
+    /// one id a row comes to the host, not the row.
+    fn picks(&self, logits: &Tensor, b: usize) -> Result<Vec<i32>> {
+        let dev = &self.model.dev;
+        let rows = logits.numel() / self.model.cfg.vocab_size.max(1);
+        // SAFETY: i32 has no invalid bit patterns; the kernel writes one value a row.
+        let mut out = unsafe { dev.stream().alloc::<i32>(rows) }?;
+        argmax(dev, logits, &mut out)?;
+        let picks = dev.stream().dtoh(&out)?;
+        let last = &picks[rows - b..];
+        if let Some(j) = last.iter().position(|&t| t < 0) {
+            return Err(Error::Argument {
+                op: MODEL,
+                message: format!("sequence {j}: a logit is NaN: the model's output is not finite"),
+            });
+        }
+        Ok(last.to_vec())
+    }
+
+    /// The prefill's logits `[len · b, vocab]` on the device.
+    fn prefill_logits(&mut self, ids: &[i32], len: usize, b: usize) -> Result<Tensor> {
         self.params.reset();
         (self.graph, self.inputs, self.eager_steps) = (None, None, 0);
         let dev = self.model.dev.clone();
@@ -196,10 +237,11 @@ impl Decoder for GpuDecoder<'_> {
         self.params.begin_step(len)?;
         let logits = run(self.model, &ids, &positions, self.params, self.options.fp8);
         self.params.end_step();
-        self.last_rows(&logits?, b)
+        logits
     }
 
-    fn step(&mut self, next: &[i32], position: usize) -> Result<Vec<f32>> {
+    /// A decode step's logits `[b, vocab]` on the device (valid until the next step).
+    fn step_logits(&mut self, next: &[i32], position: usize) -> Result<Tensor> {
         let dev = self.model.dev.clone();
         let b = next.len();
         let pos = vec![position as i32; b];
@@ -238,6 +280,6 @@ impl Decoder for GpuDecoder<'_> {
             }
         };
         self.params.end_step();
-        self.last_rows(&logits?, b)
+        logits
     }
 }

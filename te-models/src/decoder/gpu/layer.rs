@@ -258,10 +258,11 @@ impl Layer {
     /// The layer's forward over a decode step's few token rows through the fused GEMVs
     /// (`ops::gemv`: four launches for the four GEMMs and the norms, bias, activation and
     /// residual adds around them): the pre-norm (after the previous layer's pending sandwich add)
-    /// + QKV, the fused qk-norm + RoPE + cache append, the decode attention, the projection (+
-    /// residual, or stored for the sandwich norm), the MLP norm (+ the sandwich add) + fc1 +
-    /// activation, fc2 (+ residual, or left pending for the next layer's prologue). FP8 weights
-    /// are read as E4M3 codes with their scale (the activations stay BF16).
+    /// and QKV; the fused qk-norm, RoPE and cache append; the decode attention; the projection
+    /// (with the residual add, or stored for the sandwich norm); the MLP norm (after the sandwich
+    /// add), fc1 and the activation; fc2 (with the residual add, or left pending for the next
+    /// layer's prologue). FP8 weights are read as E4M3 codes with their scale (the activations
+    /// stay BF16).
     pub fn forward_decode(
         &mut self,
         dev: &Arc<Device>,
