@@ -48,6 +48,9 @@ pub struct DecodeAttnSpec {
 impl DecodeAttnSpec {
     /// Threads per block of every entry point.
     pub const THREADS: usize = 128;
+    /// The most key chunks a query is split into (the combine keeps a weight per split in
+    /// shared memory).
+    pub const MAX_SPLITS: usize = 1024;
 
     /// The kernels of `head_dim` and `dtype` for `arch`.
     pub const fn new(dtype: DType, head_dim: usize, arch: Arch) -> Self {
@@ -145,6 +148,7 @@ impl Family for DecodeAttnSpec {
         ctx.insert("d", &self.head_dim);
         ctx.insert("lanes", &self.lanes());
         ctx.insert("threads", &Self::THREADS);
+        ctx.insert("max_splits", &Self::MAX_SPLITS);
     }
     fn entry_suffixes(&self) -> &'static [&'static str] {
         &["", "_combine", "_append"]

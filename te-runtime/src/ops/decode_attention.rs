@@ -82,7 +82,7 @@ pub fn cache_shape(p: &AttentionShape) -> [usize; 4] {
 pub fn splits(p: &AttentionShape, sm_count: usize) -> (usize, usize) {
     let queries = p.batch * p.heads;
     let want = (2 * sm_count).div_ceil(queries.max(1)).max(1);
-    let splits = want.min((p.sk / 32).max(1));
+    let splits = want.min((p.sk / 32).max(1)).min(DecodeAttnSpec::MAX_SPLITS);
     (splits, p.sk.div_ceil(splits))
 }
 

@@ -322,16 +322,22 @@ impl Decoder {
         Ok(hidden)
     }
 
+    /// The embedded rows `[ids, hidden]` BF16 of `ids` (scaled by the model's embedding scale).
+    fn embed(&self, ids: &cudarc::driver::CudaSlice<i32>) -> DecoderResult<Tensor> {
+        let mut x = Tensor::empty(&self.dev, DType::BF16, &[ids.len(), self.cfg.hidden_size])?;
+        self.embedding.lookup(&self.dev, ids, &mut x)?;
+        let scale = self.cfg.embedding_scale(DType::BF16);
+        if scale != 1.0 {
+            scale_assign(&self.dev, &mut x, scale)?;
+        }
+        Ok(x)
+    }
+
     /// The embedding of `ids` (device, one per token of `step`), every layer and the final norm:
     /// device work only (no host transfer), so a decode step can be captured in a CUDA graph.
     fn run(&mut self, ids: &cudarc::driver::CudaSlice<i32>, mut step: cache::Step<'_>) -> DecoderResult<Tensor> {
         let dev = self.dev.clone();
-        let mut x = Tensor::empty(&dev, DType::BF16, &[ids.len(), self.cfg.hidden_size])?;
-        self.embedding.lookup(&dev, ids, &mut x)?;
-        let scale = self.cfg.embedding_scale(DType::BF16);
-        if scale != 1.0 {
-            scale_assign(&dev, &mut x, scale)?;
-        }
+        let mut x = self.embed(ids)?;
         let guard = match self.precision.fp8() {
             Some(recipe) => Some(Fp8Autocast::new(recipe).enter()?),
             None => None,
@@ -361,13 +367,7 @@ impl Decoder {
     /// prologue). Returns the logits `[tokens, vocab]` BF16.
     fn run_decode(&mut self, ids: &cudarc::driver::CudaSlice<i32>, mut step: cache::Step<'_>) -> DecoderResult<Tensor> {
         let dev = self.dev.clone();
-        let mut x = Tensor::empty(&dev, DType::BF16, &[ids.len(), self.cfg.hidden_size])?;
-        self.embedding.lookup(&dev, ids, &mut x)?;
-        let scale = self.cfg.embedding_scale(DType::BF16);
-        if scale != 1.0 {
-            scale_assign(&dev, &mut x, scale)?;
-        }
-        let mut s = DecodeStream::new(x, &self.cfg);
+        let mut s = DecodeStream::new(self.embed(ids)?, &self.cfg);
         for (l, layer) in self.layers.iter_mut().enumerate() {
             layer.forward_decode(&dev, &self.cfg, &mut s, &mut step, (l, &self.inv_freq[layer.rope]))?;
         }
