@@ -1,6 +1,6 @@
 //! Generation with the GPU decoder (`te_models::decoder::Decoder`: prompts of one length per
 //! batch in one prefill through the fused attention, then one token per sequence per step through
-//! the split-K decode kernels; greedy sampling on the host) for Gemma 3 270M — the real GGUF when
+//! the split-K decode kernels; greedy picks on the device) for Gemma 3 270M — the real GGUF when
 //! `TE_GEMMA_GGUF` names it, else its architecture with random weights (the speed does not
 //! depend on them) — at batch 1, 8 and 32 with prompts of 128 and 1024 tokens, 128 new tokens,
 //! BF16 and FP8 (E4M3 weights, current scaling; with the LM head in FP8 too), the steps of batch 1
