@@ -17,7 +17,7 @@
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::prewarm::sorted;
-use te_codegen::spec::{CrossEntropySpec, DecodeAttnSpec, ElementwiseSpec};
+use te_codegen::spec::{ArgmaxSpec, CrossEntropySpec, DecodeAttnSpec, ElementwiseSpec};
 use te_codegen::DType;
 use te_nn::fp8::{fp8_autocast, Recipe};
 use te_nn::modules::{
@@ -456,6 +456,29 @@ mod tests {
         }
         assert!(specs.iter().all(|s| !matches!(s, KernelSpec::Rope(_) | KernelSpec::Optimizer(_))));
         assert!(specs.contains(&DecodeAttnSpec::new(DType::BF16, 64, arch).into()), "generation's decode kernels");
+        assert!(specs.contains(&ArgmaxSpec::new(DType::BF16, arch).into()), "greedy generation's argmax");
+        // The decode GEMVs of one and two sequences, named as the launcher names them.
+        use te_codegen::spec::{GemvEpilogue, GemvPrologue, NormKind};
+        use te_runtime::ops::gemv::gemv_spec;
+        let ln = (GemvPrologue::Norm, NormKind::LayerNorm, false);
+        let residual_ln = (GemvPrologue::ResidualNorm, NormKind::LayerNorm, false);
+        let plain = (GemvPrologue::None, NormKind::LayerNorm, false);
+        for m in [1, 2] {
+            for spec in [
+                gemv_spec(arch, DType::BF16, (768, m), ln, (true, GemvEpilogue::Store)),
+                gemv_spec(arch, DType::BF16, (768, m), plain, (true, GemvEpilogue::Store)),
+                gemv_spec(
+                    arch,
+                    DType::BF16,
+                    (768, m),
+                    residual_ln,
+                    (true, GemvEpilogue::Act(te_codegen::spec::Activation::Gelu)),
+                ),
+                gemv_spec(arch, DType::BF16, (3072, m), plain, (true, GemvEpilogue::Residual)),
+            ] {
+                assert!(specs.contains(&spec.into()), "{spec:?} missing");
+            }
+        }
         let f32_specs = GptConfig { params_dtype: DType::F32, ..GptConfig::tiny() }.kernel_specs(&target);
         assert!(f32_specs.contains(&CrossEntropySpec::new(DType::F32, true, arch).into()), "the model's dtype applies");
     }

@@ -169,8 +169,9 @@ impl GptConfig {
 
     /// The kernels the GPT runs outside its parts, in `target`'s dtype: the sum of the token and
     /// position embeddings, the fused cross-entropy of the logits with and without their
-    /// gradient (training and evaluation), and the decode attention of generation
-    /// ([`Gpt::generate`]; bf16/f16 models with a head dim the decode kernels take).
+    /// gradient (training and evaluation), the decode attention of generation
+    /// ([`Gpt::generate`]; bf16/f16 models with a head dim the decode kernels take), the decode
+    /// GEMVs of its layers and the argmax of greedy generation.
     pub(crate) fn loss_kernel_specs(&self, target: &KernelTarget, specs: &mut Vec<KernelSpec>) {
         let (dt, arch) = (target.params_dtype, target.arch);
         specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
@@ -181,5 +182,9 @@ impl GptConfig {
         if te_codegen::spec::Family::validate(&decode).is_ok() {
             specs.push(decode.into());
         }
+        // Decode steps of one or two sequences run the decode GEMVs; greedy generation picks on
+        // the device.
+        self.layer_config(0).decode_gemv_specs(arch, specs);
+        specs.push(ArgmaxSpec::new(dt, arch).into());
     }
 }

@@ -273,6 +273,40 @@ impl TransformerLayerConfig {
         specs.push(ElementwiseSpec::add(dt, dt, dt, arch).into());
         specs.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
     }
+
+    /// The decode GEMVs a generation step of one or two sequences runs through
+    /// (`TransformerLayer::infer_cached` of a pre-LN BF16 layer with a dense MLP, no tensor
+    /// parallelism; none for other layers): the norm + QKV, the projection, the residual add +
+    /// MLP norm + fc1 + activation, fc2 + the residual add, at each row count. Not part of
+    /// [`TransformerLayerConfig::kernel_specs`]: a model that generates adds them (the GPT's list
+    /// does).
+    pub fn decode_gemv_specs(&self, arch: te_codegen::Arch, specs: &mut Vec<KernelSpec>) {
+        use te_codegen::spec::{GemvEpilogue, GemvPrologue};
+        use te_runtime::ops::gemv::{gemv_spec, max_rows, DECODE_MAX_ROWS};
+        let parts = self.parts();
+        let (MlpConfig::Dense(mlp), a) = (&parts.mlp, &parts.attention) else { return };
+        let width = a.num_attention_heads * a.kv_channels.unwrap_or(a.hidden_size / a.num_attention_heads.max(1));
+        let (h, ffn) = (self.hidden_size, self.ffn_hidden_size);
+        let fits = [h, width, ffn].iter().all(|&k| k % 16 == 0 && max_rows(k) >= DECODE_MAX_ROWS);
+        if self.params_dtype != DType::BF16
+            || self.output_layernorm
+            || self.apply_residual_connection_post_layernorm
+            || self.tp.is_some()
+            || !fits
+        {
+            return;
+        }
+        let (kind, zc) = (self.normalization, self.zero_centered_gamma);
+        let plain = (GemvPrologue::None, kind, false);
+        let qkv_bias = a.qkv_bias.unwrap_or(a.bias);
+        for m in 1..=DECODE_MAX_ROWS {
+            let spec = |k, prologue, epilogue| gemv_spec(arch, DType::BF16, (k, m), prologue, epilogue).into();
+            specs.push(spec(h, (GemvPrologue::Norm, kind, zc), (qkv_bias, GemvEpilogue::Store)));
+            specs.push(spec(width, plain, (a.bias, GemvEpilogue::Store)));
+            specs.push(spec(h, (GemvPrologue::ResidualNorm, kind, zc), (mlp.bias, GemvEpilogue::Act(mlp.activation))));
+            specs.push(spec(ffn, plain, (mlp.bias, GemvEpilogue::Residual)));
+        }
+    }
 }
 
 impl EmbeddingConfig {

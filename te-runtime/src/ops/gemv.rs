@@ -130,6 +130,23 @@ pub fn max_rows(k: usize) -> usize {
     GemvSpec::max_rows(k)
 }
 
+/// The kernel [`gemv`] runs on `arch` for a `weight` dtype, `k` features and `m` rows, the
+/// prologue `(prologue, norm kind, zero_centered_gamma)` and `(bias, epilogue)`: one spec per
+/// power of two of rows (fewer accumulators for a single sequence). Prewarm lists
+/// (`te_nn::modules::TransformerLayerConfig::kernel_specs`) name the kernels through it.
+pub fn gemv_spec(
+    arch: Arch,
+    weight: DType,
+    (k, m): (usize, usize),
+    (prologue, norm, zero_centered_gamma): (GemvPrologue, NormKind, bool),
+    (bias, epilogue): (bool, GemvEpilogue),
+) -> GemvSpec {
+    let rows = m.next_power_of_two().min(max_rows(k)).max(1);
+    GemvSpec::new(weight, k, rows, arch)
+        .with_prologue(prologue, norm, zero_centered_gamma)
+        .with_epilogue(bias, epilogue)
+}
+
 /// `out[r, j] = epilogue(round(p[r] · w[j] · s + bias[j]))` for the rows `p` of `input`
 /// (BF16 `[m, k]`, `m ≤ `[`max_rows`]`(k)`), the matrix's weight `w: [n · weight_rows, k]` and
 /// `out: [m, n]` BF16; `Residual` adds into `out` in place, a gated activation reads weight (and
@@ -221,11 +238,7 @@ pub fn gemv(
     }
     let zc = kind.is_some_and(|k| k.zero_centered_gamma);
     let eps = kind.map_or(0.0, |k| k.eps);
-    // One spec per power of two of rows: fewer accumulators for a single sequence.
-    let rows = m.next_power_of_two().min(max);
-    let spec = GemvSpec::new(w.dtype(), k, rows, dev.arch())
-        .with_prologue(prologue, norm_kind, zc)
-        .with_epilogue(bias.is_some(), epilogue);
+    let spec = gemv_spec(dev.arch(), w.dtype(), (k, m), (prologue, norm_kind, zc), (bias.is_some(), epilogue));
     spec.validate().map_err(shape_err)?;
     let f = dev.function(&KernelSpec::Gemv(spec), 0)?;
     let shared = spec.shared_bytes();
