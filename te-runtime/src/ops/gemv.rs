@@ -294,3 +294,32 @@ pub fn gemv(
     // the rows or writes anything.
     unsafe { l.launch(launch_1d(blocks, GemvSpec::THREADS, shared as u32)) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_kernel_per_power_of_two_of_rows_within_the_shared_memory() {
+        let spec = |k, m| {
+            let pro = (GemvPrologue::Norm, NormKind::RmsNorm, true);
+            gemv_spec(Arch::Sm90a, DType::BF16, (k, m), pro, (false, GemvEpilogue::Store))
+        };
+        let rows = |k, m| spec(k, m).rows;
+        assert_eq!([rows(640, 1), rows(640, 2), rows(640, 3), rows(640, 5), rows(640, 8)], [1, 2, 4, 8, 8]);
+        // k = 8192: six rows fit 96 KiB, so five rows take the six-row kernel.
+        assert_eq!((max_rows(8192), rows(8192, 5)), (6, 6));
+        let s = spec(640, 1);
+        assert!(s.zero_centered_gamma && s.prologue == GemvPrologue::Norm && s.validate().is_ok());
+        // A plain prologue drops the norm options.
+        let plain = gemv_spec(
+            Arch::Sm89,
+            DType::E4M3,
+            (2048, 2),
+            (GemvPrologue::None, NormKind::LayerNorm, true),
+            (true, GemvEpilogue::Residual),
+        );
+        assert!(!plain.zero_centered_gamma && plain.bias && plain.validate().is_ok());
+        assert_eq!(DECODE_MAX_ROWS, 2);
+    }
+}
