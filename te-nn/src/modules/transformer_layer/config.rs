@@ -56,7 +56,7 @@ pub struct TransformerLayerConfig {
     pub params_dtype: DType,
     /// Weight-init seed; also the dropout seed.
     pub seed: u64,
-    /// A mixture-of-experts MLP ([`MoeMLP`], each expert `ffn_hidden_size` wide) instead of
+    /// A mixture-of-experts MLP ([`MoeMLP`](crate::modules::MoeMLP), each expert `ffn_hidden_size` wide) instead of
     /// `LayerNormMLP`. Default `None`. Pre-LN only (not with
     /// `apply_residual_connection_post_layernorm`).
     pub moe: Option<MoeConfig>,
