@@ -17,7 +17,7 @@ use te_runtime::ops::activation;
 use te_runtime::ops::decode_attention::{decode, Strided};
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
-use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm, GemvNormKind};
+use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm};
 use te_runtime::ops::qkv_rope::{qkv_rope, QkNorm};
 use te_runtime::{Device, Tensor};
 
@@ -371,23 +371,17 @@ pub(super) struct DecodeStream {
     pub x: Tensor,
     /// The pending sublayer output `[tokens, hidden]` and its post-norm's `γ`, `β`.
     pub pending: Option<(Tensor, (Tensor, Option<Tensor>))>,
-    /// The model's norm options.
-    pub kind: GemvNormKind,
 }
 
 impl DecodeStream {
-    /// The stream of the embedded rows `x` for a model of `cfg`.
-    pub fn new(x: Tensor, cfg: &DecoderConfig) -> Self {
-        let kind = GemvNormKind {
-            kind: cfg.normalization,
-            eps: cfg.layernorm_epsilon,
-            zero_centered_gamma: cfg.zero_centered_gamma,
-        };
-        Self { x, pending: None, kind }
+    /// The stream of the embedded rows `x`.
+    pub fn new(x: Tensor) -> Self {
+        Self { x, pending: None }
     }
 
     /// `out = epilogue(pre(x) · w)` for the module `m` after the pre-norm `pre`, adding the
-    /// pending sublayer output into the stream first when there is one (the GEMV's `AddNorm`).
+    /// pending sublayer output into the stream first when there is one (the GEMV's `AddNorm`;
+    /// the model's norms share `pre`'s kind and options).
     pub fn gemv(
         &mut self,
         dev: &Arc<Device>,
@@ -396,13 +390,16 @@ impl DecodeStream {
         out: &mut Tensor,
     ) -> DecoderResult<()> {
         let mat = matrix(m)?;
-        let norm = GemvNorm { gamma: pre.params().weight(), beta: pre.params().bias() };
+        let (kind, norm) = pre
+            .params()
+            .gemv_norm()
+            .ok_or_else(|| DecoderError::config("precision", "the decode GEMV reads BF16 norm weights only"))?;
         match self.pending.take() {
-            None => gemv(dev, GemvInput::Norm { x: &self.x, kind: self.kind, norm }, mat, epilogue, out)?,
+            None => gemv(dev, GemvInput::Norm { x: &self.x, kind, norm }, mat, epilogue, out)?,
             Some((a, (gamma, beta))) => {
                 let mut h = Tensor::empty(dev, DType::BF16, self.x.shape())?;
                 let post = GemvNorm { gamma: &gamma, beta: beta.as_ref() };
-                let input = GemvInput::AddNorm { x: &self.x, a: &a, kind: self.kind, post, norm, h_out: &mut h };
+                let input = GemvInput::AddNorm { x: &self.x, a: &a, kind, post, norm, h_out: &mut h };
                 gemv(dev, input, mat, epilogue, out)?;
                 self.x = h;
             }

@@ -367,7 +367,7 @@ impl Decoder {
     /// prologue). Returns the logits `[tokens, vocab]` BF16.
     fn run_decode(&mut self, ids: &cudarc::driver::CudaSlice<i32>, mut step: cache::Step<'_>) -> DecoderResult<Tensor> {
         let dev = self.dev.clone();
-        let mut s = DecodeStream::new(self.embed(ids)?, &self.cfg);
+        let mut s = DecodeStream::new(self.embed(ids)?);
         for (l, layer) in self.layers.iter_mut().enumerate() {
             layer.forward_decode(&dev, &self.cfg, &mut s, &mut step, (l, &self.inv_freq[layer.rope]))?;
         }
