@@ -202,6 +202,7 @@ mod tests {
             ranks: 1,
             peak_memory: 0,
             parameters: 1,
+            graphed_steps: 0,
         };
         let runs = [run(Precision::Fp8, Some(3.1103)), run(Precision::Bf16, Some(3.0976))];
         let text = outcome(4.0741, &runs, Path::new("out"), true);

@@ -113,7 +113,7 @@ mod tests {
                 step_ms: 1.0,
             })
             .collect();
-        RunSummary { precision, records, tokens_per_s: 1.0, ranks: 1, peak_memory: 0, parameters: 1 }
+        RunSummary { precision, records, tokens_per_s: 1.0, ranks: 1, peak_memory: 0, parameters: 1, graphed_steps: 0 }
     }
 
     #[test]

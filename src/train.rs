@@ -115,6 +115,12 @@ pub struct TrainArgs {
     /// checkpoint (Megatron-LM's skipped iterations).
     #[arg(long, default_value_t = 0)]
     pub skip_nonfinite_steps: u64,
+    /// GPU runs: capture the whole training step (forward, backward, AdamW) in a CUDA graph after
+    /// one eager step and replay it (bit for bit the eager steps, without the host's per-kernel
+    /// launch cost). Data- or tensor-parallel runs, MoE presets and --pack thd step eagerly, with
+    /// a message.
+    #[arg(long)]
+    pub cuda_graph: bool,
     /// FP8 runs with --recipe delayed or current: run attention in FP8 too (TE's `fp8_dpa`: E4M3
     /// q, k, v on Hopper for head_dim 128/256; elsewhere attention stays BF16).
     #[arg(long)]
@@ -208,6 +214,7 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_run
         data_seed: a.seed,
         recipe: recipe(a)?,
         skip_nonfinite_steps: a.skip_nonfinite_steps,
+        cuda_graph: a.cuda_graph,
     })
 }
 
@@ -385,6 +392,7 @@ mod tests {
             ranks: 1,
             peak_memory: 1 << 30,
             parameters: 42,
+            graphed_steps: 0,
         };
         let runs = [run(Precision::Fp8, 2.0), run(Precision::Bf16, 2.0)];
         let cfg = TrainConfig { steps: 2, batch: 4, ..TrainConfig::new(GptConfig::tiny(), 2) };

@@ -20,6 +20,7 @@ use te_models::gpt::{Gpt, GptConfig, MicroBatch};
 use te_nn::fp8::{fp8_autocast, DelayedScaling, Float8BlockScaling, Recipe};
 use te_nn::modules::TokenIds;
 use te_nn::Module;
+use te_runtime::graph::Graph;
 use te_train::optim::{AdamW, AdamWConfig, LrSchedule};
 
 /// Optimizer bytes per parameter (see the module doc).
@@ -56,7 +57,8 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
     // Random tokens; the targets are the ids shifted by one position, as in training.
     let mut rng = StdRng::seed_from_u64(7);
     let ids: Vec<i32> = (0..tokens + batch).map(|_| rng.random_range(0..v as i32)).collect();
-    let ids_t = TokenIds::from_host(&dev, &[s, batch], &ids[..tokens]).unwrap();
+    // With their grouping for the embedding's backward built once (a captured step uploads nothing).
+    let ids_t = TokenIds::from_host(&dev, &[s, batch], &ids[..tokens]).unwrap().with_grad_index(&dev).unwrap();
     let targets = TokenIds::from_host(&dev, &[s, batch], &ids[batch..]).unwrap();
     let shape = format!("b{batch} s{s}");
     let fp8_dpa = DelayedScaling { fp8_dpa: true, ..DelayedScaling::default() };
@@ -86,7 +88,66 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
         let fp8_flops = if fp8 { gemm } else { 0 };
         let step = StepRows { work, shape: &shape, variant, fp8, tokens, params };
         step.record(b, &st, gemm + attention, fp8_flops);
+        // The same step replayed from a CUDA graph (`te train --cuda-graph`), after the eager
+        // steps above loaded its kernels: BF16 and FP8 delayed, for `small` (launch-bound).
+        if work == "gpt small" && matches!(variant, "ours bf16" | "ours fp8 delayed") {
+            let g = graphed_step(b, (&mut model, &mut opt), (&ids_t, &targets), recipe, (warmup, iters));
+            println!(
+                "{work} {variant}: graph {:.0} µs against eager {:.0} µs = {:.2}×",
+                g.median_us,
+                st.total.median_us,
+                st.total.median_us / g.median_us
+            );
+            let w = Work {
+                section: "gpt",
+                work: work.into(),
+                pass: "step",
+                variant: format!("{variant} graph"),
+                precision: if fp8 { "fp8" } else { "bf16" },
+                flops_fp8: 3 * fp8_flops,
+                tokens: Some(tokens as u64),
+            };
+            b.record_work(&shape, g, 3 * (gemm + attention), Some(OPTIMIZER_BYTES_PER_PARAM * params), w);
+        }
     }
+}
+
+/// One training step captured in a CUDA graph and replayed as the trainer does
+/// (`te_train::TrainConfig::cuda_graph`): the dropout base and AdamW's scalars set before each
+/// replay, the step completed on the host after it (which waits for the device, as the eager
+/// step's norm read does).
+fn graphed_step(
+    b: &mut Bench,
+    (model, opt): (&mut Gpt, &mut AdamW),
+    (ids, targets): (&TokenIds, &TokenIds),
+    recipe: Option<Recipe>,
+    (warmup, iters): (usize, usize),
+) -> crate::harness::Stats {
+    let dev = b.dev().clone();
+    let offset0 = model.dropout_offset();
+    dev.set_philox_offset_base(0).unwrap();
+    let (graph, pending) = Graph::capture(&dev, || {
+        let (_, ctx) = match recipe {
+            Some(r) => fp8_autocast(true, r, || model.forward_loss_with(ids, targets, MicroBatch::default()))?,
+            None => model.forward_loss_with(ids, targets, MicroBatch::default())?,
+        };
+        model.backward(ctx)?;
+        opt.issue(&mut *model)
+    })
+    .unwrap();
+    let per_step = model.dropout_offset() - offset0;
+    model.set_dropout_offset(offset0);
+    model.zero_grad();
+    let st = b.time(warmup, iters, |_| {
+        let offset = model.dropout_offset();
+        dev.set_philox_offset_base(offset - offset0).unwrap();
+        let p = opt.prepare_replay(&pending).unwrap();
+        graph.replay().unwrap();
+        opt.finish(&p).unwrap();
+        model.set_dropout_offset(offset + per_step);
+    });
+    dev.set_philox_offset_base(0).unwrap();
+    st
 }
 
 /// The rows of one timed training step (phases forward, backward, optimizer; `section` gpt).

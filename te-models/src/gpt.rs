@@ -152,6 +152,11 @@ pub struct Gpt {
     /// The token shards of the layers and the final norm (sequence parallelism; none without).
     #[module(skip)]
     sequence: SequenceParallel,
+    /// The position ids of the latest `[s, b]` shape, with their grouping for the position
+    /// embedding's backward: built and uploaded once per shape, not per step (a CUDA graph of
+    /// the step then makes no host upload).
+    #[module(skip)]
+    positions: Option<TokenIds>,
     #[module(skip)]
     dev: Arc<Device>,
 }
@@ -207,7 +212,18 @@ impl Gpt {
             dev,
             LinearConfig { bias: false, params_dtype: dt, seed: seed + 2, ..LinearConfig::new(h, cfg.vocab_size) },
         )?;
-        Ok(Self { embedding, position_embedding, layers, final_norm, lm_head, cfg, tp, sequence, dev: dev.clone() })
+        Ok(Self {
+            embedding,
+            position_embedding,
+            layers,
+            final_norm,
+            lm_head,
+            cfg,
+            tp,
+            sequence,
+            positions: None,
+            dev: dev.clone(),
+        })
     }
 
     /// The configuration.
@@ -301,9 +317,7 @@ impl Gpt {
             )));
         }
         let h = self.cfg.hidden_size;
-        // Position of row-major [s, b] element i is i / b.
-        let pos: Vec<i32> = (0..s * b).map(|i| (i / b) as i32).collect();
-        let pos = TokenIds::from_host(&self.dev, &[s, b], &pos)?;
+        let pos = self.positions(s, b)?;
         let (tok, tokens) = self.embedding.forward(ids)?;
         let (wpe, positions) = self.position_embedding.forward(&pos)?;
         let mut x = Tensor::empty(&self.dev, self.cfg.params_dtype, &[s, b, h])?;
@@ -348,6 +362,18 @@ impl Gpt {
         cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
         let ctx = GptCtx { tokens, positions, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
         Ok((GptLoss { per_token: loss, counted, aux, dev: self.dev.clone() }, ctx))
+    }
+
+    /// The position ids of `[s, b]` tokens (row-major element `i` is at position `i / b`), from
+    /// the cache when the shape is the latest one.
+    fn positions(&mut self, s: usize, b: usize) -> Result<TokenIds> {
+        if let Some(p) = self.positions.as_ref().filter(|p| p.shape() == [s, b]) {
+            return Ok(p.clone());
+        }
+        let pos: Vec<i32> = (0..s * b).map(|i| (i / b) as i32).collect();
+        let pos = TokenIds::from_host(&self.dev, &[s, b], &pos)?.with_grad_index(&self.dev)?;
+        self.positions = Some(pos.clone());
+        Ok(pos)
     }
 
     /// Backward of the mean loss: every parameter gradient accumulates (call

@@ -4,7 +4,7 @@ use crate::gemm::Engine;
 use crate::graph::HostCopies;
 use crate::kernels::KernelCache;
 use crate::{Error, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use te_codegen::{Arch, DType, KernelCompiler, KernelSpec};
@@ -39,11 +39,14 @@ pub struct Device {
     kernels: KernelCache,
     /// cuBLASLt state, created by the first GEMM (`None` until then, and after a failed try).
     gemm: Mutex<Option<Arc<Engine>>>,
-    /// The last host-built constant uploaded by [`Device::upload_cached`], with its key.
-    last_upload: Mutex<Option<KeyedUpload>>,
+    /// The latest host-built constants uploaded by [`Device::upload_cached`] with their keys,
+    /// the most recent first, at most `UPLOAD_SLOTS`.
+    uploads: Mutex<Vec<KeyedUpload>>,
     /// A CUDA graph capture is running on the stream ([`crate::graph::Graph::capture`]): kernels
     /// and GEMM algorithms must come from the caches then. Shared with the GEMM engine.
     capturing: Arc<AtomicBool>,
+    /// `[1]` u64 every dropout kernel adds to its Philox offset ([`Device::philox_offset_base`]).
+    philox_offset_base: CudaSlice<u64>,
 }
 
 /// Ends the device's capture mode when dropped ([`Device::begin_capture_mode`]).
@@ -57,6 +60,10 @@ impl Drop for CaptureMode<'_> {
 
 /// An uploaded constant and the key it was built for.
 type KeyedUpload = (Vec<u64>, Arc<CudaSlice<u8>>);
+
+/// Constants [`Device::upload_cached`] keeps: a batch's padding mask and the delayed-scaling
+/// tables of a forward and a backward, with room to spare.
+const UPLOAD_SLOTS: usize = 8;
 
 impl Device {
     /// Opens device `ordinal` with the disk cache the environment asks for.
@@ -95,6 +102,7 @@ impl Device {
         unsafe { ctx.disable_event_tracking() };
         // A stream of its own, not the legacy default stream, which CUDA graphs cannot capture.
         let stream = ctx.new_stream()?;
+        let philox_offset_base = stream.alloc_zeros::<u64>(1)?;
         let dev = Device {
             ctx,
             stream,
@@ -104,8 +112,9 @@ impl Device {
             sm_count,
             kernels: KernelCache::new(compiler),
             gemm: Mutex::new(None),
-            last_upload: Mutex::new(None),
+            uploads: Mutex::new(Vec::new()),
             capturing: Arc::new(AtomicBool::new(false)),
+            philox_offset_base,
         };
         dev.keep_freed_memory()?;
         Ok(Arc::new(dev))
@@ -286,6 +295,21 @@ impl Device {
         self.set_pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
     }
 
+    /// Waits for the stream, then hands the memory the default pool keeps after frees back to
+    /// the driver (PyTorch's `torch.cuda.empty_cache()`; the pool keeps it otherwise, see
+    /// `keep_freed_memory`): before a CUDA graph capture, whose allocations come from the
+    /// driver's graph memory pool, not from this one, so the eager steps' cached activations
+    /// do not sit idle beside the graph's.
+    ///
+    /// # Errors
+    /// [`Error::Capture`] inside a capture; driver failures (a failed kernel surfaces here).
+    pub fn release_cached_memory(&self) -> Result<()> {
+        self.synchronize()?;
+        // SAFETY: the device's default pool; trimming to 0 releases only unused memory.
+        unsafe { sys::cuMemPoolTrimTo(self.default_mem_pool()?, 0) }.result()?;
+        Ok(())
+    }
+
     /// Sets a u64-valued attribute (release threshold, high-water marks) of the default pool.
     fn set_pool_attribute(&self, attr: sys::CUmemPool_attribute, value: u64) -> Result<()> {
         let mut value = value;
@@ -305,22 +329,53 @@ impl Device {
         Ok(pool)
     }
 
-    /// The bytes `build` makes, uploaded once for consecutive calls with the same `key`: the
-    /// padding mask of an attention batch, which every layer of the batch reads (one host build
-    /// and one upload per batch instead of one per layer).
+    /// The bytes `build` makes, uploaded once for calls with the same `key` while it is among
+    /// the latest eight keys: the padding mask of an attention batch, which every
+    /// layer of the batch reads (one host build and one upload per batch instead of one per
+    /// layer), and the delayed-scaling update's table of its states' addresses
+    /// ([`crate::ops::scaling::DelayedScalingTable`], the same every step). A cached key makes
+    /// no upload, so a CUDA graph capture can take it (see [`crate::graph`]). Keys are the
+    /// callers' to keep apart (each starts with words of its own).
     ///
     /// # Errors
-    /// Upload failures.
+    /// Upload failures ([`Error::Capture`] for a new key inside a capture).
     pub fn upload_cached(&self, key: &[u64], build: impl FnOnce() -> Vec<u8>) -> Result<Arc<CudaSlice<u8>>> {
-        let mut slot = self.last_upload.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((k, bytes)) = slot.as_ref() {
-            if k == key {
-                return Ok(bytes.clone());
-            }
+        let mut slots = self.uploads.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = slots.iter().position(|(k, _)| k == key) {
+            let hit = slots.remove(i);
+            let bytes = hit.1.clone();
+            slots.insert(0, hit);
+            return Ok(bytes);
         }
         let bytes = Arc::new(self.stream.htod(&build())?);
-        *slot = Some((key.to_vec(), bytes.clone()));
+        slots.insert(0, (key.to_vec(), bytes.clone()));
+        slots.truncate(UPLOAD_SLOTS);
         Ok(bytes)
+    }
+
+    /// The graph-safe Philox base: one u64 in device memory that every dropout kernel adds to
+    /// the offset it is launched with (PyTorch's CUDA generator reads its offset from device
+    /// memory inside graphs the same way, `philox_cuda_state`). It is 0 unless a graph replay
+    /// set it: a captured step's dropout offsets are frozen in the graph, so before replaying
+    /// it `n` steps later the trainer sets the base to `n` × the offsets one step advances,
+    /// and the replay draws the masks the eager step would have drawn.
+    pub fn philox_offset_base(&self) -> &CudaSlice<u64> {
+        &self.philox_offset_base
+    }
+
+    /// Sets [`Device::philox_offset_base`], ordered on the stream (after the work issued
+    /// before, before the work issued after). A host upload: not inside a capture.
+    ///
+    /// # Errors
+    /// [`Error::Capture`] inside a capture; copy failures.
+    pub fn set_philox_offset_base(&self, base: u64) -> Result<()> {
+        crate::graph::refuse_in_capture(&self.stream, "Device::set_philox_offset_base")?;
+        let (dst, _guard) = self.philox_offset_base.device_ptr(&self.stream);
+        // SAFETY: the buffer (8 bytes) lives as long as `self`; the copy is ordered on its
+        // stream, and from pageable memory it returns once `base` is staged, so the stack
+        // value may go. The only writer of the buffer is this stream-ordered copy.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, (&base as *const u64).cast(), 8, self.stream.cu_stream()) }.result()?;
+        Ok(())
     }
 
     /// Waits for all work on the stream.

@@ -160,6 +160,15 @@ pub fn refuse_in_capture(stream: &CudaStream, what: &str) -> Result<()> {
     }
 }
 
+/// Whether `stream` is capturing a graph now (a caller that prepares device data on the host
+/// takes it from a buffer filled before the capture then).
+///
+/// # Errors
+/// Driver failures of the query.
+pub fn is_capturing(stream: &CudaStream) -> Result<bool> {
+    Ok(stream.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// cudarc's host copies with [`refuse_in_capture`] first: the crate's only way to move data
 /// between host and device.
 pub trait HostCopies {

@@ -83,6 +83,12 @@ pub struct TrainConfig {
     /// Steps with a NaN or infinite loss or gradient norm that are skipped (weights not
     /// updated) before the run stops ([`crate::NonFiniteGuard`]); 0: the first one stops it.
     pub skip_nonfinite_steps: u64,
+    /// GPU runs: capture a whole training step (every micro-batch's forward and backward and
+    /// the AdamW update) in a CUDA graph after one eager step and replay it for the rest of the
+    /// run (TE's `make_graphed_callables` for the whole step; PyTorch's `torch.cuda.graph`),
+    /// bit for bit the eager steps. Runs the graph cannot hold step eagerly, with a message:
+    /// data- or tensor-parallel runs, MoE models, packed (`thd`) batches.
+    pub cuda_graph: bool,
 }
 
 impl TrainConfig {
@@ -107,6 +113,7 @@ impl TrainConfig {
             eval_batches: 8,
             recipe: Recipe::default(),
             skip_nonfinite_steps: 0,
+            cuda_graph: false,
         }
     }
 

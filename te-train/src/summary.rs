@@ -56,6 +56,8 @@ pub struct RunSummary {
     /// run's allocations (parameters, gradients, optimizer state, activations, workspaces); on
     /// the CPU path the process's peak resident set size (0 where it cannot be read).
     pub peak_memory: u64,
+    /// Steps replayed from a CUDA graph ([`crate::TrainConfig::cuda_graph`]); 0 for eager runs.
+    pub graphed_steps: u64,
     /// Parameters of the model (the whole model's, also when each rank holds a tensor-parallel
     /// slice of it).
     pub parameters: usize,
@@ -95,6 +97,7 @@ mod tests {
             ranks: 1,
             peak_memory: 0,
             parameters: 1,
+            graphed_steps: 0,
         };
         assert_eq!((run.final_train_loss(), run.final_val_loss()), (1.0, Some(2.5)));
         let empty = RunSummary { records: vec![], ..run };

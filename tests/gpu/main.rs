@@ -54,4 +54,5 @@ mod scaling;
 mod soak;
 mod softmax;
 mod train;
+mod train_graph;
 mod visit;

@@ -61,10 +61,11 @@ pub(crate) fn config(steps: u64) -> TrainConfig {
         data_seed: 7,
         recipe: DelayedScaling::default().into(),
         skip_nonfinite_steps: 0,
+        cuda_graph: false,
     }
 }
 
-fn losses(records: &[Record]) -> Vec<(u64, u32, Option<u32>)> {
+pub(crate) fn losses(records: &[Record]) -> Vec<(u64, u32, Option<u32>)> {
     records.iter().map(|r| (r.step, r.train_loss.to_bits(), r.val_loss.map(f32::to_bits))).collect()
 }
 

@@ -76,6 +76,11 @@ impl DropoutSpec {
         KernelArg::scalar("cols", "u64", "columns (the bias length)").when(ArgCond::Bias),
         KernelArg::scalar("seed", "u64", "Philox key"),
         KernelArg::scalar("offset", "u64", "Philox counter offset"),
+        KernelArg::read(
+            "offset_base",
+            "const u64* __restrict__",
+            "`[1]` added to `offset`: the device's graph-safe Philox base (0 outside CUDA graph replays)",
+        ),
         KernelArg::scalar(
             "threshold",
             "u64",

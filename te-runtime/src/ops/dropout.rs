@@ -28,7 +28,8 @@ pub struct DropoutParams {
     pub seed: u64,
     /// Philox counter words 2 and 3 (words 0 and 1 index the element's block of four): each
     /// `(seed, offset)` is an independent stream. Use a fresh offset (e.g. a call counter) per
-    /// call for fresh masks, and the same one to reproduce a mask.
+    /// call for fresh masks, and the same one to reproduce a mask. The kernel adds the device's
+    /// graph-safe base ([`crate::Device::philox_offset_base`], 0 outside graph replays).
     pub offset: u64,
 }
 
@@ -181,6 +182,7 @@ fn forward(
     }
     b.scalar("seed", &params.seed)
         .scalar("offset", &params.offset)
+        .ptr("offset_base", dev.philox_offset_base())
         .scalar("threshold", &threshold)
         .scalar("scale", &scale);
     // SAFETY: the arguments follow the forward signature documented on `DropoutSpec`, `bias`

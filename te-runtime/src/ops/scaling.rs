@@ -2,9 +2,9 @@
 
 use super::launch::Launch;
 use super::launch_1d;
-use crate::graph::HostCopies;
 use crate::{Device, Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, SyncOnDrop};
+use cudarc::driver::{CudaSlice, DevicePtrMut, SyncOnDrop};
+use std::sync::Arc;
 use te_codegen::spec::{AmaxComputeAlgo, ScalingSpec};
 use te_codegen::KernelSpec;
 
@@ -32,8 +32,8 @@ pub struct ScalingGroup<'a> {
     pub margin: f32,
 }
 
-/// One slot of the device table, laid out as the kernel's `ScalingSlot` (40 bytes).
-#[repr(C)]
+/// One slot of the device table, uploaded as the kernel's `ScalingSlot` (40 bytes: the four
+/// words, the f32 and the padding, little-endian, as `static_assert`ed by the kernel).
 #[derive(Debug, Clone, Copy)]
 struct SlotEntry {
     history: u64,
@@ -43,10 +43,6 @@ struct SlotEntry {
     scaled_max: f32,
     pad: u32,
 }
-
-// SAFETY: plain `repr(C)` data without implicit padding (4 × u64 + f32 + u32 = 40 bytes, the
-// layout `static_assert`ed by the kernel); any bit pattern is valid.
-unsafe impl DeviceRepr for SlotEntry {}
 
 /// The slot table of a delayed-scaling update, on the device: built once from the groups,
 /// launched any number of times (each launch is one update step).
@@ -58,9 +54,10 @@ unsafe impl DeviceRepr for SlotEntry {}
 #[derive(Debug)]
 pub struct DelayedScalingTable<'a> {
     dev: &'a Device,
-    /// `[n_slots]` entries. Dropping it frees it stream-ordered on the device stream, after
-    /// every kernel launched with it (see [`DelayedScalingTable::new`]).
-    slots: CudaSlice<SlotEntry>,
+    /// `[n_slots]` entries (40 bytes each), from the device's upload cache
+    /// ([`Device::upload_cached`]): the same states make the same table, uploaded once.
+    slots: Arc<CudaSlice<u8>>,
+    n_slots: usize,
     /// cudarc's use-tracking guards of the group buffers. They must drop after the last launch
     /// that writes the buffers: they record the write events when cudarc tracks events (on a
     /// [`Device`] it does not, and they do nothing).
@@ -72,19 +69,16 @@ impl<'a> DelayedScalingTable<'a> {
     /// scale_inv pointers, `history_len` and `fp8_max * 2^-margin`), slots numbered group by
     /// group in order.
     ///
-    /// Lifetime of the table: the entries are copied from a host `Vec` with cudarc's
-    /// `clone_htod` (`cuMemcpyHtoDAsync`), which returns once the driver has taken the bytes,
-    /// so the `Vec` may go right away. The device copy is a `CudaSlice` on the device's stream;
-    /// in cudarc 0.19.10 its `Drop` (event tracking off, as on every [`Device`]) frees it with
-    /// `cuMemFreeAsync` on that stream when the context supports stream-ordered allocation, or
-    /// synchronizes the stream and then frees it otherwise. Either way the memory is released
-    /// only after every kernel launched with it (all on that stream), so dropping the table
-    /// right after a launch is safe.
+    /// The table goes through the device's upload cache ([`Device::upload_cached`], keyed by
+    /// the entries): the states of a training step make the same entries every step, so the
+    /// table is uploaded once and a CUDA graph capture of the step finds it there (no host
+    /// upload inside the capture). The cache holds the device copy as long as it is among the
+    /// latest keys, and the table holds it too, so it outlives every launch issued with it.
     ///
-    /// Host synchronization: the entries come from pageable host memory, and for such copies
+    /// Host synchronization: a new table comes from pageable host memory, and for such copies
     /// the CUDA documentation lets the driver synchronize with the stream to stage the bytes
     /// (the call may then block until the stream's earlier work has finished). Nothing else
-    /// here waits for the device, except the drop without stream-ordered allocation.
+    /// here waits for the device.
     ///
     /// # Errors
     /// [`Error::Shape`] for an empty group list, a group with no slots or `history_len = 0`,
@@ -114,12 +108,29 @@ impl<'a> DelayedScalingTable<'a> {
                 pad: 0,
             }));
         }
-        Ok(Self { dev, slots: stream.htod(&entries)?, _guards: guards })
+        // The key: a word of its own, then each entry's 5 words (the bytes of the table).
+        let mut key = Vec::with_capacity(1 + 5 * entries.len());
+        key.push(u64::from_le_bytes(*b"dscaling"));
+        for e in &entries {
+            key.extend([e.history, e.scale, e.scale_inv, e.len, u64::from(e.scaled_max.to_bits())]);
+        }
+        let slots = dev.upload_cached(&key, || {
+            let mut bytes = Vec::with_capacity(40 * entries.len());
+            for e in &entries {
+                for w in [e.history, e.scale, e.scale_inv, e.len] {
+                    bytes.extend(w.to_le_bytes());
+                }
+                bytes.extend(e.scaled_max.to_le_bytes());
+                bytes.extend(e.pad.to_le_bytes());
+            }
+            bytes
+        })?;
+        Ok(Self { dev, slots, n_slots: entries.len(), _guards: guards })
     }
 
     /// Slots in the table (blocks per launch).
     pub fn n_slots(&self) -> usize {
-        self.slots.len()
+        self.n_slots
     }
 
     /// One update step of every slot in one launch (one block per slot), on the device's
@@ -131,7 +142,7 @@ impl<'a> DelayedScalingTable<'a> {
         let spec = ScalingSpec::delayed(algo, self.dev.arch());
         let f = self.dev.function(&KernelSpec::Scaling(spec), 0)?;
         let mut b = Launch::new("delayed_scaling_update", self.dev.stream(), &f, &spec, 0);
-        b.ptr("slots", &self.slots);
+        b.ptr("slots", &*self.slots);
         // SAFETY: the argument matches the delayed-update signature documented on
         // `ScalingKind::DelayedUpdate`: one entry per block; each entry points at a history row
         // of `len` floats and one scale and scale_inv float inside buffers that `new` checked

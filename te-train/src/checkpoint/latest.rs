@@ -192,6 +192,7 @@ mod tests {
             data_seed: 1,
             recipe: DelayedScaling { amax_history_len: 16, ..DelayedScaling::default() }.into(),
             skip_nonfinite_steps: 0,
+            cuda_graph: false,
         }
     }
 

@@ -8,7 +8,7 @@ use te_codegen::DType;
 use te_nn::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
 use te_runtime::dist::{ProcessGroup, ReduceOp};
 use te_runtime::graph::HostCopies;
-use te_runtime::ops::optimizer::{adamw_step_reduced, AdamWArgs, AdamWTensor};
+use te_runtime::ops::optimizer::{adamw_step_table, AdamWArgs, AdamWTable, AdamWTensor};
 use te_runtime::{Device, Error, Result, Tensor};
 
 const MODULE: &str = "AdamW";
@@ -161,6 +161,20 @@ pub struct AdamW {
     /// The tensor-parallel group the model's layers split over: the gradient norm sums every
     /// rank's part ([`AdamW::with_tensor_parallel`]).
     tensor_parallel: Option<Arc<ProcessGroup>>,
+    /// The fused kernels' chunk table, kept from step to step (a captured step replays it).
+    table: AdamWTable,
+}
+
+/// A step [`AdamW::issue`] queued on the device and [`AdamW::finish`] completes on the host:
+/// what the host must know of it once the device has run it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingStep {
+    /// The step's number (the optimizer's count + 1 when it was issued).
+    step: u64,
+    /// Its learning rate.
+    lr: f32,
+    /// Which parameters (in traversal order) had a gradient: those it updates.
+    updated: Vec<bool>,
 }
 
 impl AdamW {
@@ -201,7 +215,15 @@ impl AdamW {
         if params.is_empty() {
             return Err(Error::Config { module: MODULE, message: "the model has no parameters to optimize".into() });
         }
-        Ok(Self { dev: dev.clone(), config, step: 0, params, norm_out: stream.alloc_zeros(2)?, tensor_parallel: None })
+        Ok(Self {
+            dev: dev.clone(),
+            config,
+            step: 0,
+            params,
+            norm_out: stream.alloc_zeros(2)?,
+            tensor_parallel: None,
+            table: AdamWTable::default(),
+        })
     }
 
     /// This optimizer for one rank of a model whose layers split over `group` (tensor
@@ -232,13 +254,15 @@ impl AdamW {
     /// else its `grad`; a parameter with neither is skipped: its state and value stay as they
     /// are, as PyTorch skips `grad = None`), computes the global norm of those gradients and the
     /// clip coefficient on the device, updates masters and moments with the step's rate
-    /// (`lr.lr(step)`) in one fused launch, and writes each updated parameter back through
-    /// [`ParamMut::set`] (a new tensor of its dtype; the layer's version is bumped, so contexts
-    /// saved before are stale and a cached FP8 weight is cast anew). Gradients are not cleared:
-    /// call the model's `zero_grad`.
+    /// (`lr.lr(step)`) in one fused launch, and writes each updated parameter in place (the
+    /// new master rounded to its dtype, into the parameter's own storage: every clone of the
+    /// tensor sees it) and hands it back through [`ParamMut::set`], which bumps the layer's
+    /// version, so contexts saved before are stale and a cached FP8 weight is cast anew.
+    /// Gradients are not cleared: call the model's `zero_grad`.
     ///
-    /// Host synchronization: reading the norm for [`StepStats`] waits for the step's kernels
-    /// (the update itself never waits: clipping reads the coefficient on the device).
+    /// [`AdamW::issue`] then [`AdamW::finish`]. Host synchronization: reading the norm for
+    /// [`StepStats`] waits for the step's kernels (the update itself never waits: clipping
+    /// reads the coefficient on the device).
     ///
     /// # Errors
     /// [`Error::Config`] when the model's parameters (paths, shapes, dtypes, order) are not the
@@ -246,16 +270,28 @@ impl AdamW {
     /// first); kernel, allocation and copy failures. The step counts only when it succeeds and
     /// is not skipped ([`AdamWConfig::skip_nonfinite`]).
     pub fn step<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<StepStats> {
+        let pending = self.issue(model)?;
+        self.finish(&pending)
+    }
+
+    /// Queues the step [`AdamW::step`] describes on the device without waiting for it: the
+    /// step is counted by [`AdamW::finish`], after the device ran it. Inside a CUDA graph
+    /// capture ([`te_runtime::graph::Graph::capture`]) it records the step, reading the chunk
+    /// table an earlier step outside the capture left: before each replay,
+    /// [`AdamW::prepare_replay`] writes the replayed step's learning rate and bias corrections
+    /// into it.
+    ///
+    /// # Errors
+    /// As [`AdamW::step`]; [`Error::Capture`] inside a capture when no step of the same
+    /// parameters ran outside it.
+    pub fn issue<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<PendingStep> {
         let grads = self.gather_grads(model)?;
+        let params = self.param_tensors(model)?;
         let dev = self.dev.clone();
         let step = self.step + 1;
         let lr = self.config.lr.lr(step);
-        let mut new_params: Vec<Option<Tensor>> = Vec::with_capacity(self.params.len());
-        for (s, g) in self.params.iter().zip(&grads) {
-            new_params.push(g.as_ref().map(|_| Tensor::empty(&dev, s.dtype, &s.shape)).transpose()?);
-        }
-        let updated = grads.iter().filter(|g| g.is_some()).count();
-        if updated == 0 {
+        let updated: Vec<bool> = grads.iter().map(Option::is_some).collect();
+        if !updated.contains(&true) {
             return Err(Error::Config {
                 module: MODULE,
                 message: "no parameter has a gradient (grad or main_grad); run a backward before step".into(),
@@ -263,9 +299,10 @@ impl AdamW {
         }
         let (weight_decay, decay_all) = (self.config.weight_decay, self.config.decay_biases_and_norms);
         let counts_copies = self.tensor_parallel.as_ref().is_none_or(|g| g.rank() == 0);
-        let mut tensors = Vec::with_capacity(updated);
-        for ((s, g), p) in self.params.iter_mut().zip(&grads).zip(&mut new_params) {
-            if let (Some(grad), Some(param)) = (g, p.as_mut()) {
+        let args = self.args(lr);
+        let mut tensors = Vec::with_capacity(grads.len());
+        for ((s, g), param) in self.params.iter_mut().zip(&grads).zip(&params) {
+            if let Some(grad) = g {
                 let decays = decay_all || s.kind == ParamKind::Weight;
                 tensors.push(AdamWTensor {
                     grad,
@@ -279,30 +316,102 @@ impl AdamW {
                 });
             }
         }
-        let (beta1, beta2) = self.config.betas;
-        let max_grad_norm = self.config.max_grad_norm.unwrap_or(f32::INFINITY);
-        let skip_nonfinite = self.config.skip_nonfinite;
-        let args = AdamWArgs { lr, beta1, beta2, eps: self.config.eps, max_grad_norm, skip_nonfinite };
         let group = self.tensor_parallel.clone();
-        adamw_step_reduced(&dev, &mut tensors, &args, &mut self.norm_out, &mut |partials| match &group {
-            Some(g) => {
-                g.all_reduce(partials, ReduceOp::Sum)?;
-                g.wait()
-            }
-            None => Ok(()),
-        })?;
+        adamw_step_table(
+            &dev,
+            &mut tensors,
+            &args,
+            &mut self.norm_out,
+            &mut |partials| match &group {
+                Some(g) => {
+                    g.all_reduce(partials, ReduceOp::Sum)?;
+                    g.wait()
+                }
+                None => Ok(()),
+            },
+            &mut self.table,
+        )?;
         drop(tensors);
-        self.write_back(model, new_params)?;
-        let out = dev.stream().dtoh(&self.norm_out)?;
-        let skipped = skip_nonfinite && !out[0].is_finite();
-        if !skipped {
-            for (s, g) in self.params.iter_mut().zip(&grads) {
-                s.step += u64::from(g.is_some());
-            }
-            self.step = step;
+        // The same storage handed back: the version bump tells the layers their values changed.
+        let written = params.into_iter().zip(&updated).map(|(p, &u)| u.then_some(p)).collect();
+        self.write_back(model, written)?;
+        Ok(PendingStep { step, lr, updated })
+    }
+
+    /// Completes a step the device ran ([`AdamW::issue`], or a replay of a captured one
+    /// [`AdamW::prepare_replay`] prepared): reads the gradient norm (waiting for the step's
+    /// kernels) and, unless the step was skipped ([`AdamWConfig::skip_nonfinite`] and a
+    /// non-finite norm), counts it for the optimizer and each updated parameter.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a step of another parameter list; copy failures (a failed kernel
+    /// of the step surfaces here).
+    pub fn finish(&mut self, pending: &PendingStep) -> Result<StepStats> {
+        if pending.updated.len() != self.params.len() || pending.step != self.step + 1 {
+            return Err(self.mismatch(format!(
+                "finishing step {} of {} parameters after step {}",
+                pending.step,
+                pending.updated.len(),
+                self.step
+            )));
         }
-        let step = self.step;
-        Ok(StepStats { grad_norm: out[0], clip_coef: out[1], lr, step, params_updated: updated, skipped })
+        let out = self.dev.stream().dtoh(&self.norm_out)?;
+        let skipped = self.config.skip_nonfinite && !out[0].is_finite();
+        if !skipped {
+            for (s, &u) in self.params.iter_mut().zip(&pending.updated) {
+                s.step += u64::from(u);
+            }
+            self.step = pending.step;
+        }
+        let params_updated = pending.updated.iter().filter(|&&u| u).count();
+        Ok(StepStats { grad_norm: out[0], clip_coef: out[1], lr: pending.lr, step: self.step, params_updated, skipped })
+    }
+
+    /// Before replaying a CUDA graph that captured `captured` ([`AdamW::issue`] inside the
+    /// capture): writes the next step's learning rate and each updated parameter's bias
+    /// corrections into the chunk table the graph reads, and returns that step for
+    /// [`AdamW::finish`] after the replay. The graph updates the parameters `captured` updated.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a step of another parameter list; [`Error::Argument`] when no step
+    /// built the table; [`Error::Capture`] inside a capture; copy failures.
+    pub fn prepare_replay(&mut self, captured: &PendingStep) -> Result<PendingStep> {
+        if captured.updated.len() != self.params.len() {
+            return Err(self.mismatch(format!("a captured step of {} parameters", captured.updated.len())));
+        }
+        let step = self.step + 1;
+        let lr = self.config.lr.lr(step);
+        let steps: Vec<u64> =
+            self.params.iter().zip(&captured.updated).filter(|(_, &u)| u).map(|(s, _)| s.step + 1).collect();
+        self.table.refresh(&self.dev, &self.args(lr), &steps)?;
+        Ok(PendingStep { step, lr, updated: captured.updated.clone() })
+    }
+
+    /// The kernel's hyper-parameters at learning rate `lr`.
+    fn args(&self, lr: f32) -> AdamWArgs {
+        let (beta1, beta2) = self.config.betas;
+        AdamWArgs {
+            lr,
+            beta1,
+            beta2,
+            eps: self.config.eps,
+            max_grad_norm: self.config.max_grad_norm.unwrap_or(f32::INFINITY),
+            skip_nonfinite: self.config.skip_nonfinite,
+        }
+    }
+
+    /// Each parameter's tensor (sharing its storage: the step writes it in place).
+    fn param_tensors<M: Module + ?Sized>(&self, model: &M) -> Result<Vec<Tensor>> {
+        let mut out = Vec::with_capacity(self.params.len());
+        model.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            let t = p.tensor().ok_or_else(|| Error::Config {
+                module: MODULE,
+                message: format!("{path} became an FP8-only weight; build a new AdamW for the new model"),
+            })?;
+            out.push(t.clone());
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// Each parameter's gradient (main_grad first), checking the model's parameter list.

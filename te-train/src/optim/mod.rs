@@ -8,5 +8,5 @@ mod adamw;
 mod schedule;
 mod state;
 
-pub use adamw::{AdamW, AdamWConfig, ParamState, StepStats};
+pub use adamw::{AdamW, AdamWConfig, ParamState, PendingStep, StepStats};
 pub use schedule::LrSchedule;

@@ -63,6 +63,11 @@ impl<'a, T: TokenId> Tokens<'a, T> {
         }
     }
 
+    /// Whether the batches are windows of one shape (not packed rows).
+    pub(super) fn is_windows(&self) -> bool {
+        matches!(self, Tokens::Windows { .. })
+    }
+
     /// This rank's batches of the training split drawn with `seed`.
     pub(super) fn train(
         &self,
@@ -137,6 +142,19 @@ impl<T: TokenId> Source<'_, T> {
         }
     }
 
+    /// The next batch of windows on the host (a CUDA graph's static batch is refilled from
+    /// it: [`StepBatch::refill`]); `None` for packed rows, whose tables vary from batch to
+    /// batch.
+    ///
+    /// # Errors
+    /// Data errors.
+    pub(super) fn next_windows(&mut self) -> Result<Option<crate::data::Batch>, TrainError> {
+        match self {
+            Source::Windows { batcher, data, split } => Ok(Some(batcher.next(data, split)?)),
+            Source::Thd(_) => Ok(None),
+        }
+    }
+
     /// Moves past `batches` batches (a resumed run's data order).
     pub(super) fn skip(&mut self, batches: u64) -> Result<(), DataError> {
         match self {
@@ -150,6 +168,34 @@ impl<T: TokenId> Source<'_, T> {
 }
 
 impl StepBatch {
+    /// A batch of `[seq, batch]` windows uploaded into buffers of its own, the ids with their
+    /// grouping for the embedding's backward: the static input of a CUDA graph, which
+    /// [`StepBatch::refill`] overwrites in place before each replay.
+    ///
+    /// # Errors
+    /// Shape, allocation and copy failures.
+    pub(super) fn windows(
+        dev: &Arc<Device>,
+        seq: usize,
+        batch: usize,
+        b: &crate::data::Batch,
+    ) -> te_runtime::Result<Self> {
+        let ids = TokenIds::from_host(dev, &[seq, batch], &b.ids)?.with_grad_index(dev)?;
+        let targets = TokenIds::from_host(dev, &[seq, batch], &b.targets)?;
+        Ok(StepBatch { ids, targets, packing: None })
+    }
+
+    /// Overwrites the ids and targets in place with `b`'s (the same shape): the buffers keep
+    /// their addresses. A host upload: not inside a capture.
+    ///
+    /// # Errors
+    /// [`te_runtime::Error::Shape`] for another number of tokens; [`te_runtime::Error::Argument`]
+    /// while a context still holds the buffers; copy failures.
+    pub(super) fn refill(&mut self, dev: &Device, b: &crate::data::Batch) -> te_runtime::Result<()> {
+        self.ids.update(dev, &b.ids)?;
+        self.targets.update(dev, &b.targets)
+    }
+
     /// `model`'s loss forward of this batch.
     ///
     /// # Errors

@@ -11,7 +11,8 @@
 //! Tensor parallel: the layers split over the tensor-parallel group, each rank writing its
 //! files of every checkpoint.
 
-use super::batches::{Pack, Tokens};
+use super::batches::{Pack, StepBatch, Tokens};
+use super::graphed::{self, forward_backward, GraphedStep};
 use super::lm::TrainLm;
 use crate::checkpoint::{CheckpointOptions, Checkpointer, DecoderSection, RunState};
 use crate::config::{Precision, TrainConfig};
@@ -224,33 +225,61 @@ fn run<M: TrainLm, T: TokenId>(
     let autocast = Fp8Autocast::new(cfg.recipe).with_group(parallel.world().cloned());
     let mut times = Vec::new();
     let mut guard = NonFiniteGuard::new(cfg.skip_nonfinite_steps);
+    // --cuda-graph: the first step of this process runs eagerly, the next is captured.
+    let mut graph_wanted = cfg.cuda_graph;
+    if graph_wanted {
+        if let Some(why) = graphed::unsupported(parallel, run.model.is_moe(), data.is_windows()) {
+            tracing::warn!("--cuda-graph: {why}");
+            graph_wanted = false;
+        }
+    }
+    let mut graphed: Option<GraphedStep> = None;
+    let mut graphed_steps = 0u64;
     for step in done + 1..=cfg.steps {
         let start = Instant::now();
-        let mut losses = Vec::with_capacity(cfg.grad_accum);
-        for micro in 0..cfg.grad_accum {
-            let batch = train_batches.next(dev, seq, cfg.batch)?;
-            let mb = MicroBatch {
-                is_first_microbatch: (cfg.grad_accum > 1).then_some(micro == 0),
-                grad_scale: 1.0 / cfg.grad_accum as f32,
-            };
-            let (loss, ctx) = match precision {
-                Precision::Fp8 => autocast.clone().run(|| batch.forward(&mut *run.model, mb))?,
-                Precision::Bf16 => batch.forward(&mut *run.model, mb)?,
-            };
-            match parallel.data() {
-                // The last micro-batch's backward reduces each part's gradients as they complete.
-                Some(dp) if micro + 1 == cfg.grad_accum => {
-                    run.model.backward_with(ctx, &mut |part| dp.reduce_grads(part))?;
-                    dp.finish()?;
+        let mut replayed = None;
+        if graph_wanted && step > done + 1 {
+            let hosts = GraphedStep::next_hosts(&mut train_batches, cfg.grad_accum)?;
+            if graphed.is_none() {
+                let parts = (&mut *run.model, &mut run.opt);
+                match GraphedStep::capture(dev, parts, (seq, cfg.batch, &hosts), precision, &autocast) {
+                    Ok(g) => graphed = Some(g),
+                    Err(TrainError::Runtime(e @ te_runtime::Error::Capture { .. })) => {
+                        tracing::warn!("--cuda-graph: the step could not be captured ({e}); stepping eagerly");
+                        graph_wanted = false;
+                    }
+                    Err(e) => return Err(e),
                 }
-                _ => run.model.backward_with(ctx, &mut |_| Ok(()))?,
             }
-            losses.push(loss);
+            match graphed.as_mut() {
+                Some(g) => {
+                    replayed = Some(g.replay(dev, (&mut *run.model, &mut run.opt), &hosts)?);
+                    graphed_steps += 1;
+                }
+                None => {
+                    // The capture failed: this step's batches run eagerly.
+                    let batches = hosts
+                        .iter()
+                        .map(|h| StepBatch::windows(dev, seq, cfg.batch, h))
+                        .collect::<te_runtime::Result<Vec<_>>>()?;
+                    let losses = forward_backward(&mut *run.model, &batches, precision, &autocast, parallel)?;
+                    let stats = run.opt.step(&mut *run.model)?;
+                    replayed = Some((mean_loss(&losses, cfg)?, stats));
+                }
+            }
         }
-        let stats = run.opt.step(&mut *run.model)?;
-        // Read after the step was issued: the host never waited for the device mid-step.
-        let loss_sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
-        let mut train_loss = loss_sum / cfg.grad_accum as f32;
+        let (mut train_loss, stats) = match replayed {
+            Some(r) => r,
+            None => {
+                let batches = (0..cfg.grad_accum)
+                    .map(|_| train_batches.next(dev, seq, cfg.batch))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let losses = forward_backward(&mut *run.model, &batches, precision, &autocast, parallel)?;
+                let stats = run.opt.step(&mut *run.model)?;
+                // Read after the step was issued: the host never waited for the device mid-step.
+                (mean_loss(&losses, cfg)?, stats)
+            }
+        };
         // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together).
         train_loss = parallel.mean(train_loss)?;
         guard.check(step, (train_loss, stats.grad_norm, stats.skipped), checkpoints.last())?;
@@ -289,7 +318,14 @@ fn run<M: TrainLm, T: TokenId>(
         peak_memory: dev.peak_memory()?,
         // The whole model's, also when each rank holds a tensor-parallel slice of it.
         parameters,
+        graphed_steps,
     })
+}
+
+/// The mean of a step's micro-batch losses (read from the device).
+fn mean_loss(losses: &[GptLoss], cfg: &TrainConfig) -> Result<f32, TrainError> {
+    let sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
+    Ok(sum / cfg.grad_accum as f32)
 }
 
 /// The GPU run's model and optimizer, the tensor-parallel group its layers split over, and the

@@ -57,6 +57,12 @@ pub trait TrainLm: Module {
 
     /// Moves the dropout stream to `offset`.
     fn set_dropout_offset(&mut self, offset: u64);
+
+    /// Whether the model routes tokens to experts (MoE), whose row counts the host reads
+    /// every step: such a step is not captured in a CUDA graph. The default: `false`.
+    fn is_moe(&self) -> bool {
+        false
+    }
 }
 
 impl TrainLm for Gpt {
@@ -99,6 +105,10 @@ impl TrainLm for Gpt {
 
     fn set_dropout_offset(&mut self, offset: u64) {
         Gpt::set_dropout_offset(self, offset);
+    }
+
+    fn is_moe(&self) -> bool {
+        self.config().moe.is_some()
     }
 }
 

@@ -19,6 +19,7 @@
 mod batches;
 mod cpu;
 mod gpu;
+mod graphed;
 mod lm;
 
 pub use batches::Pack;

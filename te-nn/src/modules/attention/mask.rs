@@ -80,7 +80,9 @@ impl MaskCache {
             Some((cached, mask)) if cached == key => (cached, mask),
             _ => {
                 let kind_index = AttnMaskType::ALL.iter().position(|&k| k == kind).unwrap_or(0);
-                let mut id: Vec<u64> = [batch, sq, sk, kind_index].iter().map(|&v| v as u64).collect();
+                // A word of its own first: the device's upload cache serves other callers too.
+                let mut id: Vec<u64> = vec![u64::from_le_bytes(*b"attnmask")];
+                id.extend([batch, sq, sk, kind_index].iter().map(|&v| v as u64));
                 id.extend([window.0, window.1].map(|w| w as u64));
                 id.extend(seq_lens.unwrap_or_default().iter().map(|&l| l as u64));
                 let mask = dev.upload_cached(&id, || byte_mask(shape, seq_lens))?;

@@ -31,8 +31,11 @@ pub const CHUNK: usize = 32 * 1024;
 pub struct AdamWTensor<'a> {
     /// Read: the gradient, f32, bf16 or f16, any shape with the parameter's element count.
     pub grad: &'a Tensor,
-    /// Written: the model's parameter, f32, bf16 or f16: the new master rounded to its type.
-    pub param: &'a mut Tensor,
+    /// Written in place: the model's parameter, f32, bf16 or f16: the new master rounded to its
+    /// type. Every clone sharing the tensor's storage sees the new values (PyTorch's in-place
+    /// `param.copy_`), so the parameter keeps its address: what a CUDA graph of a whole
+    /// training step needs, its forward reading the weights the previous replay wrote.
+    pub param: &'a Tensor,
     /// Updated: the f32 master weight, one per element.
     pub master: &'a mut CudaSlice<f32>,
     /// Updated: the f32 first moment (`exp_avg`).
@@ -147,6 +150,88 @@ pub fn adamw_step_reduced(
     norm_out: &mut CudaSlice<f32>,
     reduce: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
 ) -> Result<()> {
+    adamw_step_table(dev, tensors, args, norm_out, reduce, &mut AdamWTable::default())
+}
+
+/// The chunk table of AdamW steps kept from one step to the next (an optimizer's): its device
+/// buffer keeps its address, so a CUDA graph that captured a step ([`adamw_step_table`] inside
+/// a capture) replays with the per-step scalars [`AdamWTable::refresh`] writes into it before
+/// each replay (the learning rate and the bias corrections of the step: kernel arguments
+/// would be frozen in the graph).
+#[derive(Debug, Default)]
+pub struct AdamWTable {
+    /// One entry per chunk, as the last step built them (the scalars of that step).
+    entries: Vec<ChunkEntry>,
+    /// Per entry: the index of its tensor in that step's list and the tensor's weight decay.
+    owners: Vec<(usize, f32)>,
+    /// The device copy; `None` before the first step outside a capture.
+    device: Option<CudaSlice<ChunkEntry>>,
+}
+
+impl AdamWTable {
+    /// Rewrites every chunk's per-step scalars for `args` (its `lr`; the betas and eps of the
+    /// step that built the table) and `steps[i]`, the step number of tensor `i` of that step's
+    /// list, then uploads the table, ordered on the stream before what is issued after (the
+    /// replay). A host upload: not inside a capture.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a table no step has built or `steps` of another length than
+    /// that step's tensors; [`crate::Error::Capture`] inside a capture; copy failures.
+    pub fn refresh(&mut self, dev: &Device, args: &AdamWArgs, steps: &[u64]) -> Result<()> {
+        let tensors = self.owners.last().map_or(0, |o| o.0 + 1);
+        if self.entries.is_empty() || steps.len() != tensors {
+            return Err(Error::Argument {
+                op: OP,
+                message: format!(
+                    "refreshing a table of {tensors} tensors with {} step numbers; run a step with the table first",
+                    steps.len()
+                ),
+            });
+        }
+        for (e, &(t, weight_decay)) in self.entries.iter_mut().zip(&self.owners) {
+            let h = AdamWHyper {
+                lr: args.lr,
+                beta1: args.beta1,
+                beta2: args.beta2,
+                eps: args.eps,
+                weight_decay,
+                step: steps[t],
+            };
+            let sc = AdamWScalars::new(&h);
+            (e.decay, e.step_size, e.bc2_sqrt) = (sc.decay, sc.step_size, sc.bc2_sqrt);
+        }
+        self.upload(dev)
+    }
+
+    /// Copies the entries into the device buffer (a new one when the count changed).
+    fn upload(&mut self, dev: &Device) -> Result<()> {
+        let stream = dev.stream();
+        crate::graph::refuse_in_capture(stream, "the AdamW chunk table")?;
+        match &mut self.device {
+            Some(d) if d.len() == self.entries.len() => stream.memcpy_htod(&self.entries, d)?,
+            slot => *slot = Some(stream.htod(&self.entries)?),
+        }
+        Ok(())
+    }
+}
+
+/// [`adamw_step_reduced`] with the chunk table kept in `table`: outside a capture the step's
+/// table is uploaded into it; inside a capture ([`crate::graph::Graph::capture`]) nothing is
+/// uploaded and the launches read `table`'s device buffer, which a step outside the capture
+/// must have sized (the same tensors), and which [`AdamWTable::refresh`] fills before each
+/// replay.
+///
+/// # Errors
+/// As [`adamw_step_reduced`]; [`crate::Error::Capture`] inside a capture when no step outside
+/// it built a table of as many chunks.
+pub fn adamw_step_table(
+    dev: &Device,
+    tensors: &mut [AdamWTensor<'_>],
+    args: &AdamWArgs,
+    norm_out: &mut CudaSlice<f32>,
+    reduce: &mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>,
+    table: &mut AdamWTable,
+) -> Result<()> {
     if tensors.is_empty() {
         return Err(Error::Shape { op: OP, message: "no tensors to update; pass at least one".into() });
     }
@@ -162,6 +247,7 @@ pub fn adamw_step_reduced(
     }
     let stream = dev.stream();
     let mut entries = Vec::new();
+    let mut owners = Vec::new();
     // The guards of the buffers' device pointers: they live until the launches are queued.
     let mut guards = Vec::with_capacity(5 * tensors.len());
     for (i, t) in tensors.iter_mut().enumerate() {
@@ -190,7 +276,9 @@ pub fn adamw_step_reduced(
         let s = AdamWScalars::new(&h);
         let (g_bytes, p_bytes) = (t.grad.dtype().size_bytes() as u64, t.param.dtype().size_bytes() as u64);
         let (grad, g_guard) = t.grad.data().device_ptr(stream);
-        let (param, p_guard) = t.param.data_mut()?.device_ptr_mut(stream);
+        // The parameter is written through a shared borrow: in place, as documented on
+        // `AdamWTensor::param`.
+        let (param, p_guard) = t.param.data().device_ptr(stream);
         let (master, ms_guard) = t.master.device_ptr_mut(stream);
         let (exp_avg, m_guard) = t.exp_avg.device_ptr_mut(stream);
         let (exp_avg_sq, v_guard) = t.exp_avg_sq.device_ptr_mut(stream);
@@ -211,6 +299,7 @@ pub fn adamw_step_reduced(
                 norm_weight: if t.in_norm { 1.0 } else { 0.0 },
             }
         }));
+        owners.resize(entries.len(), (i, t.weight_decay));
     }
     // The kernel-wide scalars (betas, eps) do not depend on a tensor's step or decay.
     let s = AdamWScalars::new(&AdamWHyper {
@@ -227,21 +316,39 @@ pub fn adamw_step_reduced(
             message: format!("{} chunks exceed one launch's grid; split the tensors over several steps", entries.len()),
         });
     }
-    let chunks = stream.htod(&entries)?;
-    let mut partials = stream.alloc_zeros::<f32>(entries.len())?;
+    let n_entries = entries.len();
+    table.entries = entries;
+    table.owners = owners;
+    if crate::graph::is_capturing(stream)? {
+        if table.device.as_ref().map(CudaSlice::len) != Some(n_entries) {
+            return Err(Error::Capture {
+                rule: crate::graph::CaptureRule::NoHostTransfers,
+                detail: format!(
+                    "the AdamW chunk table of {n_entries} chunks was never uploaded: run a step of the same tensors \
+                     outside the capture first"
+                ),
+            });
+        }
+    } else {
+        table.upload(dev)?;
+    }
+    let Some(chunks) = table.device.as_ref() else {
+        return Err(Error::internal(OP, "the chunk table has no device copy after its upload"));
+    };
+    let mut partials = stream.alloc_zeros::<f32>(n_entries)?;
 
     let norm_spec = OptimizerSpec::grad_norm(dev.arch());
     let norm = dev.function(&KernelSpec::Optimizer(norm_spec), 0)?;
     let mut b = Launch::new("adamw_step", stream, &norm, &norm_spec, 0);
-    b.ptr("chunks", &chunks).ptr("partials", &mut partials);
+    b.ptr("chunks", chunks).ptr("partials", &mut partials);
     // SAFETY: the arguments follow the GradNorm signature documented on `OptimizerKind`: one
     // entry per block, each pointing at `n` elements of its grad type inside a tensor checked
     // above and borrowed for this call; `partials` holds one float per block.
-    unsafe { b.launch(launch_1d(entries.len(), norm_spec.threads, 0)) }?;
+    unsafe { b.launch(launch_1d(n_entries, norm_spec.threads, 0)) }?;
     reduce(&mut partials)?;
 
     let finalize = dev.function(&KernelSpec::Optimizer(norm_spec), 1)?;
-    let n_partials = entries.len() as u64;
+    let n_partials = n_entries as u64;
     let mut b = Launch::new("adamw_step", stream, &finalize, &norm_spec, 1);
     b.ptr("partials", &partials)
         .scalar("n_partials", &n_partials)
@@ -255,7 +362,7 @@ pub fn adamw_step_reduced(
     let adam = dev.function(&KernelSpec::Optimizer(adam_spec), 0)?;
     let skip = i32::from(args.skip_nonfinite);
     let mut b = Launch::new("adamw_step", stream, &adam, &adam_spec, 0);
-    b.ptr("chunks", &chunks)
+    b.ptr("chunks", chunks)
         .scalar("beta1", &s.beta1)
         .scalar("one_minus_beta1", &s.one_minus_beta1)
         .scalar("beta2", &s.beta2)
@@ -265,10 +372,12 @@ pub fn adamw_step_reduced(
         .scalar("skip_nonfinite", &skip);
     // SAFETY: the AdamW signature documented on `OptimizerKind`: each entry points at `n`
     // elements of its grad and param types and `n` floats of master and moments, all inside
-    // buffers checked above and borrowed (the writable ones mutably) for this call, so no two
-    // entries overlap in what they write; `norm_out` holds the 2 floats the finalize launch
-    // wrote before this one on the same stream.
-    unsafe { b.launch(launch_1d(entries.len(), adam_spec.threads, 0)) }?;
+    // buffers checked above and borrowed for this call (the masters and moments mutably; each
+    // param is the caller's to write in place, see `AdamWTensor::param`), so no two entries
+    // overlap in what they write; `norm_out` holds the 2 floats the finalize launch wrote
+    // before this one on the same stream. Inside a capture the table's entries are the ones
+    // built above once `AdamWTable::refresh` uploads them, before any replay.
+    unsafe { b.launch(launch_1d(n_entries, adam_spec.threads, 0)) }?;
     drop(guards);
     Ok(())
 }

@@ -137,6 +137,7 @@ pub(super) fn train(
         ranks: 1,
         peak_memory: peak_rss(),
         parameters: run.model.num_parameters(),
+        graphed_steps: 0,
     })
 }
 

@@ -37,6 +37,7 @@ fn small() -> (Corpus, TrainConfig) {
         data_seed: 7,
         recipe: DelayedScaling::default().into(),
         skip_nonfinite_steps: 0,
+        cuda_graph: false,
     };
     (corpus, cfg)
 }
