@@ -151,6 +151,11 @@ pub struct EmbedArgs {
     /// Write a JSON summary (precision, timing, memory, accuracy) to this file.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Run every batch eagerly. By default a batch whose padded shape ran before replays from
+    /// a CUDA graph of that shape (bit for bit the eager batch; each shape's graph keeps its
+    /// activations' memory).
+    #[arg(long)]
+    pub eager: bool,
 }
 
 /// What `te embed` did.
@@ -183,6 +188,8 @@ pub struct EmbedReport {
     pub pass_s: Option<f64>,
     /// Cosine with the f32 reference: (min, mean).
     pub cosine: Option<(f64, f64)>,
+    /// Batches replayed from CUDA graphs (all passes; 0 with `--eager` or on the CPU).
+    pub graph_replays: u64,
     /// Device name.
     pub device: String,
 }
@@ -205,6 +212,7 @@ impl EmbedReport {
         m.insert("pass_s".into(), self.pass_s.into());
         m.insert("cosine_min".into(), self.cosine.map(|c| c.0).into());
         m.insert("cosine_mean".into(), self.cosine.map(|c| c.1).into());
+        m.insert("graph_replays".into(), self.graph_replays.into());
         m.insert("device".into(), self.device.clone().into());
         serde_json::Value::Object(m).to_string()
     }
@@ -391,6 +399,7 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
             }
             report.weight_bytes = model.weight_bytes();
             report.layer_weight_bytes = model.layer_weight_bytes();
+            model.set_cuda_graph(!a.eager);
             Engine::Device(Box::new(model))
         }
     };
@@ -424,6 +433,9 @@ pub fn run(a: &EmbedArgs) -> Result<EmbedReport, EmbedError> {
         let min = cos.iter().copied().fold(f64::INFINITY, f64::min);
         let mean = cos.iter().sum::<f64>() / cos.len() as f64;
         report.cosine = Some((min, mean));
+    }
+    if let Engine::Device(m) = &engine {
+        report.graph_replays = m.graph_replays();
     }
     if let Some(p) = &a.out_npy {
         hf::write_npy(p, &embeddings, cfg.hidden_size)?;

@@ -3,8 +3,9 @@
 //! `zero_grad`, in BF16 and in FP8 (DelayedScaling, TE's defaults; with `fp8_dpa`, attention in
 //! FP8 where the kernels take it: head_dim 128 on Hopper; with `fp8_mha`, its output handed to the
 //! projection in E4M3 too; and Float8BlockScaling, TE's defaults), timed per phase with CUDA
-//! events; tokens/s from the whole step. `small`: batch 8 × seq 1024; `large` (1.2 B
-//! parameters): batch 2 × seq 2048. One model per preset serves both precisions (its weights
+//! events; tokens/s from the whole step. `small`: batch 8 × seq 1024 (and batch 1: `small b1`);
+//! `large` (1.2 B parameters): batch 2 × seq 2048. For `small`, the BF16 and FP8 delayed steps
+//! are also captured in a CUDA graph and replayed (`te train --cuda-graph`: variants `… graph`). One model per preset serves both precisions (its weights
 //! keep training from one timed step to the next; the host-side init of `large` takes seconds).
 //! `benches/anchors/gpt.py` times the same step of a GPT-2-style `nn.Module` in PyTorch.
 //!
@@ -28,7 +29,12 @@ pub const OPTIMIZER_BYTES_PER_PARAM: u64 = 30;
 
 pub fn run(b: &mut Bench) {
     // (preset name, config, batch, warm-up steps, timed steps)
-    let presets = [("small", GptConfig::small(), 8, 3, 10), ("large", GptConfig::large(), 2, 2, 8)];
+    // `small b1`: one sequence a step, where launches bound the step (the graph's case).
+    let presets = [
+        ("small", GptConfig::small(), 8, 3, 10),
+        ("small b1", GptConfig::small(), 1, 3, 20),
+        ("large", GptConfig::large(), 2, 2, 8),
+    ];
     for (preset, cfg, batch, warmup, iters) in presets {
         let work = format!("gpt {preset}");
         if b.enabled(&work) {
@@ -89,8 +95,8 @@ fn step(b: &mut Bench, work: &str, cfg: GptConfig, batch: usize, warmup: usize, 
         let step = StepRows { work, shape: &shape, variant, fp8, tokens, params };
         step.record(b, &st, gemm + attention, fp8_flops);
         // The same step replayed from a CUDA graph (`te train --cuda-graph`), after the eager
-        // steps above loaded its kernels: BF16 and FP8 delayed, for `small` (launch-bound).
-        if work == "gpt small" && matches!(variant, "ours bf16" | "ours fp8 delayed") {
+        // steps above loaded its kernels: BF16 and FP8 delayed, for `small`.
+        if work.starts_with("gpt small") && matches!(variant, "ours bf16" | "ours fp8 delayed") {
             let g = graphed_step(b, (&mut model, &mut opt), (&ids_t, &targets), recipe, (warmup, iters));
             println!(
                 "{work} {variant}: graph {:.0} µs against eager {:.0} µs = {:.2}×",

@@ -23,6 +23,7 @@ mod decoder;
 mod decoder_train;
 mod dropout;
 mod elementwise;
+mod embed;
 mod gemm;
 mod gemv;
 mod generate;
@@ -55,7 +56,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 25] = [
+        let families: [fn(&mut Bench); 26] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -74,6 +75,7 @@ fn main() {
             modules::run,
             gpt::run,
             generate::run,
+            embed::run,
             gemv::run,
             gemv::decode_parts,
             decoder::run,

@@ -11,6 +11,7 @@ mod activation;
 mod argmax;
 mod attention;
 mod bert;
+mod bert_graph;
 mod block_quantize;
 mod cast;
 mod cast_transpose;

@@ -10,9 +10,11 @@ use te_nn::fp8::{
     Fp8Autocast, Quantizer, Recipe,
 };
 use te_nn::modules::{
-    AttentionInputs, AttnMaskType, Norm, NormConfig, NormKind, QkvFormat, TokenIds, TransformerLayer,
+    AttentionInputs, AttnMaskType, Norm, NormConfig, NormKind, PaddingSeqlens, QkvFormat, TokenIds, TransformerLayer,
     TransformerLayerConfig,
 };
+
+mod graph;
 use te_runtime::ops::elementwise::add;
 use te_runtime::ops::embedding::{embedding_forward, embedding_forward_fp8};
 use te_runtime::{Device, Tensor};
@@ -124,6 +126,8 @@ pub struct Bert {
     pos: Tensor,
     emb_norm: Norm,
     layers: Vec<TransformerLayer>,
+    /// Batches replayed from CUDA graphs per padded shape ([`Bert::set_cuda_graph`]).
+    graphs: graph::BatchGraphs,
 }
 
 fn upload(dev: &Arc<Device>, shape: &[usize], values: &[f32]) -> BertResult<Tensor> {
@@ -226,6 +230,7 @@ impl Bert {
             pos,
             emb_norm,
             layers,
+            graphs: graph::BatchGraphs::default(),
         })
     }
 
@@ -295,6 +300,28 @@ impl Bert {
     /// failures, or for [`ActivationScaling::Calibrated`] before [`Bert::calibrate`].
     pub fn hidden_states(&mut self, ids: &[i32], batch: usize, seq: usize, lens: &[usize]) -> BertResult<Tensor> {
         self.check_input(ids, batch, seq, lens)?;
+        let (tokens, positions) = self.token_tables(ids, batch, seq)?;
+        self.hidden_from(&tokens, &positions, lens, None)
+    }
+
+    /// The ids `[b · s]` and their positions (`0..s` per row) on the device.
+    fn token_tables(&self, ids: &[i32], batch: usize, seq: usize) -> BertResult<(TokenIds, TokenIds)> {
+        let tokens = TokenIds::from_host(&self.dev, &[batch * seq], ids)?;
+        let positions: Vec<i32> = (0..batch).flat_map(|_| 0..seq as i32).collect();
+        let positions = TokenIds::from_host(&self.dev, &[batch * seq], &positions)?;
+        Ok((tokens, positions))
+    }
+
+    /// [`Bert::hidden_states`] of checked inputs on the device: `tokens` and `positions`
+    /// `[b · s]` (`b` = `lens.len()`), and the padding tables of `lens` when made before (a
+    /// CUDA graph's static input; else the attention uploads its own).
+    fn hidden_from(
+        &mut self,
+        tokens: &TokenIds,
+        positions: &TokenIds,
+        lens: &[usize],
+        padding: Option<&PaddingSeqlens>,
+    ) -> BertResult<Tensor> {
         let fp8 = self.precision == WeightPrecision::Fp8;
         if fp8 && self.scaling == ActivationScaling::Calibrated && !self.calibrated {
             return Err(BertError::Input {
@@ -302,12 +329,13 @@ impl Bert {
                     .into(),
             });
         }
-        let x = self.embed_tokens(ids, batch, seq)?;
+        let batch = lens.len();
+        let x = self.embed_tokens(tokens, positions, batch, tokens.len() / batch.max(1))?;
         let recipe = self.recipe();
         let gemms = self.fp8_gemms;
         let dev = self.dev.clone();
         let layers = &mut self.layers;
-        let inputs = AttentionInputs { seq_lens: Some(lens), ..Default::default() };
+        let inputs = AttentionInputs { seq_lens: Some(lens), padding, ..Default::default() };
         let y = fp8_autocast(fp8, recipe, || {
             let mut x = x;
             for layer in layers.iter_mut() {
@@ -357,11 +385,8 @@ impl Bert {
     }
 
     /// `LN(word[ids] + pos[j])`, `[b, s, hidden]` BF16.
-    fn embed_tokens(&self, ids: &[i32], batch: usize, seq: usize) -> BertResult<Tensor> {
+    fn embed_tokens(&self, tokens: &TokenIds, positions: &TokenIds, batch: usize, seq: usize) -> BertResult<Tensor> {
         let h = self.cfg.hidden_size;
-        let tokens = TokenIds::from_host(&self.dev, &[batch * seq], ids)?;
-        let positions: Vec<i32> = (0..batch).flat_map(|_| 0..seq as i32).collect();
-        let positions = TokenIds::from_host(&self.dev, &[batch * seq], &positions)?;
         let mut w = Tensor::empty(&self.dev, DType::BF16, &[batch, seq, h])?;
         match &self.word {
             WordTable::High(t) => embedding_forward(&self.dev, t, tokens.data(), &mut w)?,
@@ -396,6 +421,13 @@ impl Bert {
         let mut pending = Vec::with_capacity(batches.len());
         for seqs in batches {
             let (ids, batch, seq, lens) = pad_batch(seqs, self.cfg.max_position_embeddings)?;
+            if self.graphs.enabled() && !self.host_pooling {
+                self.check_input(&ids, batch, seq, &lens)?;
+                if let Some(sums) = self.embed_graphed(&ids, seq, &lens)? {
+                    pending.push(Pooled::Device(sums));
+                    continue;
+                }
+            }
             let hidden = self.hidden_states(&ids, batch, seq, &lens)?;
             if !self.host_pooling {
                 match self.pool_on_device(&hidden, batch, seq, &lens) {
@@ -426,10 +458,17 @@ impl Bert {
     /// mask of real tokens (the mean's `1 / len` cancels in the L2 normalisation), so only
     /// `b · hidden` floats cross to the host, later.
     fn pool_on_device(&self, hidden: &Tensor, batch: usize, seq: usize, lens: &[usize]) -> BertResult<Tensor> {
+        let mask = Tensor::from_f32(&self.dev, hidden.dtype(), &[batch, seq], &pool_mask(lens, seq))?;
+        self.pool_sums(hidden, &mask)
+    }
+
+    /// The pooling GEMM of [`Bert::pool_on_device`] with its mask `[b, s]` on the device.
+    fn pool_sums(&self, hidden: &Tensor, mask: &Tensor) -> BertResult<Tensor> {
         use te_runtime::gemm::{gemm_strided_batched, GemmConfig, MatrixView, StridedBatch};
         let h = self.cfg.hidden_size;
-        let mask: Vec<f32> = lens.iter().flat_map(|&l| (0..seq).map(move |t| if t < l { 1.0 } else { 0.0 })).collect();
-        let mask = Tensor::from_f32(&self.dev, hidden.dtype(), &[batch, seq], &mask)?;
+        let &[batch, seq] = mask.shape() else {
+            return Err(te_runtime::Error::internal("Bert::pool_sums", "the mask must be [b, s]").into());
+        };
         let mut sums = Tensor::empty(&self.dev, DType::F32, &[batch, h])?;
         let geometry = StridedBatch {
             count: batch,
@@ -439,7 +478,7 @@ impl Bert {
             b_transposed: true,
             d: MatrixView { offset: 0, rows: 1, cols: h, row_stride: h, batch_stride: h },
         };
-        gemm_strided_batched(&self.dev, &mask, hidden, &mut sums, &geometry, &GemmConfig::default())?;
+        gemm_strided_batched(&self.dev, mask, hidden, &mut sums, &geometry, &GemmConfig::default())?;
         Ok(sums)
     }
 
@@ -472,7 +511,8 @@ impl Bert {
         for b in batches {
             let (ids, batch, seq, lens) = pad_batch(b, self.cfg.max_position_embeddings)?;
             self.check_input(&ids, batch, seq, &lens)?;
-            let mut x = self.embed_tokens(&ids, batch, seq)?;
+            let (tokens, positions) = self.token_tables(&ids, batch, seq)?;
+            let mut x = self.embed_tokens(&tokens, &positions, batch, seq)?;
             let inputs = AttentionInputs { seq_lens: Some(&lens), ..Default::default() };
             for layer in self.layers.iter_mut() {
                 x = layer.infer_with(&x, inputs)?;
@@ -487,6 +527,11 @@ impl Bert {
     pub fn device(&self) -> &Arc<Device> {
         &self.dev
     }
+}
+
+/// The 0/1 mask `[b, s]` of each row's real tokens (row-major, as f32).
+fn pool_mask(lens: &[usize], seq: usize) -> Vec<f32> {
+    lens.iter().flat_map(|&l| (0..seq).map(move |t| if t < l { 1.0 } else { 0.0 })).collect()
 }
 
 fn set_linear(

@@ -53,6 +53,7 @@ mod fp8;
 mod fused;
 mod mask;
 mod packed;
+mod padding;
 mod plan;
 mod thd;
 mod unfused;
@@ -64,6 +65,7 @@ pub use backend::AttentionBackend;
 pub use config::DotProductAttentionConfig;
 pub(crate) use fp8::Fp8OutputRequest;
 use mask::MaskCache;
+pub use padding::PaddingSeqlens;
 use std::sync::Arc;
 pub use te_codegen::spec::{AttnMaskType, QkvFormat};
 use te_codegen::DType;
@@ -318,7 +320,7 @@ impl DotProductAttention {
         v: &Tensor,
         seq_lens: Option<&[usize]>,
     ) -> Result<(Tensor, AttentionCtx)> {
-        let (out, ctx) = self.forward_to(q, k, v, seq_lens, None)?;
+        let (out, ctx) = self.forward_to(q, k, v, (seq_lens, None), None)?;
         Ok((high(out)?, ctx))
     }
 
@@ -329,7 +331,7 @@ impl DotProductAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        seq_lens: Option<&[usize]>,
+        seq_lens: (Option<&[usize]>, Option<&PaddingSeqlens>),
         out_fp8: Option<fp8::Fp8OutputRequest<'_>>,
     ) -> Result<(Output, AttentionCtx)> {
         let shape = self.problem(q, k, v)?;
@@ -344,7 +346,7 @@ impl DotProductAttention {
         &mut self,
         shape: AttentionShape,
         inputs: Inputs,
-        seq_lens: Option<&[usize]>,
+        (seq_lens, padding): (Option<&[usize]>, Option<&PaddingSeqlens>),
         packed: bool,
         out_fp8: Option<fp8::Fp8OutputRequest<'_>>,
     ) -> Result<(Output, AttentionCtx)> {
@@ -361,7 +363,10 @@ impl DotProductAttention {
         let out_shape = plan::out_shape(&shape)?;
         let (out, saved, inputs) = if backend == AttentionBackend::Fused {
             shape.check_seq_lens(MODULE, seq_lens)?;
-            let seqs = seq_lens.map(|lens| fused::padding_seqlens(&self.dev, lens, &shape)).transpose()?;
+            let seqs = match padding {
+                Some(p) => Some(p.device_seqlens(&shape, seq_lens)?),
+                None => seq_lens.map(|lens| fused::padding_seqlens(&self.dev, lens, &shape)).transpose()?,
+            };
             let (out, saved) = fused::forward(
                 &self.dev,
                 &shape,

@@ -12,7 +12,9 @@
 //! [`super::attention`]); the QKV projection's output stays 16-bit, because the FP8 attention's
 //! `_quantize` writes Vᵀ in its kernel's key order, which a GEMM epilogue cannot.
 
-use super::attention::{AttentionCtx, AttnMaskType, DotProductAttention, Fp8OutputRequest, QkvFormat, ThdSeqlens};
+use super::attention::{
+    AttentionCtx, AttnMaskType, DotProductAttention, Fp8OutputRequest, PaddingSeqlens, QkvFormat, ThdSeqlens,
+};
 use super::inference::KvLayer;
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearCtx};
 use super::linear::{Linear, LinearCtx, LinearInput};
@@ -55,6 +57,11 @@ pub struct AttentionInputs<'a> {
     /// MLP) as [`ForwardOptions::is_first_microbatch`] — `Some(true)` casts the FP8 weights and
     /// caches them, `Some(false)` reuses the cache (TE's `is_first_microbatch`).
     pub is_first_microbatch: Option<bool>,
+    /// The device tables of `seq_lens` made before ([`PaddingSeqlens`], the same lengths):
+    /// the fused attention reads them instead of uploading its own, so the forward makes no
+    /// host upload (a CUDA graph of it replays with the tables refilled). `None`: uploaded per
+    /// call.
+    pub padding: Option<&'a PaddingSeqlens>,
 }
 
 #[derive(Debug)]
@@ -253,14 +260,14 @@ impl MultiheadAttention {
             let request = quantizer.filter(|_| mha).map(|quantizer| Fp8OutputRequest { quantizer, backward: grad });
             let (out, ctx, qk) = match (inputs.rotary_pos_emb, qk_norm, inputs.thd) {
                 (None, None, None) => {
-                    let (out, ctx) = attention.forward_packed_to(&qkv, inputs.seq_lens, request)?;
+                    let (out, ctx) = attention.forward_packed_to(&qkv, (inputs.seq_lens, inputs.padding), request)?;
                     (out, ctx, None)
                 }
                 (freqs, norm, thd) => {
                     let [q, k, v] = attention.split_packed(&qkv)?;
                     let ([q, k], qk) = QkPrep { dev, norm, format }.forward([q, k], freqs)?;
                     let (out, ctx) = match thd {
-                        None => attention.forward_to(&q, &k, &v, inputs.seq_lens, request)?,
+                        None => attention.forward_to(&q, &k, &v, (inputs.seq_lens, inputs.padding), request)?,
                         Some(seqs) => {
                             // [tokens, 1, heads, d] → [tokens, heads, d]; the output back to
                             // [tokens, 1, heads · d].

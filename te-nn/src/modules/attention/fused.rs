@@ -18,8 +18,8 @@ use te_runtime::{Device, DeviceBuffer, Error, Result, Tensor};
 /// The valid lengths (and for `thd` the token offsets) of a call's sequences, on the device.
 #[derive(Debug)]
 pub(super) struct DeviceSeqlens {
-    /// `cu_seqlens_q` and `cu_seqlens_kv`.
-    cu: (CudaSlice<i32>, CudaSlice<i32>),
+    /// `cu_seqlens_q` and `cu_seqlens_kv` (shared with a [`super::PaddingSeqlens`]'s tables).
+    cu: (Arc<CudaSlice<i32>>, Arc<CudaSlice<i32>>),
     /// `thd`: where each sequence's tokens start in q / o and in k / v.
     offsets: Option<(CudaSlice<i32>, CudaSlice<i32>)>,
 }
@@ -29,10 +29,16 @@ impl DeviceSeqlens {
         CuSeqlens { q: &self.cu.0, kv: &self.cu.1, offsets: self.offsets.as_ref().map(|(q, kv)| (q, kv)) }
     }
 
+    /// Self-attention's tables made before (a [`super::PaddingSeqlens`]'s): queries and keys
+    /// share them.
+    pub(super) fn shared(cu: Arc<CudaSlice<i32>>) -> Self {
+        Self { cu: (cu.clone(), cu), offsets: None }
+    }
+
     /// Uploads i32 prefix sums (`offsets` given for `thd`).
     pub(super) fn upload(dev: &Device, cu: [&[i32]; 2], offsets: Option<[&[i32]; 2]>) -> Result<Self> {
         let stream = dev.stream();
-        let cu = (stream.htod(cu[0])?, stream.htod(cu[1])?);
+        let cu = (Arc::new(stream.htod(cu[0])?), Arc::new(stream.htod(cu[1])?));
         let offsets = match offsets {
             Some([q, kv]) => Some((stream.htod(q)?, stream.htod(kv)?)),
             None => None,
@@ -81,7 +87,7 @@ impl FusedSaved {
     pub(super) fn bytes(&self) -> usize {
         let seqs = self.seqs.as_ref().map_or(0, |s| {
             let tables =
-                [Some(&s.cu.0), Some(&s.cu.1), s.offsets.as_ref().map(|o| &o.0), s.offsets.as_ref().map(|o| &o.1)];
+                [Some(&*s.cu.0), Some(&*s.cu.1), s.offsets.as_ref().map(|o| &o.0), s.offsets.as_ref().map(|o| &o.1)];
             tables.into_iter().flatten().map(|t| t.len() * 4).sum()
         });
         let codes = self.fp8.as_ref().map_or(0, |f| {

@@ -132,7 +132,7 @@ impl DotProductAttention {
     /// `(num_attention_heads + 2 · num_gqa_groups) · kv_channels`; [`Error::Config`] when the
     /// config sets a `head_dim_v` other than `kv_channels`.
     pub fn forward_packed(&mut self, qkv: &Tensor, seq_lens: Option<&[usize]>) -> Result<(Tensor, AttentionCtx)> {
-        let (out, ctx) = self.forward_packed_to(qkv, seq_lens, None)?;
+        let (out, ctx) = self.forward_packed_to(qkv, (seq_lens, None), None)?;
         Ok((high(out)?, ctx))
     }
 
@@ -141,7 +141,7 @@ impl DotProductAttention {
     pub(crate) fn forward_packed_to(
         &mut self,
         qkv: &Tensor,
-        seq_lens: Option<&[usize]>,
+        seq_lens: (Option<&[usize]>, Option<&super::PaddingSeqlens>),
         out_fp8: Option<Fp8OutputRequest<'_>>,
     ) -> Result<(Output, AttentionCtx)> {
         check_dtype(MODULE, "qkv", qkv, DType::is_high_precision, "f32, bf16 or f16")?;
