@@ -50,6 +50,7 @@ mod nccl;
 mod norm;
 mod optimizer;
 mod qkv_rope;
+mod rank_death;
 mod rope;
 mod scaling;
 mod soak;

@@ -1,6 +1,6 @@
 //! Soak runs (the reliability issue), on the device and not in CI: `#[ignore]`d, run with
 //! `gpu-test --ignored soak:: --test-threads=1`. GPT `small` trained in FP8 for
-//! `TE_SOAK_SECONDS` (default 1 200), and GPT `small` generation requests in one process
+//! `TE_SOAK_SECONDS` (default 1 200) or `TE_SOAK_STEPS` steps, whichever ends first, and GPT `small` generation requests in one process
 //! (`TE_SOAK_REQUESTS`, default 10 000), sampling the device memory in use
 //! (`Device::memory_in_use`, after a synchronization), the host's resident memory and the
 //! process's open files: after the warm-up the device memory may not grow at all, the host's by
@@ -98,6 +98,7 @@ fn check(what: &str, samples: &[Sample], times: &[f64]) {
 fn training_for_minutes_neither_grows_nor_drifts() {
     let Some(dev) = device() else { return };
     let limit = Duration::from_secs(env_or("TE_SOAK_SECONDS", 1200));
+    let max_steps = env_or("TE_SOAK_STEPS", u64::MAX);
     let model = GptConfig::small();
     let cfg = TrainConfig { eval_interval: u64::MAX / 4, warmup_steps: 100, ..TrainConfig::new(model, u64::MAX / 4) };
     let stop = Arc::new(AtomicBool::new(false));
@@ -112,13 +113,18 @@ fn training_for_minutes_neither_grows_nor_drifts() {
         if p.step == warm_up || (p.step > warm_up && p.step % every == 0) {
             samples.push(sample(&dev, p.step));
         }
-        if start.elapsed() > limit {
+        if start.elapsed() > limit || p.step >= max_steps {
             stop.store(true, Ordering::SeqCst);
         }
     });
     assert!(matches!(run, Err(TrainError::Interrupted { .. })), "the run ends on the stop: {run:?}");
     assert!(samples.len() >= 3, "{} samples: run longer (TE_SOAK_SECONDS)", samples.len());
-    check(&format!("GPT small FP8 training, {:.0} s", start.elapsed().as_secs_f64()), &samples, &times);
+    let steps = times.len() + warm_up as usize;
+    check(
+        &format!("GPT small FP8 training, {steps} steps in {:.0} s", start.elapsed().as_secs_f64()),
+        &samples,
+        &times,
+    );
 }
 
 #[test]

@@ -337,9 +337,12 @@ impl ProcessGroup {
             self.stream.wait(&ready)?;
         }
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
-        call(comm.0, stream).map(|_| ()).map_err(|e| nccl_error(op, e, Some(comm.0)))?;
+        // Watched from before the call: NCCL may block inside it (a peer's first connection).
+        let ticket = self.watch_begin(op);
+        let called = call(comm.0, stream).map(|_| ()).map_err(|e| nccl_error(op, e, Some(comm.0)));
         drop(comm);
-        self.watch(op)
+        self.watch_end(ticket, called.is_ok())?;
+        called
     }
 
     /// The communicator under its lock; [`Error::Dist`] once the watchdog aborted it (or it was
@@ -360,11 +363,19 @@ impl ProcessGroup {
         Ok(comm)
     }
 
-    /// Hands the collective just issued to the watchdog (not inside a CUDA graph capture, whose
-    /// events belong to the graph).
-    fn watch(&self, op: &'static str) -> Result<()> {
+    /// Hands the collective about to be issued to the watchdog (not inside a CUDA graph
+    /// capture, whose events belong to the graph): its ticket, `None` when unwatched.
+    fn watch_begin(&self, op: &'static str) -> Option<u64> {
         match &self.watchdog {
-            Some(w) if !self.dev.capturing() => w.watch(&self.stream, op),
+            Some(w) if !self.dev.capturing() => Some(w.begin(op)),
+            _ => None,
+        }
+    }
+
+    /// The call of `ticket` returned (`ok`: it issued its work on the group's stream).
+    fn watch_end(&self, ticket: Option<u64>, ok: bool) -> Result<()> {
+        match (&self.watchdog, ticket) {
+            (Some(w), Some(t)) => w.issued(t, ok.then_some(&*self.stream)),
             _ => Ok(()),
         }
     }
@@ -381,12 +392,13 @@ impl ProcessGroup {
         nccl_available()?;
         result::group_start().map_err(|e| nccl_error("ncclGroupStart", e, None))?;
         let out = f();
+        // The events of the calls inside were recorded before NCCL launched them (at the end
+        // of the group): this one follows them, watched from before the end (which may block).
+        let ticket = self.watch_begin("ncclGroupEnd");
         let end = result::group_end().map_err(|e| nccl_error("ncclGroupEnd", e, None));
+        self.watch_end(ticket, end.is_ok())?;
         let v = out?;
         end?;
-        // The events of the calls inside were recorded before NCCL launched them (at the end
-        // of the group): this one follows them.
-        self.watch("ncclGroupEnd")?;
         Ok(v)
     }
 
