@@ -28,6 +28,41 @@ pub fn device() -> Option<Arc<Device>> {
     .clone()
 }
 
+/// Whether `world` GPUs and NCCL are here for the multi-process test `test`; `false` (the test
+/// skips, saying so) without them.
+///
+/// # Panics
+/// When `TE_REQUIRE_MULTI_GPU=1` and they are not: such a test must never pass without running.
+pub fn multi_gpu(test: &str, world: usize) -> bool {
+    let required = std::env::var("TE_REQUIRE_MULTI_GPU").is_ok_and(|v| v == "1");
+    let gpus = te_runtime::device::device_count();
+    let nccl = te_runtime::dist::nccl_available();
+    if gpus < world || nccl.is_err() {
+        assert!(!required, "TE_REQUIRE_MULTI_GPU=1 but {gpus} GPUs (NCCL: {:?})", nccl.err());
+        eprintln!("skipping {test}: {world} GPUs and NCCL needed, {gpus} GPUs here");
+        return false;
+    }
+    true
+}
+
+/// The environment of `rank` of `world` ranks on this host, one GPU each, meeting at
+/// `127.0.0.1:port`.
+pub fn local_rank_env(rank: usize, world: usize, port: u16) -> te_runtime::dist::DistEnv {
+    te_runtime::dist::DistEnv {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+    }
+}
+
+/// A free local port for a rendezvous.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29_500)
+}
+
 /// `n` values `~ N(0, std)` (Box-Muller) from a fixed seed.
 pub fn randn(seed: u64, n: usize, std: f32) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed);

@@ -9,7 +9,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use te_runtime::dist::watchdog::{DIST_TIMEOUT_EXIT, EXIT_GRACE};
-use te_runtime::dist::{nccl_available, DistEnv, ProcessGroup, ReduceOp};
+use te_runtime::dist::{DistEnv, ProcessGroup, ReduceOp};
 use te_runtime::Device;
 
 /// The variable that marks a child process.
@@ -50,25 +50,14 @@ fn a_rank_that_dies_ends_the_others_within_the_timeout() {
     if std::env::var(CHILD).is_ok() {
         return rank();
     }
-    let required = std::env::var("TE_REQUIRE_MULTI_GPU").is_ok_and(|v| v == "1");
-    let gpus = te_runtime::device::device_count();
-    if gpus < 2 || nccl_available().is_err() {
-        assert!(!required, "TE_REQUIRE_MULTI_GPU=1 but {gpus} GPUs (NCCL: {:?})", nccl_available().err());
-        eprintln!("skipping {test}: 2 GPUs and NCCL needed, {gpus} GPUs here");
+    if !crate::common::multi_gpu(test, 2) {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = crate::common::free_port();
     let exe = std::env::current_exe().unwrap();
     let mut children = Vec::new();
     for rank in 0..2 {
-        let env = DistEnv {
-            rank,
-            world_size: 2,
-            local_rank: rank,
-            local_world_size: 2,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-        };
+        let env = crate::common::local_rank_env(rank, 2, port);
         let child = Command::new(&exe)
             .args(["--exact", test, "--test-threads=1", "--nocapture"])
             .envs(env.vars())

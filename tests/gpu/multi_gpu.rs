@@ -19,7 +19,7 @@ use te_nn::fp8::{DelayedScaling, Fp8Autocast};
 use te_nn::modules::{Linear, LinearConfig, ModuleVisitor, Param, ParamKind, TokenIds};
 use te_nn::parallel::{DataParallel, Parallel};
 use te_nn::Module;
-use te_runtime::dist::{nccl_available, DistEnv, ProcessGroup, ReduceOp};
+use te_runtime::dist::{DistEnv, ProcessGroup, ReduceOp};
 use te_runtime::{DType, Device, Tensor};
 
 /// The variable that marks a child process: the test it runs as a rank.
@@ -50,27 +50,16 @@ pub(crate) fn on_ranks(
         body(&env, &dev, group);
         return;
     }
-    let required = std::env::var("TE_REQUIRE_MULTI_GPU").is_ok_and(|v| v == "1");
-    let gpus = te_runtime::device::device_count();
-    if gpus < world || nccl_available().is_err() {
-        assert!(!required, "TE_REQUIRE_MULTI_GPU=1 but {gpus} GPUs (NCCL: {:?})", nccl_available().err());
-        eprintln!("skipping {test}: {world} GPUs and NCCL needed, {gpus} GPUs here");
+    if !crate::common::multi_gpu(test, world) {
         return;
     }
     // A port of our own for the rendezvous.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = crate::common::free_port();
     let exe = std::env::current_exe().unwrap();
     let mut children = Vec::new();
     for rank in 0..world {
         let env = match layout {
-            Layout::OneNode => DistEnv {
-                rank,
-                world_size: world,
-                local_rank: rank,
-                local_world_size: world,
-                master_addr: "127.0.0.1".into(),
-                master_port: port,
-            },
+            Layout::OneNode => crate::common::local_rank_env(rank, world, port),
             Layout::NodePerGpu => DistEnv {
                 rank,
                 world_size: world,

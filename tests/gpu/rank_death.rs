@@ -21,7 +21,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use te_nn::parallel::Parallel;
-use te_runtime::dist::{nccl_available, DistEnv, ProcessGroup};
+use te_runtime::dist::{DistEnv, ProcessGroup};
 use te_runtime::Device;
 
 const TEST: &str = "rank_death::a_rank_killed_at_random_points_never_hangs_the_others_and_resume_is_exact";
@@ -76,14 +76,7 @@ struct Rank {
 
 impl Rank {
     fn spawn(rank: usize, port: u16, dir: &Path, resume: bool) -> Rank {
-        let env = DistEnv {
-            rank,
-            world_size: 2,
-            local_rank: rank,
-            local_world_size: 2,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-        };
+        let env = crate::common::local_rank_env(rank, 2, port);
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", TEST, "--test-threads=1", "--nocapture", "--ignored"])
             .envs(env.vars())
@@ -163,14 +156,10 @@ fn threads(pid: u32) -> String {
     out
 }
 
-fn port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// Both ranks of a run to the end: rank 0's loss curve, and the time from rank 0's first step
 /// to the end.
 fn full_run(dir: &Path, resume: bool, what: &str) -> (String, Duration) {
-    let p = port();
+    let p = crate::common::free_port();
     let mut ranks = [Rank::spawn(0, p, dir, resume), Rank::spawn(1, p, dir, resume)];
     let start = Instant::now();
     while !ranks[0].has("STEP ") && ranks[0].child.try_wait().unwrap().is_none() {
@@ -193,11 +182,7 @@ fn a_rank_killed_at_random_points_never_hangs_the_others_and_resume_is_exact() {
     if std::env::var(CHILD).is_ok() {
         return rank();
     }
-    let required = std::env::var("TE_REQUIRE_MULTI_GPU").is_ok_and(|v| v == "1");
-    let gpus = te_runtime::device::device_count();
-    if gpus < 2 || nccl_available().is_err() {
-        assert!(!required, "TE_REQUIRE_MULTI_GPU=1 but {gpus} GPUs (NCCL: {:?})", nccl_available().err());
-        eprintln!("skipping {TEST}: 2 GPUs and NCCL needed, {gpus} GPUs here");
+    if !crate::common::multi_gpu(TEST, 2) {
         return;
     }
     let root = tempfile::tempdir().unwrap();
@@ -210,7 +195,7 @@ fn a_rank_killed_at_random_points_never_hangs_the_others_and_resume_is_exact() {
         trial += 1;
         assert!(trial < 3 * KILLS, "too many trials ended before their kill: shorten the delays");
         let dir = root.path().join(format!("trial-{trial}"));
-        let p = port();
+        let p = crate::common::free_port();
         let mut ranks = [Rank::spawn(0, p, &dir, false), Rank::spawn(1, p, &dir, false)];
         let victim = rng.random_range(0..2usize);
         let started = Instant::now();

@@ -153,6 +153,18 @@ pub fn adamw_step_reduced(
     adamw_step_table(dev, tensors, args, norm_out, reduce, &mut AdamWTable::default())
 }
 
+/// The scalars of one tensor's update: `args` with its `weight_decay` and `step`.
+fn step_scalars(args: &AdamWArgs, weight_decay: f32, step: u64) -> AdamWScalars {
+    AdamWScalars::new(&AdamWHyper {
+        lr: args.lr,
+        beta1: args.beta1,
+        beta2: args.beta2,
+        eps: args.eps,
+        weight_decay,
+        step,
+    })
+}
+
 /// The chunk table of AdamW steps kept from one step to the next (an optimizer's): its device
 /// buffer keeps its address, so a CUDA graph that captured a step ([`adamw_step_table`] inside
 /// a capture) replays with the per-step scalars [`AdamWTable::refresh`] writes into it before
@@ -189,15 +201,7 @@ impl AdamWTable {
             });
         }
         for (e, &(t, weight_decay)) in self.entries.iter_mut().zip(&self.owners) {
-            let h = AdamWHyper {
-                lr: args.lr,
-                beta1: args.beta1,
-                beta2: args.beta2,
-                eps: args.eps,
-                weight_decay,
-                step: steps[t],
-            };
-            let sc = AdamWScalars::new(&h);
+            let sc = step_scalars(args, weight_decay, steps[t]);
             (e.decay, e.step_size, e.bc2_sqrt) = (sc.decay, sc.step_size, sc.bc2_sqrt);
         }
         self.upload(dev)
@@ -265,15 +269,7 @@ pub fn adamw_step_table(
         let code =
             |arg, dt| type_code(dt).ok_or(Error::DType { op: OP, arg, expected: "f32, bf16 or f16".into(), got: dt });
         let dtypes = code("grad", t.grad.dtype())? | code("param", t.param.dtype())? << 8;
-        let h = AdamWHyper {
-            lr: args.lr,
-            beta1: args.beta1,
-            beta2: args.beta2,
-            eps: args.eps,
-            weight_decay: t.weight_decay,
-            step: t.step,
-        };
-        let s = AdamWScalars::new(&h);
+        let s = step_scalars(args, t.weight_decay, t.step);
         let (g_bytes, p_bytes) = (t.grad.dtype().size_bytes() as u64, t.param.dtype().size_bytes() as u64);
         let (grad, g_guard) = t.grad.data().device_ptr(stream);
         // The parameter is written through a shared borrow: in place, as documented on
@@ -302,14 +298,7 @@ pub fn adamw_step_table(
         owners.resize(entries.len(), (i, t.weight_decay));
     }
     // The kernel-wide scalars (betas, eps) do not depend on a tensor's step or decay.
-    let s = AdamWScalars::new(&AdamWHyper {
-        lr: args.lr,
-        beta1: args.beta1,
-        beta2: args.beta2,
-        eps: args.eps,
-        weight_decay: 0.0,
-        step: 1,
-    });
+    let s = step_scalars(args, 0.0, 1);
     if entries.len() > i32::MAX as usize {
         return Err(Error::Shape {
             op: OP,
