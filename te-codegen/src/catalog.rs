@@ -176,6 +176,10 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             v.push(DecodeAttnSpec::new(dtype, d, arch).into());
         }
     }
+    // Over an E4M3 cache: GPT's, Llama's and Gemma 3's head dims.
+    for d in [64, 128, 256] {
+        v.push(DecodeAttnSpec::new(DType::BF16, d, arch).with_fp8_cache().into());
+    }
     // Blockwise FP8 quantization: both inputs, both formats, both block shapes.
     for input in [DType::BF16, DType::F16] {
         for output in [DType::E4M3, DType::E5M2] {

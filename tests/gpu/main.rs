@@ -18,6 +18,7 @@ mod cast_transpose;
 mod checkpoint;
 mod copy;
 mod decode_attention;
+mod decode_attention_fp8;
 mod decoder;
 mod decoder_train;
 mod dist_failure;

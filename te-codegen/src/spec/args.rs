@@ -62,6 +62,8 @@ pub enum ArgCond {
     PreNormBeta,
     /// An FP8 weight's per-tensor `scale_inv`.
     Fp8Weight,
+    /// An E4M3 KV cache's per-tensor scales (decode attention).
+    Fp8KvCache,
 }
 
 /// One parameter of a kernel entry point.

@@ -10,7 +10,7 @@
 //! configuration (from the capacity) serves every step and a CUDA graph can replay it while the
 //! lengths change.
 
-use super::{Family, KernelArg};
+use super::{ArgCond, Family, KernelArg};
 use crate::{Arch, DType};
 use serde::{Deserialize, Serialize};
 
@@ -35,12 +35,19 @@ pub const DECODE_MAX_HEAD_DIM: usize = 256;
 ///   capacity)` are skipped.
 ///
 /// Math in f32: the scores `q·k · softmax_scale · log2(e)` and `exp2`, as FlashAttention.
+///
+/// With an E4M3 cache ([`DecodeAttnSpec::with_fp8_cache`], vLLM's `kv_cache_dtype="fp8"` with
+/// per-tensor scales): the append writes `E4M3(k · k_scale)` and `E4M3(v · v_scale)` (round to
+/// nearest even, saturating), and the split kernel reads each key and value as its code ·
+/// `scale_inv` in f32; half the cache's bytes, at E4M3's precision (3 mantissa bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct DecodeAttnSpec {
     /// q, k, v, the cache and o: bf16 or f16.
     pub dtype: DType,
     /// Channels per head: a multiple of 8, at most [`DECODE_MAX_HEAD_DIM`].
     pub head_dim: usize,
+    /// The cache's dtype: `dtype`, or E4M3 codes with per-tensor scales.
+    pub kv_cache: DType,
     /// Target architecture.
     pub arch: Arch,
 }
@@ -54,7 +61,17 @@ impl DecodeAttnSpec {
 
     /// The kernels of `head_dim` and `dtype` for `arch`.
     pub const fn new(dtype: DType, head_dim: usize, arch: Arch) -> Self {
-        Self { dtype, head_dim, arch }
+        Self { dtype, head_dim, kv_cache: dtype, arch }
+    }
+
+    /// These kernels over an E4M3 cache with per-tensor scales (see the type's docs).
+    pub const fn with_fp8_cache(self) -> Self {
+        Self { kv_cache: DType::E4M3, ..self }
+    }
+
+    /// Whether the cache holds E4M3 codes.
+    pub fn fp8_cache(&self) -> bool {
+        self.kv_cache == DType::E4M3
     }
 
     /// Threads that load one key (8 channels each), a power of two: `head_dim / 8` rounded up.
@@ -95,6 +112,7 @@ impl DecodeAttnSpec {
             "int",
             "sliding window: the query at position `len − 1` sees keys from `len − 1 − window_left`; −1: all",
         ),
+        KernelArg::read("kv_scales", "const float* __restrict__", KV_SCALES_DOC).when(ArgCond::Fp8KvCache),
     ];
 
     /// Arguments of the combine kernel (entry point 1).
@@ -127,8 +145,13 @@ impl DecodeAttnSpec {
         KernelArg::scalar("groups", "u32", "key/value heads"),
         KernelArg::scalar("capacity", "u32", "positions per sequence in the cache"),
         KernelArg::scalar("s", "u32", "new tokens per sequence"),
+        KernelArg::read("kv_scales", "const float* __restrict__", KV_SCALES_DOC).when(ArgCond::Fp8KvCache),
     ];
 }
+
+/// The E4M3 cache's scales, one buffer for both kernels that use them.
+const KV_SCALES_DOC: &str = "f32 `[4]`: `k_scale, v_scale` (the append multiplies by them before the cast), \
+                             `k_scale_inv, v_scale_inv` (the split kernel's dequantization)";
 
 impl Family for DecodeAttnSpec {
     fn family(&self) -> &'static str {
@@ -138,7 +161,8 @@ impl Family for DecodeAttnSpec {
         "decode_attn.cu.tera"
     }
     fn name_parts(&self) -> String {
-        format!("{}_d{}", self.dtype, self.head_dim)
+        let kv = if self.fp8_cache() { "_kv_e4m3" } else { "" };
+        format!("{}_d{}{kv}", self.dtype, self.head_dim)
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -149,6 +173,8 @@ impl Family for DecodeAttnSpec {
         ctx.insert("lanes", &self.lanes());
         ctx.insert("threads", &Self::THREADS);
         ctx.insert("max_splits", &Self::MAX_SPLITS);
+        ctx.insert("kv_t", self.kv_cache.type_tag());
+        ctx.insert("fp8_kv", &self.fp8_cache());
     }
     fn entry_suffixes(&self) -> &'static [&'static str] {
         &["", "_combine", "_append"]
@@ -160,7 +186,19 @@ impl Family for DecodeAttnSpec {
         if self.head_dim == 0 || self.head_dim % 8 != 0 || self.head_dim > DECODE_MAX_HEAD_DIM {
             return Err(format!("head_dim = {} must be a multiple of 8 in [8, {DECODE_MAX_HEAD_DIM}]", self.head_dim));
         }
+        if self.kv_cache != self.dtype && self.kv_cache != DType::E4M3 {
+            return Err(format!(
+                "the KV cache holds {} (the queries' dtype) or e4m3 codes, not {}",
+                self.dtype, self.kv_cache
+            ));
+        }
         Ok(())
+    }
+    fn has(&self, cond: ArgCond) -> bool {
+        match cond {
+            ArgCond::Fp8KvCache => self.fp8_cache(),
+            _ => false,
+        }
     }
     fn args(&self, entry: usize) -> &'static [KernelArg] {
         match entry {

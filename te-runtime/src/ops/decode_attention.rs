@@ -1,7 +1,9 @@
 //! Family 15 launchers: attention of a generation step over a KV cache
 //! ([`te_codegen::spec::DecodeAttnSpec`]): [`append_kv`] writes the new tokens' keys and values
 //! into the cache, [`decode`] attends one query per sequence and head over the cached tokens
-//! (split-K over the cache, FlashDecoding, so a long context uses every SM). The cached lengths
+//! (split-K over the cache, FlashDecoding, so a long context uses every SM); [`append_kv_fp8`]
+//! and [`decode_fp8`] do the same over an E4M3 cache with per-tensor scales ([`KvScales`]:
+//! half the cache's bytes, vLLM's `kv_cache_dtype="fp8"`). The cached lengths
 //! are an i32 device array the caller fills, so the launches of one cache (their grids follow
 //! its capacity) can be captured in a CUDA graph and replayed as the lengths grow.
 //!
@@ -33,6 +35,14 @@ pub struct Strided<'a> {
     /// Elements between rows (a multiple of 8).
     pub row: usize,
 }
+
+/// The per-tensor scales of an E4M3 KV cache (vLLM's `kv_cache_dtype="fp8"` with `k_scale` /
+/// `v_scale`): f32 `[4]` on the device, `k_scale, v_scale, k_scale_inv, v_scale_inv`. The
+/// append stores `E4M3(x · scale)` (round to nearest even, saturating at ±448), the decode reads
+/// `code · scale_inv`; a scale of 1 keeps values up to 448 (what an uncalibrated vLLM cache
+/// does). In device memory, so a captured step replays with scales set later.
+#[derive(Debug, Clone, Copy)]
+pub struct KvScales<'a>(pub &'a CudaSlice<f32>);
 
 /// Checks a decode call's shape: valid ([`AttentionShape::validate`]) and the decode problem
 /// ([`AttentionShape::decode`]: one query per sequence over its cached keys), within the
@@ -113,10 +123,26 @@ fn check_strided(arg: &str, t: &Strided<'_>, rows: usize, width: usize) -> Resul
     Ok(())
 }
 
-fn check_cache(p: &AttentionShape, dtype: DType, k: &Tensor, v: &Tensor) -> Result<()> {
-    let same = format!("{dtype} (the dtype of the queries and keys)");
+/// Checks the caches: `[batch, capacity, groups, head_dim]` of `dtype` (the queries'), or E4M3
+/// codes when `scales` are given (which must hold 4 floats).
+fn check_cache(p: &AttentionShape, dtype: DType, k: &Tensor, v: &Tensor, scales: Option<&KvScales>) -> Result<()> {
+    let (want, same) = match scales {
+        Some(sc) => {
+            if sc.0.len() < 4 {
+                return Err(Error::Shape {
+                    op: OP,
+                    message: format!(
+                        "`kv_scales` holds {} floats: an E4M3 cache takes 4 (k_scale, v_scale, k_scale_inv, v_scale_inv)",
+                        sc.0.len()
+                    ),
+                });
+            }
+            (DType::E4M3, "e4m3 (a cache with kv_scales)".to_string())
+        }
+        None => (dtype, format!("{dtype} (the dtype of the queries and keys)")),
+    };
     for (arg, t) in [("k_cache", k), ("v_cache", v)] {
-        check_dtype(OP, arg, t, |d| d == dtype, &same)?;
+        check_dtype(OP, arg, t, |d| d == want, &same)?;
         if t.shape() != cache_shape(p) {
             return Err(Error::Shape {
                 op: OP,
@@ -158,9 +184,39 @@ pub fn append_kv(
     dev: &Device,
     p: &AttentionShape,
     s: usize,
+    new: [Strided<'_>; 2],
+    seqlens: &CudaSlice<i32>,
+    cache: [&mut Tensor; 2],
+) -> Result<()> {
+    append(dev, p, s, new, seqlens, cache, None)
+}
+
+/// [`append_kv`] into an E4M3 cache: each new key is stored as `E4M3(k · k_scale)`, each value
+/// as `E4M3(v · v_scale)` ([`KvScales`]).
+///
+/// # Errors
+/// As [`append_kv`], for E4M3 caches; [`Error::Shape`] for `scales` of fewer than 4 floats.
+pub fn append_kv_fp8(
+    dev: &Device,
+    p: &AttentionShape,
+    s: usize,
+    new: [Strided<'_>; 2],
+    seqlens: &CudaSlice<i32>,
+    cache: [&mut Tensor; 2],
+    scales: KvScales<'_>,
+) -> Result<()> {
+    append(dev, p, s, new, seqlens, cache, Some(&scales))
+}
+
+#[allow(clippy::too_many_arguments)] // append_kv's arguments and the optional scales
+fn append(
+    dev: &Device,
+    p: &AttentionShape,
+    s: usize,
     [k_new, v_new]: [Strided<'_>; 2],
     seqlens: &CudaSlice<i32>,
     [k_cache, v_cache]: [&mut Tensor; 2],
+    scales: Option<&KvScales<'_>>,
 ) -> Result<()> {
     let dtype = k_new.tensor.dtype();
     check_dtype(OP, "k_new", k_new.tensor, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
@@ -175,12 +231,12 @@ pub fn append_kv(
             ),
         });
     }
-    check_cache(p, dtype, k_cache, v_cache)?;
+    check_cache(p, dtype, k_cache, v_cache, scales)?;
     check_seqlens(p, seqlens)?;
     let width = p.groups * p.head_dim;
     check_strided("k_new", &k_new, s * p.batch, width)?;
     check_strided("v_new", &v_new, s * p.batch, width)?;
-    let spec = p.decode_spec(dtype, dev.arch());
+    let spec = kernels(p, dtype, dev, scales);
     let f = dev.function(&KernelSpec::DecodeAttn(spec), 2)?;
     let threads = DecodeAttnSpec::THREADS;
     let chunks = s * p.batch * p.groups * (p.head_dim / 8);
@@ -194,9 +250,13 @@ pub fn append_kv(
     l.ptr("k_cache", k_cache.data_mut()?).ptr("v_cache", v_cache.data_mut()?);
     l.scalar("new_row", &row).scalar("batch", &batch).scalar("groups", &groups);
     l.scalar("capacity", &capacity).scalar("s", &s_arg);
+    if let Some(sc) = scales {
+        l.ptr("kv_scales", sc.0);
+    }
     // SAFETY: k_new and v_new hold `s · batch` rows of `groups · head_dim` elements from their
     // offsets at their stride, the caches `batch · capacity · groups · head_dim` elements, all of
-    // the spec's dtype, 16-byte aligned (checked above); `seqlens` holds `batch` i32; the kernel
+    // the spec's dtype (the caches E4M3 with 4 scales when the spec says so), aligned (checked
+    // above); `seqlens` holds `batch` i32; the kernel
     // writes only cache positions inside `[0, capacity)`; the caches are distinct allocations
     // (`&mut`), apart from the new tokens (`&`).
     unsafe { l.launch(cfg) }
@@ -216,20 +276,60 @@ pub fn decode(
     dev: &Device,
     p: &AttentionShape,
     q: Strided<'_>,
+    cache: [&Tensor; 2],
+    seqlens: &CudaSlice<i32>,
+    out: (&mut Tensor, usize),
+) -> Result<()> {
+    attend(dev, p, q, cache, seqlens, out, None)
+}
+
+/// [`decode`] over an E4M3 cache ([`append_kv_fp8`]): keys and values read as `code ·
+/// scale_inv` in f32.
+///
+/// # Errors
+/// As [`decode`], for E4M3 caches; [`Error::Shape`] for `scales` of fewer than 4 floats.
+pub fn decode_fp8(
+    dev: &Device,
+    p: &AttentionShape,
+    q: Strided<'_>,
+    cache: [&Tensor; 2],
+    scales: KvScales<'_>,
+    seqlens: &CudaSlice<i32>,
+    out: (&mut Tensor, usize),
+) -> Result<()> {
+    attend(dev, p, q, cache, seqlens, out, Some(&scales))
+}
+
+/// The kernels of a call: the queries' dtype, over an E4M3 cache with `scales`.
+fn kernels(p: &AttentionShape, dtype: DType, dev: &Device, scales: Option<&KvScales<'_>>) -> DecodeAttnSpec {
+    let spec = p.decode_spec(dtype, dev.arch());
+    if scales.is_some() {
+        spec.with_fp8_cache()
+    } else {
+        spec
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // decode's arguments and the optional scales
+fn attend(
+    dev: &Device,
+    p: &AttentionShape,
+    q: Strided<'_>,
     [k_cache, v_cache]: [&Tensor; 2],
     seqlens: &CudaSlice<i32>,
     (out, out_row): (&mut Tensor, usize),
+    scales: Option<&KvScales<'_>>,
 ) -> Result<()> {
     let dtype = q.tensor.dtype();
     check_dtype(OP, "q", q.tensor, |d| matches!(d, DType::BF16 | DType::F16), "bf16 or f16")?;
     check_dtype(OP, "out", out, |d| d == dtype, &dtype.to_string())?;
     check(p)?;
-    check_cache(p, dtype, k_cache, v_cache)?;
+    check_cache(p, dtype, k_cache, v_cache, scales)?;
     check_seqlens(p, seqlens)?;
     let width = p.heads * p.head_dim;
     check_strided("q", &q, p.batch, width)?;
     check_strided("out", &Strided { tensor: out, offset: 0, row: out_row }, p.batch, width)?;
-    let spec = p.decode_spec(dtype, dev.arch());
+    let spec = kernels(p, dtype, dev, scales);
     let kernel = KernelSpec::DecodeAttn(spec);
     let (split_f, combine_f) = (dev.function(&kernel, 0)?, dev.function(&kernel, 1)?);
     let (splits, chunk) = splits(p, dev.sm_count());
@@ -251,6 +351,9 @@ pub fn decode(
         l.scalar("capacity", &capacity).scalar("splits", &splits_arg).scalar("chunk", &chunk_arg);
         let window_left = if p.window.0 >= 0 { p.window.0.min(i64::from(i32::MAX)) as i32 } else { -1 };
         l.scalar("scale_log2", &scale_log2).scalar("window_left", &window_left);
+        if let Some(sc) = scales {
+            l.ptr("kv_scales", sc.0);
+        }
         let cfg = LaunchConfig {
             grid_dim: (splits as u32, queries as u32, 1),
             block_dim: (threads, 1, 1),
