@@ -117,8 +117,8 @@ pub struct TrainArgs {
     pub skip_nonfinite_steps: u64,
     /// GPU runs: capture the whole training step (forward, backward, AdamW) in a CUDA graph after
     /// one eager step and replay it (bit for bit the eager steps, without the host's per-kernel
-    /// launch cost). Data- or tensor-parallel runs, MoE presets and --pack thd step eagerly, with
-    /// a message.
+    /// launch cost). Data- or tensor-parallel runs, MoE presets, --pack thd and fine-tuning
+    /// (--model) step eagerly, with a message.
     #[arg(long)]
     pub cuda_graph: bool,
     /// FP8 runs with --recipe delayed or current: run attention in FP8 too (TE's `fp8_dpa`: E4M3

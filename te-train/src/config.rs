@@ -87,7 +87,8 @@ pub struct TrainConfig {
     /// the AdamW update) in a CUDA graph after one eager step and replay it for the rest of the
     /// run (TE's `make_graphed_callables` for the whole step; PyTorch's `torch.cuda.graph`),
     /// bit for bit the eager steps. Runs the graph cannot hold step eagerly, with a message:
-    /// data- or tensor-parallel runs, MoE models, packed (`thd`) batches.
+    /// data- or tensor-parallel runs, MoE models, packed (`thd`) batches, fine-tuning a
+    /// decoder of the family.
     pub cuda_graph: bool,
 }
 

@@ -215,6 +215,7 @@ fn run<M: TrainLm, T: TokenId>(
     let (rank, world) = parallel.data_rank();
     let mut train_batches = data.train(cfg.data_seed, cfg.batch, (rank, world))?;
     let mut records = Vec::new();
+    let finetune = decoder.is_some();
     let mut checkpoints = Checkpointer::new(ckpt, cfg, precision)
         .data_parallel(rank, world)
         .tensor_parallel(tp_rank, tp_size)
@@ -228,7 +229,7 @@ fn run<M: TrainLm, T: TokenId>(
     // --cuda-graph: the first step of this process runs eagerly, the next is captured.
     let mut graph_wanted = cfg.cuda_graph;
     if graph_wanted {
-        if let Some(why) = graphed::unsupported(parallel, run.model.is_moe(), data.is_windows()) {
+        if let Some(why) = graphed::unsupported(parallel, run.model.is_moe(), data.is_windows(), finetune) {
             tracing::warn!("--cuda-graph: {why}");
             graph_wanted = false;
         }

@@ -33,9 +33,13 @@ use te_runtime::{Device, Error};
 
 /// Why a run cannot step from a graph (the eager steps run instead), or `None` when it can.
 /// `moe`: the model routes tokens to experts, whose row counts the host reads each step;
-/// `windows`: its batches are windows of one shape (packed `thd` rows carry tables that vary).
-pub(super) fn unsupported(parallel: &Parallel, moe: bool, windows: bool) -> Option<&'static str> {
-    if parallel.world_size() > 1 {
+/// `windows`: its batches are windows of one shape (packed `thd` rows carry tables that vary);
+/// `finetune`: a pretrained decoder of the family (its graphed step is not verified yet: the
+/// loss's token count, read from the host at the capture, must not vary between batches).
+pub(super) fn unsupported(parallel: &Parallel, moe: bool, windows: bool, finetune: bool) -> Option<&'static str> {
+    if finetune {
+        Some("fine-tuning a decoder of the family steps eagerly (its graphed step is not verified yet)")
+    } else if parallel.world_size() > 1 {
         Some("a data- or tensor-parallel run steps eagerly (its collectives are not captured yet)")
     } else if moe {
         Some("a MoE model steps eagerly (the host reads each expert's row count every step)")
@@ -197,4 +201,21 @@ fn mark_weights_changed<M: TrainLm>(model: &mut M) -> Result<(), TrainError> {
         }
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_a_graph_cannot_hold_say_why() {
+        let one = Parallel::default();
+        assert_eq!(unsupported(&one, false, true, false), None);
+        for (moe, windows, finetune, word) in
+            [(true, true, false, "MoE"), (false, false, false, "thd"), (false, true, true, "fine-tuning")]
+        {
+            let why = unsupported(&one, moe, windows, finetune).unwrap_or_default();
+            assert!(why.contains(word), "{why}");
+        }
+    }
 }

@@ -60,6 +60,9 @@ pub(super) fn train(
     if let Some(available) = available_memory().filter(|&a| needed > a) {
         return Err(TrainError::HostMemory { needed, available });
     }
+    if cfg.cuda_graph {
+        tracing::warn!("--cuda-graph: CUDA graphs are the GPU's; the CPU path steps as it always does");
+    }
     let mut model = GptRef::new(&cfg.model)?;
     model.set_precision(gemms)?;
     // The GPU job's AdamW settings and schedule.
