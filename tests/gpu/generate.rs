@@ -3,7 +3,8 @@
 //! whole prefix (BF16 GEMM inputs there, relative Frobenius ≤ 3e-2: the GPU also keeps the
 //! residual stream and the norms in BF16) and against the GPU's own prefill of the whole prefix
 //! (≤ 2e-2); the decode steps replayed from a CUDA graph give the eager steps' tokens; the cache
-//! is reused across calls; typed errors.
+//! is reused across calls; an E4M3 cache (`Gpt::inference_params_fp8`) follows the 16-bit one;
+//! typed errors.
 
 use crate::common::device;
 use te_models::cpu::gpt::{GemmPrecision, GptRef};
@@ -175,4 +176,37 @@ fn bad_generations_are_typed_errors() {
     assert!(e.contains("begin_step"), "{e}");
     params.end_step();
     assert!(params.begin_step(7).is_err(), "beyond the capacity");
+}
+
+/// Decode steps over an E4M3 cache (per-tensor scales 8) against the same steps over the BF16
+/// cache: the logits within E4M3's precision (relative Frobenius ≤ 6e-2), batch 3 through GEMMs
+/// and batch 1 through the fused GEMVs; the scales' typed errors.
+#[test]
+fn an_e4m3_kv_cache_follows_the_16_bit_cache() {
+    let Some(dev) = device() else { return };
+    let mut gpt = Gpt::new(&dev, config()).unwrap();
+    gpt.set_training(false);
+    for b in [3, 1] {
+        let (prompt, total) = (9, 30);
+        let seqs: Vec<Vec<i32>> =
+            (0..b as i32).map(|j| (0..total as i32).map(|i| (i * 53 + j * 31 + 3) % 256).collect()).collect();
+        let mut bf16 = gpt.inference_params(b, 40).unwrap();
+        let mut fp8 = gpt.inference_params_fp8(b, 40).unwrap();
+        assert_eq!(fp8.dtype(), DType::E4M3);
+        fp8.set_kv_scales(8.0, 8.0).unwrap();
+        step(&mut gpt, &dev, &mut bf16, &prefix(&seqs, prompt), prompt, 0);
+        step(&mut gpt, &dev, &mut fp8, &prefix(&seqs, prompt), prompt, 0);
+        for pos in prompt..total {
+            let next: Vec<i32> = seqs.iter().map(|s| s[pos]).collect();
+            let want = step(&mut gpt, &dev, &mut bf16, &next, 1, pos);
+            let got = step(&mut gpt, &dev, &mut fp8, &next, 1, pos);
+            let e = rel_frobenius(&got, &want);
+            assert!(e <= 6e-2, "b{b} position {pos}: relative error {e:.3e} of the e4m3 cache's logits");
+        }
+    }
+    let mut bf16 = gpt.inference_params(1, 8).unwrap();
+    assert!(matches!(bf16.set_kv_scales(1.0, 1.0), Err(te_runtime::Error::Config { .. })));
+    let mut fp8 = gpt.inference_params_fp8(1, 8).unwrap();
+    assert!(matches!(fp8.set_kv_scales(0.0, 1.0), Err(te_runtime::Error::Argument { .. })));
+    assert!(matches!(fp8.set_kv_scales(1.0, f32::NAN), Err(te_runtime::Error::Argument { .. })));
 }

@@ -10,6 +10,7 @@
 use super::{Gpt, MODEL};
 use crate::generate::decode::{generate, Decoder};
 use crate::generate::SamplingConfig;
+use te_codegen::DType;
 use te_nn::fp8::{fp8_autocast, Recipe};
 use te_nn::modules::{InferenceParams, TokenIds};
 use te_runtime::graph::{Graph, HostCopies};
@@ -38,6 +39,22 @@ impl Gpt {
     /// its position table); [`InferenceParams::new`]'s errors (head dims the decode kernels do
     /// not take, an f32 model).
     pub fn inference_params(&self, batch: usize, capacity: usize) -> Result<InferenceParams> {
+        self.cache(batch, capacity, self.cfg.params_dtype)
+    }
+
+    /// [`Gpt::inference_params`] with the keys and values stored as E4M3 codes (half the
+    /// cache's bytes; per-tensor scales 1 until [`InferenceParams::set_kv_scales`]): the decode
+    /// steps read them through `ops::decode_attention::decode_fp8`, the prompt's attention runs
+    /// on its 16-bit keys and values.
+    ///
+    /// # Errors
+    /// As [`Gpt::inference_params`].
+    pub fn inference_params_fp8(&self, batch: usize, capacity: usize) -> Result<InferenceParams> {
+        self.cache(batch, capacity, DType::E4M3)
+    }
+
+    /// A cache of `dtype` for `batch` sequences of `capacity` tokens.
+    fn cache(&self, batch: usize, capacity: usize, dtype: DType) -> Result<InferenceParams> {
         let context = self.cfg.seq_length;
         if capacity > context {
             return Err(Error::Shape {
@@ -49,7 +66,15 @@ impl Gpt {
         }
         let heads = self.cfg.num_attention_heads;
         let head_dim = self.cfg.hidden_size / heads.max(1);
-        InferenceParams::new(&self.dev, self.cfg.num_layers, batch, capacity, [heads, head_dim], self.cfg.params_dtype)
+        if !matches!(self.cfg.params_dtype, DType::BF16 | DType::F16) {
+            return Err(Error::DType {
+                op: MODEL,
+                arg: "params_dtype",
+                expected: "bf16 or f16 (the decode kernels' queries)".into(),
+                got: self.cfg.params_dtype,
+            });
+        }
+        InferenceParams::new(&self.dev, self.cfg.num_layers, batch, capacity, [heads, head_dim], dtype)
     }
 
     /// The forward of a generation step over `params` (a step of `s` tokens per sequence begun

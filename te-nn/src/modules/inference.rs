@@ -12,7 +12,9 @@
 use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use te_codegen::DType;
+use te_runtime::graph::HostCopies;
 use te_runtime::ops::attention_shape::AttentionShape;
+use te_runtime::ops::decode_attention::{append_kv, append_kv_fp8, decode, decode_fp8, KvScales, Strided};
 use te_runtime::{Device, Error, Result, Tensor};
 
 const OP: &str = "InferenceParams";
@@ -27,6 +29,9 @@ pub struct InferenceParams {
     groups: usize,
     head_dim: usize,
     layers: Vec<[Tensor; 2]>,
+    /// An E4M3 cache's scales, f32 `[4]`: `k_scale, v_scale, k_scale_inv, v_scale_inv` (every
+    /// layer's; [`InferenceParams::set_kv_scales`]).
+    kv_scales: Option<CudaSlice<f32>>,
     /// i32 `[batch]`: the lengths after the step in flight.
     seqlens: CudaSlice<i32>,
     /// Tokens cached per sequence before the step in flight.
@@ -51,6 +56,8 @@ pub struct KvLayer<'a> {
     pub new: usize,
     /// `[batch, capacity, groups, head_dim]` of `k` and `v`.
     pub shape: [usize; 4],
+    /// The scales of an E4M3 cache (`None`: the cache holds the model's 16-bit dtype).
+    pub scales: Option<KvScales<'a>>,
 }
 
 impl KvLayer<'_> {
@@ -60,17 +67,46 @@ impl KvLayer<'_> {
         let [batch, capacity, groups, head_dim] = self.shape;
         AttentionShape::decode(batch, heads, groups, head_dim, capacity, scale)
     }
+
+    /// Writes the step's `s` new keys and values per sequence (`new`: rows of the fused QKV
+    /// projection) into the cache of the decode shape `p` ([`append_kv`], or
+    /// [`append_kv_fp8`] into an E4M3 cache).
+    ///
+    /// # Errors
+    /// The launcher's.
+    pub fn append(&mut self, dev: &Device, p: &AttentionShape, s: usize, new: [Strided<'_>; 2]) -> Result<()> {
+        let cache = [&mut *self.k, &mut *self.v];
+        match self.scales {
+            Some(sc) => append_kv_fp8(dev, p, s, new, self.seqlens, cache, sc),
+            None => append_kv(dev, p, s, new, self.seqlens, cache),
+        }
+    }
+
+    /// One query per sequence and head `q` over the cached tokens into `out` ([`decode`], or
+    /// [`decode_fp8`] over an E4M3 cache).
+    ///
+    /// # Errors
+    /// The launcher's.
+    pub fn attend(&self, dev: &Device, p: &AttentionShape, q: Strided<'_>, out: (&mut Tensor, usize)) -> Result<()> {
+        let cache = [&*self.k, &*self.v];
+        match self.scales {
+            Some(sc) => decode_fp8(dev, p, q, cache, sc, self.seqlens, out),
+            None => decode(dev, p, q, cache, self.seqlens, out),
+        }
+    }
 }
 
 impl InferenceParams {
     /// Caches for `num_layers` attention layers of `groups` key/value heads of `head_dim`
     /// channels, `batch` sequences of up to `capacity` tokens each (prompt and generated), in
-    /// `dtype` (the model's: bf16 or f16): `2 · num_layers · batch · capacity · groups · head_dim`
-    /// elements.
+    /// `dtype`: the model's (bf16 or f16), or E4M3 codes (vLLM's `kv_cache_dtype="fp8"`: half
+    /// the bytes; per-tensor scales 1 until [`InferenceParams::set_kv_scales`], the queries stay
+    /// 16-bit): `2 · num_layers · batch · capacity · groups · head_dim` elements.
     ///
     /// # Errors
     /// [`Error::Shape`] for a zero size or a head dim the decode kernels do not take (a multiple
-    /// of 8 up to 256); [`Error::DType`] for a dtype other than bf16/f16; out of memory.
+    /// of 8 up to 256); [`Error::DType`] for a dtype other than bf16, f16 or e4m3; out of
+    /// memory.
     pub fn new(
         dev: &Arc<Device>,
         num_layers: usize,
@@ -93,15 +129,50 @@ impl InferenceParams {
                 message: format!("head_dim = {head_dim}: the decode kernels take multiples of 8 up to 256"),
             });
         }
-        if !matches!(dtype, DType::BF16 | DType::F16) {
-            return Err(Error::DType { op: OP, arg: "dtype", expected: "bf16 or f16".into(), got: dtype });
+        if !matches!(dtype, DType::BF16 | DType::F16 | DType::E4M3) {
+            return Err(Error::DType { op: OP, arg: "dtype", expected: "bf16, f16 or e4m3".into(), got: dtype });
         }
+        let kv_scales = (dtype == DType::E4M3).then(|| dev.stream().htod(&[1.0f32; 4])).transpose()?;
         let shape = [batch, capacity, groups, head_dim];
         let layers = (0..num_layers)
             .map(|_| Ok([Tensor::zeros(dev, dtype, &shape)?, Tensor::zeros(dev, dtype, &shape)?]))
             .collect::<Result<Vec<_>>>()?;
         let seqlens = dev.stream().alloc_zeros::<i32>(batch)?;
-        Ok(Self { dev: dev.clone(), batch, capacity, groups, head_dim, layers, seqlens, len: 0, pending: 0 })
+        Ok(Self { dev: dev.clone(), batch, capacity, groups, head_dim, layers, kv_scales, seqlens, len: 0, pending: 0 })
+    }
+
+    /// The per-tensor scales of an E4M3 cache: keys are stored as `E4M3(k · k_scale)` and read
+    /// as `code / k_scale` (values likewise), so `448 / k_scale` is the largest key kept (1, the
+    /// default: values up to 448, as an uncalibrated vLLM cache). For every layer, from the
+    /// next append on (tokens cached before keep the scales they were stored with: set them
+    /// before the prompt). Device memory, so a captured decode step reads the new values. A host
+    /// upload: not inside a capture.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a 16-bit cache; [`Error::Argument`] for scales that are not finite
+    /// and positive; [`Error::Capture`] inside a capture; copy failures.
+    pub fn set_kv_scales(&mut self, k_scale: f32, v_scale: f32) -> Result<()> {
+        let Some(buf) = self.kv_scales.as_mut() else {
+            return Err(Error::Config {
+                module: OP,
+                message: "the cache holds the model's 16-bit dtype: scales are for an e4m3 cache".into(),
+            });
+        };
+        if !(k_scale.is_finite() && k_scale > 0.0 && v_scale.is_finite() && v_scale > 0.0) {
+            return Err(Error::Argument {
+                op: OP,
+                message: format!("kv scales must be finite and > 0, got {k_scale} and {v_scale}"),
+            });
+        }
+        let stream = self.dev.stream();
+        te_runtime::graph::refuse_in_capture(stream, "InferenceParams::set_kv_scales")?;
+        stream.memcpy_htod(&[k_scale, v_scale, 1.0 / k_scale, 1.0 / v_scale], buf)?;
+        Ok(())
+    }
+
+    /// The cache's dtype: the model's, or E4M3.
+    pub fn dtype(&self) -> DType {
+        self.layers.first().map_or(DType::BF16, |[k, _]| k.dtype())
     }
 
     /// Sequences.
@@ -186,7 +257,8 @@ impl InferenceParams {
             return Err(Error::Shape { op: OP, message: format!("layer {l} of a cache of {n} layers") });
         };
         let shape = [self.batch, self.capacity, self.groups, self.head_dim];
-        Ok(KvLayer { k, v, seqlens: &self.seqlens, past: self.len, new: self.pending, shape })
+        let scales = self.kv_scales.as_ref().map(KvScales);
+        Ok(KvLayer { k, v, seqlens: &self.seqlens, past: self.len, new: self.pending, shape, scales })
     }
 
     /// `[groups, head_dim]` of the cached heads.

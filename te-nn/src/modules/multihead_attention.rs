@@ -27,7 +27,7 @@ use std::sync::Arc;
 use te_codegen::spec::GemvEpilogue;
 use te_codegen::DType;
 use te_runtime::ops::attention_shape::AttentionShape;
-use te_runtime::ops::decode_attention::{append_kv, decode, Strided};
+use te_runtime::ops::decode_attention::Strided;
 use te_runtime::ops::gemv::{gemv, max_rows, GemvInput, DECODE_MAX_ROWS};
 use te_runtime::{Device, Error, Result, Tensor};
 
@@ -345,7 +345,7 @@ impl MultiheadAttention {
     /// than causal or a sliding window, a separate `head_dim_v`, tensor parallelism); [`Error::Shape`] for `x` not `[s,
     /// b, hidden]` with `s` the step's tokens and `b` the cache's batch, or `s > 1` after the
     /// prompt (chunked prefill is not supported); the errors of the parts.
-    pub fn infer_cached(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+    pub fn infer_cached(&mut self, x: &Tensor, mut kv: KvLayer<'_>) -> Result<Tensor> {
         let (p, s, [h, g, d]) = self.check_cached(x, &kv)?;
         let b = p.batch;
         let qkv = match &mut self.qkv {
@@ -354,12 +354,12 @@ impl MultiheadAttention {
         };
         let row = (h + 2 * g) * d;
         let new = |offset| Strided { tensor: &qkv, offset, row };
-        append_kv(&self.dev, &p, s, [new(h * d), new((h + g) * d)], kv.seqlens, [&mut *kv.k, &mut *kv.v])?;
+        kv.append(&self.dev, &p, s, [new(h * d), new((h + g) * d)])?;
         let ctx_out = if kv.past == 0 {
             self.attention.forward_packed(&qkv.reshape(&[s, b, row])?, None)?.0
         } else {
             let mut out = Tensor::empty(&self.dev, qkv.dtype(), &[s, b, h * d])?;
-            decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut out, h * d))?;
+            kv.attend(&self.dev, &p, new(0), (&mut out, h * d))?;
             out
         };
         self.proj.infer(&ctx_out)
@@ -443,7 +443,7 @@ impl MultiheadAttention {
     ///
     /// # Errors
     /// As [`MultiheadAttention::infer_cached`]; [`Error::Internal`] for a module it does not serve.
-    pub(crate) fn decode_gemv(&mut self, x: &Tensor, kv: KvLayer<'_>) -> Result<Tensor> {
+    pub(crate) fn decode_gemv(&mut self, x: &Tensor, mut kv: KvLayer<'_>) -> Result<Tensor> {
         let (p, s, [h, g, d]) = self.check_cached(x, &kv)?;
         let not_served = || Error::internal(MODULE, "decode_gemv on a module decode_gemv_ok refuses");
         let QkvProj::Norm(ln) = &self.qkv else { return Err(not_served()) };
@@ -456,9 +456,9 @@ impl MultiheadAttention {
         let mut qkv = Tensor::empty(&self.dev, DType::BF16, &[b, row])?;
         gemv(&self.dev, GemvInput::Norm { x: &x2, kind, norm }, qkv_w, GemvEpilogue::Store, &mut qkv)?;
         let new = |offset| Strided { tensor: &qkv, offset, row };
-        append_kv(&self.dev, &p, s, [new(h * d), new((h + g) * d)], kv.seqlens, [&mut *kv.k, &mut *kv.v])?;
+        kv.append(&self.dev, &p, s, [new(h * d), new((h + g) * d)])?;
         let mut ctx_out = Tensor::empty(&self.dev, DType::BF16, &[b, h * d])?;
-        decode(&self.dev, &p, new(0), [&*kv.k, &*kv.v], kv.seqlens, (&mut ctx_out, h * d))?;
+        kv.attend(&self.dev, &p, new(0), (&mut ctx_out, h * d))?;
         let mut out = Tensor::empty(&self.dev, DType::BF16, &[b, hidden])?;
         gemv(&self.dev, GemvInput::Plain(&ctx_out), proj_w, GemvEpilogue::Store, &mut out)?;
         out.reshape(&[1, b, hidden])
