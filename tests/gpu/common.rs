@@ -58,6 +58,20 @@ pub fn local_rank_env(rank: usize, world: usize, port: u16) -> te_runtime::dist:
     }
 }
 
+/// This test binary re-run as one rank of the multi-process test `test` (`--exact`, one
+/// thread, output captured through pipes): the rank's environment, NVLink multicast off,
+/// `TE_DIST_TIMEOUT_S = timeout_s`. The caller adds what marks the child and spawns it.
+pub fn rank_command(test: &str, env: &te_runtime::dist::DistEnv, timeout_s: u64) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap_or_default());
+    cmd.args(["--exact", test, "--test-threads=1", "--nocapture"])
+        .envs(env.vars())
+        .env("NCCL_NVLS_ENABLE", "0")
+        .env("TE_DIST_TIMEOUT_S", timeout_s.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    cmd
+}
+
 /// A free local port for a rendezvous.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29_500)

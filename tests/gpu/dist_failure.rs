@@ -6,7 +6,6 @@
 //! itself with SIGKILL after a first all-reduce, rank 0 issues the next one. Skips with fewer
 //! than two GPUs or without NCCL, unless `TE_REQUIRE_MULTI_GPU=1`.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use te_runtime::dist::watchdog::{DIST_TIMEOUT_EXIT, EXIT_GRACE};
 use te_runtime::dist::{DistEnv, ProcessGroup, ReduceOp};
@@ -54,20 +53,10 @@ fn a_rank_that_dies_ends_the_others_within_the_timeout() {
         return;
     }
     let port = crate::common::free_port();
-    let exe = std::env::current_exe().unwrap();
     let mut children = Vec::new();
     for rank in 0..2 {
         let env = crate::common::local_rank_env(rank, 2, port);
-        let child = Command::new(&exe)
-            .args(["--exact", test, "--test-threads=1", "--nocapture"])
-            .envs(env.vars())
-            .env(CHILD, "1")
-            .env("NCCL_NVLS_ENABLE", "0")
-            .env("TE_DIST_TIMEOUT_S", TIMEOUT_S.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let child = crate::common::rank_command(test, &env, TIMEOUT_S).env(CHILD, "1").spawn().unwrap();
         children.push(child);
     }
     // Start-up (the CUDA context, NCCL's init), the timeout, the grace, and slack.

@@ -11,7 +11,6 @@
 //! Skip with fewer than two GPUs or without NCCL, unless `TE_REQUIRE_MULTI_GPU=1`.
 
 use crate::common::{amax, bf16, randn};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use te_models::gpt::{Gpt, GptConfig, MicroBatch};
@@ -55,7 +54,6 @@ pub(crate) fn on_ranks(
     }
     // A port of our own for the rendezvous.
     let port = crate::common::free_port();
-    let exe = std::env::current_exe().unwrap();
     let mut children = Vec::new();
     for rank in 0..world {
         let env = match layout {
@@ -69,14 +67,8 @@ pub(crate) fn on_ranks(
                 master_port: port,
             },
         };
-        let mut cmd = Command::new(&exe);
-        cmd.args(["--exact", test, "--test-threads=1", "--nocapture"])
-            .envs(env.vars())
-            .env(CHILD, test)
-            .env("NCCL_NVLS_ENABLE", "0")
-            .env("TE_DIST_TIMEOUT_S", "60")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        let mut cmd = crate::common::rank_command(test, &env, 60);
+        cmd.env(CHILD, test);
         if let Layout::NodePerGpu = layout {
             cmd.env("CUDA_VISIBLE_DEVICES", rank.to_string());
         }

@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use te_nn::parallel::Parallel;
@@ -77,16 +77,11 @@ struct Rank {
 impl Rank {
     fn spawn(rank: usize, port: u16, dir: &Path, resume: bool) -> Rank {
         let env = crate::common::local_rank_env(rank, 2, port);
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", TEST, "--test-threads=1", "--nocapture", "--ignored"])
-            .envs(env.vars())
+        let mut child = crate::common::rank_command(TEST, &env, TIMEOUT_S)
+            .arg("--ignored")
             .env(CHILD, "1")
             .env(DIR, dir)
             .env(RESUME, if resume { "1" } else { "0" })
-            .env("NCCL_NVLS_ENABLE", "0")
-            .env("TE_DIST_TIMEOUT_S", TIMEOUT_S.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         let lines = Arc::new(Mutex::new(Vec::new()));

@@ -285,8 +285,7 @@ impl AdamW {
     /// As [`AdamW::step`]; [`Error::Capture`] inside a capture when no step of the same
     /// parameters ran outside it.
     pub fn issue<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<PendingStep> {
-        let grads = self.gather_grads(model)?;
-        let params = self.param_tensors(model)?;
+        let (grads, params) = self.gather(model)?;
         let dev = self.dev.clone();
         let step = self.step + 1;
         let lr = self.config.lr.lr(step);
@@ -400,32 +399,24 @@ impl AdamW {
         }
     }
 
-    /// Each parameter's tensor (sharing its storage: the step writes it in place).
-    fn param_tensors<M: Module + ?Sized>(&self, model: &M) -> Result<Vec<Tensor>> {
-        let mut out = Vec::with_capacity(self.params.len());
+    /// Each parameter's gradient (main_grad first) and its tensor (sharing its storage: the
+    /// step writes it in place), in one traversal that checks the model's parameter list.
+    fn gather<M: Module + ?Sized>(&self, model: &M) -> Result<(Vec<Option<Tensor>>, Vec<Tensor>)> {
+        let (mut grads, mut params) = (Vec::with_capacity(self.params.len()), Vec::with_capacity(self.params.len()));
         model.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            self.check_param(grads.len(), path, p.shape(), p.dtype())?;
             let t = p.tensor().ok_or_else(|| Error::Config {
                 module: MODULE,
                 message: format!("{path} became an FP8-only weight; build a new AdamW for the new model"),
             })?;
-            out.push(t.clone());
-            Ok(())
-        })?;
-        Ok(out)
-    }
-
-    /// Each parameter's gradient (main_grad first), checking the model's parameter list.
-    fn gather_grads<M: Module + ?Sized>(&self, model: &M) -> Result<Vec<Option<Tensor>>> {
-        let mut grads = Vec::with_capacity(self.params.len());
-        model.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
-            self.check_param(grads.len(), path, p.shape(), p.dtype())?;
             grads.push(p.main_grad().or(p.grad()).cloned());
+            params.push(t.clone());
             Ok(())
         })?;
         if grads.len() != self.params.len() {
             return Err(self.mismatch(format!("the model has {} parameters", grads.len())));
         }
-        Ok(grads)
+        Ok((grads, params))
     }
 
     /// Hands each new parameter to the model.

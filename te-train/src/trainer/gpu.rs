@@ -263,9 +263,7 @@ fn run<M: TrainLm, T: TokenId>(
                         .iter()
                         .map(|h| StepBatch::windows(dev, seq, cfg.batch, h))
                         .collect::<te_runtime::Result<Vec<_>>>()?;
-                    let losses = forward_backward(&mut *run.model, &batches, precision, &autocast, parallel)?;
-                    let stats = run.opt.step(&mut *run.model)?;
-                    replayed = Some((mean_loss(&losses, cfg)?, stats));
+                    replayed = Some(eager_step(&mut run, &batches, (precision, &autocast), parallel)?);
                 }
             }
         }
@@ -275,10 +273,7 @@ fn run<M: TrainLm, T: TokenId>(
                 let batches = (0..cfg.grad_accum)
                     .map(|_| train_batches.next(dev, seq, cfg.batch))
                     .collect::<Result<Vec<_>, _>>()?;
-                let losses = forward_backward(&mut *run.model, &batches, precision, &autocast, parallel)?;
-                let stats = run.opt.step(&mut *run.model)?;
-                // Read after the step was issued: the host never waited for the device mid-step.
-                (mean_loss(&losses, cfg)?, stats)
+                eager_step(&mut run, &batches, (precision, &autocast), parallel)?
             }
         };
         // The ranks' mean loss (a NaN on one is a NaN on all: they skip and stop together).
@@ -323,10 +318,19 @@ fn run<M: TrainLm, T: TokenId>(
     })
 }
 
-/// The mean of a step's micro-batch losses (read from the device).
-fn mean_loss(losses: &[GptLoss], cfg: &TrainConfig) -> Result<f32, TrainError> {
+/// One eager step on `batches` (one a micro-batch): the micro-batches' mean loss, read after
+/// the optimizer step was issued (the host never waits for the device mid-step), and the
+/// optimizer's statistics.
+fn eager_step<M: TrainLm>(
+    run: &mut GpuRun<'_, M>,
+    batches: &[StepBatch],
+    (precision, autocast): (Precision, &Fp8Autocast),
+    parallel: &mut Parallel,
+) -> Result<(f32, crate::optim::StepStats), TrainError> {
+    let losses = forward_backward(&mut *run.model, batches, precision, autocast, parallel)?;
+    let stats = run.opt.step(&mut *run.model)?;
     let sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
-    Ok(sum / cfg.grad_accum as f32)
+    Ok((sum / losses.len() as f32, stats))
 }
 
 /// The GPU run's model and optimizer, the tensor-parallel group its layers split over, and the
