@@ -5,11 +5,12 @@
 
 use super::nccl::ProcessGroup;
 use super::nccl_args::{check_concat, check_root, reducible, CommBuffer, ReduceOp};
-use crate::{Error, Result};
-use cudarc::driver::CudaSlice;
+use crate::{Error, Result, Tensor};
+use cudarc::driver::{CudaSlice, DevicePtr};
 use cudarc::nccl::result;
 use cudarc::nccl::sys;
 use std::ffi::c_int;
+use std::ops::Range;
 
 impl ProcessGroup {
     /// Checks that `buf` lives on this group's GPU.
@@ -158,6 +159,91 @@ impl ProcessGroup {
         issued?;
         self.hold(buf);
         Ok(())
+    }
+
+    /// [`ProcessGroup::broadcast`] of the elements `range` of `buf` (flattened, row-major), in
+    /// place: rank `root`'s elements there replace every rank's, the others stay as they are
+    /// (the pieces of a ZeRO checkpoint gather, each broadcast from its owner; in one NCCL group,
+    /// [`ProcessGroup::grouped`], they move what an all-gather moves). A shared
+    /// [`Tensor`](crate::Tensor) is copied first, as [`ProcessGroup::broadcast`] does: use
+    /// [`ProcessGroup::broadcast_range_shared`] to write the storage its clones see. Every rank
+    /// passes the same `range` and `root`. An empty range is nothing to do.
+    ///
+    /// # Errors
+    /// [`Error::Argument`]: `root` not below [`ProcessGroup::size`], `range` reversed or past the
+    /// buffer's elements, `buf` on another GPU; [`Error::Nccl`].
+    pub fn broadcast_range<B: CommBuffer>(&self, buf: &mut B, range: Range<usize>, root: usize) -> Result<()> {
+        let name = "ProcessGroup::broadcast_range";
+        let elem = self.check_range(name, buf, &range, root)?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        let stream = self.dev.stream().clone();
+        let (ptr, sync) = buf.write(&stream)?;
+        let issued = self.broadcast_bytes(ptr + (range.start * elem) as u64, range.len() * elem, root);
+        drop(sync);
+        issued?;
+        self.hold(buf);
+        Ok(())
+    }
+
+    /// [`ProcessGroup::broadcast_range`] into `tensor`'s own storage, which its clones share:
+    /// every clone sees the new elements, as with [`Tensor::copy_from`](crate::Tensor::copy_from)
+    /// (PyTorch's in-place `dist.broadcast` of a parameter's shard: Megatron-LM's distributed
+    /// optimizer gathers the updated parameters into the model's own buffers). How a ZeRO step
+    /// makes every rank's parameters whole again after each rank updated its piece.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::broadcast_range`].
+    pub fn broadcast_range_shared(&self, tensor: &Tensor, range: Range<usize>, root: usize) -> Result<()> {
+        let name = "ProcessGroup::broadcast_range_shared";
+        let elem = self.check_range(name, tensor, &range, root)?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        let stream = self.dev.stream().clone();
+        // Written through a shared borrow: in place into the storage the clones share (this
+        // method's documented purpose, as `Tensor::copy_from`); no Rust reference to device
+        // memory is made.
+        let (ptr, sync) = tensor.data().device_ptr(&stream);
+        let issued = self.broadcast_bytes(ptr + (range.start * elem) as u64, range.len() * elem, root);
+        drop(sync);
+        issued?;
+        self.hold(tensor);
+        Ok(())
+    }
+
+    /// Checks a ranged broadcast's arguments; returns the element size in bytes.
+    fn check_range<B: CommBuffer>(
+        &self,
+        name: &'static str,
+        buf: &B,
+        range: &Range<usize>,
+        root: usize,
+    ) -> Result<usize> {
+        check_root(name, root, self.size())?;
+        self.check_device(name, "buf", buf)?;
+        let count: usize = buf.dims().iter().product();
+        if range.start > range.end || range.end > count {
+            return Err(Error::Argument {
+                op: name,
+                message: format!(
+                    "elements {}..{} of a buffer of {count}: pass a range inside the buffer",
+                    range.start, range.end
+                ),
+            });
+        }
+        Ok(buf.dtype().size_bytes())
+    }
+
+    /// `ncclBroadcast` of `bytes` bytes at device address `ptr`, in place, from `root`.
+    fn broadcast_bytes(&self, ptr: u64, bytes: usize, root: usize) -> Result<()> {
+        let p = ptr as *mut std::ffi::c_void;
+        let u8 = sys::ncclDataType_t::ncclUint8;
+        // SAFETY: the callers pass `bytes` bytes inside a live buffer on this group's GPU
+        // (checked range), whose stream guard they hold across the call; in place is allowed;
+        // ordered on the group's stream (see all_reduce).
+        self.issue("ncclBroadcast", |comm, s| unsafe { result::broadcast(p, p, bytes, u8, root as c_int, comm, s) })
     }
 
     /// Waits until every rank has reached it (PyTorch's `barrier()` with NCCL: an all-reduce of

@@ -239,33 +239,121 @@ pub fn adamw_step_table(
     if tensors.is_empty() {
         return Err(Error::Shape { op: OP, message: "no tensors to update; pass at least one".into() });
     }
-    if args.max_grad_norm.is_nan() || args.max_grad_norm <= 0.0 || norm_out.len() != 2 {
+    step(dev, tensors, None, args, norm_out, Partials::Reduce(reduce), table)
+}
+
+/// What a rank holds of the whole model's per-chunk partial sums of squares, handed to the
+/// `gather` of [`adamw_step_sharded`]: its own chunks' partials (`None` when it updates no
+/// piece), in its tensors' order.
+pub type LocalPartials<'a> = Option<&'a CudaSlice<f32>>;
+
+/// One AdamW step of pieces of tensors (ZeRO stage 1, Megatron-LM's distributed optimizer
+/// `megatron/core/optimizer/distrib_optimizer.py`: each data-parallel rank keeps the masters and
+/// moments of its own contiguous piece of the model and updates only that piece of each
+/// parameter): `tensors[i]`'s `master`, `exp_avg` and `exp_avg_sq` hold the elements
+/// `offsets[i] .. offsets[i] + master.len()` of its `grad` and `param` (flattened, row-major),
+/// and only those elements of `param` are written. The arithmetic of each element is
+/// [`adamw_step`]'s, bit for bit.
+///
+/// The clipping norm is the whole model's: the norm launch writes one partial sum of squares
+/// per chunk of the pieces (chunks of [`CHUNK`] elements from each piece's start), then
+/// `gather` (issued on the device's stream) returns the list the finalize launch sums, in
+/// order: every rank's partials, concatenated in the order of the ranks' pieces. When the
+/// pieces start at multiples of [`CHUNK`] within their tensors, the chunks are those of a
+/// replicated step over the whole tensors, and so is the norm, bit for bit. `tensors` may be
+/// empty (a rank that owns no piece still joins `gather`, and gets the norm).
+///
+/// # Errors
+/// [`Error::Shape`] for a piece that is empty or reaches past its tensor, a grad of another
+/// element count than its param, moments of another length than the master, or an offset that
+/// is not a multiple of 4 elements (the kernels' vector accesses); [`Error::Argument`] for
+/// `offsets` of another length than `tensors`, `gather` returning no partials, and as
+/// [`adamw_step`]; [`crate::Error::Capture`] inside a capture (as [`adamw_step_table`]);
+/// `gather`'s errors; compile, allocation and launch failures.
+pub fn adamw_step_sharded(
+    dev: &Device,
+    tensors: &mut [AdamWTensor<'_>],
+    offsets: &[usize],
+    args: &AdamWArgs,
+    norm_out: &mut CudaSlice<f32>,
+    gather: &mut dyn FnMut(LocalPartials<'_>) -> Result<CudaSlice<f32>>,
+    table: &mut AdamWTable,
+) -> Result<()> {
+    if offsets.len() != tensors.len() {
         return Err(Error::Argument {
             op: OP,
-            message: format!(
-                "max_grad_norm must be > 0 (inf: no clipping), got {}; norm_out must hold 2 floats, got {}",
-                args.max_grad_norm,
-                norm_out.len()
-            ),
+            message: format!("{} offsets for {} tensors: pass one per tensor", offsets.len(), tensors.len()),
         });
     }
+    step(dev, tensors, Some(offsets), args, norm_out, Partials::Gather(gather), table)
+}
+
+/// Elements a piece's start must be a multiple of within its tensor: the kernels' vector
+/// accesses (`OptimizerSpec::vec`, 4 elements: 16 bytes of f32, 8 of bf16/f16).
+pub const PIECE_ALIGN: usize = 4;
+
+/// How the norm launch's partials become the list the finalize launch sums.
+enum Partials<'r> {
+    /// Reduced in place (a tensor-parallel all-reduce; the identity on one GPU).
+    Reduce(&'r mut dyn FnMut(&mut CudaSlice<f32>) -> Result<()>),
+    /// Gathered into the whole model's list (ZeRO).
+    Gather(&'r mut dyn FnMut(LocalPartials<'_>) -> Result<CudaSlice<f32>>),
+}
+
+/// A table's entries and, per entry, its tensor's index and weight decay.
+type TableEntries = (Vec<ChunkEntry>, Vec<(usize, f32)>);
+
+/// The chunk entries of `tensors` (pieces at `offsets`, or whole tensors) and their owners.
+fn build_entries<'a>(
+    dev: &'a Device,
+    tensors: &'a mut [AdamWTensor<'_>],
+    offsets: Option<&[usize]>,
+    args: &AdamWArgs,
+    guards: &mut Vec<cudarc::driver::SyncOnDrop<'a>>,
+) -> Result<TableEntries> {
     let stream = dev.stream();
     let mut entries = Vec::new();
     let mut owners = Vec::new();
-    // The guards of the buffers' device pointers: they live until the launches are queued.
-    let mut guards = Vec::with_capacity(5 * tensors.len());
     for (i, t) in tensors.iter_mut().enumerate() {
-        let n = t.param.numel();
-        let counts = [t.grad.numel(), t.master.len(), t.exp_avg.len(), t.exp_avg_sq.len()];
-        if n == 0 || counts.iter().any(|&c| c != n) {
-            return Err(Error::Shape {
-                op: OP,
-                message: format!(
-                    "tensor {i}: param, grad, master, exp_avg and exp_avg_sq must hold the same non-zero number of \
-                     elements, got {n}, {counts:?}"
-                ),
-            });
-        }
+        let whole = t.param.numel();
+        let (offset, n) = match offsets {
+            None => {
+                let counts = [t.grad.numel(), t.master.len(), t.exp_avg.len(), t.exp_avg_sq.len()];
+                if whole == 0 || counts.iter().any(|&c| c != whole) {
+                    return Err(Error::Shape {
+                        op: OP,
+                        message: format!(
+                            "tensor {i}: param, grad, master, exp_avg and exp_avg_sq must hold the same non-zero \
+                             number of elements, got {whole}, {counts:?}"
+                        ),
+                    });
+                }
+                (0, whole)
+            }
+            Some(offsets) => {
+                let (offset, n) = (offsets[i], t.master.len());
+                let fits = n > 0 && offset.checked_add(n).is_some_and(|end| end <= whole);
+                if !fits
+                    || t.grad.numel() != whole
+                    || t.exp_avg.len() != n
+                    || t.exp_avg_sq.len() != n
+                    || offset % PIECE_ALIGN != 0
+                {
+                    return Err(Error::Shape {
+                        op: OP,
+                        message: format!(
+                            "piece {i}: elements {offset}..{offset}+{n} of a param of {whole} and a grad of {} \
+                             elements, moments of {} and {}: the piece must be non-empty, inside the param, start \
+                             at a multiple of {PIECE_ALIGN}, and the grad, master and moments must match",
+                            t.grad.numel(),
+                            t.exp_avg.len(),
+                            t.exp_avg_sq.len()
+                        ),
+                    });
+                }
+                (offset, n)
+            }
+        };
         let code =
             |arg, dt| type_code(dt).ok_or(Error::DType { op: OP, arg, expected: "f32, bf16 or f16".into(), got: dt });
         let dtypes = code("grad", t.grad.dtype())? | code("param", t.param.dtype())? << 8;
@@ -279,11 +367,12 @@ pub fn adamw_step_table(
         let (exp_avg, m_guard) = t.exp_avg.device_ptr_mut(stream);
         let (exp_avg_sq, v_guard) = t.exp_avg_sq.device_ptr_mut(stream);
         guards.extend([g_guard, p_guard, ms_guard, m_guard, v_guard]);
+        let base = offset as u64;
         entries.extend((0..n).step_by(CHUNK).map(|start| {
             let off = start as u64;
             ChunkEntry {
-                grad: grad + off * g_bytes,
-                param: param + off * p_bytes,
+                grad: grad + (base + off) * g_bytes,
+                param: param + (base + off) * p_bytes,
                 master: master + off * 4,
                 exp_avg: exp_avg + off * 4,
                 exp_avg_sq: exp_avg_sq + off * 4,
@@ -297,6 +386,34 @@ pub fn adamw_step_table(
         }));
         owners.resize(entries.len(), (i, t.weight_decay));
     }
+    Ok((entries, owners))
+}
+
+/// The three launches of a step (norm, finalize, AdamW; the first and last left out when
+/// there is no chunk), with the partials made whole as `partials` says.
+fn step(
+    dev: &Device,
+    tensors: &mut [AdamWTensor<'_>],
+    offsets: Option<&[usize]>,
+    args: &AdamWArgs,
+    norm_out: &mut CudaSlice<f32>,
+    partials: Partials<'_>,
+    table: &mut AdamWTable,
+) -> Result<()> {
+    if args.max_grad_norm.is_nan() || args.max_grad_norm <= 0.0 || norm_out.len() != 2 {
+        return Err(Error::Argument {
+            op: OP,
+            message: format!(
+                "max_grad_norm must be > 0 (inf: no clipping), got {}; norm_out must hold 2 floats, got {}",
+                args.max_grad_norm,
+                norm_out.len()
+            ),
+        });
+    }
+    let stream = dev.stream();
+    // The guards of the buffers' device pointers: they live until the launches are queued.
+    let mut guards = Vec::with_capacity(5 * tensors.len());
+    let (entries, owners) = build_entries(dev, tensors, offsets, args, &mut guards)?;
     // The kernel-wide scalars (betas, eps) do not depend on a tensor's step or decay.
     let s = step_scalars(args, 0.0, 1);
     if entries.len() > i32::MAX as usize {
@@ -308,45 +425,71 @@ pub fn adamw_step_table(
     let n_entries = entries.len();
     table.entries = entries;
     table.owners = owners;
-    if crate::graph::is_capturing(stream)? {
-        if table.device.as_ref().map(CudaSlice::len) != Some(n_entries) {
-            return Err(Error::Capture {
-                rule: crate::graph::CaptureRule::NoHostTransfers,
-                detail: format!(
-                    "the AdamW chunk table of {n_entries} chunks was never uploaded: run a step of the same tensors \
-                     outside the capture first"
-                ),
-            });
-        }
-    } else {
-        table.upload(dev)?;
-    }
-    let Some(chunks) = table.device.as_ref() else {
-        return Err(Error::internal(OP, "the chunk table has no device copy after its upload"));
-    };
-    let mut partials = stream.alloc_zeros::<f32>(n_entries)?;
-
     let norm_spec = OptimizerSpec::grad_norm(dev.arch());
-    let norm = dev.function(&KernelSpec::Optimizer(norm_spec), 0)?;
-    let mut b = Launch::new("adamw_step", stream, &norm, &norm_spec, 0);
-    b.ptr("chunks", chunks).ptr("partials", &mut partials);
-    // SAFETY: the arguments follow the GradNorm signature documented on `OptimizerKind`: one
-    // entry per block, each pointing at `n` elements of its grad type inside a tensor checked
-    // above and borrowed for this call; `partials` holds one float per block.
-    unsafe { b.launch(launch_1d(n_entries, norm_spec.threads, 0)) }?;
-    reduce(&mut partials)?;
+    let mut local = if n_entries == 0 {
+        None
+    } else {
+        if crate::graph::is_capturing(stream)? {
+            if table.device.as_ref().map(CudaSlice::len) != Some(n_entries) {
+                return Err(Error::Capture {
+                    rule: crate::graph::CaptureRule::NoHostTransfers,
+                    detail: format!(
+                        "the AdamW chunk table of {n_entries} chunks was never uploaded: run a step of the same \
+                         tensors outside the capture first"
+                    ),
+                });
+            }
+        } else {
+            table.upload(dev)?;
+        }
+        let Some(chunks) = table.device.as_ref() else {
+            return Err(Error::internal(OP, "the chunk table has no device copy after its upload"));
+        };
+        let mut partials = stream.alloc_zeros::<f32>(n_entries)?;
+        let norm = dev.function(&KernelSpec::Optimizer(norm_spec), 0)?;
+        let mut b = Launch::new("adamw_step", stream, &norm, &norm_spec, 0);
+        b.ptr("chunks", chunks).ptr("partials", &mut partials);
+        // SAFETY: the arguments follow the GradNorm signature documented on `OptimizerKind`: one
+        // entry per block, each pointing at `n` elements of its grad type inside a tensor checked
+        // above and borrowed for this call; `partials` holds one float per block.
+        unsafe { b.launch(launch_1d(n_entries, norm_spec.threads, 0)) }?;
+        Some(partials)
+    };
+    let gathered;
+    let partials: &CudaSlice<f32> = match partials {
+        Partials::Reduce(reduce) => {
+            let p = local.as_mut().ok_or_else(|| Error::internal(OP, "a reduced step without chunks"))?;
+            reduce(p)?;
+            p
+        }
+        Partials::Gather(gather) => {
+            gathered = gather(local.as_ref())?;
+            &gathered
+        }
+    };
+    if partials.is_empty() {
+        return Err(Error::Argument {
+            op: OP,
+            message: "the gathered partial norms are empty: gather must return every rank's partials".into(),
+        });
+    }
 
     let finalize = dev.function(&KernelSpec::Optimizer(norm_spec), 1)?;
-    let n_partials = n_entries as u64;
+    let n_partials = partials.len() as u64;
     let mut b = Launch::new("adamw_step", stream, &finalize, &norm_spec, 1);
-    b.ptr("partials", &partials)
+    b.ptr("partials", partials)
         .scalar("n_partials", &n_partials)
         .ptr("out", &mut *norm_out)
         .scalar("max_norm", &args.max_grad_norm);
     // SAFETY: the finalize signature documented on `OptimizerKind`: `partials` holds
     // `n_partials` floats, `norm_out` 2 (checked above); one block.
     unsafe { b.launch(launch_1d(1, norm_spec.threads, 0)) }?;
-
+    if n_entries == 0 {
+        return Ok(());
+    }
+    let Some(chunks) = table.device.as_ref() else {
+        return Err(Error::internal(OP, "the chunk table has no device copy after its upload"));
+    };
     let adam_spec = OptimizerSpec::adamw(dev.arch());
     let adam = dev.function(&KernelSpec::Optimizer(adam_spec), 0)?;
     let skip = i32::from(args.skip_nonfinite);
@@ -362,10 +505,11 @@ pub fn adamw_step_table(
     // SAFETY: the AdamW signature documented on `OptimizerKind`: each entry points at `n`
     // elements of its grad and param types and `n` floats of master and moments, all inside
     // buffers checked above and borrowed for this call (the masters and moments mutably; each
-    // param is the caller's to write in place, see `AdamWTensor::param`), so no two entries
-    // overlap in what they write; `norm_out` holds the 2 floats the finalize launch wrote
-    // before this one on the same stream. Inside a capture the table's entries are the ones
-    // built above once `AdamWTable::refresh` uploads them, before any replay.
+    // param is the caller's to write in place, see `AdamWTensor::param`; a piece's `n` elements
+    // start at its offset, inside the param), so no two entries overlap in what they write;
+    // `norm_out` holds the 2 floats the finalize launch wrote before this one on the same
+    // stream. Inside a capture the table's entries are the ones built above once
+    // `AdamWTable::refresh` uploads them, before any replay.
     unsafe { b.launch(launch_1d(n_entries, adam_spec.threads, 0)) }?;
     drop(guards);
     Ok(())
