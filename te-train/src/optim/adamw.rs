@@ -1,14 +1,16 @@
 //! AdamW over a model's parameters (Loshchilov & Hutter 2019; PyTorch `torch.optim.AdamW` with
 //! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
 
+use super::zero::Zero;
 use super::LrSchedule;
 use cudarc::driver::CudaSlice;
+use std::ops::Range;
 use std::sync::Arc;
 use te_codegen::DType;
 use te_nn::modules::{KernelSpec, KernelTarget, Module, Param, ParamKind, ParamMut};
 use te_runtime::dist::{ProcessGroup, ReduceOp};
 use te_runtime::graph::HostCopies;
-use te_runtime::ops::optimizer::{adamw_step_table, AdamWArgs, AdamWTable, AdamWTensor};
+use te_runtime::ops::optimizer::{adamw_step_sharded, adamw_step_table, AdamWArgs, AdamWTable, AdamWTensor};
 use te_runtime::{Device, Error, Result, Tensor};
 
 const MODULE: &str = "AdamW";
@@ -106,17 +108,37 @@ pub struct ParamState {
     /// The model's dtype of the parameter.
     pub dtype: DType,
     /// Updates of this parameter so far (its bias-correction step; a step without a gradient
-    /// does not count, as in PyTorch).
+    /// does not count, as in PyTorch). Kept on every rank of a sharded optimizer, also for a
+    /// parameter it holds no piece of.
     pub step: u64,
-    /// f32 master weight, one per element.
-    pub master: CudaSlice<f32>,
-    /// f32 first moment.
-    pub exp_avg: CudaSlice<f32>,
-    /// f32 second moment.
-    pub exp_avg_sq: CudaSlice<f32>,
+    /// The elements of the parameter (flattened, row-major) whose state this rank holds: all of
+    /// them, `0..numel`, unless the optimizer is sharded ([`AdamW::new_zero`]); empty when it
+    /// holds none.
+    pub piece: Range<usize>,
+    /// The f32 state of `piece`; `None` when `piece` is empty.
+    pub moments: Option<Moments>,
     /// A tensor-parallel slice ([`Param::tensor_parallel`]): it counts in the gradient norm on
     /// every rank of the group; a replicated parameter on the group's rank 0 only.
     pub tensor_parallel: bool,
+}
+
+/// The f32 AdamW state of a piece of a parameter ([`ParamState::piece`]), one value per element
+/// of the piece each.
+#[derive(Debug)]
+pub struct Moments {
+    /// The master weight.
+    pub master: CudaSlice<f32>,
+    /// The first moment (`exp_avg`).
+    pub exp_avg: CudaSlice<f32>,
+    /// The second moment (`exp_avg_sq`).
+    pub exp_avg_sq: CudaSlice<f32>,
+}
+
+impl ParamState {
+    /// Elements of the parameter.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
 }
 
 /// AdamW with FP32 master weights for a [`Module`]'s parameters: global-norm clipping, then one
@@ -163,6 +185,9 @@ pub struct AdamW {
     tensor_parallel: Option<Arc<ProcessGroup>>,
     /// The fused kernels' chunk table, kept from step to step (a captured step replays it).
     table: AdamWTable,
+    /// The data-parallel group the state is sharded over ([`AdamW::new_zero`]); `None`:
+    /// every rank holds all of it.
+    pub(super) zero: Option<Zero>,
 }
 
 /// A step [`AdamW::issue`] queued on the device and [`AdamW::finish`] completes on the host:
@@ -190,30 +215,89 @@ impl AdamW {
     /// ([`te_nn::fp8::fp8_model_init`]: it has no high-precision value to train); allocation and
     /// copy failures.
     pub fn new<M: Module + ?Sized>(dev: &Arc<Device>, model: &M, config: AdamWConfig) -> Result<Self> {
+        Self::build(dev, model, config, None)
+    }
+
+    /// The optimizer of [`AdamW::new`] sharded over the data-parallel `group` (ZeRO stage 1:
+    /// Megatron-LM's distributed optimizer, `megatron/core/optimizer/distrib_optimizer.py`;
+    /// Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+    /// Models"): this rank holds the masters and moments of its contiguous piece of the model
+    /// only ([`Partition`], pieces starting at multiples of
+    /// [`CHUNK`](te_runtime::ops::optimizer::CHUNK) elements of a parameter): 3 × 4 bytes per
+    /// owned element, about `1 / group.size()` of [`AdamW::new`]'s. The gradients stay whole
+    /// on every rank (averaged by [`te_nn::parallel::DataParallel`]); each step updates this
+    /// rank's pieces of the parameters, and in-place broadcasts of every piece from its owner
+    /// (one NCCL group on the device's stream, an all-gather's volume) make every rank's
+    /// parameters whole again. The clipping norm sums every rank's per-chunk partials in the
+    /// replicated step's order, so a step is bit for bit [`AdamW::new`]'s, clipping and skipped
+    /// non-finite steps included. Every rank of `group` builds it from the same model and
+    /// steps together; its state file is the replicated optimizer's ([`AdamW::save_state`]).
+    ///
+    /// # Errors
+    /// As [`AdamW::new`]; [`Error::Argument`] for a group on a side stream
+    /// ([`ProcessGroup::with_side_stream`]: pass the data-parallel group on the device's
+    /// stream, [`te_nn::parallel::DataParallel::group`]) or on another GPU than `dev`.
+    pub fn new_zero<M: Module + ?Sized>(
+        dev: &Arc<Device>,
+        model: &M,
+        config: AdamWConfig,
+        group: Arc<ProcessGroup>,
+    ) -> Result<Self> {
+        Self::build(dev, model, config, Some(group))
+    }
+
+    /// [`AdamW::new`], sharded over `zero` when given.
+    fn build<M: Module + ?Sized>(
+        dev: &Arc<Device>,
+        model: &M,
+        config: AdamWConfig,
+        zero: Option<Arc<ProcessGroup>>,
+    ) -> Result<Self> {
         config.validate()?;
         let stream = dev.stream();
+        let mut tensors = Vec::new();
         let mut params = Vec::new();
         model.visit("", &mut |path: &str, kind: ParamKind, p: &dyn Param| -> Result<()> {
             let t = p.tensor().ok_or_else(|| Error::Config {
                 module: MODULE,
                 message: format!("{path} is an FP8-only weight (fp8_model_init); train a high-precision model"),
             })?;
-            let master = stream.htod(&t.to_f32(dev)?)?;
+            tensors.push(t.clone());
             params.push(ParamState {
                 path: path.to_owned(),
                 kind,
                 shape: p.shape().to_vec(),
                 dtype: p.dtype(),
                 step: 0,
-                master,
-                exp_avg: stream.alloc_zeros(p.numel())?,
-                exp_avg_sq: stream.alloc_zeros(p.numel())?,
+                piece: 0..p.numel(),
+                moments: None,
                 tensor_parallel: p.tensor_parallel(),
             });
             Ok(())
         })?;
         if params.is_empty() {
             return Err(Error::Config { module: MODULE, message: "the model has no parameters to optimize".into() });
+        }
+        let zero = match zero {
+            Some(group) => Some(Zero::new(dev, group, &params.iter().map(ParamState::numel).collect::<Vec<_>>())?),
+            None => None,
+        };
+        for (i, (s, t)) in params.iter_mut().zip(&tensors).enumerate() {
+            if let Some(z) = &zero {
+                s.piece = z.piece(i);
+            }
+            if s.piece.is_empty() {
+                continue;
+            }
+            let values = t.to_f32(dev)?;
+            let master = values.get(s.piece.clone()).ok_or_else(|| {
+                Error::internal(MODULE, format!("{} holds {} values, not {:?}", s.path, values.len(), s.piece))
+            })?;
+            s.moments = Some(Moments {
+                master: stream.htod(master)?,
+                exp_avg: stream.alloc_zeros(s.piece.len())?,
+                exp_avg_sq: stream.alloc_zeros(s.piece.len())?,
+            });
         }
         Ok(Self {
             dev: dev.clone(),
@@ -223,6 +307,7 @@ impl AdamW {
             norm_out: stream.alloc_zeros(2)?,
             tensor_parallel: None,
             table: AdamWTable::default(),
+            zero,
         })
     }
 
@@ -248,6 +333,23 @@ impl AdamW {
     /// The state of every parameter, in traversal order.
     pub fn states(&self) -> &[ParamState] {
         &self.params
+    }
+
+    /// Bytes of f32 state this rank holds (masters and both moments: 12 per element of its
+    /// pieces).
+    pub fn state_bytes(&self) -> u64 {
+        self.params.iter().map(|s| 12 * s.piece.len() as u64).sum()
+    }
+
+    /// Bytes of f32 state a replicated optimizer of the same model holds on each rank (12 per
+    /// parameter element): [`AdamW::state_bytes`] of [`AdamW::new`].
+    pub fn replicated_state_bytes(&self) -> u64 {
+        self.params.iter().map(|s| 12 * s.numel() as u64).sum()
+    }
+
+    /// The ranks the state is sharded over ([`AdamW::new_zero`]); `None` when replicated.
+    pub fn zero_ranks(&self) -> Option<usize> {
+        self.zero.as_ref().map(Zero::world)
     }
 
     /// One optimizer step: gathers each parameter's gradient (its `main_grad` when it has one,
@@ -296,41 +398,75 @@ impl AdamW {
                 message: "no parameter has a gradient (grad or main_grad); run a backward before step".into(),
             });
         }
+        if self.zero.is_some() {
+            te_runtime::graph::refuse_in_capture(
+                dev.stream(),
+                "a ZeRO-1 optimizer step (its norm gather and parameter broadcasts are issued from the host: step \
+                 it eagerly)",
+            )?;
+            if self.tensor_parallel.is_some() {
+                return Err(Error::Config {
+                    module: MODULE,
+                    message: "a ZeRO-1 optimizer (AdamW::new_zero) with tensor parallelism \
+                              (with_tensor_parallel) is not built yet: use AdamW::new for a tensor-parallel model"
+                        .into(),
+                });
+            }
+        }
         let (weight_decay, decay_all) = (self.config.weight_decay, self.config.decay_biases_and_norms);
         let counts_copies = self.tensor_parallel.as_ref().is_none_or(|g| g.rank() == 0);
         let args = self.args(lr);
         let mut tensors = Vec::with_capacity(grads.len());
+        let mut offsets = Vec::with_capacity(grads.len());
         for ((s, g), param) in self.params.iter_mut().zip(&grads).zip(&params) {
-            if let Some(grad) = g {
+            if let (Some(grad), Some(m)) = (g, s.moments.as_mut()) {
                 let decays = decay_all || s.kind == ParamKind::Weight;
+                offsets.push(s.piece.start);
                 tensors.push(AdamWTensor {
                     grad,
                     param,
-                    master: &mut s.master,
-                    exp_avg: &mut s.exp_avg,
-                    exp_avg_sq: &mut s.exp_avg_sq,
+                    master: &mut m.master,
+                    exp_avg: &mut m.exp_avg,
+                    exp_avg_sq: &mut m.exp_avg_sq,
                     weight_decay: if decays { weight_decay } else { 0.0 },
                     step: s.step + 1,
                     in_norm: s.tensor_parallel || counts_copies,
                 });
             }
         }
-        let group = self.tensor_parallel.clone();
-        adamw_step_table(
-            &dev,
-            &mut tensors,
-            &args,
-            &mut self.norm_out,
-            &mut |partials| match &group {
-                Some(g) => {
-                    g.all_reduce(partials, ReduceOp::Sum)?;
-                    g.wait()
-                }
-                None => Ok(()),
-            },
-            &mut self.table,
-        )?;
+        match &self.zero {
+            Some(zero) => adamw_step_sharded(
+                &dev,
+                &mut tensors,
+                &offsets,
+                &args,
+                &mut self.norm_out,
+                &mut |local| zero.gather_partials(&dev, &updated, local),
+                &mut self.table,
+            )?,
+            None => {
+                let group = self.tensor_parallel.clone();
+                adamw_step_table(
+                    &dev,
+                    &mut tensors,
+                    &args,
+                    &mut self.norm_out,
+                    &mut |partials| match &group {
+                        Some(g) => {
+                            g.all_reduce(partials, ReduceOp::Sum)?;
+                            g.wait()
+                        }
+                        None => Ok(()),
+                    },
+                    &mut self.table,
+                )?
+            }
+        }
         drop(tensors);
+        if let Some(zero) = &self.zero {
+            // Every rank's pieces from their owners: the parameters are whole again.
+            zero.broadcast_params(&params, &updated)?;
+        }
         // The same storage handed back: the version bump tells the layers their values changed.
         let written = params.into_iter().zip(&updated).map(|(p, &u)| u.then_some(p)).collect();
         self.write_back(model, written)?;
@@ -375,13 +511,26 @@ impl AdamW {
     /// [`Error::Config`] for a step of another parameter list; [`Error::Argument`] when no step
     /// built the table; [`Error::Capture`] inside a capture; copy failures.
     pub fn prepare_replay(&mut self, captured: &PendingStep) -> Result<PendingStep> {
+        if self.zero.is_some() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "a ZeRO-1 optimizer step is never captured in a CUDA graph (AdamW::issue refuses it): step \
+                          it eagerly"
+                    .into(),
+            });
+        }
         if captured.updated.len() != self.params.len() {
             return Err(self.mismatch(format!("a captured step of {} parameters", captured.updated.len())));
         }
         let step = self.step + 1;
         let lr = self.config.lr.lr(step);
-        let steps: Vec<u64> =
-            self.params.iter().zip(&captured.updated).filter(|(_, &u)| u).map(|(s, _)| s.step + 1).collect();
+        let steps: Vec<u64> = self
+            .params
+            .iter()
+            .zip(&captured.updated)
+            .filter(|(s, &u)| u && s.moments.is_some())
+            .map(|(s, _)| s.step + 1)
+            .collect();
         self.table.refresh(&self.dev, &self.args(lr), &steps)?;
         Ok(PendingStep { step, lr, updated: captured.updated.clone() })
     }

@@ -1,12 +1,16 @@
 //! Optimizers of the training job: [`AdamW`] with FP32 master weights, global-norm gradient
 //! clipping and an [`LrSchedule`], stepping every parameter of a [`te_nn::Module`] with one fused
 //! multi-tensor kernel ([`te_runtime::ops::optimizer`], launched with the per-step scalars of
-//! [`te_runtime::ops::optimizer::scalars`]). Its state file is
-//! [`te_nn::checkpoint::optimizer_state`]'s.
+//! [`te_runtime::ops::optimizer::scalars`]), replicated on every rank or sharded over the
+//! data-parallel group (ZeRO stage 1, [`AdamW::new_zero`], split as [`Partition`] says). Its
+//! state file is [`te_nn::checkpoint::optimizer_state`]'s either way.
 
 mod adamw;
+mod partition;
 mod schedule;
 mod state;
+mod zero;
 
-pub use adamw::{AdamW, AdamWConfig, ParamState, PendingStep, StepStats};
+pub use adamw::{AdamW, AdamWConfig, Moments, ParamState, PendingStep, StepStats};
+pub use partition::{Partition, Piece};
 pub use schedule::LrSchedule;

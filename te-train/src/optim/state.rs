@@ -1,25 +1,36 @@
 //! [`AdamW`]'s state file: [`AdamW::save_state`] / [`AdamW::load_state`] in the format of
-//! [`te_nn::checkpoint::optimizer_state`] (shared with the CPU twin's optimizer).
+//! [`te_nn::checkpoint::optimizer_state`] (shared with the CPU twin's optimizer), the same for a
+//! replicated and a sharded (ZeRO-1) optimizer: each loads the other's files.
 
 use super::AdamW;
 use std::path::Path;
 use te_nn::checkpoint::optimizer_state::{read_state_file, write_state_file, HostParamState};
-use te_runtime::Result;
+use te_runtime::{Error, Result};
 
 impl AdamW {
     /// Writes the optimizer's state to `path` (atomically: an existing file stays intact until
     /// the new one is complete). Every device→host copy is issued on the stream into a pinned
     /// buffer, then the stream is waited for once.
     ///
+    /// A sharded optimizer ([`AdamW::new_zero`]) writes the same file as a replicated one:
+    /// every rank of its group must call this (a collective: each parameter's pieces are
+    /// gathered from their owners, one parameter at a time), and rank 0 of the group writes
+    /// `path` (the others write nothing).
+    ///
     /// # Errors
-    /// `Error::Checkpoint` for an I/O failure; driver failures of the copies.
+    /// `Error::Checkpoint` for an I/O failure; driver failures of the copies; NCCL errors of a
+    /// sharded optimizer's gather.
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let stream = self.dev.stream();
         te_runtime::graph::refuse_in_capture(stream, "the optimizer's state save")?;
+        if let Some(zero) = &self.zero {
+            return self.save_state_zero(zero, path);
+        }
         let mut pinned = Vec::with_capacity(3 * self.params.len());
-        for s in &self.params {
-            for slice in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
+        // A parameter of no elements has no buffers: it is written empty.
+        for m in self.params.iter().filter_map(|s| s.moments.as_ref()) {
+            for slice in [&m.master, &m.exp_avg, &m.exp_avg_sq] {
                 // SAFETY: the buffer is uninitialized until the copy issued next fills all of it;
                 // it is read only after the stream has been synchronized below.
                 let mut host = unsafe { stream.context().alloc_pinned::<f32>(slice.len()) }?;
@@ -29,17 +40,26 @@ impl AdamW {
         }
         stream.synchronize()?;
         let slices = pinned.iter().map(|p| p.as_slice()).collect::<std::result::Result<Vec<_>, _>>()?;
-        let states: Vec<HostParamState<'_>> = self
-            .params
-            .iter()
-            .zip(slices.chunks_exact(3))
-            .map(|(s, t)| HostParamState { path: &s.path, shape: &s.shape, tensors: [t[0], t[1], t[2]], step: s.step })
-            .collect();
+        let mut held = slices.chunks_exact(3);
+        let mut states: Vec<HostParamState<'_>> = Vec::with_capacity(self.params.len());
+        for s in &self.params {
+            let tensors = match (&s.moments, s.moments.as_ref().and_then(|_| held.next())) {
+                (Some(_), Some(t)) => [t[0], t[1], t[2]],
+                (Some(_), None) => {
+                    return Err(Error::internal("AdamW::save_state", format!("{}'s state was not copied", s.path)))
+                }
+                (None, _) => [&[][..]; 3],
+            };
+            states.push(HostParamState { path: &s.path, shape: &s.shape, tensors, step: s.step });
+        }
         write_state_file(path, self.step, &states)
     }
 
     /// Replaces the optimizer's state by the one [`AdamW::save_state`] wrote to `path`, for the
     /// same model (every parameter's tensors, by path). Nothing changes unless all of them fit.
+    /// A sharded optimizer ([`AdamW::new_zero`]) keeps its pieces of the file's tensors (every
+    /// rank reads the file; no communication): a file of a replicated run loads into a sharded
+    /// one and the reverse, at any group size.
     ///
     /// # Errors
     /// `Error::Checkpoint` for a missing, truncated or corrupt file, a file of another format,
@@ -51,10 +71,23 @@ impl AdamW {
         let stream = self.dev.stream().clone();
         te_runtime::graph::refuse_in_capture(&stream, "the optimizer's state load")?;
         for (s, state) in self.params.iter_mut().zip(found) {
-            let [master, m, v] = &state.tensors;
-            stream.memcpy_htod(master, &mut s.master)?;
-            stream.memcpy_htod(m, &mut s.exp_avg)?;
-            stream.memcpy_htod(v, &mut s.exp_avg_sq)?;
+            if let Some(m) = s.moments.as_mut() {
+                let [master, exp_avg, exp_avg_sq] = &state.tensors;
+                for (values, dst) in
+                    [(master, &mut m.master), (exp_avg, &mut m.exp_avg), (exp_avg_sq, &mut m.exp_avg_sq)]
+                {
+                    let piece = values.get(s.piece.clone()).ok_or_else(|| Error::Checkpoint {
+                        message: format!(
+                            "{}: {} holds {} values, its piece is {:?}",
+                            path.display(),
+                            s.path,
+                            values.len(),
+                            s.piece
+                        ),
+                    })?;
+                    stream.memcpy_htod(piece, dst)?;
+                }
+            }
             s.step = state.step;
         }
         stream.synchronize()?;
