@@ -23,6 +23,13 @@ pub(crate) trait RunState {
     fn set_dropout_offset(&mut self, offset: u64) -> Result<(), TrainError>;
     /// The paths of FP8 scaling states holding a NaN or infinite value.
     fn nonfinite_states(&self) -> Result<Vec<String>, TrainError>;
+    /// On a rank that writes no files (a data-parallel rank other than 0), the part of the save
+    /// of the checkpoint in `dir` every rank takes part in: a sharded optimizer's gather of its
+    /// pieces to the writer (ZeRO-1, `AdamW::save_state`). Nothing by default.
+    fn join_save(&self, dir: &Path) -> Result<(), TrainError> {
+        let _ = dir;
+        Ok(())
+    }
     /// Waits until every rank that writes a part of the checkpoint (the ranks of a
     /// tensor-parallel group) has written its files; nothing for a single writer.
     fn files_written(&self) -> Result<(), TrainError> {
@@ -198,7 +205,13 @@ impl<'a> Checkpointer<'a> {
             if (interval > 0 && step % interval == 0) || step == self.cfg.steps || stop {
                 self.last = Some(match self.writes {
                     true => self.save(run_dir, step, state, records)?,
-                    false => run_dir.join(format!("step-{step:07}")),
+                    false => {
+                        let dir = run_dir.join(format!("step-{step:07}"));
+                        // The writer's checks, so every rank saves or stops together.
+                        check_finite(step, state)?;
+                        state.join_save(&dir)?;
+                        dir
+                    }
                 });
             }
         }
@@ -213,18 +226,7 @@ impl<'a> Checkpointer<'a> {
     /// than the previous one.
     fn save(&self, run_dir: &Path, step: u64, state: &dyn RunState, records: &[Record]) -> Result<PathBuf, TrainError> {
         let cfg = self.cfg;
-        let bad = state.nonfinite_states()?;
-        if let Some(path) = bad.first() {
-            return Err(TrainError::NonFinite {
-                step,
-                message: format!(
-                    "the FP8 scaling state {path} holds a NaN or infinite value ({} states in all); the checkpoint \
-                     was not written. The previous checkpoint is kept: continue from it with --resume, with a lower \
-                     --lr",
-                    bad.len()
-                ),
-            });
-        }
+        check_finite(step, state)?;
         let name = format!("step-{step:07}");
         let dir = run_dir.join(&name);
         std::fs::create_dir_all(&dir).map_err(|source| TrainError::Output { path: dir.clone(), source })?;
@@ -266,6 +268,23 @@ impl<'a> Checkpointer<'a> {
             }
         }
         Ok(dir)
+    }
+}
+
+/// Refuses to save a checkpoint of `state` at `step` while an FP8 scaling state holds a NaN or
+/// infinite value.
+fn check_finite(step: u64, state: &dyn RunState) -> Result<(), TrainError> {
+    let bad = state.nonfinite_states()?;
+    match bad.first() {
+        Some(path) => Err(TrainError::NonFinite {
+            step,
+            message: format!(
+                "the FP8 scaling state {path} holds a NaN or infinite value ({} states in all); the checkpoint was \
+                 not written. The previous checkpoint is kept: continue from it with --resume, with a lower --lr",
+                bad.len()
+            ),
+        }),
+        None => Ok(()),
     }
 }
 

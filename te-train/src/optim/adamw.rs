@@ -115,23 +115,17 @@ pub struct ParamState {
     /// them, `0..numel`, unless the optimizer is sharded ([`AdamW::new_zero`]); empty when it
     /// holds none.
     pub piece: Range<usize>,
-    /// The f32 state of `piece`; `None` when `piece` is empty.
-    pub moments: Option<Moments>,
+    /// f32 master weight of `piece`, one per element. A rank that holds no piece of the
+    /// parameter keeps one unused value here and in the moments (CUDA allocates no empty
+    /// buffer).
+    pub master: CudaSlice<f32>,
+    /// f32 first moment of `piece`.
+    pub exp_avg: CudaSlice<f32>,
+    /// f32 second moment of `piece`.
+    pub exp_avg_sq: CudaSlice<f32>,
     /// A tensor-parallel slice ([`Param::tensor_parallel`]): it counts in the gradient norm on
     /// every rank of the group; a replicated parameter on the group's rank 0 only.
     pub tensor_parallel: bool,
-}
-
-/// The f32 AdamW state of a piece of a parameter ([`ParamState::piece`]), one value per element
-/// of the piece each.
-#[derive(Debug)]
-pub struct Moments {
-    /// The master weight.
-    pub master: CudaSlice<f32>,
-    /// The first moment (`exp_avg`).
-    pub exp_avg: CudaSlice<f32>,
-    /// The second moment (`exp_avg_sq`).
-    pub exp_avg_sq: CudaSlice<f32>,
 }
 
 impl ParamState {
@@ -255,48 +249,49 @@ impl AdamW {
     ) -> Result<Self> {
         config.validate()?;
         let stream = dev.stream();
-        let mut tensors = Vec::new();
-        let mut params = Vec::new();
+        // Each parameter's path, kind, shape, dtype, tensor-parallel flag and tensor.
+        let mut found = Vec::new();
         model.visit("", &mut |path: &str, kind: ParamKind, p: &dyn Param| -> Result<()> {
             let t = p.tensor().ok_or_else(|| Error::Config {
                 module: MODULE,
                 message: format!("{path} is an FP8-only weight (fp8_model_init); train a high-precision model"),
             })?;
-            tensors.push(t.clone());
-            params.push(ParamState {
-                path: path.to_owned(),
-                kind,
-                shape: p.shape().to_vec(),
-                dtype: p.dtype(),
-                step: 0,
-                piece: 0..p.numel(),
-                moments: None,
-                tensor_parallel: p.tensor_parallel(),
-            });
+            found.push((path.to_owned(), kind, p.shape().to_vec(), p.dtype(), p.tensor_parallel(), t.clone()));
             Ok(())
         })?;
-        if params.is_empty() {
+        if found.is_empty() {
             return Err(Error::Config { module: MODULE, message: "the model has no parameters to optimize".into() });
         }
+        let numels: Vec<usize> = found.iter().map(|f| f.5.numel()).collect();
         let zero = match zero {
-            Some(group) => Some(Zero::new(dev, group, &params.iter().map(ParamState::numel).collect::<Vec<_>>())?),
+            Some(group) => Some(Zero::new(dev, group, &numels)?),
             None => None,
         };
-        for (i, (s, t)) in params.iter_mut().zip(&tensors).enumerate() {
-            if let Some(z) = &zero {
-                s.piece = z.piece(i);
-            }
-            if s.piece.is_empty() {
-                continue;
-            }
-            let values = t.to_f32(dev)?;
-            let master = values.get(s.piece.clone()).ok_or_else(|| {
-                Error::internal(MODULE, format!("{} holds {} values, not {:?}", s.path, values.len(), s.piece))
-            })?;
-            s.moments = Some(Moments {
-                master: stream.htod(master)?,
-                exp_avg: stream.alloc_zeros(s.piece.len())?,
-                exp_avg_sq: stream.alloc_zeros(s.piece.len())?,
+        let mut params = Vec::with_capacity(found.len());
+        for (i, (path, kind, shape, dtype, tensor_parallel, t)) in found.into_iter().enumerate() {
+            let piece = zero.as_ref().map_or(0..numels[i], |z| z.piece(i));
+            let master = match piece.is_empty() {
+                true => stream.alloc_zeros(1)?,
+                false => {
+                    let values = t.to_f32(dev)?;
+                    let master = values.get(piece.clone()).ok_or_else(|| {
+                        Error::internal(MODULE, format!("{path} holds {} values, not {piece:?}", values.len()))
+                    })?;
+                    stream.htod(master)?
+                }
+            };
+            let len = piece.len().max(1);
+            params.push(ParamState {
+                path,
+                kind,
+                shape,
+                dtype,
+                step: 0,
+                master,
+                exp_avg: stream.alloc_zeros(len)?,
+                exp_avg_sq: stream.alloc_zeros(len)?,
+                piece,
+                tensor_parallel,
             });
         }
         Ok(Self {
@@ -419,15 +414,15 @@ impl AdamW {
         let mut tensors = Vec::with_capacity(grads.len());
         let mut offsets = Vec::with_capacity(grads.len());
         for ((s, g), param) in self.params.iter_mut().zip(&grads).zip(&params) {
-            if let (Some(grad), Some(m)) = (g, s.moments.as_mut()) {
+            if let (Some(grad), false) = (g, s.piece.is_empty()) {
                 let decays = decay_all || s.kind == ParamKind::Weight;
                 offsets.push(s.piece.start);
                 tensors.push(AdamWTensor {
                     grad,
                     param,
-                    master: &mut m.master,
-                    exp_avg: &mut m.exp_avg,
-                    exp_avg_sq: &mut m.exp_avg_sq,
+                    master: &mut s.master,
+                    exp_avg: &mut s.exp_avg,
+                    exp_avg_sq: &mut s.exp_avg_sq,
                     weight_decay: if decays { weight_decay } else { 0.0 },
                     step: s.step + 1,
                     in_norm: s.tensor_parallel || counts_copies,
@@ -528,7 +523,7 @@ impl AdamW {
             .params
             .iter()
             .zip(&captured.updated)
-            .filter(|(s, &u)| u && s.moments.is_some())
+            .filter(|(s, &u)| u && !s.piece.is_empty())
             .map(|(s, _)| s.step + 1)
             .collect();
         self.table.refresh(&self.dev, &self.args(lr), &steps)?;

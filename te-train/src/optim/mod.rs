@@ -8,9 +8,11 @@
 mod adamw;
 mod partition;
 mod schedule;
+mod stage;
 mod state;
 mod zero;
 
-pub use adamw::{AdamW, AdamWConfig, Moments, ParamState, PendingStep, StepStats};
+pub use adamw::{AdamW, AdamWConfig, ParamState, PendingStep, StepStats};
 pub use partition::{Partition, Piece};
 pub use schedule::LrSchedule;
+pub use stage::{OptimizerMemory, ZeroStage};

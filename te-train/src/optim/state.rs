@@ -28,9 +28,9 @@ impl AdamW {
             return self.save_state_zero(zero, path);
         }
         let mut pinned = Vec::with_capacity(3 * self.params.len());
-        // A parameter of no elements has no buffers: it is written empty.
-        for m in self.params.iter().filter_map(|s| s.moments.as_ref()) {
-            for slice in [&m.master, &m.exp_avg, &m.exp_avg_sq] {
+        // A parameter of no elements holds no state: it is written empty.
+        for s in self.params.iter().filter(|s| !s.piece.is_empty()) {
+            for slice in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
                 // SAFETY: the buffer is uninitialized until the copy issued next fills all of it;
                 // it is read only after the stream has been synchronized below.
                 let mut host = unsafe { stream.context().alloc_pinned::<f32>(slice.len()) }?;
@@ -43,12 +43,13 @@ impl AdamW {
         let mut held = slices.chunks_exact(3);
         let mut states: Vec<HostParamState<'_>> = Vec::with_capacity(self.params.len());
         for s in &self.params {
-            let tensors = match (&s.moments, s.moments.as_ref().and_then(|_| held.next())) {
-                (Some(_), Some(t)) => [t[0], t[1], t[2]],
-                (Some(_), None) => {
-                    return Err(Error::internal("AdamW::save_state", format!("{}'s state was not copied", s.path)))
-                }
-                (None, _) => [&[][..]; 3],
+            let tensors = if s.piece.is_empty() {
+                [&[][..]; 3]
+            } else {
+                let t = held.next().ok_or_else(|| {
+                    Error::internal("AdamW::save_state", format!("{}'s state was not copied", s.path))
+                })?;
+                [t[0], t[1], t[2]]
             };
             states.push(HostParamState { path: &s.path, shape: &s.shape, tensors, step: s.step });
         }
@@ -71,21 +72,21 @@ impl AdamW {
         let stream = self.dev.stream().clone();
         te_runtime::graph::refuse_in_capture(&stream, "the optimizer's state load")?;
         for (s, state) in self.params.iter_mut().zip(found) {
-            if let Some(m) = s.moments.as_mut() {
+            let piece = s.piece.clone();
+            if !piece.is_empty() {
                 let [master, exp_avg, exp_avg_sq] = &state.tensors;
                 for (values, dst) in
-                    [(master, &mut m.master), (exp_avg, &mut m.exp_avg), (exp_avg_sq, &mut m.exp_avg_sq)]
+                    [(master, &mut s.master), (exp_avg, &mut s.exp_avg), (exp_avg_sq, &mut s.exp_avg_sq)]
                 {
-                    let piece = values.get(s.piece.clone()).ok_or_else(|| Error::Checkpoint {
+                    let part = values.get(piece.clone()).ok_or_else(|| Error::Checkpoint {
                         message: format!(
-                            "{}: {} holds {} values, its piece is {:?}",
+                            "{}: {} holds {} values, its piece is {piece:?}",
                             path.display(),
                             s.path,
-                            values.len(),
-                            s.piece
+                            values.len()
                         ),
                     })?;
-                    stream.memcpy_htod(piece, dst)?;
+                    stream.memcpy_htod(part, dst)?;
                 }
             }
             s.step = state.step;

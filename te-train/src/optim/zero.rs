@@ -151,8 +151,8 @@ impl Zero {
         let stream = opt.dev.stream();
         let mut whole = stream.alloc_zeros::<f32>(3 * numel)?;
         let state = &opt.params[param];
-        if let Some(m) = &state.moments {
-            for (k, part) in [&m.master, &m.exp_avg, &m.exp_avg_sq].into_iter().enumerate() {
+        if !state.piece.is_empty() {
+            for (k, part) in [&state.master, &state.exp_avg, &state.exp_avg_sq].into_iter().enumerate() {
                 let at = k * numel + state.piece.start;
                 let mut slot = whole
                     .try_slice_mut(at..at + part.len())

@@ -19,7 +19,7 @@ use crate::config::{Precision, TrainConfig};
 use crate::data::{Corpus, TokenId, TokenSplit};
 use crate::error::TrainError;
 use crate::nonfinite::NonFiniteGuard;
-use crate::optim::AdamW;
+use crate::optim::{AdamW, OptimizerMemory, ZeroStage};
 use crate::summary::{median, Progress, Record, RunSummary};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -51,9 +51,9 @@ pub(super) fn train(
     cfg: &TrainConfig,
     precision: Precision,
     ckpt: &CheckpointOptions,
-    parallel: &mut Parallel,
+    (parallel, zero): (&mut Parallel, ZeroStage),
     progress: &mut dyn FnMut(&Progress),
-) -> Result<RunSummary, TrainError> {
+) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     let (_, tp_size) = parallel.tensor_rank();
@@ -82,7 +82,7 @@ pub(super) fn train(
     }
     let data = Tokens::Windows { train: &corpus.train[..], val: &corpus.val[..], seq: cfg.model.seq_length };
     let ckpt = (ckpt, None);
-    run(dev, &mut model, tp, data, cfg, precision, ckpt, parallel, progress, cfg.model.num_parameters())
+    run(dev, &mut model, tp, data, cfg, precision, ckpt, (parallel, zero), progress, cfg.model.num_parameters())
 }
 
 /// Fine-tunes `model` on `data`'s token ids in rows of `seq` tokens packed as `pack` says, as
@@ -100,9 +100,9 @@ pub(super) fn finetune(
     cfg: &TrainConfig,
     precision: Precision,
     ckpt: &CheckpointOptions,
-    parallel: &mut Parallel,
+    (parallel, zero): (&mut Parallel, ZeroStage),
     progress: &mut dyn FnMut(&Progress),
-) -> Result<RunSummary, TrainError> {
+) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     if parallel.tensor().is_some() {
         return Err(TrainError::Unsupported {
             message: "fine-tuning a decoder of the family is data parallel only: drop --tensor-parallel".into(),
@@ -140,7 +140,8 @@ pub(super) fn finetune(
     }
     // What its checkpoints record of the decoder, and a resumed run must share.
     let decoder = DecoderSection::new(model.config(), pack, ckpt.model_source.clone());
-    run(dev, model, None, tokens, cfg, precision, (ckpt, Some(decoder)), parallel, progress, parameters)
+    let layout = (parallel, zero);
+    run(dev, model, None, tokens, cfg, precision, (ckpt, Some(decoder)), layout, progress, parameters)
 }
 
 /// Training batches a fine-tuning run in FP8 with delayed scaling first runs under TE's
@@ -198,15 +199,34 @@ fn run<M: TrainLm, T: TokenId>(
     cfg: &TrainConfig,
     precision: Precision,
     (ckpt, decoder): (&CheckpointOptions, Option<DecoderSection>),
-    parallel: &mut Parallel,
+    (parallel, zero): (&mut Parallel, ZeroStage),
     progress: &mut dyn FnMut(&Progress),
     parameters: usize,
-) -> Result<RunSummary, TrainError> {
+) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     let fp8 = precision == Precision::Fp8;
-    let mut opt = AdamW::new(dev, &*model, cfg.adamw_config())?;
+    let mut opt = match (zero, parallel.data(), &tp) {
+        (ZeroStage::OptimizerStates, _, Some(_)) => {
+            return Err(TrainError::Unsupported {
+                message: "ZeRO stage 1 with tensor parallelism is not built yet: drop --zero or --tensor-parallel"
+                    .into(),
+            })
+        }
+        // Sharded over the data-parallel group (on the device's stream); one rank holds it all.
+        (ZeroStage::OptimizerStates, Some(dp), None) => {
+            AdamW::new_zero(dev, &*model, cfg.adamw_config(), dp.group().clone())?
+        }
+        _ => AdamW::new(dev, &*model, cfg.adamw_config())?,
+    };
     if let Some(tp) = &tp {
         opt = opt.with_tensor_parallel(tp.group.clone());
     }
+    let memory = OptimizerMemory {
+        stage: zero,
+        ranks: opt.zero_ranks().unwrap_or(1),
+        bytes_per_rank: opt.state_bytes(),
+        replicated_bytes: opt.replicated_state_bytes(),
+    };
+    tracing::info!("{}", memory.describe());
     let (tp_rank, tp_size) = parallel.tensor_rank();
     let recipe = fp8.then_some(cfg.recipe);
     let mut run = GpuRun { model, opt, tp, recipe };
@@ -306,7 +326,7 @@ fn run<M: TrainLm, T: TokenId>(
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);
     let tokens = (seq * cfg.batch * cfg.grad_accum * world) as f64;
-    Ok(RunSummary {
+    let summary = RunSummary {
         precision,
         records,
         tokens_per_s: tokens / (median_ms / 1e3),
@@ -315,7 +335,8 @@ fn run<M: TrainLm, T: TokenId>(
         // The whole model's, also when each rank holds a tensor-parallel slice of it.
         parameters,
         graphed_steps,
-    })
+    };
+    Ok((summary, memory))
 }
 
 /// One eager step on `batches` (one a micro-batch): the micro-batches' mean loss, read after
@@ -372,6 +393,15 @@ impl<M: TrainLm> RunState for GpuRun<'_, M> {
         checkpoint::load(&mut *self.model, model, &LoadOptions { recipe: self.recipe, ..LoadOptions::default() })?;
         self.opt.load_state(optimizer)?;
         Ok(self.opt.step_count())
+    }
+
+    fn join_save(&self, dir: &Path) -> Result<(), TrainError> {
+        // A sharded optimizer's save gathers every rank's pieces to the writer (rank 0 of the
+        // data-parallel group, which writes the file; here nothing is written).
+        if self.opt.zero_ranks().is_some() {
+            self.opt.save_state(self.file(dir, "optimizer"))?;
+        }
+        Ok(())
     }
 
     fn files_written(&self) -> Result<(), TrainError> {

@@ -31,6 +31,7 @@ use crate::checkpoint::CheckpointOptions;
 use crate::config::{Precision, TrainConfig};
 use crate::data::{Corpus, TokenSplit};
 use crate::error::TrainError;
+use crate::optim::{OptimizerMemory, ZeroStage};
 use crate::summary::{Progress, RunSummary};
 use std::sync::Arc;
 use te_nn::parallel::Parallel;
@@ -76,6 +77,10 @@ pub struct Trainer {
     backend: Backend,
     checkpoints: CheckpointOptions,
     parallel: Parallel,
+    /// How a data-parallel run holds its optimizer state ([`Trainer::with_zero`]).
+    zero: ZeroStage,
+    /// The optimizer state of the last GPU run on this rank.
+    optimizer_memory: Option<OptimizerMemory>,
 }
 
 impl Trainer {
@@ -86,7 +91,63 @@ impl Trainer {
     /// ([`TrainConfig::validate`]).
     pub fn new(config: TrainConfig, backend: Backend) -> Result<Self, TrainError> {
         config.validate()?;
-        Ok(Self { config, backend, checkpoints: CheckpointOptions::default(), parallel: Parallel::default() })
+        Ok(Self {
+            config,
+            backend,
+            checkpoints: CheckpointOptions::default(),
+            parallel: Parallel::default(),
+            zero: ZeroStage::Replicated,
+            optimizer_memory: None,
+        })
+    }
+
+    /// The same trainer with its optimizer state held as `stage` says on the ranks of a
+    /// data-parallel run (`te train --zero`): [`ZeroStage::OptimizerStates`] shards AdamW's
+    /// f32 masters and moments over the data-parallel group ([`crate::optim::AdamW::new_zero`]:
+    /// about `1 / N` of the bytes per rank, the same steps bit for bit, the same checkpoint
+    /// files). A run of one rank holds everything either way.
+    ///
+    /// # Errors
+    /// [`TrainError::Unsupported`] for ZeRO-1 on the CPU backend (one process, nothing to shard
+    /// over); with tensor parallelism, [`Trainer::train`] refuses it.
+    pub fn with_zero(self, stage: ZeroStage) -> Result<Self, TrainError> {
+        if stage != ZeroStage::Replicated && !self.backend.is_gpu() {
+            return Err(TrainError::Unsupported {
+                message: format!(
+                    "ZeRO stage {} shards the optimizer state over the data-parallel GPUs, and the CPU backend \
+                     trains in one process: drop --zero (or pass --zero 0)",
+                    stage.number()
+                ),
+            });
+        }
+        Ok(Self { zero: stage, ..self })
+    }
+
+    /// How a data-parallel run holds its optimizer state ([`Trainer::with_zero`]).
+    pub fn zero(&self) -> ZeroStage {
+        self.zero
+    }
+
+    /// The optimizer state this rank held in the last GPU run ([`Trainer::train`] or
+    /// [`Trainer::finetune`]; `None` before one, and on the CPU backend): the bytes ZeRO-1
+    /// saves per rank.
+    pub fn optimizer_memory(&self) -> Option<OptimizerMemory> {
+        self.optimizer_memory
+    }
+
+    /// Refuses a ZeRO stage the layout cannot run: ZeRO-1 with tensor parallelism.
+    fn check_zero(&self) -> Result<(), TrainError> {
+        let (_, tp) = self.parallel.tensor_rank();
+        if self.zero != ZeroStage::Replicated && tp > 1 {
+            return Err(TrainError::Unsupported {
+                message: format!(
+                    "ZeRO stage {} with tensor parallelism ({tp} ranks a layer) is not built yet: drop --zero or \
+                     --tensor-parallel",
+                    self.zero.number()
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The same trainer saving (and, with `resume`, resuming from) checkpoints as `checkpoints`
@@ -151,16 +212,23 @@ impl Trainer {
     /// [`TrainError::NonFinite`] past [`TrainConfig::skip_nonfinite_steps`] non-finite steps, or
     /// for a non-finite FP8 scaling state at a checkpoint; [`TrainError::Interrupted`] after the
     /// step during which the stop flag ([`CheckpointOptions::stop`]) was set, its checkpoint
-    /// written; [`TrainError::Output`] for checkpoint directories that cannot be written.
+    /// written; [`TrainError::Output`] for checkpoint directories that cannot be written;
+    /// [`TrainError::Unsupported`] for ZeRO-1 ([`Trainer::with_zero`]) with tensor parallelism.
     pub fn train(
         &mut self,
         corpus: &Corpus,
         precision: Precision,
         mut progress: impl FnMut(&Progress),
     ) -> Result<RunSummary, TrainError> {
+        self.check_zero()?;
         let (cfg, ckpt) = (&self.config, &self.checkpoints);
         match &self.backend {
-            Backend::Gpu(dev) => gpu::train(dev, corpus, cfg, precision, ckpt, &mut self.parallel, &mut progress),
+            Backend::Gpu(dev) => {
+                let layout = (&mut self.parallel, self.zero);
+                let (run, memory) = gpu::train(dev, corpus, cfg, precision, ckpt, layout, &mut progress)?;
+                self.optimizer_memory = Some(memory);
+                Ok(run)
+            }
             Backend::Cpu => cpu::train(corpus, cfg, precision, ckpt, &mut progress),
         }
     }
@@ -203,11 +271,15 @@ impl Trainer {
         let mut cfg = self.config.clone();
         cfg.model.seq_length = seq_length;
         cfg.model.vocab_size = model.config().vocab_size;
+        self.check_zero()?;
         let ckpt = &self.checkpoints;
         match &self.backend {
             Backend::Gpu(dev) => {
-                let shape = (seq_length, pack);
-                gpu::finetune(dev, model, data, shape, &cfg, precision, ckpt, &mut self.parallel, &mut progress)
+                let (shape, layout) = ((seq_length, pack), (&mut self.parallel, self.zero));
+                let (run, memory) =
+                    gpu::finetune(dev, model, data, shape, &cfg, precision, ckpt, layout, &mut progress)?;
+                self.optimizer_memory = Some(memory);
+                Ok(run)
             }
             Backend::Cpu => Err(TrainError::Unsupported {
                 message: "fine-tuning a decoder of the family runs on a GPU (Backend::Gpu)".into(),
