@@ -59,3 +59,4 @@ mod softmax;
 mod train;
 mod train_graph;
 mod visit;
+mod zero;
