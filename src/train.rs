@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use te_models::gpt::GptConfig;
 use te_nn::fp8::{parse_amax_compute_algo, AmaxComputeAlgo, Recipe, RecipeOverrides};
+use te_train::optim::{OptimizerMemory, ZeroStage};
 use te_train::{RunSummary, TrainConfig, TrainError};
 
 /// The options of `te train`.
@@ -135,6 +136,12 @@ pub struct TrainArgs {
     /// (--nproc-per-node × --nnodes) and the heads and ffn size of the preset.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// Data-parallel runs: how the AdamW state is held (ZeRO stage). 0: every rank holds all of
+    /// the f32 master weights and moments; 1: they are sharded over the data-parallel ranks
+    /// (Megatron-LM's distributed optimizer), about 1/N of the bytes per rank, the same steps bit
+    /// for bit and the same checkpoint files. Not with --tensor-parallel nor on the CPU path.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub zero: u8,
     /// With --tensor-parallel: sequence parallelism (norms, dropout and residuals on each rank's
     /// part of the sequence).
     #[arg(long)]
@@ -191,8 +198,22 @@ pub fn recipe(a: &TrainArgs) -> te_runtime::Result<Recipe> {
 /// [`recipe`].
 ///
 /// # Errors
-/// [`recipe`]'s.
+/// [`recipe`]'s; [`te_runtime::Error::Config`] for `--zero` ([`zero_stage`]'s refusals, and
+/// stage 1 while this command does not pass it to the trainer).
 pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_runtime::Result<TrainConfig> {
+    zero_stage(a, on_gpu).map_err(|message| te_runtime::Error::Config { module: "te train", message })?;
+    if a.zero != 0 {
+        // The trainer takes the stage through Trainer::with_zero, which this command's main does
+        // not call yet: refused rather than silently replicated.
+        return Err(te_runtime::Error::Config {
+            module: "te train",
+            message: format!(
+                "--zero {}: this build of te train does not hand the stage to the trainer (src/main.rs must call \
+                 Trainer::with_zero(te::train::zero_stage(..))); the library's te_train::Trainer::with_zero runs it",
+                a.zero
+            ),
+        });
+    }
     model.seed = a.seed;
     model.fp8_lm_head = a.fp8_lm_head;
     if let Some(s) = a.seq_length {
@@ -216,6 +237,38 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_run
         skip_nonfinite_steps: a.skip_nonfinite_steps,
         cuda_graph: a.cuda_graph,
     })
+}
+
+/// The ZeRO stage `--zero` asks for, for a run on a GPU (`on_gpu`) with `--tensor-parallel`:
+/// what [`te_train::Trainer::with_zero`] takes.
+///
+/// # Errors
+/// A message for ZeRO-1 on the CPU path (one process: nothing to shard over) or with
+/// `--tensor-parallel` above 1 (not built yet), saying what to drop.
+pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
+    let stage = ZeroStage::from_number(a.zero).map_err(|e| e.to_string())?;
+    if stage == ZeroStage::Replicated {
+        return Ok(stage);
+    }
+    if !on_gpu {
+        return Err(format!(
+            "--zero {} shards the optimizer state over data-parallel GPUs; the CPU path trains in one process: drop \
+             --zero",
+            a.zero
+        ));
+    }
+    if a.tensor_parallel > 1 {
+        return Err(format!(
+            "--zero {} with --tensor-parallel {} is not built yet: drop one of them",
+            a.zero, a.tensor_parallel
+        ));
+    }
+    Ok(stage)
+}
+
+/// The line a run's report gives its optimizer state (`OptimizerMemory::describe`).
+pub fn optimizer_line(memory: &OptimizerMemory) -> String {
+    memory.describe()
 }
 
 /// What the CPU path emulates for `recipe`, as the first line of `te train` and the summary say.
@@ -378,6 +431,35 @@ mod tests {
             "CPU reference path (no GPU: FP8 with delayed scaling and BF16 are emulated by rounding the GEMM \
                        inputs; f32 elsewhere; slow, for trying the job out)";
         assert_eq!(cpu_path(&cpu.recipe), default, "the line of the default run is unchanged");
+    }
+
+    /// `--zero` takes the built stages only; stage 1 is refused on the CPU path and with tensor
+    /// parallelism, naming what to drop.
+    #[test]
+    fn the_zero_flag_takes_the_built_stages() {
+        assert_eq!(zero_stage(&args(&[]), true), Ok(ZeroStage::Replicated));
+        assert_eq!(zero_stage(&args(&["--zero", "0"]), false), Ok(ZeroStage::Replicated));
+        assert_eq!(zero_stage(&args(&["--zero", "1"]), true), Ok(ZeroStage::OptimizerStates));
+        let e = zero_stage(&args(&["--zero", "1"]), false).unwrap_err();
+        assert!(e.contains("CPU path") && e.contains("drop --zero"), "{e}");
+        let e = zero_stage(&args(&["--zero", "1", "--tensor-parallel", "2"]), true).unwrap_err();
+        assert!(e.contains("--tensor-parallel 2 is not built yet"), "{e}");
+        for bad in ["2", "3", "-1", "one"] {
+            let parsed = Cli::try_parse_from(["te-train", "--zero", bad]);
+            assert!(parsed.is_err(), "--zero {bad} must be refused by the parser");
+        }
+        let e = train_config(&args(&["--zero", "1"]), GptConfig::tiny(), false).unwrap_err();
+        assert!(matches!(e, te_runtime::Error::Config { .. }) && e.to_string().contains("CPU path"), "{e}");
+        let memory = OptimizerMemory {
+            stage: ZeroStage::OptimizerStates,
+            ranks: 2,
+            bytes_per_rank: 6 << 20,
+            replicated_bytes: 12 << 20,
+        };
+        assert_eq!(
+            optimizer_line(&memory),
+            "optimizer state 6.0 MiB per rank (ZeRO-1 over 2 ranks: 0.500 × the replicated 12.0 MiB)"
+        );
     }
 
     #[test]
