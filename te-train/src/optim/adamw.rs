@@ -216,7 +216,7 @@ impl AdamW {
     /// Megatron-LM's distributed optimizer, `megatron/core/optimizer/distrib_optimizer.py`;
     /// Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
     /// Models"): this rank holds the masters and moments of its contiguous piece of the model
-    /// only ([`Partition`], pieces starting at multiples of
+    /// only ([`Partition`](super::Partition), pieces starting at multiples of
     /// [`CHUNK`](te_runtime::ops::optimizer::CHUNK) elements of a parameter): 3 × 4 bytes per
     /// owned element, about `1 / group.size()` of [`AdamW::new`]'s. The gradients stay whole
     /// on every rank (averaged by [`te_nn::parallel::DataParallel`]); each step updates this
