@@ -388,8 +388,10 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         Some(dev) => Backend::Gpu(dev),
         None => Backend::Cpu,
     };
+    let zero = te::train::zero_stage(a, on_gpu)?;
     let mut trainer = Trainer::new(cfg, backend)
         .and_then(|t| t.with_checkpoints(ckpt).with_parallel(parallel))
+        .and_then(|t| t.with_zero(zero))
         .map_err(|e| e.to_string())?;
     let cfg = trainer.config().clone();
     if let Some(f) = finetune.as_mut() {
@@ -419,9 +421,10 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
             return Ok(());
         }
         let summary = format!(
-            "{}\n{}\n",
+            "{}\n{}\n{}",
             summary_table(&where_, &preset, &cfg, &runs),
-            te::finetune::outcome(before, &runs, &a.out, !a.no_checkpoint)
+            te::finetune::outcome(before, &runs, &a.out, !a.no_checkpoint),
+            optimizer_note(&trainer)
         );
         println!("{summary}");
         std::fs::write(a.out.join("summary.md"), &summary).map_err(|e| format!("cannot write summary.md: {e}"))?;
@@ -454,7 +457,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     if !rank0 {
         return Ok(());
     }
-    let summary = summary_table(&where_, &preset, &cfg, &runs);
+    let summary = format!("{}{}", summary_table(&where_, &preset, &cfg, &runs), optimizer_note(&trainer));
     println!("{summary}");
     let write = |name: &str, body: &[u8]| {
         let path = a.out.join(name);
@@ -581,4 +584,10 @@ fn main() -> ExitCode {
             ExitCode::from(code)
         }
     }
+}
+
+/// The summary's line on the optimizer state a rank held (with `--zero 1`: its share of the
+/// replicated bytes), or nothing when the run kept none on a GPU.
+fn optimizer_note(trainer: &te_train::Trainer) -> String {
+    trainer.optimizer_memory().map(|m| format!("\n{}\n", m.describe())).unwrap_or_default()
 }

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use te_models::gpt::GptConfig;
 use te_nn::fp8::{parse_amax_compute_algo, AmaxComputeAlgo, Recipe, RecipeOverrides};
-use te_train::optim::{OptimizerMemory, ZeroStage};
+use te_train::optim::ZeroStage;
 use te_train::{RunSummary, TrainConfig, TrainError};
 
 /// The options of `te train`.
@@ -198,22 +198,9 @@ pub fn recipe(a: &TrainArgs) -> te_runtime::Result<Recipe> {
 /// [`recipe`].
 ///
 /// # Errors
-/// [`recipe`]'s; [`te_runtime::Error::Config`] for `--zero` ([`zero_stage`]'s refusals, and
-/// stage 1 while this command does not pass it to the trainer).
+/// [`recipe`]'s; [`te_runtime::Error::Config`] for `--zero` ([`zero_stage`]'s refusals).
 pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_runtime::Result<TrainConfig> {
     zero_stage(a, on_gpu).map_err(|message| te_runtime::Error::Config { module: "te train", message })?;
-    if a.zero != 0 {
-        // The trainer takes the stage through Trainer::with_zero, which this command's main does
-        // not call yet: refused rather than silently replicated.
-        return Err(te_runtime::Error::Config {
-            module: "te train",
-            message: format!(
-                "--zero {}: this build of te train does not hand the stage to the trainer (src/main.rs must call \
-                 Trainer::with_zero(te::train::zero_stage(..))); the library's te_train::Trainer::with_zero runs it",
-                a.zero
-            ),
-        });
-    }
     model.seed = a.seed;
     model.fp8_lm_head = a.fp8_lm_head;
     if let Some(s) = a.seq_length {
@@ -264,11 +251,6 @@ pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
         ));
     }
     Ok(stage)
-}
-
-/// The line a run's report gives its optimizer state (`OptimizerMemory::describe`).
-pub fn optimizer_line(memory: &OptimizerMemory) -> String {
-    memory.describe()
 }
 
 /// What the CPU path emulates for `recipe`, as the first line of `te train` and the summary say.
@@ -450,16 +432,6 @@ mod tests {
         }
         let e = train_config(&args(&["--zero", "1"]), GptConfig::tiny(), false).unwrap_err();
         assert!(matches!(e, te_runtime::Error::Config { .. }) && e.to_string().contains("CPU path"), "{e}");
-        let memory = OptimizerMemory {
-            stage: ZeroStage::OptimizerStates,
-            ranks: 2,
-            bytes_per_rank: 6 << 20,
-            replicated_bytes: 12 << 20,
-        };
-        assert_eq!(
-            optimizer_line(&memory),
-            "optimizer state 6.0 MiB per rank (ZeRO-1 over 2 ranks: 0.500 × the replicated 12.0 MiB)"
-        );
     }
 
     #[test]
