@@ -99,6 +99,21 @@ pub struct GenerateArgs {
     /// in FP8 too (one E4M3 table for the tied embedding and head).
     #[arg(long)]
     pub fp8_lm_head: bool,
+    /// What the GPU's KV cache holds: bf16, or e4m3 (one-byte codes with per-tensor scales 1,
+    /// vLLM's `kv_cache_dtype="fp8"`: half the bytes a decode step reads from the cache, values
+    /// up to 448 kept). The GPU path only.
+    #[arg(long, value_enum, default_value_t = KvCacheDtype::Bf16)]
+    pub kv_cache: KvCacheDtype,
+}
+
+/// What a generation's KV cache holds (`--kv-cache`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum KvCacheDtype {
+    /// The model's 16-bit keys and values.
+    #[default]
+    Bf16,
+    /// E4M3 codes with per-tensor scales (the GPU path).
+    E4m3,
 }
 
 /// Errors of `te generate`.
@@ -412,6 +427,11 @@ fn run_checkpoint(a: &GenerateArgs, located: &Located, out: &mut dyn Write) -> R
                 .into(),
         ));
     }
+    if !gpu && a.kv_cache == KvCacheDtype::E4m3 {
+        return Err(GenerateError::Request(
+            "--kv-cache e4m3 runs on the GPU path (the CPU path keeps an f32 cache): leave it out or drop --cpu".into(),
+        ));
+    }
     if cfg.vocab_size != 256 {
         return Err(GenerateError::Request(format!(
             "the model's vocabulary has {} tokens: te generate reads and writes bytes (256)",
@@ -460,7 +480,10 @@ fn run_checkpoint(a: &GenerateArgs, located: &Located, out: &mut dyn Write) -> R
             )
         })?;
         let model = load_gpu_model(&dev, located)?;
-        let params = model.inference_params(a.batch, capacity)?;
+        let params = match a.kv_cache {
+            KvCacheDtype::E4m3 => model.inference_params_fp8(a.batch, capacity)?,
+            KvCacheDtype::Bf16 => model.inference_params(a.batch, capacity)?,
+        };
         (Backend::Gpu(Box::new((model, params))), Precision::Bf16, format!("{} (CUDA graphs)", dev.name()))
     } else {
         let (mut model, precision) = load_model(located, asked)?;

@@ -68,6 +68,9 @@ pub struct ModelOptions {
     /// With `--precision fp8` on the GPU, the LM head's GEMM in FP8 too, the tied embedding kept
     /// as one E4M3 table (`--fp8-lm-head`: half the BF16 weight bytes).
     pub fp8_lm_head: bool,
+    /// The GPU decoder's KV cache in E4M3 with per-tensor scales 1 (`--kv-cache e4m3`, vLLM's
+    /// `kv_cache_dtype="fp8"`: half the cache bytes); `false`: BF16.
+    pub kv_cache_e4m3: bool,
 }
 
 /// A fine-tuning checkpoint (of `te train --model`, `te_train::Trainer::finetune`) whose
@@ -194,7 +197,11 @@ fn gpu_model(weights: DecoderWeights, opts: &ModelOptions) -> Result<Box<dyn Cau
         }
     };
     let dev = te_runtime::Device::new(0).map_err(DecoderError::from)?;
-    Ok(Box::new(Decoder::new(&dev, weights, precision)?))
+    let mut model = Decoder::new(&dev, weights, precision)?;
+    if opts.kv_cache_e4m3 {
+        model.set_kv_cache_dtype(te_codegen::DType::E4M3)?;
+    }
+    Ok(Box::new(model))
 }
 
 /// `weights` whose configuration also stops at the tokenizer's end-of-generation ids
@@ -312,6 +319,12 @@ pub fn open_causal_lm_with(
         return Err(ModelError::Request("--fp8-lm-head goes with --precision fp8 (on the GPU path)".into()));
     }
     let gpu = !opts.cpu && te_runtime::device::gpu_available();
+    if opts.kv_cache_e4m3 && !gpu {
+        let why = if opts.cpu { "--cpu asks for the CPU path" } else { "no GPU was found" };
+        return Err(ModelError::Request(format!(
+            "--kv-cache e4m3 runs on the GPU path, and {why}: leave it out (the CPU path keeps an f32 cache)"
+        )));
+    }
     if let Some(t) = tuned.filter(|_| !gpu) {
         let why = if opts.cpu { "--cpu asks for the CPU path" } else { "no GPU was found" };
         return Err(ModelError::Checkpoint {

@@ -16,7 +16,7 @@
 //! a `[model.decoder]` section) runs the same way over the pretrained model the run started
 //! from, its weights replaced by the checkpoint's ([`fine_tuned`], [`run_with`]).
 
-use crate::generate::{GenerateArgs, GenerateError, GenerateReport, Located, DEFAULT_NEW_TOKENS};
+use crate::generate::{GenerateArgs, GenerateError, GenerateReport, KvCacheDtype, Located, DEFAULT_NEW_TOKENS};
 use crate::model::{encode_with_bos, open_causal_lm_with, FineTuned, ModelError, ModelOptions, ModelPrecision};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -193,7 +193,7 @@ pub fn run_with(
         return Err(ModelError::Request(format!("the prompt{which} is empty: give at least one character")));
     }
     let precision = a.precision.as_deref().map(ModelPrecision::from_name).transpose()?;
-    let opts = ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head };
+    let opts = ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head, kv_cache_e4m3: a.kv_cache == KvCacheDtype::E4m3 };
     let (mut model, tokenizer) = open_causal_lm_with(model_path, &opts, tuned)?;
     let device = model.describe();
     eprintln!("running on {device}");
@@ -315,6 +315,7 @@ mod tests {
             precision: None,
             cpu: true,
             fp8_lm_head: false,
+            kv_cache: KvCacheDtype::Bf16,
         }
     }
 

@@ -5,7 +5,8 @@
 //! depend on them) — at batch 1, 8 and 32 with prompts of 128 and 1024 tokens, 128 new tokens,
 //! BF16 and FP8 (E4M3 weights, current scaling; with the LM head in FP8 too), the steps of batch 1
 //! through the fused decode GEMVs and, as "unfused" at batch 1 and 8, through GEMMs and separate
-//! kernels (`Decoder::set_fused_decode(false)`). Wall-clock time, as `te generate` runs:
+//! kernels (`Decoder::set_fused_decode(false)`), and with an E4M3 KV cache at the 1024-token
+//! prompts ("bf16 + e4m3 kv", `Decoder::set_kv_cache_dtype`). Wall-clock time, as `te generate` runs:
 //! prefill tokens/s (the prompts and the first token) and decode tokens/s (all sequences) over
 //! the other 127 steps. The decode floor: every weight read once (the 262k-row LM head is most of
 //! it) plus the cached keys and values at the mean length, over this run's copy bandwidth.
@@ -66,24 +67,30 @@ pub fn run(b: &mut Bench) {
     let (w, source) = weights();
     let cfg = w.config().clone();
     println!("{work}: {source}");
-    let kv_row_bytes = (cfg.num_layers * 2 * cfg.num_gqa_groups * cfg.head_dim * 2) as u64;
+    // Bytes of one cached position of every layer, per byte of a cached element.
+    let kv_row_elems = (cfg.num_layers * 2 * cfg.num_gqa_groups * cfg.head_dim) as u64;
     let fp8 = |lm_head| GpuPrecision::Fp8 { recipe: Recipe::Current(Default::default()), lm_head };
     // The decode steps through the fused GEMVs (the default) and, at batch 1 and 8, as GEMMs and
     // separate kernels ("unfused").
-    for (label, precision, fused) in [
-        ("bf16", GpuPrecision::Bf16, true),
-        ("bf16 unfused", GpuPrecision::Bf16, false),
-        ("fp8", fp8(false), true),
-        ("fp8 unfused", fp8(false), false),
-        ("fp8 + fp8 lm head", fp8(true), true),
+    for (label, precision, fused, e4m3_kv) in [
+        ("bf16", GpuPrecision::Bf16, true, false),
+        ("bf16 unfused", GpuPrecision::Bf16, false, false),
+        ("bf16 + e4m3 kv", GpuPrecision::Bf16, true, true),
+        ("fp8", fp8(false), true, false),
+        ("fp8 unfused", fp8(false), false, false),
+        ("fp8 + fp8 lm head", fp8(true), true, false),
     ] {
         let mut model = Decoder::new(&dev, w.clone(), precision).unwrap();
         model.set_fused_decode(fused);
+        if e4m3_kv {
+            model.set_kv_cache_dtype(te_codegen::DType::E4M3).unwrap();
+        }
+        let kv_row_bytes = kv_row_elems * if e4m3_kv { 1 } else { 2 };
         // Every parameter once: the tied head reads the embedding's table whole.
         let weight_bytes = model.parameter_bytes() as u64;
         println!("{work} {label}: {:.1} MB of parameters", weight_bytes as f64 / 1e6);
         for (batch, prompt) in [(1, 128), (1, 1024), (8, 128), (8, 1024), (32, 128), (32, 1024)] {
-            if !fused && batch > 8 {
+            if (!fused && batch > 8) || (e4m3_kv && prompt < 1024) {
                 continue;
             }
             let prompts: Vec<Vec<i32>> = (0..batch)

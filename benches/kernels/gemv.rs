@@ -9,7 +9,7 @@ use crate::harness::{Bench, Stats};
 use std::sync::Arc;
 use te_codegen::spec::{Activation, GemvEpilogue, NormKind};
 use te_nn::modules::{Linear, LinearConfig, Norm, NormConfig};
-use te_runtime::graph::{Graph, HostCopies};
+use te_runtime::graph::HostCopies;
 use te_runtime::ops::activation;
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm, GemvNormKind, GemvWeight};
@@ -18,25 +18,13 @@ use te_runtime::{DType, Device, Tensor};
 /// Launches a graph holds.
 const REPS: usize = 20;
 
+/// Per-launch time (µs) of `body` replayed from a graph of [`REPS`] copies.
+fn graphed(b: &Bench, body: impl FnMut()) -> Stats {
+    b.graphed(REPS, body)
+}
+
 /// Gemma 3 270M: hidden 640, q/k/v 4 + 1 + 1 heads of 256, ffn 2048 (GeGLU), vocab 262 144.
 const H: usize = 640;
-
-/// Per-launch time (µs) of `body` replayed from a graph of [`REPS`] copies.
-fn graphed(b: &Bench, mut body: impl FnMut()) -> Stats {
-    let dev = b.dev().clone();
-    body(); // loads every kernel, picks every GEMM algorithm
-    dev.stream().synchronize().unwrap();
-    let (graph, ()) = Graph::capture(&dev, || {
-        for _ in 0..REPS {
-            body();
-        }
-        Ok(())
-    })
-    .unwrap();
-    let st = b.time(3, 20, |_| graph.replay().unwrap());
-    let per = |us: f64| us / REPS as f64;
-    Stats { median_us: per(st.median_us), min_us: per(st.min_us), max_us: per(st.max_us) }
-}
 
 fn rand(dev: &Arc<Device>, shape: &[usize], std: f32, seed: usize) -> Tensor {
     let n: usize = shape.iter().product();

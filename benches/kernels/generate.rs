@@ -8,7 +8,8 @@
 //! keys and values of every layer at the mean length) over the copy bandwidth of this run; the
 //! `decode ÷ floor` ratio is the "within 3× of the floor". `benches/anchors/generate.py`
 //! runs Hugging Face `GPT2LMHeadModel` of the same sizes (eager, and static cache +
-//! `torch.compile`).
+//! `torch.compile`). At prompt 900 the cache also runs as E4M3 codes (`Gpt::inference_params_fp8`,
+//! "bf16 + e4m3 kv": half the cache bytes of the floor).
 
 use crate::harness::{time_generation, Bench, Work};
 use te_models::generate::SamplingConfig;
@@ -28,10 +29,15 @@ pub fn run(b: &mut Bench) {
     let mut model = Gpt::new(&dev, cfg).unwrap();
     model.set_training(false);
     let greedy = SamplingConfig::greedy();
-    for (batch, prompt) in [(1, 128), (1, 900), (32, 128), (32, 900)] {
+    let shapes = [(1, 128, false), (1, 900, false), (32, 128, false), (32, 900, false), (1, 900, true), (32, 900, true)];
+    for (batch, prompt, e4m3) in shapes {
         let prompts: Vec<Vec<i32>> =
             (0..batch).map(|j| (0..prompt).map(|i| ((i * 31 + j * 7) % 256) as i32).collect()).collect();
-        let mut params = model.inference_params(batch, prompt + NEW_TOKENS).unwrap();
+        let mut params = match e4m3 {
+            true => model.inference_params_fp8(batch, prompt + NEW_TOKENS).unwrap(),
+            false => model.inference_params(batch, prompt + NEW_TOKENS).unwrap(),
+        };
+        let (label, kv_elem_bytes) = if e4m3 { ("bf16 + e4m3 kv", 1) } else { ("bf16", 2) };
         let options = GenerateOptions { cuda_graph: true, ..Default::default() };
         let (prefill, step) = time_generation(NEW_TOKENS, |mark| {
             model
@@ -45,13 +51,13 @@ pub fn run(b: &mut Bench) {
         });
         let shape = format!("b{batch} prompt {prompt}");
         let mean_len = (prompt + NEW_TOKENS / 2) as u64;
-        let kv_bytes = (layers * batch) as u64 * mean_len * 2 * h as u64 * 2;
+        let kv_bytes = (layers * batch) as u64 * mean_len * 2 * h as u64 * kv_elem_bytes;
         // Rows beside `generate.py`'s (compare.py's section "generate").
         let row = |pass, tokens| Work {
             section: "generate",
             work: work.into(),
             pass,
-            variant: "ours bf16".into(),
+            variant: format!("ours {label}"),
             precision: "bf16",
             flops_fp8: 0,
             tokens: Some(tokens as u64),
@@ -61,6 +67,7 @@ pub fn run(b: &mut Bench) {
         let prefill_tps = (batch * prompt) as f64 / (prefill.median_us * 1e-6);
         let decode_tps = batch as f64 / (step.median_us * 1e-6);
         let floor_us = (weight_bytes + kv_bytes) as f64 / (b.copy_gbps * 1e3);
+        let shape = if e4m3 { format!("{label} {shape}") } else { shape };
         b.record_ratio(&format!("{work} {shape}: prefill tokens/s"), prefill_tps, None);
         b.record_ratio(&format!("{work} {shape}: decode tokens/s"), decode_tps, None);
         b.record_ratio(&format!("{work} {shape}: decode step ÷ floor"), step.median_us / floor_us, Some((false, 3.0)));

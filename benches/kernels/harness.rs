@@ -165,6 +165,25 @@ impl Bench {
         Stats::from_samples(events.iter().map(|(a, b)| a.elapsed_ms(b).expect("elapsed") as f64 * 1e3).collect())
     }
 
+    /// Per-call time (µs) of `body` replayed from a CUDA graph of `reps` copies: launch gaps
+    /// inside a graph count, host launch costs do not (a decode step runs so). One eager call
+    /// first loads every kernel and picks every GEMM algorithm.
+    pub fn graphed(&self, reps: usize, mut body: impl FnMut()) -> Stats {
+        let dev = self.dev().clone();
+        body();
+        dev.stream().synchronize().unwrap();
+        let (graph, ()) = te_runtime::graph::Graph::capture(&dev, || {
+            for _ in 0..reps {
+                body();
+            }
+            Ok(())
+        })
+        .unwrap();
+        let st = self.time(3, 20, |_| graph.replay().unwrap());
+        let per = |us: f64| us / reps as f64;
+        Stats { median_us: per(st.median_us), min_us: per(st.min_us), max_us: per(st.max_us) }
+    }
+
     /// Times a step of `phases` consecutive phases (e.g. forward, backward) with one CUDA event
     /// before the step and one after each phase: `step` calls [`Marks::mark`] once after each
     /// phase. `warmup` untimed steps first (their marks are recorded and ignored).

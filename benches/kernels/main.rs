@@ -19,6 +19,7 @@ mod attention;
 mod breakdown;
 mod cast;
 mod cast_transpose;
+mod decode_attention;
 mod decoder;
 mod decoder_train;
 mod dropout;
@@ -56,7 +57,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 26] = [
+        let families: [fn(&mut Bench); 27] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -77,6 +78,7 @@ fn main() {
             generate::run,
             embed::run,
             gemv::run,
+            decode_attention::run,
             gemv::decode_parts,
             decoder::run,
             decoder_train::run,

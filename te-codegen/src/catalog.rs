@@ -138,6 +138,10 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             }
         }
     }
+    // Appending to an E4M3 KV cache (Gemma 3's d256 with its 1 + γ qk-norm, Llama's plain d128).
+    for (d, qk_norm, zc) in [(256, true, true), (128, false, false), (64, true, false)] {
+        v.push(QkvRopeSpec::new(DType::BF16, d, qk_norm, zc, arch).with_fp8_cache().into());
+    }
     for &i in &hp {
         for dir in [Direction::Fwd, Direction::Bwd] {
             for format in [RopeFormat::Sbhd, RopeFormat::Bshd] {

@@ -454,6 +454,7 @@ fn finetune_checkpoint_generates_as_its_exported_model() {
         precision: None,
         cpu: false,
         fp8_lm_head: false,
+        kv_cache: te::generate::KvCacheDtype::Bf16,
     };
     let sample = |a: GenerateArgs| -> (String, Vec<u8>) {
         let mut out = Vec::new();

@@ -150,3 +150,74 @@ fn qkv_rope_refuses_bad_calls() {
     let e = qkv_rope(&dev, &qkv72, (4, 1, 72), None, &freq36, &rows, &mut q72, [&mut k, &mut v]).unwrap_err();
     assert!(e.to_string().contains("multiple of 16"), "{e}");
 }
+
+/// An E4M3 cache (`qkv_rope_fp8`): the keys are the 16-bit kernel's rotated keys stored as
+/// `E4M3(k · k_scale)`, the values `E4M3(v · v_scale)`; rows not written stay as they were.
+/// Values: bit for bit (the same f32 product and round-to-nearest-even cast as the host). Keys:
+/// bit for bit where the rotated bf16 key equals the reference's, and within one E4M3 step
+/// where they differ by the bf16 ulp the q and k tolerance allows above.
+#[test]
+fn qkv_rope_appends_e4m3_codes_with_their_scales() {
+    use te_runtime::numerics::{dequantize, quantize};
+    use te_runtime::ops::decode_attention::KvScales;
+    use te_runtime::graph::HostCopies;
+    use te_runtime::ops::qkv_rope::qkv_rope_fp8;
+    let Some(dev) = device() else { return };
+    let (dt, cache_rows) = (DType::BF16, 90);
+    let (k_scale, v_scale) = (8.0f32, 3.0f32);
+    for (h, g, d, norm, seed) in [(8, 2, 128, None, 5u64), (4, 1, 256, Some(true), 6), (6, 3, 64, Some(false), 7)] {
+        let (positions, rows) = prefill(&[5, 1, 23], 30);
+        let tokens = positions.len();
+        let vals = |seed, n, std| -> Vec<f32> { randn(seed, n, std).into_iter().map(|x| round_to(dt, x)).collect() };
+        let qkv = vals(seed, tokens * (h + 2 * g) * d, 2.0);
+        let (qg, kg) = (vals(seed + 1, d, 0.3), vals(seed + 2, d, 0.3));
+        let freq = inv_freq(d, 10_000.0);
+        let (mut k_ref, mut v_ref) = (vec![0.0; cache_rows * g * d], vec![0.0; cache_rows * g * d]);
+        let norm_ref = norm.map(|zc| (&qg[..], &kg[..], 1e-6, zc));
+        let want_q = reference(&qkv, (h, g, d), norm_ref, &freq, &positions, &rows, dt, [&mut k_ref, &mut v_ref]);
+
+        let qkv_t = Tensor::from_f32(&dev, dt, &[tokens, (h + 2 * g) * d], &qkv).unwrap();
+        let (qg_t, kg_t) =
+            (Tensor::from_f32(&dev, dt, &[d], &qg).unwrap(), Tensor::from_f32(&dev, dt, &[d], &kg).unwrap());
+        let freq_t = Tensor::from_f32(&dev, DType::F32, &[d / 2], &freq).unwrap();
+        let token_rows = TokenRows::from_host(&dev, &positions, &rows, cache_rows).unwrap();
+        let mut q = Tensor::zeros(&dev, dt, &[tokens, h, d]).unwrap();
+        let mut k = Tensor::zeros(&dev, DType::E4M3, &[cache_rows, g, d]).unwrap();
+        let mut v = Tensor::zeros(&dev, DType::E4M3, &[cache_rows, g, d]).unwrap();
+        let scales = dev.stream().htod(&KvScales::values(k_scale, v_scale).unwrap()).unwrap();
+        let qn = norm.map(|zc| QkNorm { q_gamma: &qg_t, k_gamma: &kg_t, eps: 1e-6, zero_centered_gamma: zc });
+        qkv_rope_fp8(&dev, &qkv_t, (h, g, d), qn, &freq_t, &token_rows, &mut q, [&mut k, &mut v], KvScales(&scales))
+            .unwrap();
+        let what = format!("e4m3 cache h{h}/g{g} d{d} norm {norm:?}");
+        let atol = if norm.is_some() { 2f32.powi(-7).max(1e-3) } else { 2e-5 };
+        assert_close(&format!("{what}: q"), &q.to_f32(&dev).unwrap(), &want_q, 2f32.powi(-7), atol);
+        let (k_codes, v_codes) = (k.to_bytes(&dev).unwrap(), v.to_bytes(&dev).unwrap());
+        let written: std::collections::HashSet<usize> = rows.iter().map(|&r| r as usize).collect();
+        let (mut same, mut total) = (0, 0);
+        for i in 0..cache_rows * g * d {
+            if !written.contains(&(i / (g * d))) {
+                assert_eq!((k_codes[i], v_codes[i]), (0, 0), "{what}: element {i} of a row not written changed");
+                continue;
+            }
+            assert_eq!(v_codes[i], quantize(DType::E4M3, v_ref[i] * v_scale), "{what}: v element {i}");
+            let want = quantize(DType::E4M3, k_ref[i] * k_scale);
+            total += 1;
+            if k_codes[i] == want {
+                same += 1;
+                continue;
+            }
+            let (got, want) = (dequantize(DType::E4M3, k_codes[i]), dequantize(DType::E4M3, want));
+            assert!(
+                (got - want).abs() <= 0.125 * want.abs().max(got.abs()) + 2f32.powi(-9),
+                "{what}: k element {i}: code {got} vs {want}, more than one E4M3 step apart"
+            );
+        }
+        assert!(same as f64 >= 0.99 * total as f64, "{what}: only {same} of {total} key codes equal the reference's");
+        let e = qkv_rope(&dev, &qkv_t, (h, g, d), None, &freq_t, &token_rows, &mut q, [&mut k, &mut v]).unwrap_err();
+        assert!(matches!(e, Error::DType { .. }), "{what}: a 16-bit call on an e4m3 cache: {e}");
+        let two = dev.stream().htod(&[1.0f32, 1.0]).unwrap();
+        let e = qkv_rope_fp8(&dev, &qkv_t, (h, g, d), None, &freq_t, &token_rows, &mut q, [&mut k, &mut v], KvScales(&two))
+            .unwrap_err();
+        assert!(e.to_string().contains("4 floats"), "{what}: {e}");
+    }
+}

@@ -24,8 +24,8 @@ pub const DECODE_MAX_HEAD_DIM: usize = 256;
 ///   of one query over keys `[split · chunk, min(len, (split + 1) · chunk))` and writes the
 ///   unnormalized partial output (f32 `[b·heads, splits, head_dim]`) with its running max (in
 ///   log2 units) and sum (f32 `[b·heads, splits, 2]`). [`DecodeAttnSpec::THREADS`] threads:
-///   `lanes` threads per key (8 channels each, 16-byte loads), `32 / lanes` keys per warp at a
-///   time.
+///   `lanes` threads per key (8 channels each, 16 of an E4M3 cache: 16-byte loads), `32 / lanes`
+///   keys per warp at a time, the online softmax rescaled once per 4 keys of a thread.
 /// - `<name>_combine` ([`DecodeAttnSpec::COMBINE_ARGS`]): block `b·heads` merges the splits
 ///   (`o = Σ o_s · 2^(m_s − M) / Σ l_s · 2^(m_s − M)`) and writes `o` in the dtype; a sequence of
 ///   length 0 gets zeros.
@@ -38,8 +38,9 @@ pub const DECODE_MAX_HEAD_DIM: usize = 256;
 ///
 /// With an E4M3 cache ([`DecodeAttnSpec::with_fp8_cache`], vLLM's `kv_cache_dtype="fp8"` with
 /// per-tensor scales): the append writes `E4M3(k · k_scale)` and `E4M3(v · v_scale)` (round to
-/// nearest even, saturating), and the split kernel reads each key and value as its code ·
-/// `scale_inv` in f32; half the cache's bytes, at E4M3's precision (3 mantissa bits).
+/// nearest even, saturating), and the split kernel reads each key and value as its code in f32,
+/// `k_scale_inv` folded into the query and `v_scale_inv` into the output; half the cache's
+/// bytes, at E4M3's precision (3 mantissa bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct DecodeAttnSpec {
     /// q, k, v, the cache and o: bf16 or f16.
@@ -74,9 +75,19 @@ impl DecodeAttnSpec {
         self.kv_cache == DType::E4M3
     }
 
-    /// Threads that load one key (8 channels each), a power of two: `head_dim / 8` rounded up.
+    /// Channels a thread reads of a key or value with one 16-byte load: 8 of a 16-bit cache, 16
+    /// E4M3 codes (8 when the head dim is not a multiple of 16).
+    pub const fn channels_per_thread(&self) -> usize {
+        if matches!(self.kv_cache, DType::E4M3) && self.head_dim % 16 == 0 {
+            16
+        } else {
+            8
+        }
+    }
+
+    /// Threads that load one key, a power of two: `head_dim / channels_per_thread` rounded up.
     pub const fn lanes(&self) -> usize {
-        (self.head_dim / 8).next_power_of_two()
+        (self.head_dim / self.channels_per_thread()).next_power_of_two()
     }
 
     /// Keys a block reads at a time (`THREADS / lanes`).
@@ -149,8 +160,9 @@ impl DecodeAttnSpec {
     ];
 }
 
-/// The E4M3 cache's scales, one buffer for both kernels that use them.
-const KV_SCALES_DOC: &str = "f32 `[4]`: `k_scale, v_scale` (the append multiplies by them before the cast), \
+/// The E4M3 cache's scales, one buffer for every kernel that uses them (these and
+/// [`super::QkvRopeSpec`]'s append).
+pub(super) const KV_SCALES_DOC: &str = "f32 `[4]`: `k_scale, v_scale` (the append multiplies by them before the cast), \
                              `k_scale_inv, v_scale_inv` (the split kernel's dequantization)";
 
 impl Family for DecodeAttnSpec {
@@ -171,6 +183,7 @@ impl Family for DecodeAttnSpec {
         ctx.insert("t", self.dtype.type_tag());
         ctx.insert("d", &self.head_dim);
         ctx.insert("lanes", &self.lanes());
+        ctx.insert("ch", &self.channels_per_thread());
         ctx.insert("threads", &Self::THREADS);
         ctx.insert("max_splits", &Self::MAX_SPLITS);
         ctx.insert("kv_t", self.kv_cache.type_tag());
@@ -218,6 +231,9 @@ mod tests {
     fn lanes_cover_the_head_with_16_byte_loads() {
         let lanes = |d| DecodeAttnSpec::new(DType::BF16, d, Arch::Sm90a).lanes();
         assert_eq!([lanes(32), lanes(64), lanes(96), lanes(128), lanes(256), lanes(8)], [4, 8, 16, 16, 32, 1]);
+        let fp8 = |d| DecodeAttnSpec::new(DType::BF16, d, Arch::Sm90a).with_fp8_cache();
+        assert_eq!([fp8(64).lanes(), fp8(256).lanes(), fp8(40).lanes()], [4, 16, 8]);
+        assert_eq!([fp8(64).channels_per_thread(), fp8(40).channels_per_thread()], [16, 8]);
         let s = DecodeAttnSpec::new(DType::F16, 128, Arch::Sm89);
         assert_eq!(s.keys_per_step(), 8);
         assert_eq!(KernelSpec::from(s).name(), "te_decode_attn_f16_d128_sm_89");

@@ -2,7 +2,8 @@
 //! `q | k | v` rows split per head, optional qk-norm (RMSNorm over each head's channels, Qwen3's
 //! and Gemma 3's `q_norm` / `k_norm`), RoPE at each token's own position, the queries written
 //! dense and the keys and values appended to the KV cache (TE's `InferenceParams` step,
-//! transformers' `apply_rotary_pos_emb` + `past_key_values.update`).
+//! transformers' `apply_rotary_pos_emb` + `past_key_values.update`), in the model's dtype or as
+//! E4M3 codes with per-tensor scales (vLLM's `kv_cache_dtype="fp8"`).
 
 use super::{ArgCond, Family, KernelArg};
 use crate::{Arch, DType};
@@ -25,7 +26,10 @@ use serde::{Deserialize, Serialize};
 /// - q heads go to `q_out[t, h, :]` (`[tokens, heads, d]`), k and v heads to row `rows[t]` of
 ///   the caches `k_cache`, `v_cache` (`[cache_rows, groups, d]`: the `[batch, capacity, groups,
 ///   d]` caches of `ops::decode_attention` with `rows[t] = sequence · capacity + p`); v is copied
-///   bit for bit.
+///   bit for bit;
+/// - an E4M3 cache ([`QkvRopeSpec::with_fp8_cache`]) stores `E4M3(k · k_scale)` with `k` the
+///   rotated key rounded to the dtype first, and `E4M3(v · v_scale)` (round to nearest even,
+///   saturating at ±448; `kv_scales` of `ops::decode_attention`, which reads the codes back).
 ///
 /// Entry point `<name>` ([`QkvRopeSpec::ARGS`]): launch [`QkvRopeSpec::THREADS`] threads per
 /// block (`WARPS` warps, each one head row at a time: lane `l < d / vec` owns channels `[l·vec,
@@ -43,6 +47,9 @@ pub struct QkvRopeSpec {
     pub qk_norm: bool,
     /// The norm scales by `1 + γ` (TE's `zero_centered_gamma`, `Gemma3RMSNorm`).
     pub zero_centered_gamma: bool,
+    /// What the caches hold: `dtype`, or E4M3 codes (bf16/f16 only; `kv_scales` in the
+    /// signature).
+    pub kv_cache: DType,
     /// Target architecture.
     pub arch: Arch,
 }
@@ -56,7 +63,17 @@ impl QkvRopeSpec {
     /// The spec for heads of `d` channels in `dtype`.
     pub fn new(dtype: DType, d: usize, qk_norm: bool, zero_centered_gamma: bool, arch: Arch) -> Self {
         let vec = (16 / dtype.size_bytes().max(1)).max(1);
-        Self { dtype, d, vec, qk_norm, zero_centered_gamma: qk_norm && zero_centered_gamma, arch }
+        Self { dtype, d, vec, qk_norm, zero_centered_gamma: qk_norm && zero_centered_gamma, kv_cache: dtype, arch }
+    }
+
+    /// This kernel appending to an E4M3 cache with per-tensor scales (see the type's docs).
+    pub const fn with_fp8_cache(self) -> Self {
+        Self { kv_cache: DType::E4M3, ..self }
+    }
+
+    /// Whether the caches hold E4M3 codes.
+    pub fn fp8_cache(&self) -> bool {
+        self.kv_cache == DType::E4M3
     }
 
     /// The largest head dimension `dtype` takes: `32 · vec`.
@@ -79,6 +96,8 @@ impl QkvRopeSpec {
         KernelArg::scalar("heads", "u32", "query heads"),
         KernelArg::scalar("groups", "u32", "key/value heads"),
         KernelArg::scalar("eps", "float", "the norm's epsilon").when(ArgCond::QkNorm),
+        KernelArg::read("kv_scales", "const float* __restrict__", super::decode_attention::KV_SCALES_DOC)
+            .when(ArgCond::Fp8KvCache),
     ];
 }
 
@@ -88,7 +107,11 @@ impl Family for QkvRopeSpec {
         Self::ARGS
     }
     fn has(&self, cond: ArgCond) -> bool {
-        cond == ArgCond::QkNorm && self.qk_norm
+        match cond {
+            ArgCond::QkNorm => self.qk_norm,
+            ArgCond::Fp8KvCache => self.fp8_cache(),
+            _ => false,
+        }
     }
     fn family(&self) -> &'static str {
         "qkv_rope"
@@ -102,7 +125,8 @@ impl Family for QkvRopeSpec {
             (true, false) => "qknorm",
             (true, true) => "qknorm1p",
         };
-        format!("{}_d{}_v{}_{norm}", self.dtype, self.d, self.vec)
+        let cache = if self.fp8_cache() { "_kv8" } else { "" };
+        format!("{}_d{}_v{}_{norm}{cache}", self.dtype, self.d, self.vec)
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -114,6 +138,7 @@ impl Family for QkvRopeSpec {
         ctx.insert("warps", &Self::WARPS);
         ctx.insert("qk_norm", &self.qk_norm);
         ctx.insert("zero_centered_gamma", &self.zero_centered_gamma);
+        ctx.insert("fp8_cache", &self.fp8_cache());
     }
     fn validate(&self) -> Result<(), String> {
         if !self.dtype.is_high_precision() {
@@ -133,6 +158,12 @@ impl Family for QkvRopeSpec {
         }
         if self.zero_centered_gamma && !self.qk_norm {
             return Err("zero_centered_gamma needs qk_norm".into());
+        }
+        if self.kv_cache != self.dtype && !(self.kv_cache == DType::E4M3 && self.dtype.size_bytes() == 2) {
+            return Err(format!(
+                "the caches hold {} (qkv's dtype) or, for bf16/f16, e4m3 codes; not {}",
+                self.dtype, self.kv_cache
+            ));
         }
         Ok(())
     }
@@ -156,5 +187,13 @@ mod tests {
         let s =
             QkvRopeSpec { zero_centered_gamma: true, ..QkvRopeSpec::new(DType::BF16, 64, false, false, Arch::Sm89) };
         assert!(s.validate().unwrap_err().contains("qk_norm"));
+        let s = QkvRopeSpec::new(DType::BF16, 256, true, true, Arch::Sm90a).with_fp8_cache();
+        s.validate().unwrap();
+        assert!(s.has(ArgCond::Fp8KvCache) && s.has(ArgCond::QkNorm));
+        assert_eq!(super::super::KernelSpec::from(s).name(), "te_qkv_rope_bf16_d256_v8_qknorm1p_kv8_sm_90a");
+        let s = QkvRopeSpec::new(DType::F32, 64, false, false, Arch::Sm89).with_fp8_cache();
+        assert!(s.validate().unwrap_err().contains("e4m3"));
+        let s = QkvRopeSpec { kv_cache: DType::E5M2, ..QkvRopeSpec::new(DType::BF16, 64, false, false, Arch::Sm89) };
+        assert!(s.validate().unwrap_err().contains("e5m2"));
     }
 }

@@ -158,15 +158,10 @@ impl InferenceParams {
                 message: "the cache holds the model's 16-bit dtype: scales are for an e4m3 cache".into(),
             });
         };
-        if !(k_scale.is_finite() && k_scale > 0.0 && v_scale.is_finite() && v_scale > 0.0) {
-            return Err(Error::Argument {
-                op: OP,
-                message: format!("kv scales must be finite and > 0, got {k_scale} and {v_scale}"),
-            });
-        }
+        let values = KvScales::values(k_scale, v_scale)?;
         let stream = self.dev.stream();
         te_runtime::graph::refuse_in_capture(stream, "InferenceParams::set_kv_scales")?;
-        stream.memcpy_htod(&[k_scale, v_scale, 1.0 / k_scale, 1.0 / v_scale], buf)?;
+        stream.memcpy_htod(&values, buf)?;
         Ok(())
     }
 

@@ -44,6 +44,23 @@ pub struct Strided<'a> {
 #[derive(Debug, Clone, Copy)]
 pub struct KvScales<'a>(pub &'a CudaSlice<f32>);
 
+impl KvScales<'_> {
+    /// The 4 floats of the buffer for `k_scale` and `v_scale`: `[k_scale, v_scale, 1 /
+    /// k_scale, 1 / v_scale]`. `448 / scale` is the largest magnitude kept.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for scales that are not finite and positive.
+    pub fn values(k_scale: f32, v_scale: f32) -> Result<[f32; 4]> {
+        if !(k_scale.is_finite() && k_scale > 0.0 && v_scale.is_finite() && v_scale > 0.0) {
+            return Err(Error::Argument {
+                op: OP,
+                message: format!("kv scales must be finite and > 0, got {k_scale} and {v_scale}"),
+            });
+        }
+        Ok([k_scale, v_scale, 1.0 / k_scale, 1.0 / v_scale])
+    }
+}
+
 /// Checks a decode call's shape: valid ([`AttentionShape::validate`]) and the decode problem
 /// ([`AttentionShape::decode`]: one query per sequence over its cached keys), within the
 /// kernels' grid and head dims.
@@ -87,14 +104,19 @@ pub fn cache_shape(p: &AttentionShape) -> [usize; 4] {
 }
 
 /// `(splits, chunk)` of a decode shape: key chunks per query and keys per chunk, so that `batch ·
-/// heads · splits` blocks fill the GPU of `sm_count` SMs about twice, with chunks of at least 32
-/// keys (of the `capacity = sk` cached positions).
+/// heads · splits` blocks give each of the `sm_count` SMs about [`BLOCKS_PER_SM`] (enough loads in
+/// flight to stream the cache), with chunks of at least 32 keys (of the `capacity = sk` cached
+/// positions).
 pub fn splits(p: &AttentionShape, sm_count: usize) -> (usize, usize) {
     let queries = p.batch * p.heads;
-    let want = (2 * sm_count).div_ceil(queries.max(1)).max(1);
+    let want = (BLOCKS_PER_SM * sm_count).div_ceil(queries.max(1)).max(1);
     let splits = want.min((p.sk / 32).max(1)).min(DecodeAttnSpec::MAX_SPLITS);
     (splits, p.sk.div_ceil(splits))
 }
+
+/// Split-kernel blocks of 128 threads per SM that [`splits`] aims at (16 warps: at 2, GPT
+/// `small`'s 384 queries of batch 32 ran one chunk each at 12 warps an SM).
+pub const BLOCKS_PER_SM: usize = 4;
 
 /// Checks that `t` holds `rows` rows of `width` elements from its offset at its row stride, at
 /// 16-byte alignment.
@@ -382,9 +404,9 @@ mod tests {
     #[test]
     fn splits_fill_the_gpu_with_chunks_of_32_keys_or_more() {
         let p = AttentionShape::decode(1, 12, 12, 64, 1024, 0.125);
-        assert_eq!(splits(&p, 132), (22, 47));
+        assert_eq!(splits(&p, 132), (32, 32));
         let p = AttentionShape { batch: 32, ..p };
-        assert_eq!(splits(&p, 132), (1, 1024));
+        assert_eq!(splits(&p, 132), (2, 512));
         let p = AttentionShape { sk: 40, ..p };
         assert_eq!(splits(&p, 132), (1, 40));
         let p = AttentionShape { batch: 1, sk: 100, ..p };

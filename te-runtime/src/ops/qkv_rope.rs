@@ -3,10 +3,12 @@
 //! groups) · d]` output: optional qk-norm per head (Qwen3's and Gemma 3's `q_norm` / `k_norm`),
 //! RoPE at each token's own position (transformers' `apply_rotary_pos_emb` with `position_ids`),
 //! the queries written dense `[tokens, heads, d]` and the keys and values appended to the KV
-//! cache at each token's row. Positions and cache rows are per token ([`TokenRows`]), so one
+//! cache at each token's row (in the model's dtype, or E4M3 codes with per-tensor scales:
+//! [`qkv_rope_fp8`]). Positions and cache rows are per token ([`TokenRows`]), so one
 //! launch serves packed prompts of different lengths (the prefill) and the one-token steps of a
 //! batch whose sequences sit at different positions (the decode).
 
+use super::decode_attention::KvScales;
 use super::launch::Launch;
 use super::{check_dtype, check_shape, grid_stride_blocks, launch_1d};
 use crate::graph::HostCopies;
@@ -122,25 +124,71 @@ pub struct QkNorm<'a> {
 pub fn qkv_rope(
     dev: &Device,
     qkv: &Tensor,
+    dims: (usize, usize, usize),
+    norm: Option<QkNorm<'_>>,
+    inv_freq: &Tensor,
+    rows: &TokenRows,
+    q_out: &mut Tensor,
+    cache: [&mut Tensor; 2],
+) -> Result<()> {
+    launch(dev, qkv, dims, norm, inv_freq, rows, q_out, cache, None)
+}
+
+/// [`qkv_rope`] appending to an E4M3 cache: each key is stored as `E4M3(k · k_scale)` (`k` the
+/// rotated key rounded to qkv's dtype), each value as `E4M3(v · v_scale)`, with the scales of
+/// `ops::decode_attention` ([`KvScales`]; the decode kernels read the codes back with their
+/// inverses). qkv bf16 or f16.
+///
+/// # Errors
+/// As [`qkv_rope`], for E4M3 caches; [`Error::Shape`] for `scales` of fewer than 4 floats.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_fp8(
+    dev: &Device,
+    qkv: &Tensor,
+    dims: (usize, usize, usize),
+    norm: Option<QkNorm<'_>>,
+    inv_freq: &Tensor,
+    rows: &TokenRows,
+    q_out: &mut Tensor,
+    cache: [&mut Tensor; 2],
+    scales: KvScales<'_>,
+) -> Result<()> {
+    launch(dev, qkv, dims, norm, inv_freq, rows, q_out, cache, Some(scales))
+}
+
+#[allow(clippy::too_many_arguments)] // qkv_rope's arguments and the optional scales
+fn launch(
+    dev: &Device,
+    qkv: &Tensor,
     (heads, groups, d): (usize, usize, usize),
     norm: Option<QkNorm<'_>>,
     inv_freq: &Tensor,
     rows: &TokenRows,
     q_out: &mut Tensor,
     [k_cache, v_cache]: [&mut Tensor; 2],
+    scales: Option<KvScales<'_>>,
 ) -> Result<()> {
     let dtype = qkv.dtype();
     check_dtype(OP, "qkv", qkv, DType::is_high_precision, "f32, bf16 or f16")?;
     let same = dtype.to_string();
     check_dtype(OP, "q_out", q_out, |t| t == dtype, &same)?;
-    check_dtype(OP, "k_cache", k_cache, |t| t == dtype, &same)?;
-    check_dtype(OP, "v_cache", v_cache, |t| t == dtype, &same)?;
+    let cached = if scales.is_some() { DType::E4M3 } else { dtype };
+    check_dtype(OP, "k_cache", k_cache, |t| t == cached, &cached.to_string())?;
+    check_dtype(OP, "v_cache", v_cache, |t| t == cached, &cached.to_string())?;
     check_dtype(OP, "inv_freq", inv_freq, |t| t == DType::F32, "f32")?;
     let shape = |message: String| Err(Error::Shape { op: OP, message });
     if heads == 0 || groups == 0 || heads % groups != 0 {
         return shape(format!("groups = {groups} must divide heads = {heads}, both ≥ 1"));
     }
-    let spec = QkvRopeSpec::new(dtype, d, norm.is_some(), norm.is_some_and(|n| n.zero_centered_gamma), dev.arch());
+    if let Some(sc) = &scales {
+        if sc.0.len() < 4 {
+            return shape(format!("kv_scales must hold 4 floats (k_scale, v_scale and their inverses), got {}", sc.0.len()));
+        }
+    }
+    let mut spec = QkvRopeSpec::new(dtype, d, norm.is_some(), norm.is_some_and(|n| n.zero_centered_gamma), dev.arch());
+    if scales.is_some() {
+        spec = spec.with_fp8_cache();
+    }
     if let Err(reason) = KernelSpec::QkvRope(spec).validate() {
         return shape(reason.to_string());
     }
@@ -186,9 +234,13 @@ pub fn qkv_rope(
     if norm.is_some() {
         l.scalar("eps", &eps);
     }
-    // SAFETY: the arguments follow `QkvRopeSpec::ARGS` (the norm's only with qk_norm): qkv holds
+    if let Some(sc) = &scales {
+        l.ptr("kv_scales", sc.0);
+    }
+    // SAFETY: the arguments follow `QkvRopeSpec::ARGS` (the norm's only with qk_norm, the scales
+    // only with an E4M3 cache, 4 floats, checked above): qkv holds
     // `tokens · (heads + 2·groups) · d` elements, q_out `tokens · heads · d`, the caches at least
-    // `cache_rows · groups · d` of the spec's dtype, inv_freq `d / 2` f32, the gammas `d`
+    // `cache_rows · groups · d` of the spec's cache dtype, inv_freq `d / 2` f32, the gammas `d`
     // (checked above); positions and rows hold `tokens` i32 with every row inside the caches
     // (checked when uploaded); the outputs are distinct allocations (`&mut`).
     unsafe { l.launch(cfg) }

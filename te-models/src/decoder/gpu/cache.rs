@@ -19,6 +19,13 @@
 //! aligned at the bottom right, so the attention over the shifted rows is the same. Longer prompts
 //! run in chunks ([`super::Decoder::forward_step`]). Gemma 3 270M at 32k tokens: 124 MB a sequence
 //! instead of 604 MB.
+//!
+//! An E4M3 cache ([`DecoderCache::with_chunk_dtype`], vLLM's `kv_cache_dtype="fp8"`) holds the
+//! codes of `k · k_scale` and `v · v_scale` (per-tensor scales in device memory, 1 until
+//! [`DecoderCache::set_kv_scales`]): half the bytes, which the decode step reads. The fused QKV +
+//! RoPE kernel writes the codes, the decode kernels read them back; a prefill step dequantizes
+//! the layer's rows into a BF16 scratch of one layer (its own view's rows) for the fused
+//! attention.
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult};
 use cudarc::driver::CudaSlice;
@@ -27,6 +34,8 @@ use te_codegen::spec::AttnMaskType;
 use te_codegen::DType;
 use te_runtime::graph::HostCopies;
 use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
+use te_runtime::ops::cast::dequantize;
+use te_runtime::ops::decode_attention::KvScales;
 use te_runtime::ops::qkv_rope::TokenRows;
 use te_runtime::{Device, Tensor};
 
@@ -44,6 +53,11 @@ pub struct DecoderCache {
     lens: Vec<usize>,
     /// The sliding-window layers' smaller buffers, when they are smaller.
     sliding: Option<SlidingRows>,
+    /// An E4M3 cache's scales, f32 `[4]` (`KvScales`); `None`: BF16.
+    kv_scales: Option<CudaSlice<f32>>,
+    /// An E4M3 cache's BF16 scratch for a prefill's fused attention: one `[k, v]` per layer
+    /// shape (the global layers' and the sliding layers'), made at the first prefill.
+    scratch: Vec<[Tensor; 2]>,
 }
 
 /// Where the sliding-window layers keep their rows (see the module docs).
@@ -95,6 +109,23 @@ impl DecoderCache {
         capacity: usize,
         chunk: usize,
     ) -> DecoderResult<Self> {
+        Self::with_chunk_dtype(dev, cfg, batch, capacity, chunk, DType::BF16)
+    }
+
+    /// [`DecoderCache::with_chunk`] holding `dtype`: BF16, or E4M3 codes with per-tensor scales
+    /// (see the module docs; zeroed, scales 1).
+    ///
+    /// # Errors
+    /// As [`DecoderCache::with_chunk`], and [`DecoderError::Input`] for another dtype.
+    pub fn with_chunk_dtype(
+        dev: &Arc<Device>,
+        cfg: &DecoderConfig,
+        batch: usize,
+        capacity: usize,
+        chunk: usize,
+        dtype: DType,
+    ) -> DecoderResult<Self> {
+        check_kv_dtype(dtype)?;
         if batch == 0 || capacity == 0 || chunk == 0 {
             return Err(DecoderError::input(format!(
                 "a KV cache needs batch ≥ 1, capacity ≥ 1 and a prefill chunk ≥ 1, got {batch}, {capacity}, {chunk}"
@@ -123,10 +154,57 @@ impl DecoderCache {
                     _ => capacity,
                 };
                 let shape = [batch, rows, cfg.num_gqa_groups, cfg.head_dim];
-                Ok([Tensor::empty(dev, DType::BF16, &shape)?, Tensor::empty(dev, DType::BF16, &shape)?])
+                // E4M3 zeroed: a prefill dequantizes every row of a layer, the unwritten too.
+                let make = || match dtype {
+                    DType::E4M3 => Tensor::zeros(dev, dtype, &shape),
+                    _ => Tensor::empty(dev, dtype, &shape),
+                };
+                Ok([make()?, make()?])
             })
             .collect::<DecoderResult<Vec<_>>>()?;
-        Ok(Self { batch, capacity, heads: cfg.num_attention_heads, layers, lens: vec![0; batch], sliding })
+        let kv_scales = match dtype {
+            DType::E4M3 => Some(dev.stream().htod(&KvScales::values(1.0, 1.0)?)?),
+            _ => None,
+        };
+        Ok(Self {
+            batch,
+            capacity,
+            heads: cfg.num_attention_heads,
+            layers,
+            lens: vec![0; batch],
+            sliding,
+            kv_scales,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// What the cache holds: BF16, or E4M3 codes.
+    pub fn dtype(&self) -> DType {
+        if self.kv_scales.is_some() {
+            DType::E4M3
+        } else {
+            DType::BF16
+        }
+    }
+
+    /// The per-tensor scales of an E4M3 cache: keys are stored as `E4M3(k · k_scale)` and read
+    /// as `code / k_scale` (values likewise); `448 / k_scale` is the largest key kept (1, the
+    /// default: up to 448, as an uncalibrated vLLM cache). Every layer's, from the next step on
+    /// (tokens cached before keep the scales they were stored with: set them before the
+    /// prompt). A host upload: not inside a capture.
+    ///
+    /// # Errors
+    /// [`DecoderError::Input`] for a BF16 cache; scales that are not finite and positive;
+    /// the device's errors.
+    pub fn set_kv_scales(&mut self, dev: &Device, k_scale: f32, v_scale: f32) -> DecoderResult<()> {
+        let Some(buf) = self.kv_scales.as_mut() else {
+            return Err(DecoderError::input("the cache holds bf16: kv scales are for an e4m3 cache"));
+        };
+        let values = KvScales::values(k_scale, v_scale)?;
+        let stream = dev.stream();
+        te_runtime::graph::refuse_in_capture(stream, "DecoderCache::set_kv_scales")?;
+        stream.memcpy_htod(&values, buf).map_err(te_runtime::Error::from)?;
+        Ok(())
     }
 
     /// Sequences.
@@ -144,9 +222,9 @@ impl DecoderCache {
         &self.lens
     }
 
-    /// Bytes of the caches on the device.
+    /// Bytes of the caches on the device (with an E4M3 cache's prefill scratch once made).
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(Tensor::num_bytes).sum()
+        self.layers.iter().chain(&self.scratch).flatten().map(Tensor::num_bytes).sum()
     }
 
     /// Rows a sequence of the sliding-window layers when they keep only their window (`window +
@@ -222,9 +300,51 @@ impl DecoderCache {
         [k, v]
     }
 
-    pub(super) fn layer_mut(&mut self, l: usize) -> [&mut Tensor; 2] {
+    /// Layer `l`'s caches to append to, with an E4M3 cache's scales.
+    pub(super) fn layer_mut(&mut self, l: usize) -> ([&mut Tensor; 2], Option<KvScales<'_>>) {
         let [k, v] = &mut self.layers[l];
-        [k, v]
+        ([k, v], self.kv_scales.as_ref().map(KvScales))
+    }
+
+    /// The scales of an E4M3 cache.
+    pub(super) fn scales(&self) -> Option<KvScales<'_>> {
+        self.kv_scales.as_ref().map(KvScales)
+    }
+
+    /// Layer `l`'s keys and values as the fused attention of a prefill reads them: the cache
+    /// itself (BF16), or every row of an E4M3 cache dequantized into the scratch of its shape
+    /// (made on first use).
+    ///
+    /// # Errors
+    /// The device's errors (out of memory, launches).
+    pub(super) fn prefill_layer(&mut self, dev: &Device, l: usize) -> DecoderResult<[&Tensor; 2]> {
+        let Some(scales) = &self.kv_scales else {
+            let [k, v] = &self.layers[l];
+            return Ok([k, v]);
+        };
+        let shape = self.layers[l][0].shape().to_vec();
+        let i = match self.scratch.iter().position(|[k, _]| k.shape() == shape.as_slice()) {
+            Some(i) => i,
+            None => {
+                let make = || Tensor::empty(dev, DType::BF16, &shape);
+                self.scratch.push([make()?, make()?]);
+                self.scratch.len() - 1
+            }
+        };
+        let [ks, vs] = &mut self.scratch[i];
+        let [k, v] = &self.layers[l];
+        dequantize(dev, k, &scales.slice(2..3), ks)?;
+        dequantize(dev, v, &scales.slice(3..4), vs)?;
+        let [ks, vs] = &self.scratch[i];
+        Ok([ks, vs])
+    }
+}
+
+/// Fails unless a cache can hold `dtype` (BF16 or E4M3).
+pub(super) fn check_kv_dtype(dtype: DType) -> DecoderResult<()> {
+    match dtype {
+        DType::BF16 | DType::E4M3 => Ok(()),
+        _ => Err(DecoderError::input(format!("a KV cache holds bf16 or e4m3, not {dtype}"))),
     }
 }
 

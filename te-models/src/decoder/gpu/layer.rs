@@ -1,8 +1,8 @@
 //! One layer of [`super::Decoder`] on the GPU: its modules (te-nn `Norm` and `Linear`, so FP8
 //! GEMMs and `fp8_model_init` weights come with them) and its forward over the packed tokens of a
 //! step (the formula of the [`crate::decoder`] docs): norm → QKV GEMM → the fused qk-norm + RoPE +
-//! cache append (`ops::qkv_rope`) → attention over the cache (the fused attention for a prefill,
-//! the split-K decode kernels for one token per sequence) → projection → (sandwich norm) →
+//! cache append (`ops::qkv_rope`, BF16 or E4M3 codes) → attention over the cache (the fused
+//! attention for a prefill, the split-K decode kernels for one token per sequence) → projection → (sandwich norm) →
 //! residual → norm → fc1 → activation → fc2 → (sandwich norm) → residual.
 
 use super::cache::{Step, StepAttention};
@@ -14,11 +14,11 @@ use te_codegen::DType;
 use te_nn::fp8::{fp8_model_init, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Tensor, Quantizer};
 use te_nn::modules::{Activation, Linear, LinearConfig, Norm, NormConfig, NormKind};
 use te_runtime::ops::activation;
-use te_runtime::ops::decode_attention::{decode, Strided};
+use te_runtime::ops::decode_attention::{decode, decode_fp8, Strided};
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::ops::flash_attention::{self, CuSeqlens, FlashAttnParams, Qkv};
 use te_runtime::ops::gemv::{gemv, GemvInput, GemvMatrix, GemvNorm};
-use te_runtime::ops::qkv_rope::{qkv_rope, QkNorm};
+use te_runtime::ops::qkv_rope::{qkv_rope, qkv_rope_fp8, QkNorm};
 use te_runtime::{Device, Tensor};
 
 /// A norm module of `cfg`'s kind with the weight (and LayerNorm's bias) under `weight` / `bias`.
@@ -321,18 +321,25 @@ impl Layer {
         });
         // The layer's view of the cache: its own rows (a sliding-window layer's may be fewer).
         let view = step.tables.for_layer(self.window);
-        let [k_cache, v_cache] = step.cache.layer_mut(l);
-        qkv_rope(dev, &qkv, (heads, groups, d), norm, inv_freq, &view.rows, &mut q, [k_cache, v_cache])?;
+        let dims = (heads, groups, d);
+        match step.cache.layer_mut(l) {
+            (cache, Some(sc)) => qkv_rope_fp8(dev, &qkv, dims, norm, inv_freq, &view.rows, &mut q, cache, sc)?,
+            (cache, None) => qkv_rope(dev, &qkv, dims, norm, inv_freq, &view.rows, &mut q, cache)?,
+        }
         drop(qkv);
         let mut o = Tensor::empty(dev, DType::BF16, &[tokens, heads * d])?;
-        let [k_cache, v_cache] = step.cache.layer(l);
         match &mut view.attention {
             StepAttention::Decode { seqlens } => {
                 let p = view.shape.decode_shape(cfg, self.window);
                 let qs = Strided { tensor: &q, offset: 0, row: heads * d };
-                decode(dev, &p, qs, [k_cache, v_cache], seqlens, (&mut o, heads * d))?;
+                let cache = step.cache.layer(l);
+                match step.cache.scales() {
+                    Some(sc) => decode_fp8(dev, &p, qs, cache, sc, seqlens, (&mut o, heads * d))?,
+                    None => decode(dev, &p, qs, cache, seqlens, (&mut o, heads * d))?,
+                }
             }
             StepAttention::Prefill { cu_q, cu_kv, off_kv, lse } => {
+                let [k_cache, v_cache] = step.cache.prefill_layer(dev, l)?;
                 let shape = view.shape.prefill_shape(cfg, self.window);
                 let p = FlashAttnParams {
                     shape,

@@ -126,6 +126,8 @@ pub struct Decoder {
     prefill_chunk: usize,
     /// Decode steps of at most this many tokens run through the fused GEMVs (0: never).
     fused_decode_rows: usize,
+    /// What [`Decoder::cache`] holds: BF16 or E4M3.
+    kv_cache_dtype: DType,
 }
 
 impl Decoder {
@@ -197,6 +199,7 @@ impl Decoder {
             graph_fallback: None,
             prefill_chunk: cache::DEFAULT_PREFILL_CHUNK,
             fused_decode_rows: 0,
+            kv_cache_dtype: DType::BF16,
         }
         .with_fused_decode(true))
     }
@@ -232,7 +235,24 @@ impl Decoder {
     /// # Errors
     /// As [`DecoderCache::new`].
     pub fn cache(&self, batch: usize, capacity: usize) -> DecoderResult<DecoderCache> {
-        DecoderCache::with_chunk(&self.dev, &self.cfg, batch, capacity, self.prefill_chunk)
+        DecoderCache::with_chunk_dtype(&self.dev, &self.cfg, batch, capacity, self.prefill_chunk, self.kv_cache_dtype)
+    }
+
+    /// What the caches of [`Decoder::cache`] (and so of `generate`) hold: BF16 (the default) or
+    /// E4M3 codes with per-tensor scales 1 (vLLM's `kv_cache_dtype="fp8"`: half the bytes a
+    /// decode step reads from the cache; see [`DecoderCache::with_chunk_dtype`]).
+    ///
+    /// # Errors
+    /// [`DecoderError::Input`] for another dtype.
+    pub fn set_kv_cache_dtype(&mut self, dtype: DType) -> DecoderResult<()> {
+        cache::check_kv_dtype(dtype)?;
+        self.kv_cache_dtype = dtype;
+        Ok(())
+    }
+
+    /// What [`Decoder::cache`] holds.
+    pub fn kv_cache_dtype(&self) -> DType {
+        self.kv_cache_dtype
     }
 
     /// The most tokens a step feeds one sequence when the sliding-window layers keep only their
