@@ -184,6 +184,13 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
     for d in [64, 128, 256] {
         v.push(DecodeAttnSpec::new(DType::BF16, d, arch).with_fp8_cache().into());
     }
+    // Several query heads of one KV head a block (GQA): Gemma 3's and Llama 3's 4, 3 with idle
+    // lanes, 2; over 16-bit and E4M3 caches.
+    for (d, qg) in [(256, 4), (128, 4), (96, 3), (64, 2)] {
+        let s = DecodeAttnSpec::new(DType::BF16, d, arch).with_q_per_block(qg);
+        v.push(s.into());
+        v.push(s.with_fp8_cache().into());
+    }
     // Blockwise FP8 quantization: both inputs, both formats, both block shapes.
     for input in [DType::BF16, DType::F16] {
         for output in [DType::E4M3, DType::E5M2] {

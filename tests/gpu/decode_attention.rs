@@ -1,7 +1,8 @@
 //! Family 15 on the GPU: the cache append and the split-K decode attention against the f64 CPU
 //! reference of attention (one query per sequence over its cached keys is the
 //! `padding_causal_bottom_right` mask with `sq = 1`), at the tolerances of `attention`: head
-//! dims 32 to 256 (96: idle lanes), bf16 and f16, GQA and MQA, one split and many (a long cache
+//! dims 32 to 256 (96: idle lanes), bf16 and f16, GQA and MQA (blocks serving 1 to 4 query heads
+//! of a KV head, and 7 heads over one served one a block), one split and many (a long cache
 //! on few queries), lengths 0 (zeros), 1, not multiples of anything, and the full capacity; q, k
 //! and v read from a fused QKV projection's rows; sliding windows (`(left, 0)`); and typed errors.
 
@@ -88,6 +89,10 @@ fn decode_matches_the_reference_over_head_dims_and_lengths() {
     check_step(&dev, DType::BF16, window(params(3, 4, 1, 256, 1024), 511), &[1000, 300, 512], 14);
     check_step(&dev, DType::F16, window(params(1, 8, 2, 128, 2048), 100), &[1777], 15);
     check_step(&dev, DType::BF16, window(params(2, 4, 2, 64, 64), 0), &[64, 9], 16);
+    // Query heads per KV head that a block serves (DecodeAttnSpec::q_per_block_for): 3 with idle
+    // lanes (d 96), and 7 (Qwen2's 14 over 2: one head a block).
+    check_step(&dev, DType::BF16, params(2, 12, 4, 96, 200), &[200, 33], 17);
+    check_step(&dev, DType::BF16, params(2, 14, 2, 64, 100), &[99, 1], 18);
 }
 
 #[test]

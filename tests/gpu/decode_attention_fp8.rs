@@ -79,6 +79,8 @@ fn an_e4m3_cache_matches_the_reference_over_its_dequantized_values() {
     // Gemma 3's MQA at head dim 256, and a sliding window.
     check_step(&dev, params(2, 4, 1, 256, 512), &[511, 40], 3);
     check_step(&dev, params(1, 4, 1, 256, 1024).with_sliding_window(Some((511, 0))), &[1000], 4);
+    // Three query heads a block, idle lanes (d 96).
+    check_step(&dev, params(2, 12, 4, 96, 200), &[200, 33], 5);
 }
 
 #[test]

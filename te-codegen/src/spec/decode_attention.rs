@@ -20,8 +20,8 @@ pub const DECODE_MAX_HEAD_DIM: usize = 256;
 
 /// The decode kernels of one head dim and dtype, three entry points:
 ///
-/// - `<name>` ([`DecodeAttnSpec::SPLIT_ARGS`]): block `(split, b·heads)` runs the online softmax
-///   of one query over keys `[split · chunk, min(len, (split + 1) · chunk))` and writes the
+/// - `<name>` ([`DecodeAttnSpec::SPLIT_ARGS`]): block `(split, b·heads / q_per_block)` runs the
+///   online softmax of `q_per_block` queries sharing a KV head over keys `[split · chunk, min(len, (split + 1) · chunk))` and writes the
 ///   unnormalized partial output (f32 `[b·heads, splits, head_dim]`) with its running max (in
 ///   log2 units) and sum (f32 `[b·heads, splits, 2]`). [`DecodeAttnSpec::THREADS`] threads:
 ///   `lanes` threads per key (8 channels each, 16 of an E4M3 cache: 16-byte loads), `32 / lanes`
@@ -49,6 +49,10 @@ pub struct DecodeAttnSpec {
     pub head_dim: usize,
     /// The cache's dtype: `dtype`, or E4M3 codes with per-tensor scales.
     pub kv_cache: DType,
+    /// Query heads of one KV head a split block serves, 1 to [`DecodeAttnSpec::MAX_Q_PER_BLOCK`]
+    /// (GQA: each key and value is loaded and converted once for all of them); the heads per KV
+    /// head must be a multiple ([`DecodeAttnSpec::q_per_block_for`]).
+    pub q_per_block: usize,
     /// Target architecture.
     pub arch: Arch,
 }
@@ -60,9 +64,31 @@ impl DecodeAttnSpec {
     /// shared memory).
     pub const MAX_SPLITS: usize = 1024;
 
-    /// The kernels of `head_dim` and `dtype` for `arch`.
+    /// The most query heads a split block serves.
+    pub const MAX_Q_PER_BLOCK: usize = 4;
+
+    /// The kernels of `head_dim` and `dtype` for `arch`, one query head a block.
     pub const fn new(dtype: DType, head_dim: usize, arch: Arch) -> Self {
-        Self { dtype, head_dim, kv_cache: dtype, arch }
+        Self { dtype, head_dim, kv_cache: dtype, q_per_block: 1, arch }
+    }
+
+    /// These kernels serving `n` query heads of one KV head a block.
+    pub const fn with_q_per_block(self, n: usize) -> Self {
+        Self { q_per_block: n, ..self }
+    }
+
+    /// The query heads a block serves for `heads` query heads over `groups` KV heads: the
+    /// largest of 4, 3, 2, 1 that divides `heads / groups` (Gemma 3 and Llama 3: 4; MHA: 1).
+    pub const fn q_per_block_for(heads: usize, groups: usize) -> usize {
+        let r = match heads.checked_div(groups) {
+            Some(r) => r,
+            None => 1,
+        };
+        let mut n = Self::MAX_Q_PER_BLOCK;
+        while n > 1 && (r == 0 || r % n != 0) {
+            n -= 1;
+        }
+        n
     }
 
     /// These kernels over an E4M3 cache with per-tensor scales (see the type's docs).
@@ -75,10 +101,11 @@ impl DecodeAttnSpec {
         self.kv_cache == DType::E4M3
     }
 
-    /// Channels a thread reads of a key or value with one 16-byte load: 8 of a 16-bit cache, 16
-    /// E4M3 codes (8 when the head dim is not a multiple of 16).
+    /// Channels a thread reads of a key or value with one load: 8 of a 16-bit cache (16 bytes),
+    /// 16 E4M3 codes (16 bytes; 8 codes when the head dim is not a multiple of 16 or a block
+    /// serves several query heads, whose registers that leaves room for).
     pub const fn channels_per_thread(&self) -> usize {
-        if matches!(self.kv_cache, DType::E4M3) && self.head_dim % 16 == 0 {
+        if matches!(self.kv_cache, DType::E4M3) && self.head_dim % 16 == 0 && self.q_per_block == 1 {
             16
         } else {
             8
@@ -174,7 +201,8 @@ impl Family for DecodeAttnSpec {
     }
     fn name_parts(&self) -> String {
         let kv = if self.fp8_cache() { "_kv_e4m3" } else { "" };
-        format!("{}_d{}{kv}", self.dtype, self.head_dim)
+        let qg = if self.q_per_block > 1 { format!("_qg{}", self.q_per_block) } else { String::new() };
+        format!("{}_d{}{kv}{qg}", self.dtype, self.head_dim)
     }
     fn arch(&self) -> Arch {
         self.arch
@@ -184,6 +212,7 @@ impl Family for DecodeAttnSpec {
         ctx.insert("d", &self.head_dim);
         ctx.insert("lanes", &self.lanes());
         ctx.insert("ch", &self.channels_per_thread());
+        ctx.insert("q_per_block", &self.q_per_block);
         ctx.insert("threads", &Self::THREADS);
         ctx.insert("max_splits", &Self::MAX_SPLITS);
         ctx.insert("kv_t", self.kv_cache.type_tag());
@@ -198,6 +227,13 @@ impl Family for DecodeAttnSpec {
         }
         if self.head_dim == 0 || self.head_dim % 8 != 0 || self.head_dim > DECODE_MAX_HEAD_DIM {
             return Err(format!("head_dim = {} must be a multiple of 8 in [8, {DECODE_MAX_HEAD_DIM}]", self.head_dim));
+        }
+        if self.q_per_block == 0 || self.q_per_block > Self::MAX_Q_PER_BLOCK {
+            return Err(format!(
+                "q_per_block = {} must be in [1, {}]",
+                self.q_per_block,
+                Self::MAX_Q_PER_BLOCK
+            ));
         }
         if self.kv_cache != self.dtype && self.kv_cache != DType::E4M3 {
             return Err(format!(
@@ -231,6 +267,16 @@ mod tests {
     fn lanes_cover_the_head_with_16_byte_loads() {
         let lanes = |d| DecodeAttnSpec::new(DType::BF16, d, Arch::Sm90a).lanes();
         assert_eq!([lanes(32), lanes(64), lanes(96), lanes(128), lanes(256), lanes(8)], [4, 8, 16, 16, 32, 1]);
+        assert_eq!(
+            [(8, 8), (4, 1), (32, 8), (28, 4), (14, 2), (12, 4), (6, 1), (8, 0)]
+                .map(|(h, g)| DecodeAttnSpec::q_per_block_for(h, g)),
+            [1, 4, 4, 1, 1, 3, 3, 1]
+        );
+        let grouped = DecodeAttnSpec::new(DType::BF16, 256, Arch::Sm90a).with_q_per_block(4);
+        grouped.validate().unwrap();
+        assert_eq!(KernelSpec::from(grouped).name(), "te_decode_attn_bf16_d256_qg4_sm_90a");
+        assert_eq!(grouped.with_fp8_cache().channels_per_thread(), 8);
+        assert!(grouped.with_q_per_block(5).validate().unwrap_err().contains("q_per_block"));
         let fp8 = |d| DecodeAttnSpec::new(DType::BF16, d, Arch::Sm90a).with_fp8_cache();
         assert_eq!([fp8(64).lanes(), fp8(256).lanes(), fp8(40).lanes()], [4, 16, 8]);
         assert_eq!([fp8(64).channels_per_thread(), fp8(40).channels_per_thread()], [16, 8]);

@@ -246,6 +246,7 @@ impl AttentionShape {
     /// output).
     pub fn decode_spec(&self, dtype: DType, arch: Arch) -> DecodeAttnSpec {
         DecodeAttnSpec::new(dtype, self.head_dim, arch)
+            .with_q_per_block(DecodeAttnSpec::q_per_block_for(self.heads, self.groups))
     }
 }
 

@@ -104,12 +104,12 @@ pub fn cache_shape(p: &AttentionShape) -> [usize; 4] {
 }
 
 /// `(splits, chunk)` of a decode shape: key chunks per query and keys per chunk, so that `batch ·
-/// heads · splits` blocks give each of the `sm_count` SMs about [`BLOCKS_PER_SM`] (enough loads in
+/// heads / q_per_block · splits` blocks give each of the `sm_count` SMs about [`BLOCKS_PER_SM`] (enough loads in
 /// flight to stream the cache), with chunks of at least 32 keys (of the `capacity = sk` cached
 /// positions).
 pub fn splits(p: &AttentionShape, sm_count: usize) -> (usize, usize) {
-    let queries = p.batch * p.heads;
-    let want = (BLOCKS_PER_SM * sm_count).div_ceil(queries.max(1)).max(1);
+    let blocks = p.batch * p.heads / DecodeAttnSpec::q_per_block_for(p.heads, p.groups);
+    let want = (BLOCKS_PER_SM * sm_count).div_ceil(blocks.max(1)).max(1);
     let splits = want.min((p.sk / 32).max(1)).min(DecodeAttnSpec::MAX_SPLITS);
     (splits, p.sk.div_ceil(splits))
 }
@@ -377,13 +377,14 @@ fn attend(
             l.ptr("kv_scales", sc.0);
         }
         let cfg = LaunchConfig {
-            grid_dim: (splits as u32, queries as u32, 1),
+            grid_dim: (splits as u32, (queries / spec.q_per_block) as u32, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: q holds `batch` rows of `heads · head_dim` elements from its offset at its
         // stride, the caches `[batch, capacity, groups, head_dim]`, seqlens `batch` i32 (checked
-        // above); the partial buffers hold `queries · splits` entries, one per block.
+        // above); the partial buffers hold `queries · splits` entries, one per block and head
+        // (q_per_block divides heads / groups, so a block's heads are queries of one sequence).
         unsafe { l.launch(cfg) }?;
     }
     let o_row = out_row as u64;
@@ -411,6 +412,9 @@ mod tests {
         assert_eq!(splits(&p, 132), (1, 40));
         let p = AttentionShape { batch: 1, sk: 100, ..p };
         assert_eq!(splits(&p, 132), (3, 34));
+        // Gemma 3: 4 query heads over one KV head, one block serves the 4.
+        let gemma = AttentionShape::decode(32, 4, 1, 256, 1100, 0.0625);
+        assert_eq!(splits(&gemma, 132), (17, 65));
         assert_eq!(cache_shape(&p), [1, 100, 12, 64]);
     }
 
