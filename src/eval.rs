@@ -145,8 +145,10 @@ pub fn run(a: &EvalArgs) -> Result<EvalReport, ModelError> {
         return Err(ModelError::Request("the data is empty: give text files to score".into()));
     }
     let precision = a.precision.as_deref().map(ModelPrecision::from_name).transpose()?;
-    let (mut model, tokenizer) =
-        open_causal_lm(&a.model, &ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head, kv_cache_e4m3: false })?;
+    let (mut model, tokenizer) = open_causal_lm(
+        &a.model,
+        &ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head, kv_cache_e4m3: false },
+    )?;
     let device = model.describe();
     eprintln!("running on {device}");
     let context = model.config().max_position_embeddings;

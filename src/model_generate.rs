@@ -193,7 +193,12 @@ pub fn run_with(
         return Err(ModelError::Request(format!("the prompt{which} is empty: give at least one character")));
     }
     let precision = a.precision.as_deref().map(ModelPrecision::from_name).transpose()?;
-    let opts = ModelOptions { cpu: a.cpu, precision, fp8_lm_head: a.fp8_lm_head, kv_cache_e4m3: a.kv_cache == KvCacheDtype::E4m3 };
+    let opts = ModelOptions {
+        cpu: a.cpu,
+        precision,
+        fp8_lm_head: a.fp8_lm_head,
+        kv_cache_e4m3: a.kv_cache == KvCacheDtype::E4m3,
+    };
     let (mut model, tokenizer) = open_causal_lm_with(model_path, &opts, tuned)?;
     let device = model.describe();
     eprintln!("running on {device}");

@@ -44,11 +44,15 @@ pub fn run(b: &mut Bench) {
             let k = Tensor::from_f32(&dev, dtype, &shape, &kv).unwrap();
             let v = Tensor::from_f32(&dev, dtype, &shape, &kv).unwrap();
             let qs = Strided { tensor: &q, offset: 0, row: heads * d };
-            let st = b.graphed(REPS, || match dtype {
-                DType::E4M3 => decode_fp8(&dev, &p, qs, [&k, &v], KvScales(&scales), &seqlens, (&mut out, heads * d)),
-                _ => decode(&dev, &p, qs, [&k, &v], &seqlens, (&mut out, heads * d)),
-            }
-            .unwrap());
+            let st = b.graphed(REPS, || {
+                match dtype {
+                    DType::E4M3 => {
+                        decode_fp8(&dev, &p, qs, [&k, &v], KvScales(&scales), &seqlens, (&mut out, heads * d))
+                    }
+                    _ => decode(&dev, &p, qs, [&k, &v], &seqlens, (&mut out, heads * d)),
+                }
+                .unwrap()
+            });
             let bytes = (2 * batch * len * groups * d * dtype.size_bytes()) as u64;
             let cache = if dtype == DType::E4M3 { "e4m3" } else { "bf16" };
             let shape = format!("{model} b{batch} h{heads}/{groups} d{d} len {len}");

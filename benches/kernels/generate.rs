@@ -29,7 +29,8 @@ pub fn run(b: &mut Bench) {
     let mut model = Gpt::new(&dev, cfg).unwrap();
     model.set_training(false);
     let greedy = SamplingConfig::greedy();
-    let shapes = [(1, 128, false), (1, 900, false), (32, 128, false), (32, 900, false), (1, 900, true), (32, 900, true)];
+    let shapes =
+        [(1, 128, false), (1, 900, false), (32, 128, false), (32, 900, false), (1, 900, true), (32, 900, true)];
     for (batch, prompt, e4m3) in shapes {
         let prompts: Vec<Vec<i32>> =
             (0..batch).map(|j| (0..prompt).map(|i| ((i * 31 + j * 7) % 256) as i32).collect()).collect();

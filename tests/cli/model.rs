@@ -261,7 +261,11 @@ fn generate_and_eval_refuse_what_they_cannot_run() {
     fails(&refs(&gen(&["--model", gpt2.path().to_str().unwrap(), "--prompt", "x"])), 1, "is not supported");
     fails(&refs(&gen(&["--model", d, "--prompt", "x", "--precision", "fp8"])), 1, "fp8 needs the GPU path");
     fails(&refs(&gen(&["--model", d, "--prompt", "x", "--fp8-lm-head"])), 1, "--fp8-lm-head goes with --precision fp8");
-    fails(&refs(&gen(&["--model", d, "--prompt", "x", "--kv-cache", "e4m3"])), 1, "--kv-cache e4m3 runs on the GPU path");
+    fails(
+        &refs(&gen(&["--model", d, "--prompt", "x", "--kv-cache", "e4m3"])),
+        1,
+        "--kv-cache e4m3 runs on the GPU path",
+    );
     fails(&refs(&gen(&["--model", d, "--prompt", "x", "--kv-cache", "fp8"])), 2, "[possible values: bf16, e4m3]");
     fails(&refs(&gen(&["--model", d, "--prompt", ""])), 1, "the prompt is empty");
     fails(&refs(&gen(&["--model", d, "--prompt", "x", "--prompt", ""])), 1, "the prompt 2 is empty");

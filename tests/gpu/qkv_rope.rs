@@ -158,9 +158,9 @@ fn qkv_rope_refuses_bad_calls() {
 /// where they differ by the bf16 ulp the q and k tolerance allows above.
 #[test]
 fn qkv_rope_appends_e4m3_codes_with_their_scales() {
+    use te_runtime::graph::HostCopies;
     use te_runtime::numerics::{dequantize, quantize};
     use te_runtime::ops::decode_attention::KvScales;
-    use te_runtime::graph::HostCopies;
     use te_runtime::ops::qkv_rope::qkv_rope_fp8;
     let Some(dev) = device() else { return };
     let (dt, cache_rows) = (DType::BF16, 90);
@@ -216,8 +216,9 @@ fn qkv_rope_appends_e4m3_codes_with_their_scales() {
         let e = qkv_rope(&dev, &qkv_t, (h, g, d), None, &freq_t, &token_rows, &mut q, [&mut k, &mut v]).unwrap_err();
         assert!(matches!(e, Error::DType { .. }), "{what}: a 16-bit call on an e4m3 cache: {e}");
         let two = dev.stream().htod(&[1.0f32, 1.0]).unwrap();
-        let e = qkv_rope_fp8(&dev, &qkv_t, (h, g, d), None, &freq_t, &token_rows, &mut q, [&mut k, &mut v], KvScales(&two))
-            .unwrap_err();
+        let e =
+            qkv_rope_fp8(&dev, &qkv_t, (h, g, d), None, &freq_t, &token_rows, &mut q, [&mut k, &mut v], KvScales(&two))
+                .unwrap_err();
         assert!(e.to_string().contains("4 floats"), "{what}: {e}");
     }
 }

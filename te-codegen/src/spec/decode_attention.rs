@@ -189,7 +189,8 @@ impl DecodeAttnSpec {
 
 /// The E4M3 cache's scales, one buffer for every kernel that uses them (these and
 /// [`super::QkvRopeSpec`]'s append).
-pub(super) const KV_SCALES_DOC: &str = "f32 `[4]`: `k_scale, v_scale` (the append multiplies by them before the cast), \
+pub(super) const KV_SCALES_DOC: &str =
+    "f32 `[4]`: `k_scale, v_scale` (the append multiplies by them before the cast), \
                              `k_scale_inv, v_scale_inv` (the split kernel's dequantization)";
 
 impl Family for DecodeAttnSpec {
@@ -229,11 +230,7 @@ impl Family for DecodeAttnSpec {
             return Err(format!("head_dim = {} must be a multiple of 8 in [8, {DECODE_MAX_HEAD_DIM}]", self.head_dim));
         }
         if self.q_per_block == 0 || self.q_per_block > Self::MAX_Q_PER_BLOCK {
-            return Err(format!(
-                "q_per_block = {} must be in [1, {}]",
-                self.q_per_block,
-                Self::MAX_Q_PER_BLOCK
-            ));
+            return Err(format!("q_per_block = {} must be in [1, {}]", self.q_per_block, Self::MAX_Q_PER_BLOCK));
         }
         if self.kv_cache != self.dtype && self.kv_cache != DType::E4M3 {
             return Err(format!(
