@@ -389,10 +389,14 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         None => Backend::Cpu,
     };
     let zero = te::train::zero_stage(a, on_gpu)?;
+    let recompute = te::train::recompute(a).map_err(|e| e.to_string())?;
     let mut trainer = Trainer::new(cfg, backend)
         .and_then(|t| t.with_checkpoints(ckpt).with_parallel(parallel))
         .and_then(|t| t.with_zero(zero))
+        .and_then(|t| t.with_recompute(recompute))
         .map_err(|e| e.to_string())?;
+    // The run's lines and summary.md say when layers are recomputed.
+    let where_ = if recompute.is_full() { format!("{where_}, full activation recompute") } else { where_ };
     let cfg = trainer.config().clone();
     if let Some(f) = finetune.as_mut() {
         let plays = || corpus_file().and_then(|w| read_play_documents(&w)).map_err(|e| e.to_string());

@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use te_models::gpt::GptConfig;
 use te_nn::fp8::{parse_amax_compute_algo, AmaxComputeAlgo, Recipe, RecipeOverrides};
+use te_nn::modules::Recompute;
 use te_train::optim::ZeroStage;
 use te_train::{RunSummary, TrainConfig, TrainError};
 
@@ -146,6 +147,13 @@ pub struct TrainArgs {
     /// part of the sequence).
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// GPU runs: what each layer's forward keeps for the backward. none: its activations
+    /// (the default); full: its input only, the backward running the layer's forward again
+    /// (TE's checkpoint, Megatron-LM's full recompute): the same steps bit for bit, about one
+    /// layer's activations at a time instead of every layer's, one more forward a step. Not
+    /// with MoE presets nor --fp8-dpa/--fp8-mha; --cuda-graph steps eagerly with it.
+    #[arg(long, default_value = "none", value_parser = ["none", "full"])]
+    pub recompute: String,
     /// Several GPUs: one process each (torchrun's options).
     #[command(flatten)]
     pub launch: LaunchArgs,
@@ -224,6 +232,16 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_run
         skip_nonfinite_steps: a.skip_nonfinite_steps,
         cuda_graph: a.cuda_graph,
     })
+}
+
+/// The activation recompute `--recompute` asks for: what [`te_train::Trainer::with_recompute`]
+/// takes.
+///
+/// # Errors
+/// [`te_runtime::Error::Config`] for a name other than `none` and `full` (the parser refuses
+/// them first).
+pub fn recompute(a: &TrainArgs) -> te_runtime::Result<Recompute> {
+    Recompute::from_name(&a.recompute)
 }
 
 /// The ZeRO stage `--zero` asks for, for a run on a GPU (`on_gpu`) with `--tensor-parallel`:
@@ -432,6 +450,16 @@ mod tests {
         }
         let e = train_config(&args(&["--zero", "1"]), GptConfig::tiny(), false).unwrap_err();
         assert!(matches!(e, te_runtime::Error::Config { .. }) && e.to_string().contains("CPU path"), "{e}");
+    }
+
+    /// `--recompute` takes none (the default) and full, nothing else.
+    #[test]
+    fn the_recompute_flag_names_the_mode() {
+        assert_eq!(recompute(&args(&[])).unwrap(), Recompute::None);
+        assert_eq!(recompute(&args(&["--recompute", "full"])).unwrap(), Recompute::Full);
+        assert_eq!(recompute(&args(&["--recompute", "none"])).unwrap(), Recompute::None);
+        let e = Cli::try_parse_from(["te-train", "--recompute", "selective"]).err().unwrap().to_string();
+        assert!(e.contains("selective") && e.contains("full"), "{e}");
     }
 
     #[test]

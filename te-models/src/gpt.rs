@@ -22,7 +22,7 @@ use te_codegen::DType;
 use te_nn::fp8::{fp8_autocast, Recipe};
 use te_nn::modules::{
     AttentionInputs, Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, KernelSpec, KernelTarget, Linear,
-    LinearConfig, LinearCtx, Module, MoeConfig, MoeMLPConfig, Norm, NormConfig, NormCtx, NormKind, TokenIds,
+    LinearConfig, LinearCtx, Module, MoeConfig, MoeMLPConfig, Norm, NormConfig, NormCtx, NormKind, Recompute, TokenIds,
     TransformerLayer, TransformerLayerConfig, TransformerLayerCtx,
 };
 use te_nn::parallel::{SequenceParallel, TpConfig};
@@ -34,6 +34,7 @@ use te_runtime::{Device, Error, Result, Tensor};
 mod config;
 mod generate;
 mod memory;
+mod recompute;
 
 pub use config::GptConfig;
 
@@ -121,13 +122,15 @@ impl GptLoss {
     }
 }
 
-/// What [`Gpt::forward_loss`] saves for [`Gpt::backward`]: every part's context and the loss
-/// gradient of the logits.
+/// What [`Gpt::forward_loss`] saves for [`Gpt::backward`]: every part's context (or, under
+/// [`Recompute::Full`], each layer's input) and the loss gradient of the logits.
 #[derive(Debug)]
 pub struct GptCtx {
     tokens: EmbeddingCtx,
     positions: EmbeddingCtx,
-    layers: Vec<TransformerLayerCtx>,
+    layers: Vec<recompute::SavedLayer>,
+    /// The micro-batch's weight, the MoE aux losses' gradient (what a recomputed layer gets).
+    aux_grad: f32,
     final_norm: NormCtx,
     lm_head: LinearCtx,
     dlogits: Tensor,
@@ -157,6 +160,9 @@ pub struct Gpt {
     /// the step then makes no host upload).
     #[module(skip)]
     positions: Option<TokenIds>,
+    /// What the training forward keeps of each layer ([`Gpt::set_recompute`]).
+    #[module(skip)]
+    recompute: Recompute,
     #[module(skip)]
     dev: Arc<Device>,
 }
@@ -222,6 +228,7 @@ impl Gpt {
             tp,
             sequence,
             positions: None,
+            recompute: Recompute::None,
             dev: dev.clone(),
         })
     }
@@ -329,15 +336,20 @@ impl Gpt {
             Some(_) => Some(self.dev.stream().alloc_zeros::<f32>(self.layers.len())?),
             None => None,
         };
+        let dev = &self.dev;
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let (y, mut c) = layer.forward_with(&x, AttentionInputs { is_first_microbatch, ..Default::default() })?;
-            // The aux loss enters the objective with the micro-batch's weight.
-            c.set_aux_loss_grad(loss_weight);
-            if let (Some(all), Some(l)) = (aux.as_mut(), c.aux_loss()) {
-                let mut slot = all.slice_mut(i..i + 1);
-                self.dev.stream().memcpy_dtod(l, &mut slot)?;
-            }
-            layers.push(c);
+            let mut keep = |c: &mut TransformerLayerCtx| -> Result<()> {
+                // The aux loss enters the objective with the micro-batch's weight.
+                c.set_aux_loss_grad(loss_weight);
+                if let (Some(all), Some(l)) = (aux.as_mut(), c.aux_loss()) {
+                    let mut slot = all.slice_mut(i..i + 1);
+                    dev.stream().memcpy_dtod(l, &mut slot)?;
+                }
+                Ok(())
+            };
+            let inputs = AttentionInputs { is_first_microbatch, ..Default::default() };
+            let (y, saved) = recompute::forward_layer(layer, &x, inputs, self.recompute, &mut keep)?;
+            layers.push(saved);
             x = y;
         }
         let (y, final_norm) = self.final_norm.forward(&x)?;
@@ -360,7 +372,8 @@ impl Gpt {
         let mut loss = unsafe { self.dev.stream().alloc::<f32>(s * b) }?;
         let grad = CrossEntropyGrad { dlogits: &mut dlogits, grad_scale };
         cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
-        let ctx = GptCtx { tokens, positions, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
+        let aux_grad = loss_weight;
+        let ctx = GptCtx { tokens, positions, layers, aux_grad, final_norm, lm_head, dlogits, shape: [s, b, h] };
         Ok((GptLoss { per_token: loss, counted, aux, dev: self.dev.clone() }, ctx))
     }
 
@@ -408,8 +421,8 @@ impl Gpt {
         let d = self.sequence.scatter(MODEL, &self.dev, &d.reshape(&ctx.shape)?)?;
         let mut d = self.final_norm.backward(ctx.final_norm, &d)?;
         grads_ready(&mut self.final_norm)?;
-        for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
-            d = layer.backward(c, &d)?;
+        for (layer, saved) in self.layers.iter_mut().zip(ctx.layers).rev() {
+            d = recompute::backward_layer(layer, saved, &d, ctx.aux_grad)?;
             grads_ready(layer)?;
         }
         let d = self.sequence.gather(&d)?;

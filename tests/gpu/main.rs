@@ -52,6 +52,7 @@ mod norm;
 mod optimizer;
 mod qkv_rope;
 mod rank_death;
+mod recompute;
 mod rope;
 mod scaling;
 mod soak;

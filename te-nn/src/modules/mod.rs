@@ -21,6 +21,7 @@ pub mod moe_mlp;
 pub mod multihead_attention;
 pub mod norm;
 mod params;
+pub mod recompute;
 pub mod token_ids;
 pub mod transformer_layer;
 pub mod visit;
@@ -41,10 +42,13 @@ pub use moe_mlp::{MoeConfig, MoeMLP, MoeMLPConfig, MoeMLPCtx};
 pub use multihead_attention::{AttentionInputs, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionCtx};
 pub use norm::{LayerNorm, Norm, NormConfig, NormCtx, NormKind, NormParams, RMSNorm};
 pub use params::LinearParams;
+pub use recompute::{Fp8Replay, Recompute, ReplayHold};
 pub use te_codegen::spec::Activation;
 pub use te_codegen::KernelSpec;
 pub use token_ids::TokenIds;
-pub use transformer_layer::{TransformerLayer, TransformerLayerConfig, TransformerLayerCtx};
+pub use transformer_layer::{
+    TransformerLayer, TransformerLayerCheckpoint, TransformerLayerConfig, TransformerLayerCtx,
+};
 pub use visit::{
     join_path, visit_linear_params, visit_linear_params_mut, visit_norm_params, visit_norm_params_mut, Module,
     ModuleVisitor, ModuleVisitorMut, NamedParameter, Param, ParamKind, ParamMut,

@@ -25,7 +25,9 @@ use te_runtime::{Device, DeviceBuffer, Error, Result, Tensor};
 
 const MODULE: &str = "TransformerLayer";
 
+mod checkpointed;
 mod config;
+pub use checkpointed::TransformerLayerCheckpoint;
 pub(crate) use config::MlpConfig;
 pub use config::TransformerLayerConfig;
 
@@ -165,6 +167,11 @@ impl TransformerLayer {
     pub fn set_training(&mut self, training: bool) {
         self.training = training;
         self.attention.set_training(training);
+    }
+
+    /// Whether the layer is in training mode ([`TransformerLayer::set_training`]).
+    pub fn is_training(&self) -> bool {
+        self.training
     }
 
     /// Hidden-dropout masks drawn so far: the Philox offset of the next forward (the layer's

@@ -29,13 +29,14 @@ use te_models::gpt::{Gpt, GptLoss, MicroBatch};
 use te_nn::checkpoint::tp::{shard_path, TP_RANK_KEY, TP_SIZE_KEY};
 use te_nn::checkpoint::{self, LoadOptions, SaveOptions};
 use te_nn::fp8::{Fp8Autocast, Recipe, ScalingState};
-use te_nn::modules::{ModuleVisitor, Param, ParamKind};
+use te_nn::modules::{ModuleVisitor, Param, ParamKind, Recompute};
 use te_nn::parallel::Parallel;
 use te_nn::parallel::TpConfig;
 use te_runtime::Device;
 
 /// Trains `cfg.model` on `corpus` in `precision` on `dev`, calling `progress` after each step;
-/// saves and resumes checkpoints as `ckpt` says. With `parallel`, as one rank of a data- and/or
+/// saves and resumes checkpoints as `ckpt` says; keeps activations as `recompute` says (the
+/// memory estimate accounts for it). With `parallel`, as one rank of a data- and/or
 /// tensor-parallel run: every rank calls it with the same settings; the loss `progress` gets
 /// and the records hold are the mean over the ranks.
 ///
@@ -51,23 +52,24 @@ pub(super) fn train(
     cfg: &TrainConfig,
     precision: Precision,
     ckpt: &CheckpointOptions,
-    (parallel, zero): (&mut Parallel, ZeroStage),
+    (parallel, zero, recompute): (&mut Parallel, ZeroStage, Recompute),
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     let (_, tp_size) = parallel.tensor_rank();
-    dev.check_free_memory(Gpt::tensor_parallel_training_bytes(&cfg.model, cfg.batch, fp8, tp_size), || {
+    dev.check_free_memory(Gpt::training_bytes_with(&cfg.model, cfg.batch, fp8, tp_size, recompute), || {
         let m = &cfg.model;
         format!(
             "training a {}-layer GPT of hidden size {} ({} parameters) on micro-batches of {} × {} tokens in {} (the \
-             weights, AdamW state and activations, estimated before allocating)",
+             weights, AdamW state and activations{}, estimated before allocating)",
             m.num_layers,
             m.hidden_size,
             m.num_parameters(),
             cfg.batch,
             m.seq_length,
-            if fp8 { "FP8" } else { "BF16" }
+            if fp8 { "FP8" } else { "BF16" },
+            if recompute.is_full() { " with full recompute" } else { "; --recompute full keeps less" }
         )
     })?;
     dev.reset_peak_memory()?;
@@ -76,13 +78,15 @@ pub(super) fn train(
         Some(tp) => Gpt::with_tensor_parallel(dev, cfg.model.clone(), tp.clone())?,
         None => Gpt::new(dev, cfg.model.clone())?,
     };
+    model.set_recompute(recompute)?;
     if let Some(dp) = parallel.data() {
         // Every rank builds the model from the same seed; the broadcast makes sure.
         dp.broadcast_parameters(&mut model)?;
     }
     let data = Tokens::Windows { train: &corpus.train[..], val: &corpus.val[..], seq: cfg.model.seq_length };
     let ckpt = (ckpt, None);
-    run(dev, &mut model, tp, data, cfg, precision, ckpt, (parallel, zero), progress, cfg.model.num_parameters())
+    let layout = (parallel, zero, recompute);
+    run(dev, &mut model, tp, data, cfg, precision, ckpt, layout, progress, cfg.model.num_parameters())
 }
 
 /// Fine-tunes `model` on `data`'s token ids in rows of `seq` tokens packed as `pack` says, as
@@ -100,7 +104,7 @@ pub(super) fn finetune(
     cfg: &TrainConfig,
     precision: Precision,
     ckpt: &CheckpointOptions,
-    (parallel, zero): (&mut Parallel, ZeroStage),
+    (parallel, zero, recompute): (&mut Parallel, ZeroStage, Recompute),
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     if parallel.tensor().is_some() {
@@ -113,7 +117,7 @@ pub(super) fn finetune(
     let fp8 = precision == Precision::Fp8;
     let m = model.config();
     let resident = model.num_parameters() as u64 * 2;
-    let needed = DecoderLm::training_bytes(m, cfg.batch, seq, fp8).saturating_sub(resident);
+    let needed = DecoderLm::training_bytes_with(m, cfg.batch, seq, fp8, recompute).saturating_sub(resident);
     dev.check_free_memory(needed, || {
         format!(
             "fine-tuning a {}-layer decoder of hidden size {} and vocabulary {} on micro-batches of {} × {seq} tokens in \
@@ -127,6 +131,7 @@ pub(super) fn finetune(
         )
     })?;
     dev.reset_peak_memory()?;
+    model.set_recompute(recompute)?;
     if let Some(dp) = parallel.data() {
         dp.broadcast_parameters(model)?;
     }
@@ -140,7 +145,7 @@ pub(super) fn finetune(
     }
     // What its checkpoints record of the decoder, and a resumed run must share.
     let decoder = DecoderSection::new(model.config(), pack, ckpt.model_source.clone());
-    let layout = (parallel, zero);
+    let layout = (parallel, zero, recompute);
     run(dev, model, None, tokens, cfg, precision, (ckpt, Some(decoder)), layout, progress, parameters)
 }
 
@@ -199,11 +204,16 @@ fn run<M: TrainLm, T: TokenId>(
     cfg: &TrainConfig,
     precision: Precision,
     (ckpt, decoder): (&CheckpointOptions, Option<DecoderSection>),
-    (parallel, zero): (&mut Parallel, ZeroStage),
+    (parallel, zero, recompute): (&mut Parallel, ZeroStage, Recompute),
     progress: &mut dyn FnMut(&Progress),
     parameters: usize,
 ) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     let fp8 = precision == Precision::Fp8;
+    if recompute.is_full() {
+        tracing::info!(
+            "activation recompute: full (each layer keeps its input; the backward runs the layer's forward again)"
+        );
+    }
     let mut opt = match (zero, parallel.data(), &tp) {
         (ZeroStage::OptimizerStates, _, Some(_)) => {
             return Err(TrainError::Unsupported {
@@ -249,7 +259,8 @@ fn run<M: TrainLm, T: TokenId>(
     // --cuda-graph: the first step of this process runs eagerly, the next is captured.
     let mut graph_wanted = cfg.cuda_graph;
     if graph_wanted {
-        if let Some(why) = graphed::unsupported(parallel, run.model.is_moe(), data.is_windows(), finetune) {
+        let recomputes = recompute.is_full();
+        if let Some(why) = graphed::unsupported(parallel, run.model.is_moe(), data.is_windows(), finetune, recomputes) {
             tracing::warn!("--cuda-graph: {why}");
             graph_wanted = false;
         }

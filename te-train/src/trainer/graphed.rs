@@ -35,9 +35,19 @@ use te_runtime::{Device, Error};
 /// `moe`: the model routes tokens to experts, whose row counts the host reads each step;
 /// `windows`: its batches are windows of one shape (packed `thd` rows carry tables that vary);
 /// `finetune`: a pretrained decoder of the family (its graphed step is not verified yet: the
-/// loss's token count, read from the host at the capture, must not vary between batches).
-pub(super) fn unsupported(parallel: &Parallel, moe: bool, windows: bool, finetune: bool) -> Option<&'static str> {
-    if finetune {
+/// loss's token count, read from the host at the capture, must not vary between batches);
+/// `recompute`: full activation recompute (the recomputed forward swaps FP8 scaling buffers on
+/// the host around its kernels; its capture is not verified yet).
+pub(super) fn unsupported(
+    parallel: &Parallel,
+    moe: bool,
+    windows: bool,
+    finetune: bool,
+    recompute: bool,
+) -> Option<&'static str> {
+    if recompute {
+        Some("full activation recompute steps eagerly (its captured backward is not verified yet)")
+    } else if finetune {
         Some("fine-tuning a decoder of the family steps eagerly (its graphed step is not verified yet)")
     } else if parallel.world_size() > 1 {
         Some("a data- or tensor-parallel run steps eagerly (its collectives are not captured yet)")
@@ -210,12 +220,14 @@ mod tests {
     #[test]
     fn runs_a_graph_cannot_hold_say_why() {
         let one = Parallel::default();
-        assert_eq!(unsupported(&one, false, true, false), None);
+        assert_eq!(unsupported(&one, false, true, false, false), None);
         for (moe, windows, finetune, word) in
             [(true, true, false, "MoE"), (false, false, false, "thd"), (false, true, true, "fine-tuning")]
         {
-            let why = unsupported(&one, moe, windows, finetune).unwrap_or_default();
+            let why = unsupported(&one, moe, windows, finetune, false).unwrap_or_default();
             assert!(why.contains(word), "{why}");
         }
+        let why = unsupported(&one, false, true, false, true).unwrap_or_default();
+        assert!(why.contains("recompute") && why.contains("eagerly"), "{why}");
     }
 }

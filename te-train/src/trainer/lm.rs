@@ -4,7 +4,7 @@
 
 use te_models::decoder::train::{DecoderLm, DecoderLmCtx, Packing};
 use te_models::gpt::{Gpt, GptCtx, GptLoss, MicroBatch};
-use te_nn::modules::{Module, TokenIds};
+use te_nn::modules::{Module, Recompute, TokenIds};
 use te_runtime::{Error, Result};
 
 /// A causal language model the GPU trainer steps: a loss forward over `[s, b]` ids and
@@ -58,6 +58,13 @@ pub trait TrainLm: Module {
     /// Moves the dropout stream to `offset`.
     fn set_dropout_offset(&mut self, offset: u64);
 
+    /// What the training forward keeps for the backward ([`Recompute`]): the whole contexts,
+    /// or (full recompute) each layer's input, its forward run again in the backward.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a mode the model does not support.
+    fn set_recompute(&mut self, mode: Recompute) -> Result<()>;
+
     /// Whether the model routes tokens to experts (MoE), whose row counts the host reads
     /// every step: such a step is not captured in a CUDA graph. The default: `false`.
     fn is_moe(&self) -> bool {
@@ -110,6 +117,10 @@ impl TrainLm for Gpt {
     fn is_moe(&self) -> bool {
         self.config().moe.is_some()
     }
+
+    fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
+        Gpt::set_recompute(self, mode)
+    }
 }
 
 impl TrainLm for DecoderLm {
@@ -152,4 +163,8 @@ impl TrainLm for DecoderLm {
     }
 
     fn set_dropout_offset(&mut self, _offset: u64) {}
+
+    fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
+        DecoderLm::set_recompute(self, mode)
+    }
 }

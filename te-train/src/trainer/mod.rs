@@ -34,6 +34,7 @@ use crate::error::TrainError;
 use crate::optim::{OptimizerMemory, ZeroStage};
 use crate::summary::{Progress, RunSummary};
 use std::sync::Arc;
+use te_nn::modules::Recompute;
 use te_nn::parallel::Parallel;
 use te_runtime::Device;
 
@@ -79,6 +80,8 @@ pub struct Trainer {
     parallel: Parallel,
     /// How a data-parallel run holds its optimizer state ([`Trainer::with_zero`]).
     zero: ZeroStage,
+    /// What the training forward keeps for the backward ([`Trainer::with_recompute`]).
+    recompute: Recompute,
     /// The optimizer state of the last GPU run on this rank.
     optimizer_memory: Option<OptimizerMemory>,
 }
@@ -97,6 +100,7 @@ impl Trainer {
             checkpoints: CheckpointOptions::default(),
             parallel: Parallel::default(),
             zero: ZeroStage::Replicated,
+            recompute: Recompute::None,
             optimizer_memory: None,
         })
     }
@@ -126,6 +130,34 @@ impl Trainer {
     /// How a data-parallel run holds its optimizer state ([`Trainer::with_zero`]).
     pub fn zero(&self) -> ZeroStage {
         self.zero
+    }
+
+    /// The same trainer keeping activations as `mode` says (`te train --recompute`):
+    /// [`Recompute::Full`] keeps each layer's input only and runs the layer's forward again in
+    /// the backward (`te_models::gpt::Gpt::set_recompute`, TE's `checkpoint`, Megatron-LM's full
+    /// recompute): the same steps bit for bit, peak activation memory of about one layer's
+    /// context plus the layer inputs, one more forward of the layers a step. The memory
+    /// estimate checked before allocating accounts for it; `cuda_graph` runs step eagerly with
+    /// it (its capture is not verified yet).
+    ///
+    /// # Errors
+    /// [`TrainError::Unsupported`] for [`Recompute::Full`] on the CPU backend (its reference
+    /// model keeps every activation); a MoE model or FP8 attention (`fp8_dpa`) is refused by
+    /// [`Trainer::train`] ([`TrainError::Runtime`] with a configuration error).
+    pub fn with_recompute(self, mode: Recompute) -> Result<Self, TrainError> {
+        if mode.is_full() && !self.backend.is_gpu() {
+            return Err(TrainError::Unsupported {
+                message: "--recompute full recomputes the GPU model's layers; the CPU reference path keeps every \
+                          activation: drop --recompute (or pass --recompute none)"
+                    .into(),
+            });
+        }
+        Ok(Self { recompute: mode, ..self })
+    }
+
+    /// What the training forward keeps for the backward ([`Trainer::with_recompute`]).
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// The optimizer state this rank held in the last GPU run ([`Trainer::train`] or
@@ -224,7 +256,7 @@ impl Trainer {
         let (cfg, ckpt) = (&self.config, &self.checkpoints);
         match &self.backend {
             Backend::Gpu(dev) => {
-                let layout = (&mut self.parallel, self.zero);
+                let layout = (&mut self.parallel, self.zero, self.recompute);
                 let (run, memory) = gpu::train(dev, corpus, cfg, precision, ckpt, layout, &mut progress)?;
                 self.optimizer_memory = Some(memory);
                 Ok(run)
@@ -275,7 +307,7 @@ impl Trainer {
         let ckpt = &self.checkpoints;
         match &self.backend {
             Backend::Gpu(dev) => {
-                let (shape, layout) = ((seq_length, pack), (&mut self.parallel, self.zero));
+                let (shape, layout) = ((seq_length, pack), (&mut self.parallel, self.zero, self.recompute));
                 let (run, memory) =
                     gpu::finetune(dev, model, data, shape, &cfg, precision, ckpt, layout, &mut progress)?;
                 self.optimizer_memory = Some(memory);
@@ -311,5 +343,23 @@ impl Trainer {
                 message: "the validation loss of a TrainLm runs on a GPU (Backend::Gpu)".into(),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_models::gpt::GptConfig;
+
+    /// Full recompute is the GPU model's: the CPU backend refuses it, naming the flag to drop;
+    /// `none` is fine anywhere.
+    #[test]
+    fn the_cpu_backend_refuses_full_recompute() {
+        let trainer = || Trainer::new(TrainConfig::new(GptConfig::tiny(), 2), Backend::Cpu).unwrap();
+        assert_eq!(trainer().recompute(), Recompute::None);
+        let t = trainer().with_recompute(Recompute::None).unwrap();
+        assert_eq!(t.recompute(), Recompute::None);
+        let e = trainer().with_recompute(Recompute::Full).unwrap_err();
+        assert!(matches!(e, TrainError::Unsupported { .. }) && e.to_string().contains("--recompute"), "{e}");
     }
 }

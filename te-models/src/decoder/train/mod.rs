@@ -14,14 +14,17 @@
 //!
 //! FP8: run [`DecoderLm::forward_loss_with`] and [`DecoderLm::backward`] under
 //! `te_nn::fp8::fp8_autocast` with a recipe, as for `crate::gpt::Gpt`; the LM head stays in
-//! high precision (Megatron's output layer is not a TE module either).
+//! high precision (Megatron's output layer is not a TE module either). Full activation
+//! recompute: [`DecoderLm::set_recompute`].
 
 mod layer;
 mod memory;
+mod recompute;
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights, WeightTensor};
 use crate::gpt::{GptLoss, MicroBatch, IGNORE_INDEX};
-use layer::{DecoderLayer, DecoderLayerCtx};
+use layer::DecoderLayer;
+use recompute::{LayerInputs, SavedLayer};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use te_codegen::spec::CrossEntropySpec;
@@ -29,7 +32,7 @@ use te_codegen::DType;
 use te_nn::fp8::{fp8_autocast, Float8Tensor, Recipe};
 use te_nn::modules::{
     Embedding, EmbeddingConfig, EmbeddingCtx, ForwardOptions, Linear, LinearConfig, LinearCtx, Module, Norm,
-    NormConfig, NormCtx, Param, ParamKind, ParamMut, ThdSeqlens, TokenIds,
+    NormConfig, NormCtx, Param, ParamKind, ParamMut, Recompute, TokenIds,
 };
 use te_runtime::ops::cross_entropy::{cross_entropy, CrossEntropyGrad};
 use te_runtime::ops::elementwise::scale_assign;
@@ -77,6 +80,9 @@ pub struct DecoderLm {
     /// The LM head's GEMMs in FP8 too under `fp8_autocast` ([`DecoderLm::set_fp8_lm_head`]).
     #[module(skip)]
     fp8_lm_head: bool,
+    /// What the training forward keeps of each layer ([`DecoderLm::set_recompute`]).
+    #[module(skip)]
+    recompute: Recompute,
     #[module(skip)]
     dtype: DType,
     #[module(skip)]
@@ -87,7 +93,9 @@ pub struct DecoderLm {
 #[derive(Debug)]
 pub struct DecoderLmCtx {
     tokens: EmbeddingCtx,
-    layers: Vec<DecoderLayerCtx>,
+    layers: Vec<SavedLayer>,
+    /// The attention inputs the recomputed layers need again (full recompute only).
+    inputs: Option<LayerInputs>,
     final_norm: NormCtx,
     lm_head: LinearCtx,
     dlogits: Dlogits,
@@ -178,6 +186,7 @@ impl DecoderLm {
             rope,
             cfg,
             fp8_lm_head: false,
+            recompute: Recompute::None,
             dtype,
             dev: dev.clone(),
         })
@@ -392,17 +401,15 @@ impl DecoderLm {
                 tables
             }
         };
-        let seqs = thd.map(|p| ThdSeqlens {
-            cu_seqlens_q_padded: p.cu_seqlens_padded,
-            cu_seqlens_kv_padded: p.cu_seqlens_padded,
-            ..ThdSeqlens::new(p.cu_seqlens, p.cu_seqlens)
-        });
+        let thd = thd.map(|p| (p.cu_seqlens.to_vec(), p.cu_seqlens_padded.map(<[usize]>::to_vec)));
+        let inputs = LayerInputs { freqs, thd, is_first_microbatch };
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &mut self.layers {
-            let (y, c) = layer.forward(&x, (&freqs[layer.rope], seqs), is_first_microbatch)?;
+            let (y, c) = recompute::forward_layer(layer, &x, &inputs, self.recompute)?;
             layers.push(c);
             x = y;
         }
+        let inputs = self.recompute.is_full().then_some(inputs);
         let (y, final_norm) = self.final_norm.forward(&x)?;
         let y = y.reshape(&[s * b, h])?;
         if let Some(head) = self.tied_head.as_mut().filter(|_| self.tied_at != Some(self.embedding.version())) {
@@ -446,7 +453,7 @@ impl DecoderLm {
             cross_entropy(&self.dev, &logits, targets.data(), IGNORE_INDEX, &mut loss, Some(grad))?;
             Dlogits::High(dlogits)
         };
-        let ctx = DecoderLmCtx { tokens, layers, final_norm, lm_head, dlogits, shape: [s, b, h] };
+        let ctx = DecoderLmCtx { tokens, layers, inputs, final_norm, lm_head, dlogits, shape: [s, b, h] };
         Ok((GptLoss::new(loss, counted, None, self.dev.clone()), ctx))
     }
 
@@ -506,8 +513,8 @@ impl DecoderLm {
         };
         let mut d = self.final_norm.backward(ctx.final_norm, &d.reshape(&ctx.shape)?)?;
         grads_ready(&mut self.final_norm)?;
-        for (layer, c) in self.layers.iter_mut().zip(ctx.layers).rev() {
-            d = layer.backward(c, &d)?;
+        for (layer, saved) in self.layers.iter_mut().zip(ctx.layers).rev() {
+            d = recompute::backward_layer(layer, saved, &d, ctx.inputs.as_ref())?;
             grads_ready(layer)?;
         }
         let scale = self.cfg.embedding_scale(self.dtype);

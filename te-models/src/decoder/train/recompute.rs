@@ -1,0 +1,131 @@
+//! Full activation recompute of a [`DecoderLm`] ([`DecoderLm::set_recompute`]; TE's
+//! `checkpoint` around every layer, Megatron-LM's full recompute): what each layer's training
+//! forward keeps, the layer forward and backward of either mode, the attention inputs a
+//! recomputed forward needs again, and the memory estimate that accounts for it.
+
+use super::layer::{DecoderLayer, DecoderLayerCtx};
+use super::DecoderLm;
+use crate::decoder::DecoderConfig;
+use te_nn::modules::{Fp8Replay, Recompute, ThdSeqlens};
+use te_runtime::{Error, Result, Tensor};
+
+/// What the forward kept of one layer.
+#[derive(Debug)]
+pub(super) enum SavedLayer {
+    /// The layer's whole context ([`Recompute::None`]).
+    Ctx(Box<DecoderLayerCtx>),
+    /// The layer's input and FP8 state; its forward runs again in the backward.
+    Checkpoint { input: Tensor, fp8: Fp8Replay },
+}
+
+/// The attention inputs of a forward, owned, for the recomputed forwards of its backward: the
+/// rotary tables (shared with the model's cache, no copy), the `thd` tables (host copies) and
+/// `is_first_microbatch`.
+#[derive(Debug)]
+pub(super) struct LayerInputs {
+    pub(super) freqs: Vec<Tensor>,
+    /// `cu_seqlens` and `cu_seqlens_padded` of packed documents.
+    pub(super) thd: Option<(Vec<usize>, Option<Vec<usize>>)>,
+    pub(super) is_first_microbatch: Option<bool>,
+}
+
+impl LayerInputs {
+    /// The `thd` tables as the attention takes them.
+    pub(super) fn seqs(&self) -> Option<ThdSeqlens<'_>> {
+        self.thd.as_ref().map(|(cu, padded)| ThdSeqlens {
+            cu_seqlens_q_padded: padded.as_deref(),
+            cu_seqlens_kv_padded: padded.as_deref(),
+            ..ThdSeqlens::new(cu, cu)
+        })
+    }
+}
+
+/// One layer's forward on `x` in `mode`: its output and what the backward needs. Under
+/// [`Recompute::Full`] the context is dropped once [`Fp8Replay::capture`] took over its FP8
+/// bookkeeping (call it inside the forward's `fp8_autocast` scope).
+pub(super) fn forward_layer(
+    layer: &mut DecoderLayer,
+    x: &Tensor,
+    inputs: &LayerInputs,
+    mode: Recompute,
+) -> Result<(Tensor, SavedLayer)> {
+    let freqs = &inputs.freqs[layer.rope];
+    let (y, ctx) = layer.forward(x, (freqs, inputs.seqs()), inputs.is_first_microbatch)?;
+    match mode {
+        Recompute::None => Ok((y, SavedLayer::Ctx(Box::new(ctx)))),
+        Recompute::Full => {
+            let fp8 = Fp8Replay::capture(&*layer, None)?;
+            drop(ctx);
+            Ok((y, SavedLayer::Checkpoint { input: x.clone(), fp8 }))
+        }
+    }
+}
+
+/// One layer's backward for `dy` (a checkpointed layer runs its forward again on `inputs`
+/// first, with the first forward's FP8 scales): the input gradient.
+pub(super) fn backward_layer(
+    layer: &mut DecoderLayer,
+    saved: SavedLayer,
+    dy: &Tensor,
+    inputs: Option<&LayerInputs>,
+) -> Result<Tensor> {
+    match saved {
+        SavedLayer::Ctx(c) => layer.backward(*c, dy),
+        SavedLayer::Checkpoint { input, mut fp8 } => {
+            let inputs = inputs.ok_or_else(|| Error::internal("DecoderLm", "a checkpointed layer without inputs"))?;
+            let freqs = &inputs.freqs[layer.rope];
+            let (recomputed, hold) =
+                fp8.replay(|| layer.forward(&input, (freqs, inputs.seqs()), inputs.is_first_microbatch))?;
+            let (_, ctx) = recomputed;
+            let dx = layer.backward(ctx, dy)?;
+            fp8.finish(hold)?;
+            Ok(dx)
+        }
+    }
+}
+
+impl DecoderLm {
+    /// What the training forward keeps for the backward (default [`Recompute::None`]):
+    /// [`Recompute::Full`] keeps each layer's input only (`[s, b, hidden]` in the model's
+    /// dtype) and runs the layer's forward again in the backward with the same FP8 scales (no
+    /// amax history updated twice; see [`te_nn::modules::recompute`]): the same losses and
+    /// gradients bit for bit, one more forward of the layers a step, peak activation memory of
+    /// the layer inputs plus one layer's context. Applies to the next forward. The backward
+    /// runs outside any `fp8_autocast` scope or inside the forward's.
+    ///
+    /// # Errors
+    /// None today (the decoder family has no dropout and no MoE layers); FP8 attention
+    /// (`fp8_dpa`) with [`Recompute::Full`] is refused at the forward
+    /// ([`Error::Config`]).
+    pub fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
+        self.recompute = mode;
+        Ok(())
+    }
+
+    /// The activation recompute mode ([`DecoderLm::set_recompute`]).
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+
+    /// [`DecoderLm::training_bytes`] for a run in recompute mode `mode`: with
+    /// [`Recompute::Full`], the saved activations of all layers but one are replaced by the
+    /// layer inputs (`t · h` BF16 elements a layer). The per-layer activation bytes are the
+    /// estimate's own (`(6h + sandwich + qkv + 2·(heads + groups)·d + heads·d + fc1 + ffn) · 2 +
+    /// 4 · heads` bytes a token).
+    pub fn training_bytes_with(cfg: &DecoderConfig, batch: usize, seq: usize, fp8: bool, mode: Recompute) -> u64 {
+        let base = Self::training_bytes(cfg, batch, seq, fp8);
+        if !mode.is_full() {
+            return base;
+        }
+        let (h, d) = (cfg.hidden_size as f64, cfg.head_dim as f64);
+        let (hq, g, layers) = (cfg.num_attention_heads as f64, cfg.num_gqa_groups as f64, cfg.num_layers as f64);
+        let (fc1, ffn) = (cfg.fc1_size() as f64, cfg.ffn_hidden_size as f64);
+        let qkv = (hq + 2.0 * g) * d;
+        let sandwich = if cfg.sandwich_norm { 2.0 * h } else { 0.0 };
+        let per_token_layer = (6.0 * h + sandwich + qkv + 2.0 * (hq + g) * d + hq * d + fc1 + ffn) * 2.0 + 4.0 * hq;
+        let t = batch as f64 * seq as f64;
+        let dropped = t * (layers - 1.0).max(0.0) * per_token_layer;
+        let inputs = t * layers * h * 2.0;
+        (base as f64 - dropped + inputs).max(0.0) as u64
+    }
+}
