@@ -182,7 +182,10 @@ fn launch(
     }
     if let Some(sc) = &scales {
         if sc.0.len() < 4 {
-            return shape(format!("kv_scales must hold 4 floats (k_scale, v_scale and their inverses), got {}", sc.0.len()));
+            return shape(format!(
+                "kv_scales must hold 4 floats (k_scale, v_scale and their inverses), got {}",
+                sc.0.len()
+            ));
         }
     }
     let mut spec = QkvRopeSpec::new(dtype, d, norm.is_some(), norm.is_some_and(|n| n.zero_centered_gamma), dev.arch());
