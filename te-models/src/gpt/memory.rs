@@ -34,27 +34,39 @@ impl Gpt {
     pub fn training_bytes(cfg: &GptConfig, batch: usize, fp8: bool) -> u64 {
         // f64: an estimate, and sizes far past any machine saturate instead of overflowing.
         let (h, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
-        let (layers, heads) = (cfg.num_layers as f64, cfg.num_attention_heads as f64);
+        let layers = cfg.num_layers as f64;
         let t = batch as f64 * cfg.seq_length as f64;
         let e = cfg.params_dtype.size_bytes() as f64;
         let lm_head = if cfg.fp8_lm_head { v * h } else { 0.0 };
         let ffn = cfg.ffn_hidden_size as f64;
-        // MoE: the activations of topk experts per token, the weights of all experts, the
-        // permuted rows and the routing buffers.
-        let (f, experts, moe_extra) = match cfg.moe {
-            Some(m) => {
-                let k = m.topk as f64;
-                (k * ffn, m.num_experts as f64, 2.0 * k * h * 2.0 + 4.0 * (m.num_experts as f64 + 3.0 * k))
-            }
-            None => (ffn, 1.0, 0.0),
+        let (f, experts) = match cfg.moe {
+            Some(m) => (m.topk as f64 * ffn, m.num_experts as f64),
+            None => (ffn, 1.0),
         };
         let gemm_weights = layers * (4.0 * h * h + 2.0 * h * ffn * experts) + lm_head;
         let params = cfg.num_parameters() as f64 * (2.0 * e + 12.0) + if fp8 { 2.0 * gemm_weights } else { 0.0 };
-        let per_token_layer = (8.0 * h + 2.0 * f) * 2.0 + 2.0 * h + 4.0 * heads + moe_extra;
-        let saved = t * layers * per_token_layer;
+        let saved = t * layers * Self::saved_bytes_per_layer_token(cfg);
         let head = t * (2.0 * h + 8.0 * v);
         let transient = t * (8.0 * h + 2.0 * f) * 2.0;
         (params + saved + head + transient + FIXED_BYTES) as u64
+    }
+
+    /// What one layer's forward keeps for its backward, in bytes a token (the per-layer term of
+    /// [`Gpt::training_bytes`]): `(8h + 2f) · 2 + 2h + 4 · heads`, with MoE's `f = topk · ffn`
+    /// plus its permuted rows (`2 · topk · h` 16-bit elements) and f32 routing buffers (`4 · (E
+    /// + 3 · topk)` bytes).
+    pub(crate) fn saved_bytes_per_layer_token(cfg: &GptConfig) -> f64 {
+        let (h, heads, ffn) = (cfg.hidden_size as f64, cfg.num_attention_heads as f64, cfg.ffn_hidden_size as f64);
+        // MoE: the activations of topk experts per token, the permuted rows and the routing
+        // buffers.
+        let (f, moe_extra) = match cfg.moe {
+            Some(m) => {
+                let k = m.topk as f64;
+                (k * ffn, 2.0 * k * h * 2.0 + 4.0 * (m.num_experts as f64 + 3.0 * k))
+            }
+            None => (ffn, 0.0),
+        };
+        (8.0 * h + 2.0 * f) * 2.0 + 2.0 * h + 4.0 * heads + moe_extra
     }
 
     /// [`Gpt::training_bytes`] per GPU of a model whose layers split over `tp` ranks

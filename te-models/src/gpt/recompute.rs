@@ -95,23 +95,15 @@ impl Gpt {
     /// [`Recompute::Full`], the saved activations of all layers but one (the one being
     /// recomputed) are replaced by the layer inputs (`t · h` elements a layer of
     /// `params_dtype`, over `tp` ranks as the estimate's activations are). The per-layer
-    /// activation bytes are the estimate's own (`Gpt::training_bytes`: `(8h + 2f) · 2 + 2h +
-    /// 4 · heads` bytes a token, MoE's permuted rows and routing buffers included).
+    /// activation bytes are the estimate's own (`(8h + 2f) · 2 + 2h + 4 · heads` bytes a token,
+    /// MoE's permuted rows and routing buffers included; one home in `gpt/memory.rs`).
     pub fn training_bytes_with(cfg: &GptConfig, batch: usize, fp8: bool, tp: usize, mode: Recompute) -> u64 {
         let base = Self::tensor_parallel_training_bytes(cfg, batch, fp8, tp);
         if !mode.is_full() {
             return base;
         }
-        let (h, heads) = (cfg.hidden_size as f64, cfg.num_attention_heads as f64);
-        let ffn = cfg.ffn_hidden_size as f64;
-        let (f, moe_extra) = match cfg.moe {
-            Some(m) => {
-                let k = m.topk as f64;
-                (k * ffn, 2.0 * k * h * 2.0 + 4.0 * (m.num_experts as f64 + 3.0 * k))
-            }
-            None => (ffn, 0.0),
-        };
-        let per_token_layer = (8.0 * h + 2.0 * f) * 2.0 + 2.0 * h + 4.0 * heads + moe_extra;
+        let h = cfg.hidden_size as f64;
+        let per_token_layer = Self::saved_bytes_per_layer_token(cfg);
         let t = batch as f64 * cfg.seq_length as f64;
         let layers = cfg.num_layers as f64;
         let e = cfg.params_dtype.size_bytes() as f64;

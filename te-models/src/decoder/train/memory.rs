@@ -38,13 +38,23 @@ impl DecoderLm {
         let qkv = (hq + 2.0 * g) * d;
         let gemm_weights = layers * ((cfg.qkv_size() + cfg.fc1_size()) as f64 * h + h * (hq * d + ffn));
         let params = cfg.num_parameters() as f64 * 16.0 + if fp8 { 2.0 * gemm_weights } else { 0.0 };
-        let sandwich = if cfg.sandwich_norm { 2.0 * h } else { 0.0 };
-        let per_token_layer = (6.0 * h + sandwich + qkv + 2.0 * (hq + g) * d + hq * d + fc1 + ffn) * 2.0 + 4.0 * hq;
-        let saved = t * layers * per_token_layer;
+        let saved = t * layers * Self::saved_bytes_per_layer_token(cfg);
         let tied = if cfg.tie_word_embeddings { 2.0 * v * h } else { 0.0 };
         let head = t * (2.0 * h + 4.0 * v) + tied;
         let transient = t * (fc1 + ffn + 3.0 * qkv + 4.0 * h) * 2.0;
         (params + saved + head + transient + FIXED_BYTES) as u64
+    }
+
+    /// What one layer's forward keeps for its backward, in bytes a token (the per-layer term of
+    /// [`DecoderLm::training_bytes`]): `(6h + sandwich + qkv + 2 · (heads + groups) · d + heads ·
+    /// d + fc1 + ffn) · 2 + 4 · heads`.
+    pub(crate) fn saved_bytes_per_layer_token(cfg: &DecoderConfig) -> f64 {
+        let (h, d) = (cfg.hidden_size as f64, cfg.head_dim as f64);
+        let (hq, g) = (cfg.num_attention_heads as f64, cfg.num_gqa_groups as f64);
+        let (fc1, ffn) = (cfg.fc1_size() as f64, cfg.ffn_hidden_size as f64);
+        let qkv = (hq + 2.0 * g) * d;
+        let sandwich = if cfg.sandwich_norm { 2.0 * h } else { 0.0 };
+        (6.0 * h + sandwich + qkv + 2.0 * (hq + g) * d + hq * d + fc1 + ffn) * 2.0 + 4.0 * hq
     }
 }
 

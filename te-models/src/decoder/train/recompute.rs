@@ -111,18 +111,14 @@ impl DecoderLm {
     /// [`Recompute::Full`], the saved activations of all layers but one are replaced by the
     /// layer inputs (`t · h` BF16 elements a layer). The per-layer activation bytes are the
     /// estimate's own (`(6h + sandwich + qkv + 2·(heads + groups)·d + heads·d + fc1 + ffn) · 2 +
-    /// 4 · heads` bytes a token).
+    /// 4 · heads` bytes a token; one home in `decoder/train/memory.rs`).
     pub fn training_bytes_with(cfg: &DecoderConfig, batch: usize, seq: usize, fp8: bool, mode: Recompute) -> u64 {
         let base = Self::training_bytes(cfg, batch, seq, fp8);
         if !mode.is_full() {
             return base;
         }
-        let (h, d) = (cfg.hidden_size as f64, cfg.head_dim as f64);
-        let (hq, g, layers) = (cfg.num_attention_heads as f64, cfg.num_gqa_groups as f64, cfg.num_layers as f64);
-        let (fc1, ffn) = (cfg.fc1_size() as f64, cfg.ffn_hidden_size as f64);
-        let qkv = (hq + 2.0 * g) * d;
-        let sandwich = if cfg.sandwich_norm { 2.0 * h } else { 0.0 };
-        let per_token_layer = (6.0 * h + sandwich + qkv + 2.0 * (hq + g) * d + hq * d + fc1 + ffn) * 2.0 + 4.0 * hq;
+        let (h, layers) = (cfg.hidden_size as f64, cfg.num_layers as f64);
+        let per_token_layer = Self::saved_bytes_per_layer_token(cfg);
         let t = batch as f64 * seq as f64;
         let dropped = t * (layers - 1.0).max(0.0) * per_token_layer;
         let inputs = t * layers * h * 2.0;
