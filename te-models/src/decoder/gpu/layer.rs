@@ -2,8 +2,8 @@
 //! GEMMs and `fp8_model_init` weights come with them) and its forward over the packed tokens of a
 //! step (the formula of the [`crate::decoder`] docs): norm → QKV GEMM → the fused qk-norm + RoPE +
 //! cache append (`ops::qkv_rope`, BF16 or E4M3 codes) → attention over the cache (the fused
-//! attention for a prefill, the split-K decode kernels for one token per sequence) → projection → (sandwich norm) →
-//! residual → norm → fc1 → activation → fc2 → (sandwich norm) → residual.
+//! attention for a prefill, the split-K decode kernels for one token per sequence) → projection →
+//! (sandwich norm) → residual → norm → fc1 → activation → fc2 → (sandwich norm) → residual.
 
 use super::cache::{Step, StepAttention};
 use super::{upload, Tensors};
