@@ -14,6 +14,7 @@
 use super::batches::{Pack, StepBatch, Tokens};
 use super::graphed::{self, forward_backward, GraphedStep};
 use super::lm::TrainLm;
+use super::memory::MemoryPlan;
 use crate::checkpoint::{CheckpointOptions, Checkpointer, DecoderSection, RunState};
 use crate::config::{Precision, TrainConfig};
 use crate::data::{Corpus, TokenId, TokenSplit};
@@ -58,18 +59,27 @@ pub(super) fn train(
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     let (_, tp_size) = parallel.tensor_rank();
-    dev.check_free_memory(Gpt::training_bytes_with(&cfg.model, cfg.batch, fp8, tp_size, recompute), || {
+    let estimate = |r: Recompute| Gpt::training_bytes_with(&cfg.model, cfg.batch, fp8, tp_size, r);
+    let plan = MemoryPlan {
+        parameters: cfg.model.num_parameters() as u64,
+        data_parallel: parallel.data_rank().1,
+        zero,
+        recompute,
+        recompute_possible: cfg.model.moe.is_none(),
+        estimate: &estimate,
+    };
+    plan.check(dev, 0, |advice| {
         let m = &cfg.model;
         format!(
             "training a {}-layer GPT of hidden size {} ({} parameters) on micro-batches of {} × {} tokens in {} (the \
-             weights, AdamW state and activations{}, estimated before allocating)",
+             weights, AdamW state and activations{}, estimated before allocating{advice})",
             m.num_layers,
             m.hidden_size,
             m.num_parameters(),
             cfg.batch,
             m.seq_length,
             if fp8 { "FP8" } else { "BF16" },
-            if recompute.is_full() { " with full recompute" } else { "; --recompute full keeps less" }
+            if recompute.is_full() { " with full recompute" } else { "" }
         )
     })?;
     dev.reset_peak_memory()?;
@@ -117,12 +127,20 @@ pub(super) fn finetune(
     let fp8 = precision == Precision::Fp8;
     let m = model.config();
     let resident = model.num_parameters() as u64 * 2;
-    let needed = DecoderLm::training_bytes_with(m, cfg.batch, seq, fp8, recompute).saturating_sub(resident);
-    dev.check_free_memory(needed, || {
+    let estimate = |r: Recompute| DecoderLm::training_bytes_with(m, cfg.batch, seq, fp8, r);
+    let plan = MemoryPlan {
+        parameters: model.num_parameters() as u64,
+        data_parallel: parallel.data_rank().1,
+        zero,
+        recompute,
+        recompute_possible: true,
+        estimate: &estimate,
+    };
+    plan.check(dev, resident, |advice| {
         format!(
             "fine-tuning a {}-layer decoder of hidden size {} and vocabulary {} on micro-batches of {} × {seq} tokens in \
              {} (the gradients, AdamW state, activations and logits, estimated before allocating; fewer tokens a batch \
-             need less)",
+             need less{advice})",
             m.num_layers,
             m.hidden_size,
             m.vocab_size,

@@ -21,6 +21,7 @@ mod cpu;
 mod gpu;
 mod graphed;
 mod lm;
+mod memory;
 
 pub use batches::Pack;
 pub use cpu::cpu_gemm_precision;
