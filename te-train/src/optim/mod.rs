@@ -6,13 +6,15 @@
 //! state file is [`te_nn::checkpoint::optimizer_state`]'s either way.
 
 mod adamw;
+mod config;
 mod partition;
 mod schedule;
 mod stage;
 mod state;
 mod zero;
 
-pub use adamw::{AdamW, AdamWConfig, ParamState, PendingStep, StepStats};
+pub use adamw::{AdamW, ParamState, PendingStep, StepStats};
+pub use config::AdamWConfig;
 pub use partition::{Partition, Piece};
 pub use schedule::LrSchedule;
 pub use stage::{OptimizerMemory, ZeroStage};
