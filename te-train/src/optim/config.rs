@@ -20,7 +20,7 @@ pub struct AdamWConfig {
     /// Clip the gradients to this global L2 norm (> 0) before the update; `None`: no clipping.
     pub max_grad_norm: Option<f32>,
     /// Apply weight decay to biases and norm parameters too (PyTorch: `true`, one group);
-    /// `false` decays only GEMM weights ([`ParamKind::Weight`]), as Megatron-LM and nanoGPT do.
+    /// `false` decays only GEMM weights ([`te_nn::modules::ParamKind::Weight`]), as Megatron-LM and nanoGPT do.
     pub decay_biases_and_norms: bool,
     /// Skip a step whose gradient norm is NaN or infinite (Megatron-LM's skipped iteration):
     /// decided on the device, nothing is updated and the step does not count
