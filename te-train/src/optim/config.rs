@@ -24,7 +24,7 @@ pub struct AdamWConfig {
     pub decay_biases_and_norms: bool,
     /// Skip a step whose gradient norm is NaN or infinite (Megatron-LM's skipped iteration):
     /// decided on the device, nothing is updated and the step does not count
-    /// ([`StepStats::skipped`]). PyTorch's default `false` updates with the NaN.
+    /// ([`super::StepStats::skipped`]). PyTorch's default `false` updates with the NaN.
     pub skip_nonfinite: bool,
 }
 
