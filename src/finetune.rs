@@ -1,14 +1,18 @@
 //! `te train --model`: fine-tuning a pretrained decoder LLM of the family (a `.gguf` file or a
-//! Hugging Face directory) with [`te_train::Trainer::finetune`]. This module holds what the
+//! Hugging Face directory) with [`te_train::Trainer::finetune`], or training one of its
+//! configuration from scratch (`--init random`). This module holds what the
 //! command adds around the library: the defaults of a fine-tuning run, the data (the model's
 //! tokenizer over `--data`, or over the plays one document each, cached under `OUT/tokens`),
 //! the pretrained model's validation loss, and the Hugging Face directory each run saves.
 
-use crate::train::TrainArgs;
+use crate::train::{Init, TrainArgs};
 use std::path::{Path, PathBuf};
 use te_models::decoder::train::DecoderLm;
-use te_models::decoder::{load_model, ExportOptions, LoadedModel};
+use te_models::decoder::{
+    load_config, load_model, DecoderConfig, DecoderWeights, ExportOptions, LoadedModel, ModelSource,
+};
 use te_models::gpt::GptConfig;
+use te_models::tokenizer::Tokenizer;
 use te_runtime::DType;
 use te_train::data::{TokenDataset, TokenSplit};
 use te_train::{Pack, Precision, Progress, RunSummary, TrainError, Trainer};
@@ -22,10 +26,18 @@ pub const DEFAULT_LR: f32 = 2e-5;
 /// Fraction of the documents held out for validation.
 pub const VAL_FRACTION: f64 = 0.05;
 
-/// A loaded model to fine-tune and the window length of its run.
+/// A loaded model to fine-tune (or a configuration to train from scratch) and the window length
+/// of its run.
 pub struct Finetune {
-    /// The weights, the tokenizer and where they came from.
-    pub loaded: LoadedModel,
+    /// The model's configuration.
+    pub config: DecoderConfig,
+    /// The pretrained weights; `None`: the layers start from TE's initialization (`--init
+    /// random`).
+    pub weights: Option<DecoderWeights>,
+    /// The tokenizer (`None` only while an export holds it).
+    tokenizer: Option<Tokenizer>,
+    /// Where the model came from.
+    source: ModelSource,
     /// Tokens per window.
     pub seq: usize,
     /// The LM head's GEMMs in FP8 too in FP8 runs (`--fp8-lm-head`).
@@ -36,14 +48,25 @@ pub struct Finetune {
 }
 
 impl Finetune {
-    /// Loads the model at `path` (weights and tokenizer) for the run `a` asks for.
+    /// Loads the model at `path` for the run `a` asks for: its weights and tokenizer, or with
+    /// `--init random` its configuration and tokenizer only (`te_models::decoder::load_config`).
     ///
     /// # Errors
     /// The loader's errors (a missing or unsupported model), as text; a `--seq-length` above
     /// the model's `max_position_embeddings`.
     pub fn load(path: &Path, a: &TrainArgs) -> Result<Self, String> {
-        let loaded = load_model(path).map_err(|e| format!("--model {}: {e}", path.display()))?;
-        let max = loaded.weights.config().max_position_embeddings;
+        let err = |e: te_models::decoder::DecoderError| format!("--model {}: {e}", path.display());
+        let (config, weights, tokenizer, source) = match a.init {
+            Init::Pretrained => {
+                let LoadedModel { weights, tokenizer, source } = load_model(path).map_err(err)?;
+                (weights.config().clone(), Some(weights), tokenizer, source)
+            }
+            Init::Random => {
+                let (config, tokenizer, source) = load_config(path).map_err(err)?;
+                (config, None, tokenizer, source)
+            }
+        };
+        let max = config.max_position_embeddings;
         let seq = match a.seq_length {
             Some(s) if s == 0 || s > max => {
                 return Err(format!("--seq-length {s} must be in [1, {max}] (the model's max_position_embeddings)"))
@@ -52,7 +75,29 @@ impl Finetune {
             None => DEFAULT_SEQ_LENGTH.min(max),
         };
         let pack = Pack::from_name(&a.pack).map_err(|e| format!("--pack: {e}"))?;
-        Ok(Self { loaded, seq, fp8_lm_head: a.fp8_lm_head, pack, path: path.to_path_buf() })
+        Ok(Self {
+            config,
+            weights,
+            tokenizer: Some(tokenizer),
+            source,
+            seq,
+            fp8_lm_head: a.fp8_lm_head,
+            pack,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Whether the run trains from scratch (`--init random`).
+    pub fn from_scratch(&self) -> bool {
+        self.weights.is_none()
+    }
+
+    /// The tokenizer.
+    ///
+    /// # Errors
+    /// Only while an export holds it (never between calls).
+    fn tokenizer(&self) -> Result<&Tokenizer, String> {
+        self.tokenizer.as_ref().ok_or_else(|| "the tokenizer is held by an export".to_string())
     }
 
     /// The model's name in reports: its file or directory name.
@@ -74,7 +119,7 @@ impl Finetune {
     /// The GPT configuration `te_train::TrainConfig` carries for the run's reports: only its
     /// sequence length and vocabulary mean anything for a fine-tuning run.
     pub fn report_config(&self) -> GptConfig {
-        GptConfig { seq_length: self.seq, vocab_size: self.loaded.weights.config().vocab_size, ..GptConfig::tiny() }
+        GptConfig { seq_length: self.seq, vocab_size: self.config.vocab_size, ..GptConfig::tiny() }
     }
 
     /// The run's documents tokenized with the model's tokenizer and split: `data` (text files, a
@@ -89,7 +134,7 @@ impl Finetune {
         cache: &Path,
         seed: u64,
     ) -> Result<TokenSplit, String> {
-        let tokenizer = &self.loaded.tokenizer;
+        let tokenizer = self.tokenizer()?;
         let dataset = match data {
             Some(p) => TokenDataset::build(&[p], tokenizer, Some(cache)),
             None => TokenDataset::from_texts(&plays()?, tokenizer),
@@ -98,7 +143,9 @@ impl Finetune {
         dataset.docs().split(VAL_FRACTION, seed).map_err(|e| e.to_string())
     }
 
-    /// The model's weights as a trainable model in BF16.
+    /// The model's weights as a trainable model in BF16, or the configuration's layers from TE's
+    /// initialization (`--init random`; the same seeds every time, so every rank and every
+    /// precision starts equal).
     ///
     /// # Errors
     /// The model's errors (what training on the GPU does not run), as text.
@@ -106,7 +153,11 @@ impl Finetune {
         let te_train::Backend::Gpu(dev) = trainer.backend() else {
             return Err("--model fine-tunes on a GPU".into());
         };
-        let mut m = DecoderLm::from_weights(dev, &self.loaded.weights, DType::BF16).map_err(|e| e.to_string())?;
+        let mut m = match &self.weights {
+            Some(w) => DecoderLm::from_weights(dev, w, DType::BF16),
+            None => DecoderLm::new(dev, self.config.clone(), DType::BF16),
+        }
+        .map_err(|e| e.to_string())?;
         m.set_fp8_lm_head(self.fp8_lm_head);
         Ok(m)
     }
@@ -142,13 +193,16 @@ impl Finetune {
             let export = |e: te_models::decoder::DecoderError| TrainError::Unsupported {
                 message: format!("saving the fine-tuned model to {}: {e}", dir.display()),
             };
-            // The tuned weights in the loaded model's place for the export (its tokenizer and
-            // source files go with them), the pretrained ones back for the next run.
+            // The tuned weights with the model's tokenizer and source files, the tokenizer back
+            // for the next run.
             let tuned = model.to_weights().map_err(export)?;
-            let pretrained = std::mem::replace(&mut self.loaded.weights, tuned);
+            let Some(tokenizer) = self.tokenizer.take() else {
+                return Err(TrainError::Unsupported { message: "the tokenizer is held by an export".into() });
+            };
+            let loaded = LoadedModel { weights: tuned, tokenizer, source: self.source.clone() };
             let opts = ExportOptions { overwrite: true, ..ExportOptions::new(DType::BF16) };
-            let saved = self.loaded.save_hf_dir_with(&dir, &opts);
-            self.loaded.weights = pretrained;
+            let saved = loaded.save_hf_dir_with(&dir, &opts);
+            self.tokenizer = Some(loaded.tokenizer);
             saved.map_err(export)?;
         }
         Ok(run)

@@ -290,6 +290,11 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         };
     }
     let dist = DistEnv::from_env().map_err(|e| e.to_string())?.filter(|e| e.world_size > 1);
+    if a.model.is_none() && a.init == te::train::Init::Random {
+        return Err("--init random goes with --model PATH (the configuration and tokenizer of the decoder to train \
+                    from scratch)"
+            .into());
+    }
     // --model: fine-tuning a pretrained decoder, with its own defaults.
     let mut finetune = match &a.model {
         Some(_) if a.cpu || !gpu => return Err("--model fine-tunes on a GPU, and none is used here".into()),
@@ -359,10 +364,12 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     // Rank 0 reports and writes the results; every rank trains.
     let rank0 = dist.as_ref().is_none_or(|e| e.rank == 0);
     std::fs::create_dir_all(&a.out).map_err(|e| format!("cannot create {}: {e}", a.out.display()))?;
-    // A fine-tuning run's checkpoints name the pretrained model (te generate --checkpoint reads it).
-    let model_source = match &a.model {
-        Some(p) => Some(p.canonicalize().map_err(|e| format!("--model {}: {e}", p.display()))?),
-        None => None,
+    // A fine-tuning run's checkpoints name the pretrained model (te generate --checkpoint reads it);
+    // a run from scratch has none (its checkpoints hold every weight; its exported directories
+    // OUT/hf-<precision> are the models to sample).
+    let model_source = match (&a.model, finetune.as_ref().is_some_and(Finetune::from_scratch)) {
+        (Some(p), false) => Some(p.canonicalize().map_err(|e| format!("--model {}: {e}", p.display()))?),
+        _ => None,
     };
     let ckpt = CheckpointOptions {
         dir: (!a.no_checkpoint).then(|| a.out.join("checkpoints")),
@@ -404,14 +411,16 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         let before = f.pretrained_loss(&trainer, &split)?;
         if rank0 {
             println!(
-                "{where_}; {preset}: {} parameters; train {} tokens, validation {} tokens ({} steps × {} × {} \
-                 tokens); pretrained validation loss {before:.4} (perplexity {:.2})",
-                f.loaded.weights.config().num_parameters(),
+                "{where_}; {preset}: {} parameters{}; train {} tokens, validation {} tokens ({} steps × {} × {} \
+                 tokens); {} validation loss {before:.4} (perplexity {:.2})",
+                f.config.num_parameters(),
+                if f.from_scratch() { ", from scratch (--init random)" } else { "" },
                 split.train.num_tokens(),
                 split.val.num_tokens(),
                 cfg.steps,
                 cfg.batch * cfg.grad_accum,
                 f.seq,
+                if f.from_scratch() { "initial" } else { "pretrained" },
                 before.exp()
             );
         }

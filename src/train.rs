@@ -62,6 +62,11 @@ pub struct TrainArgs {
     /// --lr 2e-5. GPU only; checkpoints and --resume as for the GPT presets.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// With --model: `pretrained` (its weights) or `random` (train from scratch: only the
+    /// model's configuration and tokenizer are read, `config.json` and `tokenizer.json` of a
+    /// directory or a `.gguf` file's metadata; the layers start from TE's initialization).
+    #[arg(long, value_enum, default_value_t = Init::Pretrained)]
+    pub init: Init,
     /// With --model: `blocks` (windows of --seq-length tokens across documents, EOS between
     /// them) or `thd` (TE's packed format: rows of whole documents with cu_seqlens, each
     /// attending within itself, positions from 0).
@@ -157,6 +162,16 @@ pub struct TrainArgs {
     /// Several GPUs: one process each (torchrun's options).
     #[command(flatten)]
     pub launch: LaunchArgs,
+}
+
+/// Where `te train --model` starts its weights (`--init`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Init {
+    /// The model's pretrained weights.
+    #[default]
+    Pretrained,
+    /// TE's initialization of the model's configuration (training from scratch).
+    Random,
 }
 
 /// The preset `preset` names on this machine (`auto`: small with a GPU, tiny without) and its

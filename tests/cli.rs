@@ -418,6 +418,11 @@ fn train_refuses_what_it_cannot_run() {
         let o = run(&["--preset", "large"]);
         assert!(!o.status.success() && text(&o).contains("needs a CUDA GPU"), "{}", text(&o));
     }
+    // Training a decoder from scratch needs its configuration and tokenizer (--model).
+    let o = run(&["--cpu", "--init", "random"]);
+    assert!(!o.status.success() && text(&o).contains("--init random goes with --model PATH"), "{}", text(&o));
+    let o = run(&["--init", "zeros"]);
+    assert!(o.status.code() == Some(2) && text(&o).contains("[possible values: pretrained, random]"), "{}", text(&o));
     // Data parallelism: one process a GPU; the CPU path runs one, and bad launch options say why.
     let o = run(&["--cpu", "--nproc-per-node", "2"]);
     assert!(!o.status.success() && text(&o).contains("one process a GPU"), "{}", text(&o));

@@ -8,7 +8,7 @@ use super::{te, text};
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use te_models::cpu::decoder::{DecodeOptions, DecoderPrecision, DecoderRef};
-use te_models::decoder::load_model;
+use te_models::decoder::{load_config, load_model};
 use te_models::tokenizer::Tokenizer;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -324,4 +324,45 @@ fn generate_model_runs_gemma3_270m_gguf() {
         out.starts_with("The capital of France is") && out["The capital of France is".len()..].contains("France"),
         "{out}"
     );
+}
+
+/// What `te train --model DIR --init random` reads: a directory's `config.json` and
+/// `tokenizer.json` without weights (the configuration `load_model` reads from the same files),
+/// refused when the tokenizer has more tokens than the embedding rows or the path is missing.
+#[test]
+fn a_configuration_and_tokenizer_load_without_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("llama").join("config.json"), dir.path().join("config.json")).unwrap();
+    write_tokenizer(dir.path());
+    let (cfg, tokenizer, _) = load_config(dir.path()).unwrap();
+    let full = llama_dir();
+    assert_eq!(&cfg, load_model(full.path()).unwrap().weights.config(), "the same configuration");
+    assert_eq!(tokenizer.vocab_size(), 268);
+    // The tokenizer's 268 tokens against an embedding of 200 rows.
+    let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["vocab_size"] = 200.into();
+    std::fs::write(dir.path().join("config.json"), json.to_string()).unwrap();
+    let e = load_config(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("the tokenizer has 268 tokens and the model's embedding 200 rows"), "{e}");
+    let e = load_config(&dir.path().join("none")).unwrap_err().to_string();
+    assert!(e.contains("none"), "{e}");
+    // `te train --model DIR --init random` takes such a directory (no weights), `--init
+    // pretrained` (the default) needs them.
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        train: te::train::TrainArgs,
+    }
+    let args = |init: &str| {
+        let d = full.path().to_str().unwrap().to_owned();
+        <Cli as clap::Parser>::try_parse_from(["te-train", "--model", &d, "--init", init]).unwrap().train
+    };
+    std::fs::remove_file(full.path().join("model.safetensors")).unwrap();
+    let scratch = te::finetune::Finetune::load(full.path(), &args("random")).unwrap();
+    assert!(scratch.from_scratch() && scratch.weights.is_none());
+    assert_eq!(scratch.config, cfg);
+    assert_eq!(scratch.report_config().vocab_size, cfg.vocab_size);
+    let e = te::finetune::Finetune::load(full.path(), &args("pretrained")).err().unwrap();
+    assert!(e.contains("--model") && e.contains("safetensors"), "{e}");
 }

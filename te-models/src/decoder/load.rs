@@ -1,8 +1,8 @@
 //! A decoder LLM and its tokenizer from what users have on disk: a GGUF file (llama.cpp,
 //! Ollama) or a Hugging Face model directory (`config.json`, `*.safetensors`,
-//! `tokenizer.json`) — [`load_model`].
+//! `tokenizer.json`) — [`load_model`]; its configuration and tokenizer alone — [`load_config`].
 
-use super::{DecoderError, DecoderResult, DecoderWeights};
+use super::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights};
 use crate::gguf::GgufFile;
 use crate::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
@@ -52,6 +52,45 @@ pub fn load_tokenizer(path: &Path) -> DecoderResult<Tokenizer> {
     }
 }
 
+/// The configuration and tokenizer of the decoder at `path` without its weights (what training
+/// one from scratch needs: `te train --model DIR --init random`): a Hugging Face directory's
+/// `config.json` and `tokenizer.json` (no `*.safetensors` is read, none need be there), or a
+/// `.gguf` file's metadata (its tensors are not read). The tokenizer's vocabulary must fit the
+/// model's.
+///
+/// # Errors
+/// As [`load_model`], without the weights' errors.
+pub fn load_config(path: &Path) -> DecoderResult<(DecoderConfig, Tokenizer, ModelSource)> {
+    let (cfg, tokenizer, source) = if path.is_dir() {
+        let cfg = DecoderConfig::from_hf_config(&path.join("config.json"))?;
+        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        (cfg, tokenizer, ModelSource::HuggingFace { dir: path.to_path_buf() })
+    } else if path.is_file() {
+        let file = GgufFile::open(path)?;
+        let cfg = DecoderConfig::from_gguf(&file)?;
+        let tokenizer = Tokenizer::from_gguf(file.metadata())?;
+        (cfg, tokenizer, ModelSource::Gguf { path: path.to_path_buf(), types: Vec::new() })
+    } else {
+        return Err(DecoderError::MissingFile { path: path.to_path_buf() });
+    };
+    check_vocab(&tokenizer, cfg.vocab_size)?;
+    Ok((cfg, tokenizer, source))
+}
+
+/// Fails when the tokenizer has more tokens than the model's embedding has rows.
+fn check_vocab(tokenizer: &Tokenizer, vocab: usize) -> DecoderResult<()> {
+    if tokenizer.vocab_size() > vocab {
+        return Err(DecoderError::config(
+            "vocab_size",
+            format!(
+                "the tokenizer has {} tokens and the model's embedding {vocab} rows: they are not of the same model",
+                tokenizer.vocab_size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Loads the decoder at `path`: a `.gguf` file ([`DecoderWeights::from_gguf`],
 /// [`Tokenizer::from_gguf`]) or a Hugging Face directory ([`DecoderWeights::from_hf_dir`],
 /// [`Tokenizer::from_hf_dir`]). The tokenizer's vocabulary must cover the model's.
@@ -76,15 +115,6 @@ pub fn load_model(path: &Path) -> DecoderResult<LoadedModel> {
     } else {
         return Err(DecoderError::MissingFile { path: path.to_path_buf() });
     };
-    let vocab = weights.config().vocab_size;
-    if tokenizer.vocab_size() > vocab {
-        return Err(DecoderError::config(
-            "vocab_size",
-            format!(
-                "the tokenizer has {} tokens and the model's embedding {vocab} rows: they are not of the same model",
-                tokenizer.vocab_size()
-            ),
-        ));
-    }
+    check_vocab(&tokenizer, weights.config().vocab_size)?;
     Ok(LoadedModel { weights, tokenizer, source })
 }

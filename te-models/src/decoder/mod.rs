@@ -115,7 +115,7 @@ pub use export::{ExportOptions, ExportReport, DEFAULT_MAX_SHARD_BYTES};
 pub use gpu::{Decoder, DecoderCache, GpuPrecision, DEFAULT_PREFILL_CHUNK};
 pub use hf_config::HfArchitecture;
 pub use lm::{CausalLm, DecodeOptions, Perplexity};
-pub use load::{load_model, load_tokenizer, LoadedModel, ModelSource};
+pub use load::{load_config, load_model, load_tokenizer, LoadedModel, ModelSource};
 pub use names::{hf_layout, ParamSource};
 pub use rope::{RopeConfig, RopeScaling};
 pub use weights::{DecoderWeights, WeightReport, WeightTensor};
