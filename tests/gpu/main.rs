@@ -16,6 +16,7 @@ mod block_quantize;
 mod cast;
 mod cast_transpose;
 mod checkpoint;
+mod context_parallel;
 mod copy;
 mod decode_attention;
 mod decode_attention_fp8;

@@ -19,14 +19,18 @@
 //!   side stream, overlapped with the backward; parameters broadcast from rank 0 (it walks the
 //!   modules' parameters, so it is the one part above them).
 //!
+//! - **Context parallelism** ([`ContextParallel`]): every sequence split over the ranks of the
+//!   context axis in load-balanced chunks, attention over the all-gathered keys and values
+//!   (TE's `cp_comm_type="all_gather"`), their gradients reduce-scattered back.
+//!
 //! The collectives are `te_runtime::dist`'s; the amax reduction of FP8 scaling is the autocast
-//! scope's ([`crate::fp8::Fp8Autocast::with_group`]). Context parallelism, expert parallelism
-//! and ZeRO come next on the same mesh: their axes and group arithmetic are here already
-//! ([`MeshAxis::Context`], [`MeshAxis::Expert`], [`MeshAxis::Zero`]); context parallelism will be
-//! a hook beside [`SequenceParallel`] the attention calls, expert parallelism the token dispatch
-//! of `MoeMLP` over the expert axis, ZeRO the optimizer state sharded over the ZeRO axis.
+//! scope's ([`crate::fp8::Fp8Autocast::with_group`]). Expert parallelism and ZeRO come next on
+//! the same mesh: their axes and group arithmetic are here already ([`MeshAxis::Expert`],
+//! [`MeshAxis::Zero`]); expert parallelism the token dispatch of `MoeMLP` over the expert axis,
+//! ZeRO the optimizer state sharded over the ZeRO axis.
 
 mod collectives;
+mod context_parallel;
 mod data_parallel;
 mod device_mesh;
 mod gemm;
@@ -37,6 +41,7 @@ mod sequence;
 pub mod shard;
 pub mod tensor_parallel;
 
+pub use context_parallel::{ContextParallel, CpAttentionCtx};
 pub use data_parallel::DataParallel;
 pub use device_mesh::DeviceMesh;
 pub use gemm::GemmParallel;

@@ -1,0 +1,449 @@
+//! Context parallelism (TE's `cp_group` with `cp_comm_type="all_gather"`, Megatron-LM's
+//! `--context-parallel-size`): every sequence of a batch split over the ranks of a context-parallel
+//! group along its tokens, so that each rank holds `S / cp` tokens of every layer's activations
+//! and only attention needs the other ranks' tokens.
+//!
+//! **Load balancing.** A causal sequence of `S` tokens is cut into `2·cp` chunks of `c = S /
+//! (2·cp)` tokens; rank `r` holds chunks `r` and `2·cp − 1 − r` (TE's and Megatron-LM's layout),
+//! so every rank attends over the same number of (query, key) pairs: chunk `r` sees `(r + 1)·c`
+//! keys, chunk `2·cp − 1 − r` sees `(2·cp − r)·c`, together `(2·cp + 1)·c` on every rank.
+//! [`ContextParallel::chunks`] gives the token ranges, [`ContextParallel::positions`] their
+//! global positions (RoPE must rotate by those), [`ContextParallel::shard`] cuts a whole
+//! `[S, ...]` tensor into a rank's `[2c, ...]` part, [`ContextParallel::unshard`] puts the parts
+//! back together.
+//!
+//! **Attention** ([`ContextParallel::attention_forward`], TE's `AttnFuncWithCPAndKVAllGather`):
+//! the ranks' keys and values are all-gathered and put in global order, then each of the rank's
+//! two query chunks attends over the keys up to its own end with a causal mask aligned
+//! bottom-right (query `i` of a chunk of `c` over `n` keys sees keys `j <= i + n − c`: its global
+//! position), one fused attention call each; the output is the two chunks' outputs stacked. The
+//! backward ([`ContextParallel::attention_backward`]) runs the two calls' backwards, adds their
+//! key and value gradients over the global sequence and reduce-scatters them (sum) back to the
+//! ranks that hold those tokens. The ranks' results are the one-GPU attention's over the whole
+//! sequence, up to the order of the BF16 sums of `dK` and `dV` (GPU tests
+//! `context_parallel::*`).
+//!
+//! Built here: sequence-first layouts (`sbhd`), causal (aligned bottom-right, which is TE's
+//! top-left causal mask where queries and keys are equally many) or no mask, sliding windows,
+//! GQA. Not yet: the ring (p2p) exchange that overlaps the key/value traffic with the attention,
+//! FP8 attention, padding masks and `thd`.
+
+use crate::modules::{AttentionCtx, AttnMaskType, DotProductAttention, QkvFormat};
+use std::ops::Range;
+use std::sync::Arc;
+use te_runtime::dist::{ProcessGroup, ReduceOp};
+use te_runtime::ops::elementwise::add_assign;
+use te_runtime::{Device, Error, Result, Tensor};
+
+const MODULE: &str = "ContextParallel";
+
+/// The context-parallel group and the sequence split over it (see the module docs).
+#[derive(Debug, Clone)]
+pub struct ContextParallel {
+    /// The context-parallel ranks, on the device's stream.
+    group: Arc<ProcessGroup>,
+}
+
+/// What [`ContextParallel::attention_forward`] keeps for the backward: the contexts of its two
+/// attention calls and the sizes of the problem.
+#[derive(Debug)]
+pub struct CpAttentionCtx {
+    /// The calls of the rank's first and second query chunks.
+    calls: [AttentionCtx; 2],
+    /// Tokens a chunk (`c`).
+    chunk: usize,
+    /// The shape of the rank's k (and v's leading dims): `[2c, b, g, d]`.
+    kv_shape: Vec<usize>,
+    /// The shape of the rank's v.
+    v_shape: Vec<usize>,
+}
+
+impl ContextParallel {
+    /// Context parallelism over `group` (on the device's stream; every rank of a group holds
+    /// parts of the same sequences).
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a group on a side stream (the attention's collectives are
+    /// ordered with its kernels on the device's stream).
+    pub fn new(group: Arc<ProcessGroup>) -> Result<Self> {
+        if group.is_side_stream() {
+            return Err(Error::Argument {
+                op: MODULE,
+                message: "the group runs its collectives on a side stream: pass a group on the device's stream".into(),
+            });
+        }
+        Ok(Self { group })
+    }
+
+    /// The context-parallel group.
+    pub fn group(&self) -> &Arc<ProcessGroup> {
+        &self.group
+    }
+
+    /// Ranks the sequences are split over (`cp`).
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank, `0..cp`.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Tokens a chunk for sequences of `seq` tokens: `seq / (2·cp)`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `seq` is 0 or not a multiple of `2·cp` (pad the sequences, as
+    /// Megatron-LM requires).
+    pub fn chunk_len(&self, seq: usize) -> Result<usize> {
+        chunk_len(seq, self.size())
+    }
+
+    /// The token ranges of a sequence of `seq` tokens this rank holds, in the order it holds
+    /// them: chunk `r` and chunk `2·cp − 1 − r`.
+    ///
+    /// # Errors
+    /// As [`ContextParallel::chunk_len`].
+    pub fn chunks(&self, seq: usize) -> Result<[Range<usize>; 2]> {
+        chunks(seq, self.size(), self.rank())
+    }
+
+    /// The global positions of this rank's `2c` tokens of a sequence of `seq` (what RoPE
+    /// rotates by): its chunks' ranges one after the other.
+    ///
+    /// # Errors
+    /// As [`ContextParallel::chunk_len`].
+    pub fn positions(&self, seq: usize) -> Result<Vec<usize>> {
+        Ok(self.chunks(seq)?.into_iter().flatten().collect())
+    }
+
+    /// This rank's part `[2c, ...]` of a whole sequence-first tensor `x: [S, ...]` (copied): its
+    /// two chunks stacked.
+    ///
+    /// # Errors
+    /// As [`ContextParallel::chunk_len`] for `S`; allocation and copy failures.
+    pub fn shard(&self, dev: &Device, x: &Tensor) -> Result<Tensor> {
+        let seq = x.shape().first().copied().unwrap_or(0);
+        let [a, b] = self.chunks(seq)?;
+        let parts = [x.narrow(dev, a)?, x.narrow(dev, b)?];
+        stack(dev, &parts, &local_shape(x.shape(), seq / self.size()))
+    }
+
+    /// The whole `[S, ...]` tensor from every rank's part `x: [2c, ...]` (an all-gather, then
+    /// the chunks put in global order); the inverse of [`ContextParallel::shard`].
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a first dim that is not even; NCCL, allocation and copy failures.
+    pub fn unshard(&self, dev: &Device, x: &Tensor) -> Result<Tensor> {
+        let local = x.shape().first().copied().unwrap_or(0);
+        if local == 0 || local % 2 != 0 {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("a rank's part {:?} must hold two chunks of equal length", x.shape()),
+            });
+        }
+        let mut gathered = Tensor::empty(dev, x.dtype(), &scaled_first(x.shape(), self.size()))?;
+        self.group.all_gather(x, &mut gathered)?;
+        self.group.wait()?;
+        reorder(dev, &gathered, self.size(), local / 2, Order::RanksToGlobal)
+    }
+
+    /// Causal (or unmasked) attention of this rank's queries over every rank's keys and values:
+    /// `q: [2c, b, h, d]`, `k: [2c, b, g, d]`, `v: [2c, b, g, dv]` (sbhd; this rank's two chunks,
+    /// [`ContextParallel::shard`]'s layout) through `attn`, whose configuration gives the heads,
+    /// scale, window and mask. Returns the output `[2c, b, h · dv]` (this rank's rows of the
+    /// whole sequence's attention output) and the context for
+    /// [`ContextParallel::attention_backward`]. Every rank of the group calls it with its part
+    /// of the same sequences.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a layout other than `sbhd`, a mask other than
+    /// [`AttnMaskType::CausalBottomRight`] or [`AttnMaskType::NoMask`] (a top-left causal mask
+    /// would mask a chunk's queries against its own position instead of the global one: use
+    /// `CausalBottomRight`, the same mask where queries and keys are equally many), or an FP8
+    /// attention (`fp8_dpa`; not built with context parallelism); [`Error::Shape`] for parts of
+    /// an odd or mismatched length; the attention's, NCCL, allocation and copy errors.
+    pub fn attention_forward(
+        &self,
+        attn: &mut DotProductAttention,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, CpAttentionCtx)> {
+        let dev = self.group.device().clone();
+        let cfg = attn.config();
+        if cfg.qkv_format != QkvFormat::Sbhd {
+            return Err(Error::Config {
+                module: MODULE,
+                message: format!(
+                    "context parallelism splits the first dim: use qkv_format sbhd, not {:?}",
+                    cfg.qkv_format
+                ),
+            });
+        }
+        let causal = match cfg.attn_mask_type {
+            AttnMaskType::CausalBottomRight => true,
+            AttnMaskType::NoMask => false,
+            other => {
+                return Err(Error::Config {
+                    module: MODULE,
+                    message: format!(
+                        "attn_mask_type {other:?}: context parallelism takes causal_bottom_right (the causal mask at \
+                         each chunk's global position; the same as causal where queries and keys are equally many) \
+                         or no_mask"
+                    ),
+                })
+            }
+        };
+        let local = q.shape().first().copied().unwrap_or(0);
+        if local == 0 || local % 2 != 0 || k.shape().first() != Some(&local) || v.shape().first() != Some(&local) {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!(
+                    "q {:?}, k {:?}, v {:?}: a rank's parts hold two chunks of equal length, the same for all three",
+                    q.shape(),
+                    k.shape(),
+                    v.shape()
+                ),
+            });
+        }
+        let (cp, r, c) = (self.size(), self.rank(), local / 2);
+        let [k_all, v_all] = [k, v].map(|t| self.gather_global(&dev, t, c));
+        let (k_all, v_all) = (k_all?, v_all?);
+        let seq = 2 * cp * c;
+        // Chunk r over keys 0..(r + 1)c, chunk 2cp − 1 − r over 0..(2cp − r)c; without a mask
+        // both see the whole sequence.
+        let ends = if causal { [(r + 1) * c, (2 * cp - r) * c] } else { [seq, seq] };
+        let mut outs = Vec::with_capacity(2);
+        let mut calls = Vec::with_capacity(2);
+        for (half, end) in ends.into_iter().enumerate() {
+            let q_half = q.narrow(&dev, half * c..(half + 1) * c)?;
+            let (k_pre, v_pre) = (k_all.narrow(&dev, 0..end)?, v_all.narrow(&dev, 0..end)?);
+            let (out, ctx) = attn.forward(&q_half, &k_pre, &v_pre, None)?;
+            if ctx.fp8() {
+                return Err(Error::Config {
+                    module: MODULE,
+                    message: "FP8 attention (fp8_dpa) with context parallelism is not built: run attention in BF16 \
+                              (fp8_dpa off)"
+                        .into(),
+                });
+            }
+            outs.push(out);
+            calls.push(ctx);
+        }
+        let out_shape = local_shape(outs[0].shape(), c);
+        let out = stack(&dev, &outs, &out_shape)?;
+        let [a, b]: [AttentionCtx; 2] =
+            calls.try_into().map_err(|_| Error::internal(MODULE, "two attention calls, two contexts"))?;
+        let ctx = CpAttentionCtx { calls: [a, b], chunk: c, kv_shape: k.shape().to_vec(), v_shape: v.shape().to_vec() };
+        Ok((out, ctx))
+    }
+
+    /// The backward of [`ContextParallel::attention_forward`] for `d_out: [2c, b, h · dv]`
+    /// (this rank's rows of the output's gradient): `(dq, dk, dv)` in the shapes of this rank's
+    /// q, k and v. The key and value gradients of all ranks' queries are summed over the group
+    /// (a reduce-scatter), so every rank calls it.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a `d_out` of another length; the attention's, NCCL, allocation and
+    /// copy errors.
+    pub fn attention_backward(
+        &self,
+        attn: &mut DotProductAttention,
+        ctx: CpAttentionCtx,
+        d_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dev = self.group.device().clone();
+        let CpAttentionCtx { calls, chunk: c, kv_shape, v_shape } = ctx;
+        if d_out.shape().first() != Some(&(2 * c)) {
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("d_out {:?} must hold the rank's {} tokens", d_out.shape(), 2 * c),
+            });
+        }
+        let seq = 2 * self.size() * c;
+        let mut dqs = Vec::with_capacity(2);
+        let mut dk_all: Option<Tensor> = None;
+        let mut dv_all: Option<Tensor> = None;
+        // The second chunk's keys reach at least as far as the first's: its gradient starts the
+        // sums, the first's is added over its prefix.
+        for (half, call) in calls.into_iter().enumerate().rev() {
+            let d_half = d_out.narrow(&dev, half * c..(half + 1) * c)?;
+            let (dq, dk, dv) = attn.backward(call, &d_half)?;
+            dqs.push((half, dq));
+            for (sum, part) in [(&mut dk_all, dk), (&mut dv_all, dv)] {
+                let whole = pad_rows(&dev, &part, seq)?;
+                match sum {
+                    Some(s) => add_assign(&dev, s, &whole)?,
+                    None => *sum = Some(whole),
+                }
+            }
+        }
+        dqs.sort_by_key(|(half, _)| *half);
+        let dqs: Vec<Tensor> = dqs.into_iter().map(|(_, t)| t).collect();
+        let dq = stack(&dev, &dqs, &local_shape(dqs[0].shape(), c))?;
+        let missing = || Error::internal(MODULE, "no key or value gradient summed");
+        let dk = self.scatter_local(&dev, &dk_all.ok_or_else(missing)?, c, &kv_shape)?;
+        let dv = self.scatter_local(&dev, &dv_all.ok_or_else(missing)?, c, &v_shape)?;
+        Ok((dq, dk, dv))
+    }
+
+    /// Every rank's `x: [2c, ...]` gathered and put in global order: `[S, ...]`.
+    fn gather_global(&self, dev: &Device, x: &Tensor, c: usize) -> Result<Tensor> {
+        let mut gathered = Tensor::empty(dev, x.dtype(), &scaled_first(x.shape(), self.size()))?;
+        self.group.all_gather(x, &mut gathered)?;
+        self.group.wait()?;
+        reorder(dev, &gathered, self.size(), c, Order::RanksToGlobal)
+    }
+
+    /// The sum over the group of every rank's `x: [S, ...]` (global order), this rank's two
+    /// chunks of it: `[2c, ...]` in `shape`.
+    fn scatter_local(&self, dev: &Device, x: &Tensor, c: usize, shape: &[usize]) -> Result<Tensor> {
+        let by_rank = reorder(dev, x, self.size(), c, Order::GlobalToRanks)?;
+        let mut out = Tensor::empty(dev, x.dtype(), shape)?;
+        self.group.reduce_scatter(&by_rank, &mut out, ReduceOp::Sum)?;
+        self.group.wait()?;
+        Ok(out)
+    }
+}
+
+/// Which way [`reorder`] permutes the chunks.
+#[derive(Debug, Clone, Copy)]
+enum Order {
+    /// From rank order (rank `r`'s chunks `r`, `2cp − 1 − r` at `2r`, `2r + 1`) to global order.
+    RanksToGlobal,
+    /// From global order to rank order.
+    GlobalToRanks,
+}
+
+/// The global chunk held in slot `slot` of rank order (`2r + half`).
+fn global_chunk(slot: usize, cp: usize) -> usize {
+    let (r, half) = (slot / 2, slot % 2);
+    if half == 0 {
+        r
+    } else {
+        2 * cp - 1 - r
+    }
+}
+
+/// `x: [2·cp·c, ...]` with its `2·cp` chunks of `c` rows permuted as `order` says.
+fn reorder(dev: &Device, x: &Tensor, cp: usize, c: usize, order: Order) -> Result<Tensor> {
+    let per_row: usize = x.shape()[1..].iter().product();
+    let parts = x.reshape(&[x.numel(), 1])?.split_rows(dev, &vec![c * per_row; 2 * cp])?;
+    let mut slots: Vec<Option<Tensor>> = vec![None; 2 * cp];
+    for (slot, part) in parts.into_iter().enumerate() {
+        let to = match order {
+            Order::RanksToGlobal => global_chunk(slot, cp),
+            Order::GlobalToRanks => (0..2 * cp).find(|&s| global_chunk(s, cp) == slot).unwrap_or(slot),
+        };
+        slots[to] = Some(part);
+    }
+    let parts: Vec<Tensor> =
+        slots.into_iter().collect::<Option<_>>().ok_or_else(|| Error::internal(MODULE, "a chunk left no slot"))?;
+    stack(dev, &parts, x.shape())
+}
+
+/// `parts` stacked along their first dim, viewed as `shape`.
+fn stack(dev: &Device, parts: &[Tensor], shape: &[usize]) -> Result<Tensor> {
+    let flat: Vec<Tensor> = parts.iter().map(|p| p.reshape(&[p.numel(), 1])).collect::<Result<_>>()?;
+    Tensor::cat_rows(dev, &flat)?.reshape(shape)
+}
+
+/// `x: [n, ...]` followed by zero rows up to `[rows, ...]`.
+fn pad_rows(dev: &Device, x: &Tensor, rows: usize) -> Result<Tensor> {
+    let n = x.shape().first().copied().unwrap_or(0);
+    let shape = with_first(x.shape(), rows);
+    if n == rows {
+        return Ok(x.clone());
+    }
+    let zeros = Tensor::zeros(dev, x.dtype(), &with_first(x.shape(), rows - n))?;
+    stack(dev, &[x.clone(), zeros], &shape)
+}
+
+/// `shape` with its first dim set to `first`.
+fn with_first(shape: &[usize], first: usize) -> Vec<usize> {
+    let mut out = shape.to_vec();
+    if let Some(d0) = out.first_mut() {
+        *d0 = first;
+    }
+    out
+}
+
+/// `shape` with its first dim times `n`.
+fn scaled_first(shape: &[usize], n: usize) -> Vec<usize> {
+    with_first(shape, shape.first().copied().unwrap_or(0) * n)
+}
+
+/// A rank's `[2c, ...]` shape from a chunk's `[c, ...]` (or anything with the trailing dims).
+fn local_shape(shape: &[usize], c: usize) -> Vec<usize> {
+    with_first(shape, 2 * c)
+}
+
+/// `seq / (2·cp)`, see [`ContextParallel::chunk_len`].
+fn chunk_len(seq: usize, cp: usize) -> Result<usize> {
+    if seq == 0 || cp == 0 || seq % (2 * cp) != 0 {
+        return Err(Error::Shape {
+            op: MODULE,
+            message: format!(
+                "sequences of {seq} tokens over {cp} context-parallel ranks: the length must be a positive multiple \
+                 of 2 · cp = {} (each rank holds two chunks); pad the sequences",
+                2 * cp
+            ),
+        });
+    }
+    Ok(seq / (2 * cp))
+}
+
+/// Rank `r`'s chunks of a sequence of `seq` tokens over `cp` ranks.
+fn chunks(seq: usize, cp: usize, r: usize) -> Result<[Range<usize>; 2]> {
+    let c = chunk_len(seq, cp)?;
+    let second = 2 * cp - 1 - r;
+    Ok([r * c..(r + 1) * c, second * c..(second + 1) * c])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_balance_the_causal_work_over_the_ranks() {
+        // cp = 2, 8 tokens: chunks of 2; rank 0 holds 0..2 and 6..8, rank 1 2..4 and 4..6.
+        assert_eq!(chunks(8, 2, 0).unwrap(), [0..2, 6..8]);
+        assert_eq!(chunks(8, 2, 1).unwrap(), [2..4, 4..6]);
+        for cp in 1..=8 {
+            let seq = 2 * cp * 3;
+            let mut seen = vec![0; seq];
+            let mut pairs = Vec::new();
+            for r in 0..cp {
+                let [a, b] = chunks(seq, cp, r).unwrap();
+                // Causal (query, key) pairs of the rank's queries: query t sees t + 1 keys.
+                pairs.push(a.clone().chain(b.clone()).map(|t| t + 1).sum::<usize>());
+                for t in a.chain(b) {
+                    seen[t] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "cp {cp}: every token on exactly one rank");
+            assert!(pairs.windows(2).all(|w| w[0] == w[1]), "cp {cp}: equal work {pairs:?}");
+        }
+    }
+
+    #[test]
+    fn rank_order_and_global_order_are_inverse_permutations() {
+        for cp in 1..=8 {
+            let mut global: Vec<usize> = (0..2 * cp).map(|s| global_chunk(s, cp)).collect();
+            global.sort_unstable();
+            assert_eq!(global, (0..2 * cp).collect::<Vec<_>>(), "cp {cp}: a permutation");
+        }
+        // cp = 2: slots (r0 first, r0 second, r1 first, r1 second) hold chunks 0, 3, 1, 2.
+        assert_eq!((0..4).map(|s| global_chunk(s, 2)).collect::<Vec<_>>(), [0, 3, 1, 2]);
+    }
+
+    #[test]
+    fn lengths_that_do_not_split_into_two_chunks_a_rank_are_refused() {
+        for (seq, cp) in [(0, 2), (6, 2), (7, 1), (10, 4)] {
+            let err = chunk_len(seq, cp).unwrap_err().to_string();
+            assert!(err.contains("multiple of 2 · cp"), "{seq}/{cp}: {err}");
+        }
+        assert_eq!(chunk_len(8192, 4).unwrap(), 1024);
+    }
+}

@@ -1,0 +1,126 @@
+//! Context parallelism (`te_nn::parallel::ContextParallel`, the CP issue): the attention of a
+//! sequence split over 2 (and, `#[ignore]`d, 4) ranks in load-balanced chunks against the fused
+//! attention of the whole sequence in one process, on the same seeded inputs: each rank's rows
+//! of the output and of `dq`, `dk`, `dv`. Causal (GQA, a chunk of 37 tokens: no tile multiple),
+//! causal with a sliding window, and no mask. Plus the typed refusals, on one GPU.
+//!
+//! The ranks run as in [`crate::multi_gpu`]; skip with fewer GPUs or without NCCL.
+
+use crate::common::{device, randn};
+use crate::multi_gpu::{on_ranks, rel_err, Layout};
+use std::sync::Arc;
+use te_nn::modules::{AttnMaskType, DotProductAttention, DotProductAttentionConfig, QkvFormat};
+use te_nn::parallel::ContextParallel;
+use te_runtime::dist::ProcessGroup;
+use te_runtime::{DType, Device, Tensor};
+
+/// Tokens a chunk (each rank holds two), sequences, query heads, KV heads, head dim.
+const C: usize = 37;
+const B: usize = 2;
+const H: usize = 4;
+const G: usize = 2;
+const D: usize = 128;
+
+fn module(dev: &Arc<Device>, mask: AttnMaskType, window: Option<(i64, i64)>) -> DotProductAttention {
+    let cfg = DotProductAttentionConfig {
+        num_gqa_groups: Some(G),
+        attn_mask_type: mask,
+        window_size: window,
+        ..DotProductAttentionConfig::new(H, D)
+    };
+    DotProductAttention::new(dev, cfg).unwrap()
+}
+
+fn tensor(dev: &Device, seed: u64, shape: &[usize]) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::from_f32(dev, DType::BF16, shape, &randn(seed, n, 1.0)).unwrap()
+}
+
+/// One rank's check: the whole sequence's attention here against the context-parallel one over
+/// `pg`, for the reference mask `mask` (`Causal` is run as `CausalBottomRight` on the ranks).
+fn check(dev: &Arc<Device>, pg: &Arc<ProcessGroup>, mask: AttnMaskType, window: Option<(i64, i64)>) {
+    let cp = ContextParallel::new(pg.clone()).unwrap();
+    let s = 2 * cp.size() * C;
+    let q = tensor(dev, 1, &[s, B, H, D]);
+    let k = tensor(dev, 2, &[s, B, G, D]);
+    let v = tensor(dev, 3, &[s, B, G, D]);
+    let d_out = tensor(dev, 4, &[s, B, H * D]);
+    let mut whole = module(dev, mask, window);
+    let (out, ctx) = whole.forward(&q, &k, &v, None).unwrap();
+    let (dq, dk, dv) = whole.backward(ctx, &d_out).unwrap();
+
+    let cp_mask = if mask == AttnMaskType::Causal { AttnMaskType::CausalBottomRight } else { mask };
+    let mut attn = module(dev, cp_mask, window);
+    let [ql, kl, vl, dl] = [&q, &k, &v, &d_out].map(|t| cp.shard(dev, t).unwrap());
+    let (out_l, ctx) = cp.attention_forward(&mut attn, &ql, &kl, &vl).unwrap();
+    assert_eq!(out_l.shape(), [2 * C, B, H * D]);
+    let (dq_l, dk_l, dv_l) = cp.attention_backward(&mut attn, ctx, &dl).unwrap();
+    let host = |t: &Tensor| t.to_f32(dev).unwrap();
+    let mine = |t: &Tensor| host(&cp.shard(dev, t).unwrap());
+    let r = cp.rank();
+    for (what, got, want, bound) in [
+        ("out", host(&out_l), mine(&out), 5e-3),
+        ("dq", host(&dq_l), mine(&dq), 1e-2),
+        ("dk", host(&dk_l), mine(&dk), 1e-2),
+        ("dv", host(&dv_l), mine(&dv), 1e-2),
+    ] {
+        let e = rel_err(&got, &want);
+        eprintln!("rank {r} {mask:?} window {window:?}: {what} relative error {e:.2e}");
+        assert!(e <= bound, "rank {r}: {what} relative error {e} above {bound}");
+    }
+    // The parts put back together are the whole output.
+    let e = rel_err(&host(&cp.unshard(dev, &out_l).unwrap()), &host(&out));
+    assert!(e <= 5e-3, "rank {r}: the unsharded output's relative error {e}");
+}
+
+fn on(test: &str, world: usize) {
+    on_ranks(test, world, Layout::OneNode, |_, dev, pg| {
+        let pg = Arc::new(pg);
+        check(dev, &pg, AttnMaskType::Causal, None);
+        check(dev, &pg, AttnMaskType::Causal, Some((50, 0)));
+        check(dev, &pg, AttnMaskType::NoMask, None);
+    });
+}
+
+#[test]
+fn context_parallel_attention_on_two_ranks_equals_the_whole_sequence() {
+    on("context_parallel::context_parallel_attention_on_two_ranks_equals_the_whole_sequence", 2);
+}
+
+#[test]
+#[ignore = "4 GPUs: gpu-test --ignored context_parallel::"]
+fn context_parallel_attention_on_four_ranks_equals_the_whole_sequence() {
+    on("context_parallel::context_parallel_attention_on_four_ranks_equals_the_whole_sequence", 4);
+}
+
+#[test]
+fn context_parallel_refuses_what_it_does_not_split() {
+    let Some(dev) = device() else { return };
+    let cp = ContextParallel::new(Arc::new(ProcessGroup::single(&dev).unwrap())).unwrap();
+    let (q, k, v) = (tensor(&dev, 1, &[6, 1, H, D]), tensor(&dev, 2, &[6, 1, G, D]), tensor(&dev, 3, &[6, 1, G, D]));
+    let err = cp.attention_forward(&mut module(&dev, AttnMaskType::Causal, None), &q, &k, &v).unwrap_err();
+    assert!(err.to_string().contains("causal_bottom_right"), "{err}");
+    let mut bshd = DotProductAttention::new(
+        &dev,
+        DotProductAttentionConfig {
+            num_gqa_groups: Some(G),
+            qkv_format: QkvFormat::Bshd,
+            attn_mask_type: AttnMaskType::CausalBottomRight,
+            ..DotProductAttentionConfig::new(H, D)
+        },
+    )
+    .unwrap();
+    let err = cp.attention_forward(&mut bshd, &q, &k, &v).unwrap_err();
+    assert!(err.to_string().contains("sbhd"), "{err}");
+    let odd = tensor(&dev, 4, &[5, 1, H, D]);
+    let err = cp.attention_forward(&mut module(&dev, AttnMaskType::CausalBottomRight, None), &odd, &k, &v).unwrap_err();
+    assert!(err.to_string().contains("two chunks"), "{err}");
+    let err = cp.shard(&dev, &tensor(&dev, 5, &[7, 1, H, D])).unwrap_err();
+    assert!(err.to_string().contains("multiple of 2 · cp"), "{err}");
+    // One rank: the context-parallel attention is the plain one.
+    let mut attn = module(&dev, AttnMaskType::CausalBottomRight, None);
+    let (out, _) = cp.attention_forward(&mut attn, &q, &k, &v).unwrap();
+    let (want, _) = module(&dev, AttnMaskType::Causal, None).forward(&q, &k, &v, None).unwrap();
+    let e = rel_err(&out.to_f32(&dev).unwrap(), &want.to_f32(&dev).unwrap());
+    assert!(e <= 5e-3, "one rank: relative error {e}");
+}
