@@ -213,8 +213,9 @@ impl Finetune {
 /// into `summary.md`): the validation loss and perplexity (exp of the mean loss) of the
 /// pretrained model (`before`) and of each run, e.g. `validation loss 4.0741 (perplexity 58.8)
 /// → FP8 3.1103 (22.4), BF16 3.0976 (22.1)`, then the Hugging Face directory each run saved
-/// under `out` and, with `checkpoints`, how to sample the first run's checkpoint.
-pub fn outcome(before: f32, runs: &[RunSummary], out: &Path, checkpoints: bool) -> String {
+/// under `out` (unless `exported` is false: `--no-export`) and, with `checkpoints`, how to sample
+/// the first run's checkpoint.
+pub fn outcome(before: f32, runs: &[RunSummary], out: &Path, (checkpoints, exported): (bool, bool)) -> String {
     let after: Vec<String> = runs
         .iter()
         .map(|r| {
@@ -227,11 +228,11 @@ pub fn outcome(before: f32, runs: &[RunSummary], out: &Path, checkpoints: bool) 
         .collect();
     let dirs: Vec<String> =
         runs.iter().map(|r| out.join(format!("hf-{}", r.precision.name())).display().to_string()).collect();
+    let saved = if exported { dirs.join(", ") } else { "not saved (--no-export)".to_string() };
     let mut text = format!(
-        "validation loss {before:.4} (perplexity {:.1}) → {}\nthe fine-tuned models: {}",
+        "validation loss {before:.4} (perplexity {:.1}) → {}\nthe fine-tuned models: {saved}",
         before.exp(),
         after.join(", "),
-        dirs.join(", ")
     );
     if let (true, Some(r)) = (checkpoints, runs.first()) {
         let dir = out.join("checkpoints").join(r.precision.name());
@@ -259,15 +260,17 @@ mod tests {
             graphed_steps: 0,
         };
         let runs = [run(Precision::Fp8, Some(3.1103)), run(Precision::Bf16, Some(3.0976))];
-        let text = outcome(4.0741, &runs, Path::new("out"), true);
+        let text = outcome(4.0741, &runs, Path::new("out"), (true, true));
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "validation loss 4.0741 (perplexity 58.8) → FP8 3.1103 (22.4), BF16 3.0976 (22.1)");
         assert_eq!(lines[1], "the fine-tuned models: out/hf-fp8, out/hf-bf16");
         assert_eq!(lines[2], "sample one: te generate --checkpoint out/checkpoints/fp8 --prompt \"...\"");
-        let text = outcome(4.0741, &[run(Precision::Bf16, None)], Path::new("out"), false);
+        let text = outcome(4.0741, &[run(Precision::Bf16, None)], Path::new("out"), (false, true));
         assert_eq!(
             text,
             "validation loss 4.0741 (perplexity 58.8) → BF16 – (no evaluation)\nthe fine-tuned models: out/hf-bf16"
         );
+        let text = outcome(4.0741, &[run(Precision::Bf16, None)], Path::new("out"), (false, false));
+        assert!(text.ends_with("the fine-tuned models: not saved (--no-export)"), "{text}");
     }
 }

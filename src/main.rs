@@ -427,7 +427,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         let mut runs = Vec::new();
         for p in precisions {
             runs.push(with_progress_bar(rank0, cfg.steps, p, |progress| {
-                f.run(&mut trainer, &split, p, (&a.out, rank0), progress)
+                f.run(&mut trainer, &split, p, (&a.out, rank0 && !a.no_export), progress)
             })?);
         }
         if !rank0 {
@@ -436,7 +436,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         let summary = format!(
             "{}\n{}\n{}",
             summary_table(&where_, &preset, &cfg, &runs),
-            te::finetune::outcome(before, &runs, &a.out, !a.no_checkpoint),
+            te::finetune::outcome(before, &runs, &a.out, (!a.no_checkpoint, !a.no_export)),
             optimizer_note(&trainer)
         );
         println!("{summary}");

@@ -87,6 +87,10 @@ pub struct TrainArgs {
     /// Do not save checkpoints.
     #[arg(long)]
     pub no_checkpoint: bool,
+    /// With --model: do not save each run's model as a Hugging Face directory OUT/hf-<precision>
+    /// (a benchmark of a large model from scratch needs no copy of its weights).
+    #[arg(long)]
+    pub no_export: bool,
     /// Continue each run from its newest checkpoint in <out>/checkpoints (bit-exact with never
     /// stopping, for the same settings).
     #[arg(long)]

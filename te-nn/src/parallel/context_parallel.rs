@@ -126,7 +126,7 @@ impl ContextParallel {
         let seq = x.shape().first().copied().unwrap_or(0);
         let [a, b] = self.chunks(seq)?;
         let parts = [x.narrow(dev, a)?, x.narrow(dev, b)?];
-        stack(dev, &parts, &local_shape(x.shape(), seq / self.size()))
+        stack(dev, &parts, &local_shape(x.shape(), self.chunk_len(seq)?))
     }
 
     /// The whole `[S, ...]` tensor from every rank's part `x: [2c, ...]` (an all-gather, then
