@@ -16,8 +16,9 @@
 //! - **The sharding arithmetic** ([`shard`]: [`Split`], [`TpRank`], [`TpLayout`]): which slice
 //!   of each tensor a rank holds, shared by the modules' init and checkpoint split and merge.
 //! - **Data parallelism** ([`DataParallel`]): gradients averaged over the ranks in buckets on a
-//!   side stream, overlapped with the backward; parameters broadcast from rank 0 (it walks the
-//!   modules' parameters, so it is the one part above them).
+//!   side stream, overlapped with the backward, or (ZeRO-2, [`GradShards`]) each piece reduced
+//!   to the rank that owns it and the rest released; parameters broadcast from rank 0 (it walks
+//!   the modules' parameters, so it is the one part above them).
 //!
 //! The collectives are `te_runtime::dist`'s; the amax reduction of FP8 scaling is the autocast
 //! scope's ([`crate::fp8::Fp8Autocast::with_group`]). Context parallelism, expert parallelism
@@ -30,6 +31,7 @@ mod collectives;
 mod data_parallel;
 mod device_mesh;
 mod gemm;
+mod grad_shards;
 mod layout;
 mod mesh;
 mod mode;
@@ -40,6 +42,7 @@ pub mod tensor_parallel;
 pub use data_parallel::DataParallel;
 pub use device_mesh::DeviceMesh;
 pub use gemm::GemmParallel;
+pub use grad_shards::{GradShards, ReduceCall, Shard};
 pub use layout::Parallel;
 pub use mesh::{MeshAxis, MeshShape};
 pub use mode::ParallelMode;
