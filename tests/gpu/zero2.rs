@@ -4,6 +4,7 @@
 //! `Trainer::with_zero(ZeroStage::Gradients)`) on two ranks against ZeRO-1 and the replicated
 //! optimizer:
 //!
+//! - `ParamMut::take_grad` takes one parameter's gradient out of its layer (one GPU);
 //! - `ProcessGroup::reduce` / `reduce_range` / `reduce_range_shared`: the root gets the
 //!   reduction, the others keep their values, and on two ranks an averaged range is the
 //!   all-reduce's bit for bit; the typed refusals;
@@ -16,8 +17,8 @@
 //! - a ZeRO-2 checkpoint resumes bit for bit, and ZeRO-1 and ZeRO-2 checkpoints load into each
 //!   other's runs.
 //!
-//! Each test re-runs this binary as its ranks (`multi_gpu::on_ranks`); skipped with fewer than
-//! two GPUs or without NCCL, unless `TE_REQUIRE_MULTI_GPU=1`.
+//! Each multi-GPU test re-runs this binary as its ranks (`multi_gpu::on_ranks`); skipped with
+//! fewer than two GPUs or without NCCL, unless `TE_REQUIRE_MULTI_GPU=1`.
 
 use crate::common::randn;
 use crate::multi_gpu::{on_ranks, Layout};
@@ -91,6 +92,50 @@ fn reduce_to_a_root_in_place() {
         assert!(matches!(e, Error::DType { .. }), "{e}");
         pg.barrier().unwrap();
     });
+}
+
+/// `ParamMut::take_grad` (how ZeRO-2 releases a gradient) takes one parameter's gradient out of
+/// its layer, whole and unchanged, leaving the others (a GEMM's bias when its weight's is taken,
+/// a norm's beta when its gamma's is); a second take finds none.
+#[test]
+fn take_grad_takes_one_parameters_gradient() {
+    let Some(dev) = crate::common::device() else { return };
+    let cfg = GptConfig { num_layers: 1, seq_length: 16, hidden_dropout: 0.0, ..GptConfig::tiny() };
+    let mut model = Gpt::new(&dev, cfg).unwrap();
+    let ids: Vec<i32> = (0..32).map(|i| i * 5 % 256).collect();
+    let x = TokenIds::from_host(&dev, &[16, 2], &ids).unwrap();
+    let (_, ctx) = model.forward_loss(&x, &x).unwrap();
+    model.backward(ctx).unwrap();
+    let before = grad_bytes(&model, &dev);
+    assert!(before.iter().all(|(_, g)| g.is_some()), "every parameter has a gradient after a backward");
+    // Take every other parameter's gradient (weights and biases, gammas and betas alternate).
+    let mut taken = Vec::new();
+    let mut i = 0;
+    model
+        .visit_mut("", &mut |path: &str,
+                             _: ParamKind,
+                             p: &mut dyn te_nn::modules::ParamMut|
+         -> te_runtime::Result<()> {
+            if i % 2 == 0 {
+                let g = p.take_grad().unwrap_or_else(|| panic!("{path}: a gradient to take"));
+                taken.push((i, g.to_bytes(&dev)?));
+                assert!(p.grad().is_none() && p.take_grad().is_none(), "{path}: taken once");
+            }
+            i += 1;
+            Ok(())
+        })
+        .unwrap();
+    let after = grad_bytes(&model, &dev);
+    for (i, ((path, b), (_, a))) in before.iter().zip(&after).enumerate() {
+        match i % 2 {
+            0 => {
+                assert!(a.is_none(), "{path}: taken");
+                let t = taken.iter().find(|(j, _)| *j == i).map(|(_, t)| t);
+                assert!(t == b.as_ref(), "{path}: the taken gradient is the one it held");
+            }
+            _ => assert!(a == b, "{path}: left as it was"),
+        }
+    }
 }
 
 /// Each parameter's gradient bytes (`None`: no gradient), by traversal index.

@@ -229,8 +229,10 @@ impl DataParallel {
     /// [`DataParallel::begin_step`]), each piece of each gradient is reduced to its owner
     /// instead (the averaged piece lands on the owner; the rest of a rank's gradient is stale),
     /// the gradients of parameters this rank owns no piece of are taken out of the model
-    /// ([`ParamMut::take_grad`]) and released once the next bucket is handed over (or at
-    /// [`DataParallel::finish`]), and the parameters are marked reduced.
+    /// ([`ParamMut::take_grad`]) and freed once their reductions are done (seen when a later
+    /// bucket is handed over; waited for two buckets later at the latest, or at
+    /// [`DataParallel::finish`]), and the parameters are marked reduced
+    /// ([`DataParallel::reduced`]).
     ///
     /// # Errors
     /// [`Error::Config`] for a parameter that has a gradient but cannot hand it out writable

@@ -8,6 +8,10 @@
 //! `N × batch` sequences, the gradients are averaged over the ranks while the backward runs
 //! ([`te_nn::parallel::DataParallel`]), the FP8 amaxes are reduced over them (`fp8_group`), so
 //! every rank takes the same step; rank 0 writes the checkpoints, in the single-GPU format.
+//! With ZeRO the AdamW state is sharded over the data-parallel ranks (stage 1), and at stage 2
+//! the gradients too: the last micro-batch's backward reduces each gradient piece to its owner
+//! and frees the gradients a rank owns nothing of, and the step updates the parameters the
+//! backward reduced ([`crate::optim::AdamW::step_reduced`]).
 //! Tensor parallel: the layers split over the tensor-parallel group, each rank writing its
 //! files of every checkpoint.
 
