@@ -599,8 +599,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// The summary's line on the optimizer state a rank held (with `--zero 1`: its share of the
-/// replicated bytes), or nothing when the run kept none on a GPU.
+/// The summary's line on the optimizer state a rank held (with `--zero 1` or `2`: its share of
+/// the replicated bytes; with `2`, the gradients it released), or nothing when the run kept none
+/// on a GPU.
 fn optimizer_note(trainer: &te_train::Trainer) -> String {
     trainer.optimizer_memory().map(|m| format!("\n{}\n", m.describe())).unwrap_or_default()
 }

@@ -146,11 +146,15 @@ pub struct TrainArgs {
     /// (--nproc-per-node × --nnodes) and the heads and ffn size of the preset.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
-    /// Data-parallel runs: how the AdamW state is held (ZeRO stage). 0: every rank holds all of
-    /// the f32 master weights and moments; 1: they are sharded over the data-parallel ranks
-    /// (Megatron-LM's distributed optimizer), about 1/N of the bytes per rank, the same steps bit
-    /// for bit and the same checkpoint files. Not with --tensor-parallel nor on the CPU path.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    /// Data-parallel runs: how the AdamW state and gradients are held (ZeRO stage). 0: every
+    /// rank holds all of the f32 master weights and moments; 1: they are sharded over the
+    /// data-parallel ranks (Megatron-LM's distributed optimizer), about 1/N of the bytes per
+    /// rank, the same steps bit for bit and the same checkpoint files; 2: the gradients too
+    /// (DeepSpeed's stage 2): each gradient piece is reduced to the rank that owns it and a
+    /// rank frees the gradients it owns nothing of during the backward (with --grad-accum above
+    /// 1, only in the last micro-batch's), the same steps as 1 (bit for bit on two GPUs) and the
+    /// same checkpoint files. Not with --tensor-parallel nor on the CPU path.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
     /// With --tensor-parallel: sequence parallelism (norms, dropout and residuals on each rank's
     /// part of the sequence).
@@ -267,7 +271,7 @@ pub fn recompute(a: &TrainArgs) -> te_runtime::Result<Recompute> {
 /// what [`te_train::Trainer::with_zero`] takes.
 ///
 /// # Errors
-/// A message for ZeRO-1 on the CPU path (one process: nothing to shard over) or with
+/// A message for ZeRO-1 or ZeRO-2 on the CPU path (one process: nothing to shard over) or with
 /// `--tensor-parallel` above 1 (not built yet), saying what to drop.
 pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
     let stage = ZeroStage::from_number(a.zero).map_err(|e| e.to_string())?;
@@ -276,9 +280,10 @@ pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
     }
     if !on_gpu {
         return Err(format!(
-            "--zero {} shards the optimizer state over data-parallel GPUs; the CPU path trains in one process: drop \
-             --zero",
-            a.zero
+            "--zero {} shards the optimizer state{} over data-parallel GPUs; the CPU path trains in one process: \
+             drop --zero",
+            a.zero,
+            if stage.shards_gradients() { " and gradients" } else { "" }
         ));
     }
     if a.tensor_parallel > 1 {
@@ -452,23 +457,30 @@ mod tests {
         assert_eq!(cpu_path(&cpu.recipe), default, "the line of the default run is unchanged");
     }
 
-    /// `--zero` takes the built stages only; stage 1 is refused on the CPU path and with tensor
-    /// parallelism, naming what to drop.
+    /// `--zero` takes the built stages only; stages 1 and 2 are refused on the CPU path and with
+    /// tensor parallelism, naming what to drop.
     #[test]
     fn the_zero_flag_takes_the_built_stages() {
         assert_eq!(zero_stage(&args(&[]), true), Ok(ZeroStage::Replicated));
         assert_eq!(zero_stage(&args(&["--zero", "0"]), false), Ok(ZeroStage::Replicated));
         assert_eq!(zero_stage(&args(&["--zero", "1"]), true), Ok(ZeroStage::OptimizerStates));
+        assert_eq!(zero_stage(&args(&["--zero", "2"]), true), Ok(ZeroStage::Gradients));
         let e = zero_stage(&args(&["--zero", "1"]), false).unwrap_err();
         assert!(e.contains("CPU path") && e.contains("drop --zero"), "{e}");
-        let e = zero_stage(&args(&["--zero", "1", "--tensor-parallel", "2"]), true).unwrap_err();
-        assert!(e.contains("--tensor-parallel 2 is not built yet"), "{e}");
-        for bad in ["2", "3", "-1", "one"] {
+        let e = zero_stage(&args(&["--zero", "2"]), false).unwrap_err();
+        assert!(e.contains("--zero 2 shards the optimizer state and gradients") && e.contains("CPU path"), "{e}");
+        for stage in ["1", "2"] {
+            let e = zero_stage(&args(&["--zero", stage, "--tensor-parallel", "2"]), true).unwrap_err();
+            assert!(e.contains(&format!("--zero {stage} with --tensor-parallel 2 is not built yet")), "{e}");
+        }
+        for bad in ["3", "4", "-1", "one"] {
             let parsed = Cli::try_parse_from(["te-train", "--zero", bad]);
             assert!(parsed.is_err(), "--zero {bad} must be refused by the parser");
         }
-        let e = train_config(&args(&["--zero", "1"]), GptConfig::tiny(), false).unwrap_err();
-        assert!(matches!(e, te_runtime::Error::Config { .. }) && e.to_string().contains("CPU path"), "{e}");
+        for stage in ["1", "2"] {
+            let e = train_config(&args(&["--zero", stage]), GptConfig::tiny(), false).unwrap_err();
+            assert!(matches!(e, te_runtime::Error::Config { .. }) && e.to_string().contains("CPU path"), "{e}");
+        }
     }
 
     /// `--recompute` takes none (the default) and full, nothing else.

@@ -106,7 +106,7 @@ pub fn run(b: &mut Bench) {
                     .unwrap();
             });
             if let Some(why) = model.graph_fallback() {
-                println!("{work} {label} b{batch} prompt {prompt}: decode steps ran eagerly: {why}");
+                println!("{work} {label} b{batch} prompt {prompt}: a step ran eagerly: {why}");
             }
             let shape = format!("{label} b{batch} prompt {prompt}");
             let mean_len = (prompt + NEW_TOKENS / 2) as u64;

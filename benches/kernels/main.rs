@@ -2,7 +2,8 @@
 //! scale update, cuBLASLt GEMMs in TFLOP/s (FP8 beside BF16), the TE modules forward / backward /
 //! both in BF16 and FP8 (both recipes), DotProductAttention fwd+bwd (unfused, TFLOP/s), one GPT
 //! training step per preset, generation with the GPT `small` architecture (prefill and decode
-//! tokens/s), and the JIT costs (NVRTC compile, warm disk cache, prewarm).
+//! tokens/s), the decoder's prefill eager against replayed from CUDA graphs, and the JIT costs
+//! (NVRTC compile, warm disk cache, prewarm).
 //!
 //! `cargo bench --bench kernels [-- FILTER...]`, or on the GPU machine `.gpu/bin/kernels-bench
 //! --bench [FILTER...]` (benchmarks whose name contains one of the filters; all without).
@@ -36,6 +37,7 @@ mod modules;
 mod moe;
 mod norm;
 mod optimizer;
+mod prefill;
 mod rope;
 mod scaling;
 mod softmax;
@@ -57,7 +59,7 @@ fn main() {
     if b.dev.is_some() {
         println!("device: {}", b.dev().name());
         b.measure_copy_bandwidth();
-        let families: [fn(&mut Bench); 27] = [
+        let families: [fn(&mut Bench); 28] = [
             cast::run,
             cast_transpose::run,
             activation::run,
@@ -81,6 +83,7 @@ fn main() {
             decode_attention::run,
             gemv::decode_parts,
             decoder::run,
+            prefill::run,
             decoder_train::run,
             decoder_train::layer_parts,
             decoder_train::llama_1b,

@@ -41,16 +41,16 @@ impl ModuleVisitor for Values {
     }
 }
 
-fn values(model: &Gpt, dev: &Arc<Device>) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn values(model: &Gpt, dev: &Arc<Device>) -> Vec<(String, Vec<u8>)> {
     let mut v = Values(Vec::new(), dev.clone());
     model.visit("", &mut v).unwrap();
     v.0
 }
 
 /// Every parameter's state of `opt` as bits: `(path, step, master, exp_avg, exp_avg_sq)`.
-type StateBits = Vec<(String, u64, Vec<u32>, Vec<u32>, Vec<u32>)>;
+pub(crate) type StateBits = Vec<(String, u64, Vec<u32>, Vec<u32>, Vec<u32>)>;
 
-fn state_bits(opt: &AdamW, dev: &Device) -> StateBits {
+pub(crate) fn state_bits(opt: &AdamW, dev: &Device) -> StateBits {
     let bits = |s: &cudarc::driver::CudaSlice<f32>| -> Vec<u32> {
         dev.stream().clone_dtoh(s).unwrap().iter().map(|v| v.to_bits()).collect()
     };
@@ -61,14 +61,14 @@ fn state_bits(opt: &AdamW, dev: &Device) -> StateBits {
 }
 
 /// The optimizer state file at `path` as bits, read into a replicated AdamW of `cfg`'s model.
-fn state_file_bits(dev: &Arc<Device>, cfg: &TrainConfig, path: &Path) -> (u64, StateBits) {
+pub(crate) fn state_file_bits(dev: &Arc<Device>, cfg: &TrainConfig, path: &Path) -> (u64, StateBits) {
     let model = Gpt::new(dev, cfg.model.clone()).unwrap();
     let mut opt = AdamW::new(dev, &model, cfg.adamw_config()).unwrap();
     opt.load_state(path).unwrap();
     (opt.step_count(), state_bits(&opt, dev))
 }
 
-fn zero_config(clip: Option<f32>) -> AdamWConfig {
+pub(crate) fn zero_config(clip: Option<f32>) -> AdamWConfig {
     AdamWConfig {
         max_grad_norm: clip,
         weight_decay: 0.1,
@@ -190,7 +190,7 @@ fn a_zero_1_step_equals_the_replicated_step_and_holds_half_the_state() {
 
 /// A run of `cfg` through the [`Trainer`] as a rank of `parallel` with the optimizer state held
 /// as `zero` says: the summary, each step's gradient norm bits, and the optimizer's memory.
-fn run(
+pub(crate) fn run(
     dev: &Arc<Device>,
     corpus: &Corpus,
     cfg: &TrainConfig,
@@ -208,11 +208,11 @@ fn run(
     (summary, norms, memory)
 }
 
-fn bits(records: &[Record]) -> Vec<(u64, u32, Option<u32>)> {
+pub(crate) fn bits(records: &[Record]) -> Vec<(u64, u32, Option<u32>)> {
     crate::train::losses(records)
 }
 
-fn base_config(steps: u64) -> TrainConfig {
+pub(crate) fn base_config(steps: u64) -> TrainConfig {
     let base = crate::train::config(steps);
     TrainConfig { grad_accum: 1, eval_interval: 3, ..base }
 }
@@ -283,7 +283,7 @@ fn zero_1_training_equals_the_replicated_run_bit_for_bit() {
 
 /// Rank 0 makes `dst` a run directory holding `src`'s checkpoint of `step` only, as the newest
 /// (its `trainer.toml` over `latest.toml`): a run stopped after `step`. Every rank waits for it.
-fn stopped_at(world: &ProcessGroup, rank: usize, src: &Path, dst: &Path, precision: Precision, step: u64) {
+pub(crate) fn stopped_at(world: &ProcessGroup, rank: usize, src: &Path, dst: &Path, precision: Precision, step: u64) {
     if rank == 0 {
         let name = format!("step-{step:07}");
         let (from, to) = (src.join(precision.name()).join(&name), dst.join(precision.name()).join(&name));

@@ -231,6 +231,10 @@ impl<R: DerefMut<Target = Embedding>> ParamMut for Weight<R> {
     fn grad_mut(&mut self) -> Option<&mut Tensor> {
         self.0.grad.as_mut()
     }
+
+    fn take_grad(&mut self) -> Option<Tensor> {
+        self.0.grad.take()
+    }
 }
 
 impl Module for Embedding {

@@ -160,6 +160,13 @@ impl NormParams {
         [self.dgamma.as_mut(), self.dbeta.as_mut()]
     }
 
+    /// Takes the gamma gradient out when `which[0]`, the beta gradient when `which[1]`, leaving
+    /// the other (a ZeRO-2 backward releases each once reduced to the rank that owns it).
+    pub(crate) fn take_grads_of(&mut self, which: [bool; 2]) -> [Option<Tensor>; 2] {
+        let take = |g: &mut Option<Tensor>, yes: bool| if yes { g.take() } else { None };
+        [take(&mut self.dgamma, which[0]), take(&mut self.dbeta, which[1])]
+    }
+
     /// Writes since creation; contexts made at another version are stale.
     pub fn version(&self) -> u64 {
         self.version

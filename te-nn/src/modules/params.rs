@@ -278,6 +278,12 @@ impl LinearParams {
         self.bias_grad.as_ref()
     }
 
+    /// Takes the bias's gradient out (leaving none, and the weight's as it is): a ZeRO-2
+    /// backward releases it once reduced to the rank that owns it.
+    pub fn take_bias_grad(&mut self) -> Option<Tensor> {
+        self.bias_grad.take()
+    }
+
     /// Drops the accumulated gradients (PyTorch `zero_grad(set_to_none=True)`).
     pub fn zero_grad(&mut self) {
         self.weight_grad = None;

@@ -16,8 +16,9 @@
 //! - **The sharding arithmetic** ([`shard`]: [`Split`], [`TpRank`], [`TpLayout`]): which slice
 //!   of each tensor a rank holds, shared by the modules' init and checkpoint split and merge.
 //! - **Data parallelism** ([`DataParallel`]): gradients averaged over the ranks in buckets on a
-//!   side stream, overlapped with the backward; parameters broadcast from rank 0 (it walks the
-//!   modules' parameters, so it is the one part above them).
+//!   side stream, overlapped with the backward, or (ZeRO-2, [`GradShards`]) each piece reduced
+//!   to the rank that owns it and the rest released; parameters broadcast from rank 0 (it walks
+//!   the modules' parameters, so it is the one part above them).
 //!
 //! - **Context parallelism** ([`ContextParallel`]): every sequence split over the ranks of the
 //!   context axis in load-balanced chunks, attention over the all-gathered keys and values
@@ -34,6 +35,7 @@ mod context_parallel;
 mod data_parallel;
 mod device_mesh;
 mod gemm;
+mod grad_shards;
 mod layout;
 mod mesh;
 mod mode;
@@ -45,6 +47,7 @@ pub use context_parallel::{ContextParallel, CpAttentionCtx};
 pub use data_parallel::DataParallel;
 pub use device_mesh::DeviceMesh;
 pub use gemm::GemmParallel;
+pub use grad_shards::{GradShards, ReduceCall, Shard};
 pub use layout::Parallel;
 pub use mesh::{MeshAxis, MeshShape};
 pub use mode::ParallelMode;

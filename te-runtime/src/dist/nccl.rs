@@ -1,7 +1,8 @@
 //! [`ProcessGroup`]: the ranks of a run (or a subset: a tensor- or data-parallel group) and their
 //! NCCL communicator, with the collectives TE's distributed code needs, issued on the device's
-//! stream (their code is `nccl_ops`): all-reduce (sum, max: TE's amax reduction,
-//! `reduce_amax_max`), all-gather, reduce-scatter, broadcast, barrier. PyTorch's
+//! stream (their code is `nccl_ops` and `nccl_reduce`): all-reduce (sum, max: TE's amax
+//! reduction, `reduce_amax_max`), all-gather, reduce-scatter, reduce to a root, broadcast,
+//! barrier. PyTorch's
 //! `torch.distributed` names and semantics.
 //!
 //! Every entry point checks first that NCCL loads ([`nccl_available`]; cudarc panics otherwise)
@@ -23,9 +24,10 @@ use super::nccl_lib::{nccl_available, nccl_error};
 use super::watchdog::Watchdog;
 use super::{rendezvous, DistEnv};
 use crate::{Device, Error, Result, Tensor};
-use cudarc::driver::{sys as cuda, CudaStream};
+use cudarc::driver::{sys as cuda, CudaEvent, CudaStream};
 use cudarc::nccl::result::{self, NcclError, NcclStatus};
 use cudarc::nccl::sys;
+use std::collections::VecDeque;
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -63,15 +65,75 @@ pub struct ProcessGroup {
     stream: Arc<CudaStream>,
     /// `stream` is a side stream: each collective first waits for the device stream.
     side: bool,
-    /// Side stream: the tensors of the collectives issued since the last [`ProcessGroup::wait`],
-    /// kept allocated until then (a tensor dropped by the caller is freed in the device
-    /// stream's order, which does not wait for the side stream). Dropped after `comm`, whose
-    /// destruction waits for the collectives.
-    in_flight: Mutex<Vec<Tensor>>,
+    /// Side stream: the tensors of the collectives issued since the last [`ProcessGroup::wait`]
+    /// (or, for the oldest, [`ProcessGroup::wait_mark`]), kept allocated until then (a tensor
+    /// dropped by the caller is freed in the device stream's order, which does not wait for the
+    /// side stream). Dropped after `comm`, whose destruction waits for the collectives.
+    in_flight: Mutex<InFlight>,
     pub(super) dev: Arc<Device>,
     rank: usize,
     /// Global rank (`RANK`) of each member, by rank in this group.
     ranks: Vec<usize>,
+}
+
+/// A point in the collectives of a side-stream group ([`ProcessGroup::mark`]), which
+/// [`ProcessGroup::wait_mark`] makes the device's stream wait for. Pass it to the group that
+/// made it.
+#[derive(Debug)]
+pub struct SideMark {
+    /// Recorded on the side stream after the collectives; `None`: a group on the device's
+    /// stream, nothing to wait for.
+    event: Option<CudaEvent>,
+    /// Tensors held for the collectives issued before the mark (counted since the group was
+    /// made).
+    held: u64,
+}
+
+/// The tensors a side-stream group keeps allocated for its collectives, oldest first, and how
+/// many it let go of before them.
+#[derive(Debug)]
+struct InFlight<T = Tensor> {
+    held: VecDeque<T>,
+    released: u64,
+}
+
+impl<T> Default for InFlight<T> {
+    fn default() -> Self {
+        Self { held: VecDeque::new(), released: 0 }
+    }
+}
+
+impl<T> InFlight<T> {
+    /// Keeps `t` until its collective has been waited for.
+    fn hold(&mut self, t: T) {
+        self.held.push_back(t);
+    }
+
+    /// Tensors held so far, let go of or not.
+    fn issued(&self) -> u64 {
+        self.released + self.held.len() as u64
+    }
+
+    /// Lets go of the tensors held before the `issued`-th.
+    fn release_through(&mut self, issued: u64) {
+        while self.released < issued && self.held.pop_front().is_some() {
+            self.released += 1;
+        }
+    }
+
+    /// Lets go of every tensor.
+    fn release_all(&mut self) {
+        self.released += self.held.len() as u64;
+        self.held.clear();
+    }
+}
+
+impl SideMark {
+    /// Whether the collectives before the mark have completed on the GPU (an event query: the
+    /// host does not wait). Always for a mark of a group on the device's stream.
+    pub fn is_reached(&self) -> bool {
+        self.event.as_ref().is_none_or(CudaEvent::is_complete)
+    }
 }
 
 impl ProcessGroup {
@@ -303,8 +365,43 @@ impl ProcessGroup {
         if self.side {
             self.dev.stream().join(&self.stream)?;
             // Freed from here on in the device stream's order, which now follows the collectives.
-            self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).clear();
+            self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).release_all();
         }
+        Ok(())
+    }
+
+    /// The point this side-stream group's collectives have reached (an event recorded on its
+    /// stream after every collective issued so far, NCCL groups included once they ended),
+    /// for [`ProcessGroup::wait_mark`]: how a data-parallel backward frees a bucket's
+    /// gradients once its reductions are done, without waiting for the later buckets'
+    /// (`te_nn::parallel::DataParallel` under ZeRO-2). A group on the device's stream returns a
+    /// mark that is already reached.
+    ///
+    /// # Errors
+    /// Driver errors recording the event.
+    pub fn mark(&self) -> Result<SideMark> {
+        if !self.side {
+            return Ok(SideMark { event: None, held: 0 });
+        }
+        self.dev.context().bind_to_thread()?;
+        let event = self.stream.record_event(Some(cuda::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        let held = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).issued();
+        Ok(SideMark { event: Some(event), held })
+    }
+
+    /// Makes the device's stream wait for the collectives issued before `mark` (this group's
+    /// [`ProcessGroup::mark`]), not for the later ones, and lets go of the tensors those
+    /// collectives kept allocated: dropped by the caller, they are freed in the device stream's
+    /// order, after the collectives that read them ([`ProcessGroup::wait`] for all of them). A
+    /// no-op for a group on the device's stream.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn wait_mark(&self, mark: &SideMark) -> Result<()> {
+        let Some(event) = &mark.event else { return Ok(()) };
+        self.dev.context().bind_to_thread()?;
+        self.dev.stream().wait(event)?;
+        self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).release_through(mark.held);
         Ok(())
     }
 
@@ -313,7 +410,7 @@ impl ProcessGroup {
     pub(super) fn hold<B: CommBuffer>(&self, buf: &B) {
         if self.side {
             if let Some(t) = buf.keep_alive() {
-                self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).push(t);
+                self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).hold(t);
             }
         }
     }
@@ -448,5 +545,32 @@ mod tests {
     fn groups_are_send_and_sync() {
         fn shareable<T: Send + Sync>() {}
         shareable::<ProcessGroup>();
+        shareable::<SideMark>();
+    }
+
+    /// A mark lets go of what was held before it only, once; a full wait of everything; marks
+    /// made after a full wait count on from there.
+    #[test]
+    fn marks_let_go_of_what_was_held_before_them() {
+        let mut f = InFlight::<u32>::default();
+        f.hold(1);
+        f.hold(2);
+        let first = f.issued();
+        f.hold(3);
+        let second = f.issued();
+        assert_eq!((first, second), (2, 3));
+        f.release_through(first);
+        assert_eq!(f.held, [3]);
+        f.release_through(first);
+        assert_eq!(f.held, [3], "a mark reached already lets go of nothing more");
+        f.hold(4);
+        f.release_all();
+        assert!(f.held.is_empty());
+        assert_eq!(f.issued(), 4);
+        f.release_through(second);
+        f.hold(5);
+        assert_eq!(f.held, [5], "a mark older than a full wait lets go of nothing");
+        f.release_through(f.issued());
+        assert!(f.held.is_empty() && f.issued() == 5);
     }
 }

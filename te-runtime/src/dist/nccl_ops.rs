@@ -213,8 +213,9 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// Checks a ranged broadcast's arguments; returns the element size in bytes.
-    fn check_range<B: CommBuffer>(
+    /// Checks a ranged collective's arguments (root, GPU, `range` inside the buffer); returns
+    /// the element size in bytes.
+    pub(super) fn check_range<B: CommBuffer>(
         &self,
         name: &'static str,
         buf: &B,

@@ -2,7 +2,7 @@
 //! `clip_grad_norm_`; Megatron-LM's FP32 master weights of a BF16 model).
 
 use super::zero::Zero;
-use super::AdamWConfig;
+use super::{AdamWConfig, ZeroStage};
 use cudarc::driver::CudaSlice;
 use std::ops::Range;
 use std::sync::Arc;
@@ -175,15 +175,15 @@ impl AdamW {
         config: AdamWConfig,
         group: Arc<ProcessGroup>,
     ) -> Result<Self> {
-        Self::build(dev, model, config, Some(group))
+        Self::build(dev, model, config, Some((group, ZeroStage::OptimizerStates)))
     }
 
-    /// [`AdamW::new`], sharded over `zero` when given.
-    fn build<M: Module + ?Sized>(
+    /// [`AdamW::new`], sharded over the group of `zero` at its stage (1 or 2) when given.
+    pub(super) fn build<M: Module + ?Sized>(
         dev: &Arc<Device>,
         model: &M,
         config: AdamWConfig,
-        zero: Option<Arc<ProcessGroup>>,
+        zero: Option<(Arc<ProcessGroup>, ZeroStage)>,
     ) -> Result<Self> {
         config.validate()?;
         let stream = dev.stream();
@@ -202,7 +202,7 @@ impl AdamW {
         }
         let numels: Vec<usize> = found.iter().map(|f| f.5.numel()).collect();
         let zero = match zero {
-            Some(group) => Some(Zero::new(dev, group, &numels)?),
+            Some((group, stage)) => Some(Zero::new(dev, group, &numels, stage)?),
             None => None,
         };
         let mut params = Vec::with_capacity(found.len());
@@ -320,29 +320,38 @@ impl AdamW {
     /// As [`AdamW::step`]; [`Error::Capture`] inside a capture when no step of the same
     /// parameters ran outside it.
     pub fn issue<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<PendingStep> {
+        self.issue_marked(model, None)
+    }
+
+    /// [`AdamW::issue`] of the parameters `reduced` marks (traversal order; every rank passes
+    /// the same marks), or of those with a gradient when `None` (refused for a ZeRO-2
+    /// optimizer, whose ranks hold different gradients).
+    pub(super) fn issue_marked<M: Module + ?Sized>(
+        &mut self,
+        model: &mut M,
+        reduced: Option<&[bool]>,
+    ) -> Result<PendingStep> {
         let (grads, params) = self.gather(model)?;
         let dev = self.dev.clone();
         let step = self.step + 1;
         let lr = self.config.lr.lr(step);
-        let updated: Vec<bool> = grads.iter().map(Option::is_some).collect();
-        if !updated.contains(&true) {
-            return Err(Error::Config {
-                module: MODULE,
-                message: "no parameter has a gradient (grad or main_grad); run a backward before step".into(),
-            });
-        }
-        if self.zero.is_some() {
+        let updated = self.updated(&grads, reduced)?;
+        if let Some(zero) = &self.zero {
+            let stage = zero.stage().number();
             te_runtime::graph::refuse_in_capture(
                 dev.stream(),
-                "a ZeRO-1 optimizer step (its norm gather and parameter broadcasts are issued from the host: step \
-                 it eagerly)",
+                &format!(
+                    "a ZeRO-{stage} optimizer step (its norm gather and parameter broadcasts are issued from the \
+                     host: step it eagerly)"
+                ),
             )?;
             if self.tensor_parallel.is_some() {
                 return Err(Error::Config {
                     module: MODULE,
-                    message: "a ZeRO-1 optimizer (AdamW::new_zero) with tensor parallelism \
-                              (with_tensor_parallel) is not built yet: use AdamW::new for a tensor-parallel model"
-                        .into(),
+                    message: format!(
+                        "a ZeRO-{stage} optimizer (AdamW::new_zero) with tensor parallelism (with_tensor_parallel) is \
+                         not built yet: use AdamW::new for a tensor-parallel model"
+                    ),
                 });
             }
         }
@@ -351,7 +360,7 @@ impl AdamW {
         let args = self.args(lr);
         let mut tensors = Vec::with_capacity(grads.len());
         let mut offsets = Vec::with_capacity(grads.len());
-        for ((s, g), param) in self.params.iter_mut().zip(&grads).zip(&params) {
+        for (((s, g), param), _) in self.params.iter_mut().zip(&grads).zip(&params).zip(&updated).filter(|t| *t.1) {
             if let (Some(grad), false) = (g, s.piece.is_empty()) {
                 let decays = decay_all || s.kind == ParamKind::Weight;
                 offsets.push(s.piece.start);
@@ -444,12 +453,14 @@ impl AdamW {
     /// [`Error::Config`] for a step of another parameter list; [`Error::Argument`] when no step
     /// built the table; [`Error::Capture`] inside a capture; copy failures.
     pub fn prepare_replay(&mut self, captured: &PendingStep) -> Result<PendingStep> {
-        if self.zero.is_some() {
+        if let Some(zero) = &self.zero {
             return Err(Error::Config {
                 module: MODULE,
-                message: "a ZeRO-1 optimizer step is never captured in a CUDA graph (AdamW::issue refuses it): step \
-                          it eagerly"
-                    .into(),
+                message: format!(
+                    "a ZeRO-{} optimizer step is never captured in a CUDA graph (AdamW::issue refuses it): step it \
+                     eagerly",
+                    zero.stage().number()
+                ),
             });
         }
         if captured.updated.len() != self.params.len() {
@@ -527,7 +538,7 @@ impl AdamW {
         }
     }
 
-    fn mismatch(&self, what: String) -> Error {
+    pub(super) fn mismatch(&self, what: String) -> Error {
         Error::Config {
             module: MODULE,
             message: format!(

@@ -2,8 +2,10 @@
 //! clipping and an [`LrSchedule`], stepping every parameter of a [`te_nn::Module`] with one fused
 //! multi-tensor kernel ([`te_runtime::ops::optimizer`], launched with the per-step scalars of
 //! [`te_runtime::ops::optimizer::scalars`]), replicated on every rank or sharded over the
-//! data-parallel group (ZeRO stage 1, [`AdamW::new_zero`], split as [`Partition`] says). Its
-//! state file is [`te_nn::checkpoint::optimizer_state`]'s either way.
+//! data-parallel group (ZeRO stage 1, [`AdamW::new_zero`], split as [`Partition`] says; stage 2,
+//! [`AdamW::new_zero_stage`], with the gradients reduced to the same owners,
+//! [`Partition::grad_shards`]). Its state file is [`te_nn::checkpoint::optimizer_state`]'s
+//! either way.
 
 mod adamw;
 mod config;

@@ -14,6 +14,7 @@
 //! bit for bit the replicated step's.
 
 use std::ops::Range;
+use te_nn::parallel::{GradShards, Shard};
 use te_runtime::{Error, Result};
 
 const MODULE: &str = "ZeRO partition";
@@ -139,6 +140,26 @@ impl Partition {
     /// Element count of each parameter, in traversal order.
     pub fn numels(&self) -> &[usize] {
         &self.numels
+    }
+
+    /// The owners of each parameter's pieces, as a ZeRO-2 backward reduces the gradients to
+    /// them ([`te_nn::parallel::DataParallel::set_grad_shards`]): for each parameter in
+    /// traversal order, the ranks holding a piece of it, in rank order, with their pieces.
+    ///
+    /// # Errors
+    /// [`Error::Internal`](te_runtime::Error) if the pieces were not a contiguous split (they
+    /// always are).
+    pub fn grad_shards(&self) -> Result<GradShards> {
+        let mut owners = vec![Vec::new(); self.numels.len()];
+        for (root, pieces) in self.pieces.iter().enumerate() {
+            for p in pieces {
+                if let Some(o) = owners.get_mut(p.param) {
+                    o.push(Shard { root, range: p.range.clone() });
+                }
+            }
+        }
+        GradShards::new(self.world(), owners)
+            .map_err(|e| Error::internal(MODULE, format!("the partition's pieces are not a split: {e}")))
     }
 }
 
@@ -271,6 +292,41 @@ mod tests {
         let p = Partition::new(&[2 * chunk], 3, 1).unwrap();
         assert_eq!(p.chunk_counts(&[true], chunk), [1, 1, 1], "43, 42 and 43 elements: 3 chunks, not 2");
         assert_eq!(p.chunk_counts(&[], chunk), [0, 0, 0], "no parameter updated");
+    }
+
+    /// The gradient shards are the partition's pieces by parameter: a bucket reduces each piece
+    /// to its owner, and a rank releases the gradients of the parameters it has no piece of.
+    #[test]
+    fn gradient_shards_follow_the_pieces() {
+        let numels = [1000, 3, 0, 2000, 7];
+        for world in [1, 2, 3, 4] {
+            let p = Partition::new(&numels, world, 128).unwrap();
+            let g = p.grad_shards().unwrap();
+            assert_eq!((g.world(), g.len()), (world, numels.len()));
+            for (param, &n) in numels.iter().enumerate() {
+                assert_eq!(g.numel(param), n, "world {world} param {param}");
+                for r in 0..world {
+                    let piece = p.piece(r, param);
+                    assert_eq!(g.owns(r, param), !piece.is_empty());
+                    let calls = g.calls(&[param]);
+                    assert_eq!(calls.iter().find(|c| c.root == r).map(|c| c.range.clone()).unwrap_or(0..0), piece);
+                }
+            }
+            // Each rank's released gradients are the parameters it holds no optimizer state of.
+            let all: Vec<usize> = (0..numels.len()).rev().collect();
+            for r in 0..world {
+                let released = g.released(r, &all);
+                let none: Vec<usize> = all.iter().copied().filter(|&i| p.piece(r, i).is_empty()).collect();
+                assert_eq!(released, none, "world {world} rank {r}");
+            }
+        }
+        // 2 ranks over [1000, 3, 0, 2000, 7] aligned to 128: rank 0 owns 0..1000, 0..3 and the
+        // first 512 of the third; rank 1 the rest.
+        let g = Partition::new(&numels, 2, 128).unwrap().grad_shards().unwrap();
+        assert_eq!(g.released(0, &[4, 3, 2, 1, 0]), [4, 2]);
+        assert_eq!(g.released(1, &[4, 3, 2, 1, 0]), [2, 1, 0]);
+        let roots: Vec<(usize, usize)> = g.calls(&[3]).iter().map(|c| (c.root, c.range.start)).collect();
+        assert_eq!(roots, [(0, 0), (1, 512)]);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! [`AdamW`]'s state file: [`AdamW::save_state`] / [`AdamW::load_state`] in the format of
 //! [`te_nn::checkpoint::optimizer_state`] (shared with the CPU twin's optimizer), the same for a
-//! replicated and a sharded (ZeRO-1) optimizer: each loads the other's files.
+//! replicated and a sharded (ZeRO-1 or ZeRO-2) optimizer: each loads the other's files.
 
 use super::AdamW;
 use std::path::Path;

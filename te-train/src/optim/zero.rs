@@ -1,21 +1,24 @@
-//! The communication of a sharded [`AdamW`] (ZeRO stage 1, [`AdamW::new_zero`]; Megatron-LM's
-//! `megatron/core/optimizer/distrib_optimizer.py`): the partition of the parameters over the
-//! data-parallel group, the gather of every rank's partial gradient norms, the in-place
-//! broadcasts that make the parameters whole after a step, and the gather of the pieces a
-//! checkpoint writes.
+//! The communication of a sharded [`AdamW`] (ZeRO stages 1 and 2, [`AdamW::new_zero`],
+//! [`AdamW::new_zero_stage`]; Megatron-LM's `megatron/core/optimizer/distrib_optimizer.py`): the
+//! partition of the parameters over the data-parallel group (and, at stage 2, the gradient
+//! shards it gives [`te_nn::parallel::DataParallel`]), the gather of every rank's partial
+//! gradient norms, the in-place broadcasts that make the parameters whole after a step, and the
+//! gather of the pieces a checkpoint writes.
 
 use super::partition::Partition;
-use super::AdamW;
+use super::{AdamW, AdamWConfig, PendingStep, StepStats, ZeroStage};
 use cudarc::driver::CudaSlice;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 use te_nn::checkpoint::optimizer_state::{write_state_file, HostParamState};
+use te_nn::modules::Module;
+use te_nn::parallel::GradShards;
 use te_runtime::dist::ProcessGroup;
 use te_runtime::ops::optimizer::CHUNK;
 use te_runtime::{Device, Error, Result, Tensor};
 
-const MODULE: &str = "AdamW (ZeRO-1)";
+const MODULE: &str = "AdamW (ZeRO)";
 
 /// Broadcasts per NCCL group: a model of many parameters issues its pieces in groups of this
 /// many calls (NCCL launches a group's calls together; smaller groups bound its bookkeeping).
@@ -28,6 +31,10 @@ pub(super) struct Zero {
     group: Arc<ProcessGroup>,
     /// Which elements of which parameter each rank owns.
     partition: Partition,
+    /// Stage 1 or 2.
+    stage: ZeroStage,
+    /// Stage 2: the partition's pieces as the backward reduces the gradients to them.
+    shards: Option<GradShards>,
 }
 
 impl Zero {
@@ -35,9 +42,18 @@ impl Zero {
     /// aligned to the fused kernel's [`CHUNK`] within their parameter (so the chunks of a rank's
     /// pieces are the replicated step's chunks, and so is the norm).
     ///
+    /// At stage 2 the same pieces are the gradient shards ([`Partition::grad_shards`]).
+    ///
     /// # Errors
-    /// [`Error::Argument`] for a group on a side stream or on another GPU than `dev`.
-    pub(super) fn new(dev: &Device, group: Arc<ProcessGroup>, numels: &[usize]) -> Result<Self> {
+    /// [`Error::Argument`] for a group on a side stream or on another GPU than `dev`, or for
+    /// stage 0 (nothing sharded: build [`AdamW::new`]).
+    pub(super) fn new(dev: &Device, group: Arc<ProcessGroup>, numels: &[usize], stage: ZeroStage) -> Result<Self> {
+        if !stage.shards_optimizer() {
+            return Err(Error::Argument {
+                op: MODULE,
+                message: "ZeRO stage 0 shards nothing: build a replicated optimizer (AdamW::new)".into(),
+            });
+        }
         if group.is_side_stream() {
             return Err(Error::Argument {
                 op: MODULE,
@@ -55,12 +71,21 @@ impl Zero {
             });
         }
         let partition = Partition::new(numels, group.size(), CHUNK)?;
-        Ok(Self { group, partition })
+        let shards = match stage.shards_gradients() {
+            true => Some(partition.grad_shards()?),
+            false => None,
+        };
+        Ok(Self { group, partition, stage, shards })
     }
 
     /// Ranks the state is split over.
     pub(super) fn world(&self) -> usize {
         self.partition.world()
+    }
+
+    /// Stage 1 or 2.
+    pub(super) fn stage(&self) -> ZeroStage {
+        self.stage
     }
 
     /// The elements of parameter `param` this rank owns.
@@ -175,6 +200,117 @@ impl Zero {
 }
 
 impl AdamW {
+    /// The optimizer of [`AdamW::new`] held as `stage` says over the data-parallel `group`:
+    /// [`ZeroStage::Replicated`] is [`AdamW::new`] (`group` unused),
+    /// [`ZeroStage::OptimizerStates`] is [`AdamW::new_zero`], and [`ZeroStage::Gradients`]
+    /// (ZeRO stage 2: DeepSpeed's `zero_optimization.stage = 2`; Megatron-LM's distributed
+    /// optimizer, whose gradient buffer is reduce-scattered to the same owners) is
+    /// [`AdamW::new_zero`]'s optimizer stepping on sharded gradients: the backward reduces each
+    /// piece of each gradient to the rank that owns it ([`AdamW::grad_shards`], given to
+    /// [`te_nn::parallel::DataParallel::set_grad_shards`]), which releases the gradients of
+    /// the parameters this rank owns no piece of, and each step names the parameters the
+    /// backward reduced ([`AdamW::step_reduced`]; the plain [`AdamW::step`] is refused, since
+    /// the ranks hold different gradients). Its steps are [`AdamW::new_zero`]'s bit for bit on
+    /// two ranks (each owner's piece is the averaged gradient the all-reduce gives, one sum of
+    /// two values; with more ranks NCCL may sum in another order); its state file is the
+    /// replicated optimizer's.
+    ///
+    /// # Errors
+    /// As [`AdamW::new_zero`].
+    pub fn new_zero_stage<M: Module + ?Sized>(
+        dev: &Arc<Device>,
+        model: &M,
+        config: AdamWConfig,
+        group: Arc<ProcessGroup>,
+        stage: ZeroStage,
+    ) -> Result<Self> {
+        match stage {
+            ZeroStage::Replicated => Self::build(dev, model, config, None),
+            stage => Self::build(dev, model, config, Some((group, stage))),
+        }
+    }
+
+    /// How the state is held: [`ZeroStage::Replicated`] unless built by [`AdamW::new_zero`] or
+    /// [`AdamW::new_zero_stage`].
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.zero.as_ref().map_or(ZeroStage::Replicated, Zero::stage)
+    }
+
+    /// A ZeRO-2 optimizer's gradient shards: each parameter's pieces (traversal order) with the
+    /// rank that owns each, what [`te_nn::parallel::DataParallel::set_grad_shards`] reduces the
+    /// gradients to; `None` at stages 0 and 1.
+    pub fn grad_shards(&self) -> Option<&GradShards> {
+        self.zero.as_ref().and_then(|z| z.shards.as_ref())
+    }
+
+    /// The step of a ZeRO-2 optimizer ([`AdamW::new_zero_stage`]): [`AdamW::step`] of the
+    /// parameters `reduced` marks (the whole model's traversal order,
+    /// [`te_nn::parallel::DataParallel::reduced`]: the same on every rank), each rank reading
+    /// the gradients of its pieces only (the averaged pieces the backward reduced to it); a
+    /// parameter it owns no piece of may have no gradient here (released). Also takes a
+    /// replicated or ZeRO-1 optimizer, whose gradients are whole: the marked parameters are
+    /// updated.
+    ///
+    /// # Errors
+    /// As [`AdamW::step`]; [`Error::Config`] for marks of another parameter count, none
+    /// set, or a marked parameter this rank holds state for without its gradient.
+    pub fn step_reduced<M: Module + ?Sized>(&mut self, model: &mut M, reduced: &[bool]) -> Result<StepStats> {
+        let pending = self.issue_reduced(model, reduced)?;
+        self.finish(&pending)
+    }
+
+    /// [`AdamW::step_reduced`] queued on the device, as [`AdamW::issue`]; complete it with
+    /// [`AdamW::finish`].
+    ///
+    /// # Errors
+    /// As [`AdamW::step_reduced`].
+    pub fn issue_reduced<M: Module + ?Sized>(&mut self, model: &mut M, reduced: &[bool]) -> Result<PendingStep> {
+        self.issue_marked(model, Some(reduced))
+    }
+
+    /// Which parameters a step updates: those `reduced` marks, or those with a gradient. Each
+    /// marked parameter this rank holds state for must have its gradient here.
+    pub(super) fn updated(&self, grads: &[Option<Tensor>], reduced: Option<&[bool]>) -> Result<Vec<bool>> {
+        let updated: Vec<bool> = match reduced {
+            Some(marks) if marks.len() != self.params.len() => {
+                return Err(self.mismatch(format!("{} parameters marked reduced", marks.len())))
+            }
+            Some(marks) => marks.to_vec(),
+            None if self.zero.as_ref().is_some_and(|z| z.stage().shards_gradients()) => {
+                return Err(Error::Config {
+                    module: "AdamW",
+                    message: "a ZeRO-2 optimizer's ranks hold different gradients (each its pieces'): step it with \
+                              AdamW::step_reduced and the parameters DataParallel::reduced marks"
+                        .into(),
+                })
+            }
+            None => grads.iter().map(Option::is_some).collect(),
+        };
+        if !updated.contains(&true) {
+            let what = match reduced {
+                Some(_) => {
+                    "no parameter was reduced (DataParallel::reduced); run a backward that reduces the \
+                            gradients before step"
+                }
+                None => "no parameter has a gradient (grad or main_grad); run a backward before step",
+            };
+            return Err(Error::Config { module: "AdamW", message: what.into() });
+        }
+        let missing =
+            self.params.iter().zip(grads).zip(&updated).find(|((s, g), &u)| u && g.is_none() && !s.piece.is_empty());
+        if let Some(((s, _), _)) = missing {
+            return Err(Error::Config {
+                module: "AdamW",
+                message: format!(
+                    "{} is marked reduced but has no gradient on this rank, which holds its piece {:?}: keep the \
+                     gradients of the parameters this rank owns a piece of",
+                    s.path, s.piece
+                ),
+            });
+        }
+        Ok(updated)
+    }
+
     /// [`AdamW::save_state`] of a sharded optimizer: every rank joins the gather of each
     /// parameter's pieces (one parameter at a time: the extra device memory is one parameter's
     /// state), rank 0 of the group writes the file.

@@ -8,6 +8,10 @@
 //! `N × batch` sequences, the gradients are averaged over the ranks while the backward runs
 //! ([`te_nn::parallel::DataParallel`]), the FP8 amaxes are reduced over them (`fp8_group`), so
 //! every rank takes the same step; rank 0 writes the checkpoints, in the single-GPU format.
+//! With ZeRO the AdamW state is sharded over the data-parallel ranks (stage 1), and at stage 2
+//! the gradients too: the last micro-batch's backward reduces each gradient piece to its owner
+//! and frees the gradients a rank owns nothing of, and the step updates the parameters the
+//! backward reduced ([`crate::optim::AdamW::step_reduced`]).
 //! Tensor parallel: the layers split over the tensor-parallel group, each rank writing its
 //! files of every checkpoint.
 
@@ -62,6 +66,8 @@ pub(super) fn train(
     let estimate = |r: Recompute| Gpt::training_bytes_with(&cfg.model, cfg.batch, fp8, tp_size, r);
     let plan = MemoryPlan {
         parameters: cfg.model.num_parameters() as u64,
+        gradient_bytes: cfg.model.num_parameters() as u64 * cfg.model.params_dtype.size_bytes() as u64,
+        micro_batches: cfg.grad_accum,
         data_parallel: parallel.data_rank().1,
         zero,
         recompute,
@@ -130,6 +136,9 @@ pub(super) fn finetune(
     let estimate = |r: Recompute| DecoderLm::training_bytes_with(m, cfg.batch, seq, fp8, r);
     let plan = MemoryPlan {
         parameters: model.num_parameters() as u64,
+        // BF16 gradients, as the estimate counts them.
+        gradient_bytes: model.num_parameters() as u64 * 2,
+        micro_batches: cfg.grad_accum,
         data_parallel: parallel.data_rank().1,
         zero,
         recompute,
@@ -233,26 +242,37 @@ fn run<M: TrainLm, T: TokenId>(
         );
     }
     let mut opt = match (zero, parallel.data(), &tp) {
-        (ZeroStage::OptimizerStates, _, Some(_)) => {
+        (zero, _, Some(_)) if zero.shards_optimizer() => {
             return Err(TrainError::Unsupported {
-                message: "ZeRO stage 1 with tensor parallelism is not built yet: drop --zero or --tensor-parallel"
-                    .into(),
+                message: format!(
+                    "ZeRO stage {} with tensor parallelism is not built yet: drop --zero or --tensor-parallel",
+                    zero.number()
+                ),
             })
         }
         // Sharded over the data-parallel group (on the device's stream); one rank holds it all.
-        (ZeroStage::OptimizerStates, Some(dp), None) => {
-            AdamW::new_zero(dev, &*model, cfg.adamw_config(), dp.group().clone())?
+        (zero, Some(dp), None) if zero.shards_optimizer() => {
+            AdamW::new_zero_stage(dev, &*model, cfg.adamw_config(), dp.group().clone(), zero)?
         }
         _ => AdamW::new(dev, &*model, cfg.adamw_config())?,
     };
     if let Some(tp) = &tp {
         opt = opt.with_tensor_parallel(tp.group.clone());
     }
+    // ZeRO-2: the backward reduces each gradient piece to its owner (whole all-reduces otherwise;
+    // the layout may have run another stage before).
+    let shards = opt.grad_shards().cloned();
+    let (gradient_bytes, released_gradient_bytes) = gradient_bytes(&*model, shards.as_ref(), parallel.data_rank().0)?;
+    if let Some(dp) = parallel.data() {
+        dp.set_grad_shards(shards)?;
+    }
     let memory = OptimizerMemory {
         stage: zero,
         ranks: opt.zero_ranks().unwrap_or(1),
         bytes_per_rank: opt.state_bytes(),
         replicated_bytes: opt.replicated_state_bytes(),
+        gradient_bytes,
+        released_gradient_bytes,
     };
     tracing::info!("{}", memory.describe());
     let (tp_rank, tp_size) = parallel.tensor_rank();
@@ -352,6 +372,9 @@ fn run<M: TrainLm, T: TokenId>(
         let stop = parallel.mean(f32::from(u8::from(ckpt.stop_requested())))? > 0.0;
         checkpoints.after_step(step, &run, &records, stop)?;
     }
+    if let Some(dp) = parallel.data() {
+        dp.set_grad_shards(None)?;
+    }
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);
     let tokens = (seq * cfg.batch * cfg.grad_accum * world) as f64;
@@ -378,9 +401,34 @@ fn eager_step<M: TrainLm>(
     parallel: &mut Parallel,
 ) -> Result<(f32, crate::optim::StepStats), TrainError> {
     let losses = forward_backward(&mut *run.model, batches, precision, autocast, parallel)?;
-    let stats = run.opt.step(&mut *run.model)?;
+    // ZeRO-2: the parameters the backward reduced (each rank holds its pieces' gradients only).
+    let stats = match parallel.data().and_then(|dp| dp.reduced().map(<[bool]>::to_vec)) {
+        Some(reduced) => run.opt.step_reduced(&mut *run.model, &reduced)?,
+        None => run.opt.step(&mut *run.model)?,
+    };
     let sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
     Ok((sum / losses.len() as f32, stats))
+}
+
+/// Bytes of all of `model`'s gradients (each parameter's elements in its dtype, the gradient's),
+/// and of those `rank` releases under ZeRO-2's `shards` (the parameters it owns no piece of; 0
+/// without shards).
+fn gradient_bytes<M: TrainLm>(
+    model: &M,
+    shards: Option<&te_nn::parallel::GradShards>,
+    rank: usize,
+) -> Result<(u64, u64), TrainError> {
+    let (mut all, mut released, mut i) = (0u64, 0u64, 0usize);
+    model.visit("", &mut |_: &str, _: ParamKind, p: &dyn Param| -> te_runtime::Result<()> {
+        let bytes = (p.numel() * p.dtype().size_bytes()) as u64;
+        all += bytes;
+        if shards.is_some_and(|s| !s.owns(rank, i)) {
+            released += bytes;
+        }
+        i += 1;
+        Ok(())
+    })?;
+    Ok((all, released))
 }
 
 /// The GPU run's model and optimizer, the tensor-parallel group its layers split over, and the

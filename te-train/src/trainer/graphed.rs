@@ -78,8 +78,10 @@ pub(super) fn forward_backward<M: TrainLm>(
             Precision::Bf16 => batch.forward(model, mb)?,
         };
         match parallel.data() {
-            // The last micro-batch's backward reduces each part's gradients as they complete.
+            // The last micro-batch's backward reduces each part's gradients as they complete
+            // (ZeRO-2: each piece to its owner, the others' gradients released as it goes).
             Some(dp) if micro + 1 == n => {
+                dp.begin_step(&*model)?;
                 model.backward_with(ctx, &mut |part| dp.reduce_grads(part))?;
                 dp.finish()?;
             }

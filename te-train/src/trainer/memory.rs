@@ -1,7 +1,8 @@
 //! The memory check before a GPU run allocates: the model's estimate (`Gpt::training_bytes_with`,
-//! `DecoderLm::training_bytes_with`) less what ZeRO-1 shards away, and, when it does not fit,
-//! the estimates of the memory flags the run has not set (`--zero 1` over its data-parallel
-//! ranks, `--recompute full`, both), each saying whether it would fit in the free memory.
+//! `DecoderLm::training_bytes_with`) less what ZeRO shards away (stage 1 the other ranks' AdamW
+//! state, stage 2 also their gradients), and, when it does not fit, the estimates of the memory
+//! flags the run has not set (`--zero 1` and `--zero 2` over its data-parallel ranks,
+//! `--recompute full`, both), each saying whether it would fit in the free memory.
 
 use crate::error::TrainError;
 use crate::optim::ZeroStage;
@@ -12,6 +13,12 @@ use te_runtime::Device;
 pub(super) struct MemoryPlan<'a> {
     /// The parameters a rank holds AdamW state for when replicated.
     pub parameters: u64,
+    /// Bytes of the gradients of all of them as the estimate counts them (`P` times the
+    /// gradient's element size: 2 in BF16).
+    pub gradient_bytes: u64,
+    /// Micro-batches a step (`grad_accum`): with more than one, the gradients are whole until
+    /// the last micro-batch's backward, so ZeRO-2 does not lower the peak.
+    pub micro_batches: usize,
     /// Data-parallel ranks.
     pub data_parallel: usize,
     /// The run's ZeRO stage.
@@ -27,39 +34,62 @@ pub(super) struct MemoryPlan<'a> {
 impl MemoryPlan<'_> {
     /// The estimate (bytes) with `zero` and `recompute`: the model's, less the AdamW state
     /// (f32 master weights and two moments, 12 bytes a parameter) the other ranks hold under
-    /// ZeRO-1 (`12 · P · (1 − 1/N)`; Megatron-LM's distributed optimizer).
+    /// ZeRO-1 and ZeRO-2 (`12 · P · (1 − 1/N)`; Megatron-LM's distributed optimizer), and under
+    /// ZeRO-2 with one micro-batch a step also the gradients the other ranks own
+    /// (`gradient_bytes · (1 − 1/N)`; released during the backward, so the estimate's
+    /// all-gradients term shrinks by about that; DeepSpeed's stage 2).
     pub fn bytes(&self, zero: ZeroStage, recompute: Recompute) -> u64 {
         let base = (self.estimate)(recompute);
-        match zero {
-            ZeroStage::OptimizerStates if self.data_parallel > 1 => {
-                let n = self.data_parallel as u64;
-                base.saturating_sub(12 * self.parameters / n * (n - 1))
-            }
-            _ => base,
+        let n = self.data_parallel as u64;
+        if n <= 1 || !zero.shards_optimizer() {
+            return base;
         }
+        let mut sharded = 12 * self.parameters / n * (n - 1);
+        if zero.shards_gradients() && self.micro_batches <= 1 {
+            sharded += self.gradient_bytes / n * (n - 1);
+        }
+        base.saturating_sub(sharded)
+    }
+
+    /// The ZeRO stages above the run's that lower its estimate: stage 1 over more than one
+    /// data-parallel rank, stage 2 too with one micro-batch a step.
+    fn higher_stages(&self) -> Vec<ZeroStage> {
+        if self.data_parallel <= 1 {
+            return Vec::new();
+        }
+        [ZeroStage::OptimizerStates, ZeroStage::Gradients]
+            .into_iter()
+            .filter(|s| s.number() > self.zero.number())
+            .filter(|s| !s.shards_gradients() || self.micro_batches <= 1)
+            .collect()
     }
 
     /// The flags the run has not set that lower the estimate, with their estimates: `--zero 1`
-    /// (data parallel only), `--recompute full` (where the model takes it), and both.
+    /// and `--zero 2` (data parallel only; stage 2 with one micro-batch a step), `--recompute
+    /// full` (where the model takes it), and each stage with it.
     pub fn alternatives(&self) -> Vec<(&'static str, u64)> {
-        let zero = self.data_parallel > 1 && self.zero == ZeroStage::Replicated;
+        let flags = |s: ZeroStage| match s {
+            ZeroStage::Gradients => ("--zero 2", "--zero 2 --recompute full"),
+            _ => ("--zero 1", "--zero 1 --recompute full"),
+        };
+        let stages = self.higher_stages();
         let recompute = self.recompute_possible && !self.recompute.is_full();
         let mut out = Vec::new();
-        if zero {
-            out.push(("--zero 1", self.bytes(ZeroStage::OptimizerStates, self.recompute)));
+        for &s in &stages {
+            out.push((flags(s).0, self.bytes(s, self.recompute)));
         }
         if recompute {
             out.push(("--recompute full", self.bytes(self.zero, Recompute::Full)));
-        }
-        if zero && recompute {
-            out.push(("--zero 1 --recompute full", self.bytes(ZeroStage::OptimizerStates, Recompute::Full)));
+            for &s in &stages {
+                out.push((flags(s).1, self.bytes(s, Recompute::Full)));
+            }
         }
         out
     }
 
     /// Fails with the device's out-of-memory error when the run's estimate, less `resident`
     /// bytes already on the device, exceeds the free memory. The message is `what(advice)`:
-    /// `advice` names each alternative with its estimate and whether it would fit (`; --zero 1:
+    /// `advice` names each alternative with its estimate and whether it would fit (`; --zero 2:
     /// about N MiB, fits`), for `what` to place inside its description.
     ///
     /// # Errors
@@ -99,38 +129,79 @@ mod tests {
         zero: ZeroStage,
         recompute: Recompute,
     ) -> MemoryPlan<'a> {
-        MemoryPlan { parameters: 1 << 30, data_parallel: dp, zero, recompute, recompute_possible: true, estimate }
+        MemoryPlan {
+            parameters: 1 << 30,
+            gradient_bytes: 2 << 30,
+            micro_batches: 1,
+            data_parallel: dp,
+            zero,
+            recompute,
+            recompute_possible: true,
+            estimate,
+        }
+    }
+
+    fn flags(p: &MemoryPlan<'_>) -> Vec<&'static str> {
+        p.alternatives().iter().map(|a| a.0).collect()
     }
 
     #[test]
-    fn zero_1_takes_the_other_ranks_optimizer_state_off_and_alternatives_name_what_fits() {
+    fn zero_takes_the_other_ranks_share_off_and_alternatives_name_what_fits() {
         let gib = 1u64 << 30;
         let estimate = |r: Recompute| if r.is_full() { 30 * gib } else { 40 * gib };
-        // 1 Gi parameters: 12 GiB of AdamW state; over 4 ranks each keeps 3.
+        // 1 Gi parameters: 12 GiB of AdamW state and 2 GiB of BF16 gradients; over 4 ranks each
+        // keeps 3 GiB of state (ZeRO-1) and 0.5 GiB of gradients (ZeRO-2).
         let p = plan(&estimate, 4, ZeroStage::Replicated, Recompute::None);
         assert_eq!(p.bytes(ZeroStage::Replicated, Recompute::None), 40 * gib);
         assert_eq!(p.bytes(ZeroStage::OptimizerStates, Recompute::None), 31 * gib);
+        assert_eq!(p.bytes(ZeroStage::Gradients, Recompute::None), 31 * gib - 3 * gib / 2);
         assert_eq!(p.bytes(ZeroStage::OptimizerStates, Recompute::Full), 21 * gib);
+        assert_eq!(p.bytes(ZeroStage::Gradients, Recompute::Full), 21 * gib - 3 * gib / 2);
         let alt = p.alternatives();
-        let flags: Vec<&str> = alt.iter().map(|a| a.0).collect();
-        assert_eq!(flags, ["--zero 1", "--recompute full", "--zero 1 --recompute full"]);
         assert_eq!(
-            advice(&alt, 0, 25 * gib),
-            "; --zero 1: about 31744 MiB, does not fit; --recompute full: about 30720 MiB, does not fit; --zero 1 \
-             --recompute full: about 21504 MiB, fits"
+            flags(&p),
+            ["--zero 1", "--zero 2", "--recompute full", "--zero 1 --recompute full", "--zero 2 --recompute full"]
         );
-        // One rank: ZeRO changes nothing and is not offered; a run that set both has nothing left.
-        let one = plan(&estimate, 1, ZeroStage::OptimizerStates, Recompute::None);
-        assert_eq!(one.bytes(ZeroStage::OptimizerStates, Recompute::None), 40 * gib);
-        assert_eq!(one.alternatives().iter().map(|a| a.0).collect::<Vec<_>>(), ["--recompute full"]);
-        let both = plan(&estimate, 2, ZeroStage::OptimizerStates, Recompute::Full);
+        assert_eq!(
+            advice(&alt, 0, 30 * gib),
+            "; --zero 1: about 31744 MiB, does not fit; --zero 2: about 30208 MiB, fits; --recompute full: about \
+             30720 MiB, fits; --zero 1 --recompute full: about 21504 MiB, fits; --zero 2 --recompute full: about \
+             19968 MiB, fits"
+        );
+        // A ZeRO-1 run is offered stage 2; a ZeRO-2 run with full recompute has nothing left.
+        let one = plan(&estimate, 4, ZeroStage::OptimizerStates, Recompute::None);
+        assert_eq!(flags(&one), ["--zero 2", "--recompute full", "--zero 2 --recompute full"]);
+        let two = plan(&estimate, 2, ZeroStage::Gradients, Recompute::None);
+        assert_eq!(flags(&two), ["--recompute full"]);
+        assert_eq!(two.bytes(ZeroStage::Gradients, Recompute::None), 40 * gib - 6 * gib - gib);
+        let both = plan(&estimate, 2, ZeroStage::Gradients, Recompute::Full);
         assert!(both.alternatives().is_empty());
         assert_eq!(advice(&both.alternatives(), 0, gib), "");
+        // One rank: ZeRO changes nothing and is not offered.
+        let single = plan(&estimate, 1, ZeroStage::Gradients, Recompute::None);
+        assert_eq!(single.bytes(ZeroStage::Gradients, Recompute::None), 40 * gib);
+        assert_eq!(flags(&single), ["--recompute full"]);
         // A model that cannot recompute (MoE) is offered ZeRO only.
         let moe =
             MemoryPlan { recompute_possible: false, ..plan(&estimate, 2, ZeroStage::Replicated, Recompute::None) };
-        assert_eq!(moe.alternatives().iter().map(|a| a.0).collect::<Vec<_>>(), ["--zero 1"]);
+        assert_eq!(flags(&moe), ["--zero 1", "--zero 2"]);
         // Resident bytes come off every figure.
         assert_eq!(advice(&[("--zero 1", 10 * gib)], 4 * gib, 5 * gib), "; --zero 1: about 6144 MiB, does not fit");
+    }
+
+    /// With gradient accumulation the gradients are whole until the last micro-batch's
+    /// backward: ZeRO-2 saves what ZeRO-1 does at the peak, and is not offered for memory.
+    #[test]
+    fn zero_2_saves_nothing_more_with_several_micro_batches() {
+        let gib = 1u64 << 30;
+        let estimate = |r: Recompute| if r.is_full() { 30 * gib } else { 40 * gib };
+        let p = MemoryPlan { micro_batches: 4, ..plan(&estimate, 4, ZeroStage::Replicated, Recompute::None) };
+        assert_eq!(
+            p.bytes(ZeroStage::Gradients, Recompute::None),
+            p.bytes(ZeroStage::OptimizerStates, Recompute::None)
+        );
+        assert_eq!(flags(&p), ["--zero 1", "--recompute full", "--zero 1 --recompute full"]);
+        let one = MemoryPlan { micro_batches: 2, ..plan(&estimate, 4, ZeroStage::OptimizerStates, Recompute::None) };
+        assert_eq!(flags(&one), ["--recompute full"]);
     }
 }

@@ -110,11 +110,15 @@ impl Trainer {
     /// data-parallel run (`te train --zero`): [`ZeroStage::OptimizerStates`] shards AdamW's
     /// f32 masters and moments over the data-parallel group ([`crate::optim::AdamW::new_zero`]:
     /// about `1 / N` of the bytes per rank, the same steps bit for bit, the same checkpoint
-    /// files). A run of one rank holds everything either way.
+    /// files); [`ZeroStage::Gradients`] shards the gradients too
+    /// ([`crate::optim::AdamW::new_zero_stage`]: the last micro-batch's backward reduces each
+    /// gradient piece to its owner and releases the gradients of the parameters a rank owns no
+    /// piece of, about `1 − 1/N` of the gradient bytes; the same steps as stage 1 bit for bit on
+    /// two ranks, the same checkpoint files). A run of one rank holds everything either way.
     ///
     /// # Errors
-    /// [`TrainError::Unsupported`] for ZeRO-1 on the CPU backend (one process, nothing to shard
-    /// over); with tensor parallelism, [`Trainer::train`] refuses it.
+    /// [`TrainError::Unsupported`] for ZeRO-1 or ZeRO-2 on the CPU backend (one process,
+    /// nothing to shard over); with tensor parallelism, [`Trainer::train`] refuses it.
     pub fn with_zero(self, stage: ZeroStage) -> Result<Self, TrainError> {
         if stage != ZeroStage::Replicated && !self.backend.is_gpu() {
             return Err(TrainError::Unsupported {
@@ -162,13 +166,13 @@ impl Trainer {
     }
 
     /// The optimizer state this rank held in the last GPU run ([`Trainer::train`] or
-    /// [`Trainer::finetune`]; `None` before one, and on the CPU backend): the bytes ZeRO-1
+    /// [`Trainer::finetune`]; `None` before one, and on the CPU backend): the bytes ZeRO
     /// saves per rank.
     pub fn optimizer_memory(&self) -> Option<OptimizerMemory> {
         self.optimizer_memory
     }
 
-    /// Refuses a ZeRO stage the layout cannot run: ZeRO-1 with tensor parallelism.
+    /// Refuses a ZeRO stage the layout cannot run: ZeRO-1 or ZeRO-2 with tensor parallelism.
     fn check_zero(&self) -> Result<(), TrainError> {
         let (_, tp) = self.parallel.tensor_rank();
         if self.zero != ZeroStage::Replicated && tp > 1 {
@@ -246,7 +250,8 @@ impl Trainer {
     /// for a non-finite FP8 scaling state at a checkpoint; [`TrainError::Interrupted`] after the
     /// step during which the stop flag ([`CheckpointOptions::stop`]) was set, its checkpoint
     /// written; [`TrainError::Output`] for checkpoint directories that cannot be written;
-    /// [`TrainError::Unsupported`] for ZeRO-1 ([`Trainer::with_zero`]) with tensor parallelism.
+    /// [`TrainError::Unsupported`] for ZeRO-1 or ZeRO-2 ([`Trainer::with_zero`]) with tensor
+    /// parallelism.
     pub fn train(
         &mut self,
         corpus: &Corpus,

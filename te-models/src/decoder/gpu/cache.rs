@@ -358,6 +358,12 @@ pub(super) struct StepShape {
 }
 
 impl StepShape {
+    /// The sizes of a step of `batch` attention sequences of at most `max_new` new and
+    /// `max_total` cached tokens each, in a view of `capacity` rows a sequence.
+    pub fn new(batch: usize, max_new: usize, max_total: usize, capacity: usize) -> Self {
+        Self { batch, max_new, max_total, capacity }
+    }
+
     fn base(&self, cfg: &DecoderConfig, layout: QkvLayout, (sq, sk): (usize, usize)) -> AttentionShape {
         AttentionShape::new(layout, self.batch, (sq, sk), (cfg.num_attention_heads, cfg.num_gqa_groups), cfg.head_dim)
             .with_scale(cfg.softmax_scale())

@@ -2,7 +2,8 @@
 //! conventions as the CPU twin ([`crate::cpu::decoder::DecoderRef`]): prompts of any lengths in
 //! one prefill, one token per unfinished sequence per step, each drawn by
 //! [`crate::generate::SamplingConfig`] from the Philox stream `(seed, position)` row `j` (greedy
-//! picks on the device, `ops::argmax`), EOS ending a sequence; the decode steps replayed from a
+//! picks on the device, `ops::argmax`), EOS ending a sequence; the prefill eager or replayed
+//! from its length bucket's CUDA graph ([`super::PrefillGraphs`]), the decode steps replayed from a
 //! CUDA graph; perplexity with transformers' sliding windows, the loss from the fused
 //! cross-entropy kernel (or on the host when the model soft-caps its logits).
 
@@ -17,11 +18,12 @@ use te_runtime::ops::cross_entropy::cross_entropy;
 use te_runtime::Tensor;
 
 /// The decode steps of one generation: their tables, the captured graph with its logits, the
-/// eager steps run.
+/// eager steps run, whether the capture failed.
 struct DecodeSteps {
     tables: Option<DecodeTables>,
     graph: Option<(Graph, Tensor)>,
     eager: usize,
+    failed: bool,
 }
 
 /// Rows of logits computed at once in perplexity.
@@ -40,28 +42,35 @@ impl Decoder {
     ) -> DecoderResult<Vec<Vec<i32>>> {
         check_prompts(prompts, opts)?;
         self.check_ids(prompts)?;
-        let b = prompts.len();
-        let mut out: Vec<Vec<i32>> = vec![Vec::with_capacity(opts.max_new_tokens); b];
         if opts.max_new_tokens == 0 {
-            return Ok(out);
+            return Ok(vec![Vec::new(); prompts.len()]);
         }
         let capacity = prompts.iter().map(Vec::len).max().unwrap_or(1) + opts.max_new_tokens;
-        let mut cache = self.cache(b, capacity)?;
+        self.graph_fallback = None;
+        // The prefill: the logits of the last position of each prompt.
+        let (mut held, logits) = self.prefill(prompts, capacity)?;
+        let out = self.decode_all(held.cache_mut(), prompts, opts, logits, on_token);
+        // A prefill graph's cache goes back to the decoder (with its graphs) for the next call.
+        self.restore(held);
+        out
+    }
+
+    /// The decode loop of [`Decoder::generate`] after the prefill left the prompts in `cache`
+    /// and the logits `[batch, vocab]` of their last positions in `logits_dev`.
+    fn decode_all(
+        &mut self,
+        cache: &mut DecoderCache,
+        prompts: &[Vec<i32>],
+        opts: &DecodeOptions,
+        mut logits_dev: Tensor,
+        on_token: &mut dyn FnMut(usize, i32) -> DecoderResult<()>,
+    ) -> DecoderResult<Vec<Vec<i32>>> {
+        let b = prompts.len();
+        let mut out: Vec<Vec<i32>> = vec![Vec::with_capacity(opts.max_new_tokens); b];
         let eos: Vec<i32> = self.cfg.eos_token_ids.iter().map(|&e| e as i32).collect();
-        // The prefill: the last position of each prompt.
-        let hidden = self.forward_step(&mut cache, prompts)?;
-        let mut last = Vec::with_capacity(b);
-        let mut acc = 0;
-        for p in prompts {
-            acc += p.len();
-            last.push(acc - 1);
-        }
-        let mut logits_dev = self.head(&self.gather_rows(&hidden, &last)?)?;
-        drop(hidden);
         let mut active = vec![true; b];
         let v = self.cfg.vocab_size;
-        let mut steps = DecodeSteps { tables: None, graph: None, eager: 0 };
-        self.graph_fallback = None;
+        let mut steps = DecodeSteps { tables: None, graph: None, eager: 0, failed: false };
         // Greedy decoding picks on the device (one i32 a sequence comes back, not its 262k
         // logits); soft-capping is monotonic, so it does not change the pick.
         let greedy = opts.sampling.temperature == 0.0;
@@ -105,7 +114,7 @@ impl Decoder {
             if step + 1 == opts.max_new_tokens || !active.contains(&true) {
                 break;
             }
-            logits_dev = self.decode_step(&mut cache, &mut steps, &next)?;
+            logits_dev = self.decode_step(cache, &mut steps, &next)?;
         }
         Ok(out)
     }
@@ -171,7 +180,7 @@ impl Decoder {
                 graph.replay()?;
                 logits.clone()
             }
-            None if self.cuda_graph && steps.eager > 0 && self.graph_fallback.is_none() => {
+            None if self.cuda_graph && steps.eager > 0 && !steps.failed => {
                 let dev = self.dev.clone();
                 let captured = Graph::capture(&dev, || {
                     self.decode_logits(cache, tables).map_err(|e| match e {
@@ -186,7 +195,8 @@ impl Decoder {
                         logits
                     }
                     Err(e) => {
-                        self.graph_fallback = Some(e.to_string());
+                        steps.failed = true;
+                        self.note_fallback(format!("decode step: {e}"));
                         self.decode_logits(cache, tables)?
                     }
                 }

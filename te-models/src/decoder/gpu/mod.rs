@@ -10,13 +10,19 @@
 //! ([`DecoderCache`]). Its CPU twin is [`crate::cpu::decoder::DecoderRef`].
 //!
 //! Files: this one holds the model and its forward; `layer` a layer; `cache` the KV cache and a
-//! step's tables; `generate` generation, perplexity and [`crate::decoder::CausalLm`].
+//! step's tables; `generate` generation, perplexity and [`crate::decoder::CausalLm`];
+//! `prefill_plan` the buckets and padded tables of the prefill graphs, `prefill_graph` their
+//! capture, replay and store ([`Decoder::set_prefill_graphs`]).
 
 mod cache;
 mod generate;
 mod layer;
+mod prefill_graph;
+pub mod prefill_plan;
 
 pub use cache::{DecoderCache, DEFAULT_PREFILL_CHUNK};
+pub use prefill_graph::{PrefillGraphStats, PrefillGraphs};
+pub use prefill_plan::{prefill_bucket, prefill_capacity, PREFILL_BUCKETS, PREFILL_GRAPH_MAX_TOKENS};
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights, WeightTensor};
 use layer::{linear, linear_fp8, linear_from, norm, quantize_e4m3, DecodeStream, Layer};
@@ -117,10 +123,13 @@ pub struct Decoder {
     lm_head: Linear,
     /// f32 `[head_dim / 2]` inverse frequencies of each distinct RoPE of the layers.
     inv_freq: Vec<Tensor>,
-    /// Replay decode steps from a CUDA graph.
+    /// Replay decode steps (and, with [`PrefillGraphs::On`], prefills) from CUDA graphs.
     cuda_graph: bool,
-    /// Why the last generation could not capture its decode step.
+    /// Why the last generation ran a step eagerly although graphs were on (its decode step's
+    /// capture, its prefill's).
     graph_fallback: Option<String>,
+    /// The prefill graphs: their mode, caches and buckets.
+    prefill: prefill_graph::PrefillStore,
     /// The most tokens a step feeds a sequence when the sliding-window layers keep only their
     /// window ([`DecoderCache::with_chunk`]).
     prefill_chunk: usize,
@@ -197,6 +206,7 @@ impl Decoder {
             inv_freq,
             cuda_graph: true,
             graph_fallback: None,
+            prefill: Default::default(),
             prefill_chunk: cache::DEFAULT_PREFILL_CHUNK,
             fused_decode_rows: 0,
             kv_cache_dtype: DType::BF16,
@@ -424,14 +434,18 @@ impl Decoder {
     }
 
     /// Whether [`Decoder::generate`] replays its decode steps from a CUDA graph (captured at the
-    /// second step; the first runs eagerly and loads every kernel). Default true; a step that
-    /// cannot be captured runs eagerly ([`Decoder::graph_fallback`] says why).
+    /// second step; the first runs eagerly and loads every kernel), and, under
+    /// [`PrefillGraphs::On`] ([`Decoder::set_prefill_graphs`]), its prefills from one graph per
+    /// length bucket. Default true; a step that cannot be captured runs eagerly
+    /// ([`Decoder::graph_fallback`] says why). Off, the prefills of [`PrefillGraphs::On`] still
+    /// run on their padded shape (eagerly: the same numbers).
     pub fn set_cuda_graph(&mut self, on: bool) {
         self.cuda_graph = on;
     }
 
-    /// Why the last generation's decode steps ran eagerly although CUDA graphs were on, if they
-    /// did.
+    /// Why the last generation (or [`Decoder::prefill_logits`]) ran a step eagerly although CUDA
+    /// graphs were on, if it did: its decode step's failed capture, its prefill bucket's (`;`
+    /// between them).
     pub fn graph_fallback(&self) -> Option<&str> {
         self.graph_fallback.as_deref()
     }

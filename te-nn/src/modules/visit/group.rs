@@ -52,6 +52,9 @@ pub(super) trait Group {
     /// The gradients the optimizer reads (the weight's `main_grad` in its place when there is
     /// one), writable.
     fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2];
+    /// Takes the gradient of `slot` out, leaving the other; `None` for a weight with a
+    /// caller's `main_grad`.
+    fn take_grad(&mut self, slot: Slot) -> Option<Tensor>;
 }
 
 impl Group for LinearParams {
@@ -100,6 +103,14 @@ impl Group for LinearParams {
     fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2] {
         LinearParams::grads_mut(self)
     }
+
+    fn take_grad(&mut self, slot: Slot) -> Option<Tensor> {
+        match slot {
+            Slot::Weight if LinearParams::main_grad(self).is_some() => None,
+            Slot::Weight => self.take_weight_grad(),
+            Slot::Bias => self.take_bias_grad(),
+        }
+    }
 }
 
 impl Group for NormParams {
@@ -131,6 +142,11 @@ impl Group for NormParams {
 
     fn grads_mut(&mut self) -> [Option<&mut Tensor>; 2] {
         NormParams::grads_mut(self)
+    }
+
+    fn take_grad(&mut self, slot: Slot) -> Option<Tensor> {
+        let [weight, bias] = self.take_grads_of([matches!(slot, Slot::Weight), matches!(slot, Slot::Bias)]);
+        weight.or(bias)
     }
 }
 
@@ -216,6 +232,10 @@ impl<R: DerefMut<Target: Group>> ParamMut for View<R> {
             Slot::Weight => weight,
             Slot::Bias => bias,
         }
+    }
+
+    fn take_grad(&mut self) -> Option<Tensor> {
+        self.group.take_grad(self.slot)
     }
 }
 

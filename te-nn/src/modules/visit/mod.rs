@@ -117,6 +117,18 @@ pub trait ParamMut: Param {
     fn grad_mut(&mut self) -> Option<&mut Tensor> {
         None
     }
+
+    /// Takes this parameter's accumulated gradient ([`Param::grad`]) out of its layer, leaving
+    /// none (as [`ParamMut::zero_grad`] would, for this parameter only: a bias's gradient stays
+    /// when the weight's is taken): a ZeRO-2 backward releases the gradients of the parameters
+    /// this rank holds no optimizer state for once their reduction to the owning rank is done
+    /// (`crate::parallel::DataParallel`). The caller's `main_grad` ([`Param::main_grad`]) is
+    /// never taken: a parameter with one returns `None`, as does the default (nothing is
+    /// released: implement it for a hand-written parameter trained with ZeRO-2 to save its
+    /// gradient's memory).
+    fn take_grad(&mut self) -> Option<Tensor> {
+        None
+    }
 }
 
 /// What a read-only traversal ([`Module::visit`]) calls for each thing it reaches. A closure

@@ -131,16 +131,19 @@ fn the_cpu_backend_takes_the_single_rank_layout_only() {
     assert_eq!(trainer.into_parallel().data_rank(), (0, 1));
 }
 
-/// ZeRO-1 shards the optimizer over data-parallel GPUs: the CPU backend refuses it with a
-/// typed error saying what to pass, and takes stage 0; a CPU run reports no GPU optimizer state.
+/// ZeRO-1 and ZeRO-2 shard over data-parallel GPUs: the CPU backend refuses them with a typed
+/// error saying what to pass, and takes stage 0; a CPU run reports no GPU optimizer state.
 #[test]
-fn the_cpu_backend_refuses_zero_1() {
+fn the_cpu_backend_refuses_zero_1_and_2() {
     use crate::optim::ZeroStage;
     let (corpus, cfg) = small();
-    let trainer = Trainer::new(cfg.clone(), Backend::Cpu).unwrap();
-    let e = trainer.with_zero(ZeroStage::OptimizerStates).unwrap_err();
-    assert!(matches!(e, TrainError::Unsupported { .. }), "{e}");
-    assert!(e.to_string().contains("ZeRO stage 1") && e.to_string().contains("--zero 0"), "{e}");
+    for stage in [ZeroStage::OptimizerStates, ZeroStage::Gradients] {
+        let trainer = Trainer::new(cfg.clone(), Backend::Cpu).unwrap();
+        let e = trainer.with_zero(stage).unwrap_err();
+        assert!(matches!(e, TrainError::Unsupported { .. }), "{e}");
+        let stage = format!("ZeRO stage {}", stage.number());
+        assert!(e.to_string().contains(&stage) && e.to_string().contains("--zero 0"), "{e}");
+    }
     let cfg = TrainConfig { steps: 1, warmup_steps: 1, eval_interval: 1, ..cfg };
     let mut trainer = Trainer::new(cfg, Backend::Cpu).unwrap().with_zero(ZeroStage::Replicated).unwrap();
     assert_eq!(trainer.zero(), ZeroStage::Replicated);
