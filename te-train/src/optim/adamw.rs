@@ -301,9 +301,10 @@ impl AdamW {
     ///
     /// # Errors
     /// [`Error::Config`] when the model's parameters (paths, shapes, dtypes, order) are not the
-    /// ones the optimizer was built for, or when no parameter has a gradient (run a backward
-    /// first); kernel, allocation and copy failures. The step counts only when it succeeds and
-    /// is not skipped ([`AdamWConfig::skip_nonfinite`]).
+    /// ones the optimizer was built for, when no parameter has a gradient (run a backward
+    /// first), or for a ZeRO-2 optimizer (its ranks hold different gradients: step it with
+    /// [`AdamW::step_reduced`]); kernel, allocation and copy failures. The step counts only when
+    /// it succeeds and is not skipped ([`AdamWConfig::skip_nonfinite`]).
     pub fn step<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<StepStats> {
         let pending = self.issue(model)?;
         self.finish(&pending)
