@@ -45,6 +45,9 @@ pub struct Finetune {
     /// How documents are packed into batches (`--pack`).
     pub pack: Pack,
     path: PathBuf,
+    /// The model [`Finetune::pretrained_loss`] built and evaluated, which the next run trains
+    /// instead of building it again (an 8 B model's initialization takes tens of seconds).
+    spare: Option<DecoderLm>,
 }
 
 impl Finetune {
@@ -84,6 +87,7 @@ impl Finetune {
             fp8_lm_head: a.fp8_lm_head,
             pack,
             path: path.to_path_buf(),
+            spare: None,
         })
     }
 
@@ -167,9 +171,14 @@ impl Finetune {
     ///
     /// # Errors
     /// As [`Finetune::model`]; the trainer's.
-    pub fn pretrained_loss(&self, trainer: &Trainer, split: &TokenSplit) -> Result<f32, String> {
+    pub fn pretrained_loss(&mut self, trainer: &Trainer, split: &TokenSplit) -> Result<f32, String> {
         let mut model = self.model(trainer)?;
-        trainer.validation_loss(&mut model, split, (self.seq, self.pack), Precision::Bf16).map_err(|e| e.to_string())
+        let loss = trainer
+            .validation_loss(&mut model, split, (self.seq, self.pack), Precision::Bf16)
+            .map_err(|e| e.to_string())?;
+        // A BF16 evaluation changes no weight nor any FP8 state: the next run starts from it.
+        self.spare = Some(model);
+        Ok(loss)
     }
 
     /// One run in `precision` from the pretrained weights; saves the fine-tuned model as a
@@ -186,7 +195,10 @@ impl Finetune {
         (out, save): (&Path, bool),
         progress: impl FnMut(&Progress),
     ) -> Result<RunSummary, TrainError> {
-        let mut model = self.model(trainer).map_err(|message| TrainError::Unsupported { message })?;
+        let mut model = match self.spare.take() {
+            Some(m) => m,
+            None => self.model(trainer).map_err(|message| TrainError::Unsupported { message })?,
+        };
         let run = trainer.finetune(&mut model, split, (self.seq, self.pack), precision, progress)?;
         if save {
             let dir = out.join(format!("hf-{}", precision.name()));

@@ -52,9 +52,9 @@ fn check(dev: &Arc<Device>, pg: &Arc<ProcessGroup>, mask: AttnMaskType, window: 
     let cp_mask = if mask == AttnMaskType::Causal { AttnMaskType::CausalBottomRight } else { mask };
     let mut attn = module(dev, cp_mask, window);
     let [ql, kl, vl, dl] = [&q, &k, &v, &d_out].map(|t| cp.shard(dev, t).unwrap());
-    let (out_l, ctx) = cp.attention_forward(&mut attn, &ql, &kl, &vl).unwrap();
+    let (out_l, ctx) = attn.forward_context_parallel(&cp, &ql, &kl, &vl).unwrap();
     assert_eq!(out_l.shape(), [2 * C, B, H * D]);
-    let (dq_l, dk_l, dv_l) = cp.attention_backward(&mut attn, ctx, &dl).unwrap();
+    let (dq_l, dk_l, dv_l) = attn.backward_context_parallel(&cp, ctx, &dl).unwrap();
     let host = |t: &Tensor| t.to_f32(dev).unwrap();
     let mine = |t: &Tensor| host(&cp.shard(dev, t).unwrap());
     let r = cp.rank();
@@ -103,7 +103,7 @@ fn context_parallel_refuses_what_it_does_not_split() {
     let Some(dev) = device() else { return };
     let cp = ContextParallel::new(Arc::new(ProcessGroup::single(&dev).unwrap())).unwrap();
     let (q, k, v) = (tensor(&dev, 1, &[6, 1, H, D]), tensor(&dev, 2, &[6, 1, G, D]), tensor(&dev, 3, &[6, 1, G, D]));
-    let err = cp.attention_forward(&mut module(&dev, AttnMaskType::Causal, None), &q, &k, &v).unwrap_err();
+    let err = module(&dev, AttnMaskType::Causal, None).forward_context_parallel(&cp, &q, &k, &v).unwrap_err();
     assert!(err.to_string().contains("causal_bottom_right"), "{err}");
     let mut bshd = DotProductAttention::new(
         &dev,
@@ -115,16 +115,17 @@ fn context_parallel_refuses_what_it_does_not_split() {
         },
     )
     .unwrap();
-    let err = cp.attention_forward(&mut bshd, &q, &k, &v).unwrap_err();
+    let err = bshd.forward_context_parallel(&cp, &q, &k, &v).unwrap_err();
     assert!(err.to_string().contains("sbhd"), "{err}");
     let odd = tensor(&dev, 4, &[5, 1, H, D]);
-    let err = cp.attention_forward(&mut module(&dev, AttnMaskType::CausalBottomRight, None), &odd, &k, &v).unwrap_err();
+    let err =
+        module(&dev, AttnMaskType::CausalBottomRight, None).forward_context_parallel(&cp, &odd, &k, &v).unwrap_err();
     assert!(err.to_string().contains("two chunks"), "{err}");
     let err = cp.shard(&dev, &tensor(&dev, 5, &[7, 1, H, D])).unwrap_err();
     assert!(err.to_string().contains("multiple of 2 · cp"), "{err}");
     // One rank: the context-parallel attention is the plain one.
     let mut attn = module(&dev, AttnMaskType::CausalBottomRight, None);
-    let (out, _) = cp.attention_forward(&mut attn, &q, &k, &v).unwrap();
+    let (out, _) = attn.forward_context_parallel(&cp, &q, &k, &v).unwrap();
     let (want, _) = module(&dev, AttnMaskType::Causal, None).forward(&q, &k, &v, None).unwrap();
     let e = rel_err(&out.to_f32(&dev).unwrap(), &want.to_f32(&dev).unwrap());
     assert!(e <= 5e-3, "one rank: relative error {e}");

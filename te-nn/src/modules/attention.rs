@@ -49,6 +49,7 @@
 
 mod backend;
 mod config;
+mod context_parallel;
 mod fp8;
 mod fused;
 mod mask;
@@ -63,6 +64,7 @@ use super::{next_module_id, KernelSpec, KernelTarget, Output};
 use crate::fp8::ScalingState;
 pub use backend::AttentionBackend;
 pub use config::DotProductAttentionConfig;
+pub use context_parallel::CpAttentionCtx;
 pub(crate) use fp8::Fp8OutputRequest;
 use mask::MaskCache;
 pub use padding::PaddingSeqlens;

@@ -28,8 +28,8 @@ pub mod visit;
 
 pub use crate::fp8::{Fp8Direction, Fp8StateSlot};
 pub use attention::{
-    AttentionBackend, AttentionCtx, AttnMaskType, DotProductAttention, DotProductAttentionConfig, PaddingSeqlens,
-    QkvFormat, ThdSeqlens,
+    AttentionBackend, AttentionCtx, AttnMaskType, CpAttentionCtx, DotProductAttention, DotProductAttentionConfig,
+    PaddingSeqlens, QkvFormat, ThdSeqlens,
 };
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingCtx};
 pub use grouped_linear::{GroupedLinear, GroupedLinearConfig, GroupedLinearCtx};

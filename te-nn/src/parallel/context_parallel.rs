@@ -12,27 +12,21 @@
 //! `[S, ...]` tensor into a rank's `[2c, ...]` part, [`ContextParallel::unshard`] puts the parts
 //! back together.
 //!
-//! **Attention** ([`ContextParallel::attention_forward`], TE's `AttnFuncWithCPAndKVAllGather`):
-//! the ranks' keys and values are all-gathered and put in global order, then each of the rank's
-//! two query chunks attends over the keys up to its own end with a causal mask aligned
-//! bottom-right (query `i` of a chunk of `c` over `n` keys sees keys `j <= i + n − c`: its global
-//! position), one fused attention call each; the output is the two chunks' outputs stacked. The
-//! backward ([`ContextParallel::attention_backward`]) runs the two calls' backwards, adds their
-//! key and value gradients over the global sequence and reduce-scatters them (sum) back to the
-//! ranks that hold those tokens. The ranks' results are the one-GPU attention's over the whole
-//! sequence, up to the order of the BF16 sums of `dK` and `dV` (GPU tests
-//! `context_parallel::*`).
+//! **The attention's hook** (TE's `AttnFuncWithCPAndKVAllGather`; the attention module calls
+//! it, `DotProductAttention::forward_context_parallel`): [`ContextParallel::gather_sequence`]
+//! all-gathers the ranks' keys and values and puts them in global order, each of the rank's two
+//! query chunks then attends over the keys up to its own end ([`ContextParallel::key_ends`]) with
+//! a causal mask aligned bottom-right; in the backward the two chunks' key and value gradients,
+//! summed over the global sequence, go back to the ranks that hold those tokens
+//! ([`ContextParallel::scatter_sequence`], a reduce-scatter of the sum).
 //!
-//! Built here: sequence-first layouts (`sbhd`), causal (aligned bottom-right, which is TE's
-//! top-left causal mask where queries and keys are equally many) or no mask, sliding windows,
-//! GQA. Not yet: the ring (p2p) exchange that overlaps the key/value traffic with the attention,
-//! FP8 attention, padding masks and `thd`.
+//! Built here: sequence-first layouts (`sbhd`), causal (aligned bottom-right) or no mask, sliding
+//! windows, GQA. Not yet: the ring (p2p) exchange that overlaps the key/value traffic with the
+//! attention, FP8 attention, padding masks and `thd`.
 
-use crate::modules::{AttentionCtx, AttnMaskType, DotProductAttention, QkvFormat};
 use std::ops::Range;
 use std::sync::Arc;
 use te_runtime::dist::{ProcessGroup, ReduceOp};
-use te_runtime::ops::elementwise::add_assign;
 use te_runtime::{Device, Error, Result, Tensor};
 
 const MODULE: &str = "ContextParallel";
@@ -42,20 +36,6 @@ const MODULE: &str = "ContextParallel";
 pub struct ContextParallel {
     /// The context-parallel ranks, on the device's stream.
     group: Arc<ProcessGroup>,
-}
-
-/// What [`ContextParallel::attention_forward`] keeps for the backward: the contexts of its two
-/// attention calls and the sizes of the problem.
-#[derive(Debug)]
-pub struct CpAttentionCtx {
-    /// The calls of the rank's first and second query chunks.
-    calls: [AttentionCtx; 2],
-    /// Tokens a chunk (`c`).
-    chunk: usize,
-    /// The shape of the rank's k (and v's leading dims): `[2c, b, g, d]`.
-    kv_shape: Vec<usize>,
-    /// The shape of the rank's v.
-    v_shape: Vec<usize>,
 }
 
 impl ContextParallel {
@@ -148,157 +128,40 @@ impl ContextParallel {
         reorder(dev, &gathered, self.size(), local / 2, Order::RanksToGlobal)
     }
 
-    /// Causal (or unmasked) attention of this rank's queries over every rank's keys and values:
-    /// `q: [2c, b, h, d]`, `k: [2c, b, g, d]`, `v: [2c, b, g, dv]` (sbhd; this rank's two chunks,
-    /// [`ContextParallel::shard`]'s layout) through `attn`, whose configuration gives the heads,
-    /// scale, window and mask. Returns the output `[2c, b, h · dv]` (this rank's rows of the
-    /// whole sequence's attention output) and the context for
-    /// [`ContextParallel::attention_backward`]. Every rank of the group calls it with its part
-    /// of the same sequences.
-    ///
-    /// # Errors
-    /// [`Error::Config`] for a layout other than `sbhd`, a mask other than
-    /// [`AttnMaskType::CausalBottomRight`] or [`AttnMaskType::NoMask`] (a top-left causal mask
-    /// would mask a chunk's queries against its own position instead of the global one: use
-    /// `CausalBottomRight`, the same mask where queries and keys are equally many), or an FP8
-    /// attention (`fp8_dpa`; not built with context parallelism); [`Error::Shape`] for parts of
-    /// an odd or mismatched length; the attention's, NCCL, allocation and copy errors.
-    pub fn attention_forward(
-        &self,
-        attn: &mut DotProductAttention,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<(Tensor, CpAttentionCtx)> {
-        let dev = self.group.device().clone();
-        let cfg = attn.config();
-        if cfg.qkv_format != QkvFormat::Sbhd {
-            return Err(Error::Config {
-                module: MODULE,
-                message: format!(
-                    "context parallelism splits the first dim: use qkv_format sbhd, not {:?}",
-                    cfg.qkv_format
-                ),
-            });
+    /// The keys each of the rank's two query chunks attends over, as the end of a prefix of
+    /// the global sequence (chunks of `c` tokens): with a causal mask chunk `r` sees `(r +
+    /// 1)·c` keys and chunk `2·cp − 1 − r` sees `(2·cp − r)·c`; without one both see all
+    /// `2·cp·c`.
+    pub fn key_ends(&self, c: usize, causal: bool) -> [usize; 2] {
+        let (cp, r) = (self.size(), self.rank());
+        if causal {
+            [(r + 1) * c, (2 * cp - r) * c]
+        } else {
+            [2 * cp * c; 2]
         }
-        let causal = match cfg.attn_mask_type {
-            AttnMaskType::CausalBottomRight => true,
-            AttnMaskType::NoMask => false,
-            other => {
-                return Err(Error::Config {
-                    module: MODULE,
-                    message: format!(
-                        "attn_mask_type {other:?}: context parallelism takes causal_bottom_right (the causal mask at \
-                         each chunk's global position; the same as causal where queries and keys are equally many) \
-                         or no_mask"
-                    ),
-                })
-            }
-        };
-        let local = q.shape().first().copied().unwrap_or(0);
-        if local == 0 || local % 2 != 0 || k.shape().first() != Some(&local) || v.shape().first() != Some(&local) {
-            return Err(Error::Shape {
-                op: MODULE,
-                message: format!(
-                    "q {:?}, k {:?}, v {:?}: a rank's parts hold two chunks of equal length, the same for all three",
-                    q.shape(),
-                    k.shape(),
-                    v.shape()
-                ),
-            });
-        }
-        let (cp, r, c) = (self.size(), self.rank(), local / 2);
-        let [k_all, v_all] = [k, v].map(|t| self.gather_global(&dev, t, c));
-        let (k_all, v_all) = (k_all?, v_all?);
-        let seq = 2 * cp * c;
-        // Chunk r over keys 0..(r + 1)c, chunk 2cp − 1 − r over 0..(2cp − r)c; without a mask
-        // both see the whole sequence.
-        let ends = if causal { [(r + 1) * c, (2 * cp - r) * c] } else { [seq, seq] };
-        let mut outs = Vec::with_capacity(2);
-        let mut calls = Vec::with_capacity(2);
-        for (half, end) in ends.into_iter().enumerate() {
-            let q_half = q.narrow(&dev, half * c..(half + 1) * c)?;
-            let (k_pre, v_pre) = (k_all.narrow(&dev, 0..end)?, v_all.narrow(&dev, 0..end)?);
-            let (out, ctx) = attn.forward(&q_half, &k_pre, &v_pre, None)?;
-            if ctx.fp8() {
-                return Err(Error::Config {
-                    module: MODULE,
-                    message: "FP8 attention (fp8_dpa) with context parallelism is not built: run attention in BF16 \
-                              (fp8_dpa off)"
-                        .into(),
-                });
-            }
-            outs.push(out);
-            calls.push(ctx);
-        }
-        let out_shape = local_shape(outs[0].shape(), c);
-        let out = stack(&dev, &outs, &out_shape)?;
-        let [a, b]: [AttentionCtx; 2] =
-            calls.try_into().map_err(|_| Error::internal(MODULE, "two attention calls, two contexts"))?;
-        let ctx = CpAttentionCtx { calls: [a, b], chunk: c, kv_shape: k.shape().to_vec(), v_shape: v.shape().to_vec() };
-        Ok((out, ctx))
     }
 
-    /// The backward of [`ContextParallel::attention_forward`] for `d_out: [2c, b, h · dv]`
-    /// (this rank's rows of the output's gradient): `(dq, dk, dv)` in the shapes of this rank's
-    /// q, k and v. The key and value gradients of all ranks' queries are summed over the group
-    /// (a reduce-scatter), so every rank calls it.
+    /// Every rank's `x: [2c, ...]` (its two chunks of `c` tokens, sequence first) gathered and
+    /// put in global order: `[S, ...]`, `S = 2·cp·c` (an all-gather on the group's stream, then
+    /// the chunks copied into place).
     ///
     /// # Errors
-    /// [`Error::Shape`] for a `d_out` of another length; the attention's, NCCL, allocation and
-    /// copy errors.
-    pub fn attention_backward(
-        &self,
-        attn: &mut DotProductAttention,
-        ctx: CpAttentionCtx,
-        d_out: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let dev = self.group.device().clone();
-        let CpAttentionCtx { calls, chunk: c, kv_shape, v_shape } = ctx;
-        if d_out.shape().first() != Some(&(2 * c)) {
-            return Err(Error::Shape {
-                op: MODULE,
-                message: format!("d_out {:?} must hold the rank's {} tokens", d_out.shape(), 2 * c),
-            });
-        }
-        let seq = 2 * self.size() * c;
-        let mut dqs = Vec::with_capacity(2);
-        let mut dk_all: Option<Tensor> = None;
-        let mut dv_all: Option<Tensor> = None;
-        // The second chunk's keys reach at least as far as the first's: its gradient starts the
-        // sums, the first's is added over its prefix.
-        for (half, call) in calls.into_iter().enumerate().rev() {
-            let d_half = d_out.narrow(&dev, half * c..(half + 1) * c)?;
-            let (dq, dk, dv) = attn.backward(call, &d_half)?;
-            dqs.push((half, dq));
-            for (sum, part) in [(&mut dk_all, dk), (&mut dv_all, dv)] {
-                let whole = pad_rows(&dev, &part, seq)?;
-                match sum {
-                    Some(s) => add_assign(&dev, s, &whole)?,
-                    None => *sum = Some(whole),
-                }
-            }
-        }
-        dqs.sort_by_key(|(half, _)| *half);
-        let dqs: Vec<Tensor> = dqs.into_iter().map(|(_, t)| t).collect();
-        let dq = stack(&dev, &dqs, &local_shape(dqs[0].shape(), c))?;
-        let missing = || Error::internal(MODULE, "no key or value gradient summed");
-        let dk = self.scatter_local(&dev, &dk_all.ok_or_else(missing)?, c, &kv_shape)?;
-        let dv = self.scatter_local(&dev, &dv_all.ok_or_else(missing)?, c, &v_shape)?;
-        Ok((dq, dk, dv))
-    }
-
-    /// Every rank's `x: [2c, ...]` gathered and put in global order: `[S, ...]`.
-    fn gather_global(&self, dev: &Device, x: &Tensor, c: usize) -> Result<Tensor> {
+    /// NCCL, allocation and copy failures.
+    pub fn gather_sequence(&self, dev: &Device, x: &Tensor, c: usize) -> Result<Tensor> {
         let mut gathered = Tensor::empty(dev, x.dtype(), &scaled_first(x.shape(), self.size()))?;
         self.group.all_gather(x, &mut gathered)?;
         self.group.wait()?;
         reorder(dev, &gathered, self.size(), c, Order::RanksToGlobal)
     }
 
-    /// The sum over the group of every rank's `x: [S, ...]` (global order), this rank's two
-    /// chunks of it: `[2c, ...]` in `shape`.
-    fn scatter_local(&self, dev: &Device, x: &Tensor, c: usize, shape: &[usize]) -> Result<Tensor> {
+    /// The sum over the group of every rank's `x: [S, ...]` (global order, sequence first),
+    /// this rank's two chunks of `c` tokens of it: `[2c, ...]`, viewed as `shape` (a
+    /// reduce-scatter of the chunks put in rank order).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a `shape` of another element count; NCCL, allocation and copy
+    /// failures.
+    pub fn scatter_sequence(&self, dev: &Device, x: &Tensor, c: usize, shape: &[usize]) -> Result<Tensor> {
         let by_rank = reorder(dev, x, self.size(), c, Order::GlobalToRanks)?;
         let mut out = Tensor::empty(dev, x.dtype(), shape)?;
         self.group.reduce_scatter(&by_rank, &mut out, ReduceOp::Sum)?;
@@ -344,13 +207,13 @@ fn reorder(dev: &Device, x: &Tensor, cp: usize, c: usize, order: Order) -> Resul
 }
 
 /// `parts` stacked along their first dim, viewed as `shape`.
-fn stack(dev: &Device, parts: &[Tensor], shape: &[usize]) -> Result<Tensor> {
+pub(crate) fn stack(dev: &Device, parts: &[Tensor], shape: &[usize]) -> Result<Tensor> {
     let flat: Vec<Tensor> = parts.iter().map(|p| p.reshape(&[p.numel(), 1])).collect::<Result<_>>()?;
     Tensor::cat_rows(dev, &flat)?.reshape(shape)
 }
 
 /// `x: [n, ...]` followed by zero rows up to `[rows, ...]`.
-fn pad_rows(dev: &Device, x: &Tensor, rows: usize) -> Result<Tensor> {
+pub(crate) fn pad_rows(dev: &Device, x: &Tensor, rows: usize) -> Result<Tensor> {
     let n = x.shape().first().copied().unwrap_or(0);
     let shape = with_first(x.shape(), rows);
     if n == rows {
@@ -375,7 +238,7 @@ fn scaled_first(shape: &[usize], n: usize) -> Vec<usize> {
 }
 
 /// A rank's `[2c, ...]` shape from a chunk's `[c, ...]` (or anything with the trailing dims).
-fn local_shape(shape: &[usize], c: usize) -> Vec<usize> {
+pub(crate) fn local_shape(shape: &[usize], c: usize) -> Vec<usize> {
     with_first(shape, 2 * c)
 }
 

@@ -31,7 +31,7 @@
 //! ZeRO the optimizer state sharded over the ZeRO axis.
 
 mod collectives;
-mod context_parallel;
+pub(crate) mod context_parallel;
 mod data_parallel;
 mod device_mesh;
 mod gemm;
@@ -43,7 +43,7 @@ mod sequence;
 pub mod shard;
 pub mod tensor_parallel;
 
-pub use context_parallel::{ContextParallel, CpAttentionCtx};
+pub use context_parallel::ContextParallel;
 pub use data_parallel::DataParallel;
 pub use device_mesh::DeviceMesh;
 pub use gemm::GemmParallel;
