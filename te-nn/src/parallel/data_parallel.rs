@@ -299,7 +299,8 @@ impl DataParallel {
             let i = *sharded.index.get(&key).ok_or_else(|| Error::Config {
                 module: MODULE,
                 message: format!(
-                    "{path} is not a parameter DataParallel::begin_step indexed: call it with the whole model before                      each sharded backward (and after replacing parameters)"
+                    "{path} is not a parameter DataParallel::begin_step indexed: call it with the whole model before \
+                     each sharded backward (and after replacing parameters)"
                 ),
             })?;
             let has_grad = p.main_grad().is_some() || p.grad().is_some();
