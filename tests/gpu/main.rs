@@ -59,6 +59,7 @@ mod rope;
 mod scaling;
 mod soak;
 mod softmax;
+mod tp_overlap;
 mod train;
 mod train_graph;
 mod visit;

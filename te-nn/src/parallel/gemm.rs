@@ -12,15 +12,24 @@
 //! | backward output gradient | as is | all-gathered token shards (sequence parallel) |
 //! | backward dgrad | all-reduced (reduce-scattered, sequence parallel) | as is |
 //!
+//! With [`TpConfig::tp_comm_overlap`] under sequence parallelism the gathers and reductions of
+//! the forward and the dgrad's reduction run on a side stream, hidden behind the GEMMs
+//! ([`super::overlap`]): the GEMM core asks [`GemmParallel::overlaps_gather`],
+//! [`GemmParallel::overlaps_reduce_scatter`] and runs its GEMMs through
+//! [`GemmParallel::gather_gemm`] / [`GemmParallel::gemm_reduce_scatter`], and starts the
+//! dgrad's reduction before its wgrad GEMM ([`GemmParallel::start_reduce_dgrad`]).
+//!
 //! A module may ask it questions (is this rank's input a token shard, how many features are
 //! this rank's), never branch on the mode itself.
 
 use super::collectives::{all_gather_rows, sum_rows};
+use super::overlap::{self, PendingReduce};
 use super::shard::{Split, TpRank};
 use super::tensor_parallel::split_count;
 use super::{ParallelMode, SequenceParallel, TpConfig};
 use crate::fp8::autocast::scales_shared_over;
 use crate::fp8::{is_fp8_model_init, Float8Tensor, Quantizer};
+use std::ops::Range;
 use std::sync::Arc;
 use te_runtime::dist::ReduceOp;
 use te_runtime::{Device, Error, Result, Tensor};
@@ -265,6 +274,82 @@ impl GemmParallel {
         match &self.tensor {
             Some(t) if t.mode.gathers_grad_output(t.tp.sequence_parallel) => all_gather_rows(&t.tp.group, dy),
             _ => Ok(dy.clone()),
+        }
+    }
+
+    /// Whether the forward's input gather runs overlapped with the GEMM
+    /// ([`GemmParallel::gather_gemm`]): column-parallel under sequence parallelism with
+    /// [`TpConfig::tp_comm_overlap`].
+    pub fn overlaps_gather(&self) -> bool {
+        self.gathers_input() && self.tensor.as_ref().is_some_and(|t| t.tp.overlaps_comm())
+    }
+
+    /// Whether the forward's output reduce-scatter runs overlapped with the GEMM
+    /// ([`GemmParallel::gemm_reduce_scatter`]): row-parallel under sequence parallelism with
+    /// [`TpConfig::tp_comm_overlap`].
+    pub fn overlaps_reduce_scatter(&self) -> bool {
+        self.tensor.as_ref().is_some_and(|t| t.mode.reduces_output() && t.tp.overlaps_comm())
+    }
+
+    /// The overlapped all-gather of this rank's token shard `shard` with the GEMM `gemm` of
+    /// each rank's shard (see [`super::overlap`]): the whole input (with `keep_input`) and the
+    /// whole output, as [`GemmParallel::gather_input`] then one GEMM would give. Call only where
+    /// [`GemmParallel::overlaps_gather`].
+    ///
+    /// # Errors
+    /// [`Error::Internal`] without tensor parallelism; NCCL, allocation and copy errors;
+    /// `gemm`'s errors.
+    pub fn gather_gemm(
+        &self,
+        shard: &Tensor,
+        keep_input: bool,
+        gemm: impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Option<Tensor>, Tensor)> {
+        let t = self.split_gemm("GemmParallel::gather_gemm")?;
+        overlap::gather_gemm(&*t.tp.side_group()?, shard, keep_input, gemm)
+    }
+
+    /// The overlapped reduce-scatter of a row-parallel GEMM whose whole output has `rows` rows,
+    /// computed block by block by `gemm(rows)` (see [`super::overlap`]): this rank's token
+    /// shard of the ranks' sum, as one GEMM then [`GemmParallel::reduce_output`] would give.
+    /// Call only where [`GemmParallel::overlaps_reduce_scatter`].
+    ///
+    /// # Errors
+    /// [`Error::Shape`] naming `module` when `rows` does not divide by the group's size;
+    /// [`Error::Internal`] without tensor parallelism; NCCL and allocation errors; `gemm`'s
+    /// errors.
+    pub fn gemm_reduce_scatter(
+        &self,
+        module: &'static str,
+        rows: usize,
+        gemm: impl FnMut(Range<usize>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let t = self.split_gemm(module)?;
+        overlap::gemm_reduce_scatter(&*t.tp.side_group()?, module, rows, gemm)
+    }
+
+    fn split_gemm(&self, module: &'static str) -> Result<&TensorGemm> {
+        self.tensor.as_ref().ok_or_else(|| Error::internal(module, "an overlapped collective of a whole GEMM"))
+    }
+
+    /// Starts the reduction of this rank's dgrad `dx` (what [`GemmParallel::reduce_dgrad`]
+    /// does): with [`TpConfig::tp_comm_overlap`] under sequence parallelism its reduce-scatter
+    /// is issued now on the side stream, to run while the wgrad GEMM issued next runs (TE's
+    /// `ub_bulk_dgrad`; the same collective on the same data, so bit for bit the same result);
+    /// otherwise it runs at [`PendingReduce::finish`], as [`GemmParallel::reduce_dgrad`].
+    ///
+    /// # Errors
+    /// [`Error::Shape`] naming `module` for a first dim that does not divide; NCCL and
+    /// allocation errors.
+    pub fn start_reduce_dgrad(&self, module: &'static str, dx: Tensor) -> Result<PendingReduce> {
+        match &self.tensor {
+            Some(t) if t.mode.reduces_dgrad() && t.tp.overlaps_comm() => {
+                PendingReduce::reduce_scatter(t.tp.side_group()?, module, dx)
+            }
+            Some(t) if t.mode.reduces_dgrad() => {
+                Ok(PendingReduce::deferred(t.tp.group.clone(), module, dx, t.tp.sequence_parallel))
+            }
+            _ => Ok(PendingReduce::ready(dx)),
         }
     }
 

@@ -33,10 +33,15 @@
 //! the shard and their parameter gradients are summed over the group ([`SequenceParallel`]);
 //! every parameter says whether it is a slice (`Param::tensor_parallel`, which
 //! `AdamW::with_tensor_parallel` counts in its norm).
+//!
+//! **Communication overlap** ([`TpConfig::tp_comm_overlap`], TE's `tp_comm_overlap`; off by
+//! default, or on with the environment variable [`TP_COMM_OVERLAP_ENV`]`=1` read by
+//! [`TpConfig::new`]): the sequence-parallel collectives run on a side stream of their own,
+//! hidden behind the GEMMs (see [`super::overlap`]).
 
 use super::shard::TpRank;
 use super::{GemmParallel, ParallelMode, SequenceParallel};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use te_runtime::dist::ProcessGroup;
 use te_runtime::{Error, Result};
 
@@ -50,12 +55,62 @@ pub struct TpConfig {
     /// ranks along the first (token or sequence) dim (TE `sequence_parallel`, Megatron-LM's
     /// sequence parallelism); the norms and dropout between them then run on the shards.
     pub sequence_parallel: bool,
+    /// Hide the sequence-parallel collectives behind the GEMMs (TE's `tp_comm_overlap`: its
+    /// Userbuffers `ub_overlap_ag`, `ub_overlap_rs`, `ub_bulk_dgrad`; torchtitan's async tensor
+    /// parallelism), with NCCL on a side stream: the all-gather of a column-parallel GEMM's input
+    /// piece by piece while the GEMMs of the arrived pieces run, the reduce-scatter of a
+    /// row-parallel GEMM's output block by block while the next block computes, the dgrad's
+    /// reduction while the wgrad GEMM runs (see [`super::overlap`]). Only with
+    /// `sequence_parallel` (without it, nothing changes). The results are the same sums of the
+    /// same products; see [`super::overlap`] for what is bit for bit the same.
+    pub tp_comm_overlap: bool,
+    /// The side-stream copy of `group` the overlapped collectives run on, made at the first
+    /// overlapped collective (every rank reaches it at the same point of the same module
+    /// sequence), shared by the clones of this config.
+    side: Arc<OnceLock<Arc<ProcessGroup>>>,
+}
+
+/// The environment variable [`TpConfig::new`] reads for [`TpConfig::tp_comm_overlap`]: `1`
+/// (or `true`) turns it on. A stopgap until the trainer sets it with
+/// [`TpConfig::with_comm_overlap`].
+pub const TP_COMM_OVERLAP_ENV: &str = "TE_TP_COMM_OVERLAP";
+
+/// Whether [`TP_COMM_OVERLAP_ENV`] asks for the overlap.
+fn overlap_from_env() -> bool {
+    std::env::var(TP_COMM_OVERLAP_ENV).is_ok_and(|v| matches!(v.trim(), "1" | "true" | "TRUE" | "yes"))
 }
 
 impl TpConfig {
-    /// Tensor parallelism over `group`, without sequence parallelism.
+    /// Tensor parallelism over `group`, without sequence parallelism; the communication
+    /// overlap on when [`TP_COMM_OVERLAP_ENV`] is `1`.
     pub fn new(group: Arc<ProcessGroup>) -> Self {
-        Self { group, sequence_parallel: false }
+        Self { group, sequence_parallel: false, tp_comm_overlap: overlap_from_env(), side: Arc::default() }
+    }
+
+    /// This with the communication overlap on or off ([`TpConfig::tp_comm_overlap`]; it acts
+    /// only under sequence parallelism). Every rank of the group must pass the same value.
+    pub fn with_comm_overlap(self, tp_comm_overlap: bool) -> Self {
+        Self { tp_comm_overlap, ..self }
+    }
+
+    /// Whether the collectives of this config's GEMMs are overlapped with them: the overlap
+    /// asked for, sequence parallelism on, more than one rank.
+    pub fn overlaps_comm(&self) -> bool {
+        self.tp_comm_overlap && self.sequence_parallel && self.size() > 1
+    }
+
+    /// The side-stream copy of the group the overlapped collectives run on
+    /// ([`ProcessGroup::with_side_stream`]), made at the first call (collective: every rank
+    /// calls it at the same point, as every rank runs the same modules).
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::with_side_stream`].
+    pub(crate) fn side_group(&self) -> Result<Arc<ProcessGroup>> {
+        if let Some(g) = self.side.get() {
+            return Ok(g.clone());
+        }
+        let made = Arc::new(self.group.with_side_stream()?);
+        Ok(self.side.get_or_init(|| made).clone())
     }
 
     /// This with sequence parallelism on or off.

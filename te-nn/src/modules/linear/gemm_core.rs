@@ -9,24 +9,26 @@
 
 use super::super::params::{convert, fp8_dim, LinearParams};
 use super::super::Output;
+pub(crate) use super::gemm_io::{DbiasBuffers, LinearInput};
 use super::ForwardOptions;
 use crate::fp8::{Float8Tensor, ForwardQuantizers, Fp8Mode, Fp8StateSlot, GemmScaling, GradScaling, Quantizer};
 use crate::fp8::{Recipe, ScalingState};
-use crate::parallel::GemmParallel;
-use cudarc::driver::CudaSlice;
+use crate::parallel::{GemmParallel, PendingReduce};
 use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::gemm::{gemm, Epilogue, Fp8Output, GemmConfig, Operand, Output as GemmOut};
-use te_runtime::ops::cast_transpose::{dbias_workspace_len, DbiasOut};
 use te_runtime::{ops, Device, Error, Result, Tensor};
 
-/// The input of a GEMM layer's forward: high precision, or already FP8 (a fused producer, e.g.
-/// the norm of `LayerNormLinear`, cast it with the layer's input quantizer; with its transpose
-/// when backward will run).
-#[derive(Debug)]
-pub(crate) enum LinearInput {
-    High(Tensor),
-    Fp8(Float8Tensor),
+/// How this rank's forward GEMM meets its collective ([`crate::parallel::overlap`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overlap {
+    /// One GEMM; the collectives (if any) before or after it.
+    None,
+    /// The input is a token shard, all-gathered shard by shard beside the GEMMs of the arrived
+    /// shards.
+    Gather,
+    /// The output is reduce-scattered block by block beside the GEMMs of the next blocks.
+    ReduceScatter,
 }
 
 /// What a GEMM layer's forward runs in, decided once per forward from the autocast scope.
@@ -86,35 +88,6 @@ impl Saved {
             Saved::Fp8(s) => s.input_t.as_ref().map_or(0, Float8Tensor::num_bytes),
             Saved::High { .. } => 0,
         }
-    }
-}
-
-/// The bias gradient a gradient cast computes on the way (TE `cast_transpose_dbias`): the
-/// `[cols]` output and the kernel's f32 workspace.
-#[derive(Debug)]
-pub(crate) struct DbiasBuffers {
-    dbias: Tensor,
-    workspace: CudaSlice<f32>,
-}
-
-impl DbiasBuffers {
-    /// Buffers for the column sums of a `[rows, cols]` gradient of `dtype`.
-    pub(crate) fn new(dev: &Device, dtype: DType, rows: usize, cols: usize) -> Result<Self> {
-        let dbias = Tensor::empty(dev, dtype, &[cols])?;
-        // SAFETY: f32 has no invalid bit patterns; the workspace is scratch the kernel writes
-        // before it reads it (`DbiasOut::workspace`).
-        let workspace = unsafe { dev.stream().alloc::<f32>(dbias_workspace_len(rows, cols)) }?;
-        Ok(Self { dbias, workspace })
-    }
-
-    /// The outputs for the cast.
-    pub(crate) fn out(&mut self) -> DbiasOut<'_> {
-        DbiasOut { dbias: &mut self.dbias, workspace: self.workspace.as_view_mut() }
-    }
-
-    /// The bias gradient `[cols]`.
-    pub(crate) fn into_dbias(self) -> Tensor {
-        self.dbias
     }
 }
 
@@ -226,16 +199,21 @@ impl LinearCore {
         grad: bool,
     ) -> Result<(Output, Option<Saved>)> {
         self.comm.check_fp8_output(self.module, opts.fp8_output)?;
-        let (out, saved) = self.forward_local(x, shape, dtype, pass, opts, grad)?;
+        // The row-parallel reduce-scatter overlapped with the GEMM's blocks (16-bit outputs of
+        // high-precision or per-tensor FP8 GEMMs).
+        let rs = self.comm.overlaps_reduce_scatter() && !opts.fp8_output && !matches!(pass, Pass::Calibrating(_));
+        let (out, saved, reduced) = self.forward_local(x, shape, dtype, pass, opts, grad, rs)?;
         // An FP8 output is never one to reduce (`check_fp8_output`).
         let out = match out {
-            Output::High(y) => Output::High(self.comm.reduce_output(self.module, y)?),
-            fp8 @ Output::Fp8(_) => fp8,
+            Output::High(y) if !reduced => Output::High(self.comm.reduce_output(self.module, y)?),
+            out => out,
         };
         Ok((out, saved))
     }
 
-    /// This rank's GEMM of [`LinearCore::forward`].
+    /// This rank's GEMM of [`LinearCore::forward`]; with `rs` (overlapped reduce-scatter asked
+    /// for) the output may come reduce-scattered already: the third value says whether it did.
+    #[allow(clippy::too_many_arguments)]
     fn forward_local(
         &mut self,
         x: LinearInput,
@@ -244,32 +222,89 @@ impl LinearCore {
         pass: &Pass,
         opts: ForwardOptions,
         grad: bool,
-    ) -> Result<(Output, Option<Saved>)> {
+        rs: bool,
+    ) -> Result<(Output, Option<Saved>, bool)> {
+        // A token shard: gathered beside the GEMMs where they can run shard by shard (16-bit
+        // outputs of high-precision or per-tensor FP8 GEMMs), else gathered first.
+        let (x, gather) = match x {
+            LinearInput::Shard { input, .. } => match (pass, *input) {
+                (Pass::High, x @ LinearInput::High(_)) if !opts.fp8_output => (x, true),
+                (Pass::Fp8(_), LinearInput::Fp8(f)) if !opts.fp8_output && f.block_scale().is_none() => {
+                    (LinearInput::Fp8(f), true)
+                }
+                (_, LinearInput::High(x)) => (LinearInput::High(self.comm.gather_input(&x)?), false),
+                (_, LinearInput::Fp8(f)) => (LinearInput::Fp8(self.comm.gather_fp8(f, grad)?), false),
+                (_, LinearInput::Shard { .. }) => return Err(self.internal("a shard of a shard")),
+            },
+            x => (x, false),
+        };
+        let ov = match (gather, rs) {
+            (true, _) => Overlap::Gather,
+            (false, true) => Overlap::ReduceScatter,
+            (false, false) => Overlap::None,
+        };
         match (pass, x) {
             (Pass::Fp8(p), x) => {
                 let tokens = shape.split_last().map_or(0, |(_, lead)| lead.iter().product());
                 self.check_fp8_dims(tokens, grad)?;
-                self.forward_fp8(x, shape, dtype, p, opts, grad)
+                self.forward_fp8(x, shape, dtype, p, opts, grad, ov)
             }
             (Pass::Calibrating(q), LinearInput::High(x)) => {
                 q.input.calibrate(&x)?;
                 self.params.calibrate_weight(&*q.weight)?;
-                self.forward_high(&x, grad)
+                self.forward_high(&x, grad, Overlap::None)
             }
-            (Pass::High, LinearInput::High(x)) => self.forward_high(&x, grad),
+            (Pass::High, LinearInput::High(x)) => self.forward_high(&x, grad, ov),
             (_, LinearInput::Fp8(_)) => Err(self.internal("an FP8 input outside an FP8 pass")),
+            (_, LinearInput::Shard { .. }) => Err(self.internal("a token shard left ungathered")),
         }
     }
 
-    fn forward_high(&mut self, x: &Tensor, grad: bool) -> Result<(Output, Option<Saved>)> {
+    /// This rank's GEMM `run` of the input `x` (16-bit, or FP8 codes) as `ov` says: once; over
+    /// the ranks' shards as they arrive (`x` a token shard: the whole input is returned with
+    /// `keep_input`); or block by block, each reduce-scattered beside the next. The input
+    /// returned is the whole one (`None` only for a gather without `keep_input`); the `bool`
+    /// whether the output is reduce-scattered.
+    fn run_gemm(
+        &self,
+        x: &Tensor,
+        keep_input: bool,
+        ov: Overlap,
+        mut run: impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<(Option<Tensor>, Tensor, bool)> {
+        match ov {
+            Overlap::None => Ok((Some(x.clone()), run(x)?, false)),
+            Overlap::Gather => {
+                let (whole, y) = self.comm.gather_gemm(x, keep_input, run)?;
+                Ok((whole, y, false))
+            }
+            Overlap::ReduceScatter => {
+                let dev = self.dev();
+                let rows = x.shape().first().copied().unwrap_or(0);
+                let y = self.comm.gemm_reduce_scatter(self.module, rows, |r| run(&x.narrow(&dev, r)?))?;
+                Ok((Some(x.clone()), y, true))
+            }
+        }
+    }
+
+    fn forward_high(&mut self, x: &Tensor, grad: bool, ov: Overlap) -> Result<(Output, Option<Saved>, bool)> {
         let dev = self.dev();
         let w = self.params.weight_high(x.dtype())?;
-        let mut y = Tensor::empty(&dev, x.dtype(), &out_shape(x.shape(), self.params.out_features()))?;
+        let n_out = self.params.out_features();
         let bias = self.added_bias(x.dtype())?;
         let cfg = GemmConfig { epilogue: bias.as_ref().map_or(Epilogue::None, Epilogue::Bias), ..Default::default() };
-        gemm(&dev, Operand::new(x), Operand::new(&w), GemmOut::new(&mut y), &cfg)?;
-        let saved = grad.then(|| Saved::High { input: x.clone(), weight: w });
-        Ok((Output::High(y), saved))
+        let run = |x: &Tensor| -> Result<Tensor> {
+            let mut y = Tensor::empty(&dev, x.dtype(), &out_shape(x.shape(), n_out))?;
+            gemm(&dev, Operand::new(x), Operand::new(&w), GemmOut::new(&mut y), &cfg)?;
+            Ok(y)
+        };
+        let (input, y, reduced) = self.run_gemm(x, grad, ov, run)?;
+        let saved = match (grad, input) {
+            (true, Some(input)) => Some(Saved::High { input, weight: w }),
+            (true, None) => return Err(self.internal("the gathered input was not kept")),
+            (false, _) => None,
+        };
+        Ok((Output::High(y), saved, reduced))
     }
 
     /// The bias the forward adds (none with `return_bias`), in `dtype`.
@@ -281,6 +316,7 @@ impl LinearCore {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn forward_fp8(
         &mut self,
         x: LinearInput,
@@ -289,12 +325,16 @@ impl LinearCore {
         pass: &Fp8Pass,
         opts: ForwardOptions,
         grad: bool,
-    ) -> Result<(Output, Option<Saved>)> {
+        ov: Overlap,
+    ) -> Result<(Output, Option<Saved>, bool)> {
         let (dev, q) = (self.dev(), &pass.q);
         let x8 = match x {
             LinearInput::Fp8(f) => f,
             LinearInput::High(x) => q.input.quantize(&x, grad && self.save_input, None)?,
+            LinearInput::Shard { .. } => return Err(self.internal("a token shard left ungathered")),
         };
+        // Per-tensor scales only: a block of rows of blockwise codes has no scales of its own.
+        let ov = if x8.block_scale().is_some() { Overlap::None } else { ov };
         let w8 = self.params.fp8_weight_for(&*q.weight, opts.is_first_microbatch, grad)?;
         // cuBLASLt's FP8 GEMMs take a bf16 bias for an f32 output (the output dtype otherwise).
         let bias = self.added_bias(if dtype == DType::F32 { DType::BF16 } else { dtype })?;
@@ -304,7 +344,30 @@ impl LinearCore {
             epilogue: bias.as_ref().map_or(Epilogue::None, Epilogue::Bias),
             ..Default::default()
         };
-        let shape = out_shape(shape, self.params.out_features());
+        let n_out = self.params.out_features();
+        if ov != Overlap::None {
+            // Overlapped with its collective: the GEMMs of shards or blocks of the codes, which
+            // share the whole's scale.
+            let scale = x8.scale_inv_shared();
+            let run = |codes: &Tensor| -> Result<Tensor> {
+                let part = Float8Tensor::from_parts(codes.clone(), None, scale.clone())?;
+                let mut y = Tensor::empty(&dev, dtype, &out_shape(codes.shape(), n_out))?;
+                gemm(&dev, part.operand(), w8.operand(), GemmOut::new(&mut y), &cfg)?;
+                Ok(y)
+            };
+            let (codes, y, reduced) = self.run_gemm(x8.data(), grad && self.save_input, ov, run)?;
+            let x8 = match (ov, codes) {
+                // The whole codes of the gathered shards, transposed for wgrad below.
+                (Overlap::Gather, Some(codes)) => {
+                    let mut whole = Float8Tensor::from_parts(codes, None, scale)?;
+                    whole.ensure_transpose(&dev)?;
+                    whole
+                }
+                _ => x8,
+            };
+            return self.fp8_saved(Output::High(y), x8, w8, pass, grad).map(|(o, s)| (o, s, reduced));
+        }
+        let shape = out_shape(shape, n_out);
         let operands = || (x8.operand(), w8.operand());
         let out = if !opts.fp8_output {
             let mut y = Tensor::empty(&dev, dtype, &shape)?;
@@ -327,6 +390,19 @@ impl LinearCore {
             gemm(&dev, a, b, GemmOut::new(&mut y), &cfg)?;
             Output::Fp8(q.output.quantize(&y, false, None)?)
         };
+        self.fp8_saved(out, x8, w8, pass, grad).map(|(o, s)| (o, s, false))
+    }
+
+    /// What an FP8 forward of output `out` saves for backward (with `grad`): the input's
+    /// transpose (unless recomputed), the FP8 weight and the gradient scaling.
+    fn fp8_saved(
+        &mut self,
+        out: Output,
+        x8: Float8Tensor,
+        w8: Float8Tensor,
+        pass: &Fp8Pass,
+        grad: bool,
+    ) -> Result<(Output, Option<Saved>)> {
         if !grad {
             return Ok((out, None));
         }
@@ -359,9 +435,17 @@ impl LinearCore {
         self.reduce_dgrad(dx)
     }
 
-    /// The layer's input gradient from this rank's dgrad ([`GemmParallel::reduce_dgrad`]).
-    fn reduce_dgrad(&self, dx: Option<Tensor>) -> Result<Option<Tensor>> {
-        dx.map(|dx| self.comm.reduce_dgrad(self.module, dx)).transpose()
+    /// The layer's input gradient from this rank's dgrad, whose reduction
+    /// ([`GemmParallel::start_reduce_dgrad`]) started before the wgrad GEMM: waited for (or run)
+    /// now.
+    fn reduce_dgrad(&self, dx: Option<PendingReduce>) -> Result<Option<Tensor>> {
+        dx.map(PendingReduce::finish).transpose()
+    }
+
+    /// Starts the reduction of this rank's dgrad `dx` ([`GemmParallel::start_reduce_dgrad`]:
+    /// on the side stream beside the wgrad GEMM issued next, with the communication overlap).
+    fn start_reduce_dgrad(&self, dx: Tensor) -> Result<PendingReduce> {
+        self.comm.start_reduce_dgrad(self.module, dx)
     }
 
     /// This rank's GEMMs of [`LinearCore::backward`].
@@ -371,7 +455,7 @@ impl LinearCore {
         dy: &Tensor,
         input_shape: &[usize],
         input_grad: bool,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Option<PendingReduce>> {
         ops::check_dtype(self.module, "grad_output", dy, DType::is_high_precision, "f32, bf16 or f16")?;
         ops::check_shape(self.module, "grad_output", dy, &out_shape(input_shape, self.params.out_features()))?;
         self.params.check_main_grad()?;
@@ -409,7 +493,8 @@ impl LinearCore {
         self.reduce_dgrad(dx)
     }
 
-    /// This rank's GEMMs of [`LinearCore::backward_fp8`].
+    /// This rank's GEMMs of [`LinearCore::backward_fp8`]: the dgrad first, its reduction
+    /// started before the wgrad GEMM.
     fn backward_fp8_local(
         &mut self,
         dy8: &Float8Tensor,
@@ -418,10 +503,10 @@ impl LinearCore {
         input_shape: &[usize],
         dtype: DType,
         input_grad: bool,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Option<PendingReduce>> {
         let input_t = saved.input_t.ok_or_else(|| self.internal("the FP8 input was not restored"))?;
         let dx = match input_grad {
-            true => Some(self.fp8_dgrad(dy8, &saved.weight, input_shape, dtype)?),
+            true => Some(self.start_reduce_dgrad(self.fp8_dgrad(dy8, &saved.weight, input_shape, dtype)?)?),
             false => None,
         };
         let a = dy8.transpose_operand().ok_or_else(|| self.internal("the grad_output cast made no transpose"))?;
@@ -448,14 +533,20 @@ impl LinearCore {
         Ok(dx)
     }
 
-    fn backward_high(&mut self, dy: &Tensor, x: &Tensor, w: &Tensor, input_grad: bool) -> Result<Option<Tensor>> {
+    fn backward_high(
+        &mut self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        input_grad: bool,
+    ) -> Result<Option<PendingReduce>> {
         let dev = self.dev();
         let dy = convert(&dev, dy.clone(), x.dtype())?;
         let dx = if input_grad {
             // dx [t, in] = dy [t, out] · W [out, in]: B = Wᵀ as stored transposed.
             let mut dx = Tensor::empty(&dev, x.dtype(), x.shape())?;
             gemm(&dev, Operand::new(&dy), Operand::new(w).transposed(), GemmOut::new(&mut dx), &GemmConfig::default())?;
-            Some(dx)
+            Some(self.start_reduce_dgrad(dx)?)
         } else {
             None
         };

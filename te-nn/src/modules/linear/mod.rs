@@ -19,6 +19,7 @@
 //! Without FP8 the same GEMMs run in the parameters' precision on the saved high-precision input.
 
 pub(crate) mod gemm_core;
+mod gemm_io;
 pub(crate) mod norm_input;
 
 pub(crate) use self::gemm_core::LinearInput;
@@ -274,18 +275,24 @@ impl Linear {
     /// 16 bits).
     pub fn forward_with(&mut self, input: &Tensor, opts: ForwardOptions) -> Result<(Output, LinearCtx)> {
         let x = self.gemm_input(input, opts)?;
-        let (out, saved) = self.run(&x, opts, true)?;
+        let input_shape = x.shape();
+        let (out, saved) = self.run(x, opts, true)?;
         let saved = saved.ok_or_else(|| Error::internal(MODULE, "a training forward saved nothing"))?;
-        Ok((out, LinearCtx { stamp: self.stamp(), input_shape: x.shape().to_vec(), saved }))
+        Ok((out, LinearCtx { stamp: self.stamp(), input_shape, saved }))
     }
 
     /// The input of this rank's GEMM ([`GemmParallel::gather_input`]: the whole tokens of the
-    /// ranks' shards when it gathers them). Refuses an FP8 output the ranks would have to sum
-    /// before any collective runs.
-    fn gemm_input(&self, input: &Tensor, opts: ForwardOptions) -> Result<Tensor> {
+    /// ranks' shards when it gathers them; this rank's shard, gathered beside the GEMM, with the
+    /// communication overlap). Refuses an FP8 output the ranks would have to sum before any
+    /// collective runs.
+    fn gemm_input(&self, input: &Tensor, opts: ForwardOptions) -> Result<LinearInput> {
         let comm = self.core.comm();
         comm.check_fp8_output(MODULE, opts.fp8_output)?;
-        comm.gather_input(input)
+        check_input(MODULE, input, self.core.params.in_features())?;
+        match comm.overlaps_gather() {
+            true => Ok(LinearInput::shard(LinearInput::High(input.clone()), comm)),
+            false => Ok(LinearInput::High(comm.gather_input(input)?)),
+        }
     }
 
     /// Forward for inference (TE under `torch.no_grad()`): no context, no transposes; an FP8
@@ -303,7 +310,7 @@ impl Linear {
     /// As [`Linear::infer`].
     pub fn infer_with(&mut self, input: &Tensor, opts: ForwardOptions) -> Result<Output> {
         let x = self.gemm_input(input, opts)?;
-        Ok(self.run(&x, opts, false)?.0)
+        Ok(self.run(x, opts, false)?.0)
     }
 
     /// Forward of an input a producer writes (TE `fp8_mha`: the attention writes its output in
@@ -338,6 +345,7 @@ impl Linear {
                 x.shape().to_vec()
             }
             LinearInput::Fp8(f) if f.shape().last() == Some(&self.core.params.in_features()) => f.shape().to_vec(),
+            LinearInput::Shard { .. } => return Err(Error::internal(MODULE, "a produced token shard")),
             LinearInput::Fp8(f) => {
                 return Err(Error::Shape {
                     op: MODULE,
@@ -360,10 +368,17 @@ impl Linear {
 
     /// This rank's GEMM (the whole layer's without tensor parallelism); the input ends in this
     /// rank's input features.
-    fn run(&mut self, x: &Tensor, opts: ForwardOptions, grad: bool) -> Result<(Output, Option<Saved>)> {
-        check_input(MODULE, x, self.core.params.in_features())?;
+    fn run(&mut self, x: LinearInput, opts: ForwardOptions, grad: bool) -> Result<(Output, Option<Saved>)> {
+        let (shape, dtype) = match &x {
+            LinearInput::High(t) => (t.shape().to_vec(), t.dtype()),
+            LinearInput::Shard { input, whole } => match &**input {
+                LinearInput::High(t) => (whole.clone(), t.dtype()),
+                _ => return Err(Error::internal(MODULE, "a shard of another input than a 16-bit one")),
+            },
+            LinearInput::Fp8(_) => return Err(Error::internal(MODULE, "an FP8 input to a 16-bit forward")),
+        };
         let pass = self.core.pass(fp8_mode())?;
-        self.core.forward(LinearInput::High(x.clone()), x.shape(), x.dtype(), &pass, opts, grad)
+        self.core.forward(x, &shape, dtype, &pass, opts, grad)
     }
 
     /// Backward of [`Linear::forward`]: returns `dx` (`grad_output`'s dtype, the input's shape)

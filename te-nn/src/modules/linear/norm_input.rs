@@ -20,10 +20,7 @@ pub(crate) struct NormInput {
 impl NormInput {
     /// The GEMM input's shape.
     pub(crate) fn gemm_shape(&self) -> Vec<usize> {
-        match &self.input {
-            LinearInput::High(t) => t.shape().to_vec(),
-            LinearInput::Fp8(f) => f.shape().to_vec(),
-        }
+        self.input.shape()
     }
 }
 
@@ -46,9 +43,14 @@ pub(crate) fn norm_gemm_input(
     match q {
         // A token shard under FP8 with shared scales: the norm casts this rank's tokens, their
         // codes are gathered (TE's FP8 all-gather) and transposed whole for wgrad.
+        // With the communication overlap the shard's codes are gathered beside the GEMMs.
         Some(q) if gathers && !return_ln && comm.gathers_fp8(q) => {
             let (ln8, stats) = norm.forward_fp8(x, q, false)?;
-            Ok(NormInput { input: LinearInput::Fp8(comm.gather_fp8(ln8, grad)?), stats, ln_out: None })
+            let input = match comm.overlaps_gather() {
+                true => LinearInput::shard(LinearInput::Fp8(ln8), comm),
+                false => LinearInput::Fp8(comm.gather_fp8(ln8, grad)?),
+            };
+            Ok(NormInput { input, stats, ln_out: None })
         }
         // The whole tokens under FP8: the norm kernel writes the GEMM's FP8 input.
         Some(q) if !gathers && !return_ln => {
@@ -65,6 +67,8 @@ pub(crate) fn norm_gemm_input(
             };
             let input = match codes {
                 Some(f) => LinearInput::Fp8(f),
+                // A 16-bit shard: gathered beside the GEMMs with the communication overlap.
+                None if comm.overlaps_gather() => LinearInput::shard(LinearInput::High(ln.clone()), comm),
                 None => LinearInput::High(comm.gather_input(&ln)?),
             };
             Ok(NormInput { input, stats, ln_out: return_ln.then_some(ln) })

@@ -1,0 +1,224 @@
+//! Tensor-parallel communication hidden behind the GEMMs ([`super::TpConfig::tp_comm_overlap`]):
+//! TE's Userbuffers overlaps (`ub_overlap_ag`, `ub_overlap_rs`, `ub_bulk_dgrad` of
+//! `transformer_engine/pytorch/module/base.py`) and torchtitan's async tensor parallelism
+//! (`torch.distributed._symmetric_memory`'s `fused_all_gather_matmul` /
+//! `fused_matmul_reduce_scatter`), built with NCCL on a side stream of the tensor-parallel
+//! group ([`te_runtime::dist::ProcessGroup::with_side_stream`]) and its events
+//! ([`te_runtime::dist::ProcessGroup::mark`] / `wait_mark`) instead of Userbuffers' copy
+//! engines. Only under sequence parallelism (where TE overlaps too):
+//!
+//! - **All-gather ⟶ column-parallel GEMM** ([`gather_gemm`]): every rank's token shard is
+//!   broadcast from its owner on the side stream, one broadcast per rank, each followed by a
+//!   mark; the GEMM of this rank's own shard starts at once, the GEMM of shard `r` waits for
+//!   mark `r` only. The output rows of a GEMM depend on their input rows alone, so the
+//!   concatenated outputs are the one-GEMM output, bit for bit where cuBLASLt picks the same
+//!   algorithm for the shard's `M` as for the whole `M` (an algorithm of another tiling may
+//!   round differently: within the GEMM's own tolerance). FP8 inputs travel as their codes (one
+//!   scale on every rank), as the non-overlapped FP8 all-gather does.
+//! - **Row-parallel GEMM ⟶ reduce-scatter** ([`gemm_reduce_scatter`]): the GEMM runs in row
+//!   blocks, block `r` the rows rank `r` owns, in rank order on every rank; as soon as block `r`
+//!   is computed it is reduced to rank `r` (`ncclReduce`) on the side stream while block
+//!   `r + 1` computes. Rank `r`'s reduced block is its shard. On 2 ranks the sum of two values
+//!   is the same in any order, so the shard is bit for bit the reduce-scatter's when the block
+//!   GEMMs give the whole GEMM's rows (same proviso on the algorithm); on more ranks NCCL's
+//!   reduce and reduce-scatter may sum in other orders (within rounding).
+//! - **Dgrad reduction ∥ wgrad GEMM** ([`PendingReduce`]): the dgrad GEMM runs first, its
+//!   reduce-scatter is issued on the side stream, the wgrad GEMM runs on the device's stream,
+//!   and the device's stream waits for the reduction at the end (TE's bulk dgrad overlap). The
+//!   same collective on the same data: bit for bit the non-overlapped result.
+//!
+//! Memory is stream-ordered: the side-stream group holds every tensor its collectives read or
+//! write until the device's stream waited for them (`wait`, `wait_mark`), so a tensor dropped
+//! here is freed after its collective. NVLink SHARP (`cuMulticastCreate`) is not used.
+
+use super::sequence::shard_rows;
+use std::iter::once;
+use std::ops::Range;
+use std::sync::Arc;
+use te_runtime::dist::{ProcessGroup, ReduceOp};
+use te_runtime::{Error, Result, Tensor};
+
+use super::collectives::{gathered_shape, sum_rows};
+
+/// The order in which rank `rank` of `size` runs the GEMMs of the gathered shards: its own
+/// first (already here), then the others in the order their broadcasts are issued (rank
+/// order), which is the order they arrive in.
+pub(crate) fn gather_order(rank: usize, size: usize) -> Vec<usize> {
+    once(rank).chain((0..size).filter(|&r| r != rank)).collect()
+}
+
+/// The rows of the whole first dim `rows` whose reduction rank `owner` of `size` receives in
+/// an overlapped reduce-scatter: the owner's token shard ([`shard_rows`]).
+///
+/// # Errors
+/// [`Error::Shape`] naming `module` when `rows` is not a multiple of `size`.
+pub(crate) fn block_rows(module: &'static str, rows: usize, owner: usize, size: usize) -> Result<Range<usize>> {
+    shard_rows(module, rows, owner, size)
+}
+
+/// The overlapped all-gather of `shard` (this rank's token shard, the same shape on every rank)
+/// over `side` (a side-stream group) with `gemm` of each shard: returns the whole input (every
+/// rank's shard in rank order along the first dim; only with `keep_input`) and the whole output
+/// (each shard's `gemm` output, in rank order along the first dim). See the module docs.
+///
+/// # Errors
+/// NCCL, allocation and copy errors; `gemm`'s errors.
+pub fn gather_gemm(
+    side: &ProcessGroup,
+    shard: &Tensor,
+    keep_input: bool,
+    mut gemm: impl FnMut(&Tensor) -> Result<Tensor>,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let (size, rank, dev) = (side.size(), side.rank(), side.device().clone());
+    let mut pieces = Vec::with_capacity(size);
+    for r in 0..size {
+        pieces.push(if r == rank { shard.clone() } else { Tensor::empty(&dev, shard.dtype(), shard.shape())? });
+    }
+    let mut marks = Vec::with_capacity(size);
+    for (root, piece) in pieces.iter().enumerate() {
+        // The root reads its own shard; the others receive into their piece (not shared).
+        side.broadcast_range_shared(piece, 0..piece.numel(), root)?;
+        marks.push(side.mark()?);
+    }
+    let mut outs: Vec<Option<Tensor>> = (0..size).map(|_| None).collect();
+    for r in gather_order(rank, size) {
+        if r != rank {
+            side.wait_mark(&marks[r])?;
+        }
+        outs[r] = Some(gemm(&pieces[r])?);
+    }
+    side.wait()?;
+    let outs: Vec<Tensor> = outs
+        .into_iter()
+        .map(|o| o.ok_or_else(|| Error::internal("GemmParallel::gather_gemm", "a shard's GEMM did not run")))
+        .collect::<Result<_>>()?;
+    let out_shape = gathered_shape(outs[0].shape(), size);
+    let out = Tensor::cat_rows(&dev, &outs)?.reshape(&out_shape)?;
+    let whole = match keep_input {
+        true => Some(Tensor::cat_rows(&dev, &pieces)?.reshape(&gathered_shape(shard.shape(), size))?),
+        false => None,
+    };
+    Ok((whole, out))
+}
+
+/// The overlapped reduce-scatter over `side` (a side-stream group) of a GEMM whose whole output
+/// has `rows` rows: `gemm(range)` computes the output rows `range` of this rank's partial
+/// product, block by block in rank order; each block is reduced (summed) to the rank that owns
+/// it while the next one computes. Returns this rank's block of the sum: its token shard. See
+/// the module docs.
+///
+/// # Errors
+/// [`Error::Shape`] naming `module` when `rows` is not a multiple of the group's size; NCCL,
+/// allocation errors; `gemm`'s errors.
+pub fn gemm_reduce_scatter(
+    side: &ProcessGroup,
+    module: &'static str,
+    rows: usize,
+    mut gemm: impl FnMut(Range<usize>) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (size, rank) = (side.size(), side.rank());
+    let mut own = None;
+    for owner in 0..size {
+        let mut block = gemm(block_rows(module, rows, owner, size)?)?;
+        // In place: the owner's block becomes the sum; the others' blocks are only sent.
+        side.reduce(&mut block, owner, ReduceOp::Sum)?;
+        if owner == rank {
+            own = Some(block);
+        }
+    }
+    side.wait()?;
+    own.ok_or_else(|| Error::internal(module, "this rank owns no block of the reduce-scatter"))
+}
+
+/// The input gradient of a column-parallel GEMM whose reduction over the ranks was started
+/// ([`super::GemmParallel::start_reduce_dgrad`]): on the side stream while the wgrad GEMM runs
+/// (overlapped), or still to do (the reduction runs at [`PendingReduce::finish`]), or nothing to
+/// reduce.
+#[derive(Debug)]
+pub struct PendingReduce {
+    state: Pending,
+}
+
+#[derive(Debug)]
+enum Pending {
+    /// Nothing to reduce (a whole GEMM, a row-parallel one).
+    Ready(Tensor),
+    /// Reduced at `finish` on the group's own stream (no overlap).
+    Deferred { group: Arc<ProcessGroup>, module: &'static str, dx: Tensor, scatter: bool },
+    /// Reduce-scattered into `out` on `side`'s stream; `finish` makes the device's stream wait.
+    Side { side: Arc<ProcessGroup>, out: Tensor },
+}
+
+impl PendingReduce {
+    /// Nothing to reduce: `dx` is the input gradient.
+    pub(crate) fn ready(dx: Tensor) -> Self {
+        Self { state: Pending::Ready(dx) }
+    }
+
+    /// `dx` summed over `group` at [`PendingReduce::finish`] (reduce-scattered with `scatter`).
+    pub(crate) fn deferred(group: Arc<ProcessGroup>, module: &'static str, dx: Tensor, scatter: bool) -> Self {
+        Self { state: Pending::Deferred { group, module, dx, scatter } }
+    }
+
+    /// The reduce-scatter of `dx` into this rank's shard, issued now on `side`'s stream.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] naming `module` for a first dim that does not divide; NCCL and allocation
+    /// errors.
+    pub(crate) fn reduce_scatter(side: Arc<ProcessGroup>, module: &'static str, dx: Tensor) -> Result<Self> {
+        let shape = super::collectives::scattered_shape(module, dx.shape(), side.size())?;
+        let mut out = Tensor::empty(side.device(), dx.dtype(), &shape)?;
+        side.reduce_scatter(&dx, &mut out, ReduceOp::Sum)?;
+        Ok(Self { state: Pending::Side { side, out } })
+    }
+
+    /// The layer's input gradient: waits for the side stream's reduction (the device's stream
+    /// waits, not the host), or runs the deferred one.
+    ///
+    /// # Errors
+    /// NCCL and driver errors; [`Error::Shape`] for a first dim that does not divide (deferred
+    /// reduce-scatter).
+    pub fn finish(self) -> Result<Tensor> {
+        match self.state {
+            Pending::Ready(dx) => Ok(dx),
+            Pending::Deferred { group, module, dx, scatter } => sum_rows(&group, module, dx, scatter),
+            Pending::Side { side, out } => {
+                side.wait()?;
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each rank runs its own shard's GEMM first, then the others in arrival (rank) order;
+    /// every shard exactly once.
+    #[test]
+    fn gemm_order_starts_with_the_own_shard() {
+        assert_eq!(gather_order(0, 2), [0, 1]);
+        assert_eq!(gather_order(1, 2), [1, 0]);
+        assert_eq!(gather_order(2, 4), [2, 0, 1, 3]);
+        assert_eq!(gather_order(0, 1), [0]);
+        for size in 1..9 {
+            for rank in 0..size {
+                let mut o = gather_order(rank, size);
+                o.sort_unstable();
+                assert_eq!(o, (0..size).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    /// The reduce-scatter blocks are the owners' token shards: consecutive, equal, tiling the
+    /// rows in rank order; rows that do not divide are a typed error naming the module.
+    #[test]
+    fn reduce_scatter_blocks_are_the_owners_shards() {
+        let blocks: Vec<_> = (0..4).map(|r| block_rows("Linear", 64, r, 4).unwrap()).collect();
+        assert_eq!(blocks, [0..16, 16..32, 32..48, 48..64]);
+        assert_eq!(block_rows("Linear", 10, 0, 1).unwrap(), 0..10);
+        let e = block_rows("Linear", 30, 1, 4).unwrap_err().to_string();
+        assert!(e.contains("Linear") && e.contains("multiple of 4"), "{e}");
+    }
+}
