@@ -291,6 +291,14 @@ impl GemmParallel {
         self.tensor.as_ref().is_some_and(|t| t.mode.reduces_output() && t.tp.overlaps_comm())
     }
 
+    /// Whether the backward's output-gradient gather runs overlapped with the dgrad GEMM
+    /// ([`GemmParallel::gather_gemm`] of the output gradient's shards; 16-bit backward):
+    /// row-parallel under sequence parallelism with [`TpConfig::tp_comm_overlap`]. The wgrad
+    /// GEMM then takes the whole gathered gradient, as without the overlap.
+    pub fn overlaps_grad_gather(&self) -> bool {
+        self.tensor.as_ref().is_some_and(|t| t.mode.gathers_grad_output(t.tp.sequence_parallel) && t.tp.overlaps_comm())
+    }
+
     /// The overlapped all-gather of this rank's token shard `shard` with the GEMM `gemm` of
     /// each rank's shard (see [`super::overlap`]): the whole input (with `keep_input`) and the
     /// whole output, as [`GemmParallel::gather_input`] then one GEMM would give. Call only where

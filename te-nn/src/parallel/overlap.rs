@@ -15,6 +15,10 @@
 //!   algorithm for the shard's `M` as for the whole `M` (an algorithm of another tiling may
 //!   round differently: within the GEMM's own tolerance). FP8 inputs travel as their codes (one
 //!   scale on every rank), as the non-overlapped FP8 all-gather does.
+//!   The backward of a row-parallel GEMM gathers its output gradient the same way beside the
+//!   dgrad GEMMs of the arrived shards (16-bit backward; the wgrad GEMM takes the whole
+//!   gathered gradient; an FP8 backward casts the whole gradient with its transpose and bias
+//!   gradient, so it gathers it first, not overlapped).
 //! - **Row-parallel GEMM ⟶ reduce-scatter** ([`gemm_reduce_scatter`]): the GEMM runs in row
 //!   blocks, block `r` the rows rank `r` owns, in rank order on every rank; as soon as block `r`
 //!   is computed it is reduced to rank `r` (`ncclReduce`) on the side stream while block

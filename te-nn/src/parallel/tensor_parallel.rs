@@ -77,14 +77,40 @@ pub const TP_COMM_OVERLAP_ENV: &str = "TE_TP_COMM_OVERLAP";
 
 /// Whether [`TP_COMM_OVERLAP_ENV`] asks for the overlap.
 fn overlap_from_env() -> bool {
-    std::env::var(TP_COMM_OVERLAP_ENV).is_ok_and(|v| matches!(v.trim(), "1" | "true" | "TRUE" | "yes"))
+    overlap_flag(std::env::var(TP_COMM_OVERLAP_ENV).ok().as_deref())
+}
+
+/// Whether a value of [`TP_COMM_OVERLAP_ENV`] turns the overlap on: `1`, `true`, `yes`.
+fn overlap_flag(value: Option<&str>) -> bool {
+    value.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
 }
 
 impl TpConfig {
     /// Tensor parallelism over `group`, without sequence parallelism; the communication
-    /// overlap on when [`TP_COMM_OVERLAP_ENV`] is `1`.
+    /// overlap on when [`TP_COMM_OVERLAP_ENV`] is `1` (then its side-stream group is made here,
+    /// as by [`TpConfig::prepare_comm_overlap`]: every rank builds its config at the same point;
+    /// a failure is reported again at the first overlapped collective).
     pub fn new(group: Arc<ProcessGroup>) -> Self {
-        Self { group, sequence_parallel: false, tp_comm_overlap: overlap_from_env(), side: Arc::default() }
+        let tp = Self { group, sequence_parallel: false, tp_comm_overlap: overlap_from_env(), side: Arc::default() };
+        if tp.tp_comm_overlap && tp.size() > 1 {
+            // Retried (and its error returned) at the first overlapped collective.
+            let _ = tp.side_group();
+        }
+        tp
+    }
+
+    /// Makes the side-stream group of the communication overlap now (collective: every rank of
+    /// the group calls it), instead of at the first overlapped collective: before capturing a
+    /// CUDA graph of the step, which cannot make communicators. Nothing when the overlap is off
+    /// ([`TpConfig::overlaps_comm`]).
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::with_side_stream`].
+    pub fn prepare_comm_overlap(&self) -> Result<()> {
+        if self.overlaps_comm() {
+            self.side_group()?;
+        }
+        Ok(())
     }
 
     /// This with the communication overlap on or off ([`TpConfig::tp_comm_overlap`]; it acts
@@ -182,5 +208,17 @@ mod tests {
         let e = split_count("MultiheadAttention", "num_attention_heads", 3, 2).unwrap_err().to_string();
         assert!(e.contains("num_attention_heads = 3") && e.contains("2 tensor-parallel ranks"), "{e}");
         assert!(split_count("m", "ffn_hidden_size", 8, 0).is_err());
+    }
+
+    /// `TE_TP_COMM_OVERLAP`: 1, true or yes turn the overlap on; anything else (or unset) not.
+    #[test]
+    fn the_overlap_variable_takes_one_true_or_yes() {
+        for on in ["1", "true", "TRUE", " yes "] {
+            assert!(overlap_flag(Some(on)), "{on}");
+        }
+        for off in ["0", "false", "", "2", "on?"] {
+            assert!(!overlap_flag(Some(off)), "{off}");
+        }
+        assert!(!overlap_flag(None));
     }
 }

@@ -9,6 +9,7 @@
 
 use super::super::params::{convert, fp8_dim, LinearParams};
 use super::super::Output;
+use super::gemm_io::Overlap;
 pub(crate) use super::gemm_io::{DbiasBuffers, LinearInput};
 use super::ForwardOptions;
 use crate::fp8::{Float8Tensor, ForwardQuantizers, Fp8Mode, Fp8StateSlot, GemmScaling, GradScaling, Quantizer};
@@ -18,18 +19,6 @@ use std::sync::Arc;
 use te_codegen::DType;
 use te_runtime::gemm::{gemm, Epilogue, Fp8Output, GemmConfig, Operand, Output as GemmOut};
 use te_runtime::{ops, Device, Error, Result, Tensor};
-
-/// How this rank's forward GEMM meets its collective ([`crate::parallel::overlap`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Overlap {
-    /// One GEMM; the collectives (if any) before or after it.
-    None,
-    /// The input is a token shard, all-gathered shard by shard beside the GEMMs of the arrived
-    /// shards.
-    Gather,
-    /// The output is reduce-scattered block by block beside the GEMMs of the next blocks.
-    ReduceScatter,
-}
 
 /// What a GEMM layer's forward runs in, decided once per forward from the autocast scope.
 #[derive(Debug)]
@@ -430,8 +419,19 @@ impl LinearCore {
         input_shape: &[usize],
         input_grad: bool,
     ) -> Result<Option<Tensor>> {
-        let dy = self.comm.gather_grad_output(dy)?;
-        let dx = self.backward_local(saved, &dy, input_shape, input_grad)?;
+        let dx = match saved {
+            // A 16-bit backward whose output gradient is a token shard, with the communication
+            // overlap: the shards gathered beside the dgrad GEMMs of the arrived ones.
+            Saved::High { input, weight } if input_grad && self.comm.overlaps_grad_gather() => {
+                ops::check_dtype(self.module, "grad_output", dy, DType::is_high_precision, "f32, bf16 or f16")?;
+                self.params.check_main_grad()?;
+                self.backward_high(dy, &input, &weight, true, true)?
+            }
+            saved => {
+                let dy = self.comm.gather_grad_output(dy)?;
+                self.backward_local(saved, &dy, input_shape, input_grad)?
+            }
+        };
         self.reduce_dgrad(dx)
     }
 
@@ -471,7 +471,7 @@ impl LinearCore {
                 let dbias = dbias.map(DbiasBuffers::into_dbias);
                 self.backward_fp8_local(&dy8, dbias, s, input_shape, dy.dtype(), input_grad)
             }
-            Saved::High { input, weight } => self.backward_high(dy, &input, &weight, input_grad),
+            Saved::High { input, weight } => self.backward_high(dy, &input, &weight, input_grad, false),
         }
     }
 
@@ -533,23 +533,42 @@ impl LinearCore {
         Ok(dx)
     }
 
+    /// 16-bit backward: dgrad (its reduction started) when `input_grad`, then wgrad and bgrad.
+    /// With `gather`, `dy` is this rank's token shard, all-gathered beside the dgrad GEMMs of the
+    /// arrived shards ([`GemmParallel::gather_gemm`]; `input_grad` must be set).
     fn backward_high(
         &mut self,
         dy: &Tensor,
         x: &Tensor,
         w: &Tensor,
         input_grad: bool,
+        gather: bool,
     ) -> Result<Option<PendingReduce>> {
         let dev = self.dev();
         let dy = convert(&dev, dy.clone(), x.dtype())?;
-        let dx = if input_grad {
-            // dx [t, in] = dy [t, out] · W [out, in]: B = Wᵀ as stored transposed.
-            let mut dx = Tensor::empty(&dev, x.dtype(), x.shape())?;
-            gemm(&dev, Operand::new(&dy), Operand::new(w).transposed(), GemmOut::new(&mut dx), &GemmConfig::default())?;
-            Some(self.start_reduce_dgrad(dx)?)
-        } else {
-            None
+        let n_in = x.shape().last().copied().unwrap_or(0);
+        // dx [t, in] = dy [t, out] · W [out, in]: B = Wᵀ as stored transposed.
+        let dgrad = |dy: &Tensor| -> Result<Tensor> {
+            let mut dx = Tensor::empty(&dev, x.dtype(), &out_shape(dy.shape(), n_in))?;
+            gemm(&dev, Operand::new(dy), Operand::new(w).transposed(), GemmOut::new(&mut dx), &GemmConfig::default())?;
+            Ok(dx)
         };
+        let (dy, dx) = match (gather, input_grad) {
+            (true, true) => {
+                let (whole, dx) = self.comm.gather_gemm(&dy, true, dgrad)?;
+                let whole = whole.ok_or_else(|| self.internal("the gathered output gradient was not kept"))?;
+                let n_out = self.params.out_features();
+                ops::check_shape(self.module, "grad_output", &whole, &out_shape(x.shape(), n_out))?;
+                (whole, Some(dx))
+            }
+            (true, false) => return Err(self.internal("an overlapped output-gradient gather without dgrad")),
+            (false, true) => {
+                let dx = dgrad(&dy)?;
+                (dy, Some(dx))
+            }
+            (false, false) => (dy, None),
+        };
+        let dx = dx.map(|dx| self.start_reduce_dgrad(dx)).transpose()?;
         // dW [out, in] = dyᵀ [out, t] · x [t, in]; the bias gradient Σ_t dy comes from the same
         // GEMM's BGRADB epilogue (TE's non-FP8 wgrad with `grad = true`).
         let (_, n_out) = dy.as_2d(self.module)?;

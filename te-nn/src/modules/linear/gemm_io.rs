@@ -46,6 +46,18 @@ impl LinearInput {
     }
 }
 
+/// How this rank's forward GEMM meets its collective ([`crate::parallel::overlap`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Overlap {
+    /// One GEMM; the collectives (if any) before or after it.
+    None,
+    /// The input is a token shard, all-gathered shard by shard beside the GEMMs of the arrived
+    /// shards.
+    Gather,
+    /// The output is reduce-scattered block by block beside the GEMMs of the next blocks.
+    ReduceScatter,
+}
+
 /// The bias gradient a gradient cast computes on the way (TE `cast_transpose_dbias`): the
 /// `[cols]` output and the kernel's f32 workspace.
 #[derive(Debug)]
