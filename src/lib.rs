@@ -5,6 +5,7 @@
 //! `model_generate`, `eval`).
 
 pub mod checkpoint_cmd;
+pub mod context_parallel;
 pub mod data;
 pub mod embed;
 pub mod eval;

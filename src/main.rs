@@ -38,7 +38,7 @@ enum Command {
     /// Show the device, arch, driver, NVRTC and the kernel cache.
     Info,
     /// Train a byte-level GPT on Shakespeare (or your text) in FP8 and in BF16 and compare them.
-    Train(te::train::TrainArgs),
+    Train(Box<te::train::TrainArgs>),
     /// Sample text from a `te train` checkpoint or a decoder LLM (.gguf or Hugging Face
     /// directory), streamed; prefill and decode speed on stderr.
     Generate(te::generate::GenerateArgs),
@@ -342,6 +342,9 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         )
         .into());
     }
+    // --context-parallel: the decoder family's windows split over the ranks (checked before any
+    // group is built).
+    let cp = te::context_parallel::context_parallel(a, world, finetune.as_ref().map(|f| f.seq))?;
     let cfg = train_config(a, model, on_gpu).map_err(|e| e.to_string())?;
     // Settings out of range are refused before anything is created.
     cfg.validate().map_err(|e| e.to_string())?;
@@ -357,7 +360,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     let parallel = match (&dist, &dev) {
         (Some(env), Some(dev)) => {
             let group = Arc::new(ProcessGroup::init(dev, env).map_err(|e| e.to_string())?);
-            Parallel::new(group, a.tensor_parallel, a.sequence_parallel).map_err(|e| e.to_string())?
+            Parallel::with_context(group, a.tensor_parallel, cp, a.sequence_parallel).map_err(|e| e.to_string())?
         }
         _ => Parallel::default(),
     };
@@ -380,12 +383,8 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     };
     let where_ = match (&dev, &dist) {
         (Some(d), Some(e)) => {
-            let ((_, dp), (_, tp)) = (parallel.data_rank(), parallel.tensor_rank());
-            let split = match (dp, tp) {
-                (_, 1) => "data parallel".to_string(),
-                (1, _) => format!("tensor parallel{}", if a.sequence_parallel { " + sequence parallel" } else { "" }),
-                _ => format!("tensor parallel {tp} × data parallel {dp}"),
-            };
+            let ((_, dp), (_, tp), (_, cp)) = (parallel.data_rank(), parallel.tensor_rank(), parallel.context_rank());
+            let split = te::context_parallel::describe_split(tp, cp, dp, a.sequence_parallel);
             format!("{} × device {} ({split})", e.world_size, d.name())
         }
         (Some(d), None) => format!("device {}", d.name()),

@@ -156,6 +156,15 @@ pub struct TrainArgs {
     /// same checkpoint files. Not with --tensor-parallel nor on the CPU path.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
+    /// With --model: split every sequence over this many GPUs (context parallelism, TE's
+    /// all-gather `cp_group` and Megatron-LM's --context-parallel-size): each rank holds two
+    /// load-balanced chunks of every window (2·cp chunks, rank r chunks r and 2·cp − 1 − r), so
+    /// its activations are those of seq / cp tokens; only attention communicates (the keys and
+    /// values all-gathered). Data parallel over the rest of the ranks, the gradients averaged
+    /// over context × data. --seq-length must be a multiple of 2 × this. Not with
+    /// --tensor-parallel, --pack thd or the GPT presets.
+    #[arg(long, default_value_t = 1)]
+    pub context_parallel: usize,
     /// With --tensor-parallel: sequence parallelism (norms, dropout and residuals on each rank's
     /// part of the sequence).
     #[arg(long)]

@@ -33,4 +33,4 @@ pub use config::{Precision, TrainConfig};
 pub use error::TrainError;
 pub use nonfinite::NonFiniteGuard;
 pub use summary::{Progress, Record, RunSummary};
-pub use trainer::{cpu_gemm_precision, Backend, Pack, TrainLm, Trainer, FP8_CALIBRATION_BATCHES};
+pub use trainer::{check_context_seq, cpu_gemm_precision, Backend, Pack, TrainLm, Trainer, FP8_CALIBRATION_BATCHES};

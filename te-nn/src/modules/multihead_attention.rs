@@ -13,7 +13,8 @@
 //! `_quantize` writes Vᵀ in its kernel's key order, which a GEMM epilogue cannot.
 
 use super::attention::{
-    AttentionCtx, AttnMaskType, DotProductAttention, Fp8OutputRequest, PaddingSeqlens, QkvFormat, ThdSeqlens,
+    AttentionCtx, AttnMaskType, CpAttentionCtx, DotProductAttention, Fp8OutputRequest, PaddingSeqlens, QkvFormat,
+    ThdSeqlens,
 };
 use super::inference::KvLayer;
 use super::layernorm_linear::{LayerNormLinear, LayerNormLinearCtx};
@@ -22,6 +23,7 @@ use super::visit::{join_path, Module, ModuleVisitor, ModuleVisitorMut};
 use super::{next_module_id, ForwardOptions, LinearParams, NormParams, Output};
 use super::{KernelSpec, KernelTarget};
 use crate::fp8::{fp8_mode, Fp8Mode};
+use crate::parallel::ContextParallel;
 use qk::{QkCtx, QkNorm, QkPrep};
 use std::sync::Arc;
 use te_codegen::spec::GemvEpilogue;
@@ -32,6 +34,7 @@ use te_runtime::ops::gemv::{gemv, max_rows, GemvInput, DECODE_MAX_ROWS};
 use te_runtime::{Device, Error, Result, Tensor};
 
 mod config;
+mod context_parallel;
 mod qk;
 
 pub use config::MultiheadAttentionConfig;
@@ -81,7 +84,7 @@ enum QkvCtx {
 pub struct MultiheadAttentionCtx {
     module_id: u64,
     qkv: QkvCtx,
-    attn: AttentionCtx,
+    attn: AttnCtx,
     proj: LinearCtx,
     /// q and k's norms and RoPE (`None`: the attention ran on the packed projection).
     qk: Option<QkCtx>,
@@ -90,14 +93,26 @@ pub struct MultiheadAttentionCtx {
 }
 
 impl MultiheadAttentionCtx {
-    /// The attention's context (its backend and FP8 flags).
+    /// The attention's context (its backend and FP8 flags); with context parallelism, that of
+    /// the rank's first query chunk.
     pub fn attention(&self) -> &AttentionCtx {
-        &self.attn
+        match &self.attn {
+            AttnCtx::Local(c) => c,
+            AttnCtx::Cp(c) => &c.calls()[0],
+        }
     }
 }
 
+/// The dot-product attention's context: one call, or the context-parallel pair.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one a layer and step; the common variant stays unboxed
+enum AttnCtx {
+    Local(AttentionCtx),
+    Cp(Box<CpAttentionCtx>),
+}
+
 /// The attention's context and, where q and k were copied apart, their norms' and RoPE's.
-type AttendCtx = (AttentionCtx, Option<QkCtx>);
+type AttendCtx = (AttnCtx, Option<QkCtx>);
 
 /// Self-attention over hidden states `[s, b, hidden]` (or `[b, s, hidden]`), output of the same
 /// shape and dtype.
@@ -110,6 +125,9 @@ pub struct MultiheadAttention {
     attention: DotProductAttention,
     qk_norm: Option<QkNorm>,
     proj: Linear,
+    /// The context-parallel group the sequence is split over
+    /// ([`MultiheadAttention::set_context_parallel`]).
+    cp: Option<ContextParallel>,
 }
 
 impl MultiheadAttention {
@@ -131,7 +149,7 @@ impl MultiheadAttention {
             None => None,
         };
         let proj = Linear::new(dev, parts.proj)?;
-        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, qkv, attention, qk_norm, proj })
+        Ok(Self { dev: dev.clone(), id: next_module_id(), cfg, qkv, attention, qk_norm, proj, cp: None })
     }
 
     /// The configuration.
@@ -256,25 +274,36 @@ impl MultiheadAttention {
         let mha = matches!(fp8_mode(), Fp8Mode::Fp8(r) if r.fp8_mha());
         let (dev, format, attention) = (&*self.dev, self.cfg.rope_format(), &mut self.attention);
         let qk_norm = self.qk_norm.as_mut();
+        let cp = self.cp.as_ref();
+        context_parallel::check_inputs(cp, inputs)?;
         self.proj.forward_produced(qkv.dtype(), opts, grad, |quantizer| {
             let request = quantizer.filter(|_| mha).map(|quantizer| Fp8OutputRequest { quantizer, backward: grad });
-            let (out, ctx, qk) = match (inputs.rotary_pos_emb, qk_norm, inputs.thd) {
-                (None, None, None) => {
+            let (out, ctx, qk) = match (inputs.rotary_pos_emb, qk_norm, inputs.thd, cp) {
+                (None, None, None, None) => {
                     let (out, ctx) = attention.forward_packed_to(&qkv, (inputs.seq_lens, inputs.padding), request)?;
-                    (out, ctx, None)
+                    (out, AttnCtx::Local(ctx), None)
                 }
-                (freqs, norm, thd) => {
+                (freqs, norm, thd, cp) => {
                     let [q, k, v] = attention.split_packed(&qkv)?;
                     let ([q, k], qk) = QkPrep { dev, norm, format }.forward([q, k], freqs)?;
-                    let (out, ctx) = match thd {
-                        None => attention.forward_to(&q, &k, &v, (inputs.seq_lens, inputs.padding), request)?,
-                        Some(seqs) => {
+                    let (out, ctx) = match (thd, cp) {
+                        // Checked above: no thd with context parallelism.
+                        (_, Some(cp)) => {
+                            let (out, ctx) = attention.forward_context_parallel(cp, &q, &k, &v)?;
+                            (Output::High(out), AttnCtx::Cp(Box::new(ctx)))
+                        }
+                        (None, None) => {
+                            let (out, ctx) =
+                                attention.forward_to(&q, &k, &v, (inputs.seq_lens, inputs.padding), request)?;
+                            (out, AttnCtx::Local(ctx))
+                        }
+                        (Some(seqs), None) => {
                             // [tokens, 1, heads, d] → [tokens, heads, d]; the output back to
                             // [tokens, 1, heads · d].
                             let rows = |t: &Tensor| t.reshape(&[a, t.shape()[2], t.shape()[3]]);
                             let (out, ctx) = attention.forward_thd(&rows(&q)?, &rows(&k)?, &rows(&v)?, seqs)?;
                             let width = out.shape()[1];
-                            (Output::High(out.reshape(&[a, 1, width])?), ctx)
+                            (Output::High(out.reshape(&[a, 1, width])?), AttnCtx::Local(ctx))
                         }
                     };
                     (out, ctx, Some(qk))
@@ -473,16 +502,20 @@ impl MultiheadAttention {
             return Err(Error::Context { module: MODULE, message: "the context was made by another module".into() });
         }
         let d_ctx = self.proj.backward(ctx.proj, d_out)?;
-        let d_qkv = match ctx.qk {
-            None => self.attention.backward_packed(ctx.attn, &d_ctx)?,
-            Some(qk) => {
-                let (dq, dk, dv) = match ctx.thd {
-                    None => self.attention.backward(ctx.attn, &d_ctx)?,
-                    Some(tokens) => {
+        let d_qkv = match (ctx.qk, ctx.attn) {
+            (None, AttnCtx::Local(attn)) => self.attention.backward_packed(attn, &d_ctx)?,
+            (None, AttnCtx::Cp(_)) => {
+                return Err(Error::internal(MODULE, "a context-parallel attention without q and k apart"))
+            }
+            (Some(qk), attn) => {
+                let (dq, dk, dv) = match (ctx.thd, attn) {
+                    (_, AttnCtx::Cp(attn)) => self.backward_context_parallel(*attn, &d_ctx)?,
+                    (None, AttnCtx::Local(attn)) => self.attention.backward(attn, &d_ctx)?,
+                    (Some(tokens), AttnCtx::Local(attn)) => {
                         // [tokens, 1, h · d] ↔ the thd call's [tokens, h · d]; its [tokens, heads,
                         // d] gradients back to [tokens, 1, heads, d].
                         let d_ctx = d_ctx.reshape(&[tokens, d_ctx.numel() / tokens.max(1)])?;
-                        let (dq, dk, dv) = self.attention.backward(ctx.attn, &d_ctx)?;
+                        let (dq, dk, dv) = self.attention.backward(attn, &d_ctx)?;
                         let col = |t: Tensor| t.reshape(&[tokens, 1, t.shape()[1], t.shape()[2]]);
                         (col(dq)?, col(dk)?, col(dv)?)
                     }

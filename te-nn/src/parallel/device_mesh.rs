@@ -71,6 +71,32 @@ impl DeviceMesh {
         self.groups.iter().find(|(a, _)| *a == axis).map(|(_, g)| g)
     }
 
+    /// This rank's group of several `axes` (the ranks that differ only along them, e.g. the
+    /// gradient averaging of replicated parameters over context × data): `None` where it is
+    /// one rank; the world group or an axis's own group where it is that; else split from the
+    /// world (`ncclCommSplit`, a collective of every rank: all ranks call it with the same
+    /// `axes`).
+    ///
+    /// # Errors
+    /// NCCL errors of the split.
+    pub fn group_of(&self, axes: &[MeshAxis]) -> Result<Option<Arc<ProcessGroup>>> {
+        let Some(world) = &self.world else { return Ok(None) };
+        let size = self.shape.group_size(axes);
+        if size == 1 {
+            return Ok(None);
+        }
+        if size == world.size() {
+            return Ok(Some(world.clone()));
+        }
+        let used: Vec<MeshAxis> = axes.iter().copied().filter(|&a| self.shape.size(a) > 1).collect();
+        if let [axis] = used[..] {
+            return Ok(self.group(axis).cloned());
+        }
+        let shape = self.shape;
+        let group = world.split(|r| Some(shape.color(r, axes)))?;
+        Ok(Some(Arc::new(group.ok_or_else(|| Error::internal(MODULE, "a rank got no group of its color"))?)))
+    }
+
     /// This rank in the run (0 on a single GPU).
     pub fn rank(&self) -> usize {
         self.world.as_ref().map_or(0, |w| w.rank())

@@ -26,8 +26,9 @@ pub enum MeshAxis {
     /// Tensor parallelism: the layers' GEMMs split over the axis (`TpConfig`), and with sequence
     /// parallelism the tokens between them.
     Tensor,
-    /// Context parallelism: the sequence split for attention (Megatron's `cp`; not built by
-    /// [`super::Parallel`] yet).
+    /// Context parallelism: the sequence split for attention (Megatron's `cp`;
+    /// [`super::Parallel::with_context`]); the parameters are replicated along it, so their
+    /// gradients average over context × data.
     Context,
     /// Expert parallelism: the experts of MoE layers spread over the axis (Megatron's `ep`,
     /// folded into the data-parallel ranks: dense parameters are replicated along it; not built
@@ -148,6 +149,28 @@ impl MeshShape {
             });
         }
         Self::new(world, &[(MeshAxis::Tensor, tp), (MeshAxis::Data, world / tp)])
+    }
+
+    /// Megatron-LM's tensor × context × data-parallel layout of `world` ranks (`tp-cp-dp`):
+    /// tensor-parallel groups of `tensor_parallel` consecutive ranks, context-parallel groups of
+    /// `context_parallel` ranks `tensor_parallel` apart (rank `r`'s context coordinate is `(r /
+    /// tp) % cp`), data parallelism over the `world / (tp · cp)` rest.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a size of 0 or sizes whose product does not divide `world`, naming
+    /// them.
+    pub fn tensor_context_data(world: usize, tensor_parallel: usize, context_parallel: usize) -> Result<Self> {
+        let (tp, cp) = (tensor_parallel, context_parallel);
+        if tp == 0 || cp == 0 || world % (tp * cp) != 0 {
+            return Err(Error::Config {
+                module: MODULE,
+                message: format!(
+                    "a tensor-parallel size of {tp} × a context-parallel size of {cp} does not divide the {world} \
+                     ranks: choose sizes whose product divides the world size"
+                ),
+            });
+        }
+        Self::new(world, &[(MeshAxis::Tensor, tp), (MeshAxis::Context, cp), (MeshAxis::Data, world / (tp * cp))])
     }
 
     /// Ranks in the mesh.
@@ -272,6 +295,35 @@ mod tests {
             }
         }
         assert_eq!(m.to_string(), "tp=2 × cp=2 × ep=2 × zero=2 × dp=2");
+    }
+
+    /// TP × CP × DP (Megatron's `tp-cp-dp`): the context-parallel groups hold ranks `tp` apart,
+    /// the gradient-averaging group of the replicated parameters is context × data, and the
+    /// data index (which sequences a rank reads) is the data coordinate alone, so the CP ranks
+    /// of one data rank read the same sequences.
+    #[test]
+    fn context_axis_groups_over_tp_cp_dp() {
+        let m = MeshShape::tensor_context_data(8, 1, 2).unwrap();
+        assert_eq!(m.to_string(), "cp=2 × dp=4");
+        assert_eq!(m.groups(&[Context]), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+        assert_eq!(m.groups(&[Data]), [[0, 2, 4, 6], [1, 3, 5, 7]]);
+        assert_eq!(m.groups(&[Context, Data]), [(0..8).collect::<Vec<_>>()]);
+        for r in 0..8 {
+            assert_eq!((m.coord(r, Context), m.coord(r, Data)), (r % 2, r / 2));
+        }
+        let m = MeshShape::tensor_context_data(8, 2, 2).unwrap();
+        assert_eq!(m.to_string(), "tp=2 × cp=2 × dp=2");
+        assert_eq!(m.groups(&[Tensor]), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+        assert_eq!(m.groups(&[Context]), [[0, 2], [1, 3], [4, 6], [5, 7]]);
+        assert_eq!(m.groups(&[Context, Data]), [[0, 2, 4, 6], [1, 3, 5, 7]]);
+        assert_eq!((m.coord(6, Data), m.coord(6, Context), m.coord(6, Tensor)), (1, 1, 0));
+        let m = MeshShape::tensor_context_data(4, 1, 4).unwrap();
+        assert_eq!(m.groups(&[Context]), [[0, 1, 2, 3]]);
+        assert_eq!(m.groups(&[Data]), [[0], [1], [2], [3]]);
+        assert_eq!(MeshShape::tensor_context_data(4, 1, 1).unwrap(), MeshShape::tensor_data(4, 1).unwrap());
+        let e = MeshShape::tensor_context_data(6, 2, 2).unwrap_err().to_string();
+        assert!(e.contains("context-parallel size of 2 does not divide the 6 ranks"), "{e}");
+        assert!(MeshShape::tensor_context_data(4, 1, 0).is_err());
     }
 
     /// A single rank, and axes of size 1, leave every group a single rank.

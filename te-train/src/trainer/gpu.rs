@@ -15,7 +15,7 @@
 //! Tensor parallel: the layers split over the tensor-parallel group, each rank writing its
 //! files of every checkpoint.
 
-use super::batches::{Pack, StepBatch, Tokens};
+use super::batches::{check_context_seq, Pack, StepBatch, Tokens};
 use super::graphed::{self, forward_backward, GraphedStep};
 use super::lm::TrainLm;
 use super::memory::MemoryPlan;
@@ -60,6 +60,15 @@ pub(super) fn train(
     (parallel, zero, recompute): (&mut Parallel, ZeroStage, Recompute),
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<(RunSummary, OptimizerMemory), TrainError> {
+    if let Some(cp) = parallel.context() {
+        return Err(TrainError::Unsupported {
+            message: format!(
+                "context parallelism ({} ranks) trains the decoder family (--model): the byte-level GPT presets have \
+                 learned absolute positions and are not split yet; drop --context-parallel",
+                cp.size()
+            ),
+        });
+    }
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     let (_, tp_size) = parallel.tensor_rank();
@@ -68,7 +77,7 @@ pub(super) fn train(
         parameters: cfg.model.num_parameters() as u64,
         gradient_bytes: cfg.model.num_parameters() as u64 * cfg.model.params_dtype.size_bytes() as u64,
         micro_batches: cfg.grad_accum,
-        data_parallel: parallel.data_rank().1,
+        data_parallel: parallel.replica_rank().1,
         zero,
         recompute,
         recompute_possible: cfg.model.moe.is_none(),
@@ -125,21 +134,33 @@ pub(super) fn finetune(
 ) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     if parallel.tensor().is_some() {
         return Err(TrainError::Unsupported {
-            message: "fine-tuning a decoder of the family is data parallel only: drop --tensor-parallel".into(),
+            message: "fine-tuning a decoder of the family is data (and context) parallel only: drop --tensor-parallel"
+                .into(),
         });
     }
+    let (_, cp) = parallel.context_rank();
+    if cp > 1 && pack == Pack::Thd {
+        return Err(TrainError::Unsupported {
+            message: format!(
+                "--pack thd with --context-parallel {cp} is not built (packed documents are not split over ranks \
+                 yet): use --pack blocks or drop --context-parallel"
+            ),
+        });
+    }
+    check_context_seq(seq, cp)?;
     dev.synchronize()?;
     // The estimate less the BF16 weights already on the device.
     let fp8 = precision == Precision::Fp8;
     let m = model.config();
     let resident = model.num_parameters() as u64 * 2;
-    let estimate = |r: Recompute| DecoderLm::training_bytes_with(m, cfg.batch, seq, fp8, r);
+    // With context parallelism each rank's activations are those of its seq / cp tokens.
+    let estimate = |r: Recompute| DecoderLm::training_bytes_cp(m, cfg.batch, seq, cp, fp8, r);
     let plan = MemoryPlan {
         parameters: model.num_parameters() as u64,
         // BF16 gradients, as the estimate counts them.
         gradient_bytes: model.num_parameters() as u64 * 2,
         micro_batches: cfg.grad_accum,
-        data_parallel: parallel.data_rank().1,
+        data_parallel: parallel.replica_rank().1,
         zero,
         recompute,
         recompute_possible: true,
@@ -148,17 +169,20 @@ pub(super) fn finetune(
     plan.check(dev, resident, |advice| {
         format!(
             "fine-tuning a {}-layer decoder of hidden size {} and vocabulary {} on micro-batches of {} × {seq} tokens in \
-             {} (the gradients, AdamW state, activations and logits, estimated before allocating; fewer tokens a batch \
-             need less{advice})",
+             {}{} (the gradients, AdamW state, activations and logits, estimated before allocating; fewer tokens a \
+             batch need less{}{advice})",
             m.num_layers,
             m.hidden_size,
             m.vocab_size,
             cfg.batch,
-            if fp8 { "FP8" } else { "BF16" }
+            if fp8 { "FP8" } else { "BF16" },
+            if cp > 1 { format!(", {} tokens a sequence on each of {cp} context-parallel ranks", seq / cp) } else { String::new() },
+            if cp > 1 { "" } else { ", and --context-parallel N splits each sequence over N GPUs" }
         )
     })?;
     dev.reset_peak_memory()?;
     model.set_recompute(recompute)?;
+    TrainLm::set_context_parallel(model, parallel.context().cloned())?;
     if let Some(dp) = parallel.data() {
         dp.broadcast_parameters(model)?;
     }
@@ -191,7 +215,7 @@ fn calibrate<M: TrainLm, T: TokenId>(
     cfg: &TrainConfig,
     parallel: &Parallel,
 ) -> Result<(), TrainError> {
-    let mut batches = data.train(cfg.data_seed ^ 0xca1, cfg.batch, parallel.data_rank())?;
+    let mut batches = data.train(cfg.data_seed ^ 0xca1, cfg.batch, parallel.data_rank(), parallel.context_rank())?;
     let scope = Fp8Autocast::calibrating(cfg.recipe).with_group(parallel.world().cloned());
     model.set_training(false);
     for _ in 0..FP8_CALIBRATION_BATCHES {
@@ -213,11 +237,23 @@ pub(super) fn validation_loss<M: TrainLm>(
     parallel: &Parallel,
 ) -> Result<f32, TrainError> {
     let autocast = Fp8Autocast::new(cfg.recipe).with_group(parallel.world().cloned());
+    if let Some(cp) = parallel.context() {
+        if pack == Pack::Thd {
+            return Err(TrainError::Unsupported {
+                message: format!(
+                    "--pack thd with --context-parallel {} is not built: use --pack blocks or drop --context-parallel",
+                    cp.size()
+                ),
+            });
+        }
+        check_context_seq(seq, cp.size())?;
+    }
+    model.set_context_parallel(parallel.context().cloned())?;
     let tokens: Tokens<'_, u32> = match pack {
         Pack::Blocks => Tokens::Windows { train: data.train.tokens(), val: data.val.tokens(), seq },
         Pack::Thd => Tokens::Thd { train: &data.train, val: &data.val, seq },
     };
-    evaluate(dev, model, &tokens, cfg, precision, &autocast)
+    evaluate(dev, model, &tokens, cfg, (precision, &autocast), parallel)
 }
 
 /// The steps of a run of `model` (built, its parameters equal on every rank), checkpointed as
@@ -262,7 +298,8 @@ fn run<M: TrainLm, T: TokenId>(
     // ZeRO-2: the backward reduces each gradient piece to its owner (whole all-reduces otherwise;
     // the layout may have run another stage before).
     let shards = opt.grad_shards().cloned();
-    let (gradient_bytes, released_gradient_bytes) = gradient_bytes(&*model, shards.as_ref(), parallel.data_rank().0)?;
+    let (gradient_bytes, released_gradient_bytes) =
+        gradient_bytes(&*model, shards.as_ref(), parallel.replica_rank().0)?;
     if let Some(dp) = parallel.data() {
         dp.set_grad_shards(shards)?;
     }
@@ -279,13 +316,16 @@ fn run<M: TrainLm, T: TokenId>(
     let recipe = fp8.then_some(cfg.recipe);
     let mut run = GpuRun { model, opt, tp, recipe };
     let seq = data.seq();
-    // The ranks of a tensor-parallel group read the same data; data-parallel ranks their shards.
+    // The ranks of a tensor-parallel group read the same data; data-parallel ranks their shards;
+    // the context-parallel ranks of one data rank their chunks of the same windows.
     let (rank, world) = parallel.data_rank();
-    let mut train_batches = data.train(cfg.data_seed, cfg.batch, (rank, world))?;
+    let mut train_batches = data.train(cfg.data_seed, cfg.batch, (rank, world), parallel.context_rank())?;
     let mut records = Vec::new();
     let finetune = decoder.is_some();
+    // Rank 0 of the replicas (data × context) writes; the others hold the same parameters.
+    let (writer, _) = parallel.replica_rank();
     let mut checkpoints = Checkpointer::new(ckpt, cfg, precision)
-        .data_parallel(rank, world)
+        .data_parallel(writer, world)
         .tensor_parallel(tp_rank, tp_size)
         .decoder(decoder);
     let done = checkpoints.resume(&mut run, &mut records)?;
@@ -353,7 +393,7 @@ fn run<M: TrainLm, T: TokenId>(
         let step_ms = start.elapsed().as_secs_f64() * 1e3;
         times.push(step_ms);
         let val_loss = if step % cfg.eval_interval == 0 || step == cfg.steps {
-            Some(evaluate(dev, &mut *run.model, &data, cfg, precision, &autocast)?)
+            Some(evaluate(dev, &mut *run.model, &data, cfg, (precision, &autocast), parallel)?)
         } else {
             None
         };
@@ -377,6 +417,7 @@ fn run<M: TrainLm, T: TokenId>(
     }
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);
+    // Each token once: the context-parallel ranks of a data rank share its windows.
     let tokens = (seq * cfg.batch * cfg.grad_accum * world) as f64;
     let summary = RunSummary {
         precision,
@@ -524,16 +565,18 @@ impl ModuleVisitor for FiniteStates<'_> {
 /// Mean validation loss over `cfg.eval_batches` fixed batches (the same for every evaluation),
 /// in evaluation mode (no dropout; the training run's dropout stream does not move). FP8 runs
 /// evaluate under `autocast` (the run's recipe and amax reduction group: every rank of a
-/// data-parallel run evaluates the same batches, and their scales stay equal).
+/// data-parallel run evaluates the same batches, and their scales stay equal). With context
+/// parallelism each rank evaluates its chunks of those batches and the loss is the mean over
+/// the context-parallel group.
 fn evaluate<M: TrainLm, T: TokenId>(
     dev: &Arc<Device>,
     model: &mut M,
     data: &Tokens<'_, T>,
     cfg: &TrainConfig,
-    precision: Precision,
-    autocast: &Fp8Autocast,
+    (precision, autocast): (Precision, &Fp8Autocast),
+    parallel: &Parallel,
 ) -> Result<f32, TrainError> {
-    let mut batches = data.val(cfg)?;
+    let mut batches = data.val(cfg, parallel.context_rank())?;
     model.set_training(false);
     let mut run = || -> Result<f32, TrainError> {
         let mut sum = 0.0f32;
@@ -551,5 +594,5 @@ fn evaluate<M: TrainLm, T: TokenId>(
     };
     let mean = run();
     model.set_training(true);
-    mean
+    Ok(parallel.context_mean(mean?)?)
 }

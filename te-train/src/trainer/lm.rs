@@ -5,6 +5,7 @@
 use te_models::decoder::train::{DecoderLm, DecoderLmCtx, Packing};
 use te_models::gpt::{Gpt, GptCtx, GptLoss, MicroBatch};
 use te_nn::modules::{Module, Recompute, TokenIds};
+use te_nn::parallel::ContextParallel;
 use te_runtime::{Error, Result};
 
 /// A causal language model the GPU trainer steps: a loss forward over `[s, b]` ids and
@@ -64,6 +65,24 @@ pub trait TrainLm: Module {
     /// # Errors
     /// [`Error::Config`] for a mode the model does not support.
     fn set_recompute(&mut self, mode: Recompute) -> Result<()>;
+
+    /// Splits every sequence of the next forwards over `cp`'s ranks (context parallelism: the
+    /// ids and targets are then each rank's chunks of the windows); `None`: whole sequences.
+    /// The default refuses a group.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a model that is not split along the sequence.
+    fn set_context_parallel(&mut self, cp: Option<ContextParallel>) -> Result<()> {
+        match cp {
+            None => Ok(()),
+            Some(_) => Err(Error::Config {
+                module: "TrainLm",
+                message: "this model does not split its sequences over a context-parallel group: train the decoder \
+                          family (--model) or drop --context-parallel"
+                    .into(),
+            }),
+        }
+    }
 
     /// Whether the model routes tokens to experts (MoE), whose row counts the host reads
     /// every step: such a step is not captured in a CUDA graph. The default: `false`.
@@ -166,5 +185,9 @@ impl TrainLm for DecoderLm {
 
     fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
         DecoderLm::set_recompute(self, mode)
+    }
+
+    fn set_context_parallel(&mut self, cp: Option<ContextParallel>) -> Result<()> {
+        DecoderLm::set_context_parallel(self, cp)
     }
 }

@@ -23,7 +23,7 @@ mod graphed;
 mod lm;
 mod memory;
 
-pub use batches::Pack;
+pub use batches::{check_context_seq, Pack};
 pub use cpu::cpu_gemm_precision;
 pub use gpu::FP8_CALIBRATION_BATCHES;
 pub use lm::TrainLm;

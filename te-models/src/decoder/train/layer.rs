@@ -121,6 +121,14 @@ impl DecoderLayer {
         self.self_attention.set_training(training);
     }
 
+    /// Splits the attention's sequences over `cp` (`None`: whole sequences on this rank).
+    ///
+    /// # Errors
+    /// As `MultiheadAttention::set_context_parallel`.
+    pub(super) fn set_context_parallel(&mut self, cp: Option<te_nn::parallel::ContextParallel>) -> Result<()> {
+        self.self_attention.set_context_parallel(cp)
+    }
+
     /// `x [s, b, hidden]` → the layer's output and its context; `freqs`: the rotary angles of
     /// positions `0..s` (f32 `[≥ s, head_dim]`), or with `thd` (`x` `[tokens, 1, hidden]`,
     /// packed documents) each token's.

@@ -45,6 +45,31 @@ impl DecoderLm {
         (params + saved + head + transient + FIXED_BYTES) as u64
     }
 
+    /// [`DecoderLm::training_bytes_with`] on one rank of a context-parallel run over `cp`
+    /// ranks ([`DecoderLm::set_context_parallel`]): the activations, logits and transient
+    /// gradients of the rank's `seq / cp` tokens a sequence, plus the keys and values
+    /// all-gathered for one layer's attention (`2 · seq · groups · d` 16-bit elements a sequence,
+    /// and their gradients' sums in the backward); the weights and optimizer state whole (they
+    /// are replicated over the group). `cp` 1 is [`DecoderLm::training_bytes_with`].
+    pub fn training_bytes_cp(
+        cfg: &DecoderConfig,
+        batch: usize,
+        seq: usize,
+        cp: usize,
+        fp8: bool,
+        mode: te_nn::modules::Recompute,
+    ) -> u64 {
+        let cp = cp.max(1);
+        let local = Self::training_bytes_with(cfg, batch, seq / cp, fp8, mode);
+        if cp == 1 {
+            return local;
+        }
+        let kv = 2.0 * (cfg.num_gqa_groups * cfg.head_dim) as f64;
+        // The gathered k and v and, in the backward, their gradients over the whole sequence.
+        let gathered = batch as f64 * seq as f64 * kv * 2.0 * 2.0;
+        local + gathered as u64
+    }
+
     /// What one layer's forward keeps for its backward, in bytes a token (the per-layer term of
     /// [`DecoderLm::training_bytes`]): `(6h + sandwich + qkv + 2 · (heads + groups) · d + heads ·
     /// d + fc1 + ffn) · 2 + 4 · heads`.
@@ -81,5 +106,14 @@ mod tests {
         let weights = gib(DecoderLm::training_bytes(&cfg, 0, 1024, false));
         let double = gib(DecoderLm::training_bytes(&cfg, 16, 1024, false));
         assert!(((double - weights) / (bf16 - weights) - 2.0).abs() < 1e-6);
+        // Context parallelism: a rank's activations are those of its seq / cp tokens (plus one
+        // layer's gathered keys and values), so 8192 tokens over 8 ranks cost about what 1024
+        // do on one; cp 1 is the plain estimate.
+        let none = te_nn::modules::Recompute::None;
+        let one = DecoderLm::training_bytes_with(&cfg, 8, 1024, false, none);
+        assert_eq!(DecoderLm::training_bytes_cp(&cfg, 8, 1024, 1, false, none), one);
+        let cp8 = DecoderLm::training_bytes_cp(&cfg, 8, 8192, 8, false, none);
+        let whole = DecoderLm::training_bytes_with(&cfg, 8, 8192, false, none);
+        assert!(cp8 > one && (cp8 - one) < (1 << 30) && cp8 < whole / 4, "{cp8} {one} {whole}");
     }
 }

@@ -17,9 +17,12 @@
 //! high precision (Megatron's output layer is not a TE module either). Full activation
 //! recompute: [`DecoderLm::set_recompute`].
 
+mod context_parallel;
 mod layer;
 mod memory;
 mod recompute;
+
+pub use context_parallel::shard_rows;
 
 use crate::decoder::{DecoderConfig, DecoderError, DecoderResult, DecoderWeights, WeightTensor};
 use crate::gpt::{GptLoss, MicroBatch, IGNORE_INDEX};
@@ -83,6 +86,10 @@ pub struct DecoderLm {
     /// What the training forward keeps of each layer ([`DecoderLm::set_recompute`]).
     #[module(skip)]
     recompute: Recompute,
+    /// The context-parallel group every sequence is split over
+    /// ([`DecoderLm::set_context_parallel`]).
+    #[module(skip)]
+    cp: Option<te_nn::parallel::ContextParallel>,
     #[module(skip)]
     dtype: DType,
     #[module(skip)]
@@ -187,6 +194,7 @@ impl DecoderLm {
             cfg,
             fp8_lm_head: false,
             recompute: Recompute::None,
+            cp: None,
             dtype,
             dev: dev.clone(),
         })
@@ -280,6 +288,24 @@ impl DecoderLm {
         }
     }
 
+    /// Each token's rotary angles, `[positions.len(), head_dim]` per table: its position's row
+    /// of the cached table, gathered on the device (the embedding lookup), so no per-step
+    /// table crosses from the host.
+    fn freqs_at(&mut self, positions: &[usize]) -> Result<Vec<Tensor>> {
+        let rows = positions.iter().max().map_or(1, |&m| m + 1);
+        let pos: Vec<i32> = positions.iter().map(|&x| x as i32).collect();
+        let pos = self.dev.stream().clone_htod(&pos)?;
+        let d = self.cfg.head_dim;
+        let mut tables = Vec::with_capacity(self.rope.len());
+        for i in 0..self.rope.len() {
+            let full = self.freqs(i, rows)?;
+            let mut t = Tensor::empty(&self.dev, DType::F32, &[positions.len(), d])?;
+            embedding_forward(&self.dev, &full, &pos, &mut t)?;
+            tables.push(t);
+        }
+        Ok(tables)
+    }
+
     /// The rotary angles of table `i` covering positions `0..s`.
     fn freqs(&mut self, i: usize, s: usize) -> Result<Tensor> {
         let d = self.cfg.head_dim;
@@ -363,9 +389,12 @@ impl DecoderLm {
         let [s, b] = *ids.shape() else {
             return Err(shape(format!("ids must be [s, b], got {:?}", ids.shape())));
         };
-        if thd.is_none() && s > self.cfg.max_position_embeddings {
+        // With context parallelism `s` is this rank's part of sequences of `s · cp` tokens.
+        let positions = self.cp_positions(s, thd.is_some())?;
+        let whole = positions.as_ref().map_or(s, |_| s * self.context_parallel_size());
+        if thd.is_none() && whole > self.cfg.max_position_embeddings {
             return Err(shape(format!(
-                "sequence length {s} exceeds max_position_embeddings = {}",
+                "sequence length {whole} exceeds max_position_embeddings = {}",
                 self.cfg.max_position_embeddings
             )));
         }
@@ -382,24 +411,11 @@ impl DecoderLm {
         if scale != 1.0 {
             scale_assign(&self.dev, &mut x, scale)?;
         }
-        let freqs = match thd {
-            None => (0..self.rope.len()).map(|i| self.freqs(i, s)).collect::<Result<Vec<_>>>()?,
-            // Each token's angles: its position's row of the cached table, gathered on the
-            // device (the embedding lookup), so no per-step table crosses from the host.
-            Some(p) => {
-                let rows = p.position_ids.iter().max().map_or(1, |&m| m + 1);
-                let pos: Vec<i32> = p.position_ids.iter().map(|&x| x as i32).collect();
-                let pos = self.dev.stream().clone_htod(&pos)?;
-                let d = self.cfg.head_dim;
-                let mut tables = Vec::with_capacity(self.rope.len());
-                for i in 0..self.rope.len() {
-                    let full = self.freqs(i, rows)?;
-                    let mut t = Tensor::empty(&self.dev, DType::F32, &[s, d])?;
-                    embedding_forward(&self.dev, &full, &pos, &mut t)?;
-                    tables.push(t);
-                }
-                tables
-            }
+        let freqs = match (thd, &positions) {
+            (None, None) => (0..self.rope.len()).map(|i| self.freqs(i, s)).collect::<Result<Vec<_>>>()?,
+            // This rank's tokens at their global positions (context parallelism).
+            (None, Some(pos)) => self.freqs_at(pos)?,
+            (Some(p), _) => self.freqs_at(p.position_ids)?,
         };
         let thd = thd.map(|p| (p.cu_seqlens.to_vec(), p.cu_seqlens_padded.map(<[usize]>::to_vec)));
         let inputs = LayerInputs { freqs, thd, is_first_microbatch };

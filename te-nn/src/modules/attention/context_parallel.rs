@@ -21,7 +21,29 @@ pub struct CpAttentionCtx {
     kv_shapes: [Vec<usize>; 2],
 }
 
+impl CpAttentionCtx {
+    /// The contexts of the rank's two attention calls (its first and second query chunk).
+    pub fn calls(&self) -> &[AttentionCtx; 2] {
+        &self.calls
+    }
+}
+
 impl DotProductAttention {
+    /// Sets the mask type of the module's next calls: a context-parallel
+    /// `MultiheadAttention` runs its causal attention as
+    /// [`AttnMaskType::CausalBottomRight`] (the same mask where queries and keys are equally
+    /// many) and back.
+    ///
+    /// # Errors
+    /// The configuration's checks ([`Error::Config`]) for a mask its window does not fit.
+    pub(crate) fn set_attn_mask_type(&mut self, mask: AttnMaskType) -> Result<()> {
+        let mut cfg = self.cfg.clone();
+        cfg.attn_mask_type = mask;
+        cfg.validate()?;
+        self.cfg = cfg;
+        Ok(())
+    }
+
     /// Causal (or unmasked) attention of this rank's queries over every rank of `cp`'s keys and
     /// values: `q: [2c, b, h, d]`, `k: [2c, b, g, d]`, `v: [2c, b, g, dv]` (sbhd; this rank's
     /// two chunks, [`ContextParallel::shard`]'s layout). The keys and values are all-gathered in
