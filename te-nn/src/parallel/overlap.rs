@@ -8,24 +8,30 @@
 //! engines. Only under sequence parallelism (where TE overlaps too):
 //!
 //! - **All-gather ⟶ column-parallel GEMM** ([`gather_gemm`]): every rank's token shard is
-//!   broadcast from its owner on the side stream, one broadcast per rank, each followed by a
-//!   mark; the GEMM of this rank's own shard starts at once, the GEMM of shard `r` waits for
-//!   mark `r` only. The output rows of a GEMM depend on their input rows alone, so the
-//!   concatenated outputs are the one-GEMM output, bit for bit where cuBLASLt picks the same
-//!   algorithm for the shard's `M` as for the whole `M` (an algorithm of another tiling may
-//!   round differently: within the GEMM's own tolerance). FP8 inputs travel as their codes (one
-//!   scale on every rank), as the non-overlapped FP8 all-gather does.
-//!   The backward of a row-parallel GEMM gathers its output gradient the same way beside the
-//!   dgrad GEMMs of the arrived shards (16-bit backward; the wgrad GEMM takes the whole
-//!   gathered gradient; an FP8 backward casts the whole gradient with its transpose and bias
-//!   gradient, so it gathers it first, not overlapped).
+//!   broadcast from its owner on the side stream, the broadcasts in one NCCL group (on two
+//!   ranks both directions of the link at once, as the all-gather), followed by a mark; the
+//!   GEMM of this rank's own shard starts at once, beside them, and the GEMMs of the other
+//!   shards wait for the mark. The output rows of a GEMM depend on their input rows alone, so
+//!   the concatenated outputs are the one-GEMM output, bit for bit where cuBLASLt picks an
+//!   algorithm of the same reduction order for the shard's `M` as for the whole `M` (the
+//!   reduction runs along `k`, which does not change; a split-k algorithm for one `M` and not
+//!   the other rounds differently: within the GEMM's own tolerance). FP8 inputs travel as their
+//!   codes (one scale on every rank), as the non-overlapped FP8 all-gather does. The backward
+//!   of a row-parallel GEMM gathers its output gradient the same way beside the dgrad GEMM of
+//!   this rank's shard (16-bit backward; the wgrad GEMM takes the whole gathered gradient; an
+//!   FP8 backward casts the whole gradient with its transpose and bias gradient, so it gathers
+//!   it first, not overlapped). On more than two ranks a ring of steps, each its own event,
+//!   would let the GEMMs start on the first shards to arrive (TE's `ub_overlap_ag` ring
+//!   exchange); the one group is what two ranks need.
 //! - **Row-parallel GEMM ⟶ reduce-scatter** ([`gemm_reduce_scatter`]): the GEMM runs in row
-//!   blocks, block `r` the rows rank `r` owns, in rank order on every rank; as soon as block `r`
-//!   is computed it is reduced to rank `r` (`ncclReduce`) on the side stream while block
-//!   `r + 1` computes. Rank `r`'s reduced block is its shard. On 2 ranks the sum of two values
-//!   is the same in any order, so the shard is bit for bit the reduce-scatter's when the block
-//!   GEMMs give the whole GEMM's rows (same proviso on the algorithm); on more ranks NCCL's
-//!   reduce and reduce-scatter may sum in other orders (within rounding).
+//!   blocks: each owner's rows (its token shard) in up to [`MAX_REDUCE_CHUNKS`] chunks; at step
+//!   `j` the GEMMs of chunk `j` of every owner's rows run, then their reductions to their owners
+//!   (`ncclReduce`, one NCCL group: on two ranks both directions at once) on the side stream
+//!   while the GEMMs of step `j + 1` run; only the last step's reductions are left after the
+//!   last GEMM. This rank's reduced chunks, concatenated, are its shard. On 2 ranks the sum of
+//!   two values is the same in any order, so the shard is bit for bit the reduce-scatter's when
+//!   the block GEMMs give the whole GEMM's rows (same proviso on the algorithm); on more ranks
+//!   NCCL's reduce and reduce-scatter may sum in other orders (within rounding).
 //! - **Dgrad reduction ∥ wgrad GEMM** ([`PendingReduce`]): the dgrad GEMM runs first, its
 //!   reduce-scatter is issued on the side stream, the wgrad GEMM runs on the device's stream,
 //!   and the device's stream waits for the reduction at the end (TE's bulk dgrad overlap). The
@@ -51,13 +57,33 @@ pub(crate) fn gather_order(rank: usize, size: usize) -> Vec<usize> {
     once(rank).chain((0..size).filter(|&r| r != rank)).collect()
 }
 
+/// The most chunks each owner's rows are computed and reduced in by an overlapped
+/// reduce-scatter: only the last chunk's reduction is left exposed after the last GEMM.
+pub const MAX_REDUCE_CHUNKS: usize = 4;
+
+/// How many chunks an owner's `shard` first-dim rows split into: the most, up to
+/// [`MAX_REDUCE_CHUNKS`], that divide them evenly (1 for an odd or empty shard).
+pub(crate) fn reduce_chunks(shard: usize) -> usize {
+    (1..=MAX_REDUCE_CHUNKS).rev().find(|&c| shard > 0 && shard % c == 0).unwrap_or(1)
+}
+
 /// The rows of the whole first dim `rows` whose reduction rank `owner` of `size` receives in
-/// an overlapped reduce-scatter: the owner's token shard ([`shard_rows`]).
+/// an overlapped reduce-scatter, chunk `chunk` of `chunks` of them: chunk `chunk` of the
+/// owner's token shard ([`shard_rows`]).
 ///
 /// # Errors
-/// [`Error::Shape`] naming `module` when `rows` is not a multiple of `size`.
-pub(crate) fn block_rows(module: &'static str, rows: usize, owner: usize, size: usize) -> Result<Range<usize>> {
-    shard_rows(module, rows, owner, size)
+/// [`Error::Shape`] naming `module` when `rows` is not a multiple of `size`, or the shard not
+/// of `chunks` (a value [`reduce_chunks`] did not give).
+pub(crate) fn block_rows(
+    module: &'static str,
+    rows: usize,
+    owner: usize,
+    size: usize,
+    (chunk, chunks): (usize, usize),
+) -> Result<Range<usize>> {
+    let shard = shard_rows(module, rows, owner, size)?;
+    let part = shard_rows(module, shard.len(), chunk, chunks)?;
+    Ok(shard.start + part.start..shard.start + part.end)
 }
 
 /// The overlapped all-gather of `shard` (this rank's token shard, the same shape on every rank)
@@ -78,16 +104,20 @@ pub fn gather_gemm(
     for r in 0..size {
         pieces.push(if r == rank { shard.clone() } else { Tensor::empty(&dev, shard.dtype(), shard.shape())? });
     }
-    let mut marks = Vec::with_capacity(size);
-    for (root, piece) in pieces.iter().enumerate() {
-        // The root reads its own shard; the others receive into their piece (not shared).
-        side.broadcast_range_shared(piece, 0..piece.numel(), root)?;
-        marks.push(side.mark()?);
-    }
+    // One NCCL group: the broadcasts run together (on two ranks both directions of the link at
+    // once, as an all-gather), beside the GEMM of this rank's own shard. The root reads its own
+    // shard; the others receive into their piece (not shared).
+    side.grouped(|| {
+        pieces
+            .iter()
+            .enumerate()
+            .try_for_each(|(root, piece)| side.broadcast_range_shared(piece, 0..piece.numel(), root))
+    })?;
+    let arrived = side.mark()?;
     let mut outs: Vec<Option<Tensor>> = (0..size).map(|_| None).collect();
     for r in gather_order(rank, size) {
         if r != rank {
-            side.wait_mark(&marks[r])?;
+            side.wait_mark(&arrived)?;
         }
         outs[r] = Some(gemm(&pieces[r])?);
     }
@@ -120,18 +150,29 @@ pub fn gemm_reduce_scatter(
     rows: usize,
     mut gemm: impl FnMut(Range<usize>) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let (size, rank) = (side.size(), side.rank());
-    let mut own = None;
-    for owner in 0..size {
-        let mut block = gemm(block_rows(module, rows, owner, size)?)?;
-        // In place: the owner's block becomes the sum; the others' blocks are only sent.
-        side.reduce(&mut block, owner, ReduceOp::Sum)?;
-        if owner == rank {
-            own = Some(block);
+    let (size, rank, dev) = (side.size(), side.rank(), side.device().clone());
+    let chunks = reduce_chunks(shard_rows(module, rows, rank, size)?.len());
+    let mut own = Vec::with_capacity(chunks);
+    for chunk in 0..chunks {
+        let mut blocks = Vec::with_capacity(size);
+        for owner in 0..size {
+            blocks.push(gemm(block_rows(module, rows, owner, size, (chunk, chunks))?)?);
         }
+        // In place, one NCCL group (on two ranks both directions of the link at once, as a
+        // reduce-scatter): each owner's block becomes the sum, the others' are only sent.
+        side.grouped(|| blocks.iter_mut().enumerate().try_for_each(|(owner, b)| side.reduce(b, owner, ReduceOp::Sum)))?;
+        own.push(blocks.swap_remove(rank));
     }
     side.wait()?;
-    own.ok_or_else(|| Error::internal(module, "this rank owns no block of the reduce-scatter"))
+    let first = own.first().ok_or_else(|| Error::internal(module, "an overlapped reduce-scatter of no chunks"))?;
+    let mut shape = first.shape().to_vec();
+    if let Some(d0) = shape.first_mut() {
+        *d0 *= chunks;
+    }
+    match chunks {
+        1 => Ok(first.clone()),
+        _ => Tensor::cat_rows(&dev, &own)?.reshape(&shape),
+    }
 }
 
 /// The input gradient of a column-parallel GEMM whose reduction over the ranks was started
@@ -215,14 +256,32 @@ mod tests {
         }
     }
 
-    /// The reduce-scatter blocks are the owners' token shards: consecutive, equal, tiling the
-    /// rows in rank order; rows that do not divide are a typed error naming the module.
+    /// The reduce-scatter blocks are chunks of the owners' token shards: consecutive, equal,
+    /// tiling each shard and, owner by owner, the rows; rows that do not divide are a typed
+    /// error naming the module.
     #[test]
-    fn reduce_scatter_blocks_are_the_owners_shards() {
-        let blocks: Vec<_> = (0..4).map(|r| block_rows("Linear", 64, r, 4).unwrap()).collect();
+    fn reduce_scatter_blocks_are_chunks_of_the_owners_shards() {
+        let blocks: Vec<_> = (0..4).map(|r| block_rows("Linear", 64, r, 4, (0, 1)).unwrap()).collect();
         assert_eq!(blocks, [0..16, 16..32, 32..48, 48..64]);
-        assert_eq!(block_rows("Linear", 10, 0, 1).unwrap(), 0..10);
-        let e = block_rows("Linear", 30, 1, 4).unwrap_err().to_string();
+        let chunks: Vec<_> = (0..4).map(|c| block_rows("Linear", 64, 1, 2, (c, 4)).unwrap()).collect();
+        assert_eq!(chunks, [32..40, 40..48, 48..56, 56..64]);
+        for (rows, size) in [(64, 2), (96, 4), (24, 2), (10, 1)] {
+            let shard = rows / size;
+            let chunks = reduce_chunks(shard);
+            let mut all: Vec<usize> = (0..size)
+                .flat_map(|o| (0..chunks).flat_map(move |c| block_rows("m", rows, o, size, (c, chunks)).unwrap()))
+                .collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..rows).collect::<Vec<_>>(), "{rows} rows over {size}");
+        }
+        assert_eq!(block_rows("Linear", 10, 0, 1, (0, 1)).unwrap(), 0..10);
+        let e = block_rows("Linear", 30, 1, 4, (0, 1)).unwrap_err().to_string();
         assert!(e.contains("Linear") && e.contains("multiple of 4"), "{e}");
+    }
+
+    /// Each shard splits into the most chunks up to four that divide it.
+    #[test]
+    fn shards_split_into_up_to_four_chunks() {
+        assert_eq!([1024, 6, 9, 7, 2, 1, 0].map(reduce_chunks), [4, 3, 3, 1, 2, 1, 1]);
     }
 }
