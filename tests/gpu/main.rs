@@ -17,6 +17,7 @@ mod cast;
 mod cast_transpose;
 mod checkpoint;
 mod context_parallel;
+mod context_parallel_train;
 mod copy;
 mod decode_attention;
 mod decode_attention_fp8;
