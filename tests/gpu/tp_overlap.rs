@@ -4,7 +4,9 @@
 //! reduced over the group: the norm's FP8 codes are gathered; and without: the 16-bit norm
 //! output is gathered), two steps each (the second with the first's scales): outputs, input
 //! gradients and every parameter gradient. Plus a few steps of GPT training with the overlap
-//! on and off (`TE_TP_COMM_OVERLAP=1`, what the trainer reads through `Parallel`).
+//! on and off (`TE_TP_COMM_OVERLAP=1`, what the trainer reads through `Parallel`). The
+//! reduce-scatter is chunked (`TE_TP_OVERLAP_RS_CHUNKS`) so that these small GEMMs take the
+//! overlapped path too.
 //!
 //! What is bit for bit the same: the dgrad reduce-scatter beside the wgrad GEMM is the same
 //! collective on the same data; the gathered and reduce-scattered GEMMs run on half the rows
@@ -135,6 +137,9 @@ fn overlapped_tensor_parallel_blocks_equal_the_synchronous_ones() {
         2,
         Layout::OneNode,
         |_, dev, pg| {
+            // These blocks are far below the rows the reduce-scatter is chunked at by default:
+            // four chunks per owner, to run the chunked path.
+            std::env::set_var(te_nn::parallel::overlap::REDUCE_CHUNKS_ENV, "4");
             let group = Arc::new(pg);
             let off = TpConfig::new(group.clone()).with_sequence_parallel(true).with_comm_overlap(false);
             let on = off.clone().with_comm_overlap(true);
@@ -226,6 +231,8 @@ fn overlapped_tensor_parallel_training_follows_the_synchronous_one() {
         use te_nn::parallel::Parallel;
         let corpus = crate::train::corpus();
         let world = Arc::new(pg);
+        // The tiny model's row-parallel GEMMs are far below the default chunk rows.
+        std::env::set_var(te_nn::parallel::overlap::REDUCE_CHUNKS_ENV, "2");
         let base = crate::train::config(12);
         let base = TrainConfig {
             grad_accum: 1,

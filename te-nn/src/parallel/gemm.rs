@@ -317,8 +317,9 @@ impl GemmParallel {
         overlap::gather_gemm(&*t.tp.side_group()?, shard, keep_input, gemm)
     }
 
-    /// The overlapped reduce-scatter of a row-parallel GEMM whose whole output has `rows` rows,
-    /// computed block by block by `gemm(rows)` (see [`super::overlap`]): this rank's token
+    /// The overlapped reduce-scatter of a row-parallel GEMM whose whole output has `rows`
+    /// first-dim rows, computed block by block by `gemm(rows)` in `chunks` chunks per owner
+    /// ([`GemmParallel::reduce_scatter_chunks`]; see [`super::overlap`]): this rank's token
     /// shard of the ranks' sum, as one GEMM then [`GemmParallel::reduce_output`] would give.
     /// Call only where [`GemmParallel::overlaps_reduce_scatter`].
     ///
@@ -330,10 +331,27 @@ impl GemmParallel {
         &self,
         module: &'static str,
         rows: usize,
+        chunks: usize,
         gemm: impl FnMut(Range<usize>) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let t = self.split_gemm(module)?;
-        overlap::gemm_reduce_scatter(&*t.tp.side_group()?, module, rows, gemm)
+        overlap::gemm_reduce_scatter(&*t.tp.side_group()?, module, rows, chunks, gemm)
+    }
+
+    /// The chunks per owner an overlapped reduce-scatter of a GEMM input of `shape` runs in
+    /// ([`overlap::reduce_chunks`], with [`overlap::REDUCE_CHUNKS_ENV`]); 1: not overlapped
+    /// (also for a first dim that does not divide by the group's size, whose error the
+    /// reduce-scatter reports).
+    pub fn reduce_scatter_chunks(&self, shape: &[usize]) -> usize {
+        let size = self.tp_rank().size.max(1);
+        match shape.split_first() {
+            Some((&d0, rest)) if d0 % size == 0 => overlap::reduce_chunks(
+                d0 / size,
+                rest[..rest.len().saturating_sub(1)].iter().product(),
+                overlap::forced_chunks(),
+            ),
+            _ => 1,
+        }
     }
 
     fn split_gemm(&self, module: &'static str) -> Result<&TensorGemm> {

@@ -24,7 +24,9 @@
 //!   would let the GEMMs start on the first shards to arrive (TE's `ub_overlap_ag` ring
 //!   exchange); the one group is what two ranks need.
 //! - **Row-parallel GEMM ⟶ reduce-scatter** ([`gemm_reduce_scatter`]): the GEMM runs in row
-//!   blocks: each owner's rows (its token shard) in up to [`MAX_REDUCE_CHUNKS`] chunks; at step
+//!   blocks: each owner's rows (its token shard) in up to [`MAX_REDUCE_CHUNKS`] chunks of at
+//!   least [`MIN_CHUNK_ROWS`] GEMM rows ([`reduce_chunks`]; [`REDUCE_CHUNKS_ENV`] sets the count;
+//!   a shard too small for two is not overlapped: one GEMM, then the reduce-scatter); at step
 //!   `j` the GEMMs of chunk `j` of every owner's rows run, then their reductions to their owners
 //!   (`ncclReduce`, one NCCL group: on two ranks both directions at once) on the side stream
 //!   while the GEMMs of step `j + 1` run; only the last step's reductions are left after the
@@ -61,10 +63,34 @@ pub(crate) fn gather_order(rank: usize, size: usize) -> Vec<usize> {
 /// reduce-scatter: only the last chunk's reduction is left exposed after the last GEMM.
 pub const MAX_REDUCE_CHUNKS: usize = 4;
 
-/// How many chunks an owner's `shard` first-dim rows split into: the most, up to
-/// [`MAX_REDUCE_CHUNKS`], that divide them evenly (1 for an odd or empty shard).
-pub(crate) fn reduce_chunks(shard: usize) -> usize {
-    (1..=MAX_REDUCE_CHUNKS).rev().find(|&c| shard > 0 && shard % c == 0).unwrap_or(1)
+/// The fewest GEMM rows (leading dims folded) of one chunk of an overlapped reduce-scatter
+/// chosen by default: smaller GEMMs leave SMs idle (cuBLASLt's tiles of one wave), which costs
+/// more than the reduction they would hide.
+pub const MIN_CHUNK_ROWS: usize = 1024;
+
+/// The environment variable that sets the chunks per owner of the overlapped reduce-scatter
+/// (see [`reduce_chunks`]): `0` or `1` turns that overlap off (one GEMM, then the
+/// reduce-scatter), a count that does not divide the shard is taken as the default.
+pub const REDUCE_CHUNKS_ENV: &str = "TE_TP_OVERLAP_RS_CHUNKS";
+
+/// How many chunks an owner's `shard` first-dim rows (each `per_row` GEMM rows: the folded
+/// trailing leading dims, e.g. the batch) split into in an overlapped reduce-scatter: `forced`
+/// ([`REDUCE_CHUNKS_ENV`]) where it divides the shard, else the most up to
+/// [`MAX_REDUCE_CHUNKS`] that divide it evenly with chunks of at least [`MIN_CHUNK_ROWS`]
+/// GEMM rows. 1: not overlapped (the whole GEMM, then the reduce-scatter).
+pub fn reduce_chunks(shard: usize, per_row: usize, forced: Option<usize>) -> usize {
+    if let Some(c) = forced.filter(|&c| c <= 1 || (shard > 0 && shard % c == 0)) {
+        return c.max(1);
+    }
+    (2..=MAX_REDUCE_CHUNKS)
+        .rev()
+        .find(|&c| shard > 0 && shard % c == 0 && shard / c * per_row >= MIN_CHUNK_ROWS)
+        .unwrap_or(1)
+}
+
+/// [`REDUCE_CHUNKS_ENV`]'s count, if set to a number.
+pub(crate) fn forced_chunks() -> Option<usize> {
+    std::env::var(REDUCE_CHUNKS_ENV).ok().and_then(|v| v.trim().parse().ok())
 }
 
 /// The rows of the whole first dim `rows` whose reduction rank `owner` of `size` receives in
@@ -73,7 +99,7 @@ pub(crate) fn reduce_chunks(shard: usize) -> usize {
 ///
 /// # Errors
 /// [`Error::Shape`] naming `module` when `rows` is not a multiple of `size`, or the shard not
-/// of `chunks` (a value [`reduce_chunks`] did not give).
+/// of `chunks`.
 pub(crate) fn block_rows(
     module: &'static str,
     rows: usize,
@@ -136,10 +162,11 @@ pub fn gather_gemm(
 }
 
 /// The overlapped reduce-scatter over `side` (a side-stream group) of a GEMM whose whole output
-/// has `rows` rows: `gemm(range)` computes the output rows `range` of this rank's partial
-/// product, block by block in rank order; each block is reduced (summed) to the rank that owns
-/// it while the next one computes. Returns this rank's block of the sum: its token shard. See
-/// the module docs.
+/// has `rows` first-dim rows: `gemm(range)` computes the output rows `range` (of the first dim)
+/// of this rank's partial product, in `chunks` chunks of every owner's rows (see
+/// [`reduce_chunks`]); each step's blocks are reduced (summed) to the ranks that own them while
+/// the next step computes. Returns this rank's blocks of the sum: its token shard. See the
+/// module docs.
 ///
 /// # Errors
 /// [`Error::Shape`] naming `module` when `rows` is not a multiple of the group's size; NCCL,
@@ -148,10 +175,10 @@ pub fn gemm_reduce_scatter(
     side: &ProcessGroup,
     module: &'static str,
     rows: usize,
+    chunks: usize,
     mut gemm: impl FnMut(Range<usize>) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (size, rank, dev) = (side.size(), side.rank(), side.device().clone());
-    let chunks = reduce_chunks(shard_rows(module, rows, rank, size)?.len());
     let mut own = Vec::with_capacity(chunks);
     for chunk in 0..chunks {
         let mut blocks = Vec::with_capacity(size);
@@ -267,7 +294,7 @@ mod tests {
         assert_eq!(chunks, [32..40, 40..48, 48..56, 56..64]);
         for (rows, size) in [(64, 2), (96, 4), (24, 2), (10, 1)] {
             let shard = rows / size;
-            let chunks = reduce_chunks(shard);
+            let chunks = reduce_chunks(shard, 1, Some(2));
             let mut all: Vec<usize> = (0..size)
                 .flat_map(|o| (0..chunks).flat_map(move |c| block_rows("m", rows, o, size, (c, chunks)).unwrap()))
                 .collect();
@@ -279,9 +306,21 @@ mod tests {
         assert!(e.contains("Linear") && e.contains("multiple of 4"), "{e}");
     }
 
-    /// Each shard splits into the most chunks up to four that divide it.
+    /// Each shard splits into the most chunks up to four that divide it and keep GEMMs of at
+    /// least 1024 rows; a forced count where it divides (0 and 1: not overlapped).
     #[test]
-    fn shards_split_into_up_to_four_chunks() {
-        assert_eq!([1024, 6, 9, 7, 2, 1, 0].map(reduce_chunks), [4, 3, 3, 1, 2, 1, 1]);
+    fn shards_split_into_chunks_of_large_enough_gemms() {
+        // GPT large at TP=2: s 2048 → shards of 1024 positions of batch 2.
+        assert_eq!(reduce_chunks(1024, 2, None), 2);
+        assert_eq!(reduce_chunks(2048, 2, None), 4);
+        assert_eq!(reduce_chunks(1024, 1, None), 1);
+        assert_eq!(reduce_chunks(3072, 1, None), 3);
+        assert_eq!(reduce_chunks(32, 2, None), 1);
+        assert_eq!(reduce_chunks(32, 2, Some(2)), 2);
+        assert_eq!(reduce_chunks(32, 2, Some(4)), 4);
+        assert_eq!(reduce_chunks(32, 2, Some(0)), 1);
+        assert_eq!(reduce_chunks(32, 2, Some(1)), 1);
+        assert_eq!(reduce_chunks(30, 2, Some(4)), 1, "4 does not divide 30: the default");
+        assert_eq!(reduce_chunks(0, 2, None), 1);
     }
 }

@@ -267,10 +267,15 @@ impl LinearCore {
                 let (whole, y) = self.comm.gather_gemm(x, keep_input, run)?;
                 Ok((whole, y, false))
             }
+            // Too few rows to split into GEMMs that fill the GPU: one GEMM, reduced after.
+            Overlap::ReduceScatter if self.comm.reduce_scatter_chunks(x.shape()) <= 1 => {
+                Ok((Some(x.clone()), run(x)?, false))
+            }
             Overlap::ReduceScatter => {
                 let dev = self.dev();
                 let rows = x.shape().first().copied().unwrap_or(0);
-                let y = self.comm.gemm_reduce_scatter(self.module, rows, |r| run(&x.narrow(&dev, r)?))?;
+                let chunks = self.comm.reduce_scatter_chunks(x.shape());
+                let y = self.comm.gemm_reduce_scatter(self.module, rows, chunks, |r| run(&x.narrow(&dev, r)?))?;
                 Ok((Some(x.clone()), y, true))
             }
         }
