@@ -3,8 +3,9 @@
 //! - **The mesh** ([`MeshShape`], [`DeviceMesh`]): the run's ranks as a grid of named axes
 //!   ([`MeshAxis`]: tensor, context, expert, ZeRO, data) in Megatron-LM's rank layout (tensor
 //!   ranks consecutive), the rank → group-color arithmetic, and one process group per axis in
-//!   use. [`Parallel`] is a run's TP × DP mesh with its data-parallel averaging and its
-//!   tensor-parallel config.
+//!   use. [`Parallel`] is a run's TP × CP × DP mesh with its gradient averaging (over context
+//!   × data: every replica of the parameters), its tensor-parallel config and its
+//!   context-parallel group.
 //! - **Tensor parallelism** ([`TpConfig`]): the group and `sequence_parallel`, the one config
 //!   every tensor-parallel module and the GPT take; how a GEMM splits ([`ParallelMode`]) is
 //!   given where the split is chosen.
@@ -22,7 +23,8 @@
 //!
 //! - **Context parallelism** ([`ContextParallel`]): every sequence split over the ranks of the
 //!   context axis in load-balanced chunks, attention over the all-gathered keys and values
-//!   (TE's `cp_comm_type="all_gather"`), their gradients reduce-scattered back.
+//!   (TE's `cp_comm_type="all_gather"`), their gradients reduce-scattered back;
+//!   `MultiheadAttention::set_context_parallel` and `te_models`' `DecoderLm` train with it.
 //!
 //! The collectives are `te_runtime::dist`'s; the amax reduction of FP8 scaling is the autocast
 //! scope's ([`crate::fp8::Fp8Autocast::with_group`]). Expert parallelism and ZeRO come next on

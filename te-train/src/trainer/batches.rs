@@ -151,7 +151,8 @@ pub fn check_context_seq(seq: usize, cp: usize) -> Result<(), TrainError> {
         return Err(TrainError::Config {
             field: "seq_length",
             message: format!(
-                "--seq-length {seq} with --context-parallel {cp}: each rank holds two chunks of every sequence, so the                  length must be a multiple of 2 · {cp} = {} (e.g. {} or {})",
+                "--seq-length {seq} with --context-parallel {cp}: each rank holds two chunks of every sequence, so the \
+                 length must be a multiple of 2 · {cp} = {} (e.g. {} or {})",
                 2 * cp,
                 below.max(2 * cp),
                 below + 2 * cp

@@ -166,18 +166,22 @@ pub(super) fn finetune(
         recompute_possible: true,
         estimate: &estimate,
     };
+    // With context parallelism the rank's share; without it, the flag that would split it.
+    let (split, hint) = if cp > 1 {
+        (format!(", {} tokens a sequence on each of {cp} context-parallel ranks", seq / cp), "")
+    } else {
+        (String::new(), "; --context-parallel N splits each sequence over N GPUs")
+    };
     plan.check(dev, resident, |advice| {
         format!(
             "fine-tuning a {}-layer decoder of hidden size {} and vocabulary {} on micro-batches of {} × {seq} tokens in \
-             {}{} (the gradients, AdamW state, activations and logits, estimated before allocating; fewer tokens a \
-             batch need less{}{advice})",
+             {}{split} (the gradients, AdamW state, activations and logits, estimated before allocating; fewer tokens a \
+             batch need less{hint}{advice})",
             m.num_layers,
             m.hidden_size,
             m.vocab_size,
             cfg.batch,
             if fp8 { "FP8" } else { "BF16" },
-            if cp > 1 { format!(", {} tokens a sequence on each of {cp} context-parallel ranks", seq / cp) } else { String::new() },
-            if cp > 1 { "" } else { ", and --context-parallel N splits each sequence over N GPUs" }
         )
     })?;
     dev.reset_peak_memory()?;
