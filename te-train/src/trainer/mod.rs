@@ -108,7 +108,8 @@ impl Trainer {
 
     /// The same trainer with its optimizer state held as `stage` says on the ranks of a
     /// data-parallel run (`te train --zero`): [`ZeroStage::OptimizerStates`] shards AdamW's
-    /// f32 masters and moments over the data-parallel group ([`crate::optim::AdamW::new_zero`]:
+    /// f32 masters and moments over the data-parallel group (with context parallelism, the
+    /// context × data ranks that average the gradients: [`Parallel::data`]) ([`crate::optim::AdamW::new_zero`]:
     /// about `1 / N` of the bytes per rank, the same steps bit for bit, the same checkpoint
     /// files); [`ZeroStage::Gradients`] shards the gradients too
     /// ([`crate::optim::AdamW::new_zero_stage`]: the last micro-batch's backward reduces each
@@ -193,9 +194,12 @@ impl Trainer {
         Self { checkpoints, ..self }
     }
 
-    /// The same trainer as one rank of the data- and/or tensor-parallel run `parallel` lays out
-    /// (every rank builds its trainer with the same config and calls [`Trainer::train`] with
-    /// the same arguments).
+    /// The same trainer as one rank of the data-, tensor- and/or context-parallel run `parallel`
+    /// lays out (every rank builds its trainer with the same config and calls [`Trainer::train`]
+    /// with the same arguments). With context parallelism ([`Parallel::with_context`];
+    /// [`Trainer::finetune`] only) each rank reads its chunks of its data rank's windows, the
+    /// gradients are averaged over context × data, the recorded losses are the group's means and
+    /// the tokens/s counts each token once.
     ///
     /// # Errors
     /// [`TrainError::Unsupported`] on the CPU backend for a layout of more than one rank.
@@ -251,7 +255,8 @@ impl Trainer {
     /// step during which the stop flag ([`CheckpointOptions::stop`]) was set, its checkpoint
     /// written; [`TrainError::Output`] for checkpoint directories that cannot be written;
     /// [`TrainError::Unsupported`] for ZeRO-1 or ZeRO-2 ([`Trainer::with_zero`]) with tensor
-    /// parallelism.
+    /// parallelism, and for a context-parallel layout (the GPT is not split along the sequence:
+    /// context parallelism is [`Trainer::finetune`]'s).
     pub fn train(
         &mut self,
         corpus: &Corpus,
@@ -287,9 +292,11 @@ impl Trainer {
     /// `DecoderWeights::save_hf_dir`).
     ///
     /// # Errors
-    /// As [`Trainer::train`]; [`TrainError::Unsupported`] on the CPU backend or with a
-    /// tensor-parallel layout; [`TrainError::Config`] for `seq_length` 0 or above the model's
-    /// `max_position_embeddings`.
+    /// As [`Trainer::train`]; [`TrainError::Unsupported`] on the CPU backend, with a
+    /// tensor-parallel layout, or with [`Pack::Thd`] on a context-parallel one;
+    /// [`TrainError::Config`] for `seq_length` 0 or above the model's
+    /// `max_position_embeddings`, or not a multiple of `2 · cp` with context parallelism
+    /// ([`check_context_seq`]).
     pub fn finetune(
         &mut self,
         model: &mut te_models::decoder::train::DecoderLm,

@@ -15,7 +15,8 @@
 //! FP8: run [`DecoderLm::forward_loss_with`] and [`DecoderLm::backward`] under
 //! `te_nn::fp8::fp8_autocast` with a recipe, as for `crate::gpt::Gpt`; the LM head stays in
 //! high precision (Megatron's output layer is not a TE module either). Full activation
-//! recompute: [`DecoderLm::set_recompute`].
+//! recompute: [`DecoderLm::set_recompute`]. Context parallelism (every sequence split over a
+//! group of ranks, TE's all-gather `cp_group`): [`DecoderLm::set_context_parallel`].
 
 mod context_parallel;
 mod layer;
