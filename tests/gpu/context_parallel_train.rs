@@ -1,6 +1,7 @@
 //! Context-parallel training of the decoder family (the CP issue: `DecoderLm::set_context_parallel`,
 //! `Parallel::with_context`, `te train --model … --context-parallel N`): a tiny random Llama
-//! (GQA, 3 layers) trained a few SGD steps with every sequence split over 2 ranks (each rank its
+//! (GQA, 3 layers; and a Gemma 3: sliding windows, a global layer, sandwich and q/k norms, a
+//! tied head) trained a few SGD steps with every sequence split over 2 ranks (each rank its
 //! two load-balanced chunks, RoPE at the global positions, attention over the all-gathered keys
 //! and values, the gradients averaged over context × data by `Parallel::data`) against the same
 //! model on the whole sequences in one process, on the same batches:
@@ -37,12 +38,26 @@ const B: usize = 2;
 const VOCAB: usize = 512;
 const STEPS: usize = 3;
 
+/// A Llama (GQA, 3 layers).
 fn config() -> DecoderConfig {
     let json = format!(
         r#"{{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": {VOCAB},
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "bos_token_id": 1,
         "eos_token_id": 2, "tie_word_embeddings": false}}"#
+    );
+    DecoderConfig::from_hf_json(&json).unwrap()
+}
+
+/// A Gemma 3 (6 layers: sliding windows of 16 tokens on the first five, the sixth global with
+/// its own RoPE; sandwich and q/k norms, a tied head).
+fn gemma3() -> DecoderConfig {
+    let json = format!(
+        r#"{{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": {VOCAB},
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window": 16, "query_pre_attn_scalar": 32,
+        "max_position_embeddings": 256, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true}}"#
     );
     DecoderConfig::from_hf_json(&json).unwrap()
 }
@@ -204,28 +219,34 @@ fn delayed() -> Recipe {
     DelayedScaling { amax_history_len: 4, ..Default::default() }.into()
 }
 
-/// One rank's checks of `cases` at context parallel `cp` over `pg`'s ranks (data parallel
-/// over the rest).
-fn check(dev: &Arc<Device>, pg: ProcessGroup, cp: usize, cases: &[(&str, Case)]) {
+/// One rank's checks of `cases` on the Llama (and with `gemma`, the Gemma 3) at context
+/// parallel `cp` over `pg`'s ranks (data parallel over the rest).
+fn check(dev: &Arc<Device>, pg: ProcessGroup, cp: usize, cases: &[(&str, Case)], gemma: bool) {
     let world = pg.size();
     let mut parallel = Parallel::with_context(Arc::new(pg), 1, cp, false).unwrap();
     assert_eq!(parallel.context_rank().1, cp);
     assert_eq!(parallel.data_rank().1 * cp, world);
     assert_eq!(parallel.replica_rank().1, world, "the gradients average over context × data");
-    let w = DecoderLm::new(dev, config(), DType::BF16).unwrap().to_weights().unwrap();
+    let mut models = vec![("llama", config())];
+    if gemma {
+        models.push(("gemma3", gemma3()));
+    }
     let dp = parallel.data_rank().1;
-    for &(name, case) in cases {
-        let want = whole(dev, &w, case, dp);
-        let got = split(dev, &w, case, &mut parallel);
-        let what = format!("rank {} cp {cp} × dp {dp} {name}", parallel.rank());
-        compare(&what, &got, &want, case);
+    for (model, cfg) in models {
+        let w = DecoderLm::new(dev, cfg, DType::BF16).unwrap().to_weights().unwrap();
+        for &(name, case) in cases {
+            let want = whole(dev, &w, case, dp);
+            let got = split(dev, &w, case, &mut parallel);
+            let what = format!("rank {} cp {cp} × dp {dp} {model} {name}", parallel.rank());
+            compare(&what, &got, &want, case);
+        }
     }
 }
 
 #[test]
 fn cp2_decoder_steps_equal_one_gpu_in_bf16() {
     on_ranks("context_parallel_train::cp2_decoder_steps_equal_one_gpu_in_bf16", 2, Layout::OneNode, |_, dev, pg| {
-        check(dev, pg, 2, &[("bf16", BF16)]);
+        check(dev, pg, 2, &[("bf16", BF16)], true);
     });
 }
 
@@ -233,7 +254,7 @@ fn cp2_decoder_steps_equal_one_gpu_in_bf16() {
 fn cp2_decoder_steps_with_full_recompute_equal_one_gpu() {
     let test = "context_parallel_train::cp2_decoder_steps_with_full_recompute_equal_one_gpu";
     on_ranks(test, 2, Layout::OneNode, |_, dev, pg| {
-        check(dev, pg, 2, &[("bf16 full recompute", Case { recompute: Recompute::Full, ..BF16 })]);
+        check(dev, pg, 2, &[("bf16 full recompute", Case { recompute: Recompute::Full, ..BF16 })], true);
     });
 }
 
@@ -242,7 +263,7 @@ fn cp2_decoder_steps_in_fp8_delayed_scaling_equal_one_gpu() {
     let test = "context_parallel_train::cp2_decoder_steps_in_fp8_delayed_scaling_equal_one_gpu";
     on_ranks(test, 2, Layout::OneNode, |_, dev, pg| {
         let fp8 = Case { fp8: Some(delayed()), recompute: Recompute::None, bounds: (3e-2, 1e-1, 3e-2) };
-        check(dev, pg, 2, &[("fp8 delayed", fp8)]);
+        check(dev, pg, 2, &[("fp8 delayed", fp8)], false);
     });
 }
 
@@ -256,7 +277,7 @@ fn cp2_dp2_decoder_steps_equal_one_gpu_on_the_global_batch() {
     }
     let test = "context_parallel_train::cp2_dp2_decoder_steps_equal_one_gpu_on_the_global_batch";
     on_ranks(test, 4, Layout::OneNode, |_, dev, pg| {
-        check(dev, pg, 2, &[("bf16", BF16)]);
+        check(dev, pg, 2, &[("bf16", BF16)], false);
     });
 }
 
