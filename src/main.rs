@@ -335,6 +335,11 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
                 .into(),
         );
     }
+    if a.tp_comm_overlap && !(a.tensor_parallel > 1 && a.sequence_parallel) {
+        return Err("--tp-comm-overlap overlaps the sequence-parallel collectives of tensor parallelism: add \
+                    --tensor-parallel N --sequence-parallel (or drop the flag)"
+            .into());
+    }
     if a.tensor_parallel > world {
         return Err(format!(
             "--tensor-parallel {} needs as many ranks, this run has {world}: start them with --nproc-per-node {}",
@@ -360,7 +365,9 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     let parallel = match (&dist, &dev) {
         (Some(env), Some(dev)) => {
             let group = Arc::new(ProcessGroup::init(dev, env).map_err(|e| e.to_string())?);
-            Parallel::with_context(group, a.tensor_parallel, cp, a.sequence_parallel).map_err(|e| e.to_string())?
+            Parallel::with_context(group, a.tensor_parallel, cp, a.sequence_parallel)
+                .and_then(|p| if a.tp_comm_overlap { p.with_tp_comm_overlap(true) } else { Ok(p) })
+                .map_err(|e| e.to_string())?
         }
         _ => Parallel::default(),
     };

@@ -169,6 +169,13 @@ pub struct TrainArgs {
     /// part of the sequence).
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// With --tensor-parallel and --sequence-parallel: overlap the tensor-parallel collectives
+    /// with the GEMMs (TE's tp_comm_overlap: the input all-gather beside the column GEMMs, the
+    /// output reduce-scatter in chunks beside the row GEMM's next chunk, the dgrad reduce-scatter
+    /// beside the wgrad GEMM; NCCL on a side stream). The environment variable
+    /// TE_TP_COMM_OVERLAP=1 does the same
+    #[arg(long)]
+    pub tp_comm_overlap: bool,
     /// GPU runs: what each layer's forward keeps for the backward. none: its activations
     /// (the default); full: its input only, the backward running the layer's forward again
     /// (TE's checkpoint, Megatron-LM's full recompute): the same steps bit for bit, about one

@@ -433,6 +433,8 @@ fn train_refuses_what_it_cannot_run() {
     assert!(!o.status.success() && text(&o).contains("--tensor-parallel 2 needs as many ranks"), "{}", text(&o));
     let o = run(&["--cpu", "--sequence-parallel", "--steps", "1"]);
     assert!(!o.status.success() && text(&o).contains("--sequence-parallel needs"), "{}", text(&o));
+    let o = run(&["--cpu", "--tp-comm-overlap", "--steps", "1"]);
+    assert!(!o.status.success() && text(&o).contains("--tp-comm-overlap overlaps"), "{}", text(&o));
     // Fine-tuning a pretrained decoder runs on a GPU.
     let o = run(&["--cpu", "--model", "model.gguf"]);
     assert!(!o.status.success() && text(&o).contains("--model fine-tunes on a GPU"), "{}", text(&o));

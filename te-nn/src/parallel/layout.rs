@@ -93,6 +93,24 @@ impl Parallel {
         Ok(Self { mesh, data, tensor, context })
     }
 
+    /// Turns the tensor-parallel communication overlap on or off (`TpConfig::tp_comm_overlap`,
+    /// TE's `tp_comm_overlap`; see `te_nn::parallel`'s overlap docs): with sequence parallelism,
+    /// the input all-gathers and output reduce-scatters run on a side stream beside the GEMMs.
+    /// Collective when turned on (every rank of the tensor group makes the side-stream group):
+    /// every rank calls it at the same point, before the model's first forward and before any
+    /// CUDA graph capture. Nothing to do without tensor parallelism.
+    ///
+    /// # Errors
+    /// NCCL errors making the side-stream group.
+    pub fn with_tp_comm_overlap(mut self, on: bool) -> Result<Self> {
+        if let Some(tp) = self.tensor.take() {
+            let tp = tp.with_comm_overlap(on);
+            tp.prepare_comm_overlap()?;
+            self.tensor = Some(tp);
+        }
+        Ok(self)
+    }
+
     /// Data parallelism over all of `world`'s ranks.
     ///
     /// # Errors
