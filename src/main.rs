@@ -340,6 +340,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
                     --tensor-parallel N --sequence-parallel (or drop the flag)"
             .into());
     }
+    let offload = te::train::offload_activations(a, on_gpu)?;
     if a.tensor_parallel > world {
         return Err(format!(
             "--tensor-parallel {} needs as many ranks, this run has {world}: start them with --nproc-per-node {}",
@@ -407,9 +408,11 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         .and_then(|t| t.with_checkpoints(ckpt).with_parallel(parallel))
         .and_then(|t| t.with_zero(zero))
         .and_then(|t| t.with_recompute(recompute))
+        .and_then(|t| t.with_offload_activations(offload))
         .map_err(|e| e.to_string())?;
-    // The run's lines and summary.md say when layers are recomputed.
+    // The run's lines and summary.md say when layers are recomputed and offloaded.
     let where_ = if recompute.is_full() { format!("{where_}, full activation recompute") } else { where_ };
+    let where_ = if offload > 0 { format!("{where_}, {offload} layers' inputs offloaded to the host") } else { where_ };
     let cfg = trainer.config().clone();
     if let Some(f) = finetune.as_mut() {
         let plays = || corpus_file().and_then(|w| read_play_documents(&w)).map_err(|e| e.to_string());

@@ -183,6 +183,13 @@ pub struct TrainArgs {
     /// with MoE presets nor --fp8-dpa/--fp8-mha; --cuda-graph steps eagerly with it.
     #[arg(long, default_value = "none", value_parser = ["none", "full"])]
     pub recompute: String,
+    /// GPU runs of the decoder family (--model) with --recompute full: copy the saved inputs of
+    /// the first N layers to pinned host memory during the forward (a side stream) and back,
+    /// a layer ahead, in the backward (TE's get_cpu_offload_context with num_layers = N; N =
+    /// the layer count - 1 is the usual setting; 0: off). The same steps bit for bit, N - 2
+    /// layer inputs less on the device; --cuda-graph steps eagerly with it
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub offload_activations: usize,
     /// Several GPUs: one process each (torchrun's options).
     #[command(flatten)]
     pub launch: LaunchArgs,
@@ -281,6 +288,36 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_run
 /// them first).
 pub fn recompute(a: &TrainArgs) -> te_runtime::Result<Recompute> {
     Recompute::from_name(&a.recompute)
+}
+
+/// The layers `--offload-activations` offloads, checked against the other flags before
+/// anything loads (`on_gpu`: the run trains on a GPU): it runs on a GPU, for the decoder family
+/// (`--model`), and only the offload of the layer inputs full recompute keeps is built (add
+/// `--recompute full`); the layer count is checked by [`te_train::Trainer::finetune`].
+///
+/// # Errors
+/// The message naming the flag to add or drop.
+pub fn offload_activations(a: &TrainArgs, on_gpu: bool) -> Result<usize, String> {
+    let n = a.offload_activations;
+    if n > 0 && !on_gpu {
+        return Err(format!(
+            "--offload-activations {n} copies the GPU model's saved activations to pinned host memory; the CPU path \
+             has none to offload: drop --offload-activations"
+        ));
+    }
+    if n > 0 && a.model.is_none() {
+        return Err(format!(
+            "--offload-activations {n} is built for the decoder family (--model PATH); the GPT presets keep their \
+             layer inputs on the device: drop --offload-activations"
+        ));
+    }
+    if n > 0 && a.recompute != "full" {
+        return Err(format!(
+            "--offload-activations {n} offloads the layer inputs that full recompute keeps (offloading whole layer \
+             contexts is not built): add --recompute full"
+        ));
+    }
+    Ok(n)
 }
 
 /// The ZeRO stage `--zero` asks for, for a run on a GPU (`on_gpu`) with `--tensor-parallel`:
@@ -497,6 +534,22 @@ mod tests {
             let e = train_config(&args(&["--zero", stage]), GptConfig::tiny(), false).unwrap_err();
             assert!(matches!(e, te_runtime::Error::Config { .. }) && e.to_string().contains("CPU path"), "{e}");
         }
+    }
+
+    /// `--offload-activations` is 0 by default and needs `--recompute full`.
+    #[test]
+    fn the_offload_flag_needs_full_recompute() {
+        assert_eq!(offload_activations(&args(&[]), false).unwrap(), 0);
+        let plain = args(&["--offload-activations", "3", "--model", "m.gguf"]);
+        let e = offload_activations(&plain, true).unwrap_err();
+        assert!(e.contains("add --recompute full"), "{e}");
+        let e = offload_activations(&plain, false).unwrap_err();
+        assert!(e.contains("CPU path") && e.contains("drop --offload-activations"), "{e}");
+        let gpt = args(&["--offload-activations", "3", "--recompute", "full"]);
+        let e = offload_activations(&gpt, true).unwrap_err();
+        assert!(e.contains("--model PATH"), "{e}");
+        let full = args(&["--offload-activations", "3", "--recompute", "full", "--model", "m.gguf"]);
+        assert_eq!(offload_activations(&full, true).unwrap(), 3);
     }
 
     /// `--recompute` takes none (the default) and full, nothing else.

@@ -435,6 +435,13 @@ fn train_refuses_what_it_cannot_run() {
     assert!(!o.status.success() && text(&o).contains("--sequence-parallel needs"), "{}", text(&o));
     let o = run(&["--cpu", "--tp-comm-overlap", "--steps", "1"]);
     assert!(!o.status.success() && text(&o).contains("--tp-comm-overlap overlaps"), "{}", text(&o));
+    // Activation offload runs on a GPU, with --recompute full.
+    let o = run(&["--cpu", "--offload-activations", "2", "--steps", "1"]);
+    assert!(!o.status.success() && text(&o).contains("drop --offload-activations"), "{}", text(&o));
+    if te_runtime::device::gpu_available() {
+        let o = run(&["--model", "model.gguf", "--offload-activations", "2", "--steps", "1"]);
+        assert!(!o.status.success() && text(&o).contains("add --recompute full"), "{}", text(&o));
+    }
     // Fine-tuning a pretrained decoder runs on a GPU.
     let o = run(&["--cpu", "--model", "model.gguf"]);
     assert!(!o.status.success() && text(&o).contains("--model fine-tunes on a GPU"), "{}", text(&o));

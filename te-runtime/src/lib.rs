@@ -20,6 +20,7 @@ pub mod graph;
 pub mod graph_memory;
 pub mod kernels;
 pub mod numerics;
+pub mod offload;
 pub mod ops;
 pub mod philox;
 pub mod tensor;

@@ -51,6 +51,7 @@ mod multi_gpu;
 mod multi_gpu_tp;
 mod nccl;
 mod norm;
+mod offload;
 mod optimizer;
 mod prefill_graph;
 mod qkv_rope;

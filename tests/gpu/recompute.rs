@@ -19,7 +19,7 @@ use te_runtime::{DType, Device, Error, Result, Tensor};
 use te_train::{Backend, Precision, TrainConfig, Trainer};
 
 /// Every parameter's gradient as bits, by path.
-fn grad_bits(dev: &Device, m: &dyn Module) -> Vec<(String, Vec<u32>)> {
+pub(crate) fn grad_bits(dev: &Device, m: &dyn Module) -> Vec<(String, Vec<u32>)> {
     let mut out = Vec::new();
     m.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
         if let Some(g) = p.grad() {
@@ -32,7 +32,7 @@ fn grad_bits(dev: &Device, m: &dyn Module) -> Vec<(String, Vec<u32>)> {
 }
 
 /// Every FP8 scaling state (amax history, scale, scale_inv) as bits, by path.
-fn fp8_bits(m: &dyn Module) -> Vec<(String, Vec<u32>)> {
+pub(crate) fn fp8_bits(m: &dyn Module) -> Vec<(String, Vec<u32>)> {
     let mut states = Fp8States::default();
     m.visit("", &mut states).unwrap();
     states
@@ -47,7 +47,7 @@ fn fp8_bits(m: &dyn Module) -> Vec<(String, Vec<u32>)> {
 }
 
 /// `p -= lr · grad` on every parameter (f32 on the host, rounded to the parameter's dtype).
-fn sgd(dev: &Device, m: &mut dyn Module, lr: f32) {
+pub(crate) fn sgd(dev: &Device, m: &mut dyn Module, lr: f32) {
     m.visit_mut("", &mut |_: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
         let (Some(t), Some(g)) = (p.tensor(), p.grad()) else { return Ok(()) };
         let (w, g) = (t.to_f32(dev)?, g.to_f32(dev)?);

@@ -82,6 +82,7 @@ pub(super) fn train(
         recompute,
         recompute_possible: cfg.model.moe.is_none(),
         estimate: &estimate,
+        offload: None,
     };
     plan.check(dev, 0, |advice| {
         let m = &cfg.model;
@@ -154,7 +155,27 @@ pub(super) fn finetune(
     let m = model.config();
     let resident = model.num_parameters() as u64 * 2;
     // With context parallelism each rank's activations are those of its seq / cp tokens.
-    let estimate = |r: Recompute| DecoderLm::training_bytes_cp(m, cfg.batch, seq, cp, fp8, r);
+    // Offloaded layer inputs (full recompute) leave the device: what they save on a rank's
+    // seq / cp tokens.
+    let offload_saving = |n: usize| {
+        let local = seq / cp;
+        let on = DecoderLm::training_bytes_with(m, cfg.batch, local, fp8, Recompute::Full);
+        on - DecoderLm::training_bytes_offloaded(m, cfg.batch, local, fp8, Recompute::Full, n)
+    };
+    let offloading = model.offload_activations();
+    let estimate = |r: Recompute| {
+        let base = DecoderLm::training_bytes_cp(m, cfg.batch, seq, cp, fp8, r);
+        if r.is_full() {
+            base.saturating_sub(offload_saving(offloading))
+        } else {
+            base
+        }
+    };
+    let suggested = m.num_layers.saturating_sub(1);
+    let offloaded = || {
+        DecoderLm::training_bytes_cp(m, cfg.batch, seq, cp, fp8, Recompute::Full)
+            .saturating_sub(offload_saving(suggested))
+    };
     let plan = MemoryPlan {
         parameters: model.num_parameters() as u64,
         // BF16 gradients, as the estimate counts them.
@@ -165,6 +186,7 @@ pub(super) fn finetune(
         recompute,
         recompute_possible: true,
         estimate: &estimate,
+        offload: (offloading == 0 && suggested > 0).then_some((suggested, &offloaded as &dyn Fn() -> u64)),
     };
     // With context parallelism the rank's share; without it, the flag that would split it.
     let (split, hint) = if cp > 1 {
@@ -279,6 +301,13 @@ fn run<M: TrainLm, T: TokenId>(
     if recompute.is_full() {
         tracing::info!(
             "activation recompute: full (each layer keeps its input; the backward runs the layer's forward again)"
+        );
+    }
+    let offloaded = model.offload_activations();
+    if offloaded > 0 {
+        tracing::info!(
+            "activation offload: the inputs of the first {offloaded} layers go to pinned host memory in the forward \
+             and come back a layer ahead in the backward"
         );
     }
     let mut opt = match (zero, parallel.data(), &tp) {

@@ -89,6 +89,12 @@ pub trait TrainLm: Module {
     fn is_moe(&self) -> bool {
         false
     }
+
+    /// The layers whose saved inputs go to pinned host memory (`DecoderLm::set_offload_activations`);
+    /// the default: none.
+    fn offload_activations(&self) -> usize {
+        0
+    }
 }
 
 impl TrainLm for Gpt {
@@ -189,5 +195,9 @@ impl TrainLm for DecoderLm {
 
     fn set_context_parallel(&mut self, cp: Option<ContextParallel>) -> Result<()> {
         DecoderLm::set_context_parallel(self, cp)
+    }
+
+    fn offload_activations(&self) -> usize {
+        DecoderLm::offload_activations(self)
     }
 }

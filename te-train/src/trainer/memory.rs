@@ -2,7 +2,8 @@
 //! `DecoderLm::training_bytes_with`) less what ZeRO shards away (stage 1 the other ranks' AdamW
 //! state, stage 2 also their gradients), and, when it does not fit, the estimates of the memory
 //! flags the run has not set (`--zero 1` and `--zero 2` over its data-parallel ranks,
-//! `--recompute full`, both), each saying whether it would fit in the free memory.
+//! `--recompute full`, both; `--offload-activations N` where the model offloads), each saying
+//! whether it would fit in the free memory.
 
 use crate::error::TrainError;
 use crate::optim::ZeroStage;
@@ -27,8 +28,13 @@ pub(super) struct MemoryPlan<'a> {
     pub recompute: Recompute,
     /// Whether `--recompute full` can run for this model (not a MoE GPT).
     pub recompute_possible: bool,
-    /// The model's estimate in bytes for a recompute mode, optimizer state replicated.
+    /// The model's estimate in bytes for a recompute mode, optimizer state replicated (with the
+    /// run's own activation offload, if any).
     pub estimate: &'a dyn Fn(Recompute) -> u64,
+    /// Where the run does not offload but the model can (`--offload-activations`, full
+    /// recompute only): the layer count to suggest (all but the last) and the estimate under
+    /// full recompute with them offloaded. `None`: not offered.
+    pub offload: Option<(usize, &'a dyn Fn() -> u64)>,
 }
 
 impl MemoryPlan<'_> {
@@ -39,7 +45,11 @@ impl MemoryPlan<'_> {
     /// (`gradient_bytes · (1 − 1/N)`; released during the backward, so the estimate's
     /// all-gradients term shrinks by about that; DeepSpeed's stage 2).
     pub fn bytes(&self, zero: ZeroStage, recompute: Recompute) -> u64 {
-        let base = (self.estimate)(recompute);
+        self.sharded((self.estimate)(recompute), zero)
+    }
+
+    /// `base` less what `zero` shards away ([`MemoryPlan::bytes`]).
+    fn sharded(&self, base: u64, zero: ZeroStage) -> u64 {
         let n = self.data_parallel as u64;
         if n <= 1 || !zero.shards_optimizer() {
             return base;
@@ -66,8 +76,9 @@ impl MemoryPlan<'_> {
 
     /// The flags the run has not set that lower the estimate, with their estimates: `--zero 1`
     /// and `--zero 2` (data parallel only; stage 2 with one micro-batch a step), `--recompute
-    /// full` (where the model takes it), and each stage with it.
-    pub fn alternatives(&self) -> Vec<(&'static str, u64)> {
+    /// full` (where the model takes it), and each stage with it; `--offload-activations N`
+    /// (with `--recompute full` unless set) at the run's ZeRO stage where the model offloads.
+    pub fn alternatives(&self) -> Vec<(String, u64)> {
         let flags = |s: ZeroStage| match s {
             ZeroStage::Gradients => ("--zero 2", "--zero 2 --recompute full"),
             _ => ("--zero 1", "--zero 1 --recompute full"),
@@ -76,13 +87,17 @@ impl MemoryPlan<'_> {
         let recompute = self.recompute_possible && !self.recompute.is_full();
         let mut out = Vec::new();
         for &s in &stages {
-            out.push((flags(s).0, self.bytes(s, self.recompute)));
+            out.push((flags(s).0.to_string(), self.bytes(s, self.recompute)));
         }
         if recompute {
-            out.push(("--recompute full", self.bytes(self.zero, Recompute::Full)));
+            out.push(("--recompute full".to_string(), self.bytes(self.zero, Recompute::Full)));
             for &s in &stages {
-                out.push((flags(s).1, self.bytes(s, Recompute::Full)));
+                out.push((flags(s).1.to_string(), self.bytes(s, Recompute::Full)));
             }
+        }
+        if let Some((n, estimate)) = self.offload.filter(|_| self.recompute_possible) {
+            let flag = if self.recompute.is_full() { "" } else { "--recompute full " };
+            out.push((format!("{flag}--offload-activations {n}"), self.sharded(estimate(), self.zero)));
         }
         out
     }
@@ -108,10 +123,11 @@ impl MemoryPlan<'_> {
 
 /// `; --zero 1: about N MiB, fits; ...` for `alternatives` (their bytes before `resident` is
 /// taken off), or nothing.
-fn advice(alternatives: &[(&str, u64)], resident: u64, free: u64) -> String {
+fn advice<S: AsRef<str>>(alternatives: &[(S, u64)], resident: u64, free: u64) -> String {
     alternatives
         .iter()
-        .map(|&(flag, bytes)| {
+        .map(|(flag, bytes)| {
+            let (flag, bytes) = (flag.as_ref(), *bytes);
             let need = bytes.saturating_sub(resident);
             let verdict = if need <= free { "fits" } else { "does not fit" };
             format!("; {flag}: about {} MiB, {verdict}", need >> 20)
@@ -138,11 +154,30 @@ mod tests {
             recompute,
             recompute_possible: true,
             estimate,
+            offload: None,
         }
     }
 
-    fn flags(p: &MemoryPlan<'_>) -> Vec<&'static str> {
-        p.alternatives().iter().map(|a| a.0).collect()
+    fn flags(p: &MemoryPlan<'_>) -> Vec<String> {
+        p.alternatives().into_iter().map(|a| a.0).collect()
+    }
+
+    /// A model that offloads is offered `--offload-activations N` (with `--recompute full`
+    /// unless the run has it) at the run's ZeRO stage, last.
+    #[test]
+    fn offload_is_offered_with_its_estimate() {
+        let gib = 1u64 << 30;
+        let estimate = |r: Recompute| if r.is_full() { 30 * gib } else { 40 * gib };
+        let offloaded = || 25 * gib;
+        let p =
+            MemoryPlan { offload: Some((7, &offloaded)), ..plan(&estimate, 1, ZeroStage::Replicated, Recompute::None) };
+        assert_eq!(flags(&p), ["--recompute full", "--recompute full --offload-activations 7"]);
+        assert_eq!(p.alternatives()[1].1, 25 * gib);
+        let full =
+            MemoryPlan { offload: Some((7, &offloaded)), ..plan(&estimate, 2, ZeroStage::Gradients, Recompute::Full) };
+        assert_eq!(flags(&full), ["--offload-activations 7"]);
+        assert_eq!(full.alternatives()[0].1, 25 * gib - 6 * gib - gib);
+        assert_eq!(advice(&full.alternatives(), 0, 20 * gib), "; --offload-activations 7: about 18432 MiB, fits");
     }
 
     #[test]

@@ -83,6 +83,9 @@ pub struct Trainer {
     zero: ZeroStage,
     /// What the training forward keeps for the backward ([`Trainer::with_recompute`]).
     recompute: Recompute,
+    /// The first layers whose saved inputs go to pinned host memory
+    /// ([`Trainer::with_offload_activations`]).
+    offload_activations: usize,
     /// The optimizer state of the last GPU run on this rank.
     optimizer_memory: Option<OptimizerMemory>,
 }
@@ -102,6 +105,7 @@ impl Trainer {
             parallel: Parallel::default(),
             zero: ZeroStage::Replicated,
             recompute: Recompute::None,
+            offload_activations: 0,
             optimizer_memory: None,
         })
     }
@@ -164,6 +168,58 @@ impl Trainer {
     /// What the training forward keeps for the backward ([`Trainer::with_recompute`]).
     pub fn recompute(&self) -> Recompute {
         self.recompute
+    }
+
+    /// The same trainer offloading the saved inputs of the first `n` layers to pinned host
+    /// memory (`te train --offload-activations N`; TE's `get_cpu_offload_context` with
+    /// `num_layers = n`; 0: off): copied out on a side stream in the forward, back a layer ahead
+    /// in the backward (`te_models::decoder::train::DecoderLm::set_offload_activations`). The
+    /// same steps bit for bit; the memory estimate checked before allocating leaves the
+    /// offloaded inputs out (two in flight stay). Built for the decoder family under full
+    /// recompute ([`Trainer::with_recompute`]); `cuda_graph` steps eagerly with it, as with full
+    /// recompute.
+    ///
+    /// # Errors
+    /// [`TrainError::Unsupported`] on the CPU backend (nothing to offload to); without full
+    /// recompute, with the GPT presets, or for `n` above the layer count, [`Trainer::finetune`]
+    /// and [`Trainer::train`] refuse it.
+    pub fn with_offload_activations(self, n: usize) -> Result<Self, TrainError> {
+        if n > 0 && !self.backend.is_gpu() {
+            return Err(TrainError::Unsupported {
+                message: "--offload-activations copies the GPU model's saved activations to pinned host memory; the \
+                          CPU reference path has nothing to offload: drop --offload-activations"
+                    .into(),
+            });
+        }
+        Ok(Self { offload_activations: n, ..self })
+    }
+
+    /// The layers whose saved inputs are offloaded ([`Trainer::with_offload_activations`]).
+    pub fn offload_activations(&self) -> usize {
+        self.offload_activations
+    }
+
+    /// The offload setting checked against the run: full recompute, at most `layers`.
+    fn check_offload(&self, layers: usize) -> Result<(), TrainError> {
+        let n = self.offload_activations;
+        if n > 0 && !self.recompute.is_full() {
+            return Err(TrainError::Unsupported {
+                message: format!(
+                    "--offload-activations {n} offloads the layer inputs full recompute keeps (the offload of whole \
+                     layer contexts is not built): add --recompute full"
+                ),
+            });
+        }
+        if n > layers {
+            return Err(TrainError::Config {
+                field: "offload_activations",
+                message: format!(
+                    "{n} layers to offload, the model has {layers}: pass at most {layers} (usually {}, all but the last)",
+                    layers.saturating_sub(1)
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The optimizer state this rank held in the last GPU run ([`Trainer::train`] or
@@ -264,6 +320,13 @@ impl Trainer {
         mut progress: impl FnMut(&Progress),
     ) -> Result<RunSummary, TrainError> {
         self.check_zero()?;
+        if self.offload_activations > 0 {
+            return Err(TrainError::Unsupported {
+                message: "--offload-activations is built for the decoder family (te train --model): the GPT presets \
+                          keep their layer inputs on the device; drop --offload-activations"
+                    .into(),
+            });
+        }
         let (cfg, ckpt) = (&self.config, &self.checkpoints);
         match &self.backend {
             Backend::Gpu(dev) => {
@@ -317,12 +380,20 @@ impl Trainer {
         cfg.model.seq_length = seq_length;
         cfg.model.vocab_size = model.config().vocab_size;
         self.check_zero()?;
+        self.check_offload(model.config().num_layers)?;
         let ckpt = &self.checkpoints;
         match &self.backend {
             Backend::Gpu(dev) => {
+                model.set_offload_activations(self.offload_activations)?;
                 let (shape, layout) = ((seq_length, pack), (&mut self.parallel, self.zero, self.recompute));
                 let (run, memory) =
                     gpu::finetune(dev, model, data, shape, &cfg, precision, ckpt, layout, &mut progress)?;
+                if model.offload_activations() > 0 {
+                    tracing::info!(
+                        "activation offload: {:.1} MiB of pinned host memory, allocated once and reused every step",
+                        model.offload_pinned_bytes() as f64 / (1u64 << 20) as f64
+                    );
+                }
                 self.optimizer_memory = Some(memory);
                 Ok(run)
             }
@@ -374,5 +445,24 @@ mod tests {
         assert_eq!(t.recompute(), Recompute::None);
         let e = trainer().with_recompute(Recompute::Full).unwrap_err();
         assert!(matches!(e, TrainError::Unsupported { .. }) && e.to_string().contains("--recompute"), "{e}");
+    }
+
+    /// Activation offload: the CPU backend refuses it; a run refuses it without full recompute
+    /// (naming the flag to add) and above the layer count (naming the most it takes).
+    #[test]
+    fn offload_refusals_name_what_to_change() {
+        let trainer = || Trainer::new(TrainConfig::new(GptConfig::tiny(), 2), Backend::Cpu).unwrap();
+        assert_eq!(trainer().with_offload_activations(0).unwrap().offload_activations(), 0);
+        let e = trainer().with_offload_activations(3).unwrap_err();
+        assert!(matches!(e, TrainError::Unsupported { .. }) && e.to_string().contains("--offload-activations"), "{e}");
+        // The run's checks (what the GPU backend's finetune applies before its first step).
+        let plain = Trainer { offload_activations: 3, ..trainer() };
+        let e = plain.check_offload(4).unwrap_err().to_string();
+        assert!(e.contains("add --recompute full"), "{e}");
+        let full = Trainer { offload_activations: 3, recompute: Recompute::Full, ..trainer() };
+        full.check_offload(4).unwrap();
+        let e = full.check_offload(2).unwrap_err().to_string();
+        assert!(e.contains("at most 2") && e.contains("all but the last"), "{e}");
+        assert!(Trainer { recompute: Recompute::Full, ..trainer() }.check_offload(0).is_ok());
     }
 }

@@ -21,6 +21,7 @@
 mod context_parallel;
 mod layer;
 mod memory;
+mod offload;
 mod recompute;
 
 pub use context_parallel::shard_rows;
@@ -87,6 +88,10 @@ pub struct DecoderLm {
     /// What the training forward keeps of each layer ([`DecoderLm::set_recompute`]).
     #[module(skip)]
     recompute: Recompute,
+    /// The first layers whose saved inputs go to pinned host memory, and the side stream and
+    /// buffers that move them ([`DecoderLm::set_offload_activations`]).
+    #[module(skip)]
+    offload: Option<(usize, te_runtime::offload::HostOffload)>,
     /// The context-parallel group every sequence is split over
     /// ([`DecoderLm::set_context_parallel`]).
     #[module(skip)]
@@ -195,6 +200,7 @@ impl DecoderLm {
             cfg,
             fp8_lm_head: false,
             recompute: Recompute::None,
+            offload: None,
             cp: None,
             dtype,
             dev: dev.clone(),
@@ -420,11 +426,20 @@ impl DecoderLm {
         };
         let thd = thd.map(|p| (p.cu_seqlens.to_vec(), p.cu_seqlens_padded.map(<[usize]>::to_vec)));
         let inputs = LayerInputs { freqs, thd, is_first_microbatch };
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &mut self.layers {
-            let (y, c) = recompute::forward_layer(layer, &x, &inputs, self.recompute)?;
+        let plan = self.offload_plan()?;
+        let mut layers: Vec<SavedLayer> = Vec::with_capacity(self.layers.len());
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let host = self.offload.as_ref().filter(|_| plan.is_offloaded(l)).map(|(_, h)| h);
+            let (y, c) = recompute::forward_layer(layer, &x, &inputs, self.recompute, host)?;
             layers.push(c);
+            // The previous input's copy out overlapped this layer's forward: free its device copy.
+            if let Some(p) = plan.release_after_forward(l) {
+                layers[p].release()?;
+            }
             x = y;
+        }
+        if let Some(last) = layers.last_mut() {
+            last.release()?;
         }
         let inputs = self.recompute.is_full().then_some(inputs);
         let (y, final_norm) = self.final_norm.forward(&x)?;
@@ -530,8 +545,20 @@ impl DecoderLm {
         };
         let mut d = self.final_norm.backward(ctx.final_norm, &d.reshape(&ctx.shape)?)?;
         grads_ready(&mut self.final_norm)?;
-        for (layer, saved) in self.layers.iter_mut().zip(ctx.layers).rev() {
-            d = recompute::backward_layer(layer, saved, &d, ctx.inputs.as_ref())?;
+        let mut saved = ctx.layers;
+        if saved.len() != self.layers.len() {
+            return Err(Error::Context {
+                module: MODEL,
+                message: format!("a context of {} layers for a model of {}", saved.len(), self.layers.len()),
+            });
+        }
+        while let Some(s) = saved.pop() {
+            // Layer l − 1's offloaded input comes back while layer l's backward runs.
+            if let Some(prev) = saved.last_mut() {
+                prev.prefetch()?;
+            }
+            let layer = &mut self.layers[saved.len()];
+            d = recompute::backward_layer(layer, s, &d, ctx.inputs.as_ref())?;
             grads_ready(layer)?;
         }
         let scale = self.cfg.embedding_scale(self.dtype);

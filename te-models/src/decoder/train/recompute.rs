@@ -7,6 +7,7 @@ use super::layer::{DecoderLayer, DecoderLayerCtx};
 use super::DecoderLm;
 use crate::decoder::DecoderConfig;
 use te_nn::modules::{Fp8Replay, Recompute, ThdSeqlens};
+use te_runtime::offload::{HostOffload, OffloadedTensor};
 use te_runtime::{Error, Result, Tensor};
 
 /// What the forward kept of one layer.
@@ -14,8 +15,29 @@ use te_runtime::{Error, Result, Tensor};
 pub(super) enum SavedLayer {
     /// The layer's whole context ([`Recompute::None`]).
     Ctx(Box<DecoderLayerCtx>),
-    /// The layer's input and FP8 state; its forward runs again in the backward.
-    Checkpoint { input: Tensor, fp8: Fp8Replay },
+    /// The layer's input (on the device, or offloaded to pinned host memory) and FP8 state;
+    /// its forward runs again in the backward.
+    Checkpoint { input: OffloadedTensor, fp8: Fp8Replay },
+    /// The layer's input kept on the device, and FP8 state.
+    Resident { input: Tensor, fp8: Fp8Replay },
+}
+
+impl SavedLayer {
+    /// Frees an offloaded input's device copy once its copy out finished (stream ordered).
+    pub(super) fn release(&mut self) -> Result<()> {
+        match self {
+            SavedLayer::Checkpoint { input, .. } => input.release(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Starts copying an offloaded input back to the device.
+    pub(super) fn prefetch(&mut self) -> Result<()> {
+        match self {
+            SavedLayer::Checkpoint { input, .. } => input.prefetch(),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The attention inputs of a forward, owned, for the recomputed forwards of its backward: the
@@ -42,21 +64,31 @@ impl LayerInputs {
 
 /// One layer's forward on `x` in `mode`: its output and what the backward needs. Under
 /// [`Recompute::Full`] the context is dropped once [`Fp8Replay::capture`] took over its FP8
-/// bookkeeping (call it inside the forward's `fp8_autocast` scope).
+/// bookkeeping (call it inside the forward's `fp8_autocast` scope), and with `offload` the
+/// input starts its copy to pinned host memory before the layer's forward is issued.
 pub(super) fn forward_layer(
     layer: &mut DecoderLayer,
     x: &Tensor,
     inputs: &LayerInputs,
     mode: Recompute,
+    offload: Option<&HostOffload>,
 ) -> Result<(Tensor, SavedLayer)> {
     let freqs = &inputs.freqs[layer.rope];
+    // The copy out starts before the layer's forward, after the kernel that wrote `x`.
+    let offloaded = match offload {
+        Some(host) if mode.is_full() => Some(host.offload(x.clone())?),
+        _ => None,
+    };
     let (y, ctx) = layer.forward(x, (freqs, inputs.seqs()), inputs.is_first_microbatch)?;
     match mode {
         Recompute::None => Ok((y, SavedLayer::Ctx(Box::new(ctx)))),
         Recompute::Full => {
             let fp8 = Fp8Replay::capture(&*layer, None)?;
             drop(ctx);
-            Ok((y, SavedLayer::Checkpoint { input: x.clone(), fp8 }))
+            match offloaded {
+                Some(input) => Ok((y, SavedLayer::Checkpoint { input, fp8 })),
+                None => Ok((y, SavedLayer::Resident { input: x.clone(), fp8 })),
+            }
         }
     }
 }
@@ -71,17 +103,28 @@ pub(super) fn backward_layer(
 ) -> Result<Tensor> {
     match saved {
         SavedLayer::Ctx(c) => layer.backward(*c, dy),
-        SavedLayer::Checkpoint { input, mut fp8 } => {
-            let inputs = inputs.ok_or_else(|| Error::internal("DecoderLm", "a checkpointed layer without inputs"))?;
-            let freqs = &inputs.freqs[layer.rope];
-            let (recomputed, hold) =
-                fp8.replay(|| layer.forward(&input, (freqs, inputs.seqs()), inputs.is_first_microbatch))?;
-            let (_, ctx) = recomputed;
-            let dx = layer.backward(ctx, dy)?;
-            fp8.finish(hold)?;
-            Ok(dx)
-        }
+        SavedLayer::Checkpoint { input, fp8 } => recomputed(layer, input.fetch()?, fp8, dy, inputs),
+        SavedLayer::Resident { input, fp8 } => recomputed(layer, input, fp8, dy, inputs),
     }
+}
+
+/// The backward of a checkpointed layer: its forward again on `input` with the first forward's
+/// FP8 scales, then its backward.
+fn recomputed(
+    layer: &mut DecoderLayer,
+    input: Tensor,
+    mut fp8: Fp8Replay,
+    dy: &Tensor,
+    inputs: Option<&LayerInputs>,
+) -> Result<Tensor> {
+    let inputs = inputs.ok_or_else(|| Error::internal("DecoderLm", "a checkpointed layer without inputs"))?;
+    let freqs = &inputs.freqs[layer.rope];
+    let (recomputed, hold) =
+        fp8.replay(|| layer.forward(&input, (freqs, inputs.seqs()), inputs.is_first_microbatch))?;
+    let (_, ctx) = recomputed;
+    let dx = layer.backward(ctx, dy)?;
+    fp8.finish(hold)?;
+    Ok(dx)
 }
 
 impl DecoderLm {
