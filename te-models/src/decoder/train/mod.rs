@@ -15,8 +15,10 @@
 //! FP8: run [`DecoderLm::forward_loss_with`] and [`DecoderLm::backward`] under
 //! `te_nn::fp8::fp8_autocast` with a recipe, as for `crate::gpt::Gpt`; the LM head stays in
 //! high precision (Megatron's output layer is not a TE module either). Full activation
-//! recompute: [`DecoderLm::set_recompute`]. Context parallelism (every sequence split over a
-//! group of ranks, TE's all-gather `cp_group`): [`DecoderLm::set_context_parallel`].
+//! recompute: [`DecoderLm::set_recompute`]; with it, the CPU offload of the layer inputs it
+//! keeps (TE's `get_cpu_offload_context`): [`DecoderLm::set_offload_activations`]. Context
+//! parallelism (every sequence split over a group of ranks, TE's all-gather `cp_group`):
+//! [`DecoderLm::set_context_parallel`].
 
 mod context_parallel;
 mod layer;
