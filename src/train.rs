@@ -183,7 +183,7 @@ pub struct TrainArgs {
     /// with MoE presets nor --fp8-dpa/--fp8-mha; --cuda-graph steps eagerly with it.
     #[arg(long, default_value = "none", value_parser = ["none", "full"])]
     pub recompute: String,
-    /// GPU runs of the decoder family (--model) with --recompute full: copy the saved inputs of
+    /// GPU runs with --recompute full: copy the saved inputs of
     /// the first N layers to pinned host memory during the forward (a side stream) and back,
     /// a layer ahead, in the backward (TE's get_cpu_offload_context with num_layers = N; N =
     /// the layer count - 1 is the usual setting; 0: off). The same steps bit for bit, N - 2
@@ -291,9 +291,9 @@ pub fn recompute(a: &TrainArgs) -> te_runtime::Result<Recompute> {
 }
 
 /// The layers `--offload-activations` offloads, checked against the other flags before
-/// anything loads (`on_gpu`: the run trains on a GPU): it runs on a GPU, for the decoder family
-/// (`--model`), and only the offload of the layer inputs full recompute keeps is built (add
-/// `--recompute full`); the layer count is checked by [`te_train::Trainer::finetune`].
+/// anything loads (`on_gpu`: the run trains on a GPU): it runs on a GPU, and only the offload of
+/// the layer inputs full recompute keeps is built (add `--recompute full`); the layer count is
+/// checked by [`te_train::Trainer::train`] and [`te_train::Trainer::finetune`].
 ///
 /// # Errors
 /// The message naming the flag to add or drop.
@@ -303,12 +303,6 @@ pub fn offload_activations(a: &TrainArgs, on_gpu: bool) -> Result<usize, String>
         return Err(format!(
             "--offload-activations {n} copies the GPU model's saved activations to pinned host memory; the CPU path \
              has none to offload: drop --offload-activations"
-        ));
-    }
-    if n > 0 && a.model.is_none() {
-        return Err(format!(
-            "--offload-activations {n} is built for the decoder family (--model PATH); the GPT presets keep their \
-             layer inputs on the device: drop --offload-activations"
         ));
     }
     if n > 0 && a.recompute != "full" {
@@ -546,8 +540,7 @@ mod tests {
         let e = offload_activations(&plain, false).unwrap_err();
         assert!(e.contains("CPU path") && e.contains("drop --offload-activations"), "{e}");
         let gpt = args(&["--offload-activations", "3", "--recompute", "full"]);
-        let e = offload_activations(&gpt, true).unwrap_err();
-        assert!(e.contains("--model PATH"), "{e}");
+        assert_eq!(offload_activations(&gpt, true).unwrap(), 3);
         let full = args(&["--offload-activations", "3", "--recompute", "full", "--model", "m.gguf"]);
         assert_eq!(offload_activations(&full, true).unwrap(), 3);
     }

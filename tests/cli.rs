@@ -439,7 +439,7 @@ fn train_refuses_what_it_cannot_run() {
     let o = run(&["--cpu", "--offload-activations", "2", "--steps", "1"]);
     assert!(!o.status.success() && text(&o).contains("drop --offload-activations"), "{}", text(&o));
     if te_runtime::device::gpu_available() {
-        let o = run(&["--model", "model.gguf", "--offload-activations", "2", "--steps", "1"]);
+        let o = run(&["--preset", "tiny", "--offload-activations", "2", "--steps", "1"]);
         assert!(!o.status.success() && text(&o).contains("add --recompute full"), "{}", text(&o));
     }
     // Fine-tuning a pretrained decoder runs on a GPU.

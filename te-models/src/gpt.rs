@@ -34,6 +34,7 @@ use te_runtime::{Device, Error, Result, Tensor};
 mod config;
 mod generate;
 mod memory;
+mod offload;
 mod recompute;
 
 pub use config::GptConfig;
@@ -163,6 +164,10 @@ pub struct Gpt {
     /// What the training forward keeps of each layer ([`Gpt::set_recompute`]).
     #[module(skip)]
     recompute: Recompute,
+    /// The first layers whose saved inputs go to pinned host memory, and the side stream and
+    /// buffers that move them ([`Gpt::set_offload_activations`]).
+    #[module(skip)]
+    offload: Option<(usize, te_runtime::offload::HostOffload)>,
     #[module(skip)]
     dev: Arc<Device>,
 }
@@ -229,6 +234,7 @@ impl Gpt {
             sequence,
             positions: None,
             recompute: Recompute::None,
+            offload: None,
             dev: dev.clone(),
         })
     }
@@ -337,6 +343,7 @@ impl Gpt {
             None => None,
         };
         let dev = &self.dev;
+        let plan = offload::plan(self.layers.len(), self.recompute, self.offload.as_ref().map_or(0, |(n, _)| *n))?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let mut keep = |c: &mut TransformerLayerCtx| -> Result<()> {
                 // The aux loss enters the objective with the micro-batch's weight.
@@ -348,9 +355,19 @@ impl Gpt {
                 Ok(())
             };
             let inputs = AttentionInputs { is_first_microbatch, ..Default::default() };
-            let (y, saved) = recompute::forward_layer(layer, &x, inputs, self.recompute, &mut keep)?;
+            let (y, mut saved) = recompute::forward_layer(layer, &x, inputs, self.recompute, &mut keep)?;
+            if let Some((_, host)) = self.offload.as_ref().filter(|_| plan.is_offloaded(i)) {
+                saved.offload(host)?;
+            }
             layers.push(saved);
+            // The previous input's copy out overlapped this layer's forward: free its device copy.
+            if let Some(p) = plan.release_after_forward(i) {
+                layers[p].release()?;
+            }
             x = y;
+        }
+        if let Some(last) = layers.last_mut() {
+            last.release()?;
         }
         let (y, final_norm) = self.final_norm.forward(&x)?;
         // The LM head (replicated) takes every position.
@@ -421,8 +438,20 @@ impl Gpt {
         let d = self.sequence.scatter(MODEL, &self.dev, &d.reshape(&ctx.shape)?)?;
         let mut d = self.final_norm.backward(ctx.final_norm, &d)?;
         grads_ready(&mut self.final_norm)?;
-        for (layer, saved) in self.layers.iter_mut().zip(ctx.layers).rev() {
-            d = recompute::backward_layer(layer, saved, &d, ctx.aux_grad)?;
+        let mut saved = ctx.layers;
+        if saved.len() != self.layers.len() {
+            return Err(Error::Context {
+                module: MODEL,
+                message: format!("a context of {} layers for a model of {}", saved.len(), self.layers.len()),
+            });
+        }
+        while let Some(s) = saved.pop() {
+            // Layer l − 1's offloaded input comes back while layer l's backward runs.
+            if let Some(prev) = saved.last_mut() {
+                prev.prefetch()?;
+            }
+            let layer = &mut self.layers[saved.len()];
+            d = recompute::backward_layer(layer, s, &d, ctx.aux_grad)?;
             grads_ready(layer)?;
         }
         let d = self.sequence.gather(&d)?;

@@ -60,7 +60,7 @@ pub(crate) fn sgd(dev: &Device, m: &mut dyn Module, lr: f32) {
 
 /// Where the backward runs relative to the forward's `fp8_autocast` scope.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Backward {
+pub(crate) enum Backward {
     /// After the scope's exit (the trainer's way, TE's training loops').
     Outside,
     /// Inside the forward's scope.
@@ -68,11 +68,17 @@ enum Backward {
 }
 
 /// What one step of a model shows: its micro-batches' losses, gradients, FP8 states.
-type StepBits = (Vec<u32>, Vec<(String, Vec<u32>)>, Vec<(String, Vec<u32>)>);
+pub(crate) type StepBits = (Vec<u32>, Vec<(String, Vec<u32>)>, Vec<(String, Vec<u32>)>);
 
 /// `steps` SGD steps of `gpt` of two micro-batches each (`is_first_microbatch`, weight 1/2)
 /// under `fp8` (`None`: BF16), each step's bits.
-fn gpt_steps(dev: &Arc<Device>, gpt: &mut Gpt, fp8: Option<Recipe>, backward: Backward, steps: usize) -> Vec<StepBits> {
+pub(crate) fn gpt_steps(
+    dev: &Arc<Device>,
+    gpt: &mut Gpt,
+    fp8: Option<Recipe>,
+    backward: Backward,
+    steps: usize,
+) -> Vec<StepBits> {
     let micro: Vec<(TokenIds, TokenIds)> = vec![batch(dev, 32, 4), batch(dev, 32, 4)];
     let mut out = Vec::new();
     for _ in 0..steps {

@@ -16,6 +16,32 @@ pub(super) enum SavedLayer {
     Checkpoint(TransformerLayerCheckpoint),
 }
 
+impl SavedLayer {
+    /// Starts the copy of a checkpointed layer's input to pinned host memory.
+    pub(super) fn offload(&mut self, host: &te_runtime::offload::HostOffload) -> Result<()> {
+        match self {
+            SavedLayer::Checkpoint(k) => k.offload(host),
+            SavedLayer::Ctx(_) => Ok(()),
+        }
+    }
+
+    /// Frees an offloaded input's device copy once its copy out finished (stream ordered).
+    pub(super) fn release(&mut self) -> Result<()> {
+        match self {
+            SavedLayer::Checkpoint(k) => k.release(),
+            SavedLayer::Ctx(_) => Ok(()),
+        }
+    }
+
+    /// Starts copying an offloaded input back to the device.
+    pub(super) fn prefetch(&mut self) -> Result<()> {
+        match self {
+            SavedLayer::Checkpoint(k) => k.prefetch(),
+            SavedLayer::Ctx(_) => Ok(()),
+        }
+    }
+}
+
 /// One layer's forward on `x` in `mode`: its output and what the backward needs. `keep` gets
 /// the forward's context before it is kept or dropped.
 pub(super) fn forward_layer(

@@ -40,8 +40,9 @@ use te_nn::parallel::TpConfig;
 use te_runtime::Device;
 
 /// Trains `cfg.model` on `corpus` in `precision` on `dev`, calling `progress` after each step;
-/// saves and resumes checkpoints as `ckpt` says; keeps activations as `recompute` says (the
-/// memory estimate accounts for it). With `parallel`, as one rank of a data- and/or
+/// saves and resumes checkpoints as `ckpt` says; keeps activations as `recompute` says and
+/// offloads the inputs of the first `offload` layers to pinned host memory (full recompute only;
+/// the memory estimate accounts for both). With `parallel`, as one rank of a data- and/or
 /// tensor-parallel run: every rank calls it with the same settings; the loss `progress` gets
 /// and the records hold are the mean over the ranks.
 ///
@@ -51,6 +52,7 @@ use te_runtime::Device;
 /// [`TrainError::NonFinite`] past `cfg.skip_nonfinite_steps` non-finite steps (or for a
 /// non-finite FP8 scaling state at a checkpoint); [`TrainError::Interrupted`] after the step
 /// during which `ckpt.stop` was set, its checkpoint written.
+#[allow(clippy::too_many_arguments)] // the run's settings, each named as in finetune
 pub(super) fn train(
     dev: &Arc<Device>,
     corpus: &Corpus,
@@ -58,6 +60,7 @@ pub(super) fn train(
     precision: Precision,
     ckpt: &CheckpointOptions,
     (parallel, zero, recompute): (&mut Parallel, ZeroStage, Recompute),
+    offload: usize,
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     if let Some(cp) = parallel.context() {
@@ -72,7 +75,9 @@ pub(super) fn train(
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     let (_, tp_size) = parallel.tensor_rank();
-    let estimate = |r: Recompute| Gpt::training_bytes_with(&cfg.model, cfg.batch, fp8, tp_size, r);
+    let estimate = |r: Recompute| Gpt::training_bytes_offloaded(&cfg.model, cfg.batch, fp8, tp_size, r, offload);
+    let suggested = cfg.model.num_layers.saturating_sub(1);
+    let offloaded = || Gpt::training_bytes_offloaded(&cfg.model, cfg.batch, fp8, tp_size, Recompute::Full, suggested);
     let plan = MemoryPlan {
         parameters: cfg.model.num_parameters() as u64,
         gradient_bytes: cfg.model.num_parameters() as u64 * cfg.model.params_dtype.size_bytes() as u64,
@@ -82,7 +87,7 @@ pub(super) fn train(
         recompute,
         recompute_possible: cfg.model.moe.is_none(),
         estimate: &estimate,
-        offload: None,
+        offload: (offload == 0 && suggested > 0).then_some((suggested, &offloaded as &dyn Fn() -> u64)),
     };
     plan.check(dev, 0, |advice| {
         let m = &cfg.model;
@@ -105,6 +110,7 @@ pub(super) fn train(
         None => Gpt::new(dev, cfg.model.clone())?,
     };
     model.set_recompute(recompute)?;
+    model.set_offload_activations(offload)?;
     if let Some(dp) = parallel.data() {
         // Every rank builds the model from the same seed; the broadcast makes sure.
         dp.broadcast_parameters(&mut model)?;

@@ -146,6 +146,10 @@ impl TrainLm for Gpt {
     fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
         Gpt::set_recompute(self, mode)
     }
+
+    fn offload_activations(&self) -> usize {
+        Gpt::offload_activations(self)
+    }
 }
 
 impl TrainLm for DecoderLm {

@@ -173,16 +173,16 @@ impl Trainer {
     /// The same trainer offloading the saved inputs of the first `n` layers to pinned host
     /// memory (`te train --offload-activations N`; TE's `get_cpu_offload_context` with
     /// `num_layers = n`; 0: off): copied out on a side stream in the forward, back a layer ahead
-    /// in the backward (`te_models::decoder::train::DecoderLm::set_offload_activations`). The
-    /// same steps bit for bit; the memory estimate checked before allocating leaves the
-    /// offloaded inputs out (two in flight stay). Built for the decoder family under full
-    /// recompute ([`Trainer::with_recompute`]); `cuda_graph` steps eagerly with it, as with full
-    /// recompute.
+    /// in the backward (`te_models::decoder::train::DecoderLm::set_offload_activations`,
+    /// `te_models::gpt::Gpt::set_offload_activations`). The same steps bit for bit; the memory
+    /// estimate checked before allocating leaves the offloaded inputs out (two in flight stay).
+    /// Built under full recompute ([`Trainer::with_recompute`]); `cuda_graph` steps eagerly
+    /// with it, as with full recompute.
     ///
     /// # Errors
     /// [`TrainError::Unsupported`] on the CPU backend (nothing to offload to); without full
-    /// recompute, with the GPT presets, or for `n` above the layer count, [`Trainer::finetune`]
-    /// and [`Trainer::train`] refuse it.
+    /// recompute or for `n` above the layer count, [`Trainer::finetune`] and [`Trainer::train`]
+    /// refuse it.
     pub fn with_offload_activations(self, n: usize) -> Result<Self, TrainError> {
         if n > 0 && !self.backend.is_gpu() {
             return Err(TrainError::Unsupported {
@@ -320,18 +320,13 @@ impl Trainer {
         mut progress: impl FnMut(&Progress),
     ) -> Result<RunSummary, TrainError> {
         self.check_zero()?;
-        if self.offload_activations > 0 {
-            return Err(TrainError::Unsupported {
-                message: "--offload-activations is built for the decoder family (te train --model): the GPT presets \
-                          keep their layer inputs on the device; drop --offload-activations"
-                    .into(),
-            });
-        }
+        self.check_offload(self.config.model.num_layers)?;
         let (cfg, ckpt) = (&self.config, &self.checkpoints);
         match &self.backend {
             Backend::Gpu(dev) => {
                 let layout = (&mut self.parallel, self.zero, self.recompute);
-                let (run, memory) = gpu::train(dev, corpus, cfg, precision, ckpt, layout, &mut progress)?;
+                let offload = self.offload_activations;
+                let (run, memory) = gpu::train(dev, corpus, cfg, precision, ckpt, layout, offload, &mut progress)?;
                 self.optimizer_memory = Some(memory);
                 Ok(run)
             }

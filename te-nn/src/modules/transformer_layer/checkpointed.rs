@@ -6,6 +6,7 @@
 use super::{Mlp, TransformerLayer, TransformerLayerCtx, MODULE};
 use crate::modules::multihead_attention::AttentionInputs;
 use crate::modules::recompute::Fp8Replay;
+use te_runtime::offload::{HostOffload, OffloadedTensor};
 use te_runtime::{Error, Result, Tensor};
 
 /// What [`TransformerLayer::forward_checkpointed`] keeps for
@@ -15,7 +16,7 @@ use te_runtime::{Error, Result, Tensor};
 #[derive(Debug)]
 pub struct TransformerLayerCheckpoint {
     module_id: u64,
-    input: Tensor,
+    input: SavedInput,
     /// The hidden-dropout offset before the forward (the masks it drew follow it).
     dropout_offset: u64,
     training: bool,
@@ -23,10 +24,60 @@ pub struct TransformerLayerCheckpoint {
     fp8: Fp8Replay,
 }
 
+/// Where a checkpoint's input is.
+#[derive(Debug)]
+enum SavedInput {
+    /// On the device.
+    Device(Tensor),
+    /// Offloaded to pinned host memory ([`TransformerLayerCheckpoint::offload`]).
+    Host(Box<OffloadedTensor>),
+}
+
 impl TransformerLayerCheckpoint {
-    /// The layer input it keeps, `[s, b, hidden]` (or `[b, s, hidden]`).
-    pub fn input(&self) -> &Tensor {
-        &self.input
+    /// The layer input it keeps, `[s, b, hidden]` (or `[b, s, hidden]`); `None` while it is
+    /// offloaded ([`TransformerLayerCheckpoint::offload`]).
+    pub fn input(&self) -> Option<&Tensor> {
+        match &self.input {
+            SavedInput::Device(t) => Some(t),
+            SavedInput::Host(_) => None,
+        }
+    }
+
+    /// Starts copying the kept input to pinned host memory on `host`'s side stream (TE's
+    /// `get_cpu_offload_context`; see `te_runtime::offload`); the backward copies it back.
+    /// The device copy lives until [`TransformerLayerCheckpoint::release`].
+    ///
+    /// # Errors
+    /// As [`HostOffload::offload`].
+    pub fn offload(&mut self, host: &HostOffload) -> Result<()> {
+        if let SavedInput::Device(t) = &self.input {
+            self.input = SavedInput::Host(Box::new(host.offload(t.clone())?));
+        }
+        Ok(())
+    }
+
+    /// Frees an offloaded input's device copy once its copy out finished (stream ordered; a
+    /// no-op otherwise).
+    ///
+    /// # Errors
+    /// Driver failures.
+    pub fn release(&mut self) -> Result<()> {
+        match &mut self.input {
+            SavedInput::Host(t) => t.release(),
+            SavedInput::Device(_) => Ok(()),
+        }
+    }
+
+    /// Starts copying an offloaded input back to the device (a no-op otherwise): call it a
+    /// layer ahead of the backward.
+    ///
+    /// # Errors
+    /// Allocation and driver failures.
+    pub fn prefetch(&mut self) -> Result<()> {
+        match &mut self.input {
+            SavedInput::Host(t) => t.prefetch(),
+            SavedInput::Device(_) => Ok(()),
+        }
     }
 }
 
@@ -77,7 +128,7 @@ impl TransformerLayer {
         drop(ctx);
         let checkpoint = TransformerLayerCheckpoint {
             module_id: self.id,
-            input: x.clone(),
+            input: SavedInput::Device(x.clone()),
             dropout_offset,
             training: self.training,
             is_first_microbatch,
@@ -110,6 +161,10 @@ impl TransformerLayer {
         }
         let TransformerLayerCheckpoint { input, dropout_offset, training, is_first_microbatch, mut fp8, .. } =
             checkpoint;
+        let input = match input {
+            SavedInput::Device(t) => t,
+            SavedInput::Host(t) => (*t).fetch()?,
+        };
         let inputs = AttentionInputs { is_first_microbatch, ..inputs };
         let (now, mode) = (self.calls, self.training);
         self.calls = dropout_offset;
