@@ -1,4 +1,4 @@
-//! CPU offload of activations (`DecoderLm::set_offload_activations`,
+//! CPU offload of activations (`DecoderLm::set_offload_activations`, `Gpt::set_offload_activations`,
 //! `Trainer::with_offload_activations`, `te train --offload-activations N`; TE's
 //! `get_cpu_offload_context`): under full recompute the saved inputs of the first N layers go to
 //! pinned host memory on a side stream and come back a layer ahead in the backward. The values
