@@ -18,6 +18,7 @@
 
 mod batches;
 mod cpu;
+mod eval;
 mod gpu;
 mod graphed;
 mod lm;
@@ -25,7 +26,7 @@ mod memory;
 
 pub use batches::{check_context_seq, Pack};
 pub use cpu::cpu_gemm_precision;
-pub use gpu::FP8_CALIBRATION_BATCHES;
+pub use eval::FP8_CALIBRATION_BATCHES;
 pub use lm::TrainLm;
 
 use crate::checkpoint::CheckpointOptions;
@@ -416,7 +417,7 @@ impl Trainer {
         match &self.backend {
             Backend::Gpu(dev) => {
                 let shape = (data, seq_length, pack);
-                gpu::validation_loss(dev, model, shape, &self.config, precision, &self.parallel)
+                eval::validation_loss(dev, model, shape, &self.config, precision, &self.parallel)
             }
             Backend::Cpu => Err(TrainError::Unsupported {
                 message: "the validation loss of a TrainLm runs on a GPU (Backend::Gpu)".into(),
