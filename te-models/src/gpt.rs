@@ -167,7 +167,7 @@ pub struct Gpt {
     /// The first layers whose saved inputs go to pinned host memory, and the side stream and
     /// buffers that move them ([`Gpt::set_offload_activations`]).
     #[module(skip)]
-    offload: Option<(usize, te_runtime::offload::HostOffload)>,
+    offload: te_runtime::offload::LayerOffload,
     #[module(skip)]
     dev: Arc<Device>,
 }
@@ -234,7 +234,7 @@ impl Gpt {
             sequence,
             positions: None,
             recompute: Recompute::None,
-            offload: None,
+            offload: te_runtime::offload::LayerOffload::default(),
             dev: dev.clone(),
         })
     }
@@ -343,7 +343,7 @@ impl Gpt {
             None => None,
         };
         let dev = &self.dev;
-        let plan = offload::plan(self.layers.len(), self.recompute, self.offload.as_ref().map_or(0, |(n, _)| *n))?;
+        let plan = offload::plan(self.layers.len(), self.recompute, self.offload.layers())?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let mut keep = |c: &mut TransformerLayerCtx| -> Result<()> {
                 // The aux loss enters the objective with the micro-batch's weight.
@@ -356,7 +356,7 @@ impl Gpt {
             };
             let inputs = AttentionInputs { is_first_microbatch, ..Default::default() };
             let (y, mut saved) = recompute::forward_layer(layer, &x, inputs, self.recompute, &mut keep)?;
-            if let Some((_, host)) = self.offload.as_ref().filter(|_| plan.is_offloaded(i)) {
+            if let Some(host) = self.offload.host().filter(|_| plan.is_offloaded(i)) {
                 saved.offload(host)?;
             }
             layers.push(saved);

@@ -234,6 +234,44 @@ impl Drop for OffloadedTensor {
     }
 }
 
+/// The offload setting of a model's stack of layers: how many of the first layers have their
+/// saved inputs offloaded, and the [`HostOffload`] (side stream and pinned pool) they use, kept
+/// across changes of the count. What `DecoderLm` and `Gpt` hold.
+#[derive(Debug, Clone, Default)]
+pub struct LayerOffload(Option<(usize, HostOffload)>);
+
+impl LayerOffload {
+    /// Offloads the first `n` of `layers` layers from now on (0: none), making the side stream
+    /// on `dev` the first time.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `n` above `layers`; driver failures creating the side stream.
+    pub fn set(&mut self, dev: &Arc<Device>, layers: usize, n: usize) -> Result<()> {
+        OffloadPlan::new(layers, n)?;
+        self.0 = match (n, self.0.take()) {
+            (0, _) => None,
+            (n, Some((_, host))) => Some((n, host)),
+            (n, None) => Some((n, HostOffload::new(dev)?)),
+        };
+        Ok(())
+    }
+
+    /// The layers offloaded (0: none).
+    pub fn layers(&self) -> usize {
+        self.0.as_ref().map_or(0, |(n, _)| *n)
+    }
+
+    /// The side stream and pool, when any layer is offloaded.
+    pub fn host(&self) -> Option<&HostOffload> {
+        self.0.as_ref().map(|(_, h)| h)
+    }
+
+    /// Bytes of pinned host memory held (0 before the first offload).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.host().map_or(0, HostOffload::pinned_bytes)
+    }
+}
+
 /// Which layers of a stack of `layers` offload their saved input, and when each copy runs:
 /// the first `offloaded` layers (TE's `num_layers` of `get_cpu_offload_context`).
 ///

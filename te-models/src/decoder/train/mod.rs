@@ -93,7 +93,7 @@ pub struct DecoderLm {
     /// The first layers whose saved inputs go to pinned host memory, and the side stream and
     /// buffers that move them ([`DecoderLm::set_offload_activations`]).
     #[module(skip)]
-    offload: Option<(usize, te_runtime::offload::HostOffload)>,
+    offload: te_runtime::offload::LayerOffload,
     /// The context-parallel group every sequence is split over
     /// ([`DecoderLm::set_context_parallel`]).
     #[module(skip)]
@@ -202,7 +202,7 @@ impl DecoderLm {
             cfg,
             fp8_lm_head: false,
             recompute: Recompute::None,
-            offload: None,
+            offload: te_runtime::offload::LayerOffload::default(),
             cp: None,
             dtype,
             dev: dev.clone(),
@@ -431,7 +431,7 @@ impl DecoderLm {
         let plan = self.offload_plan()?;
         let mut layers: Vec<SavedLayer> = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            let host = self.offload.as_ref().filter(|_| plan.is_offloaded(l)).map(|(_, h)| h);
+            let host = self.offload.host().filter(|_| plan.is_offloaded(l));
             let (y, c) = recompute::forward_layer(layer, &x, &inputs, self.recompute, host)?;
             layers.push(c);
             // The previous input's copy out overlapped this layer's forward: free its device copy.

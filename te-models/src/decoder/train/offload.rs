@@ -6,7 +6,7 @@
 use super::DecoderLm;
 use crate::decoder::DecoderConfig;
 use te_nn::modules::Recompute;
-use te_runtime::offload::{HostOffload, OffloadPlan};
+use te_runtime::offload::OffloadPlan;
 use te_runtime::{Error, Result};
 
 impl DecoderLm {
@@ -27,23 +27,18 @@ impl DecoderLm {
     /// [`Error::Config`] for `n` above the layer count; driver failures creating the side
     /// stream.
     pub fn set_offload_activations(&mut self, n: usize) -> Result<()> {
-        OffloadPlan::new(self.layers.len(), n)?;
-        self.offload = match (n, self.offload.take()) {
-            (0, _) => None,
-            (n, Some((_, host))) => Some((n, host)),
-            (n, None) => Some((n, HostOffload::new(&self.dev)?)),
-        };
-        Ok(())
+        let layers = self.layers.len();
+        self.offload.set(&self.dev, layers, n)
     }
 
     /// The layers whose inputs are offloaded ([`DecoderLm::set_offload_activations`]; 0: none).
     pub fn offload_activations(&self) -> usize {
-        self.offload.as_ref().map_or(0, |(n, _)| *n)
+        self.offload.layers()
     }
 
     /// Bytes of pinned host memory the offload holds (0 before the first forward with offload).
     pub fn offload_pinned_bytes(&self) -> u64 {
-        self.offload.as_ref().map_or(0, |(_, h)| h.pinned_bytes())
+        self.offload.pinned_bytes()
     }
 
     /// The plan of the next forward, checked against the recompute mode.
