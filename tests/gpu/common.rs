@@ -72,8 +72,24 @@ pub fn rank_command(test: &str, env: &te_runtime::dist::DistEnv, timeout_s: u64)
     cmd
 }
 
-/// A free local port for a rendezvous.
+/// A free local port for a rendezvous, below Linux's ephemeral range (`ip_local_port_range`
+/// starts at 32 768): a port the kernel hands out for `bind(0)` is an ephemeral one, and between
+/// this check and the rank's `listen` an outgoing connection (NCCL's, a killed run's survivor's)
+/// may take it as its source port (`rank_death::` saw "Address already in use"). Ports here are
+/// only taken by an explicit bind. Random per call (pid, time, counter), checked by a bind.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let mut x =
+        nanos ^ (u64::from(std::process::id()) << 32) ^ CALLS.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9);
+    for _ in 0..200 {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        let port = 20_000 + ((x >> 33) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29_500)
 }
 
