@@ -321,18 +321,30 @@ impl AdamW {
     /// As [`AdamW::step`]; [`Error::Capture`] inside a capture when no step of the same
     /// parameters ran outside it.
     pub fn issue<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<PendingStep> {
-        self.issue_marked(model, None)
+        self.issue_marked(model, None, None)
     }
 
     /// [`AdamW::issue`] of the parameters `reduced` marks (traversal order; every rank passes
     /// the same marks), or of those with a gradient when `None` (refused for a ZeRO-2
-    /// optimizer, whose ranks hold different gradients).
+    /// optimizer, whose ranks hold different gradients). `local` (ZeRO-3, by traversal index):
+    /// the tensors holding this rank's pieces of the sharded parameters, written instead of
+    /// the model's (which are transient buffers), neither broadcast nor handed back after.
     pub(super) fn issue_marked<M: Module + ?Sized>(
         &mut self,
         model: &mut M,
         reduced: Option<&[bool]>,
+        local: Option<&[Option<Tensor>]>,
     ) -> Result<PendingStep> {
         let (grads, params) = self.gather(model)?;
+        if local.is_none() && self.zero_stage() == ZeroStage::Parameters {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "a ZeRO-3 optimizer writes this rank's pieces of the sharded weights: step it with \
+                          AdamW::step_sharded and the model's pieces"
+                    .into(),
+            });
+        }
+        let sharded = |i: usize| local.and_then(|l| l.get(i)).is_some_and(Option::is_some);
         let dev = self.dev.clone();
         let step = self.step + 1;
         let lr = self.config.lr.lr(step);
@@ -361,7 +373,13 @@ impl AdamW {
         let args = self.args(lr);
         let mut tensors = Vec::with_capacity(grads.len());
         let mut offsets = Vec::with_capacity(grads.len());
-        for (((s, g), param), _) in self.params.iter_mut().zip(&grads).zip(&params).zip(&updated).filter(|t| *t.1) {
+        // ZeRO-3: this rank's pieces of the sharded parameters are written, not the model's.
+        let targets: Vec<&Tensor> = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| local.and_then(|l| l.get(i)).and_then(Option::as_ref).unwrap_or(p))
+            .collect();
+        for (((s, g), param), _) in self.params.iter_mut().zip(&grads).zip(targets).zip(&updated).filter(|t| *t.1) {
             if let (Some(grad), false) = (g, s.piece.is_empty()) {
                 let decays = decay_all || s.kind == ParamKind::Weight;
                 offsets.push(s.piece.start);
@@ -406,12 +424,14 @@ impl AdamW {
             }
         }
         drop(tensors);
+        // The sharded parameters stay pieces: the next gathers carry the new values.
+        let whole: Vec<bool> = updated.iter().enumerate().map(|(i, &u)| u && !sharded(i)).collect();
         if let Some(zero) = &self.zero {
             // Every rank's pieces from their owners: the parameters are whole again.
-            zero.broadcast_params(&params, &updated)?;
+            zero.broadcast_params(&params, &whole)?;
         }
         // The same storage handed back: the version bump tells the layers their values changed.
-        let written = params.into_iter().zip(&updated).map(|(p, &u)| u.then_some(p)).collect();
+        let written = params.into_iter().zip(&whole).map(|(p, &u)| u.then_some(p)).collect();
         self.write_back(model, written)?;
         Ok(PendingStep { step, lr, updated })
     }
