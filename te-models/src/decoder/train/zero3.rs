@@ -147,15 +147,14 @@ impl DecoderLm {
         let mut store = ParamShards::new(group, shards, 2)?;
         let mut first = Vec::with_capacity(self.layers.len());
         let mut at = count(&self.embedding);
-        for layer in &self.layers {
-            let tensors = tensors_of(layer)?;
-            let params: Vec<(usize, Tensor)> = (at..).zip(tensors).collect();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let params: Vec<(usize, Tensor)> = (at..).zip(tensors_of(layer)?).collect();
             store.add_group(&params)?;
             first.push(at);
             at += params.len();
-        }
-        // Each layer's parameters onto the ring: its whole tensors are freed.
-        for (l, layer) in self.layers.iter_mut().enumerate() {
+            // The layer's parameters onto the ring at once: its whole tensors are freed before
+            // the next layer's pieces are taken (the setup holds one layer more, not the model).
+            drop(params);
             point(layer, &store.gather(l)?)?;
             store.release(l);
         }
