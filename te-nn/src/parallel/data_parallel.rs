@@ -309,7 +309,8 @@ impl DataParallel {
                 return Err(Error::Config {
                     module: MODULE,
                     message: format!(
-                        "the backward handed over parts down to parameter {left} of {}: a backward after                          begin_step_reversed must hand over every part, from the last parameter to the first",
+                        "the backward handed over parts down to parameter {left} of {}: a backward after begin_step_reversed \
+                         must hand over every part, from the last parameter to the first",
                         sharded.shards.len()
                     ),
                 });
