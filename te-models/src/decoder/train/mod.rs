@@ -18,7 +18,8 @@
 //! recompute: [`DecoderLm::set_recompute`]; with it, the CPU offload of the layer inputs it
 //! keeps (TE's `get_cpu_offload_context`): [`DecoderLm::set_offload_activations`]. Context
 //! parallelism (every sequence split over a group of ranks, TE's all-gather `cp_group`):
-//! [`DecoderLm::set_context_parallel`].
+//! [`DecoderLm::set_context_parallel`]. ZeRO-3 (each layer's weights sharded over the
+//! data-parallel ranks, gathered around its forward and backward): [`DecoderLm::set_zero3`].
 
 mod context_parallel;
 mod layer;
