@@ -421,23 +421,35 @@ fn zero_3_refusals_are_typed() {
     assert!(!m.is_zero3());
 }
 
-/// `ZeroStage::Parameters` over one uneven split: the shards `AdamW` gives are what
-/// `ParamShards` keeps (checked without a second GPU through the pieces' sizes).
+/// ZeRO-3's optimizer built after the model was sharded (`AdamW::zero_shards`, `set_zero3`,
+/// `AdamW::new_zero3` from the pieces) holds the masters of one built from the whole model
+/// before, bit for bit, and its split is that optimizer's; the pieces are the optimizer's pieces
+/// (one rank: whole), `None` outside the layers; a list of other length is refused.
 #[test]
-fn zero_3_pieces_are_the_optimizer_pieces() {
+fn zero_3_optimizer_built_from_the_pieces_equals_one_built_whole() {
     let Some(dev) = device() else { return };
     let group = Arc::new(ProcessGroup::single(&dev).unwrap());
-    let mut m = DecoderLm::new(&dev, config(2, 64), DType::BF16).unwrap();
-    let opt =
-        AdamW::new_zero_stage(&dev, &m, train_config(1, 2, 1.0).adamw_config(), group.clone(), ZeroStage::Parameters)
-            .unwrap();
+    let adamw = train_config(1, 2, 1.0).adamw_config();
+    let mut m = DecoderLm::new(&dev, config(3, 128), DType::BF16).unwrap();
+    let whole = AdamW::new_zero_stage(&dev, &m, adamw, group.clone(), ZeroStage::Parameters).unwrap();
+    let shards = AdamW::zero_shards(&m, 1).unwrap();
+    assert_eq!(&shards, whole.grad_shards().unwrap(), "the split is known before the optimizer");
     m.set_recompute(Recompute::Full).unwrap();
-    m.set_zero3(group, opt.grad_shards().unwrap().clone()).unwrap();
+    m.set_zero3(group.clone(), shards).unwrap();
     let pieces = m.zero3_pieces().unwrap();
-    for (s, p) in opt.states().iter().zip(&pieces) {
+    let e = AdamW::new_zero3(&dev, &m, adamw, group.clone(), &pieces[1..]).unwrap_err();
+    assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("local pieces"), "{e}");
+    let sharded = AdamW::new_zero3(&dev, &m, adamw, group, &pieces).unwrap();
+    assert_eq!(sharded.zero_stage(), ZeroStage::Parameters);
+    let stream = dev.stream();
+    for ((a, b), p) in sharded.states().iter().zip(whole.states()).zip(&pieces) {
+        assert_eq!(a.piece, b.piece, "{}", a.path);
+        let (ma, mb) = (stream.clone_dtoh(&a.master).unwrap(), stream.clone_dtoh(&b.master).unwrap());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&ma), bits(&mb), "{}: the masters", a.path);
         match p {
-            Some(p) => assert_eq!(p.numel(), s.piece.len(), "{}", s.path),
-            None => assert!(!s.path.starts_with("layers."), "{} is a layer parameter", s.path),
+            Some(p) => assert_eq!(p.numel(), a.piece.len(), "{}", a.path),
+            None => assert!(!a.path.starts_with("layers."), "{} is a layer parameter", a.path),
         }
     }
     assert!(pieces.iter().any(Option::is_some) && pieces.iter().any(Option::is_none));

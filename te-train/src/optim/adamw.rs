@@ -147,7 +147,7 @@ impl AdamW {
     /// ([`te_nn::fp8::fp8_model_init`]: it has no high-precision value to train); allocation and
     /// copy failures.
     pub fn new<M: Module + ?Sized>(dev: &Arc<Device>, model: &M, config: AdamWConfig) -> Result<Self> {
-        Self::build(dev, model, config, None)
+        Self::build(dev, model, config, None, None)
     }
 
     /// The optimizer of [`AdamW::new`] sharded over the data-parallel `group` (ZeRO stage 1:
@@ -175,15 +175,17 @@ impl AdamW {
         config: AdamWConfig,
         group: Arc<ProcessGroup>,
     ) -> Result<Self> {
-        Self::build(dev, model, config, Some((group, ZeroStage::OptimizerStates)))
+        Self::build(dev, model, config, Some((group, ZeroStage::OptimizerStates)), None)
     }
 
-    /// [`AdamW::new`], sharded over the group of `zero` at its stage (1 or 2) when given.
+    /// [`AdamW::new`], sharded over the group of `zero` at its stage (1 to 3) when given; the
+    /// masters of the parameters `local` holds (ZeRO-3, by traversal index) from those pieces.
     pub(super) fn build<M: Module + ?Sized>(
         dev: &Arc<Device>,
         model: &M,
         config: AdamWConfig,
         zero: Option<(Arc<ProcessGroup>, ZeroStage)>,
+        local: Option<&[Option<Tensor>]>,
     ) -> Result<Self> {
         config.validate()?;
         let stream = dev.stream();
@@ -210,13 +212,27 @@ impl AdamW {
             let piece = zero.as_ref().map_or(0..numels[i], |z| z.piece(i));
             let master = match piece.is_empty() {
                 true => stream.alloc_zeros(1)?,
-                false => {
-                    let values = t.to_f32(dev)?;
-                    let master = values.get(piece.clone()).ok_or_else(|| {
-                        Error::internal(MODULE, format!("{path} holds {} values, not {piece:?}", values.len()))
-                    })?;
-                    stream.htod(master)?
-                }
+                false => match local.and_then(|l| l.get(i)).and_then(Option::as_ref) {
+                    // ZeRO-3: this rank's piece is all the model holds of the weight.
+                    Some(held) if held.numel() == piece.len() => stream.htod(&held.to_f32(dev)?)?,
+                    Some(held) => {
+                        return Err(Error::Config {
+                            module: MODULE,
+                            message: format!(
+                                "{path}: a local piece of {} elements for this rank's piece {piece:?}: shard the \
+                                 model with this optimizer's split (AdamW::zero_shards)",
+                                held.numel()
+                            ),
+                        })
+                    }
+                    None => {
+                        let values = t.to_f32(dev)?;
+                        let master = values.get(piece.clone()).ok_or_else(|| {
+                            Error::internal(MODULE, format!("{path} holds {} values, not {piece:?}", values.len()))
+                        })?;
+                        stream.htod(master)?
+                    }
+                },
             };
             let len = piece.len().max(1);
             params.push(ParamState {

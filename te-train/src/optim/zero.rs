@@ -225,8 +225,8 @@ impl AdamW {
         stage: ZeroStage,
     ) -> Result<Self> {
         match stage {
-            ZeroStage::Replicated => Self::build(dev, model, config, None),
-            stage => Self::build(dev, model, config, Some((group, stage))),
+            ZeroStage::Replicated => Self::build(dev, model, config, None, None),
+            stage => Self::build(dev, model, config, Some((group, stage)), None),
         }
     }
 

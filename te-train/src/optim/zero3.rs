@@ -3,11 +3,65 @@
 //! weights ([`te_nn::parallel::ParamShards::local_pieces`]) instead of the model's parameters,
 //! with no broadcast after it (the next forward's gathers carry the new values).
 
-use super::{AdamW, PendingStep, StepStats, ZeroStage};
-use te_nn::modules::Module;
-use te_runtime::{Error, Result, Tensor};
+use super::partition::Partition;
+use super::{AdamW, AdamWConfig, PendingStep, StepStats, ZeroStage};
+use std::sync::Arc;
+use te_nn::modules::{Module, Param, ParamKind};
+use te_nn::parallel::GradShards;
+use te_runtime::dist::ProcessGroup;
+use te_runtime::ops::optimizer::CHUNK;
+use te_runtime::{Device, Error, Result, Tensor};
 
 impl AdamW {
+    /// The split a sharded optimizer of `model` over `world` ranks uses (its
+    /// [`Partition`], pieces aligned to the fused kernel's chunk) as the pieces each rank owns
+    /// of each parameter: what [`AdamW::grad_shards`] of such an optimizer is, known before it
+    /// is built, so a ZeRO-3 model can be sharded first
+    /// (`te_models::decoder::train::DecoderLm::set_zero3`) and the optimizer built from its
+    /// pieces ([`AdamW::new_zero3`]): the whole weights and the optimizer state are never on
+    /// the device together.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for `world` 0.
+    pub fn zero_shards<M: Module + ?Sized>(model: &M, world: usize) -> Result<GradShards> {
+        let mut numels = Vec::new();
+        model.visit("", &mut |_: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+            numels.push(p.numel());
+            Ok(())
+        })?;
+        Partition::new(&numels, world, CHUNK)?.grad_shards()
+    }
+
+    /// A ZeRO-3 optimizer ([`ZeroStage::Parameters`], as [`AdamW::new_zero_stage`]) of a model
+    /// whose sharded weights are the pieces `local` holds (by traversal index; `Some` for each
+    /// sharded parameter, this rank's piece of it: `ParamShards::local_pieces` of a store built
+    /// with [`AdamW::zero_shards`] over `group`): their masters come from those pieces, the
+    /// others' from the model's whole tensors.
+    ///
+    /// # Errors
+    /// As [`AdamW::new_zero_stage`]; [`Error::Config`] for a piece that is not this rank's
+    /// piece of its parameter under the optimizer's split.
+    pub fn new_zero3<M: Module + ?Sized>(
+        dev: &Arc<Device>,
+        model: &M,
+        config: AdamWConfig,
+        group: Arc<ProcessGroup>,
+        local: &[Option<Tensor>],
+    ) -> Result<Self> {
+        let params = model.named_parameters().len();
+        if local.len() != params {
+            return Err(Error::Config {
+                module: "AdamW",
+                message: format!(
+                    "{} local pieces for a model of {params} parameters: pass the model's pieces (one entry a \
+                     parameter, ParamShards::local_pieces)",
+                    local.len()
+                ),
+            });
+        }
+        Self::build(dev, model, config, Some((group, ZeroStage::Parameters)), Some(local))
+    }
+
     /// The step of a ZeRO-3 optimizer: [`AdamW::step_reduced`] of the parameters `reduced`
     /// marks ([`te_nn::parallel::DataParallel::reduced`]), where each parameter `local` holds
     /// (by traversal index; [`te_nn::parallel::ParamShards::local_pieces`], the same pattern on

@@ -287,6 +287,15 @@ fn run<M: TrainLm, T: TokenId>(
                 ),
             })
         }
+        // ZeRO-3: the layers sharded first (each rank keeps the pieces it will hold the masters
+        // of, a layer at a time), then the optimizer built from those pieces: the whole weights
+        // and the optimizer state are never on the device together.
+        (ZeroStage::Parameters, Some(dp), None) => {
+            let group = dp.group().clone();
+            model.set_zero3(group.clone(), AdamW::zero_shards(&*model, dp.size())?)?;
+            let pieces = model.zero3_pieces().unwrap_or_default();
+            AdamW::new_zero3(dev, &*model, cfg.adamw_config(), group, &pieces)?
+        }
         // Sharded over the data-parallel group (on the device's stream); one rank holds it all.
         (zero, Some(dp), None) if zero.shards_optimizer() => {
             AdamW::new_zero_stage(dev, &*model, cfg.adamw_config(), dp.group().clone(), zero)?
@@ -302,11 +311,6 @@ fn run<M: TrainLm, T: TokenId>(
     let (gradient_bytes, released_gradient_bytes) =
         gradient_bytes(&*model, shards.as_ref(), parallel.replica_rank().0)?;
     if let Some(dp) = parallel.data() {
-        // ZeRO-3: each rank keeps its pieces of the layers' weights (the pieces it holds the
-        // masters of); the layers are gathered around their forward and backward.
-        if let (true, Some(s)) = (zero.shards_parameters(), &shards) {
-            model.set_zero3(dp.group().clone(), s.clone())?;
-        }
         dp.set_grad_shards(shards)?;
     }
     let memory = OptimizerMemory {

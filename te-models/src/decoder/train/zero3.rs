@@ -110,8 +110,9 @@ fn count(module: &dyn Module) -> usize {
 impl DecoderLm {
     /// Shards the layers' weights over the data-parallel `group` (ZeRO stage 3, see the module
     /// docs): `shards` says which rank owns which elements of each parameter (the whole model's
-    /// traversal order: the optimizer's split, `te_train::optim::AdamW::grad_shards` of a
-    /// `ZeroStage::Parameters` optimizer built before this call, from the whole model). Each
+    /// traversal order: the optimizer's split, `te_train::optim::AdamW::zero_shards`; build the
+    /// optimizer afterwards from [`DecoderLm::zero3_pieces`] with `AdamW::new_zero3`, so the
+    /// whole weights and its state are never on the device together). Each
     /// rank keeps its pieces of each layer's weights and frees the rest; the embedding, final
     /// norm and LM head stay whole. Every rank of `group` calls it (it creates a side-stream
     /// communicator and gathers each layer once to set up the ring). A data-parallel backward
