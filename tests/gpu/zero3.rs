@@ -361,7 +361,7 @@ fn zero_3_checkpoints_resume_bit_exactly() {
 
 /// The refusals, on one GPU: `--zero 3` without full recompute and for the GPT presets
 /// (`TrainError::Unsupported`, naming what to change); `DecoderLm::set_zero3` without full
-/// recompute and twice; a plain step of a ZeRO-3 optimizer and `step_sharded` of a ZeRO-2 one
+/// recompute and twice, `to_weights` of a sharded model; a plain step of a ZeRO-3 optimizer and `step_sharded` of a ZeRO-2 one
 /// (`Error::Config`); `DataParallel::begin_step` of a sharded model (its layers share the ring's
 /// storage) and `begin_step_reversed` of another parameter count.
 #[test]
@@ -389,6 +389,8 @@ fn zero_3_refusals_are_typed() {
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("sharded already"), "{e}");
     let e = m.set_recompute(Recompute::None).unwrap_err();
     assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("zero3_unshard"), "{e}");
+    let e = m.to_weights().unwrap_err();
+    assert!(e.to_string().contains("zero3_unshard"), "{e}");
     // A step: the plain one refused; step_sharded of a ZeRO-2 optimizer refused.
     let ids: Vec<i32> = (0..SEQ as i32 * 2).map(|i| i * 7 % VOCAB as i32).collect();
     let x = te_nn::modules::TokenIds::from_host(&dev, &[SEQ, 2], &ids).unwrap();

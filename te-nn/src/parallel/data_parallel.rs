@@ -266,7 +266,9 @@ impl DataParallel {
     /// ([`ParamMut::take_grad`]) and freed once their reductions are done (seen when a later
     /// bucket is handed over; waited for two buckets later at the latest, or at
     /// [`DataParallel::finish`]), and the parameters are marked reduced
-    /// ([`DataParallel::reduced`]).
+    /// ([`DataParallel::reduced`]). The part's parameters are found by their storage, or after
+    /// [`DataParallel::begin_step_reversed`] (ZeRO-3) by their position: the run of traversal
+    /// indices just below the previous part's.
     ///
     /// # Errors
     /// [`Error::Config`] for a parameter that has a gradient but cannot hand it out writable

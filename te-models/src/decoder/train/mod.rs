@@ -269,8 +269,13 @@ impl DecoderLm {
     /// host, internal names): what `save_hf_dir` writes as a Hugging Face directory.
     ///
     /// # Errors
-    /// Copy failures; the configuration's checks.
+    /// Copy failures; the configuration's checks; [`Error::Config`] while the layers are
+    /// sharded ([`DecoderLm::set_zero3`]: call [`DecoderLm::zero3_unshard`] first).
     pub fn to_weights(&self) -> DecoderResult<DecoderWeights> {
+        if self.zero3.is_some() {
+            let message = "the layers are sharded (ZeRO-3): call zero3_unshard first".into();
+            return Err(Error::Config { module: MODEL, message }.into());
+        }
         let mut tensors = BTreeMap::new();
         let dev = &self.dev;
         self.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
