@@ -153,8 +153,11 @@ pub struct TrainArgs {
     /// (DeepSpeed's stage 2): each gradient piece is reduced to the rank that owns it and a
     /// rank frees the gradients it owns nothing of during the backward (with --grad-accum above
     /// 1, only in the last micro-batch's), the same steps as 1 (bit for bit on two GPUs) and the
-    /// same checkpoint files. Not with --tensor-parallel nor on the CPU path.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// same checkpoint files; 3: the layers' 16-bit weights too (FSDP-style, --model with
+    /// --recompute full): each rank keeps its pieces and gathers a layer's weights just before
+    /// its forward and backward (the embedding, final norm and LM head stay whole), the same
+    /// steps as 2 and the same checkpoint files. Not with --tensor-parallel nor on the CPU path.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// With --model: split every sequence over this many GPUs (context parallelism, TE's
     /// all-gather `cp_group` and Megatron-LM's --context-parallel-size): each rank holds two
@@ -318,8 +321,9 @@ pub fn offload_activations(a: &TrainArgs, on_gpu: bool) -> Result<usize, String>
 /// what [`te_train::Trainer::with_zero`] takes.
 ///
 /// # Errors
-/// A message for ZeRO-1 or ZeRO-2 on the CPU path (one process: nothing to shard over) or with
-/// `--tensor-parallel` above 1 (not built yet), saying what to drop.
+/// A message for ZeRO on the CPU path (one process: nothing to shard over) or with
+/// `--tensor-parallel` above 1 (not built yet), saying what to drop; for ZeRO-3 without
+/// `--model` or `--recompute full`, saying what to add.
 pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
     let stage = ZeroStage::from_number(a.zero).map_err(|e| e.to_string())?;
     if stage == ZeroStage::Replicated {
@@ -338,6 +342,14 @@ pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
             "--zero {} with --tensor-parallel {} is not built yet: drop one of them",
             a.zero, a.tensor_parallel
         ));
+    }
+    if stage.shards_parameters() && (a.model.is_none() || a.recompute != "full") {
+        return Err(
+            "--zero 3 shards the layers of a decoder (--model) trained with --recompute full (a layer's weights \
+                    are gathered for its forward and again for its backward): add --model and --recompute full, or \
+                    use --zero 2"
+                .into(),
+        );
     }
     Ok(stage)
 }
@@ -520,7 +532,13 @@ mod tests {
             let e = zero_stage(&args(&["--zero", stage, "--tensor-parallel", "2"]), true).unwrap_err();
             assert!(e.contains(&format!("--zero {stage} with --tensor-parallel 2 is not built yet")), "{e}");
         }
-        for bad in ["3", "4", "-1", "one"] {
+        let three = args(&["--zero", "3", "--model", "m.gguf", "--recompute", "full"]);
+        assert_eq!(zero_stage(&three, true), Ok(ZeroStage::Parameters));
+        for partial in [&["--zero", "3", "--model", "m.gguf"][..], &["--zero", "3", "--recompute", "full"]] {
+            let e = zero_stage(&args(partial), true).unwrap_err();
+            assert!(e.contains("add --model and --recompute full"), "{e}");
+        }
+        for bad in ["4", "-1", "one"] {
             let parsed = Cli::try_parse_from(["te-train", "--zero", bad]);
             assert!(parsed.is_err(), "--zero {bad} must be refused by the parser");
         }

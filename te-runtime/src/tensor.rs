@@ -207,6 +207,55 @@ impl Tensor {
         Ok(())
     }
 
+    /// Copies the `len` elements of `src` from its element `src_at` (flattened, row-major) into
+    /// this tensor's storage from element `at`, in place, on the device: every clone sharing
+    /// the storage sees them, as with [`Tensor::copy_from`] (how a ZeRO-3 rank puts its piece of
+    /// a weight into the layer's transient whole buffer, and takes its piece of a loaded one).
+    /// `len` 0 is nothing to do.
+    ///
+    /// # Errors
+    /// [`Error::DType`] when `src` has another dtype; [`Error::Shape`] for a range past either
+    /// tensor's elements; copy failures.
+    pub fn copy_elements_from(&self, at: usize, src: &Tensor, src_at: usize, len: usize) -> Result<()> {
+        const OP: &str = "Tensor::copy_elements_from";
+        if src.dtype != self.dtype {
+            return Err(Error::DType { op: OP, arg: "src", expected: self.dtype.to_string(), got: src.dtype });
+        }
+        let inside = |start: usize, n: usize| start.checked_add(len).is_some_and(|end| end <= n);
+        if !inside(at, self.numel()) || !inside(src_at, src.numel()) {
+            return Err(Error::Shape {
+                op: OP,
+                message: format!(
+                    "{len} elements from {src_at} of a tensor of {} into {at} of one of {}: both ranges must lie inside \
+                     their tensors",
+                    src.numel(),
+                    self.numel()
+                ),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let elem = self.dtype.size_bytes();
+        let stream = self.data.stream();
+        let (dst, _dst_guard) = self.data.device_ptr(stream);
+        let (from, _src_guard) = src.data.device_ptr(stream);
+        // SAFETY: both ranges lie inside live device allocations (checked above, in elements of
+        // one dtype); the copy is ordered on the stream every op of this crate uses, as in
+        // `copy_from`. Writing storage that clones share is this method's documented purpose; no
+        // Rust reference to device memory is created.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                dst + (at * elem) as u64,
+                from + (src_at * elem) as u64,
+                len * elem,
+                stream.cu_stream(),
+            )
+        }
+        .result()?;
+        Ok(())
+    }
+
     /// Whether another clone shares this tensor's storage.
     pub fn is_shared(&self) -> bool {
         Arc::strong_count(&self.data) > 1

@@ -67,3 +67,4 @@ mod train_graph;
 mod visit;
 mod zero;
 mod zero2;
+mod zero3;

@@ -61,6 +61,10 @@ struct Sharded {
     /// Each parameter's traversal index by the device address of its storage
     /// ([`DataParallel::begin_step`]).
     index: HashMap<u64, usize>,
+    /// [`DataParallel::begin_step_reversed`]: the traversal index past the next part's last
+    /// parameter (the parts come in the reverse of the traversal order); `None`: parameters
+    /// are found by their storage.
+    cursor: Option<usize>,
     /// Which parameters (traversal order) were reduced since [`DataParallel::begin_step`].
     reduced: Vec<bool>,
     /// Gradient bytes released since [`DataParallel::begin_step`].
@@ -140,6 +144,7 @@ impl DataParallel {
                 })
             }
             Some(shards) => Some(Sharded {
+                cursor: None,
                 reduced: vec![false; shards.len()],
                 shards,
                 index: HashMap::new(),
@@ -198,6 +203,35 @@ impl DataParallel {
             });
         }
         sharded.index = index;
+        sharded.cursor = None;
+        sharded.reduced.iter_mut().for_each(|r| *r = false);
+        sharded.released_bytes = 0;
+        Ok(())
+    }
+
+    /// [`DataParallel::begin_step`] for a model whose parameters cannot be told apart by their
+    /// storage (ZeRO-3: a layer's weights are transient buffers shared from layer to layer,
+    /// `ParamShards`): the backward must hand its parts to [`DataParallel::reduce_grads`] in
+    /// the reverse of the traversal order, each part a contiguous run of it, together covering
+    /// all `params` parameters (a decoder's head, final norm, layers from the last, embedding).
+    /// A part's parameters are then the traversal indices just below the previous part's.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `params` is not the number of parameters the shards describe.
+    pub fn begin_step_reversed(&mut self, params: usize) -> Result<()> {
+        self.release_pending()?;
+        let Some(sharded) = &mut self.sharded else { return Ok(()) };
+        if params != sharded.shards.len() {
+            return Err(Error::Config {
+                module: MODULE,
+                message: format!(
+                    "the model has {params} parameters, the gradient shards describe {}: shard the model this run trains",
+                    sharded.shards.len()
+                ),
+            });
+        }
+        sharded.index.clear();
+        sharded.cursor = Some(params);
         sharded.reduced.iter_mut().for_each(|r| *r = false);
         sharded.released_bytes = 0;
         Ok(())
@@ -232,7 +266,9 @@ impl DataParallel {
     /// ([`ParamMut::take_grad`]) and freed once their reductions are done (seen when a later
     /// bucket is handed over; waited for two buckets later at the latest, or at
     /// [`DataParallel::finish`]), and the parameters are marked reduced
-    /// ([`DataParallel::reduced`]).
+    /// ([`DataParallel::reduced`]). The part's parameters are found by their storage, or after
+    /// [`DataParallel::begin_step_reversed`] (ZeRO-3) by their position: the run of traversal
+    /// indices just below the previous part's.
     ///
     /// # Errors
     /// [`Error::Config`] for a parameter that has a gradient but cannot hand it out writable
@@ -263,13 +299,24 @@ impl DataParallel {
     /// buckets it waited for.
     ///
     /// # Errors
-    /// Driver errors.
+    /// Driver errors; [`Error::Config`] after [`DataParallel::begin_step_reversed`] when the
+    /// parts handed over did not cover every parameter.
     pub fn finish(&mut self) -> Result<usize> {
         self.grads.wait()?;
         // The device's stream follows every reduction now: the last bucket's released
         // gradients are freed after them.
         if let Some(sharded) = &mut self.sharded {
             sharded.releasing.clear();
+            if let Some(left) = sharded.cursor.take().filter(|&c| c > 0) {
+                return Err(Error::Config {
+                    module: MODULE,
+                    message: format!(
+                        "the backward handed over parts down to parameter {left} of {}: a backward after begin_step_reversed \
+                         must hand over every part, from the last parameter to the first",
+                        sharded.shards.len()
+                    ),
+                });
+            }
         }
         Ok(std::mem::take(&mut self.pending))
     }
@@ -291,18 +338,46 @@ impl DataParallel {
     fn reduce_grads_sharded<M: Module + ?Sized>(&mut self, part: &mut M) -> Result<()> {
         let Some(sharded) = &mut self.sharded else { return Ok(()) };
         let (rank, stream) = (self.group.rank(), self.group.device().stream().clone());
+        // The part's parameters' traversal indices, in its order: by their storage, or (after
+        // begin_step_reversed) the run just below the previous part's.
+        let mut order: Vec<usize> = Vec::new();
+        match sharded.cursor {
+            Some(end) => {
+                let mut count = 0usize;
+                part.visit("", &mut |_: &str, _: ParamKind, _: &dyn Param| -> Result<()> {
+                    count += 1;
+                    Ok(())
+                })?;
+                let start = end.checked_sub(count).ok_or_else(|| Error::Config {
+                    module: MODULE,
+                    message: format!(
+                        "a part of {count} parameters handed over with {end} left: after begin_step_reversed the \
+                         parts must come in the reverse of the traversal order, once each"
+                    ),
+                })?;
+                order.extend(start..end);
+                sharded.cursor = Some(start);
+            }
+            None => part.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
+                let key = storage(p, &stream).ok_or_else(|| fp8_only(path))?;
+                let i = *sharded.index.get(&key).ok_or_else(|| Error::Config {
+                    module: MODULE,
+                    message: format!(
+                        "{path} is not a parameter DataParallel::begin_step indexed: call it with the whole model \
+                         before each sharded backward (and after replacing parameters)"
+                    ),
+                })?;
+                order.push(i);
+                Ok(())
+            })?,
+        }
         // The bucket's parameters (traversal indices) with a gradient, and the gradients (clones
         // share the storage, which the reductions write in place).
         let mut bucket: Vec<(usize, Tensor)> = Vec::new();
+        let mut k = 0usize;
         part.visit_mut("", &mut |path: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
-            let key = storage(&*p, &stream).ok_or_else(|| fp8_only(path))?;
-            let i = *sharded.index.get(&key).ok_or_else(|| Error::Config {
-                module: MODULE,
-                message: format!(
-                    "{path} is not a parameter DataParallel::begin_step indexed: call it with the whole model before \
-                     each sharded backward (and after replacing parameters)"
-                ),
-            })?;
+            let i = order.get(k).copied().ok_or_else(|| Error::internal(MODULE, "a part changed between visits"))?;
+            k += 1;
             let has_grad = p.main_grad().is_some() || p.grad().is_some();
             match p.grad_mut() {
                 Some(g) if g.numel() != sharded.shards.numel(i) => Err(Error::Config {
@@ -340,9 +415,10 @@ impl DataParallel {
         let release = sharded.shards.released(rank, &params);
         let mut released = Vec::with_capacity(release.len());
         if !release.is_empty() {
+            let mut k = 0usize;
             part.visit_mut("", &mut |_: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
-                let releases =
-                    storage(&*p, &stream).and_then(|k| sharded.index.get(&k)).is_some_and(|i| release.contains(i));
+                let releases = order.get(k).is_some_and(|i| release.contains(i));
+                k += 1;
                 if releases {
                     if let Some(g) = p.take_grad() {
                         sharded.released_bytes += g.num_bytes() as u64;

@@ -20,6 +20,9 @@
 //!   side stream, overlapped with the backward, or (ZeRO-2, [`GradShards`]) each piece reduced
 //!   to the rank that owns it and the rest released; parameters broadcast from rank 0 (it walks
 //!   the modules' parameters, so it is the one part above them).
+//! - **Sharded parameters** ([`ParamShards`], ZeRO-3): each rank keeps its pieces of a group's
+//!   (a layer's) parameters; the group's whole tensors are gathered into a ring of transient
+//!   buffers just before they are read, the next group's gather prefetched on a side stream.
 //!
 //! - **Context parallelism** ([`ContextParallel`]): every sequence split over the ranks of the
 //!   context axis in load-balanced chunks, attention over the all-gathered keys and values
@@ -42,6 +45,7 @@ mod layout;
 mod mesh;
 mod mode;
 pub mod overlap;
+mod param_shards;
 mod sequence;
 pub mod shard;
 pub mod tensor_parallel;
@@ -55,6 +59,7 @@ pub use layout::Parallel;
 pub use mesh::{MeshAxis, MeshShape};
 pub use mode::ParallelMode;
 pub use overlap::PendingReduce;
+pub use param_shards::{local_piece, ParamShards};
 pub use sequence::SequenceParallel;
 pub use shard::{Split, TpLayout, TpRank};
 pub use tensor_parallel::TpConfig;

@@ -147,7 +147,7 @@ impl AdamW {
     /// ([`te_nn::fp8::fp8_model_init`]: it has no high-precision value to train); allocation and
     /// copy failures.
     pub fn new<M: Module + ?Sized>(dev: &Arc<Device>, model: &M, config: AdamWConfig) -> Result<Self> {
-        Self::build(dev, model, config, None)
+        Self::build(dev, model, config, None, None)
     }
 
     /// The optimizer of [`AdamW::new`] sharded over the data-parallel `group` (ZeRO stage 1:
@@ -175,15 +175,17 @@ impl AdamW {
         config: AdamWConfig,
         group: Arc<ProcessGroup>,
     ) -> Result<Self> {
-        Self::build(dev, model, config, Some((group, ZeroStage::OptimizerStates)))
+        Self::build(dev, model, config, Some((group, ZeroStage::OptimizerStates)), None)
     }
 
-    /// [`AdamW::new`], sharded over the group of `zero` at its stage (1 or 2) when given.
+    /// [`AdamW::new`], sharded over the group of `zero` at its stage (1 to 3) when given; the
+    /// masters of the parameters `local` holds (ZeRO-3, by traversal index) from those pieces.
     pub(super) fn build<M: Module + ?Sized>(
         dev: &Arc<Device>,
         model: &M,
         config: AdamWConfig,
         zero: Option<(Arc<ProcessGroup>, ZeroStage)>,
+        local: Option<&[Option<Tensor>]>,
     ) -> Result<Self> {
         config.validate()?;
         let stream = dev.stream();
@@ -210,13 +212,27 @@ impl AdamW {
             let piece = zero.as_ref().map_or(0..numels[i], |z| z.piece(i));
             let master = match piece.is_empty() {
                 true => stream.alloc_zeros(1)?,
-                false => {
-                    let values = t.to_f32(dev)?;
-                    let master = values.get(piece.clone()).ok_or_else(|| {
-                        Error::internal(MODULE, format!("{path} holds {} values, not {piece:?}", values.len()))
-                    })?;
-                    stream.htod(master)?
-                }
+                false => match local.and_then(|l| l.get(i)).and_then(Option::as_ref) {
+                    // ZeRO-3: this rank's piece is all the model holds of the weight.
+                    Some(held) if held.numel() == piece.len() => stream.htod(&held.to_f32(dev)?)?,
+                    Some(held) => {
+                        return Err(Error::Config {
+                            module: MODULE,
+                            message: format!(
+                                "{path}: a local piece of {} elements for this rank's piece {piece:?}: shard the \
+                                 model with this optimizer's split (AdamW::zero_shards)",
+                                held.numel()
+                            ),
+                        })
+                    }
+                    None => {
+                        let values = t.to_f32(dev)?;
+                        let master = values.get(piece.clone()).ok_or_else(|| {
+                            Error::internal(MODULE, format!("{path} holds {} values, not {piece:?}", values.len()))
+                        })?;
+                        stream.htod(master)?
+                    }
+                },
             };
             let len = piece.len().max(1);
             params.push(ParamState {
@@ -321,18 +337,30 @@ impl AdamW {
     /// As [`AdamW::step`]; [`Error::Capture`] inside a capture when no step of the same
     /// parameters ran outside it.
     pub fn issue<M: Module + ?Sized>(&mut self, model: &mut M) -> Result<PendingStep> {
-        self.issue_marked(model, None)
+        self.issue_marked(model, None, None)
     }
 
     /// [`AdamW::issue`] of the parameters `reduced` marks (traversal order; every rank passes
     /// the same marks), or of those with a gradient when `None` (refused for a ZeRO-2
-    /// optimizer, whose ranks hold different gradients).
+    /// optimizer, whose ranks hold different gradients). `local` (ZeRO-3, by traversal index):
+    /// the tensors holding this rank's pieces of the sharded parameters, written instead of
+    /// the model's (which are transient buffers), neither broadcast nor handed back after.
     pub(super) fn issue_marked<M: Module + ?Sized>(
         &mut self,
         model: &mut M,
         reduced: Option<&[bool]>,
+        local: Option<&[Option<Tensor>]>,
     ) -> Result<PendingStep> {
         let (grads, params) = self.gather(model)?;
+        if local.is_none() && self.zero_stage() == ZeroStage::Parameters {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "a ZeRO-3 optimizer writes this rank's pieces of the sharded weights: step it with \
+                          AdamW::step_sharded and the model's pieces"
+                    .into(),
+            });
+        }
+        let sharded = |i: usize| local.and_then(|l| l.get(i)).is_some_and(Option::is_some);
         let dev = self.dev.clone();
         let step = self.step + 1;
         let lr = self.config.lr.lr(step);
@@ -361,7 +389,13 @@ impl AdamW {
         let args = self.args(lr);
         let mut tensors = Vec::with_capacity(grads.len());
         let mut offsets = Vec::with_capacity(grads.len());
-        for (((s, g), param), _) in self.params.iter_mut().zip(&grads).zip(&params).zip(&updated).filter(|t| *t.1) {
+        // ZeRO-3: this rank's pieces of the sharded parameters are written, not the model's.
+        let targets: Vec<&Tensor> = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| local.and_then(|l| l.get(i)).and_then(Option::as_ref).unwrap_or(p))
+            .collect();
+        for (((s, g), param), _) in self.params.iter_mut().zip(&grads).zip(targets).zip(&updated).filter(|t| *t.1) {
             if let (Some(grad), false) = (g, s.piece.is_empty()) {
                 let decays = decay_all || s.kind == ParamKind::Weight;
                 offsets.push(s.piece.start);
@@ -406,12 +440,14 @@ impl AdamW {
             }
         }
         drop(tensors);
+        // The sharded parameters stay pieces: the next gathers carry the new values.
+        let whole: Vec<bool> = updated.iter().enumerate().map(|(i, &u)| u && !sharded(i)).collect();
         if let Some(zero) = &self.zero {
             // Every rank's pieces from their owners: the parameters are whole again.
-            zero.broadcast_params(&params, &updated)?;
+            zero.broadcast_params(&params, &whole)?;
         }
         // The same storage handed back: the version bump tells the layers their values changed.
-        let written = params.into_iter().zip(&updated).map(|(p, &u)| u.then_some(p)).collect();
+        let written = params.into_iter().zip(&whole).map(|(p, &u)| u.then_some(p)).collect();
         self.write_back(model, written)?;
         Ok(PendingStep { step, lr, updated })
     }

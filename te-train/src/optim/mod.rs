@@ -4,8 +4,8 @@
 //! [`te_runtime::ops::optimizer::scalars`]), replicated on every rank or sharded over the
 //! data-parallel group (ZeRO stage 1, [`AdamW::new_zero`], split as [`Partition`] says; stage 2,
 //! [`AdamW::new_zero_stage`], with the gradients reduced to the same owners,
-//! [`Partition::grad_shards`]). Its state file is [`te_nn::checkpoint::optimizer_state`]'s
-//! either way.
+//! [`Partition::grad_shards`]; stage 3, [`AdamW::step_sharded`], writing the rank's pieces of
+//! the sharded weights). Its state file is [`te_nn::checkpoint::optimizer_state`]'s either way.
 
 mod adamw;
 mod config;
@@ -14,6 +14,7 @@ mod schedule;
 mod stage;
 mod state;
 mod zero;
+mod zero3;
 
 pub use adamw::{AdamW, ParamState, PendingStep, StepStats};
 pub use config::AdamWConfig;

@@ -329,6 +329,36 @@ mod tests {
         assert_eq!(roots, [(0, 0), (1, 512)]);
     }
 
+    /// ZeRO-3 keeps each rank's pieces of the weights, the optimizer's pieces: over sizes that
+    /// are not multiples of the ranks, each rank's local pieces add up to what it owns, and a
+    /// layer's gather (one broadcast a piece, from its owner) rebuilds every element once.
+    #[test]
+    fn zero_3_pieces_are_the_partition_and_a_gather_covers_each_layer() {
+        // An embedding, three "layers" of four parameters of odd sizes, a norm and a head.
+        let numels = [1001, 37, 4099, 333, 65_537, 37, 4099, 333, 65_537, 37, 4099, 333, 65_537, 37, 999];
+        let layers = [1..5, 5..9, 9..13];
+        for world in [2, 3, 4, 7] {
+            for align in [4, 128, 32_768] {
+                let p = Partition::new(&numels, world, align).unwrap();
+                let g = p.grad_shards().unwrap();
+                for r in 0..world {
+                    let local: usize = (0..numels.len()).map(|i| te_nn::parallel::local_piece(&g, r, i).len()).sum();
+                    assert_eq!(local, p.owned(r), "world {world} align {align} rank {r}");
+                }
+                for layer in &layers {
+                    let params: Vec<usize> = layer.clone().collect();
+                    let mut covered: Vec<Vec<u8>> = params.iter().map(|&i| vec![0; numels[i]]).collect();
+                    for c in g.calls(&params) {
+                        let at = params.iter().position(|&i| i == c.param).unwrap();
+                        assert_eq!(te_nn::parallel::local_piece(&g, c.root, c.param), c.range, "the owner sends");
+                        c.range.clone().for_each(|e| covered[at][e] += 1);
+                    }
+                    assert!(covered.iter().flatten().all(|&n| n == 1), "world {world} align {align} {layer:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn bad_sizes_are_refused() {
         for (world, align) in [(0, 4), (2, 0)] {

@@ -24,46 +24,62 @@ pub enum ZeroStage {
     /// gradient accumulation the gradients are whole until the last micro-batch's backward, so
     /// the memory is saved from there to the step only. Parameters stay whole on every rank.
     Gradients,
+    /// Stage 3: stage 2, and the 16-bit weights of the model's layers sharded too (PyTorch
+    /// FSDP, DeepSpeed's `zero_optimization.stage = 3`): each rank keeps its pieces of them
+    /// (the pieces it holds the masters of, [`te_nn::parallel::ParamShards`]), a layer's whole
+    /// weights are gathered into transient buffers just before its forward and again before
+    /// its backward, and a step updates the pieces in place with no broadcast after it
+    /// ([`super::AdamW::step_sharded`]). Built for the decoder family under full activation
+    /// recompute (`te_models::decoder::train::DecoderLm::set_zero3`); the embedding, final
+    /// norm and LM head stay whole on every rank, as at stage 2.
+    Parameters,
 }
 
 impl ZeroStage {
-    /// The stage's number: 0, 1 or 2.
+    /// The stage's number: 0, 1, 2 or 3.
     pub fn number(self) -> u8 {
         match self {
             ZeroStage::Replicated => 0,
             ZeroStage::OptimizerStates => 1,
             ZeroStage::Gradients => 2,
+            ZeroStage::Parameters => 3,
         }
     }
 
     /// The stage numbered `stage`.
     ///
     /// # Errors
-    /// [`TrainError::Config`] (field `zero`) for a stage not built here (3 shards the
-    /// parameters too).
+    /// [`TrainError::Config`] (field `zero`) for a number above 3.
     pub fn from_number(stage: u8) -> Result<Self, TrainError> {
         match stage {
             0 => Ok(ZeroStage::Replicated),
             1 => Ok(ZeroStage::OptimizerStates),
             2 => Ok(ZeroStage::Gradients),
+            3 => Ok(ZeroStage::Parameters),
             s => Err(TrainError::Config {
                 field: "zero",
                 message: format!(
-                    "ZeRO stage {s} is not built: 0 (replicated optimizer state), 1 (optimizer state sharded over \
-                     the data-parallel ranks) or 2 (optimizer state and gradients sharded)"
+                    "ZeRO stage {s} does not exist: 0 (replicated optimizer state), 1 (optimizer state sharded over \
+                     the data-parallel ranks), 2 (optimizer state and gradients sharded) or 3 (the layers' weights \
+                     sharded too)"
                 ),
             }),
         }
     }
 
-    /// Whether the optimizer state is sharded (stages 1 and 2).
+    /// Whether the optimizer state is sharded (stages 1 to 3).
     pub fn shards_optimizer(self) -> bool {
         self != ZeroStage::Replicated
     }
 
-    /// Whether the gradients are sharded (stage 2).
+    /// Whether the gradients are sharded (stages 2 and 3).
     pub fn shards_gradients(self) -> bool {
-        self == ZeroStage::Gradients
+        matches!(self, ZeroStage::Gradients | ZeroStage::Parameters)
+    }
+
+    /// Whether the layers' weights are sharded (stage 3).
+    pub fn shards_parameters(self) -> bool {
+        self == ZeroStage::Parameters
     }
 }
 
@@ -81,10 +97,13 @@ pub struct OptimizerMemory {
     /// Bytes of all of the model's gradients (each parameter's elements in its gradient's
     /// dtype): what a rank holds at the end of a backward unless ZeRO-2 releases some.
     pub gradient_bytes: u64,
-    /// ZeRO-2: bytes of the gradients this rank releases during the last micro-batch's
-    /// backward (those of the parameters it owns no piece of,
+    /// ZeRO-2 and ZeRO-3: bytes of the gradients this rank releases during the last
+    /// micro-batch's backward (those of the parameters it owns no piece of,
     /// [`te_nn::parallel::GradShards::kept_and_released_bytes`]); 0 at the other stages.
     pub released_gradient_bytes: u64,
+    /// ZeRO-3: bytes of the sharded weights this rank keeps (its pieces) and of those weights
+    /// whole ([`te_nn::parallel::ParamShards::bytes`]); `(0, 0)` at the other stages.
+    pub sharded_weight_bytes: (u64, u64),
 }
 
 impl OptimizerMemory {
@@ -105,6 +124,14 @@ impl OptimizerMemory {
                 "{state}; gradients: {:.1} of {:.1} MiB released per rank after the backward",
                 mib(self.released_gradient_bytes),
                 mib(self.gradient_bytes)
+            ),
+            (ZeroStage::Parameters, n) if n > 1 => format!(
+                "{state}; gradients: {:.1} of {:.1} MiB released per rank after the backward; layer weights: {:.1} of \
+                 {:.1} MiB kept per rank",
+                mib(self.released_gradient_bytes),
+                mib(self.gradient_bytes),
+                mib(self.sharded_weight_bytes.0),
+                mib(self.sharded_weight_bytes.1)
             ),
             _ => state,
         }
@@ -132,17 +159,18 @@ mod tests {
 
     #[test]
     fn stages_round_trip_and_unbuilt_ones_are_refused() {
-        for (n, s) in [ZeroStage::Replicated, ZeroStage::OptimizerStates, ZeroStage::Gradients].into_iter().enumerate()
-        {
+        let stages = [ZeroStage::Replicated, ZeroStage::OptimizerStates, ZeroStage::Gradients, ZeroStage::Parameters];
+        for (n, s) in stages.into_iter().enumerate() {
             assert_eq!(ZeroStage::from_number(s.number()).unwrap(), s);
             assert_eq!(usize::from(s.number()), n);
-            assert_eq!((s.shards_optimizer(), s.shards_gradients()), (n >= 1, n == 2), "{s:?}");
+            let shards = (s.shards_optimizer(), s.shards_gradients(), s.shards_parameters());
+            assert_eq!(shards, (n >= 1, n >= 2, n == 3), "{s:?}");
         }
         assert_eq!(ZeroStage::default(), ZeroStage::Replicated);
-        for bad in [3, 255] {
+        for bad in [4, 255] {
             let e = ZeroStage::from_number(bad).unwrap_err();
             assert!(matches!(e, TrainError::Config { field: "zero", .. }), "{e}");
-            assert!(e.to_string().contains(&format!("ZeRO stage {bad} is not built")), "{e}");
+            assert!(e.to_string().contains(&format!("ZeRO stage {bad} does not exist")), "{e}");
         }
     }
 
@@ -156,6 +184,7 @@ mod tests {
             replicated_bytes: replicated,
             gradient_bytes: 2 * 124_475_904,
             released_gradient_bytes: 0,
+            sharded_weight_bytes: (0, 0),
         };
         assert!((zero.fraction() - 0.25).abs() < 1e-4, "{}", zero.fraction());
         assert_eq!(
@@ -167,6 +196,13 @@ mod tests {
             two.describe(),
             "optimizer state 356.1 MiB per rank (ZeRO-2 over 4 ranks: 0.250 × the replicated 1424.5 MiB); gradients: \
              178.1 of 237.4 MiB released per rank after the backward"
+        );
+        let three =
+            OptimizerMemory { stage: ZeroStage::Parameters, sharded_weight_bytes: (50 << 20, 200 << 20), ..two };
+        assert_eq!(
+            three.describe(),
+            "optimizer state 356.1 MiB per rank (ZeRO-3 over 4 ranks: 0.250 × the replicated 1424.5 MiB); gradients: \
+             178.1 of 237.4 MiB released per rank after the backward; layer weights: 50.0 of 200.0 MiB kept per rank"
         );
         let one_rank = OptimizerMemory { ranks: 1, bytes_per_rank: replicated, ..two };
         assert_eq!(one_rank.describe(), "optimizer state 1424.5 MiB per rank (replicated)");

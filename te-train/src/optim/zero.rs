@@ -31,9 +31,9 @@ pub(super) struct Zero {
     group: Arc<ProcessGroup>,
     /// Which elements of which parameter each rank owns.
     partition: Partition,
-    /// Stage 1 or 2.
+    /// Stage 1, 2 or 3.
     stage: ZeroStage,
-    /// Stage 2: the partition's pieces as the backward reduces the gradients to them.
+    /// Stages 2 and 3: the partition's pieces as the backward reduces the gradients to them.
     shards: Option<GradShards>,
 }
 
@@ -83,7 +83,7 @@ impl Zero {
         self.partition.world()
     }
 
-    /// Stage 1 or 2.
+    /// Stage 1, 2 or 3.
     pub(super) fn stage(&self) -> ZeroStage {
         self.stage
     }
@@ -225,8 +225,8 @@ impl AdamW {
         stage: ZeroStage,
     ) -> Result<Self> {
         match stage {
-            ZeroStage::Replicated => Self::build(dev, model, config, None),
-            stage => Self::build(dev, model, config, Some((group, stage))),
+            ZeroStage::Replicated => Self::build(dev, model, config, None, None),
+            stage => Self::build(dev, model, config, Some((group, stage)), None),
         }
     }
 
@@ -236,9 +236,11 @@ impl AdamW {
         self.zero.as_ref().map_or(ZeroStage::Replicated, Zero::stage)
     }
 
-    /// A ZeRO-2 optimizer's gradient shards: each parameter's pieces (traversal order) with the
-    /// rank that owns each, what [`te_nn::parallel::DataParallel::set_grad_shards`] reduces the
-    /// gradients to; `None` at stages 0 and 1.
+    /// A ZeRO-2 or ZeRO-3 optimizer's gradient shards: each parameter's pieces (traversal
+    /// order) with the rank that owns each, what
+    /// [`te_nn::parallel::DataParallel::set_grad_shards`] reduces the gradients to (and, at
+    /// stage 3, the pieces of the weights each rank keeps, [`te_nn::parallel::ParamShards`]);
+    /// `None` at stages 0 and 1.
     pub fn grad_shards(&self) -> Option<&GradShards> {
         self.zero.as_ref().and_then(|z| z.shards.as_ref())
     }
@@ -265,7 +267,7 @@ impl AdamW {
     /// # Errors
     /// As [`AdamW::step_reduced`].
     pub fn issue_reduced<M: Module + ?Sized>(&mut self, model: &mut M, reduced: &[bool]) -> Result<PendingStep> {
-        self.issue_marked(model, Some(reduced))
+        self.issue_marked(model, Some(reduced), None)
     }
 
     /// Which parameters a step updates: those `reduced` marks, or those with a gradient. Each

@@ -73,6 +73,13 @@ pub(super) fn train(
             ),
         });
     }
+    if zero.shards_parameters() {
+        return Err(TrainError::Unsupported {
+            message: "ZeRO-3 shards the layers of the decoder family (--model); the GPT presets shard up to the \
+                      gradients: use --zero 2"
+                .into(),
+        });
+    }
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     let (_, tp_size) = parallel.tensor_rank();
@@ -87,6 +94,7 @@ pub(super) fn train(
         zero,
         recompute,
         recompute_possible: cfg.model.moe.is_none(),
+        zero3_saving: None,
         estimate: &estimate,
         offload: (offload == 0 && suggested > 0).then_some((suggested, &offloaded as &dyn Fn() -> u64)),
     };
@@ -156,6 +164,14 @@ pub(super) fn finetune(
         });
     }
     check_context_seq(seq, cp)?;
+    if zero.shards_parameters() && !recompute.is_full() {
+        return Err(TrainError::Unsupported {
+            message: "--zero 3 gathers each layer's weights for its forward and again for its backward, which needs \
+                      full activation recompute (without it the saved contexts keep every layer's weights): add \
+                      --recompute full, or use --zero 2"
+                .into(),
+        });
+    }
     dev.synchronize()?;
     // The estimate less the BF16 weights already on the device.
     let fp8 = precision == Precision::Fp8;
@@ -192,6 +208,7 @@ pub(super) fn finetune(
         zero,
         recompute,
         recompute_possible: true,
+        zero3_saving: Some(DecoderLm::zero3_weight_saving(m, parallel.replica_rank().1)),
         estimate: &estimate,
         offload: (offloading == 0 && suggested > 0).then_some((suggested, &offloaded as &dyn Fn() -> u64)),
     };
@@ -270,6 +287,15 @@ fn run<M: TrainLm, T: TokenId>(
                 ),
             })
         }
+        // ZeRO-3: the layers sharded first (each rank keeps the pieces it will hold the masters
+        // of, a layer at a time), then the optimizer built from those pieces: the whole weights
+        // and the optimizer state are never on the device together.
+        (ZeroStage::Parameters, Some(dp), None) => {
+            let group = dp.group().clone();
+            model.set_zero3(group.clone(), AdamW::zero_shards(&*model, dp.size())?)?;
+            let pieces = model.zero3_pieces().unwrap_or_default();
+            AdamW::new_zero3(dev, &*model, cfg.adamw_config(), group, &pieces)?
+        }
         // Sharded over the data-parallel group (on the device's stream); one rank holds it all.
         (zero, Some(dp), None) if zero.shards_optimizer() => {
             AdamW::new_zero_stage(dev, &*model, cfg.adamw_config(), dp.group().clone(), zero)?
@@ -294,6 +320,7 @@ fn run<M: TrainLm, T: TokenId>(
         replicated_bytes: opt.replicated_state_bytes(),
         gradient_bytes,
         released_gradient_bytes,
+        sharded_weight_bytes: model.zero3_bytes(),
     };
     tracing::info!("{}", memory.describe());
     let (tp_rank, tp_size) = parallel.tensor_rank();
@@ -399,6 +426,8 @@ fn run<M: TrainLm, T: TokenId>(
     if let Some(dp) = parallel.data() {
         dp.set_grad_shards(None)?;
     }
+    // The layers whole again for what reads the model after the run (export, generation).
+    run.model.zero3_unshard()?;
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);
     // Each token once: the context-parallel ranks of a data rank share its windows.
@@ -426,10 +455,12 @@ fn eager_step<M: TrainLm>(
     parallel: &mut Parallel,
 ) -> Result<(f32, crate::optim::StepStats), TrainError> {
     let losses = forward_backward(&mut *run.model, batches, precision, autocast, parallel)?;
-    // ZeRO-2: the parameters the backward reduced (each rank holds its pieces' gradients only).
-    let stats = match parallel.data().and_then(|dp| dp.reduced().map(<[bool]>::to_vec)) {
-        Some(reduced) => run.opt.step_reduced(&mut *run.model, &reduced)?,
-        None => run.opt.step(&mut *run.model)?,
+    // ZeRO-2: the parameters the backward reduced (each rank holds its pieces' gradients only);
+    // ZeRO-3: the update written into this rank's pieces of the layers' weights.
+    let stats = match (parallel.data().and_then(|dp| dp.reduced().map(<[bool]>::to_vec)), run.model.zero3_pieces()) {
+        (Some(reduced), Some(pieces)) => run.opt.step_sharded(&mut *run.model, &reduced, &pieces)?,
+        (Some(reduced), None) => run.opt.step_reduced(&mut *run.model, &reduced)?,
+        (None, _) => run.opt.step(&mut *run.model)?,
     };
     let sum = losses.iter().map(GptLoss::value).sum::<Result<f32, _>>()?;
     Ok((sum / losses.len() as f32, stats))
@@ -485,7 +516,9 @@ impl<M: TrainLm> RunState for GpuRun<'_, M> {
             options.metadata.insert(TP_RANK_KEY.into(), tp.group.rank().to_string());
             options.metadata.insert(TP_SIZE_KEY.into(), tp.size().to_string());
         }
-        checkpoint::save(&*self.model, self.file(dir, "model"), &options)?;
+        // ZeRO-3: the layers' weights gathered whole for the save (every rank joins, join_save).
+        let path = self.file(dir, "model");
+        self.model.with_whole_parameters(&mut |m| checkpoint::save(m, &path, &options))?;
         self.opt.save_state(self.file(dir, "optimizer"))?;
         Ok(())
     }
@@ -493,11 +526,17 @@ impl<M: TrainLm> RunState for GpuRun<'_, M> {
     fn load_files(&mut self, dir: &Path) -> Result<u64, TrainError> {
         let (model, optimizer) = (self.file(dir, "model"), self.file(dir, "optimizer"));
         checkpoint::load(&mut *self.model, model, &LoadOptions { recipe: self.recipe, ..LoadOptions::default() })?;
+        // ZeRO-3: the load set whole weights; each rank keeps its pieces of them again.
+        self.model.zero3_reshard()?;
         self.opt.load_state(optimizer)?;
         Ok(self.opt.step_count())
     }
 
     fn join_save(&self, dir: &Path) -> Result<(), TrainError> {
+        // ZeRO-3: the writer gathers the layers' weights whole; every rank joins the gathers.
+        if self.model.is_zero3() {
+            self.model.with_whole_parameters(&mut |_| Ok(()))?;
+        }
         // A sharded optimizer's save gathers every rank's pieces to the writer (rank 0 of the
         // data-parallel group, which writes the file; here nothing is written).
         if self.opt.zero_ranks().is_some() {

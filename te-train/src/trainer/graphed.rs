@@ -81,7 +81,13 @@ pub(super) fn forward_backward<M: TrainLm>(
             // The last micro-batch's backward reduces each part's gradients as they complete
             // (ZeRO-2: each piece to its owner, the others' gradients released as it goes).
             Some(dp) if micro + 1 == n => {
-                dp.begin_step(&*model)?;
+                // ZeRO-3: the layers' weights are transient buffers, not told apart by their
+                // storage; the backward hands its parts over in reverse traversal order.
+                if model.is_zero3() {
+                    dp.begin_step_reversed(model.named_parameters().len())?;
+                } else {
+                    dp.begin_step(&*model)?;
+                }
                 model.backward_with(ctx, &mut |part| dp.reduce_grads(part))?;
                 dp.finish()?;
             }

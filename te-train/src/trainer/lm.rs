@@ -2,11 +2,13 @@
 //! (`te_models::gpt::Gpt`, trained from scratch) and the decoder family
 //! (`te_models::decoder::train::DecoderLm`, fine-tuned from a checkpoint).
 
+use std::sync::Arc;
 use te_models::decoder::train::{DecoderLm, DecoderLmCtx, Packing};
 use te_models::gpt::{Gpt, GptCtx, GptLoss, MicroBatch};
 use te_nn::modules::{Module, Recompute, TokenIds};
-use te_nn::parallel::ContextParallel;
-use te_runtime::{Error, Result};
+use te_nn::parallel::{ContextParallel, GradShards};
+use te_runtime::dist::ProcessGroup;
+use te_runtime::{Error, Result, Tensor};
 
 /// A causal language model the GPU trainer steps: a loss forward over `[s, b]` ids and
 /// targets that saves a context, its backward with a per-part hook (the data-parallel
@@ -94,6 +96,68 @@ pub trait TrainLm: Module {
     /// the default: none.
     fn offload_activations(&self) -> usize {
         0
+    }
+
+    /// ZeRO-3: shards the layers' weights over the data-parallel `group` as `shards` says
+    /// (`DecoderLm::set_zero3`). The default refuses.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a model that does not shard its weights, and the model's.
+    fn set_zero3(&mut self, group: Arc<ProcessGroup>, shards: GradShards) -> Result<()> {
+        let _ = (group, shards);
+        Err(Error::Config {
+            module: "TrainLm",
+            message: "ZeRO-3 shards the layers of the decoder family (--model); the GPT presets shard up to the \
+                      gradients: use --zero 2"
+                .into(),
+        })
+    }
+
+    /// Whether the layers' weights are sharded ([`TrainLm::set_zero3`]).
+    fn is_zero3(&self) -> bool {
+        false
+    }
+
+    /// ZeRO-3: this rank's pieces of the sharded weights by traversal index, what
+    /// `AdamW::step_sharded` writes; `None` when not sharded.
+    fn zero3_pieces(&self) -> Option<Vec<Option<Tensor>>> {
+        None
+    }
+
+    /// ZeRO-3: bytes of the sharded weights this rank keeps and of all of them whole; `(0, 0)`
+    /// when not sharded.
+    fn zero3_bytes(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
+    /// Calls `f` with the model with all of its parameters whole (ZeRO-3: gathered for the
+    /// call, a collective every rank joins); the default: the model itself.
+    ///
+    /// # Errors
+    /// The gathers' and `f`'s errors.
+    fn with_whole_parameters(&self, f: &mut dyn FnMut(&dyn Module) -> Result<()>) -> Result<()>
+    where
+        Self: Sized,
+    {
+        f(self)
+    }
+
+    /// ZeRO-3, after a checkpoint load set whole values: keeps this rank's pieces again. The
+    /// default: nothing to do.
+    ///
+    /// # Errors
+    /// The model's.
+    fn zero3_reshard(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// ZeRO-3 off: the layers' weights whole again (the end of a run). The default: nothing
+    /// to do.
+    ///
+    /// # Errors
+    /// The model's.
+    fn zero3_unshard(&mut self) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -203,5 +267,33 @@ impl TrainLm for DecoderLm {
 
     fn offload_activations(&self) -> usize {
         DecoderLm::offload_activations(self)
+    }
+
+    fn set_zero3(&mut self, group: Arc<ProcessGroup>, shards: GradShards) -> Result<()> {
+        DecoderLm::set_zero3(self, group, shards)
+    }
+
+    fn is_zero3(&self) -> bool {
+        DecoderLm::is_zero3(self)
+    }
+
+    fn zero3_pieces(&self) -> Option<Vec<Option<Tensor>>> {
+        DecoderLm::zero3_pieces(self)
+    }
+
+    fn zero3_bytes(&self) -> (u64, u64) {
+        DecoderLm::zero3_bytes(self).unwrap_or((0, 0))
+    }
+
+    fn with_whole_parameters(&self, f: &mut dyn FnMut(&dyn Module) -> Result<()>) -> Result<()> {
+        DecoderLm::with_whole_parameters(self, f)
+    }
+
+    fn zero3_reshard(&mut self) -> Result<()> {
+        DecoderLm::zero3_reshard(self)
+    }
+
+    fn zero3_unshard(&mut self) -> Result<()> {
+        DecoderLm::zero3_unshard(self)
     }
 }

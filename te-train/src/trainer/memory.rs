@@ -1,7 +1,8 @@
 //! The memory check before a GPU run allocates: the model's estimate (`Gpt::training_bytes_with`,
 //! `DecoderLm::training_bytes_with`) less what ZeRO shards away (stage 1 the other ranks' AdamW
-//! state, stage 2 also their gradients), and, when it does not fit, the estimates of the memory
-//! flags the run has not set (`--zero 1` and `--zero 2` over its data-parallel ranks,
+//! state, stage 2 also their gradients, stage 3 also their pieces of a decoder's layer weights),
+//! and, when it does not fit, the estimates of the memory flags the run has not set (`--zero 1`,
+//! `--zero 2` and `--zero 3` over its data-parallel ranks,
 //! `--recompute full`, both; `--offload-activations N` where the model offloads), each saying
 //! whether it would fit in the free memory.
 
@@ -28,6 +29,10 @@ pub(super) struct MemoryPlan<'a> {
     pub recompute: Recompute,
     /// Whether `--recompute full` can run for this model (not a MoE GPT).
     pub recompute_possible: bool,
+    /// ZeRO-3 (with full recompute): the bytes of the layers' weights it takes off each rank
+    /// beyond ZeRO-2 (`DecoderLm::zero3_weight_saving`); `None` for a model that does not
+    /// shard its weights.
+    pub zero3_saving: Option<u64>,
     /// The model's estimate in bytes for a recompute mode, optimizer state replicated (with the
     /// run's own activation offload, if any).
     pub estimate: &'a dyn Fn(Recompute) -> u64,
@@ -58,35 +63,43 @@ impl MemoryPlan<'_> {
         if zero.shards_gradients() && self.micro_batches <= 1 {
             sharded += self.gradient_bytes / n * (n - 1);
         }
+        if zero.shards_parameters() {
+            sharded += self.zero3_saving.unwrap_or(0);
+        }
         base.saturating_sub(sharded)
     }
 
     /// The ZeRO stages above the run's that lower its estimate: stage 1 over more than one
-    /// data-parallel rank, stage 2 too with one micro-batch a step.
+    /// data-parallel rank, stage 2 too with one micro-batch a step, stage 3 where the model
+    /// shards its weights.
     fn higher_stages(&self) -> Vec<ZeroStage> {
         if self.data_parallel <= 1 {
             return Vec::new();
         }
-        [ZeroStage::OptimizerStates, ZeroStage::Gradients]
+        [ZeroStage::OptimizerStates, ZeroStage::Gradients, ZeroStage::Parameters]
             .into_iter()
             .filter(|s| s.number() > self.zero.number())
-            .filter(|s| !s.shards_gradients() || self.micro_batches <= 1)
+            .filter(|s| *s != ZeroStage::Gradients || self.micro_batches <= 1)
+            .filter(|s| !s.shards_parameters() || self.zero3_saving.is_some_and(|b| b > 0))
             .collect()
     }
 
-    /// The flags the run has not set that lower the estimate, with their estimates: `--zero 1`
-    /// and `--zero 2` (data parallel only; stage 2 with one micro-batch a step), `--recompute
+    /// The flags the run has not set that lower the estimate, with their estimates: `--zero 1`,
+    /// `--zero 2` and `--zero 3` (data parallel only; stage 2 with one micro-batch a step;
+    /// stage 3 where the model shards its weights, with full recompute only), `--recompute
     /// full` (where the model takes it), and each stage with it; `--offload-activations N`
     /// (with `--recompute full` unless set) at the run's ZeRO stage where the model offloads.
     pub fn alternatives(&self) -> Vec<(String, u64)> {
         let flags = |s: ZeroStage| match s {
+            ZeroStage::Parameters => ("--zero 3", "--zero 3 --recompute full"),
             ZeroStage::Gradients => ("--zero 2", "--zero 2 --recompute full"),
             _ => ("--zero 1", "--zero 1 --recompute full"),
         };
         let stages = self.higher_stages();
         let recompute = self.recompute_possible && !self.recompute.is_full();
         let mut out = Vec::new();
-        for &s in &stages {
+        // Stage 3 runs with full recompute only: without it, it is offered with the flag.
+        for &s in stages.iter().filter(|s| !s.shards_parameters() || self.recompute.is_full()) {
             out.push((flags(s).0.to_string(), self.bytes(s, self.recompute)));
         }
         if recompute {
@@ -153,6 +166,7 @@ mod tests {
             zero,
             recompute,
             recompute_possible: true,
+            zero3_saving: None,
             estimate,
             offload: None,
         }
@@ -222,6 +236,44 @@ mod tests {
         assert_eq!(flags(&moe), ["--zero 1", "--zero 2"]);
         // Resident bytes come off every figure.
         assert_eq!(advice(&[("--zero 1", 10 * gib)], 4 * gib, 5 * gib), "; --zero 1: about 6144 MiB, does not fit");
+    }
+
+    /// ZeRO-3 is offered where the model shards its weights, with full recompute only, and
+    /// takes the weights' share off beyond ZeRO-2 (also with gradient accumulation).
+    #[test]
+    fn zero_3_is_offered_with_full_recompute_where_the_model_shards_its_weights() {
+        let gib = 1u64 << 30;
+        let estimate = |r: Recompute| if r.is_full() { 30 * gib } else { 40 * gib };
+        let p =
+            MemoryPlan { zero3_saving: Some(4 * gib), ..plan(&estimate, 4, ZeroStage::Replicated, Recompute::None) };
+        assert_eq!(p.bytes(ZeroStage::Parameters, Recompute::Full), 21 * gib - 3 * gib / 2 - 4 * gib);
+        assert_eq!(
+            flags(&p),
+            [
+                "--zero 1",
+                "--zero 2",
+                "--recompute full",
+                "--zero 1 --recompute full",
+                "--zero 2 --recompute full",
+                "--zero 3 --recompute full"
+            ]
+        );
+        let full =
+            MemoryPlan { zero3_saving: Some(4 * gib), ..plan(&estimate, 4, ZeroStage::Gradients, Recompute::Full) };
+        assert_eq!(flags(&full), ["--zero 3"]);
+        assert_eq!(full.alternatives()[0].1, 21 * gib - 3 * gib / 2 - 4 * gib);
+        let accum = MemoryPlan {
+            micro_batches: 4,
+            zero3_saving: Some(4 * gib),
+            ..plan(&estimate, 4, ZeroStage::OptimizerStates, Recompute::Full)
+        };
+        assert_eq!(flags(&accum), ["--zero 3"]);
+        assert_eq!(accum.bytes(ZeroStage::Parameters, Recompute::Full), 21 * gib - 4 * gib);
+        // One rank, or a model that keeps its weights whole (the GPT): not offered.
+        let one = MemoryPlan { zero3_saving: Some(0), ..plan(&estimate, 1, ZeroStage::Replicated, Recompute::Full) };
+        assert!(flags(&one).is_empty());
+        let gpt = plan(&estimate, 4, ZeroStage::Gradients, Recompute::Full);
+        assert!(flags(&gpt).is_empty());
     }
 
     /// With gradient accumulation the gradients are whole until the last micro-batch's

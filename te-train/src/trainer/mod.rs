@@ -120,11 +120,19 @@ impl Trainer {
     /// ([`crate::optim::AdamW::new_zero_stage`]: the last micro-batch's backward reduces each
     /// gradient piece to its owner and releases the gradients of the parameters a rank owns no
     /// piece of, about `1 − 1/N` of the gradient bytes; the same steps as stage 1 bit for bit on
-    /// two ranks, the same checkpoint files). A run of one rank holds everything either way.
+    /// two ranks, the same checkpoint files); [`ZeroStage::Parameters`] (ZeRO-3, for
+    /// [`Trainer::finetune`] of the decoder family under full recompute) shards the layers'
+    /// 16-bit weights too (`te_models::decoder::train::DecoderLm::set_zero3`: each rank keeps
+    /// the pieces it holds the masters of, a layer is gathered before its forward and again
+    /// before its backward; [`crate::optim::AdamW::step_sharded`]; the same steps as stage 2,
+    /// the same checkpoint files, the model whole again after the run). A run of one rank
+    /// holds everything either way.
     ///
     /// # Errors
-    /// [`TrainError::Unsupported`] for ZeRO-1 or ZeRO-2 on the CPU backend (one process,
-    /// nothing to shard over); with tensor parallelism, [`Trainer::train`] refuses it.
+    /// [`TrainError::Unsupported`] for ZeRO on the CPU backend (one process, nothing to shard
+    /// over); with tensor parallelism, [`Trainer::train`] and [`Trainer::finetune`] refuse it;
+    /// ZeRO-3 is refused by [`Trainer::train`] (the GPT presets) and, without full recompute,
+    /// by [`Trainer::finetune`].
     pub fn with_zero(self, stage: ZeroStage) -> Result<Self, TrainError> {
         if stage != ZeroStage::Replicated && !self.backend.is_gpu() {
             return Err(TrainError::Unsupported {

@@ -70,6 +70,28 @@ impl DecoderLm {
         local + gathered as u64
     }
 
+    /// Bytes of one layer's 16-bit weights (BF16: 2 bytes a parameter; every layer of the
+    /// family has the same parameters): what ZeRO-3 ([`DecoderLm::set_zero3`]) shards.
+    pub fn layer_weight_bytes(cfg: &DecoderConfig) -> u64 {
+        let (h, v) = (cfg.hidden_size as u64, cfg.vocab_size as u64);
+        let norm = if cfg.normalization == te_nn::modules::NormKind::LayerNorm { 2 * h } else { h };
+        let embeddings = v * h * if cfg.tie_word_embeddings { 1 } else { 2 };
+        let layers = cfg.num_parameters().saturating_sub(embeddings + norm);
+        2 * layers / cfg.num_layers.max(1) as u64
+    }
+
+    /// The bytes ZeRO-3 over `ranks` data-parallel ranks takes off [`DecoderLm::training_bytes`]
+    /// on each: the layers' 16-bit weights are kept as pieces (about `1/ranks` of them), and
+    /// the ring of whole buffers they are gathered into holds two layers
+    /// (`(1 − 1/N) · L · layer − 2 · layer`, 0 when that is not positive); the embedding, final
+    /// norm and LM head stay whole, and the gradients' share is ZeRO-2's, not counted here.
+    pub fn zero3_weight_saving(cfg: &DecoderConfig, ranks: usize) -> u64 {
+        let n = ranks.max(1) as u64;
+        let layer = Self::layer_weight_bytes(cfg);
+        let all = layer * cfg.num_layers as u64;
+        (all / n * (n - 1)).saturating_sub(2 * layer)
+    }
+
     /// What one layer's forward keeps for its backward, in bytes a token (the per-layer term of
     /// [`DecoderLm::training_bytes`]): `(6h + sandwich + qkv + 2 · (heads + groups) · d + heads ·
     /// d + fc1 + ffn) · 2 + 4 · heads`.
@@ -115,5 +137,13 @@ mod tests {
         let cp8 = DecoderLm::training_bytes_cp(&cfg, 8, 8192, 8, false, none);
         let whole = DecoderLm::training_bytes_with(&cfg, 8, 8192, false, none);
         assert!(cp8 > one && (cp8 - one) < (1 << 30) && cp8 < whole / 4, "{cp8} {one} {whole}");
+        // ZeRO-3: the layers' weights are the parameters less the tied embedding and the final
+        // norm; over N ranks a rank keeps 1/N of them plus two layers' whole buffers.
+        let layer = DecoderLm::layer_weight_bytes(&cfg);
+        let (h, v) = (640u64, 262_144u64);
+        assert_eq!(layer * 18, 2 * (cfg.num_parameters() - v * h - h));
+        assert_eq!(DecoderLm::zero3_weight_saving(&cfg, 1), 0, "one rank shards nothing");
+        assert_eq!(DecoderLm::zero3_weight_saving(&cfg, 2), layer * 18 / 2 - 2 * layer);
+        assert!(DecoderLm::zero3_weight_saving(&cfg, 8) > DecoderLm::zero3_weight_saving(&cfg, 4));
     }
 }

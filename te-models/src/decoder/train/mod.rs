@@ -18,13 +18,15 @@
 //! recompute: [`DecoderLm::set_recompute`]; with it, the CPU offload of the layer inputs it
 //! keeps (TE's `get_cpu_offload_context`): [`DecoderLm::set_offload_activations`]. Context
 //! parallelism (every sequence split over a group of ranks, TE's all-gather `cp_group`):
-//! [`DecoderLm::set_context_parallel`].
+//! [`DecoderLm::set_context_parallel`]. ZeRO-3 (each layer's weights sharded over the
+//! data-parallel ranks, gathered around its forward and backward): [`DecoderLm::set_zero3`].
 
 mod context_parallel;
 mod layer;
 mod memory;
 mod offload;
 mod recompute;
+mod zero3;
 
 pub use context_parallel::shard_rows;
 
@@ -98,6 +100,9 @@ pub struct DecoderLm {
     /// ([`DecoderLm::set_context_parallel`]).
     #[module(skip)]
     cp: Option<te_nn::parallel::ContextParallel>,
+    /// The layers' weights sharded over the data-parallel ranks ([`DecoderLm::set_zero3`]).
+    #[module(skip)]
+    zero3: Option<zero3::Zero3>,
     #[module(skip)]
     dtype: DType,
     #[module(skip)]
@@ -204,6 +209,7 @@ impl DecoderLm {
             recompute: Recompute::None,
             offload: te_runtime::offload::LayerOffload::default(),
             cp: None,
+            zero3: None,
             dtype,
             dev: dev.clone(),
         })
@@ -263,8 +269,13 @@ impl DecoderLm {
     /// host, internal names): what `save_hf_dir` writes as a Hugging Face directory.
     ///
     /// # Errors
-    /// Copy failures; the configuration's checks.
+    /// Copy failures; the configuration's checks; [`Error::Config`] while the layers are
+    /// sharded ([`DecoderLm::set_zero3`]: call [`DecoderLm::zero3_unshard`] first).
     pub fn to_weights(&self) -> DecoderResult<DecoderWeights> {
+        if self.zero3.is_some() {
+            let message = "the layers are sharded (ZeRO-3): call zero3_unshard first".into();
+            return Err(Error::Config { module: MODEL, message }.into());
+        }
         let mut tensors = BTreeMap::new();
         let dev = &self.dev;
         self.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
@@ -429,10 +440,20 @@ impl DecoderLm {
         let thd = thd.map(|p| (p.cu_seqlens.to_vec(), p.cu_seqlens_padded.map(<[usize]>::to_vec)));
         let inputs = LayerInputs { freqs, thd, is_first_microbatch };
         let plan = self.offload_plan()?;
+        if let Some(z) = &mut self.zero3 {
+            z.begin_forward();
+        }
         let mut layers: Vec<SavedLayer> = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {
             let host = self.offload.host().filter(|_| plan.is_offloaded(l));
+            // ZeRO-3: this layer's weights gathered, the next one's gather started.
+            if let Some(z) = &mut self.zero3 {
+                z.enter(l, layer, Some(l + 1))?;
+            }
             let (y, c) = recompute::forward_layer(layer, &x, &inputs, self.recompute, host)?;
+            if let Some(z) = &mut self.zero3 {
+                z.leave(l, layer)?;
+            }
             layers.push(c);
             // The previous input's copy out overlapped this layer's forward: free its device copy.
             if let Some(p) = plan.release_after_forward(l) {
@@ -442,6 +463,10 @@ impl DecoderLm {
         }
         if let Some(last) = layers.last_mut() {
             last.release()?;
+        }
+        // ZeRO-3: the backward's first layer gathered while the head runs.
+        if let (Some(z), Some(last)) = (&mut self.zero3, self.layers.len().checked_sub(1)) {
+            z.prefetch(last)?;
         }
         let inputs = self.recompute.is_full().then_some(inputs);
         let (y, final_norm) = self.final_norm.forward(&x)?;
@@ -559,9 +584,18 @@ impl DecoderLm {
             if let Some(prev) = saved.last_mut() {
                 prev.prefetch()?;
             }
-            let layer = &mut self.layers[saved.len()];
+            let l = saved.len();
+            let layer = &mut self.layers[l];
+            // ZeRO-3: the layer's weights for its recomputed forward and backward, the layer
+            // below's gather started; released once its gradients are handed over.
+            if let Some(z) = &mut self.zero3 {
+                z.enter(l, layer, l.checked_sub(1))?;
+            }
             d = recompute::backward_layer(layer, s, &d, ctx.inputs.as_ref())?;
             grads_ready(layer)?;
+            if let Some(z) = &mut self.zero3 {
+                z.leave(l, layer)?;
+            }
         }
         let scale = self.cfg.embedding_scale(self.dtype);
         if scale != 1.0 {

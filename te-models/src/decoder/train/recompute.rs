@@ -137,10 +137,16 @@ impl DecoderLm {
     /// runs outside any `fp8_autocast` scope or inside the forward's.
     ///
     /// # Errors
-    /// None today (the decoder family has no dropout and no MoE layers); FP8 attention
-    /// (`fp8_dpa`) with [`Recompute::Full`] is refused at the forward
-    /// ([`Error::Config`]).
+    /// [`Error::Config`] for a mode other than [`Recompute::Full`] while the layers are
+    /// sharded ([`DecoderLm::set_zero3`]); FP8 attention (`fp8_dpa`) with [`Recompute::Full`]
+    /// is refused at the forward ([`Error::Config`]).
     pub fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
+        if self.zero3.is_some() && !mode.is_full() {
+            return Err(Error::Config {
+                module: "DecoderLm",
+                message: "the layers are sharded (ZeRO-3), which needs full recompute: call zero3_unshard first".into(),
+            });
+        }
         self.recompute = mode;
         Ok(())
     }

@@ -252,7 +252,9 @@ pub type LocalPartials<'a> = Option<&'a CudaSlice<f32>>;
 /// moments of its own contiguous piece of the model and updates only that piece of each
 /// parameter): `tensors[i]`'s `master`, `exp_avg` and `exp_avg_sq` hold the elements
 /// `offsets[i] .. offsets[i] + master.len()` of its `grad` and `param` (flattened, row-major),
-/// and only those elements of `param` are written. The arithmetic of each element is
+/// and only those elements of `param` are written. A `param` of exactly `master.len()`
+/// elements (and fewer than its grad's) is the piece alone, written from its element 0 (ZeRO
+/// stage 3, where a rank keeps only its pieces of the weights). The arithmetic of each element is
 /// [`adamw_step`]'s, bit for bit.
 ///
 /// The clipping norm is the whole model's: the norm launch writes one partial sum of squares
@@ -316,6 +318,9 @@ fn build_entries<'a>(
     let mut owners = Vec::new();
     for (i, t) in tensors.iter_mut().enumerate() {
         let whole = t.param.numel();
+        // Where the piece starts in `param`: at its offset when the param is whole, at 0 when
+        // the param holds the piece only (ZeRO-3: a rank keeps its pieces of the weights).
+        let mut param_base = 0u64;
         let (offset, n) = match offsets {
             None => {
                 let counts = [t.grad.numel(), t.master.len(), t.exp_avg.len(), t.exp_avg_sq.len()];
@@ -332,24 +337,26 @@ fn build_entries<'a>(
             }
             Some(offsets) => {
                 let (offset, n) = (offsets[i], t.master.len());
+                let whole = t.grad.numel();
                 let fits = n > 0 && offset.checked_add(n).is_some_and(|end| end <= whole);
-                if !fits
-                    || t.grad.numel() != whole
-                    || t.exp_avg.len() != n
-                    || t.exp_avg_sq.len() != n
-                    || offset % PIECE_ALIGN != 0
+                let param_fits = t.param.numel() == whole || t.param.numel() == n;
+                if !fits || !param_fits || t.exp_avg.len() != n || t.exp_avg_sq.len() != n || offset % PIECE_ALIGN != 0
                 {
                     return Err(Error::Shape {
                         op: OP,
                         message: format!(
-                            "piece {i}: elements {offset}..{offset}+{n} of a param of {whole} and a grad of {} \
-                             elements, moments of {} and {}: the piece must be non-empty, inside the param, start \
-                             at a multiple of {PIECE_ALIGN}, and the grad, master and moments must match",
-                            t.grad.numel(),
+                            "piece {i}: elements {offset}..{offset}+{n} of a grad of {whole} elements, a param of {} \
+                             and moments of {} and {}: the piece must be non-empty, inside the grad, start at a \
+                             multiple of {PIECE_ALIGN}, the param must be whole or the piece alone, and the master \
+                             and moments must match",
+                            t.param.numel(),
                             t.exp_avg.len(),
                             t.exp_avg_sq.len()
                         ),
                     });
+                }
+                if t.param.numel() == whole {
+                    param_base = offset as u64;
                 }
                 (offset, n)
             }
@@ -372,7 +379,7 @@ fn build_entries<'a>(
             let off = start as u64;
             ChunkEntry {
                 grad: grad + (base + off) * g_bytes,
-                param: param + (base + off) * p_bytes,
+                param: param + (param_base + off) * p_bytes,
                 master: master + off * 4,
                 exp_avg: exp_avg + off * 4,
                 exp_avg_sq: exp_avg_sq + off * 4,

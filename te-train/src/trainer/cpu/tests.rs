@@ -131,13 +131,14 @@ fn the_cpu_backend_takes_the_single_rank_layout_only() {
     assert_eq!(trainer.into_parallel().data_rank(), (0, 1));
 }
 
-/// ZeRO-1 and ZeRO-2 shard over data-parallel GPUs: the CPU backend refuses them with a typed
-/// error saying what to pass, and takes stage 0; a CPU run reports no GPU optimizer state.
+/// ZeRO-1, ZeRO-2 and ZeRO-3 shard over data-parallel GPUs: the CPU backend refuses them with
+/// a typed error saying what to pass, and takes stage 0; a CPU run reports no GPU optimizer
+/// state.
 #[test]
 fn the_cpu_backend_refuses_zero_1_and_2() {
     use crate::optim::ZeroStage;
     let (corpus, cfg) = small();
-    for stage in [ZeroStage::OptimizerStates, ZeroStage::Gradients] {
+    for stage in [ZeroStage::OptimizerStates, ZeroStage::Gradients, ZeroStage::Parameters] {
         let trainer = Trainer::new(cfg.clone(), Backend::Cpu).unwrap();
         let e = trainer.with_zero(stage).unwrap_err();
         assert!(matches!(e, TrainError::Unsupported { .. }), "{e}");

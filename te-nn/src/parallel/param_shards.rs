@@ -1,0 +1,373 @@
+//! Sharded parameters (ZeRO stage 3; DeepSpeed's `zero_optimization.stage = 3`, PyTorch FSDP's
+//! per-unit all-gather): each rank of a data-parallel group keeps only its pieces of the
+//! parameters of each *group* (a unit gathered together: a transformer layer), and the group's
+//! whole tensors exist only while it runs. [`ParamShards`] holds the pieces, gathers a group's
+//! whole tensors into a ring of transient buffers (every piece broadcast from the rank that owns
+//! it, in one NCCL group on a side stream, so the gather of the next group overlaps the current
+//! one's compute: [`ParamShards::prefetch`]), makes the device's stream wait for a gather only
+//! where its tensors are read ([`ParamShards::gather`], an event), and frees the slot for the
+//! next gather ([`ParamShards::release`]).
+//!
+//! Who owns which piece is a [`GradShards`]: the optimizer's split of the flattened parameters
+//! (`te_train::optim::Partition`), so a rank's pieces of the weights are the pieces it keeps the
+//! f32 masters and moments of and the gradient pieces reduced to it (ZeRO-2), and its update
+//! writes its pieces in place ([`ParamShards::local_pieces`]); nothing is broadcast after a step,
+//! the next gathers carry the new values. A group's gather is one broadcast per piece, the bytes
+//! an all-gather of the group moves.
+//!
+//! The ring has `slots` sets of whole buffers (2: the group running and the one prefetched);
+//! group `g` is gathered into slot `g % slots`, whose buffers are reused from group to group
+//! when the shapes agree (the layers of a decoder). The caller points its modules' parameters
+//! at the buffers [`ParamShards::gather`] returns; a released group's parameters keep pointing
+//! at a slot that later gathers overwrite, so they are read only between `gather` and
+//! `release`. The ordering rules: a gather's broadcasts start after the device's stream work
+//! issued before it (so after the kernels that read the slot's previous group), and the
+//! device's stream waits for them before the first kernel issued after [`ParamShards::gather`].
+
+use super::GradShards;
+use std::ops::Range;
+use std::sync::Arc;
+use te_codegen::DType;
+use te_runtime::dist::{ProcessGroup, SideMark};
+use te_runtime::{Device, Error, Result, Tensor};
+
+const MODULE: &str = "ParamShards";
+
+/// One parameter of a group: where it sits in the model and this rank's piece of it.
+#[derive(Debug)]
+struct Member {
+    /// Its index in the whole model's traversal order (the [`GradShards`]' index).
+    param: usize,
+    shape: Vec<usize>,
+    dtype: DType,
+    /// The elements (flattened, row-major) this rank owns; empty when it owns none.
+    piece: Range<usize>,
+    /// Those elements, `[piece.len()]` of `dtype` (a `[0]` tensor when it owns none).
+    local: Tensor,
+}
+
+/// One set of transient whole buffers of the ring.
+#[derive(Debug, Default)]
+struct Slot {
+    /// The group gathered (or being gathered) into it; `None` once released.
+    group: Option<usize>,
+    /// Its whole tensors, in the group's order.
+    tensors: Vec<Tensor>,
+    /// The side stream's point after the gather's broadcasts; `None` once the device's stream
+    /// waited for it.
+    pending: Option<SideMark>,
+}
+
+/// The pieces of the sharded parameters of one rank and the ring of buffers their groups are
+/// gathered into (see the module docs). Every rank of the group builds it with the same groups
+/// and calls the same gathers in the same order.
+#[derive(Debug)]
+pub struct ParamShards {
+    dev: Arc<Device>,
+    /// The data-parallel group on the device's stream (whole gathers of checkpoints).
+    group: Arc<ProcessGroup>,
+    /// The same ranks on a side stream (the gathers of the ring, overlapped with compute).
+    side: ProcessGroup,
+    shards: GradShards,
+    groups: Vec<Vec<Member>>,
+    slots: Vec<Slot>,
+}
+
+impl ParamShards {
+    /// An empty store over the data-parallel `group` (on the device's stream; every rank calls
+    /// this: it creates the side-stream communicator), the pieces `shards` says (the whole
+    /// model's parameters in traversal order, the optimizer's split), with a ring of `slots`
+    /// buffer sets (2: one group running, the next prefetched). Add the groups with
+    /// [`ParamShards::add_group`].
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a group on a side stream, `shards` over another number of ranks
+    /// than the group, or `slots` 0; NCCL and driver errors.
+    pub fn new(group: Arc<ProcessGroup>, shards: GradShards, slots: usize) -> Result<Self> {
+        let argument = |message: String| Error::Argument { op: MODULE, message };
+        if group.is_side_stream() {
+            return Err(argument(
+                "the group runs its collectives on a side stream: pass the data-parallel group on the device's \
+                 stream (DataParallel::group)"
+                    .into(),
+            ));
+        }
+        if shards.world() != group.size() {
+            return Err(argument(format!(
+                "pieces split over {} ranks for a group of {}: split over this group",
+                shards.world(),
+                group.size()
+            )));
+        }
+        if slots == 0 {
+            return Err(argument("a ring of 0 buffer sets: pass at least 1 (2 overlaps a gather with compute)".into()));
+        }
+        let side = group.with_side_stream()?;
+        let dev = group.device().clone();
+        let slots = (0..slots).map(|_| Slot::default()).collect();
+        Ok(Self { dev, group, side, shards, groups: Vec::new(), slots })
+    }
+
+    /// Adds a group of parameters gathered together: `(index, value)` pairs, the index in the
+    /// whole model's traversal order and the whole value (any shape, `numel` the shards'),
+    /// from which this rank keeps its pieces (copied). Returns the group's number (0, 1, ... in
+    /// the order added). The caller then drops or replaces its whole values.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for an index past the shards, a value of another element count than
+    /// its shards, or a parameter already in a group; allocation and copy errors.
+    pub fn add_group(&mut self, params: &[(usize, Tensor)]) -> Result<usize> {
+        let rank = self.group.rank();
+        let mut members = Vec::with_capacity(params.len());
+        for (param, value) in params {
+            let param = *param;
+            let taken = self.groups.iter().flatten().chain(&members).any(|m: &Member| m.param == param);
+            if param >= self.shards.len() || value.numel() != self.shards.numel(param) || taken {
+                return Err(Error::Argument {
+                    op: MODULE,
+                    message: format!(
+                        "parameter {param} of {} elements: the shards describe {} parameters (this one of {} \
+                         elements), each in one group at most{}",
+                        value.numel(),
+                        self.shards.len(),
+                        self.shards.numel(param),
+                        if taken { "; it is in a group already" } else { "" }
+                    ),
+                });
+            }
+            let piece = local_piece(&self.shards, rank, param);
+            let local = Tensor::empty(&self.dev, value.dtype(), &[piece.len()])?;
+            local.copy_elements_from(0, value, piece.start, piece.len())?;
+            members.push(Member { param, shape: value.shape().to_vec(), dtype: value.dtype(), piece, local });
+        }
+        self.groups.push(members);
+        Ok(self.groups.len() - 1)
+    }
+
+    /// Groups added.
+    pub fn groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// The parameters (whole model's traversal indices) of group `g`, in its order; none past
+    /// the last group.
+    pub fn params(&self, g: usize) -> Vec<usize> {
+        self.groups.get(g).map_or_else(Vec::new, |m| m.iter().map(|m| m.param).collect())
+    }
+
+    /// Whether parameter `param` (traversal index) is in a group.
+    pub fn is_sharded(&self, param: usize) -> bool {
+        self.groups.iter().flatten().any(|m| m.param == param)
+    }
+
+    /// This rank's pieces, by the whole model's traversal index: `Some` for every sharded
+    /// parameter (a `[piece_len]` tensor sharing the store's storage, `[0]` where this rank owns
+    /// none; an optimizer writes its update into it in place), `None` for the others. The same
+    /// `Some`/`None` pattern on every rank.
+    pub fn local_pieces(&self) -> Vec<Option<Tensor>> {
+        let mut out = vec![None; self.shards.len()];
+        for m in self.groups.iter().flatten() {
+            out[m.param] = Some(m.local.clone());
+        }
+        out
+    }
+
+    /// Bytes of the pieces this rank keeps, and of the whole parameters of all groups.
+    pub fn bytes(&self) -> (u64, u64) {
+        self.groups.iter().flatten().fold((0, 0), |(local, whole), m| {
+            let elem = m.dtype.size_bytes() as u64;
+            (local + m.piece.len() as u64 * elem, whole + self.shards.numel(m.param) as u64 * elem)
+        })
+    }
+
+    /// Bytes of the whole parameters of the largest group (what one slot of the ring holds).
+    pub fn max_group_bytes(&self) -> u64 {
+        let group_bytes =
+            |g: &Vec<Member>| g.iter().map(|m| (self.shards.numel(m.param) * m.dtype.size_bytes()) as u64).sum();
+        self.groups.iter().map(group_bytes).max().unwrap_or(0)
+    }
+
+    /// Starts gathering group `g` into its slot on the side stream, after the work issued so
+    /// far on the device's stream (nothing when it is there or on its way already). Every
+    /// rank issues the same prefetches in the same order.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a group past the last; allocation, copy and NCCL errors.
+    pub fn prefetch(&mut self, g: usize) -> Result<()> {
+        let members = self.groups.get(g).ok_or_else(|| self.no_group(g))?;
+        let n = self.slots.len();
+        let slot = &mut self.slots[g % n];
+        if slot.group == Some(g) {
+            return Ok(());
+        }
+        // The buffers are reused when the group has the slot's shapes (a decoder's layers).
+        let fits = slot.tensors.len() == members.len()
+            && slot.tensors.iter().zip(members).all(|(t, m)| t.shape() == m.shape.as_slice() && t.dtype() == m.dtype);
+        if !fits {
+            slot.tensors =
+                members.iter().map(|m| Tensor::empty(&self.dev, m.dtype, &m.shape)).collect::<Result<_>>()?;
+        }
+        // This rank's pieces into place (on the device's stream, after the slot's last readers),
+        // then every piece from its owner: in place, so the owner's copy is what it sends.
+        for (t, m) in slot.tensors.iter().zip(members) {
+            t.copy_elements_from(m.piece.start, &m.local, 0, m.piece.len())?;
+        }
+        let params: Vec<usize> = members.iter().map(|m| m.param).collect();
+        let calls = self.shards.calls(&params);
+        let side = &self.side;
+        let tensors = &slot.tensors;
+        side.grouped(|| {
+            calls.iter().try_for_each(|c| {
+                let at = params.iter().position(|&p| p == c.param);
+                let t = at.and_then(|i| tensors.get(i)).ok_or_else(|| {
+                    Error::internal(MODULE, format!("a gather of parameter {} outside its group", c.param))
+                })?;
+                side.broadcast_range_shared(t, c.range.clone(), c.root)
+            })
+        })?;
+        slot.pending = Some(side.mark()?);
+        slot.group = Some(g);
+        Ok(())
+    }
+
+    /// Group `g`'s whole tensors (in its order, clones sharing the slot's buffers): gathered
+    /// now unless [`ParamShards::prefetch`] started it, and the device's stream made to wait
+    /// for the gather (an event; the host does not wait). Valid until
+    /// [`ParamShards::release`] of `g`; point the modules' parameters at them.
+    ///
+    /// # Errors
+    /// As [`ParamShards::prefetch`]; driver errors.
+    pub fn gather(&mut self, g: usize) -> Result<Vec<Tensor>> {
+        self.prefetch(g)?;
+        let n = self.slots.len();
+        let slot = &mut self.slots[g % n];
+        if let Some(mark) = slot.pending.take() {
+            self.side.wait_mark(&mark)?;
+        }
+        Ok(slot.tensors.clone())
+    }
+
+    /// Ends group `g`'s use of its slot: the next gather there overwrites the buffers (after
+    /// the kernels issued before it, which may still read them). The next [`ParamShards::gather`]
+    /// of `g` gathers again. Nothing to do for a group not in its slot.
+    pub fn release(&mut self, g: usize) {
+        let n = self.slots.len();
+        if let Some(slot) = self.slots.get_mut(g % n).filter(|s| s.group == Some(g)) {
+            slot.group = None;
+        }
+    }
+
+    /// Releases every group (after an optimizer step or a load changed the pieces: no slot
+    /// holds values to reuse).
+    pub fn release_all(&mut self) {
+        for slot in &mut self.slots {
+            slot.group = None;
+        }
+    }
+
+    /// Group `g`'s whole tensors in buffers of their own (not the ring's), gathered on the
+    /// device's stream: what a checkpoint save or the end of a run takes. Every rank calls it.
+    ///
+    /// # Errors
+    /// As [`ParamShards::prefetch`].
+    pub fn gather_whole(&self, g: usize) -> Result<Vec<Tensor>> {
+        let members = self.groups.get(g).ok_or_else(|| self.no_group(g))?;
+        // The ring's gathers in flight go first (another communicator, another stream).
+        self.side.wait()?;
+        let mut tensors = Vec::with_capacity(members.len());
+        for m in members {
+            let t = Tensor::empty(&self.dev, m.dtype, &m.shape)?;
+            t.copy_elements_from(m.piece.start, &m.local, 0, m.piece.len())?;
+            tensors.push(t);
+        }
+        let params: Vec<usize> = members.iter().map(|m| m.param).collect();
+        let group = &self.group;
+        group.grouped(|| {
+            self.shards.calls(&params).iter().try_for_each(|c| {
+                let at = params.iter().position(|&p| p == c.param);
+                let t = at.and_then(|i| tensors.get(i)).ok_or_else(|| {
+                    Error::internal(MODULE, format!("a gather of parameter {} outside its group", c.param))
+                })?;
+                group.broadcast_range_shared(t, c.range.clone(), c.root)
+            })
+        })?;
+        Ok(tensors)
+    }
+
+    /// Replaces this rank's pieces of group `g` by theirs in `values` (the group's whole
+    /// tensors in its order: a checkpoint's, loaded on every rank), and releases the group.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a group past the last; [`Error::Shape`] / [`Error::DType`] for
+    /// values of other shapes or dtypes than the group's; copy errors.
+    pub fn scatter(&mut self, g: usize, values: &[Tensor]) -> Result<()> {
+        let members = self.groups.get(g).ok_or_else(|| self.no_group(g))?;
+        let fits = values.len() == members.len()
+            && values.iter().zip(members).all(|(v, m)| v.shape() == m.shape.as_slice() && v.dtype() == m.dtype);
+        if !fits {
+            let got: Vec<_> = values.iter().map(|v| (v.shape().to_vec(), v.dtype())).collect();
+            let want: Vec<_> = members.iter().map(|m| (m.shape.clone(), m.dtype)).collect();
+            return Err(Error::Shape {
+                op: MODULE,
+                message: format!("group {g}: values {got:?} for parameters {want:?}: pass the group's whole tensors"),
+            });
+        }
+        for (v, m) in values.iter().zip(members) {
+            m.local.copy_elements_from(0, v, m.piece.start, m.piece.len())?;
+        }
+        self.release(g);
+        Ok(())
+    }
+
+    fn no_group(&self, g: usize) -> Error {
+        Error::Argument { op: MODULE, message: format!("group {g} of {}: add it first", self.groups.len()) }
+    }
+}
+
+/// The elements of parameter `param` rank `rank` owns under `shards` (an empty range when none).
+pub fn local_piece(shards: &GradShards, rank: usize, param: usize) -> Range<usize> {
+    shards.shards(param).iter().find(|s| s.root == rank).map_or(0..0, |s| s.range.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::parallel::Shard;
+
+    /// Sizes that are not multiples of the ranks, split unevenly: a parameter over three ranks,
+    /// one over two, one whole on a rank, an empty one.
+    fn uneven() -> GradShards {
+        let s = |root, range| Shard { root, range };
+        GradShards::new(
+            3,
+            vec![vec![s(0, 0..7), s(1, 7..13), s(2, 13..17)], vec![s(2, 0..5)], vec![], vec![s(0, 0..2), s(1, 2..11)]],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn each_rank_keeps_its_pieces_and_they_cover_every_parameter_once() {
+        let g = uneven();
+        for param in 0..g.len() {
+            let mut covered = vec![0u8; g.numel(param)];
+            for rank in 0..g.world() {
+                for i in local_piece(&g, rank, param) {
+                    covered[i] += 1;
+                }
+            }
+            assert!(covered.iter().all(|&c| c == 1), "param {param}: {covered:?}");
+        }
+        assert_eq!(local_piece(&g, 1, 0), 7..13);
+        assert_eq!(local_piece(&g, 0, 1), 0..0, "rank 0 owns nothing of parameter 1");
+        assert_eq!(local_piece(&g, 2, 2), 0..0, "an empty parameter has no piece");
+        assert_eq!(local_piece(&g, 9, 0), 0..0, "a rank past the group owns nothing");
+        // The gather of a group is one broadcast per piece, from its owner, in the group's order.
+        let calls = g.calls(&[3, 1]);
+        let roots: Vec<(usize, usize, Range<usize>)> = calls.into_iter().map(|c| (c.param, c.root, c.range)).collect();
+        assert_eq!(roots, [(3, 0, 0..2), (3, 1, 2..11), (1, 2, 0..5)]);
+        // What each rank keeps adds up to the parameters' elements.
+        let kept: usize =
+            (0..3).flat_map(|r| (0..g.len()).map(move |p| (r, p))).map(|(r, p)| local_piece(&g, r, p).len()).sum();
+        assert_eq!(kept, 17 + 5 + 11);
+    }
+}
