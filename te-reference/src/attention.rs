@@ -199,7 +199,12 @@ pub fn lse(shape: &AttentionShape, seq_lens: Option<&[usize]>, q: &[f32], k: &[f
             for i in 0..c.sq {
                 let scores: Vec<f64> = (0..c.sk)
                     .filter(|&j| c.attends(lengths, i, j))
-                    .map(|j| scale * (0..d).map(|x| f64::from(q[qs.index(b, i, h, x)]) * f64::from(k[ks.index(b, j, h / hpg, x)])).sum::<f64>())
+                    .map(|j| {
+                        scale
+                            * (0..d)
+                                .map(|x| f64::from(q[qs.index(b, i, h, x)]) * f64::from(k[ks.index(b, j, h / hpg, x)]))
+                                .sum::<f64>()
+                    })
                     .collect();
                 if let Some(max) = scores.iter().copied().reduce(f64::max) {
                     let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();

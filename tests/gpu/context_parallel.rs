@@ -41,7 +41,13 @@ fn tensor(dev: &Device, seed: u64, shape: &[usize]) -> Tensor {
 
 /// This rank's output and `dq`, `dk`, `dv` of the context-parallel attention over `cp` (on the
 /// host), for the inputs `[q, k, v, d_out]` of the whole sequence.
-fn run_cp(dev: &Arc<Device>, cp: &ContextParallel, mask: AttnMaskType, window: Option<(i64, i64)>, inputs: [&Tensor; 4]) -> [Vec<f32>; 4] {
+fn run_cp(
+    dev: &Arc<Device>,
+    cp: &ContextParallel,
+    mask: AttnMaskType,
+    window: Option<(i64, i64)>,
+    inputs: [&Tensor; 4],
+) -> [Vec<f32>; 4] {
     let cp_mask = if mask == AttnMaskType::Causal { AttnMaskType::CausalBottomRight } else { mask };
     let mut attn = module(dev, cp_mask, window);
     let [ql, kl, vl, dl] = inputs.map(|t| cp.shard(dev, t).unwrap());
@@ -99,8 +105,11 @@ fn ring_against_all_gather(dev: &Arc<Device>, pg: &Arc<ProcessGroup>, mask: Attn
     let base = ContextParallel::new(pg.clone()).unwrap();
     let ring = run_cp(dev, &base.clone().with_comm_type(CpCommType::P2p), mask, None, [q, k, v, &d_out]);
     let gather = run_cp(dev, &base.with_comm_type(CpCommType::AllGather), mask, None, [q, k, v, &d_out]);
-    for (what, (a, b), bound) in
-        ["out", "dq", "dk", "dv"].into_iter().zip(ring.iter().zip(&gather)).zip([5e-3, 1e-2, 1e-2, 1e-2]).map(|((w, p), b)| (w, p, b))
+    for (what, (a, b), bound) in ["out", "dq", "dk", "dv"]
+        .into_iter()
+        .zip(ring.iter().zip(&gather))
+        .zip([5e-3, 1e-2, 1e-2, 1e-2])
+        .map(|((w, p), b)| (w, p, b))
     {
         let e = rel_err(a, b);
         eprintln!("rank {} p2p vs all_gather {mask:?}: {what} relative error {e:.2e}", pg.rank());
@@ -177,8 +186,9 @@ fn context_parallel_refuses_what_it_does_not_split() {
         Tensor::from_f32(&dev, DType::F32, shape, &randn(seed, shape.iter().product(), 1.0)).unwrap()
     };
     let (q32, k32, v32) = (f32_input(1, &[6, 1, H, D]), f32_input(2, &[6, 1, G, D]), f32_input(3, &[6, 1, G, D]));
-    let err =
-        module(&dev, AttnMaskType::CausalBottomRight, None).forward_context_parallel(&cp, &q32, &k32, &v32).unwrap_err();
+    let err = module(&dev, AttnMaskType::CausalBottomRight, None)
+        .forward_context_parallel(&cp, &q32, &k32, &v32)
+        .unwrap_err();
     assert!(err.to_string().contains("all_gather"), "{err}");
     let mut unfused = DotProductAttention::new(
         &dev,

@@ -321,8 +321,9 @@ fn cp2_trainer_finetune_records_the_losses_of_one_gpu() {
             trainer.finetune(&mut m, &data, (S, Pack::Blocks), Precision::Bf16, |_| {}).unwrap()
         };
         let one = run(Parallel::default());
-        let parallel =
-            Parallel::with_context(Arc::new(pg), 1, 2, false).and_then(|p| p.with_cp_comm_type(CpCommType::P2p)).unwrap();
+        let parallel = Parallel::with_context(Arc::new(pg), 1, 2, false)
+            .and_then(|p| p.with_cp_comm_type(CpCommType::P2p))
+            .unwrap();
         let cp = run(parallel);
         for (g, w) in cp.records.iter().zip(&one.records) {
             let e = (g.train_loss - w.train_loss).abs() / w.train_loss;

@@ -17,9 +17,8 @@ use super::{
     TransformerLayerConfig,
 };
 use te_codegen::spec::{
-    AttnMergeSpec,
-    ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, FlashAttnSpec, MaskKind,
-    MoePermuteSpec, MoeRouterSpec, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
+    ActivationSpec, AttnMergeSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec,
+    FlashAttnSpec, MaskKind, MoePermuteSpec, MoeRouterSpec, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
 };
 use te_codegen::DType;
 use te_runtime::ops::flash_attention_fp8;

@@ -115,7 +115,8 @@ impl ContextParallel {
     /// [`Error::Argument`] for `send` and `recv` of different counts or byte sizes; NCCL errors
     /// (and those of making the side-stream group at the first call).
     pub fn ring_exchange(&self, send: &[&Tensor], recv: &mut [&mut Tensor]) -> Result<()> {
-        let same = send.len() == recv.len() && send.iter().zip(recv.iter()).all(|(s, r)| s.num_bytes() == r.num_bytes());
+        let same =
+            send.len() == recv.len() && send.iter().zip(recv.iter()).all(|(s, r)| s.num_bytes() == r.num_bytes());
         if !same {
             return Err(Error::Argument {
                 op: MODULE,

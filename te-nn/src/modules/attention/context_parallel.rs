@@ -20,7 +20,7 @@ pub struct CpAttentionCtx(CpSaved);
 enum CpSaved {
     AllGather {
         /// The calls of the rank's first and second query chunks.
-        calls: [AttentionCtx; 2],
+        calls: Box<[AttentionCtx; 2]>,
         /// Tokens a chunk (`c`).
         chunk: usize,
         /// The shapes of the rank's k and v: `[2c, b, g, d]`, `[2c, b, g, dv]`.
@@ -168,7 +168,7 @@ impl DotProductAttention {
         let calls: [AttentionCtx; 2] =
             calls.try_into().map_err(|_| Error::internal(MODULE, "two attention calls, two contexts"))?;
         let kv_shapes = [k.shape().to_vec(), v.shape().to_vec()];
-        Ok((out, CpAttentionCtx(CpSaved::AllGather { calls, chunk: c, kv_shapes })))
+        Ok((out, CpAttentionCtx(CpSaved::AllGather { calls: Box::new(calls), chunk: c, kv_shapes })))
     }
 
     /// The backward of [`DotProductAttention::forward_context_parallel`] for `d_out: [2c, b, h ·
@@ -189,7 +189,7 @@ impl DotProductAttention {
         let dev = self.dev.clone();
         let (calls, c, [k_shape, v_shape]) = match ctx.0 {
             CpSaved::Ring(ring) => return self.ring_backward(cp, *ring, d_out),
-            CpSaved::AllGather { calls, chunk, kv_shapes } => (calls, chunk, kv_shapes),
+            CpSaved::AllGather { calls, chunk, kv_shapes } => (*calls, chunk, kv_shapes),
         };
         if d_out.shape().first() != Some(&(2 * c)) {
             return Err(Error::Shape {

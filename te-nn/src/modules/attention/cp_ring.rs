@@ -16,7 +16,7 @@ use te_runtime::ops::attention_shape::AttentionShape;
 use te_runtime::ops::attn_merge::{self, MergeAcc};
 use te_runtime::ops::elementwise::add_assign_rows;
 use te_runtime::ops::flash_attention::{self, FlashAttnParams, Qkv};
-use te_runtime::{Device, Error, Result, Tensor};
+use te_runtime::{Error, Result, Tensor};
 
 /// What the ring's forward keeps for its backward.
 #[derive(Debug)]
