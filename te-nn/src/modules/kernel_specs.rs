@@ -367,7 +367,9 @@ mod tests {
         specs.clear();
         DotProductAttentionConfig { attention_dropout: 0.1, ..attention }.kernel_specs(&t, &mut specs);
         let dropout = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).with_dropout(true);
-        assert_eq!(specs.len(), 2, "{specs:?}");
+        // The forward and backward, and the context-parallel ring's LSE merge and gradient sum.
+        assert_eq!(specs.len(), 4, "{specs:?}");
+        assert!(specs.contains(&AttnMergeSpec::new(DType::BF16, Arch::Sm90a).into()), "{specs:?}");
         assert!(specs.contains(&dropout.into()), "{specs:?}");
         // fp8_dpa adds the FP8 forward at head_dim 128 on Hopper, nothing at 64 or on Ada.
         let fp8_dpa = KernelTarget { recipe: DelayedScaling { fp8_dpa: true, ..Default::default() }.into(), ..t };
