@@ -1,5 +1,5 @@
-//! Context parallelism (TE's `cp_group` with `cp_comm_type="all_gather"`, Megatron-LM's
-//! `--context-parallel-size`): every sequence of a batch split over the ranks of a context-parallel
+//! Context parallelism (TE's `cp_group` with `cp_comm_type="p2p"` or `"all_gather"`,
+//! Megatron-LM's `--context-parallel-size`): every sequence of a batch split over the ranks of a context-parallel
 //! group along its tokens, so that each rank holds `S / cp` tokens of every layer's activations
 //! and only attention needs the other ranks' tokens.
 //!
@@ -12,9 +12,9 @@
 //! `[S, ...]` tensor into a rank's `[2c, ...]` part, [`ContextParallel::unshard`] puts the parts
 //! back together.
 //!
-//! **The attention's hook** (TE's `AttnFuncWithCPAndKVAllGather`; the attention module calls
-//! it, `DotProductAttention::forward_context_parallel`): [`ContextParallel::gather_sequence`]
-//! all-gathers the ranks' keys and values and puts them in global order, each of the rank's two
+//! **The all-gather** (TE's `AttnFuncWithCPAndKVAllGather`, [`CpCommType::AllGather`]; the
+//! attention module calls it, `DotProductAttention::forward_context_parallel`):
+//! [`ContextParallel::gather_sequence`] all-gathers the ranks' keys and values and puts them in global order, each of the rank's two
 //! query chunks then attends over the keys up to its own end ([`ContextParallel::key_ends`]) with
 //! a causal mask aligned bottom-right; in the backward the two chunks' key and value gradients,
 //! summed over the global sequence, go back to the ranks that hold those tokens
