@@ -111,6 +111,17 @@ mod tests {
         assert!(e.contains("--seq-length 1022") && e.contains("multiple of 2 · 2 = 4"), "{e}");
     }
 
+    /// `--cp-comm-type` takes TE's names, the ring by default, and parses to the library's type.
+    #[test]
+    fn the_exchange_flag_takes_te_names() {
+        use te_nn::parallel::CpCommType;
+        assert_eq!(args(&[]).cp_comm_type.parse::<CpCommType>().unwrap(), CpCommType::P2p);
+        let gather = args(&["--cp-comm-type", "all_gather"]);
+        assert_eq!(gather.cp_comm_type.parse::<CpCommType>().unwrap(), CpCommType::AllGather);
+        let bad = Cli::try_parse_from(["te-train", "--cp-comm-type", "a2a"]);
+        assert!(bad.is_err(), "a2a is not built");
+    }
+
     #[test]
     fn the_summary_names_the_split() {
         assert_eq!(describe_split(1, 1, 4, false), "data parallel");

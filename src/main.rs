@@ -368,6 +368,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
             let group = Arc::new(ProcessGroup::init(dev, env).map_err(|e| e.to_string())?);
             Parallel::with_context(group, a.tensor_parallel, cp, a.sequence_parallel)
                 .and_then(|p| if a.tp_comm_overlap { p.with_tp_comm_overlap(true) } else { Ok(p) })
+                .and_then(|p| p.with_cp_comm_type(a.cp_comm_type.parse()?))
                 .map_err(|e| e.to_string())?
         }
         _ => Parallel::default(),

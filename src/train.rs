@@ -160,14 +160,20 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// With --model: split every sequence over this many GPUs (context parallelism, TE's
-    /// all-gather `cp_group` and Megatron-LM's --context-parallel-size): each rank holds two
+    /// `cp_group` and Megatron-LM's --context-parallel-size): each rank holds two
     /// load-balanced chunks of every window (2·cp chunks, rank r chunks r and 2·cp − 1 − r), so
     /// its activations are those of seq / cp tokens; only attention communicates (the keys and
-    /// values all-gathered). Data parallel over the rest of the ranks, the gradients averaged
+    /// values passed around a ring or all-gathered: --cp-comm-type). Data parallel over the rest of the ranks, the gradients averaged
     /// over context × data. --seq-length must be a multiple of 2 × this. Not with
     /// --tensor-parallel, --pack thd or the GPT presets.
     #[arg(long, default_value_t = 1)]
     pub context_parallel: usize,
+    /// With --context-parallel: how attention gets the other ranks' keys and values (TE's
+    /// cp_comm_type). p2p: passed around a ring of the ranks beside the attention of the ones
+    /// in hand, the outputs merged by their log-sum-exp (the default, as in TE); all_gather:
+    /// all-gathered before the attention.
+    #[arg(long, default_value = "p2p", value_parser = ["p2p", "all_gather"])]
+    pub cp_comm_type: String,
     /// With --tensor-parallel: sequence parallelism (norms, dropout and residuals on each rank's
     /// part of the sequence).
     #[arg(long)]

@@ -128,6 +128,9 @@ pub fn spec_catalog(arch: Arch) -> Vec<KernelSpec> {
             v.push(s.with_epilogue(bias, epilogue).into());
         }
     }
+    for dtype in [DType::BF16, DType::F16] {
+        v.push(AttnMergeSpec::new(dtype, arch).into());
+    }
     for &i in &hp {
         v.push(ArgmaxSpec::new(i, arch).into());
         // The fused qkv + RoPE + cache step: the largest head dim of the dtype, a small one, and

@@ -181,6 +181,41 @@ pub fn forward(shape: &AttentionShape, seq_lens: Option<&[usize]>, q: &[f32], k:
     Forward { out: narrow(&out), probs: narrow(&probs) }
 }
 
+/// The fused forward's `softmax_lse` of the problem `shape`: f32 `[batch, heads, sq]`, `ln Σ_j
+/// exp(scale · q_i · k_j)` over the keys query `i` sees (in f64), `+inf` for a query that sees
+/// none (the kernels' convention).
+///
+/// # Panics
+/// As [`forward`].
+pub fn lse(shape: &AttentionShape, seq_lens: Option<&[usize]>, q: &[f32], k: &[f32]) -> Vec<f32> {
+    let c = shape;
+    check(c, seq_lens, [q.len(), k.len(), c.v_len()]);
+    let (d, hpg, scale) = (c.head_dim, c.heads_per_group(), f64::from(c.scale));
+    let (qs, ks) = (c.q_strides(), c.k_strides());
+    let mut out = vec![f32::INFINITY; c.lse_len()];
+    for b in 0..c.batch {
+        let lengths = c.valid_lengths(seq_lens.map(|l| l[b]));
+        for h in 0..c.heads {
+            for i in 0..c.sq {
+                let scores: Vec<f64> = (0..c.sk)
+                    .filter(|&j| c.attends(lengths, i, j))
+                    .map(|j| {
+                        scale
+                            * (0..d)
+                                .map(|x| f64::from(q[qs.index(b, i, h, x)]) * f64::from(k[ks.index(b, j, h / hpg, x)]))
+                                .sum::<f64>()
+                    })
+                    .collect();
+                if let Some(max) = scores.iter().copied().reduce(f64::max) {
+                    let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                    out[(b * c.heads + h) * c.sq + i] = (max + sum.ln()) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// [`forward`] with the scores soft-capped before the mask and the softmax: `cap · tanh(scale ·
 /// q·k / cap)` (Gemma 2's `attn_logit_softcapping`, transformers' `eager_attention_forward`
 /// with `softcap`; the fused kernels have no softcap). Forward only.

@@ -10,6 +10,7 @@
 pub mod activation;
 pub mod argmax;
 pub mod attention;
+pub mod attn_merge;
 pub mod block_scaling;
 pub mod cast;
 pub mod cast_transpose;

@@ -2,11 +2,13 @@
 //! `Parallel::with_context`, `te train --model … --context-parallel N`): a tiny random Llama
 //! (GQA, 3 layers; and a Gemma 3: sliding windows, a global layer, sandwich and q/k norms, a
 //! tied head) trained a few SGD steps with every sequence split over 2 ranks (each rank its
-//! two load-balanced chunks, RoPE at the global positions, attention over the all-gathered keys
-//! and values, the gradients averaged over context × data by `Parallel::data`) against the same
-//! model on the whole sequences in one process, on the same batches:
+//! two load-balanced chunks, RoPE at the global positions, attention over every rank's keys and
+//! values, passed around the ring (`CpCommType::P2p`, the default; Gemma's sliding-window
+//! layers run the all-gather) or all-gathered, the gradients averaged over context × data by
+//! `Parallel::data`) against the same model on the whole sequences in one process, on the same
+//! batches:
 //!
-//! - BF16: per-step losses within 1e-2 relative, every averaged gradient within 3e-2 (relative
+//! - BF16, under the ring and under the all-gather: per-step losses within 1e-2 relative, every averaged gradient within 3e-2 (relative
 //!   Frobenius; the key and value gradients are summed over the ranks in another order and the
 //!   loss means are taken per rank, so only rounding differs), the weights after the steps
 //!   within 1e-2;
@@ -14,8 +16,8 @@
 //! - FP8 GEMMs under delayed scaling (amaxes reduced over the world, so the ranks' scales are
 //!   those of the whole batch): losses within 3e-2, gradients within 1e-1;
 //! - CP=2 × DP=2 on 4 GPUs against one GPU on the whole global batch (skipped with fewer);
-//! - the trainer's path (`Trainer::finetune` at CP=2 against one GPU on the same windows): the
-//!   recorded train and validation losses within 2e-2.
+//! - the trainer's path (`Trainer::finetune` at CP=2 under the ring against one GPU on the same
+//!   windows): the recorded train and validation losses within 2e-2.
 //!
 //! The ranks run as in [`crate::multi_gpu`]; skip with fewer GPUs or without NCCL.
 
@@ -27,7 +29,7 @@ use te_models::decoder::{DecoderConfig, DecoderWeights};
 use te_models::gpt::MicroBatch;
 use te_nn::fp8::{DelayedScaling, Fp8Autocast, Recipe};
 use te_nn::modules::{Param, ParamKind, ParamMut, Recompute, TokenIds};
-use te_nn::parallel::Parallel;
+use te_nn::parallel::{CpCommType, Parallel};
 use te_nn::Module;
 use te_runtime::dist::ProcessGroup;
 use te_runtime::{DType, Device, Result, Tensor};
@@ -250,33 +252,41 @@ fn delayed() -> Recipe {
 }
 
 /// One rank's checks of `cases` on the Llama (and with `gemma`, the Gemma 3) at context
-/// parallel `cp` over `pg`'s ranks (data parallel over the rest).
-fn check(dev: &Arc<Device>, pg: ProcessGroup, cp: usize, cases: &[(&str, Case)], gemma: bool) {
+/// parallel `cp` over `pg`'s ranks (data parallel over the rest), under each of `comms`.
+fn check(dev: &Arc<Device>, pg: ProcessGroup, cp: usize, cases: &[(&str, Case)], gemma: bool, comms: &[CpCommType]) {
     let world = pg.size();
-    let mut parallel = Parallel::with_context(Arc::new(pg), 1, cp, false).unwrap();
-    assert_eq!(parallel.context_rank().1, cp);
-    assert_eq!(parallel.data_rank().1 * cp, world);
-    assert_eq!(parallel.replica_rank().1, world, "the gradients average over context × data");
-    let mut models = vec![("llama", config())];
-    if gemma {
-        models.push(("gemma3", gemma3()));
-    }
-    let dp = parallel.data_rank().1;
-    for (model, cfg) in models {
-        let w = DecoderLm::new(dev, cfg, DType::BF16).unwrap().to_weights().unwrap();
-        for &(name, case) in cases {
-            let want = whole(dev, &w, case, dp);
-            let got = split(dev, &w, case, &mut parallel);
-            let what = format!("rank {} cp {cp} × dp {dp} {model} {name}", parallel.rank());
-            compare(&what, &got, &want, case);
+    let pg = Arc::new(pg);
+    for &comm in comms {
+        let mut parallel =
+            Parallel::with_context(pg.clone(), 1, cp, false).and_then(|p| p.with_cp_comm_type(comm)).unwrap();
+        assert_eq!(parallel.context_rank().1, cp);
+        assert_eq!(parallel.context().unwrap().comm_type(), comm);
+        assert_eq!(parallel.data_rank().1 * cp, world);
+        assert_eq!(parallel.replica_rank().1, world, "the gradients average over context × data");
+        let mut models = vec![("llama", config())];
+        if gemma {
+            models.push(("gemma3", gemma3()));
+        }
+        let dp = parallel.data_rank().1;
+        for (model, cfg) in models {
+            let w = DecoderLm::new(dev, cfg, DType::BF16).unwrap().to_weights().unwrap();
+            for &(name, case) in cases {
+                let want = whole(dev, &w, case, dp);
+                let got = split(dev, &w, case, &mut parallel);
+                let what = format!("rank {} cp {cp} ({comm}) × dp {dp} {model} {name}", parallel.rank());
+                compare(&what, &got, &want, case);
+            }
         }
     }
 }
 
+/// The ring, TE's default exchange.
+const P2P: &[CpCommType] = &[CpCommType::P2p];
+
 #[test]
 fn cp2_decoder_steps_equal_one_gpu_in_bf16() {
     on_ranks("context_parallel_train::cp2_decoder_steps_equal_one_gpu_in_bf16", 2, Layout::OneNode, |_, dev, pg| {
-        check(dev, pg, 2, &[("bf16", BF16)], true);
+        check(dev, pg, 2, &[("bf16", BF16)], true, &[CpCommType::P2p, CpCommType::AllGather]);
     });
 }
 
@@ -284,7 +294,7 @@ fn cp2_decoder_steps_equal_one_gpu_in_bf16() {
 fn cp2_decoder_steps_with_full_recompute_equal_one_gpu() {
     let test = "context_parallel_train::cp2_decoder_steps_with_full_recompute_equal_one_gpu";
     on_ranks(test, 2, Layout::OneNode, |_, dev, pg| {
-        check(dev, pg, 2, &[("bf16 full recompute", Case { recompute: Recompute::Full, ..BF16 })], true);
+        check(dev, pg, 2, &[("bf16 full recompute", Case { recompute: Recompute::Full, ..BF16 })], true, P2P);
     });
 }
 
@@ -293,7 +303,7 @@ fn cp2_decoder_steps_in_fp8_delayed_scaling_equal_one_gpu() {
     let test = "context_parallel_train::cp2_decoder_steps_in_fp8_delayed_scaling_equal_one_gpu";
     on_ranks(test, 2, Layout::OneNode, |_, dev, pg| {
         let fp8 = Case { fp8: Some(delayed()), recompute: Recompute::None, bounds: (3e-2, 0.125, 3e-2) };
-        check(dev, pg, 2, &[("fp8 delayed", fp8)], false);
+        check(dev, pg, 2, &[("fp8 delayed", fp8)], false, P2P);
     });
 }
 
@@ -307,13 +317,14 @@ fn cp2_dp2_decoder_steps_equal_one_gpu_on_the_global_batch() {
     }
     let test = "context_parallel_train::cp2_dp2_decoder_steps_equal_one_gpu_on_the_global_batch";
     on_ranks(test, 4, Layout::OneNode, |_, dev, pg| {
-        check(dev, pg, 2, &[("bf16", BF16)], false);
+        check(dev, pg, 2, &[("bf16", BF16)], false, P2P);
     });
 }
 
-/// The trainer's path: `Trainer::finetune` of a random decoder at CP=2 (every rank its chunks
-/// of the same windows, the loss means over the group) records the losses of the one-GPU run
-/// on the same windows, and counts each token once.
+/// The trainer's path: `Trainer::finetune` of a random decoder at CP=2 under the ring (every
+/// rank its chunks of the same windows, the keys and values passed around the ranks, the loss
+/// means over the group) records the losses of the one-GPU run on the same windows, and counts
+/// each token once.
 #[test]
 fn cp2_trainer_finetune_records_the_losses_of_one_gpu() {
     use te_train::data::TokenDocs;
@@ -340,7 +351,9 @@ fn cp2_trainer_finetune_records_the_losses_of_one_gpu() {
             trainer.finetune(&mut m, &data, (S, Pack::Blocks), Precision::Bf16, |_| {}).unwrap()
         };
         let one = run(Parallel::default());
-        let parallel = Parallel::with_context(Arc::new(pg), 1, 2, false).unwrap();
+        let parallel = Parallel::with_context(Arc::new(pg), 1, 2, false)
+            .and_then(|p| p.with_cp_comm_type(CpCommType::P2p))
+            .unwrap();
         let cp = run(parallel);
         for (g, w) in cp.records.iter().zip(&one.records) {
             let e = (g.train_loss - w.train_loss).abs() / w.train_loss;

@@ -156,3 +156,32 @@ fn bad_inputs_are_typed_errors() {
     let e = add_assign(&dev, &mut empty_out, &empty).unwrap_err();
     assert!(e.to_string().contains("no elements"), "{e}");
 }
+
+/// `add_assign_rows` (the ring's sums of a span's gradients): rows `row..row + n` of `dst` get
+/// `src` added, bit for bit as `add_assign` on them, the other rows untouched; a span that does
+/// not fit or is misaligned is refused.
+#[test]
+fn add_assign_rows_adds_into_a_span_of_rows() {
+    use te_runtime::ops::elementwise::add_assign_rows;
+    let Some(dev) = device() else { return };
+    for (dst_t, src_t) in [(DType::BF16, DType::BF16), (DType::F32, DType::BF16)] {
+        let (rows, width) = (10, 2 * 3 * 8);
+        let d = input(dst_t, 31, rows * width, &[]);
+        let s = input(src_t, 32, 4 * width, &[]);
+        let mut dst = Tensor::from_f32(&dev, dst_t, &[rows, 2, 3, 8], &d).unwrap();
+        let src = Tensor::from_f32(&dev, src_t, &[4, 2, 3, 8], &s).unwrap();
+        add_assign_rows(&dev, &mut dst, 5, &src).unwrap();
+        let mut want = d.clone();
+        let mut span = want[5 * width..9 * width].to_vec();
+        reference::add_assign(&mut span, dst_t, &s);
+        want[5 * width..9 * width].copy_from_slice(&span);
+        let what = format!("{dst_t} += {src_t} at row 5");
+        assert_bits_eq(&what, &dst.to_bytes(&dev).unwrap(), &numerics::encode(dst_t, &want));
+        let err = add_assign_rows(&dev, &mut dst, 7, &src).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "{err}");
+    }
+    let mut odd = Tensor::zeros(&dev, DType::BF16, &[4, 3]).unwrap();
+    let src = Tensor::zeros(&dev, DType::BF16, &[1, 3]).unwrap();
+    let err = add_assign_rows(&dev, &mut odd, 1, &src).unwrap_err();
+    assert!(err.to_string().contains("16-byte"), "{err}");
+}

@@ -179,8 +179,8 @@ fn mha_step(dev: &Device, m: &mut MultiheadAttention, x: &Tensor, dy: &Tensor, r
     m.qkv_params_mut().zero_grad();
     m.proj_params_mut().zero_grad();
     let (y, ctx) = fp8_autocast(true, recipe, || m.forward(x)).unwrap();
-    assert!(ctx.attention().fp8(), "the attention ran in FP8");
-    let fp8_out = ctx.attention().fp8_output();
+    assert!(ctx.attention().unwrap().fp8(), "the attention ran in FP8");
+    let fp8_out = ctx.attention().unwrap().fp8_output();
     let dx = m.backward(ctx, dy).unwrap();
     let host = |t: Option<&Tensor>| t.unwrap().to_f32(dev).unwrap();
     let flag = vec![f32::from(u8::from(fp8_out))];

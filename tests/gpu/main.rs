@@ -10,6 +10,7 @@ mod common;
 mod activation;
 mod argmax;
 mod attention;
+mod attn_merge;
 mod bert;
 mod bert_graph;
 mod block_quantize;

@@ -27,6 +27,7 @@ mod activation;
 mod argmax;
 mod args;
 mod attention;
+mod attn_merge;
 mod block_quantize;
 mod cast;
 mod cast_transpose;
@@ -53,6 +54,7 @@ pub use activation::{Activation, ActivationSpec};
 pub use argmax::ArgmaxSpec;
 pub use args::{ArgCond, ArgRole, KernelArg, TMA_DESC};
 pub use attention::{AttnMaskType, QkvFormat};
+pub use attn_merge::AttnMergeSpec;
 pub use block_quantize::BlockQuantizeSpec;
 pub use cast::{CastKind, CastSpec};
 pub use cast_transpose::CastTransposeSpec;
@@ -215,6 +217,9 @@ kernel_families! {
     Argmax(ArgmaxSpec) => ["argmax.cu.tera"],
     /// Family 22: the GEMV of a decode step with its norm, bias, activation and residual fused.
     Gemv(GemvSpec) => ["gemv.cu.tera"],
+    /// Family 23: partial attention outputs merged by their log-sum-exp (the ring of context
+    /// parallelism).
+    AttnMerge(AttnMergeSpec) => ["attn_merge.cu.tera"],
 }
 
 impl KernelSpec {

@@ -50,6 +50,7 @@
 mod backend;
 mod config;
 mod context_parallel;
+mod cp_ring;
 mod fp8;
 mod fused;
 mod mask;

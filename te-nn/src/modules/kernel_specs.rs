@@ -17,8 +17,8 @@ use super::{
     TransformerLayerConfig,
 };
 use te_codegen::spec::{
-    ActivationSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec, FlashAttnSpec, MaskKind,
-    MoePermuteSpec, MoeRouterSpec, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
+    ActivationSpec, AttnMergeSpec, CastTransposeSpec, Direction, DropoutSpec, ElementwiseSpec, EmbeddingSpec,
+    FlashAttnSpec, MaskKind, MoePermuteSpec, MoeRouterSpec, NormSpec, RopeSpec, ScalingSpec, SoftmaxSpec,
 };
 use te_codegen::DType;
 use te_runtime::ops::flash_attention_fp8;
@@ -170,7 +170,8 @@ impl MoeMLPConfig {
 impl DotProductAttentionConfig {
     /// The kernels a `DotProductAttention` of this config runs in training for `target`, in the
     /// target's dtype (that of q, k, v). On the fused backend: the FlashAttention-2 forward and
-    /// backward of the head dim (their dropout variants with `attention_dropout`), and with a
+    /// backward of the head dim (their dropout variants with `attention_dropout`), the LSE merge
+    /// and gradient sum of the context-parallel ring, and with a
     /// recipe that sets `fp8_dpa` the FP8 forward (with its `_quantize`) and the FP8 casts and
     /// scaling kernels of the recipe, where the FP8 kernels take the head dim and arch, and the
     /// FP8 backward where its kernels take the call. On the unfused one: the softmax forward for the mask and its
@@ -188,6 +189,10 @@ impl DotProductAttentionConfig {
                         .with_dropout(dropout),
                 ));
             }
+            // The LSE merge and the gradient sums of the context-parallel ring (one small kernel a
+            // dtype: the config does not say whether a run splits its sequences).
+            specs.push(AttnMergeSpec::new(dt, arch).into());
+            specs.push(ElementwiseSpec::add_assign(dt, dt, arch).into());
             // fp8_dpa: the FP8 forward and its casts where the FP8 kernels take the call.
             let d = self.kv_channels;
             let fp8_takes =
@@ -362,7 +367,9 @@ mod tests {
         specs.clear();
         DotProductAttentionConfig { attention_dropout: 0.1, ..attention }.kernel_specs(&t, &mut specs);
         let dropout = FlashAttnSpec::new(Direction::Bwd, DType::BF16, 64, Arch::Sm90a).with_dropout(true);
-        assert_eq!(specs.len(), 2, "{specs:?}");
+        // The forward and backward, and the context-parallel ring's LSE merge and gradient sum.
+        assert_eq!(specs.len(), 4, "{specs:?}");
+        assert!(specs.contains(&AttnMergeSpec::new(DType::BF16, Arch::Sm90a).into()), "{specs:?}");
         assert!(specs.contains(&dropout.into()), "{specs:?}");
         // fp8_dpa adds the FP8 forward at head_dim 128 on Hopper, nothing at 64 or on Ada.
         let fp8_dpa = KernelTarget { recipe: DelayedScaling { fp8_dpa: true, ..Default::default() }.into(), ..t };

@@ -94,11 +94,12 @@ pub struct MultiheadAttentionCtx {
 
 impl MultiheadAttentionCtx {
     /// The attention's context (its backend and FP8 flags); with context parallelism, that of
-    /// the rank's first query chunk.
-    pub fn attention(&self) -> &AttentionCtx {
+    /// the rank's first query chunk under the all-gather, `None` under the ring (which runs the
+    /// fused kernels a step at a time, [`CpAttentionCtx::calls`]).
+    pub fn attention(&self) -> Option<&AttentionCtx> {
         match &self.attn {
-            AttnCtx::Local(c) => c,
-            AttnCtx::Cp(c) => &c.calls()[0],
+            AttnCtx::Local(c) => Some(c),
+            AttnCtx::Cp(c) => c.calls().map(|calls| &calls[0]),
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Context parallelism (TE's `cp_group` with `cp_comm_type="all_gather"`, Megatron-LM's
-//! `--context-parallel-size`): every sequence of a batch split over the ranks of a context-parallel
+//! Context parallelism (TE's `cp_group` with `cp_comm_type="p2p"` or `"all_gather"`,
+//! Megatron-LM's `--context-parallel-size`): every sequence of a batch split over the ranks of a context-parallel
 //! group along its tokens, so that each rank holds `S / cp` tokens of every layer's activations
 //! and only attention needs the other ranks' tokens.
 //!
@@ -12,35 +12,50 @@
 //! `[S, ...]` tensor into a rank's `[2c, ...]` part, [`ContextParallel::unshard`] puts the parts
 //! back together.
 //!
-//! **The attention's hook** (TE's `AttnFuncWithCPAndKVAllGather`; the attention module calls
-//! it, `DotProductAttention::forward_context_parallel`): [`ContextParallel::gather_sequence`]
-//! all-gathers the ranks' keys and values and puts them in global order, each of the rank's two
+//! **The all-gather** (TE's `AttnFuncWithCPAndKVAllGather`, [`CpCommType::AllGather`]; the
+//! attention module calls it, `DotProductAttention::forward_context_parallel`):
+//! [`ContextParallel::gather_sequence`] all-gathers the ranks' keys and values and puts them in global order, each of the rank's two
 //! query chunks then attends over the keys up to its own end ([`ContextParallel::key_ends`]) with
 //! a causal mask aligned bottom-right; in the backward the two chunks' key and value gradients,
 //! summed over the global sequence, go back to the ranks that hold those tokens
 //! ([`ContextParallel::scatter_sequence`], a reduce-scatter of the sum).
 //!
+//! **The ring** (TE's `AttnFuncWithCPAndKVP2P`, [`CpCommType::P2p`], the default as in TE): the
+//! keys and values travel around the group, one rank's a step, on a side stream
+//! ([`ContextParallel::ring_exchange`]) beside the attention of the ones in hand, and the steps'
+//! outputs are merged by their log-sum-exp; the schedule is [`super::cp_ring`]'s.
+//! [`CpCommType::AllGather`] picks the all-gather above.
+//!
 //! Built here: sequence-first layouts (`sbhd`), causal (aligned bottom-right) or no mask, sliding
-//! windows, GQA. Not yet: the ring (p2p) exchange that overlaps the key/value traffic with the
-//! attention, FP8 attention, padding masks and `thd`.
+//! windows (all-gather only: a ring layer with a window runs the all-gather), GQA. Not yet: FP8
+//! attention, padding masks and `thd`.
 
+use super::cp_ring::CpCommType;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use te_runtime::dist::{ProcessGroup, ReduceOp};
 use te_runtime::{Device, Error, Result, Tensor};
 
 const MODULE: &str = "ContextParallel";
 
-/// The context-parallel group and the sequence split over it (see the module docs).
+/// The context-parallel group, the sequence split over it and how the attention exchanges keys
+/// and values (see the module docs).
 #[derive(Debug, Clone)]
 pub struct ContextParallel {
     /// The context-parallel ranks, on the device's stream.
     group: Arc<ProcessGroup>,
+    /// TE's `cp_comm_type`.
+    comm_type: CpCommType,
+    /// The side-stream copy of `group` the ring's transfers run on, made at the first use
+    /// (shared by the clones: one communicator for every layer).
+    ring: Arc<OnceLock<Arc<ProcessGroup>>>,
 }
 
 impl ContextParallel {
     /// Context parallelism over `group` (on the device's stream; every rank of a group holds
-    /// parts of the same sequences).
+    /// parts of the same sequences) with the ring exchange ([`CpCommType::P2p`], TE's default;
+    /// [`ContextParallel::with_comm_type`] picks another). The ring's side-stream group is made
+    /// at the first ring exchange or by [`ContextParallel::prepare`] (collective).
     ///
     /// # Errors
     /// [`Error::Argument`] for a group on a side stream (the attention's collectives are
@@ -52,7 +67,84 @@ impl ContextParallel {
                 message: "the group runs its collectives on a side stream: pass a group on the device's stream".into(),
             });
         }
-        Ok(Self { group })
+        Ok(Self { group, comm_type: CpCommType::default(), ring: Arc::default() })
+    }
+
+    /// The same group with the key/value exchange `comm_type` (TE's `cp_comm_type`).
+    pub fn with_comm_type(mut self, comm_type: CpCommType) -> Self {
+        self.comm_type = comm_type;
+        self
+    }
+
+    /// How the attention exchanges keys and values.
+    pub fn comm_type(&self) -> CpCommType {
+        self.comm_type
+    }
+
+    /// Makes the ring's side-stream group now under [`CpCommType::P2p`] (collective: every rank
+    /// of the group calls it at the same point, before any CUDA graph capture); nothing to do
+    /// under all-gather or once made.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::with_side_stream`].
+    pub fn prepare(&self) -> Result<()> {
+        if self.comm_type == CpCommType::P2p && self.size() > 1 {
+            self.ring_group()?;
+        }
+        Ok(())
+    }
+
+    /// The side-stream copy of the group the ring's transfers run on, made at the first call
+    /// (collective, as [`ContextParallel::prepare`]).
+    fn ring_group(&self) -> Result<Arc<ProcessGroup>> {
+        if let Some(g) = self.ring.get() {
+            return Ok(g.clone());
+        }
+        let made = Arc::new(self.group.with_side_stream()?);
+        Ok(self.ring.get_or_init(|| made).clone())
+    }
+
+    /// One step of the ring: sends each of `send` to the next rank (`rank + 1 mod cp`) and
+    /// receives into each of `recv` from the previous one, as one NCCL group on the ring's side
+    /// stream (after the device stream's work issued so far), so that the caller's kernels run
+    /// meanwhile; [`ContextParallel::ring_wait`] makes the device stream wait for it. Every rank
+    /// passes tensors of the same shapes in the same order; the caller neither writes `send`
+    /// nor touches `recv` (buffers of their own, not shared clones) until the wait.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for `send` and `recv` of different counts or byte sizes; NCCL errors
+    /// (and those of making the side-stream group at the first call).
+    pub fn ring_exchange(&self, send: &[&Tensor], recv: &mut [&mut Tensor]) -> Result<()> {
+        let same =
+            send.len() == recv.len() && send.iter().zip(recv.iter()).all(|(s, r)| s.num_bytes() == r.num_bytes());
+        if !same {
+            return Err(Error::Argument {
+                op: MODULE,
+                message: "the ring sends and receives the same buffers: pass as many, of the same sizes".into(),
+            });
+        }
+        let ring = self.ring_group()?;
+        let (cp, r) = (self.size(), self.rank());
+        let (next, prev) = ((r + 1) % cp, (r + cp - 1) % cp);
+        ring.grouped(|| {
+            for (s, d) in send.iter().zip(recv.iter_mut()) {
+                ring.send(*s, next)?;
+                ring.recv(&mut **d, prev)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Makes the device stream wait for the ring's transfers issued so far (their received
+    /// buffers readable, their sent ones writable again).
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn ring_wait(&self) -> Result<()> {
+        match self.ring.get() {
+            Some(ring) => ring.wait(),
+            None => Ok(()),
+        }
     }
 
     /// The context-parallel group.

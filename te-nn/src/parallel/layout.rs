@@ -14,7 +14,7 @@
 //! scales.
 
 use super::data_parallel::{mean, DataParallel};
-use super::{ContextParallel, DeviceMesh, MeshAxis, MeshShape, TpConfig};
+use super::{ContextParallel, CpCommType, DeviceMesh, MeshAxis, MeshShape, TpConfig};
 use std::sync::Arc;
 use te_runtime::dist::ProcessGroup;
 use te_runtime::{Error, Result};
@@ -51,7 +51,9 @@ impl Parallel {
     /// The groups of `world`'s ranks as tensor × context × data ([`MeshShape::tensor_context_data`],
     /// Megatron-LM's `tp-cp-dp`): tensor-parallel groups of `tensor_parallel` ranks (with
     /// `sequence_parallel`), context-parallel groups of `context_parallel` ranks (each
-    /// sequence split over them, [`Parallel::context`]), data parallelism over the rest, and
+    /// sequence split over them, [`Parallel::context`]; the ring exchange, its side-stream group
+    /// made at the first forward unless [`Parallel::with_cp_comm_type`] made it or picked
+    /// all-gather), data parallelism over the rest, and
     /// the gradients averaged over context × data ([`Parallel::data`]). A size-1 part is left
     /// out (no group, no collectives). Every rank of `world` must call it with the same
     /// arguments.
@@ -107,6 +109,22 @@ impl Parallel {
             let tp = tp.with_comm_overlap(on);
             tp.prepare_comm_overlap()?;
             self.tensor = Some(tp);
+        }
+        Ok(self)
+    }
+
+    /// Sets how the context-parallel attention exchanges keys and values (TE's `cp_comm_type`;
+    /// [`CpCommType::P2p`], the ring, unless set): under p2p the ring's side-stream group is
+    /// made here (collective: every rank calls it at the same point, before the model's first
+    /// forward and any CUDA graph capture). Nothing to do without context parallelism.
+    ///
+    /// # Errors
+    /// NCCL errors making the side-stream group.
+    pub fn with_cp_comm_type(mut self, comm_type: CpCommType) -> Result<Self> {
+        if let Some(cp) = self.context.take() {
+            let cp = cp.with_comm_type(comm_type);
+            cp.prepare()?;
+            self.context = Some(cp);
         }
         Ok(self)
     }

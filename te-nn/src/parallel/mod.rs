@@ -25,8 +25,9 @@
 //!   buffers just before they are read, the next group's gather prefetched on a side stream.
 //!
 //! - **Context parallelism** ([`ContextParallel`]): every sequence split over the ranks of the
-//!   context axis in load-balanced chunks, attention over the all-gathered keys and values
-//!   (TE's `cp_comm_type="all_gather"`), their gradients reduce-scattered back;
+//!   context axis in load-balanced chunks, attention over the other ranks' keys and values,
+//!   passed around a ring beside the attention (TE's `cp_comm_type="p2p"`, the default,
+//!   [`cp_ring`]) or all-gathered (`"all_gather"`, [`CpCommType`]);
 //!   `MultiheadAttention::set_context_parallel` and `te_models`' `DecoderLm` train with it.
 //!
 //! The collectives are `te_runtime::dist`'s; the amax reduction of FP8 scaling is the autocast
@@ -37,6 +38,7 @@
 
 mod collectives;
 pub(crate) mod context_parallel;
+pub mod cp_ring;
 mod data_parallel;
 mod device_mesh;
 mod gemm;
@@ -51,6 +53,7 @@ pub mod shard;
 pub mod tensor_parallel;
 
 pub use context_parallel::ContextParallel;
+pub use cp_ring::CpCommType;
 pub use data_parallel::DataParallel;
 pub use device_mesh::DeviceMesh;
 pub use gemm::GemmParallel;

@@ -544,6 +544,11 @@ mod tests {
             let (dt, ffn, act, arch) =
                 (cfg.layer.params_dtype, cfg.layer.ffn_hidden_size, cfg.layer.activation, Arch::Sm90a);
             let mut want = old_kernel_specs(&cfg, arch);
+            // The context-parallel ring's LSE merge, where attention runs fused.
+            let (heads, hidden) = (cfg.layer.num_attention_heads, cfg.layer.hidden_size);
+            if DotProductAttentionConfig::new(heads, hidden / heads).runs_fused(dt, arch) {
+                want.push(AttnMergeSpec::new(dt, arch).into());
+            }
             want.push(DropoutSpec::forward(dt, dt, false, true, arch).into());
             want.push(ActivationSpec::new(act, Direction::Fwd, dt, dt, ffn, false, arch).into());
             want.push(ActivationSpec::new(act, Direction::Bwd, dt, dt, ffn, false, arch).into());

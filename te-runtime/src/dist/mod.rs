@@ -2,7 +2,7 @@
 //! variables) and the rendezvous that hands rank 0's bytes (the NCCL unique id) to every rank
 //! ([`rendezvous::broadcast_bytes`], bounded by a timeout); the NCCL process group
 //! ([`ProcessGroup`]: all-reduce, all-gather, reduce-scatter, reduce to a root, broadcast,
-//! barrier on the device's stream or on a side stream, whose progress a [`SideMark`] marks;
+//! barrier, point-to-point send and receive on the device's stream or on a side stream, whose progress a [`SideMark`] marks;
 //! sub-groups by `ncclCommSplit`; [`reduce_amax_max`], TE's amax reduction), which checks that
 //! NCCL loads before using it ([`nccl_available`]), with a watchdog that aborts a group whose
 //! collective never completes (a rank died) after `TE_DIST_TIMEOUT_S` ([`watchdog`]). Processes
@@ -14,6 +14,7 @@ mod nccl;
 mod nccl_args;
 mod nccl_lib;
 mod nccl_ops;
+mod nccl_p2p;
 mod nccl_reduce;
 pub mod rendezvous;
 pub mod watchdog;

@@ -68,6 +68,46 @@ pub fn add_assign(dev: &Device, dst: &mut Tensor, src: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `dst[row + i] += src[i]` in place over the rows of `src`: [`add_assign`] into the rows
+/// `row .. row + src_rows` of `dst` (both viewed as `[rows, cols]` over their first dim, the
+/// trailing dims equal): the gradient of a span of a sequence-first tensor (`sbhd`) added where
+/// that span sits, with no copy of it. Same math as [`add_assign`].
+///
+/// # Errors
+/// As [`add_assign`]; [`crate::Error::Shape`] when the trailing dims differ, the rows run past
+/// `dst`'s or the span does not start on a 16-byte boundary (a row of a whole number of 16-byte
+/// vectors, as attention's head dims give).
+pub fn add_assign_rows(dev: &Device, dst: &mut Tensor, row: usize, src: &Tensor) -> Result<()> {
+    const OP: &str = "add_assign_rows";
+    check_dtype(OP, "dst", dst, DType::is_high_precision, HIGH_PRECISION)?;
+    check_dtype(OP, "src", src, DType::is_high_precision, HIGH_PRECISION)?;
+    check_nonempty(OP, "src", src)?;
+    let (d, s) = (dst.shape(), src.shape());
+    let per_row: usize = d.iter().skip(1).product();
+    let start = row * per_row * dst.dtype().size_bytes();
+    if d.len() != s.len() || d.get(1..) != s.get(1..) || row + s[0] > d[0] || start % 16 != 0 {
+        return Err(crate::Error::Shape {
+            op: OP,
+            message: format!(
+                "src {s:?} added from row {row} of dst {d:?}: the trailing dims must match, the rows fit, and the \
+                 span start on a 16-byte boundary"
+            ),
+        });
+    }
+    let spec = ElementwiseSpec::add_assign(dst.dtype(), src.dtype(), dev.arch());
+    let f = dev.function(&KernelSpec::Elementwise(spec), 0)?;
+    let numel = src.numel();
+    let n = numel as u64;
+    let bytes = numel * dst.dtype().size_bytes();
+    let mut span = dst.data_mut()?.slice_mut(start..start + bytes);
+    let mut builder = Launch::new(OP, dev.stream(), &f, &spec, 0);
+    builder.ptr("dst", &mut span).ptr("src", src.data()).scalar("n", &n);
+    // SAFETY: as `add_assign`'s, for the span of `dst` (inside it and 16-byte aligned, checked
+    // above) and `src`, distinct allocations.
+    unsafe { builder.launch(launch_config(dev, &spec, numel)) }?;
+    Ok(())
+}
+
 /// `dst *= alpha` in place: `dst[i] = round(f32(dst[i]) · alpha)` (f32 math, rounded once to
 /// `dst`'s dtype; `alpha` as given: Gemma's embedding multiplier is passed already rounded to the
 /// model's dtype, as transformers does).

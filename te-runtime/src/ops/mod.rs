@@ -5,6 +5,7 @@
 pub mod activation;
 pub mod argmax;
 pub mod attention_shape;
+pub mod attn_merge;
 pub mod block_quantize;
 pub mod cast;
 pub mod cast_transpose;

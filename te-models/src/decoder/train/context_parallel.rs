@@ -1,5 +1,6 @@
 //! Context parallelism of a [`DecoderLm`] ([`DecoderLm::set_context_parallel`]; TE's context
-//! parallelism with `cp_comm_type="all_gather"`, Megatron-LM's `--context-parallel-size`):
+//! parallelism with `cp_comm_type="p2p"` (the ring, the default) or `"all_gather"`, as the
+//! [`ContextParallel`] says; Megatron-LM's `--context-parallel-size`):
 //! every sequence of a batch split over the ranks of a context-parallel group in load-balanced
 //! chunks ([`ContextParallel`]: rank `r` of `cp` holds chunks `r` and `2·cp − 1 − r` of `2·cp`),
 //! each rank running the embedding, the layers, the final norm, the LM head and the loss on its
@@ -22,7 +23,7 @@ impl DecoderLm {
     /// this rank's targets (every rank holds equally many tokens, so averaging the gradients
     /// over the group gives those of the whole sequences' mean), and every rank of `cp` runs the
     /// same forwards and backwards. Full recompute ([`DecoderLm::set_recompute`]) works with
-    /// it (the recomputed forward gathers the keys and values again).
+    /// it (the recomputed forward exchanges the keys and values again).
     ///
     /// # Errors
     /// The attention's refusals ([`Error::Config`]: tensor parallelism). Packed documents

@@ -1,30 +1,59 @@
-//! The context-parallel forward and backward of [`DotProductAttention`] (TE's
-//! `AttnFuncWithCPAndKVAllGather`): this rank's two query chunks over every rank's keys and
-//! values, through the hook of [`ContextParallel`] (see `te_nn::parallel`'s context-parallel
-//! docs for the split).
+//! The context-parallel forward and backward of [`DotProductAttention`]: this rank's two query
+//! chunks over every rank's keys and values, through the hook of [`ContextParallel`] (see
+//! `te_nn::parallel`'s context-parallel docs for the split), by the ring ([`CpCommType::P2p`],
+//! TE's `AttnFuncWithCPAndKVP2P`, in `cp_ring.rs`) or the all-gather (TE's
+//! `AttnFuncWithCPAndKVAllGather`, here).
 
+use super::cp_ring::RingCtx;
 use super::{AttentionCtx, AttnMaskType, DotProductAttention, QkvFormat, MODULE};
 use crate::parallel::context_parallel::{local_shape, pad_rows, stack};
-use crate::parallel::ContextParallel;
+use crate::parallel::{ContextParallel, CpCommType};
 use te_runtime::ops::elementwise::add_assign;
 use te_runtime::{Error, Result, Tensor};
 
-/// What [`DotProductAttention::forward_context_parallel`] keeps for the backward: the contexts
-/// of its two attention calls and the sizes of the problem.
+/// What [`DotProductAttention::forward_context_parallel`] keeps for the backward.
 #[derive(Debug)]
-pub struct CpAttentionCtx {
-    /// The calls of the rank's first and second query chunks.
-    calls: [AttentionCtx; 2],
-    /// Tokens a chunk (`c`).
-    chunk: usize,
-    /// The shapes of the rank's k and v: `[2c, b, g, d]`, `[2c, b, g, dv]`.
-    kv_shapes: [Vec<usize>; 2],
+pub struct CpAttentionCtx(CpSaved);
+
+/// The all-gather's calls or the ring's state.
+#[derive(Debug)]
+enum CpSaved {
+    AllGather {
+        /// The calls of the rank's first and second query chunks.
+        calls: Box<[AttentionCtx; 2]>,
+        /// Tokens a chunk (`c`).
+        chunk: usize,
+        /// The shapes of the rank's k and v: `[2c, b, g, d]`, `[2c, b, g, dv]`.
+        kv_shapes: [Vec<usize>; 2],
+    },
+    Ring(Box<RingCtx>),
 }
 
 impl CpAttentionCtx {
-    /// The contexts of the rank's two attention calls (its first and second query chunk).
-    pub fn calls(&self) -> &[AttentionCtx; 2] {
-        &self.calls
+    /// The contexts of the all-gather's two attention calls (the rank's first and second query
+    /// chunk); `None` for the ring, which runs the fused kernels a step at a time.
+    pub fn calls(&self) -> Option<&[AttentionCtx; 2]> {
+        match &self.0 {
+            CpSaved::AllGather { calls, .. } => Some(calls),
+            CpSaved::Ring(_) => None,
+        }
+    }
+
+    /// The exchange that ran: [`CpCommType::P2p`] (the ring) or [`CpCommType::AllGather`].
+    pub fn comm_type(&self) -> CpCommType {
+        match &self.0 {
+            CpSaved::AllGather { .. } => CpCommType::AllGather,
+            CpSaved::Ring(_) => CpCommType::P2p,
+        }
+    }
+
+    /// Device bytes held only for the backward: the two calls' ([`AttentionCtx::saved_bytes`]),
+    /// or the ring's merged `softmax_lse` (f32 `[b, h, 2c]`) and its second half.
+    pub fn saved_bytes(&self) -> usize {
+        match &self.0 {
+            CpSaved::AllGather { calls, .. } => calls.iter().map(AttentionCtx::saved_bytes).sum(),
+            CpSaved::Ring(r) => r.saved_bytes(),
+        }
     }
 }
 
@@ -46,20 +75,28 @@ impl DotProductAttention {
 
     /// Causal (or unmasked) attention of this rank's queries over every rank of `cp`'s keys and
     /// values: `q: [2c, b, h, d]`, `k: [2c, b, g, d]`, `v: [2c, b, g, dv]` (sbhd; this rank's
-    /// two chunks, [`ContextParallel::shard`]'s layout). The keys and values are all-gathered in
-    /// global order and each query chunk attends over the keys up to its own end
-    /// ([`ContextParallel::key_ends`]), one fused call each. Returns the output `[2c, b, h · dv]`
+    /// two chunks, [`ContextParallel::shard`]'s layout). Returns the output `[2c, b, h · dv]`
     /// (this rank's rows of the whole sequence's attention output) and the context for
     /// [`DotProductAttention::backward_context_parallel`]. Every rank of the group calls it
     /// with its part of the same sequences.
+    ///
+    /// Under [`CpCommType::P2p`] (the ring, `te_nn::parallel::cp_ring`) the keys and values
+    /// travel around the group beside the fused attention of the ones in hand and the steps'
+    /// outputs are merged by their LSE in f32; it runs the fused kernels (bf16/f16, their head
+    /// dims) and a layer with a sliding window runs the all-gather instead (TE's ring takes no
+    /// window). Under [`CpCommType::AllGather`] the keys and values are all-gathered in global
+    /// order and each query chunk attends over the keys up to its own end
+    /// ([`ContextParallel::key_ends`]), one call each.
     ///
     /// # Errors
     /// [`Error::Config`] for a layout other than `sbhd`, a mask other than
     /// [`AttnMaskType::CausalBottomRight`] or [`AttnMaskType::NoMask`] (a top-left causal mask
     /// would mask a chunk's queries against its own position instead of the global one: use
     /// `CausalBottomRight`, the same mask where queries and keys are equally many), or an FP8
-    /// attention (`fp8_dpa`; not built with context parallelism); [`Error::Shape`] for parts of
-    /// an odd or mismatched length; the attention's, NCCL, allocation and copy errors.
+    /// attention (`fp8_dpa`; not built with context parallelism), or under the ring a call the
+    /// fused kernels do not take (dtype, head dim, a forced unfused backend: the message says
+    /// to use all_gather); [`Error::Shape`] for parts of an odd or mismatched length; the
+    /// attention's, NCCL, allocation and copy errors.
     pub fn forward_context_parallel(
         &mut self,
         cp: &ContextParallel,
@@ -103,6 +140,10 @@ impl DotProductAttention {
                 ),
             });
         }
+        if cp.comm_type() == CpCommType::P2p && self.cfg.window_size.is_none() {
+            let (out, ring) = self.ring_forward(cp, [q, k, v], causal)?;
+            return Ok((out, CpAttentionCtx(CpSaved::Ring(Box::new(ring)))));
+        }
         let c = local / 2;
         let k_all = cp.gather_sequence(&dev, k, c)?;
         let v_all = cp.gather_sequence(&dev, v, c)?;
@@ -126,17 +167,19 @@ impl DotProductAttention {
         let out = stack(&dev, &outs, &local_shape(outs[0].shape(), c))?;
         let calls: [AttentionCtx; 2] =
             calls.try_into().map_err(|_| Error::internal(MODULE, "two attention calls, two contexts"))?;
-        Ok((out, CpAttentionCtx { calls, chunk: c, kv_shapes: [k.shape().to_vec(), v.shape().to_vec()] }))
+        let kv_shapes = [k.shape().to_vec(), v.shape().to_vec()];
+        Ok((out, CpAttentionCtx(CpSaved::AllGather { calls: Box::new(calls), chunk: c, kv_shapes })))
     }
 
     /// The backward of [`DotProductAttention::forward_context_parallel`] for `d_out: [2c, b, h ·
     /// dv]` (this rank's rows of the output's gradient): `(dq, dk, dv)` in the shapes of this
     /// rank's q, k and v. The key and value gradients of all ranks' queries are summed over the
-    /// group (a reduce-scatter), so every rank calls it.
+    /// group (around the ring, one step behind their keys and values, in q's dtype as TE's ring
+    /// does; or a reduce-scatter), so every rank calls it.
     ///
     /// # Errors
-    /// [`Error::Shape`] for a `d_out` of another length; the attention's, NCCL, allocation and
-    /// copy errors.
+    /// [`Error::Context`] for a context of another module; [`Error::Shape`] for a `d_out` of
+    /// another length; the attention's, NCCL, allocation and copy errors.
     pub fn backward_context_parallel(
         &mut self,
         cp: &ContextParallel,
@@ -144,7 +187,10 @@ impl DotProductAttention {
         d_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let dev = self.dev.clone();
-        let CpAttentionCtx { calls, chunk: c, kv_shapes: [k_shape, v_shape] } = ctx;
+        let (calls, c, [k_shape, v_shape]) = match ctx.0 {
+            CpSaved::Ring(ring) => return self.ring_backward(cp, *ring, d_out),
+            CpSaved::AllGather { calls, chunk, kv_shapes } => (*calls, chunk, kv_shapes),
+        };
         if d_out.shape().first() != Some(&(2 * c)) {
             return Err(Error::Shape {
                 op: MODULE,
