@@ -232,12 +232,13 @@ fn compare(what: &str, got: &Run, want: &Run, case: Case) {
     // printed.
     let flat = |r: &[(String, Vec<f32>)]| r.iter().flat_map(|(_, v)| v.iter().copied()).collect::<Vec<f32>>();
     let whole = rel_err(&flat(&got.weights), &flat(&want.weights));
+    let none = String::new();
     let worst = got
         .weights
         .iter()
         .zip(&want.weights)
         .map(|((p, g), (_, w))| (rel_err(g, w), p))
-        .fold((0.0, &String::new()), |a, b| if b.0 > a.0 { b } else { a });
+        .fold((0.0, &none), |a, b| if b.0 > a.0 { b } else { a });
     eprintln!(
         "{what}: weights after {STEPS} steps: relative error {whole:.2e}; worst tensor {} {:.2e}",
         worst.1, worst.0
