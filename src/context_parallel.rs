@@ -50,8 +50,9 @@ pub fn context_parallel(a: &TrainArgs, world: usize, seq: Option<usize>) -> Resu
 }
 
 /// How the run is split, for its first line and summary: `data parallel`, `tensor parallel 2 ×
-/// data parallel 2`, `context parallel 2`, `context parallel 2 × data parallel 2`, ….
-pub fn describe_split(tp: usize, cp: usize, dp: usize, sequence_parallel: bool) -> String {
+/// data parallel 2`, `context parallel 2 (p2p)`, `context parallel 2 (all_gather) × data
+/// parallel 2`, … (`cp_comm_type`: `--cp-comm-type`).
+pub fn describe_split(tp: usize, cp: usize, dp: usize, sequence_parallel: bool, cp_comm_type: &str) -> String {
     let mut parts = Vec::new();
     if tp > 1 {
         let sp = if sequence_parallel { " + sequence parallel" } else { "" };
@@ -62,7 +63,7 @@ pub fn describe_split(tp: usize, cp: usize, dp: usize, sequence_parallel: bool) 
         });
     }
     if cp > 1 {
-        parts.push(format!("context parallel {cp}"));
+        parts.push(format!("context parallel {cp} ({cp_comm_type})"));
     }
     if dp > 1 {
         parts.push(if parts.is_empty() { "data parallel".to_string() } else { format!("data parallel {dp}") });
@@ -124,10 +125,10 @@ mod tests {
 
     #[test]
     fn the_summary_names_the_split() {
-        assert_eq!(describe_split(1, 1, 4, false), "data parallel");
-        assert_eq!(describe_split(2, 1, 1, true), "tensor parallel + sequence parallel");
-        assert_eq!(describe_split(2, 1, 2, false), "tensor parallel 2 × data parallel 2");
-        assert_eq!(describe_split(1, 2, 1, false), "context parallel 2");
-        assert_eq!(describe_split(1, 2, 2, false), "context parallel 2 × data parallel 2");
+        assert_eq!(describe_split(1, 1, 4, false, "p2p"), "data parallel");
+        assert_eq!(describe_split(2, 1, 1, true, "p2p"), "tensor parallel + sequence parallel");
+        assert_eq!(describe_split(2, 1, 2, false, "p2p"), "tensor parallel 2 × data parallel 2");
+        assert_eq!(describe_split(1, 2, 1, false, "p2p"), "context parallel 2 (p2p)");
+        assert_eq!(describe_split(1, 2, 2, false, "all_gather"), "context parallel 2 (all_gather) × data parallel 2");
     }
 }

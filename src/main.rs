@@ -393,7 +393,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
     let where_ = match (&dev, &dist) {
         (Some(d), Some(e)) => {
             let ((_, dp), (_, tp), (_, cp)) = (parallel.data_rank(), parallel.tensor_rank(), parallel.context_rank());
-            let split = te::context_parallel::describe_split(tp, cp, dp, a.sequence_parallel);
+            let split = te::context_parallel::describe_split(tp, cp, dp, a.sequence_parallel, &a.cp_comm_type);
             format!("{} × device {} ({split})", e.world_size, d.name())
         }
         (Some(d), None) => format!("device {}", d.name()),

@@ -204,6 +204,57 @@ mod tests {
         }
     }
 
+    /// The ring's forward on the CPU oracle: each rank's steps (the keys and values of the rank
+    /// in hand, the schedule's query rows and key prefix, its mask) merged by the LSE merge give
+    /// that rank's rows of the whole sequence's attention, causal or not, with GQA.
+    #[test]
+    fn merged_steps_on_the_oracle_are_the_whole_attention() {
+        use te_codegen::spec::AttnMaskType;
+        use te_reference::{attention, attn_merge};
+        use te_runtime::ops::attention_shape::{AttentionShape, QkvLayout};
+        let (c, b, h, g, d) = (3, 2, 4, 2, 8);
+        let values = |seed: usize, n: usize| -> Vec<f32> {
+            (0..n).map(|i| (((i * 7919 + seed * 104_729) % 97) as f32 - 48.0) / 40.0).collect()
+        };
+        // Rows `range` of a sequence-first buffer of `per` values a row.
+        let rows = |x: &[f32], per: usize, r: std::ops::Range<usize>| x[r.start * per..r.end * per].to_vec();
+        for cp in 1..=3 {
+            let s = 2 * cp * c;
+            let whole = AttentionShape::new(QkvLayout::Sbhd, b, (s, s), (h, g), d);
+            let (q, k, v) = (values(1, whole.q_len()), values(2, whole.kv_len()), values(3, whole.v_len()));
+            let (qp, kp, op) = (b * h * d, b * g * d, b * h * d);
+            // A rank's local rows: its chunks r and 2·cp − 1 − r stacked.
+            let local = |x: &[f32], per: usize, r: usize| {
+                [chunk_ids(cp, r)[0], chunk_ids(cp, r)[1]]
+                    .iter()
+                    .flat_map(|&i| rows(x, per, i * c..(i + 1) * c))
+                    .collect::<Vec<_>>()
+            };
+            for causal in [true, false] {
+                let mask = if causal { AttnMaskType::Causal } else { AttnMaskType::NoMask };
+                let want = attention::forward(&whole.with_mask(mask, None), None, &q, &k, &v).out;
+                for r in 0..cp {
+                    let acc = AttentionShape { sq: 2 * c, sk: 2 * c, ..whole };
+                    let (mut out, mut lse) = (vec![0.0; acc.out_len()], vec![0.0; acc.lse_len()]);
+                    let ql = local(&q, qp, r);
+                    for st in ring_schedule(cp, r, causal) {
+                        let (kl, vl) = (local(&k, kp, st.kv_rank), local(&v, kp, st.kv_rank));
+                        let (qr, kr) = (st.queries.rows(c), st.keys.rows(c));
+                        let mask = if st.causal { AttnMaskType::Causal } else { AttnMaskType::NoMask };
+                        let shape = AttentionShape { sq: qr.len(), sk: kr.len(), ..whole }.with_mask(mask, None);
+                        let (qs, ks, vs) = (rows(&ql, qp, qr.clone()), rows(&kl, kp, kr.clone()), rows(&vl, kp, kr));
+                        let o = attention::forward(&shape, None, &qs, &ks, &vs).out;
+                        let l = attention::lse(&shape, None, &qs, &ks);
+                        attn_merge::merge_step(&acc, &mut out, &mut lse, &shape, &o, &l, qr.start, st.step == 0);
+                    }
+                    for (i, (got, want)) in out.iter().zip(local(&want, op, r)).enumerate() {
+                        assert!((got - want).abs() < 1e-5, "cp {cp} rank {r} causal {causal}: [{i}] {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn comm_types_parse_by_te_names() {
         assert_eq!("p2p".parse::<CpCommType>().unwrap(), CpCommType::P2p);

@@ -140,7 +140,11 @@ impl DotProductAttention {
                 ),
             });
         }
-        if cp.comm_type() == CpCommType::P2p && self.cfg.window_size.is_none() {
+        // The ring takes no sliding window (TE's neither): a window that limits anything runs the
+        // all-gather; an unbounded one ((-1, -1), or (-1, 0) of the causal mask) is none.
+        let no_window =
+            self.cfg.window_size.is_none_or(|(left, right)| left < 0 && (right < 0 || (causal && right == 0)));
+        if cp.comm_type() == CpCommType::P2p && no_window {
             let (out, ring) = self.ring_forward(cp, [q, k, v], causal)?;
             return Ok((out, CpAttentionCtx(CpSaved::Ring(Box::new(ring)))));
         }

@@ -3,7 +3,8 @@
 //! rank's `2c` tokens of every sequence ([`ContextParallel::shard`]'s layout), the projections,
 //! the q/k norms and RoPE run on them as they are (the caller gives the rotary angles of the
 //! tokens' global positions, [`ContextParallel::positions`]), and the attention runs through
-//! [`DotProductAttention::forward_context_parallel`] over every rank's keys and values.
+//! [`DotProductAttention::forward_context_parallel`] over every rank's keys and values (passed
+//! around the ring or all-gathered, as the group's [`ContextParallel::comm_type`] says).
 
 use super::{AttentionInputs, MultiheadAttention, MODULE};
 use crate::modules::attention::{AttnMaskType, CpAttentionCtx, QkvFormat};
@@ -15,9 +16,10 @@ impl MultiheadAttention {
     /// sequence on this rank, the default). The hidden states are then each rank's part
     /// `[2c, b, hidden]` (its chunks `r` and `2·cp − 1 − r`, [`ContextParallel::shard`]), the
     /// rotary angles `[2c, d]` those of the tokens' global positions, and the output this
-    /// rank's rows of the whole sequence's; the attention is TE's all-gather context
-    /// parallelism (a causal mask runs as [`AttnMaskType::CausalBottomRight`] at each chunk's
-    /// global position). Every rank of `cp` runs the same forwards and backwards.
+    /// rank's rows of the whole sequence's; the attention is TE's context parallelism with the
+    /// group's `cp_comm_type` (the ring or the all-gather, [`ContextParallel::comm_type`]; a
+    /// causal mask runs as [`AttnMaskType::CausalBottomRight`] at each chunk's global position).
+    /// Every rank of `cp` runs the same forwards and backwards.
     ///
     /// # Errors
     /// [`Error::Config`] for what is not built with context parallelism: tensor parallelism
