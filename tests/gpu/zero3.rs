@@ -31,7 +31,7 @@ use te_runtime::dist::ProcessGroup;
 use te_runtime::{DType, Device, Error, Tensor};
 use te_train::data::{TokenDocs, TokenSplit};
 use te_train::optim::{AdamW, OptimizerMemory, ZeroStage};
-use te_train::{Backend, CheckpointOptions, Pack, Precision, RunSummary, TrainConfig, TrainError, Trainer};
+use te_train::{Backend, CheckpointOptions, Pack, Precision, Record, RunSummary, TrainConfig, TrainError, Trainer};
 
 const MIB: f64 = (1u64 << 20) as f64;
 const SEQ: usize = 64;
@@ -112,6 +112,39 @@ fn tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
 /// Whether two checkpoint directories hold the same model and optimizer tensors, bit for bit.
 fn same_checkpoint(a: &Path, b: &Path) -> bool {
     ["model.safetensors", "optimizer.safetensors"].iter().all(|f| tensors(&a.join(f)) == tensors(&b.join(f)))
+}
+
+/// The records of two runs step by step where they differ (train and validation losses with
+/// their bits; the gradient norms when given), printed before a bit-for-bit assertion so a
+/// failure tells how far apart the runs are and from which step.
+fn report_difference(what: &str, a: (&str, &[Record], &[u32]), b: (&str, &[Record], &[u32])) {
+    let ((an, ar, anorm), (bn, br, bnorm)) = (a, b);
+    if bits(ar) == bits(br) && anorm == bnorm {
+        return;
+    }
+    eprintln!("{what}: {an} and {bn} differ ({} and {} records)", ar.len(), br.len());
+    let val = |v: Option<f32>| v.map_or_else(|| "-".to_string(), |x| format!("{x:.7} ({:#010x})", x.to_bits()));
+    for (k, (x, y)) in ar.iter().zip(br).enumerate() {
+        let norms = match (anorm.get(k), bnorm.get(k)) {
+            (Some(&p), Some(&q)) => format!("; grad norm {} vs {}", f32::from_bits(p), f32::from_bits(q)),
+            _ => String::new(),
+        };
+        let same = x.train_loss.to_bits() == y.train_loss.to_bits()
+            && x.val_loss.map(f32::to_bits) == y.val_loss.map(f32::to_bits)
+            && anorm.get(k) == bnorm.get(k);
+        eprintln!(
+            "{what}: step {} {}: train {:.7} ({:#010x}) vs {:.7} ({:#010x}), diff {:.3e}; val {} vs {}{norms}",
+            x.step,
+            if same { "same" } else { "DIFFERS" },
+            x.train_loss,
+            x.train_loss.to_bits(),
+            y.train_loss,
+            y.train_loss.to_bits(),
+            x.train_loss - y.train_loss,
+            val(x.val_loss),
+            val(y.val_loss),
+        );
+    }
 }
 
 /// `ParamShards` on two ranks over uneven pieces: every rank's gather of a group is the whole
@@ -239,6 +272,7 @@ fn zero_3_finetune_equals_zero_2_bit_for_bit() {
             }
             let (two, two_norms, two_mem, two_dir) = &outs[0];
             let (three, three_norms, three_mem, three_dir) = &outs[1];
+            report_difference(&what, ("ZeRO-3", &three.records, three_norms), ("ZeRO-2", &two.records, two_norms));
             assert_eq!(bits(&three.records), bits(&two.records), "{what}: the losses");
             assert_eq!(three_norms, two_norms, "{what}: the gradient norms");
             if clip < 1.0 {
@@ -296,13 +330,19 @@ fn zero_3_peak_memory_is_below_zero_2() {
         let ckpt = CheckpointOptions::default();
         let mut peaks = Vec::new();
         for zero in [ZeroStage::Gradients, ZeroStage::Parameters] {
+            // Where the time goes (a run of this test was cut at 75 s without output).
+            let start = std::time::Instant::now();
+            eprintln!("rank {} {zero:?}: starting", env.rank);
             let mut parallel = Parallel::data_parallel(world.clone()).unwrap();
             let (summary, _, memory) = finetune(dev, &w, &cfg, Precision::Bf16, &ckpt, &mut parallel, zero);
+            let ms: Vec<String> = summary.records.iter().map(|r| format!("{:.0}", r.step_ms)).collect();
             eprintln!(
-                "rank {} {zero:?}: peak {:.2} MiB; {}",
+                "rank {} {zero:?}: peak {:.2} MiB; {}; {:.1} s, steps {} ms",
                 env.rank,
                 summary.peak_memory as f64 / MIB,
-                memory.describe()
+                memory.describe(),
+                start.elapsed().as_secs_f64(),
+                ms.join(", ")
             );
             peaks.push(summary.peak_memory);
         }
@@ -338,12 +378,20 @@ fn zero_3_checkpoints_resume_bit_exactly() {
         let (straight, norms, _) = go(&three_dir, false, ZeroStage::Parameters);
         let (two, two_norms, _) = go(&two_dir, false, ZeroStage::Gradients);
         let what = format!("rank {}", env.rank);
+        report_difference(&what, ("ZeRO-3", &straight.records, &norms), ("ZeRO-2", &two.records, &two_norms));
         assert_eq!(bits(&straight.records), bits(&two.records), "{what}: ZeRO-3 vs ZeRO-2");
         assert_eq!(norms, two_norms, "{what}");
         for (name, src) in [("ZeRO-3 resumed as ZeRO-3", &three_dir), ("ZeRO-2 resumed as ZeRO-3", &two_dir)] {
             let dst = root.join(name.replace(' ', "-"));
             stopped_at(&world, env.rank, src, &dst, precision, 3);
             let (resumed, resumed_norms, _) = go(&dst, true, ZeroStage::Parameters);
+            // The resumed run's records hold the checkpoint's history too; its norms are its own
+            // steps' only (compared below).
+            report_difference(
+                &format!("{what}: {name}"),
+                ("resumed", &resumed.records, &[]),
+                ("straight", &straight.records, &[]),
+            );
             assert_eq!(bits(&resumed.records), bits(&straight.records), "{what}: {name}");
             assert_eq!(resumed_norms[..], norms[3..], "{what}: {name}: the norms of steps 4 to 6");
             world.barrier().unwrap();

@@ -23,6 +23,12 @@
 //! `release`. The ordering rules: a gather's broadcasts start after the device's stream work
 //! issued before it (so after the kernels that read the slot's previous group), and the
 //! device's stream waits for them before the first kernel issued after [`ParamShards::gather`].
+//! A gather into a slot whose previous gather the device's stream never waited for (a prefetch
+//! no [`ParamShards::gather`] took: the last layer's after a forward no backward followed, an
+//! evaluation's) first makes the device's stream wait for that one: its broadcasts may still be
+//! writing the buffers (on a rank that owns none of that group, all of them), and this rank's
+//! pieces of the new group, copied on the device's stream, must land after them. The
+//! bookkeeping (`Ring`) is apart from the device work so the host tests run it.
 
 use super::GradShards;
 use std::ops::Range;
@@ -46,16 +52,107 @@ struct Member {
     local: Tensor,
 }
 
-/// One set of transient whole buffers of the ring.
-#[derive(Debug, Default)]
-struct Slot {
+/// The ring's bookkeeping, apart from the device work ([`ParamShards`] runs it with the side
+/// stream's [`SideMark`]s; the host tests with numbers): which group each slot holds, and the
+/// gather into it the device's stream has not waited for yet.
+#[derive(Debug)]
+struct Ring<M> {
+    slots: Vec<RingSlot<M>>,
+}
+
+/// One slot of a [`Ring`].
+#[derive(Debug)]
+struct RingSlot<M> {
     /// The group gathered (or being gathered) into it; `None` once released.
     group: Option<usize>,
-    /// Its whole tensors, in the group's order.
-    tensors: Vec<Tensor>,
-    /// The side stream's point after the gather's broadcasts; `None` once the device's stream
-    /// waited for it.
-    pending: Option<SideMark>,
+    /// The point after the slot's last gather, until the device's stream waited for it. Kept
+    /// when the slot is released: a later gather into the slot waits for it first.
+    pending: Option<M>,
+}
+
+impl<M> Ring<M> {
+    /// A ring of `n` slots (at least 1), all free.
+    fn new(n: usize) -> Self {
+        Self { slots: (0..n.max(1)).map(|_| RingSlot { group: None, pending: None }).collect() }
+    }
+
+    /// The slot group `g` is gathered into.
+    fn slot_of(&self, g: usize) -> usize {
+        g % self.slots.len()
+    }
+
+    /// Starts gathering group `g` unless its slot holds it already (gathered, or on its way):
+    /// `wait` makes the device's stream wait for a mark (first the slot's earlier gather the
+    /// device's stream never waited for, so its broadcasts are done before the slot is
+    /// written again), `issue` gathers into a slot and returns the mark after its broadcasts.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] when the slot holds another group not released yet (its layer still
+    /// reads the buffers); `wait`'s and `issue`'s errors (the slot is free afterwards).
+    fn prefetch(
+        &mut self,
+        g: usize,
+        wait: &mut dyn FnMut(M) -> Result<()>,
+        issue: &mut dyn FnMut(usize) -> Result<M>,
+    ) -> Result<()> {
+        let at = self.slot_of(g);
+        let slot = &mut self.slots[at];
+        match slot.group {
+            Some(held) if held == g => return Ok(()),
+            Some(held) => {
+                return Err(Error::Argument {
+                    op: MODULE,
+                    message: format!(
+                        "group {g} into slot {at}, which group {held} still uses: release group {held} first (a ring \
+                         of {} slots holds the groups g, g + 1, ... at once)",
+                        self.slots.len()
+                    ),
+                })
+            }
+            None => {}
+        }
+        if let Some(stale) = slot.pending.take() {
+            wait(stale)?;
+        }
+        let mark = issue(at)?;
+        slot.group = Some(g);
+        slot.pending = Some(mark);
+        Ok(())
+    }
+
+    /// Group `g` gathered ([`Ring::prefetch`]) and the device's stream made to wait for its
+    /// gather (once): the slot it is in.
+    ///
+    /// # Errors
+    /// As [`Ring::prefetch`].
+    fn gather(
+        &mut self,
+        g: usize,
+        wait: &mut dyn FnMut(M) -> Result<()>,
+        issue: &mut dyn FnMut(usize) -> Result<M>,
+    ) -> Result<usize> {
+        self.prefetch(g, wait, issue)?;
+        let at = self.slot_of(g);
+        if let Some(mark) = self.slots[at].pending.take() {
+            wait(mark)?;
+        }
+        Ok(at)
+    }
+
+    /// Frees group `g`'s slot (nothing when the slot holds another group).
+    fn release(&mut self, g: usize) {
+        let at = self.slot_of(g);
+        if let Some(slot) = self.slots.get_mut(at).filter(|s| s.group == Some(g)) {
+            slot.group = None;
+        }
+    }
+
+    /// Frees every slot (their gathers not waited for stay pending).
+    fn release_all(&mut self) {
+        for slot in &mut self.slots {
+            slot.group = None;
+        }
+    }
 }
 
 /// The pieces of the sharded parameters of one rank and the ring of buffers their groups are
@@ -70,7 +167,10 @@ pub struct ParamShards {
     side: ProcessGroup,
     shards: GradShards,
     groups: Vec<Vec<Member>>,
-    slots: Vec<Slot>,
+    /// Which group each slot of the ring holds, and the gathers not waited for.
+    ring: Ring<SideMark>,
+    /// Each slot's whole tensors, in its group's order.
+    buffers: Vec<Vec<Tensor>>,
 }
 
 impl ParamShards {
@@ -104,8 +204,8 @@ impl ParamShards {
         }
         let side = group.with_side_stream()?;
         let dev = group.device().clone();
-        let slots = (0..slots).map(|_| Slot::default()).collect();
-        Ok(Self { dev, group, side, shards, groups: Vec::new(), slots })
+        let (ring, buffers) = (Ring::new(slots), vec![Vec::new(); slots]);
+        Ok(Self { dev, group, side, shards, groups: Vec::new(), ring, buffers })
     }
 
     /// Adds a group of parameters gathered together: `(index, value)` pairs, the index in the
@@ -192,42 +292,13 @@ impl ParamShards {
     /// rank issues the same prefetches in the same order.
     ///
     /// # Errors
-    /// [`Error::Argument`] for a group past the last; allocation, copy and NCCL errors.
+    /// [`Error::Argument`] for a group past the last, or when its slot holds another group not
+    /// released yet; allocation, copy and NCCL errors.
     pub fn prefetch(&mut self, g: usize) -> Result<()> {
         let members = self.groups.get(g).ok_or_else(|| self.no_group(g))?;
-        let n = self.slots.len();
-        let slot = &mut self.slots[g % n];
-        if slot.group == Some(g) {
-            return Ok(());
-        }
-        // The buffers are reused when the group has the slot's shapes (a decoder's layers).
-        let fits = slot.tensors.len() == members.len()
-            && slot.tensors.iter().zip(members).all(|(t, m)| t.shape() == m.shape.as_slice() && t.dtype() == m.dtype);
-        if !fits {
-            slot.tensors =
-                members.iter().map(|m| Tensor::empty(&self.dev, m.dtype, &m.shape)).collect::<Result<_>>()?;
-        }
-        // This rank's pieces into place (on the device's stream, after the slot's last readers),
-        // then every piece from its owner: in place, so the owner's copy is what it sends.
-        for (t, m) in slot.tensors.iter().zip(members) {
-            t.copy_elements_from(m.piece.start, &m.local, 0, m.piece.len())?;
-        }
-        let params: Vec<usize> = members.iter().map(|m| m.param).collect();
-        let calls = self.shards.calls(&params);
-        let side = &self.side;
-        let tensors = &slot.tensors;
-        side.grouped(|| {
-            calls.iter().try_for_each(|c| {
-                let at = params.iter().position(|&p| p == c.param);
-                let t = at.and_then(|i| tensors.get(i)).ok_or_else(|| {
-                    Error::internal(MODULE, format!("a gather of parameter {} outside its group", c.param))
-                })?;
-                side.broadcast_range_shared(t, c.range.clone(), c.root)
-            })
-        })?;
-        slot.pending = Some(side.mark()?);
-        slot.group = Some(g);
-        Ok(())
+        let (side, dev, shards, buffers) = (&self.side, &self.dev, &self.shards, &mut self.buffers);
+        let mut issue = |at: usize| fill(side, dev, shards, members, &mut buffers[at]);
+        self.ring.prefetch(g, &mut |mark| side.wait_mark(&mark), &mut issue)
     }
 
     /// Group `g`'s whole tensors (in its order, clones sharing the slot's buffers): gathered
@@ -238,31 +309,24 @@ impl ParamShards {
     /// # Errors
     /// As [`ParamShards::prefetch`]; driver errors.
     pub fn gather(&mut self, g: usize) -> Result<Vec<Tensor>> {
-        self.prefetch(g)?;
-        let n = self.slots.len();
-        let slot = &mut self.slots[g % n];
-        if let Some(mark) = slot.pending.take() {
-            self.side.wait_mark(&mark)?;
-        }
-        Ok(slot.tensors.clone())
+        let members = self.groups.get(g).ok_or_else(|| self.no_group(g))?;
+        let (side, dev, shards, buffers) = (&self.side, &self.dev, &self.shards, &mut self.buffers);
+        let mut issue = |at: usize| fill(side, dev, shards, members, &mut buffers[at]);
+        let at = self.ring.gather(g, &mut |mark| side.wait_mark(&mark), &mut issue)?;
+        Ok(self.buffers[at].clone())
     }
 
     /// Ends group `g`'s use of its slot: the next gather there overwrites the buffers (after
     /// the kernels issued before it, which may still read them). The next [`ParamShards::gather`]
     /// of `g` gathers again. Nothing to do for a group not in its slot.
     pub fn release(&mut self, g: usize) {
-        let n = self.slots.len();
-        if let Some(slot) = self.slots.get_mut(g % n).filter(|s| s.group == Some(g)) {
-            slot.group = None;
-        }
+        self.ring.release(g);
     }
 
     /// Releases every group (after an optimizer step or a load changed the pieces: no slot
     /// holds values to reuse).
     pub fn release_all(&mut self) {
-        for slot in &mut self.slots {
-            slot.group = None;
-        }
+        self.ring.release_all();
     }
 
     /// Group `g`'s whole tensors in buffers of their own (not the ring's), gathered on the
@@ -324,6 +388,44 @@ impl ParamShards {
     }
 }
 
+/// Gathers the group of `members` into a slot's `buffers` (made anew unless they have the
+/// group's shapes): this rank's pieces copied into place on the device's stream, then every
+/// piece broadcast in place from its owner, in one NCCL group on the `side` stream (which first
+/// waits for the device's stream). Returns the side stream's point after the broadcasts.
+fn fill(
+    side: &ProcessGroup,
+    dev: &Arc<Device>,
+    shards: &GradShards,
+    members: &[Member],
+    buffers: &mut Vec<Tensor>,
+) -> Result<SideMark> {
+    // The buffers are reused when the group has the slot's shapes (a decoder's layers).
+    let fits = buffers.len() == members.len()
+        && buffers.iter().zip(members).all(|(t, m)| t.shape() == m.shape.as_slice() && t.dtype() == m.dtype);
+    if !fits {
+        *buffers = members.iter().map(|m| Tensor::empty(dev, m.dtype, &m.shape)).collect::<Result<_>>()?;
+    }
+    // This rank's pieces into place (on the device's stream, after the slot's last readers and
+    // after the slot's previous gather, which the ring waited for), then every piece from its
+    // owner: in place, so the owner's copy is what it sends.
+    for (t, m) in buffers.iter().zip(members) {
+        t.copy_elements_from(m.piece.start, &m.local, 0, m.piece.len())?;
+    }
+    let params: Vec<usize> = members.iter().map(|m| m.param).collect();
+    let calls = shards.calls(&params);
+    let tensors = &*buffers;
+    side.grouped(|| {
+        calls.iter().try_for_each(|c| {
+            let at = params.iter().position(|&p| p == c.param);
+            let t = at.and_then(|i| tensors.get(i)).ok_or_else(|| {
+                Error::internal(MODULE, format!("a gather of parameter {} outside its group", c.param))
+            })?;
+            side.broadcast_range_shared(t, c.range.clone(), c.root)
+        })
+    })?;
+    side.mark()
+}
+
 /// The elements of parameter `param` rank `rank` owns under `shards` (an empty range when none).
 pub fn local_piece(shards: &GradShards, rank: usize, param: usize) -> Range<usize> {
     shards.shards(param).iter().find(|s| s.root == rank).map_or(0..0, |s| s.range.clone())
@@ -333,6 +435,136 @@ pub fn local_piece(shards: &GradShards, rank: usize, param: usize) -> Range<usiz
 mod tests {
     use super::*;
     use crate::parallel::Shard;
+    use std::cell::{Cell, RefCell};
+
+    /// One rank's streams as the ring sees them: the side stream runs the gathers in the order
+    /// issued (mark `k` is the `k`-th), the device's stream has waited for those up to
+    /// `waited`, and `into[slot]` lists the gathers issued into each slot.
+    struct Streams {
+        ring: Ring<usize>,
+        issued: Cell<usize>,
+        waited: Cell<Option<usize>>,
+        into: RefCell<Vec<Vec<usize>>>,
+    }
+
+    impl Streams {
+        fn new(slots: usize) -> Self {
+            Self {
+                ring: Ring::new(slots),
+                issued: Cell::new(0),
+                waited: Cell::new(None),
+                into: RefCell::new(vec![Vec::new(); slots]),
+            }
+        }
+
+        fn done(&self, mark: usize) -> bool {
+            self.waited.get().is_some_and(|w| mark <= w)
+        }
+
+        /// The ring's `prefetch` (`gather` when `take`) of group `g`, checking that the device's
+        /// stream writes a slot (this rank's pieces) only after every gather into it is done,
+        /// and reads a group only after its own gather is.
+        fn run(&mut self, g: usize, take: bool) {
+            let (issued, waited, into) = (&self.issued, &self.waited, &self.into);
+            let mut wait = |m: usize| {
+                waited.set(Some(waited.get().map_or(m, |w| w.max(m))));
+                Ok(())
+            };
+            let mut issue = |at: usize| {
+                let earlier = into.borrow()[at].clone();
+                let unfinished: Vec<usize> =
+                    earlier.into_iter().filter(|&m| waited.get().is_none_or(|w| m > w)).collect();
+                assert!(unfinished.is_empty(), "group {g} written into slot {at} while gathers {unfinished:?} run");
+                let mark = issued.get();
+                issued.set(mark + 1);
+                into.borrow_mut()[at].push(mark);
+                Ok(mark)
+            };
+            if take {
+                let at = self.ring.gather(g, &mut wait, &mut issue).unwrap();
+                let last = *self.into.borrow()[at].last().unwrap();
+                assert!(self.done(last), "group {g} read before its gather (mark {last}) is done");
+            } else {
+                self.ring.prefetch(g, &mut wait, &mut issue).unwrap();
+            }
+        }
+    }
+
+    /// The decoder's schedule (`DecoderLm`'s ZeRO-3: `set_zero3`, a forward's enter/leave of
+    /// each layer with the next one prefetched and the last one prefetched for the backward,
+    /// the backward's in reverse) over a ring of 2 slots, with forwards no backward follows
+    /// (evaluations) in between: no slot is written while a gather into it runs, no group is
+    /// read before its gather is done, and the gather a forward left behind is waited for
+    /// before its slot takes another layer.
+    #[test]
+    fn the_ring_waits_for_a_gather_left_behind_before_reusing_its_slot() {
+        for layers in [1usize, 2, 3, 4, 5, 12] {
+            let mut s = Streams::new(2);
+            let forward = |s: &mut Streams| {
+                s.ring.release_all();
+                for l in 0..layers {
+                    s.run(l, true);
+                    if l + 1 < layers {
+                        s.run(l + 1, false);
+                    }
+                    s.ring.release(l);
+                }
+                s.run(layers - 1, false);
+            };
+            let backward = |s: &mut Streams| {
+                for l in (0..layers).rev() {
+                    s.run(l, true);
+                    if let Some(prev) = l.checked_sub(1) {
+                        s.run(prev, false);
+                    }
+                    s.ring.release(l);
+                }
+            };
+            for l in 0..layers {
+                s.run(l, true);
+                s.ring.release(l);
+            }
+            forward(&mut s);
+            backward(&mut s);
+            // Two evaluation forwards, then a training step.
+            forward(&mut s);
+            forward(&mut s);
+            forward(&mut s);
+            backward(&mut s);
+            forward(&mut s);
+            backward(&mut s);
+            assert!(s.issued.get() > 0);
+        }
+        // The evaluation's left-behind gather of the last layer of 3 (slot 0) is waited for by
+        // the next forward's gather of layer 0 (slot 0): the stale wait happens.
+        let mut s = Streams::new(2);
+        s.run(2, false);
+        s.ring.release_all();
+        let before = s.waited.get();
+        s.run(0, false);
+        assert_ne!(s.waited.get(), before, "the gather of layer 2 was waited for before slot 0 took layer 0");
+        assert_eq!(s.waited.get(), Some(0));
+    }
+
+    /// A gather into a slot another group still uses is refused (its layer reads the buffers);
+    /// once released it goes ahead.
+    #[test]
+    fn the_ring_refuses_a_slot_in_use() {
+        let mut ring = Ring::<usize>::new(2);
+        let mut next = 0usize;
+        let mut issue = |_: usize| {
+            next += 1;
+            Ok(next)
+        };
+        ring.gather(0, &mut |_| Ok(()), &mut issue).unwrap();
+        let e = ring.prefetch(2, &mut |_| Ok(()), &mut issue).unwrap_err();
+        assert!(matches!(e, Error::Argument { .. }) && e.to_string().contains("release group 0"), "{e}");
+        ring.prefetch(0, &mut |_| panic!("group 0 is there"), &mut |_| panic!("no gather")).unwrap();
+        ring.release(0);
+        ring.prefetch(2, &mut |_| Ok(()), &mut issue).unwrap();
+        assert_eq!(ring.slots[0].group, Some(2));
+        assert_eq!(ring.slot_of(3), 1);
+    }
 
     /// Sizes that are not multiples of the ranks, split unevenly: a parameter over three ranks,
     /// one over two, one whole on a rank, an empty one.

@@ -36,7 +36,9 @@ pub(super) struct Zero3 {
 
 impl Zero3 {
     /// Before a forward: no slot's values are reused (an optimizer step or a load may have
-    /// changed the pieces since they were gathered).
+    /// changed the pieces since they were gathered). A gather the last forward left behind
+    /// (its last layer's, prefetched for a backward that did not come: an evaluation) is
+    /// waited for before its slot takes another layer (`ParamShards::prefetch`).
     pub(super) fn begin_forward(&mut self) {
         self.store.release_all();
     }
@@ -208,6 +210,9 @@ impl DecoderLm {
     /// Shape, copy and NCCL errors.
     pub fn zero3_reshard(&mut self) -> Result<()> {
         let Some(z) = &mut self.zero3 else { return Ok(()) };
+        // No slot keeps a layer (an evaluation's forward leaves the last one gathered for a
+        // backward): each layer is gathered anew below.
+        z.store.release_all();
         for (l, layer) in self.layers.iter_mut().enumerate() {
             z.store.scatter(l, &tensors_of(layer)?)?;
             point(layer, &z.store.gather(l)?)?;
