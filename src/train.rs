@@ -157,7 +157,6 @@ pub struct TrainArgs {
     /// --recompute full): each rank keeps its pieces and gathers a layer's weights just before
     /// its forward and backward (the embedding, final norm and LM head stay whole), the same
     /// steps as 2 and the same checkpoint files. Not with --tensor-parallel nor on the CPU path.
-    /// Stage 3 is refused unless TE_EXPERIMENTAL_ZERO3=1: its GPU tests do not pass yet.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// With --model: split every sequence over this many GPUs (context parallelism, TE's
@@ -330,7 +329,7 @@ pub fn offload_activations(a: &TrainArgs, on_gpu: bool) -> Result<usize, String>
 /// # Errors
 /// A message for ZeRO on the CPU path (one process: nothing to shard over) or with
 /// `--tensor-parallel` above 1 (not built yet), saying what to drop; for ZeRO-3 without
-/// `--model` or `--recompute full`, saying what to add, and without `TE_EXPERIMENTAL_ZERO3=1`.
+/// `--model` or `--recompute full`, saying what to add.
 pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
     let stage = ZeroStage::from_number(a.zero).map_err(|e| e.to_string())?;
     if stage == ZeroStage::Replicated {
@@ -358,22 +357,7 @@ pub fn zero_stage(a: &TrainArgs, on_gpu: bool) -> Result<ZeroStage, String> {
                 .into(),
         );
     }
-    if stage.shards_parameters() && !experimental_zero3() {
-        return Err(format!(
-            "--zero 3 is not verified on a GPU yet: its GPU tests do not give ZeRO-2's losses bit for bit \
-             (2026-11-28); use --zero 2 (gradients and optimizer state sharded), or set {EXPERIMENTAL_ZERO3}=1 to \
-             run it anyway"
-        ));
-    }
     Ok(stage)
-}
-
-/// The variable that lets `--zero 3` run before its GPU tests pass.
-pub const EXPERIMENTAL_ZERO3: &str = "TE_EXPERIMENTAL_ZERO3";
-
-/// Whether [`EXPERIMENTAL_ZERO3`] is set to `1`.
-fn experimental_zero3() -> bool {
-    std::env::var(EXPERIMENTAL_ZERO3).is_ok_and(|v| v == "1")
 }
 
 /// What the CPU path emulates for `recipe`, as the first line of `te train` and the summary say.
@@ -539,7 +523,7 @@ mod tests {
     }
 
     /// `--zero` takes the built stages only; stages 1 and 2 are refused on the CPU path and with
-    /// tensor parallelism, naming what to drop.
+    /// tensor parallelism, naming what to drop; stage 3 needs `--model` and `--recompute full`.
     #[test]
     fn the_zero_flag_takes_the_built_stages() {
         assert_eq!(zero_stage(&args(&[]), true), Ok(ZeroStage::Replicated));
@@ -555,12 +539,7 @@ mod tests {
             assert!(e.contains(&format!("--zero {stage} with --tensor-parallel 2 is not built yet")), "{e}");
         }
         let three = args(&["--zero", "3", "--model", "m.gguf", "--recompute", "full"]);
-        if experimental_zero3() {
-            assert_eq!(zero_stage(&three, true), Ok(ZeroStage::Parameters));
-        } else {
-            let e = zero_stage(&three, true).unwrap_err();
-            assert!(e.contains("not verified on a GPU yet") && e.contains(EXPERIMENTAL_ZERO3), "{e}");
-        }
+        assert_eq!(zero_stage(&three, true), Ok(ZeroStage::Parameters));
         for partial in [&["--zero", "3", "--model", "m.gguf"][..], &["--zero", "3", "--recompute", "full"]] {
             let e = zero_stage(&args(partial), true).unwrap_err();
             assert!(e.contains("add --model and --recompute full"), "{e}");

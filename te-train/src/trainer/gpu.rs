@@ -426,8 +426,12 @@ fn run<M: TrainLm, T: TokenId>(
     if let Some(dp) = parallel.data() {
         dp.set_grad_shards(None)?;
     }
-    // The layers whole again for what reads the model after the run (export, generation).
-    run.model.zero3_unshard()?;
+    // The layers whole again for what reads the model after the run (export, generation). The
+    // optimizer's state goes first: under ZeRO-3 the whole layers arrive beside the pieces, and
+    // with the state still held that moment would be the run's peak (above ZeRO-2's step).
+    let GpuRun { model, opt, .. } = run;
+    drop(opt);
+    model.zero3_unshard()?;
     let mut after_first: Vec<f64> = times.iter().skip(1).copied().collect();
     let median_ms = median(&mut after_first);
     // Each token once: the context-parallel ranks of a data rank share its windows.
