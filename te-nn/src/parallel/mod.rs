@@ -50,6 +50,7 @@ pub mod overlap;
 mod param_shards;
 mod sequence;
 pub mod shard;
+mod shard_ring;
 pub mod tensor_parallel;
 
 pub use context_parallel::ContextParallel;
