@@ -16,6 +16,15 @@ use cudarc::nccl::sys;
 use std::ffi::c_int;
 
 impl ProcessGroup {
+    /// The checked arguments of a transfer of `buf` with rank `peer`: NCCL's peer and the byte
+    /// count, or `None` for an empty buffer (nothing to transfer).
+    fn p2p_args<B: CommBuffer>(&self, op: &'static str, buf: &B, peer: usize) -> Result<Option<(c_int, usize)>> {
+        let peer = self.check_peer(op, peer)?;
+        self.check_device(op, "buf", buf)?;
+        let bytes = buf.dims().iter().product::<usize>() * buf.dtype().size_bytes();
+        Ok((bytes > 0).then_some((peer, bytes)))
+    }
+
     /// Checks a peer rank of a transfer.
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<c_int> {
         if peer >= self.size() || peer == self.rank() {
@@ -41,13 +50,9 @@ impl ProcessGroup {
     /// [`Error::Argument`]: `peer` out of the group or this rank, `buf` on another GPU;
     /// [`Error::Nccl`].
     pub fn send<B: CommBuffer>(&self, buf: &B, peer: usize) -> Result<()> {
-        let name = "ProcessGroup::send";
-        let peer = self.check_peer(name, peer)?;
-        self.check_device(name, "buf", buf)?;
-        let bytes = buf.dims().iter().product::<usize>() * buf.dtype().size_bytes();
-        if bytes == 0 {
+        let Some((peer, bytes)) = self.p2p_args("ProcessGroup::send", &*buf, peer)? else {
             return Ok(());
-        }
+        };
         let stream = self.dev.stream().clone();
         let (src, sync) = buf.read(&stream);
         let src = src as *const std::ffi::c_void;
@@ -70,13 +75,9 @@ impl ProcessGroup {
     /// # Errors
     /// As [`ProcessGroup::send`].
     pub fn recv<B: CommBuffer>(&self, buf: &mut B, peer: usize) -> Result<()> {
-        let name = "ProcessGroup::recv";
-        let peer = self.check_peer(name, peer)?;
-        self.check_device(name, "buf", buf)?;
-        let bytes = buf.dims().iter().product::<usize>() * buf.dtype().size_bytes();
-        if bytes == 0 {
+        let Some((peer, bytes)) = self.p2p_args("ProcessGroup::recv", &*buf, peer)? else {
             return Ok(());
-        }
+        };
         let stream = self.dev.stream().clone();
         let (dst, sync) = buf.write(&stream)?;
         let dst = dst as *mut std::ffi::c_void;
