@@ -50,7 +50,7 @@ impl ProcessGroup {
     /// [`Error::Argument`]: `peer` out of the group or this rank, `buf` on another GPU;
     /// [`Error::Nccl`].
     pub fn send<B: CommBuffer>(&self, buf: &B, peer: usize) -> Result<()> {
-        let Some((peer, bytes)) = self.p2p_args("ProcessGroup::send", &*buf, peer)? else {
+        let Some((peer, bytes)) = self.p2p_args("ProcessGroup::send", buf, peer)? else {
             return Ok(());
         };
         let stream = self.dev.stream().clone();
