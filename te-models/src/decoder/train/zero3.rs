@@ -15,7 +15,7 @@
 //! (after a load wrote whole values) or [`DecoderLm::zero3_unshard`] (the end of a run).
 
 use super::DecoderLm;
-use std::collections::HashMap;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 use te_nn::fp8::ScalingState;
 use te_nn::modules::{Module, ModuleVisitor, ModuleVisitorMut, Param, ParamKind, ParamMut, Recompute};
@@ -184,22 +184,23 @@ impl DecoderLm {
         self.zero3.as_ref().map(|z| z.store.bytes())
     }
 
-    /// Calls `f` with the model as a read-only [`Module`] whose parameters are all whole:
-    /// under ZeRO-3 each layer's weights gathered into buffers of their own for the call (the
-    /// whole model's weights for its length: what a checkpoint save takes; every rank calls it,
-    /// a collective), else the model itself.
+    /// Calls `f` with the model as a read-only [`Module`] whose parameters are all whole (what a
+    /// checkpoint save takes), else the model itself. Under ZeRO-3 a collective: every rank
+    /// calls it, and the view gathers the layers one at a time as `f`'s traversal reaches them
+    /// (a layer's whole tensors are dropped when the next layer's are gathered: stream-ordered,
+    /// after the copies issued from them), so the save holds one layer whole at a time, not the
+    /// model. The layers `f` does not reach (a rank that writes nothing) are gathered after it,
+    /// so every rank issues the same gathers in the same order. `f` visits the view at most once.
     ///
     /// # Errors
-    /// The gathers' errors; `f`'s.
+    /// The gathers' errors; `f`'s; [`Error::Config`] for a second visit of the view.
     pub fn with_whole_parameters(&self, f: &mut dyn FnMut(&dyn Module) -> Result<()>) -> Result<()> {
         let Some(z) = &self.zero3 else { return f(self) };
-        let mut whole = HashMap::new();
-        for (l, &first) in z.first.iter().enumerate() {
-            for (k, t) in z.store.gather_whole(l)?.into_iter().enumerate() {
-                whole.insert(first + k, t);
-            }
-        }
-        f(&WholeView { model: self, whole })
+        let view = WholeView { model: self, zero3: z, held: RefCell::new(Held::default()), visited: Cell::new(false) };
+        let out = f(&view);
+        // The layers the traversal did not reach, gathered (and dropped) in order.
+        let rest = view.held.borrow_mut().up_to(z, z.first.len());
+        out.and(rest)
     }
 
     /// ZeRO-3, after the layers' parameters were set to whole values on every rank (a
@@ -243,16 +244,56 @@ impl DecoderLm {
     }
 }
 
+impl Zero3 {
+    /// The layer whose parameters include traversal index `i`, and `i`'s place among them;
+    /// `None` for a parameter outside the layers (embedding, final norm, head).
+    fn layer_of(&self, i: usize) -> Option<(usize, usize)> {
+        let l = self.first.iter().rposition(|&f| f <= i)?;
+        let k = i - self.first[l];
+        (k < self.store.params(l).len()).then_some((l, k))
+    }
+}
+
 /// The model with whole tensors in place of the sharded ones ([`DecoderLm::with_whole_parameters`]).
 struct WholeView<'a> {
     model: &'a DecoderLm,
-    /// Whole tensors by traversal index.
-    whole: HashMap<usize, Tensor>,
+    zero3: &'a Zero3,
+    held: RefCell<Held>,
+    visited: Cell<bool>,
+}
+
+/// The layers a [`WholeView`] gathered so far (in order), and the last one's whole tensors.
+#[derive(Default)]
+struct Held {
+    /// Layers `0..gathered` were gathered.
+    gathered: usize,
+    /// The whole tensors of layer `gathered − 1`, while the traversal is in it.
+    tensors: Vec<Tensor>,
+}
+
+impl Held {
+    /// Gathers the layers from `self.gathered` up to and including `l − 1` (each dropped when
+    /// the next arrives), keeping the last one's tensors.
+    fn up_to(&mut self, z: &Zero3, l: usize) -> Result<()> {
+        while self.gathered < l {
+            // The previous layer's tensors go first: one layer whole at a time.
+            self.tensors = Vec::new();
+            self.tensors = z.store.gather_whole(self.gathered)?;
+            self.gathered += 1;
+        }
+        Ok(())
+    }
 }
 
 impl Module for WholeView<'_> {
     fn visit(&self, prefix: &str, visitor: &mut dyn ModuleVisitor) -> Result<()> {
-        self.model.visit(prefix, &mut Substitute { visitor, whole: &self.whole, next: 0 })
+        if self.visited.replace(true) {
+            return Err(Error::Config {
+                module: MODULE,
+                message: "the whole-parameter view of a ZeRO-3 model gathers its layers once: visit it once".into(),
+            });
+        }
+        self.model.visit(prefix, &mut Substitute { visitor, view: self, next: 0 })
     }
 
     fn visit_mut(&mut self, _: &str, _: &mut dyn ModuleVisitorMut) -> Result<()> {
@@ -263,21 +304,27 @@ impl Module for WholeView<'_> {
     }
 }
 
-/// Hands the wrapped visitor each parameter, a sharded one with its whole tensor.
-struct Substitute<'a> {
+/// Hands the wrapped visitor each parameter, a sharded one with its whole tensor (its layer
+/// gathered when the traversal enters it).
+struct Substitute<'a, 'v> {
     visitor: &'a mut dyn ModuleVisitor,
-    whole: &'a HashMap<usize, Tensor>,
+    view: &'a WholeView<'v>,
     next: usize,
 }
 
-impl ModuleVisitor for Substitute<'_> {
+impl ModuleVisitor for Substitute<'_, '_> {
     fn param(&mut self, path: &str, kind: ParamKind, param: &dyn Param) -> Result<()> {
         let i = self.next;
         self.next += 1;
-        match self.whole.get(&i) {
-            Some(tensor) => self.visitor.param(path, kind, &WholeParam { inner: param, tensor }),
-            None => self.visitor.param(path, kind, param),
+        let Some((l, k)) = self.view.zero3.layer_of(i) else { return self.visitor.param(path, kind, param) };
+        let mut held = self.view.held.borrow_mut();
+        held.up_to(self.view.zero3, l + 1)?;
+        if held.gathered != l + 1 {
+            return Err(Error::internal(MODULE, format!("{path}: layer {l} visited after a later layer")));
         }
+        let tensor =
+            held.tensors.get(k).ok_or_else(|| Error::internal(MODULE, format!("{path}: no gathered tensor")))?;
+        self.visitor.param(path, kind, &WholeParam { inner: param, tensor })
     }
 
     fn fp8_state(&mut self, path: &str, state: &Arc<ScalingState>) -> Result<()> {
