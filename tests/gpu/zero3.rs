@@ -11,6 +11,7 @@
 //!   follows one GPU on the same global batch (losses within 2e-2);
 //! - its peak memory is below ZeRO-2's (a model whose layers dominate);
 //! - a ZeRO-3 checkpoint resumes bit for bit, and a ZeRO-2 checkpoint resumes as ZeRO-3;
+//! - the whole-parameter view a save reads gathers one layer at a time, bit for bit;
 //! - the typed refusals (one GPU): ZeRO-3 without full recompute, for the GPT presets, a plain
 //!   step of a ZeRO-3 optimizer, `step_sharded` of a ZeRO-2 one.
 //!
@@ -25,7 +26,7 @@ use std::sync::Arc;
 use te_models::decoder::train::DecoderLm;
 use te_models::decoder::{DecoderConfig, DecoderWeights};
 use te_nn::fp8::{DelayedScaling, Recipe};
-use te_nn::modules::Recompute;
+use te_nn::modules::{Module, Param, ParamKind, Recompute};
 use te_nn::parallel::{GradShards, Parallel, ParamShards, Shard};
 use te_runtime::dist::ProcessGroup;
 use te_runtime::{DType, Device, Error, Tensor};
@@ -350,6 +351,70 @@ fn zero_3_peak_memory_is_below_zero_2() {
         eprintln!("rank {}: the estimate's ZeRO-3 saving {:.2} MiB", env.rank, saving as f64 / MIB);
         assert!(peaks[1] < peaks[0], "rank {}: ZeRO-3 peak {} vs ZeRO-2 {}", env.rank, peaks[1], peaks[0]);
         world.barrier().unwrap();
+    });
+}
+
+/// `DecoderLm::with_whole_parameters` under ZeRO-3 (what a checkpoint save reads) hands every
+/// layer parameter whole, bit for bit the weights before sharding, while holding one layer whole
+/// at a time: the peak above the memory in use stays below two layers' bytes (12 layers of
+/// hidden 512). A rank whose closure visits nothing (a rank that writes no file) still joins
+/// every gather, in order; a second visit of the view is refused.
+#[test]
+fn zero_3_whole_parameters_gathers_one_layer_at_a_time() {
+    let test = "zero3::zero_3_whole_parameters_gathers_one_layer_at_a_time";
+    on_ranks(test, 2, Layout::OneNode, |env, dev, pg| {
+        let group = Arc::new(pg);
+        let mut m = DecoderLm::new(dev, config(12, 512), DType::BF16).unwrap();
+        let mut want: Vec<(String, Vec<u8>)> = Vec::new();
+        m.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> te_runtime::Result<()> {
+            want.push((path.to_owned(), p.tensor().unwrap().to_bytes(dev)?));
+            Ok(())
+        })
+        .unwrap();
+        m.set_recompute(Recompute::Full).unwrap();
+        m.set_zero3(group.clone(), AdamW::zero_shards(&m, 2).unwrap()).unwrap();
+        let (_, all) = m.zero3_bytes().unwrap();
+        let layer_bytes = all / 12;
+        // Rank 1 first visits nothing while rank 0 reads everything: the same gathers.
+        for round in 0..2 {
+            dev.synchronize().unwrap();
+            let base = dev.memory_in_use().unwrap();
+            dev.reset_peak_memory().unwrap();
+            let mut got: Vec<(String, Vec<u8>)> = Vec::new();
+            let reads = env.rank == 0 || round == 1;
+            m.with_whole_parameters(&mut |view: &dyn Module| {
+                if !reads {
+                    return Ok(());
+                }
+                view.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> te_runtime::Result<()> {
+                    got.push((path.to_owned(), p.tensor().unwrap().to_bytes(dev)?));
+                    Ok(())
+                })?;
+                let e =
+                    view.visit("", &mut |_: &str, _: ParamKind, _: &dyn Param| -> te_runtime::Result<()> { Ok(()) });
+                assert!(matches!(e, Err(Error::Config { .. })), "a second visit is refused");
+                Ok(())
+            })
+            .unwrap();
+            dev.synchronize().unwrap();
+            let above = dev.peak_memory().unwrap().saturating_sub(base);
+            eprintln!(
+                "rank {} round {round}: {:.2} MiB above the memory in use; one layer {:.2} MiB",
+                env.rank,
+                above as f64 / MIB,
+                layer_bytes as f64 / MIB
+            );
+            assert!(above < 2 * layer_bytes, "rank {}: {above} bytes above, a layer is {layer_bytes}", env.rank);
+            if reads {
+                assert_eq!(got.len(), want.len(), "rank {}", env.rank);
+                for ((gp, gb), (wp, wb)) in got.iter().zip(&want) {
+                    assert_eq!(gp, wp);
+                    assert!(gb == wb, "rank {}: {gp} differs from the weights before sharding", env.rank);
+                }
+            }
+            group.barrier().unwrap();
+        }
+        m.zero3_unshard().unwrap();
     });
 }
 
