@@ -412,7 +412,7 @@ fn run_train(a: &te::train::TrainArgs) -> Result<(), Failure> {
         .and_then(|t| t.with_offload_activations(offload))
         .map_err(|e| e.to_string())?;
     // The run's lines and summary.md say when layers are recomputed and offloaded.
-    let where_ = if recompute.is_full() { format!("{where_}, full activation recompute") } else { where_ };
+    let where_ = if recompute.recomputes() { format!("{where_}, {recompute} activation recompute") } else { where_ };
     let where_ = if offload > 0 { format!("{where_}, {offload} layers' inputs offloaded to the host") } else { where_ };
     let cfg = trainer.config().clone();
     if let Some(f) = finetune.as_mut() {

@@ -189,9 +189,13 @@ pub struct TrainArgs {
     /// GPU runs: what each layer's forward keeps for the backward. none: its activations
     /// (the default); full: its input only, the backward running the layer's forward again
     /// (TE's checkpoint, Megatron-LM's full recompute): the same steps bit for bit, about one
-    /// layer's activations at a time instead of every layer's, one more forward a step. Not
-    /// with MoE presets nor --fp8-dpa/--fp8-mha; --cuda-graph steps eagerly with it.
-    #[arg(long, default_value = "none", value_parser = ["none", "full"])]
+    /// layer's activations at a time instead of every layer's, one more forward a step;
+    /// selective (--model decoders only): the attention's activations and the MLP's input, the
+    /// backward running the MLP's forward again (Megatron-LM's --recompute-granularity
+    /// selective --recompute-modules mlp): the same steps bit for bit, less memory than none
+    /// and more than full, one more MLP forward a step. Not with MoE presets nor
+    /// --fp8-dpa/--fp8-mha; --cuda-graph steps eagerly with either.
+    #[arg(long, default_value = "none", value_parser = ["none", "full", "selective"])]
     pub recompute: String,
     /// GPU runs with --recompute full: copy the saved inputs of
     /// the first N layers to pinned host memory during the forward (a side stream) and back,
@@ -294,10 +298,20 @@ pub fn train_config(a: &TrainArgs, mut model: GptConfig, on_gpu: bool) -> te_run
 /// takes.
 ///
 /// # Errors
-/// [`te_runtime::Error::Config`] for a name other than `none` and `full` (the parser refuses
-/// them first).
+/// [`te_runtime::Error::Config`] for a name other than `none`, `full` and `selective` (the
+/// parser refuses them first), and for `selective` without `--model` (the GPT presets take
+/// `full` or `none`).
 pub fn recompute(a: &TrainArgs) -> te_runtime::Result<Recompute> {
-    Recompute::from_name(&a.recompute)
+    let mode = Recompute::from_name(&a.recompute)?;
+    if mode.is_selective() && a.model.is_none() {
+        return Err(te_runtime::Error::Config {
+            module: "te train",
+            message: "--recompute selective (the MLP only) is built for the decoder family (--model); the GPT \
+                      presets take --recompute full or --recompute none"
+                .into(),
+        });
+    }
+    Ok(mode)
 }
 
 /// The layers `--offload-activations` offloads, checked against the other flags before
@@ -570,14 +584,21 @@ mod tests {
         assert_eq!(offload_activations(&full, true).unwrap(), 3);
     }
 
-    /// `--recompute` takes none (the default) and full, nothing else.
+    /// `--recompute` takes none (the default), full and selective (with `--model`: the GPT
+    /// presets refuse it, naming the modes they take), nothing else.
     #[test]
     fn the_recompute_flag_names_the_mode() {
         assert_eq!(recompute(&args(&[])).unwrap(), Recompute::None);
         assert_eq!(recompute(&args(&["--recompute", "full"])).unwrap(), Recompute::Full);
         assert_eq!(recompute(&args(&["--recompute", "none"])).unwrap(), Recompute::None);
-        let e = Cli::try_parse_from(["te-train", "--recompute", "selective"]).err().unwrap().to_string();
-        assert!(e.contains("selective") && e.contains("full"), "{e}");
+        let selective = args(&["--recompute", "selective", "--model", "m.gguf"]);
+        assert_eq!(recompute(&selective).unwrap(), Recompute::Selective);
+        let e = recompute(&args(&["--recompute", "selective"])).unwrap_err();
+        let message = e.to_string();
+        assert!(matches!(e, te_runtime::Error::Config { .. }), "{message}");
+        assert!(message.contains("--model") && message.contains("--recompute full"), "{message}");
+        let e = Cli::try_parse_from(["te-train", "--recompute", "attention"]).err().unwrap().to_string();
+        assert!(e.contains("attention") && e.contains("selective") && e.contains("full"), "{e}");
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! and FP8 current scaling, with dropout on and gradient accumulation; a GPT-2-small run keeps
 //! less memory with it, within its estimate; what it does not replay yet is refused.
 
+mod selective;
+
 use crate::common::{device, Fp8States};
 use crate::gpt::batch;
 use std::sync::Arc;

@@ -61,6 +61,11 @@ pub(super) fn forward_layer(
             let (y, k) = layer.forward_checkpointed(x, inputs, keep)?;
             Ok((y, SavedLayer::Checkpoint(k)))
         }
+        // `Gpt::set_recompute` refuses it first.
+        Recompute::Selective => {
+            Gpt::check_recompute(mode)?;
+            Err(Error::internal(MODEL, "selective recompute of a GPT layer"))
+        }
     }
 }
 
@@ -97,9 +102,12 @@ impl Gpt {
     /// forward's.
     ///
     /// # Errors
-    /// [`Error::Config`] for [`Recompute::Full`] on a MoE model (its routing is not replayed
-    /// yet). FP8 attention (`fp8_dpa`) with [`Recompute::Full`] is refused at the forward.
+    /// [`Error::Config`] for [`Recompute::Selective`] (built for the decoder family only: see
+    /// [`Gpt::check_recompute`]) and for [`Recompute::Full`] on a MoE model (its routing is not
+    /// replayed yet). FP8 attention (`fp8_dpa`) with [`Recompute::Full`] is refused at the
+    /// forward.
     pub fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
+        Self::check_recompute(mode)?;
         if mode.is_full() && self.cfg.moe.is_some() {
             return Err(Error::Config {
                 module: MODEL,
@@ -109,6 +117,24 @@ impl Gpt {
             });
         }
         self.recompute = mode;
+        Ok(())
+    }
+
+    /// Whether the GPT presets run recompute mode `mode`: [`Recompute::None`] and
+    /// [`Recompute::Full`] (the MoE check is [`Gpt::set_recompute`]'s).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for [`Recompute::Selective`], which is built for the decoder family
+    /// (`DecoderLm`, `te train --model`) only: it names `full` and `none`.
+    pub fn check_recompute(mode: Recompute) -> Result<()> {
+        if mode.is_selective() {
+            return Err(Error::Config {
+                module: MODEL,
+                message: "selective activation recompute (the MLP only) is built for the decoder family (--model); \
+                          the GPT presets take --recompute full or --recompute none"
+                    .into(),
+            });
+        }
         Ok(())
     }
 
@@ -166,5 +192,16 @@ mod tests {
         // Tensor parallel: the drop is shared by the ranks.
         let tp = Gpt::training_bytes_with(&small, 8, true, 2, Recompute::Full);
         assert!(tp < Gpt::tensor_parallel_training_bytes(&small, 8, true, 2), "{tp}");
+    }
+
+    /// Selective recompute is the decoder family's: the GPT presets refuse it, naming the modes
+    /// they take.
+    #[test]
+    fn the_gpt_presets_refuse_selective_recompute() {
+        let e = Gpt::check_recompute(Recompute::Selective).unwrap_err();
+        let message = e.to_string();
+        assert!(matches!(e, Error::Config { .. }) && message.contains("--recompute full"), "{message}");
+        assert!(message.contains("--recompute none") && message.contains("--model"), "{message}");
+        assert!(Gpt::check_recompute(Recompute::Full).is_ok() && Gpt::check_recompute(Recompute::None).is_ok());
     }
 }

@@ -1,7 +1,9 @@
-//! Full activation recompute (TE's `transformer_engine.pytorch.checkpoint`, Megatron-LM's
-//! `--recompute-granularity full`): a block's training forward keeps only its input, and the
-//! backward runs the block's forward again to rebuild what the backward reads, trading one more
-//! forward per block for the memory of every block's saved activations.
+//! Activation recompute (TE's `transformer_engine.pytorch.checkpoint`, Megatron-LM's
+//! `--recompute-granularity full` and `selective`): a block's training forward keeps only its
+//! input, and the backward runs the block's forward again to rebuild what the backward reads,
+//! trading one more forward per block for the memory of every block's saved activations. Under
+//! [`Recompute::Full`] the block is a whole layer; under [`Recompute::Selective`] it is the
+//! layer's MLP only.
 //!
 //! The recomputed forward must compute what the first one computed, bit for bit. The dropout
 //! masks are the caller's (it replays the block's Philox offsets); the FP8 state is
@@ -43,14 +45,25 @@ pub enum Recompute {
     /// --recompute-num-layers 1`). Peak activation memory: the layer inputs and one layer's
     /// context, for one more forward per layer.
     Full,
+    /// Each layer keeps its attention block's context as with [`Recompute::None`], but its MLP
+    /// block keeps only its input (the hidden state after the attention's residual add,
+    /// `[tokens, hidden]` in the activations' dtype); the backward runs the MLP's forward again
+    /// just before the MLP's backward (Megatron-LM's `--recompute-granularity selective
+    /// --recompute-modules mlp`, `megatron/core/transformer/transformer_block.py` and
+    /// `transformer_layer.py`'s `mlp` checkpoint). The MLP's saved activations (fc1's output
+    /// `[tokens, fc1]`, the activation and its FP8 transpose, the norm output) are the largest
+    /// part of a Llama-style layer's, and its forward costs less to redo than the layer's. Peak
+    /// activation memory: every layer's attention context and MLP input, and one MLP's context.
+    Selective,
 }
 
 impl Recompute {
-    /// `none` or `full` (`te train --recompute`).
+    /// `none`, `full` or `selective` (`te train --recompute`).
     pub fn name(self) -> &'static str {
         match self {
             Recompute::None => "none",
             Recompute::Full => "full",
+            Recompute::Selective => "selective",
         }
     }
 
@@ -62,16 +75,28 @@ impl Recompute {
         match name {
             "none" => Ok(Recompute::None),
             "full" => Ok(Recompute::Full),
+            "selective" => Ok(Recompute::Selective),
             other => Err(Error::Config {
                 module: MODULE,
-                message: format!("activation recompute `{other}`: expected none or full"),
+                message: format!("activation recompute `{other}`: expected none, full or selective"),
             }),
         }
     }
 
-    /// Whether layers recompute their forward in the backward.
+    /// Whether whole layers recompute their forward in the backward ([`Recompute::Full`]).
     pub fn is_full(self) -> bool {
         self == Recompute::Full
+    }
+
+    /// Whether only the layers' MLPs recompute their forward ([`Recompute::Selective`]).
+    pub fn is_selective(self) -> bool {
+        self == Recompute::Selective
+    }
+
+    /// Whether any forward runs again in the backward ([`Recompute::Full`] or
+    /// [`Recompute::Selective`]).
+    pub fn recomputes(self) -> bool {
+        self != Recompute::None
     }
 }
 
@@ -169,8 +194,8 @@ impl Fp8Replay {
         if recipe.fp8_dpa() {
             return Err(Error::Config {
                 module: MODULE,
-                message: "full activation recompute with FP8 attention (fp8_dpa / fp8_mha) is not supported yet: \
-                          drop --fp8-dpa/--fp8-mha or --recompute full"
+                message: "activation recompute (full or selective) with FP8 attention (fp8_dpa / fp8_mha) is not \
+                          supported yet: drop --fp8-dpa/--fp8-mha, or --recompute"
                     .into(),
             });
         }
@@ -285,14 +310,19 @@ mod tests {
 
     #[test]
     fn modes_have_names() {
-        for m in [Recompute::None, Recompute::Full] {
+        for m in [Recompute::None, Recompute::Full, Recompute::Selective] {
             assert_eq!(Recompute::from_name(m.name()).unwrap(), m);
             assert_eq!(m.to_string().parse::<Recompute>().unwrap(), m);
         }
         assert_eq!(Recompute::default(), Recompute::None);
-        assert!(Recompute::Full.is_full() && !Recompute::None.is_full());
-        let e = Recompute::from_name("selective").unwrap_err();
-        assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("expected none or full"), "{e}");
+        assert!(Recompute::Full.is_full() && !Recompute::None.is_full() && !Recompute::Selective.is_full());
+        assert!(Recompute::Selective.is_selective() && !Recompute::Full.is_selective());
+        assert!(Recompute::Full.recomputes() && Recompute::Selective.recomputes() && !Recompute::None.recomputes());
+        assert_eq!(Recompute::Selective.name(), "selective");
+        // The serde names are the CLI's.
+        assert_eq!(serde_json::to_string(&Recompute::Selective).unwrap(), "\"selective\"");
+        let e = Recompute::from_name("attention").unwrap_err();
+        assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("expected none, full or selective"), "{e}");
     }
 
     #[test]

@@ -80,6 +80,8 @@ pub(super) fn train(
                 .into(),
         });
     }
+    // Before the memory check, which would otherwise price a mode the GPT presets refuse.
+    Gpt::check_recompute(recompute)?;
     dev.synchronize()?;
     let fp8 = precision == Precision::Fp8;
     let (_, tp_size) = parallel.tensor_rank();
@@ -94,6 +96,7 @@ pub(super) fn train(
         zero,
         recompute,
         recompute_possible: cfg.model.moe.is_none(),
+        selective_possible: false,
         zero3_saving: None,
         estimate: &estimate,
         offload: (offload == 0 && suggested > 0).then_some((suggested, &offloaded as &dyn Fn() -> u64)),
@@ -208,6 +211,7 @@ pub(super) fn finetune(
         zero,
         recompute,
         recompute_possible: true,
+        selective_possible: true,
         zero3_saving: Some(DecoderLm::zero3_weight_saving(m, parallel.replica_rank().1)),
         estimate: &estimate,
         offload: (offloading == 0 && suggested > 0).then_some((suggested, &offloaded as &dyn Fn() -> u64)),
@@ -266,10 +270,15 @@ fn run<M: TrainLm, T: TokenId>(
     parameters: usize,
 ) -> Result<(RunSummary, OptimizerMemory), TrainError> {
     let fp8 = precision == Precision::Fp8;
-    if recompute.is_full() {
-        tracing::info!(
+    match recompute {
+        Recompute::Full => tracing::info!(
             "activation recompute: full (each layer keeps its input; the backward runs the layer's forward again)"
-        );
+        ),
+        Recompute::Selective => tracing::info!(
+            "activation recompute: selective (each layer keeps its attention context and its MLP's input; the \
+             backward runs the MLP's forward again)"
+        ),
+        Recompute::None => {}
     }
     let offloaded = model.offload_activations();
     if offloaded > 0 {
@@ -348,7 +357,7 @@ fn run<M: TrainLm, T: TokenId>(
     // --cuda-graph: the first step of this process runs eagerly, the next is captured.
     let mut graph_wanted = cfg.cuda_graph;
     if graph_wanted {
-        let recomputes = recompute.is_full();
+        let recomputes = recompute.recomputes();
         if let Some(why) = graphed::unsupported(parallel, run.model.is_moe(), data.is_windows(), finetune, recomputes) {
             tracing::warn!("--cuda-graph: {why}");
             graph_wanted = false;

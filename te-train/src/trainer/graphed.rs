@@ -36,8 +36,8 @@ use te_runtime::{Device, Error};
 /// `windows`: its batches are windows of one shape (packed `thd` rows carry tables that vary);
 /// `finetune`: a pretrained decoder of the family (its graphed step is not verified yet: the
 /// loss's token count, read from the host at the capture, must not vary between batches);
-/// `recompute`: full activation recompute (the recomputed forward swaps FP8 scaling buffers on
-/// the host around its kernels; its capture is not verified yet).
+/// `recompute`: activation recompute, full or selective (the recomputed forward swaps FP8
+/// scaling buffers on the host around its kernels; its capture is not verified yet).
 pub(super) fn unsupported(
     parallel: &Parallel,
     moe: bool,
@@ -46,7 +46,7 @@ pub(super) fn unsupported(
     recompute: bool,
 ) -> Option<&'static str> {
     if recompute {
-        Some("full activation recompute steps eagerly (its captured backward is not verified yet)")
+        Some("activation recompute (full or selective) steps eagerly (its captured backward is not verified yet)")
     } else if finetune {
         Some("fine-tuning a decoder of the family steps eagerly (its graphed step is not verified yet)")
     } else if parallel.world_size() > 1 {

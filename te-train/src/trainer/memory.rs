@@ -3,7 +3,8 @@
 //! state, stage 2 also their gradients, stage 3 also their pieces of a decoder's layer weights),
 //! and, when it does not fit, the estimates of the memory flags the run has not set (`--zero 1`,
 //! `--zero 2` and `--zero 3` over its data-parallel ranks,
-//! `--recompute full`, both; `--offload-activations N` where the model offloads), each saying
+//! `--recompute selective` where the model takes it, `--recompute full`, both;
+//! `--offload-activations N` where the model offloads), each saying
 //! whether it would fit in the free memory.
 
 use crate::error::TrainError;
@@ -29,6 +30,9 @@ pub(super) struct MemoryPlan<'a> {
     pub recompute: Recompute,
     /// Whether `--recompute full` can run for this model (not a MoE GPT).
     pub recompute_possible: bool,
+    /// Whether `--recompute selective` can run for this model (the decoder family, `--model`;
+    /// not the GPT presets).
+    pub selective_possible: bool,
     /// ZeRO-3 (with full recompute): the bytes of the layers' weights it takes off each rank
     /// beyond ZeRO-2 (`DecoderLm::zero3_weight_saving`); `None` for a model that does not
     /// shard its weights.
@@ -87,6 +91,7 @@ impl MemoryPlan<'_> {
     /// The flags the run has not set that lower the estimate, with their estimates: `--zero 1`,
     /// `--zero 2` and `--zero 3` (data parallel only; stage 2 with one micro-batch a step;
     /// stage 3 where the model shards its weights, with full recompute only), `--recompute
+    /// selective` (where the model takes it and the run recomputes nothing), `--recompute
     /// full` (where the model takes it), and each stage with it; `--offload-activations N`
     /// (with `--recompute full` unless set) at the run's ZeRO stage where the model offloads.
     pub fn alternatives(&self) -> Vec<(String, u64)> {
@@ -101,6 +106,9 @@ impl MemoryPlan<'_> {
         // Stage 3 runs with full recompute only: without it, it is offered with the flag.
         for &s in stages.iter().filter(|s| !s.shards_parameters() || self.recompute.is_full()) {
             out.push((flags(s).0.to_string(), self.bytes(s, self.recompute)));
+        }
+        if self.selective_possible && self.recompute == Recompute::None {
+            out.push(("--recompute selective".to_string(), self.bytes(self.zero, Recompute::Selective)));
         }
         if recompute {
             out.push(("--recompute full".to_string(), self.bytes(self.zero, Recompute::Full)));
@@ -166,6 +174,7 @@ mod tests {
             zero,
             recompute,
             recompute_possible: true,
+            selective_possible: false,
             zero3_saving: None,
             estimate,
             offload: None,
@@ -274,6 +283,34 @@ mod tests {
         assert!(flags(&one).is_empty());
         let gpt = plan(&estimate, 4, ZeroStage::Gradients, Recompute::Full);
         assert!(flags(&gpt).is_empty());
+    }
+
+    /// A decoder (`--model`) that recomputes nothing is offered `--recompute selective` (with its
+    /// estimate, between none's and full's) before `--recompute full`; a run with selective
+    /// recompute is offered full recompute, and ZeRO-3 only with it.
+    #[test]
+    fn selective_recompute_is_offered_where_the_model_takes_it() {
+        let gib = 1u64 << 30;
+        let estimate = |r: Recompute| match r {
+            Recompute::None => 40 * gib,
+            Recompute::Selective => 34 * gib,
+            Recompute::Full => 30 * gib,
+        };
+        let decoder = |zero, r| MemoryPlan { selective_possible: true, ..plan(&estimate, 1, zero, r) };
+        let p = decoder(ZeroStage::Replicated, Recompute::None);
+        assert_eq!(flags(&p), ["--recompute selective", "--recompute full"]);
+        assert_eq!(p.alternatives()[0].1, 34 * gib);
+        let selective = decoder(ZeroStage::Replicated, Recompute::Selective);
+        assert_eq!(selective.bytes(ZeroStage::Replicated, Recompute::Selective), 34 * gib);
+        assert_eq!(flags(&selective), ["--recompute full"]);
+        let sharded = MemoryPlan {
+            data_parallel: 4,
+            zero3_saving: Some(4 * gib),
+            ..decoder(ZeroStage::Gradients, Recompute::Selective)
+        };
+        assert_eq!(flags(&sharded), ["--recompute full", "--zero 3 --recompute full"]);
+        // The GPT presets are not offered it.
+        assert_eq!(flags(&plan(&estimate, 1, ZeroStage::Replicated, Recompute::None)), ["--recompute full"]);
     }
 
     /// With gradient accumulation the gradients are whole until the last micro-batch's

@@ -155,20 +155,26 @@ impl Trainer {
     /// [`Recompute::Full`] keeps each layer's input only and runs the layer's forward again in
     /// the backward (`te_models::gpt::Gpt::set_recompute`, TE's `checkpoint`, Megatron-LM's full
     /// recompute): the same steps bit for bit, peak activation memory of about one layer's
-    /// context plus the layer inputs, one more forward of the layers a step. The memory
-    /// estimate checked before allocating accounts for it; `cuda_graph` runs step eagerly with
-    /// it (its capture is not verified yet).
+    /// context plus the layer inputs, one more forward of the layers a step.
+    /// [`Recompute::Selective`] (the decoder family only: `Trainer::finetune`) keeps each
+    /// layer's attention context and MLP input and runs the MLP's forward again
+    /// (`te_models::decoder::train::DecoderLm::set_recompute`, Megatron-LM's selective
+    /// recompute of the `mlp` module): the same steps bit for bit, less memory than none, more
+    /// than full. The memory estimate checked before allocating accounts for both;
+    /// `cuda_graph` runs step eagerly with either (its capture is not verified yet).
     ///
     /// # Errors
-    /// [`TrainError::Unsupported`] for [`Recompute::Full`] on the CPU backend (its reference
-    /// model keeps every activation); a MoE model or FP8 attention (`fp8_dpa`) is refused by
-    /// [`Trainer::train`] ([`TrainError::Runtime`] with a configuration error).
+    /// [`TrainError::Unsupported`] for a mode other than [`Recompute::None`] on the CPU backend
+    /// (its reference model keeps every activation); a MoE model, FP8 attention (`fp8_dpa`) or
+    /// [`Recompute::Selective`] on the GPT presets is refused by [`Trainer::train`]
+    /// ([`TrainError::Runtime`] with a configuration error).
     pub fn with_recompute(self, mode: Recompute) -> Result<Self, TrainError> {
-        if mode.is_full() && !self.backend.is_gpu() {
+        if mode.recomputes() && !self.backend.is_gpu() {
             return Err(TrainError::Unsupported {
-                message: "--recompute full recomputes the GPU model's layers; the CPU reference path keeps every \
-                          activation: drop --recompute (or pass --recompute none)"
-                    .into(),
+                message: format!(
+                    "--recompute {mode} recomputes the GPU model's layers; the CPU reference path keeps every \
+                     activation: drop --recompute (or pass --recompute none)"
+                ),
             });
         }
         Ok(Self { recompute: mode, ..self })
@@ -439,16 +445,19 @@ mod tests {
     use super::*;
     use te_models::gpt::GptConfig;
 
-    /// Full recompute is the GPU model's: the CPU backend refuses it, naming the flag to drop;
-    /// `none` is fine anywhere.
+    /// Full and selective recompute are the GPU model's: the CPU backend refuses them, naming
+    /// the flag to drop; `none` is fine anywhere.
     #[test]
     fn the_cpu_backend_refuses_full_recompute() {
         let trainer = || Trainer::new(TrainConfig::new(GptConfig::tiny(), 2), Backend::Cpu).unwrap();
         assert_eq!(trainer().recompute(), Recompute::None);
         let t = trainer().with_recompute(Recompute::None).unwrap();
         assert_eq!(t.recompute(), Recompute::None);
-        let e = trainer().with_recompute(Recompute::Full).unwrap_err();
-        assert!(matches!(e, TrainError::Unsupported { .. }) && e.to_string().contains("--recompute"), "{e}");
+        for mode in [Recompute::Full, Recompute::Selective] {
+            let e = trainer().with_recompute(mode).unwrap_err();
+            let want = format!("--recompute {mode}");
+            assert!(matches!(e, TrainError::Unsupported { .. }) && e.to_string().contains(&want), "{e}");
+        }
     }
 
     /// Activation offload: the CPU backend refuses it; a run refuses it without full recompute

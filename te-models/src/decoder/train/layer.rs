@@ -33,11 +33,27 @@ pub(super) struct DecoderLayer {
     dev: Arc<Device>,
 }
 
-/// What [`DecoderLayer::forward`] saves for its backward.
+/// What [`DecoderLayer::forward`] saves for its backward: the attention block's context and
+/// the MLP block's.
 #[derive(Debug)]
 pub(super) struct DecoderLayerCtx {
+    attn: AttentionBlockCtx,
+    mlp: MlpBlockCtx,
+}
+
+/// What the attention block ([`DecoderLayer::forward_attention`]) saves for its backward: the
+/// attention's context and Gemma's post-attention norm's.
+#[derive(Debug)]
+pub(super) struct AttentionBlockCtx {
     attn: MultiheadAttentionCtx,
     post_attn: Option<NormCtx>,
+}
+
+/// What the MLP block ([`DecoderLayer::forward_mlp`]) saves for its backward: the
+/// `LayerNormMLP`'s context (its input, the norm statistics, fc1's output, the activation or
+/// their FP8 codes) and Gemma's post-MLP norm's.
+#[derive(Debug)]
+pub(super) struct MlpBlockCtx {
     mlp: LayerNormMLPCtx,
     post_mlp: Option<NormCtx>,
 }
@@ -138,21 +154,59 @@ impl DecoderLayer {
     pub(super) fn forward(
         &mut self,
         x: &Tensor,
-        (freqs, thd): (&Tensor, Option<ThdSeqlens<'_>>),
+        rope: (&Tensor, Option<ThdSeqlens<'_>>),
         is_first_microbatch: Option<bool>,
     ) -> Result<(Tensor, DecoderLayerCtx)> {
+        let (h, attn) = self.forward_attention(x, rope, is_first_microbatch)?;
+        let (y, mlp) = self.forward_mlp(&h, is_first_microbatch)?;
+        Ok((y, DecoderLayerCtx { attn, mlp }))
+    }
+
+    /// The attention block: `x [s, b, hidden]` → `h = x + post_attn(attention(x))` (same shape
+    /// and dtype, the MLP block's input) and the block's context; arguments as
+    /// [`DecoderLayer::forward`].
+    ///
+    /// # Errors
+    /// The modules' errors.
+    pub(super) fn forward_attention(
+        &mut self,
+        x: &Tensor,
+        (freqs, thd): (&Tensor, Option<ThdSeqlens<'_>>),
+        is_first_microbatch: Option<bool>,
+    ) -> Result<(Tensor, AttentionBlockCtx)> {
         let inputs = AttentionInputs { rotary_pos_emb: Some(freqs), thd, is_first_microbatch, ..Default::default() };
         let (a, attn) = self.self_attention.forward_with(x, inputs)?;
         let (a, post_attn) = norm_forward(self.post_attention_layernorm.as_mut(), a)?;
         let mut h = Tensor::empty(&self.dev, x.dtype(), x.shape())?;
         add(&self.dev, x, &a, &mut h)?;
+        Ok((h, AttentionBlockCtx { attn, post_attn }))
+    }
+
+    /// The MLP block: `h [s, b, hidden]` (the attention block's output) → the layer's output
+    /// `y = h + post_mlp(mlp(h))` (same shape and dtype) and the block's context. Selective
+    /// recompute runs it again in the backward on the same `h`, under the first forward's FP8
+    /// scales (`te_nn::modules::Fp8Replay`).
+    ///
+    /// # Errors
+    /// The modules' errors.
+    pub(super) fn forward_mlp(
+        &mut self,
+        h: &Tensor,
+        is_first_microbatch: Option<bool>,
+    ) -> Result<(Tensor, MlpBlockCtx)> {
         let opts = ForwardOptions { is_first_microbatch, fp8_output: false };
-        let (m, mlp) = self.layernorm_mlp.forward_with(&h, opts)?;
-        let m = m.out.into_high(&self.dev, x.dtype())?;
+        let (m, mlp) = self.layernorm_mlp.forward_with(h, opts)?;
+        let m = m.out.into_high(&self.dev, h.dtype())?;
         let (m, post_mlp) = norm_forward(self.post_mlp_layernorm.as_mut(), m)?;
-        let mut y = Tensor::empty(&self.dev, x.dtype(), x.shape())?;
-        add(&self.dev, &h, &m, &mut y)?;
-        Ok((y, DecoderLayerCtx { attn, post_attn, mlp, post_mlp }))
+        let mut y = Tensor::empty(&self.dev, h.dtype(), h.shape())?;
+        add(&self.dev, h, &m, &mut y)?;
+        Ok((y, MlpBlockCtx { mlp, post_mlp }))
+    }
+
+    /// The layer's MLP (`LayerNormMLP`), whose FP8 scaling states are all the MLP block's (the
+    /// sandwich norm has none): what selective recompute captures for its replay.
+    pub(super) fn mlp_module(&self) -> &LayerNormMLP {
+        &self.layernorm_mlp
     }
 
     /// The input gradient for the output gradient `dy`; every parameter gradient accumulates.
@@ -160,12 +214,32 @@ impl DecoderLayer {
     /// # Errors
     /// The modules' errors ([`te_runtime::Error::Context`] for a context of another layer).
     pub(super) fn backward(&mut self, ctx: DecoderLayerCtx, dy: &Tensor) -> Result<Tensor> {
+        let dh = self.backward_mlp(ctx.mlp, dy)?;
+        self.backward_attention(ctx.attn, &dh)
+    }
+
+    /// The MLP block's backward: the gradient of its input `h` (the residual's `dy` included)
+    /// for the layer's output gradient `dy`; the MLP's and post-MLP norm's gradients accumulate.
+    ///
+    /// # Errors
+    /// The modules' errors ([`te_runtime::Error::Context`] for a context of another layer).
+    pub(super) fn backward_mlp(&mut self, ctx: MlpBlockCtx, dy: &Tensor) -> Result<Tensor> {
         let dm = norm_backward(self.post_mlp_layernorm.as_mut(), ctx.post_mlp, dy)?;
         let mut dh = self.layernorm_mlp.backward(ctx.mlp, &dm)?;
         add_assign(&self.dev, &mut dh, dy)?;
-        let da = norm_backward(self.post_attention_layernorm.as_mut(), ctx.post_attn, &dh)?;
+        Ok(dh)
+    }
+
+    /// The attention block's backward: the layer input's gradient for `dh`, the gradient of
+    /// the MLP block's input ([`DecoderLayer::backward_mlp`]); the attention's and
+    /// post-attention norm's gradients accumulate.
+    ///
+    /// # Errors
+    /// The modules' errors ([`te_runtime::Error::Context`] for a context of another layer).
+    pub(super) fn backward_attention(&mut self, ctx: AttentionBlockCtx, dh: &Tensor) -> Result<Tensor> {
+        let da = norm_backward(self.post_attention_layernorm.as_mut(), ctx.post_attn, dh)?;
         let mut dx = self.self_attention.backward(ctx.attn, &da)?;
-        add_assign(&self.dev, &mut dx, &dh)?;
+        add_assign(&self.dev, &mut dx, dh)?;
         Ok(dx)
     }
 }

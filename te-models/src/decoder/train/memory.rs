@@ -103,6 +103,17 @@ impl DecoderLm {
         let sandwich = if cfg.sandwich_norm { 2.0 * h } else { 0.0 };
         (6.0 * h + sandwich + qkv + 2.0 * (hq + g) * d + hq * d + fc1 + ffn) * 2.0 + 4.0 * hq
     }
+
+    /// The MLP block's share of [`DecoderLm::saved_bytes_per_layer_token`] (bytes a token): its
+    /// norm output and output, Gemma's post-MLP norm input, fc1's output and the activation,
+    /// `(2h + sandwich / 2 + fc1 + ffn) · 2`: what selective recompute
+    /// ([`te_nn::modules::Recompute::Selective`]) does not keep. Its input, the residual, stays.
+    pub(crate) fn saved_mlp_bytes_per_layer_token(cfg: &DecoderConfig) -> f64 {
+        let h = cfg.hidden_size as f64;
+        let (fc1, ffn) = (cfg.fc1_size() as f64, cfg.ffn_hidden_size as f64);
+        let sandwich = if cfg.sandwich_norm { h } else { 0.0 };
+        (2.0 * h + sandwich + fc1 + ffn) * 2.0
+    }
 }
 
 #[cfg(test)]
@@ -145,5 +156,32 @@ mod tests {
         assert_eq!(DecoderLm::zero3_weight_saving(&cfg, 1), 0, "one rank shards nothing");
         assert_eq!(DecoderLm::zero3_weight_saving(&cfg, 2), layer * 18 / 2 - 2 * layer);
         assert!(DecoderLm::zero3_weight_saving(&cfg, 8) > DecoderLm::zero3_weight_saving(&cfg, 4));
+    }
+
+    /// Selective recompute drops the MLP blocks' activations of all layers but one: its
+    /// estimate lies between full recompute's and none's, by exactly that much below none's.
+    #[test]
+    fn selective_recompute_estimate_lies_between_none_and_full() {
+        use te_nn::modules::Recompute;
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+         "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+         "max_position_embeddings": 8192, "hidden_act": "silu"}"#;
+        let cfg = DecoderConfig::from_hf_json(json).unwrap();
+        let at = |mode| DecoderLm::training_bytes_with(&cfg, 4, 4096, true, mode);
+        let (none, selective, full) = (at(Recompute::None), at(Recompute::Selective), at(Recompute::Full));
+        assert!(full < selective && selective < none, "{full} {selective} {none}");
+        // (2h + 2·ffn + ffn) · 2 bytes a token (SwiGLU: fc1 is 2·ffn) for 15 of 16 layers.
+        let mlp = (2 * 2048 + 3 * 8192) * 2;
+        assert_eq!(DecoderLm::saved_mlp_bytes_per_layer_token(&cfg), mlp as f64);
+        let dropped = 4 * 4096 * 15 * mlp as u64;
+        assert!((none - selective).abs_diff(dropped) < 2, "{} vs {dropped}", none - selective);
+        // The MLP is most of a Llama layer's activations.
+        assert!(2.0 * DecoderLm::saved_mlp_bytes_per_layer_token(&cfg) > DecoderLm::saved_bytes_per_layer_token(&cfg));
+        // Gemma's sandwich norm adds the post-MLP norm's input.
+        let gemma = DecoderConfig { sandwich_norm: true, ..cfg.clone() };
+        let extra =
+            DecoderLm::saved_mlp_bytes_per_layer_token(&gemma) - DecoderLm::saved_mlp_bytes_per_layer_token(&cfg);
+        assert_eq!(extra, 2.0 * 2048.0);
     }
 }

@@ -1,9 +1,11 @@
-//! Full activation recompute of a [`DecoderLm`] ([`DecoderLm::set_recompute`]; TE's
-//! `checkpoint` around every layer, Megatron-LM's full recompute): what each layer's training
-//! forward keeps, the layer forward and backward of either mode, the attention inputs a
-//! recomputed forward needs again, and the memory estimate that accounts for it.
+//! Activation recompute of a [`DecoderLm`] ([`DecoderLm::set_recompute`]): full (TE's
+//! `checkpoint` around every layer, Megatron-LM's full recompute) and selective (Megatron-LM's
+//! `--recompute-granularity selective --recompute-modules mlp`: each layer's MLP block only).
+//! What each layer's training forward keeps, the layer forward and backward of each mode, the
+//! attention inputs a recomputed forward needs again, and the memory estimate that accounts for
+//! it.
 
-use super::layer::{DecoderLayer, DecoderLayerCtx};
+use super::layer::{AttentionBlockCtx, DecoderLayer, DecoderLayerCtx};
 use super::DecoderLm;
 use crate::decoder::DecoderConfig;
 use te_nn::modules::{Fp8Replay, Recompute, ThdSeqlens};
@@ -20,6 +22,11 @@ pub(super) enum SavedLayer {
     Checkpoint { input: OffloadedTensor, fp8: Fp8Replay },
     /// The layer's input kept on the device, and FP8 state.
     Resident { input: Tensor, fp8: Fp8Replay },
+    /// [`Recompute::Selective`]: the attention block's context, the MLP block's input
+    /// (`[s, b, hidden]`, the hidden state after the attention's residual add, in the model's
+    /// dtype) and its FP8 state, and the forward's `is_first_microbatch`; the MLP's forward runs
+    /// again in the backward.
+    Selective { attn: Box<AttentionBlockCtx>, mlp_input: Tensor, fp8: Fp8Replay, is_first_microbatch: Option<bool> },
 }
 
 impl SavedLayer {
@@ -65,7 +72,9 @@ impl LayerInputs {
 /// One layer's forward on `x` in `mode`: its output and what the backward needs. Under
 /// [`Recompute::Full`] the context is dropped once [`Fp8Replay::capture`] took over its FP8
 /// bookkeeping (call it inside the forward's `fp8_autocast` scope), and with `offload` the
-/// input starts its copy to pinned host memory before the layer's forward is issued.
+/// input starts its copy to pinned host memory before the layer's forward is issued. Under
+/// [`Recompute::Selective`] only the MLP block's context is dropped, its FP8 bookkeeping
+/// captured the same way.
 pub(super) fn forward_layer(
     layer: &mut DecoderLayer,
     x: &Tensor,
@@ -74,6 +83,9 @@ pub(super) fn forward_layer(
     offload: Option<&HostOffload>,
 ) -> Result<(Tensor, SavedLayer)> {
     let freqs = &inputs.freqs[layer.rope];
+    if mode.is_selective() {
+        return forward_selective(layer, x, inputs);
+    }
     // The copy out starts before the layer's forward, after the kernel that wrote `x`.
     let offloaded = match offload {
         Some(host) if mode.is_full() => Some(host.offload(x.clone())?),
@@ -81,7 +93,8 @@ pub(super) fn forward_layer(
     };
     let (y, ctx) = layer.forward(x, (freqs, inputs.seqs()), inputs.is_first_microbatch)?;
     match mode {
-        Recompute::None => Ok((y, SavedLayer::Ctx(Box::new(ctx)))),
+        // (Selective returned above.)
+        Recompute::None | Recompute::Selective => Ok((y, SavedLayer::Ctx(Box::new(ctx)))),
         Recompute::Full => {
             let fp8 = Fp8Replay::capture(&*layer, None)?;
             drop(ctx);
@@ -93,8 +106,21 @@ pub(super) fn forward_layer(
     }
 }
 
+/// [`forward_layer`] under [`Recompute::Selective`]: the attention block, then the MLP block,
+/// whose context is dropped once [`Fp8Replay::capture`] took over the MLP's FP8 bookkeeping.
+fn forward_selective(layer: &mut DecoderLayer, x: &Tensor, inputs: &LayerInputs) -> Result<(Tensor, SavedLayer)> {
+    let freqs = &inputs.freqs[layer.rope];
+    let is_first_microbatch = inputs.is_first_microbatch;
+    let (h, attn) = layer.forward_attention(x, (freqs, inputs.seqs()), is_first_microbatch)?;
+    let (y, mlp) = layer.forward_mlp(&h, is_first_microbatch)?;
+    let fp8 = Fp8Replay::capture(layer.mlp_module(), None)?;
+    drop(mlp);
+    Ok((y, SavedLayer::Selective { attn: Box::new(attn), mlp_input: h, fp8, is_first_microbatch }))
+}
+
 /// One layer's backward for `dy` (a checkpointed layer runs its forward again on `inputs`
-/// first, with the first forward's FP8 scales): the input gradient.
+/// first, with the first forward's FP8 scales; under selective recompute its MLP block's
+/// forward runs again just before the MLP's backward): the input gradient.
 pub(super) fn backward_layer(
     layer: &mut DecoderLayer,
     saved: SavedLayer,
@@ -105,6 +131,15 @@ pub(super) fn backward_layer(
         SavedLayer::Ctx(c) => layer.backward(*c, dy),
         SavedLayer::Checkpoint { input, fp8 } => recomputed(layer, input.fetch()?, fp8, dy, inputs),
         SavedLayer::Resident { input, fp8 } => recomputed(layer, input, fp8, dy, inputs),
+        SavedLayer::Selective { attn, mlp_input, mut fp8, is_first_microbatch } => {
+            // The MLP block's forward again with the first forward's FP8 scales, its backward,
+            // the recompute's FP8 hold released, then the attention block's backward (the
+            // order of the backward without recompute).
+            let ((_, mlp), hold) = fp8.replay(|| layer.forward_mlp(&mlp_input, is_first_microbatch))?;
+            let dh = layer.backward_mlp(mlp, dy)?;
+            fp8.finish(hold)?;
+            layer.backward_attention(*attn, &dh)
+        }
     }
 }
 
@@ -133,13 +168,21 @@ impl DecoderLm {
     /// dtype) and runs the layer's forward again in the backward with the same FP8 scales (no
     /// amax history updated twice; see [`te_nn::modules::recompute`]): the same losses and
     /// gradients bit for bit, one more forward of the layers a step, peak activation memory of
-    /// the layer inputs plus one layer's context. Applies to the next forward. The backward
-    /// runs outside any `fp8_autocast` scope or inside the forward's.
+    /// the layer inputs plus one layer's context. [`Recompute::Selective`] (Megatron-LM's
+    /// `--recompute-granularity selective --recompute-modules mlp`) keeps each layer's attention
+    /// context and the MLP block's input (`[s, b, hidden]`, the hidden state after the
+    /// attention's residual add), and runs the MLP block's forward (the `LayerNormMLP` and
+    /// Gemma's post-MLP norm) again just before its backward, with the same FP8 replay: the same
+    /// bits again, one more MLP forward a layer, peak activation memory of the attention
+    /// contexts and MLP inputs plus one MLP's context. Applies to the next forward. The backward
+    /// runs outside any `fp8_autocast` scope or inside the forward's. Works with context
+    /// parallelism in every mode (the MLP is token-local).
     ///
     /// # Errors
     /// [`Error::Config`] for a mode other than [`Recompute::Full`] while the layers are
-    /// sharded ([`DecoderLm::set_zero3`]); FP8 attention (`fp8_dpa`) with [`Recompute::Full`]
-    /// is refused at the forward ([`Error::Config`]).
+    /// sharded ([`DecoderLm::set_zero3`]); FP8 attention (`fp8_dpa`) with recompute (full or
+    /// selective) is refused at the forward ([`Error::Config`]), and so is the activation
+    /// offload without [`Recompute::Full`] ([`DecoderLm::set_offload_activations`]).
     pub fn set_recompute(&mut self, mode: Recompute) -> Result<()> {
         if self.zero3.is_some() && !mode.is_full() {
             return Err(Error::Config {
@@ -158,19 +201,22 @@ impl DecoderLm {
 
     /// [`DecoderLm::training_bytes`] for a run in recompute mode `mode`: with
     /// [`Recompute::Full`], the saved activations of all layers but one are replaced by the
-    /// layer inputs (`t · h` BF16 elements a layer). The per-layer activation bytes are the
+    /// layer inputs (`t · h` BF16 elements a layer); with [`Recompute::Selective`], the MLP
+    /// blocks' saved activations of all layers but one are dropped (the MLP input they keep is
+    /// the residual the estimate already counts). The per-layer activation bytes are the
     /// estimate's own (`(6h + sandwich + qkv + 2·(heads + groups)·d + heads·d + fc1 + ffn) · 2 +
-    /// 4 · heads` bytes a token; one home in `decoder/train/memory.rs`).
+    /// 4 · heads` bytes a token, of which the MLP block's are `(2h + sandwich / 2 + fc1 + ffn) ·
+    /// 2`; one home in `decoder/train/memory.rs`).
     pub fn training_bytes_with(cfg: &DecoderConfig, batch: usize, seq: usize, fp8: bool, mode: Recompute) -> u64 {
         let base = Self::training_bytes(cfg, batch, seq, fp8);
-        if !mode.is_full() {
-            return base;
-        }
         let (h, layers) = (cfg.hidden_size as f64, cfg.num_layers as f64);
-        let per_token_layer = Self::saved_bytes_per_layer_token(cfg);
         let t = batch as f64 * seq as f64;
-        let dropped = t * (layers - 1.0).max(0.0) * per_token_layer;
-        let inputs = t * layers * h * 2.0;
-        (base as f64 - dropped + inputs).max(0.0) as u64
+        let (dropped, inputs) = match mode {
+            Recompute::None => return base,
+            Recompute::Full => (Self::saved_bytes_per_layer_token(cfg), h * 2.0),
+            Recompute::Selective => (Self::saved_mlp_bytes_per_layer_token(cfg), 0.0),
+        };
+        let dropped = t * (layers - 1.0).max(0.0) * dropped;
+        (base as f64 - dropped + t * layers * inputs).max(0.0) as u64
     }
 }
