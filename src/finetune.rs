@@ -42,6 +42,9 @@ pub struct Finetune {
     pub seq: usize,
     /// The LM head's GEMMs in FP8 too in FP8 runs (`--fp8-lm-head`).
     pub fp8_lm_head: bool,
+    /// ZeRO-3 FP8 runs under current scaling gather the layers' GEMM weights as FP8 codes
+    /// (`--zero3-fp8-gather`).
+    pub zero3_fp8_gather: bool,
     /// How documents are packed into batches (`--pack`).
     pub pack: Pack,
     path: PathBuf,
@@ -85,6 +88,7 @@ impl Finetune {
             source,
             seq,
             fp8_lm_head: a.fp8_lm_head,
+            zero3_fp8_gather: a.zero3_fp8_gather,
             pack,
             path: path.to_path_buf(),
             spare: None,
@@ -163,6 +167,7 @@ impl Finetune {
         }
         .map_err(|e| e.to_string())?;
         m.set_fp8_lm_head(self.fp8_lm_head);
+        m.set_zero3_fp8_gather(self.zero3_fp8_gather);
         Ok(m)
     }
 

@@ -159,6 +159,12 @@ pub struct TrainArgs {
     /// steps as 2 and the same checkpoint files. Not with --tensor-parallel nor on the CPU path.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
+    /// With --zero 3 and --recipe current: gather the layers' GEMM weights as FP8 codes (torchao's
+    /// float8 all-gather: each rank casts its pieces with the scale of the whole weight's amax,
+    /// half the bytes of bf16, the same steps bit for bit); false gathers bf16. Delayed and
+    /// blockwise scaling gather bf16 either way (their weight scale is not the weight's own amax).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub zero3_fp8_gather: bool,
     /// With --model: split every sequence over this many GPUs (context parallelism, TE's
     /// `cp_group` and Megatron-LM's --context-parallel-size): each rank holds two
     /// load-balanced chunks of every window (2·cp chunks, rank r chunks r and 2·cp − 1 − r), so

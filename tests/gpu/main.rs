@@ -69,3 +69,4 @@ mod visit;
 mod zero;
 mod zero2;
 mod zero3;
+mod zero3_fp8;

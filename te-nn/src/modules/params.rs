@@ -10,11 +10,13 @@ use te_runtime::gemm::{gemm, BlockScale, Epilogue, GemmConfig, Operand, Output a
 use te_runtime::ops;
 use te_runtime::{Device, Error, Result, Tensor};
 
-/// The weight: high precision, or FP8 only (made under `fp8_model_init`).
+/// The weight: high precision, FP8 only (made under `fp8_model_init`), or gathered as FP8 codes
+/// (a ZeRO-3 step's FP8 all-gather: [`LinearParams::set_gathered_fp8_weight`]).
 #[derive(Debug)]
 enum Weight {
     High(Tensor),
     Fp8(Float8Tensor),
+    Gathered(Float8Tensor),
 }
 
 /// Fails unless an FP8 GEMM dimension is a multiple of 16, naming it and what to pad to
@@ -157,7 +159,7 @@ impl LinearParams {
     pub fn weight(&self) -> Option<&Tensor> {
         match &self.weight {
             Weight::High(t) => Some(t),
-            Weight::Fp8(_) => None,
+            Weight::Fp8(_) | Weight::Gathered(_) => None,
         }
     }
 
@@ -165,7 +167,16 @@ impl LinearParams {
     pub fn fp8_weight(&self) -> Option<&Float8Tensor> {
         match &self.weight {
             Weight::Fp8(f) => Some(f),
-            Weight::High(_) => None,
+            Weight::High(_) | Weight::Gathered(_) => None,
+        }
+    }
+
+    /// The weight a ZeRO-3 step gathered as FP8 codes ([`LinearParams::set_gathered_fp8_weight`]),
+    /// while the layer holds it.
+    pub fn gathered_fp8_weight(&self) -> Option<&Float8Tensor> {
+        match &self.weight {
+            Weight::Gathered(f) => Some(f),
+            Weight::High(_) | Weight::Fp8(_) => None,
         }
     }
 
@@ -242,7 +253,7 @@ impl LinearParams {
     /// [`LinearParams::set_weight`]); [`Error::Shape`] / [`Error::DType`] unless `w` is
     /// `[out, in]` E4M3.
     pub fn set_fp8_weight(&mut self, w: Float8Tensor) -> Result<()> {
-        if matches!(self.weight, Weight::High(_)) {
+        if !matches!(self.weight, Weight::Fp8(_)) {
             return Err(Error::Config {
                 module: self.module,
                 message: "the weight is high precision, not FP8-only (made outside fp8_model_init)".into(),
@@ -251,6 +262,34 @@ impl LinearParams {
         ops::check_shape(self.module, "weight", w.data(), &[self.out_features, self.in_features])?;
         ops::check_dtype(self.module, "weight", w.data(), |d| d == DType::E4M3, "e4m3")?;
         self.weight = Weight::Fp8(w);
+        self.touch();
+        Ok(())
+    }
+
+    /// Hands the layer its weight as FP8 codes gathered for this step from the data-parallel
+    /// ranks' pieces (ZeRO-3's FP8 all-gather, torchao's `enable_fsdp_float8_all_gather`):
+    /// `w` holds E4M3 codes `[out, in]` with one `scale_inv`, cast by the recipe's weight
+    /// quantizer with the whole weight's amax (`te_nn::parallel::ParamShards::set_fp8_gather`),
+    /// so they are the codes the layer's own cast of the whole weight would make. The layer's
+    /// FP8 GEMMs read it (its transpose made from the codes when a backward needs it); no
+    /// high-precision value of the weight is held, so a high-precision GEMM of the layer fails
+    /// until [`LinearParams::set_weight`] hands one in again. Invalidates saved contexts as
+    /// [`LinearParams::set_weight`] does.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an FP8-only weight (`fp8_model_init`: it is FP8 already) or
+    /// block-scaled codes; [`Error::Shape`] / [`Error::DType`] unless `w` is `[out, in]` E4M3.
+    pub fn set_gathered_fp8_weight(&mut self, w: Float8Tensor) -> Result<()> {
+        let config = |message: &str| Error::Config { module: self.module, message: message.into() };
+        if matches!(self.weight, Weight::Fp8(_)) {
+            return Err(config("the weight is FP8-only (fp8_model_init): write it with set_fp8_weight"));
+        }
+        if w.block_scale().is_some() {
+            return Err(config("gathered FP8 weights have one scale per tensor, not block scales"));
+        }
+        ops::check_shape(self.module, "weight", w.data(), &[self.out_features, self.in_features])?;
+        ops::check_dtype(self.module, "weight", w.data(), |d| d == DType::E4M3, "e4m3")?;
+        self.weight = Weight::Gathered(w);
         self.touch();
         Ok(())
     }
@@ -328,7 +367,7 @@ impl LinearParams {
     pub fn parameter_bytes(&self) -> usize {
         let w = match &self.weight {
             Weight::High(t) => t.num_bytes(),
-            Weight::Fp8(f) => f.num_bytes(),
+            Weight::Fp8(f) | Weight::Gathered(f) => f.num_bytes(),
         };
         let cache = self.cache.as_ref().map_or(0, |(f, _)| f.num_bytes());
         w + cache + self.bias.as_ref().map_or(0, Tensor::num_bytes)
@@ -352,6 +391,7 @@ impl LinearParams {
         let w = match &self.weight {
             Weight::High(w) => w.clone(),
             Weight::Fp8(f) => f.dequantize(&self.dev, self.params_dtype)?,
+            Weight::Gathered(_) => return Err(gathered_in_high_precision(self.module)),
         };
         convert(&self.dev, w, dtype)
     }
@@ -388,6 +428,24 @@ impl LinearParams {
                 }
                 return Ok(f.clone());
             }
+            Weight::Gathered(f) if f.dtype() != q.dtype() || q.block_scale().is_some() => {
+                return Err(Error::Config {
+                    module: self.module,
+                    message: format!(
+                        "the weight was gathered as one-scale {} codes (ZeRO-3's FP8 all-gather) but this GEMM casts \
+                         its weight to {} with {}: gather in high precision for this recipe",
+                        f.dtype(),
+                        q.dtype(),
+                        scaling_name(q.block_scale())
+                    ),
+                })
+            }
+            Weight::Gathered(f) => {
+                if grad {
+                    f.ensure_transpose(&dev)?;
+                }
+                return Ok(f.clone());
+            }
             Weight::High(w) => w.clone(),
         };
         if is_first_microbatch == Some(false) {
@@ -413,6 +471,7 @@ impl LinearParams {
         match &self.weight {
             Weight::High(w) => q.calibrate(w),
             Weight::Fp8(_) => Ok(()),
+            Weight::Gathered(_) => Err(gathered_in_high_precision(self.module)),
         }
     }
 
@@ -514,6 +573,17 @@ pub(crate) fn convert(dev: &Device, x: Tensor, dtype: DType) -> Result<Tensor> {
     let mut y = Tensor::zeros(dev, dtype, x.shape())?;
     ops::elementwise::add_assign(dev, &mut y, &x)?;
     Ok(y)
+}
+
+/// The error of a high-precision read of a weight gathered as FP8 codes.
+fn gathered_in_high_precision(module: &'static str) -> Error {
+    Error::Config {
+        module,
+        message: "the weight was gathered as FP8 codes for an FP8 step (ZeRO-3's FP8 all-gather): its high-precision \
+                  values are not here; run this layer under the FP8 recipe of the step, or gather in high precision \
+                  (DecoderLm::set_zero3_fp8_gather(false))"
+            .into(),
+    }
 }
 
 /// How an FP8 tensor of this block layout is scaled, for messages.

@@ -63,7 +63,7 @@ pub use layout::Parallel;
 pub use mesh::{MeshAxis, MeshShape};
 pub use mode::ParallelMode;
 pub use overlap::PendingReduce;
-pub use param_shards::{local_piece, ParamShards};
+pub use param_shards::{local_piece, Gathered, ParamShards};
 pub use sequence::SequenceParallel;
 pub use shard::{Split, TpLayout, TpRank};
 pub use tensor_parallel::TpConfig;

@@ -29,14 +29,24 @@
 //! writing the buffers (on a rank that owns none of that group, all of them), and this rank's
 //! pieces of the new group, copied on the device's stream, must land after them. The
 //! bookkeeping (`shard_ring.rs`) is apart from the device work so the host tests run it.
+//!
+//! FP8 all-gather (torchao's `enable_fsdp_float8_all_gather`): the GEMM weights of a group
+//! ([`ParamShards::add_group_fp8`]) can be gathered as FP8 codes, half the bytes of bf16.
+//! [`ParamShards::set_fp8_gather`] takes the recipe's weight quantizer for a step, the amax of
+//! each piece and one all-reduce (max) of them all, so every rank knows each whole weight's
+//! amax; each gather then casts this rank's pieces with the scale of the whole weight's amax
+//! (the codes the layer's own cast of the whole weight would make, bit for bit) and
+//! broadcasts the codes. The transpose a backward needs is made from the gathered codes.
 
 use super::shard_ring::Ring;
 use super::GradShards;
+use crate::fp8::{Float8Tensor, Quantizer};
+use cudarc::driver::CudaSlice;
 use std::ops::Range;
 use std::sync::Arc;
 use te_codegen::DType;
-use te_runtime::dist::{ProcessGroup, SideMark};
-use te_runtime::{Device, Error, Result, Tensor};
+use te_runtime::dist::{ProcessGroup, ReduceOp, SideMark};
+use te_runtime::{ops, Device, Error, Result, Tensor};
 
 const MODULE: &str = "ParamShards";
 
@@ -51,6 +61,62 @@ struct Member {
     piece: Range<usize>,
     /// Those elements, `[piece.len()]` of `dtype` (a `[0]` tensor when it owns none).
     local: Tensor,
+    /// For a GEMM weight that may be gathered as FP8 codes: its index in the whole weights'
+    /// amaxes ([`Fp8Gather::amax`]).
+    fp8: Option<usize>,
+}
+
+/// A gathered whole parameter: high precision, or a GEMM weight's FP8 codes with their
+/// `scale_inv` (an FP8 gather, [`ParamShards::set_fp8_gather`]).
+#[derive(Debug, Clone)]
+pub enum Gathered {
+    /// The whole tensor in the parameter's dtype.
+    High(Tensor),
+    /// The whole weight's codes (no transpose yet) and their one `scale_inv`.
+    Fp8(Float8Tensor),
+}
+
+impl Gathered {
+    /// The whole tensor gathered into: the values, or the codes.
+    pub fn data(&self) -> &Tensor {
+        match self {
+            Gathered::High(t) => t,
+            Gathered::Fp8(f) => f.data(),
+        }
+    }
+}
+
+/// The FP8 gather of one step: the weights' quantizer and each whole weight's amax.
+#[derive(Debug)]
+struct Fp8Gather {
+    quantizer: Box<dyn Quantizer>,
+    /// `[FP8 weights]` f32: each weight's pieces' amaxes all-reduced (max) over the group.
+    amax: CudaSlice<f32>,
+}
+
+/// Elements of the stand-in a rank that owns none of a weight casts to get its `scale_inv`.
+const STAND_IN: usize = 64;
+
+impl Fp8Gather {
+    /// `local` (this rank's piece of FP8 weight `i`) cast with the scale of the whole weight's
+    /// amax; a rank owning none casts a stand-in of zeros for the `scale_inv` alone.
+    fn cast(&self, dev: &Device, local: &Tensor, i: usize) -> Result<Float8Tensor> {
+        let stand_in;
+        let x = if local.numel() == 0 {
+            stand_in = Tensor::zeros(dev, local.dtype(), &[STAND_IN])?;
+            &stand_in
+        } else {
+            local
+        };
+        let whole = self.amax.slice(i..i + 1);
+        let mut take_whole = |amax: &mut CudaSlice<f32>| -> Result<()> {
+            dev.stream().memcpy_dtod(&whole, amax)?;
+            Ok(())
+        };
+        self.quantizer.quantize_with_amax(x, false, &mut take_whole)?.ok_or_else(|| {
+            Error::internal(MODULE, "the FP8 gather's quantizer does not scale by the tensor's amax")
+        })
+    }
 }
 
 /// The pieces of the sharded parameters of one rank and the ring of buffers their groups are
@@ -68,7 +134,11 @@ pub struct ParamShards {
     /// Which group each slot of the ring holds, and the gathers not waited for.
     ring: Ring<SideMark>,
     /// Each slot's whole tensors, in its group's order.
-    buffers: Vec<Vec<Tensor>>,
+    buffers: Vec<Vec<Gathered>>,
+    /// GEMM weights added with [`ParamShards::add_group_fp8`].
+    fp8_weights: usize,
+    /// This step's FP8 gather ([`ParamShards::set_fp8_gather`]); `None`: all in high precision.
+    fp8: Option<Fp8Gather>,
 }
 
 impl ParamShards {
@@ -103,7 +173,7 @@ impl ParamShards {
         let side = group.with_side_stream()?;
         let dev = group.device().clone();
         let (ring, buffers) = (Ring::new(slots), vec![Vec::new(); slots]);
-        Ok(Self { dev, group, side, shards, groups: Vec::new(), ring, buffers })
+        Ok(Self { dev, group, side, shards, groups: Vec::new(), ring, buffers, fp8_weights: 0, fp8: None })
     }
 
     /// Adds a group of parameters gathered together: `(index, value)` pairs, the index in the
@@ -115,7 +185,32 @@ impl ParamShards {
     /// [`Error::Argument`] for an index past the shards, a value of another element count than
     /// its shards, or a parameter already in a group; allocation and copy errors.
     pub fn add_group(&mut self, params: &[(usize, Tensor)]) -> Result<usize> {
+        self.add_group_fp8(params, &vec![false; params.len()])
+    }
+
+    /// [`ParamShards::add_group`] with `fp8[i]` marking `params[i]` a GEMM weight (`[out, in]`)
+    /// that is gathered as FP8 codes while an FP8 gather is on ([`ParamShards::set_fp8_gather`]).
+    ///
+    /// # Errors
+    /// As [`ParamShards::add_group`]; [`Error::Argument`] for `fp8` of another length than
+    /// `params` or a marked parameter that is not a 2-D high-precision tensor.
+    pub fn add_group_fp8(&mut self, params: &[(usize, Tensor)], fp8: &[bool]) -> Result<usize> {
         let rank = self.group.rank();
+        let marked_ok = fp8.len() == params.len()
+            && params.iter().zip(fp8).all(|((_, v), &f)| !f || (v.shape().len() == 2 && v.dtype().is_high_precision()));
+        if !marked_ok {
+            return Err(Error::Argument {
+                op: MODULE,
+                message: format!(
+                    "{} FP8 marks for {} parameters, each marked one a 2-D high-precision GEMM weight: mark the \
+                     [out, in] weights only",
+                    fp8.len(),
+                    params.len()
+                ),
+            });
+        }
+        let mut fp8_weights = self.fp8_weights;
+        let mut marks = fp8.iter();
         let mut members = Vec::with_capacity(params.len());
         for (param, value) in params {
             let param = *param;
@@ -136,10 +231,20 @@ impl ParamShards {
             let piece = local_piece(&self.shards, rank, param);
             let local = Tensor::empty(&self.dev, value.dtype(), &[piece.len()])?;
             local.copy_elements_from(0, value, piece.start, piece.len())?;
-            members.push(Member { param, shape: value.shape().to_vec(), dtype: value.dtype(), piece, local });
+            let fp8 = marks.next().copied().unwrap_or(false).then(|| {
+                fp8_weights += 1;
+                fp8_weights - 1
+            });
+            members.push(Member { param, shape: value.shape().to_vec(), dtype: value.dtype(), piece, local, fp8 });
         }
         self.groups.push(members);
+        self.fp8_weights = fp8_weights;
         Ok(self.groups.len() - 1)
+    }
+
+    /// The device the pieces live on.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
     }
 
     /// Groups added.
@@ -195,23 +300,89 @@ impl ParamShards {
     pub fn prefetch(&mut self, g: usize) -> Result<()> {
         let members = self.groups.get(g).ok_or_else(|| self.no_group(g))?;
         let (side, dev, shards, buffers) = (&self.side, &self.dev, &self.shards, &mut self.buffers);
-        let mut issue = |at: usize| fill(side, dev, shards, members, &mut buffers[at]);
+        let fp8 = self.fp8.as_ref();
+        let mut issue = |at: usize| fill(side, dev, shards, members, &mut buffers[at], fp8);
         self.ring.prefetch(g, &mut |mark| side.wait_mark(&mark), &mut issue)
     }
 
-    /// Group `g`'s whole tensors (in its order, clones sharing the slot's buffers): gathered
-    /// now unless [`ParamShards::prefetch`] started it, and the device's stream made to wait
-    /// for the gather (an event; the host does not wait). Valid until
-    /// [`ParamShards::release`] of `g`; point the modules' parameters at them.
+    /// Group `g`'s whole tensors (in its order, clones sharing the slot's buffers; a marked
+    /// GEMM weight as FP8 codes while an FP8 gather is on): gathered now unless
+    /// [`ParamShards::prefetch`] started it, and the device's stream made to wait for the
+    /// gather (an event; the host does not wait). Valid until [`ParamShards::release`] of `g`;
+    /// point the modules' parameters at them.
     ///
     /// # Errors
     /// As [`ParamShards::prefetch`]; driver errors.
-    pub fn gather(&mut self, g: usize) -> Result<Vec<Tensor>> {
+    pub fn gather(&mut self, g: usize) -> Result<Vec<Gathered>> {
         let members = self.groups.get(g).ok_or_else(|| self.no_group(g))?;
         let (side, dev, shards, buffers) = (&self.side, &self.dev, &self.shards, &mut self.buffers);
-        let mut issue = |at: usize| fill(side, dev, shards, members, &mut buffers[at]);
+        let fp8 = self.fp8.as_ref();
+        let mut issue = |at: usize| fill(side, dev, shards, members, &mut buffers[at], fp8);
         let at = self.ring.gather(g, &mut |mark| side.wait_mark(&mark), &mut issue)?;
         Ok(self.buffers[at].clone())
+    }
+
+    /// Group `g`'s values as [`ParamShards::gather`] returned them, while its slot holds it
+    /// (fresh clones: an FP8 weight without the transpose a layer made of it); `None` once
+    /// released.
+    pub fn held(&self, g: usize) -> Option<Vec<Gathered>> {
+        self.ring.holds(g).then(|| self.buffers[self.ring.slot_of(g)].clone())
+    }
+
+    /// Turns the FP8 gather on for the gathers from now on, with `quantizer` (the recipe's
+    /// weight quantizer, [`crate::fp8::ScalingRecipe::sharded_weight_quantizer`]), or off
+    /// (`None`: every parameter gathered in high precision). On, it takes the amax of each
+    /// piece of the marked weights ([`ParamShards::add_group_fp8`]) and all-reduces (max) them
+    /// over the group on the device's stream, so every rank casts its pieces with the scale of
+    /// the whole weight: call it after the pieces last changed (an optimizer step, a load) and
+    /// before the step's first gather, on every rank (a collective when on). Slots that hold a
+    /// group keep its values (release them first to gather anew).
+    ///
+    /// # Errors
+    /// [`Error::Argument`] for a quantizer that is not a per-tensor FP8 one; NCCL, launch and
+    /// allocation errors (the gather is off then).
+    pub fn set_fp8_gather(&mut self, quantizer: Option<Box<dyn Quantizer>>) -> Result<()> {
+        self.fp8 = None;
+        let Some(quantizer) = quantizer.filter(|_| self.fp8_weights > 0) else { return Ok(()) };
+        if quantizer.block_scale().is_some() || !quantizer.dtype().is_fp8() {
+            return Err(Error::Argument {
+                op: MODULE,
+                message: format!(
+                    "an FP8 gather with a {} quantizer{}: pass a per-tensor FP8 weight quantizer \
+                     (ScalingRecipe::sharded_weight_quantizer)",
+                    quantizer.dtype(),
+                    if quantizer.block_scale().is_some() { " of block scales" } else { "" }
+                ),
+            });
+        }
+        let mut amax = self.dev.stream().alloc_zeros::<f32>(self.fp8_weights)?;
+        // A quantizer whose scale does not come from the amax it is handed (delayed scaling's,
+        // a given scale) would cast the pieces with scales of their own.
+        let probe = Fp8Gather { quantizer, amax: self.dev.stream().alloc_zeros::<f32>(1)? };
+        let stand_in = Tensor::empty(&self.dev, DType::BF16, &[0])?;
+        if let Err(e) = probe.cast(&self.dev, &stand_in, 0) {
+            return Err(Error::Argument {
+                op: MODULE,
+                message: format!(
+                    "an FP8 gather needs a quantizer whose scale is the whole weight's amax ({e}): pass \
+                     ScalingRecipe::sharded_weight_quantizer's (current scaling)"
+                ),
+            });
+        }
+        let quantizer = probe.quantizer;
+        for m in self.groups.iter().flatten() {
+            if let (Some(i), true) = (m.fp8, m.local.numel() > 0) {
+                ops::cast::amax(&self.dev, &m.local, &mut amax.slice_mut(i..i + 1))?;
+            }
+        }
+        self.group.all_reduce(&mut amax, ReduceOp::Max)?;
+        self.fp8 = Some(Fp8Gather { quantizer, amax });
+        Ok(())
+    }
+
+    /// Whether the gathers cast the marked weights to FP8 ([`ParamShards::set_fp8_gather`]).
+    pub fn fp8_gather(&self) -> bool {
+        self.fp8.is_some()
     }
 
     /// Ends group `g`'s use of its slot: the next gather there overwrites the buffers (after
@@ -287,31 +458,48 @@ impl ParamShards {
 }
 
 /// Gathers the group of `members` into a slot's `buffers` (made anew unless they have the
-/// group's shapes): this rank's pieces copied into place on the device's stream, then every
-/// piece broadcast in place from its owner, in one NCCL group on the `side` stream (which first
-/// waits for the device's stream). Returns the side stream's point after the broadcasts.
+/// group's shapes and dtypes): this rank's pieces copied into place on the device's stream
+/// (the marked weights cast to FP8 first under `fp8`), then every piece broadcast in place
+/// from its owner, in one NCCL group on the `side` stream (which first waits for the device's
+/// stream). Returns the side stream's point after the broadcasts.
 fn fill(
     side: &ProcessGroup,
     dev: &Arc<Device>,
     shards: &GradShards,
     members: &[Member],
-    buffers: &mut Vec<Tensor>,
+    buffers: &mut Vec<Gathered>,
+    fp8: Option<&Fp8Gather>,
 ) -> Result<SideMark> {
+    let cast = |m: &Member| m.fp8.zip(fp8);
+    let dtype = |m: &Member| cast(m).map_or(m.dtype, |(_, g)| g.quantizer.dtype());
     // The buffers are reused when the group has the slot's shapes (a decoder's layers).
     let fits = buffers.len() == members.len()
-        && buffers.iter().zip(members).all(|(t, m)| t.shape() == m.shape.as_slice() && t.dtype() == m.dtype);
+        && buffers.iter().zip(members).all(|(b, m)| b.data().shape() == m.shape.as_slice() && b.data().dtype() == dtype(m));
     if !fits {
-        *buffers = members.iter().map(|m| Tensor::empty(dev, m.dtype, &m.shape)).collect::<Result<_>>()?;
+        *buffers =
+            members.iter().map(|m| Tensor::empty(dev, dtype(m), &m.shape).map(Gathered::High)).collect::<Result<_>>()?;
     }
     // This rank's pieces into place (on the device's stream, after the slot's last readers and
     // after the slot's previous gather, which the ring waited for), then every piece from its
     // owner: in place, so the owner's copy is what it sends.
-    for (t, m) in buffers.iter().zip(members) {
-        t.copy_elements_from(m.piece.start, &m.local, 0, m.piece.len())?;
+    for (b, m) in buffers.iter_mut().zip(members) {
+        let data = b.data().clone();
+        *b = match cast(m) {
+            Some((i, g)) => {
+                let piece = g.cast(dev, &m.local, i)?;
+                data.copy_elements_from(m.piece.start, piece.data(), 0, m.piece.len())?;
+                Gathered::Fp8(Float8Tensor::from_parts(data, None, piece.scale_inv_shared())?)
+            }
+            None => {
+                data.copy_elements_from(m.piece.start, &m.local, 0, m.piece.len())?;
+                Gathered::High(data)
+            }
+        };
     }
     let params: Vec<usize> = members.iter().map(|m| m.param).collect();
     let calls = shards.calls(&params);
-    let tensors = &*buffers;
+    let tensors: Vec<&Tensor> = buffers.iter().map(Gathered::data).collect();
+    let tensors = &tensors;
     side.grouped(|| {
         calls.iter().try_for_each(|c| {
             let at = params.iter().position(|&p| p == c.param);

@@ -31,6 +31,11 @@ impl<M> Ring<M> {
         Self { slots: (0..n.max(1)).map(|_| RingSlot { group: None, pending: None }).collect() }
     }
 
+    /// Whether group `g`'s slot holds it (gathered, or on its way).
+    pub(super) fn holds(&self, g: usize) -> bool {
+        self.slots[self.slot_of(g)].group == Some(g)
+    }
+
     /// The slot group `g` is gathered into.
     pub(super) fn slot_of(&self, g: usize) -> usize {
         g % self.slots.len()

@@ -351,7 +351,7 @@ impl AdamW {
         reduced: Option<&[bool]>,
         local: Option<&[Option<Tensor>]>,
     ) -> Result<PendingStep> {
-        let (grads, params) = self.gather(model)?;
+        let (grads, params) = self.gather(model, local)?;
         if local.is_none() && self.zero_stage() == ZeroStage::Parameters {
             return Err(Error::Config {
                 module: MODULE,
@@ -530,12 +530,20 @@ impl AdamW {
     }
 
     /// Each parameter's gradient (main_grad first) and its tensor (sharing its storage: the
-    /// step writes it in place), in one traversal that checks the model's parameter list.
-    fn gather<M: Module + ?Sized>(&self, model: &M) -> Result<(Vec<Option<Tensor>>, Vec<Tensor>)> {
+    /// step writes it in place), in one traversal that checks the model's parameter list. A
+    /// ZeRO-3 parameter `local` holds a piece of stands as that piece: the model's transient
+    /// tensor is not written (and a GEMM weight gathered as FP8 codes has none).
+    fn gather<M: Module + ?Sized>(
+        &self,
+        model: &M,
+        local: Option<&[Option<Tensor>]>,
+    ) -> Result<(Vec<Option<Tensor>>, Vec<Tensor>)> {
         let (mut grads, mut params) = (Vec::with_capacity(self.params.len()), Vec::with_capacity(self.params.len()));
         model.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
-            self.check_param(grads.len(), path, p.shape(), p.dtype())?;
-            let t = p.tensor().ok_or_else(|| Error::Config {
+            let i = grads.len();
+            self.check_param(i, path, p.shape(), p.dtype())?;
+            let piece = local.and_then(|l| l.get(i)).and_then(Option::as_ref);
+            let t = p.tensor().or(piece).ok_or_else(|| Error::Config {
                 module: MODULE,
                 message: format!("{path} became an FP8-only weight; build a new AdamW for the new model"),
             })?;

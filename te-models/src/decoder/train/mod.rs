@@ -103,6 +103,10 @@ pub struct DecoderLm {
     /// The layers' weights sharded over the data-parallel ranks ([`DecoderLm::set_zero3`]).
     #[module(skip)]
     zero3: Option<zero3::Zero3>,
+    /// ZeRO-3: gather the GEMM weights as FP8 codes where the recipe allows it
+    /// ([`DecoderLm::set_zero3_fp8_gather`]).
+    #[module(skip)]
+    zero3_fp8_gather: bool,
     #[module(skip)]
     dtype: DType,
     #[module(skip)]
@@ -210,6 +214,7 @@ impl DecoderLm {
             offload: te_runtime::offload::LayerOffload::default(),
             cp: None,
             zero3: None,
+            zero3_fp8_gather: true,
             dtype,
             dev: dev.clone(),
         })
@@ -441,7 +446,7 @@ impl DecoderLm {
         let inputs = LayerInputs { freqs, thd, is_first_microbatch };
         let plan = self.offload_plan()?;
         if let Some(z) = &mut self.zero3 {
-            z.begin_forward();
+            z.begin_forward(self.zero3_fp8_gather)?;
         }
         let mut layers: Vec<SavedLayer> = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {

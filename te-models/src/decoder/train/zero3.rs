@@ -9,6 +9,13 @@
 //! (each piece reduced to its owner during the backward); the optimizer updates the pieces in
 //! place (`te_train::optim::AdamW::step_sharded` with [`DecoderLm::zero3_pieces`]).
 //!
+//! Under an FP8 recipe whose weight scale is the weight's own amax (current scaling), the GEMM
+//! weights are gathered as FP8 codes (torchao's float8 all-gather with FSDP: half the bytes of
+//! bf16; [`DecoderLm::set_zero3_fp8_gather`]): at each forward's start the pieces' amaxes are
+//! all-reduced once, each gather casts this rank's pieces with the whole weight's scale, and the
+//! layers' GEMMs read the gathered codes (the same codes their own cast of the whole weight
+//! makes, so the step is the bf16 gather's bit for bit). Other recipes gather bf16.
+//!
 //! The layers' parameters point at the ring's buffers, so a released layer's parameters read
 //! another layer's values: what reads the model outside a step goes through
 //! [`DecoderLm::with_whole_parameters`] (a checkpoint save), [`DecoderLm::zero3_reshard`]
@@ -17,9 +24,9 @@
 use super::DecoderLm;
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
-use te_nn::fp8::ScalingState;
+use te_nn::fp8::{fp8_mode, Fp8Mode, ScalingState};
 use te_nn::modules::{Module, ModuleVisitor, ModuleVisitorMut, Param, ParamKind, ParamMut, Recompute};
-use te_nn::parallel::{GradShards, ParamShards};
+use te_nn::parallel::{Gathered, GradShards, ParamShards};
 use te_runtime::dist::ProcessGroup;
 use te_runtime::{Error, Result, Tensor};
 
@@ -39,15 +46,29 @@ impl Zero3 {
     /// changed the pieces since they were gathered). A gather the last forward left behind
     /// (its last layer's, prefetched for a backward that did not come: an evaluation) is
     /// waited for before its slot takes another layer (`ParamShards::prefetch`).
-    pub(super) fn begin_forward(&mut self) {
+    ///
+    /// Under an FP8 recipe whose weight cast can be split over pieces (and with the FP8 gather
+    /// on) the GEMM weights' amaxes are all-reduced here, a collective: every rank's forward
+    /// starts it.
+    pub(super) fn begin_forward(&mut self, fp8_gather: bool) -> Result<()> {
         self.store.release_all();
+        let quantizer = match fp8_mode() {
+            Fp8Mode::Fp8(recipe) if fp8_gather => recipe.scaling().sharded_weight_quantizer(self.device())?,
+            _ => None,
+        };
+        self.store.set_fp8_gather(quantizer)
+    }
+
+    /// The device the pieces live on.
+    fn device(&self) -> &Arc<te_runtime::Device> {
+        self.store.device()
     }
 
     /// Gathers layer `l` (or waits for its prefetch), points its parameters at the buffers
     /// and starts gathering `next` (the following layer of the pass) on the side stream.
     pub(super) fn enter(&mut self, l: usize, layer: &mut dyn Module, next: Option<usize>) -> Result<()> {
-        let tensors = self.store.gather(l)?;
-        point(layer, &tensors)?;
+        let values = self.store.gather(l)?;
+        point(layer, &values)?;
         if let Some(n) = next.filter(|&n| n < self.first.len()) {
             self.store.prefetch(n)?;
         }
@@ -55,14 +76,11 @@ impl Zero3 {
     }
 
     /// Ends layer `l`'s use of its buffers: its parameters are set again (dropping any FP8
-    /// weight the layer cached from them) and the slot is free for the next gather.
+    /// weight the layer cast from them, and the transposes of gathered FP8 codes) and the slot
+    /// is free for the next gather.
     pub(super) fn leave(&mut self, l: usize, layer: &mut dyn Module) -> Result<()> {
-        let mut tensors = Vec::new();
-        layer.visit("", &mut |_: &str, _: ParamKind, p: &dyn Param| -> Result<()> {
-            tensors.push(p.tensor().cloned().ok_or_else(|| Error::internal(MODULE, "an FP8-only layer weight"))?);
-            Ok(())
-        })?;
-        point(layer, &tensors)?;
+        let values = self.store.held(l).ok_or_else(|| Error::internal(MODULE, format!("layer {l} left ungathered")))?;
+        point(layer, &values)?;
         self.store.release(l);
         Ok(())
     }
@@ -74,14 +92,28 @@ impl Zero3 {
     }
 }
 
-/// Sets `module`'s parameters, in traversal order, to `tensors` (each a clone sharing the
-/// buffer).
-fn point(module: &mut dyn Module, tensors: &[Tensor]) -> Result<()> {
-    let mut values = tensors.iter();
+/// Sets `module`'s parameters, in traversal order, to `values` (each a clone sharing the
+/// buffer; a GEMM weight gathered as FP8 codes handed in as such).
+fn point(module: &mut dyn Module, values: &[Gathered]) -> Result<()> {
+    let mut values = values.iter();
     module.visit_mut("", &mut |path: &str, _: ParamKind, p: &mut dyn ParamMut| -> Result<()> {
-        let t = values.next().ok_or_else(|| Error::internal(MODULE, format!("no gathered tensor for {path}")))?;
-        p.set(t.clone())
+        match values.next() {
+            Some(Gathered::High(t)) => p.set(t.clone()),
+            Some(Gathered::Fp8(f)) => p.set_gathered_fp8(f.clone()),
+            None => Err(Error::internal(MODULE, format!("no gathered tensor for {path}"))),
+        }
     })
+}
+
+/// Which of `module`'s parameters (traversal order) can be gathered as FP8 codes: the GEMM
+/// weights whose dims FP8 GEMMs take (multiples of 16).
+fn fp8_marks(module: &dyn Module) -> Result<Vec<bool>> {
+    let mut out = Vec::new();
+    module.visit("", &mut |_: &str, kind: ParamKind, p: &dyn Param| -> Result<()> {
+        out.push(kind == ParamKind::Weight && matches!(p.shape(), [o, i] if o % 16 == 0 && i % 16 == 0));
+        Ok(())
+    })?;
+    Ok(out)
 }
 
 /// Each parameter's tensor of `module`, in traversal order.
@@ -152,7 +184,7 @@ impl DecoderLm {
         let mut at = count(&self.embedding);
         for (l, layer) in self.layers.iter_mut().enumerate() {
             let params: Vec<(usize, Tensor)> = (at..).zip(tensors_of(layer)?).collect();
-            store.add_group(&params)?;
+            store.add_group_fp8(&params, &fp8_marks(layer)?)?;
             first.push(at);
             at += params.len();
             // The layer's parameters onto the ring at once: its whole tensors are freed before
@@ -163,6 +195,22 @@ impl DecoderLm {
         }
         self.zero3 = Some(Zero3 { store, first });
         Ok(())
+    }
+
+    /// ZeRO-3: whether FP8 steps gather the layers' GEMM weights as FP8 codes (default on; see
+    /// the module docs; `te train --zero3-fp8-gather`): half the gather's bytes, the same step
+    /// bit for bit. Only under a recipe whose weight scale is the weight's own amax (current
+    /// scaling: `--recipe current`); under delayed and blockwise scaling the weights are
+    /// gathered in bf16 either way. Off, every gather is bf16 (to compare the two). Applies
+    /// from the next forward, sharded or not yet.
+    pub fn set_zero3_fp8_gather(&mut self, enabled: bool) {
+        self.zero3_fp8_gather = enabled;
+    }
+
+    /// ZeRO-3: whether the last forward gathered the GEMM weights as FP8 codes
+    /// ([`DecoderLm::set_zero3_fp8_gather`]); `false` when not sharded.
+    pub fn zero3_gathers_fp8(&self) -> bool {
+        self.zero3.as_ref().is_some_and(|z| z.store.fp8_gather())
     }
 
     /// Whether the layers' weights are sharded ([`DecoderLm::set_zero3`]).
@@ -212,8 +260,9 @@ impl DecoderLm {
     pub fn zero3_reshard(&mut self) -> Result<()> {
         let Some(z) = &mut self.zero3 else { return Ok(()) };
         // No slot keeps a layer (an evaluation's forward leaves the last one gathered for a
-        // backward): each layer is gathered anew below.
+        // backward): each layer is gathered anew below, in bf16 (the next forward decides).
         z.store.release_all();
+        z.store.set_fp8_gather(None)?;
         for (l, layer) in self.layers.iter_mut().enumerate() {
             z.store.scatter(l, &tensors_of(layer)?)?;
             point(layer, &z.store.gather(l)?)?;
@@ -231,8 +280,8 @@ impl DecoderLm {
     pub fn zero3_unshard(&mut self) -> Result<()> {
         let Some(z) = &self.zero3 else { return Ok(()) };
         let whole = (0..self.layers.len()).map(|l| z.store.gather_whole(l)).collect::<Result<Vec<_>>>()?;
-        for (layer, tensors) in self.layers.iter_mut().zip(&whole) {
-            point(layer, tensors)?;
+        for (layer, tensors) in self.layers.iter_mut().zip(whole) {
+            point(layer, &tensors.into_iter().map(Gathered::High).collect::<Vec<_>>())?;
         }
         self.zero3 = None;
         Ok(())
@@ -340,11 +389,11 @@ struct WholeParam<'a> {
 
 impl Param for WholeParam<'_> {
     fn shape(&self) -> &[usize] {
-        self.inner.shape()
+        self.tensor.shape()
     }
 
     fn dtype(&self) -> te_codegen::DType {
-        self.inner.dtype()
+        self.tensor.dtype()
     }
 
     fn tensor(&self) -> Option<&Tensor> {

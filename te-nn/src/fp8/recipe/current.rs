@@ -97,6 +97,11 @@ impl ScalingRecipe for Float8CurrentScaling {
         Ok(Box::new(Float8CurrentScalingQuantizer::new(&gemm.dev, self.fp8_format.forward_dtype(), *self)?))
     }
 
+    /// The weight's own quantizer: its scale is the whole weight's amax's.
+    fn sharded_weight_quantizer(&self, dev: &Arc<Device>) -> Result<Option<Box<dyn Quantizer>>> {
+        Ok(Some(Box::new(Float8CurrentScalingQuantizer::new(dev, self.fp8_format.forward_dtype(), *self)?)))
+    }
+
     fn grad_output_quantizer(&self, gemm: &mut GemmScaling) -> Result<Box<dyn Quantizer>> {
         Ok(Box::new(Float8CurrentScalingQuantizer::new(&gemm.dev, self.fp8_format.backward_dtype(), *self)?))
     }

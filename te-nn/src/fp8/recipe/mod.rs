@@ -31,7 +31,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use te_codegen::spec::AmaxComputeAlgo;
 use te_codegen::{Arch, DType, KernelSpec};
-use te_runtime::{Error, Result};
+use te_runtime::{Device, Error, Result};
 
 /// What an FP8 recipe is to the rest of the library. Implemented by each recipe struct in its
 /// own file (sealed: the set is [`Recipe`]'s); [`Recipe::scaling`] returns the one of a recipe.
@@ -125,6 +125,21 @@ pub trait ScalingRecipe: sealed::Sealed + fmt::Debug + Send + Sync {
     /// Allocation failures.
     fn backward_state(&self, gemm: &mut GemmScaling) -> Result<Option<Arc<ScalingState>>> {
         let _ = gemm;
+        Ok(None)
+    }
+
+    /// The quantizer a sharded weight's pieces are cast with for an FP8 all-gather (ZeRO-3,
+    /// torchao's float8 all-gather with FSDP): one whose scale comes from the whole weight's
+    /// amax alone, so that a cast of each piece with the pieces' amaxes all-reduced (max)
+    /// ([`Quantizer::quantize_with_amax`]) makes the codes [`ScalingRecipe::forward_quantizer`]
+    /// makes of the whole weight. Current scaling's; `None` (the weight is gathered in high
+    /// precision and cast whole) for delayed scaling, whose weight scale comes from the
+    /// layer's amax history, and for blockwise scaling, whose blocks straddle pieces.
+    ///
+    /// # Errors
+    /// Allocation failures.
+    fn sharded_weight_quantizer(&self, dev: &Arc<Device>) -> Result<Option<Box<dyn Quantizer>>> {
+        let _ = dev;
         Ok(None)
     }
 

@@ -31,6 +31,11 @@ pub(super) trait Group {
     fn fp8_weight(&self) -> Option<&Float8Tensor> {
         None
     }
+    /// The weight a ZeRO-3 step gathered as FP8 codes (see
+    /// [`LinearParams::set_gathered_fp8_weight`]).
+    fn gathered_fp8(&self) -> Option<&Float8Tensor> {
+        None
+    }
     /// The caller's `main_grad` of the weight.
     fn main_grad(&self) -> Option<&Tensor> {
         None
@@ -45,6 +50,10 @@ pub(super) trait Group {
     fn set(&mut self, slot: Slot, value: Tensor) -> Result<()>;
     /// Replaces the FP8-only weight.
     fn set_fp8_weight(&mut self, _: Float8Tensor) -> Result<()> {
+        Err(not_fp8(Self::WEIGHT))
+    }
+    /// Hands in the weight gathered as FP8 codes for a step.
+    fn set_gathered_fp8(&mut self, _: Float8Tensor) -> Result<()> {
         Err(not_fp8(Self::WEIGHT))
     }
     /// Drops the weight and bias gradients.
@@ -73,6 +82,10 @@ impl Group for LinearParams {
         LinearParams::fp8_weight(self)
     }
 
+    fn gathered_fp8(&self) -> Option<&Float8Tensor> {
+        LinearParams::gathered_fp8_weight(self)
+    }
+
     fn main_grad(&self) -> Option<&Tensor> {
         LinearParams::main_grad(self)
     }
@@ -94,6 +107,10 @@ impl Group for LinearParams {
 
     fn set_fp8_weight(&mut self, value: Float8Tensor) -> Result<()> {
         LinearParams::set_fp8_weight(self, value)
+    }
+
+    fn set_gathered_fp8(&mut self, value: Float8Tensor) -> Result<()> {
+        LinearParams::set_gathered_fp8_weight(self, value)
     }
 
     fn clear_grads(&mut self) {
@@ -163,6 +180,14 @@ fn fp8_weight<G: Group + ?Sized>(group: &G, slot: Slot) -> Option<&Float8Tensor>
     }
 }
 
+/// The weight of `slot` gathered as FP8 codes for a step: only a weight can be one.
+fn gathered_fp8<G: Group + ?Sized>(group: &G, slot: Slot) -> Option<&Float8Tensor> {
+    match slot {
+        Slot::Weight => group.gathered_fp8(),
+        Slot::Bias => None,
+    }
+}
+
 /// One tensor of a group as a [`Param`]: `R` is `&G` (read) or `&mut G` (write).
 struct View<R> {
     group: R,
@@ -171,7 +196,7 @@ struct View<R> {
 
 impl<R: Deref<Target: Group>> Param for View<R> {
     fn shape(&self) -> &[usize] {
-        match (self.tensor(), self.fp8_tensor()) {
+        match (self.tensor(), self.fp8_tensor().or_else(|| gathered_fp8(&*self.group, self.slot))) {
             (Some(t), _) => t.shape(),
             (None, Some(f)) => f.shape(),
             (None, None) => &[],
@@ -222,6 +247,13 @@ impl<R: DerefMut<Target: Group>> ParamMut for View<R> {
         }
     }
 
+    fn set_gathered_fp8(&mut self, value: Float8Tensor) -> Result<()> {
+        match self.slot {
+            Slot::Weight => self.group.set_gathered_fp8(value),
+            Slot::Bias => Err(not_fp8("a bias")),
+        }
+    }
+
     fn zero_grad(&mut self) {
         self.group.clear_grads();
     }
@@ -247,7 +279,11 @@ fn slots<'n, G: Group>(group: &G, names: [&'n str; 2]) -> Vec<(Slot, &'n str, Pa
         .zip(names)
         .zip(G::KINDS)
         .map(|((slot, name), kind)| (slot, name, kind))
-        .filter(|&(slot, ..)| group.tensors()[slot as usize].is_some() || fp8_weight(group, slot).is_some())
+        .filter(|&(slot, ..)| {
+            group.tensors()[slot as usize].is_some()
+                || fp8_weight(group, slot).is_some()
+                || gathered_fp8(group, slot).is_some()
+        })
         .collect()
 }
 

@@ -105,6 +105,24 @@ pub trait ParamMut: Param {
         })
     }
 
+    /// Hands a high-precision GEMM weight its values for one step as FP8 codes gathered from the
+    /// data-parallel ranks' pieces (ZeRO-3's FP8 all-gather; see
+    /// [`crate::modules::LinearParams::set_gathered_fp8_weight`]): E4M3 `[out, in]` with one
+    /// `scale_inv`. The parameter keeps its kind, shape and `params_dtype` in a traversal, and
+    /// [`Param::tensor`] is `None` until [`ParamMut::set`] hands in high-precision values again.
+    /// The default refuses: only GEMM weights take it.
+    ///
+    /// # Errors
+    /// [`te_runtime::Error::Config`] for a parameter that is not a high-precision GEMM weight;
+    /// [`te_runtime::Error::Shape`] / [`te_runtime::Error::DType`] when `value` does not fit.
+    fn set_gathered_fp8(&mut self, value: Float8Tensor) -> Result<()> {
+        let _ = value;
+        Err(te_runtime::Error::Config {
+            module: "ParamMut::set_gathered_fp8",
+            message: "this parameter is not a GEMM weight".into(),
+        })
+    }
+
     /// Drops the accumulated gradient. TE's layers keep weight and bias gradients together: this
     /// drops both (the caller's `main_grad` is kept).
     fn zero_grad(&mut self);
