@@ -11,8 +11,8 @@ mod selective;
 use crate::common::{device, Fp8States};
 use crate::gpt::batch;
 use std::sync::Arc;
-use te_models::decoder::train::DecoderLm;
-use te_models::gpt::MicroBatch;
+use te_models::decoder::train::{DecoderLm, DecoderLmCtx};
+use te_models::gpt::{GptCtx, GptLoss, MicroBatch};
 use te_models::{Gpt, GptConfig};
 use te_nn::fp8::{DelayedScaling, Float8CurrentScaling, Fp8Autocast, Recipe};
 use te_nn::modules::{MoeConfig, Param, ParamKind, ParamMut, Recompute, TokenIds};
@@ -69,6 +69,67 @@ pub(crate) enum Backward {
     Inside,
 }
 
+/// A model trained by micro-batches: a forward returning the loss and a context, the backward
+/// of that context (`Gpt`, `DecoderLm`).
+pub(crate) trait MicroModel {
+    /// What the forward keeps for the backward.
+    type Ctx;
+    /// `forward_loss_with`.
+    fn forward(&mut self, ids: &TokenIds, targets: &TokenIds, mb: MicroBatch) -> Result<(GptLoss, Self::Ctx)>;
+    /// `backward`.
+    fn backward(&mut self, ctx: Self::Ctx) -> Result<()>;
+}
+
+impl MicroModel for Gpt {
+    type Ctx = GptCtx;
+    fn forward(&mut self, ids: &TokenIds, targets: &TokenIds, mb: MicroBatch) -> Result<(GptLoss, GptCtx)> {
+        self.forward_loss_with(ids, targets, mb)
+    }
+    fn backward(&mut self, ctx: GptCtx) -> Result<()> {
+        Gpt::backward(self, ctx)
+    }
+}
+
+impl MicroModel for DecoderLm {
+    type Ctx = DecoderLmCtx;
+    fn forward(&mut self, ids: &TokenIds, targets: &TokenIds, mb: MicroBatch) -> Result<(GptLoss, DecoderLmCtx)> {
+        self.forward_loss_with(ids, targets, mb)
+    }
+    fn backward(&mut self, ctx: DecoderLmCtx) -> Result<()> {
+        DecoderLm::backward(self, ctx)
+    }
+}
+
+/// One micro-batch of `m`: its forward and backward under `fp8` (`None`: BF16), the backward
+/// where `backward` says; the loss's bits.
+pub(crate) fn micro_batch<M: MicroModel>(
+    m: &mut M,
+    (ids, targets): (&TokenIds, &TokenIds),
+    mb: MicroBatch,
+    (fp8, backward): (Option<Recipe>, Backward),
+) -> u32 {
+    let loss = match (fp8, backward) {
+        (None, _) => {
+            let (loss, ctx) = m.forward(ids, targets, mb).unwrap();
+            m.backward(ctx).unwrap();
+            loss
+        }
+        (Some(r), Backward::Outside) => {
+            let (loss, ctx) = Fp8Autocast::new(r).run(|| m.forward(ids, targets, mb)).unwrap();
+            m.backward(ctx).unwrap();
+            loss
+        }
+        (Some(r), Backward::Inside) => Fp8Autocast::new(r)
+            .run(|| {
+                let (loss, ctx) = m.forward(ids, targets, mb)?;
+                m.backward(ctx)?;
+                Ok(loss)
+            })
+            .unwrap(),
+    };
+    loss.value().unwrap().to_bits()
+}
+
 /// What one step of a model shows: its micro-batches' losses, gradients, FP8 states.
 pub(crate) type StepBits = (Vec<u32>, Vec<(String, Vec<u32>)>, Vec<(String, Vec<u32>)>);
 
@@ -87,26 +148,7 @@ pub(crate) fn gpt_steps(
         let mut losses = Vec::new();
         for (i, (ids, targets)) in micro.iter().enumerate() {
             let mb = MicroBatch { is_first_microbatch: Some(i == 0), grad_scale: 0.5 };
-            let loss = match (fp8, backward) {
-                (None, _) => {
-                    let (loss, ctx) = gpt.forward_loss_with(ids, targets, mb).unwrap();
-                    gpt.backward(ctx).unwrap();
-                    loss
-                }
-                (Some(r), Backward::Outside) => {
-                    let (loss, ctx) = Fp8Autocast::new(r).run(|| gpt.forward_loss_with(ids, targets, mb)).unwrap();
-                    gpt.backward(ctx).unwrap();
-                    loss
-                }
-                (Some(r), Backward::Inside) => Fp8Autocast::new(r)
-                    .run(|| {
-                        let (loss, ctx) = gpt.forward_loss_with(ids, targets, mb)?;
-                        gpt.backward(ctx)?;
-                        Ok(loss)
-                    })
-                    .unwrap(),
-            };
-            losses.push(loss.value().unwrap().to_bits());
+            losses.push(micro_batch(gpt, (ids, targets), mb, (fp8, backward)));
         }
         out.push((losses, grad_bits(dev, gpt), fp8_bits(gpt)));
         sgd(dev, gpt, 0.1);

@@ -91,7 +91,12 @@ fn param_shards_fp8_gather_casts_the_whole_weight() {
             match (i, g) {
                 (0 | 1, Gathered::Fp8(f)) => {
                     let want = q.quantize(&whole[i], false, None).unwrap();
-                    assert_eq!(f.data().to_bytes(dev).unwrap(), want.data().to_bytes(dev).unwrap(), "rank {} {i}", env.rank);
+                    assert_eq!(
+                        f.data().to_bytes(dev).unwrap(),
+                        want.data().to_bytes(dev).unwrap(),
+                        "rank {} {i}",
+                        env.rank
+                    );
                     let (a, b) = (f.scale_inv_host(dev).unwrap(), want.scale_inv_host(dev).unwrap());
                     assert_eq!(a.to_bits(), b.to_bits(), "rank {} {i}: scale_inv", env.rank);
                     assert!(f.transpose().is_none(), "the transpose is the layer's to make");

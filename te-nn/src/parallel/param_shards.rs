@@ -113,9 +113,9 @@ impl Fp8Gather {
             dev.stream().memcpy_dtod(&whole, amax)?;
             Ok(())
         };
-        self.quantizer.quantize_with_amax(x, false, &mut take_whole)?.ok_or_else(|| {
-            Error::internal(MODULE, "the FP8 gather's quantizer does not scale by the tensor's amax")
-        })
+        self.quantizer
+            .quantize_with_amax(x, false, &mut take_whole)?
+            .ok_or_else(|| Error::internal(MODULE, "the FP8 gather's quantizer does not scale by the tensor's amax"))
     }
 }
 
@@ -413,17 +413,7 @@ impl ParamShards {
             t.copy_elements_from(m.piece.start, &m.local, 0, m.piece.len())?;
             tensors.push(t);
         }
-        let params: Vec<usize> = members.iter().map(|m| m.param).collect();
-        let group = &self.group;
-        group.grouped(|| {
-            self.shards.calls(&params).iter().try_for_each(|c| {
-                let at = params.iter().position(|&p| p == c.param);
-                let t = at.and_then(|i| tensors.get(i)).ok_or_else(|| {
-                    Error::internal(MODULE, format!("a gather of parameter {} outside its group", c.param))
-                })?;
-                group.broadcast_range_shared(t, c.range.clone(), c.root)
-            })
-        })?;
+        broadcast_pieces(&self.group, &self.shards, members, &tensors.iter().collect::<Vec<_>>())?;
         Ok(tensors)
     }
 
@@ -474,10 +464,15 @@ fn fill(
     let dtype = |m: &Member| cast(m).map_or(m.dtype, |(_, g)| g.quantizer.dtype());
     // The buffers are reused when the group has the slot's shapes (a decoder's layers).
     let fits = buffers.len() == members.len()
-        && buffers.iter().zip(members).all(|(b, m)| b.data().shape() == m.shape.as_slice() && b.data().dtype() == dtype(m));
+        && buffers
+            .iter()
+            .zip(members)
+            .all(|(b, m)| b.data().shape() == m.shape.as_slice() && b.data().dtype() == dtype(m));
     if !fits {
-        *buffers =
-            members.iter().map(|m| Tensor::empty(dev, dtype(m), &m.shape).map(Gathered::High)).collect::<Result<_>>()?;
+        *buffers = members
+            .iter()
+            .map(|m| Tensor::empty(dev, dtype(m), &m.shape).map(Gathered::High))
+            .collect::<Result<_>>()?;
     }
     // This rank's pieces into place (on the device's stream, after the slot's last readers and
     // after the slot's previous gather, which the ring waited for), then every piece from its
@@ -496,20 +491,25 @@ fn fill(
             }
         };
     }
+    broadcast_pieces(side, shards, members, &buffers.iter().map(Gathered::data).collect::<Vec<_>>())?;
+    side.mark()
+}
+
+/// Every piece of the group of `members` broadcast in place into `tensors` (the members' whole
+/// tensors, in their order) from the rank that owns it, in one NCCL group on `group`'s stream:
+/// the bytes of an all-gather of the group.
+fn broadcast_pieces(group: &ProcessGroup, shards: &GradShards, members: &[Member], tensors: &[&Tensor]) -> Result<()> {
     let params: Vec<usize> = members.iter().map(|m| m.param).collect();
     let calls = shards.calls(&params);
-    let tensors: Vec<&Tensor> = buffers.iter().map(Gathered::data).collect();
-    let tensors = &tensors;
-    side.grouped(|| {
+    group.grouped(|| {
         calls.iter().try_for_each(|c| {
             let at = params.iter().position(|&p| p == c.param);
             let t = at.and_then(|i| tensors.get(i)).ok_or_else(|| {
                 Error::internal(MODULE, format!("a gather of parameter {} outside its group", c.param))
             })?;
-            side.broadcast_range_shared(t, c.range.clone(), c.root)
+            group.broadcast_range_shared(t, c.range.clone(), c.root)
         })
-    })?;
-    side.mark()
+    })
 }
 
 /// The elements of parameter `param` rank `rank` owns under `shards` (an empty range when none).

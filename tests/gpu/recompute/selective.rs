@@ -10,7 +10,7 @@
 //! step; on a shape where the MLP dominates, the step's high-water mark lies between full
 //! recompute's and none's; what it does not run is refused with a configuration error.
 
-use super::{fp8_bits, grad_bits, sgd, Backward, StepBits};
+use super::{fp8_bits, grad_bits, micro_batch, sgd, Backward, StepBits};
 use crate::common::device;
 use std::sync::Arc;
 use te_models::decoder::train::DecoderLm;
@@ -89,26 +89,7 @@ fn steps(
         let mut losses = Vec::new();
         for (i, (ids, targets)) in micro.iter().enumerate() {
             let mb = MicroBatch { is_first_microbatch: Some(i == 0), grad_scale: 0.5 };
-            let loss = match (fp8, backward) {
-                (None, _) => {
-                    let (loss, ctx) = m.forward_loss_with(ids, targets, mb).unwrap();
-                    m.backward(ctx).unwrap();
-                    loss
-                }
-                (Some(r), Backward::Outside) => {
-                    let (loss, ctx) = Fp8Autocast::new(r).run(|| m.forward_loss_with(ids, targets, mb)).unwrap();
-                    m.backward(ctx).unwrap();
-                    loss
-                }
-                (Some(r), Backward::Inside) => Fp8Autocast::new(r)
-                    .run(|| {
-                        let (loss, ctx) = m.forward_loss_with(ids, targets, mb)?;
-                        m.backward(ctx)?;
-                        Ok(loss)
-                    })
-                    .unwrap(),
-            };
-            losses.push(loss.value().unwrap().to_bits());
+            losses.push(micro_batch(&mut m, (ids, targets), mb, (fp8, backward)));
         }
         out.push((losses, grad_bits(dev, &m), fp8_bits(&m)));
         sgd(dev, &mut m, 0.05);

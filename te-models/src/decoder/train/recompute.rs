@@ -83,19 +83,16 @@ pub(super) fn forward_layer(
     offload: Option<&HostOffload>,
 ) -> Result<(Tensor, SavedLayer)> {
     let freqs = &inputs.freqs[layer.rope];
-    if mode.is_selective() {
-        return forward_selective(layer, x, inputs);
-    }
-    // The copy out starts before the layer's forward, after the kernel that wrote `x`.
-    let offloaded = match offload {
-        Some(host) if mode.is_full() => Some(host.offload(x.clone())?),
-        _ => None,
-    };
-    let (y, ctx) = layer.forward(x, (freqs, inputs.seqs()), inputs.is_first_microbatch)?;
     match mode {
-        // (Selective returned above.)
-        Recompute::None | Recompute::Selective => Ok((y, SavedLayer::Ctx(Box::new(ctx)))),
+        Recompute::Selective => forward_selective(layer, x, inputs),
+        Recompute::None => {
+            let (y, ctx) = layer.forward(x, (freqs, inputs.seqs()), inputs.is_first_microbatch)?;
+            Ok((y, SavedLayer::Ctx(Box::new(ctx))))
+        }
         Recompute::Full => {
+            // The copy out starts before the layer's forward, after the kernel that wrote `x`.
+            let offloaded = offload.map(|host| host.offload(x.clone())).transpose()?;
+            let (y, ctx) = layer.forward(x, (freqs, inputs.seqs()), inputs.is_first_microbatch)?;
             let fp8 = Fp8Replay::capture(&*layer, None)?;
             drop(ctx);
             match offloaded {
