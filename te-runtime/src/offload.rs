@@ -323,6 +323,35 @@ impl OffloadPlan {
         Ok(Self { layers, offloaded })
     }
 
+    /// [`OffloadPlan::new`] for a forward of `module` that keeps only its layers' inputs
+    /// (`full_recompute`; what the offload moves): what `Gpt` and `DecoderLm` check before
+    /// each forward.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for layers offloaded without full recompute (naming the flag to add),
+    /// and as [`OffloadPlan::new`].
+    pub fn for_forward(module: &'static str, layers: usize, offloaded: usize, full_recompute: bool) -> Result<Self> {
+        if offloaded > 0 && !full_recompute {
+            return Err(Error::Config {
+                module,
+                message: format!(
+                    "offloading the activations of {offloaded} layers is built for full recompute (each layer saves \
+                     its input only): add Recompute::Full (te train --recompute full)"
+                ),
+            });
+        }
+        Self::new(layers, offloaded)
+    }
+
+    /// A training estimate `base` (bytes, every layer input on the device) with the inputs of
+    /// the first `offloaded` of `layers` in host memory, inputs of `input_bytes` each: the
+    /// device keeps the other layers' inputs and two offloaded ones in flight
+    /// ([`OffloadPlan::resident_inputs`]).
+    pub fn device_estimate(base: u64, layers: usize, offloaded: usize, input_bytes: u64) -> u64 {
+        let plan = Self { layers, offloaded: offloaded.min(layers) };
+        base.saturating_sub(layers as u64 * input_bytes - plan.resident_inputs(input_bytes))
+    }
+
     /// Whether layer `l` offloads its input.
     pub fn is_offloaded(&self, l: usize) -> bool {
         l < self.offloaded

@@ -6,20 +6,11 @@
 use super::{Gpt, GptConfig, MODEL};
 use te_nn::modules::Recompute;
 use te_runtime::offload::OffloadPlan;
-use te_runtime::{Error, Result};
+use te_runtime::Result;
 
 /// The plan of a forward of `layers` offloading `n`, checked against the recompute mode.
 pub(super) fn plan(layers: usize, mode: Recompute, n: usize) -> Result<OffloadPlan> {
-    if n > 0 && !mode.is_full() {
-        return Err(Error::Config {
-            module: MODEL,
-            message: format!(
-                "offloading the activations of {n} layers is built for full recompute (each layer saves its input \
-                 only): add Recompute::Full (te train --recompute full)"
-            ),
-        });
-    }
-    OffloadPlan::new(layers, n)
+    OffloadPlan::for_forward(MODEL, layers, n, mode.is_full())
 }
 
 impl Gpt {
@@ -31,10 +22,10 @@ impl Gpt {
     /// finished and the next layer's forward was issued, copied back while the backward of the
     /// layer above runs. The same steps bit for bit (dropout masks included); pinned buffers
     /// allocated once per shape and reused ([`Gpt::offload_pinned_bytes`]). Built for
-    /// [`Recompute::Full`]: the forward refuses it without ([`Error::Config`]).
+    /// [`Recompute::Full`]: the forward refuses it without ([`te_runtime::Error::Config`]).
     ///
     /// # Errors
-    /// [`Error::Config`] for `n` above the layer count; driver failures creating the side
+    /// [`te_runtime::Error::Config`] for `n` above the layer count; driver failures creating the side
     /// stream.
     pub fn set_offload_activations(&mut self, n: usize) -> Result<()> {
         let layers = self.layers.len();
@@ -70,9 +61,7 @@ impl Gpt {
         }
         let t = batch as f64 * cfg.seq_length as f64;
         let input = (t * cfg.hidden_size as f64 * cfg.params_dtype.size_bytes() as f64 / tp.max(1) as f64) as u64;
-        let layers = cfg.num_layers;
-        let plan = OffloadPlan { layers, offloaded: offloaded.min(layers) };
-        base.saturating_sub(layers as u64 * input - plan.resident_inputs(input))
+        OffloadPlan::device_estimate(base, cfg.num_layers, offloaded, input)
     }
 }
 

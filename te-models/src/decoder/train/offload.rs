@@ -7,7 +7,7 @@ use super::DecoderLm;
 use crate::decoder::DecoderConfig;
 use te_nn::modules::Recompute;
 use te_runtime::offload::OffloadPlan;
-use te_runtime::{Error, Result};
+use te_runtime::Result;
 
 impl DecoderLm {
     /// Offloads the saved inputs (`[s, b, hidden]` in the model's dtype) of the first `n`
@@ -21,10 +21,10 @@ impl DecoderLm {
     /// step's `cuMemHostAlloc`.
     ///
     /// Built for [`Recompute::Full`] (what a layer saves is its input only); the forward refuses
-    /// it without ([`Error::Config`]: add `Recompute::Full`, `te train --recompute full`).
+    /// it without ([`te_runtime::Error::Config`]: add `Recompute::Full`, `te train --recompute full`).
     ///
     /// # Errors
-    /// [`Error::Config`] for `n` above the layer count; driver failures creating the side
+    /// [`te_runtime::Error::Config`] for `n` above the layer count; driver failures creating the side
     /// stream.
     pub fn set_offload_activations(&mut self, n: usize) -> Result<()> {
         let layers = self.layers.len();
@@ -43,17 +43,7 @@ impl DecoderLm {
 
     /// The plan of the next forward, checked against the recompute mode.
     pub(super) fn offload_plan(&self) -> Result<OffloadPlan> {
-        let n = self.offload_activations();
-        if n > 0 && !self.recompute.is_full() {
-            return Err(Error::Config {
-                module: "DecoderLm",
-                message: format!(
-                    "offloading the activations of {n} layers is built for full recompute (each layer saves its \
-                     input only): add Recompute::Full (te train --recompute full)"
-                ),
-            });
-        }
-        OffloadPlan::new(self.layers.len(), n)
+        OffloadPlan::for_forward("DecoderLm", self.layers.len(), self.offload_activations(), self.recompute.is_full())
     }
 
     /// [`DecoderLm::training_bytes_with`] with the inputs of the first `offloaded` layers in
@@ -69,13 +59,11 @@ impl DecoderLm {
         offloaded: usize,
     ) -> u64 {
         let base = Self::training_bytes_with(cfg, batch, seq, fp8, mode);
-        let layers = cfg.num_layers;
         if !mode.is_full() || offloaded == 0 {
             return base;
         }
         let input = (batch as f64 * seq as f64 * cfg.hidden_size as f64 * 2.0) as u64;
-        let plan = OffloadPlan { layers, offloaded: offloaded.min(layers) };
-        base.saturating_sub(layers as u64 * input - plan.resident_inputs(input))
+        OffloadPlan::device_estimate(base, cfg.num_layers, offloaded, input)
     }
 
     /// Host bytes the offload pins for the inputs of `offloaded` layers (`t · h` 16-bit
