@@ -32,8 +32,8 @@ fn llama(layers: usize, h: usize) -> DecoderConfig {
     DecoderConfig::from_hf_json(&config).unwrap()
 }
 
-/// Deterministic ids and targets `[s, b]`.
-fn batch(dev: &Arc<Device>, s: usize, b: usize) -> (TokenIds, TokenIds) {
+/// Deterministic ids and targets `[s, b]` over a vocabulary of 512.
+pub(crate) fn batch(dev: &Arc<Device>, s: usize, b: usize) -> (TokenIds, TokenIds) {
     let ids: Vec<i32> = (0..s * b).map(|i| ((i * 7919 + 13) % 512) as i32).collect();
     let targets: Vec<i32> = (0..s * b).map(|i| ((i * 104_729 + 5) % 512) as i32).collect();
     (TokenIds::from_host(dev, &[s, b], &ids).unwrap(), TokenIds::from_host(dev, &[s, b], &targets).unwrap())

@@ -15,6 +15,8 @@
 
 use crate::common::{device, randn};
 use crate::multi_gpu::{on_ranks, Layout};
+use crate::offload::batch;
+use crate::recompute::grad_bits;
 use std::sync::Arc;
 use te_models::decoder::train::DecoderLm;
 use te_models::decoder::DecoderConfig;
@@ -22,7 +24,7 @@ use te_nn::fp8::{
     DelayedScaling, Float8CurrentScaling, Float8CurrentScalingQuantizer, Float8Quantizer, Fp8Autocast, Quantizer,
     Recipe, ScalingRecipe,
 };
-use te_nn::modules::{Linear, LinearConfig, Param, ParamKind, Recompute, TokenIds};
+use te_nn::modules::{Linear, LinearConfig, Param, ParamKind, Recompute};
 use te_nn::parallel::{Gathered, GradShards, ParamShards, Shard};
 use te_nn::Module;
 use te_runtime::{DType, Device, Error, Tensor};
@@ -36,26 +38,6 @@ fn config() -> DecoderConfig {
         "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "bos_token_id": 1,
         "eos_token_id": 2, "tie_word_embeddings": false}"#;
     DecoderConfig::from_hf_json(json).unwrap()
-}
-
-/// Deterministic ids and targets `[s, b]`.
-fn batch(dev: &Arc<Device>, s: usize, b: usize) -> (TokenIds, TokenIds) {
-    let ids: Vec<i32> = (0..s * b).map(|i| ((i * 7919 + 13) % 512) as i32).collect();
-    let targets: Vec<i32> = (0..s * b).map(|i| ((i * 104_729 + 5) % 512) as i32).collect();
-    (TokenIds::from_host(dev, &[s, b], &ids).unwrap(), TokenIds::from_host(dev, &[s, b], &targets).unwrap())
-}
-
-/// Every gradient as bits, by path.
-fn grad_bits(dev: &Device, m: &dyn Module) -> Vec<(String, Vec<u32>)> {
-    let mut out = Vec::new();
-    m.visit("", &mut |path: &str, _: ParamKind, p: &dyn Param| -> te_runtime::Result<()> {
-        if let Some(g) = p.grad() {
-            out.push((path.to_owned(), g.to_f32(dev)?.iter().map(|x| x.to_bits()).collect()));
-        }
-        Ok(())
-    })
-    .unwrap();
-    out
 }
 
 /// On two ranks: a weight split unevenly whose amax lies in rank 1's piece, a weight whole on
