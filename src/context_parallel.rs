@@ -78,17 +78,8 @@ pub fn describe_split(tp: usize, cp: usize, dp: usize, sequence_parallel: bool, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::tests::{args, Cli};
     use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        train: TrainArgs,
-    }
-
-    fn args(flags: &[&str]) -> TrainArgs {
-        Cli::try_parse_from(std::iter::once("te-train").chain(flags.iter().copied())).unwrap().train
-    }
 
     /// The flag's refusals name what to change; a run it fits gets its size.
     #[test]

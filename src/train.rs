@@ -463,4 +463,4 @@ fn date() -> String {
 
 #[cfg(test)]
 #[path = "train_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -6,12 +6,13 @@ use te_nn::fp8::{DelayedScaling, Float8BlockScaling, Float8CurrentScaling};
 use te_train::{Precision, Record};
 
 #[derive(Parser)]
-struct Cli {
+pub(crate) struct Cli {
     #[command(flatten)]
     train: TrainArgs,
 }
 
-fn args(flags: &[&str]) -> TrainArgs {
+/// `te train`'s flags parsed from `flags` (shared by the flag tests of other modules).
+pub(crate) fn args(flags: &[&str]) -> TrainArgs {
     Cli::try_parse_from(std::iter::once("te-train").chain(flags.iter().copied())).unwrap().train
 }
 

@@ -133,6 +133,25 @@ pub(crate) fn micro_batch<M: MicroModel>(
 /// What one step of a model shows: its micro-batches' losses, gradients, FP8 states.
 pub(crate) type StepBits = (Vec<u32>, Vec<(String, Vec<u32>)>, Vec<(String, Vec<u32>)>);
 
+/// Asserts that the steps `got` show the bits of the steps `want`: each step's losses, every
+/// gradient and every FP8 state; with `keeps_states` (delayed scaling) that there are states.
+pub(crate) fn assert_same_steps(what: &str, want: &[StepBits], got: &[StepBits], keeps_states: bool) {
+    for (step, (w, g)) in want.iter().zip(got).enumerate() {
+        assert_eq!(g.0, w.0, "{what}: step {step} losses");
+        assert_eq!(g.1.len(), w.1.len(), "{what}: step {step} gradient count");
+        for ((path, gb), (_, wb)) in g.1.iter().zip(&w.1) {
+            assert!(gb == wb, "{what}: step {step}: the gradient of {path} differs");
+        }
+        assert_eq!(g.2.len(), w.2.len(), "{what}: step {step}: FP8 state count");
+        for ((path, gb), (_, wb)) in g.2.iter().zip(&w.2) {
+            assert!(gb == wb, "{what}: step {step}: the FP8 state {path} differs (amax recorded twice?)");
+        }
+        if keeps_states {
+            assert!(!w.2.is_empty(), "{what}: delayed scaling keeps states");
+        }
+    }
+}
+
 /// `steps` SGD steps of `gpt` of two micro-batches each (`is_first_microbatch`, weight 1/2)
 /// under `fp8` (`None`: BF16), each step's bits.
 pub(crate) fn gpt_steps(
@@ -189,20 +208,7 @@ fn gpt_full_recompute_steps_are_bit_exact() {
         assert_eq!(recomputed.recompute(), Recompute::Full);
         let want = gpt_steps(&dev, &mut plain, fp8, backward, 3);
         let got = gpt_steps(&dev, &mut recomputed, fp8, backward, 3);
-        for (step, (w, g)) in want.iter().zip(&got).enumerate() {
-            assert_eq!(g.0, w.0, "{what}: step {step} losses");
-            assert_eq!(g.1.len(), w.1.len(), "{what}: step {step} gradient count");
-            for ((path, gb), (_, wb)) in g.1.iter().zip(&w.1) {
-                assert!(gb == wb, "{what}: step {step}: the gradient of {path} differs");
-            }
-            assert_eq!(g.2.len(), w.2.len(), "{what}: step {step}: FP8 state count");
-            for ((path, gb), (_, wb)) in g.2.iter().zip(&w.2) {
-                assert!(gb == wb, "{what}: step {step}: the FP8 state {path} differs (amax recorded twice?)");
-            }
-            if fp8 == Some(delayed) {
-                assert!(!w.2.is_empty(), "{what}: delayed scaling keeps states");
-            }
-        }
+        assert_same_steps(&what, &want, &got, fp8 == Some(delayed));
         let weights = |m: &Gpt| {
             let mut v = Vec::new();
             m.visit("", &mut |_: &str, _: ParamKind, p: &dyn Param| -> Result<()> {

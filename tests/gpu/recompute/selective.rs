@@ -10,7 +10,7 @@
 //! step; on a shape where the MLP dominates, the step's high-water mark lies between full
 //! recompute's and none's; what it does not run is refused with a configuration error.
 
-use super::{fp8_bits, grad_bits, micro_batch, sgd, Backward, StepBits};
+use super::{assert_same_steps, fp8_bits, grad_bits, micro_batch, sgd, Backward, StepBits};
 use crate::common::device;
 use std::sync::Arc;
 use te_models::decoder::train::DecoderLm;
@@ -114,20 +114,7 @@ fn assert_selective_is_bit_exact(dev: &Arc<Device>, cfg: DecoderConfig, name: &s
         for mode in [Recompute::Selective, Recompute::Full] {
             let what = format!("{name}, {mode} recompute, {:?}, backward {:?}", case.0, case.1);
             let (got, got_weights) = steps(dev, &weights, mode, case);
-            for (step, (w, g)) in want.iter().zip(&got).enumerate() {
-                assert_eq!(g.0, w.0, "{what}: step {step} losses");
-                assert_eq!(g.1.len(), w.1.len(), "{what}: step {step} gradient count");
-                for ((path, gb), (_, wb)) in g.1.iter().zip(&w.1) {
-                    assert!(gb == wb, "{what}: step {step}: the gradient of {path} differs");
-                }
-                assert_eq!(g.2.len(), w.2.len(), "{what}: step {step}: FP8 state count");
-                for ((path, gb), (_, wb)) in g.2.iter().zip(&w.2) {
-                    assert!(gb == wb, "{what}: step {step}: the FP8 state {path} differs (amax recorded twice?)");
-                }
-                if case.0 == Some(delayed) {
-                    assert!(!w.2.is_empty(), "{what}: delayed scaling keeps states");
-                }
-            }
+            assert_same_steps(&what, &want, &got, case.0 == Some(delayed));
             assert!(got_weights == want_weights, "{what}: weights after the steps");
         }
     }
